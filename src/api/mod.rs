@@ -1,0 +1,517 @@
+//! The `InferenceDeployment` custom resource (group `kvfleet.io`, version `v1alpha1`).
+//!
+//! These types are the single source of truth for `crds/` and the chart's CRD: doc
+//! comments become the schema's descriptions, and `kvfleet crd` prints the result.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime};
+
+pub const GROUP: &str = "kvfleet.io";
+pub const VERSION: &str = "v1alpha1";
+pub const KIND: &str = "InferenceDeployment";
+
+/// An LLM inference deployment: a model, the engine that serves it and the GPUs it may
+/// run on. kvfleet checks at admission that the configuration can run on the selected
+/// nodes and that its KV cache fits, then runs it and reports the KV capacity in status.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "kvfleet.io",
+    version = "v1alpha1",
+    kind = "InferenceDeployment",
+    plural = "inferencedeployments",
+    singular = "inferencedeployment",
+    shortname = "infdep",
+    category = "kvfleet",
+    namespaced,
+    status = "InferenceDeploymentStatus",
+    derive = "PartialEq",
+    doc = "An LLM inference deployment checked against the GPUs it can land on and the KV cache it needs.",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.readyReplicas",
+        description = "Replicas whose worker passed preflight and serves"
+    ),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".spec.replicas",
+        description = "Desired replicas"
+    ),
+    printcolumn(
+        name = "KV dtype",
+        type_ = "string",
+        json_path = ".status.resolved.kvCacheDtype",
+        description = "KV-cache dtype after resolving auto"
+    ),
+    printcolumn(
+        name = "Capacity",
+        type_ = "integer",
+        json_path = ".status.capacity.tokensPerReplica",
+        description = "Predicted KV-cache capacity in tokens per replica"
+    ),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.gpu) || !has(self.gpu.count) || self.gpu.count >= self.engine.tensorParallelSize",
+        "message": "gpu.count must be at least engine.tensorParallelSize: each replica shards the model over tensorParallelSize GPUs",
+        "fieldPath": ".gpu.count"
+    }
+]))]
+pub struct InferenceDeploymentSpec {
+    /// Desired number of replicas; each replica is one pod serving the whole model.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0))]
+    pub replicas: i32,
+
+    /// The model to serve.
+    pub model: ModelSpec,
+
+    /// The engine that serves the model and its KV-cache configuration.
+    #[serde(default)]
+    pub engine: EngineSpec,
+
+    /// The GPUs a replica may run on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuSpec>,
+
+    /// Overrides for the pods kvfleet creates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodOverrides>,
+}
+
+fn default_replicas() -> i32 {
+    1
+}
+
+/// The model: its name, its attention geometry (inline or from an HF `config.json`) and
+/// the bytes its weights occupy on each GPU.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "has(self.geometry) != has(self.config)",
+        "message": "set exactly one of model.geometry and model.config"
+    }
+]))]
+pub struct ModelSpec {
+    /// Model name served by the API (e.g. `meta-llama/Llama-3.1-8B-Instruct`).
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+
+    /// Attention geometry written inline. Set this or `config`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub geometry: Option<ModelGeometry>,
+
+    /// The model's HF `config.json`, read from a ConfigMap. Set this or `geometry`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<ModelConfigSource>,
+
+    /// Bytes the weights occupy in total (all tensor-parallel ranks together), e.g. `16Gi`.
+    /// Used to predict how much GPU memory is left for the KV cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_bytes: Option<Quantity>,
+
+    /// The checkpoint's weight quantization; some KV dtypes are refused with quantized
+    /// checkpoints (vLLM: fp8_e5m2 KV with any quantized checkpoint).
+    #[serde(default)]
+    pub quantization: Quantization,
+
+    /// Where the worker loads weights from. Absent: random weights of the geometry
+    /// (capacity and throughput runs, like vLLM's dummy load format).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsSource>,
+}
+
+/// Weight quantization of the checkpoint.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantization {
+    /// Unquantized bf16/fp16 weights.
+    #[default]
+    None,
+    Fp8,
+    Awq,
+    Gptq,
+    Int8,
+    Nvfp4,
+    Gguf,
+}
+
+impl Quantization {
+    pub fn is_quantized(self) -> bool {
+        self != Quantization::None
+    }
+}
+
+/// Per-layer attention type, as in HF `layer_types`.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerType {
+    /// Attends to the whole context.
+    FullAttention,
+    /// Attends to the last `slidingWindow` tokens.
+    SlidingAttention,
+}
+
+/// The attention geometry that decides KV-cache size and which kernels can run.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(self.layerTypes) || size(self.layerTypes) == self.layers",
+        "message": "layerTypes must list one entry per layer",
+        "fieldPath": ".layerTypes"
+    },
+    {
+        "rule": "self.queryHeads % self.kvHeads == 0",
+        "message": "queryHeads must be a multiple of kvHeads (grouped-query attention)",
+        "fieldPath": ".kvHeads"
+    },
+    {
+        "rule": "!has(self.layerTypes) || !self.layerTypes.exists(t, t == 'sliding_attention') || has(self.slidingWindow)",
+        "message": "sliding_attention layers need slidingWindow",
+        "fieldPath": ".slidingWindow"
+    }
+]))]
+pub struct ModelGeometry {
+    /// Number of decoder layers that hold a KV cache.
+    #[schemars(range(min = 1, max = 1024))]
+    pub layers: i32,
+    /// Attention (query) heads per layer.
+    #[schemars(range(min = 1, max = 1024))]
+    pub query_heads: i32,
+    /// Key/value heads per layer (grouped-query attention when fewer than queryHeads).
+    #[schemars(range(min = 1, max = 1024))]
+    pub kv_heads: i32,
+    /// Dimension of one attention head.
+    #[schemars(range(min = 8, max = 1024))]
+    pub head_dim: i32,
+    /// Window of sliding-attention layers in tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub sliding_window: Option<i32>,
+    /// Attention type of each layer; absent means all layers are full attention
+    /// (or all sliding when only slidingWindow is set, as in Mistral 7B v0.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<LayerType>>,
+    /// Head dimension of full-attention layers when it differs from headDim (Gemma 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 8, max = 1024))]
+    pub global_head_dim: Option<i32>,
+    /// KV heads of full-attention layers when they differ from kvHeads (Gemma 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub global_kv_heads: Option<i32>,
+    /// MLA latent rank (DeepSeek-style `kv_lora_rank`); set with qkRopeHeadDim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub kv_lora_rank: Option<i32>,
+    /// MLA rotary head dimension (`qk_rope_head_dim`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub qk_rope_head_dim: Option<i32>,
+    /// Extra layers of a speculative draft model served with it (their KV cache counts too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub draft_layers: Option<i32>,
+    /// Hidden size (needed to serve real weights; optional for capacity planning).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub hidden_size: Option<i32>,
+    /// Vocabulary size (needed to serve real weights; optional for capacity planning).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub vocab_size: Option<i32>,
+}
+
+/// Where to read an HF `config.json`.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ModelConfigSource {
+    /// A key of a ConfigMap in the deployment's namespace.
+    pub config_map_ref: ConfigMapKeyRef,
+}
+
+/// A key of a ConfigMap in the same namespace.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ConfigMapKeyRef {
+    /// ConfigMap name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key holding the JSON; defaults to `config.json`.
+    #[serde(default = "default_config_key")]
+    pub key: String,
+}
+
+fn default_config_key() -> String {
+    "config.json".to_string()
+}
+
+/// Where the worker reads weights from.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WeightsSource {
+    /// File format of the weights.
+    #[serde(default)]
+    pub format: WeightsFormat,
+    /// A PersistentVolumeClaim holding the weights, mounted read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pvc_name: Option<String>,
+    /// Path of the weights file or directory inside the volume or image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+/// Weight file format.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightsFormat {
+    /// Random weights of the geometry.
+    #[default]
+    Dummy,
+    Gguf,
+    Safetensors,
+}
+
+/// The serving engine and its KV-cache configuration.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "self.runtime == 'vllm' || self.attentionBackend in ['auto', 'KVFLEET_CUDA', 'KVFLEET_CPU']",
+        "message": "the kvfleet runtime runs its own kernels: attentionBackend must be auto, KVFLEET_CUDA or KVFLEET_CPU",
+        "fieldPath": ".attentionBackend"
+    },
+    {
+        "rule": "self.runtime == 'kvfleet' || !(self.attentionBackend in ['KVFLEET_CUDA', 'KVFLEET_CPU'])",
+        "message": "KVFLEET_* backends need runtime kvfleet; for vLLM use auto, FLASH_ATTN, FLASHINFER or TRITON_ATTN",
+        "fieldPath": ".attentionBackend"
+    },
+    {
+        "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
+        "message": "maxNumBatchedTokens must be at least maxNumSeqs so every running sequence can decode in one step",
+        "fieldPath": ".maxNumBatchedTokens"
+    }
+]))]
+pub struct EngineSpec {
+    /// `kvfleet` (our engine) or `vllm`.
+    #[serde(default)]
+    pub runtime: Runtime,
+    /// Container image; defaults to the operator's own image for kvfleet and to
+    /// `vllm/vllm-openai` for vllm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// KV-cache dtype; `auto` keeps the model dtype.
+    #[serde(default)]
+    pub kv_cache_dtype: KvCacheDtype,
+    /// Attention backend; `auto` picks the best that runs on each selected architecture.
+    #[serde(default)]
+    pub attention_backend: AttentionBackend,
+    /// Longest context (prompt + output) in tokens.
+    #[serde(default = "default_max_model_len")]
+    #[schemars(range(min = 1))]
+    pub max_model_len: i64,
+    /// Most sequences running at once.
+    #[serde(default = "default_max_num_seqs")]
+    #[schemars(range(min = 1))]
+    pub max_num_seqs: i32,
+    /// Most tokens scheduled in one step (prefill chunk + decodes).
+    #[serde(default = "default_max_num_batched_tokens")]
+    #[schemars(range(min = 1))]
+    pub max_num_batched_tokens: i32,
+    /// Tokens per KV-cache block (page).
+    #[serde(default = "default_block_size")]
+    #[schemars(extend("enum" = [1, 8, 16, 32, 64, 128]))]
+    pub block_size: i32,
+    /// Fraction of GPU memory the engine may use (weights, activations and KV cache).
+    #[serde(default = "default_gpu_memory_utilization")]
+    #[schemars(extend("minimum" = 0, "exclusiveMinimum" = true, "maximum" = 1))]
+    pub gpu_memory_utilization: f64,
+    /// GPUs one replica shards the model over.
+    #[serde(default = "default_tensor_parallel_size")]
+    #[schemars(range(min = 1, max = 64))]
+    pub tensor_parallel_size: i32,
+    /// Attention without a causal mask (drafter blocks, encoders).
+    #[serde(default)]
+    pub non_causal: bool,
+    /// Extra command-line arguments appended to the engine's command.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+}
+
+fn default_max_model_len() -> i64 {
+    8192
+}
+fn default_max_num_seqs() -> i32 {
+    256
+}
+fn default_max_num_batched_tokens() -> i32 {
+    8192
+}
+fn default_block_size() -> i32 {
+    16
+}
+fn default_gpu_memory_utilization() -> f64 {
+    0.9
+}
+fn default_tensor_parallel_size() -> i32 {
+    1
+}
+
+impl Default for EngineSpec {
+    fn default() -> Self {
+        Self {
+            runtime: Runtime::default(),
+            image: None,
+            kv_cache_dtype: KvCacheDtype::default(),
+            attention_backend: AttentionBackend::default(),
+            max_model_len: default_max_model_len(),
+            max_num_seqs: default_max_num_seqs(),
+            max_num_batched_tokens: default_max_num_batched_tokens(),
+            block_size: default_block_size(),
+            gpu_memory_utilization: default_gpu_memory_utilization(),
+            tensor_parallel_size: default_tensor_parallel_size(),
+            non_causal: false,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+/// Which GPUs a replica may use.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuSpec {
+    /// Restricts the nodes considered, by GPU Feature Discovery labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<GpuSelector>,
+    /// GPUs per replica; defaults to engine.tensorParallelSize.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub count: Option<i32>,
+}
+
+/// A filter on GPU Feature Discovery labels.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuSelector {
+    /// Allowed `nvidia.com/gpu.product` values (e.g. `NVIDIA-H100-80GB-HBM3`); empty allows all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub products: Vec<String>,
+    /// Lowest compute capability allowed, as `major.minor` (e.g. `8.0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9]{1,2}\.[0-9]{1,2}$"))]
+    pub min_compute_capability: Option<String>,
+}
+
+/// Overrides merged into the pods kvfleet creates.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PodOverrides {
+    /// Container resources; `nvidia.com/gpu` is always set to the GPUs per replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Tolerations, e.g. for tainted GPU nodes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Node labels a pod's node must carry, in addition to kvfleet's GPU affinity.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Extra environment variables of the serving container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// Extra pod annotations.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// What kvfleet observed and decided.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceDeploymentStatus {
+    /// The spec generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Compatible, CapacityPlanned, Available, Progressing and Degraded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The configuration after resolving `auto` for the selected architectures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<ResolvedConfig>,
+    /// KV-cache capacity, predicted and measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityStatus>,
+    /// Pods created for this deployment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Pods ready to serve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<i32>,
+    /// Pods running the current spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated_replicas: Option<i32>,
+    /// Label selector of the pods, for the scale subresource and HPAs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+}
+
+/// The configuration after resolving `auto`.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolvedConfig {
+    /// KV-cache dtype that runs (the same on every allowed architecture).
+    pub kv_cache_dtype: String,
+    /// Attention backend that runs (the same on every allowed architecture).
+    pub attention_backend: String,
+    /// Compute capabilities of the nodes pods may land on, e.g. `["9.0"]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compute_capabilities: Vec<String>,
+    /// GPU products of the nodes pods may land on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub products: Vec<String>,
+}
+
+/// KV-cache capacity of one replica.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CapacityStatus {
+    /// Tokens the KV cache holds per replica, as predicted by the planner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_replica: Option<i64>,
+    /// Requests of maxModelLen tokens that fit at once, predicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<f64>,
+    /// Tokens the workers measured after sizing their KV pool (smallest over ready pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_tokens_per_replica: Option<i64>,
+    /// What vLLM would report for the same configuration ("GPU KV cache size").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vllm_tokens_per_replica: Option<i64>,
+}
+
+impl InferenceDeploymentSpec {
+    /// GPUs per replica: gpu.count, else tensorParallelSize.
+    pub fn gpus_per_replica(&self) -> i32 {
+        self.gpu
+            .as_ref()
+            .and_then(|g| g.count)
+            .unwrap_or(self.engine.tensor_parallel_size)
+    }
+}

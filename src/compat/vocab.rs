@@ -1,0 +1,245 @@
+//! The closed vocabularies shared by the API, the rules and the engine: KV-cache dtypes,
+//! attention backends and runtimes. Strings are exactly what users write in a spec
+//! (and, for the vLLM runtime, what vLLM's CLI accepts).
+
+use std::fmt;
+use std::str::FromStr;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Which engine serves the model.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Runtime {
+    /// kvfleet's own batched paged-attention engine (`kvfleet worker`).
+    #[default]
+    Kvfleet,
+    /// The vLLM OpenAI-compatible server.
+    Vllm,
+}
+
+/// KV-cache storage dtype. `auto` keeps the model's dtype.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum KvCacheDtype {
+    /// The model's own dtype (bfloat16 or float16).
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// 16-bit brain float, 2 bytes per element.
+    #[serde(rename = "bfloat16")]
+    Bfloat16,
+    /// IEEE half precision, 2 bytes per element.
+    #[serde(rename = "float16")]
+    Float16,
+    /// 8-bit float; vLLM treats it as fp8_e4m3.
+    #[serde(rename = "fp8")]
+    Fp8,
+    /// 8-bit float with 4 exponent and 3 mantissa bits, per-tensor scale.
+    #[serde(rename = "fp8_e4m3")]
+    Fp8E4m3,
+    /// 8-bit float with 5 exponent and 2 mantissa bits.
+    #[serde(rename = "fp8_e5m2")]
+    Fp8E5m2,
+    /// 4-bit e2m1 with an fp8 e4m3 scale per 16 values and a global scale.
+    #[serde(rename = "nvfp4")]
+    Nvfp4,
+}
+
+impl KvCacheDtype {
+    pub const ALL: [KvCacheDtype; 7] = [
+        Self::Auto,
+        Self::Bfloat16,
+        Self::Float16,
+        Self::Fp8,
+        Self::Fp8E4m3,
+        Self::Fp8E5m2,
+        Self::Nvfp4,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Bfloat16 => "bfloat16",
+            Self::Float16 => "float16",
+            Self::Fp8 => "fp8",
+            Self::Fp8E4m3 => "fp8_e4m3",
+            Self::Fp8E5m2 => "fp8_e5m2",
+            Self::Nvfp4 => "nvfp4",
+        }
+    }
+
+    /// `fp8` is an alias of `fp8_e4m3` (vllm/config/cache.py).
+    pub fn canonical(self) -> Self {
+        match self {
+            Self::Fp8 => Self::Fp8E4m3,
+            other => other,
+        }
+    }
+
+    pub fn is_fp8(self) -> bool {
+        matches!(self, Self::Fp8 | Self::Fp8E4m3 | Self::Fp8E5m2)
+    }
+}
+
+/// Attention backend. Upper-case names are vLLM's `--attention-backend` values;
+/// `KVFLEET_CUDA` and `KVFLEET_CPU` are kvfleet's own engine.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum AttentionBackend {
+    /// Pick the best backend that runs on each selected architecture.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    #[serde(rename = "FLASH_ATTN")]
+    FlashAttn,
+    #[serde(rename = "FLASHINFER")]
+    FlashInfer,
+    #[serde(rename = "TRITON_ATTN")]
+    TritonAttn,
+    #[serde(rename = "FLEX_ATTENTION")]
+    FlexAttention,
+    #[serde(rename = "TREE_ATTN")]
+    TreeAttn,
+    #[serde(rename = "FLASHMLA")]
+    FlashMla,
+    #[serde(rename = "CUTLASS_MLA")]
+    CutlassMla,
+    #[serde(rename = "FLASHINFER_MLA")]
+    FlashInferMla,
+    #[serde(rename = "TRITON_MLA")]
+    TritonMla,
+    /// kvfleet's NVRTC-compiled CUDA kernels.
+    #[serde(rename = "KVFLEET_CUDA")]
+    KvfleetCuda,
+    /// kvfleet's CPU engine (no GPU).
+    #[serde(rename = "KVFLEET_CPU")]
+    KvfleetCpu,
+}
+
+impl AttentionBackend {
+    pub const ALL: [AttentionBackend; 12] = [
+        Self::Auto,
+        Self::FlashAttn,
+        Self::FlashInfer,
+        Self::TritonAttn,
+        Self::FlexAttention,
+        Self::TreeAttn,
+        Self::FlashMla,
+        Self::CutlassMla,
+        Self::FlashInferMla,
+        Self::TritonMla,
+        Self::KvfleetCuda,
+        Self::KvfleetCpu,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::FlashAttn => "FLASH_ATTN",
+            Self::FlashInfer => "FLASHINFER",
+            Self::TritonAttn => "TRITON_ATTN",
+            Self::FlexAttention => "FLEX_ATTENTION",
+            Self::TreeAttn => "TREE_ATTN",
+            Self::FlashMla => "FLASHMLA",
+            Self::CutlassMla => "CUTLASS_MLA",
+            Self::FlashInferMla => "FLASHINFER_MLA",
+            Self::TritonMla => "TRITON_MLA",
+            Self::KvfleetCuda => "KVFLEET_CUDA",
+            Self::KvfleetCpu => "KVFLEET_CPU",
+        }
+    }
+
+    /// The runtime that implements this backend; `None` for `auto`.
+    pub fn runtime(self) -> Option<Runtime> {
+        match self {
+            Self::Auto => None,
+            Self::KvfleetCuda | Self::KvfleetCpu => Some(Runtime::Kvfleet),
+            _ => Some(Runtime::Vllm),
+        }
+    }
+
+    pub fn is_mla(self) -> bool {
+        matches!(
+            self,
+            Self::FlashMla | Self::CutlassMla | Self::FlashInferMla | Self::TritonMla
+        )
+    }
+}
+
+impl Runtime {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kvfleet => "kvfleet",
+            Self::Vllm => "vllm",
+        }
+    }
+}
+
+macro_rules! display_and_parse {
+    ($ty:ty, $what:literal, $all:expr) => {
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = UnknownValue;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                $all.iter()
+                    .copied()
+                    .find(|v| v.as_str() == s)
+                    .ok_or_else(|| UnknownValue {
+                        what: $what,
+                        value: s.to_string(),
+                        expected: $all
+                            .iter()
+                            .map(|v| v.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    })
+            }
+        }
+    };
+}
+
+display_and_parse!(KvCacheDtype, "kvCacheDtype", KvCacheDtype::ALL);
+display_and_parse!(AttentionBackend, "attentionBackend", AttentionBackend::ALL);
+display_and_parse!(Runtime, "runtime", [Runtime::Kvfleet, Runtime::Vllm]);
+
+/// A string that is not one of a closed vocabulary's values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {value:?}; expected one of: {expected}")]
+pub struct UnknownValue {
+    pub what: &'static str,
+    pub value: String,
+    pub expected: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_round_trips_through_its_spec_string() {
+        for d in KvCacheDtype::ALL {
+            assert_eq!(d.as_str().parse::<KvCacheDtype>().unwrap(), d);
+            assert_eq!(serde_json::to_value(d).unwrap(), serde_json::json!(d.as_str()));
+        }
+    }
+
+    #[test]
+    fn backend_names_are_upper_case_as_vllm_expects() {
+        for b in AttentionBackend::ALL {
+            assert_eq!(b.as_str().parse::<AttentionBackend>().unwrap(), b);
+        }
+        let err = "triton".parse::<AttentionBackend>().unwrap_err();
+        assert!(err.to_string().contains("TRITON_ATTN"), "{err}");
+    }
+}

@@ -1,0 +1,1 @@
+//! KV-capacity planning (pure, no I/O).
