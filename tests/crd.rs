@@ -57,7 +57,15 @@ fn status_and_scale_subresources_drive_kubectl_scale_and_hpa() {
     assert_eq!(sub["scale"]["statusReplicasPath"], ".status.replicas");
     assert_eq!(sub["scale"]["labelSelectorPath"], ".status.selector");
     let status = &schema()["properties"]["status"]["properties"];
-    for field in ["observedGeneration", "conditions", "resolved", "capacity", "replicas", "readyReplicas", "selector"] {
+    for field in [
+        "observedGeneration",
+        "conditions",
+        "resolved",
+        "capacity",
+        "replicas",
+        "readyReplicas",
+        "selector",
+    ] {
         assert!(status.get(field).is_some(), "status.{field} missing");
     }
     assert_eq!(status["conditions"]["x-kubernetes-list-type"], "map");
@@ -66,9 +74,15 @@ fn status_and_scale_subresources_drive_kubectl_scale_and_hpa() {
 #[test]
 fn printer_columns_show_ready_replicas_dtype_capacity_age() {
     let cols = crd()["spec"]["versions"][0]["additionalPrinterColumns"].clone();
-    let names: Vec<&str> = cols.as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = cols
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, ["Ready", "Replicas", "KV dtype", "Capacity", "Age"]);
-    let path = |n: &str| cols.as_array().unwrap().iter().find(|c| c["name"] == n).unwrap()["jsonPath"].clone();
+    let path =
+        |n: &str| cols.as_array().unwrap().iter().find(|c| c["name"] == n).unwrap()["jsonPath"].clone();
     assert_eq!(path("KV dtype"), ".status.resolved.kvCacheDtype");
     assert_eq!(path("Capacity"), ".status.capacity.tokensPerReplica");
 }
@@ -155,7 +169,9 @@ fn structural_errors(path: &str, schema: &Value, v: &Value, errs: &mut Vec<Strin
         return;
     }
     if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
-        let hit = allowed.iter().any(|a| a == v || (a.as_f64().is_some() && a.as_f64() == v.as_f64()));
+        let hit = allowed
+            .iter()
+            .any(|a| a == v || (a.as_f64().is_some() && a.as_f64() == v.as_f64()));
         if !hit {
             errs.push(format!("{path}: {v} not in {allowed:?}"));
         }
@@ -175,7 +191,12 @@ fn structural_errors(path: &str, schema: &Value, v: &Value, errs: &mut Vec<Strin
     }
     if let Some(obj) = v.as_object() {
         let props = schema.get("properties").and_then(Value::as_object);
-        for req in schema.get("required").and_then(Value::as_array).into_iter().flatten() {
+        for req in schema
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let req = req.as_str().unwrap();
             if !obj.contains_key(req) {
                 errs.push(format!("{path}.{req}: Required value"));
@@ -272,7 +293,10 @@ fn base_object_is_valid() {
 #[test]
 fn unknown_spec_fields_are_rejected() {
     let errs = errors_after(|v| v["spec"]["engine"]["kvCacheDtyp"] = json!("fp8"));
-    assert!(errs.iter().any(|e| e.contains("unknown field \"kvCacheDtyp\"")), "{errs:?}");
+    assert!(
+        errs.iter().any(|e| e.contains("unknown field \"kvCacheDtyp\"")),
+        "{errs:?}"
+    );
     // Our parser rejects it too, so `kvfleet check` and the webhook never drop it silently.
     let mut v = base();
     v["spec"]["model"]["weigthBytes"] = json!("1Gi");
@@ -282,14 +306,35 @@ fn unknown_spec_fields_are_rejected() {
 #[test]
 fn bounds_and_enums_are_enforced() {
     let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>)> = vec![
-        ("gpuMemoryUtilization", Box::new(|v| v["spec"]["engine"]["gpuMemoryUtilization"] = json!(0.0))),
-        ("gpuMemoryUtilization", Box::new(|v| v["spec"]["engine"]["gpuMemoryUtilization"] = json!(1.2))),
+        (
+            "gpuMemoryUtilization",
+            Box::new(|v| v["spec"]["engine"]["gpuMemoryUtilization"] = json!(0.0)),
+        ),
+        (
+            "gpuMemoryUtilization",
+            Box::new(|v| v["spec"]["engine"]["gpuMemoryUtilization"] = json!(1.2)),
+        ),
         ("replicas", Box::new(|v| v["spec"]["replicas"] = json!(-1))),
-        ("maxModelLen", Box::new(|v| v["spec"]["engine"]["maxModelLen"] = json!(0))),
-        ("blockSize", Box::new(|v| v["spec"]["engine"]["blockSize"] = json!(24))),
-        ("tensorParallelSize", Box::new(|v| v["spec"]["engine"]["tensorParallelSize"] = json!(0))),
-        ("kvCacheDtype", Box::new(|v| v["spec"]["engine"]["kvCacheDtype"] = json!("int4"))),
-        ("runtime", Box::new(|v| v["spec"]["engine"]["runtime"] = json!("tgi"))),
+        (
+            "maxModelLen",
+            Box::new(|v| v["spec"]["engine"]["maxModelLen"] = json!(0)),
+        ),
+        (
+            "blockSize",
+            Box::new(|v| v["spec"]["engine"]["blockSize"] = json!(24)),
+        ),
+        (
+            "tensorParallelSize",
+            Box::new(|v| v["spec"]["engine"]["tensorParallelSize"] = json!(0)),
+        ),
+        (
+            "kvCacheDtype",
+            Box::new(|v| v["spec"]["engine"]["kvCacheDtype"] = json!("int4")),
+        ),
+        (
+            "runtime",
+            Box::new(|v| v["spec"]["engine"]["runtime"] = json!("tgi")),
+        ),
     ];
     for (field, edit) in cases {
         let errs = errors_after(edit);
@@ -302,16 +347,28 @@ fn cel_rules_catch_relations_between_fields() {
     let errs = errors_after(|v| {
         v["spec"]["model"]["config"] = json!({"configMapRef": {"name": "cfg"}});
     });
-    assert!(errs.iter().any(|e| e.contains("exactly one of model.geometry and model.config")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("exactly one of model.geometry and model.config")),
+        "{errs:?}"
+    );
 
     let errs = errors_after(|v| v["spec"]["engine"]["attentionBackend"] = json!("FLASHINFER"));
-    assert!(errs.iter().any(|e| e.contains("kvfleet runtime runs its own kernels")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("kvfleet runtime runs its own kernels")),
+        "{errs:?}"
+    );
 
     let errs = errors_after(|v| {
         v["spec"]["engine"]["runtime"] = json!("vllm");
         v["spec"]["engine"]["attentionBackend"] = json!("KVFLEET_CUDA");
     });
-    assert!(errs.iter().any(|e| e.contains("KVFLEET_* backends need runtime kvfleet")), "{errs:?}");
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("KVFLEET_* backends need runtime kvfleet")),
+        "{errs:?}"
+    );
 
     let errs = errors_after(|v| v["spec"]["model"]["geometry"]["kvHeads"] = json!(6));
     assert!(errs.iter().any(|e| e.contains("multiple of kvHeads")), "{errs:?}");
@@ -320,7 +377,10 @@ fn cel_rules_catch_relations_between_fields() {
         v["spec"]["engine"]["tensorParallelSize"] = json!(4);
         v["spec"]["gpu"] = json!({"count": 2});
     });
-    assert!(errs.iter().any(|e| e.contains("gpu.count must be at least")), "{errs:?}");
+    assert!(
+        errs.iter().any(|e| e.contains("gpu.count must be at least")),
+        "{errs:?}"
+    );
 
     let errs = errors_after(|v| v["spec"]["model"]["geometry"]["layerTypes"] = json!(["full_attention"]));
     assert!(errs.iter().any(|e| e.contains("one entry per layer")), "{errs:?}");
