@@ -305,7 +305,8 @@ fn unknown_spec_fields_are_rejected() {
 
 #[test]
 fn bounds_and_enums_are_enforced() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>)> = vec![
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "gpuMemoryUtilization",
             Box::new(|v| v["spec"]["engine"]["gpuMemoryUtilization"] = json!(0.0)),
