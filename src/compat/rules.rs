@@ -203,7 +203,7 @@ pub static VLLM_RULES: &[Rule] = &[
         source: "vllm#26431, vllm#7714, vllm#39133 (D); sm_75 inferred from the same Triton check",
         fires: |c| c.kv() == D::Fp8E4m3 && c.cc < ComputeCapability::new(8, 9),
         cause: |c| format!(
-            "kvCacheDtype {} KV cache is not supported by vLLM's Triton kernels (TRITON_ATTN and Inductor-compiled code) below compute capability 8.9: Triton has no fp8e4nv there",
+            "{} KV cache is not supported by vLLM's Triton kernels (TRITON_ATTN and Inductor-compiled code) below compute capability 8.9: Triton has no fp8e4nv there",
             c.dtype_name()
         ),
         fix: |c| use_dtype(c, &[D::Fp8E5m2, model_dtype(c)]),
