@@ -53,6 +53,7 @@ pub const SYNTHETIC_NODE_GPUS: i64 = 8;
 
 /// What validation knows about one node: its labels and allocatable GPUs.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct NodeFacts {
     pub name: String,
     pub labels: BTreeMap<String, String>,
@@ -139,6 +140,7 @@ impl NodeFacts {
 
 /// The cluster as validation sees it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ClusterFacts {
     pub nodes: Vec<NodeFacts>,
 }
@@ -156,6 +158,7 @@ pub struct Denial {
 
 /// What one compute capability among the selected nodes can run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ArchReport {
     pub compute_capability: ComputeCapability,
     /// Distinct `nvidia.com/gpu.product` values of these nodes.
@@ -174,6 +177,7 @@ pub struct ArchReport {
 ///
 /// `resolved`, `node_affinity` and `compatible_nodes` are set only when admitted.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Verdict {
     /// Empty when admitted.
     pub denials: Vec<Denial>,

@@ -461,3 +461,125 @@ fn validate_offline_synthesizes_product_nodes() {
     let err = validate_offline(&llama("{}"), &["NVIDIA-Imaginary"]).unwrap_err();
     assert!(err.to_string().contains("NVIDIA-Imaginary"));
 }
+
+mod property {
+    use super::*;
+    use crate::api::{GpuSelector, GpuSpec, LayerType, ModelGeometry, PodOverrides};
+    use crate::compat::{AttentionBackend, KvCacheDtype, Runtime};
+    use proptest::prelude::*;
+
+    fn product_label() -> impl Strategy<Value = Option<String>> {
+        let known: Vec<String> = products::PRODUCTS.iter().map(|p| p.label.to_string()).collect();
+        prop_oneof![
+            2 => prop::sample::select(known).prop_map(Some),
+            1 => prop::sample::select(vec!["NVIDIA-H100-80GB-HBM3-SHARED", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "Mystery-GPU", ""]).prop_map(|s| Some(s.to_string())),
+            1 => Just(None),
+        ]
+    }
+
+    fn cc_label() -> impl Strategy<Value = Option<(String, String)>> {
+        prop_oneof![
+            Just(None),
+            (
+                prop::sample::select(vec!["7", "8", "9", "10", "11", "12", "x", ""]),
+                prop::sample::select(vec!["0", "3", "5", "6", "9", "-1"])
+            )
+                .prop_map(|(a, b)| Some((a.to_string(), b.to_string()))),
+        ]
+    }
+
+    prop_compose! {
+        fn node_facts()(i in 0u32..1000, product in product_label(), cc in cc_label(),
+                        gpus in prop::option::of(-1i64..17), cordoned in prop::bool::weighted(0.1),
+                        pool in prop::option::of(prop::sample::select(vec!["a", "b"]))) -> NodeFacts {
+            let mut labels = BTreeMap::new();
+            if let Some(p) = product { labels.insert(labels::PRODUCT.to_string(), p); }
+            if let Some((major, minor)) = cc {
+                labels.insert(labels::COMPUTE_MAJOR.to_string(), major);
+                labels.insert(labels::COMPUTE_MINOR.to_string(), minor);
+            }
+            if let Some(pool) = pool { labels.insert("pool".to_string(), pool.to_string()); }
+            NodeFacts { name: format!("n{i}"), labels, allocatable_gpus: gpus, unschedulable: cordoned }
+        }
+    }
+
+    prop_compose! {
+        fn geometry()(layers in 1i32..6, q in 1i32..65, kv in 0i32..17, head in prop::sample::select(vec![0, 64, 80, 128, 256, 512]),
+                      window in prop::option::of(0i32..9000), sliding in prop::collection::vec(any::<bool>(), 0..6),
+                      global in prop::option::of(prop::sample::select(vec![128, 512])), global_kv in prop::option::of(0i32..9),
+                      mla in any::<bool>()) -> ModelGeometry {
+            ModelGeometry {
+                layers, query_heads: q, kv_heads: kv, head_dim: head, sliding_window: window,
+                layer_types: if sliding.is_empty() { None } else {
+                    Some(sliding.iter().map(|s| if *s { LayerType::SlidingAttention } else { LayerType::FullAttention }).collect())
+                },
+                global_head_dim: global, global_kv_heads: global_kv,
+                kv_lora_rank: mla.then_some(512), qk_rope_head_dim: mla.then_some(64),
+                draft_layers: None, hidden_size: None, vocab_size: None,
+            }
+        }
+    }
+
+    prop_compose! {
+        fn spec()(g in prop::option::of(geometry()),
+                  runtime in prop::sample::select(vec![Runtime::Kvfleet, Runtime::Vllm]),
+                  dtype in prop::sample::select(KvCacheDtype::ALL.to_vec()),
+                  backend in prop::sample::select(AttentionBackend::ALL.to_vec()),
+                  tp in -1i32..20, count in prop::option::of(0i32..10), util in -0.5f64..1.5,
+                  products in prop::collection::vec(product_label(), 0..3),
+                  min_cc in prop::option::of(prop::sample::select(vec!["8.0", "9.0", "10.0", "12.1", "junk"])),
+                  pool in prop::option::of(prop::sample::select(vec!["a", "b"])),
+                  non_causal in any::<bool>()) -> InferenceDeploymentSpec {
+            let mut s: InferenceDeploymentSpec = serde_yaml::from_str("model: {name: m, config: {configMapRef: {name: c}}}").unwrap();
+            if g.is_some() { s.model.config = None; }
+            s.model.geometry = g;
+            s.engine.runtime = runtime;
+            s.engine.kv_cache_dtype = dtype;
+            s.engine.attention_backend = backend;
+            s.engine.tensor_parallel_size = tp;
+            s.engine.gpu_memory_utilization = util;
+            s.engine.non_causal = non_causal;
+            s.gpu = Some(GpuSpec {
+                count,
+                selector: Some(GpuSelector {
+                    products: products.into_iter().flatten().collect(),
+                    min_compute_capability: min_cc.map(str::to_string),
+                }),
+            });
+            if let Some(pool) = pool {
+                s.pod = Some(PodOverrides { node_selector: [("pool".to_string(), pool.to_string())].into(), ..Default::default() });
+            }
+            s
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn verdicts_are_consistent_for_any_spec_and_nodes(s in spec(), nodes in prop::collection::vec(node_facts(), 0..8)) {
+            let v = validate(&s, &ClusterFacts { nodes: nodes.clone() });
+            prop_assert_eq!(v.allowed(), v.denials.is_empty());
+            let names: BTreeSet<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+            for c in &v.compatible_nodes {
+                prop_assert!(names.contains(c.as_str()), "{} not in input", c);
+            }
+            if v.allowed() {
+                let r = v.resolved.as_ref().expect("admitted verdicts carry the resolution");
+                prop_assert!(v.node_affinity.is_some());
+                prop_assert!(!v.compatible_nodes.is_empty());
+                for c in &v.compatible_nodes {
+                    let n = nodes.iter().find(|n| &n.name == c).unwrap();
+                    prop_assert!(!n.unschedulable);
+                    let cc = n.compute_capability().expect("compatible nodes have a known capability").to_string();
+                    prop_assert!(r.compute_capabilities.contains(&cc));
+                }
+            } else {
+                prop_assert!(v.resolved.is_none() && v.node_affinity.is_none() && v.compatible_nodes.is_empty());
+                for d in &v.denials {
+                    prop_assert!(d.field.starts_with("spec"), "{}", d.field);
+                    prop_assert!(!d.message.is_empty() && !d.reason.is_empty());
+                }
+            }
+        }
+    }
+}
