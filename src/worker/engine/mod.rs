@@ -3,10 +3,12 @@
 //! and the f64 reference oracle.
 
 pub mod backend;
+pub mod block;
 pub mod cpu;
 pub mod layout;
 pub mod quant;
 pub mod reference;
+pub mod scheduler;
 
 pub use backend::{Backend, BackendError};
 pub use layout::{BackendConfig, GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec, StepPlan};
