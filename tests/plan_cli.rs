@@ -643,3 +643,78 @@ fn cli_rejects_nvfp4_for_head_dims_it_cannot_pack() {
         "{err}"
     );
 }
+
+// === invariants over random geometries ===
+
+mod random {
+    use super::*;
+    use kvfleet::plan::LayerSpec;
+    use proptest::prelude::*;
+
+    fn layer() -> impl Strategy<Value = LayerSpec> {
+        let kind = prop_oneof![
+            Just(LayerKind::Full),
+            Just(LayerKind::Mla),
+            prop::sample::select(vec![1u32, 128, 512, 1024, 4096])
+                .prop_map(|w| LayerKind::Sliding { window: w }),
+        ];
+        (
+            kind,
+            prop::sample::select(vec![1u32, 2, 4, 8, 16]),
+            prop::sample::select(vec![64u32, 128, 256, 512]),
+        )
+            .prop_map(|(kind, kv_heads, head_dim)| match kind {
+                LayerKind::Mla => LayerSpec {
+                    kind,
+                    kv_heads: 1,
+                    head_dim: 576,
+                },
+                _ => LayerSpec {
+                    kind,
+                    kv_heads,
+                    head_dim,
+                },
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn pools_fit_memory_and_kvfleet_never_budgets_more_than_vllm(
+            pattern in prop::collection::vec(layer(), 1..4),
+            repeats in 1usize..20,
+            tp in prop::sample::select(vec![1u32, 2, 4, 8]),
+            dtype in prop::sample::select(KvCacheDtype::ALL.to_vec()),
+            block_size in prop::sample::select(vec![1u32, 16, 32, 128]),
+            max_model_len in 1u64..300_000,
+            mnbt in 1u64..20_000,
+            avail in 0u64..(96 * GIB),
+        ) {
+            let layers: Vec<LayerSpec> = pattern.iter().cycle().take(pattern.len() * repeats).copied().collect();
+            let g = Geometry {
+                architecture: "random".into(),
+                query_heads: 64,
+                layers,
+                draft_layers: 0,
+                hidden_size: None,
+                notes: vec![],
+            };
+            let inputs = PlanInputs {
+                engine: EngineParams { tp, dtype, block_size, max_model_len, max_num_batched_tokens: mnbt },
+                era: ReportingEra::V0_21On,
+                memory: MemoryInput::AvailableKv { bytes: avail },
+                request_len: Some(max_model_len / 2 + 1),
+            };
+            // Never panics; errors are for inputs vLLM rejects too (page sizes, nvfp4, zero memory).
+            if let Ok(p) = plan(&g, &inputs) {
+                prop_assert!(p.vllm.num_blocks * p.vllm.bytes_per_block <= avail);
+                let used: u64 = p.kvfleet.groups.iter().map(|g| g.num_blocks * g.block_bytes).sum();
+                prop_assert!(used <= avail, "kvfleet pools {used} > {avail}");
+                prop_assert!(p.kvfleet.bytes_per_request <= p.vllm.bytes_per_request(),
+                    "kvfleet {} > vllm {}", p.kvfleet.bytes_per_request, p.vllm.bytes_per_request());
+                prop_assert_eq!(p.vllm.fits_one_request, p.vllm.bytes_per_request() <= avail);
+                prop_assert_eq!(p.kvfleet.fits_one_request, p.kvfleet.bytes_per_request <= avail);
+            }
+        }
+    }
+}

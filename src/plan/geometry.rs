@@ -196,6 +196,12 @@ impl Geometry {
         }
 
         let window = c.u32("sliding_window")?;
+        if window == Some(0) {
+            return Err(PlanError::InvalidConfig {
+                key: "sliding_window".into(),
+                message: "must be at least 1".into(),
+            });
+        }
         let kinds = layer_kinds(&c, &model_type, n_layers, window, &mut notes)?;
         let full = LayerSpec {
             kind: LayerKind::Full,
@@ -362,6 +368,30 @@ impl Geometry {
                 .push(format!("{n} draft-model layers of spec {} added", t.kind.label()));
         }
         self
+    }
+
+    /// Rejects sizes no real model has, so that byte counts cannot overflow.
+    pub fn check_limits(&self) -> Result<(), PlanError> {
+        if self.layers.is_empty() {
+            return Err(PlanError::InvalidInput(
+                "the model has no layers with a KV cache".into(),
+            ));
+        }
+        if self.layers.len() > 4096 {
+            return Err(PlanError::InvalidInput(format!(
+                "{} layers is more than 4096",
+                self.layers.len()
+            )));
+        }
+        for l in &self.layers {
+            if l.kv_heads > 16_384 || l.head_dim > 16_384 || l.kv_heads == 0 || l.head_dim == 0 {
+                return Err(PlanError::InvalidInput(format!(
+                    "KV heads {} and head_dim {} must be in 1..=16384",
+                    l.kv_heads, l.head_dim
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Counts of each distinct layer spec, in first-seen order.

@@ -85,11 +85,7 @@ pub fn pool_layout(
     available_kv_bytes: u64,
 ) -> Result<KvfleetPlan, PlanError> {
     p.check()?;
-    if geometry.layers.is_empty() {
-        return Err(PlanError::InvalidInput(
-            "the model has no layers with a KV cache".into(),
-        ));
-    }
+    geometry.check_limits()?;
     let mut groups: Vec<KvfleetGroup> = Vec::new();
     for (i, l) in geometry.layers.iter().enumerate() {
         let heads = kv_heads_per_rank(l, p.tp);
@@ -120,7 +116,10 @@ pub fn pool_layout(
             }),
         }
     }
-    let bytes_per_request: u64 = groups.iter().map(|g| g.blocks_per_request * g.block_bytes).sum();
+    let bytes_per_request: u64 = groups
+        .iter()
+        .map(|g| g.blocks_per_request.saturating_mul(g.block_bytes))
+        .fold(0u64, u64::saturating_add);
     // Pools for the largest concurrency c with sum(ceil(c x blocks_per_request) x
     // block_bytes) <= available (bisection; c x bytes_per_request <= available bounds it),
     // then the remainder block by block to the group that limits concurrency.
@@ -141,8 +140,12 @@ pub fn pool_layout(
     for g in &mut groups {
         g.num_blocks = (lo * g.blocks_per_request as f64).ceil() as u64;
     }
-    let mut left =
-        available_kv_bytes.saturating_sub(groups.iter().map(|g| g.num_blocks * g.block_bytes).sum::<u64>());
+    let mut left = available_kv_bytes.saturating_sub(
+        groups
+            .iter()
+            .map(|g| g.num_blocks.saturating_mul(g.block_bytes))
+            .fold(0u64, u64::saturating_add),
+    );
     loop {
         let ratio = |g: &KvfleetGroup| g.num_blocks as f64 / g.blocks_per_request as f64;
         let next = groups

@@ -15,6 +15,9 @@ use super::vllm::{
 };
 use super::{cdiv, PlanError};
 
+/// Most KV memory per GPU accepted: 1 PiB.
+pub const MAX_KV_BYTES: u64 = 1 << 50;
+
 /// Where the KV memory comes from.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -135,6 +138,12 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
         )?,
     };
     let avail = memory.available_kv_bytes;
+    if avail > MAX_KV_BYTES {
+        return Err(PlanError::InvalidInput(format!(
+            "{} GiB of KV memory per GPU is more than any GPU has; pass the memory of one GPU",
+            fmt_gib(avail)
+        )));
+    }
     let vllm = vllm_plan(geometry, p, avail, inputs.era)?;
     let kvfleet = pool_layout(geometry, p, avail)?;
     let at_request_len = match inputs.request_len {
@@ -530,9 +539,9 @@ impl Plan {
                 t(g.page_bytes),
                 t(g.block_bytes),
                 t(g.blocks_per_request),
-                t(g.blocks_per_request * g.block_bytes)
+                t(g.blocks_per_request.saturating_mul(g.block_bytes))
             );
-            terms.push(t(g.blocks_per_request * g.block_bytes));
+            terms.push(t(g.blocks_per_request.saturating_mul(g.block_bytes)));
         }
         let _ = writeln!(
             o,
@@ -555,7 +564,7 @@ impl Plan {
                 g.kind.label(),
                 t(g.num_blocks),
                 t(g.block_bytes),
-                t(g.num_blocks * g.block_bytes),
+                t(g.num_blocks.saturating_mul(g.block_bytes)),
                 t(g.num_blocks),
                 t(g.blocks_per_request),
                 g.num_blocks as f64 / g.blocks_per_request as f64

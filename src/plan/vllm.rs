@@ -85,6 +85,11 @@ pub struct EngineParams {
     pub max_num_batched_tokens: u64,
 }
 
+/// Largest block size accepted (vLLM offers 1 to 256; hybrid unification goes beyond).
+pub const MAX_BLOCK_SIZE: u32 = 4096;
+/// Largest context or batch accepted, in tokens (2^32).
+pub const MAX_TOKENS: u64 = 1 << 32;
+
 impl EngineParams {
     pub fn check(&self) -> Result<(), PlanError> {
         if self.block_size == 0 {
@@ -101,6 +106,23 @@ impl EngineParams {
             return Err(PlanError::InvalidInput(
                 "max_num_batched_tokens must be at least 1".into(),
             ));
+        }
+        if self.block_size > MAX_BLOCK_SIZE {
+            return Err(PlanError::InvalidInput(format!(
+                "block size {} is larger than {MAX_BLOCK_SIZE} tokens; vLLM uses 16 to 128",
+                self.block_size
+            )));
+        }
+        if self.max_model_len > MAX_TOKENS || self.max_num_batched_tokens > MAX_TOKENS {
+            return Err(PlanError::InvalidInput(format!(
+                "max model length and max_num_batched_tokens must be at most {MAX_TOKENS} tokens"
+            )));
+        }
+        if self.tp == 0 || self.tp > 1024 {
+            return Err(PlanError::InvalidInput(format!(
+                "tensor parallel size {} must be in 1..=1024",
+                self.tp
+            )));
         }
         Ok(())
     }
@@ -171,7 +193,8 @@ pub fn group_blocks_per_request(kind: LayerKind, group_block_size: u32, p: &Engi
     match kind {
         LayerKind::Full | LayerKind::Mla => cdiv(p.max_model_len, b),
         LayerKind::Sliding { window } => {
-            let tokens = (u64::from(window) - 1 + p.max_num_batched_tokens).min(p.max_model_len);
+            let tokens =
+                (u64::from(window).saturating_sub(1) + p.max_num_batched_tokens).min(p.max_model_len);
             cdiv(tokens, b) + 1
         }
     }
@@ -206,9 +229,12 @@ pub fn sliding_admission_blocks(
     match rule {
         SlidingAdmission::Uncapped => uncapped,
         SlidingAdmission::WindowPlusChunk => cdiv(tokens.min(w + max_num_batched_tokens), b),
-        SlidingAdmission::StartupBound => {
-            uncapped.min(cdiv((w - 1 + max_num_batched_tokens).min(max_model_len), b) + 1)
-        }
+        SlidingAdmission::StartupBound => uncapped.min(
+            cdiv(
+                (w.saturating_sub(1) + max_num_batched_tokens).min(max_model_len),
+                b,
+            ) + 1,
+        ),
     }
 }
 
@@ -220,11 +246,7 @@ pub fn vllm_plan(
     era: ReportingEra,
 ) -> Result<VllmPlan, PlanError> {
     p.check()?;
-    if geometry.layers.is_empty() {
-        return Err(PlanError::InvalidInput(
-            "the model has no layers with a KV cache".into(),
-        ));
-    }
+    geometry.check_limits()?;
     // Per-layer spec as vLLM sees it on one rank.
     #[derive(Clone, Copy, PartialEq, Eq)]
     struct RankSpec {
@@ -337,7 +359,7 @@ pub fn vllm_plan(
     let max_concurrency = num_blocks as f64 / blocks_per_request as f64;
     let min_block = groups.iter().map(|g| u64::from(g.block_size)).min().unwrap_or(1);
     let tokens_for = |e: ReportingEra| match e {
-        ReportingEra::UpToV0_9 => num_blocks * u64::from(p.block_size),
+        ReportingEra::UpToV0_9 => num_blocks.saturating_mul(u64::from(p.block_size)),
         ReportingEra::V0_10ToV0_20 => num_blocks / groups.len() as u64 * min_block,
         ReportingEra::V0_21On => (max_concurrency * p.max_model_len as f64) as u64,
     };
@@ -353,7 +375,7 @@ pub fn vllm_plan(
         era,
         kv_cache_size_tokens: tokens_for(era),
         tokens_by_era,
-        fits_one_request: blocks_per_request * bytes_per_block <= available_kv_bytes,
+        fits_one_request: blocks_per_request.saturating_mul(bytes_per_block) <= available_kv_bytes,
         groups,
     })
 }
@@ -361,7 +383,7 @@ pub fn vllm_plan(
 impl VllmPlan {
     /// Bytes vLLM budgets for one max_model_len request.
     pub fn bytes_per_request(&self) -> u64 {
-        self.blocks_per_request * self.bytes_per_block
+        self.blocks_per_request.saturating_mul(self.bytes_per_block)
     }
 }
 
