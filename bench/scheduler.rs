@@ -24,10 +24,8 @@ fn run(case: &Case, running: usize, steps: usize) -> (f64, f64, f64, usize) {
         max_waiting: 100_000,
     };
     let mut s = Scheduler::new(cfg, &case.groups);
-    let mut next = 0u64;
-    for _ in 0..running {
-        s.submit(next, case.prompt, 20_000).expect("fits");
-        next += 1;
+    for id in 0..running as u64 {
+        s.submit(id, case.prompt, 20_000).expect("fits");
     }
     let mut plan = StepPlan::default();
     let mut events = Vec::new();
