@@ -1,8 +1,9 @@
 //! The KV block manager: one pool of page ids per layer group (free list + reference
 //! counts) and, per request, one block table per group. Sliding-window groups free the
 //! pages that left the window before each step, so a request holds at most
-//! `cdiv(window - 1 + chunk, block_size) + 1` pages there (the bound vLLM uses,
-//! vllm-project/vllm PR #40946).
+//! `cdiv(window - 1, block_size) + cdiv(chunk, block_size)` pages there when chunks start
+//! on block boundaries (vLLM's bound, `cdiv(window - 1 + chunk, block_size) + 1` from
+//! vllm-project/vllm PR #40946, adds one page for chunks that start mid-block).
 
 use super::layout::GroupSpec;
 
@@ -194,15 +195,15 @@ impl KvManager {
         Ok(())
     }
 
-    /// Most pages one request can hold in a group while running chunks of up to `chunk`
-    /// tokens with context up to `max_len` (sliding: window + chunk).
-    pub fn max_pages_per_request(&self, window: Option<u32>, max_len: usize, chunk: usize) -> usize {
-        let full = max_len.div_ceil(self.block_size);
+    /// Most pages one request of `tokens` positions holds in a group when prefill chunks
+    /// of at most `chunk` tokens start on block boundaries: full `cdiv(tokens, block)`,
+    /// sliding `min(that, cdiv(window - 1, block) + cdiv(chunk, block))` (the model of
+    /// `plan::kvfleet::blocks_per_request`).
+    pub fn max_pages_per_request(&self, window: Option<u32>, tokens: usize, chunk: usize) -> usize {
+        let b = self.block_size;
+        let full = tokens.div_ceil(b);
         match window {
-            Some(w) => {
-                let span = (w as usize - 1 + chunk).min(max_len);
-                (span.div_ceil(self.block_size) + 1).min(full)
-            }
+            Some(w) => full.min((w as usize).saturating_sub(1).div_ceil(b) + chunk.max(1).div_ceil(b)),
             None => full,
         }
     }
