@@ -738,3 +738,185 @@ async fn hundreds_of_random_bodies_over_https_get_a_review_or_a_4xx() {
     let mut conn = Connection::open(&connector, running.https).await.unwrap();
     assert_eq!(conn.post(fixture("delete.json")).await.unwrap().0, 200);
 }
+
+// === self-managed certificates against a mock API server ===
+
+mod api_server {
+    use http::{Request, Response};
+    use kube::client::Body;
+    use serde_json::Value;
+
+    pub type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    pub fn client() -> (kube::Client, Handle) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (kube::Client::new(service, "kvfleet-system"), handle)
+    }
+
+    /// Waits for the next request (at most 2 s), checks its method and path, answers
+    /// `status` with `body`, and returns the request's query and JSON body.
+    pub async fn expect(
+        handle: &mut Handle,
+        method: &str,
+        path: &str,
+        status: u16,
+        body: Value,
+    ) -> (String, Value) {
+        answer(handle, method, path, status, Some(body)).await
+    }
+
+    /// Like [`expect`], answering with the request's own body (as a create does).
+    pub async fn echo(handle: &mut Handle, method: &str, path: &str, status: u16) -> (String, Value) {
+        answer(handle, method, path, status, None).await
+    }
+
+    async fn answer(
+        handle: &mut Handle,
+        method: &str,
+        path: &str,
+        status: u16,
+        body: Option<Value>,
+    ) -> (String, Value) {
+        let (request, send) = tokio::time::timeout(std::time::Duration::from_secs(2), handle.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("no {method} {path} within 2 s"))
+            .expect("service dropped");
+        assert_eq!(request.method().as_str(), method);
+        assert_eq!(request.uri().path(), path);
+        let query = request.uri().query().unwrap_or_default().to_string();
+        let bytes = request.into_body().collect_bytes().await.unwrap();
+        let sent = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap()
+        };
+        send.send_response(
+            Response::builder()
+                .status(status)
+                .header("content-type", "application/json")
+                .body(Body::from(
+                    serde_json::to_vec(body.as_ref().unwrap_or(&sent)).unwrap(),
+                ))
+                .unwrap(),
+        );
+        (query, sent)
+    }
+
+    pub fn status(code: u16, reason: &str) -> Value {
+        serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": reason, "reason": reason, "code": code})
+    }
+}
+
+const SECRET_PATH: &str = "/api/v1/namespaces/kvfleet-system/secrets/kvfleet-webhook-tls";
+const VWC_PATH: &str =
+    "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/kvfleet-webhook";
+
+fn manager(client: kube::Client) -> certs::SelfManaged {
+    certs::SelfManaged {
+        client,
+        namespace: "kvfleet-system".into(),
+        secret_name: "kvfleet-webhook-tls".into(),
+        names: names(),
+        webhook_configuration: Some("kvfleet-webhook".into()),
+        lifetimes: lifetimes(),
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec()))
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test]
+async fn a_missing_secret_is_created_and_the_ca_bundle_server_side_applied() {
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let server = tokio::spawn(async move {
+        api_server::expect(
+            &mut api,
+            "GET",
+            SECRET_PATH,
+            404,
+            api_server::status(404, "NotFound"),
+        )
+        .await;
+        let (_, secret) =
+            api_server::echo(&mut api, "POST", "/api/v1/namespaces/kvfleet-system/secrets", 201).await;
+        let vwc = serde_json::json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": "kvfleet-webhook", "resourceVersion": "7"},
+            "webhooks": [{"name": "validate.kvfleet.io", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                          "clientConfig": {"service": {"name": "kvfleet-webhook", "namespace": "kvfleet-system", "path": "/validate"}}}]
+        });
+        api_server::expect(&mut api, "GET", VWC_PATH, 200, vwc.clone()).await;
+        let (query, patch) = api_server::expect(&mut api, "PATCH", VWC_PATH, 200, vwc).await;
+        (secret, query, patch)
+    });
+    let material = manager.ensure(OffsetDateTime::now_utc()).await.unwrap();
+    assert!(manager.apply_ca_bundle(&material.ca_bundle()).await.unwrap());
+    let (secret, query, patch) = server.await.unwrap();
+    assert_eq!(
+        patch["webhooks"][0]["clientConfig"]["caBundle"],
+        b64(material.ca_bundle().as_bytes())
+    );
+    assert_eq!(
+        secret["data"]["tls.crt"],
+        b64(material.serving.cert_pem.as_bytes())
+    );
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    for key in ["ca.crt", "ca.key", "tls.crt", "tls.key"] {
+        assert!(secret["data"][key].is_string(), "{key} missing: {secret}");
+    }
+    assert!(
+        query.contains("fieldManager=kvfleet-webhook") && query.contains("force=true"),
+        "{query}"
+    );
+    assert_eq!(patch["webhooks"][0]["name"], "validate.kvfleet.io");
+    assert_eq!(patch["webhooks"].as_array().unwrap().len(), 1);
+    assert!(
+        patch["webhooks"][0].get("sideEffects").is_none(),
+        "only the caBundle is ours: {patch}"
+    );
+}
+
+#[tokio::test]
+async fn losing_a_write_race_adopts_the_other_replicas_certificate() {
+    let now = OffsetDateTime::now_utc();
+    // Ours is due for renewal; theirs (written meanwhile) is fresh.
+    let (stale, _) = certs::plan(
+        &Default::default(),
+        &names(),
+        &lifetimes(),
+        now - time::Duration::days(80),
+    )
+    .unwrap();
+    let (theirs, _) = certs::plan(&stale.to_data(), &names(), &lifetimes(), now).unwrap();
+    let secret = |material: &certs::Material, rv: &str| {
+        serde_json::json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": "kvfleet-webhook-tls", "namespace": "kvfleet-system", "resourceVersion": rv},
+            "data": serde_json::to_value(material.to_data()).unwrap()})
+    };
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let (stale_json, theirs_json) = (secret(&stale, "1"), secret(&theirs, "2"));
+    let server = tokio::spawn(async move {
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, stale_json).await;
+        let (_, put) = api_server::expect(
+            &mut api,
+            "PUT",
+            SECRET_PATH,
+            409,
+            api_server::status(409, "Conflict"),
+        )
+        .await;
+        assert_eq!(put["metadata"]["resourceVersion"], "1", "writes are optimistic");
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, theirs_json).await;
+    });
+    let adopted = manager.ensure(now).await.unwrap();
+    server.await.unwrap();
+    assert_eq!(adopted, theirs);
+}
