@@ -363,10 +363,14 @@ async fn patch_status(
     name: &str,
     st: &crate::api::InferenceDeploymentStatus,
 ) -> Result<(), Error> {
-    let api = Api::<InferenceDeployment>::namespaced(ctx.client.clone(), ns);
+    // The response is read as a DynamicObject: a stored object this build cannot parse must
+    // not turn a successful status write into a failed pass.
+    let resource = kube::api::ApiResource::erase::<InferenceDeployment>(&());
+    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), ns, &resource);
     let body = json!({
         "apiVersion": InferenceDeployment::api_version(&()),
         "kind": InferenceDeployment::kind(&()),
+        "metadata": { "name": name, "namespace": ns },
         "status": st,
     });
     let pp = PatchParams::apply(FIELD_MANAGER).force();
