@@ -121,6 +121,19 @@ fn mixed_pool_is_admitted_with_affinity_to_sm90_only() {
 }
 
 #[test]
+fn max_model_len_that_cannot_fit_one_request_is_denied_by_the_planner() {
+    check(
+        &["-f", "deploy/examples/long-context-rtx-3090.yaml", "--nodes", "deploy/examples/nodes/rtx-3090.yaml"],
+        1,
+        &[
+            "denied: spec.engine.maxModelLen [KvCacheTooSmall]: maxModelLen 1048576 needs 128.00 GiB of KV cache per GPU for one request",
+            "lower maxModelLen to",
+            "the selected nodes have NVIDIA-GeForce-RTX-3090 (24.00 GiB)",
+        ],
+    );
+}
+
+#[test]
 fn llama_h100_example_is_admitted_by_gpu_flag() {
     check(
         &[
@@ -130,7 +143,11 @@ fn llama_h100_example_is_admitted_by_gpu_flag() {
             "NVIDIA-H100-80GB-HBM3",
         ],
         0,
-        &["attentionBackend KVFLEET_CUDA"],
+        &[
+            "attentionBackend KVFLEET_CUDA",
+            "capacity: ",
+            "KV-cache tokens per replica",
+        ],
     );
 }
 

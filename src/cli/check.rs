@@ -449,6 +449,19 @@ pub fn render_text(reports: &[Report]) -> String {
                 v.compatible_nodes.join(", ")
             ));
         }
+        if let (Some(c), Some(b)) = (&v.capacity, &v.capacity_basis) {
+            out.push_str(&format!(
+                "  capacity: {} KV-cache tokens per replica, {:.2} requests of maxModelLen at once (vLLM would log {} tokens); {} GiB of KV per GPU on {}\n",
+                c.tokens_per_replica.unwrap_or_default(),
+                c.max_concurrency.unwrap_or_default(),
+                b.vllm_tokens,
+                crate::plan::memory::fmt_gib(b.available_kv_bytes),
+                b.product
+            ));
+            for n in &b.notes {
+                out.push_str(&format!("    note: {n}\n"));
+            }
+        }
         if let Some(a) = render_affinity(v) {
             out.push_str(&format!("  node affinity: {a}\n"));
         }

@@ -25,7 +25,7 @@ use k8s_openapi::api::core::v1::{
 };
 use serde::Serialize;
 
-use crate::api::{InferenceDeploymentSpec, ResolvedConfig};
+use crate::api::{CapacityStatus, InferenceDeploymentSpec, ResolvedConfig, Runtime};
 use crate::compat::rules::{self, Violation};
 use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype, ModelFeatures};
 
@@ -129,6 +129,22 @@ impl NodeFacts {
         })
     }
 
+    /// Memory of one GPU in bytes: the GFD `nvidia.com/gpu.memory` label (MiB), else the
+    /// planner's or the product table's figure for the product.
+    pub fn gpu_memory_bytes(&self) -> Option<u64> {
+        const MIB: u64 = 1024 * 1024;
+        self.labels
+            .get(labels::MEMORY_MIB)
+            .and_then(|m| m.trim().parse::<u64>().ok())
+            .filter(|m| *m > 0)
+            .map(|m| m * MIB)
+            .or_else(|| {
+                let product = self.product()?;
+                crate::plan::gpu_memory_bytes(products::base_label(product))
+                    .or_else(|| products::lookup(product).map(|p| p.memory_mib * MIB))
+            })
+    }
+
     fn has_gfd_labels(&self) -> bool {
         self.labels.keys().any(|k| k.starts_with("nvidia.com/gpu."))
     }
@@ -192,6 +208,33 @@ pub struct Verdict {
     pub compatible_nodes: Vec<String>,
     /// Per compute capability of the selected nodes: what runs there and why not.
     pub architectures: Vec<ArchReport>,
+    /// KV capacity of one replica predicted by the planner, on the compatible GPU with the
+    /// least memory (pods may land on any compatible node). Absent when denied or when the
+    /// geometry is not known here (model.config).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacityStatus>,
+    /// What the capacity prediction is based on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity_basis: Option<CapacityBasis>,
+}
+
+/// The GPU and memory arithmetic behind [`Verdict::capacity`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CapacityBasis {
+    /// The product the prediction is for (the compatible GPU with the least memory).
+    pub product: String,
+    pub gpu_memory_bytes: u64,
+    /// Memory left for the KV cache on one GPU.
+    pub available_kv_bytes: u64,
+    /// KV bytes one maxModelLen request needs per GPU.
+    pub bytes_per_request: u64,
+    /// kvfleet's capacity in tokens per replica.
+    pub kvfleet_tokens: u64,
+    /// What vLLM (v0.21+) would log as "GPU KV cache size".
+    pub vllm_tokens: u64,
+    /// Assumptions (absent weight bytes, the activation reserve).
+    pub notes: Vec<String>,
 }
 
 impl Verdict {
@@ -716,6 +759,29 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         .iter()
         .filter(|c| chosen_ccs.contains(&c.cc) && c.enough_gpus)
         .collect();
+    // KV capacity (issue 4 item 6): nodes whose GPUs cannot hold one maxModelLen request
+    // are left out; none left is a denial naming the fix.
+    let mut restrict_products = false;
+    let compatible: Vec<&Candidate> = match plan_capacity(spec, dtype, &compatible, &mut verdict.warnings) {
+        CapacityOutcome::NotPlanned => compatible,
+        CapacityOutcome::Denied(d) => {
+            verdict.denials.push(d);
+            return verdict;
+        }
+        CapacityOutcome::Planned {
+            fitting,
+            capacity,
+            basis,
+        } => {
+            restrict_products = fitting.len() < compatible.len();
+            verdict.capacity = Some(capacity);
+            verdict.capacity_basis = Some(basis);
+            compatible
+                .into_iter()
+                .filter(|c| fitting.contains(&c.node.name.as_str()))
+                .collect()
+        }
+    };
     verdict.compatible_nodes = compatible.iter().map(|c| c.node.name.clone()).collect();
 
     // Warnings about what the affinity leaves out.
@@ -768,17 +834,19 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         compute_capabilities: chosen_ccs.iter().rev().map(|c| c.to_string()).collect(),
         products: products.into_iter().collect(),
     });
-    verdict.node_affinity = Some(node_affinity(spec, &compatible, &chosen_ccs));
+    verdict.node_affinity = Some(node_affinity(spec, &compatible, &chosen_ccs, restrict_products));
     verdict
 }
 
 /// Required node affinity: one term per chosen compute capability, by the GFD
 /// `compute.major/minor` labels when every compatible node of it carries them, else by
-/// product; restricted to products too when the spec selects products.
+/// product; restricted to products too when the spec selects products, and to exactly
+/// the compatible products when some nodes were left out for memory (`restrict_products`).
 fn node_affinity(
     spec: &InferenceDeploymentSpec,
     compatible: &[&Candidate],
     ccs: &BTreeSet<ComputeCapability>,
+    restrict_products: bool,
 ) -> NodeAffinity {
     let selected_products: &[String] = spec
         .gpu
@@ -802,7 +870,7 @@ fn node_affinity(
             exprs.push(req(labels::COMPUTE_MAJOR, vec![cc.major.to_string()]));
             exprs.push(req(labels::COMPUTE_MINOR, vec![cc.minor.to_string()]));
         }
-        if !all_labelled || !selected_products.is_empty() {
+        if !all_labelled || !selected_products.is_empty() || restrict_products {
             let mut products: BTreeSet<String> = nodes
                 .iter()
                 .filter_map(|c| c.node.product())
@@ -811,6 +879,7 @@ fn node_affinity(
             products.extend(
                 selected_products
                     .iter()
+                    .filter(|_| !restrict_products)
                     .filter(|p| products::lookup(p).is_some_and(|prod| prod.cc == *cc))
                     .map(|p| p.trim().to_string()),
             );
@@ -827,4 +896,133 @@ fn node_affinity(
         }),
         preferred_during_scheduling_ignored_during_execution: None,
     }
+}
+
+// === impl capacity ===
+
+enum CapacityOutcome<'a> {
+    /// The geometry or GPU memory is unknown here, or the planner declined (warned).
+    NotPlanned,
+    Denied(Denial),
+    Planned {
+        fitting: Vec<&'a str>,
+        capacity: CapacityStatus,
+        basis: CapacityBasis,
+    },
+}
+
+/// Plans capacity per distinct GPU memory among the compatible nodes.
+fn plan_capacity<'a>(
+    spec: &InferenceDeploymentSpec,
+    dtype: KvCacheDtype,
+    compatible: &[&Candidate<'a>],
+    warnings: &mut Vec<String>,
+) -> CapacityOutcome<'a> {
+    let Some(g) = &spec.model.geometry else {
+        return CapacityOutcome::NotPlanned;
+    };
+    let geometry = match crate::plan::Geometry::from_spec(g) {
+        Ok(geometry) => geometry,
+        Err(e) => {
+            warnings.push(format!("KV capacity not planned: {e}"));
+            return CapacityOutcome::NotPlanned;
+        }
+    };
+    // (memory, product, nodes)
+    let mut groups: Vec<(u64, String, Vec<&'a str>)> = Vec::new();
+    let mut unknown: Vec<&'a str> = Vec::new();
+    for c in compatible {
+        let name = c.node.name.as_str();
+        match c.node.gpu_memory_bytes() {
+            Some(mem) => match groups.iter_mut().find(|(m, _, _)| *m == mem) {
+                Some((_, _, nodes)) => nodes.push(name),
+                None => groups.push((
+                    mem,
+                    c.node.product().unwrap_or("unknown product").to_string(),
+                    vec![name],
+                )),
+            },
+            None => unknown.push(name),
+        }
+    }
+    if !unknown.is_empty() {
+        warnings.push(format!(
+            "KV capacity not checked on {} ({}): no nvidia.com/gpu.memory label and an unknown product",
+            plural(unknown.len(), "node", "nodes"),
+            unknown.join(", ")
+        ));
+    }
+    groups.sort_by_key(|(m, _, _)| *m);
+    let mut fitting: Vec<&'a str> = unknown.clone();
+    let mut smallest_fit: Option<(crate::plan::SpecCapacity, String)> = None;
+    let mut not_fitting: Vec<(crate::plan::SpecCapacity, String, usize)> = Vec::new();
+    for (mem, product, nodes) in &groups {
+        match crate::plan::spec_capacity(spec, &geometry, *mem, dtype) {
+            Ok(cap) if cap.fits_one_request => {
+                fitting.extend(nodes.iter().copied());
+                if smallest_fit.is_none() {
+                    smallest_fit = Some((cap, product.clone()));
+                }
+            }
+            Ok(cap) => not_fitting.push((cap, product.clone(), nodes.len())),
+            Err(e) => {
+                warnings.push(format!("KV capacity not planned for {product}: {e}"));
+                fitting.extend(nodes.iter().copied());
+            }
+        }
+    }
+    if let Some((cap, product)) = smallest_fit {
+        for (cap, product, n) in &not_fitting {
+            warnings.push(format!(
+                "{} with {product} cannot hold one request and {} excluded: {}",
+                plural(*n, "node", "nodes"),
+                if *n == 1 { "is" } else { "are" },
+                cap.fix_hint().unwrap_or_default()
+            ));
+        }
+        let (tokens, concurrency) = match spec.engine.runtime {
+            Runtime::Kvfleet => (cap.kvfleet_tokens, cap.max_concurrency),
+            Runtime::Vllm => (cap.vllm_tokens, cap.vllm_max_concurrency),
+        };
+        let basis = CapacityBasis {
+            product,
+            gpu_memory_bytes: cap.plan.memory.gpu_memory_bytes.unwrap_or_default(),
+            available_kv_bytes: cap.available_kv_bytes,
+            bytes_per_request: cap.bytes_per_request,
+            kvfleet_tokens: cap.kvfleet_tokens,
+            vllm_tokens: cap.vllm_tokens,
+            notes: cap.explanation.clone(),
+        };
+        return CapacityOutcome::Planned {
+            fitting,
+            capacity: CapacityStatus {
+                tokens_per_replica: i64::try_from(tokens).ok(),
+                max_concurrency: Some(concurrency),
+                measured_tokens_per_replica: None,
+                vllm_tokens_per_replica: i64::try_from(cap.vllm_tokens).ok(),
+            },
+            basis,
+        };
+    }
+    if !unknown.is_empty() || not_fitting.is_empty() {
+        // Nothing was judged too small (planner errors or unknown memory): admit, warned.
+        return CapacityOutcome::NotPlanned;
+    }
+    // Nothing fits: name the fix for the largest GPU (the last group).
+    let have: Vec<String> = not_fitting
+        .iter()
+        .map(|(c, p, _)| {
+            format!(
+                "{p} ({} GiB)",
+                crate::plan::memory::fmt_gib(c.plan.memory.gpu_memory_bytes.unwrap_or_default())
+            )
+        })
+        .collect();
+    let (largest, _, _) = &not_fitting[not_fitting.len() - 1];
+    let hint = largest.fix_hint().unwrap_or_default();
+    CapacityOutcome::Denied(denial(
+        "spec.engine.maxModelLen",
+        "KvCacheTooSmall",
+        format!("{hint}; the selected nodes have {}", have.join(", ")),
+    ))
 }

@@ -583,3 +583,84 @@ mod property {
         }
     }
 }
+
+mod capacity {
+    use super::*;
+
+    fn llama_8b(engine: &str) -> InferenceDeploymentSpec {
+        spec(&format!(
+            "model:\n  name: llama\n  geometry: {{layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}}\n  weightBytes: 16Gi\nengine: {engine}\n"
+        ))
+    }
+
+    #[test]
+    fn max_model_len_that_cannot_fit_one_request_is_denied_with_the_fix() {
+        let s = llama_8b("{runtime: vllm, maxModelLen: 1000000, gpuMemoryUtilization: 0.85}");
+        let v = validate(&s, &cluster(vec![node("a", "NVIDIA-GeForce-RTX-3090", 2)]));
+        assert!(!v.allowed());
+        let d = v
+            .denials
+            .iter()
+            .find(|d| d.reason == "KvCacheTooSmall")
+            .unwrap_or_else(|| panic!("{v:#?}"));
+        assert_eq!(d.field, "spec.engine.maxModelLen");
+        assert!(
+            d.message.starts_with("maxModelLen 1000000 needs"),
+            "{}",
+            d.message
+        );
+        assert!(d.message.contains("lower maxModelLen to"), "{}", d.message);
+        assert!(
+            d.message
+                .contains("the selected nodes have NVIDIA-GeForce-RTX-3090 (24.00 GiB)"),
+            "{}",
+            d.message
+        );
+        assert!(v.capacity.is_none() && v.resolved.is_none());
+    }
+
+    #[test]
+    fn admitted_verdicts_carry_predicted_capacity() {
+        let s = llama_8b("{maxModelLen: 32768, gpuMemoryUtilization: 0.85}");
+        let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+        assert!(v.allowed(), "{v:#?}");
+        let c = v.capacity.as_ref().unwrap();
+        let tokens = c.tokens_per_replica.unwrap();
+        // 128 KiB per token in bf16; roughly (80 GiB x 0.85 - 16 GiB - reserve) / 128 KiB.
+        assert!(tokens > 300_000 && tokens < 430_000, "{tokens}");
+        assert!(c.max_concurrency.unwrap() > 9.0, "{c:?}");
+        assert!(c.vllm_tokens_per_replica.unwrap() > 0);
+        assert_eq!(
+            v.capacity_basis.as_ref().unwrap().product,
+            "NVIDIA-H100-80GB-HBM3"
+        );
+    }
+
+    #[test]
+    fn gpus_too_small_for_one_request_are_excluded_by_product() {
+        // 131072 tokens x 128 KiB = 16 GiB of KV: fits an L40S (48 GB), not an L4 (24 GB).
+        let s = llama_8b("{maxModelLen: 131072, gpuMemoryUtilization: 0.85}");
+        let v = validate(
+            &s,
+            &cluster(vec![node("l4", "NVIDIA-L4", 1), node("l40s", "NVIDIA-L40S", 4)]),
+        );
+        assert!(v.allowed(), "{v:#?}");
+        assert_eq!(v.compatible_nodes, vec!["l40s"]);
+        let terms = affinity_terms(&v);
+        assert_eq!(
+            terms[0].last().unwrap(),
+            &(labels::PRODUCT.to_string(), vec!["NVIDIA-L40S".to_string()])
+        );
+        assert!(
+            v.warnings
+                .iter()
+                .any(|w| w.starts_with("1 node with NVIDIA-L4 cannot hold one request")),
+            "{:?}",
+            v.warnings
+        );
+        assert_eq!(
+            v.warnings[0],
+            "1 of 2 selected GPU nodes can run this; the affinity excludes the others"
+        );
+    }
+}
