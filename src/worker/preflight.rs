@@ -11,7 +11,8 @@ use super::engine::layout::{BackendConfig, KvDtype, KvScales};
 use super::engine::scheduler::SchedulerConfig;
 use super::nvml::{GpuInfo, Probe};
 use crate::api::{LayerType, Runtime};
-use crate::compat::AttentionBackend;
+use crate::compat::{AttentionBackend, ComputeCapability, ModelFeatures};
+use crate::plan::{pool_layout, EngineParams, Geometry};
 
 /// Exit codes of `kvfleet worker` (documented in docs/worker.md).
 pub mod exit {
@@ -184,6 +185,7 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
                     "attentionBackend KVFLEET_CUDA needs an NVIDIA GPU but none was found ({no_gpu_reason}); schedule the pod on a GPU node or use KVFLEET_CPU"
                 )));
             };
+            compat_check(cfg, g)?;
             return Err(PreflightError::Incompatible(format!(
                 "attentionBackend KVFLEET_CUDA: this build has no CUDA backend yet (GPU {} sm_{}{}); use KVFLEET_CPU",
                 g.name, g.compute_capability.0, g.compute_capability.1
@@ -260,6 +262,7 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
         CapacityError::NoLayers => PreflightError::Config(err.to_string()),
         CapacityError::Layout(l) => PreflightError::Incompatible(l.to_string()),
     })?;
+    let pools = planner_sized(cfg, &params, available, pools, &mut warnings);
     if pools.max_concurrency < 1.0 {
         return Err(PreflightError::NoMemory(format!(
             "{:.3} GiB left for the KV cache ({:.3} GiB x {} - {:.3} GiB weights - {:.3} GiB reserve) hold {} tokens, less than one maxModelLen {} request; lower maxModelLen, use kvCacheDtype fp8, or raise gpuMemoryUtilization",
@@ -291,6 +294,77 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
     })
 }
 
+/// The compat rules of the kvfleet runtime for the real device (`compat::rules`).
+pub fn compat_check(cfg: &WorkerConfig, gpu: &GpuInfo) -> Result<(), PreflightError> {
+    let cc = ComputeCapability::new(gpu.compute_capability.0, gpu.compute_capability.1);
+    let features = ModelFeatures::from_geometry(&cfg.geometry, cfg.engine.non_causal, false);
+    let eval = crate::compat::evaluate(
+        Runtime::Kvfleet,
+        cc,
+        &features,
+        cfg.kv_cache_dtype(),
+        AttentionBackend::KvfleetCuda,
+    );
+    match eval.violations.first() {
+        Some(v) if !eval.runs() => Err(PreflightError::Incompatible(format!(
+            "{} (GPU {} is sm_{}; rule {}, {})",
+            v.message,
+            gpu.name,
+            cc.sm_number(),
+            v.rule,
+            v.source
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Pool sizes from the planner (`plan::pool_layout`), so that the measured capacity is the
+/// predicted one; the local sizing stays when the planner groups layers differently.
+fn planner_sized(
+    cfg: &WorkerConfig,
+    params: &PoolParams,
+    available: u64,
+    mut pools: PoolPlan,
+    warnings: &mut Vec<String>,
+) -> PoolPlan {
+    let planned = Geometry::from_spec(&cfg.geometry).and_then(|g| {
+        pool_layout(
+            &g,
+            &EngineParams {
+                tp: 1,
+                dtype: params.dtype.spec(),
+                block_size: params.block_size as u32,
+                max_model_len: params.max_model_len as u64,
+                max_num_batched_tokens: params.max_num_batched_tokens as u64,
+            },
+            available,
+        )
+    });
+    match planned {
+        Ok(p)
+            if p.groups.len() == pools.groups.len()
+                && p.groups.iter().zip(&pools.groups).all(|(a, b)| {
+                    a.layers == b.layers
+                        && a.block_bytes == b.block_bytes
+                        && a.blocks_per_request == b.blocks_per_request
+                }) =>
+        {
+            for (a, b) in p.groups.iter().zip(pools.groups.iter_mut()) {
+                b.num_blocks = a.num_blocks;
+            }
+            pools.pool_bytes = pools.groups.iter().map(|g| g.num_blocks * g.block_bytes).sum();
+            pools.max_concurrency = p.max_concurrency;
+            pools.capacity_tokens = p.capacity_tokens;
+        }
+        Ok(_) => warnings
+            .push("the planner groups this model's layers differently; pools sized by the worker".into()),
+        Err(e) => warnings.push(format!(
+            "the planner cannot size this model ({e}); pools sized by the worker"
+        )),
+    }
+    pools
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +382,27 @@ mod tests {
         assert_eq!(p.backend, BackendKind::Cpu);
         assert_eq!(p.pools.groups.len(), 2);
         assert!(p.pools.max_concurrency >= 1.0);
+        assert!(
+            p.warnings.is_empty(),
+            "the planner sized the pools: {:?}",
+            p.warnings
+        );
+    }
+
+    #[test]
+    fn bf16_kv_on_an_h100_passes_the_kvfleet_compat_rules() {
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.kv_cache_dtype = KvCacheDtype::Bfloat16;
+        let gpu = GpuInfo {
+            index: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            product: "NVIDIA-H100-80GB-HBM3".into(),
+            compute_capability: (9, 0),
+            memory_total_bytes: 80 << 30,
+            memory_free_bytes: 79 << 30,
+            driver_version: "580".into(),
+        };
+        assert_eq!(compat_check(&c, &gpu), Ok(()));
     }
 
     #[test]
