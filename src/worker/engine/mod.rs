@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod block;
+pub mod capacity;
 pub mod cpu;
 pub mod layout;
 pub mod quant;
