@@ -7,6 +7,7 @@ pub mod api;
 pub mod cli;
 pub mod compat;
 pub mod controller;
+pub mod model;
 pub mod plan;
 pub mod telemetry;
 pub mod validate;

@@ -3,6 +3,9 @@
 //! These types are the single source of truth for `crds/` and the chart's CRD: doc
 //! comments become the schema's descriptions, and `kvfleet crd` prints the result.
 
+// kube's `printcolumn(...)` repeats the same keys once per column by design.
+#![allow(clippy::duplicated_attributes)]
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};

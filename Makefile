@@ -1,0 +1,47 @@
+# kvfleet task runner: CI (.ci/run) calls `make test`; README's two commands are `make run`
+# and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+CARGO ?= cargo
+CRD := crds/inferencedeployments.kvfleet.io.yaml
+TOOLS_ENV := .tools/env
+
+.PHONY: run test tools fmt fmt-check clippy unit crds crd-check bench
+
+## run: build and run kvfleet on its embedded default
+run:
+	$(CARGO) build --release
+	./target/release/kvfleet check -f deploy/examples/llama-3.1-8b-h100.yaml --gpu NVIDIA-H100-80GB-HBM3
+
+## test: everything CI checks (installs the external tools first)
+test: tools fmt-check clippy crd-check unit
+
+## tools: helm, kubectl, promtool, prometheus, NVRTC + CUDA headers into .tools/
+tools:
+	./.ci/install-tools > /dev/null
+
+fmt:
+	$(CARGO) fmt --all
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy:
+	$(CARGO) clippy --all-targets --locked -- -D warnings
+
+## unit: the test suite, with the tools on PATH (GPU and cluster tests are ignored and say so)
+unit:
+	source $(TOOLS_ENV) && $(CARGO) test --locked
+
+## crds: regenerate crds/ from src/api
+crds:
+	$(CARGO) run --quiet -- crd > $(CRD)
+
+## crd-check: fail when crds/ differs from what src/api generates
+crd-check:
+	$(CARGO) run --quiet --locked -- crd | diff -u $(CRD) - || \
+	  { echo "$(CRD) is stale: run 'make crds' and commit it" >&2; exit 1; }
+
+## bench: build the benchmarks (run them one by one, see bench/RESULTS.md)
+bench:
+	$(CARGO) bench --no-run
