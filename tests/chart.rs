@@ -596,7 +596,9 @@ fn webhook_rbac_is_exactly_what_the_webhook_uses() {
 #[test]
 fn worker_cluster_role_lets_a_worker_annotate_only_pods() {
     let objs = render(&[]);
-    let role = one_of(&objs, "ClusterRole", "kvfleet-worker");
+    // The controller binds worker accounts to this name.
+    assert_eq!(kvfleet::controller::desired::WORKER_CLUSTER_ROLE, "kvfleet-worker");
+    let role = one_of(&objs, "ClusterRole", kvfleet::controller::desired::WORKER_CLUSTER_ROLE);
     let rules = role["rules"].as_array().expect("rules");
     assert_eq!(rules.len(), 1);
     assert_eq!(strs(&rules[0]["apiGroups"]), [""]);
@@ -607,7 +609,6 @@ fn worker_cluster_role_lets_a_worker_annotate_only_pods() {
 /// Every KVFLEET_* variable and flag the chart passes is one the binary declares
 /// (`kvfleet <mode> --help` lists `[env: NAME=]`), so a rename on either side fails here.
 #[test]
-#[ignore = "needs `kvfleet controller` and `kvfleet webhook` (issues 5 and 6) merged into this branch"]
 fn chart_env_and_flags_are_declared_by_the_binary() {
     let objs = render(&["webhook.certManager.enabled=true"]);
     let mut self_managed = render(&[]);
