@@ -597,8 +597,15 @@ fn webhook_rbac_is_exactly_what_the_webhook_uses() {
 fn worker_cluster_role_lets_a_worker_annotate_only_pods() {
     let objs = render(&[]);
     // The controller binds worker accounts to this name.
-    assert_eq!(kvfleet::controller::desired::WORKER_CLUSTER_ROLE, "kvfleet-worker");
-    let role = one_of(&objs, "ClusterRole", kvfleet::controller::desired::WORKER_CLUSTER_ROLE);
+    assert_eq!(
+        kvfleet::controller::desired::WORKER_CLUSTER_ROLE,
+        "kvfleet-worker"
+    );
+    let role = one_of(
+        &objs,
+        "ClusterRole",
+        kvfleet::controller::desired::WORKER_CLUSTER_ROLE,
+    );
     let rules = role["rules"].as_array().expect("rules");
     assert_eq!(rules.len(), 1);
     assert_eq!(strs(&rules[0]["apiGroups"]), [""]);
