@@ -240,12 +240,15 @@ fn grants(list: &[(&str, &[&str], &[&str], &str)]) -> BTreeSet<(String, String, 
 
 const MANAGE: &[&str] = &["get", "list", "watch", "create", "patch", "delete"];
 
-fn controller_grants(monitoring: bool) -> BTreeSet<(String, String, String, String)> {
-    let mut list: Vec<(&str, &[&str], &[&str], &str)> = vec![
+/// What src/controller/ calls: watches (list, watch), reads (get), server-side apply (create,
+/// patch), the PDB it removes on scale-down (delete), status patches, owner references with
+/// blockOwnerDeletion (finalizers update), Events, its Lease, and binding worker accounts.
+fn controller_grants() -> BTreeSet<(String, String, String, String)> {
+    let list: Vec<(&str, &[&str], &[&str], &str)> = vec![
         (
             "kvfleet.io",
             &["inferencedeployments"],
-            &["get", "list", "watch", "patch"],
+            &["get", "list", "watch"],
             "*",
         ),
         ("kvfleet.io", &["inferencedeployments/status"], &["patch"], "*"),
@@ -260,10 +263,23 @@ fn controller_grants(monitoring: bool) -> BTreeSet<(String, String, String, Stri
         ("policy", &["poddisruptionbudgets"], MANAGE, "*"),
         ("", &["nodes", "pods"], &["get", "list", "watch"], "*"),
         ("events.k8s.io", &["events"], &["create", "patch"], "*"),
+        ("", &["serviceaccounts"], &["create", "patch"], "*"),
         (
-            "apiextensions.k8s.io",
-            &["customresourcedefinitions"],
-            &["get", "list"],
+            "rbac.authorization.k8s.io",
+            &["rolebindings"],
+            &["create", "patch"],
+            "*",
+        ),
+        (
+            "rbac.authorization.k8s.io",
+            &["clusterroles"],
+            &["bind"],
+            "kvfleet-worker",
+        ),
+        (
+            "monitoring.coreos.com",
+            &["servicemonitors", "podmonitors"],
+            &["create", "patch"],
             "*",
         ),
         (
@@ -279,14 +295,6 @@ fn controller_grants(monitoring: bool) -> BTreeSet<(String, String, String, Stri
             "kvfleet-controller",
         ),
     ];
-    if monitoring {
-        list.push((
-            "monitoring.coreos.com",
-            &["servicemonitors", "podmonitors"],
-            MANAGE,
-            "*",
-        ));
-    }
     grants(&list)
 }
 
@@ -376,7 +384,7 @@ fn default_render_has_operator_webhook_crd_and_rbac() {
         m
     });
     let expected: BTreeMap<&str, usize> = [
-        ("ClusterRole", 2),
+        ("ClusterRole", 3),
         ("ClusterRoleBinding", 2),
         ("CustomResourceDefinition", 1),
         ("Deployment", 2),
@@ -423,16 +431,12 @@ fn default_render_has_operator_webhook_crd_and_rbac() {
     assert_eq!(webhook["spec"]["replicas"], 2);
     assert_eq!(
         strs(&container(&objs, "kvfleet-controller")["args"]),
-        ["controller"]
+        ["controller", "--lease-name=kvfleet-controller"]
     );
     assert_eq!(strs(&container(&objs, "kvfleet-webhook")["args"]), ["webhook"]);
     assert_eq!(
-        env_value(container(&objs, "kvfleet-controller"), "KVFLEET_LEADER_ELECTION").as_deref(),
+        env_value(container(&objs, "kvfleet-controller"), "KVFLEET_LEADER_ELECT").as_deref(),
         Some("true")
-    );
-    assert_eq!(
-        env_value(container(&objs, "kvfleet-controller"), "KVFLEET_LEASE_NAME").as_deref(),
-        Some("kvfleet-controller")
     );
     assert_eq!(
         env_value(container(&objs, "kvfleet-controller"), "KVFLEET_WORKER_IMAGE").as_deref(),
@@ -513,7 +517,10 @@ fn webhook_configuration_fails_closed_and_excludes_namespaces() {
 
     // Self-managed TLS: the webhook is told which Secret and which configuration to maintain.
     let c = container(&objs, "kvfleet-webhook");
-    assert_eq!(env_value(c, "KVFLEET_TLS_MODE").as_deref(), Some("self-managed"));
+    assert_eq!(
+        env_value(c, "KVFLEET_WEBHOOK_TLS_MODE").as_deref(),
+        Some("self-managed")
+    );
     assert_eq!(
         env_value(c, "KVFLEET_WEBHOOK_CONFIGURATION").as_deref(),
         Some(name_of(config))
@@ -547,11 +554,12 @@ fn webhook_exclusions_timeout_and_policy_are_configurable() {
 #[test]
 fn controller_rbac_is_exactly_what_the_controller_uses() {
     let objs = render(&[]);
-    assert_eq!(permissions(&objs, "kvfleet-controller"), controller_grants(false));
+    assert_eq!(permissions(&objs, "kvfleet-controller"), controller_grants());
+    // The controller discovers the monitoring API itself: its rights do not follow the toggle.
     let objs = render(&["monitoring.enabled=true"]);
-    assert_eq!(permissions(&objs, "kvfleet-controller"), controller_grants(true));
+    assert_eq!(permissions(&objs, "kvfleet-controller"), controller_grants());
     let objs = render(&["controller.leaderElection.enabled=false"]);
-    let without_lease: BTreeSet<_> = controller_grants(false)
+    let without_lease: BTreeSet<_> = controller_grants()
         .into_iter()
         .filter(|g| g.0 != "coordination.k8s.io")
         .collect();
@@ -566,7 +574,7 @@ fn webhook_rbac_is_exactly_what_the_webhook_uses() {
         (
             "",
             &["kvfleet-system/secrets"],
-            &["get", "update", "patch"],
+            &["get", "update"],
             "kvfleet-webhook-tls",
         ),
         (
@@ -583,6 +591,64 @@ fn webhook_rbac_is_exactly_what_the_webhook_uses() {
         cert_manager,
         "with cert-manager the webhook touches no Secret and no webhook configuration"
     );
+}
+
+#[test]
+fn worker_cluster_role_lets_a_worker_annotate_only_pods() {
+    let objs = render(&[]);
+    // The controller binds worker accounts to this name.
+    assert_eq!(
+        kvfleet::controller::desired::WORKER_CLUSTER_ROLE,
+        "kvfleet-worker"
+    );
+    let role = one_of(
+        &objs,
+        "ClusterRole",
+        kvfleet::controller::desired::WORKER_CLUSTER_ROLE,
+    );
+    let rules = role["rules"].as_array().expect("rules");
+    assert_eq!(rules.len(), 1);
+    assert_eq!(strs(&rules[0]["apiGroups"]), [""]);
+    assert_eq!(strs(&rules[0]["resources"]), ["pods"]);
+    assert_eq!(strs(&rules[0]["verbs"]), ["get", "patch"]);
+}
+
+/// Every KVFLEET_* variable and flag the chart passes is one the binary declares
+/// (`kvfleet <mode> --help` lists `[env: NAME=]`), so a rename on either side fails here.
+#[test]
+fn chart_env_and_flags_are_declared_by_the_binary() {
+    let objs = render(&["webhook.certManager.enabled=true"]);
+    let mut self_managed = render(&[]);
+    self_managed.retain(|o| kind_of(o) == "Deployment" && name_of(o) == "kvfleet-webhook");
+    for (deployment, mode) in [
+        (one_of(&objs, "Deployment", "kvfleet-controller"), "controller"),
+        (one_of(&objs, "Deployment", "kvfleet-webhook"), "webhook"),
+        (&self_managed[0], "webhook"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+            .args([mode, "--help"])
+            .output()
+            .expect("cannot run kvfleet");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "kvfleet {mode} --help failed");
+        let c = &deployment["spec"]["template"]["spec"]["containers"][0];
+        for name in env_of(c)
+            .keys()
+            .filter(|n| n.starts_with("KVFLEET_") || n.starts_with("POD_"))
+        {
+            if name == "KVFLEET_LOG_FORMAT" {
+                continue; // a global option, listed by `kvfleet --help`
+            }
+            assert!(
+                help.contains(&format!("[env: {name}=")),
+                "kvfleet {mode} declares no {name}"
+            );
+        }
+        for arg in strs(&c["args"]).iter().skip(1) {
+            let flag = arg.split('=').next().unwrap_or_default();
+            assert!(help.contains(flag), "kvfleet {mode} has no {flag}");
+        }
+    }
 }
 
 #[test]
@@ -730,12 +796,12 @@ fn cert_manager_mode_renders_a_certificate_and_injects_its_ca() {
         "kvfleet-system/kvfleet-webhook"
     );
     let c = container(&objs, "kvfleet-webhook");
-    assert_eq!(env_value(c, "KVFLEET_TLS_MODE").as_deref(), Some("files"));
+    assert_eq!(env_value(c, "KVFLEET_WEBHOOK_TLS_MODE").as_deref(), Some("files"));
     assert_eq!(
-        env_value(c, "KVFLEET_TLS_CERT_FILE").as_deref(),
+        env_value(c, "KVFLEET_WEBHOOK_TLS_CERT_FILE").as_deref(),
         Some("/tls/tls.crt")
     );
-    assert!(env_value(c, "KVFLEET_TLS_SECRET").is_none());
+    assert!(env_value(c, "KVFLEET_WEBHOOK_TLS_SECRET").is_none());
     let pod = &one_of(&objs, "Deployment", "kvfleet-webhook")["spec"]["template"]["spec"];
     let volume = pod["volumes"]
         .as_array()
@@ -795,10 +861,6 @@ fn monitoring_renders_service_monitors_and_the_rules_of_deploy() {
             .any(|p| p["name"] == port));
         assert_eq!(endpoint["honorLabels"], component == "controller");
     }
-    assert_eq!(
-        env_value(container(&objs, "kvfleet-controller"), "KVFLEET_MONITORING").as_deref(),
-        Some("true")
-    );
     let rule = one_of(&objs, "PrometheusRule", "kvfleet");
     let source = yaml_file(&repo().join("deploy/prometheus/kvfleet-rules.yaml"));
     assert_same(

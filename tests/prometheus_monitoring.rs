@@ -316,11 +316,15 @@ fn is_worker_metric(name: &str) -> bool {
     base.starts_with("vllm:")
         || [
             "kvfleet_kv_cache_capacity_tokens",
+            "kvfleet_kv_cache_predicted_capacity_tokens",
             "kvfleet_kv_cache_blocks",
             "kvfleet_kv_cache_usage_ratio",
             "kvfleet_kv_cache_max_concurrency",
             "kvfleet_requests",
             "kvfleet_preemptions_total",
+            "kvfleet_requests_finished_total",
+            "kvfleet_requests_failed_total",
+            "kvfleet_tokens_total",
             "kvfleet_attention_seconds",
             "kvfleet_gpu_info",
         ]
@@ -594,7 +598,8 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     });
 
     // Synthetic load so that usage, requests and attention latency move.
-    let load = r#"{"requests": 32, "prompt_tokens": 256, "output_tokens": 128}"#;
+    // docs/worker.md: 202 at once with "stream": false.
+    let load = r#"{"requests": [{"promptTokens": 256, "outputTokens": 128, "count": 32}], "stream": false}"#;
     let (status, body) = http(worker_port, "POST", "/v1/load", Some(load)).expect("POST /v1/load");
     assert!(
         (200..300).contains(&status),
