@@ -235,6 +235,7 @@ impl SelfManaged {
                     resource_version: existing
                         .as_ref()
                         .and_then(|s| s.metadata.resource_version.clone()),
+                    managed_fields: None,
                     labels: Some(BTreeMap::from([(
                         "app.kubernetes.io/managed-by".to_string(),
                         "kvfleet-webhook".to_string(),
