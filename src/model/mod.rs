@@ -1,2 +1,5 @@
-//! Model runtime: weights (GGUF, safetensors, dummy), tokenizer, the Llama-family forward
-//! pass and sampling, served through the worker's OpenAI-compatible API.
+//! Model runtime: weights (GGUF, dummy), tokenizer, the Llama-family forward pass and
+//! sampling, served through an OpenAI-compatible API (see `docs/model.md`).
+
+pub mod gguf;
+pub mod tokenizer;

@@ -1,0 +1,582 @@
+//! Byte-level BPE tokenizer read from GGUF metadata (`tokenizer.ggml.*`), chat templates, and
+//! a streaming detokenizer that only emits complete UTF-8.
+//!
+//! The pre-tokenizer regexes per `tokenizer.ggml.pre` are those llama.cpp uses
+//! (ggml-org/llama.cpp `src/llama-vocab.cpp`, `llm_tokenizer_bpe`): `smollm` and `starcoder` split
+//! every digit first, then apply the GPT-2 pattern.
+
+use std::collections::HashMap;
+
+use super::gguf::{Gguf, GgufError, Value};
+
+/// Errors of building a tokenizer or rendering a prompt.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(
+        "tokenizer model `{0}` is not supported; kvfleet reads byte-level BPE (`gpt2`) vocabularies only"
+    )]
+    Model(String),
+    #[error("pre-tokenizer `{0}` is not supported; supported: default, gpt2, smollm, starcoder, llama3, llama-bpe, qwen2")]
+    Pre(String),
+    #[error("tokenizer metadata is inconsistent: {0}")]
+    Vocab(String),
+    #[error("the model has no chat template kvfleet understands (ChatML or Llama 3); use /v1/completions with a raw prompt")]
+    NoChatTemplate,
+}
+
+/// How the chat template of a model renders messages.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatTemplate {
+    /// `<|im_start|>role\ncontent<|im_end|>\n`, with an optional default system message.
+    ChatMl {
+        default_system: Option<String>,
+    },
+    /// `<|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>`.
+    Llama3,
+    None,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE tokenizer.
+pub struct Tokenizer {
+    tokens: Vec<String>,
+    token_bytes: Vec<Vec<u8>>,
+    is_special: Vec<bool>,
+    token_to_id: HashMap<String, u32>,
+    /// (left, right) -> (rank, merged id).
+    merges: HashMap<(u32, u32), (u32, u32)>,
+    byte_to_id: [Option<u32>; 256],
+    /// Special tokens matched literally in input text, longest first.
+    specials: Vec<(String, u32)>,
+    pre: fancy_regex::Regex,
+    split_digits: bool,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+    /// Tokens that end a generation: EOS and the end-of-turn markers of the chat template.
+    pub stop_tokens: Vec<u32>,
+    pub chat_template: ChatTemplate,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.tokens.len())
+            .field("merges", &self.merges.len())
+            .field("chat_template", &self.chat_template)
+            .finish()
+    }
+}
+
+/// GPT-2's reversible byte <-> printable-char mapping (openai/gpt-2 `src/encoder.py`,
+/// `bytes_to_unicode`): printable Latin-1 bytes map to themselves, the rest to U+0100 onwards.
+fn byte_to_char_table() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            let c = next;
+            next += 1;
+            c
+        };
+        table[b as usize] = char::from_u32(c).unwrap_or('\u{fffd}');
+    }
+    table
+}
+
+fn strings(values: &[Value], key: &str) -> Result<Vec<String>, TokenizerError> {
+    values
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => Ok(s.clone()),
+            _ => Err(TokenizerError::Vocab(format!("`{key}` holds a non-string"))),
+        })
+        .collect()
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(TokenizerError::Model(model.into()));
+        }
+        let tokens = strings(g.get_array("tokenizer.ggml.tokens")?, "tokenizer.ggml.tokens")?;
+        let merges = strings(g.get_array("tokenizer.ggml.merges")?, "tokenizer.ggml.merges")?;
+        let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        let opt_id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
+        let template = g.get_str("tokenizer.chat_template").ok();
+        let mut t = Self::new(tokens, &types, &merges, pre, template)?;
+        t.bos = opt_id("tokenizer.ggml.bos_token_id");
+        t.eos = opt_id("tokenizer.ggml.eos_token_id");
+        t.add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
+        if let Some(e) = t.eos {
+            if e as usize >= t.tokens.len() {
+                return Err(TokenizerError::Vocab(format!(
+                    "eos id {e} outside the vocabulary"
+                )));
+            }
+            if !t.stop_tokens.contains(&e) {
+                t.stop_tokens.push(e);
+            }
+        }
+        Ok(t)
+    }
+
+    /// Builds a tokenizer from a vocabulary (in GPT-2 byte-mapped form), token types (3 =
+    /// control, 4 = user-defined: both matched literally), merges (`"a b"`), and pre-tokenizer.
+    pub fn new(
+        tokens: Vec<String>,
+        types: &[u64],
+        merges: &[String],
+        pre: &str,
+        chat_template: Option<&str>,
+    ) -> Result<Self, TokenizerError> {
+        let (pattern, split_digits) = match pre {
+            "default" | "gpt2" | "gpt-2" => (GPT2_PATTERN, false),
+            "smollm" | "starcoder" | "refact" => (GPT2_PATTERN, true),
+            "llama3" | "llama-bpe" | "llama-v3" => (LLAMA3_PATTERN, false),
+            "qwen2" => (QWEN2_PATTERN, false),
+            other => return Err(TokenizerError::Pre(other.into())),
+        };
+        let pre = fancy_regex::Regex::new(pattern)
+            .map_err(|e| TokenizerError::Vocab(format!("pre-tokenizer regex: {e}")))?;
+        let table = byte_to_char_table();
+        let mut char_to_byte = HashMap::new();
+        for (b, c) in table.iter().enumerate() {
+            char_to_byte.insert(*c, b as u8);
+        }
+        let mut token_to_id = HashMap::with_capacity(tokens.len());
+        let mut token_bytes = Vec::with_capacity(tokens.len());
+        let mut is_special = Vec::with_capacity(tokens.len());
+        let mut specials = Vec::new();
+        for (i, tok) in tokens.iter().enumerate() {
+            let ty = types.get(i).copied().unwrap_or(1);
+            let special = ty == 3 || ty == 4;
+            token_to_id.insert(tok.clone(), i as u32);
+            if special {
+                specials.push((tok.clone(), i as u32));
+                token_bytes.push(tok.as_bytes().to_vec());
+            } else {
+                // A char outside the byte map (never in a well-formed vocabulary) keeps its UTF-8.
+                let mut bytes = Vec::with_capacity(tok.len());
+                for c in tok.chars() {
+                    match char_to_byte.get(&c) {
+                        Some(&b) => bytes.push(b),
+                        None => bytes.extend(c.to_string().as_bytes()),
+                    }
+                }
+                token_bytes.push(bytes);
+            }
+            is_special.push(ty == 3);
+        }
+        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
+        let mut byte_to_id = [None; 256];
+        for (b, c) in table.iter().enumerate() {
+            byte_to_id[b] = token_to_id.get(&c.to_string()).copied();
+        }
+        let mut merge_map = HashMap::with_capacity(merges.len());
+        for (rank, m) in merges.iter().enumerate() {
+            let Some((l, r)) = m.split_once(' ') else {
+                return Err(TokenizerError::Vocab(format!("merge `{m}` has no space")));
+            };
+            let (Some(&li), Some(&ri), Some(&mi)) = (
+                token_to_id.get(l),
+                token_to_id.get(r),
+                token_to_id.get(&format!("{l}{r}")),
+            ) else {
+                // llama.cpp also ignores merges whose parts are not in the vocabulary.
+                continue;
+            };
+            merge_map.entry((li, ri)).or_insert((rank as u32, mi));
+        }
+        let chat_template = match chat_template {
+            Some(t) if t.contains("<|im_start|>") => ChatTemplate::ChatMl {
+                default_system: chatml_default_system(t),
+            },
+            Some(t) if t.contains("<|start_header_id|>") => ChatTemplate::Llama3,
+            _ => ChatTemplate::None,
+        };
+        let stop_tokens = ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>"]
+            .iter()
+            .filter_map(|s| token_to_id.get(*s).copied())
+            .collect();
+        Ok(Tokenizer {
+            tokens,
+            token_bytes,
+            is_special,
+            token_to_id,
+            merges: merge_map,
+            byte_to_id,
+            specials,
+            pre,
+            split_digits,
+            bos: None,
+            eos: None,
+            add_bos: false,
+            stop_tokens,
+            chat_template,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.token_to_id.get(token).copied()
+    }
+
+    /// The vocabulary entry of a token id.
+    pub fn token(&self, id: u32) -> Option<&str> {
+        self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// Encodes text; special tokens written literally in `text` become their ids when
+    /// `parse_special`. Adds BOS when the model asks for it.
+    pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let mut out = Vec::new();
+        if self.add_bos {
+            out.extend(self.bos);
+        }
+        let mut rest = text;
+        while !rest.is_empty() {
+            let hit = if parse_special {
+                self.find_special(rest)
+            } else {
+                None
+            };
+            match hit {
+                Some((at, len, id)) => {
+                    self.encode_plain(&rest[..at], &mut out);
+                    out.push(id);
+                    rest = &rest[at + len..];
+                }
+                None => {
+                    self.encode_plain(rest, &mut out);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    fn find_special(&self, text: &str) -> Option<(usize, usize, u32)> {
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (s, id) in &self.specials {
+            if let Some(at) = text.find(s.as_str()) {
+                // Earliest match wins; at equal positions the longer (sorted first) wins.
+                if best.is_none_or(|(b, _, _)| at < b) {
+                    best = Some((at, s.len(), *id));
+                }
+            }
+        }
+        best
+    }
+
+    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
+        if text.is_empty() {
+            return;
+        }
+        if self.split_digits {
+            let mut start = 0;
+            for (i, c) in text.char_indices() {
+                if c.is_numeric() {
+                    self.encode_pre(&text[start..i], out);
+                    self.encode_pre(&text[i..i + c.len_utf8()], out);
+                    start = i + c.len_utf8();
+                }
+            }
+            self.encode_pre(&text[start..], out);
+        } else {
+            self.encode_pre(text, out);
+        }
+    }
+
+    fn encode_pre(&self, text: &str, out: &mut Vec<u32>) {
+        let mut pos = 0;
+        while pos < text.len() {
+            // The patterns end in `\s+`, so any non-empty remainder matches; fall back to the
+            // whole rest if the regex engine gives up (backtrack limit).
+            let (s, e) = match self.pre.find_from_pos(text, pos) {
+                Ok(Some(m)) if m.end() > m.start() => (m.start(), m.end()),
+                _ => (pos, text.len()),
+            };
+            if s > pos {
+                self.bpe(&text.as_bytes()[pos..s], out);
+            }
+            self.bpe(&text.as_bytes()[s..e], out);
+            pos = e;
+        }
+    }
+
+    fn bpe(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        let mut syms: Vec<u32> = Vec::with_capacity(bytes.len());
+        for &b in bytes {
+            // A byte missing from the vocabulary (never in GPT-2 style vocabularies) is dropped
+            // in favour of id 0 rather than panicking.
+            syms.push(self.byte_to_id[b as usize].unwrap_or(0));
+        }
+        loop {
+            let mut best: Option<(u32, usize, u32)> = None;
+            for i in 0..syms.len().saturating_sub(1) {
+                if let Some(&(rank, merged)) = self.merges.get(&(syms[i], syms[i + 1])) {
+                    if best.is_none_or(|(r, _, _)| rank < r) {
+                        best = Some((rank, i, merged));
+                    }
+                }
+            }
+            let Some((_, i, merged)) = best else { break };
+            syms[i] = merged;
+            syms.remove(i + 1);
+        }
+        out.extend(syms);
+    }
+
+    /// The bytes a token stands for; control tokens yield nothing unless `with_special`.
+    pub fn token_bytes(&self, id: u32, with_special: bool) -> &[u8] {
+        match self.token_bytes.get(id as usize) {
+            Some(_) if !with_special && self.is_special[id as usize] => &[],
+            Some(b) => b,
+            None => &[],
+        }
+    }
+
+    /// Decodes ids to text (invalid UTF-8 becomes U+FFFD).
+    pub fn decode(&self, ids: &[u32], with_special: bool) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            bytes.extend_from_slice(self.token_bytes(id, with_special));
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Renders chat messages with the model's template, ending with the assistant's turn.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        let mut s = String::new();
+        match &self.chat_template {
+            ChatTemplate::ChatMl { default_system } => {
+                if let Some(sys) = default_system {
+                    if messages.first().is_none_or(|m| m.role != "system") {
+                        s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
+                    }
+                }
+                for m in messages {
+                    s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+                }
+                s.push_str("<|im_start|>assistant\n");
+            }
+            ChatTemplate::Llama3 => {
+                if !self.add_bos {
+                    s.push_str("<|begin_of_text|>");
+                }
+                for m in messages {
+                    s.push_str(&format!(
+                        "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
+                        m.role,
+                        m.content.trim()
+                    ));
+                }
+                s.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
+            }
+            ChatTemplate::None => return Err(TokenizerError::NoChatTemplate),
+        }
+        Ok(s)
+    }
+}
+
+/// The default system message a ChatML template inserts when the first message is not a
+/// system message (SmolLM2: "You are a helpful AI assistant named SmolLM, ...").
+fn chatml_default_system(template: &str) -> Option<String> {
+    let marker = "<|im_start|>system\n";
+    let start = template.find(marker)? + marker.len();
+    let rest = &template[start..];
+    let end = rest.find("<|im_end|>")?;
+    let text = &rest[..end];
+    // Only a literal string counts, not a Jinja expression.
+    (!text.contains("{{") && !text.contains('\'') && !text.is_empty()).then(|| text.to_string())
+}
+
+/// Turns a stream of token ids into text pieces that are always complete UTF-8: bytes of a
+/// character split across tokens are held back until the character is complete.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    pending: Vec<u8>,
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one token and returns the text that became complete (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
+        self.pending.extend_from_slice(tok.token_bytes(id, false));
+        self.drain(false)
+    }
+
+    /// Flushes held-back bytes at the end of a stream (an incomplete tail becomes U+FFFD).
+    pub fn finish(&mut self) -> String {
+        self.drain(true)
+    }
+
+    fn drain(&mut self, last: bool) -> String {
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let good = e.valid_up_to();
+                    // SAFETY-free: the prefix was just validated.
+                    out.push_str(std::str::from_utf8(&self.pending[..good]).unwrap_or_default());
+                    match e.error_len() {
+                        Some(bad) => {
+                            out.push('\u{fffd}');
+                            self.pending.drain(..good + bad);
+                        }
+                        None if last => {
+                            out.push('\u{fffd}');
+                            self.pending.clear();
+                            return out;
+                        }
+                        None => {
+                            self.pending.drain(..good);
+                            return out;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vocabulary of all 256 byte tokens plus a few merges and specials.
+    fn toy() -> Tokenizer {
+        let table = byte_to_char_table();
+        let mut tokens: Vec<String> =
+            vec!["<|endoftext|>".into(), "<|im_start|>".into(), "<|im_end|>".into()];
+        tokens.extend(table.iter().map(|c| c.to_string()));
+        let mut types = vec![3u64; 3];
+        types.extend(std::iter::repeat_n(1, 256));
+        let merges: Vec<String> = vec!["h e".into(), "l l".into(), "he ll".into(), "Ġ w".into()];
+        for m in &merges {
+            tokens.push(m.replace(' ', ""));
+            types.push(1);
+        }
+        Tokenizer::new(
+            tokens,
+            &types,
+            &merges,
+            "smollm",
+            Some("<|im_start|>system\nBe kind<|im_end|>"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn merges_apply_by_rank_and_round_trip() {
+        let t = toy();
+        let ids = t.encode("hello world", false);
+        let pieces: Vec<&str> = ids.iter().map(|&i| t.token(i).unwrap()).collect();
+        assert_eq!(pieces, ["hell", "o", "Ġw", "o", "r", "l", "d"]);
+        assert_eq!(t.decode(&ids, false), "hello world");
+    }
+
+    #[test]
+    fn digits_are_split_one_by_one_for_smollm() {
+        let t = toy();
+        let ids = t.encode("a 123", false);
+        assert_eq!(ids.len(), 5);
+        assert_eq!(t.decode(&ids, false), "a 123");
+    }
+
+    #[test]
+    fn special_tokens_are_parsed_only_when_asked() {
+        let t = toy();
+        let with = t.encode("<|im_start|>hi<|im_end|>", true);
+        assert_eq!(with.first(), Some(&1));
+        assert_eq!(with.last(), Some(&2));
+        let without = t.encode("<|im_start|>", false);
+        assert!(without.len() > 1);
+        assert_eq!(t.decode(&with, false), "hi");
+        assert_eq!(t.decode(&with, true), "<|im_start|>hi<|im_end|>");
+    }
+
+    #[test]
+    fn chatml_template_inserts_default_system_once() {
+        let t = toy();
+        let user = ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        };
+        let s = t.apply_chat_template(std::slice::from_ref(&user)).unwrap();
+        assert_eq!(
+            s,
+            "<|im_start|>system\nBe kind<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let sys = ChatMessage {
+            role: "system".into(),
+            content: "S".into(),
+        };
+        let s = t.apply_chat_template(&[sys, user]).unwrap();
+        assert!(
+            s.starts_with("<|im_start|>system\nS<|im_end|>\n<|im_start|>user"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn stream_decoder_holds_back_split_characters() {
+        let t = toy();
+        let ids = t.encode("é€😀x", false);
+        let mut d = StreamDecoder::new();
+        let pieces: Vec<String> = ids.iter().map(|&i| d.push(&t, i)).collect();
+        assert!(pieces.iter().all(|p| std::str::from_utf8(p.as_bytes()).is_ok()));
+        assert_eq!(pieces.concat() + &d.finish(), "é€😀x");
+        // Only the completing byte of each character emits it.
+        assert_eq!(pieces.iter().filter(|p| !p.is_empty()).count(), 4);
+    }
+
+    #[test]
+    fn stream_decoder_replaces_invalid_and_truncated_bytes() {
+        let t = toy();
+        let byte = |b: u8| t.token_id(&byte_to_char_table()[b as usize].to_string()).unwrap();
+        let mut d = StreamDecoder::new();
+        assert_eq!(d.push(&t, byte(0xff)), "\u{fffd}");
+        assert_eq!(d.push(&t, byte(0xe2)), "");
+        assert_eq!(d.finish(), "\u{fffd}");
+    }
+
+    #[test]
+    fn unknown_pre_tokenizer_is_a_clear_error() {
+        let e = Tokenizer::new(vec![], &[], &[], "chameleon", None).unwrap_err();
+        assert!(e.to_string().contains("chameleon"));
+    }
+}

@@ -1,0 +1,222 @@
+//! The engine's model: layers grouped into page tables, and pools sized from the memory
+//! left for the KV cache. Mirrors `plan::kvfleet` (layers grouped by window, KV heads and
+//! head_dim; one block of a group holds `block_size` tokens of every layer in it; memory
+//! split in proportion to what one `max_model_len` request needs from each group).
+
+use super::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec, PoolShape};
+
+/// One layer of the synthetic model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelLayer {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub window: Option<u32>,
+}
+
+/// Engine limits that decide pool sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolParams {
+    pub block_size: usize,
+    pub max_model_len: usize,
+    pub max_num_batched_tokens: usize,
+    pub dtype: KvDtype,
+    pub causal: bool,
+}
+
+/// One group's pool.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupPool {
+    pub window: Option<u32>,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub layers: Vec<usize>,
+    /// Bytes of one block: K and V pages of every layer in the group.
+    pub block_bytes: u64,
+    /// Blocks one max_model_len request needs.
+    pub blocks_per_request: u64,
+    pub num_blocks: u64,
+}
+
+/// The sized KV cache.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolPlan {
+    pub groups: Vec<GroupPool>,
+    pub available_kv_bytes: u64,
+    /// Bytes the pools use (<= available).
+    pub pool_bytes: u64,
+    /// Requests of max_model_len that fit at once (min over groups).
+    pub max_concurrency: f64,
+    /// floor(max_concurrency x max_model_len).
+    pub capacity_tokens: u64,
+}
+
+/// Blocks a request of `tokens` holds at most in a group (see `block::KvManager`).
+pub fn blocks_per_request(window: Option<u32>, tokens: usize, chunk: usize, block_size: usize) -> u64 {
+    let full = tokens.div_ceil(block_size);
+    let n = match window {
+        Some(w) => {
+            full.min((w as usize).saturating_sub(1).div_ceil(block_size) + chunk.max(1).div_ceil(block_size))
+        }
+        None => full,
+    };
+    n as u64
+}
+
+/// Why pools cannot be sized.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum CapacityError {
+    #[error("the model has no attention layers")]
+    NoLayers,
+    #[error(transparent)]
+    Layout(#[from] super::layout::LayoutError),
+}
+
+/// Groups `layers` and sizes one pool per group for `available_kv_bytes`.
+pub fn size_pools(
+    layers: &[ModelLayer],
+    p: &PoolParams,
+    available_kv_bytes: u64,
+) -> Result<PoolPlan, CapacityError> {
+    if layers.is_empty() {
+        return Err(CapacityError::NoLayers);
+    }
+    let mut groups: Vec<GroupPool> = Vec::new();
+    for (i, l) in layers.iter().enumerate() {
+        let shape = PoolShape::new(0, l.kv_heads, p.block_size, l.head_dim, p.dtype)?;
+        let page = 2 * shape.page_bytes() as u64; // K and V
+        match groups
+            .iter_mut()
+            .find(|g| g.window == l.window && g.kv_heads == l.kv_heads && g.head_dim == l.head_dim)
+        {
+            Some(g) => {
+                g.layers.push(i);
+                g.block_bytes += page;
+            }
+            None => groups.push(GroupPool {
+                window: l.window,
+                kv_heads: l.kv_heads,
+                head_dim: l.head_dim,
+                layers: vec![i],
+                block_bytes: page,
+                blocks_per_request: blocks_per_request(
+                    l.window,
+                    p.max_model_len,
+                    p.max_num_batched_tokens,
+                    p.block_size,
+                ),
+                num_blocks: 0,
+            }),
+        }
+    }
+    let per_request: u64 = groups.iter().map(|g| g.blocks_per_request * g.block_bytes).sum();
+    // Whole requests first, then the remainder block by block to the group that limits
+    // concurrency most.
+    let c = available_kv_bytes / per_request.max(1);
+    for g in &mut groups {
+        g.num_blocks = c * g.blocks_per_request;
+    }
+    let mut left = available_kv_bytes - c * per_request;
+    loop {
+        let ratio = |g: &GroupPool| g.num_blocks as f64 / g.blocks_per_request as f64;
+        let Some(g) = groups
+            .iter_mut()
+            .filter(|g| g.block_bytes <= left)
+            .min_by(|a, b| ratio(a).total_cmp(&ratio(b)))
+        else {
+            break;
+        };
+        g.num_blocks += 1;
+        left -= g.block_bytes;
+    }
+    let max_concurrency = groups
+        .iter()
+        .map(|g| g.num_blocks as f64 / g.blocks_per_request as f64)
+        .fold(f64::INFINITY, f64::min);
+    Ok(PoolPlan {
+        pool_bytes: groups.iter().map(|g| g.num_blocks * g.block_bytes).sum(),
+        available_kv_bytes,
+        max_concurrency,
+        capacity_tokens: (max_concurrency * p.max_model_len as f64) as u64,
+        groups,
+    })
+}
+
+impl PoolPlan {
+    /// The backend allocation for this plan: layer `i` reads the group that holds it.
+    pub fn backend_config(&self, layers: &[ModelLayer], p: &PoolParams, scales: KvScales) -> BackendConfig {
+        let group_of = |i: usize| {
+            self.groups
+                .iter()
+                .position(|g| g.layers.contains(&i))
+                .unwrap_or(0)
+        };
+        BackendConfig {
+            block_size: p.block_size,
+            groups: self
+                .groups
+                .iter()
+                .map(|g| GroupSpec {
+                    window: g.window,
+                    num_blocks: g.num_blocks as usize,
+                })
+                .collect(),
+            layers: layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| LayerSpec {
+                    group: group_of(i),
+                    attn: LayerAttn {
+                        q_heads: l.q_heads,
+                        kv_heads: l.kv_heads,
+                        head_dim: l.head_dim,
+                        causal: p.causal,
+                        window: l.window,
+                        sm_scale: None,
+                    },
+                    dtype: p.dtype,
+                    scales,
+                })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pools_split_memory_by_what_one_request_needs() {
+        let l = |window| ModelLayer {
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            window,
+        };
+        let layers = [l(None), l(Some(128)), l(None), l(Some(128))];
+        let p = PoolParams {
+            block_size: 16,
+            max_model_len: 2048,
+            max_num_batched_tokens: 256,
+            dtype: KvDtype::Bf16,
+            causal: true,
+        };
+        let plan = size_pools(&layers, &p, 64 << 20).unwrap();
+        assert_eq!(plan.groups.len(), 2);
+        // bf16: 2 (K,V) x 2 heads x 16 tokens x 64 x 2 bytes = 8 KiB per layer page, 2 layers.
+        assert_eq!(plan.groups[0].block_bytes, 16384);
+        assert_eq!(plan.groups[0].blocks_per_request, 128);
+        assert_eq!(plan.groups[1].blocks_per_request, 8 + 16);
+        assert!(plan.pool_bytes <= 64 << 20);
+        assert!(
+            (64u64 << 20) - plan.pool_bytes < 16384,
+            "remainder is less than a block"
+        );
+        let c = plan.max_concurrency;
+        assert!((26.0..27.0).contains(&c), "{c}");
+        assert_eq!(plan.capacity_tokens, (c * 2048.0) as u64);
+    }
+}

@@ -1,0 +1,436 @@
+//! Start-up checks that fail fast: everything knowable before the first request is decided
+//! here, with one clear message and a distinct exit code.
+
+use std::process::ExitCode;
+
+use serde::Serialize;
+
+use super::config::{WorkerConfig, GIB};
+use super::engine::capacity::{size_pools, CapacityError, ModelLayer, PoolParams, PoolPlan};
+use super::engine::layout::{BackendConfig, KvDtype, KvScales};
+use super::engine::scheduler::SchedulerConfig;
+use super::nvml::{GpuInfo, Probe};
+use crate::api::{LayerType, Runtime};
+use crate::compat::{AttentionBackend, ComputeCapability, ModelFeatures};
+use crate::plan::{pool_layout, EngineParams, Geometry};
+
+/// Exit codes of `kvfleet worker` (documented in docs/worker.md).
+pub mod exit {
+    /// A runtime failure after start (cannot listen, engine error).
+    pub const RUNTIME: u8 = 1;
+    /// The configuration cannot be read or is invalid.
+    pub const CONFIG: u8 = 2;
+    /// The configuration cannot run on this machine (GPU, architecture, feature).
+    pub const INCOMPATIBLE: u8 = 3;
+    /// The KV cache does not fit in the memory left.
+    pub const NO_MEMORY: u8 = 4;
+}
+
+/// Why the worker refuses to start.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PreflightError {
+    #[error("invalid config: {0}")]
+    Config(String),
+    #[error("cannot run here: {0}")]
+    Incompatible(String),
+    #[error("KV cache does not fit: {0}")]
+    NoMemory(String),
+}
+
+impl PreflightError {
+    pub fn exit_code(&self) -> ExitCode {
+        ExitCode::from(match self {
+            Self::Config(_) => exit::CONFIG,
+            Self::Incompatible(_) => exit::INCOMPATIBLE,
+            Self::NoMemory(_) => exit::NO_MEMORY,
+        })
+    }
+}
+
+/// Which attention implementation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+/// What preflight decided.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Preflight {
+    pub backend: BackendKind,
+    pub gpu: Option<GpuInfo>,
+    pub dtype: KvDtype,
+    pub layers: Vec<ModelLayer>,
+    pub params: PoolParams,
+    pub memory_bytes: u64,
+    pub available_kv_bytes: u64,
+    pub pools: PoolPlan,
+    pub backend_config: BackendConfig,
+    pub scheduler: SchedulerConfig,
+    pub warnings: Vec<String>,
+}
+
+fn positive(what: &str, v: i64) -> Result<usize, PreflightError> {
+    if v < 1 {
+        return Err(PreflightError::Config(format!(
+            "{what} must be at least 1, got {v}"
+        )));
+    }
+    Ok(v as usize)
+}
+
+/// The model's layers as the engine runs them.
+pub fn model_layers(cfg: &WorkerConfig) -> Result<Vec<ModelLayer>, PreflightError> {
+    let g = &cfg.geometry;
+    if g.kv_lora_rank.is_some() {
+        return Err(PreflightError::Incompatible(
+            "MLA models (kvLoraRank) are not supported by the kvfleet engine; use engine.runtime vllm".into(),
+        ));
+    }
+    let n = positive("geometry.layers", g.layers.into())? + g.draft_layers.unwrap_or(0).max(0) as usize;
+    let q_heads = positive("geometry.queryHeads", g.query_heads.into())?;
+    let kv_heads = positive("geometry.kvHeads", g.kv_heads.into())?;
+    let head_dim = positive("geometry.headDim", g.head_dim.into())?;
+    let window = match g.sliding_window {
+        Some(w) if w < 1 => {
+            return Err(PreflightError::Config(
+                "geometry.slidingWindow must be at least 1".into(),
+            ))
+        }
+        Some(w) => Some(w as u32),
+        None => None,
+    };
+    if let Some(t) = &g.layer_types {
+        if t.len() != g.layers as usize {
+            return Err(PreflightError::Config(format!(
+                "geometry.layerTypes lists {} layers, geometry.layers is {}",
+                t.len(),
+                g.layers
+            )));
+        }
+    }
+    let mut layers = Vec::with_capacity(n);
+    for i in 0..n {
+        // Draft layers (after the model's) attend fully, like the model's full layers.
+        let kind = g.layer_types.as_ref().and_then(|t| t.get(i).copied());
+        let sliding = match kind {
+            Some(LayerType::SlidingAttention) => true,
+            Some(LayerType::FullAttention) => false,
+            // No layerTypes: all sliding when only slidingWindow is set (Mistral 7B v0.1).
+            None => g.layer_types.is_none() && window.is_some() && i < g.layers as usize,
+        };
+        if sliding && window.is_none() {
+            return Err(PreflightError::Config(
+                "sliding_attention layers need geometry.slidingWindow".into(),
+            ));
+        }
+        let (kvh, hd) = if sliding {
+            (kv_heads, head_dim)
+        } else {
+            (
+                g.global_kv_heads.map_or(kv_heads, |v| v.max(1) as usize),
+                g.global_head_dim.map_or(head_dim, |v| v.max(1) as usize),
+            )
+        };
+        if q_heads % kvh != 0 {
+            return Err(PreflightError::Config(format!(
+                "queryHeads {q_heads} is not a multiple of kvHeads {kvh}"
+            )));
+        }
+        layers.push(ModelLayer {
+            q_heads,
+            kv_heads: kvh,
+            head_dim: hd,
+            window: if sliding { window } else { None },
+        });
+    }
+    Ok(layers)
+}
+
+/// Decides backend, dtype and pool sizes for `cfg` on the probed machine.
+pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightError> {
+    let e = &cfg.engine;
+    let mut warnings = Vec::new();
+    if e.runtime != Runtime::Kvfleet {
+        return Err(PreflightError::Config(
+            "engine.runtime is vllm: vLLM pods run the vLLM image, not `kvfleet worker`".into(),
+        ));
+    }
+    if e.tensor_parallel_size != 1 {
+        return Err(PreflightError::Incompatible(format!(
+            "the kvfleet engine runs one GPU per replica, but tensorParallelSize is {}; set it to 1 or use runtime vllm",
+            e.tensor_parallel_size
+        )));
+    }
+    if !(e.gpu_memory_utilization > 0.0 && e.gpu_memory_utilization <= 1.0) {
+        return Err(PreflightError::Config(format!(
+            "gpuMemoryUtilization {} must be in (0, 1], e.g. 0.9",
+            e.gpu_memory_utilization
+        )));
+    }
+    let gpu = match probe {
+        Probe::Gpus(g) => g.first().cloned(),
+        Probe::NoGpu { .. } => None,
+    };
+    let no_gpu_reason = match probe {
+        Probe::NoGpu { reason } => reason.clone(),
+        Probe::Gpus(_) => String::new(),
+    };
+    let backend = match cfg.attention_backend() {
+        AttentionBackend::KvfleetCpu => BackendKind::Cpu,
+        AttentionBackend::KvfleetCuda => {
+            let Some(g) = &gpu else {
+                return Err(PreflightError::Incompatible(format!(
+                    "attentionBackend KVFLEET_CUDA needs an NVIDIA GPU but none was found ({no_gpu_reason}); schedule the pod on a GPU node or use KVFLEET_CPU"
+                )));
+            };
+            compat_check(cfg, g)?;
+            return Err(PreflightError::Incompatible(format!(
+                "attentionBackend KVFLEET_CUDA: this build has no CUDA backend yet (GPU {} sm_{}{}); use KVFLEET_CPU",
+                g.name, g.compute_capability.0, g.compute_capability.1
+            )));
+        }
+        AttentionBackend::Auto => {
+            if let Some(g) = &gpu {
+                warnings.push(format!(
+                    "GPU {} found but this build has no CUDA backend: running attention on the CPU",
+                    g.name
+                ));
+            }
+            BackendKind::Cpu
+        }
+        other => {
+            return Err(PreflightError::Config(format!(
+                "attentionBackend {other} belongs to vLLM; the kvfleet engine runs KVFLEET_CUDA or KVFLEET_CPU (or auto)"
+            )))
+        }
+    };
+    let dtype = KvDtype::resolve(cfg.kv_cache_dtype(), KvDtype::Bf16);
+    let layers = model_layers(cfg)?;
+    for l in &layers {
+        if !dtype.supports_head_dim(l.head_dim) {
+            return Err(PreflightError::Incompatible(format!(
+                "kvCacheDtype {dtype} needs head_dim to be a multiple of 16, the model has {}; use fp8 or bfloat16",
+                l.head_dim
+            )));
+        }
+    }
+    let scheduler = SchedulerConfig {
+        block_size: positive("engine.blockSize", e.block_size.into())?,
+        max_num_seqs: positive("engine.maxNumSeqs", e.max_num_seqs.into())?,
+        max_num_batched_tokens: positive("engine.maxNumBatchedTokens", e.max_num_batched_tokens.into())?,
+        max_model_len: positive("engine.maxModelLen", e.max_model_len)?,
+        max_waiting: 65_536,
+    };
+    scheduler.check().map_err(PreflightError::Config)?;
+    let params = PoolParams {
+        block_size: scheduler.block_size,
+        max_model_len: scheduler.max_model_len,
+        max_num_batched_tokens: scheduler.max_num_batched_tokens,
+        dtype,
+        causal: !e.non_causal,
+    };
+    // Memory: the GPU's total on a GPU backend, the configured host budget on the CPU.
+    let (memory_bytes, reserve) = match backend {
+        BackendKind::Cuda => (
+            gpu.as_ref().map_or(0, |g| g.memory_total_bytes),
+            cfg.activation_reserve_bytes.unwrap_or(GIB),
+        ),
+        BackendKind::Cpu => (
+            cfg.cpu_memory_bytes
+                .unwrap_or(super::config::DEFAULT_CPU_MEMORY_BYTES),
+            cfg.activation_reserve_bytes.unwrap_or(0),
+        ),
+    };
+    let budget = (memory_bytes as f64 * e.gpu_memory_utilization).floor() as u64;
+    let available = budget.saturating_sub(cfg.weight_bytes).saturating_sub(reserve);
+    if let (BackendKind::Cuda, Some(g)) = (backend, &gpu) {
+        let in_use = g.memory_total_bytes.saturating_sub(g.memory_free_bytes);
+        if g.memory_free_bytes < budget {
+            return Err(PreflightError::NoMemory(format!(
+                "gpuMemoryUtilization {} asks for {:.2} GiB but only {:.2} GiB of {} are free ({:.2} GiB used by other processes); lower gpuMemoryUtilization",
+                e.gpu_memory_utilization,
+                budget as f64 / GIB as f64,
+                g.memory_free_bytes as f64 / GIB as f64,
+                g.name,
+                in_use as f64 / GIB as f64
+            )));
+        }
+    }
+    let pools = size_pools(&layers, &params, available).map_err(|err| match err {
+        CapacityError::NoLayers => PreflightError::Config(err.to_string()),
+        CapacityError::Layout(l) => PreflightError::Incompatible(l.to_string()),
+    })?;
+    let pools = planner_sized(cfg, &params, available, pools, &mut warnings);
+    if pools.max_concurrency < 1.0 {
+        return Err(PreflightError::NoMemory(format!(
+            "{:.3} GiB left for the KV cache ({:.3} GiB x {} - {:.3} GiB weights - {:.3} GiB reserve) hold {} tokens, less than one maxModelLen {} request; lower maxModelLen, use kvCacheDtype fp8, or raise gpuMemoryUtilization",
+            available as f64 / GIB as f64,
+            memory_bytes as f64 / GIB as f64,
+            e.gpu_memory_utilization,
+            cfg.weight_bytes as f64 / GIB as f64,
+            reserve as f64 / GIB as f64,
+            pools.capacity_tokens,
+            scheduler.max_model_len
+        )));
+    }
+    let backend_config = pools.backend_config(&layers, &params, KvScales::default());
+    backend_config
+        .check()
+        .map_err(|e| PreflightError::Incompatible(e.to_string()))?;
+    Ok(Preflight {
+        backend,
+        gpu,
+        dtype,
+        layers,
+        params,
+        memory_bytes,
+        available_kv_bytes: available,
+        pools,
+        backend_config,
+        scheduler,
+        warnings,
+    })
+}
+
+/// The compat rules of the kvfleet runtime for the real device (`compat::rules`).
+pub fn compat_check(cfg: &WorkerConfig, gpu: &GpuInfo) -> Result<(), PreflightError> {
+    let cc = ComputeCapability::new(gpu.compute_capability.0, gpu.compute_capability.1);
+    let features = ModelFeatures::from_geometry(&cfg.geometry, cfg.engine.non_causal, false);
+    let eval = crate::compat::evaluate(
+        Runtime::Kvfleet,
+        cc,
+        &features,
+        cfg.kv_cache_dtype(),
+        AttentionBackend::KvfleetCuda,
+    );
+    match eval.violations.first() {
+        Some(v) if !eval.runs() => Err(PreflightError::Incompatible(format!(
+            "{} (GPU {} is sm_{}; rule {}, {})",
+            v.message,
+            gpu.name,
+            cc.sm_number(),
+            v.rule,
+            v.source
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Pool sizes from the planner (`plan::pool_layout`), so that the measured capacity is the
+/// predicted one; the local sizing stays when the planner groups layers differently.
+fn planner_sized(
+    cfg: &WorkerConfig,
+    params: &PoolParams,
+    available: u64,
+    mut pools: PoolPlan,
+    warnings: &mut Vec<String>,
+) -> PoolPlan {
+    let planned = Geometry::from_spec(&cfg.geometry).and_then(|g| {
+        pool_layout(
+            &g,
+            &EngineParams {
+                tp: 1,
+                dtype: params.dtype.spec(),
+                block_size: params.block_size as u32,
+                max_model_len: params.max_model_len as u64,
+                max_num_batched_tokens: params.max_num_batched_tokens as u64,
+            },
+            available,
+        )
+    });
+    match planned {
+        Ok(p)
+            if p.groups.len() == pools.groups.len()
+                && p.groups.iter().zip(&pools.groups).all(|(a, b)| {
+                    a.layers == b.layers
+                        && a.block_bytes == b.block_bytes
+                        && a.blocks_per_request == b.blocks_per_request
+                }) =>
+        {
+            for (a, b) in p.groups.iter().zip(pools.groups.iter_mut()) {
+                b.num_blocks = a.num_blocks;
+            }
+            pools.pool_bytes = pools.groups.iter().map(|g| g.num_blocks * g.block_bytes).sum();
+            pools.max_concurrency = p.max_concurrency;
+            pools.capacity_tokens = p.capacity_tokens;
+        }
+        Ok(_) => warnings
+            .push("the planner groups this model's layers differently; pools sized by the worker".into()),
+        Err(e) => warnings.push(format!(
+            "the planner cannot size this model ({e}); pools sized by the worker"
+        )),
+    }
+    pools
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compat::KvCacheDtype;
+
+    fn no_gpu() -> Probe {
+        Probe::NoGpu {
+            reason: "test".into(),
+        }
+    }
+
+    #[test]
+    fn the_embedded_default_passes_on_a_machine_without_gpu() {
+        let p = run(&WorkerConfig::embedded_default(), &no_gpu()).unwrap();
+        assert_eq!(p.backend, BackendKind::Cpu);
+        assert_eq!(p.pools.groups.len(), 2);
+        assert!(p.pools.max_concurrency >= 1.0);
+        assert!(
+            p.warnings.is_empty(),
+            "the planner sized the pools: {:?}",
+            p.warnings
+        );
+    }
+
+    #[test]
+    fn bf16_kv_on_an_h100_passes_the_kvfleet_compat_rules() {
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.kv_cache_dtype = KvCacheDtype::Bfloat16;
+        let gpu = GpuInfo {
+            index: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            product: "NVIDIA-H100-80GB-HBM3".into(),
+            compute_capability: (9, 0),
+            memory_total_bytes: 80 << 30,
+            memory_free_bytes: 79 << 30,
+            driver_version: "580".into(),
+        };
+        assert_eq!(compat_check(&c, &gpu), Ok(()));
+    }
+
+    #[test]
+    fn cuda_without_a_gpu_fails_with_the_incompatible_exit_code() {
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.attention_backend = AttentionBackend::KvfleetCuda;
+        let err = run(&c, &no_gpu()).unwrap_err();
+        assert!(err.to_string().contains("needs an NVIDIA GPU"), "{err}");
+        assert_eq!(err.exit_code(), ExitCode::from(exit::INCOMPATIBLE));
+    }
+
+    #[test]
+    fn a_cache_smaller_than_one_request_fails_with_the_memory_exit_code() {
+        let mut c = WorkerConfig::embedded_default();
+        c.cpu_memory_bytes = Some(1 << 20);
+        let err = run(&c, &no_gpu()).unwrap_err();
+        assert_eq!(err.exit_code(), ExitCode::from(exit::NO_MEMORY));
+        assert!(err.to_string().contains("lower maxModelLen"), "{err}");
+    }
+
+    #[test]
+    fn nvfp4_with_an_odd_head_dim_and_vllm_backends_are_refused() {
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.kv_cache_dtype = KvCacheDtype::Nvfp4;
+        c.geometry.head_dim = 72;
+        assert!(matches!(run(&c, &no_gpu()), Err(PreflightError::Incompatible(_))));
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.attention_backend = AttentionBackend::FlashInfer;
+        assert!(matches!(run(&c, &no_gpu()), Err(PreflightError::Config(_))));
+    }
+}

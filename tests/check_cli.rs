@@ -1,0 +1,295 @@
+//! `kvfleet check` end to end: runs the built binary on every example in deploy/examples and
+//! on unusable input, asserting exit codes and the key message text.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn kvfleet(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run kvfleet")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs `check` and asserts the exit code and that each expected fragment is printed.
+fn check(args: &[&str], code: i32, expected: &[&str]) -> String {
+    let mut all = vec!["check"];
+    all.extend_from_slice(args);
+    let o = kvfleet(&all);
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(code), "kvfleet {all:?}:\n{out}");
+    for e in expected {
+        assert!(out.contains(e), "{e:?} missing from kvfleet {all:?}:\n{out}");
+    }
+    assert!(!out.contains("panicked"), "{out}");
+    out
+}
+
+#[test]
+fn nvfp4_on_rtx_pro_6000_is_denied_with_fp8_hint() {
+    check(
+        &["-f", "deploy/examples/nvfp4-rtx-pro-6000.yaml", "--nodes", "deploy/examples/nodes/rtx-pro-6000.yaml"],
+        1,
+        &[
+            "denied: spec.engine.kvCacheDtype [UnsupportedKvCacheDtype]",
+            "kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3 (B200/B300); the selected nodes have 12.0 (NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition); use fp8",
+        ],
+    );
+    // Without nodes, the spec's selected products stand for the nodes.
+    check(
+        &["-f", "deploy/examples/nvfp4-rtx-pro-6000.yaml"],
+        1,
+        &["use fp8"],
+    );
+}
+
+#[test]
+fn nvfp4_on_b200_is_admitted_with_flashinfer() {
+    check(
+        &["-f", "deploy/examples/nvfp4-b200.yaml", "--nodes", "deploy/examples/nodes/b200.yaml"],
+        0,
+        &[
+            "admitted",
+            "resolved: kvCacheDtype nvfp4, attentionBackend FLASHINFER on compute capability 10.0 (NVIDIA-B200)",
+            "nvidia.com/gpu.compute.major In [10]",
+            "warning: FLASHINFER on compute capability 10.x downloads TRTLLM/XQA kernels",
+        ],
+    );
+}
+
+#[test]
+fn fp8_e4m3_with_vllm_on_rtx_3090_is_denied_with_e5m2_hint() {
+    check(
+        &[
+            "-f",
+            "deploy/examples/fp8-e4m3-rtx-3090-vllm.yaml",
+            "--nodes",
+            "deploy/examples/nodes/rtx-3090.yaml",
+        ],
+        1,
+        &[
+            "fp8_e4m3 KV cache is not supported by vLLM's Triton kernels",
+            "the selected nodes have 8.6 (NVIDIA-GeForce-RTX-3090); use fp8_e5m2",
+        ],
+    );
+}
+
+#[test]
+fn gemma_per_layer_windows_with_flashinfer_are_denied() {
+    check(
+        &[
+            "-f",
+            "deploy/examples/gemma3-sliding-window-flashinfer.yaml",
+            "--nodes",
+            "deploy/examples/nodes/h100.yaml",
+        ],
+        1,
+        &[
+            "[PerLayerSlidingWindow]",
+            "use attentionBackend FLASH_ATTN or TRITON_ATTN",
+        ],
+    );
+}
+
+#[test]
+fn mixed_pool_is_admitted_with_affinity_to_sm90_only() {
+    let out = check(
+        &[
+            "-f",
+            "deploy/examples/mixed-pool-fp8-sm90-only.yaml",
+            "--nodes",
+            "deploy/examples/nodes/mixed-a10-h100.yaml",
+        ],
+        0,
+        &[
+            "resolved: kvCacheDtype fp8_e4m3, attentionBackend FLASH_ATTN on compute capability 9.0",
+            "nodes: 2 can run it: h100-0, h100-1",
+            "node affinity: nvidia.com/gpu.compute.major In [9] and nvidia.com/gpu.compute.minor In [0]\n",
+            "warning: 2 of 5 selected GPU nodes can run this; the affinity excludes the others",
+        ],
+    );
+    assert!(!out.contains("In [8]"), "{out}");
+}
+
+#[test]
+fn max_model_len_that_cannot_fit_one_request_is_denied_by_the_planner() {
+    check(
+        &["-f", "deploy/examples/long-context-rtx-3090.yaml", "--nodes", "deploy/examples/nodes/rtx-3090.yaml"],
+        1,
+        &[
+            "denied: spec.engine.maxModelLen [KvCacheTooSmall]: maxModelLen 1048576 needs 128.00 GiB of KV cache per GPU for one request",
+            "lower maxModelLen to",
+            "the selected nodes have NVIDIA-GeForce-RTX-3090 (24.00 GiB)",
+        ],
+    );
+}
+
+#[test]
+fn llama_h100_example_is_admitted_by_gpu_flag() {
+    check(
+        &[
+            "-f",
+            "deploy/examples/llama-3.1-8b-h100.yaml",
+            "--gpu",
+            "NVIDIA-H100-80GB-HBM3",
+        ],
+        0,
+        &[
+            "attentionBackend KVFLEET_CUDA",
+            "capacity: ",
+            "KV-cache tokens per replica",
+        ],
+    );
+}
+
+#[test]
+fn every_example_documents_a_verdict_that_check_reproduces() {
+    // Each example names its command and expected exit code in its header comment.
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/examples");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+            continue;
+        }
+        let body = std::fs::read_to_string(&path).unwrap();
+        let Some(cmd) = body
+            .lines()
+            .find_map(|l| l.trim_start_matches('#').trim().strip_prefix("kvfleet check "))
+        else {
+            continue;
+        };
+        let code = if body.contains("DENIED (exit 1)") {
+            1
+        } else if body.contains("ADMITTED (exit 0)") {
+            0
+        } else {
+            panic!("{} documents no verdict", path.display());
+        };
+        let args: Vec<&str> = cmd.split_whitespace().collect();
+        check(&args, code, &[]);
+        seen += 1;
+    }
+    assert!(seen >= 5, "only {seen} documented examples");
+}
+
+#[test]
+fn json_output_carries_the_verdict() {
+    let o = kvfleet(&[
+        "check",
+        "-f",
+        "deploy/examples/mixed-pool-fp8-sm90-only.yaml",
+        "--nodes",
+        "deploy/examples/nodes/mixed-a10-h100.yaml",
+        "--output",
+        "json",
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v[0]["allowed"], true);
+    assert_eq!(v[0]["verdict"]["resolved"]["computeCapabilities"][0], "9.0");
+    assert_eq!(v[0]["verdict"]["compatibleNodes"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn one_denied_document_makes_the_file_exit_1() {
+    check(
+        &[
+            "-f",
+            "tests/fixtures/compat/two-deployments.yaml",
+            "--gpu",
+            "NVIDIA-H100-80GB-HBM3",
+        ],
+        1,
+        &[
+            "ok-on-h100 (tests/fixtures/compat/two-deployments.yaml, document 1): admitted",
+            "nvfp4-on-h100",
+            "document 2): denied",
+        ],
+    );
+}
+
+#[test]
+fn unusable_input_exits_2_naming_file_and_field() {
+    check(
+        &["-f", "tests/fixtures/compat/malformed.yaml", "--gpu", "NVIDIA-L4"],
+        2,
+        &["malformed.yaml: document 1: not valid YAML"],
+    );
+    check(
+        &[
+            "-f",
+            "tests/fixtures/compat/unknown-dtype.yaml",
+            "--gpu",
+            "NVIDIA-L4",
+        ],
+        2,
+        &["unknown-dtype.yaml: document 1: field spec.engine.kvCacheDtype: unknown variant `fp4`"],
+    );
+    check(
+        &[
+            "-f",
+            "tests/fixtures/compat/missing-field.yaml",
+            "--gpu",
+            "NVIDIA-L4",
+        ],
+        2,
+        &["missing-field.yaml: document 1: field spec.model.geometry: missing field `kvHeads`"],
+    );
+    check(
+        &[
+            "-f",
+            "deploy/examples/nvfp4-b200.yaml",
+            "--nodes",
+            "tests/fixtures/compat/bad-nodes.yaml",
+        ],
+        2,
+        &["bad-nodes.yaml: document 1: field items[0].status.allocatable.nvidia.com/gpu"],
+    );
+    check(
+        &["-f", "tests/fixtures/compat/absent.yaml", "--gpu", "NVIDIA-L4"],
+        2,
+        &["cannot read tests/fixtures/compat/absent.yaml"],
+    );
+    check(
+        &[
+            "-f",
+            "deploy/examples/nvfp4-b200.yaml",
+            "--gpu",
+            "NVIDIA-Imaginary-9000",
+        ],
+        2,
+        &["unknown GPU product \"NVIDIA-Imaginary-9000\""],
+    );
+    check(
+        &["-f", "tests/fixtures/compat/two-deployments.yaml"],
+        2,
+        &["no nodes to check against"],
+    );
+    check(&[], 2, &["pass -f FILE"]);
+}
+
+#[test]
+fn explain_prints_both_rule_sets_with_sources() {
+    check(
+        &["--explain"],
+        0,
+        &[
+            "vllm.nvfp4-kv-needs-sm100",
+            "vllm#43562, vllm#43669 (D)",
+            "kvfleet.sm75-float16-only",
+            "kvfleet kernels/ (our engine)",
+            "family 120: TRITON_ATTN > FLASH_ATTN > FLASHINFER",
+            "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+        ],
+    );
+}
