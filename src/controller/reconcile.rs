@@ -411,3 +411,30 @@ pub fn min_measured_tokens(pods: &[Pod]) -> Option<i64> {
 pub(crate) fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(ready: bool, tokens: Option<&str>) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "annotations": tokens.map(|t| json!({MEASURED_TOKENS_ANNOTATION: t})).unwrap_or(json!({}))},
+            "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn measured_capacity_is_the_smallest_over_ready_pods_and_ignores_garbage() {
+        let pods = [
+            pod(true, Some("25200")),
+            pod(true, Some(" 24000 ")),
+            pod(false, Some("100")),
+            pod(true, Some("lots")),
+            pod(true, Some("-5")),
+            pod(true, None),
+        ];
+        assert_eq!(min_measured_tokens(&pods), Some(24000));
+        assert_eq!(min_measured_tokens(&[pod(false, Some("1"))]), None);
+    }
+}

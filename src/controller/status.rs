@@ -380,3 +380,167 @@ pub fn notices(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::apps::v1::DeploymentStatus;
+
+    use super::*;
+    use crate::validate::Denial;
+
+    fn obj(generation: i64) -> InferenceDeployment {
+        let mut o: InferenceDeployment = serde_yaml::from_str(
+            "apiVersion: kvfleet.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: m, namespace: ns}\n\
+             spec: {replicas: 2, model: {name: m, geometry: {layers: 2, queryHeads: 4, kvHeads: 2, headDim: 64}}}\n",
+        )
+        .unwrap();
+        o.metadata.generation = Some(generation);
+        o
+    }
+
+    fn allowed() -> Verdict {
+        Verdict {
+            resolved: Some(ResolvedConfig {
+                kv_cache_dtype: "fp8_e5m2".into(),
+                attention_backend: "KVFLEET_CUDA".into(),
+                compute_capabilities: vec!["8.6".into()],
+                products: vec![],
+            }),
+            compatible_nodes: vec!["n1".into(), "n2".into()],
+            ..Verdict::default()
+        }
+    }
+
+    fn dep(ready: i32, updated: i32) -> Deployment {
+        let mut d = Deployment::default();
+        d.metadata.generation = Some(1);
+        d.status = Some(DeploymentStatus {
+            observed_generation: Some(1),
+            replicas: Some(2),
+            ready_replicas: Some(ready),
+            updated_replicas: Some(updated),
+            ..DeploymentStatus::default()
+        });
+        d
+    }
+
+    fn get<'a>(s: &'a InferenceDeploymentStatus, t: &str) -> &'a Condition {
+        find(s, t).unwrap()
+    }
+
+    #[test]
+    fn a_rolled_out_compatible_deployment_is_available_and_not_progressing() {
+        let v = allowed();
+        let d = dep(2, 2);
+        let seen = Observed {
+            verdict: Some(&v),
+            deployment: Some(&d),
+            ..Observed::default()
+        };
+        let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
+        assert_eq!(get(&s, COMPATIBLE).reason, "CompatibleNodesFound");
+        assert!(get(&s, COMPATIBLE).message.contains("2 node(s)"));
+        assert!(get(&s, COMPATIBLE).message.contains("fp8_e5m2"));
+        assert_eq!(get(&s, AVAILABLE).status, "True");
+        assert_eq!(get(&s, PROGRESSING).reason, "RolloutComplete");
+        assert_eq!(get(&s, DEGRADED).status, "False");
+        assert_eq!(s.ready_replicas, Some(2));
+        assert_eq!(s.selector.as_deref(), Some("kvfleet.io/inference-deployment=m"));
+        assert!(s.conditions.iter().all(|c| c.observed_generation == Some(1)));
+    }
+
+    #[test]
+    fn a_partial_rollout_is_progressing() {
+        let v = allowed();
+        let d = dep(1, 1);
+        let seen = Observed {
+            verdict: Some(&v),
+            deployment: Some(&d),
+            ..Observed::default()
+        };
+        let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
+        assert_eq!(get(&s, PROGRESSING).reason, "RollingOut");
+        assert_eq!(get(&s, AVAILABLE).status, "True");
+    }
+
+    #[test]
+    fn a_denial_names_its_reason_and_fix_in_the_compatible_condition() {
+        let v = Verdict {
+            denials: vec![Denial {
+                field: "spec.engine.kvCacheDtype".into(),
+                reason: "UnsupportedKvCacheDtype".into(),
+                message: "nvfp4 needs sm_100; use fp8".into(),
+            }],
+            ..Verdict::default()
+        };
+        let seen = Observed {
+            verdict: Some(&v),
+            ..Observed::default()
+        };
+        let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
+        let c = get(&s, COMPATIBLE);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "UnsupportedKvCacheDtype")
+        );
+        assert!(c
+            .message
+            .contains("spec.engine.kvCacheDtype: nvfp4 needs sm_100; use fp8"));
+        assert_eq!(get(&s, AVAILABLE).reason, "NotCompatible");
+        let n = notices(None, &s, Some(&v));
+        assert_eq!(n.len(), 1);
+        assert!(n[0].warning && n[0].reason == "UnsupportedKvCacheDtype");
+    }
+
+    #[test]
+    fn transition_times_are_kept_while_a_condition_keeps_its_status() {
+        let v = allowed();
+        let d = dep(2, 2);
+        let seen = Observed {
+            verdict: Some(&v),
+            deployment: Some(&d),
+            ..Observed::default()
+        };
+        let mut o = obj(1);
+        let t0 = Timestamp::from_second(1_000).unwrap();
+        o.status = Some(compute(&o, &seen, t0));
+        let later = compute(&o, &seen, Timestamp::from_second(2_000).unwrap());
+        assert!(later.conditions.iter().all(|c| c.last_transition_time.0 == t0));
+        assert_eq!(
+            Some(&later),
+            o.status.as_ref(),
+            "a settled object needs no status write"
+        );
+        assert!(
+            notices(o.status.as_ref(), &later, Some(&v)).is_empty(),
+            "no Events when nothing changed"
+        );
+    }
+
+    #[test]
+    fn the_planners_prediction_and_the_workers_measurement_reach_status() {
+        let v = allowed();
+        let d = dep(2, 2);
+        let p = CapacityPrediction {
+            tokens_per_replica: 25_200,
+            max_concurrency: 1.87,
+            vllm_tokens_per_replica: Some(25_184),
+        };
+        let seen = Observed {
+            verdict: Some(&v),
+            prediction: Some(&p),
+            deployment: Some(&d),
+            measured_tokens: Some(25_100),
+        };
+        let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
+        let c = s.capacity.clone().unwrap();
+        assert_eq!(c.tokens_per_replica, Some(25_200));
+        assert_eq!(c.max_concurrency, Some(1.87));
+        assert_eq!(c.measured_tokens_per_replica, Some(25_100));
+        assert_eq!(get(&s, CAPACITY_PLANNED).reason, "CapacityPredicted");
+        let n = notices(None, &s, Some(&v));
+        assert!(n
+            .iter()
+            .any(|n| n.reason == "CapacityMeasured" && n.note.contains("predicted 25200")));
+    }
+}
