@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kvfleet::model::gguf::{GgmlType, Gguf};
+use kvfleet::model::kv::ContiguousKv;
+use kvfleet::model::llama::{Llama, SeqChunk};
 use kvfleet::model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 fn gguf_path() -> PathBuf {
@@ -140,4 +142,68 @@ fn smollm2_chat_template_renders_chatml_with_default_system() {
     );
     assert_eq!(t.eos, Some(2));
     assert!(t.stop_tokens.contains(&2));
+}
+
+fn model() -> &'static Llama {
+    static M: OnceLock<Llama> = OnceLock::new();
+    M.get_or_init(|| Llama::from_gguf(gguf()).expect("load SmolLM2 weights"))
+}
+
+fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in xs.iter().enumerate() {
+        if *v > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn smollm2_greedy_chat_reply_names_paris() {
+    let (t, m) = (tokenizer(), model());
+    assert_eq!(m.config.n_layers, 30);
+    assert!(m.config.tied_embeddings);
+    let prompt = t
+        .apply_chat_template(&[ChatMessage {
+            role: "user".into(),
+            content: "What is the capital of France?".into(),
+        }])
+        .unwrap();
+    let ids = t.encode(&prompt, true);
+    let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
+    let mut logits = m
+        .forward(
+            &mut kv,
+            &[SeqChunk {
+                seq: 1,
+                start_pos: 0,
+                tokens: &ids,
+                want_logits: true,
+            }],
+        )
+        .unwrap();
+    let mut out = Vec::new();
+    for _ in 0..24 {
+        let next = argmax(&logits);
+        if t.stop_tokens.contains(&next) {
+            break;
+        }
+        out.push(next);
+        let pos = ids.len() + out.len() - 1;
+        logits = m
+            .forward(
+                &mut kv,
+                &[SeqChunk {
+                    seq: 1,
+                    start_pos: pos,
+                    tokens: &[next],
+                    want_logits: true,
+                }],
+            )
+            .unwrap();
+    }
+    let reply = t.decode(&out, false);
+    eprintln!("reply: {reply:?}");
+    assert!(reply.contains("Paris"), "reply: {reply:?}");
 }

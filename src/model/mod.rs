@@ -2,4 +2,6 @@
 //! sampling, served through an OpenAI-compatible API (see `docs/model.md`).
 
 pub mod gguf;
+pub mod kv;
+pub mod llama;
 pub mod tokenizer;
