@@ -31,7 +31,7 @@ clippy:
 
 ## unit: the test suite, with the tools on PATH (GPU and cluster tests are ignored and say so)
 unit:
-	source $(TOOLS_ENV) && $(CARGO) test --locked --all-targets
+	source $(TOOLS_ENV) && $(CARGO) test --locked
 
 ## crds: regenerate crds/ from src/api
 crds:

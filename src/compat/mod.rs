@@ -1,6 +1,17 @@
 //! What runs where (pure, no I/O): compute capabilities, GPU products, KV dtypes,
 //! attention backends and the rule sets of each runtime, each rule with its source.
 
+pub mod cc;
+pub mod features;
+pub mod products;
+pub mod rules;
 pub mod vocab;
 
+#[cfg(test)]
+mod tests;
+
+pub use cc::{ComputeCapability, ParseComputeCapabilityError};
+pub use features::ModelFeatures;
+pub use products::Product;
+pub use rules::{evaluate, Evaluation, Rule, Severity, Violation};
 pub use vocab::{AttentionBackend, KvCacheDtype, Runtime, UnknownValue};

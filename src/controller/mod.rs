@@ -1,16 +1,375 @@
-//! `kvfleet controller` (not yet available).
+//! `kvfleet controller`: reconciles InferenceDeployments into the objects that run them and
+//! reports compatibility and KV capacity in their status.
+//!
+//! The pipeline of one pass ([`reconcile::reconcile`]): fetch (watch caches) -> validate
+//! ([`crate::validate::validate`], pure) -> desired objects ([`desired`], pure) -> server-side
+//! apply with one field manager and owner references -> status and Events ([`status`], pure).
+//! No finalizer: everything created lives in the object's namespace and carries an owner
+//! reference, so the garbage collector removes it.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeStatus, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, ListParams};
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::{Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{self, store::Writer, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+
+use crate::api::InferenceDeployment;
+use crate::validate::NodeFacts;
+
+pub mod desired;
+pub mod leader;
+pub mod metrics;
+pub mod reconcile;
+pub mod status;
+
+pub use reconcile::{error_policy, reconcile, Context, FIELD_MANAGER};
 
 /// Options of `kvfleet controller`.
-#[derive(clap::Args, Debug)]
-pub struct ControllerArgs {}
+#[derive(clap::Args, Debug, Clone)]
+pub struct ControllerArgs {
+    /// Address of the plain HTTP port serving /metrics, /healthz and /readyz.
+    #[arg(long, env = "KVFLEET_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    /// Image of `kvfleet worker` pods when a spec names none (defaults to this release's image).
+    #[arg(long, env = "KVFLEET_WORKER_IMAGE")]
+    pub worker_image: Option<String>,
+    /// Image of vLLM pods when a spec names none.
+    #[arg(long, env = "KVFLEET_VLLM_IMAGE")]
+    pub vllm_image: Option<String>,
+    /// Elect a leader with a Lease so several replicas can run (`--leader-elect=false` for one).
+    #[arg(long, env = "KVFLEET_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader Lease.
+    #[arg(long, default_value = "kvfleet-controller")]
+    pub lease_name: String,
+    /// Namespace of the leader Lease (the controller's own namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "kvfleet-system")]
+    pub lease_namespace: String,
+    /// Identity in the Lease and in Events (the pod name).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// InferenceDeployments reconciled at once.
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: u16,
+}
 
 /// Errors of the controller.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("`kvfleet controller` is not yet available in this build")]
-    NotYetAvailable,
+    #[error("cannot build a Kubernetes client; set KUBECONFIG or run in a pod with a service account")]
+    Client(#[source] kube::Error),
+    #[error("cannot list InferenceDeployments; install the CRD (`kvfleet crd | kubectl apply -f -`) and grant the RBAC in deploy/rbac")]
+    CrdMissing(#[source] kube::Error),
+    #[error("cannot serve HTTP on {addr}; pick a free port with --http-addr")]
+    Http {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot register metrics")]
+    Metrics(#[source] prometheus::Error),
+    #[error("lost the leader Lease; exiting so the pod restarts and campaigns again")]
+    LeadershipLost,
+    #[error("{action} failed")]
+    Kube {
+        action: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("cannot build the desired objects")]
+    Desired(#[from] desired::DesiredError),
 }
 
-pub async fn run(_args: ControllerArgs) -> Result<(), Error> {
-    Err(Error::NotYetAvailable)
+impl Error {
+    pub(crate) fn kube(action: impl Into<String>, source: kube::Error) -> Self {
+        Error::Kube {
+            action: action.into(),
+            source,
+        }
+    }
+
+    /// True for HTTP 409 from the API server.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Error::Kube { source, .. } if reconcile::is_conflict(source))
+    }
+
+    /// Bounded category for the failure metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube { source, .. } => match source {
+                kube::Error::Api(s) if s.code == 409 => "conflict",
+                kube::Error::Api(s) if s.code == 401 || s.code == 403 => "forbidden",
+                kube::Error::Api(s) if s.code == 422 || s.code == 400 => "rejected",
+                kube::Error::Api(_) => "api",
+                _ => "transport",
+            },
+            Error::Desired(_) => "desired",
+            Error::Client(_) | Error::CrdMissing(_) | Error::Http { .. } | Error::Metrics(_) => "startup",
+            Error::LeadershipLost => "leadership",
+        }
+    }
+}
+
+/// Runs the controller until SIGTERM/SIGINT (exit 0) or until leadership is lost (error).
+pub async fn run(args: ControllerArgs) -> Result<(), Error> {
+    let client = Client::try_default().await.map_err(Error::Client)?;
+    let registry = prometheus::Registry::new();
+    let metrics = metrics::Metrics::new(&registry).map_err(Error::Metrics)?;
+    let ready = Arc::new(AtomicBool::new(false));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutdown requested");
+        let _ = stop_tx.send(true);
+    });
+
+    let health = metrics::Health {
+        registry: registry.clone(),
+        ready: ready.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|source| Error::Http {
+            addr: args.http_addr,
+            source,
+        })?;
+    let mut http_stop = stop_rx.clone();
+    tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = http_stop.wait_for(|s| *s).await;
+        };
+        if let Err(error) = axum::serve(listener, metrics::router(health))
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(%error, "HTTP server stopped");
+        }
+    });
+
+    let ids: Api<DeserializeGuard<InferenceDeployment>> = Api::all(client.clone());
+    ids.list(&ListParams::default().limit(1))
+        .await
+        .map_err(Error::CrdMissing)?;
+    ready.store(true, Ordering::Relaxed);
+
+    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    let (leading_tx, mut leading_rx) = watch::channel(!args.leader_elect);
+    if args.leader_elect {
+        let elector = leader::Elector::new(
+            Api::<Lease>::namespaced(client.clone(), &args.lease_namespace),
+            &args.lease_name,
+            &identity,
+            leader::Timing::default(),
+        );
+        tokio::spawn(elector.run(leading_tx, stop_rx.clone()));
+        tracing::info!(%identity, lease = %args.lease_name, namespace = %args.lease_namespace, "waiting for leadership");
+        let mut stop = stop_rx.clone();
+        tokio::select! {
+            r = leading_rx.wait_for(|l| *l) => if r.is_err() { return Err(Error::LeadershipLost) },
+            _ = stop.wait_for(|s| *s) => return Ok(()),
+        }
+    }
+    metrics.leader.set(1);
+
+    // Nodes: a stripped reflector; a change of what validation reads re-validates everything.
+    let writer: Writer<Node> = Writer::default();
+    let nodes: Store<Node> = writer.as_reader();
+    let (node_tx, node_rx) = futures::channel::mpsc::unbounded::<()>();
+    let node_stream = reflector::reflector(
+        writer,
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .modify(strip_node),
+    );
+    tokio::spawn(node_changes(node_stream, node_tx));
+    nodes.wait_until_ready().await.map_err(|_| {
+        Error::kube(
+            "watch Nodes",
+            kube::Error::Service("node watch ended before its first list".into()),
+        )
+    })?;
+
+    let settings = {
+        let mut s = desired::Settings::default();
+        if let Some(i) = args.worker_image.clone() {
+            s.worker_image = i;
+        }
+        if let Some(i) = args.vllm_image.clone() {
+            s.vllm_image = i;
+        }
+        s
+    };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        nodes,
+        settings,
+        metrics.clone(),
+        Some(identity),
+    ));
+    *ctx.monitor.write().unwrap_or_else(|p| p.into_inner()) = discover_monitor(&client).await;
+    tokio::spawn(refresh_monitor(ctx.clone(), stop_rx.clone()));
+
+    let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=kvfleet");
+    let mut stop = stop_rx.clone();
+    let mut lost = leading_rx.clone();
+    let shutdown = async move {
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => {}
+            _ = lost.wait_for(|l| !*l) => {}
+        }
+    };
+    tracing::info!("reconciling InferenceDeployments");
+    Controller::new(ids, watcher::Config::default())
+        .with_config(ControllerConfig::default().concurrency(args.concurrency))
+        .owns(Api::<Deployment>::all(client.clone()), owned.clone())
+        .owns(Api::<Service>::all(client.clone()), owned.clone())
+        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
+        .owns(Api::<PodDisruptionBudget>::all(client.clone()), owned)
+        .reconcile_all_on(node_rx)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(error) = r {
+                tracing::debug!(error = %crate::cli::error_chain(&error), "controller stream");
+            }
+        })
+        .await;
+    metrics.leader.set(0);
+
+    if args.leader_elect && !*stop_rx.borrow() {
+        return Err(Error::LeadershipLost);
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Keeps only what validation reads (labels, allocatable, unschedulable): node objects carry
+/// image lists and conditions that would dominate the cache.
+fn strip_node(n: &mut Node) {
+    n.managed_fields_mut().clear();
+    n.annotations_mut().clear();
+    if let Some(s) = n.status.as_mut() {
+        *s = NodeStatus {
+            allocatable: s.allocatable.take(),
+            ..NodeStatus::default()
+        };
+    }
+}
+
+/// Emits `()` when the facts validation reads change (not on heartbeats).
+async fn node_changes<S>(stream: S, tx: futures::channel::mpsc::UnboundedSender<()>)
+where
+    S: futures::Stream<Item = Result<watcher::Event<Node>, watcher::Error>>,
+{
+    let mut known: std::collections::BTreeMap<String, NodeFacts> = Default::default();
+    let mut initial: Option<std::collections::BTreeMap<String, NodeFacts>> = None;
+    let mut stream = std::pin::pin!(stream);
+    while let Some(ev) = stream.next().await {
+        let changed = match ev {
+            Ok(watcher::Event::Apply(n)) => {
+                let f = NodeFacts::from_node(&n);
+                known.insert(f.name.clone(), f.clone()) != Some(f)
+            }
+            Ok(watcher::Event::Delete(n)) => known.remove(&n.name_any()).is_some(),
+            Ok(watcher::Event::Init) => {
+                initial = Some(Default::default());
+                false
+            }
+            Ok(watcher::Event::InitApply(n)) => {
+                let f = NodeFacts::from_node(&n);
+                if let Some(i) = initial.as_mut() {
+                    i.insert(f.name.clone(), f);
+                }
+                false
+            }
+            Ok(watcher::Event::InitDone) => match initial.take() {
+                Some(i) if i != known => {
+                    known = i;
+                    true
+                }
+                _ => false,
+            },
+            Err(error) => {
+                tracing::warn!(%error, "node watch error; retrying");
+                false
+            }
+        };
+        if changed && tx.unbounded_send(()).is_err() {
+            return;
+        }
+    }
+}
+
+/// ServiceMonitor (preferred) or PodMonitor when the Prometheus Operator CRDs are installed.
+pub async fn discover_monitor(client: &Client) -> Option<desired::MonitorKind> {
+    let group = match kube::discovery::group(client, "monitoring.coreos.com").await {
+        Ok(g) => g,
+        Err(error) => {
+            tracing::debug!(%error, "no monitoring.coreos.com API group: no ServiceMonitor/PodMonitor");
+            return None;
+        }
+    };
+    ["ServiceMonitor", "PodMonitor"].into_iter().find_map(|kind| {
+        group
+            .recommended_kind(kind)
+            .map(|(resource, _)| desired::MonitorKind {
+                resource,
+                kind: kind.to_string(),
+            })
+    })
+}
+
+async fn refresh_monitor(ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(300)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let found = discover_monitor(&ctx.client).await;
+        let mut m = ctx.monitor.write().unwrap_or_else(|p| p.into_inner());
+        if *m != found {
+            tracing::info!(monitor = ?found.as_ref().map(|f| &f.kind), "Prometheus Operator CRDs changed");
+            *m = found;
+        }
+    }
+}
+
+fn default_identity() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "kvfleet-controller".into());
+    format!("{host}-{:08x}", rand::random::<u32>())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

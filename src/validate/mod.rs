@@ -2,13 +2,35 @@
 //!
 //! The single place where kvfleet decides whether an InferenceDeployment can run: the
 //! webhook, the controller and `kvfleet check` all call [`validate`].
+//!
+//! How it decides:
+//! 1. Checks what needs no node: tensorParallelSize against the model's heads and
+//!    gpu.count, gpuMemoryUtilization risk.
+//! 2. Keeps the nodes the spec's selectors could land on (`gpu.selector.products`,
+//!    `gpu.selector.minComputeCapability`, `pod.nodeSelector`; cordoned and GPU-less nodes
+//!    are left out) and reads their compute capability from the GFD labels
+//!    (`compute.major/minor` first, else the product table). Nodes without GFD labels are
+//!    never assumed compatible.
+//! 3. Runs the runtime's rules ([`crate::compat::rules`]) once per compute capability and
+//!    checks GPUs per node against GPUs per replica.
+//! 4. Admits when at least one node can run it. When architectures resolve `auto`
+//!    differently, the resolution held by the most nodes wins (ties: the newest
+//!    architecture) and the node affinity keeps pods on the architectures that resolve to
+//!    it, so every replica runs the same configuration.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Node, NodeAffinity};
+use k8s_openapi::api::core::v1::{
+    Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+};
 use serde::Serialize;
 
 use crate::api::{InferenceDeploymentSpec, ResolvedConfig};
+use crate::compat::rules::{self, Violation};
+use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype, ModelFeatures};
+
+#[cfg(test)]
+mod tests;
 
 /// GFD label keys (NVIDIA k8s-device-plugin, docs/gpu-feature-discovery/README.md).
 pub mod labels {
@@ -22,8 +44,16 @@ pub mod labels {
     pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 }
 
+/// Above this gpuMemoryUtilization, warn: at 0.90 the sampler warm-up (maxNumSeqs dummy
+/// requests) can OOM with ~1.7 GiB left (seed report, COMPAT.md).
+pub const GPU_MEMORY_UTILIZATION_WARN: f64 = 0.85;
+
+/// GPUs of a node made up by [`validate_offline`] / `kvfleet check --gpu`.
+pub const SYNTHETIC_NODE_GPUS: i64 = 8;
+
 /// What validation knows about one node: its labels and allocatable GPUs.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct NodeFacts {
     pub name: String,
     pub labels: BTreeMap<String, String>,
@@ -49,10 +79,68 @@ impl NodeFacts {
             unschedulable: node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false),
         }
     }
+
+    /// A node of one GPU product with the labels GFD would give it and `gpus` GPUs.
+    pub fn synthetic(name: impl Into<String>, product: &products::Product, gpus: i64) -> Self {
+        let labels = [
+            (labels::PRODUCT, product.label.to_string()),
+            (labels::COMPUTE_MAJOR, product.cc.major.to_string()),
+            (labels::COMPUTE_MINOR, product.cc.minor.to_string()),
+            (labels::MEMORY_MIB, product.memory_mib.to_string()),
+            (labels::COUNT, gpus.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        NodeFacts {
+            name: name.into(),
+            labels,
+            allocatable_gpus: Some(gpus),
+            unschedulable: false,
+        }
+    }
+
+    /// The raw `nvidia.com/gpu.product` value.
+    pub fn product(&self) -> Option<&str> {
+        self.labels
+            .get(labels::PRODUCT)
+            .map(|s| s.as_str())
+            .filter(|s| !s.trim().is_empty())
+    }
+
+    /// The compute capability from `compute.major/minor`, else from the product table.
+    pub fn compute_capability(&self) -> Option<ComputeCapability> {
+        self.labelled_compute_capability()
+            .or_else(|| self.product().and_then(products::lookup).map(|p| p.cc))
+    }
+
+    fn labelled_compute_capability(&self) -> Option<ComputeCapability> {
+        let major = self.labels.get(labels::COMPUTE_MAJOR)?;
+        let minor = self.labels.get(labels::COMPUTE_MINOR)?;
+        ComputeCapability::from_labels(major, minor).ok()
+    }
+
+    /// GPUs the scheduler can hand out: allocatable, else the GFD count label.
+    pub fn gpus(&self) -> Option<i64> {
+        self.allocatable_gpus.or_else(|| {
+            self.labels
+                .get(labels::COUNT)
+                .and_then(|c| c.trim().parse::<i64>().ok())
+        })
+    }
+
+    fn has_gfd_labels(&self) -> bool {
+        self.labels.keys().any(|k| k.starts_with("nvidia.com/gpu."))
+    }
+
+    fn is_gpu_node(&self) -> bool {
+        self.gpus().is_some_and(|g| g > 0) || self.has_gfd_labels()
+    }
 }
 
 /// The cluster as validation sees it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ClusterFacts {
     pub nodes: Vec<NodeFacts>,
 }
@@ -68,8 +156,28 @@ pub struct Denial {
     pub message: String,
 }
 
+/// What one compute capability among the selected nodes can run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ArchReport {
+    pub compute_capability: ComputeCapability,
+    /// Distinct `nvidia.com/gpu.product` values of these nodes.
+    pub products: Vec<String>,
+    /// Selected nodes of this compute capability.
+    pub nodes: usize,
+    /// Of them, nodes with at least the GPUs one replica needs.
+    pub nodes_with_enough_gpus: usize,
+    /// `(kvCacheDtype, attentionBackend)` after resolving `auto`; absent when nothing runs.
+    pub resolved: Option<(KvCacheDtype, AttentionBackend)>,
+    /// Rules this architecture breaks.
+    pub violations: Vec<Violation>,
+}
+
 /// The outcome of validating a spec against the cluster.
+///
+/// `resolved`, `node_affinity` and `compatible_nodes` are set only when admitted.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Verdict {
     /// Empty when admitted.
     pub denials: Vec<Denial>,
@@ -82,6 +190,8 @@ pub struct Verdict {
     pub node_affinity: Option<NodeAffinity>,
     /// Names of the nodes that can run it.
     pub compatible_nodes: Vec<String>,
+    /// Per compute capability of the selected nodes: what runs there and why not.
+    pub architectures: Vec<ArchReport>,
 }
 
 impl Verdict {
@@ -90,15 +200,631 @@ impl Verdict {
     }
 }
 
+/// Errors of offline validation input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValidateError {
+    #[error("unknown GPU product {product:?}; use a GFD nvidia.com/gpu.product value such as {examples}")]
+    UnknownProduct { product: String, examples: String },
+}
+
+/// Validates against one synthetic node per product (8 GPUs each), as `kvfleet check --gpu`.
+pub fn validate_offline(spec: &InferenceDeploymentSpec, products: &[&str]) -> Result<Verdict, ValidateError> {
+    Ok(validate(spec, &synthetic_cluster(products)?))
+}
+
+/// One synthetic node per product label (see [`NodeFacts::synthetic`]).
+pub fn synthetic_cluster(labels: &[&str]) -> Result<ClusterFacts, ValidateError> {
+    let mut nodes = Vec::new();
+    for (i, label) in labels.iter().enumerate() {
+        let product = products::lookup(label).ok_or_else(|| ValidateError::UnknownProduct {
+            product: label.to_string(),
+            examples:
+                "NVIDIA-H100-80GB-HBM3, NVIDIA-B200, NVIDIA-GeForce-RTX-3090, Tesla-T4 (see docs/compat.md)"
+                    .to_string(),
+        })?;
+        let mut node = NodeFacts::synthetic(
+            format!("gpu-{i}-{}", product.label.to_ascii_lowercase()),
+            product,
+            SYNTHETIC_NODE_GPUS,
+        );
+        // Keep the spelling the user gave (e.g. a -SHARED suffix), as GFD would.
+        node.labels
+            .insert(labels::PRODUCT.to_string(), label.trim().to_string());
+        nodes.push(node);
+    }
+    Ok(ClusterFacts { nodes })
+}
+
+// === impl validate ===
+
+struct Candidate<'a> {
+    node: &'a NodeFacts,
+    cc: ComputeCapability,
+    enough_gpus: bool,
+}
+
+fn denial(field: &str, reason: &str, message: String) -> Denial {
+    Denial {
+        field: field.to_string(),
+        reason: reason.to_string(),
+        message,
+    }
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    if n == 1 {
+        format!("{n} {one}")
+    } else {
+        format!("{n} {many}")
+    }
+}
+
+/// "12.0 (NVIDIA-RTX-PRO-6000-Blackwell), 8.6 (NVIDIA-GeForce-RTX-3090)".
+fn describe_archs<'a>(archs: impl IntoIterator<Item = &'a ArchReport>) -> String {
+    archs
+        .into_iter()
+        .map(|a| {
+            if a.products.is_empty() {
+                a.compute_capability.to_string()
+            } else {
+                format!("{} ({})", a.compute_capability, a.products.join(", "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The model's features, or a warning when they cannot be known here.
+fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) -> ModelFeatures {
+    let non_causal = spec.engine.non_causal;
+    let quantized = spec.model.quantization.is_quantized();
+    match (&spec.model.geometry, &spec.model.config) {
+        (Some(g), _) => ModelFeatures::from_geometry(g, non_causal, quantized),
+        (None, Some(cfg)) => {
+            warnings.push(format!(
+                "model.config (ConfigMap {}, key {}) is not read at admission: head-dimension, sliding-window, KV-head and capacity checks were skipped; the worker's preflight checks them, or write model.geometry",
+                cfg.config_map_ref.name, cfg.config_map_ref.key
+            ));
+            ModelFeatures::unknown(non_causal, quantized)
+        }
+        (None, None) => {
+            warnings.push(
+                "model has neither geometry nor config: head-dimension, sliding-window and KV-head checks were skipped".to_string(),
+            );
+            ModelFeatures::unknown(non_causal, quantized)
+        }
+    }
+}
+
+/// Valid tensorParallelSize values up to `limit` for these head counts.
+fn valid_tp(query_heads: i64, kv_heads: &[i64], limit: i64) -> Vec<i64> {
+    (1..=limit)
+        .filter(|tp| {
+            query_heads % tp == 0
+                && kv_heads
+                    .iter()
+                    .all(|kv| if *tp <= *kv { kv % tp == 0 } else { tp % kv == 0 })
+        })
+        .collect()
+}
+
+/// Checks that need no node: parallelism against heads and GPUs, memory utilisation.
+fn spec_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>, warnings: &mut Vec<String>) {
+    let engine = &spec.engine;
+    let tp = i64::from(engine.tensor_parallel_size);
+    if tp < 1 {
+        denials.push(denial(
+            "spec.engine.tensorParallelSize",
+            "InvalidTensorParallelSize",
+            format!("tensorParallelSize {tp} must be at least 1; set it to the GPUs one replica shards the model over"),
+        ));
+    }
+    if let Some(count) = spec.gpu.as_ref().and_then(|g| g.count) {
+        if i64::from(count) < tp {
+            denials.push(denial(
+                "spec.gpu.count",
+                "InsufficientGpuCount",
+                format!("gpu.count {count} is less than tensorParallelSize {tp}: each replica shards the model over {tp} GPUs; set gpu.count to at least {tp} or lower tensorParallelSize"),
+            ));
+        }
+    }
+    if let Some(g) = &spec.model.geometry {
+        let q = i64::from(g.query_heads);
+        let mut kvs = vec![i64::from(g.kv_heads)];
+        kvs.extend(g.global_kv_heads.map(i64::from));
+        if q < 1 || kvs.iter().any(|kv| *kv < 1) {
+            denials.push(denial(
+                "spec.model.geometry",
+                "InvalidGeometry",
+                "model.geometry queryHeads and kvHeads must be at least 1; copy num_attention_heads and num_key_value_heads from the model's config.json".to_string(),
+            ));
+        } else if tp >= 1 {
+            let mla = g.kv_lora_rank.is_some();
+            let kv_check: &[i64] = if mla { &[] } else { &kvs };
+            if valid_tp(q, kv_check, tp).last() != Some(&tp) {
+                let options = valid_tp(q, kv_check, 64.min(q.max(kvs[0])).max(1));
+                let options: Vec<String> = options.iter().take(8).map(|t| t.to_string()).collect();
+                let heads = if q % tp != 0 {
+                    format!("does not divide the model's {q} query heads")
+                } else {
+                    let kv = kvs
+                        .iter()
+                        .find(|kv| {
+                            if tp <= **kv {
+                                **kv % tp != 0
+                            } else {
+                                tp % **kv != 0
+                            }
+                        })
+                        .copied()
+                        .unwrap_or(kvs[0]);
+                    format!("and the model's {kv} KV heads do not split evenly (KV heads must be a multiple of tensorParallelSize, or tensorParallelSize a multiple of KV heads)")
+                };
+                denials.push(denial(
+                    "spec.engine.tensorParallelSize",
+                    "TensorParallelSizeMismatch",
+                    format!(
+                        "tensorParallelSize {tp} {heads} (vllm config/model.py verify_with_parallel_config, QKVParallelLinear); use one of {}",
+                        options.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+    let util = engine.gpu_memory_utilization;
+    if !(util > 0.0 && util <= 1.0) {
+        denials.push(denial(
+            "spec.engine.gpuMemoryUtilization",
+            "InvalidGpuMemoryUtilization",
+            format!("gpuMemoryUtilization {util} must be in (0, 1]; 0.85 is a safe default"),
+        ));
+    } else if util > GPU_MEMORY_UTILIZATION_WARN {
+        warnings.push(format!(
+            "gpuMemoryUtilization {util} is above {GPU_MEMORY_UTILIZATION_WARN}: at 0.90 the sampler warm-up (maxNumSeqs dummy requests) can run out of memory with ~1.7 GiB left on large models; lower it to {GPU_MEMORY_UTILIZATION_WARN} (or lower maxNumSeqs) if pods fail at start-up"
+        ));
+    }
+}
+
+fn selector_matches(
+    spec: &InferenceDeploymentSpec,
+    node: &NodeFacts,
+    min_cc: Option<ComputeCapability>,
+) -> bool {
+    if let Some(pod) = &spec.pod {
+        if !pod
+            .node_selector
+            .iter()
+            .all(|(k, v)| node.labels.get(k) == Some(v))
+        {
+            return false;
+        }
+    }
+    let selector = spec.gpu.as_ref().and_then(|g| g.selector.as_ref());
+    if let Some(sel) = selector {
+        if !sel.products.is_empty() {
+            let Some(product) = node.product() else {
+                return false;
+            };
+            let base = products::base_label(product);
+            let wanted = sel.products.iter().any(|p| {
+                let p = p.trim();
+                p == product || products::base_label(p) == base
+            });
+            if !wanted {
+                return false;
+            }
+        }
+    }
+    if let (Some(min), Some(cc)) = (min_cc, node.compute_capability()) {
+        if cc < min {
+            return false;
+        }
+    }
+    true
+}
+
+fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
+    let mut parts = Vec::new();
+    if let Some(sel) = spec.gpu.as_ref().and_then(|g| g.selector.as_ref()) {
+        if !sel.products.is_empty() {
+            parts.push(format!("gpu.selector.products [{}]", sel.products.join(", ")));
+        }
+        if let Some(min) = &sel.min_compute_capability {
+            parts.push(format!("gpu.selector.minComputeCapability {min}"));
+        }
+    }
+    if let Some(pod) = &spec.pod {
+        if !pod.node_selector.is_empty() {
+            let kv: Vec<String> = pod
+                .node_selector
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            parts.push(format!("pod.nodeSelector {{{}}}", kv.join(", ")));
+        }
+    }
+    if parts.is_empty() {
+        "any GPU node".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
 /// Decides whether `spec` can run on `facts`.
-pub fn validate(_spec: &InferenceDeploymentSpec, _facts: &ClusterFacts) -> Verdict {
-    // Replaced by the compat issue's rule engine; until then nothing is admitted.
-    Verdict {
-        denials: vec![Denial {
-            field: "spec".into(),
-            reason: "ValidationUnavailable".into(),
-            message: "this build has no compatibility rules yet".into(),
-        }],
+pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    let mut denials = Vec::new();
+    let mut warnings = Vec::new();
+    let features = model_features(spec, &mut warnings);
+    spec_checks(spec, &mut denials, &mut warnings);
+
+    let selector = spec.gpu.as_ref().and_then(|g| g.selector.as_ref());
+    let min_cc = match selector.and_then(|s| s.min_compute_capability.as_deref()) {
+        Some(s) => match s.parse::<ComputeCapability>() {
+            Ok(cc) => Some(cc),
+            Err(e) => {
+                denials.push(denial(
+                    "spec.gpu.selector.minComputeCapability",
+                    "InvalidComputeCapability",
+                    e.to_string(),
+                ));
+                None
+            }
+        },
+        None => None,
+    };
+    let gpus_per_replica = i64::from(spec.gpus_per_replica().max(1));
+
+    // --- which nodes could pods land on
+    let gpu_nodes: Vec<&NodeFacts> = facts.nodes.iter().filter(|n| n.is_gpu_node()).collect();
+    let matching: Vec<&NodeFacts> = gpu_nodes
+        .iter()
+        .copied()
+        .filter(|n| selector_matches(spec, n, min_cc))
+        .collect();
+    let cordoned = matching.iter().filter(|n| n.unschedulable).count();
+    let selected: Vec<&NodeFacts> = matching.iter().copied().filter(|n| !n.unschedulable).collect();
+    if cordoned > 0 {
+        warnings.push(format!(
+            "{} matching the selectors {} cordoned and not considered",
+            plural(cordoned, "node", "nodes"),
+            if cordoned == 1 { "is" } else { "are" }
+        ));
+    }
+
+    let mut unlabeled = Vec::new();
+    let mut unknown_products = BTreeSet::new();
+    let mut candidates = Vec::new();
+    for node in &selected {
+        match node.compute_capability() {
+            Some(cc) => candidates.push(Candidate {
+                node,
+                cc,
+                enough_gpus: node.gpus().is_some_and(|g| g >= gpus_per_replica),
+            }),
+            None => match node.product() {
+                Some(p) => {
+                    unknown_products.insert(p.to_string());
+                    unlabeled.push(node.name.as_str());
+                }
+                None => unlabeled.push(node.name.as_str()),
+            },
+        }
+    }
+    if !unlabeled.is_empty() {
+        let which = if unknown_products.is_empty() {
+            "carry no GPU Feature Discovery labels (nvidia.com/gpu.product, nvidia.com/gpu.compute.major/minor)".to_string()
+        } else {
+            format!(
+                "have no nvidia.com/gpu.compute.major/minor labels and a product kvfleet does not know ({})",
+                unknown_products.iter().cloned().collect::<Vec<_>>().join(", ")
+            )
+        };
+        warnings.push(format!(
+            "{} ({}) {which}; they are not assumed compatible and the affinity excludes them: deploy GPU Feature Discovery (NVIDIA GPU Operator or k8s-device-plugin with gfd)",
+            plural(unlabeled.len(), "selected GPU node", "selected GPU nodes"),
+            unlabeled.join(", ")
+        ));
+    }
+
+    // --- rules, once per compute capability
+    let mut archs: Vec<ArchReport> = Vec::new();
+    let ccs: BTreeSet<ComputeCapability> = candidates.iter().map(|c| c.cc).collect();
+    for cc in ccs.iter().rev() {
+        let nodes: Vec<&Candidate> = candidates.iter().filter(|c| c.cc == *cc).collect();
+        let products: BTreeSet<String> = nodes
+            .iter()
+            .filter_map(|c| c.node.product())
+            .map(str::to_string)
+            .collect();
+        let ev = rules::evaluate(
+            spec.engine.runtime,
+            *cc,
+            &features,
+            spec.engine.kv_cache_dtype,
+            spec.engine.attention_backend,
+        );
+        for w in &ev.warnings {
+            let text = format!("{} [{}; {}]", w.message, w.rule, w.source);
+            if !warnings.contains(&text) {
+                warnings.push(text);
+            }
+        }
+        archs.push(ArchReport {
+            compute_capability: *cc,
+            products: products.into_iter().collect(),
+            nodes: nodes.len(),
+            nodes_with_enough_gpus: nodes.iter().filter(|c| c.enough_gpus).count(),
+            resolved: ev.resolved,
+            violations: ev.violations,
+        });
+    }
+
+    let runnable: Vec<&ArchReport> = archs
+        .iter()
+        .filter(|a| a.resolved.is_some() && a.nodes_with_enough_gpus > 0)
+        .collect();
+
+    if selected.is_empty() {
+        let cluster = if gpu_nodes.is_empty() {
+            format!(
+                "the cluster facts hold {} and none has GPUs",
+                plural(facts.nodes.len(), "node", "nodes")
+            )
+        } else {
+            let all: BTreeSet<String> = gpu_nodes
+                .iter()
+                .map(|n| match (n.product(), n.compute_capability()) {
+                    (Some(p), Some(cc)) => format!("{p} ({cc})"),
+                    (Some(p), None) => p.to_string(),
+                    (None, Some(cc)) => cc.to_string(),
+                    (None, None) => "unlabeled".to_string(),
+                })
+                .collect();
+            format!(
+                "the cluster's {} have {}",
+                plural(gpu_nodes.len(), "GPU node", "GPU nodes"),
+                all.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        };
+        let unknown: Vec<&str> = selector
+            .map(|s| {
+                s.products
+                    .iter()
+                    .map(|p| p.as_str())
+                    .filter(|p| products::lookup(p).is_none())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let hint = if unknown.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " ({} not a GFD product value kvfleet knows, e.g. NVIDIA-H100-80GB-HBM3)",
+                unknown.join(", ")
+            )
+        };
+        denials.push(denial(
+            "spec.gpu.selector",
+            "NoMatchingNodes",
+            format!(
+                "no schedulable GPU node matches the selectors ({}){hint}; {cluster}; change gpu.selector or pod.nodeSelector to match GPU nodes, or add such nodes",
+                describe_selectors(spec)
+            ),
+        ));
+    } else if runnable.is_empty() {
+        // Rule violations, one denial per rule, naming the architectures where it fired.
+        let mut seen: Vec<&'static str> = Vec::new();
+        for arch in &archs {
+            for v in &arch.violations {
+                if seen.contains(&v.rule) {
+                    continue;
+                }
+                seen.push(v.rule);
+                let fired: Vec<&ArchReport> = archs
+                    .iter()
+                    .filter(|a| a.violations.iter().any(|w| w.rule == v.rule))
+                    .collect();
+                let n: usize = fired.iter().map(|a| a.nodes).sum();
+                let have = if n == 1 {
+                    "the selected node has"
+                } else {
+                    "the selected nodes have"
+                };
+                denials.push(denial(
+                    v.field,
+                    v.reason,
+                    format!(
+                        "{}; {have} {}; {} [{}; {}]",
+                        v.cause,
+                        describe_archs(fired.iter().copied()),
+                        v.fix,
+                        v.rule,
+                        v.source
+                    ),
+                ));
+            }
+        }
+        // Architectures that would run but lack GPUs per node.
+        let short: Vec<&ArchReport> = archs
+            .iter()
+            .filter(|a| a.resolved.is_some() && a.nodes_with_enough_gpus == 0)
+            .collect();
+        if !short.is_empty() {
+            let most = candidates
+                .iter()
+                .filter(|c| short.iter().any(|a| a.compute_capability == c.cc))
+                .filter_map(|c| c.node.gpus())
+                .max()
+                .unwrap_or(0);
+            denials.push(denial(
+                "spec.engine.tensorParallelSize",
+                "InsufficientGpusPerNode",
+                format!(
+                    "one replica needs {gpus_per_replica} GPUs on one node (tensorParallelSize/gpu.count); the selected nodes that can run it ({}) have at most {most}; lower tensorParallelSize or select nodes with at least {gpus_per_replica} GPUs",
+                    describe_archs(short.iter().copied())
+                ),
+            ));
+        }
+        if archs.is_empty() {
+            denials.push(denial(
+                "spec.gpu.selector",
+                "NoGpuFeatureDiscoveryLabels",
+                format!(
+                    "none of the {} selected GPU nodes has a known compute capability (no GFD labels), so kvfleet cannot tell whether they run this; deploy GPU Feature Discovery or label the nodes with nvidia.com/gpu.product and nvidia.com/gpu.compute.major/minor",
+                    selected.len()
+                ),
+            ));
+        }
+    }
+
+    // --- admitted (unless spec checks denied): pick the resolution, build the affinity
+    let mut verdict = Verdict {
+        denials,
+        warnings,
+        architectures: archs.clone(),
         ..Verdict::default()
+    };
+    if !verdict.denials.is_empty() || runnable.is_empty() {
+        return verdict;
+    }
+
+    // Most nodes win; ties go to the newest architecture (archs are sorted newest first).
+    let mut by_resolution: Vec<((KvCacheDtype, AttentionBackend), usize)> = Vec::new();
+    for a in &runnable {
+        let r = a.resolved.unwrap_or_default();
+        match by_resolution.iter_mut().find(|(k, _)| *k == r) {
+            Some((_, n)) => *n += a.nodes_with_enough_gpus,
+            None => by_resolution.push((r, a.nodes_with_enough_gpus)),
+        }
+    }
+    // `max_by_key` keeps the last maximum: reversed, that is the newest architecture.
+    let best = by_resolution
+        .iter()
+        .rev()
+        .max_by_key(|(_, n)| *n)
+        .map(|(r, _)| *r);
+    let Some((dtype, backend)) = best else {
+        return verdict;
+    };
+    let chosen: Vec<&ArchReport> = runnable
+        .iter()
+        .copied()
+        .filter(|a| a.resolved == Some((dtype, backend)))
+        .collect();
+    let chosen_ccs: BTreeSet<ComputeCapability> = chosen.iter().map(|a| a.compute_capability).collect();
+    let compatible: Vec<&Candidate> = candidates
+        .iter()
+        .filter(|c| chosen_ccs.contains(&c.cc) && c.enough_gpus)
+        .collect();
+    verdict.compatible_nodes = compatible.iter().map(|c| c.node.name.clone()).collect();
+
+    // Warnings about what the affinity leaves out.
+    let total = selected.len();
+    if compatible.len() < total {
+        verdict.warnings.insert(
+            0,
+            format!(
+                "{} of {} selected GPU nodes can run this; the affinity excludes the others",
+                compatible.len(),
+                total
+            ),
+        );
+    }
+    for a in &archs {
+        let label = describe_archs([a]);
+        if let Some(r) = a.resolved {
+            if r != (dtype, backend) {
+                verdict.warnings.push(format!(
+                    "nodes with {label} would resolve to kvCacheDtype {} / attentionBackend {}; excluded so every replica runs {dtype} / {backend}",
+                    r.0, r.1
+                ));
+            } else if a.nodes_with_enough_gpus < a.nodes {
+                verdict.warnings.push(format!(
+                    "{} with {label} {} fewer than the {gpus_per_replica} GPUs one replica needs",
+                    plural(a.nodes - a.nodes_with_enough_gpus, "node", "nodes"),
+                    if a.nodes - a.nodes_with_enough_gpus == 1 {
+                        "has"
+                    } else {
+                        "have"
+                    }
+                ));
+            }
+        } else {
+            let why: Vec<String> = a.violations.iter().map(|v| v.message.clone()).collect();
+            verdict
+                .warnings
+                .push(format!("nodes with {label} excluded: {}", why.join("; ")));
+        }
+    }
+
+    let products: BTreeSet<String> = compatible
+        .iter()
+        .filter_map(|c| c.node.product())
+        .map(str::to_string)
+        .collect();
+    verdict.resolved = Some(ResolvedConfig {
+        kv_cache_dtype: dtype.to_string(),
+        attention_backend: backend.to_string(),
+        compute_capabilities: chosen_ccs.iter().rev().map(|c| c.to_string()).collect(),
+        products: products.into_iter().collect(),
+    });
+    verdict.node_affinity = Some(node_affinity(spec, &compatible, &chosen_ccs));
+    verdict
+}
+
+/// Required node affinity: one term per chosen compute capability, by the GFD
+/// `compute.major/minor` labels when every compatible node of it carries them, else by
+/// product; restricted to products too when the spec selects products.
+fn node_affinity(
+    spec: &InferenceDeploymentSpec,
+    compatible: &[&Candidate],
+    ccs: &BTreeSet<ComputeCapability>,
+) -> NodeAffinity {
+    let selected_products: &[String] = spec
+        .gpu
+        .as_ref()
+        .and_then(|g| g.selector.as_ref())
+        .map(|s| s.products.as_slice())
+        .unwrap_or(&[]);
+    let req = |key: &str, values: Vec<String>| NodeSelectorRequirement {
+        key: key.to_string(),
+        operator: "In".to_string(),
+        values: Some(values),
+    };
+    let mut terms = Vec::new();
+    for cc in ccs.iter().rev() {
+        let nodes: Vec<&&Candidate> = compatible.iter().filter(|c| c.cc == *cc).collect();
+        let all_labelled = nodes
+            .iter()
+            .all(|c| c.node.labelled_compute_capability() == Some(*cc));
+        let mut exprs = Vec::new();
+        if all_labelled {
+            exprs.push(req(labels::COMPUTE_MAJOR, vec![cc.major.to_string()]));
+            exprs.push(req(labels::COMPUTE_MINOR, vec![cc.minor.to_string()]));
+        }
+        if !all_labelled || !selected_products.is_empty() {
+            let mut products: BTreeSet<String> = nodes
+                .iter()
+                .filter_map(|c| c.node.product())
+                .map(str::to_string)
+                .collect();
+            products.extend(
+                selected_products
+                    .iter()
+                    .filter(|p| products::lookup(p).is_some_and(|prod| prod.cc == *cc))
+                    .map(|p| p.trim().to_string()),
+            );
+            exprs.push(req(labels::PRODUCT, products.into_iter().collect()));
+        }
+        terms.push(NodeSelectorTerm {
+            match_expressions: Some(exprs),
+            match_fields: None,
+        });
+    }
+    NodeAffinity {
+        required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+            node_selector_terms: terms,
+        }),
+        preferred_during_scheduling_ignored_during_execution: None,
     }
 }

@@ -2,6 +2,8 @@
 
 use std::process::ExitCode;
 
+pub mod engine;
+
 /// Options of `kvfleet worker`.
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {}

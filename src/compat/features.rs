@@ -1,0 +1,164 @@
+//! Model features that constrain which attention backends and KV dtypes can run.
+
+use serde::Serialize;
+
+use super::vocab::KvCacheDtype;
+use crate::api::{LayerType, ModelGeometry};
+
+/// What a model's attention looks like, as far as kernels care.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ModelFeatures {
+    /// Distinct attention head dimensions (e.g. `[256, 512]` for Gemma 4: sliding and
+    /// global heads). For MLA models the latent width `kv_lora_rank + qk_rope_head_dim`.
+    /// Empty when unknown (model given by a ConfigMap that admission cannot read).
+    pub head_dims: Vec<u32>,
+    /// Distinct sliding-window sizes in tokens across layers (empty: no sliding layers).
+    pub sliding_windows: Vec<u32>,
+    /// Layers differ in their window (some sliding, some full, or several windows), as in
+    /// Gemma 2/3/4 and gpt-oss. FlashInfer needs one window for all layers.
+    pub per_layer_windows: bool,
+    /// Attention without a causal mask (drafter blocks, encoders).
+    pub non_causal: bool,
+    /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
+    pub quantized_checkpoint: bool,
+    /// Multi-head latent attention (DeepSeek-style `kv_lora_rank`).
+    pub mla: bool,
+    /// The model's activation dtype: `bfloat16` or `float16`; what `auto` KV resolves to.
+    pub model_dtype: KvCacheDtype,
+}
+
+impl Default for ModelFeatures {
+    fn default() -> Self {
+        Self {
+            head_dims: Vec::new(),
+            sliding_windows: Vec::new(),
+            per_layer_windows: false,
+            non_causal: false,
+            quantized_checkpoint: false,
+            mla: false,
+            model_dtype: KvCacheDtype::Bfloat16,
+        }
+    }
+}
+
+impl ModelFeatures {
+    /// Features of a model whose geometry is unknown (only the engine flags are known).
+    pub fn unknown(non_causal: bool, quantized: bool) -> Self {
+        Self {
+            non_causal,
+            quantized_checkpoint: quantized,
+            ..Self::default()
+        }
+    }
+
+    /// True when the head dimensions are known.
+    pub fn geometry_known(&self) -> bool {
+        !self.head_dims.is_empty()
+    }
+
+    /// Derives the features from the CRD's geometry. Values the schema would reject
+    /// (negative numbers) are ignored rather than trusted.
+    pub fn from_geometry(g: &ModelGeometry, non_causal: bool, quantized: bool) -> Self {
+        let pos = |v: i32| u32::try_from(v).ok().filter(|v| *v > 0);
+        let mut head_dims = Vec::new();
+        let mla = g.kv_lora_rank.is_some();
+        if mla {
+            let latent =
+                g.kv_lora_rank.and_then(pos).unwrap_or(0) + g.qk_rope_head_dim.and_then(pos).unwrap_or(0);
+            if latent > 0 {
+                head_dims.push(latent);
+            }
+        } else {
+            head_dims.extend(pos(g.head_dim));
+        }
+
+        let layers = usize::try_from(g.layers).unwrap_or(0);
+        let window = g.sliding_window.and_then(pos);
+        // Absent layerTypes: all full, or all sliding when only slidingWindow is set
+        // (Mistral 7B v0.1), as the CRD documents.
+        let types: Vec<LayerType> = match &g.layer_types {
+            Some(t) if !t.is_empty() => t.clone(),
+            _ if window.is_some() => vec![LayerType::SlidingAttention; layers.max(1)],
+            _ => vec![LayerType::FullAttention; layers.max(1)],
+        };
+        let has_sliding = types.contains(&LayerType::SlidingAttention);
+        let has_full = types.contains(&LayerType::FullAttention);
+        if has_full && !mla {
+            if let Some(global) = g.global_head_dim.and_then(pos) {
+                head_dims.push(global);
+            }
+        }
+        head_dims.sort_unstable();
+        head_dims.dedup();
+
+        let sliding_windows: Vec<u32> = if has_sliding {
+            window.into_iter().collect()
+        } else {
+            Vec::new()
+        };
+        Self {
+            head_dims,
+            per_layer_windows: has_sliding && has_full,
+            sliding_windows,
+            non_causal,
+            quantized_checkpoint: quantized,
+            mla,
+            model_dtype: KvCacheDtype::Bfloat16,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(json: serde_json::Value) -> ModelGeometry {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn llama_has_one_head_dim_and_no_windows() {
+        let g = geometry(serde_json::json!({"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}));
+        let f = ModelFeatures::from_geometry(&g, false, false);
+        assert_eq!(f.head_dims, vec![128]);
+        assert!(f.sliding_windows.is_empty());
+        assert!(!f.per_layer_windows && !f.mla);
+        assert_eq!(f.model_dtype, KvCacheDtype::Bfloat16);
+    }
+
+    #[test]
+    fn gemma4_style_geometry_has_per_layer_windows_and_two_head_dims() {
+        let mut types = vec!["sliding_attention"; 5];
+        types.push("full_attention");
+        let g = geometry(serde_json::json!({
+            "layers": 6, "queryHeads": 32, "kvHeads": 16, "headDim": 256,
+            "slidingWindow": 1024, "layerTypes": types, "globalHeadDim": 512, "globalKvHeads": 4
+        }));
+        let f = ModelFeatures::from_geometry(&g, false, true);
+        assert_eq!(f.head_dims, vec![256, 512]);
+        assert_eq!(f.sliding_windows, vec![1024]);
+        assert!(f.per_layer_windows);
+        assert!(f.quantized_checkpoint);
+    }
+
+    #[test]
+    fn mistral_v01_all_sliding_has_one_global_window() {
+        let g = geometry(serde_json::json!({
+            "layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128, "slidingWindow": 4096
+        }));
+        let f = ModelFeatures::from_geometry(&g, false, false);
+        assert_eq!(f.sliding_windows, vec![4096]);
+        assert!(!f.per_layer_windows);
+    }
+
+    #[test]
+    fn mla_uses_latent_width() {
+        let g = geometry(serde_json::json!({
+            "layers": 61, "queryHeads": 128, "kvHeads": 128, "headDim": 192,
+            "kvLoraRank": 512, "qkRopeHeadDim": 64
+        }));
+        let f = ModelFeatures::from_geometry(&g, false, false);
+        assert!(f.mla);
+        assert_eq!(f.head_dims, vec![576]);
+    }
+}

@@ -1,0 +1,732 @@
+//! The rule sets as data: for a runtime, a compute capability, model features, a KV dtype
+//! and an attention backend, say whether it runs and, if not, why and what to do instead.
+//!
+//! Each [`Rule`] carries its source. `auto` resolves through [`priority`]: the first backend
+//! of the architecture's order that no rule denies. `auto` KV dtype stays the model dtype
+//! (float16 where the GPU has no bfloat16).
+
+use serde::Serialize;
+
+use super::cc::ComputeCapability;
+use super::features::ModelFeatures;
+use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
+
+/// Deny stops admission; Warn admits with a caveat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Severity {
+    Deny,
+    Warn,
+}
+
+/// One combination being judged. `dtype` is concrete (never `auto`); `backend` is concrete.
+#[derive(Clone, Copy, Debug)]
+pub struct Case<'a> {
+    pub runtime: Runtime,
+    pub cc: ComputeCapability,
+    pub features: &'a ModelFeatures,
+    pub dtype: D,
+    pub backend: B,
+}
+
+impl Case<'_> {
+    fn kv(&self) -> D {
+        self.dtype.canonical()
+    }
+
+    /// The dtype as the user wrote it, with vLLM's alias spelled out.
+    fn dtype_name(&self) -> String {
+        match self.dtype {
+            D::Fp8 => "fp8 (fp8_e4m3)".to_string(),
+            d => d.as_str().to_string(),
+        }
+    }
+}
+
+/// A rule: where it applies, what it checks, why, and the fix.
+#[derive(Clone, Copy)]
+pub struct Rule {
+    /// Stable id, e.g. `vllm.nvfp4-kv-needs-sm100`.
+    pub id: &'static str,
+    pub runtime: Runtime,
+    /// Backends the rule applies to; empty: every backend.
+    pub backends: &'static [B],
+    pub severity: Severity,
+    /// The spec field to change, as a JSON path.
+    pub field: &'static str,
+    /// PascalCase reason for events, conditions and metrics.
+    pub reason: &'static str,
+    /// One line for `kvfleet check --explain`.
+    pub summary: &'static str,
+    /// Where the fact comes from (D = documented, I = inferred).
+    pub source: &'static str,
+    /// True when the combination breaks the rule.
+    pub fires: fn(&Case) -> bool,
+    /// What is wrong, without node specifics (validation adds what the nodes have).
+    pub cause: fn(&Case) -> String,
+    /// What to do instead.
+    pub fix: fn(&Case) -> String,
+}
+
+impl std::fmt::Debug for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rule")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rule {
+    fn applies_to(&self, backend: B) -> bool {
+        self.backends.is_empty() || self.backends.contains(&backend)
+    }
+
+    fn violation(&self, case: &Case) -> Violation {
+        let cause = (self.cause)(case);
+        let fix = (self.fix)(case);
+        Violation {
+            rule: self.id,
+            source: self.source,
+            reason: self.reason,
+            field: self.field,
+            message: format!("{cause}; {fix}"),
+            cause,
+            fix,
+        }
+    }
+}
+
+/// A broken rule, with its citation and a message that names the fix.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Violation {
+    /// The rule id.
+    pub rule: &'static str,
+    /// The rule's citation.
+    pub source: &'static str,
+    /// PascalCase reason.
+    pub reason: &'static str,
+    /// The spec field to change, e.g. `spec.engine.kvCacheDtype`.
+    pub field: &'static str,
+    /// `cause; fix`.
+    pub message: String,
+    /// What is wrong.
+    pub cause: String,
+    /// What to do instead.
+    pub fix: String,
+}
+
+/// The outcome for one architecture.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Evaluation {
+    /// The combination that runs, with `auto` resolved; `None` when nothing runs.
+    pub resolved: Option<(D, B)>,
+    /// Why nothing runs (empty when `resolved` is set).
+    pub violations: Vec<Violation>,
+    /// Caveats of the resolved combination.
+    pub warnings: Vec<Violation>,
+}
+
+impl Evaluation {
+    pub fn runs(&self) -> bool {
+        self.resolved.is_some()
+    }
+}
+
+const KV: &str = "spec.engine.kvCacheDtype";
+const BACKEND: &str = "spec.engine.attentionBackend";
+const GEOMETRY: &str = "spec.model.geometry";
+const RUNTIME: &str = "spec.engine.runtime";
+
+/// Source tag of kvfleet's own rules: our kernels decide them.
+pub const KVFLEET_SOURCE: &str = "kvfleet kernels/ (our engine)";
+
+fn head_dims(c: &Case) -> String {
+    c.features
+        .head_dims
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The first dtype of `candidates` that runs with the case's runtime on its arch (backend
+/// auto), for fixes like "use fp8".
+fn first_running_dtype(c: &Case, candidates: &[D]) -> Option<D> {
+    candidates
+        .iter()
+        .copied()
+        .find(|d| *d != c.dtype && resolve(c.runtime, c.cc, c.features, *d, B::Auto).0.is_some())
+}
+
+fn use_dtype(c: &Case, candidates: &[D]) -> String {
+    match first_running_dtype(c, candidates) {
+        Some(d) => format!("use {d}"),
+        None => format!(
+            "no KV dtype runs this model with the {} runtime on compute capability {}; select other GPUs",
+            c.runtime, c.cc
+        ),
+    }
+}
+
+fn model_dtype(c: &Case) -> D {
+    if c.features.model_dtype == D::Bfloat16 && c.cc < ComputeCapability::new(8, 0) {
+        D::Float16
+    } else {
+        c.features.model_dtype
+    }
+}
+
+// === vLLM rules ===
+
+/// The vLLM runtime's rules (COMPAT.md, "vLLM runtime: rules worth rejecting at admission").
+pub static VLLM_RULES: &[Rule] = &[
+    Rule {
+        id: "vllm.nvfp4-kv-needs-sm100",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Deny,
+        field: KV,
+        reason: "UnsupportedKvCacheDtype",
+        summary: "nvfp4 KV cache only on family 100 (sm_100/sm_103); elsewhere vLLM starts, then dies on the first request",
+        source: "vllm#43562, vllm#43669 (D)",
+        fires: |c| c.kv() == D::Nvfp4 && c.cc.family() != 100,
+        cause: |_| "kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3 (B200/B300)".to_string(),
+        fix: |c| use_dtype(c, &[D::Fp8, D::Fp8E5m2, model_dtype(c)]),
+    },
+    Rule {
+        id: "vllm.fp8-e4m3-needs-sm89-in-triton",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Deny,
+        field: KV,
+        reason: "UnsupportedKvCacheDtype",
+        summary: "fp8_e4m3 KV with TRITON_ATTN / Inductor below 8.9 (sm_75/80/86/87): \"type fp8e4nv not supported in this architecture\"; only fp8_e5m2 exists there",
+        source: "vllm#26431, vllm#7714, vllm#39133 (D); sm_75 inferred from the same Triton check",
+        fires: |c| c.kv() == D::Fp8E4m3 && c.cc < ComputeCapability::new(8, 9),
+        cause: |c| format!(
+            "{} KV cache is not supported by vLLM's Triton kernels (TRITON_ATTN and Inductor-compiled code) below compute capability 8.9: Triton has no fp8e4nv there",
+            c.dtype_name()
+        ),
+        fix: |c| use_dtype(c, &[D::Fp8E5m2, model_dtype(c)]),
+    },
+    Rule {
+        id: "vllm.fp8-e5m2-with-quantized-checkpoint",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Deny,
+        field: KV,
+        reason: "UnsupportedKvCacheDtype",
+        summary: "fp8_e5m2 KV cache with any quantized checkpoint (fp8, INT4 AWQ, ...): \"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\"",
+        source: "vllm#39133 (D)",
+        fires: |c| c.kv() == D::Fp8E5m2 && c.features.quantized_checkpoint,
+        cause: |_| "kvCacheDtype fp8_e5m2 is refused by vLLM with a quantized checkpoint (\"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\"; the gate fires for any quantization)".to_string(),
+        fix: |c| use_dtype(c, &[D::Fp8, model_dtype(c)]),
+    },
+    Rule {
+        id: "vllm.bfloat16-needs-sm80",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Deny,
+        field: KV,
+        reason: "UnsupportedKvCacheDtype",
+        summary: "bfloat16 needs compute capability 8.0; below it vLLM supports float16 only (auto falls back to float16)",
+        source: "vllm vllm/platforms/cuda.py supported_dtypes (D)",
+        fires: |c| c.kv() == D::Bfloat16 && c.cc < ComputeCapability::new(8, 0),
+        cause: |_| "kvCacheDtype bfloat16 needs compute capability 8.0 or newer".to_string(),
+        fix: |_| "use float16 (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.flash-attn-fp8-needs-fa3",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashAttn],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedAttentionBackend",
+        summary: "fp8 KV with FLASH_ATTN needs FA3, i.e. family 90 (\"Cannot use FlashAttention backend for FP8 KV cache\")",
+        source: "vllm#24577 (D); vllm v1/attention/backends/fa_utils.py flash_attn_supports_fp8",
+        fires: |c| c.kv().is_fp8() && c.cc.family() != 90,
+        cause: |c| format!(
+            "attentionBackend FLASH_ATTN with kvCacheDtype {} needs FlashAttention 3, i.e. compute capability 9.x (Hopper)",
+            c.dtype_name()
+        ),
+        fix: |_| "use attentionBackend auto, FLASHINFER or TRITON_ATTN".to_string(),
+    },
+    Rule {
+        id: "vllm.flash-attn-needs-sm80",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashAttn],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedAttentionBackend",
+        summary: "FLASH_ATTN (FA2) needs compute capability 8.0",
+        source: "Dao-AILab/flash-attention README (D)",
+        fires: |c| c.cc < ComputeCapability::new(8, 0),
+        cause: |_| "attentionBackend FLASH_ATTN (FlashAttention 2) needs compute capability 8.0 or newer".to_string(),
+        fix: |_| "use attentionBackend auto or TRITON_ATTN".to_string(),
+    },
+    Rule {
+        id: "vllm.flash-attn-head-dims",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashAttn],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedHeadDim",
+        summary: "FLASH_ATTN supports head dimensions up to 256 (multiples of 8)",
+        source: "Dao-AILab/flash-attention README \"all head dimensions up to 256\" (D)",
+        fires: |c| c.features.head_dims.iter().any(|d| *d > 256 || d % 8 != 0),
+        cause: |c| format!(
+            "attentionBackend FLASH_ATTN supports head dimensions up to 256; this model has {}",
+            head_dims(c)
+        ),
+        fix: |_| "use attentionBackend auto or TRITON_ATTN".to_string(),
+    },
+    Rule {
+        id: "vllm.flashinfer-needs-sm80",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashInfer],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedAttentionBackend",
+        summary: "FLASHINFER floor raised to 8.0 (sm_75 prefill fails)",
+        source: "vllm#47549 (D)",
+        fires: |c| c.cc < ComputeCapability::new(8, 0),
+        cause: |_| "attentionBackend FLASHINFER needs compute capability 8.0 or newer (prefill fails on 7.5)".to_string(),
+        fix: |_| "use attentionBackend auto or TRITON_ATTN".to_string(),
+    },
+    Rule {
+        id: "vllm.flashinfer-sm120-prefill-crash",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashInfer],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedAttentionBackend",
+        summary: "FLASHINFER on family 120 crashed in prefill_wrapper.plan() (vLLM 0.15): use TRITON_ATTN",
+        source: "seed report \"vLLM SM120 NVFP4 working state\", vllm#40153, vllm#40677 (D)",
+        fires: |c| c.cc.family() == 120,
+        cause: |_| "attentionBackend FLASHINFER crashes in prefill_wrapper.plan() on compute capability 12.x".to_string(),
+        fix: |_| "use attentionBackend TRITON_ATTN (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.flashinfer-one-window-for-all-layers",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashInfer],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "PerLayerSlidingWindow",
+        summary: "FLASHINFER needs one sliding window, soft-cap and scale for all layers; per-layer windows (Gemma 2/3/4, gpt-oss) need FLASH_ATTN or TRITON_ATTN",
+        source: "vllm v1/attention/backends/utils.py infer_global_hyperparameters, vllm#39995 (D)",
+        fires: |c| c.features.per_layer_windows,
+        cause: |c| format!(
+            "attentionBackend FLASHINFER needs the same sliding window in every layer (\"Window left is not the same for all layers\"); this model mixes sliding-window ({}) and full-attention layers",
+            c.features.sliding_windows.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", ")
+        ),
+        fix: |_| "use attentionBackend FLASH_ATTN or TRITON_ATTN (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.flashinfer-non-causal",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashInfer],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "NonCausalAttention",
+        summary: "non-causal attention (DFlash drafters, encoders): not supported by TRTLLM kernels; FLASHINFER non-causal is opt-in",
+        source: "vllm#39995, fi#3335 (D)",
+        fires: |c| c.features.non_causal,
+        cause: |_| "attentionBackend FLASHINFER does not run non-causal attention by default (TRTLLM kernels lack it; FlashInfer's non-causal path is opt-in)".to_string(),
+        fix: |_| "use attentionBackend FLASH_ATTN or TRITON_ATTN (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.flashinfer-head-dims",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashInfer],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedHeadDim",
+        summary: "FLASHINFER head sizes 64/128/256 only (Gemma 4 global head 512 rejected)",
+        source: "vllm#40677 (D)",
+        fires: |c| c.features.head_dims.iter().any(|d| ![64, 128, 256].contains(d)),
+        cause: |c| format!(
+            "attentionBackend FLASHINFER supports head dimensions 64, 128 and 256 only; this model has {}",
+            head_dims(c)
+        ),
+        fix: |_| "use attentionBackend TRITON_ATTN (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.mla-model-needs-mla-backend",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashAttn, B::FlashInfer, B::TritonAttn, B::FlexAttention, B::TreeAttn],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "MlaModel",
+        summary: "MLA models (kv_lora_rank) run on MLA backends only",
+        source: "vllm docs/design/attention_backends.md (D)",
+        fires: |c| c.features.mla,
+        cause: |c| format!("this model uses multi-head latent attention; attentionBackend {} is not an MLA backend", c.backend),
+        fix: |_| "use attentionBackend auto or TRITON_MLA".to_string(),
+    },
+    Rule {
+        id: "vllm.mla-backend-needs-mla-model",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashMla, B::CutlassMla, B::FlashInferMla, B::TritonMla],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "NotAnMlaModel",
+        summary: "MLA backends need an MLA model (kvLoraRank set)",
+        source: "vllm docs/design/attention_backends.md (D)",
+        fires: |c| !c.features.mla,
+        cause: |c| format!("attentionBackend {} is for multi-head latent attention models; this model has none (no kvLoraRank)", c.backend),
+        fix: |_| "use attentionBackend auto".to_string(),
+    },
+    Rule {
+        id: "vllm.flashmla-needs-sm90-or-sm100",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashMla],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedAttentionBackend",
+        summary: "FLASHMLA runs on families 90 and 100",
+        source: "vllm docs/design/attention_backends.md (I)",
+        fires: |c| !matches!(c.cc.family(), 90 | 100),
+        cause: |_| "attentionBackend FLASHMLA needs compute capability 9.x or 10.x".to_string(),
+        fix: |_| "use attentionBackend TRITON_MLA (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.sm100-mla-backends",
+        runtime: Runtime::Vllm,
+        backends: &[B::CutlassMla, B::FlashInferMla],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "UnsupportedAttentionBackend",
+        summary: "CUTLASS_MLA and FLASHINFER_MLA run on family 100 only",
+        source: "vllm docs/design/attention_backends.md (I)",
+        fires: |c| c.cc.family() != 100,
+        cause: |c| format!("attentionBackend {} needs compute capability 10.0 or 10.3", c.backend),
+        fix: |_| "use attentionBackend TRITON_MLA (or auto)".to_string(),
+    },
+    Rule {
+        id: "vllm.kvfleet-backend-needs-kvfleet-runtime",
+        runtime: Runtime::Vllm,
+        backends: &[B::KvfleetCuda, B::KvfleetCpu],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "BackendRuntimeMismatch",
+        summary: "KVFLEET_* backends belong to the kvfleet runtime",
+        source: "kvfleet api (EngineSpec)",
+        fires: |_| true,
+        cause: |c| format!("attentionBackend {} is kvfleet's own engine, not a vLLM backend", c.backend),
+        fix: |_| "use attentionBackend auto, FLASH_ATTN, FLASHINFER or TRITON_ATTN, or runtime kvfleet".to_string(),
+    },
+    Rule {
+        id: "vllm.flashinfer-cubins-air-gapped",
+        runtime: Runtime::Vllm,
+        backends: &[B::FlashInfer],
+        severity: Severity::Warn,
+        field: BACKEND,
+        reason: "RuntimeDownload",
+        summary: "TRTLLM/XQA cubins are downloaded at run time unless flashinfer-cubin is installed: in air-gapped pods those paths silently vanish",
+        source: "vllm utils/flashinfer.py (D)",
+        fires: |c| c.cc.family() == 100,
+        cause: |_| "FLASHINFER on compute capability 10.x downloads TRTLLM/XQA kernels at run time unless flashinfer-cubin is installed; in air-gapped pods those fast paths silently vanish".to_string(),
+        fix: |_| "use an image with flashinfer-cubin, or allow egress to fetch the cubins".to_string(),
+    },
+];
+
+// === kvfleet rules ===
+
+const KVFLEET_HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// kvfleet's own engine: what our kernels implement (keep in step with `kernels/`).
+pub static KVFLEET_RULES: &[Rule] = &[
+    Rule {
+        id: "kvfleet.backend-is-ours",
+        runtime: Runtime::Kvfleet,
+        backends: &[
+            B::FlashAttn, B::FlashInfer, B::TritonAttn, B::FlexAttention, B::TreeAttn,
+            B::FlashMla, B::CutlassMla, B::FlashInferMla, B::TritonMla,
+        ],
+        severity: Severity::Deny,
+        field: BACKEND,
+        reason: "BackendRuntimeMismatch",
+        summary: "the kvfleet runtime runs its own kernels: KVFLEET_CUDA (GPU) or KVFLEET_CPU",
+        source: KVFLEET_SOURCE,
+        fires: |_| true,
+        cause: |c| format!("attentionBackend {} is a vLLM backend; the kvfleet runtime runs its own kernels", c.backend),
+        fix: |_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string(),
+    },
+    Rule {
+        id: "kvfleet.cuda-needs-sm75",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda],
+        severity: Severity::Deny,
+        field: "spec.gpu.selector.minComputeCapability",
+        reason: "UnsupportedArchitecture",
+        summary: "KVFLEET_CUDA kernels are built for compute capability 7.5 and newer",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.cc < ComputeCapability::new(7, 5),
+        cause: |_| "kvfleet's CUDA kernels need compute capability 7.5 or newer".to_string(),
+        fix: |_| "set gpu.selector.minComputeCapability to \"7.5\" or newer".to_string(),
+    },
+    Rule {
+        id: "kvfleet.sm75-float16-only",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda],
+        severity: Severity::Deny,
+        field: KV,
+        reason: "UnsupportedKvCacheDtype",
+        summary: "on sm_75 only float16 KV (bf16 mma needs sm_80; the fp8/nvfp4 software-dequant paths are built for sm_80+)",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.cc < ComputeCapability::new(8, 0) && c.kv() != D::Float16,
+        cause: |c| format!(
+            "kvCacheDtype {} is not implemented by kvfleet's kernels below compute capability 8.0 (float16 only there: bf16 mma needs sm_80)",
+            c.dtype_name()
+        ),
+        fix: |_| "use float16 (or auto)".to_string(),
+    },
+    Rule {
+        id: "kvfleet.head-dims",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda, B::KvfleetCpu],
+        severity: Severity::Deny,
+        field: GEOMETRY,
+        reason: "UnsupportedHeadDim",
+        summary: "kvfleet kernels are specialised for head dimensions 64, 128 and 256",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.features.head_dims.iter().any(|d| !KVFLEET_HEAD_DIMS.contains(d)),
+        cause: |c| format!(
+            "kvfleet's kernels support head dimensions 64, 128 and 256; this model has {}",
+            head_dims(c)
+        ),
+        fix: |_| "use runtime vllm for this model".to_string(),
+    },
+    Rule {
+        id: "kvfleet.no-mla",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda, B::KvfleetCpu],
+        severity: Severity::Deny,
+        field: RUNTIME,
+        reason: "MlaModel",
+        summary: "multi-head latent attention (MLA) is not implemented yet",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.features.mla,
+        cause: |_| "kvfleet's engine does not implement multi-head latent attention (MLA) yet".to_string(),
+        fix: |_| "use runtime vllm for this model".to_string(),
+    },
+];
+
+/// The rule set of a runtime.
+pub fn rules(runtime: Runtime) -> &'static [Rule] {
+    match runtime {
+        Runtime::Vllm => VLLM_RULES,
+        Runtime::Kvfleet => KVFLEET_RULES,
+    }
+}
+
+// === auto resolution ===
+
+/// The order `auto` tries backends in, for one runtime and group of architectures.
+#[derive(Clone, Copy, Debug)]
+pub struct Priority {
+    pub runtime: Runtime,
+    /// Which architectures: a family, or every other one (`None`).
+    pub family: Option<u32>,
+    /// For MLA models only.
+    pub mla: bool,
+    pub order: &'static [B],
+    pub source: &'static str,
+}
+
+/// `auto` orders; the first matching row wins (`family: None` rows are the fallback).
+pub static PRIORITIES: &[Priority] = &[
+    Priority {
+        runtime: Runtime::Vllm,
+        family: None,
+        mla: true,
+        order: &[B::TritonMla],
+        source: "kvfleet choice: TRITON_MLA runs on every architecture; pick FLASHMLA/CUTLASS_MLA explicitly",
+    },
+    Priority {
+        runtime: Runtime::Vllm,
+        family: Some(100),
+        mla: false,
+        order: &[B::FlashInfer, B::FlashAttn, B::TritonAttn],
+        source: "vllm platforms/cuda.py backend priorities; docs/design/attention_backends.md (D)",
+    },
+    Priority {
+        runtime: Runtime::Vllm,
+        family: Some(120),
+        mla: false,
+        order: &[B::TritonAttn, B::FlashAttn, B::FlashInfer],
+        source: "kvfleet choice: TRITON_ATTN is the verified working state on sm_120 (seed report \"vLLM SM120 NVFP4 working state\"); vLLM itself tries FLASH_ATTN first there",
+    },
+    Priority {
+        runtime: Runtime::Vllm,
+        family: None,
+        mla: false,
+        order: &[B::FlashAttn, B::FlashInfer, B::TritonAttn],
+        source: "vllm platforms/cuda.py backend priorities; docs/design/attention_backends.md (D)",
+    },
+    Priority {
+        runtime: Runtime::Kvfleet,
+        family: None,
+        mla: false,
+        order: &[B::KvfleetCuda],
+        source: "kvfleet: a GPU node runs KVFLEET_CUDA; KVFLEET_CPU is never chosen for a GPU",
+    },
+    Priority {
+        runtime: Runtime::Kvfleet,
+        family: None,
+        mla: true,
+        order: &[B::KvfleetCuda],
+        source: "kvfleet: a GPU node runs KVFLEET_CUDA; KVFLEET_CPU is never chosen for a GPU",
+    },
+];
+
+/// The backends `auto` tries, best first.
+pub fn priority(runtime: Runtime, cc: ComputeCapability, features: &ModelFeatures) -> &'static [B] {
+    PRIORITIES
+        .iter()
+        .find(|p| p.runtime == runtime && p.mla == features.mla && p.family.is_none_or(|f| f == cc.family()))
+        .map(|p| p.order)
+        .unwrap_or(&[])
+}
+
+/// What `auto` KV dtype means on an architecture: the model dtype, float16 where the GPU
+/// has no bfloat16 (vLLM casts the same way: vllm/platforms/cuda.py supported_dtypes).
+pub fn resolve_dtype(cc: ComputeCapability, features: &ModelFeatures, dtype: D) -> D {
+    match dtype {
+        D::Auto => {
+            let model = match features.model_dtype {
+                D::Float16 => D::Float16,
+                _ => D::Bfloat16,
+            };
+            if model == D::Bfloat16 && cc < ComputeCapability::new(8, 0) {
+                D::Float16
+            } else {
+                model
+            }
+        }
+        d => d,
+    }
+}
+
+fn deny_violations(case: &Case) -> Vec<Violation> {
+    rules(case.runtime)
+        .iter()
+        .filter(|r| r.severity == Severity::Deny && r.applies_to(case.backend) && (r.fires)(case))
+        .map(|r| r.violation(case))
+        .collect()
+}
+
+/// Resolution without messages: (resolved, candidates tried).
+fn resolve(
+    runtime: Runtime,
+    cc: ComputeCapability,
+    features: &ModelFeatures,
+    dtype: D,
+    backend: B,
+) -> (Option<(D, B)>, Vec<B>) {
+    let dtype = resolve_dtype(cc, features, dtype);
+    let candidates: Vec<B> = if backend == B::Auto {
+        priority(runtime, cc, features).to_vec()
+    } else {
+        vec![backend]
+    };
+    let resolved = candidates.iter().copied().find(|b| {
+        let case = Case {
+            runtime,
+            cc,
+            features,
+            dtype,
+            backend: *b,
+        };
+        !rules(runtime)
+            .iter()
+            .any(|r| r.severity == Severity::Deny && r.applies_to(*b) && (r.fires)(&case))
+    });
+    (resolved.map(|b| (dtype, b)), candidates)
+}
+
+/// Judges one combination on one architecture, resolving `auto` dtype and backend.
+///
+/// When nothing runs, the violations are the rules every candidate backend breaks (the root
+/// cause, e.g. the KV dtype) when there are such, else each candidate's own.
+pub fn evaluate(
+    runtime: Runtime,
+    cc: ComputeCapability,
+    features: &ModelFeatures,
+    dtype: D,
+    backend: B,
+) -> Evaluation {
+    let (resolved, candidates) = resolve(runtime, cc, features, dtype, backend);
+    if let Some((d, b)) = resolved {
+        let case = Case {
+            runtime,
+            cc,
+            features,
+            dtype: d,
+            backend: b,
+        };
+        let warnings = rules(runtime)
+            .iter()
+            .filter(|r| r.severity == Severity::Warn && r.applies_to(b) && (r.fires)(&case))
+            .map(|r| r.violation(&case))
+            .collect();
+        return Evaluation {
+            resolved,
+            violations: Vec::new(),
+            warnings,
+        };
+    }
+    let dtype = resolve_dtype(cc, features, dtype);
+    let per_candidate: Vec<Vec<Violation>> = candidates
+        .iter()
+        .map(|b| {
+            deny_violations(&Case {
+                runtime,
+                cc,
+                features,
+                dtype,
+                backend: *b,
+            })
+        })
+        .collect();
+    let common: Vec<Violation> = per_candidate
+        .first()
+        .map(|first| {
+            first
+                .iter()
+                .filter(|v| per_candidate.iter().all(|vs| vs.iter().any(|w| w.rule == v.rule)))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut violations = if common.is_empty() {
+        let mut all: Vec<Violation> = Vec::new();
+        for v in per_candidate.into_iter().flatten() {
+            if !all.iter().any(|w| w.rule == v.rule) {
+                all.push(v);
+            }
+        }
+        all
+    } else {
+        common
+    };
+    if violations.is_empty() {
+        // No candidate at all (a runtime/arch pair without a priority row).
+        violations.push(Violation {
+            rule: "no-backend",
+            source: "kvfleet",
+            reason: "NoAttentionBackend",
+            field: BACKEND,
+            cause: format!("no attention backend of the {runtime} runtime is known for compute capability {cc}"),
+            fix: "select other GPUs".to_string(),
+            message: format!(
+                "no attention backend of the {runtime} runtime is known for compute capability {cc}; select other GPUs"
+            ),
+        });
+    }
+    Evaluation {
+        resolved: None,
+        violations,
+        warnings: Vec::new(),
+    }
+}

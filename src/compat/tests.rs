@@ -1,0 +1,275 @@
+//! Table-driven tests of both rule sets and of `auto` resolution on every architecture.
+
+use std::collections::BTreeSet;
+
+use super::rules::{evaluate, KVFLEET_RULES, VLLM_RULES};
+use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
+use super::{ComputeCapability, ModelFeatures};
+
+fn cc(s: &str) -> ComputeCapability {
+    s.parse().unwrap()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Model {
+    /// Llama-style: head dim 128, all full attention.
+    Llama,
+    /// Gemma 2/3-style: head dim 256, sliding + full layers.
+    Gemma2,
+    /// Gemma 4-style: sliding head 256, global head 512, sliding + full layers.
+    Gemma4,
+    /// Llama with a quantized checkpoint.
+    LlamaAwq,
+    /// Non-causal drafter, head dim 128.
+    Drafter,
+    /// DeepSeek-style MLA.
+    Mla,
+}
+
+fn features(m: Model) -> ModelFeatures {
+    let base = ModelFeatures {
+        head_dims: vec![128],
+        ..ModelFeatures::default()
+    };
+    match m {
+        Model::Llama => base,
+        Model::Gemma2 => ModelFeatures {
+            head_dims: vec![256],
+            sliding_windows: vec![4096],
+            per_layer_windows: true,
+            ..base
+        },
+        Model::Gemma4 => ModelFeatures {
+            head_dims: vec![256, 512],
+            sliding_windows: vec![1024],
+            per_layer_windows: true,
+            ..base
+        },
+        Model::LlamaAwq => ModelFeatures {
+            quantized_checkpoint: true,
+            ..base
+        },
+        Model::Drafter => ModelFeatures {
+            non_causal: true,
+            ..base
+        },
+        Model::Mla => ModelFeatures {
+            head_dims: vec![576],
+            mla: true,
+            ..base
+        },
+    }
+}
+
+enum Want {
+    /// Runs, resolved to this dtype and backend.
+    Runs(D, B),
+    /// Denied; the violations include this rule and the message contains this text.
+    Denied(&'static str, &'static str),
+}
+
+use Model::*;
+use Want::*;
+
+const V: Runtime = Runtime::Vllm;
+const K: Runtime = Runtime::Kvfleet;
+
+#[rustfmt::skip]
+fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
+    vec![
+        // --- vLLM: nvfp4 only on family 100 (vllm#43562, vllm#43669)
+        (V, "12.0", Llama, D::Nvfp4, B::Auto, Denied("vllm.nvfp4-kv-needs-sm100", "needs compute capability 10.0 or 10.3 (B200/B300); use fp8")),
+        (V, "9.0", Llama, D::Nvfp4, B::Auto, Denied("vllm.nvfp4-kv-needs-sm100", "use fp8")),
+        (V, "8.6", Llama, D::Nvfp4, B::Auto, Denied("vllm.nvfp4-kv-needs-sm100", "use fp8_e5m2")),
+        (V, "10.0", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::FlashInfer)),
+        (V, "10.3", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::FlashInfer)),
+        // --- fp8 e4m3 in Triton below 8.9 (vllm#26431, vllm#7714, vllm#39133)
+        (V, "8.6", Llama, D::Fp8E4m3, B::Auto, Denied("vllm.fp8-e4m3-needs-sm89-in-triton", "use fp8_e5m2")),
+        (V, "8.0", Llama, D::Fp8, B::Auto, Denied("vllm.fp8-e4m3-needs-sm89-in-triton", "fp8 (fp8_e4m3)")),
+        (V, "8.7", Llama, D::Fp8E4m3, B::TritonAttn, Denied("vllm.fp8-e4m3-needs-sm89-in-triton", "below compute capability 8.9")),
+        (V, "8.9", Llama, D::Fp8E4m3, B::Auto, Runs(D::Fp8E4m3, B::FlashInfer)),
+        (V, "8.9", Llama, D::Fp8E4m3, B::TritonAttn, Runs(D::Fp8E4m3, B::TritonAttn)),
+        // --- fp8 with FLASH_ATTN needs FA3 = family 90 (vllm#24577)
+        (V, "8.9", Llama, D::Fp8, B::FlashAttn, Denied("vllm.flash-attn-fp8-needs-fa3", "use attentionBackend auto, FLASHINFER or TRITON_ATTN")),
+        (V, "10.0", Llama, D::Fp8E5m2, B::FlashAttn, Denied("vllm.flash-attn-fp8-needs-fa3", "FlashAttention 3")),
+        (V, "9.0", Llama, D::Fp8, B::Auto, Runs(D::Fp8, B::FlashAttn)),
+        (V, "8.6", Llama, D::Fp8E5m2, B::Auto, Runs(D::Fp8E5m2, B::FlashInfer)),
+        // --- fp8_e5m2 with a quantized checkpoint (vllm#39133)
+        (V, "9.0", LlamaAwq, D::Fp8E5m2, B::Auto, Denied("vllm.fp8-e5m2-with-quantized-checkpoint", "use fp8")),
+        (V, "8.6", LlamaAwq, D::Fp8E5m2, B::Auto, Denied("vllm.fp8-e5m2-with-quantized-checkpoint", "use bfloat16")),
+        (V, "9.0", LlamaAwq, D::Fp8, B::Auto, Runs(D::Fp8, B::FlashAttn)),
+        // --- bfloat16 needs 8.0; auto falls back to float16 (vllm/platforms/cuda.py)
+        (V, "7.5", Llama, D::Bfloat16, B::Auto, Denied("vllm.bfloat16-needs-sm80", "use float16")),
+        (V, "7.5", Llama, D::Auto, B::Auto, Runs(D::Float16, B::TritonAttn)),
+        // --- FA2 and FlashInfer floors at 8.0 (FA README, vllm#47549)
+        (V, "7.5", Llama, D::Float16, B::FlashAttn, Denied("vllm.flash-attn-needs-sm80", "TRITON_ATTN")),
+        (V, "7.5", Llama, D::Float16, B::FlashInfer, Denied("vllm.flashinfer-needs-sm80", "prefill fails")),
+        // --- FlashInfer on sm_120 (vllm#40153, vllm#40677)
+        (V, "12.0", Llama, D::Auto, B::FlashInfer, Denied("vllm.flashinfer-sm120-prefill-crash", "use attentionBackend TRITON_ATTN")),
+        (V, "12.1", Llama, D::Bfloat16, B::FlashInfer, Denied("vllm.flashinfer-sm120-prefill-crash", "prefill_wrapper.plan()")),
+        // --- FlashInfer: one window for all layers (infer_global_hyperparameters, vllm#39995)
+        (V, "9.0", Gemma2, D::Auto, B::FlashInfer, Denied("vllm.flashinfer-one-window-for-all-layers", "sliding-window (4096) and full-attention layers")),
+        (V, "10.0", Gemma2, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        // --- FlashInfer: non-causal (vllm#39995, fi#3335)
+        (V, "9.0", Drafter, D::Auto, B::FlashInfer, Denied("vllm.flashinfer-non-causal", "FLASH_ATTN or TRITON_ATTN")),
+        (V, "10.0", Drafter, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        // --- head dims (vllm#40677; FA README)
+        (V, "10.0", Gemma4, D::Auto, B::FlashInfer, Denied("vllm.flashinfer-head-dims", "this model has 256, 512")),
+        (V, "9.0", Gemma4, D::Auto, B::FlashAttn, Denied("vllm.flash-attn-head-dims", "up to 256")),
+        (V, "12.0", Gemma4, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonAttn)),
+        (V, "9.0", Gemma4, D::Fp8, B::Auto, Runs(D::Fp8, B::TritonAttn)),
+        // --- MLA (docs/design/attention_backends.md)
+        (V, "9.0", Mla, D::Auto, B::TritonAttn, Denied("vllm.mla-model-needs-mla-backend", "TRITON_MLA")),
+        (V, "9.0", Llama, D::Auto, B::TritonMla, Denied("vllm.mla-backend-needs-mla-model", "no kvLoraRank")),
+        (V, "8.6", Mla, D::Auto, B::FlashMla, Denied("vllm.flashmla-needs-sm90-or-sm100", "9.x or 10.x")),
+        (V, "9.0", Mla, D::Auto, B::FlashMla, Runs(D::Bfloat16, B::FlashMla)),
+        (V, "9.0", Mla, D::Auto, B::CutlassMla, Denied("vllm.sm100-mla-backends", "10.0 or 10.3")),
+        (V, "10.0", Mla, D::Auto, B::FlashInferMla, Runs(D::Bfloat16, B::FlashInferMla)),
+        (V, "8.6", Mla, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonMla)),
+        // --- KVFLEET_* with vLLM
+        (V, "9.0", Llama, D::Auto, B::KvfleetCuda, Denied("vllm.kvfleet-backend-needs-kvfleet-runtime", "runtime kvfleet")),
+        // --- vLLM auto on every architecture
+        (V, "8.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "8.6", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "8.7", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "8.9", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "9.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "10.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashInfer)),
+        (V, "10.3", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashInfer)),
+        (V, "11.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "12.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonAttn)),
+        (V, "12.1", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonAttn)),
+        (V, "12.0", Llama, D::Fp8, B::Auto, Runs(D::Fp8, B::TritonAttn)),
+
+        // --- kvfleet: our engine (kernels/)
+        (K, "9.0", Llama, D::Auto, B::FlashInfer, Denied("kvfleet.backend-is-ours", "use attentionBackend auto or KVFLEET_CUDA")),
+        (K, "7.0", Llama, D::Float16, B::Auto, Denied("kvfleet.cuda-needs-sm75", "7.5 or newer")),
+        (K, "7.5", Llama, D::Bfloat16, B::Auto, Denied("kvfleet.sm75-float16-only", "use float16")),
+        (K, "7.5", Llama, D::Fp8E4m3, B::Auto, Denied("kvfleet.sm75-float16-only", "float16 only")),
+        (K, "7.5", Llama, D::Nvfp4, B::KvfleetCuda, Denied("kvfleet.sm75-float16-only", "nvfp4")),
+        (K, "9.0", Gemma4, D::Auto, B::Auto, Denied("kvfleet.head-dims", "this model has 256, 512")),
+        (K, "9.0", Mla, D::Auto, B::Auto, Denied("kvfleet.no-mla", "use runtime vllm")),
+        // kvfleet auto on every architecture; software dequant makes fp8/nvfp4 run on sm_80+
+        (K, "7.5", Llama, D::Auto, B::Auto, Runs(D::Float16, B::KvfleetCuda)),
+        (K, "8.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "8.6", Llama, D::Fp8E4m3, B::Auto, Runs(D::Fp8E4m3, B::KvfleetCuda)),
+        (K, "8.6", LlamaAwq, D::Fp8E5m2, B::Auto, Runs(D::Fp8E5m2, B::KvfleetCuda)),
+        (K, "8.7", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::KvfleetCuda)),
+        (K, "8.9", Gemma2, D::Fp8, B::Auto, Runs(D::Fp8, B::KvfleetCuda)),
+        (K, "9.0", Drafter, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "10.0", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::KvfleetCuda)),
+        (K, "10.3", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "11.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "12.0", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::KvfleetCuda)),
+        (K, "12.1", Gemma2, D::Float16, B::Auto, Runs(D::Float16, B::KvfleetCuda)),
+        (K, "9.0", Llama, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
+    ]
+}
+
+#[test]
+fn every_row_of_the_rule_table_decides_as_documented() {
+    for (runtime, arch, model, dtype, backend, want) in table() {
+        let ev = evaluate(runtime, cc(arch), &features(model), dtype, backend);
+        let ctx = format!("{runtime} {arch} {model:?} {dtype} {backend}: {ev:#?}");
+        match want {
+            Runs(d, b) => {
+                assert_eq!(ev.resolved, Some((d, b)), "{ctx}");
+                assert!(ev.violations.is_empty(), "{ctx}");
+            }
+            Denied(rule, text) => {
+                assert_eq!(ev.resolved, None, "{ctx}");
+                let v = ev
+                    .violations
+                    .iter()
+                    .find(|v| v.rule == rule)
+                    .unwrap_or_else(|| panic!("{rule} missing: {ctx}"));
+                assert!(v.message.contains(text), "{text:?} not in {:?}: {ctx}", v.message);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_deny_rule_of_both_sets_is_exercised_by_the_table() {
+    let mut fired = BTreeSet::new();
+    for (runtime, arch, model, dtype, backend, want) in table() {
+        if let Denied(rule, _) = want {
+            let ev = evaluate(runtime, cc(arch), &features(model), dtype, backend);
+            if ev.violations.iter().any(|v| v.rule == rule) {
+                fired.insert(rule);
+            }
+        }
+    }
+    for rule in VLLM_RULES.iter().chain(KVFLEET_RULES) {
+        if rule.severity == super::Severity::Deny {
+            assert!(fired.contains(rule.id), "no table row exercises {}", rule.id);
+        }
+    }
+}
+
+#[test]
+fn flashinfer_cubin_download_is_a_warning_on_sm100_only() {
+    let ev = evaluate(V, cc("10.0"), &features(Llama), D::Auto, B::Auto);
+    assert_eq!(ev.resolved, Some((D::Bfloat16, B::FlashInfer)));
+    assert_eq!(ev.warnings.len(), 1);
+    assert_eq!(ev.warnings[0].rule, "vllm.flashinfer-cubins-air-gapped");
+    assert!(ev.warnings[0].message.contains("flashinfer-cubin"));
+    let ev = evaluate(V, cc("9.0"), &features(Llama), D::Auto, B::FlashInfer);
+    assert!(ev.runs() && ev.warnings.is_empty(), "{ev:?}");
+}
+
+#[test]
+fn every_rule_cites_a_source_and_has_a_pascal_case_reason() {
+    let mut ids = BTreeSet::new();
+    for rule in VLLM_RULES.iter().chain(KVFLEET_RULES) {
+        assert!(ids.insert(rule.id), "duplicate id {}", rule.id);
+        assert!(rule.source.len() > 5, "{} has no source", rule.id);
+        assert!(rule.id.starts_with(rule.runtime.as_str()), "{}", rule.id);
+        let first = rule.reason.chars().next().unwrap();
+        assert!(
+            first.is_ascii_uppercase() && rule.reason.chars().all(|c| c.is_ascii_alphanumeric()),
+            "{}",
+            rule.reason
+        );
+        assert!(rule.field.starts_with("spec."), "{}", rule.field);
+    }
+    for rule in KVFLEET_RULES {
+        assert_eq!(rule.source, super::rules::KVFLEET_SOURCE);
+    }
+}
+
+#[test]
+fn auto_failure_reports_the_root_cause_not_every_backend() {
+    // nvfp4 on sm_120: the dtype is the cause; FlashInfer's sm_120 crash is noise here.
+    let ev = evaluate(V, cc("12.0"), &features(Llama), D::Nvfp4, B::Auto);
+    let rules: Vec<_> = ev.violations.iter().map(|v| v.rule).collect();
+    assert_eq!(rules, vec!["vllm.nvfp4-kv-needs-sm100"]);
+}
+
+#[test]
+fn kvfleet_auto_never_picks_the_cpu_backend_for_a_gpu() {
+    for arch in [
+        "7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "10.3", "11.0", "12.0", "12.1",
+    ] {
+        for dtype in D::ALL {
+            let ev = evaluate(K, cc(arch), &features(Llama), dtype, B::Auto);
+            if let Some((_, b)) = ev.resolved {
+                assert_eq!(b, B::KvfleetCuda, "{arch} {dtype}");
+            }
+        }
+    }
+}
+
+#[test]
+fn auto_kv_dtype_stays_the_model_dtype() {
+    let fp16_model = ModelFeatures {
+        model_dtype: D::Float16,
+        ..features(Llama)
+    };
+    for arch in ["8.0", "9.0", "12.0"] {
+        let ev = evaluate(V, cc(arch), &fp16_model, D::Auto, B::Auto);
+        assert_eq!(ev.resolved.map(|r| r.0), Some(D::Float16), "{arch}");
+        let ev = evaluate(V, cc(arch), &features(Llama), D::Auto, B::Auto);
+        assert_eq!(ev.resolved.map(|r| r.0), Some(D::Bfloat16), "{arch}");
+    }
+}

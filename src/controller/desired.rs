@@ -1,0 +1,1016 @@
+//! InferenceDeployment + verdict -> the objects that run it (pure: no client, no I/O).
+//!
+//! Every function here is deterministic in its inputs so the reconcile loop can
+//! server-side apply the result on every pass and the API server sees no change when
+//! nothing changed.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
+use k8s_openapi::api::core::v1::{
+    Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvVar, EnvVarSource, HTTPGetAction, KeyToPath, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
+    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
+    SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
+};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::{ApiResource, DynamicObject};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, Runtime};
+use crate::validate::{labels as gfd, Verdict};
+
+/// Label that selects the pods of one InferenceDeployment (the scale selector).
+pub const INSTANCE_LABEL: &str = "kvfleet.io/inference-deployment";
+/// Pod annotation the kvfleet worker writes with its measured KV capacity in tokens.
+pub const MEASURED_TOKENS_ANNOTATION: &str = "kvfleet.io/measured-kv-tokens";
+/// Pod-template annotation holding a hash of the worker config, so a config change rolls the pods.
+pub const CONFIG_HASH_ANNOTATION: &str = "kvfleet.io/config-hash";
+/// Key of the worker configuration in the ConfigMap.
+pub const WORKER_CONFIG_KEY: &str = "worker.yaml";
+/// ClusterRole (shipped in deploy/rbac) that lets a worker annotate its own pod.
+pub const WORKER_CLUSTER_ROLE: &str = "kvfleet-worker";
+/// Port of the serving container (kvfleet worker and vLLM both default to 8000).
+pub const HTTP_PORT: i32 = 8000;
+/// Non-root UID/GID the pods run as.
+pub const RUN_AS_USER: i64 = 65532;
+
+const CONFIG_DIR: &str = "/etc/kvfleet";
+const MODEL_CONFIG_DIR: &str = "/etc/kvfleet/model";
+const WEIGHTS_DIR: &str = "/models";
+
+/// Images and other operator-wide choices (from the controller's flags).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    /// Image of `kvfleet worker` when the spec names none.
+    pub worker_image: String,
+    /// Image of the vLLM OpenAI server when the spec names none.
+    pub vllm_image: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            worker_image: format!("ghcr.io/kvfleet/kvfleet:{}", env!("CARGO_PKG_VERSION")),
+            vllm_image: "vllm/vllm-openai:v0.11.0".to_string(),
+        }
+    }
+}
+
+/// Which Prometheus Operator resource to create, as found by discovery.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MonitorKind {
+    pub resource: ApiResource,
+    /// `ServiceMonitor` or `PodMonitor`.
+    pub kind: String,
+}
+
+/// Everything one InferenceDeployment should own.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Desired {
+    /// Worker configuration (kvfleet runtime only).
+    pub config_map: Option<ConfigMap>,
+    /// Identity of the worker pods (kvfleet runtime only: they annotate their own pod).
+    pub service_account: Option<ServiceAccount>,
+    /// Binds the service account to the `kvfleet-worker` ClusterRole.
+    pub role_binding: Option<RoleBinding>,
+    pub deployment: Deployment,
+    pub service: Service,
+    /// Only when replicas > 1; otherwise an existing one is removed.
+    pub pdb: Option<PodDisruptionBudget>,
+    /// Only when the Prometheus Operator CRDs exist.
+    pub monitor: Option<DynamicObject>,
+}
+
+/// The object lacks metadata the owned objects need.
+#[derive(Debug, thiserror::Error)]
+pub enum DesiredError {
+    #[error("InferenceDeployment has no {0}; it must come from the API server (namespace, name and uid are set there)")]
+    MissingMetadata(&'static str),
+    #[error("cannot render the worker config as YAML")]
+    WorkerConfig(#[source] serde_yaml::Error),
+}
+
+/// Names of the owned objects.
+pub fn config_map_name(name: &str) -> String {
+    format!("{name}-config")
+}
+pub fn worker_service_account_name(name: &str) -> String {
+    format!("{name}-worker")
+}
+
+/// Labels selecting the pods of `name` (immutable once a Deployment exists).
+pub fn selector_labels(name: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([(INSTANCE_LABEL.to_string(), name.to_string())])
+}
+
+/// The selector as a string, for `status.selector` (scale subresource, HPAs).
+pub fn selector_string(name: &str) -> String {
+    format!("{INSTANCE_LABEL}={name}")
+}
+
+fn common_labels(name: &str, runtime: Runtime) -> BTreeMap<String, String> {
+    let mut l = selector_labels(name);
+    l.insert("app.kubernetes.io/name".into(), runtime.as_str().into());
+    l.insert("app.kubernetes.io/instance".into(), name.into());
+    l.insert("app.kubernetes.io/component".into(), "inference".into());
+    l.insert("app.kubernetes.io/managed-by".into(), "kvfleet".into());
+    l
+}
+
+/// The resolved dtype and backend strings: the verdict's, else the spec's own values.
+pub fn resolved_strings(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (String, String) {
+    match &verdict.resolved {
+        Some(r) => (r.kv_cache_dtype.clone(), r.attention_backend.clone()),
+        None => (
+            spec.engine.kv_cache_dtype.as_str().to_string(),
+            spec.engine.attention_backend.as_str().to_string(),
+        ),
+    }
+}
+
+/// Builds every object `obj` should own, given an admitting verdict.
+pub fn desired(
+    obj: &InferenceDeployment,
+    verdict: &Verdict,
+    settings: &Settings,
+    monitor: Option<&MonitorKind>,
+) -> Result<Desired, DesiredError> {
+    let name = obj
+        .metadata
+        .name
+        .clone()
+        .ok_or(DesiredError::MissingMetadata("name"))?;
+    let ns = obj
+        .metadata
+        .namespace
+        .clone()
+        .ok_or(DesiredError::MissingMetadata("namespace"))?;
+    let owner = obj
+        .controller_owner_ref(&())
+        .ok_or(DesiredError::MissingMetadata("uid"))?;
+    let spec = &obj.spec;
+    let runtime = spec.engine.runtime;
+    let labels = common_labels(&name, runtime);
+    let meta = |object_name: String| ObjectMeta {
+        name: Some(object_name),
+        namespace: Some(ns.clone()),
+        labels: Some(labels.clone()),
+        owner_references: Some(vec![owner.clone()]),
+        ..ObjectMeta::default()
+    };
+
+    let (config_map, service_account, role_binding, config_hash) = match runtime {
+        Runtime::Kvfleet => {
+            let yaml = worker_config_yaml(spec, verdict).map_err(DesiredError::WorkerConfig)?;
+            let hash = format!("{:016x}", fnv1a64(yaml.as_bytes()));
+            let cm = ConfigMap {
+                metadata: meta(config_map_name(&name)),
+                data: Some(BTreeMap::from([(WORKER_CONFIG_KEY.to_string(), yaml)])),
+                ..ConfigMap::default()
+            };
+            let sa = ServiceAccount {
+                metadata: meta(worker_service_account_name(&name)),
+                automount_service_account_token: Some(true),
+                ..ServiceAccount::default()
+            };
+            let rb = RoleBinding {
+                metadata: meta(worker_service_account_name(&name)),
+                role_ref: RoleRef {
+                    api_group: "rbac.authorization.k8s.io".into(),
+                    kind: "ClusterRole".into(),
+                    name: WORKER_CLUSTER_ROLE.into(),
+                },
+                subjects: Some(vec![Subject {
+                    kind: "ServiceAccount".into(),
+                    name: worker_service_account_name(&name),
+                    namespace: Some(ns.clone()),
+                    ..Subject::default()
+                }]),
+            };
+            (Some(cm), Some(sa), Some(rb), Some(hash))
+        }
+        Runtime::Vllm => (None, None, None, None),
+    };
+
+    let deployment = Deployment {
+        metadata: meta(name.clone()),
+        spec: Some(DeploymentSpec {
+            replicas: Some(spec.replicas),
+            selector: LabelSelector {
+                match_labels: Some(selector_labels(&name)),
+                ..LabelSelector::default()
+            },
+            // A surge pod needs spare GPUs that a full pool does not have: replace in place.
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(0)),
+                    max_unavailable: Some(IntOrString::Int(1)),
+                }),
+            }),
+            template: pod_template(&name, spec, verdict, settings, &labels, config_hash),
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    };
+
+    let service = Service {
+        metadata: meta(name.clone()),
+        spec: Some(ServiceSpec {
+            selector: Some(selector_labels(&name)),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: HTTP_PORT,
+                target_port: Some(IntOrString::String("http".into())),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    };
+
+    let pdb = (spec.replicas > 1).then(|| PodDisruptionBudget {
+        metadata: meta(name.clone()),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(&name)),
+                ..LabelSelector::default()
+            }),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        ..PodDisruptionBudget::default()
+    });
+
+    let monitor = monitor.map(|m| {
+        let mut o = DynamicObject::new(&name, &m.resource).within(&ns);
+        o.metadata = meta(name.clone());
+        let selector = json!({ "matchLabels": selector_labels(&name) });
+        o.data = if m.kind == "PodMonitor" {
+            json!({ "spec": { "selector": selector,
+                "podMetricsEndpoints": [{ "port": "http", "path": "/metrics" }] } })
+        } else {
+            json!({ "spec": { "selector": selector,
+                "endpoints": [{ "port": "http", "path": "/metrics" }] } })
+        };
+        o
+    });
+
+    Ok(Desired {
+        config_map,
+        service_account,
+        role_binding,
+        deployment,
+        service,
+        pdb,
+        monitor,
+    })
+}
+
+fn pod_template(
+    name: &str,
+    spec: &InferenceDeploymentSpec,
+    verdict: &Verdict,
+    settings: &Settings,
+    labels: &BTreeMap<String, String>,
+    config_hash: Option<String>,
+) -> PodTemplateSpec {
+    let runtime = spec.engine.runtime;
+    let overrides = spec.pod.clone().unwrap_or_default();
+    let (_, backend) = resolved_strings(spec, verdict);
+    let cpu_only = backend == AttentionBackend::KvfleetCpu.as_str();
+
+    let mut annotations = overrides.annotations.clone();
+    if let Some(h) = config_hash {
+        annotations.insert(CONFIG_HASH_ANNOTATION.into(), h);
+    }
+
+    let mut volumes = vec![
+        Volume {
+            name: "tmp".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        },
+        // NCCL and PyTorch use /dev/shm between tensor-parallel ranks; the default 64 MiB is too small.
+        Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
+    ];
+    let mut mounts = vec![
+        VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..VolumeMount::default()
+        },
+        VolumeMount {
+            name: "dshm".into(),
+            mount_path: "/dev/shm".into(),
+            ..VolumeMount::default()
+        },
+    ];
+    if runtime == Runtime::Kvfleet {
+        volumes.push(Volume {
+            name: "config".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: config_map_name(name),
+                ..ConfigMapVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "config".into(),
+            mount_path: CONFIG_DIR.into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+        if let Some(src) = &spec.model.config {
+            volumes.push(Volume {
+                name: "model-config".into(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: src.config_map_ref.name.clone(),
+                    items: Some(vec![KeyToPath {
+                        key: src.config_map_ref.key.clone(),
+                        path: "config.json".into(),
+                        ..KeyToPath::default()
+                    }]),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            });
+            mounts.push(VolumeMount {
+                name: "model-config".into(),
+                mount_path: MODEL_CONFIG_DIR.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            });
+        }
+    }
+    if let Some(pvc) = spec.model.weights.as_ref().and_then(|w| w.pvc_name.clone()) {
+        volumes.push(Volume {
+            name: "weights".into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: pvc,
+                read_only: Some(true),
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "weights".into(),
+            mount_path: WEIGHTS_DIR.into(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+    }
+
+    let mut env = vec![
+        field_env("POD_NAME", "metadata.name"),
+        field_env("POD_NAMESPACE", "metadata.namespace"),
+        plain_env("HOME", "/tmp"),
+    ];
+    let (image, command, args, probe_paths) = match runtime {
+        Runtime::Kvfleet => {
+            let mut args = vec![
+                "worker".to_string(),
+                "--config".to_string(),
+                format!("{CONFIG_DIR}/{WORKER_CONFIG_KEY}"),
+            ];
+            args.extend(spec.engine.extra_args.iter().cloned());
+            (
+                spec.engine
+                    .image
+                    .clone()
+                    .unwrap_or_else(|| settings.worker_image.clone()),
+                vec!["kvfleet".to_string()],
+                args,
+                ("/readyz", "/healthz"),
+            )
+        }
+        Runtime::Vllm => {
+            // vLLM writes caches under $HOME / XDG paths; the root filesystem is read-only.
+            env.push(plain_env("XDG_CACHE_HOME", "/tmp/.cache"));
+            env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface"));
+            env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
+            env.push(plain_env("TRITON_CACHE_DIR", "/tmp/.cache/triton"));
+            (
+                spec.engine
+                    .image
+                    .clone()
+                    .unwrap_or_else(|| settings.vllm_image.clone()),
+                vec![
+                    "python3".to_string(),
+                    "-m".to_string(),
+                    "vllm.entrypoints.openai.api_server".to_string(),
+                ],
+                vllm_args(spec, verdict),
+                // vLLM's server answers /health once the engine is up.
+                ("/health", "/health"),
+            )
+        }
+    };
+    env.extend(overrides.env.iter().cloned());
+
+    let mut resources = overrides.resources.clone().unwrap_or_default();
+    if !cpu_only {
+        let gpus = Quantity(spec.gpus_per_replica().to_string());
+        resources
+            .limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(gfd::GPU_RESOURCE.into(), gpus.clone());
+        // Extended resources need request == limit; set both so overrides cannot disagree.
+        if let Some(req) = resources.requests.as_mut() {
+            req.insert(gfd::GPU_RESOURCE.into(), gpus);
+        }
+    }
+
+    let http_probe = |path: &str, period: i32, failures: i32| Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::String("http".into()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        timeout_seconds: Some(5),
+        ..Probe::default()
+    };
+
+    let container = Container {
+        name: runtime.as_str().into(),
+        image: Some(image),
+        command: Some(command),
+        args: Some(args),
+        ports: Some(vec![ContainerPort {
+            name: Some("http".into()),
+            container_port: HTTP_PORT,
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }]),
+        env: Some(env),
+        resources: Some(ResourceRequirements { ..resources }),
+        volume_mounts: Some(mounts),
+        readiness_probe: Some(http_probe(probe_paths.0, 10, 3)),
+        liveness_probe: Some(http_probe(probe_paths.1, 10, 3)),
+        // Loading weights and sizing the KV pool can take many minutes: 60 x 10 s.
+        startup_probe: Some(http_probe(probe_paths.1, 10, 60)),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
+    };
+
+    let mut tolerations = Vec::new();
+    if !cpu_only {
+        // GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule (GPU Operator, cloud node pools).
+        tolerations.push(Toleration {
+            key: Some(gfd::GPU_RESOURCE.into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Toleration::default()
+        });
+    }
+    tolerations.extend(overrides.tolerations.iter().cloned());
+
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(labels.clone()),
+            annotations: (!annotations.is_empty()).then_some(annotations),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(PodSpec {
+            containers: vec![container],
+            service_account_name: (runtime == Runtime::Kvfleet).then(|| worker_service_account_name(name)),
+            automount_service_account_token: Some(runtime == Runtime::Kvfleet),
+            affinity: verdict.node_affinity.clone().map(|na| Affinity {
+                node_affinity: Some(na),
+                ..Affinity::default()
+            }),
+            node_selector: (!overrides.node_selector.is_empty()).then(|| overrides.node_selector.clone()),
+            tolerations: (!tolerations.is_empty()).then_some(tolerations),
+            volumes: Some(volumes),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(RUN_AS_USER),
+                run_as_group: Some(RUN_AS_USER),
+                fs_group: Some(RUN_AS_USER),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..SeccompProfile::default()
+                }),
+                ..PodSecurityContext::default()
+            }),
+            termination_grace_period_seconds: Some(60),
+            ..PodSpec::default()
+        }),
+    }
+}
+
+fn plain_env(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..EnvVar::default()
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.into(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+/// Command-line flags of the vLLM OpenAI server, from the resolved configuration, so the
+/// server runs exactly what admission checked.
+pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
+    let e = &spec.engine;
+    let (dtype, backend) = resolved_strings(spec, verdict);
+    let model = match spec.model.weights.as_ref() {
+        Some(w) if w.pvc_name.is_some() => match w.path.as_deref() {
+            Some(p) => format!("{WEIGHTS_DIR}/{}", p.trim_start_matches('/')),
+            None => WEIGHTS_DIR.to_string(),
+        },
+        Some(w) => w.path.clone().unwrap_or_else(|| spec.model.name.clone()),
+        None => spec.model.name.clone(),
+    };
+    let mut args = vec![
+        "--model".to_string(),
+        model,
+        "--served-model-name".to_string(),
+        spec.model.name.clone(),
+        "--host".to_string(),
+        "0.0.0.0".to_string(),
+        "--port".to_string(),
+        HTTP_PORT.to_string(),
+        "--kv-cache-dtype".to_string(),
+        dtype,
+    ];
+    if backend != AttentionBackend::Auto.as_str() {
+        args.push("--attention-backend".into());
+        args.push(backend);
+    }
+    let numeric: [(&str, String); 6] = [
+        ("--max-model-len", e.max_model_len.to_string()),
+        ("--max-num-seqs", e.max_num_seqs.to_string()),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens.to_string()),
+        ("--block-size", e.block_size.to_string()),
+        ("--gpu-memory-utilization", e.gpu_memory_utilization.to_string()),
+        ("--tensor-parallel-size", e.tensor_parallel_size.to_string()),
+    ];
+    for (flag, value) in numeric {
+        args.push(flag.into());
+        args.push(value);
+    }
+    if spec.model.weights.is_none() {
+        // No weights named: random weights of the geometry, as the kvfleet worker does.
+        args.push("--load-format".into());
+        args.push("dummy".into());
+    }
+    args.extend(e.extra_args.iter().cloned());
+    args
+}
+
+/// The kvfleet worker's configuration file (`worker.yaml`): the spec with `auto` resolved.
+pub fn worker_config_yaml(
+    spec: &InferenceDeploymentSpec,
+    verdict: &Verdict,
+) -> Result<String, serde_yaml::Error> {
+    let e = &spec.engine;
+    let (dtype, backend) = resolved_strings(spec, verdict);
+    let mut model = json!({
+        "name": spec.model.name,
+        "quantization": spec.model.quantization,
+    });
+    if let Some(g) = &spec.model.geometry {
+        model["geometry"] = json!(g);
+    }
+    if spec.model.config.is_some() {
+        model["configPath"] = json!(format!("{MODEL_CONFIG_DIR}/config.json"));
+    }
+    if let Some(w) = &spec.model.weight_bytes {
+        model["weightBytes"] = json!(w);
+    }
+    if let Some(w) = &spec.model.weights {
+        let path = match (&w.pvc_name, &w.path) {
+            (Some(_), Some(p)) => Some(format!("{WEIGHTS_DIR}/{}", p.trim_start_matches('/'))),
+            (Some(_), None) => Some(WEIGHTS_DIR.to_string()),
+            (None, p) => p.clone(),
+        };
+        model["weights"] = json!({ "format": w.format, "path": path });
+    }
+    let doc = json!({
+        "apiVersion": "kvfleet.io/v1alpha1",
+        "kind": "WorkerConfig",
+        "model": model,
+        "engine": {
+            "kvCacheDtype": dtype,
+            "attentionBackend": backend,
+            "maxModelLen": e.max_model_len,
+            "maxNumSeqs": e.max_num_seqs,
+            "maxNumBatchedTokens": e.max_num_batched_tokens,
+            "blockSize": e.block_size,
+            "gpuMemoryUtilization": e.gpu_memory_utilization,
+            "tensorParallelSize": e.tensor_parallel_size,
+            "nonCausal": e.non_causal,
+        },
+        "server": { "port": HTTP_PORT },
+        "capacity": { "podAnnotation": MEASURED_TOKENS_ANNOTATION },
+    });
+    serde_yaml::to_string(&doc)
+}
+
+/// FNV-1a, 64 bit: a hash that stays the same across Rust releases (unlike `DefaultHasher`),
+/// so upgrading the controller does not roll every pod.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Owner reference of `obj` (for tests and callers that build objects by hand).
+pub fn owner_reference(obj: &InferenceDeployment) -> Option<OwnerReference> {
+    obj.controller_owner_ref(&())
+}
+
+/// `namespace/name` for logs and keys.
+pub fn object_key(obj: &impl ResourceExt) -> String {
+    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
+
+    use super::*;
+    use crate::api::ResolvedConfig;
+
+    fn fixture(yaml: &str) -> InferenceDeployment {
+        let mut o: InferenceDeployment = serde_yaml::from_str(yaml).expect("fixture parses");
+        o.metadata.namespace = Some("ml".into());
+        o.metadata.uid = Some("0b7c6c1e-7f7e-4a38-9d43-2f9c1d3f7a10".into());
+        o.metadata.generation = Some(1);
+        o
+    }
+
+    const KVFLEET_RTX3090_TP2: &str = r#"
+apiVersion: kvfleet.io/v1alpha1
+kind: InferenceDeployment
+metadata: {name: llama}
+spec:
+  replicas: 2
+  model:
+    name: meta-llama/Llama-3.1-8B-Instruct
+    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    weightBytes: 16Gi
+  engine:
+    runtime: kvfleet
+    kvCacheDtype: auto
+    tensorParallelSize: 2
+  gpu:
+    selector: {products: [NVIDIA-GeForce-RTX-3090]}
+"#;
+
+    const VLLM_RTX5090: &str = r#"
+apiVersion: kvfleet.io/v1alpha1
+kind: InferenceDeployment
+metadata: {name: gemma}
+spec:
+  replicas: 1
+  model:
+    name: google/gemma-3-12b-it
+    geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}
+  engine:
+    runtime: vllm
+    kvCacheDtype: fp8
+    attentionBackend: auto
+    maxModelLen: 32768
+    maxNumSeqs: 32
+    maxNumBatchedTokens: 4096
+    blockSize: 32
+    gpuMemoryUtilization: 0.85
+    tensorParallelSize: 1
+"#;
+
+    fn verdict(dtype: &str, backend: &str, cc: &str, product: &str) -> Verdict {
+        Verdict {
+            resolved: Some(ResolvedConfig {
+                kv_cache_dtype: dtype.into(),
+                attention_backend: backend.into(),
+                compute_capabilities: vec![cc.into()],
+                products: vec![product.into()],
+            }),
+            node_affinity: Some(NodeAffinity {
+                required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                    node_selector_terms: vec![NodeSelectorTerm {
+                        match_expressions: Some(vec![NodeSelectorRequirement {
+                            key: gfd::PRODUCT.into(),
+                            operator: "In".into(),
+                            values: Some(vec![product.into()]),
+                        }]),
+                        ..NodeSelectorTerm::default()
+                    }],
+                }),
+                ..NodeAffinity::default()
+            }),
+            compatible_nodes: vec!["gpu-1".into()],
+            ..Verdict::default()
+        }
+    }
+
+    fn container(d: &Desired) -> Container {
+        d.deployment
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers[0]
+            .clone()
+    }
+    fn pod(d: &Desired) -> PodSpec {
+        d.deployment.spec.as_ref().unwrap().template.spec.clone().unwrap()
+    }
+
+    fn arg_after(args: &[String], flag: &str) -> Option<String> {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1).cloned())
+    }
+
+    #[test]
+    fn kvfleet_pods_get_gpu_limits_equal_to_tensor_parallel_size_and_the_verdicts_affinity() {
+        let obj = fixture(KVFLEET_RTX3090_TP2);
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        let limits = c.resources.unwrap().limits.unwrap();
+        assert_eq!(limits.get("nvidia.com/gpu"), Some(&Quantity("2".into())));
+        let p = pod(&d);
+        assert_eq!(p.affinity.unwrap().node_affinity, v.node_affinity);
+        assert_eq!(p.service_account_name.as_deref(), Some("llama-worker"));
+        let tol = p.tolerations.unwrap();
+        assert!(tol.iter().any(|t| t.key.as_deref() == Some("nvidia.com/gpu")));
+        assert_eq!(d.deployment.spec.as_ref().unwrap().replicas, Some(2));
+    }
+
+    #[test]
+    fn kvfleet_worker_reads_the_resolved_config_from_the_config_map() {
+        let obj = fixture(KVFLEET_RTX3090_TP2);
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let cm = d.config_map.as_ref().unwrap();
+        assert_eq!(cm.metadata.name.as_deref(), Some("llama-config"));
+        let yaml = &cm.data.as_ref().unwrap()[WORKER_CONFIG_KEY];
+        let doc: serde_json::Value = serde_yaml::from_str(yaml).unwrap();
+        assert_eq!(
+            doc["engine"]["kvCacheDtype"], "bfloat16",
+            "auto resolved by the verdict"
+        );
+        assert_eq!(doc["engine"]["attentionBackend"], "KVFLEET_CUDA");
+        assert_eq!(doc["engine"]["tensorParallelSize"], 2);
+        assert_eq!(doc["model"]["geometry"]["kvHeads"], 8);
+        let c = container(&d);
+        assert_eq!(c.command.unwrap(), vec!["kvfleet"]);
+        assert_eq!(
+            c.args.unwrap(),
+            vec!["worker", "--config", "/etc/kvfleet/worker.yaml"]
+        );
+        assert!(c
+            .volume_mounts
+            .unwrap()
+            .iter()
+            .any(|m| m.mount_path == "/etc/kvfleet"));
+        let ann = d
+            .deployment
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .metadata
+            .clone()
+            .unwrap()
+            .annotations
+            .unwrap();
+        assert!(ann.contains_key(CONFIG_HASH_ANNOTATION));
+        let rb = d.role_binding.unwrap();
+        assert_eq!(rb.role_ref.name, WORKER_CLUSTER_ROLE);
+    }
+
+    #[test]
+    fn config_hash_is_stable_and_follows_the_resolved_config() {
+        let obj = fixture(KVFLEET_RTX3090_TP2);
+        let hash = |v: &Verdict| {
+            let d = desired(&obj, v, &Settings::default(), None).unwrap();
+            d.deployment
+                .spec
+                .unwrap()
+                .template
+                .metadata
+                .unwrap()
+                .annotations
+                .unwrap()[CONFIG_HASH_ANNOTATION]
+                .clone()
+        };
+        let a = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let b = verdict("fp8_e5m2", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        assert_eq!(hash(&a), hash(&a));
+        assert_ne!(hash(&a), hash(&b));
+    }
+
+    #[test]
+    fn both_runtimes_probe_their_health_endpoints_on_the_named_port() {
+        for (yaml, ready, live) in [
+            (KVFLEET_RTX3090_TP2, "/readyz", "/healthz"),
+            (VLLM_RTX5090, "/health", "/health"),
+        ] {
+            let obj = fixture(yaml);
+            let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+            let c = container(&desired(&obj, &v, &Settings::default(), None).unwrap());
+            let get = |p: Option<Probe>| p.unwrap().http_get.unwrap();
+            let r = get(c.readiness_probe.clone());
+            assert_eq!(r.path.as_deref(), Some(ready));
+            assert_eq!(r.port, IntOrString::String("http".into()));
+            assert_eq!(get(c.liveness_probe.clone()).path.as_deref(), Some(live));
+            assert!(
+                c.startup_probe.unwrap().failure_threshold.unwrap() >= 30,
+                "model loading needs time"
+            );
+            assert_eq!(c.ports.unwrap()[0].container_port, HTTP_PORT);
+        }
+    }
+
+    #[test]
+    fn pods_run_non_root_read_only_without_capabilities_under_runtime_default_seccomp() {
+        for yaml in [KVFLEET_RTX3090_TP2, VLLM_RTX5090] {
+            let obj = fixture(yaml);
+            let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+            let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+            let psc = pod(&d).security_context.unwrap();
+            assert_eq!(psc.run_as_non_root, Some(true));
+            assert_eq!(psc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+            let sc = container(&d).security_context.unwrap();
+            assert_eq!(sc.read_only_root_filesystem, Some(true));
+            assert_eq!(sc.allow_privilege_escalation, Some(false));
+            assert_eq!(sc.capabilities.unwrap().drop, Some(vec!["ALL".to_string()]));
+            let mounts = container(&d).volume_mounts.unwrap();
+            assert!(
+                mounts.iter().any(|m| m.mount_path == "/tmp"),
+                "writable /tmp on a read-only root"
+            );
+        }
+    }
+
+    #[test]
+    fn vllm_on_sm120_runs_triton_attn_with_every_flag_from_the_resolved_config() {
+        let obj = fixture(VLLM_RTX5090);
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        let args = c.args.clone().unwrap();
+        for (flag, value) in [
+            ("--kv-cache-dtype", "fp8"),
+            ("--attention-backend", "TRITON_ATTN"),
+            ("--max-model-len", "32768"),
+            ("--max-num-seqs", "32"),
+            ("--max-num-batched-tokens", "4096"),
+            ("--block-size", "32"),
+            ("--gpu-memory-utilization", "0.85"),
+            ("--tensor-parallel-size", "1"),
+            ("--port", "8000"),
+            ("--served-model-name", "google/gemma-3-12b-it"),
+            ("--load-format", "dummy"),
+        ] {
+            assert_eq!(
+                arg_after(&args, flag).as_deref(),
+                Some(value),
+                "{flag} in {args:?}"
+            );
+        }
+        assert_eq!(c.image.as_deref(), Some(Settings::default().vllm_image.as_str()));
+        assert_eq!(
+            c.resources.unwrap().limits.unwrap().get("nvidia.com/gpu"),
+            Some(&Quantity("1".into()))
+        );
+        assert!(d.config_map.is_none() && d.service_account.is_none() && d.role_binding.is_none());
+        assert_eq!(pod(&d).automount_service_account_token, Some(false));
+    }
+
+    #[test]
+    fn vllm_without_a_resolved_backend_leaves_the_choice_to_vllm() {
+        let obj = fixture(VLLM_RTX5090);
+        let v = Verdict {
+            resolved: None,
+            ..Verdict::default()
+        };
+        let args = vllm_args(&obj.spec, &v);
+        assert!(!args.contains(&"--attention-backend".to_string()), "{args:?}");
+        assert_eq!(arg_after(&args, "--kv-cache-dtype").as_deref(), Some("fp8"));
+    }
+
+    #[test]
+    fn a_pdb_exists_only_with_more_than_one_replica() {
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let two = desired(&fixture(KVFLEET_RTX3090_TP2), &v, &Settings::default(), None).unwrap();
+        let pdb = two.pdb.unwrap();
+        assert_eq!(pdb.spec.unwrap().max_unavailable, Some(IntOrString::Int(1)));
+        let one = desired(&fixture(VLLM_RTX5090), &v, &Settings::default(), None).unwrap();
+        assert!(one.pdb.is_none());
+    }
+
+    #[test]
+    fn every_object_is_owned_by_the_inference_deployment_and_selected_by_its_label() {
+        let obj = fixture(KVFLEET_RTX3090_TP2);
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let m = MonitorKind {
+            resource: ApiResource {
+                group: "monitoring.coreos.com".into(),
+                version: "v1".into(),
+                api_version: "monitoring.coreos.com/v1".into(),
+                kind: "ServiceMonitor".into(),
+                plural: "servicemonitors".into(),
+            },
+            kind: "ServiceMonitor".into(),
+        };
+        let d = desired(&obj, &v, &Settings::default(), Some(&m)).unwrap();
+        let metas = [
+            &d.config_map.as_ref().unwrap().metadata,
+            &d.deployment.metadata,
+            &d.service.metadata,
+            &d.pdb.as_ref().unwrap().metadata,
+            &d.monitor.as_ref().unwrap().metadata,
+        ];
+        for meta in metas {
+            let owners = meta.owner_references.clone().unwrap();
+            assert_eq!(owners.len(), 1);
+            assert_eq!(owners[0].kind, "InferenceDeployment");
+            assert_eq!(owners[0].controller, Some(true));
+            assert_eq!(meta.namespace.as_deref(), Some("ml"));
+            assert_eq!(meta.labels.as_ref().unwrap()[INSTANCE_LABEL], "llama");
+        }
+        let mon = serde_json::to_value(d.monitor.unwrap()).unwrap();
+        assert_eq!(mon["kind"], "ServiceMonitor");
+        assert_eq!(mon["spec"]["endpoints"][0]["port"], "http");
+        assert_eq!(mon["spec"]["selector"]["matchLabels"][INSTANCE_LABEL], "llama");
+        assert_eq!(
+            d.service.spec.unwrap().selector.unwrap(),
+            selector_labels("llama")
+        );
+    }
+
+    #[test]
+    fn user_resources_cannot_change_the_gpu_count() {
+        let mut obj = fixture(VLLM_RTX5090);
+        obj.spec.pod = Some(
+            serde_json::from_value(serde_json::json!({
+                "resources": {"limits": {"nvidia.com/gpu": "4", "memory": "64Gi"},
+                              "requests": {"nvidia.com/gpu": "4", "cpu": "8"}}
+            }))
+            .unwrap(),
+        );
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let r = container(&desired(&obj, &v, &Settings::default(), None).unwrap())
+            .resources
+            .unwrap();
+        assert_eq!(r.limits.as_ref().unwrap()["nvidia.com/gpu"], Quantity("1".into()));
+        assert_eq!(r.limits.unwrap()["memory"], Quantity("64Gi".into()));
+        assert_eq!(r.requests.unwrap()["nvidia.com/gpu"], Quantity("1".into()));
+    }
+
+    #[test]
+    fn an_object_without_uid_cannot_own_anything() {
+        let mut obj = fixture(VLLM_RTX5090);
+        obj.metadata.uid = None;
+        let err = desired(&obj, &Verdict::default(), &Settings::default(), None).unwrap_err();
+        assert!(err.to_string().contains("uid"), "{err}");
+    }
+}

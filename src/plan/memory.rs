@@ -1,0 +1,267 @@
+//! How much of a GPU's memory is left for the KV cache.
+//!
+//! vLLM's model (vllm/v1/worker/gpu_worker.py `determine_available_memory` with
+//! vllm/utils/mem_utils.py `memory_profiling`): the engine may use
+//! `total x gpu_memory_utilization`; from that it subtracts the weights, the peak
+//! activation memory of a profiling forward pass of max_num_batched_tokens tokens, and
+//! non-torch memory (CUDA context, NCCL buffers, CUDA graphs). The remainder is the KV
+//! cache ("Available KV cache memory: X GiB" in the log).
+//!
+//! kvfleet cannot profile offline, so activations plus non-torch memory are one
+//! parameter, the activation reserve, defaulting to [`DEFAULT_ACTIVATION_RESERVE_BYTES`].
+
+use serde::Serialize;
+
+use super::PlanError;
+
+pub const GIB: u64 = 1 << 30;
+pub const MIB: u64 = 1 << 20;
+
+/// Default per-GPU reserve for activations, CUDA context and CUDA graphs: 1 GiB.
+///
+/// Derived from the Gemma 4 31B AWQ case on 2 x 24 GiB GPUs (tests/fixtures/plan/
+/// kv_capacity_public.json): 24 GiB x 0.90 - 9.5 GiB weights per GPU - 11.54 GiB KV =
+/// 1.06 GiB for everything else. Models with large vocabularies or large
+/// max_num_batched_tokens need more: read "non_torch memory" and "PyTorch activation peak
+/// memory" from a vLLM startup log and pass their sum as the reserve.
+pub const DEFAULT_ACTIVATION_RESERVE_BYTES: u64 = GIB;
+
+/// Total memory of GPU products as NVML (nvidia-smi) reports it, keyed by the GPU Feature
+/// Discovery `nvidia.com/gpu.product` label. (I): typical nvidia-smi totals; the node
+/// label `nvidia.com/gpu.memory` (MiB) is authoritative when available.
+pub const GPU_PRODUCTS: &[(&str, u64)] = &[
+    ("Tesla-T4", 15_360),
+    ("NVIDIA-A10", 23_028),
+    ("NVIDIA-L4", 23_034),
+    ("NVIDIA-GeForce-RTX-3090", 24_576),
+    ("NVIDIA-GeForce-RTX-4090", 24_564),
+    ("NVIDIA-GeForce-RTX-5090", 32_607),
+    ("NVIDIA-A100-SXM4-40GB", 40_960),
+    ("NVIDIA-A100-PCIE-40GB", 40_960),
+    ("NVIDIA-A40", 46_068),
+    ("NVIDIA-L40", 46_068),
+    ("NVIDIA-L40S", 46_068),
+    ("NVIDIA-RTX-A6000", 49_140),
+    ("NVIDIA-RTX-6000-Ada-Generation", 49_140),
+    ("NVIDIA-A100-SXM4-80GB", 81_920),
+    ("NVIDIA-A100-80GB-PCIe", 81_920),
+    ("NVIDIA-H100-80GB-HBM3", 81_559),
+    ("NVIDIA-H100-PCIe", 81_559),
+    ("NVIDIA-H100-NVL", 95_830),
+    ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition", 97_887),
+    ("NVIDIA-H200", 143_771),
+    ("NVIDIA-B200", 183_359),
+];
+
+/// Memory of a GPU product in bytes. Matches the GFD label case-insensitively, with
+/// spaces or dashes, with or without the `NVIDIA-` prefix.
+pub fn gpu_memory_bytes(product: &str) -> Option<u64> {
+    let norm = |s: &str| {
+        let s = s.trim().to_ascii_lowercase().replace([' ', '_'], "-");
+        s.strip_prefix("nvidia-").map(str::to_string).unwrap_or(s)
+    };
+    let want = norm(product);
+    GPU_PRODUCTS
+        .iter()
+        .find(|(name, _)| norm(name) == want)
+        .map(|(_, mib)| mib * MIB)
+}
+
+/// Parses a Kubernetes quantity (`19Gi`, `16G`, `1.5Ti`, `2e9`, `512Mi`, `1024`) as bytes,
+/// rounding a fractional byte count up.
+pub fn parse_quantity_bytes(q: &str) -> Result<u64, PlanError> {
+    let s = q.trim();
+    let bad = |why: &str| PlanError::InvalidQuantity {
+        value: q.to_string(),
+        message: why.to_string(),
+    };
+    if s.is_empty() {
+        return Err(bad("empty"));
+    }
+    const SUFFIXES: &[(&str, f64)] = &[
+        ("Ki", 1024.0),
+        ("Mi", 1_048_576.0),
+        ("Gi", 1_073_741_824.0),
+        ("Ti", 1_099_511_627_776.0),
+        ("Pi", 1_125_899_906_842_624.0),
+        ("Ei", 1_152_921_504_606_846_976.0),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+        ("E", 1e18),
+        ("m", 1e-3),
+    ];
+    let (num, mult) = SUFFIXES
+        .iter()
+        .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n, *m)))
+        .unwrap_or((s, 1.0));
+    if num.is_empty()
+        || !num
+            .chars()
+            .all(|c| c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '+' | '-'))
+    {
+        return Err(bad(
+            "expected a number with an optional suffix such as Gi, Mi, G or M",
+        ));
+    }
+    let v: f64 = num.parse().map_err(|_| bad("not a number"))?;
+    let bytes = v * mult;
+    if !bytes.is_finite() || bytes < 0.0 {
+        return Err(bad("must be a non-negative number of bytes"));
+    }
+    if bytes >= u64::MAX as f64 {
+        return Err(bad("too large"));
+    }
+    Ok(bytes.ceil() as u64)
+}
+
+/// Converts GiB as vLLM logs it (two decimals) to bytes.
+pub fn gib_to_bytes(gib: f64) -> u64 {
+    (gib * GIB as f64).round().max(0.0) as u64
+}
+
+/// The KV budget of one GPU, derived step by step.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemoryBudget {
+    /// Either `given` (available KV memory from a log) or `predicted`.
+    pub source: &'static str,
+    pub gpu_memory_bytes: Option<u64>,
+    pub gpu_memory_utilization: Option<f64>,
+    /// floor(gpu_memory_bytes x gpu_memory_utilization).
+    pub engine_budget_bytes: Option<u64>,
+    /// Total weight bytes of the model (all ranks).
+    pub weight_bytes_total: Option<u64>,
+    /// weight_bytes_total / tp.
+    pub weight_bytes_per_gpu: Option<u64>,
+    pub activation_reserve_bytes: Option<u64>,
+    pub available_kv_bytes: u64,
+    pub notes: Vec<String>,
+}
+
+impl MemoryBudget {
+    /// The available KV memory read from a log line.
+    pub fn given(available_kv_bytes: u64) -> MemoryBudget {
+        MemoryBudget {
+            source: "given",
+            gpu_memory_bytes: None,
+            gpu_memory_utilization: None,
+            engine_budget_bytes: None,
+            weight_bytes_total: None,
+            weight_bytes_per_gpu: None,
+            activation_reserve_bytes: None,
+            available_kv_bytes,
+            notes: Vec::new(),
+        }
+    }
+
+    /// Predicts available KV memory on one of `tp` GPUs. `weight_bytes_total = None`
+    /// assumes weights of 0 bytes and says so in `notes`.
+    pub fn predict(
+        gpu_memory_bytes: u64,
+        gpu_memory_utilization: f64,
+        weight_bytes_total: Option<u64>,
+        tp: u32,
+        activation_reserve_bytes: u64,
+    ) -> Result<MemoryBudget, PlanError> {
+        if gpu_memory_bytes == 0 {
+            return Err(PlanError::InvalidInput(
+                "GPU memory is zero: pass --gpu PRODUCT or --gpu-memory-gib with the memory of one GPU"
+                    .into(),
+            ));
+        }
+        if !(gpu_memory_utilization > 0.0 && gpu_memory_utilization <= 1.0) {
+            return Err(PlanError::InvalidInput(format!(
+                "gpu memory utilization {gpu_memory_utilization} must be in (0, 1], e.g. 0.9"
+            )));
+        }
+        if tp == 0 {
+            return Err(PlanError::InvalidInput(
+                "tensor parallel size must be at least 1".into(),
+            ));
+        }
+        let mut notes = Vec::new();
+        let engine_budget = (gpu_memory_bytes as f64 * gpu_memory_utilization).floor() as u64;
+        let weights_total = match weight_bytes_total {
+            Some(w) => w,
+            None => {
+                notes.push(
+                    "weight bytes not given: assumed 0, so the KV budget is an upper bound; set model.weightBytes (or --weight-gib)".into(),
+                );
+                0
+            }
+        };
+        let per_gpu = weights_total.div_ceil(u64::from(tp));
+        let available = engine_budget
+            .saturating_sub(per_gpu)
+            .saturating_sub(activation_reserve_bytes);
+        if available == 0 {
+            notes.push(format!(
+                "nothing is left for the KV cache: {} GiB budget - {} GiB weights - {} GiB reserve",
+                fmt_gib(engine_budget),
+                fmt_gib(per_gpu),
+                fmt_gib(activation_reserve_bytes)
+            ));
+        }
+        Ok(MemoryBudget {
+            source: "predicted",
+            gpu_memory_bytes: Some(gpu_memory_bytes),
+            gpu_memory_utilization: Some(gpu_memory_utilization),
+            engine_budget_bytes: Some(engine_budget),
+            weight_bytes_total: Some(weights_total),
+            weight_bytes_per_gpu: Some(per_gpu),
+            activation_reserve_bytes: Some(activation_reserve_bytes),
+            available_kv_bytes: available,
+            notes,
+        })
+    }
+}
+
+/// Bytes as GiB with two decimals, the way vLLM logs them.
+pub fn fmt_gib(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / GIB as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_parse_binary_decimal_and_exponent_forms() {
+        assert_eq!(parse_quantity_bytes("19Gi").unwrap(), 19 * GIB);
+        assert_eq!(parse_quantity_bytes("16G").unwrap(), 16_000_000_000);
+        assert_eq!(parse_quantity_bytes("1.5Ki").unwrap(), 1536);
+        assert_eq!(parse_quantity_bytes("2e9").unwrap(), 2_000_000_000);
+        assert_eq!(parse_quantity_bytes("1024").unwrap(), 1024);
+        assert!(parse_quantity_bytes("19 GB").is_err());
+        assert!(parse_quantity_bytes("Gi").is_err());
+        assert!(parse_quantity_bytes("-1Gi").is_err());
+    }
+
+    #[test]
+    fn gpu_products_match_labels_loosely() {
+        assert_eq!(gpu_memory_bytes("NVIDIA-H100-80GB-HBM3"), Some(81_559 * MIB));
+        assert_eq!(gpu_memory_bytes("geforce rtx 3090"), Some(24 * GIB));
+        assert_eq!(gpu_memory_bytes("Tesla-T4"), Some(15 * GIB));
+        assert_eq!(gpu_memory_bytes("NVIDIA-Imaginary-9000"), None);
+    }
+
+    #[test]
+    fn prediction_subtracts_weights_per_rank_and_reserve() {
+        let m = MemoryBudget::predict(24 * GIB, 0.9, Some(19 * GIB), 2, GIB).unwrap();
+        assert_eq!(
+            m.engine_budget_bytes,
+            Some((24.0 * 0.9 * GIB as f64).floor() as u64)
+        );
+        assert_eq!(m.weight_bytes_per_gpu, Some(19 * GIB / 2));
+        assert_eq!(
+            m.available_kv_bytes,
+            m.engine_budget_bytes.unwrap() - 19 * GIB / 2 - GIB
+        );
+        let none = MemoryBudget::predict(24 * GIB, 0.9, None, 2, GIB).unwrap();
+        assert!(none.notes[0].contains("assumed 0"), "{:?}", none.notes);
+        assert!(MemoryBudget::predict(0, 0.9, None, 1, GIB).is_err());
+        assert!(MemoryBudget::predict(GIB, 1.5, None, 1, GIB).is_err());
+    }
+}

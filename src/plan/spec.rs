@@ -1,0 +1,256 @@
+//! Capacity of an `InferenceDeployment` spec on one GPU product, for the validator
+//! (deny what cannot fit one request) and the controller (status.capacity).
+
+use serde::Serialize;
+
+use super::bytes::check_tensor_parallel;
+use super::geometry::Geometry;
+use super::kvfleet::pool_layout;
+use super::memory::{fmt_gib, parse_quantity_bytes, DEFAULT_ACTIVATION_RESERVE_BYTES};
+use super::report::{plan, MemoryInput, Plan, PlanInputs};
+use super::vllm::{vllm_plan, EngineParams, ReportingEra};
+use super::PlanError;
+use crate::api::{InferenceDeploymentSpec, Runtime};
+use crate::compat::KvCacheDtype;
+
+/// What would make a spec that does not fit fit.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct FixHint {
+    /// The largest maxModelLen for which one request fits (None: not even 1 token fits).
+    pub max_model_len_that_fits: Option<u64>,
+    /// Whether an fp8 KV cache would fit one request at the current maxModelLen.
+    pub fp8_fits: bool,
+    /// The smallest larger tensorParallelSize (dividing the heads) at which it fits.
+    pub tensor_parallel_size_that_fits: Option<u32>,
+}
+
+/// Predicted KV capacity of one replica of a spec.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SpecCapacity {
+    pub runtime: Runtime,
+    /// kvfleet's capacity in tokens per replica (requests of maxModelLen).
+    pub kvfleet_tokens: u64,
+    /// What vLLM would log as "GPU KV cache size" (v0.21+ definition).
+    pub vllm_tokens: u64,
+    /// Requests of maxModelLen that fit at once in kvfleet's engine.
+    pub max_concurrency: f64,
+    /// vLLM's logged "Maximum concurrency".
+    pub vllm_max_concurrency: f64,
+    /// KV memory per GPU.
+    pub available_kv_bytes: u64,
+    /// Bytes one maxModelLen request needs per GPU in the selected runtime.
+    pub bytes_per_request: u64,
+    /// Whether one maxModelLen request fits in the selected runtime.
+    pub fits_one_request: bool,
+    /// Assumptions made (absent weights, the activation reserve).
+    pub explanation: Vec<String>,
+    /// Present when the spec does not fit.
+    pub fix: Option<FixHint>,
+    /// Every number behind the estimate.
+    pub plan: Plan,
+}
+
+impl SpecCapacity {
+    /// A denial message naming the fix, or `None` when one request fits.
+    pub fn fix_hint(&self) -> Option<String> {
+        if self.fits_one_request {
+            return None;
+        }
+        let p = &self.plan.inputs.engine;
+        let mut fixes = Vec::new();
+        let fix = self.fix.clone().unwrap_or_default();
+        if let Some(l) = fix.max_model_len_that_fits {
+            fixes.push(format!("lower maxModelLen to {l}"));
+        }
+        if fix.fp8_fits {
+            fixes.push("use kvCacheDtype fp8".to_string());
+        }
+        if let Some(tp) = fix.tensor_parallel_size_that_fits {
+            fixes.push(format!("raise tensorParallelSize (and gpu.count) to {tp}"));
+        }
+        if fixes.is_empty() {
+            fixes.push("choose GPUs with more memory or a smaller model".to_string());
+        }
+        Some(format!(
+            "maxModelLen {} needs {} GiB of KV cache per GPU for one request, but only {} GiB are available ({} runtime, kvCacheDtype {}, tensorParallelSize {}): {}",
+            p.max_model_len,
+            fmt_gib(self.bytes_per_request),
+            fmt_gib(self.available_kv_bytes),
+            self.runtime,
+            p.dtype,
+            p.tp,
+            fixes.join(", or ")
+        ))
+    }
+}
+
+/// [`spec_capacity_with`] with the default activation reserve and vLLM >= 0.21 reporting.
+pub fn spec_capacity(
+    spec: &InferenceDeploymentSpec,
+    geometry: &Geometry,
+    gpu_memory_bytes: u64,
+    resolved_dtype: KvCacheDtype,
+) -> Result<SpecCapacity, PlanError> {
+    spec_capacity_with(
+        spec,
+        geometry,
+        gpu_memory_bytes,
+        resolved_dtype,
+        DEFAULT_ACTIVATION_RESERVE_BYTES,
+        ReportingEra::V0_21On,
+    )
+}
+
+fn engine_params(spec: &InferenceDeploymentSpec, dtype: KvCacheDtype) -> Result<EngineParams, PlanError> {
+    let e = &spec.engine;
+    let pos = |name: &str, v: i64| -> Result<u64, PlanError> {
+        u64::try_from(v)
+            .ok()
+            .filter(|v| *v > 0)
+            .ok_or_else(|| PlanError::InvalidInput(format!("spec.engine.{name} must be at least 1, got {v}")))
+    };
+    Ok(EngineParams {
+        tp: pos("tensorParallelSize", i64::from(e.tensor_parallel_size))? as u32,
+        dtype,
+        block_size: pos("blockSize", i64::from(e.block_size))? as u32,
+        max_model_len: pos("maxModelLen", e.max_model_len)?,
+        max_num_batched_tokens: pos("maxNumBatchedTokens", i64::from(e.max_num_batched_tokens))?,
+    })
+}
+
+/// Capacity of `spec` with `geometry` on GPUs of `gpu_memory_bytes` each.
+pub fn spec_capacity_with(
+    spec: &InferenceDeploymentSpec,
+    geometry: &Geometry,
+    gpu_memory_bytes: u64,
+    resolved_dtype: KvCacheDtype,
+    activation_reserve_bytes: u64,
+    era: ReportingEra,
+) -> Result<SpecCapacity, PlanError> {
+    let engine = engine_params(spec, resolved_dtype)?;
+    let weights = spec
+        .model
+        .weight_bytes
+        .as_ref()
+        .map(|q| parse_quantity_bytes(&q.0))
+        .transpose()?;
+    let util = spec.engine.gpu_memory_utilization;
+    let memory = MemoryInput::Predict {
+        gpu_memory_bytes,
+        gpu_memory_utilization: util,
+        weight_bytes_total: weights,
+        activation_reserve_bytes,
+    };
+    let inputs = PlanInputs {
+        engine,
+        era,
+        memory: memory.clone(),
+        request_len: None,
+    };
+    let plan = plan(geometry, &inputs)?;
+    let runtime = spec.engine.runtime;
+    let mut explanation = plan.memory.notes.clone();
+    explanation.push(format!(
+        "activation and non-torch reserve {} GiB per GPU (kvfleet default; vLLM profiles it at startup)",
+        fmt_gib(activation_reserve_bytes)
+    ));
+    let avail = plan.memory.available_kv_bytes;
+    let fits_at = |p: &EngineParams, avail: u64| -> bool {
+        match runtime {
+            Runtime::Kvfleet => pool_layout(geometry, p, avail)
+                .map(|k| k.fits_one_request)
+                .unwrap_or(false),
+            Runtime::Vllm => vllm_plan(geometry, p, avail, era)
+                .map(|v| v.fits_one_request)
+                .unwrap_or(false),
+        }
+    };
+    let (fits, bytes_per_request) = match runtime {
+        Runtime::Kvfleet => (plan.kvfleet.fits_one_request, plan.kvfleet.bytes_per_request),
+        Runtime::Vllm => (plan.vllm.fits_one_request, plan.vllm.bytes_per_request()),
+    };
+    let fix = if fits {
+        None
+    } else {
+        // Largest maxModelLen that fits, by bisection (fits is monotone in the length).
+        let mut lo = 0u64;
+        let mut hi = engine.max_model_len;
+        while lo + 1 < hi {
+            let mid = lo + (hi - lo) / 2;
+            if fits_at(
+                &EngineParams {
+                    max_model_len: mid,
+                    ..engine
+                },
+                avail,
+            ) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let fp8_fits = !resolved_dtype.is_fp8()
+            && resolved_dtype != KvCacheDtype::Nvfp4
+            && fits_at(
+                &EngineParams {
+                    dtype: KvCacheDtype::Fp8,
+                    ..engine
+                },
+                avail,
+            );
+        let mut tp_fix = None;
+        let mut tp = engine.tp * 2;
+        while tp <= 64 {
+            if check_tensor_parallel(geometry, tp).is_ok() {
+                let m = plan_memory(memory.clone(), tp)?;
+                if fits_at(&EngineParams { tp, ..engine }, m) {
+                    tp_fix = Some(tp);
+                    break;
+                }
+            }
+            tp *= 2;
+        }
+        Some(FixHint {
+            max_model_len_that_fits: (lo > 0).then_some(lo),
+            fp8_fits,
+            tensor_parallel_size_that_fits: tp_fix,
+        })
+    };
+    Ok(SpecCapacity {
+        runtime,
+        kvfleet_tokens: plan.kvfleet.capacity_tokens,
+        vllm_tokens: plan
+            .vllm
+            .tokens_by_era
+            .iter()
+            .find(|(e, _)| *e == ReportingEra::V0_21On)
+            .map_or(0, |(_, t)| *t),
+        max_concurrency: plan.kvfleet.max_concurrency,
+        vllm_max_concurrency: plan.vllm.max_concurrency,
+        available_kv_bytes: avail,
+        bytes_per_request,
+        fits_one_request: fits,
+        explanation,
+        fix,
+        plan,
+    })
+}
+
+fn plan_memory(m: MemoryInput, tp: u32) -> Result<u64, PlanError> {
+    match m {
+        MemoryInput::AvailableKv { bytes } => Ok(bytes),
+        MemoryInput::Predict {
+            gpu_memory_bytes,
+            gpu_memory_utilization,
+            weight_bytes_total,
+            activation_reserve_bytes,
+        } => Ok(super::memory::MemoryBudget::predict(
+            gpu_memory_bytes,
+            gpu_memory_utilization,
+            weight_bytes_total,
+            tp,
+            activation_reserve_bytes,
+        )?
+        .available_kv_bytes),
+    }
+}

@@ -1,0 +1,585 @@
+use super::*;
+use crate::compat::products;
+
+fn spec(yaml: &str) -> InferenceDeploymentSpec {
+    serde_yaml::from_str(yaml).unwrap()
+}
+
+fn node(name: &str, product: &str, gpus: i64) -> NodeFacts {
+    let p = products::lookup(product).unwrap();
+    let mut n = NodeFacts::synthetic(name, p, gpus);
+    n.labels.insert(labels::PRODUCT.into(), product.into());
+    n
+}
+
+fn cluster(nodes: Vec<NodeFacts>) -> ClusterFacts {
+    ClusterFacts { nodes }
+}
+
+const LLAMA: &str = "
+model:
+  name: llama
+  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+";
+
+fn llama(engine: &str) -> InferenceDeploymentSpec {
+    spec(&format!("{LLAMA}engine: {engine}\n"))
+}
+
+fn messages(v: &Verdict) -> String {
+    v.denials
+        .iter()
+        .map(|d| d.message.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn affinity_terms(v: &Verdict) -> Vec<Vec<(String, Vec<String>)>> {
+    let a = v.node_affinity.as_ref().unwrap();
+    a.required_during_scheduling_ignored_during_execution
+        .as_ref()
+        .unwrap()
+        .node_selector_terms
+        .iter()
+        .map(|t| {
+            t.match_expressions
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| (e.key, e.values.unwrap_or_default()))
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn nvfp4_kv_on_rtx_pro_6000_is_denied_with_fp8_hint() {
+    let s = llama("{runtime: vllm, kvCacheDtype: nvfp4}");
+    let v = validate(&s, &cluster(vec![node("a", "NVIDIA-RTX-PRO-6000-Blackwell", 8)]));
+    assert!(!v.allowed());
+    assert_eq!(v.denials.len(), 1, "{v:#?}");
+    let d = &v.denials[0];
+    assert_eq!(d.field, "spec.engine.kvCacheDtype");
+    assert_eq!(d.reason, "UnsupportedKvCacheDtype");
+    assert!(
+        d.message.starts_with(
+            "kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3 (B200/B300); the selected node has 12.0 (NVIDIA-RTX-PRO-6000-Blackwell); use fp8"
+        ),
+        "{}",
+        d.message
+    );
+    assert!(d.message.contains("vllm#43562"), "{}", d.message);
+    assert!(v.resolved.is_none() && v.node_affinity.is_none() && v.compatible_nodes.is_empty());
+}
+
+#[test]
+fn nvfp4_kv_on_b200_is_admitted_with_flashinfer_and_affinity_to_10_0() {
+    let s = llama("{runtime: vllm, kvCacheDtype: nvfp4}");
+    let v = validate(
+        &s,
+        &cluster(vec![node("b1", "NVIDIA-B200", 8), node("b2", "NVIDIA-B200", 8)]),
+    );
+    assert!(v.allowed(), "{v:#?}");
+    let r = v.resolved.as_ref().unwrap();
+    assert_eq!(
+        (r.kv_cache_dtype.as_str(), r.attention_backend.as_str()),
+        ("nvfp4", "FLASHINFER")
+    );
+    assert_eq!(r.compute_capabilities, vec!["10.0"]);
+    assert_eq!(r.products, vec!["NVIDIA-B200"]);
+    assert_eq!(v.compatible_nodes, vec!["b1", "b2"]);
+    assert_eq!(
+        affinity_terms(&v),
+        vec![vec![
+            (labels::COMPUTE_MAJOR.to_string(), vec!["10".to_string()]),
+            (labels::COMPUTE_MINOR.to_string(), vec!["0".to_string()]),
+        ]]
+    );
+    assert!(
+        v.warnings.iter().any(|w| w.contains("flashinfer-cubin")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn fp8_e4m3_with_vllm_on_rtx_3090_is_denied_with_e5m2_hint() {
+    let s = llama("{runtime: vllm, kvCacheDtype: fp8_e4m3}");
+    let v = validate(
+        &s,
+        &cluster(vec![
+            node("a", "NVIDIA-GeForce-RTX-3090", 2),
+            node("b", "NVIDIA-GeForce-RTX-3090", 2),
+        ]),
+    );
+    assert!(!v.allowed());
+    let m = messages(&v);
+    assert!(
+        m.contains("fp8_e4m3 KV cache is not supported by vLLM's Triton kernels"),
+        "{m}"
+    );
+    assert!(
+        m.contains("the selected nodes have 8.6 (NVIDIA-GeForce-RTX-3090); use fp8_e5m2"),
+        "{m}"
+    );
+}
+
+#[test]
+fn per_layer_sliding_windows_with_flashinfer_are_denied() {
+    let s = spec(
+        "
+model:
+  name: gemma
+  geometry: {layers: 2, queryHeads: 8, kvHeads: 4, headDim: 256, slidingWindow: 4096,
+             layerTypes: [sliding_attention, full_attention]}
+engine: {runtime: vllm, attentionBackend: FLASHINFER}
+",
+    );
+    let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+    assert!(!v.allowed());
+    assert_eq!(v.denials[0].reason, "PerLayerSlidingWindow");
+    assert!(
+        messages(&v).contains("use attentionBackend FLASH_ATTN or TRITON_ATTN"),
+        "{}",
+        messages(&v)
+    );
+}
+
+#[test]
+fn mixed_pool_admits_on_sm90_only_with_counts() {
+    let s = llama("{runtime: vllm, kvCacheDtype: fp8_e4m3, gpuMemoryUtilization: 0.8}");
+    let mut nodes: Vec<NodeFacts> = (0..3)
+        .map(|i| node(&format!("a10-{i}"), "NVIDIA-A10", 4))
+        .collect();
+    nodes.push(node("h100-0", "NVIDIA-H100-80GB-HBM3", 8));
+    nodes.push(node("h100-1", "NVIDIA-H100-80GB-HBM3", 8));
+    nodes.push(NodeFacts {
+        name: "cpu-0".into(),
+        ..NodeFacts::default()
+    });
+    let v = validate(&s, &cluster(nodes));
+    assert!(v.allowed(), "{v:#?}");
+    assert_eq!(v.compatible_nodes, vec!["h100-0", "h100-1"]);
+    assert_eq!(v.resolved.as_ref().unwrap().compute_capabilities, vec!["9.0"]);
+    assert_eq!(v.resolved.as_ref().unwrap().attention_backend, "FLASH_ATTN");
+    assert_eq!(
+        v.warnings[0],
+        "2 of 5 selected GPU nodes can run this; the affinity excludes the others"
+    );
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.starts_with("nodes with 8.6 (NVIDIA-A10) excluded: fp8_e4m3")),
+        "{:?}",
+        v.warnings
+    );
+    let terms = affinity_terms(&v);
+    assert_eq!(terms.len(), 1);
+    assert_eq!(terms[0][0].1, vec!["9"]);
+    assert_eq!(v.architectures.len(), 2);
+}
+
+#[test]
+fn no_nodes_at_all_is_denied_as_no_matching_node() {
+    let v = validate(&llama("{}"), &ClusterFacts::default());
+    assert!(!v.allowed());
+    assert_eq!(v.denials[0].reason, "NoMatchingNodes");
+    assert!(
+        v.denials[0]
+            .message
+            .starts_with("no schedulable GPU node matches the selectors (any GPU node)"),
+        "{}",
+        v.denials[0].message
+    );
+}
+
+#[test]
+fn selectors_filter_nodes_and_name_what_the_cluster_has() {
+    let s = spec(&format!(
+        "{LLAMA}gpu: {{selector: {{products: [NVIDIA-H200]}}}}\n"
+    ));
+    let v = validate(&s, &cluster(vec![node("l4", "NVIDIA-L4", 1)]));
+    assert!(!v.allowed());
+    let m = messages(&v);
+    assert!(
+        m.contains("gpu.selector.products [NVIDIA-H200]") && m.contains("NVIDIA-L4 (8.9)"),
+        "{m}"
+    );
+
+    let s = spec(&format!("{LLAMA}pod: {{nodeSelector: {{pool: gpu-a}}}}\n"));
+    let mut a = node("a", "NVIDIA-L4", 1);
+    a.labels.insert("pool".into(), "gpu-a".into());
+    let b = node("b", "NVIDIA-H100-80GB-HBM3", 8);
+    let v = validate(&s, &cluster(vec![a, b]));
+    assert!(v.allowed());
+    assert_eq!(v.compatible_nodes, vec!["a"]);
+}
+
+#[test]
+fn min_compute_capability_compares_numbers_not_strings() {
+    let s = spec(&format!("{LLAMA}engine: {{gpuMemoryUtilization: 0.8}}\ngpu: {{selector: {{minComputeCapability: \"10.0\"}}}}\n"));
+    let v = validate(
+        &s,
+        &cluster(vec![
+            node("h", "NVIDIA-H100-80GB-HBM3", 8),
+            node("r", "NVIDIA-GeForce-RTX-5090", 1),
+        ]),
+    );
+    assert!(v.allowed(), "{v:#?}");
+    assert_eq!(v.compatible_nodes, vec!["r"]);
+    assert!(
+        v.warnings.is_empty(),
+        "the 9.0 node is not selected at all: {:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn nodes_without_gfd_labels_are_warned_about_and_never_compatible() {
+    let bare = NodeFacts {
+        name: "bare".into(),
+        allocatable_gpus: Some(4),
+        ..NodeFacts::default()
+    };
+    let v = validate(&llama("{}"), &cluster(vec![bare.clone()]));
+    assert!(!v.allowed());
+    assert!(
+        v.denials
+            .iter()
+            .any(|d| d.reason == "NoGpuFeatureDiscoveryLabels"),
+        "{v:#?}"
+    );
+    assert!(v.warnings.iter().any(|w| w.contains("GPU Feature Discovery")));
+
+    let v = validate(
+        &llama("{}"),
+        &cluster(vec![bare, node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
+    );
+    assert!(v.allowed());
+    assert_eq!(v.compatible_nodes, vec!["h"]);
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.contains("1 selected GPU node (bare)")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn product_label_alone_gives_the_capability_and_a_product_affinity() {
+    let mut n = node("t4", "Tesla-T4", 1);
+    n.labels.remove(labels::COMPUTE_MAJOR);
+    n.labels.remove(labels::COMPUTE_MINOR);
+    n.labels.insert(labels::PRODUCT.into(), "Tesla-T4-SHARED".into());
+    let v = validate(&llama("{runtime: vllm}"), &cluster(vec![n]));
+    assert!(v.allowed(), "{v:#?}");
+    let r = v.resolved.as_ref().unwrap();
+    assert_eq!(
+        (r.kv_cache_dtype.as_str(), r.attention_backend.as_str()),
+        ("float16", "TRITON_ATTN")
+    );
+    assert_eq!(
+        affinity_terms(&v),
+        vec![vec![(
+            labels::PRODUCT.to_string(),
+            vec!["Tesla-T4-SHARED".to_string()]
+        )]]
+    );
+}
+
+#[test]
+fn mig_products_match_a_selector_of_the_base_product() {
+    let s = spec(&format!(
+        "{LLAMA}gpu: {{selector: {{products: [NVIDIA-A100-SXM4-40GB]}}}}\n"
+    ));
+    let v = validate(
+        &s,
+        &cluster(vec![node("m", "NVIDIA-A100-SXM4-40GB-MIG-3g.20gb", 7)]),
+    );
+    assert!(v.allowed(), "{v:#?}");
+    let terms = affinity_terms(&v);
+    assert_eq!(terms[0][2].0, labels::PRODUCT);
+    assert_eq!(
+        terms[0][2].1,
+        vec!["NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-SXM4-40GB-MIG-3g.20gb"]
+    );
+}
+
+#[test]
+fn tensor_parallel_size_needs_gpus_on_one_node() {
+    let s = llama("{tensorParallelSize: 4}");
+    let v = validate(
+        &s,
+        &cluster(vec![node("a", "NVIDIA-L4", 2), node("b", "NVIDIA-L4", 1)]),
+    );
+    assert!(!v.allowed());
+    assert_eq!(v.denials[0].reason, "InsufficientGpusPerNode");
+    assert!(
+        v.denials[0].message.contains("needs 4 GPUs on one node")
+            && v.denials[0].message.contains("at most 2"),
+        "{}",
+        v.denials[0].message
+    );
+
+    let v = validate(
+        &s,
+        &cluster(vec![node("a", "NVIDIA-L4", 2), node("c", "NVIDIA-L4", 4)]),
+    );
+    assert!(v.allowed());
+    assert_eq!(v.compatible_nodes, vec!["c"]);
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.contains("1 node with 8.9 (NVIDIA-L4) has fewer than the 4 GPUs")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn tensor_parallel_size_must_split_the_heads() {
+    let v = validate(
+        &llama("{tensorParallelSize: 3}"),
+        &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
+    );
+    assert!(!v.allowed());
+    let d = v
+        .denials
+        .iter()
+        .find(|d| d.reason == "TensorParallelSizeMismatch")
+        .unwrap();
+    assert!(
+        d.message.contains("does not divide the model's 32 query heads")
+            && d.message.contains("use one of 1, 2, 4, 8"),
+        "{}",
+        d.message
+    );
+    // tp 16 > 8 KV heads is fine (replicated KV heads: 16 % 8 == 0).
+    assert!(validate(
+        &llama("{tensorParallelSize: 16}"),
+        &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 16)])
+    )
+    .allowed());
+    // 12 KV heads over tp 8: neither divides the other.
+    let s = spec("model: {name: x, geometry: {layers: 1, queryHeads: 96, kvHeads: 12, headDim: 128}}\nengine: {tensorParallelSize: 8}\n");
+    let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+    assert!(
+        v.denials.iter().any(|d| d.message.contains("12 KV heads")),
+        "{v:#?}"
+    );
+}
+
+#[test]
+fn gpu_count_below_tensor_parallel_size_is_denied() {
+    let s = spec(&format!(
+        "{LLAMA}engine: {{tensorParallelSize: 2}}\ngpu: {{count: 1}}\n"
+    ));
+    let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+    assert!(v.denials.iter().any(|d| d.field == "spec.gpu.count"), "{v:#?}");
+}
+
+#[test]
+fn high_gpu_memory_utilization_warns() {
+    let v = validate(
+        &llama("{gpuMemoryUtilization: 0.9}"),
+        &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
+    );
+    assert!(v.allowed());
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.contains("gpuMemoryUtilization 0.9 is above 0.85")),
+        "{:?}",
+        v.warnings
+    );
+    let v = validate(
+        &llama("{gpuMemoryUtilization: 0.85}"),
+        &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
+    );
+    assert!(
+        !v.warnings.iter().any(|w| w.contains("gpuMemoryUtilization")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn config_map_models_are_validated_with_what_is_known_and_warned() {
+    let s =
+        spec("model: {name: x, config: {configMapRef: {name: cfg}}}\nengine: {gpuMemoryUtilization: 0.8}\n");
+    let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+    assert!(v.allowed());
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.contains("ConfigMap cfg, key config.json")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn differing_resolutions_pick_the_most_common_and_restrict_the_affinity() {
+    // kvfleet auto: float16 on 7.5, bfloat16 on 9.0; two H100 nodes beat one T4.
+    let nodes = vec![
+        node("t4", "Tesla-T4", 1),
+        node("h1", "NVIDIA-H100-80GB-HBM3", 8),
+        node("h2", "NVIDIA-H100-80GB-HBM3", 8),
+    ];
+    let v = validate(&llama("{gpuMemoryUtilization: 0.8}"), &cluster(nodes));
+    assert!(v.allowed());
+    let r = v.resolved.as_ref().unwrap();
+    assert_eq!(
+        (r.kv_cache_dtype.as_str(), r.attention_backend.as_str()),
+        ("bfloat16", "KVFLEET_CUDA")
+    );
+    assert_eq!(v.compatible_nodes, vec!["h1", "h2"]);
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.contains("nodes with 7.5 (Tesla-T4) would resolve to kvCacheDtype float16")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn cordoned_nodes_are_not_considered() {
+    let mut h = node("h", "NVIDIA-H100-80GB-HBM3", 8);
+    h.unschedulable = true;
+    let v = validate(&llama("{}"), &cluster(vec![h]));
+    assert!(!v.allowed());
+    assert!(v.warnings.iter().any(|w| w.contains("cordoned")));
+}
+
+#[test]
+fn validate_offline_synthesizes_product_nodes() {
+    let v = validate_offline(&llama("{runtime: vllm, kvCacheDtype: nvfp4}"), &["NVIDIA-B200"]).unwrap();
+    assert!(v.allowed());
+    assert_eq!(v.compatible_nodes.len(), 1);
+    let err = validate_offline(&llama("{}"), &["NVIDIA-Imaginary"]).unwrap_err();
+    assert!(err.to_string().contains("NVIDIA-Imaginary"));
+}
+
+mod property {
+    use super::*;
+    use crate::api::{GpuSelector, GpuSpec, LayerType, ModelGeometry, PodOverrides};
+    use crate::compat::{AttentionBackend, KvCacheDtype, Runtime};
+    use proptest::prelude::*;
+
+    fn product_label() -> impl Strategy<Value = Option<String>> {
+        let known: Vec<String> = products::PRODUCTS.iter().map(|p| p.label.to_string()).collect();
+        prop_oneof![
+            2 => prop::sample::select(known).prop_map(Some),
+            1 => prop::sample::select(vec!["NVIDIA-H100-80GB-HBM3-SHARED", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "Mystery-GPU", ""]).prop_map(|s| Some(s.to_string())),
+            1 => Just(None),
+        ]
+    }
+
+    fn cc_label() -> impl Strategy<Value = Option<(String, String)>> {
+        prop_oneof![
+            Just(None),
+            (
+                prop::sample::select(vec!["7", "8", "9", "10", "11", "12", "x", ""]),
+                prop::sample::select(vec!["0", "3", "5", "6", "9", "-1"])
+            )
+                .prop_map(|(a, b)| Some((a.to_string(), b.to_string()))),
+        ]
+    }
+
+    prop_compose! {
+        fn node_facts()(i in 0u32..1000, product in product_label(), cc in cc_label(),
+                        gpus in prop::option::of(-1i64..17), cordoned in prop::bool::weighted(0.1),
+                        pool in prop::option::of(prop::sample::select(vec!["a", "b"]))) -> NodeFacts {
+            let mut labels = BTreeMap::new();
+            if let Some(p) = product { labels.insert(labels::PRODUCT.to_string(), p); }
+            if let Some((major, minor)) = cc {
+                labels.insert(labels::COMPUTE_MAJOR.to_string(), major);
+                labels.insert(labels::COMPUTE_MINOR.to_string(), minor);
+            }
+            if let Some(pool) = pool { labels.insert("pool".to_string(), pool.to_string()); }
+            NodeFacts { name: format!("n{i}"), labels, allocatable_gpus: gpus, unschedulable: cordoned }
+        }
+    }
+
+    prop_compose! {
+        fn geometry()(layers in 1i32..6, q in 1i32..65, kv in 0i32..17, head in prop::sample::select(vec![0, 64, 80, 128, 256, 512]),
+                      window in prop::option::of(0i32..9000), sliding in prop::collection::vec(any::<bool>(), 0..6),
+                      global in prop::option::of(prop::sample::select(vec![128, 512])), global_kv in prop::option::of(0i32..9),
+                      mla in any::<bool>()) -> ModelGeometry {
+            ModelGeometry {
+                layers, query_heads: q, kv_heads: kv, head_dim: head, sliding_window: window,
+                layer_types: if sliding.is_empty() { None } else {
+                    Some(sliding.iter().map(|s| if *s { LayerType::SlidingAttention } else { LayerType::FullAttention }).collect())
+                },
+                global_head_dim: global, global_kv_heads: global_kv,
+                kv_lora_rank: mla.then_some(512), qk_rope_head_dim: mla.then_some(64),
+                draft_layers: None, hidden_size: None, vocab_size: None,
+            }
+        }
+    }
+
+    prop_compose! {
+        fn spec()(g in prop::option::of(geometry()),
+                  runtime in prop::sample::select(vec![Runtime::Kvfleet, Runtime::Vllm]),
+                  dtype in prop::sample::select(KvCacheDtype::ALL.to_vec()),
+                  backend in prop::sample::select(AttentionBackend::ALL.to_vec()),
+                  tp in -1i32..20, count in prop::option::of(0i32..10), util in -0.5f64..1.5,
+                  products in prop::collection::vec(product_label(), 0..3),
+                  min_cc in prop::option::of(prop::sample::select(vec!["8.0", "9.0", "10.0", "12.1", "junk"])),
+                  pool in prop::option::of(prop::sample::select(vec!["a", "b"])),
+                  non_causal in any::<bool>()) -> InferenceDeploymentSpec {
+            let mut s: InferenceDeploymentSpec = serde_yaml::from_str("model: {name: m, config: {configMapRef: {name: c}}}").unwrap();
+            if g.is_some() { s.model.config = None; }
+            s.model.geometry = g;
+            s.engine.runtime = runtime;
+            s.engine.kv_cache_dtype = dtype;
+            s.engine.attention_backend = backend;
+            s.engine.tensor_parallel_size = tp;
+            s.engine.gpu_memory_utilization = util;
+            s.engine.non_causal = non_causal;
+            s.gpu = Some(GpuSpec {
+                count,
+                selector: Some(GpuSelector {
+                    products: products.into_iter().flatten().collect(),
+                    min_compute_capability: min_cc.map(str::to_string),
+                }),
+            });
+            if let Some(pool) = pool {
+                s.pod = Some(PodOverrides { node_selector: [("pool".to_string(), pool.to_string())].into(), ..Default::default() });
+            }
+            s
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn verdicts_are_consistent_for_any_spec_and_nodes(s in spec(), nodes in prop::collection::vec(node_facts(), 0..8)) {
+            let v = validate(&s, &ClusterFacts { nodes: nodes.clone() });
+            prop_assert_eq!(v.allowed(), v.denials.is_empty());
+            let names: BTreeSet<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
+            for c in &v.compatible_nodes {
+                prop_assert!(names.contains(c.as_str()), "{} not in input", c);
+            }
+            if v.allowed() {
+                let r = v.resolved.as_ref().expect("admitted verdicts carry the resolution");
+                prop_assert!(v.node_affinity.is_some());
+                prop_assert!(!v.compatible_nodes.is_empty());
+                for c in &v.compatible_nodes {
+                    let n = nodes.iter().find(|n| &n.name == c).unwrap();
+                    prop_assert!(!n.unschedulable);
+                    let cc = n.compute_capability().expect("compatible nodes have a known capability").to_string();
+                    prop_assert!(r.compute_capabilities.contains(&cc));
+                }
+            } else {
+                prop_assert!(v.resolved.is_none() && v.node_affinity.is_none() && v.compatible_nodes.is_empty());
+                for d in &v.denials {
+                    prop_assert!(d.field.starts_with("spec"), "{}", d.field);
+                    prop_assert!(!d.message.is_empty() && !d.reason.is_empty());
+                }
+            }
+        }
+    }
+}

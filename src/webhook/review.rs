@@ -1,0 +1,379 @@
+//! AdmissionReview in, AdmissionReview out: the whole admission decision as a plain
+//! function of the request body and the cluster facts (no I/O, no clock, no globals).
+//!
+//! The HTTP handler only measures and serialises; everything a test wants to check about
+//! an answer is decided here.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::response::{StatusCause, StatusDetails};
+use kube::core::{DynamicObject, Status};
+use serde_json::Value;
+
+use crate::api::{InferenceDeploymentSpec, GROUP, KIND};
+use crate::validate::{self, ClusterFacts, Verdict};
+
+/// `admission.k8s.io/v1`, the only AdmissionReview version we register for.
+pub const REVIEW_API_VERSION: &str = "admission.k8s.io/v1";
+
+/// How a request was answered; the `result` label of the request counter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Admitted (possibly with warnings).
+    Allowed,
+    /// Denied by the compatibility rules.
+    Denied,
+    /// The body or the object in it could not be read.
+    Invalid,
+    /// The node cache has not synced yet.
+    NotReady,
+    /// Not ours to judge (other kinds, DELETE, subresources, unchanged specs).
+    Skipped,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Allowed => "allowed",
+            Outcome::Denied => "denied",
+            Outcome::Invalid => "invalid",
+            Outcome::NotReady => "not_ready",
+            Outcome::Skipped => "skipped",
+        }
+    }
+}
+
+/// A response plus what the metrics need to know about it.
+#[derive(Clone, Debug)]
+pub struct Reviewed {
+    pub review: AdmissionReview<DynamicObject>,
+    /// `CREATE`, `UPDATE`, `DELETE`, `CONNECT` or `unknown` when the body did not parse.
+    pub operation: &'static str,
+    pub outcome: Outcome,
+}
+
+/// Answers one AdmissionReview body. Never panics: a body that cannot be read is denied
+/// with the parse error, echoing the request uid when one can be found.
+pub fn review(body: &[u8], facts: &ClusterFacts) -> AdmissionReview<DynamicObject> {
+    review_detailed(body, facts).review
+}
+
+/// [`review`], also telling the operation and outcome.
+pub fn review_detailed(body: &[u8], facts: &ClusterFacts) -> Reviewed {
+    review_with(body, facts, validate::validate)
+}
+
+/// [`review_detailed`] with another decision function in place of
+/// [`validate::validate`] (tests drive every kind of verdict through it).
+pub fn review_with<V>(body: &[u8], facts: &ClusterFacts, validator: V) -> Reviewed
+where
+    V: Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict,
+{
+    let request = match parse_request(body) {
+        Ok(request) => request,
+        Err((uid, message)) => return invalid(uid, &message),
+    };
+    let operation = operation_label(&request.operation);
+    let (response, outcome) = decide(&request, facts, &validator);
+    Reviewed {
+        review: finish(response),
+        operation,
+        outcome,
+    }
+}
+
+/// The answer while the node cache is still syncing: denied with a clear reason (the
+/// readiness probe is false meanwhile, so this only happens right after start).
+pub fn not_ready(body: &[u8]) -> Reviewed {
+    let (uid, operation) = match parse_request(body) {
+        Ok(request) => (request.uid.clone(), operation_label(&request.operation)),
+        Err((uid, _)) => (uid, "unknown"),
+    };
+    let mut response = AdmissionResponse::invalid("");
+    response.uid = uid;
+    response.result = Status::failure(
+        "kvfleet webhook is not ready: the GPU node cache has not synced with the API server yet; \
+         retry in a few seconds (kubectl -n <namespace> logs deploy/kvfleet-webhook shows why)",
+        "ServiceUnavailable",
+    )
+    .with_code(503);
+    Reviewed {
+        review: finish(response),
+        operation,
+        outcome: Outcome::NotReady,
+    }
+}
+
+// === parsing ===
+
+type ParseError = (String, String);
+
+fn parse_request(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, ParseError> {
+    let value: Value = serde_json::from_slice(body).map_err(|error| {
+        (
+            scan_uid(body),
+            format!(
+                "the request body is not JSON ({error}); expected an admission.k8s.io/v1 AdmissionReview"
+            ),
+        )
+    })?;
+    let uid = value
+        .pointer("/request/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let types = (
+        value.get("apiVersion").and_then(Value::as_str),
+        value.get("kind").and_then(Value::as_str),
+    );
+    if types != (Some(REVIEW_API_VERSION), Some("AdmissionReview")) {
+        return Err((
+            uid,
+            format!(
+                "expected apiVersion {REVIEW_API_VERSION} and kind AdmissionReview, got {} {}; \
+                 register the webhook with admissionReviewVersions: [v1]",
+                types.0.unwrap_or("(none)"),
+                types.1.unwrap_or("(none)")
+            ),
+        ));
+    }
+    let review: AdmissionReview<DynamicObject> =
+        serde_path_to_error::deserialize(value).map_err(|error| {
+            (
+                uid.clone(),
+                format!("malformed AdmissionReview at {}: {}", error.path(), error.inner()),
+            )
+        })?;
+    let request: AdmissionRequest<DynamicObject> = review
+        .try_into()
+        .map_err(|_| (uid.clone(), "the AdmissionReview has no request".to_string()))?;
+    if request.uid.is_empty() {
+        return Err((uid, "the AdmissionReview request has no uid".to_string()));
+    }
+    Ok(request)
+}
+
+/// Finds `"uid":"..."` in a body that is not valid JSON (truncated, say), so that the
+/// denial still correlates with the request. Only UID-shaped values are taken.
+fn scan_uid(body: &[u8]) -> String {
+    const KEY: &[u8] = b"\"uid\"";
+    let Some(start) = body.windows(KEY.len()).position(|w| w == KEY) else {
+        return String::new();
+    };
+    let rest = &body[start + KEY.len()..];
+    let rest = trim_start(rest);
+    let Some(rest) = rest.strip_prefix(b":") else {
+        return String::new();
+    };
+    let Some(rest) = trim_start(rest).strip_prefix(b"\"") else {
+        return String::new();
+    };
+    let Some(end) = rest.iter().position(|&b| b == b'"') else {
+        return String::new();
+    };
+    let uid = &rest[..end];
+    if !uid.is_empty() && uid.len() <= 128 && uid.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'-') {
+        String::from_utf8_lossy(uid).into_owned()
+    } else {
+        String::new()
+    }
+}
+
+fn trim_start(bytes: &[u8]) -> &[u8] {
+    let skip = bytes.iter().take_while(|b| b.is_ascii_whitespace()).count();
+    &bytes[skip..]
+}
+
+fn operation_label(operation: &Operation) -> &'static str {
+    match operation {
+        Operation::Create => "CREATE",
+        Operation::Update => "UPDATE",
+        Operation::Delete => "DELETE",
+        Operation::Connect => "CONNECT",
+    }
+}
+
+// === deciding ===
+
+fn decide<V>(
+    request: &AdmissionRequest<DynamicObject>,
+    facts: &ClusterFacts,
+    validator: &V,
+) -> (AdmissionResponse, Outcome)
+where
+    V: Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict,
+{
+    let allow = AdmissionResponse::from(request);
+    let ours = request.kind.group == GROUP && request.kind.kind == KIND;
+    // Subresources (status, scale) carry no spec change we judge; DELETE and CONNECT
+    // must never be blocked by compatibility (a deployment must always be removable).
+    if !ours
+        || request.sub_resource.is_some()
+        || !matches!(request.operation, Operation::Create | Operation::Update)
+    {
+        return (allow, Outcome::Skipped);
+    }
+    let Some(object) = request.object.as_ref() else {
+        return deny_invalid(allow, "the request has no object to validate");
+    };
+    let spec = match read_spec(object) {
+        Ok(spec) => spec,
+        Err(message) => return deny_invalid(allow, &message),
+    };
+    if request.operation == Operation::Update {
+        // A deployment being deleted, or an update that leaves the spec as it was
+        // (finalizers, labels, annotations), is always admitted: otherwise a change in
+        // the cluster could make a deployment impossible to finalize.
+        if object.metadata.deletion_timestamp.is_some() {
+            return (allow, Outcome::Skipped);
+        }
+        if let Some(old) = request.old_object.as_ref() {
+            if matches!(read_spec(old), Ok(old_spec) if old_spec == spec) {
+                return (allow, Outcome::Skipped);
+            }
+        }
+    }
+    let verdict = match catch_unwind(AssertUnwindSafe(|| validator(&spec, facts))) {
+        Ok(verdict) => verdict,
+        Err(_) => {
+            let mut response = allow.deny("");
+            response.result = Status::failure(
+                "kvfleet could not validate this object (internal error in the compatibility rules); \
+                 this is a bug: please report it with the object",
+                "InternalError",
+            )
+            .with_code(500);
+            return (response, Outcome::Invalid);
+        }
+    };
+    answer(allow, &verdict)
+}
+
+fn read_spec(object: &DynamicObject) -> Result<InferenceDeploymentSpec, String> {
+    let Some(spec) = object.data.get("spec") else {
+        return Err("the InferenceDeployment has no spec".to_string());
+    };
+    serde_path_to_error::deserialize::<_, InferenceDeploymentSpec>(spec)
+        .map_err(|error| format!("spec.{}: {}", error.path(), error.inner()))
+}
+
+fn deny_invalid(allow: AdmissionResponse, message: &str) -> (AdmissionResponse, Outcome) {
+    let mut response = allow.deny("");
+    response.result = Status::failure(message, "BadRequest").with_code(400);
+    (response, Outcome::Invalid)
+}
+
+/// Turns a verdict into a response: every denial in `status.message` (one line, the way
+/// kubectl prints it after "denied the request: ") and in `status.details.causes`.
+fn answer(allow: AdmissionResponse, verdict: &Verdict) -> (AdmissionResponse, Outcome) {
+    let warnings = (!verdict.warnings.is_empty()).then(|| verdict.warnings.clone());
+    if verdict.allowed() {
+        let mut response = allow;
+        response.warnings = warnings;
+        return (response, Outcome::Allowed);
+    }
+    let mut response = allow.deny("");
+    response.warnings = warnings;
+    response.result = Status::failure(&denial_message(verdict), "Invalid")
+        .with_code(422)
+        .with_details(StatusDetails {
+            name: String::new(),
+            uid: String::new(),
+            retry_after_seconds: 0,
+            group: GROUP.to_string(),
+            kind: KIND.to_string(),
+            causes: verdict
+                .denials
+                .iter()
+                .map(|d| StatusCause {
+                    reason: d.reason.clone(),
+                    message: d.message.clone(),
+                    field: d.field.clone(),
+                })
+                .collect(),
+        });
+    (response, Outcome::Denied)
+}
+
+/// `field: message` for one denial; `N problems: (1) field: message (2) ...` for several.
+pub fn denial_message(verdict: &Verdict) -> String {
+    match verdict.denials.as_slice() {
+        [] => String::new(),
+        [one] => format!("{}: {}", one.field, one.message),
+        many => {
+            let mut out = format!("{} problems:", many.len());
+            for (i, d) in many.iter().enumerate() {
+                out.push_str(&format!(" ({}) {}: {}", i + 1, d.field, d.message));
+            }
+            out
+        }
+    }
+}
+
+fn invalid(uid: String, message: &str) -> Reviewed {
+    let mut response = AdmissionResponse::invalid("");
+    response.uid = uid;
+    response.result = Status::failure(message, "BadRequest").with_code(400);
+    Reviewed {
+        review: finish(response),
+        operation: "unknown",
+        outcome: Outcome::Invalid,
+    }
+}
+
+/// Wraps a response in a v1 AdmissionReview (the API server rejects any other version).
+fn finish(mut response: AdmissionResponse) -> AdmissionReview<DynamicObject> {
+    response.types.api_version = REVIEW_API_VERSION.to_string();
+    response.types.kind = "AdmissionReview".to_string();
+    response.into_review()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_is_found_in_a_truncated_body() {
+        let body = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid" : "705ab4f5-6393-11e8-b7cc-42010a800002","kind":{"gr"#;
+        assert_eq!(scan_uid(body), "705ab4f5-6393-11e8-b7cc-42010a800002");
+        assert_eq!(scan_uid(br#"{"uid":"<script>"}"#), "");
+        assert_eq!(scan_uid(br#"{"uid":"abc"#), "");
+        assert_eq!(scan_uid(b""), "");
+    }
+
+    #[test]
+    fn several_denials_are_numbered_on_one_line() {
+        let verdict = Verdict {
+            denials: vec![
+                validate::Denial {
+                    field: "spec.engine.kvCacheDtype".into(),
+                    reason: "UnsupportedKvDtype".into(),
+                    message: "use fp8".into(),
+                },
+                validate::Denial {
+                    field: "spec.engine.tensorParallelSize".into(),
+                    reason: "TooManyGpus".into(),
+                    message: "use 2".into(),
+                },
+            ],
+            ..Verdict::default()
+        };
+        assert_eq!(
+            denial_message(&verdict),
+            "2 problems: (1) spec.engine.kvCacheDtype: use fp8 (2) spec.engine.tensorParallelSize: use 2"
+        );
+    }
+
+    #[test]
+    fn a_review_of_another_version_is_refused_with_the_fix() {
+        let body =
+            br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"u1"}}"#;
+        let reviewed = review_detailed(body, &ClusterFacts::default());
+        let response = reviewed.review.response.expect("response");
+        assert_eq!(response.uid, "u1");
+        assert!(!response.allowed);
+        assert!(response.result.message.contains("admissionReviewVersions: [v1]"));
+        assert_eq!(reviewed.outcome, Outcome::Invalid);
+    }
+}

@@ -1,0 +1,153 @@
+//! HTTP surfaces: the admission endpoint over HTTPS, and health plus metrics on a
+//! separate plain-HTTP port. Handlers only time, delegate to [`review`] and serialise.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use axum_server::tls_rustls::RustlsConfig;
+use axum_server::Handle;
+
+use super::cache::NodeCache;
+use super::metrics::Metrics;
+use super::review::{self, Reviewed};
+
+/// Largest AdmissionReview body accepted (object and oldObject of a large resource).
+pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// What the handlers share.
+pub struct AppState {
+    pub cache: Arc<NodeCache>,
+    pub metrics: Metrics,
+    /// Set once a serving certificate is installed.
+    pub tls_ready: AtomicBool,
+}
+
+impl AppState {
+    pub fn new(cache: Arc<NodeCache>, metrics: Metrics) -> Arc<Self> {
+        Arc::new(AppState {
+            cache,
+            metrics,
+            tls_ready: AtomicBool::new(false),
+        })
+    }
+
+    /// Ready to admit: nodes listed and a certificate to serve.
+    pub fn ready(&self) -> bool {
+        self.cache.synced() && self.tls_ready.load(Ordering::Acquire)
+    }
+}
+
+/// The admission router: `POST /validate` (and `/` for configurations written by hand).
+pub fn admission_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/validate", post(admit))
+        .route("/", post(admit))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// The probe and metrics router: `/healthz`, `/readyz`, `/metrics`.
+pub fn health_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+async fn admit(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let Reviewed {
+        review,
+        operation,
+        outcome,
+    } = if state.cache.synced() {
+        review::review_detailed(&body, &state.cache.facts())
+    } else {
+        review::not_ready(&body)
+    };
+    let warnings = review
+        .response
+        .as_ref()
+        .and_then(|r| r.warnings.as_ref())
+        .map_or(0, Vec::len);
+    let response = match serde_json::to_vec(&review) {
+        Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+        // Serialising our own response types cannot fail; answer 400 rather than 500.
+        Err(error) => (
+            StatusCode::BAD_REQUEST,
+            format!("cannot encode the AdmissionReview: {error}\n"),
+        )
+            .into_response(),
+    };
+    state
+        .metrics
+        .observe(operation, outcome.as_str(), warnings, start.elapsed());
+    tracing::debug!(operation, result = outcome.as_str(), "admission request answered");
+    response
+}
+
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    if state.ready() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else if !state.cache.synced() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the node cache has not synced yet\n",
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: no serving certificate yet\n",
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    // Gauges of the cache are computed at scrape time.
+    state.metrics.nodes.set(state.cache.len() as i64);
+    state.metrics.cache_synced.set(i64::from(state.cache.synced()));
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Serves the admission router over TLS on `listener` until `handle` shuts it down.
+pub async fn serve_https(
+    listener: std::net::TcpListener,
+    state: Arc<AppState>,
+    tls: RustlsConfig,
+    handle: Handle<SocketAddr>,
+) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    state.tls_ready.store(true, Ordering::Release);
+    axum_server::from_tcp_rustls(listener, tls)?
+        .handle(handle)
+        .serve(admission_router(state).into_make_service())
+        .await
+}
+
+/// Serves the health router over plain HTTP on `listener` until `handle` shuts it down.
+pub async fn serve_health(
+    listener: std::net::TcpListener,
+    state: Arc<AppState>,
+    handle: Handle<SocketAddr>,
+) -> std::io::Result<()> {
+    listener.set_nonblocking(true)?;
+    axum_server::from_tcp(listener)?
+        .handle(handle)
+        .serve(health_router(state).into_make_service())
+        .await
+}

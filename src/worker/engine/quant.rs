@@ -1,0 +1,333 @@
+//! Element encodings of the KV cache (see [`super::layout`]): bf16, f16, fp8 e4m3/e5m2,
+//! e2m1 and the nvfp4 head-vector format. Written from the formats' definitions (OCP
+//! 8-bit floating point spec v1.0; OCP microscaling spec v1.0 for e2m1): round to
+//! nearest even, saturate to the largest finite value, NaN stored as 0 would hide bugs so
+//! NaN inputs are stored as NaN where the format has one.
+
+use half::{bf16, f16};
+
+use super::layout::KvDtype;
+
+/// A small float format: sign bit, `exp_bits`, `man_bits`, `bias`, largest finite value.
+#[derive(Clone, Copy, Debug)]
+struct MiniFloat {
+    man_bits: u32,
+    bias: i32,
+    max: f64,
+    nan: Option<u8>,
+    sign_shift: u32,
+}
+
+const E4M3: MiniFloat = MiniFloat {
+    man_bits: 3,
+    bias: 7,
+    max: 448.0,
+    nan: Some(0x7f),
+    sign_shift: 7,
+};
+const E5M2: MiniFloat = MiniFloat {
+    man_bits: 2,
+    bias: 15,
+    max: 57344.0,
+    nan: Some(0x7f),
+    sign_shift: 7,
+};
+const E2M1: MiniFloat = MiniFloat {
+    man_bits: 1,
+    bias: 1,
+    max: 6.0,
+    nan: None,
+    sign_shift: 3,
+};
+
+impl MiniFloat {
+    fn encode(self, x: f32) -> u8 {
+        if x.is_nan() {
+            return self.nan.unwrap_or(0);
+        }
+        let sign = if x.is_sign_negative() {
+            1u8 << self.sign_shift
+        } else {
+            0
+        };
+        let a = (x as f64).abs().min(self.max);
+        let min_normal_exp = 1 - self.bias;
+        // Exponent of the binade holding `a` (subnormals share the smallest one).
+        let e = if a == 0.0 {
+            min_normal_exp
+        } else {
+            (a.log2().floor() as i32).max(min_normal_exp)
+        };
+        let quantum = (2f64).powi(e - self.man_bits as i32);
+        let q = ((a / quantum).round_ties_even() * quantum).min(self.max);
+        // `q` is now exactly representable; find its code.
+        let code = if q < (2f64).powi(min_normal_exp) {
+            (q / (2f64).powi(min_normal_exp - self.man_bits as i32)) as u8
+        } else {
+            let e = q.log2().floor() as i32;
+            let m = ((q / (2f64).powi(e) - 1.0) * (1u32 << self.man_bits) as f64) as u8;
+            (((e + self.bias) as u8) << self.man_bits) | m
+        };
+        sign | code
+    }
+
+    fn decode(self, code: u8) -> f32 {
+        if Some(code & !(1 << self.sign_shift)) == self.nan && self.nan.is_some() {
+            return f32::NAN;
+        }
+        let sign = if code >> self.sign_shift & 1 == 1 {
+            -1.0
+        } else {
+            1.0
+        };
+        let mag = code & ((1u8 << self.sign_shift) - 1);
+        let e = (mag >> self.man_bits) as i32;
+        let m = (mag & ((1u8 << self.man_bits) - 1)) as f64;
+        let scale = (1u32 << self.man_bits) as f64;
+        let v = if e == 0 {
+            m / scale * (2f64).powi(1 - self.bias)
+        } else {
+            (1.0 + m / scale) * (2f64).powi(e - self.bias)
+        };
+        (sign * v) as f32
+    }
+}
+
+pub fn e4m3_encode(x: f32) -> u8 {
+    E4M3.encode(x)
+}
+pub fn e4m3_decode(b: u8) -> f32 {
+    E4M3.decode(b)
+}
+pub fn e5m2_encode(x: f32) -> u8 {
+    // e5m2 has infinities (0x7c); we saturate instead, like `__nv_cvt_float_to_fp8(.., __NV_SATFINITE, ..)`.
+    E5M2.encode(x)
+}
+pub fn e5m2_decode(b: u8) -> f32 {
+    if b & 0x7f == 0x7c {
+        return if b & 0x80 != 0 {
+            f32::NEG_INFINITY
+        } else {
+            f32::INFINITY
+        };
+    }
+    if b & 0x7f > 0x7c {
+        return f32::NAN;
+    }
+    E5M2.decode(b)
+}
+/// e2m1 code in the low nibble.
+pub fn e2m1_encode(x: f32) -> u8 {
+    E2M1.encode(x)
+}
+pub fn e2m1_decode(nibble: u8) -> f32 {
+    E2M1.decode(nibble & 0xf)
+}
+
+/// Values per nvfp4 block scale.
+pub const NVFP4_BLOCK: usize = 16;
+
+/// Writes one head vector `x` (len `head_dim`) in `dtype` to `data` (`data_bytes` long)
+/// and, for nvfp4, `scales` (`head_dim / 16` bytes). `scale` is the per-(layer, K|V)
+/// fp8 scale or nvfp4 global scale.
+pub fn encode_vector(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], scales: &mut [u8]) {
+    match dtype {
+        KvDtype::Bf16 => {
+            for (c, &v) in data.chunks_exact_mut(2).zip(x) {
+                c.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+            }
+        }
+        KvDtype::F16 => {
+            for (c, &v) in data.chunks_exact_mut(2).zip(x) {
+                c.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            }
+        }
+        KvDtype::Fp8E4m3 => {
+            let inv = 1.0 / scale;
+            for (d, &v) in data.iter_mut().zip(x) {
+                *d = e4m3_encode(v * inv);
+            }
+        }
+        KvDtype::Fp8E5m2 => {
+            let inv = 1.0 / scale;
+            for (d, &v) in data.iter_mut().zip(x) {
+                *d = e5m2_encode(v * inv);
+            }
+        }
+        KvDtype::Nvfp4 => {
+            for ((blk, d), s) in x
+                .chunks_exact(NVFP4_BLOCK)
+                .zip(data.chunks_exact_mut(NVFP4_BLOCK / 2))
+                .zip(scales.iter_mut())
+            {
+                let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let bs = e4m3_encode(amax / 6.0 / scale);
+                *s = bs;
+                let eff = e4m3_decode(bs) * scale;
+                let inv = if eff > 0.0 && eff.is_finite() {
+                    1.0 / eff
+                } else {
+                    0.0
+                };
+                for (pair, out) in blk.chunks_exact(2).zip(d.iter_mut()) {
+                    let lo = e2m1_encode(pair[0] * inv);
+                    let hi = e2m1_encode(pair[1] * inv);
+                    *out = lo | (hi << 4);
+                }
+            }
+        }
+    }
+}
+
+/// Reads one head vector back to `f32` (the inverse of [`encode_vector`]).
+pub fn decode_vector(dtype: KvDtype, data: &[u8], scales: &[u8], scale: f32, out: &mut [f32]) {
+    match dtype {
+        KvDtype::Bf16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        KvDtype::F16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        KvDtype::Fp8E4m3 => {
+            for (o, &b) in out.iter_mut().zip(data) {
+                *o = e4m3_decode(b) * scale;
+            }
+        }
+        KvDtype::Fp8E5m2 => {
+            for (o, &b) in out.iter_mut().zip(data) {
+                *o = e5m2_decode(b) * scale;
+            }
+        }
+        KvDtype::Nvfp4 => {
+            for ((o, d), &s) in out
+                .chunks_exact_mut(NVFP4_BLOCK)
+                .zip(data.chunks_exact(NVFP4_BLOCK / 2))
+                .zip(scales)
+            {
+                let eff = e4m3_decode(s) * scale;
+                for (pair, &b) in o.chunks_exact_mut(2).zip(d) {
+                    pair[0] = e2m1_decode(b & 0xf) * eff;
+                    pair[1] = e2m1_decode(b >> 4) * eff;
+                }
+            }
+        }
+    }
+}
+
+/// Quantize then dequantize `x` in place: what the cache returns for what was written.
+pub fn round_trip(dtype: KvDtype, x: &mut [f32], scale: f32) {
+    let mut data = vec![0u8; dtype.data_bytes(x.len())];
+    let mut scales = vec![0u8; dtype.scale_bytes(x.len())];
+    encode_vector(dtype, x, scale, &mut data, &mut scales);
+    decode_vector(dtype, &data, &scales, scale, x);
+}
+
+/// Unit round-off of the dtype's element encoding: `|x - q(x)| <= u * |x|` for values in
+/// the normal range (bf16 8 significant bits, f16 11, e4m3 4, e5m2 3, e2m1 2).
+pub fn unit_roundoff(dtype: KvDtype) -> f64 {
+    match dtype {
+        KvDtype::Bf16 => 2f64.powi(-8),
+        KvDtype::F16 => 2f64.powi(-11),
+        KvDtype::Fp8E4m3 => 2f64.powi(-4),
+        KvDtype::Fp8E5m2 => 2f64.powi(-3),
+        KvDtype::Nvfp4 => 2f64.powi(-2),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_codes_round_trip_and_match_known_values() {
+        for code in 0u8..=255 {
+            let v = e4m3_decode(code);
+            if v.is_nan() {
+                assert_eq!(code & 0x7f, 0x7f);
+                continue;
+            }
+            // -0 and +0 both encode to a zero code.
+            if v == 0.0 {
+                continue;
+            }
+            assert_eq!(e4m3_encode(v), code, "code {code:#x} value {v}");
+        }
+        assert_eq!(e4m3_decode(0x7e), 448.0);
+        assert_eq!(e4m3_decode(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_decode(0x38), 1.0);
+        assert_eq!(e4m3_encode(1000.0), 0x7e, "saturates");
+        assert_eq!(e4m3_encode(-1000.0), 0xfe);
+        // 1.0625 is halfway between 1.0 (even mantissa) and 1.125: ties to even.
+        assert_eq!(e4m3_decode(e4m3_encode(1.0625)), 1.0);
+        assert_eq!(e4m3_decode(e4m3_encode(1.1875)), 1.25);
+    }
+
+    #[test]
+    fn e5m2_codes_round_trip_and_saturate() {
+        for code in 0u8..=255 {
+            let v = e5m2_decode(code);
+            if !v.is_finite() || v == 0.0 {
+                continue;
+            }
+            assert_eq!(e5m2_encode(v), code, "code {code:#x} value {v}");
+        }
+        assert_eq!(e5m2_decode(0x7b), 57344.0);
+        assert_eq!(e5m2_encode(1e9), 0x7b);
+        assert_eq!(e5m2_decode(0x3c), 1.0);
+    }
+
+    #[test]
+    fn e2m1_has_the_eight_magnitudes_of_the_spec() {
+        let mags: Vec<f32> = (0u8..8).map(e2m1_decode).collect();
+        assert_eq!(mags, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]);
+        for code in 0u8..16 {
+            let v = e2m1_decode(code);
+            if v != 0.0 {
+                assert_eq!(e2m1_encode(v), code);
+            }
+        }
+        assert_eq!(e2m1_decode(e2m1_encode(5.0)), 4.0, "tie to even mantissa");
+        assert_eq!(e2m1_decode(e2m1_encode(100.0)), 6.0);
+        assert_eq!(e2m1_decode(e2m1_encode(-2.6)), -3.0);
+    }
+
+    #[test]
+    fn round_trip_error_is_within_the_unit_roundoff_for_every_dtype() {
+        let x: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.37).sin() * 3.0 + 0.01).collect();
+        for dtype in KvDtype::ALL {
+            let mut y = x.clone();
+            round_trip(dtype, &mut y, 1.0);
+            let u = unit_roundoff(dtype);
+            for (blk_x, blk_y) in x.chunks(16).zip(y.chunks(16)) {
+                let amax = blk_x.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
+                for (&a, &b) in blk_x.iter().zip(blk_y) {
+                    let err = (a as f64 - b as f64).abs();
+                    let bound = match dtype {
+                        // e2m1's widest gap (4 -> 6) is 2, so the error is at most one
+                        // scale unit, amax / 6, grown by the e4m3 block scale's rounding.
+                        KvDtype::Nvfp4 => amax / 6.0 * (1.0 + 2f64.powi(-4)) + 1e-6,
+                        _ => u * (a as f64).abs() + 1e-6,
+                    };
+                    assert!(err <= bound, "{dtype}: {a} -> {b} (err {err}, bound {bound})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nvfp4_packs_the_even_index_in_the_low_nibble() {
+        let mut x = [0f32; 16];
+        x[0] = 6.0;
+        x[1] = 1.0;
+        let mut data = [0u8; 8];
+        let mut sc = [0u8; 1];
+        encode_vector(KvDtype::Nvfp4, &x, 1.0, &mut data, &mut sc);
+        assert_eq!(e4m3_decode(sc[0]), 1.0);
+        assert_eq!(data[0] & 0xf, e2m1_encode(6.0));
+        assert_eq!(data[0] >> 4, e2m1_encode(1.0));
+    }
+}

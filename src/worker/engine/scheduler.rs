@@ -1,0 +1,677 @@
+//! Continuous batching: FCFS admission under `max_num_seqs` and a token budget of
+//! `max_num_batched_tokens` per step, chunked prefill mixed with decodes in one step,
+//! preemption by recompute when pages run out (the newest running request goes back to
+//! the head of the queue and recomputes its prompt and generated tokens later), and the
+//! host-side [`StepPlan`] of each step.
+//!
+//! A request with prompt `P` and output `O` tokens holds at most `P + O - 1` positions:
+//! the step that computes the last known token also yields the next one, and the last
+//! output token is never fed back.
+
+use std::collections::VecDeque;
+
+use super::block::{BlockError, BlockTable, KvManager};
+use super::layout::{GroupSpec, StepPlan};
+
+/// Request id chosen by the caller.
+pub type RequestId = u64;
+
+/// Engine limits (the InferenceDeployment's `engine` section).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    /// Requests queued beyond this are refused (back-pressure instead of unbounded memory).
+    pub max_waiting: usize,
+}
+
+impl SchedulerConfig {
+    /// Limits the scheduler can make progress under.
+    pub fn check(&self) -> Result<(), String> {
+        if self.block_size == 0 || self.max_num_seqs == 0 || self.max_model_len == 0 {
+            return Err("blockSize, maxNumSeqs and maxModelLen must be at least 1".into());
+        }
+        if self.max_num_batched_tokens < self.block_size.max(self.max_num_seqs) {
+            return Err(format!(
+                "maxNumBatchedTokens {} must be at least blockSize {} and maxNumSeqs {} (prefill chunks are whole blocks; every sequence decodes each step)",
+                self.max_num_batched_tokens, self.block_size, self.max_num_seqs
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a request was refused at submission.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("promptTokens and outputTokens must be at least 1")]
+    ZeroLength,
+    #[error("promptTokens + outputTokens = {total} exceeds maxModelLen {max_model_len}; shorten the request or raise maxModelLen")]
+    TooLong { total: usize, max_model_len: usize },
+    #[error("the request needs {need} KV pages in one group but the pool has {have}; it can never run here")]
+    NeverFits { need: usize, have: usize },
+    #[error("{waiting} requests are already waiting (limit {limit}); retry later")]
+    QueueFull { waiting: usize, limit: usize },
+    #[error("request id {0} is already in use")]
+    DuplicateId(RequestId),
+}
+
+/// What happened to a request during a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Left the queue and got its first pages.
+    Started { id: RequestId },
+    /// Produced output token number `generated` (1-based) after computing `computed` positions.
+    Token { id: RequestId, generated: usize },
+    /// Lost its pages; it will recompute from the head of the queue.
+    Preempted { id: RequestId },
+    /// All output tokens produced.
+    Finished { id: RequestId },
+    /// Will not finish (shutdown, cancel, or a block-accounting error).
+    Failed { id: RequestId, reason: String },
+}
+
+/// Tokens to compute this step: all `want` when they fit the budget (a prompt's last chunk
+/// or a decode), else a whole number of blocks, so that every chunk but the last starts on
+/// a block boundary and a sliding group needs at most `cdiv(window - 1, block) +
+/// cdiv(chunk, block)` pages (the bound `plan::kvfleet` sizes pools with).
+fn chunk_len(want: usize, budget: usize, block_size: usize) -> usize {
+    if want <= budget {
+        want
+    } else {
+        budget / block_size * block_size
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Request {
+    id: RequestId,
+    prompt: usize,
+    output: usize,
+    /// Positions whose K/V are in the cache.
+    computed: usize,
+    generated: usize,
+    /// Tokens scheduled in the current step.
+    scheduled: usize,
+    tables: Vec<BlockTable>,
+    preemptions: u32,
+    started: bool,
+}
+
+impl Request {
+    fn known(&self) -> usize {
+        self.prompt + self.generated
+    }
+}
+
+/// Counters since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub preemptions: u64,
+    pub finished: u64,
+    pub failed: u64,
+    pub steps: u64,
+    pub tokens: u64,
+}
+
+/// Continuous-batching scheduler over a [`KvManager`].
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvManager,
+    running: Vec<Request>,
+    waiting: VecDeque<Request>,
+    counters: Counters,
+    stepping: bool,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, groups: &[GroupSpec]) -> Self {
+        let kv = KvManager::new(cfg.block_size, groups);
+        Self {
+            cfg,
+            kv,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            counters: Counters::default(),
+            stepping: false,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn kv(&self) -> &KvManager {
+        &self.kv
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Checks a request against the limits without queueing it.
+    pub fn check(&self, prompt: usize, output: usize) -> Result<(), SubmitError> {
+        if prompt == 0 || output == 0 {
+            return Err(SubmitError::ZeroLength);
+        }
+        let total = prompt + output;
+        if total > self.cfg.max_model_len {
+            return Err(SubmitError::TooLong {
+                total,
+                max_model_len: self.cfg.max_model_len,
+            });
+        }
+        let held = total - 1;
+        for g in &self.kv.groups {
+            let need = self
+                .kv
+                .max_pages_per_request(g.window, held, self.cfg.max_num_batched_tokens);
+            if need > g.pool.total() {
+                return Err(SubmitError::NeverFits {
+                    need,
+                    have: g.pool.total(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a request (FCFS).
+    pub fn submit(&mut self, id: RequestId, prompt: usize, output: usize) -> Result<(), SubmitError> {
+        self.check(prompt, output)?;
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(SubmitError::QueueFull {
+                waiting: self.waiting.len(),
+                limit: self.cfg.max_waiting,
+            });
+        }
+        if self.running.iter().chain(&self.waiting).any(|r| r.id == id) {
+            return Err(SubmitError::DuplicateId(id));
+        }
+        self.waiting.push_back(Request {
+            id,
+            prompt,
+            output,
+            computed: 0,
+            generated: 0,
+            scheduled: 0,
+            tables: self.kv.new_tables(),
+            preemptions: 0,
+            started: false,
+        });
+        Ok(())
+    }
+
+    /// Fails every request (shutdown) and releases their pages.
+    pub fn abort_all(&mut self, reason: &str, events: &mut Vec<Event>) {
+        let all: Vec<Request> = self.running.drain(..).chain(self.waiting.drain(..)).collect();
+        for mut r in all {
+            let _ = self.kv.free_all(&mut r.tables);
+            self.counters.failed += 1;
+            events.push(Event::Failed {
+                id: r.id,
+                reason: reason.to_string(),
+            });
+        }
+        self.stepping = false;
+    }
+
+    /// Drops a request (client gone); `false` when unknown or already done.
+    pub fn cancel(&mut self, id: RequestId, events: &mut Vec<Event>) -> bool {
+        let r = if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            if self.stepping {
+                return false; // its tokens are in flight; cancel after complete()
+            }
+            self.running.remove(i)
+        } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            match self.waiting.remove(i) {
+                Some(r) => r,
+                None => return false,
+            }
+        } else {
+            return false;
+        };
+        let mut r = r;
+        let _ = self.kv.free_all(&mut r.tables);
+        self.counters.failed += 1;
+        events.push(Event::Failed {
+            id,
+            reason: "cancelled".into(),
+        });
+        true
+    }
+
+    fn preempt(&mut self, mut r: Request, events: &mut Vec<Event>) {
+        if let Err(e) = self.kv.free_all(&mut r.tables) {
+            self.fail(r, e, events);
+            return;
+        }
+        r.computed = 0;
+        r.scheduled = 0;
+        r.preemptions += 1;
+        self.counters.preemptions += 1;
+        events.push(Event::Preempted { id: r.id });
+        self.waiting.push_front(r);
+    }
+
+    fn fail(&mut self, mut r: Request, e: BlockError, events: &mut Vec<Event>) {
+        let _ = self.kv.free_all(&mut r.tables);
+        self.counters.failed += 1;
+        events.push(Event::Failed {
+            id: r.id,
+            reason: format!("internal KV accounting error: {e}"),
+        });
+    }
+
+    /// Chooses this step's tokens, allocates their pages and writes the step's plan.
+    /// Returns the number of tokens scheduled (0: nothing to run). Call
+    /// [`Scheduler::complete`] after the backend ran the plan.
+    pub fn schedule(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) -> usize {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let (want, start) = {
+                let r = &self.running[i];
+                (r.known() - r.computed, r.computed)
+            };
+            let n = chunk_len(want, budget, self.cfg.block_size);
+            self.running[i].scheduled = 0;
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            if let Err(e) = self.kv.free_out_of_window(&mut self.running[i].tables, start) {
+                let r = self.running.remove(i);
+                self.fail(r, e, events);
+                continue;
+            }
+            let mut scheduled = true;
+            while !self.kv.allocate(&mut self.running[i].tables, start + n) {
+                preempted = true;
+                // Newest first; when only this request is left after `i`, it yields itself.
+                let victim = self.running.len() - 1;
+                let r = self.running.remove(victim);
+                self.preempt(r, events);
+                if victim == i {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if scheduled {
+                self.running[i].scheduled = n;
+                budget -= n;
+                i += 1;
+            }
+        }
+        // Admit from the queue head only when nothing was preempted this step (a preempted
+        // request must not be overtaken) and the head fits: strict FCFS.
+        while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(front) = self.waiting.front_mut() else {
+                break;
+            };
+            let n = chunk_len(front.known(), budget, self.cfg.block_size);
+            if n == 0 || !self.kv.allocate(&mut front.tables, n) {
+                break;
+            }
+            let Some(mut r) = self.waiting.pop_front() else {
+                break;
+            };
+            r.scheduled = n;
+            budget -= n;
+            if !r.started {
+                r.started = true;
+                events.push(Event::Started { id: r.id });
+            }
+            self.running.push(r);
+        }
+        self.build_plan(plan);
+        self.stepping = true;
+        self.cfg.max_num_batched_tokens - budget
+    }
+
+    fn build_plan(&self, plan: &mut StepPlan) {
+        let bs = self.cfg.block_size;
+        plan.qo_indptr.clear();
+        plan.qo_indptr.push(0);
+        plan.groups.resize_with(self.kv.groups.len(), Default::default);
+        for t in plan.groups.iter_mut() {
+            t.clear();
+            t.kv_indptr.push(0);
+        }
+        let mut total_q = 0u32;
+        for r in self.running.iter().filter(|r| r.scheduled > 0) {
+            total_q += r.scheduled as u32;
+            plan.qo_indptr.push(total_q);
+            let new_len = r.computed + r.scheduled;
+            for (t, bt) in plan.groups.iter_mut().zip(&r.tables) {
+                t.kv_indices.extend_from_slice(bt.live());
+                t.kv_indptr.push(t.kv_indices.len() as u32);
+                t.kv_last_page_len
+                    .push((new_len - (bt.blocks.len() - 1) * bs) as u32);
+                t.kv_first_pos.push((bt.freed * bs) as u32);
+                for p in r.computed..new_len {
+                    t.slot_mapping
+                        .push(bt.blocks[p / bs] * bs as u32 + (p % bs) as u32);
+                }
+            }
+        }
+    }
+
+    /// Applies the step the backend just ran: advances positions, emits tokens, finishes
+    /// requests and frees their pages.
+    pub fn complete(&mut self, events: &mut Vec<Event>) {
+        if !self.stepping {
+            return;
+        }
+        self.stepping = false;
+        self.counters.steps += 1;
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &mut self.running[i];
+            if r.scheduled > 0 {
+                r.computed += r.scheduled;
+                self.counters.tokens += r.scheduled as u64;
+                r.scheduled = 0;
+                if r.computed == r.known() {
+                    r.generated += 1;
+                    events.push(Event::Token {
+                        id: r.id,
+                        generated: r.generated,
+                    });
+                }
+            }
+            if r.generated >= r.output {
+                let mut r = self.running.remove(i);
+                match self.kv.free_all(&mut r.tables) {
+                    Ok(()) => {
+                        self.counters.finished += 1;
+                        events.push(Event::Finished { id: r.id });
+                    }
+                    Err(e) => self.fail(r, e, events),
+                }
+                continue;
+            }
+            i += 1;
+        }
+    }
+
+    /// Whether some running request is still in prefill (benchmarks warm up past it).
+    pub fn schedule_peek_prefilling(&self) -> bool {
+        self.running.iter().any(|r| r.known() - r.computed > 1)
+    }
+
+    /// Pages held by each running request in each group (tests, debugging).
+    pub fn held_pages(&self) -> Vec<(RequestId, Vec<usize>)> {
+        self.running
+            .iter()
+            .map(|r| (r.id, r.tables.iter().map(|t| t.live().len()).collect()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::worker::engine::layout::BackendConfig;
+
+    fn sched(
+        bs: usize,
+        blocks: &[(Option<u32>, usize)],
+        seqs: usize,
+        budget: usize,
+        max_len: usize,
+    ) -> Scheduler {
+        let groups: Vec<GroupSpec> = blocks
+            .iter()
+            .map(|&(window, num_blocks)| GroupSpec { window, num_blocks })
+            .collect();
+        Scheduler::new(
+            SchedulerConfig {
+                block_size: bs,
+                max_num_seqs: seqs,
+                max_num_batched_tokens: budget,
+                max_model_len: max_len,
+                max_waiting: 1000,
+            },
+            &groups,
+        )
+    }
+
+    fn plan_cfg(s: &Scheduler) -> BackendConfig {
+        BackendConfig {
+            block_size: s.cfg.block_size,
+            groups: s
+                .kv
+                .groups
+                .iter()
+                .map(|g| GroupSpec {
+                    window: g.window,
+                    num_blocks: g.pool.total(),
+                })
+                .collect(),
+            layers: Vec::new(),
+        }
+    }
+
+    /// Every held page is held once, by one request, and the pools agree.
+    fn check_accounting(s: &Scheduler) {
+        for (g, group) in s.kv.groups.iter().enumerate() {
+            let mut seen = BTreeSet::new();
+            for r in s.running.iter().chain(&s.waiting) {
+                for &id in r.tables[g].live() {
+                    assert!(seen.insert(id), "page {id} of group {g} held twice");
+                    assert_eq!(group.pool.refcount(id), 1);
+                }
+            }
+            assert_eq!(seen.len(), group.pool.num_used(), "group {g} leaks pages");
+        }
+    }
+
+    #[test]
+    fn prefill_chunks_and_decodes_share_one_step() {
+        let mut s = sched(16, &[(None, 100)], 8, 64, 4096);
+        let mut ev = Vec::new();
+        let mut plan = StepPlan::default();
+        s.submit(1, 10, 5).unwrap();
+        assert_eq!(s.schedule(&mut plan, &mut ev), 10);
+        s.complete(&mut ev);
+        s.submit(2, 100, 3).unwrap();
+        // Request 1 decodes one token; request 2's first chunk is the whole blocks that fit
+        // in the other 63 tokens of the budget.
+        assert_eq!(s.schedule(&mut plan, &mut ev), 49);
+        assert_eq!(plan.qo_indptr, vec![0, 1, 49]);
+        plan.check(&plan_cfg(&s)).unwrap();
+        assert_eq!(plan.groups[0].kv_len(0, 16), 11);
+        assert_eq!(plan.groups[0].kv_len(1, 16), 48);
+        s.complete(&mut ev);
+        assert!(ev.contains(&Event::Token { id: 1, generated: 2 }));
+        assert!(
+            !ev.contains(&Event::Token { id: 2, generated: 1 }),
+            "prefill not done yet"
+        );
+        // The prompt's last chunk (52 tokens) need not be whole blocks.
+        assert_eq!(s.schedule(&mut plan, &mut ev), 53);
+        s.complete(&mut ev);
+        assert!(ev.contains(&Event::Token { id: 2, generated: 1 }));
+    }
+
+    #[test]
+    fn running_out_of_pages_preempts_the_newest_request_which_recomputes_later() {
+        // 4 pages of 4 tokens: two requests of 6 + 6 tokens cannot both finish.
+        let mut s = sched(4, &[(None, 4)], 4, 64, 64);
+        let mut ev = Vec::new();
+        let mut plan = StepPlan::default();
+        s.submit(1, 6, 6).unwrap();
+        s.submit(2, 6, 6).unwrap();
+        for _ in 0..100 {
+            if s.is_idle() {
+                break;
+            }
+            s.schedule(&mut plan, &mut ev);
+            check_accounting(&s);
+            s.complete(&mut ev);
+        }
+        assert!(s.is_idle());
+        assert!(ev.contains(&Event::Preempted { id: 2 }));
+        assert!(
+            !ev.contains(&Event::Preempted { id: 1 }),
+            "the oldest is never preempted"
+        );
+        let fin: Vec<_> = ev
+            .iter()
+            .filter(|e| matches!(e, Event::Finished { .. }))
+            .collect();
+        assert_eq!(fin, [&Event::Finished { id: 1 }, &Event::Finished { id: 2 }]);
+        assert_eq!(
+            s.counters().preemptions,
+            ev.iter().filter(|e| matches!(e, Event::Preempted { .. })).count() as u64
+        );
+    }
+
+    #[test]
+    fn bad_requests_are_refused_with_a_reason() {
+        let mut s = sched(16, &[(None, 4)], 4, 64, 1000);
+        assert_eq!(s.submit(1, 0, 4), Err(SubmitError::ZeroLength));
+        assert!(matches!(s.submit(1, 990, 20), Err(SubmitError::TooLong { .. })));
+        assert!(matches!(
+            s.submit(1, 100, 1),
+            Err(SubmitError::NeverFits { need: 7, have: 4 })
+        ));
+        s.submit(1, 10, 1).unwrap();
+        assert_eq!(s.submit(1, 10, 1), Err(SubmitError::DuplicateId(1)));
+    }
+
+    #[test]
+    fn a_sliding_group_admits_long_requests_a_full_group_could_not_hold() {
+        // 8 pages of 16 = 128 tokens, but a window of 32 needs only cdiv(31, 16) + cdiv(64, 16) = 6.
+        let mut s = sched(16, &[(Some(32), 8)], 4, 64, 4096);
+        s.submit(1, 1000, 10).unwrap();
+        let mut ev = Vec::new();
+        let mut plan = StepPlan::default();
+        while !s.is_idle() {
+            s.schedule(&mut plan, &mut ev);
+            for (_, held) in s.held_pages() {
+                assert!(held[0] <= 6, "{held:?}");
+            }
+            s.complete(&mut ev);
+        }
+        assert!(ev.contains(&Event::Finished { id: 1 }));
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Submit { prompt: usize, output: usize },
+        Step,
+        Cancel(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => (1usize..120, 1usize..40).prop_map(|(prompt, output)| Op::Submit { prompt, output }),
+            5 => Just(Op::Step),
+            1 => (0u64..30).prop_map(Op::Cancel),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn blocks_never_leak_windows_hold_and_every_request_ends(
+            bs in prop_oneof![Just(1usize), Just(4), Just(16)],
+            full_blocks in 8usize..200,
+            window in 2u32..48,
+            sliding_blocks in 8usize..100,
+            seqs in 1usize..12,
+            budget in 16usize..96,
+            ops in prop::collection::vec(op(), 1..80),
+        ) {
+            let mut s = sched(bs, &[(None, full_blocks), (Some(window), sliding_blocks)], seqs, budget, 160);
+            let cfg = plan_cfg(&s);
+            let cap = s.kv.max_pages_per_request(Some(window), 160, budget);
+            let mut ev = Vec::new();
+            let mut plan = StepPlan::default();
+            let mut accepted = BTreeMap::new();
+            let mut next = 0u64;
+            let step = |s: &mut Scheduler, ev: &mut Vec<Event>, plan: &mut StepPlan| {
+                let n = s.schedule(plan, ev);
+                prop_assert!(n <= budget);
+                prop_assert_eq!(plan.total_q(), n);
+                prop_assert!(plan.num_requests() <= seqs);
+                if n > 0 {
+                    plan.check(&cfg).map_err(TestCaseError::fail)?;
+                }
+                for (_, held) in s.held_pages() {
+                    prop_assert!(held[1] <= cap, "sliding group holds {} pages > {}", held[1], cap);
+                }
+                check_accounting(s);
+                s.complete(ev);
+                check_accounting(s);
+                Ok(())
+            };
+            for op in ops {
+                match op {
+                    Op::Submit { prompt, output } => {
+                        if s.submit(next, prompt, output).is_ok() {
+                            accepted.insert(next, output);
+                        }
+                        next += 1;
+                    }
+                    Op::Step => step(&mut s, &mut ev, &mut plan)?,
+                    Op::Cancel(id) => {
+                        s.cancel(id, &mut ev);
+                        check_accounting(&s);
+                    }
+                }
+            }
+            let mut guard = 0;
+            while !s.is_idle() {
+                step(&mut s, &mut ev, &mut plan)?;
+                guard += 1;
+                prop_assert!(guard < 20_000, "no progress");
+            }
+            prop_assert_eq!(s.kv.used_blocks(), 0);
+            let mut ended = BTreeMap::new();
+            for e in &ev {
+                match e {
+                    Event::Finished { id } | Event::Failed { id, .. } => {
+                        prop_assert!(ended.insert(*id, e.clone()).is_none(), "{} ended twice", id);
+                    }
+                    _ => {}
+                }
+            }
+            for (id, output) in &accepted {
+                match ended.get(id) {
+                    Some(Event::Finished { .. }) => {
+                        let last = ev.iter().filter_map(|e| match e {
+                            Event::Token { id: i, generated } if i == id => Some(*generated),
+                            _ => None,
+                        }).max();
+                        prop_assert_eq!(last, Some(*output));
+                    }
+                    Some(Event::Failed { reason, .. }) => prop_assert_eq!(reason.as_str(), "cancelled"),
+                    _ => prop_assert!(false, "request {} neither finished nor failed", id),
+                }
+            }
+        }
+    }
+}

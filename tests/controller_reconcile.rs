@@ -1,0 +1,763 @@
+//! Reconcile passes against an HTTP-level mock API server (`tower_test::mock::pair` behind
+//! `kube::Client::new`). Each scenario lists the exact requests it expects, in order
+//! (method, path, field manager, body essentials); an expected request that does not come
+//! within 1 s fails the test, and so does any request after the last expected one.
+//!
+//! Validation here is a small stand-in (`gpu_product_rules`) because the real rule engine
+//! lives in `validate::` (compat issue); these tests are about what the controller does with
+//! a verdict, not about the rules.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use k8s_openapi::api::core::v1::{
+    Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::ApiResource;
+use kube::client::Body;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::watcher;
+use kube::Client;
+use kvfleet::api::{InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, ResolvedConfig};
+use kvfleet::controller::desired::{MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
+use kvfleet::controller::metrics::Metrics;
+use kvfleet::controller::reconcile::{CAPACITY_POLL, RESYNC};
+use kvfleet::controller::{error_policy, reconcile, Context, FIELD_MANAGER};
+use kvfleet::validate::{labels, ClusterFacts, Denial, Verdict};
+use serde_json::{json, Value};
+use tower_test::mock;
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+// === fixtures ===
+
+const NS: &str = "ml";
+const PRODUCT: &str = "NVIDIA-GeForce-RTX-3090";
+
+/// Admits a spec when a schedulable node carries one of the selected GPU products; denies nvfp4.
+fn gpu_product_rules(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    if spec.engine.kv_cache_dtype == KvCacheDtype::Nvfp4 {
+        return Verdict {
+            denials: vec![Denial {
+                field: "spec.engine.kvCacheDtype".into(),
+                reason: "UnsupportedKvCacheDtype".into(),
+                message: "nvfp4 KV cache requires sm_100/sm_103; use fp8".into(),
+            }],
+            ..Verdict::default()
+        };
+    }
+    let wanted: Vec<String> = spec
+        .gpu
+        .as_ref()
+        .and_then(|g| g.selector.as_ref())
+        .map(|s| s.products.clone())
+        .unwrap_or_default();
+    let nodes: Vec<_> = facts
+        .nodes
+        .iter()
+        .filter(|n| !n.unschedulable)
+        .filter(|n| {
+            n.labels
+                .get(labels::PRODUCT)
+                .is_some_and(|p| wanted.is_empty() || wanted.contains(p))
+        })
+        .collect();
+    if nodes.is_empty() {
+        return Verdict {
+            denials: vec![Denial {
+                field: "spec.gpu.selector".into(),
+                reason: "NoCompatibleNodes".into(),
+                message: "no schedulable node carries a selected GPU product".into(),
+            }],
+            ..Verdict::default()
+        };
+    }
+    let products: Vec<String> = nodes.iter().map(|n| n.labels[labels::PRODUCT].clone()).collect();
+    Verdict {
+        resolved: Some(ResolvedConfig {
+            kv_cache_dtype: "bfloat16".into(),
+            attention_backend: "KVFLEET_CUDA".into(),
+            compute_capabilities: vec!["8.6".into()],
+            products: products.clone(),
+        }),
+        node_affinity: Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(vec![NodeSelectorRequirement {
+                        key: labels::PRODUCT.into(),
+                        operator: "In".into(),
+                        values: Some(products),
+                    }]),
+                    ..NodeSelectorTerm::default()
+                }],
+            }),
+            ..NodeAffinity::default()
+        }),
+        compatible_nodes: nodes.iter().map(|n| n.name.clone()).collect(),
+        ..Verdict::default()
+    }
+}
+
+fn gpu_node(name: &str) -> Node {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            labels::PRODUCT: PRODUCT, labels::COMPUTE_MAJOR: "8", labels::COMPUTE_MINOR: "6"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "2"}}
+    }))
+    .unwrap()
+}
+
+fn inference_deployment(generation: i64, replicas: i32) -> InferenceDeployment {
+    serde_json::from_value(json!({
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": "llama", "namespace": NS, "uid": "6d1c1b8e-1111-4c5e-8a2e-000000000001",
+                     "generation": generation, "resourceVersion": "10"},
+        "spec": {
+            "replicas": replicas,
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct",
+                      "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}},
+            "engine": {"runtime": "kvfleet", "tensorParallelSize": 2, "maxNumSeqs": 64},
+            "gpu": {"selector": {"products": [PRODUCT]}}
+        }
+    }))
+    .unwrap()
+}
+
+/// A status as the controller would have written it for a compatible, rolled-out generation.
+fn settled(mut o: InferenceDeployment, observed: i64) -> InferenceDeployment {
+    let t = Time(Timestamp::from_second(1_700_000_000).unwrap());
+    let c = |type_: &str, status: &str, reason: &str| {
+        json!({"type": type_, "status": status, "reason": reason, "message": "", "observedGeneration": observed,
+               "lastTransitionTime": t})
+    };
+    o.status = Some(
+        serde_json::from_value(json!({
+            "observedGeneration": observed,
+            "conditions": [c("Compatible", "True", "CompatibleNodesFound"),
+                           c("CapacityPlanned", "False", "PlannerUnavailable"),
+                           c("Available", "True", "MinimumReplicasAvailable"),
+                           c("Progressing", "False", "RolloutComplete"),
+                           c("Degraded", "False", "AsExpected")],
+            "resolved": {"kvCacheDtype": "bfloat16", "attentionBackend": "KVFLEET_CUDA"},
+            "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+            "selector": "kvfleet.io/inference-deployment=llama"
+        }))
+        .unwrap(),
+    );
+    o
+}
+
+struct Harness {
+    ctx: Arc<Context>,
+    nodes: Writer<Node>,
+    handle: Handle,
+    registry: prometheus::Registry,
+}
+
+fn harness(nodes: &[Node]) -> Harness {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "default");
+    let mut writer: Writer<Node> = Writer::default();
+    for n in nodes {
+        writer.apply_watcher_event(&watcher::Event::Apply(n.clone()));
+    }
+    let registry = prometheus::Registry::new();
+    let mut ctx = Context::new(
+        client,
+        writer.as_reader(),
+        Settings::default(),
+        Metrics::new(&registry).unwrap(),
+        Some("test".into()),
+    );
+    ctx.validate = gpu_product_rules;
+    Harness {
+        ctx: Arc::new(ctx),
+        nodes: writer,
+        handle,
+        registry,
+    }
+}
+
+// === the scripted API server ===
+
+/// One request as the mock server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    query: HashMap<String, String>,
+    body: Value,
+}
+
+enum Reply {
+    /// Return the request body (what an apply returns, minus defaulting).
+    Echo,
+    /// Return the request body with `status` set.
+    EchoWithStatus(Value),
+    Json(u16, Value),
+}
+
+struct Call {
+    method: &'static str,
+    path: String,
+    reply: Reply,
+}
+
+fn call(method: &'static str, path: impl Into<String>, reply: Reply) -> Call {
+    Call {
+        method,
+        path: path.into(),
+        reply,
+    }
+}
+
+fn apply_call(resource_path: &str) -> Call {
+    call("PATCH", resource_path, Reply::Echo)
+}
+
+fn status_failure(code: u16, reason: &str) -> Reply {
+    Reply::Json(
+        code,
+        json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+               "message": format!("mock {reason}"), "reason": reason, "code": code}),
+    )
+}
+
+fn ns_path(group_version: &str, plural: &str, name: &str) -> String {
+    let prefix = if group_version == "v1" {
+        "/api/v1".to_string()
+    } else {
+        format!("/apis/{group_version}")
+    };
+    format!("{prefix}/namespaces/{NS}/{plural}/{name}")
+}
+
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ml/events";
+const STATUS: &str = "/apis/kvfleet.io/v1alpha1/namespaces/ml/inferencedeployments/llama/status";
+
+/// Serves `calls` in order, failing on a mismatch or after 1 s without the next request.
+async fn serve(mut handle: Handle, calls: Vec<Call>) -> (Handle, Vec<Seen>) {
+    let mut seen = Vec::new();
+    for (i, c) in calls.into_iter().enumerate() {
+        let next = tokio::time::timeout(Duration::from_secs(1), handle.next_request()).await;
+        let (req, send) = next
+            .unwrap_or_else(|_| panic!("expected request #{i} {} {} never came", c.method, c.path))
+            .expect("client dropped");
+        let (parts, body) = req.into_parts();
+        let bytes = body.collect_bytes().await.unwrap();
+        let body: Value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("request body is JSON")
+        };
+        let query = parts
+            .uri
+            .query()
+            .unwrap_or_default()
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let s = Seen {
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_string(),
+            query,
+            body: body.clone(),
+        };
+        assert_eq!(
+            (s.method.as_str(), s.path.as_str()),
+            (c.method, c.path.as_str()),
+            "request #{i}: {s:?}"
+        );
+        let (code, out) = match c.reply {
+            Reply::Echo => (200, body),
+            Reply::EchoWithStatus(st) => {
+                let mut b = body;
+                b["status"] = st;
+                (200, b)
+            }
+            Reply::Json(code, v) => (code, v),
+        };
+        send.send_response(
+            Response::builder()
+                .status(StatusCode::from_u16(code).unwrap())
+                .body(Body::from(serde_json::to_vec(&out).unwrap()))
+                .unwrap(),
+        );
+        seen.push(s);
+    }
+    (handle, seen)
+}
+
+/// Runs one reconcile pass against the script and checks nothing else was requested.
+async fn run_pass(
+    h: &mut Harness,
+    obj: DeserializeGuard<InferenceDeployment>,
+    calls: Vec<Call>,
+) -> (Result<Action, kvfleet::controller::Error>, Vec<Seen>) {
+    let handle = std::mem::replace(&mut h.handle, mock::pair::<Request<Body>, Response<Body>>().1);
+    let server = tokio::spawn(serve(handle, calls));
+    let result = reconcile(Arc::new(obj), h.ctx.clone()).await;
+    let (mut handle, seen) = tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("mock server finished")
+        .expect("mock server did not panic");
+    if let Ok(Some((req, _))) = tokio::time::timeout(Duration::from_millis(100), handle.next_request()).await
+    {
+        panic!("unexpected extra request {} {}", req.method(), req.uri());
+    }
+    h.handle = handle;
+    (result, seen)
+}
+
+fn guard(o: InferenceDeployment) -> DeserializeGuard<InferenceDeployment> {
+    DeserializeGuard(Ok(o))
+}
+
+fn assert_applied(s: &Seen, kind: &str) {
+    assert_eq!(
+        s.query.get("fieldManager").map(String::as_str),
+        Some(FIELD_MANAGER),
+        "{s:?}"
+    );
+    assert_eq!(s.query.get("force").map(String::as_str), Some("true"), "{s:?}");
+    assert_eq!(s.body["kind"], kind, "{s:?}");
+    if kind != "InferenceDeployment" {
+        let owner = &s.body["metadata"]["ownerReferences"][0];
+        assert_eq!(owner["kind"], "InferenceDeployment");
+        assert_eq!(owner["name"], "llama");
+        assert_eq!(owner["controller"], true);
+    }
+}
+
+fn condition<'a>(status_body: &'a Value, type_: &str) -> &'a Value {
+    status_body["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or_else(|| panic!("condition {type_} in {status_body}"))
+}
+
+fn event_reasons(seen: &[Seen]) -> Vec<(String, String)> {
+    seen.iter()
+        .filter(|s| s.path == EVENTS)
+        .map(|s| {
+            (
+                s.body["type"].as_str().unwrap_or_default().to_string(),
+                s.body["reason"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn children_apply_calls(replicas_pdb: bool) -> Vec<Call> {
+    let mut v = vec![
+        apply_call(&ns_path("v1", "configmaps", "llama-config")),
+        apply_call(&ns_path("v1", "serviceaccounts", "llama-worker")),
+        apply_call(&ns_path(
+            "rbac.authorization.k8s.io/v1",
+            "rolebindings",
+            "llama-worker",
+        )),
+        apply_call(&ns_path("apps/v1", "deployments", "llama")),
+        apply_call(&ns_path("v1", "services", "llama")),
+    ];
+    if replicas_pdb {
+        v.push(apply_call(&ns_path("policy/v1", "poddisruptionbudgets", "llama")));
+    }
+    v
+}
+
+// === scenarios ===
+
+#[tokio::test]
+async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+
+    for (s, kind) in seen.iter().zip([
+        "ConfigMap",
+        "ServiceAccount",
+        "RoleBinding",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "InferenceDeployment",
+    ]) {
+        assert_applied(s, kind);
+    }
+    let dep = &seen[3].body;
+    assert_eq!(dep["spec"]["replicas"], 2);
+    let pod = &dep["spec"]["template"]["spec"];
+    assert_eq!(pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"], "2");
+    assert_eq!(
+        pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0],
+        PRODUCT
+    );
+    let status = &seen[6].body;
+    assert_eq!(status["status"]["observedGeneration"], 1);
+    assert_eq!(
+        status["status"]["selector"],
+        "kvfleet.io/inference-deployment=llama"
+    );
+    assert_eq!(status["status"]["resolved"]["kvCacheDtype"], "bfloat16");
+    assert_eq!(condition(status, "Compatible")["status"], "True");
+    assert_eq!(condition(status, "Compatible")["reason"], "CompatibleNodesFound");
+    assert_eq!(
+        condition(status, "CapacityPlanned")["reason"],
+        "PlannerUnavailable"
+    );
+    assert_eq!(condition(status, "Available")["reason"], "NoReplicasReady");
+    assert_eq!(condition(status, "Progressing")["status"], "True");
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Normal".into(), "SpecApplied".into())]
+    );
+}
+
+#[tokio::test]
+async fn update_rolls_out_the_new_config_and_reports_measured_capacity_from_pod_annotations() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut obj = settled(inference_deployment(2, 2), 1);
+    obj.spec.engine.max_num_seqs = 128;
+    let ready = json!({"observedGeneration": 2, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+                       "availableReplicas": 2});
+    let pod = |name: &str, tokens: &str| {
+        json!({"metadata": {"name": name, "namespace": NS, "annotations": {MEASURED_TOKENS_ANNOTATION: tokens}},
+               "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    };
+    let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {},
+                      "items": [pod("llama-a", "25200"), pod("llama-b", "24800")]});
+    let mut calls = children_apply_calls(true);
+    calls[3] = call(
+        "PATCH",
+        ns_path("apps/v1", "deployments", "llama"),
+        Reply::EchoWithStatus(ready),
+    );
+    calls.push(call(
+        "GET",
+        format!("/api/v1/namespaces/{NS}/pods"),
+        Reply::Json(200, pods),
+    ));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+
+    let worker_yaml = seen[0].body["data"]["worker.yaml"].as_str().unwrap();
+    assert!(worker_yaml.contains("maxNumSeqs: 128"), "{worker_yaml}");
+    let list = &seen[6];
+    assert_eq!(
+        list.query.get("labelSelector").map(String::as_str),
+        Some("kvfleet.io%2Finference-deployment%3Dllama")
+    );
+    let status = &seen[7].body;
+    assert_eq!(status["status"]["observedGeneration"], 2);
+    assert_eq!(
+        status["status"]["capacity"]["measuredTokensPerReplica"], 24800,
+        "smallest ready pod"
+    );
+    assert_eq!(status["status"]["readyReplicas"], 2);
+    assert_eq!(condition(status, "Progressing")["reason"], "RolloutComplete");
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Normal".into(), "SpecApplied".into()),
+            ("Normal".into(), "CapacityMeasured".into())
+        ]
+    );
+}
+
+#[tokio::test]
+async fn scale_to_one_replica_sets_deployment_replicas_and_removes_the_pdb() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let obj = settled(inference_deployment(3, 1), 2);
+    let mut calls = children_apply_calls(false);
+    calls.push(call(
+        "DELETE",
+        ns_path("policy/v1", "poddisruptionbudgets", "llama"),
+        Reply::Json(
+            200,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}),
+        ),
+    ));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    result.unwrap();
+    assert_eq!(seen[3].body["spec"]["replicas"], 1);
+    assert_eq!(seen[5].method, "DELETE");
+    assert_eq!(seen[6].body["status"]["observedGeneration"], 3);
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Normal".into(), "SpecApplied".into()),
+            ("Warning".into(), "Unavailable".into())
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_spec_that_turns_incompatible_is_not_applied_and_gets_a_warning_event() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut obj = settled(inference_deployment(4, 2), 3);
+    obj.spec.engine.kv_cache_dtype = KvCacheDtype::Nvfp4;
+    let running = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "llama", "namespace": NS, "generation": 3},
+        "spec": {"selector": {"matchLabels": {"kvfleet.io/inference-deployment": "llama"}},
+                 "template": {"spec": {"containers": []}}},
+        "status": {"observedGeneration": 3, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}});
+    let calls = vec![
+        // Only a read of what runs: nothing owned is touched.
+        call(
+            "GET",
+            ns_path("apps/v1", "deployments", "llama"),
+            Reply::Json(200, running),
+        ),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let status = &seen[1].body;
+    assert_applied(&seen[1], "InferenceDeployment");
+    assert_eq!(status["status"]["observedGeneration"], 4);
+    let compat = condition(status, "Compatible");
+    assert_eq!(compat["status"], "False");
+    assert_eq!(compat["reason"], "UnsupportedKvCacheDtype");
+    assert!(compat["message"].as_str().unwrap().contains("use fp8"));
+    assert_eq!(condition(status, "Degraded")["reason"], "SpecNotApplied");
+    assert_eq!(
+        condition(status, "Available")["status"],
+        "True",
+        "old pods still serve"
+    );
+    assert_eq!(
+        status["status"]["resolved"]["kvCacheDtype"], "bfloat16",
+        "describes what runs"
+    );
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Warning".into(), "UnsupportedKvCacheDtype".into()),
+            ("Warning".into(), "SpecNotApplied".into())
+        ]
+    );
+    assert!(seen[2].body["note"].as_str().unwrap().contains("nvfp4"));
+}
+
+#[tokio::test]
+async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let obj = settled(inference_deployment(1, 2), 1);
+
+    // The only GPU node leaves.
+    h.nodes
+        .apply_watcher_event(&watcher::Event::Delete(gpu_node("gpu-1")));
+    let running = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "llama", "namespace": NS, "generation": 1},
+        "spec": {"selector": {}, "template": {}},
+        "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 0, "updatedReplicas": 2}});
+    let calls = vec![
+        call(
+            "GET",
+            ns_path("apps/v1", "deployments", "llama"),
+            Reply::Json(200, running),
+        ),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(obj.clone()), calls).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(
+        condition(&seen[1].body, "Compatible")["reason"],
+        "NoCompatibleNodes"
+    );
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Warning".into(), "NoCompatibleNodes".into()),
+            ("Warning".into(), "Unavailable".into()),
+            ("Warning".into(), "SpecNotApplied".into())
+        ]
+    );
+
+    // A GPU node joins: the status written above is what the next pass reads.
+    let mut after = obj;
+    after.status = Some(serde_json::from_value(seen[1].body["status"].clone()).unwrap());
+    h.nodes
+        .apply_watcher_event(&watcher::Event::Apply(gpu_node("gpu-2")));
+    let mut calls = children_apply_calls(true);
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(after), calls).await;
+    result.unwrap();
+    let status = &seen[6].body;
+    assert_eq!(condition(status, "Compatible")["status"], "True");
+    assert!(condition(status, "Compatible")["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("1 node(s)"));
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Normal".into(), "CompatibleNodesFound".into())]
+    );
+}
+
+#[tokio::test]
+async fn a_conflict_on_the_status_update_is_retried_in_the_same_pass() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    calls.push(call("PATCH", STATUS, status_failure(409, "Conflict")));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    result.unwrap();
+    assert_eq!(seen[6].body, seen[7].body, "the same status is sent again");
+}
+
+#[tokio::test]
+async fn persistent_conflicts_fail_the_pass_and_are_counted_and_retried_soon() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    for _ in 0..3 {
+        calls.push(call("PATCH", STATUS, status_failure(409, "Conflict")));
+    }
+    let obj = Arc::new(guard(inference_deployment(1, 2)));
+    let (result, _) = run_pass(&mut h, (*obj).clone(), calls).await;
+    let err = result.unwrap_err();
+    assert!(err.is_conflict(), "{err}");
+    assert_eq!(err.metric_label(), "conflict");
+    let action = error_policy(obj, &err, h.ctx.clone());
+    assert_eq!(action, Action::requeue(Duration::from_millis(500)));
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&h.registry.gather())
+        .unwrap();
+    assert!(
+        text.contains(r#"kvfleet_controller_reconcile_failures_total{category="conflict"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvfleet_controller_reconcile_runs_total 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn transient_api_errors_back_off_exponentially() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let calls = vec![call(
+        "PATCH",
+        ns_path("v1", "configmaps", "llama-config"),
+        status_failure(503, "ServiceUnavailable"),
+    )];
+    let obj = Arc::new(guard(inference_deployment(1, 2)));
+    let (result, _) = run_pass(&mut h, (*obj).clone(), calls).await;
+    let err = result.unwrap_err();
+    assert_eq!(err.metric_label(), "api");
+    assert_eq!(
+        error_policy(obj.clone(), &err, h.ctx.clone()),
+        Action::requeue(Duration::from_secs(5))
+    );
+    assert_eq!(
+        error_policy(obj.clone(), &err, h.ctx.clone()),
+        Action::requeue(Duration::from_secs(10))
+    );
+    assert_eq!(
+        error_policy(obj, &err, h.ctx.clone()),
+        Action::requeue(Duration::from_secs(20))
+    );
+}
+
+#[tokio::test]
+async fn deletion_touches_nothing_and_leaves_cleanup_to_owner_references() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut obj = settled(inference_deployment(1, 2), 1);
+    obj.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    let (result, seen) = run_pass(&mut h, guard(obj), vec![]).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert!(seen.is_empty());
+}
+
+#[tokio::test]
+async fn a_malformed_object_gets_a_warning_event_and_waits_for_a_change() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let bad: DeserializeGuard<InferenceDeployment> = serde_json::from_value(json!({
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": "llama", "namespace": NS, "uid": "u-1"},
+        "spec": {"replicas": "many", "model": {"name": "x"}}
+    }))
+    .unwrap();
+    assert!(bad.0.is_err());
+    let calls = vec![call("POST", EVENTS, Reply::Echo)];
+    let (result, seen) = run_pass(&mut h, bad, calls).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    assert_eq!(seen[0].body["reason"], "MalformedObject");
+    assert_eq!(seen[0].body["type"], "Warning");
+    assert_eq!(seen[0].body["regarding"]["name"], "llama");
+}
+
+#[tokio::test]
+async fn a_service_monitor_is_applied_only_when_discovery_found_the_crd() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    *h.ctx.monitor.write().unwrap() = Some(MonitorKind {
+        resource: ApiResource {
+            group: "monitoring.coreos.com".into(),
+            version: "v1".into(),
+            api_version: "monitoring.coreos.com/v1".into(),
+            kind: "ServiceMonitor".into(),
+            plural: "servicemonitors".into(),
+        },
+        kind: "ServiceMonitor".into(),
+    });
+    let mut calls = children_apply_calls(true);
+    calls.push(apply_call(&ns_path(
+        "monitoring.coreos.com/v1",
+        "servicemonitors",
+        "llama",
+    )));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    result.unwrap();
+    assert_applied(&seen[6], "ServiceMonitor");
+    assert_eq!(seen[6].body["spec"]["endpoints"][0]["path"], "/metrics");
+}
+
+#[tokio::test]
+async fn ready_workers_without_a_measurement_are_polled_again_soon() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let obj = settled(inference_deployment(1, 2), 1);
+    let ready = json!({"observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2});
+    let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []});
+    let mut calls = children_apply_calls(true);
+    calls[3] = call(
+        "PATCH",
+        ns_path("apps/v1", "deployments", "llama"),
+        Reply::EchoWithStatus(ready),
+    );
+    calls.push(call(
+        "GET",
+        format!("/api/v1/namespaces/{NS}/pods"),
+        Reply::Json(200, pods),
+    ));
+    calls.push(apply_call(STATUS));
+    let (result, _) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(CAPACITY_POLL));
+}

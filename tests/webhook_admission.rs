@@ -1,0 +1,922 @@
+//! The admission webhook: AdmissionReview fixtures as the API server sends them, the
+//! pure `review` function (including 10,000 random and truncated bodies), the node
+//! cache, self-managed certificates, and the real HTTPS server on loopback.
+
+mod webhook_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::core::admission::AdmissionReview;
+use kube::core::DynamicObject;
+use kube::runtime::watcher;
+use kvfleet::api::{InferenceDeploymentSpec, KvCacheDtype};
+use kvfleet::validate::{ClusterFacts, Denial, NodeFacts, Verdict};
+use kvfleet::webhook::cache::node_cache;
+use kvfleet::webhook::certs::{self, Lifetimes};
+use kvfleet::webhook::tls::{self, CertificateAuthority};
+use kvfleet::webhook::{review, review_with, Outcome};
+use proptest::prelude::*;
+use serde_json::Value;
+use time::OffsetDateTime;
+use webhook_support::*;
+
+fn facts(nodes: &[Node]) -> ClusterFacts {
+    ClusterFacts {
+        nodes: nodes.iter().map(NodeFacts::from_node).collect(),
+    }
+}
+
+fn uid_of(body: &[u8]) -> String {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    v["request"]["uid"].as_str().unwrap().to_string()
+}
+
+/// Checks what the API server checks of a response, and returns it as JSON.
+fn assert_well_formed(review: &AdmissionReview<DynamicObject>, want_uid: Option<&str>) -> Value {
+    let json = serde_json::to_value(review).expect("serialisable");
+    assert_eq!(json["apiVersion"], "admission.k8s.io/v1", "{json}");
+    assert_eq!(json["kind"], "AdmissionReview", "{json}");
+    assert!(
+        json.get("request").is_none(),
+        "responses carry no request: {json}"
+    );
+    let response = &json["response"];
+    assert!(response["allowed"].is_boolean(), "{json}");
+    assert!(response["uid"].is_string(), "{json}");
+    if let Some(uid) = want_uid {
+        assert_eq!(response["uid"], uid, "the response must echo the request uid");
+    }
+    if response["allowed"] == false {
+        let code = response["status"]["code"].as_u64().unwrap_or(0);
+        assert!(
+            (400..600).contains(&code),
+            "a denial carries an HTTP-style code: {json}"
+        );
+        assert!(
+            !response["status"]["message"].as_str().unwrap_or("").is_empty(),
+            "a denial says why: {json}"
+        );
+    }
+    // And it reads back as the type the API server decodes.
+    let _: AdmissionReview<DynamicObject> = serde_json::from_value(json.clone()).expect("reads back");
+    json
+}
+
+fn dtype_validator(
+    bad: KvCacheDtype,
+    message: &'static str,
+) -> impl Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict {
+    move |spec, _| {
+        let mut verdict = Verdict {
+            warnings: vec!["1 of 1 GPU nodes can run this".into()],
+            ..Verdict::default()
+        };
+        if spec.engine.kv_cache_dtype == bad {
+            verdict.denials.push(Denial {
+                field: "spec.engine.kvCacheDtype".into(),
+                reason: "UnsupportedKvDtype".into(),
+                message: message.into(),
+            });
+        }
+        verdict
+    }
+}
+
+// === fixtures through the real rules: structure ===
+
+#[test]
+fn every_fixture_gets_a_v1_review_with_the_request_uid() {
+    let facts = facts(&[gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)]);
+    let fixtures = fixtures();
+    assert!(fixtures.len() >= 9, "fixtures missing: {}", fixtures.len());
+    for (name, body) in fixtures {
+        let reviewed = review(&body, &facts);
+        let json = assert_well_formed(&reviewed, Some(&uid_of(&body)));
+        assert!(json["response"]["status"].is_object(), "{name}: {json}");
+    }
+}
+
+#[test]
+fn nvfp4_create_is_answered_by_the_rules_with_a_422_listing_every_cause() {
+    let body = fixture("create-nvfp4-vllm.json");
+    let facts = facts(&[gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)]);
+    let verdict = kvfleet::validate::validate(&spec_of(&body), &facts);
+    let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+    // Whatever the rules decide, the response must carry exactly their decision.
+    assert_eq!(json["response"]["allowed"], verdict.allowed());
+    if !verdict.allowed() {
+        assert_eq!(json["response"]["status"]["code"], 422);
+        assert_eq!(json["response"]["status"]["reason"], "Invalid");
+        let causes = json["response"]["status"]["details"]["causes"]
+            .as_array()
+            .unwrap();
+        assert_eq!(causes.len(), verdict.denials.len());
+        let message = json["response"]["status"]["message"].as_str().unwrap();
+        for denial in &verdict.denials {
+            assert!(
+                message.contains(&denial.message),
+                "{message} lacks {}",
+                denial.message
+            );
+        }
+    }
+}
+
+fn spec_of(body: &[u8]) -> InferenceDeploymentSpec {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    serde_json::from_value(v["request"]["object"]["spec"].clone()).unwrap()
+}
+
+#[test]
+fn requests_that_are_not_ours_to_judge_are_allowed_whatever_the_rules_say() {
+    // The finalizer-only update keeps an nvfp4 spec on RTX PRO 6000 nodes: a change in
+    // the cluster must never block the controller from finalizing a deployment.
+    let facts = facts(&[gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)]);
+    let deny_all = |_: &InferenceDeploymentSpec, _: &ClusterFacts| Verdict {
+        denials: vec![Denial {
+            field: "spec".into(),
+            reason: "Nope".into(),
+            message: "never".into(),
+        }],
+        ..Verdict::default()
+    };
+    for name in [
+        "update-finalizer-only.json",
+        "update-status-subresource.json",
+        "delete.json",
+        "create-pod-other-kind.json",
+    ] {
+        let body = fixture(name);
+        let reviewed = review_with(&body, &facts, deny_all);
+        let json = assert_well_formed(&reviewed.review, Some(&uid_of(&body)));
+        assert_eq!(json["response"]["allowed"], true, "{name}: {json}");
+        assert_eq!(reviewed.outcome, Outcome::Skipped, "{name}");
+        // And the real rules agree.
+        assert!(review(&body, &facts).response.unwrap().allowed, "{name}");
+    }
+}
+
+#[test]
+fn an_unreadable_spec_is_denied_with_the_field_at_fault() {
+    let body = fixture("create-unknown-dtype.json");
+    let reviewed = kvfleet::webhook::review_detailed(&body, &ClusterFacts::default());
+    let json = assert_well_formed(&reviewed.review, Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false);
+    assert_eq!(json["response"]["status"]["code"], 400);
+    let message = json["response"]["status"]["message"].as_str().unwrap();
+    assert!(message.contains("spec.engine.kvCacheDtype"), "{message}");
+    assert!(message.contains("fp6"), "{message}");
+    assert_eq!(reviewed.outcome, Outcome::Invalid);
+    assert_eq!(reviewed.operation, "CREATE");
+}
+
+// === fixtures through a stand-in decision: every kind of answer ===
+
+#[test]
+fn a_denial_carries_every_reason_in_the_message_and_the_causes() {
+    let body = fixture("create-nvfp4-vllm.json");
+    let two = |_: &InferenceDeploymentSpec, _: &ClusterFacts| Verdict {
+        denials: vec![
+            Denial {
+                field: "spec.engine.kvCacheDtype".into(),
+                reason: "UnsupportedKvDtype".into(),
+                message: "kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3; use fp8".into(),
+            },
+            Denial {
+                field: "spec.engine.tensorParallelSize".into(),
+                reason: "TooFewGpus".into(),
+                message: "tensorParallelSize 8 needs 8 GPUs per node; the largest node has 4".into(),
+            },
+        ],
+        warnings: vec!["no node without GFD labels was considered".into()],
+        ..Verdict::default()
+    };
+    let reviewed = review_with(&body, &ClusterFacts::default(), two);
+    let json = assert_well_formed(&reviewed.review, Some("4a5e7b0c-9f51-4c0f-8d4e-6a1b2c3d4e01"));
+    let status = &json["response"]["status"];
+    assert_eq!(status["code"], 422);
+    assert_eq!(status["status"], "Failure");
+    assert_eq!(
+        status["message"],
+        "2 problems: (1) spec.engine.kvCacheDtype: kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3; use fp8 \
+         (2) spec.engine.tensorParallelSize: tensorParallelSize 8 needs 8 GPUs per node; the largest node has 4"
+    );
+    assert_eq!(
+        status["details"]["causes"][1]["field"],
+        "spec.engine.tensorParallelSize"
+    );
+    assert_eq!(status["details"]["causes"][1]["reason"], "TooFewGpus");
+    assert_eq!(
+        json["response"]["warnings"][0],
+        "no node without GFD labels was considered"
+    );
+    assert_eq!(reviewed.outcome, Outcome::Denied);
+}
+
+#[test]
+fn an_admission_with_warnings_returns_them_for_kubectl_to_print() {
+    let body = fixture("create-fp8e4m3-vllm.json");
+    let reviewed = review_with(
+        &body,
+        &ClusterFacts::default(),
+        dtype_validator(KvCacheDtype::Nvfp4, "x"),
+    );
+    let json = assert_well_formed(&reviewed.review, Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], true);
+    assert_eq!(
+        json["response"]["warnings"],
+        serde_json::json!(["1 of 1 GPU nodes can run this"])
+    );
+    assert_eq!(reviewed.outcome, Outcome::Allowed);
+}
+
+#[test]
+fn an_update_is_judged_on_the_new_object_not_the_old_one() {
+    // oldObject holds fp8, object holds nvfp4: a rule against nvfp4 must fire...
+    let body = fixture("update-fp8-to-nvfp4-vllm.json");
+    let reviewed = review_with(
+        &body,
+        &ClusterFacts::default(),
+        dtype_validator(KvCacheDtype::Nvfp4, "use fp8"),
+    );
+    assert_eq!(reviewed.operation, "UPDATE");
+    assert_eq!(reviewed.outcome, Outcome::Denied);
+    // ...and a rule against the old value must not.
+    let reviewed = review_with(
+        &body,
+        &ClusterFacts::default(),
+        dtype_validator(KvCacheDtype::Fp8, "no"),
+    );
+    assert_eq!(reviewed.outcome, Outcome::Allowed);
+}
+
+#[test]
+fn a_dry_run_gets_the_same_decision_as_the_real_request() {
+    let rule = || dtype_validator(KvCacheDtype::Nvfp4, "use fp8");
+    let real = review_with(
+        &fixture("create-nvfp4-vllm.json"),
+        &ClusterFacts::default(),
+        rule(),
+    );
+    let dry = review_with(
+        &fixture("create-nvfp4-vllm-dryrun.json"),
+        &ClusterFacts::default(),
+        rule(),
+    );
+    let (real, dry) = (real.review.response.unwrap(), dry.review.response.unwrap());
+    assert!(!dry.allowed);
+    assert_eq!(real.result.message, dry.result.message);
+    assert_eq!(dry.uid, "4a5e7b0c-9f51-4c0f-8d4e-6a1b2c3d4e03");
+}
+
+#[test]
+fn a_panicking_rule_set_becomes_a_denial_not_a_crash() {
+    let body = fixture("create-nvfp4-vllm.json");
+    let reviewed = review_with(
+        &body,
+        &ClusterFacts::default(),
+        |_: &InferenceDeploymentSpec, _: &ClusterFacts| -> Verdict { panic!("index out of bounds") },
+    );
+    let json = assert_well_formed(&reviewed.review, Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false);
+    assert!(json["response"]["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("bug"));
+}
+
+// === seed scenarios of issue 3, with the real rules ===
+
+fn seed(fixture_name: &str, nodes: &[Node]) -> Value {
+    let body = fixture(fixture_name);
+    assert_well_formed(&review(&body, &facts(nodes)), Some(&uid_of(&body)))
+}
+
+#[test]
+#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
+fn nvfp4_kv_on_rtx_pro_6000_blackwell_is_denied_with_an_fp8_hint() {
+    let json = seed(
+        "create-nvfp4-vllm.json",
+        &[gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)],
+    );
+    assert_eq!(json["response"]["allowed"], false, "{json}");
+    assert_eq!(json["response"]["status"]["code"], 422);
+    let message = json["response"]["status"]["message"].as_str().unwrap();
+    assert!(message.contains("spec.engine.kvCacheDtype"), "{message}");
+    assert!(
+        message.contains("nvfp4") && message.contains("12.0") && message.contains("fp8"),
+        "{message}"
+    );
+}
+
+#[test]
+#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
+fn nvfp4_kv_on_b200_is_admitted() {
+    let json = seed("create-nvfp4-vllm.json", &[gpu_node("b200-0", B200, 10, 0, 8)]);
+    assert_eq!(json["response"]["allowed"], true, "{json}");
+}
+
+#[test]
+#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
+fn fp8_e4m3_vllm_on_rtx_3090_is_denied_with_an_e5m2_hint() {
+    let json = seed(
+        "create-fp8e4m3-vllm.json",
+        &[gpu_node("3090-0", RTX_3090, 8, 6, 2)],
+    );
+    assert_eq!(json["response"]["allowed"], false, "{json}");
+    let message = json["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("fp8_e4m3") && message.contains("fp8_e5m2"),
+        "{message}"
+    );
+}
+
+#[test]
+#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
+fn an_update_to_nvfp4_on_rtx_pro_6000_is_denied_and_the_dry_run_too() {
+    let nodes = [gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)];
+    assert_eq!(
+        seed("update-fp8-to-nvfp4-vllm.json", &nodes)["response"]["allowed"],
+        false
+    );
+    assert_eq!(
+        seed("create-nvfp4-vllm-dryrun.json", &nodes)["response"]["allowed"],
+        false
+    );
+}
+
+// === random and truncated bodies ===
+
+fn mutated(base: Vec<u8>, flips: Vec<(usize, u8)>) -> Vec<u8> {
+    let mut body = base;
+    for (at, byte) in flips {
+        if !body.is_empty() {
+            let i = at % body.len();
+            body[i] = byte;
+        }
+    }
+    body
+}
+
+fn bodies() -> impl Strategy<Value = Vec<u8>> {
+    let names: Vec<Vec<u8>> = fixtures().into_iter().map(|(_, b)| b).collect();
+    let n = names.len();
+    let names2 = names.clone();
+    let names3 = names.clone();
+    prop_oneof![
+        // Random bytes.
+        proptest::collection::vec(any::<u8>(), 0..512),
+        // Fixtures cut at a random point.
+        (0..n, any::<prop::sample::Index>()).prop_map(move |(i, cut)| {
+            let b = &names[i];
+            b[..cut.index(b.len() + 1)].to_vec()
+        }),
+        // Fixtures with random bytes overwritten.
+        (
+            0..n,
+            proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6)
+        )
+            .prop_map(move |(i, flips)| mutated(names2[i].clone(), flips)),
+        // Valid JSON of the wrong shape, with and without a uid.
+        (any::<Option<String>>(), any::<i64>(), "[a-zA-Z]{0,12}").prop_map(|(uid, n, s)| {
+            serde_json::to_vec(&serde_json::json!({
+                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "request": {"uid": uid, "kind": n, "operation": s, "object": {"spec": {"engine": s}}}
+            }))
+            .unwrap()
+        }),
+        // A fixture whose spec values were replaced by random JSON scalars.
+        (0..n, any::<i64>(), "[ -~]{0,16}").prop_map(move |(i, x, s)| {
+            let mut v: Value = serde_json::from_slice(&names3[i]).unwrap();
+            if let Some(engine) = v.pointer_mut("/request/object/spec/engine") {
+                engine["maxModelLen"] = serde_json::json!(s);
+                engine["blockSize"] = serde_json::json!(x);
+            }
+            serde_json::to_vec(&v).unwrap()
+        }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10_000, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn ten_thousand_random_and_truncated_bodies_all_get_a_well_formed_review(body in bodies()) {
+        let facts = facts(&[gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)]);
+        let reviewed = review(&body, &facts);
+        let json = assert_well_formed(&reviewed, None);
+        // When the body names a uid, the answer carries it.
+        if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+            if let Some(uid) = v.pointer("/request/uid").and_then(Value::as_str) {
+                prop_assert_eq!(json["response"]["uid"].as_str(), Some(uid));
+            }
+        }
+    }
+}
+
+#[test]
+fn every_truncation_of_every_fixture_is_denied_with_its_uid_when_readable() {
+    let facts = ClusterFacts::default();
+    let mut checked = 0;
+    for (name, body) in fixtures() {
+        let uid = uid_of(&body);
+        // Cut after the uid: the scan still finds it.
+        let after_uid = body.windows(uid.len()).position(|w| w == uid.as_bytes()).unwrap() + uid.len() + 1;
+        for cut in 0..body.len() {
+            let json = assert_well_formed(&review(&body[..cut], &facts), None);
+            // Only the trailing newline can go without breaking the JSON.
+            if serde_json::from_slice::<Value>(&body[..cut]).is_err() {
+                assert_eq!(json["response"]["allowed"], false, "{name} cut at {cut}");
+            }
+            if cut >= after_uid {
+                assert_eq!(json["response"]["uid"], uid.as_str(), "{name} cut at {cut}");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 10_000, "only {checked} truncations");
+}
+
+// === node cache ===
+
+#[test]
+fn the_cache_is_not_ready_until_the_first_list_completes() {
+    let (cache, mut writer) = node_cache();
+    assert!(!cache.synced());
+    writer.apply(&watcher::Event::Init);
+    writer.apply(&watcher::Event::InitApply(gpu_node("a", H100, 9, 0, 8)));
+    assert!(!cache.synced(), "a partial list is not a sync");
+    assert!(
+        cache.facts().nodes.is_empty(),
+        "the store swaps in the list at InitDone"
+    );
+    writer.apply(&watcher::Event::InitDone);
+    assert!(cache.synced());
+    assert_eq!(cache.facts().nodes.len(), 1);
+    assert_eq!(cache.facts().nodes[0].allocatable_gpus, Some(8));
+}
+
+#[test]
+fn heartbeats_keep_the_snapshot_and_label_changes_replace_it() {
+    let (cache, mut writer) = synced_cache(fleet(20));
+    let before = cache.facts();
+    assert_eq!(before.nodes.len(), 20);
+    // A status-only update (as kubelet sends) keeps the same snapshot.
+    let mut node = fleet(1).remove(0);
+    node.metadata.resource_version = Some("2".into());
+    node.status.as_mut().unwrap().capacity = Some(Default::default());
+    writer.apply(&watcher::Event::Apply(node.clone()));
+    assert!(
+        Arc::ptr_eq(&before, &cache.facts()),
+        "unchanged GPU facts must not rebuild"
+    );
+    // Relabelling (GFD after a GPU swap) and deleting are seen at once.
+    node.metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert("nvidia.com/gpu.product".into(), B200.into());
+    writer.apply(&watcher::Event::Apply(node.clone()));
+    let after = cache.facts();
+    assert!(!Arc::ptr_eq(&before, &after));
+    assert_eq!(
+        after.nodes.iter().find(|n| n.name == "gpu-0000").unwrap().labels["nvidia.com/gpu.product"],
+        B200
+    );
+    writer.apply(&watcher::Event::Delete(node));
+    assert_eq!(cache.facts().nodes.len(), 19);
+}
+
+// === self-managed certificates ===
+
+fn names() -> Vec<String> {
+    tls::service_dns_names("kvfleet-webhook", "kvfleet-system", "cluster.local")
+}
+
+fn lifetimes() -> Lifetimes {
+    Lifetimes {
+        ca: Duration::from_secs(3 * 365 * 86400),
+        serving: Duration::from_secs(90 * 86400),
+    }
+}
+
+#[test]
+fn an_empty_secret_gets_a_ca_and_a_certificate_for_the_service_names() {
+    let now = OffsetDateTime::now_utc();
+    let (material, changed) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    assert!(changed);
+    let mut got = certs::serving_names(&material.serving.cert_pem).unwrap();
+    got.sort();
+    let mut want = names();
+    want.sort();
+    assert_eq!(got, want);
+    assert!(material.serving.not_after > now + time::Duration::days(89));
+    assert_eq!(material.ca_bundle(), material.ca.0.cert_pem);
+    // Written and read back a day later: nothing to do.
+    let data = material.to_data();
+    let (again, changed) = certs::plan(&data, &names(), &lifetimes(), now + time::Duration::days(1)).unwrap();
+    assert!(!changed);
+    assert_eq!(again, material);
+}
+
+#[test]
+fn the_serving_certificate_is_renewed_with_a_third_of_its_life_left_and_the_ca_kept() {
+    let now = OffsetDateTime::now_utc();
+    let (first, _) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    let later = now + time::Duration::days(61);
+    let (renewed, changed) = certs::plan(&first.to_data(), &names(), &lifetimes(), later).unwrap();
+    assert!(changed);
+    assert_eq!(renewed.ca, first.ca, "the CA outlives many serving certificates");
+    assert_ne!(renewed.serving.cert_pem, first.serving.cert_pem);
+    assert!(renewed.serving.not_after > later + time::Duration::days(89));
+}
+
+#[test]
+fn a_ca_near_expiry_is_replaced_and_the_old_one_stays_in_the_bundle() {
+    let now = OffsetDateTime::now_utc();
+    let (first, _) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    let later = now + time::Duration::days(2 * 365 + 200);
+    let (rotated, changed) = certs::plan(&first.to_data(), &names(), &lifetimes(), later).unwrap();
+    assert!(changed);
+    assert_ne!(rotated.ca, first.ca);
+    assert_eq!(
+        rotated.previous_ca_pem.as_deref(),
+        Some(first.ca.0.cert_pem.as_str())
+    );
+    assert!(rotated.ca_bundle().contains(&first.ca.0.cert_pem));
+    assert!(rotated.ca_bundle().starts_with(&rotated.ca.0.cert_pem));
+}
+
+#[test]
+fn a_changed_service_name_or_a_garbled_secret_gets_a_new_certificate() {
+    let now = OffsetDateTime::now_utc();
+    let (first, _) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    let other = tls::service_dns_names("kvfleet-admission", "kvfleet-system", "cluster.local");
+    let (renamed, changed) = certs::plan(&first.to_data(), &other, &lifetimes(), now).unwrap();
+    assert!(changed);
+    assert_eq!(renamed.ca, first.ca);
+    assert!(certs::serving_names(&renamed.serving.cert_pem)
+        .unwrap()
+        .contains(&other[2]));
+    let mut garbled = first.to_data();
+    garbled.insert(
+        certs::TLS_CRT.into(),
+        k8s_openapi::ByteString(b"not a certificate".to_vec()),
+    );
+    garbled.insert(
+        certs::CA_KEY.into(),
+        k8s_openapi::ByteString(b"-----BEGIN".to_vec()),
+    );
+    let (fresh, changed) = certs::plan(&garbled, &names(), &lifetimes(), now).unwrap();
+    assert!(changed);
+    assert!(tls::server_config(
+        fresh.serving.cert_pem.as_bytes(),
+        fresh.serving.key_pem.as_bytes()
+    )
+    .is_ok());
+}
+
+// === the real server on loopback ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_https_server_answers_fixtures_and_serves_a_rotated_certificate_without_restart() {
+    let (ca, serving) = loopback_pki();
+    let (cache, _writer) = synced_cache(vec![gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)]);
+    let running = start(cache, &serving).await;
+    let connector = connector(&ca.0.cert_pem);
+
+    let mut conn = Connection::open(&connector, running.https).await.unwrap();
+    let first_cert = conn.peer_certificate.clone();
+    let body = fixture("create-nvfp4-vllm.json");
+    let (status, answer) = conn.post(body.clone()).await.unwrap();
+    assert_eq!(status, 200);
+    let answer: AdmissionReview<DynamicObject> = serde_json::from_slice(&answer).unwrap();
+    assert_well_formed(&answer, Some(&uid_of(&body)));
+
+    // A client that does not trust our CA is refused.
+    let (other_ca, _) = loopback_pki();
+    assert!(Connection::open(&connector_for(&other_ca), running.https)
+        .await
+        .is_err());
+
+    // Rotate: a new certificate from the same CA is served to new connections.
+    let rotated = ca
+        .issue(
+            &["127.0.0.1".into()],
+            Duration::from_secs(7200),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
+    tls::install(
+        &running.rustls,
+        rotated.cert_pem.as_bytes(),
+        rotated.key_pem.as_bytes(),
+        &running.metrics,
+    )
+    .unwrap();
+    let mut conn2 = Connection::open(&connector, running.https).await.unwrap();
+    assert_ne!(
+        conn2.peer_certificate, first_cert,
+        "the rotated certificate is served"
+    );
+    let rotated_der = rustls::pki_types::pem::PemObject::pem_slice_iter(rotated.cert_pem.as_bytes())
+        .next()
+        .map(|c: Result<rustls::pki_types::CertificateDer<'static>, _>| c.unwrap().to_vec())
+        .unwrap();
+    assert_eq!(conn2.peer_certificate, rotated_der);
+    assert_eq!(conn2.post(body.clone()).await.unwrap().0, 200);
+    // The connection opened before the rotation keeps working.
+    assert_eq!(conn.post(body).await.unwrap().0, 200);
+
+    let (_, metrics) = http_get(running.health, "/metrics").await;
+    assert!(
+        metrics.contains("kvfleet_webhook_certificate_reloads_total{result=\"ok\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains(&format!(
+        "kvfleet_webhook_serving_certificate_expiry_timestamp_seconds {}",
+        rotated.not_after.unix_timestamp()
+    )));
+}
+
+fn connector_for(ca: &CertificateAuthority) -> tokio_rustls::TlsConnector {
+    connector(&ca.0.cert_pem)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_node_cache_and_requests_are_counted() {
+    let (ca, serving) = loopback_pki();
+    let (cache, mut writer) = node_cache();
+    let running = start(cache, &serving).await;
+    assert_eq!(http_get(running.health, "/healthz").await.0, 200);
+    let (status, text) = http_get(running.health, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(text.contains("node cache"), "{text}");
+
+    // Before the sync the webhook answers, denying with a clear reason.
+    let mut conn = Connection::open(&connector(&ca.0.cert_pem), running.https)
+        .await
+        .unwrap();
+    let body = fixture("create-nvfp4-vllm.json");
+    let (status, answer) = conn.post(body.clone()).await.unwrap();
+    assert_eq!(status, 200);
+    let json = assert_well_formed(&serde_json::from_slice(&answer).unwrap(), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["status"]["code"], 503);
+    assert!(json["response"]["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not ready"));
+
+    writer.apply(&watcher::Event::Init);
+    writer.apply(&watcher::Event::InitApply(gpu_node("b200-0", B200, 10, 0, 8)));
+    writer.apply(&watcher::Event::InitDone);
+    assert_eq!(http_get(running.health, "/readyz").await.0, 200);
+    conn.post(body).await.unwrap();
+    conn.post(fixture("delete.json")).await.unwrap();
+
+    let (_, metrics) = http_get(running.health, "/metrics").await;
+    for line in [
+        "kvfleet_webhook_admission_requests_total{operation=\"CREATE\",result=\"not_ready\"} 1",
+        "kvfleet_webhook_admission_requests_total{operation=\"DELETE\",result=\"skipped\"} 1",
+        "kvfleet_webhook_admission_duration_seconds_count{operation=\"CREATE\"} 2",
+        "kvfleet_webhook_nodes 1",
+        "kvfleet_webhook_node_cache_synced 1",
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
+    drop(running);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_random_bodies_over_https_get_a_review_or_a_4xx() {
+    use rand::{Rng, SeedableRng};
+    let (ca, serving) = loopback_pki();
+    let (cache, _writer) = synced_cache(fleet(50));
+    let running = start(cache, &serving).await;
+    let connector = connector(&ca.0.cert_pem);
+    let fixtures: Vec<Vec<u8>> = fixtures().into_iter().map(|(_, b)| b).collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut conn = Connection::open(&connector, running.https).await.unwrap();
+    let mut reviews = 0;
+    for i in 0..400 {
+        let body: Vec<u8> = match i % 4 {
+            0 => (0..rng.random_range(0..300)).map(|_| rng.random()).collect(),
+            1 => {
+                let f = &fixtures[rng.random_range(0..fixtures.len())];
+                f[..rng.random_range(0..=f.len())].to_vec()
+            }
+            2 => {
+                let mut f = fixtures[rng.random_range(0..fixtures.len())].clone();
+                for _ in 0..3 {
+                    let at = rng.random_range(0..f.len());
+                    f[at] = rng.random();
+                }
+                f
+            }
+            _ => fixtures[rng.random_range(0..fixtures.len())].clone(),
+        };
+        let (status, answer) = conn.post(body).await.expect("the server keeps answering");
+        assert!(status == 200 || (400..500).contains(&status), "status {status}");
+        if status == 200 {
+            let review: AdmissionReview<DynamicObject> = serde_json::from_slice(&answer).expect("a review");
+            assert_well_formed(&review, None);
+            reviews += 1;
+        }
+    }
+    assert_eq!(
+        reviews, 400,
+        "every body fits the limit, so every answer is a review"
+    );
+    // An oversized body is refused with 413, not a crash.
+    let (status, _) = conn
+        .post(vec![b' '; kvfleet::webhook::server::MAX_BODY_BYTES + 1])
+        .await
+        .unwrap();
+    assert_eq!(status, 413);
+    let mut conn = Connection::open(&connector, running.https).await.unwrap();
+    assert_eq!(conn.post(fixture("delete.json")).await.unwrap().0, 200);
+}
+
+// === self-managed certificates against a mock API server ===
+
+mod api_server {
+    use http::{Request, Response};
+    use kube::client::Body;
+    use serde_json::Value;
+
+    pub type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+    pub fn client() -> (kube::Client, Handle) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (kube::Client::new(service, "kvfleet-system"), handle)
+    }
+
+    /// Waits for the next request (at most 2 s), checks its method and path, answers
+    /// `status` with `body`, and returns the request's query and JSON body.
+    pub async fn expect(
+        handle: &mut Handle,
+        method: &str,
+        path: &str,
+        status: u16,
+        body: Value,
+    ) -> (String, Value) {
+        answer(handle, method, path, status, Some(body)).await
+    }
+
+    /// Like [`expect`], answering with the request's own body (as a create does).
+    pub async fn echo(handle: &mut Handle, method: &str, path: &str, status: u16) -> (String, Value) {
+        answer(handle, method, path, status, None).await
+    }
+
+    async fn answer(
+        handle: &mut Handle,
+        method: &str,
+        path: &str,
+        status: u16,
+        body: Option<Value>,
+    ) -> (String, Value) {
+        let (request, send) = tokio::time::timeout(std::time::Duration::from_secs(2), handle.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("no {method} {path} within 2 s"))
+            .expect("service dropped");
+        assert_eq!(request.method().as_str(), method);
+        assert_eq!(request.uri().path(), path);
+        let query = request.uri().query().unwrap_or_default().to_string();
+        let bytes = request.into_body().collect_bytes().await.unwrap();
+        let sent = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap()
+        };
+        send.send_response(
+            Response::builder()
+                .status(status)
+                .header("content-type", "application/json")
+                .body(Body::from(
+                    serde_json::to_vec(body.as_ref().unwrap_or(&sent)).unwrap(),
+                ))
+                .unwrap(),
+        );
+        (query, sent)
+    }
+
+    pub fn status(code: u16, reason: &str) -> Value {
+        serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": reason, "reason": reason, "code": code})
+    }
+}
+
+const SECRET_PATH: &str = "/api/v1/namespaces/kvfleet-system/secrets/kvfleet-webhook-tls";
+const VWC_PATH: &str =
+    "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/kvfleet-webhook";
+
+fn manager(client: kube::Client) -> certs::SelfManaged {
+    certs::SelfManaged {
+        client,
+        namespace: "kvfleet-system".into(),
+        secret_name: "kvfleet-webhook-tls".into(),
+        names: names(),
+        webhook_configuration: Some("kvfleet-webhook".into()),
+        lifetimes: lifetimes(),
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec()))
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test]
+async fn a_missing_secret_is_created_and_the_ca_bundle_server_side_applied() {
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let server = tokio::spawn(async move {
+        api_server::expect(
+            &mut api,
+            "GET",
+            SECRET_PATH,
+            404,
+            api_server::status(404, "NotFound"),
+        )
+        .await;
+        let (_, secret) =
+            api_server::echo(&mut api, "POST", "/api/v1/namespaces/kvfleet-system/secrets", 201).await;
+        let vwc = serde_json::json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": "kvfleet-webhook", "resourceVersion": "7"},
+            "webhooks": [{"name": "validate.kvfleet.io", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                          "clientConfig": {"service": {"name": "kvfleet-webhook", "namespace": "kvfleet-system", "path": "/validate"}}}]
+        });
+        api_server::expect(&mut api, "GET", VWC_PATH, 200, vwc.clone()).await;
+        let (query, patch) = api_server::expect(&mut api, "PATCH", VWC_PATH, 200, vwc).await;
+        (secret, query, patch)
+    });
+    let material = manager.ensure(OffsetDateTime::now_utc()).await.unwrap();
+    assert!(manager.apply_ca_bundle(&material.ca_bundle()).await.unwrap());
+    let (secret, query, patch) = server.await.unwrap();
+    assert_eq!(
+        patch["webhooks"][0]["clientConfig"]["caBundle"],
+        b64(material.ca_bundle().as_bytes())
+    );
+    assert_eq!(
+        secret["data"]["tls.crt"],
+        b64(material.serving.cert_pem.as_bytes())
+    );
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    for key in ["ca.crt", "ca.key", "tls.crt", "tls.key"] {
+        assert!(secret["data"][key].is_string(), "{key} missing: {secret}");
+    }
+    assert!(
+        query.contains("fieldManager=kvfleet-webhook") && query.contains("force=true"),
+        "{query}"
+    );
+    assert_eq!(patch["webhooks"][0]["name"], "validate.kvfleet.io");
+    assert_eq!(patch["webhooks"].as_array().unwrap().len(), 1);
+    assert!(
+        patch["webhooks"][0].get("sideEffects").is_none(),
+        "only the caBundle is ours: {patch}"
+    );
+}
+
+#[tokio::test]
+async fn losing_a_write_race_adopts_the_other_replicas_certificate() {
+    let now = OffsetDateTime::now_utc();
+    // Ours is due for renewal; theirs (written meanwhile) is fresh.
+    let (stale, _) = certs::plan(
+        &Default::default(),
+        &names(),
+        &lifetimes(),
+        now - time::Duration::days(80),
+    )
+    .unwrap();
+    let (theirs, _) = certs::plan(&stale.to_data(), &names(), &lifetimes(), now).unwrap();
+    let secret = |material: &certs::Material, rv: &str| {
+        serde_json::json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": "kvfleet-webhook-tls", "namespace": "kvfleet-system", "resourceVersion": rv},
+            "data": serde_json::to_value(material.to_data()).unwrap()})
+    };
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let (stale_json, theirs_json) = (secret(&stale, "1"), secret(&theirs, "2"));
+    let server = tokio::spawn(async move {
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, stale_json).await;
+        let (_, put) = api_server::expect(
+            &mut api,
+            "PUT",
+            SECRET_PATH,
+            409,
+            api_server::status(409, "Conflict"),
+        )
+        .await;
+        assert_eq!(put["metadata"]["resourceVersion"], "1", "writes are optimistic");
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, theirs_json).await;
+    });
+    let adopted = manager.ensure(now).await.unwrap();
+    server.await.unwrap();
+    assert_eq!(adopted, theirs);
+}
