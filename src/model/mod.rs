@@ -4,4 +4,7 @@
 pub mod gguf;
 pub mod kv;
 pub mod llama;
+pub mod openai;
+pub mod runtime;
+pub mod sampling;
 pub mod tokenizer;
