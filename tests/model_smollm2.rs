@@ -3,9 +3,16 @@
 //! `.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf` under the repository root.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use kvfleet::model::gguf::{GgmlType, Gguf};
+use kvfleet::model::kv::ContiguousKv;
+use kvfleet::model::llama::{Llama, SeqChunk};
+use kvfleet::model::openai;
+use kvfleet::model::runtime::{ModelRuntime, RuntimeConfig};
 use kvfleet::model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 fn gguf_path() -> PathBuf {
@@ -140,4 +147,340 @@ fn smollm2_chat_template_renders_chatml_with_default_system() {
     );
     assert_eq!(t.eos, Some(2));
     assert!(t.stop_tokens.contains(&2));
+}
+
+fn model_arc() -> Arc<Llama> {
+    static M: OnceLock<Arc<Llama>> = OnceLock::new();
+    M.get_or_init(|| Arc::new(Llama::from_gguf(gguf()).expect("load SmolLM2 weights")))
+        .clone()
+}
+
+fn model() -> &'static Llama {
+    static M: OnceLock<Arc<Llama>> = OnceLock::new();
+    M.get_or_init(model_arc)
+}
+
+fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in xs.iter().enumerate() {
+        if *v > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn smollm2_greedy_chat_reply_names_paris() {
+    let (t, m) = (tokenizer(), model());
+    assert_eq!(m.config.n_layers, 30);
+    assert!(m.config.tied_embeddings);
+    let prompt = t
+        .apply_chat_template(&[ChatMessage {
+            role: "user".into(),
+            content: "What is the capital of France?".into(),
+        }])
+        .unwrap();
+    let ids = t.encode(&prompt, true);
+    let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
+    let mut logits = m
+        .forward(
+            &mut kv,
+            &[SeqChunk {
+                seq: 1,
+                start_pos: 0,
+                tokens: &ids,
+                want_logits: true,
+            }],
+        )
+        .unwrap();
+    let mut out = Vec::new();
+    for _ in 0..24 {
+        let next = argmax(&logits);
+        if t.stop_tokens.contains(&next) {
+            break;
+        }
+        out.push(next);
+        let pos = ids.len() + out.len() - 1;
+        logits = m
+            .forward(
+                &mut kv,
+                &[SeqChunk {
+                    seq: 1,
+                    start_pos: pos,
+                    tokens: &[next],
+                    want_logits: true,
+                }],
+            )
+            .unwrap();
+    }
+    let reply = t.decode(&out, false);
+    eprintln!("reply: {reply:?}");
+    assert!(reply.contains("Paris"), "reply: {reply:?}");
+}
+
+/// A server from the model router on an ephemeral port, with its metrics registry.
+async fn serve() -> (std::net::SocketAddr, prometheus::Registry) {
+    let registry = prometheus::Registry::new();
+    let m = model_arc();
+    let kv = ContiguousKv::new(m.config.attn_geometry(), 65536);
+    let tok = Tokenizer::from_gguf(gguf()).unwrap();
+    let rt = ModelRuntime::start(
+        m,
+        Box::new(kv),
+        tok,
+        "SmolLM2-135M-Instruct".into(),
+        RuntimeConfig::default(),
+        &registry,
+    )
+    .unwrap();
+    let app = openai::router(Arc::new(rt));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (addr, registry)
+}
+
+/// One HTTP/1.1 request; returns (status, body).
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text[9..12].parse().unwrap();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn json_body(body: &str) -> serde_json::Value {
+    // Bodies may be chunked; the JSON object is the part between the outer braces.
+    let (s, e) = (body.find('{').unwrap(), body.rfind('}').unwrap());
+    serde_json::from_str(&body[s..=e]).unwrap()
+}
+
+fn metric(registry: &prometheus::Registry, name: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .find(|f| f.name() == name)
+        .map(|f| {
+            let m = &f.get_metric()[0];
+            if f.get_field_type() == prometheus::proto::MetricType::HISTOGRAM {
+                m.get_histogram().get_sample_count() as f64
+            } else if f.get_field_type() == prometheus::proto::MetricType::COUNTER {
+                m.get_counter().value()
+            } else {
+                m.get_gauge().value()
+            }
+        })
+        .unwrap_or(f64::NAN)
+}
+
+const CHAT_PARIS: &str = r#"{"model":"SmolLM2-135M-Instruct","temperature":0,"max_tokens":24,
+  "messages":[{"role":"user","content":"What is the capital of France?"}]}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_api_answers_batched_requests_with_usage_and_openai_errors() {
+    let (addr, registry) = serve().await;
+    let (st, body) = http(addr, "GET", "/v1/models", "").await;
+    assert_eq!(st, 200);
+    assert_eq!(json_body(&body)["data"][0]["id"], "SmolLM2-135M-Instruct");
+
+    // Four identical greedy requests batched together give the single-request answer.
+    let replies =
+        futures::future::join_all((0..4).map(|_| http(addr, "POST", "/v1/chat/completions", CHAT_PARIS)))
+            .await;
+    let mut texts = Vec::new();
+    for (st, body) in replies {
+        assert_eq!(st, 200, "{body}");
+        let v = json_body(&body);
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["usage"]["prompt_tokens"], 37);
+        let completion = v["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(completion > 2 && completion < 24);
+        texts.push(
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert!(texts[0].contains("Paris"), "{texts:?}");
+    assert!(texts.iter().all(|t| t == &texts[0]), "{texts:?}");
+    assert!(metric(&registry, "kvfleet_model_time_to_first_token_seconds") >= 4.0);
+    assert!(metric(&registry, "kvfleet_model_generation_tokens_total") >= 12.0);
+
+    // Completions with a stop string and max_tokens.
+    let (st, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"The capital of France is","max_tokens":5,"temperature":0}"#,
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let v = json_body(&body);
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(text.contains("Paris"), "{text:?}");
+    let stop_at = text.split("Paris").next().unwrap().to_string();
+    let (_, body) = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"The capital of France is","max_tokens":5,"temperature":0,"stop":["Paris"]}"#,
+    )
+    .await;
+    let v = json_body(&body);
+    assert_eq!(v["choices"][0]["text"], stop_at.as_str());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Errors in OpenAI's shape.
+    let (st, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"model":"gpt-4","messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await;
+    assert_eq!(st, 404);
+    let v = json_body(&body);
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    let (st, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"hi"}],"temperature":7}"#,
+    )
+    .await;
+    assert_eq!(st, 400);
+    assert_eq!(json_body(&body)["error"]["param"], "temperature");
+    let (st, body) = http(addr, "POST", "/v1/completions", "not json").await;
+    assert_eq!(st, 400);
+    assert!(json_body(&body)["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("invalid request body"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_the_stream() {
+    let (addr, registry) = serve().await;
+    let body = r#"{"prompt":"Once upon a time","max_tokens":400,"temperature":0.8,"seed":1,"stream":true}"#;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    while !got.contains("data: {") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "server closed early: {got}");
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(got.contains("text/event-stream"), "{got}");
+    drop(s);
+    // The sequence leaves the batch long before its 400 tokens.
+    let mut idle = false;
+    for _ in 0..300 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if metric(&registry, "kvfleet_model_requests_running") == 0.0 {
+            idle = true;
+            break;
+        }
+    }
+    assert!(idle, "request still running after the client left");
+    let generated = metric(&registry, "kvfleet_model_generation_tokens_total");
+    assert!(generated < 400.0, "generated {generated}");
+}
+
+fn python() -> (String, Option<PathBuf>) {
+    let py = std::env::var("KVFLEET_PYTHON").unwrap_or_else(|_| "python3".into());
+    let site = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/py");
+    (py, site.exists().then_some(site))
+}
+
+const OPENAI_CLIENT: &str = r#"
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused")
+print("models:", [m.id for m in client.models.list().data])
+stream = client.chat.completions.create(
+    model="SmolLM2-135M-Instruct",
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True})
+parts, finish, usage = [], None, None
+for chunk in stream:
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for c in chunk.choices:
+        if c.delta.content:
+            parts.append(c.delta.content)
+        if c.finish_reason:
+            finish = c.finish_reason
+print("chunks:", len(parts))
+print("finish:", finish)
+print("usage:", usage.prompt_tokens, usage.completion_tokens)
+print("reply:", "".join(parts))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_streams_a_chat_completion() {
+    let (py, site) = python();
+    let mut check = std::process::Command::new(&py);
+    check.args(["-c", "import openai"]);
+    if let Some(s) = &site {
+        check.env("PYTHONPATH", s);
+    }
+    let ok = check.status().map(|s| s.success()).unwrap_or(false);
+    assert!(
+        ok,
+        "the `openai` Python package is missing for {py}; install it with \
+         `python3 -m pip install --target .tools/py openai` (or run .ci/install-tools), \
+         or point KVFLEET_PYTHON at a Python that has it"
+    );
+    let (addr, _registry) = serve().await;
+    let mut cmd = tokio::process::Command::new(&py);
+    cmd.args(["-c", OPENAI_CLIENT, &format!("http://{addr}/v1")]);
+    if let Some(s) = &site {
+        cmd.env("PYTHONPATH", s);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(300), cmd.output())
+        .await
+        .expect("python client timed out")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "client failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("models: ['SmolLM2-135M-Instruct']"), "{stdout}");
+    assert!(stdout.contains("finish: stop"), "{stdout}");
+    assert!(stdout.contains("usage: 37 "), "{stdout}");
+    let reply = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("reply: "))
+        .unwrap_or("");
+    assert!(reply.contains("Paris"), "{stdout}");
+    let chunks: usize = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("chunks: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(chunks > 2, "streamed in {chunks} chunks");
 }

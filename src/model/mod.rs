@@ -2,4 +2,9 @@
 //! sampling, served through an OpenAI-compatible API (see `docs/model.md`).
 
 pub mod gguf;
+pub mod kv;
+pub mod llama;
+pub mod openai;
+pub mod runtime;
+pub mod sampling;
 pub mod tokenizer;

@@ -1,0 +1,645 @@
+//! The Llama-family forward pass on the CPU (Llama, Mistral, Qwen2, Qwen3 dense, SmolLM):
+//! embeddings, RMSNorm, RoPE, GQA attention through a [`KvAttention`], SwiGLU MLP, tied or
+//! separate LM head. Weights are f32 (dequantised at load); GEMMs run on `matrixmultiply`,
+//! split across rayon threads.
+//!
+//! GGUF tensor names and the rotary layout per architecture follow llama.cpp: `llama` files
+//! have Q/K rows permuted by the converter so RoPE rotates adjacent pairs (`LLAMA_ROPE_TYPE_NORM`),
+//! `qwen2`/`qwen3` rotate the two halves of a head (`LLAMA_ROPE_TYPE_NEOX`)
+//! (ggml-org/llama.cpp `src/llama-model.cpp`, `llama_model_rope_type`).
+
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+use super::gguf::{Gguf, GgufError};
+use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
+
+/// Errors of loading a model.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(
+        "architecture `{0}` is not supported; kvfleet runs llama, mistral, qwen2 and qwen3 (dense) models"
+    )]
+    Architecture(String),
+    #[error("RoPE scaling `{0}` is not supported (only none, linear, and llama3-style rope_freqs)")]
+    RopeScaling(String),
+    #[error("tensor `{name}` has {got} elements, expected {want} from the model's geometry")]
+    Shape { name: String, got: usize, want: usize },
+    #[error("invalid geometry: {0}")]
+    Geometry(String),
+}
+
+/// Errors of running the forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("token id {0} is outside the vocabulary")]
+    Token(u32),
+    #[error("position {pos} exceeds the model's context length {ctx}")]
+    Context { pos: usize, ctx: usize },
+}
+
+/// Geometry and hyper-parameters of a Llama-family model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub arch: String,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub context_len: usize,
+    pub rope_theta: f32,
+    /// Dimensions of each head that RoPE rotates (the leading ones).
+    pub rope_dims: usize,
+    /// Positions are divided by this (linear RoPE scaling); 1.0 for none.
+    pub rope_linear_scale: f32,
+    /// Rotate the two halves of a head (NeoX) instead of adjacent pairs.
+    pub rope_neox: bool,
+    pub rms_eps: f32,
+    /// Qwen2: biases on Q, K, V.
+    pub attn_bias: bool,
+    /// Qwen3: RMSNorm on each Q and K head.
+    pub qk_norm: bool,
+    pub tied_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// A Llama-shaped geometry (no biases, adjacent-pair RoPE, separate head), e.g. for dummy
+    /// weights.
+    pub fn llama(
+        n_layers: usize,
+        d_model: usize,
+        d_ff: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        vocab: usize,
+    ) -> Self {
+        let head_dim = d_model / n_heads.max(1);
+        LlamaConfig {
+            arch: "llama".into(),
+            n_layers,
+            d_model,
+            d_ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab,
+            context_len: 8192,
+            rope_theta: 500000.0,
+            rope_dims: head_dim,
+            rope_linear_scale: 1.0,
+            rope_neox: false,
+            rms_eps: 1e-5,
+            attn_bias: false,
+            qk_norm: false,
+            tied_embeddings: false,
+        }
+    }
+
+    /// Reads the geometry from GGUF metadata (`{arch}.block_count`, ...).
+    pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
+        let arch = g.get_str("general.architecture")?.to_string();
+        let (rope_neox, attn_bias, qk_norm) = match arch.as_str() {
+            "llama" | "mistral" => (false, false, false),
+            "qwen2" => (true, true, false),
+            "qwen3" => (true, false, true),
+            _ => return Err(LoadError::Architecture(arch)),
+        };
+        let u = |k: &str| g.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
+        let d_model = u("embedding_length")?;
+        let n_heads = u("attention.head_count")?;
+        let head_dim = u("attention.key_length").unwrap_or(d_model / n_heads.max(1));
+        let emb = g
+            .tensor_info("token_embd.weight")
+            .ok_or_else(|| GgufError::MissingTensor("token_embd.weight".into()))?;
+        let vocab = emb.dims.get(1).copied().unwrap_or(0) as usize;
+        let scaling = g.get_str(&format!("{arch}.rope.scaling.type")).unwrap_or("none");
+        let rope_linear_scale = match scaling {
+            "none" => 1.0,
+            "linear" => g.get_f64(&format!("{arch}.rope.scaling.factor")).unwrap_or(1.0) as f32,
+            other => return Err(LoadError::RopeScaling(other.into())),
+        };
+        let cfg = LlamaConfig {
+            n_layers: u("block_count")?,
+            d_model,
+            d_ff: u("feed_forward_length")?,
+            n_heads,
+            n_kv_heads: u("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim,
+            vocab,
+            context_len: u("context_length").unwrap_or(4096),
+            rope_theta: g.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10000.0) as f32,
+            rope_dims: u("rope.dimension_count").unwrap_or(head_dim),
+            rope_linear_scale,
+            rope_neox,
+            rms_eps: g
+                .get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5) as f32,
+            attn_bias,
+            qk_norm,
+            tied_embeddings: g.tensor_info("output.weight").is_none(),
+            arch,
+        };
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    fn check(&self) -> Result<(), LoadError> {
+        let bad = |m: String| Err(LoadError::Geometry(m));
+        if self.n_layers == 0 || self.d_model == 0 || self.vocab == 0 || self.head_dim == 0 {
+            return bad(format!("empty dimension in {self:?}"));
+        }
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} query heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
+            return bad(format!(
+                "RoPE dimensions {} must be even and at most head_dim {}",
+                self.rope_dims, self.head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn attn_geometry(&self) -> AttnGeometry {
+        AttnGeometry {
+            n_layers: self.n_layers,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Parameter count (embeddings counted once when tied).
+    pub fn parameters(&self) -> usize {
+        let (d, hd) = (self.d_model, self.head_dim);
+        let attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2;
+        let layer = attn + 3 * d * self.d_ff + 2 * d;
+        let head = if self.tied_embeddings { 0 } else { self.vocab * d };
+        self.n_layers * layer + self.vocab * d + head + d
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Vec<f32>,
+    wk: Vec<f32>,
+    wv: Vec<f32>,
+    wo: Vec<f32>,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    w_gate: Vec<f32>,
+    w_up: Vec<f32>,
+    w_down: Vec<f32>,
+}
+
+/// A loaded Llama-family model (f32 weights, matrices `[out, in]` row-major).
+pub struct Llama {
+    pub config: LlamaConfig,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    out_norm: Vec<f32>,
+    lm_head: Option<Vec<f32>>,
+    /// Per rotated pair: the inverse frequency, already divided by any rope_freqs factor.
+    inv_freq: Vec<f32>,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama").field("config", &self.config).finish()
+    }
+}
+
+/// One sequence's new tokens in a forward batch.
+#[derive(Debug, Clone)]
+pub struct SeqChunk<'a> {
+    pub seq: SeqId,
+    /// Position of `tokens[0]`; equals the tokens the KV cache already holds for `seq`.
+    pub start_pos: usize,
+    pub tokens: &'a [u32],
+    /// Return the logits of the chunk's last token.
+    pub want_logits: bool,
+}
+
+impl Llama {
+    /// Loads and dequantises every tensor of a GGUF model.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
+        let cfg = LlamaConfig::from_gguf(g)?;
+        let load = |name: &str, want: usize| -> Result<Vec<f32>, LoadError> {
+            let w = g.dequantize(name)?;
+            if w.len() != want {
+                return Err(LoadError::Shape {
+                    name: name.into(),
+                    got: w.len(),
+                    want,
+                });
+            }
+            Ok(w)
+        };
+        let opt = |name: &str, want: usize| -> Result<Option<Vec<f32>>, LoadError> {
+            match g.tensor_info(name) {
+                Some(_) => load(name, want).map(Some),
+                None => Ok(None),
+            }
+        };
+        let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.d_ff);
+        let (qw, kw) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            layers.push(Layer {
+                attn_norm: load(&n("attn_norm.weight"), d)?,
+                wq: load(&n("attn_q.weight"), qw * d)?,
+                wk: load(&n("attn_k.weight"), kw * d)?,
+                wv: load(&n("attn_v.weight"), kw * d)?,
+                wo: load(&n("attn_output.weight"), d * qw)?,
+                bq: opt(&n("attn_q.bias"), qw)?,
+                bk: opt(&n("attn_k.bias"), kw)?,
+                bv: opt(&n("attn_v.bias"), kw)?,
+                q_norm: opt(&n("attn_q_norm.weight"), hd)?,
+                k_norm: opt(&n("attn_k_norm.weight"), hd)?,
+                ffn_norm: load(&n("ffn_norm.weight"), d)?,
+                w_gate: load(&n("ffn_gate.weight"), ff * d)?,
+                w_up: load(&n("ffn_up.weight"), ff * d)?,
+                w_down: load(&n("ffn_down.weight"), d * ff)?,
+            });
+        }
+        let freq_factors = opt("rope_freqs.weight", cfg.rope_dims / 2)?;
+        Ok(Llama {
+            embed: load("token_embd.weight", cfg.vocab * d)?,
+            out_norm: load("output_norm.weight", d)?,
+            lm_head: opt("output.weight", cfg.vocab * d)?,
+            inv_freq: inv_freq(&cfg, freq_factors.as_deref()),
+            layers,
+            config: cfg,
+        })
+    }
+
+    /// Random weights of any geometry (vLLM's `--load-format dummy`): for capacity and
+    /// throughput measurements, not for text.
+    pub fn dummy(cfg: LlamaConfig, seed: u64) -> Result<Self, LoadError> {
+        cfg.check()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.d_ff);
+        let (qw, kw) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mut rand_mat = |rows: usize, cols: usize| -> Vec<f32> {
+            let a = 1.0 / (cols as f32).sqrt();
+            (0..rows * cols).map(|_| rng.random_range(-a..a)).collect()
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for _ in 0..cfg.n_layers {
+            layers.push(Layer {
+                attn_norm: vec![1.0; d],
+                wq: rand_mat(qw, d),
+                wk: rand_mat(kw, d),
+                wv: rand_mat(kw, d),
+                wo: rand_mat(d, qw),
+                bq: cfg.attn_bias.then(|| vec![0.0; qw]),
+                bk: cfg.attn_bias.then(|| vec![0.0; kw]),
+                bv: cfg.attn_bias.then(|| vec![0.0; kw]),
+                q_norm: cfg.qk_norm.then(|| vec![1.0; hd]),
+                k_norm: cfg.qk_norm.then(|| vec![1.0; hd]),
+                ffn_norm: vec![1.0; d],
+                w_gate: rand_mat(ff, d),
+                w_up: rand_mat(ff, d),
+                w_down: rand_mat(d, ff),
+            });
+        }
+        let embed = rand_mat(cfg.vocab, d);
+        let lm_head = (!cfg.tied_embeddings).then(|| rand_mat(cfg.vocab, d));
+        Ok(Llama {
+            embed,
+            layers,
+            out_norm: vec![1.0; d],
+            lm_head,
+            inv_freq: inv_freq(&cfg, None),
+            config: cfg,
+        })
+    }
+
+    /// Runs the new tokens of every chunk through the model, storing their K/V in `kv`, and
+    /// returns `[chunks wanting logits, vocab]` logits in chunk order.
+    pub fn forward(
+        &self,
+        kv: &mut dyn KvAttention,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let (d, hd, ff) = (c.d_model, c.head_dim, c.d_ff);
+        let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let mut positions = Vec::with_capacity(t);
+        let mut x = vec![0f32; t * d];
+        let mut row = 0;
+        for s in batch {
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= c.vocab {
+                    return Err(ForwardError::Token(tok));
+                }
+                let pos = s.start_pos + i;
+                if pos >= c.context_len {
+                    return Err(ForwardError::Context {
+                        pos,
+                        ctx: c.context_len,
+                    });
+                }
+                positions.push(pos);
+                x[row * d..(row + 1) * d]
+                    .copy_from_slice(&self.embed[tok as usize * d..(tok as usize + 1) * d]);
+                row += 1;
+            }
+        }
+        let seqs: Vec<AttnSeq> = batch
+            .iter()
+            .map(|s| AttnSeq {
+                seq: s.seq,
+                start_pos: s.start_pos,
+                len: s.tokens.len(),
+            })
+            .collect();
+        let mut h = vec![0f32; t * d];
+        let mut q = vec![0f32; t * qw];
+        let mut k = vec![0f32; t * kw];
+        let mut v = vec![0f32; t * kw];
+        let mut attn = vec![0f32; t * qw];
+        let mut proj = vec![0f32; t * d];
+        let mut gate = vec![0f32; t * ff];
+        let mut up = vec![0f32; t * ff];
+        for (li, l) in self.layers.iter().enumerate() {
+            rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
+            matmul_t(&h, t, d, &l.wq, qw, &mut q);
+            matmul_t(&h, t, d, &l.wk, kw, &mut k);
+            matmul_t(&h, t, d, &l.wv, kw, &mut v);
+            for (buf, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
+                if let Some(b) = b {
+                    buf.par_chunks_mut(b.len())
+                        .for_each(|r| r.iter_mut().zip(b).for_each(|(x, b)| *x += b));
+                }
+            }
+            if let Some(n) = &l.q_norm {
+                let src = q.clone();
+                rms_norm(&src, n, c.rms_eps, &mut q);
+            }
+            if let Some(n) = &l.k_norm {
+                let src = k.clone();
+                rms_norm(&src, n, c.rms_eps, &mut k);
+            }
+            self.rope(&mut q, &positions, c.n_heads);
+            self.rope(&mut k, &positions, c.n_kv_heads);
+            kv.attend(li, &seqs, &q, &k, &v, &mut attn)?;
+            matmul_t(&attn, t, qw, &l.wo, d, &mut proj);
+            add_in_place(&mut x, &proj);
+            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
+            matmul_t(&h, t, d, &l.w_gate, ff, &mut gate);
+            matmul_t(&h, t, d, &l.w_up, ff, &mut up);
+            gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            });
+            matmul_t(&gate, t, ff, &l.w_down, d, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+        // Only the last row of chunks that want logits goes through the LM head.
+        let mut last = Vec::new();
+        let mut row = 0;
+        for s in batch {
+            row += s.tokens.len();
+            if s.want_logits && !s.tokens.is_empty() {
+                last.extend_from_slice(&x[(row - 1) * d..row * d]);
+            }
+        }
+        let n = last.len() / d;
+        let mut normed = vec![0f32; n * d];
+        rms_norm(&last, &self.out_norm, c.rms_eps, &mut normed);
+        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; n * c.vocab];
+        matmul_t(&normed, n, d, head, c.vocab, &mut logits);
+        Ok(logits)
+    }
+
+    fn rope(&self, x: &mut [f32], positions: &[usize], heads: usize) {
+        let hd = self.config.head_dim;
+        let half = self.config.rope_dims / 2;
+        let scale = self.config.rope_linear_scale;
+        let neox = self.config.rope_neox;
+        x.par_chunks_mut(heads * hd)
+            .zip(positions.par_iter())
+            .for_each(|(row, &pos)| {
+                let p = pos as f32 / scale;
+                for head in row.chunks_mut(hd) {
+                    for (i, f) in self.inv_freq.iter().enumerate() {
+                        let (sin, cos) = (p * f).sin_cos();
+                        let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * cos - x1 * sin;
+                        head[b] = x0 * sin + x1 * cos;
+                    }
+                }
+            });
+    }
+}
+
+fn inv_freq(cfg: &LlamaConfig, factors: Option<&[f32]>) -> Vec<f32> {
+    let half = cfg.rope_dims / 2;
+    (0..half)
+        .map(|i| {
+            let f = cfg.rope_theta.powf(-2.0 * i as f32 / cfg.rope_dims as f32);
+            f / factors.and_then(|fs| fs.get(i)).copied().unwrap_or(1.0)
+        })
+        .collect()
+}
+
+/// RMSNorm of each row of `x` (row length `w.len()`), scaled by `w`.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    out.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(o, r)| {
+        let ms = r.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(r).zip(w) {
+            *o = v * inv * w;
+        }
+    });
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    x.par_iter_mut().zip(y.par_iter()).for_each(|(a, b)| *a += b);
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: each rayon task writes a disjoint column range of the output through this pointer.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    // A method call makes closures capture the whole (Send) wrapper, not the raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `out[t, n] = x[t, k] · w[n, k]ᵀ`, split over column blocks of `n` across rayon threads.
+pub fn matmul_t(x: &[f32], t: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    assert!(x.len() >= t * k && w.len() >= n * k && out.len() >= t * n);
+    if t == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    // Column blocks of at least 64 keep each task a real GEMM; a few per thread balance load.
+    let block = n.div_ceil(threads * 4).max(64).min(n);
+    let blocks = n.div_ceil(block);
+    let optr = SendPtr(out.as_mut_ptr());
+    (0..blocks).into_par_iter().for_each(|b| {
+        let n0 = b * block;
+        let nb = block.min(n - n0);
+        // SAFETY: x is t×k row-major, w rows n0..n0+nb are in bounds (asserted above); the
+        // output block is columns n0..n0+nb of a t×n row-major matrix, disjoint per task.
+        unsafe {
+            matrixmultiply::sgemm(
+                t,
+                k,
+                nb,
+                1.0,
+                x.as_ptr(),
+                k as isize,
+                1,
+                w.as_ptr().add(n0 * k),
+                1,
+                k as isize,
+                0.0,
+                optr.get().add(n0),
+                n as isize,
+                1,
+            );
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::kv::{ContiguousKv, KvAttention};
+
+    #[test]
+    fn matmul_t_matches_naive_on_odd_shapes() {
+        let (t, k, n) = (3, 5, 131);
+        let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut out = vec![0.0; t * n];
+        matmul_t(&x, t, k, &w, n, &mut out);
+        for i in 0..t {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum();
+                assert!((out[i * n + j] - want).abs() < 1e-4);
+            }
+        }
+    }
+
+    fn tiny() -> Llama {
+        let mut cfg = LlamaConfig::llama(2, 32, 64, 4, 2, 50);
+        cfg.context_len = 64;
+        Llama::dummy(cfg, 7).unwrap()
+    }
+
+    #[test]
+    fn incremental_decode_matches_full_prefill_logits() {
+        let m = tiny();
+        let toks = [3u32, 14, 15, 9, 26, 5];
+        let geo = m.config.attn_geometry();
+        let mut kv = ContiguousKv::new(geo, 1000);
+        let full = m
+            .forward(
+                &mut kv,
+                &[SeqChunk {
+                    seq: 1,
+                    start_pos: 0,
+                    tokens: &toks,
+                    want_logits: true,
+                }],
+            )
+            .unwrap();
+        let mut kv2 = ContiguousKv::new(geo, 1000);
+        let mut last = Vec::new();
+        // Chunk of 4, then two single tokens, batched together with an unrelated sequence.
+        let plan: [&[u32]; 3] = [&toks[..4], &toks[4..5], &toks[5..]];
+        let mut pos = 0;
+        for p in plan {
+            let other = [7u32];
+            let other_pos = kv2.cached_len(2);
+            last = m
+                .forward(
+                    &mut kv2,
+                    &[
+                        SeqChunk {
+                            seq: 2,
+                            start_pos: other_pos,
+                            tokens: &other,
+                            want_logits: true,
+                        },
+                        SeqChunk {
+                            seq: 1,
+                            start_pos: pos,
+                            tokens: p,
+                            want_logits: true,
+                        },
+                    ],
+                )
+                .unwrap();
+            pos += p.len();
+        }
+        let v = m.config.vocab;
+        for (a, b) in full.iter().zip(&last[v..]) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn neox_and_pair_rope_rotate_different_dimensions() {
+        let mut m = tiny();
+        let mut a = vec![1.0f32; 8];
+        let mut b = a.clone();
+        m.config.head_dim = 8;
+        m.config.rope_dims = 8;
+        m.inv_freq = inv_freq(&m.config, None);
+        m.rope(&mut a, &[3], 1);
+        m.config.rope_neox = true;
+        m.rope(&mut b, &[3], 1);
+        assert_ne!(a, b);
+        // Rotations keep each rotated pair's norm.
+        let n = |x: &[f32], i: usize, j: usize| x[i] * x[i] + x[j] * x[j];
+        assert!((n(&a, 0, 1) - 2.0).abs() < 1e-5);
+        assert!((n(&b, 0, 4) - 2.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn bad_geometry_and_token_are_errors() {
+        let cfg = LlamaConfig::llama(1, 32, 64, 4, 3, 10);
+        assert!(matches!(Llama::dummy(cfg, 0), Err(LoadError::Geometry(_))));
+        let m = tiny();
+        let mut kv = ContiguousKv::new(m.config.attn_geometry(), 10);
+        let e = m
+            .forward(
+                &mut kv,
+                &[SeqChunk {
+                    seq: 1,
+                    start_pos: 0,
+                    tokens: &[999],
+                    want_logits: true,
+                }],
+            )
+            .unwrap_err();
+        assert!(matches!(e, ForwardError::Token(999)));
+    }
+}
