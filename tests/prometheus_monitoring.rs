@@ -542,7 +542,7 @@ fn prom_query(port: u16, expr: &str) -> Result<Vec<Value>, String> {
 /// Prometheus's HTTP API: a query must not error, and a query over worker metrics only must
 /// return series.
 #[test]
-#[ignore = "needs `kvfleet worker` (issue 7) on this branch; run with --ignored once it has landed"]
+#[ignore = "needs the `kvfleet worker` process (issue 7, branch engine) merged into this branch; passes against engine 3000b93"]
 fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     let prometheus_bin = prometheus();
     let scratch = std::env::temp_dir().join(format!("kvfleet-prometheus-test-{}", std::process::id()));
@@ -555,7 +555,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         Command::new(env!("CARGO_BIN_EXE_kvfleet"))
             .args(["worker", "--listen", &format!("127.0.0.1:{worker_port}")])
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(std::fs::File::create(scratch.join("worker.log")).expect("worker.log"))
             .spawn()
             .expect("cannot start kvfleet worker"),
         "kvfleet worker",
@@ -651,6 +651,16 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
             failures.push(format!("variable {label}: {expected} not found"));
         }
     }
+    // The load reached the engine: tokens were computed.
+    let tokens = prom_query(prom_port, "max(kvfleet_tokens_total)").unwrap_or_default();
+    let computed = tokens
+        .first()
+        .and_then(|s| s["value"][1].as_str())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    if computed <= 0.0 {
+        failures.push("kvfleet_tokens_total stayed 0 after POST /v1/load".to_owned());
+    }
     // The recording rules ran on the scraped data.
     for record in [
         "inferencedeployment:kvfleet_kv_cache_capacity_tokens:sum",
@@ -665,6 +675,10 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     }
     drop(prom);
     drop(worker);
+    if !failures.is_empty() {
+        let log = std::fs::read_to_string(scratch.join("worker.log")).unwrap_or_default();
+        failures.push(format!("worker log:\n{log}"));
+    }
     let _ = std::fs::remove_dir_all(&scratch);
     assert!(worker_queries >= 20, "only {worker_queries} worker queries found");
     assert!(
