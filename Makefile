@@ -33,9 +33,10 @@ clippy:
 unit:
 	source $(TOOLS_ENV) && $(CARGO) test --locked
 
-## crds: regenerate crds/ from src/api
+## crds: regenerate crds/ from src/api and sync the chart's copies
 crds:
 	$(CARGO) run --quiet -- crd > $(CRD)
+	charts/kvfleet/hack/sync-files.sh
 
 ## crd-check: fail when crds/ differs from what src/api generates
 crd-check:

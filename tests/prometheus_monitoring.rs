@@ -542,7 +542,6 @@ fn prom_query(port: u16, expr: &str) -> Result<Vec<Value>, String> {
 /// Prometheus's HTTP API: a query must not error, and a query over worker metrics only must
 /// return series.
 #[test]
-#[ignore = "needs the `kvfleet worker` process (issue 7, branch engine) merged into this branch; passes against engine 3000b93"]
 fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     let prometheus_bin = prometheus();
     let scratch = std::env::temp_dir().join(format!("kvfleet-prometheus-test-{}", std::process::id()));
