@@ -152,8 +152,21 @@ fn worker_serves_a_load_and_its_gauges_match_the_planner_and_the_load() {
         },
     )
     .unwrap();
-    assert_eq!(predicted.pools.groups[0].num_blocks, 230);
-    assert_eq!(predicted.pools.capacity_tokens, 3680);
+    let planner = kvfleet::plan::pool_layout(
+        &kvfleet::plan::Geometry::from_spec(&cfg.geometry).unwrap(),
+        &kvfleet::plan::EngineParams {
+            tp: 1,
+            dtype: kvfleet::compat::KvCacheDtype::Bfloat16,
+            block_size: 16,
+            max_model_len: 512,
+            max_num_batched_tokens: 64,
+        },
+        (1048576.0f64 * 0.9).floor() as u64,
+    )
+    .unwrap();
+    assert_eq!(planner.groups[0].num_blocks, 230);
+    assert_eq!(planner.capacity_tokens, 3680);
+    assert_eq!(predicted.pools.capacity_tokens, planner.capacity_tokens);
     let (status, m) = http(w.port, "GET", "/metrics", "");
     assert_eq!(status, 200);
     assert_eq!(sample(&m, "kvfleet_kv_cache_capacity_tokens"), 3680.0);
