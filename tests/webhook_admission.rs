@@ -295,7 +295,6 @@ fn seed(fixture_name: &str, nodes: &[Node]) -> Value {
 }
 
 #[test]
-#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
 fn nvfp4_kv_on_rtx_pro_6000_blackwell_is_denied_with_an_fp8_hint() {
     let json = seed(
         "create-nvfp4-vllm.json",
@@ -304,6 +303,7 @@ fn nvfp4_kv_on_rtx_pro_6000_blackwell_is_denied_with_an_fp8_hint() {
     assert_eq!(json["response"]["allowed"], false, "{json}");
     assert_eq!(json["response"]["status"]["code"], 422);
     let message = json["response"]["status"]["message"].as_str().unwrap();
+    println!("denied the request: {message}");
     assert!(message.contains("spec.engine.kvCacheDtype"), "{message}");
     assert!(
         message.contains("nvfp4") && message.contains("12.0") && message.contains("fp8"),
@@ -312,14 +312,12 @@ fn nvfp4_kv_on_rtx_pro_6000_blackwell_is_denied_with_an_fp8_hint() {
 }
 
 #[test]
-#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
 fn nvfp4_kv_on_b200_is_admitted() {
     let json = seed("create-nvfp4-vllm.json", &[gpu_node("b200-0", B200, 10, 0, 8)]);
     assert_eq!(json["response"]["allowed"], true, "{json}");
 }
 
 #[test]
-#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
 fn fp8_e4m3_vllm_on_rtx_3090_is_denied_with_an_e5m2_hint() {
     let json = seed(
         "create-fp8e4m3-vllm.json",
@@ -334,7 +332,6 @@ fn fp8_e4m3_vllm_on_rtx_3090_is_denied_with_an_e5m2_hint() {
 }
 
 #[test]
-#[ignore = "needs the compatibility rules of issue 3 (validate::validate is a placeholder until branch compat is merged)"]
 fn an_update_to_nvfp4_on_rtx_pro_6000_is_denied_and_the_dry_run_too() {
     let nodes = [gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)];
     assert_eq!(
