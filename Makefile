@@ -11,7 +11,7 @@ TOOLS_ENV := .tools/env
 ## run: build and run kvfleet on its embedded default
 run:
 	$(CARGO) build --release
-	./target/release/kvfleet check -f deploy/examples/llama-3.1-8b-h100.yaml --gpu NVIDIA-H100-80GB-HBM3
+	./target/release/kvfleet worker --listen 0.0.0.0:8000
 
 ## test: everything CI checks (installs the external tools first)
 test: tools fmt-check clippy crd-check unit
