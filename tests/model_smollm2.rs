@@ -484,3 +484,42 @@ async fn openai_python_client_streams_a_chat_completion() {
         .unwrap();
     assert!(chunks > 2, "streamed in {chunks} chunks");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_mount_serves_the_gguf_named_by_model_args() {
+    use kvfleet::model::serve::{mount, ModelArgs};
+    let args = |model: PathBuf| ModelArgs {
+        model: Some(model),
+        served_model_name: Some("smol".into()),
+        max_num_seqs: 4,
+        max_num_batched_tokens: 256,
+        kv_capacity_tokens: 4096,
+    };
+    let registry = prometheus::Registry::new();
+    let e = mount(
+        axum::Router::new(),
+        &args("/nonexistent/m.gguf".into()),
+        &registry,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("/nonexistent/m.gguf"), "{e}");
+    let app = tokio::task::spawn_blocking(move || mount(axum::Router::new(), &args(gguf_path()), &registry))
+        .await
+        .unwrap()
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let (st, body) = http(addr, "GET", "/v1/models", "").await;
+    assert_eq!(st, 200);
+    assert_eq!(json_body(&body)["data"][0]["id"], "smol");
+    let (st, body) = http(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"model":"smol","temperature":0,"max_tokens":3,"messages":[{"role":"user","content":"Hi"}]}"#,
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    assert!(json_body(&body)["usage"]["completion_tokens"].as_u64().unwrap() <= 3);
+}

@@ -477,6 +477,23 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.par_iter_mut().zip(y.par_iter()).for_each(|(a, b)| *a += b);
 }
 
+/// Batches up to this many rows take the GEMV path of [`matmul_t`].
+const SMALL_BATCH: usize = 4;
+
+/// Dot product with eight independent accumulators, so the compiler vectorises it.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 // SAFETY: each rayon task writes a disjoint column range of the output through this pointer.
@@ -494,6 +511,26 @@ impl SendPtr {
 pub fn matmul_t(x: &[f32], t: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
     assert!(x.len() >= t * k && w.len() >= n * k && out.len() >= t * n);
     if t == 0 || n == 0 {
+        return;
+    }
+    if t <= SMALL_BATCH {
+        // Decode-sized batches are bandwidth-bound: read each weight row once, no packing.
+        let rows: Vec<&[f32]> = (0..t).map(|i| &x[i * k..(i + 1) * k]).collect();
+        let mut cols = vec![0f32; n * t];
+        cols.par_chunks_mut(t * 16)
+            .zip(w[..n * k].par_chunks(k * 16))
+            .for_each(|(o, wb)| {
+                for (oj, wj) in o.chunks_mut(t).zip(wb.chunks(k)) {
+                    for (oi, xi) in oj.iter_mut().zip(&rows) {
+                        *oi = dot(xi, wj);
+                    }
+                }
+            });
+        for j in 0..n {
+            for i in 0..t {
+                out[i * n + j] = cols[j * t + i];
+            }
+        }
         return;
     }
     let threads = rayon::current_num_threads().max(1);
@@ -534,7 +571,12 @@ mod tests {
 
     #[test]
     fn matmul_t_matches_naive_on_odd_shapes() {
-        let (t, k, n) = (3, 5, 131);
+        for (t, k, n) in [(3, 5, 131), (1, 37, 70), (9, 21, 200)] {
+            matmul_case(t, k, n);
+        }
+    }
+
+    fn matmul_case(t: usize, k: usize, n: usize) {
         let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
         let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
         let mut out = vec![0.0; t * n];

@@ -7,4 +7,5 @@ pub mod llama;
 pub mod openai;
 pub mod runtime;
 pub mod sampling;
+pub mod serve;
 pub mod tokenizer;
