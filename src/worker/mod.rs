@@ -1,5 +1,7 @@
 //! `kvfleet worker` (not yet available).
 
+pub mod cuda;
+
 use std::process::ExitCode;
 
 /// Options of `kvfleet worker`.
