@@ -15,6 +15,7 @@ use std::time::Duration;
 use crate::compat::{AttentionBackend, KvCacheDtype};
 
 pub mod config;
+pub mod cuda;
 pub mod engine;
 pub mod http;
 pub mod metrics;

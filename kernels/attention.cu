@@ -1,0 +1,691 @@
+// kvfleet batched paged attention: decode (split-KV, whole GQA group per CTA), prefill and
+// mixed batches on tensor cores (mma.sync m16n8k16, sm_80+), a merge of split partials and
+// a KV append that quantizes on write.
+//
+// This file is never compiled alone: src/worker/cuda/spec.rs generates a prelude of
+// constexprs (KV_DTYPE, HEAD_DIM, PAGE_SIZE, GROUP, CAUSAL, SLIDING, tile sizes) that is
+// prepended before NVRTC compiles it, one program per specialisation.
+//
+// Layout contract (src/worker/engine documents the same):
+//   K and V pools per layer: [num_blocks, kv_heads, PAGE_SIZE, HEAD_DIM] (HND in a page).
+//   fp8: one f32 scale per (layer, K or V), x = q * scale.
+//   nvfp4: e2m1 packed two per byte (low nibble = even index) [.., HEAD_DIM / 2],
+//          e4m3 block scales [.., HEAD_DIM / 16], one f32 global scale; x = e2m1 * bs * gs.
+//   Batch in CSR: qo_indptr[B+1] into Q/O [total_q, q_heads, HEAD_DIM] (bf16),
+//   kv_indptr[B+1] into kv_indices (page ids), kv_last_page_len[B], kv_first_pos[B].
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+constexpr int DT_BF16 = 0;
+constexpr int DT_F16 = 1;
+constexpr int DT_E4M3 = 2;
+constexpr int DT_E5M2 = 3;
+constexpr int DT_NVFP4 = 4;
+
+constexpr int NTHREADS = 128;
+constexpr int D = HEAD_DIM;
+constexpr bool KV16 = (KV_DTYPE == DT_BF16 || KV_DTYPE == DT_F16);
+// Tensor-core operand type: bf16 only when the cache is bf16; fp8/nvfp4 dequantize exactly to f16.
+constexpr bool MMA_BF16 = (KV_DTYPE == DT_BF16);
+// Smem row stride of 16-bit K/V tiles, in elements: +8 keeps ldmatrix rows on distinct banks.
+constexpr int LDS = D + 8;
+// Bytes of one key's row in the cache, and of its nvfp4 block scales.
+constexpr int ROW_BYTES = KV16 ? D * 2 : (KV_DTYPE == DT_NVFP4 ? D / 2 : D);
+constexpr int SCALE_BYTES = (KV_DTYPE == DT_NVFP4) ? D / 16 : 0;
+constexpr int TILE16_BYTES = TILE_KEYS * LDS * 2;
+constexpr int RAW_BYTES = TILE_KEYS * (ROW_BYTES + SCALE_BYTES);
+constexpr int STAGE_BYTES = KV16 ? 2 * TILE16_BYTES : 2 * RAW_BYTES;
+constexpr int CONVERTED_BYTES = KV16 ? 0 : 2 * TILE16_BYTES;
+constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + CONVERTED_BYTES;
+// After the key loop each warp dumps (m, l, O) for its 16 rows; this aliases the pipeline.
+constexpr int DUMP_LD = D + 4;
+constexpr int DUMP_BYTES = 4 * 16 * DUMP_LD * 4 + 2 * 4 * 16 * 4;
+constexpr int SMEM_BYTES = PIPE_BYTES > DUMP_BYTES ? PIPE_BYTES : DUMP_BYTES;
+static_assert(SMEM_BYTES == SMEM_BYTES_HOST, "host and device disagree on shared memory size");
+static_assert(D % 32 == 0 && TILE_KEYS % 16 == 0, "tile shape");
+static_assert(4 % DECODE_WARPS_KV == 0 && TILE_KEYS / DECODE_WARPS_KV >= 16, "decode warp split");
+
+struct WorkItem {
+  int request;    // index into the CSR arrays
+  int row_base;   // first packed row (token * GROUP + head-in-group) of this CTA
+  int key_begin;  // first held key (index into the request's pages) of this split
+  int key_end;    // one past the last held key of this split
+  int slot;       // partial slot (split-KV) or -1 when this CTA writes O directly
+  int pad0, pad1, pad2;
+};
+
+struct MergeJob {
+  int request;
+  int slot_begin;
+  int slot_count;
+  int pad;
+};
+
+struct Csr {
+  const int* qo_indptr;
+  const int* kv_indptr;
+  const int* kv_indices;
+  const int* kv_last_page_len;
+  const int* kv_first_pos;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX helpers
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_small(u32 dst, const void* src, bool valid) {
+  int n = valid ? N : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+  if constexpr (MMA_BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two f32 into one operand register of the MMA type (low half = first).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  if constexpr (MMA_BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+  }
+}
+
+// A pair of bf16 from Q (global) as an operand register of the MMA type.
+__device__ __forceinline__ u32 q_pair(u32 bits) {
+  if constexpr (MMA_BF16) {
+    return bits;
+  } else {
+    __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&bits);
+    float2 f = __bfloat1622float2(b);
+    return pack2(f.x, f.y);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization to f16 pairs (exact: every e4m3, e5m2 and e2m1 * e4m3 value is an f16)
+
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(unsigned short v) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
+  return static_cast<u32>(h.x) | (static_cast<u32>(h.y) << 16);
+}
+
+// Four e4m3 in a word into two f16x2 words.
+__device__ __forceinline__ void e4m3x4_to_f16(u32 w, u32& lo, u32& hi) {
+  lo = e4m3x2_to_f16x2(static_cast<unsigned short>(w & 0xffff));
+  hi = e4m3x2_to_f16x2(static_cast<unsigned short>(w >> 16));
+}
+
+// e5m2 is the upper byte of an f16.
+__device__ __forceinline__ void e5m2x4_to_f16(u32 w, u32& lo, u32& hi) {
+  lo = __byte_perm(w, 0u, 0x1404);
+  hi = __byte_perm(w, 0u, 0x3424);
+}
+
+// Eight e2m1 nibbles (one word, low nibble first) into four f16x2 words. Every e2m1 value is an
+// f16 whose low byte is zero, so a byte permute through an 8-entry table of high bytes does the
+// magnitudes of four nibbles at once and a second permute ORs in their signs.
+__device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* out) {
+  constexpr u32 LUT_LO = 0x3E3C3800u;  // 0, 0.5, 1, 1.5
+  constexpr u32 LUT_HI = 0x46444240u;  // 2, 3, 4, 6
+  const u32 mag = w & 0x77777777u;
+  const u32 sgn = (w >> 3) & 0x11111111u;
+  const u32 hb_lo = __byte_perm(LUT_LO, LUT_HI, mag) | __byte_perm(0x8000u, 0u, sgn);
+  const u32 hb_hi = __byte_perm(LUT_LO, LUT_HI, mag >> 16) | __byte_perm(0x8000u, 0u, sgn >> 16);
+  out[0] = __byte_perm(hb_lo, 0u, 0x1404);
+  out[1] = __byte_perm(hb_lo, 0u, 0x3424);
+  out[2] = __byte_perm(hb_hi, 0u, 0x1404);
+  out[3] = __byte_perm(hb_hi, 0u, 0x3424);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attention CTA. WQ warps along query rows, WK warps along keys (split-KV inside the CTA).
+
+template <int WQ, int WK>
+__device__ __forceinline__ void attention_cta(
+    const WorkItem& it, const int kvh, const int kv_heads, char* smem, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const Csr& csr,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  constexpr int ROWS = WQ * 16;
+  constexpr int NKW = TILE_KEYS / WK;  // keys per warp per tile
+  constexpr int NT = NKW / 8;          // S n-tiles per warp
+  constexpr int KS = D / 16;           // k-steps of Q K^T
+  constexpr int DT = D / 8;            // O n-tiles
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int wq = warp / WK, wk = warp % WK;
+  const int q_heads = kv_heads * GROUP;
+
+  const int r = it.request;
+  const int qo0 = csr.qo_indptr[r];
+  const int q_len = csr.qo_indptr[r + 1] - qo0;
+  const int pg0 = csr.kv_indptr[r];
+  const int npages = csr.kv_indptr[r + 1] - pg0;
+  const int n_keys = npages > 0 ? (npages - 1) * PAGE_SIZE + csr.kv_last_page_len[r] : 0;
+  const int first_pos = csr.kv_first_pos[r];
+  const int q_pos0 = first_pos + n_keys - q_len;  // absolute position of query token 0
+  const int rows_total = q_len * GROUP;
+  const int row0 = it.row_base;
+  const int nrows = min(ROWS, rows_total - row0);
+
+  int kb = it.key_begin;
+  int ke = min(it.key_end, n_keys);
+  if constexpr (CAUSAL) ke = min(ke, q_pos0 + (row0 + nrows - 1) / GROUP - first_pos + 1);
+  if constexpr (SLIDING) kb = max(kb, q_pos0 + row0 / GROUP - window + 1 - first_pos);
+
+  // Q fragments straight from global memory into registers (A operand, row-major).
+  u32 qf[KS][4];
+  const int my_rows[2] = {wq * 16 + (lane >> 2), wq * 16 + (lane >> 2) + 8};
+  {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = row0 + my_rows[h];
+      const bool valid = my_rows[h] < nrows;
+      const int tok = rr / GROUP, g = rr % GROUP;
+      const u32* src = reinterpret_cast<const u32*>(
+          q + (static_cast<size_t>(qo0 + (valid ? tok : 0)) * q_heads + kvh * GROUP + g) * D);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const int col = ks * 16 + (lane & 3) * 2;
+        qf[ks][h] = valid ? q_pair(src[col / 2]) : 0u;
+        qf[ks][h + 2] = valid ? q_pair(src[(col + 8) / 2]) : 0u;
+      }
+    }
+  }
+
+  float acc[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
+  int qpos_row[2];
+  bool row_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    qpos_row[h] = q_pos0 + (row0 + my_rows[h]) / GROUP;
+    row_ok[h] = my_rows[h] < nrows;
+  }
+
+  const int n_tiles = ke > kb ? (ke - kb + TILE_KEYS - 1) / TILE_KEYS : 0;
+  char* conv = smem + STAGES * STAGE_BYTES;  // converted f16 tiles (quantized caches only)
+
+  auto issue_tile = [&](int t) {
+    char* st = smem + (t % STAGES) * STAGE_BYTES;
+    const int kstart = kb + t * TILE_KEYS;
+    constexpr int CPK = ROW_BYTES / 16;  // 16-byte chunks per key row
+#pragma unroll 4
+    for (int c = tid; c < TILE_KEYS * CPK; c += NTHREADS) {
+      const int key = c / CPK, part = c % CPK;
+      const int j = kstart + key;
+      const bool valid = j < ke;
+      const int page = valid ? csr.kv_indices[pg0 + j / PAGE_SIZE] : 0;
+      const size_t row = (static_cast<size_t>(page) * kv_heads + kvh) * PAGE_SIZE + (valid ? j % PAGE_SIZE : 0);
+      const size_t off = row * ROW_BYTES + part * 16;
+      if constexpr (KV16) {
+        cp_async16(smem_addr(st + key * LDS * 2 + part * 16), k_cache + off, valid);
+        cp_async16(smem_addr(st + TILE16_BYTES + key * LDS * 2 + part * 16), v_cache + off, valid);
+      } else {
+        cp_async16(smem_addr(st + key * ROW_BYTES + part * 16), k_cache + off, valid);
+        cp_async16(smem_addr(st + RAW_BYTES + key * ROW_BYTES + part * 16), v_cache + off, valid);
+        if constexpr (SCALE_BYTES > 0) {
+          if (part == 0) {
+            const size_t soff = row * SCALE_BYTES;
+            char* sk = st + TILE_KEYS * ROW_BYTES + key * SCALE_BYTES;
+            char* sv = st + RAW_BYTES + TILE_KEYS * ROW_BYTES + key * SCALE_BYTES;
+            if constexpr (SCALE_BYTES == 16) {
+              cp_async16(smem_addr(sk), k_bscale + soff, valid);
+              cp_async16(smem_addr(sv), v_bscale + soff, valid);
+            } else {
+              cp_async_small<SCALE_BYTES>(smem_addr(sk), k_bscale + soff, valid);
+              cp_async_small<SCALE_BYTES>(smem_addr(sv), v_bscale + soff, valid);
+            }
+          }
+        }
+      }
+    }
+  };
+
+  // Quantized caches: raw stage -> f16 tiles, exact, in shared memory.
+  auto convert_tile = [&](const char* st) {
+#pragma unroll
+    for (int kv = 0; kv < 2; ++kv) {
+      const char* raw = st + kv * RAW_BYTES;
+      char* dst = conv + kv * TILE16_BYTES;
+      if constexpr (KV_DTYPE == DT_E4M3 || KV_DTYPE == DT_E5M2) {
+        constexpr int CPK = D / 16;
+#pragma unroll 2
+        for (int c = tid; c < TILE_KEYS * CPK; c += NTHREADS) {
+          const int key = c / CPK, part = c % CPK;
+          const uint4 w = *reinterpret_cast<const uint4*>(raw + key * D + part * 16);
+          uint4 a, b;
+          if constexpr (KV_DTYPE == DT_E4M3) {
+            e4m3x4_to_f16(w.x, a.x, a.y);
+            e4m3x4_to_f16(w.y, a.z, a.w);
+            e4m3x4_to_f16(w.z, b.x, b.y);
+            e4m3x4_to_f16(w.w, b.z, b.w);
+          } else {
+            e5m2x4_to_f16(w.x, a.x, a.y);
+            e5m2x4_to_f16(w.y, a.z, a.w);
+            e5m2x4_to_f16(w.z, b.x, b.y);
+            e5m2x4_to_f16(w.w, b.z, b.w);
+          }
+          uint4* out = reinterpret_cast<uint4*>(dst + key * LDS * 2 + part * 32);
+          out[0] = a;
+          out[1] = b;
+        }
+      } else {
+        // nvfp4: 16 bytes = 32 values = two scale blocks.
+        constexpr int CPK = D / 32;
+        const u8* scales = reinterpret_cast<const u8*>(raw + TILE_KEYS * ROW_BYTES);
+#pragma unroll 2
+        for (int c = tid; c < TILE_KEYS * CPK; c += NTHREADS) {
+          const int key = c / CPK, part = c % CPK;
+          const uint4 w = *reinterpret_cast<const uint4*>(raw + key * ROW_BYTES + part * 16);
+          const u32 words[4] = {w.x, w.y, w.z, w.w};
+          uint4* out = reinterpret_cast<uint4*>(dst + key * LDS * 2 + part * 64);
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk) {
+            const unsigned short sb = scales[key * SCALE_BYTES + part * 2 + blk];
+            __half2_raw sr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(sb | (sb << 8)), __NV_E4M3);
+            const __half2 s2 = *reinterpret_cast<__half2*>(&sr);
+            u32 outw[8];
+            e2m1x8_to_f16(words[blk * 2], outw);
+            e2m1x8_to_f16(words[blk * 2 + 1], outw + 4);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              __half2 v = __hmul2(*reinterpret_cast<__half2*>(&outw[i]), s2);
+              outw[i] = *reinterpret_cast<u32*>(&v);
+            }
+            out[blk * 2] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
+            out[blk * 2 + 1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
+          }
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int t = 0; t < STAGES - 1; ++t) {
+    if (t < n_tiles) issue_tile(t);
+    cp_async_commit();
+  }
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + STAGES - 1 < n_tiles) issue_tile(t + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    const char* st = smem + (t % STAGES) * STAGE_BYTES;
+    const char* kt;
+    const char* vt;
+    if constexpr (KV16) {
+      kt = st;
+      vt = st + TILE16_BYTES;
+    } else {
+      convert_tile(st);
+      __syncthreads();
+      kt = conv;
+      vt = conv + TILE16_BYTES;
+    }
+    const int kstart = kb + t * TILE_KEYS;
+    const int key0 = wk * NKW;
+
+    // S = Q K^T for this warp's rows and keys.
+    float s[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KS / 2; ++kk) {
+        u32 b0, b1, b2, b3;
+        const int key = key0 + nt * 8 + (lane & 7);
+        const int col = kk * 32 + (lane >> 3) * 8;
+        ldmatrix_x4(smem_addr(kt + (key * LDS + col) * 2), b0, b1, b2, b3);
+        mma16816(s[nt], qf[2 * kk], b0, b1);
+        mma16816(s[nt], qf[2 * kk + 1], b2, b3);
+      }
+    }
+
+    // Mask, scale, online softmax.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i >> 1;
+        const int j = kstart + key0 + nt * 8 + (lane & 3) * 2 + (i & 1);
+        const int kpos = first_pos + j;
+        bool ok = row_ok[h] && j < ke;
+        if constexpr (CAUSAL) ok = ok && kpos <= qpos_row[h];
+        if constexpr (SLIDING) ok = ok && qpos_row[h] - kpos < window;
+        s[nt][i] = ok ? s[nt][i] * scale_log2 : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
+        s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l_run[h] = l_run[h] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        acc[dt][2 * h] *= alpha;
+        acc[dt][2 * h + 1] *= alpha;
+      }
+    }
+
+    // O += P V.
+#pragma unroll
+    for (int kk = 0; kk < NKW / 16; ++kk) {
+      u32 a[4];
+      a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < DT; dt += 2) {
+        u32 b0, b1, b2, b3;
+        const int key = key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int col = dt * 8 + (lane >> 4) * 8;
+        ldmatrix_x4_trans(smem_addr(vt + (key * LDS + col) * 2), b0, b1, b2, b3);
+        mma16816(acc[dt], a, b0, b1);
+        mma16816(acc[dt + 1], a, b2, b3);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Each warp dumps its partial (m, l, O); then the CTA combines the WK key-splits.
+  float* dump_o = reinterpret_cast<float*>(smem);
+  float* dump_m = dump_o + 4 * 16 * DUMP_LD;
+  float* dump_l = dump_m + 4 * 16;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int rr = (lane >> 2) + 8 * h;
+    if ((lane & 3) == 0) {
+      dump_m[warp * 16 + rr] = m_run[h];
+      dump_l[warp * 16 + rr] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int col = dt * 8 + (lane & 3) * 2;
+      dump_o[(warp * 16 + rr) * DUMP_LD + col] = acc[dt][2 * h];
+      dump_o[(warp * 16 + rr) * DUMP_LD + col + 1] = acc[dt][2 * h + 1];
+    }
+  }
+  __syncthreads();
+
+  for (int c = tid; c < ROWS * (D / 8); c += NTHREADS) {
+    const int row = c / (D / 8);
+    const int col = (c % (D / 8)) * 8;
+    if (row >= nrows) continue;
+    const int rq = row / 16, r16 = row % 16;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WK; ++w) mx = fmaxf(mx, dump_m[(rq * WK + w) * 16 + r16]);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float l = 0.f;
+    float out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < WK; ++w) {
+      const int idx = (rq * WK + w) * 16 + r16;
+      const float f = exp2f(dump_m[idx] - m_use);
+      l += dump_l[idx] * f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] += dump_o[idx * DUMP_LD + col + e] * f;
+    }
+    const float inv = l > 0.f ? v_scale / l : 0.f;
+    const int rr = row0 + row;
+    if (it.slot < 0) {
+      const int tok = rr / GROUP, g = rr % GROUP;
+      __nv_bfloat162 packed[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) packed[e] = __floats2bfloat162_rn(out[2 * e] * inv, out[2 * e + 1] * inv);
+      *reinterpret_cast<uint4*>(o + (static_cast<size_t>(qo0 + tok) * q_heads + kvh * GROUP + g) * D + col) =
+          *reinterpret_cast<uint4*>(packed);
+    } else {
+      float* po = partial_o + ((static_cast<size_t>(it.slot) * kv_heads + kvh) * DECODE_ROWS + row) * D + col;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) po[e] = out[e] * inv;
+      if (col == 0) {
+        partial_lse[(static_cast<size_t>(it.slot) * kv_heads + kvh) * DECODE_ROWS + row] =
+            l > 0.f ? mx + log2f(l) : -INFINITY;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void check_smem() {
+  u32 dyn;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+  if (dyn < static_cast<u32>(SMEM_BYTES)) __trap();
+}
+
+// One launch for a whole step: blocks [0, n_prefill) run prefill items (64 rows, 4 warps along
+// rows), the rest run decode items (DECODE_ROWS rows, warps split the key tile).
+// grid = (n_prefill + n_decode, kv_heads), block = 128, dynamic smem = SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
+    const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const int* __restrict__ qo_indptr,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+    const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  extern __shared__ __align__(16) char smem[];
+  check_smem();
+  const WorkItem it = items[blockIdx.x];
+  const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
+  if (static_cast<int>(blockIdx.x) < n_prefill) {
+    attention_cta<4, 1>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
+                        partial_o, partial_lse, sm_scale, k_scale, v_scale, window);
+  } else {
+    attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache,
+                                                        v_cache, k_bscale, v_bscale, csr, partial_o,
+                                                        partial_lse, sm_scale, k_scale, v_scale, window);
+  }
+}
+
+// Combines split-KV partials (log-sum-exp weighted). grid = (n_jobs, kv_heads), block = 128.
+extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_merge(
+    const MergeJob* __restrict__ jobs, const int* __restrict__ qo_indptr, const float* __restrict__ partial_o,
+    const float* __restrict__ partial_lse, __nv_bfloat16* __restrict__ o) {
+  const MergeJob job = jobs[blockIdx.x];
+  const int kvh = blockIdx.y, kv_heads = gridDim.y;
+  const int q_heads = kv_heads * GROUP;
+  const int qo0 = qo_indptr[job.request];
+  const int nrows = (qo_indptr[job.request + 1] - qo0) * GROUP;
+  for (int c = threadIdx.x; c < nrows * (D / 8); c += blockDim.x) {
+    const int row = c / (D / 8), col = (c % (D / 8)) * 8;
+    float mx = -INFINITY;
+    for (int s = 0; s < job.slot_count; ++s)
+      mx = fmaxf(mx, partial_lse[(static_cast<size_t>(job.slot_begin + s) * kv_heads + kvh) * DECODE_ROWS + row]);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float wsum = 0.f;
+    for (int s = 0; s < job.slot_count; ++s) {
+      const size_t base = (static_cast<size_t>(job.slot_begin + s) * kv_heads + kvh) * DECODE_ROWS + row;
+      const float w = exp2f(partial_lse[base] - m_use);
+      wsum += w;
+      const float4* po = reinterpret_cast<const float4*>(partial_o + base * D + col);
+      const float4 x0 = po[0], x1 = po[1];
+      out[0] += w * x0.x; out[1] += w * x0.y; out[2] += w * x0.z; out[3] += w * x0.w;
+      out[4] += w * x1.x; out[5] += w * x1.y; out[6] += w * x1.z; out[7] += w * x1.w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    const int tok = row / GROUP, g = row % GROUP;
+    __nv_bfloat162 packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) packed[e] = __floats2bfloat162_rn(out[2 * e] * inv, out[2 * e + 1] * inv);
+    *reinterpret_cast<uint4*>(o + (static_cast<size_t>(qo0 + tok) * q_heads + kvh * GROUP + g) * D + col) =
+        *reinterpret_cast<uint4*>(packed);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV append: new K/V [n_tokens, kv_heads, D] bf16 -> cache slots (slot = page * PAGE_SIZE + offset),
+// quantizing on write. One thread per 16 consecutive values of one (token, head, K or V).
+// grid = ceil(n_tokens * kv_heads * 2 * D / 16 / 128), block = 128.
+
+__device__ __forceinline__ u8 e2m1_code(float x) {
+  const float a = fabsf(x);
+  u32 c;
+  if (a <= 0.25f) c = 0;
+  else if (a < 0.75f) c = 1;
+  else if (a <= 1.25f) c = 2;
+  else if (a < 1.75f) c = 3;
+  else if (a <= 2.5f) c = 4;
+  else if (a < 3.5f) c = 5;
+  else if (a <= 5.0f) c = 6;
+  else c = 7;
+  return static_cast<u8>(c | (x < 0.f && c != 0 ? 8u : 0u));
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_append(
+    const __nv_bfloat16* __restrict__ new_k, const __nv_bfloat16* __restrict__ new_v,
+    const long long* __restrict__ slots, const int n_tokens, const int kv_heads, u8* __restrict__ k_cache,
+    u8* __restrict__ v_cache, u8* __restrict__ k_bscale, u8* __restrict__ v_bscale, const float k_scale,
+    const float v_scale) {
+  constexpr int GPR = D / 16;  // 16-value groups per row
+  const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long total = static_cast<long long>(n_tokens) * kv_heads * 2 * GPR;
+  if (gid >= total) return;
+  const int grp = static_cast<int>(gid % GPR);
+  long long rest = gid / GPR;
+  const int head = static_cast<int>(rest % kv_heads);
+  rest /= kv_heads;
+  const int is_v = static_cast<int>(rest % 2);
+  const int tok = static_cast<int>(rest / 2);
+  const long long slot = slots[tok];
+  if (slot < 0) return;  // padding token
+  const long long page = slot / PAGE_SIZE, off = slot % PAGE_SIZE;
+  const size_t row = (static_cast<size_t>(page) * kv_heads + head) * PAGE_SIZE + off;
+  const __nv_bfloat16* src = (is_v ? new_v : new_k) + (static_cast<size_t>(tok) * kv_heads + head) * D + grp * 16;
+  u8* cache = is_v ? v_cache : k_cache;
+  const float scale = is_v ? v_scale : k_scale;
+  float x[16];
+  {
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    const uint4 w0 = s4[0], w1 = s4[1];
+    const u32 ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      u32 wi = ws[i];
+      float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&wi));
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  }
+  if constexpr (KV_DTYPE == DT_BF16) {
+    uint4* dst = reinterpret_cast<uint4*>(cache + row * ROW_BYTES + grp * 32);
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    dst[0] = s4[0];
+    dst[1] = s4[1];
+  } else if constexpr (KV_DTYPE == DT_F16) {
+    u32 h[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      __half2 v = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
+      h[i] = *reinterpret_cast<u32*>(&v);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(cache + row * ROW_BYTES + grp * 32);
+    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+  } else if constexpr (KV_DTYPE == DT_E4M3 || KV_DTYPE == DT_E5M2) {
+    u8 b[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      b[i] = __nv_cvt_float_to_fp8(__fdiv_rn(x[i], scale), __NV_SATFINITE,
+                                   KV_DTYPE == DT_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    *reinterpret_cast<uint4*>(cache + row * ROW_BYTES + grp * 16) = *reinterpret_cast<uint4*>(b);
+  } else {
+    // nvfp4: block scale = amax / 6 / global, stored as e4m3; values = x / (bs * global) as e2m1.
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const u8 bs = __nv_cvt_float_to_fp8(__fdiv_rn(__fdiv_rn(amax, 6.0f), scale), __NV_SATFINITE, __NV_E4M3);
+    __half_raw bsh = __nv_cvt_fp8_to_halfraw(bs, __NV_E4M3);
+    const float bsf = __half2float(*reinterpret_cast<__half*>(&bsh));
+    const float denom = __fmul_rn(bsf, scale);
+    u8 packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const u8 lo = denom > 0.f ? e2m1_code(__fdiv_rn(x[2 * i], denom)) : 0;
+      const u8 hi = denom > 0.f ? e2m1_code(__fdiv_rn(x[2 * i + 1], denom)) : 0;
+      packed[i] = static_cast<u8>(lo | (hi << 4));
+    }
+    *reinterpret_cast<uint2*>(cache + row * ROW_BYTES + grp * 8) = *reinterpret_cast<uint2*>(packed);
+    (is_v ? v_bscale : k_bscale)[row * SCALE_BYTES + grp] = bs;
+  }
+}

@@ -1,0 +1,454 @@
+//! Device side: the context, loaded modules per specialisation, KV pools, step buffers and the
+//! launches. A step is one launch sequence (attention, then merge when any request was split),
+//! all on one stream with no host synchronisation, so it can be captured in a CUDA graph.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::nvrtc::{self, PtxCache};
+use super::plan::{CsrBatch, StepPlan};
+use super::spec::{Arch, KernelSpec, KvDtype, THREADS};
+use super::{driver_err, CudaError};
+
+/// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries `dlopen` on libcuda candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// One GPU: context, stream, target architecture and compiled kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    pub arch: Arch,
+    pub name: String,
+    pub num_sms: usize,
+    pub capability: (i32, i32),
+    ptx: PtxCache,
+    loaded: Mutex<HashMap<KernelSpec, Arc<Kernels>>>,
+}
+
+/// The kernels of one specialisation, loaded on a device.
+pub struct Kernels {
+    pub spec: KernelSpec,
+    attention: CudaFunction,
+    merge: CudaFunction,
+    append: CudaFunction,
+    /// Seconds NVRTC took for this specialisation.
+    pub compile_seconds: f64,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`. Fails with a clear error without a driver, NVRTC, or on a GPU
+    /// older than sm_80.
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::DriverMissing);
+        }
+        nvrtc::toolchain()?;
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating the context"))?;
+        let capability = ctx
+            .compute_capability()
+            .map_err(driver_err("reading the compute capability"))?;
+        let arch = Arch::for_capability(capability.0, capability.1).ok_or(CudaError::UnsupportedDevice {
+            major: capability.0,
+            minor: capability.1,
+        })?;
+        let name = ctx.name().map_err(driver_err("reading the device name"))?;
+        let num_sms = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_err("reading the SM count"))? as usize;
+        let stream = ctx.default_stream();
+        Ok(Self {
+            ctx,
+            stream,
+            arch,
+            name,
+            num_sms,
+            capability,
+            ptx: PtxCache::new(),
+            loaded: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Compiles (once) and loads the kernels of `spec` for this device.
+    pub fn kernels(&self, spec: &KernelSpec) -> Result<Arc<Kernels>, CudaError> {
+        if let Some(k) = self.loaded.lock().map_err(|_| CudaError::Poisoned)?.get(spec) {
+            return Ok(k.clone());
+        }
+        let compiled = self.ptx.get_or_compile(spec, self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(compiled.ptx.to_string()))
+            .map_err(driver_err("loading the PTX module"))?;
+        let f = |name: &'static str| module.load_function(name).map_err(driver_err("finding a kernel"));
+        let attention = f("kvf_attention")?;
+        attention
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                spec.smem_bytes() as i32,
+            )
+            .map_err(driver_err("raising the shared-memory limit"))?;
+        let k = Arc::new(Kernels {
+            spec: *spec,
+            attention,
+            merge: f("kvf_merge")?,
+            append: f("kvf_append")?,
+            compile_seconds: compiled.compile_time.as_secs_f64(),
+        });
+        self.loaded
+            .lock()
+            .map_err(|_| CudaError::Poisoned)?
+            .insert(*spec, k.clone());
+        Ok(k)
+    }
+
+    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        if host.is_empty() {
+            // zero-length allocations are not allowed; kernels never read these
+            // SAFETY: a one-element buffer the kernels never read before writing.
+            return unsafe { self.stream.alloc::<T>(1) }.map_err(driver_err("allocating"));
+        }
+        self.stream
+            .clone_htod(host)
+            .map_err(driver_err("copying to the device"))
+    }
+
+    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>, CudaError> {
+        self.stream
+            .clone_dtoh(dev)
+            .map_err(driver_err("copying to the host"))
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(driver_err("synchronising the stream"))
+    }
+}
+
+/// One layer's KV pools on the device, in the layout of the contract (see `kernels/attention.cu`).
+pub struct KvLayer {
+    pub dtype: KvDtype,
+    pub num_blocks: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub page: usize,
+    pub k: CudaSlice<u8>,
+    pub v: CudaSlice<u8>,
+    /// nvfp4 block scales (one-byte placeholders for other dtypes).
+    pub k_block_scales: CudaSlice<u8>,
+    pub v_block_scales: CudaSlice<u8>,
+    /// fp8 per-tensor scale or nvfp4 global scale (1.0 for 16-bit dtypes).
+    pub k_scale: f32,
+    pub v_scale: f32,
+}
+
+impl KvLayer {
+    /// Bytes of one pool (K or V) without block scales.
+    pub fn pool_bytes(
+        dtype: KvDtype,
+        num_blocks: usize,
+        kv_heads: usize,
+        page: usize,
+        head_dim: usize,
+    ) -> usize {
+        num_blocks * kv_heads * page * dtype.row_bytes(head_dim)
+    }
+
+    /// Allocates zeroed pools.
+    pub fn zeroed(
+        gpu: &Gpu,
+        dtype: KvDtype,
+        num_blocks: usize,
+        kv_heads: usize,
+        page: usize,
+        head_dim: usize,
+    ) -> Result<Self, CudaError> {
+        let bytes = Self::pool_bytes(dtype, num_blocks, kv_heads, page, head_dim);
+        let sbytes = (num_blocks * kv_heads * page * dtype.scale_bytes(head_dim)).max(1);
+        let z = |n| {
+            gpu.stream
+                .alloc_zeros::<u8>(n)
+                .map_err(driver_err("allocating the KV pool"))
+        };
+        Ok(Self {
+            dtype,
+            num_blocks,
+            kv_heads,
+            head_dim,
+            page,
+            k: z(bytes)?,
+            v: z(bytes)?,
+            k_block_scales: z(sbytes)?,
+            v_block_scales: z(sbytes)?,
+            k_scale: 1.0,
+            v_scale: 1.0,
+        })
+    }
+
+    /// Builds pools from host bytes laid out as the contract says.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_host(
+        gpu: &Gpu,
+        dtype: KvDtype,
+        num_blocks: usize,
+        kv_heads: usize,
+        page: usize,
+        head_dim: usize,
+        k: &[u8],
+        v: &[u8],
+        k_block_scales: &[u8],
+        v_block_scales: &[u8],
+        k_scale: f32,
+        v_scale: f32,
+    ) -> Result<Self, CudaError> {
+        let bytes = Self::pool_bytes(dtype, num_blocks, kv_heads, page, head_dim);
+        let sbytes = num_blocks * kv_heads * page * dtype.scale_bytes(head_dim);
+        if k.len() != bytes
+            || v.len() != bytes
+            || k_block_scales.len() != sbytes
+            || v_block_scales.len() != sbytes
+        {
+            return Err(CudaError::InvalidBatch(format!(
+                "KV pool sizes: want {bytes} bytes per pool and {sbytes} scale bytes, got {} / {} / {} / {}",
+                k.len(),
+                v.len(),
+                k_block_scales.len(),
+                v_block_scales.len()
+            )));
+        }
+        Ok(Self {
+            dtype,
+            num_blocks,
+            kv_heads,
+            head_dim,
+            page,
+            k: gpu.upload(k)?,
+            v: gpu.upload(v)?,
+            k_block_scales: gpu.upload(k_block_scales)?,
+            v_block_scales: gpu.upload(v_block_scales)?,
+            k_scale,
+            v_scale,
+        })
+    }
+}
+
+/// A planned step uploaded: CSR arrays, work items, merge jobs and split-KV scratch.
+pub struct StepBuffers {
+    qo_indptr: CudaSlice<i32>,
+    kv_indptr: CudaSlice<i32>,
+    kv_indices: CudaSlice<i32>,
+    kv_last_page_len: CudaSlice<i32>,
+    kv_first_pos: CudaSlice<i32>,
+    items: CudaSlice<i32>,
+    merges: CudaSlice<i32>,
+    partial_o: CudaSlice<f32>,
+    partial_lse: CudaSlice<f32>,
+    pub n_items: usize,
+    pub n_prefill: usize,
+    pub n_merges: usize,
+    pub total_q: usize,
+}
+
+impl StepBuffers {
+    /// Validates the batch, then uploads it with its plan.
+    pub fn upload(
+        gpu: &Gpu,
+        spec: &KernelSpec,
+        kv: &KvLayer,
+        batch: &CsrBatch,
+        plan: &StepPlan,
+    ) -> Result<Self, CudaError> {
+        batch.validate(spec.page.get(), kv.num_blocks)?;
+        let d = spec.head_dim.get();
+        let slots = plan.n_slots.max(1);
+        let z = |n| {
+            gpu.stream
+                .alloc_zeros::<f32>(n)
+                .map_err(driver_err("allocating split-KV scratch"))
+        };
+        Ok(Self {
+            qo_indptr: gpu.upload(&batch.qo_indptr)?,
+            kv_indptr: gpu.upload(&batch.kv_indptr)?,
+            kv_indices: gpu.upload(&batch.kv_indices)?,
+            kv_last_page_len: gpu.upload(&batch.kv_last_page_len)?,
+            kv_first_pos: gpu.upload(&batch.kv_first_pos)?,
+            items: gpu.upload(&plan.items_as_i32())?,
+            merges: gpu.upload(&plan.merges_as_i32())?,
+            partial_o: z(slots * kv.kv_heads * spec.decode_rows() * d)?,
+            partial_lse: z(slots * kv.kv_heads * spec.decode_rows())?,
+            n_items: plan.items.len(),
+            n_prefill: plan.n_prefill,
+            n_merges: plan.merges.len(),
+            total_q: batch.total_q(),
+        })
+    }
+}
+
+fn check_layer(spec: &KernelSpec, kv: &KvLayer) -> Result<(), CudaError> {
+    if kv.dtype != spec.dtype || kv.head_dim != spec.head_dim.get() || kv.page != spec.page.get() {
+        return Err(CudaError::InvalidBatch(format!(
+            "KV layer ({:?}, head_dim {}, page {}) does not match kernels {}",
+            kv.dtype,
+            kv.head_dim,
+            kv.page,
+            spec.key()
+        )));
+    }
+    Ok(())
+}
+
+impl Kernels {
+    /// One step of attention for every request of `step`: `q` and `o` are bf16 (as u16)
+    /// `[total_q, kv_heads * group, head_dim]`. Launches attention, then merge when needed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        stream: &CudaStream,
+        kv: &KvLayer,
+        q: &CudaSlice<u16>,
+        o: &mut CudaSlice<u16>,
+        step: &mut StepBuffers,
+        sm_scale: f32,
+        window: i32,
+    ) -> Result<(), CudaError> {
+        check_layer(&self.spec, kv)?;
+        let d = self.spec.head_dim.get();
+        let q_heads = kv.kv_heads * self.spec.group.get();
+        let need = step.total_q * q_heads * d;
+        if q.len() < need || o.len() < need {
+            return Err(CudaError::InvalidBatch(format!(
+                "Q/O hold {} / {} values, step needs {need}",
+                q.len(),
+                o.len()
+            )));
+        }
+        if self.spec.mask.sliding() && window <= 0 {
+            return Err(CudaError::InvalidBatch(
+                "sliding-window kernels need a window of at least 1".into(),
+            ));
+        }
+        if step.n_items == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (step.n_items as u32, kv.kv_heads as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: self.spec.smem_bytes() as u32,
+        };
+        let n_prefill = step.n_prefill as i32;
+        let mut b = stream.launch_builder(&self.attention);
+        b.arg(&step.items)
+            .arg(&n_prefill)
+            .arg(q)
+            .arg(&mut *o)
+            .arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&kv.k_block_scales)
+            .arg(&kv.v_block_scales)
+            .arg(&step.qo_indptr)
+            .arg(&step.kv_indptr)
+            .arg(&step.kv_indices)
+            .arg(&step.kv_last_page_len)
+            .arg(&step.kv_first_pos)
+            .arg(&mut step.partial_o)
+            .arg(&mut step.partial_lse)
+            .arg(&sm_scale)
+            .arg(&kv.k_scale)
+            .arg(&kv.v_scale)
+            .arg(&window);
+        // SAFETY: the argument list matches `kvf_attention`'s signature in kernels/attention.cu
+        // (pointers, then i32/f32 scalars, in order). Every pointer is a live device allocation
+        // of this context; the batch was validated (page ids < num_blocks, lengths consistent),
+        // Q/O sizes were checked above, and partial buffers were sized from the same plan.
+        unsafe { b.launch(cfg) }.map_err(driver_err("launching kvf_attention"))?;
+        if step.n_merges > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (step.n_merges as u32, kv.kv_heads as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&self.merge);
+            b.arg(&step.merges)
+                .arg(&step.qo_indptr)
+                .arg(&step.partial_o)
+                .arg(&step.partial_lse)
+                .arg(&mut *o);
+            // SAFETY: matches `kvf_merge`; merge jobs only name slots the plan allocated.
+            unsafe { b.launch(cfg) }.map_err(driver_err("launching kvf_merge"))?;
+        }
+        Ok(())
+    }
+
+    /// Appends `n_tokens` new K/V rows (bf16 `[n_tokens, kv_heads, head_dim]`) at cache slots
+    /// `slots[i] = page * page_size + offset` (-1 skips a token), quantizing on write.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append(
+        &self,
+        stream: &CudaStream,
+        kv: &mut KvLayer,
+        new_k: &CudaSlice<u16>,
+        new_v: &CudaSlice<u16>,
+        slots: &CudaSlice<i64>,
+        n_tokens: usize,
+        host_slots: &[i64],
+    ) -> Result<(), CudaError> {
+        check_layer(&self.spec, kv)?;
+        let d = self.spec.head_dim.get();
+        let need = n_tokens * kv.kv_heads * d;
+        if new_k.len() < need || new_v.len() < need || slots.len() < n_tokens || host_slots.len() != n_tokens
+        {
+            return Err(CudaError::InvalidBatch(
+                "append buffers are smaller than n_tokens".into(),
+            ));
+        }
+        let cap = (kv.num_blocks * kv.page) as i64;
+        if let Some(s) = host_slots.iter().find(|s| **s >= cap || **s < -1) {
+            return Err(CudaError::InvalidBatch(format!(
+                "slot {s} outside the pool of {cap} slots"
+            )));
+        }
+        let total = n_tokens * kv.kv_heads * 2 * (d / 16);
+        if total == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(THREADS as usize) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = n_tokens as i32;
+        let heads = kv.kv_heads as i32;
+        let mut b = stream.launch_builder(&self.append);
+        b.arg(new_k)
+            .arg(new_v)
+            .arg(slots)
+            .arg(&n)
+            .arg(&heads)
+            .arg(&mut kv.k)
+            .arg(&mut kv.v)
+            .arg(&mut kv.k_block_scales)
+            .arg(&mut kv.v_block_scales)
+            .arg(&kv.k_scale)
+            .arg(&kv.v_scale);
+        // SAFETY: matches `kvf_append`; slots were checked against the pool size above (the
+        // device copy is the same array), buffer sizes were checked against n_tokens.
+        unsafe { b.launch(cfg) }.map_err(driver_err("launching kvf_append"))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,314 @@
+//! Host planning of one step: a CSR batch becomes work items (one CTA per item and KV head)
+//! and merge jobs for split-KV partials. Planned once per step on the host; the kernels only
+//! run it. Pure.
+
+use super::spec::{KernelSpec, PREFILL_ROWS};
+use super::CudaError;
+
+/// A batch in CSR form, host side (the same arrays are uploaded for the kernels).
+#[derive(Clone, Debug, Default)]
+pub struct CsrBatch {
+    /// `[B+1]` offsets into packed Q/O rows `[total_q, q_heads, head_dim]`.
+    pub qo_indptr: Vec<i32>,
+    /// `[B+1]` offsets into `kv_indices`.
+    pub kv_indptr: Vec<i32>,
+    /// Page ids, request by request, in position order.
+    pub kv_indices: Vec<i32>,
+    /// `[B]` tokens held in each request's last page (1..=page size when it has pages).
+    pub kv_last_page_len: Vec<i32>,
+    /// `[B]` absolute position of the first held token (non-zero once leading pages were freed).
+    pub kv_first_pos: Vec<i32>,
+}
+
+impl CsrBatch {
+    pub fn num_requests(&self) -> usize {
+        self.kv_last_page_len.len()
+    }
+
+    pub fn q_len(&self, r: usize) -> usize {
+        (self.qo_indptr[r + 1] - self.qo_indptr[r]) as usize
+    }
+
+    /// Keys held by request `r`.
+    pub fn num_keys(&self, r: usize, page: usize) -> usize {
+        let pages = (self.kv_indptr[r + 1] - self.kv_indptr[r]) as usize;
+        if pages == 0 {
+            0
+        } else {
+            (pages - 1) * page + self.kv_last_page_len[r] as usize
+        }
+    }
+
+    pub fn total_q(&self) -> usize {
+        self.qo_indptr.last().copied().unwrap_or(0) as usize
+    }
+
+    /// Checks every invariant the kernels rely on; a bad batch is an error, never a bad read.
+    pub fn validate(&self, page: usize, num_blocks: usize) -> Result<(), CudaError> {
+        let b = self.kv_last_page_len.len();
+        let bad = |m: String| Err(CudaError::InvalidBatch(m));
+        if self.qo_indptr.len() != b + 1 || self.kv_indptr.len() != b + 1 || self.kv_first_pos.len() != b {
+            return bad(format!(
+                "array lengths disagree: qo_indptr {}, kv_indptr {}, kv_last_page_len {}, kv_first_pos {} (want B+1, B+1, B, B)",
+                self.qo_indptr.len(),
+                self.kv_indptr.len(),
+                b,
+                self.kv_first_pos.len()
+            ));
+        }
+        if self.qo_indptr[0] != 0 || self.kv_indptr[0] != 0 {
+            return bad("indptr arrays must start at 0".into());
+        }
+        if self.kv_indptr[b] as usize != self.kv_indices.len() {
+            return bad("kv_indptr[B] must equal kv_indices.len()".into());
+        }
+        for r in 0..b {
+            if self.qo_indptr[r + 1] < self.qo_indptr[r] || self.kv_indptr[r + 1] < self.kv_indptr[r] {
+                return bad(format!("request {r}: indptr decreases"));
+            }
+            let pages = self.kv_indptr[r + 1] - self.kv_indptr[r];
+            let last = self.kv_last_page_len[r];
+            if pages > 0 && !(1..=page as i32).contains(&last) {
+                return bad(format!("request {r}: kv_last_page_len {last} outside 1..={page}"));
+            }
+            if self.kv_first_pos[r] < 0 {
+                return bad(format!("request {r}: negative kv_first_pos"));
+            }
+            let keys = self.num_keys(r, page);
+            if self.q_len(r) > self.kv_first_pos[r] as usize + keys {
+                return bad(format!(
+                    "request {r}: {} query tokens but only {keys} keys held",
+                    self.q_len(r)
+                ));
+            }
+            if self.q_len(r) > keys {
+                return bad(format!(
+                    "request {r}: query tokens must have their own keys appended first"
+                ));
+            }
+        }
+        if let Some(p) = self
+            .kv_indices
+            .iter()
+            .find(|p| **p < 0 || **p as usize >= num_blocks)
+        {
+            return bad(format!("page id {p} outside the pool of {num_blocks} blocks"));
+        }
+        Ok(())
+    }
+}
+
+/// One CTA's work (times KV heads). `repr(C)`, 8 x i32, mirrored by `WorkItem` in the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct WorkItem {
+    pub request: i32,
+    pub row_base: i32,
+    pub key_begin: i32,
+    pub key_end: i32,
+    /// Partial slot for split-KV, or -1: the CTA writes O directly.
+    pub slot: i32,
+    pub pad: [i32; 3],
+}
+
+/// Combines `slot_count` partial slots of one request. Mirrored by `MergeJob` in the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct MergeJob {
+    pub request: i32,
+    pub slot_begin: i32,
+    pub slot_count: i32,
+    pub pad: i32,
+}
+
+/// The launch plan of one step: `items[..n_prefill]` are prefill CTAs, the rest decode CTAs.
+#[derive(Clone, Debug, Default)]
+pub struct StepPlan {
+    pub items: Vec<WorkItem>,
+    pub n_prefill: usize,
+    pub merges: Vec<MergeJob>,
+    pub n_slots: usize,
+}
+
+impl StepPlan {
+    pub fn items_as_i32(&self) -> Vec<i32> {
+        self.items
+            .iter()
+            .flat_map(|w| [w.request, w.row_base, w.key_begin, w.key_end, w.slot, 0, 0, 0])
+            .collect()
+    }
+
+    pub fn merges_as_i32(&self) -> Vec<i32> {
+        self.merges
+            .iter()
+            .flat_map(|m| [m.request, m.slot_begin, m.slot_count, 0])
+            .collect()
+    }
+}
+
+/// Plans a step. `target_ctas` is how many CTAs (items x KV heads) the decode part should
+/// spread over, e.g. a few per SM; long decode requests are split into chunks of whole tiles.
+pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ctas: usize) -> StepPlan {
+    let g = spec.group.get();
+    let page = spec.page.get();
+    let tile = spec.tile_keys();
+    let mut prefill: Vec<(usize, WorkItem)> = Vec::new();
+    let mut decode_reqs = Vec::new();
+    let mut decode_keys = 0usize;
+    for r in 0..batch.num_requests() {
+        let rows = batch.q_len(r) * g;
+        let keys = batch.num_keys(r, page);
+        if rows == 0 {
+            continue;
+        }
+        if rows <= spec.decode_rows() {
+            decode_reqs.push(r);
+            decode_keys += keys;
+        } else {
+            let mut base = 0;
+            while base < rows {
+                // work ~ keys visible to the tile's last token (causal) or all keys
+                let last_tok = ((base + PREFILL_ROWS).min(rows) - 1) / g;
+                let work = if spec.mask.causal() {
+                    keys - batch.q_len(r) + last_tok + 1
+                } else {
+                    keys
+                };
+                prefill.push((
+                    work,
+                    WorkItem {
+                        request: r as i32,
+                        row_base: base as i32,
+                        key_begin: 0,
+                        key_end: keys as i32,
+                        slot: -1,
+                        pad: [0; 3],
+                    },
+                ));
+                base += PREFILL_ROWS;
+            }
+        }
+    }
+    // heaviest first so the long causal tiles do not form the tail
+    prefill.sort_by_key(|w| std::cmp::Reverse(w.0));
+    let mut plan = StepPlan {
+        n_prefill: prefill.len(),
+        ..Default::default()
+    };
+    plan.items.extend(prefill.into_iter().map(|(_, w)| w));
+
+    let target = target_ctas.max(1);
+    let chunk = (decode_keys * kv_heads).div_ceil(target).div_ceil(tile).max(2) * tile;
+    for r in decode_reqs {
+        let keys = batch.num_keys(r, page);
+        let n_chunks = keys.div_ceil(chunk).max(1);
+        if n_chunks == 1 {
+            plan.items.push(WorkItem {
+                request: r as i32,
+                row_base: 0,
+                key_begin: 0,
+                key_end: keys as i32,
+                slot: -1,
+                pad: [0; 3],
+            });
+            continue;
+        }
+        let slot_begin = plan.n_slots;
+        for c in 0..n_chunks {
+            plan.items.push(WorkItem {
+                request: r as i32,
+                row_base: 0,
+                key_begin: (c * chunk) as i32,
+                key_end: ((c + 1) * chunk).min(keys) as i32,
+                slot: (slot_begin + c) as i32,
+                pad: [0; 3],
+            });
+        }
+        plan.n_slots += n_chunks;
+        plan.merges.push(MergeJob {
+            request: r as i32,
+            slot_begin: slot_begin as i32,
+            slot_count: n_chunks as i32,
+            pad: 0,
+        });
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::cuda::spec::{GroupSize, HeadDim, KvDtype, Mask, PageSize};
+
+    fn spec() -> KernelSpec {
+        KernelSpec {
+            dtype: KvDtype::Bf16,
+            head_dim: HeadDim::D128,
+            page: PageSize::P16,
+            group: GroupSize::G4,
+            mask: Mask::Causal,
+        }
+    }
+
+    fn batch(reqs: &[(usize, usize)]) -> CsrBatch {
+        // (q_len, keys)
+        let mut b = CsrBatch {
+            qo_indptr: vec![0],
+            kv_indptr: vec![0],
+            ..Default::default()
+        };
+        for &(q, k) in reqs {
+            let pages = k.div_ceil(16);
+            for _ in 0..pages {
+                b.kv_indices.push(b.kv_indices.len() as i32);
+            }
+            b.qo_indptr.push(b.qo_indptr.last().unwrap() + q as i32);
+            b.kv_indptr.push(b.kv_indices.len() as i32);
+            b.kv_last_page_len.push((k - (pages - 1) * 16) as i32);
+            b.kv_first_pos.push(0);
+        }
+        b
+    }
+
+    #[test]
+    fn long_decode_is_split_and_every_key_is_covered_once() {
+        let b = batch(&[(1, 4096), (1, 100)]);
+        b.validate(16, 1000).unwrap();
+        let p = plan_step(&b, &spec(), 8, 132 * 8);
+        assert_eq!(p.n_prefill, 0);
+        let mut covered = [0usize; 2];
+        for it in &p.items {
+            covered[it.request as usize] += (it.key_end - it.key_begin) as usize;
+        }
+        assert_eq!(covered, [4096, 100]);
+        assert!(p.merges.iter().any(|m| m.request == 0 && m.slot_count > 1));
+        let slots: usize = p.merges.iter().map(|m| m.slot_count as usize).sum();
+        assert_eq!(slots, p.n_slots);
+    }
+
+    #[test]
+    fn prefill_rows_are_tiled_heaviest_first() {
+        let b = batch(&[(100, 100), (1, 50)]);
+        let p = plan_step(&b, &spec(), 8, 1);
+        // 100 tokens x group 4 = 400 rows -> 7 tiles of 64
+        assert_eq!(p.n_prefill, 7);
+        assert_eq!(p.items[0].row_base, 384);
+        assert_eq!(p.items[p.n_prefill].request, 1);
+    }
+
+    #[test]
+    fn invalid_batches_are_rejected_with_reasons() {
+        let mut b = batch(&[(1, 20)]);
+        b.kv_last_page_len[0] = 17;
+        assert!(b
+            .validate(16, 100)
+            .unwrap_err()
+            .to_string()
+            .contains("kv_last_page_len"));
+        let mut b = batch(&[(1, 20)]);
+        b.kv_indices[1] = 500;
+        assert!(b.validate(16, 100).is_err());
+        let b = batch(&[(30, 20)]);
+        assert!(b.validate(16, 100).is_err());
+    }
+}

@@ -1,0 +1,430 @@
+//! Kernel specialisations: one closed enum per axis, a key string per specialisation and the
+//! generated prelude of constexprs that `kernels/attention.cu` is compiled with.
+//!
+//! Pure: no CUDA calls here, so the planner, the key and the tiling can be tested anywhere.
+
+use std::fmt;
+
+use crate::compat::vocab::KvCacheDtype;
+
+/// The CUDA source, embedded at build time so a worker image needs no kernel files.
+pub const ATTENTION_SOURCE: &str = include_str!("../../../kernels/attention.cu");
+
+/// KV-cache storage dtype as the kernels see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KvDtype {
+    Bf16,
+    F16,
+    Fp8E4m3,
+    Fp8E5m2,
+    Nvfp4,
+}
+
+impl KvDtype {
+    pub const ALL: [KvDtype; 5] = [Self::Bf16, Self::F16, Self::Fp8E4m3, Self::Fp8E5m2, Self::Nvfp4];
+
+    /// The `KV_DTYPE` constant of the kernel source.
+    fn code(self) -> u32 {
+        match self {
+            Self::Bf16 => 0,
+            Self::F16 => 1,
+            Self::Fp8E4m3 => 2,
+            Self::Fp8E5m2 => 3,
+            Self::Nvfp4 => 4,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+            Self::Fp8E4m3 => "e4m3",
+            Self::Fp8E5m2 => "e5m2",
+            Self::Nvfp4 => "nvfp4",
+        }
+    }
+
+    /// Bytes of one key (or value) row of `head_dim` elements in the cache, block scales excluded.
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            Self::Bf16 | Self::F16 => head_dim * 2,
+            Self::Fp8E4m3 | Self::Fp8E5m2 => head_dim,
+            Self::Nvfp4 => head_dim / 2,
+        }
+    }
+
+    /// Bytes of nvfp4 block scales per row (one e4m3 per 16 values); 0 for other dtypes.
+    pub fn scale_bytes(self, head_dim: usize) -> usize {
+        match self {
+            Self::Nvfp4 => head_dim / 16,
+            _ => 0,
+        }
+    }
+
+    /// Maps the user-facing vocabulary; `auto` resolves to the model dtype first (`model`).
+    pub fn from_vocab(dtype: KvCacheDtype, model: KvDtype) -> Self {
+        match dtype.canonical() {
+            KvCacheDtype::Auto => model,
+            KvCacheDtype::Bfloat16 => Self::Bf16,
+            KvCacheDtype::Float16 => Self::F16,
+            KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 => Self::Fp8E4m3,
+            KvCacheDtype::Fp8E5m2 => Self::Fp8E5m2,
+            KvCacheDtype::Nvfp4 => Self::Nvfp4,
+        }
+    }
+}
+
+/// Head dimensions the kernels are built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HeadDim {
+    D64,
+    D128,
+    D256,
+}
+
+impl HeadDim {
+    pub const ALL: [HeadDim; 3] = [Self::D64, Self::D128, Self::D256];
+
+    pub fn get(self) -> usize {
+        match self {
+            Self::D64 => 64,
+            Self::D128 => 128,
+            Self::D256 => 256,
+        }
+    }
+
+    pub fn from_usize(d: usize) -> Option<Self> {
+        Self::ALL.into_iter().find(|h| h.get() == d)
+    }
+}
+
+/// Tokens per KV page (block_size). Only 16 (the engine's and vLLM's default) is built: every
+/// extra value multiplies the specialisations the PTX test compiles for six targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PageSize {
+    P16,
+}
+
+impl PageSize {
+    pub const ALL: [PageSize; 1] = [Self::P16];
+
+    pub fn get(self) -> usize {
+        match self {
+            Self::P16 => 16,
+        }
+    }
+
+    pub fn from_usize(p: usize) -> Option<Self> {
+        Self::ALL.into_iter().find(|x| x.get() == p)
+    }
+}
+
+/// Query heads per KV head (GQA group); 1 is multi-head attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GroupSize {
+    G1,
+    G2,
+    G4,
+    G8,
+}
+
+impl GroupSize {
+    pub const ALL: [GroupSize; 4] = [Self::G1, Self::G2, Self::G4, Self::G8];
+
+    pub fn get(self) -> usize {
+        match self {
+            Self::G1 => 1,
+            Self::G2 => 2,
+            Self::G4 => 4,
+            Self::G8 => 8,
+        }
+    }
+
+    pub fn from_usize(g: usize) -> Option<Self> {
+        Self::ALL.into_iter().find(|x| x.get() == g)
+    }
+}
+
+/// Which keys a query sees: all held keys, causal, or causal within a sliding window
+/// (the window length itself is a launch argument; only the flag is compiled in).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mask {
+    Full,
+    Causal,
+    CausalSliding,
+}
+
+impl Mask {
+    pub const ALL: [Mask; 3] = [Self::Full, Self::Causal, Self::CausalSliding];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Causal => "causal",
+            Self::CausalSliding => "swa",
+        }
+    }
+
+    pub fn causal(self) -> bool {
+        !matches!(self, Self::Full)
+    }
+
+    pub fn sliding(self) -> bool {
+        matches!(self, Self::CausalSliding)
+    }
+}
+
+/// GPU targets we compile for and claim. `a` targets allow architecture-specific instructions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Arch {
+    Sm80,
+    Sm86,
+    Sm89,
+    Sm90a,
+    Sm100a,
+    Sm120a,
+}
+
+impl Arch {
+    pub const ALL: [Arch; 6] = [
+        Self::Sm80,
+        Self::Sm86,
+        Self::Sm89,
+        Self::Sm90a,
+        Self::Sm100a,
+        Self::Sm120a,
+    ];
+
+    /// NVRTC's `--gpu-architecture` value (virtual arch: NVRTC emits PTX for it).
+    pub fn nvrtc_arch(self) -> &'static str {
+        match self {
+            Self::Sm80 => "compute_80",
+            Self::Sm86 => "compute_86",
+            Self::Sm89 => "compute_89",
+            Self::Sm90a => "compute_90a",
+            Self::Sm100a => "compute_100a",
+            Self::Sm120a => "compute_120a",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sm80 => "sm_80",
+            Self::Sm86 => "sm_86",
+            Self::Sm89 => "sm_89",
+            Self::Sm90a => "sm_90a",
+            Self::Sm100a => "sm_100a",
+            Self::Sm120a => "sm_120a",
+        }
+    }
+
+    /// The target to build for a device of compute capability `major.minor`, or `None` if the
+    /// kernels do not support it (pre-Ampere: no bf16 `mma.sync`). Families without their own
+    /// entry take the newest of their family we build (sm_87 Orin -> sm_86, sm_103 -> sm_100a,
+    /// sm_121 -> sm_120a); PTX is JIT-compiled forward by the driver inside a family.
+    pub fn for_capability(major: i32, minor: i32) -> Option<Self> {
+        match (major, minor) {
+            (8, 0) => Some(Self::Sm80),
+            (8, 6) | (8, 7) => Some(Self::Sm86),
+            (8, 9) => Some(Self::Sm89),
+            (9, 0) => Some(Self::Sm90a),
+            (10, 0) | (10, 3) => Some(Self::Sm100a),
+            (12, 0) | (12, 1) => Some(Self::Sm120a),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One compiled program: all kernels (attention, merge, append) for one point of every axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelSpec {
+    pub dtype: KvDtype,
+    pub head_dim: HeadDim,
+    pub page: PageSize,
+    pub group: GroupSize,
+    pub mask: Mask,
+}
+
+/// Threads per CTA of every kernel.
+pub const THREADS: u32 = 128;
+/// Rows (token x head-in-group) of one prefill CTA.
+pub const PREFILL_ROWS: usize = 64;
+
+impl KernelSpec {
+    /// Every specialisation we build and claim; the PTX test compiles each for every [`Arch`].
+    pub fn all() -> Vec<KernelSpec> {
+        let mut v = Vec::new();
+        for dtype in KvDtype::ALL {
+            for head_dim in HeadDim::ALL {
+                for page in PageSize::ALL {
+                    for group in GroupSize::ALL {
+                        for mask in Mask::ALL {
+                            v.push(KernelSpec {
+                                dtype,
+                                head_dim,
+                                page,
+                                group,
+                                mask,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        v
+    }
+
+    /// The cache key, URI-like: `attn/<dtype>/d<head_dim>/p<page>/g<group>/<mask>`.
+    pub fn key(&self) -> String {
+        format!(
+            "attn/{}/d{}/p{}/g{}/{}",
+            self.dtype.as_str(),
+            self.head_dim.get(),
+            self.page.get(),
+            self.group.get(),
+            self.mask.as_str()
+        )
+    }
+
+    /// Keys per pipeline tile: 64 up to head_dim 128, 32 at 256 (shared memory).
+    pub fn tile_keys(&self) -> usize {
+        if self.head_dim.get() <= 128 {
+            64
+        } else {
+            32
+        }
+    }
+
+    /// Pipeline depth (cp.async stages). Quantized caches move fewer bytes per tile and also
+    /// convert each tile, so they keep more tiles in flight.
+    pub fn stages(&self) -> usize {
+        match self.dtype {
+            KvDtype::Bf16 | KvDtype::F16 => 2,
+            _ => 4,
+        }
+    }
+
+    /// Warps that split one key tile in a decode CTA (each takes 16 keys).
+    pub fn decode_warps_kv(&self) -> usize {
+        (self.tile_keys() / 16).min(4)
+    }
+
+    /// Rows (token x head-in-group) one decode CTA holds; requests with more rows run as prefill.
+    pub fn decode_rows(&self) -> usize {
+        16 * (4 / self.decode_warps_kv())
+    }
+
+    /// Dynamic shared memory of `kvf_attention`, mirrored by a static_assert in the kernel.
+    pub fn smem_bytes(&self) -> usize {
+        let d = self.head_dim.get();
+        let tk = self.tile_keys();
+        let lds = d + 8;
+        let tile16 = tk * lds * 2;
+        let kv16 = matches!(self.dtype, KvDtype::Bf16 | KvDtype::F16);
+        let raw = tk * (self.dtype.row_bytes(d) + self.dtype.scale_bytes(d));
+        let stage = if kv16 { 2 * tile16 } else { 2 * raw };
+        let converted = if kv16 { 0 } else { 2 * tile16 };
+        let pipe = self.stages() * stage + converted;
+        let dump = 4 * 16 * (d + 4) * 4 + 2 * 4 * 16 * 4;
+        pipe.max(dump)
+    }
+
+    /// The generated prelude: every axis as a constexpr, prepended to the kernel source.
+    pub fn prelude(&self) -> String {
+        format!(
+            "// generated by kvfleet for {key}\n\
+             constexpr int KV_DTYPE = {dt};\n\
+             constexpr int HEAD_DIM = {d};\n\
+             constexpr int PAGE_SIZE = {p};\n\
+             constexpr int GROUP = {g};\n\
+             constexpr bool CAUSAL = {c};\n\
+             constexpr bool SLIDING = {s};\n\
+             constexpr int TILE_KEYS = {tk};\n\
+             constexpr int STAGES = {st};\n\
+             constexpr int DECODE_WARPS_KV = {dw};\n\
+             constexpr int DECODE_ROWS = {dr};\n\
+             constexpr int SMEM_BYTES_HOST = {sm};\n",
+            key = self.key(),
+            dt = self.dtype.code(),
+            d = self.head_dim.get(),
+            p = self.page.get(),
+            g = self.group.get(),
+            c = self.mask.causal(),
+            s = self.mask.sliding(),
+            tk = self.tile_keys(),
+            st = self.stages(),
+            dw = self.decode_warps_kv(),
+            dr = self.decode_rows(),
+            sm = self.smem_bytes(),
+        )
+    }
+
+    /// Prelude plus kernel source: what NVRTC compiles.
+    pub fn source(&self) -> String {
+        let mut s = self.prelude();
+        s.push_str(ATTENTION_SOURCE);
+        s
+    }
+}
+
+impl fmt::Display for KernelSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.key())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_unique_across_all_specialisations() {
+        let all = KernelSpec::all();
+        let keys: std::collections::HashSet<_> = all.iter().map(|s| s.key()).collect();
+        assert_eq!(keys.len(), all.len());
+    }
+
+    #[test]
+    fn prelude_names_every_axis() {
+        let s = KernelSpec {
+            dtype: KvDtype::Nvfp4,
+            head_dim: HeadDim::D128,
+            page: PageSize::P16,
+            group: GroupSize::G4,
+            mask: Mask::CausalSliding,
+        };
+        let p = s.prelude();
+        for want in [
+            "KV_DTYPE = 4;",
+            "HEAD_DIM = 128;",
+            "PAGE_SIZE = 16;",
+            "GROUP = 4;",
+            "CAUSAL = true;",
+            "SLIDING = true;",
+        ] {
+            assert!(p.contains(want), "{want} missing from {p}");
+        }
+        assert_eq!(s.key(), "attn/nvfp4/d128/p16/g4/swa");
+    }
+
+    #[test]
+    fn shared_memory_fits_hopper_and_ampere_limits() {
+        for s in KernelSpec::all() {
+            // sm_80's opt-in maximum is 163 KiB per block; sm_86/89/120 allow 99 KiB.
+            assert!(s.smem_bytes() <= 99 * 1024, "{s}: {} bytes", s.smem_bytes());
+        }
+    }
+
+    #[test]
+    fn capability_mapping_rejects_pre_ampere() {
+        assert_eq!(Arch::for_capability(7, 5), None);
+        assert_eq!(Arch::for_capability(9, 0), Some(Arch::Sm90a));
+        assert_eq!(Arch::for_capability(12, 1), Some(Arch::Sm120a));
+    }
+}
