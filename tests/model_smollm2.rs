@@ -9,11 +9,15 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use kvfleet::model::gguf::{GgmlType, Gguf};
-use kvfleet::model::kv::ContiguousKv;
+use kvfleet::model::kv::{ContiguousKv, KvAttention};
 use kvfleet::model::llama::{Llama, SeqChunk};
 use kvfleet::model::openai;
+use kvfleet::model::paged::{backend_config, PagedKv};
 use kvfleet::model::runtime::{ModelRuntime, RuntimeConfig};
+use kvfleet::model::sampling::argmax;
 use kvfleet::model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
+use kvfleet::worker::engine::cpu::CpuBackend;
+use kvfleet::worker::engine::KvDtype;
 
 fn gguf_path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVFLEET_SMOLLM2_GGUF") {
@@ -160,21 +164,8 @@ fn model() -> &'static Llama {
     M.get_or_init(model_arc)
 }
 
-fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in xs.iter().enumerate() {
-        if *v > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-#[test]
-fn smollm2_greedy_chat_reply_names_paris() {
+fn greedy_reply(kv: &mut dyn KvAttention) -> String {
     let (t, m) = (tokenizer(), model());
-    assert_eq!(m.config.n_layers, 30);
-    assert!(m.config.tied_embeddings);
     let prompt = t
         .apply_chat_template(&[ChatMessage {
             role: "user".into(),
@@ -182,10 +173,9 @@ fn smollm2_greedy_chat_reply_names_paris() {
         }])
         .unwrap();
     let ids = t.encode(&prompt, true);
-    let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
     let mut logits = m
         .forward(
-            &mut kv,
+            kv,
             &[SeqChunk {
                 seq: 1,
                 start_pos: 0,
@@ -204,7 +194,7 @@ fn smollm2_greedy_chat_reply_names_paris() {
         let pos = ids.len() + out.len() - 1;
         logits = m
             .forward(
-                &mut kv,
+                kv,
                 &[SeqChunk {
                     seq: 1,
                     start_pos: pos,
@@ -214,8 +204,25 @@ fn smollm2_greedy_chat_reply_names_paris() {
             )
             .unwrap();
     }
-    let reply = t.decode(&out, false);
-    eprintln!("reply: {reply:?}");
+    t.decode(&out, false)
+}
+
+#[test]
+fn smollm2_greedy_chat_reply_names_paris() {
+    let m = model();
+    assert_eq!(m.config.n_layers, 30);
+    assert!(m.config.tied_embeddings);
+    let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
+    let reply = greedy_reply(&mut kv);
+    assert!(reply.contains("Paris"), "reply: {reply:?}");
+}
+
+#[test]
+fn smollm2_greedy_reply_through_the_engines_paged_bf16_cache_names_paris() {
+    let geo = model().config.attn_geometry();
+    let backend = CpuBackend::new(backend_config(geo, KvDtype::Bf16, 16, 64)).unwrap();
+    let mut kv = PagedKv::new(backend);
+    let reply = greedy_reply(&mut kv);
     assert!(reply.contains("Paris"), "reply: {reply:?}");
 }
 

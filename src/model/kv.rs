@@ -25,6 +25,8 @@ pub enum KvError {
     Full { capacity: usize },
     #[error("layer {0} is outside the model")]
     Layer(usize),
+    #[error("attention backend failed: {0}")]
+    Backend(String),
 }
 
 /// Attention geometry shared by the model and its cache.

@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod kv;
 pub mod llama;
 pub mod openai;
+pub mod paged;
 pub mod runtime;
 pub mod sampling;
 pub mod serve;
