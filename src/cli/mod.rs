@@ -95,3 +95,32 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn every_mode_has_unique_well_formed_arguments() {
+        // clap checks this lazily at parse time; catch a clash (e.g. a flattened group reusing
+        // a flag) here instead of in a pod.
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_mode_explains_itself_in_help() {
+        let cmd = Cli::command();
+        for name in ["controller", "webhook", "worker", "plan", "check", "crd"] {
+            let sub = cmd
+                .find_subcommand(name)
+                .unwrap_or_else(|| panic!("mode {name} missing"));
+            let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
+            assert!(
+                about.len() > 40,
+                "`kvfleet {name} --help` says too little: {about:?}"
+            );
+        }
+    }
+}

@@ -25,20 +25,34 @@ pub struct ModelArgs {
     /// Model id in the OpenAI API (default: from the file).
     #[arg(long, env = "KVFLEET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// Sequences stepped together at most.
-    #[arg(long, default_value_t = 256)]
+    /// Sequences of the model stepped together at most.
+    #[arg(id = "model_max_num_seqs", long = "model-max-num-seqs", default_value_t = 256)]
     pub max_num_seqs: usize,
-    /// Tokens per step at most (prefill chunks plus decodes).
-    #[arg(long, default_value_t = 1024)]
+    /// Model tokens per step at most (prefill chunks plus decodes).
+    #[arg(
+        id = "model_max_num_batched_tokens",
+        long = "model-max-num-batched-tokens",
+        default_value_t = 1024
+    )]
     pub max_num_batched_tokens: usize,
     /// Tokens the model's KV cache holds over all sequences.
-    #[arg(long, default_value_t = 131072)]
+    #[arg(
+        id = "model_kv_capacity_tokens",
+        long = "model-kv-capacity-tokens",
+        default_value_t = 131072
+    )]
     pub kv_capacity_tokens: usize,
+    /// Serve no model even when the embedded one is installed (attention workload only).
+    #[arg(long, conflicts_with = "model")]
+    pub no_model: bool,
 }
 
 impl ModelArgs {
     /// The model file: `--model`, else the first embedded path that exists.
     pub fn resolve_path(&self) -> Option<PathBuf> {
+        if self.no_model {
+            return None;
+        }
         if let Some(p) = &self.model {
             return Some(p.clone());
         }

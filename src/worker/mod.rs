@@ -61,6 +61,9 @@ pub struct WorkerArgs {
     /// On SIGTERM/ctrl-c, let running requests finish for this long, then fail the rest.
     #[arg(long, default_value_t = 20)]
     pub drain_seconds: u64,
+    /// The language model served through the OpenAI-compatible API (`/v1/chat/completions`).
+    #[command(flatten)]
+    pub model: crate::model::serve::ModelArgs,
 }
 
 impl WorkerArgs {
@@ -156,6 +159,37 @@ async fn shutdown_signal() {
     }
 }
 
+/// The OpenAI-compatible routes of the model, when there is one: `--model FILE`, else the
+/// embedded SmolLM2 when `.tools/` holds it. An explicit model that cannot load is fatal.
+async fn mount_model(args: &WorkerArgs, registry: &prometheus::Registry) -> Result<axum::Router, ExitCode> {
+    use crate::model::serve::{mount, MountError};
+    let model_args = args.model.clone();
+    let registry = registry.clone();
+    let loaded =
+        tokio::task::spawn_blocking(move || mount(axum::Router::new(), &model_args, &registry)).await;
+    match loaded {
+        Ok(Ok(app)) => Ok(app),
+        Ok(Err(MountError::NoModel)) => {
+            tracing::info!("no model file: serving the attention workload only (pass --model FILE.gguf)");
+            Ok(axum::Router::new())
+        }
+        Ok(Err(error)) => {
+            let explicit = args.model.model.is_some();
+            tracing::error!(error = %crate::cli::error_chain(&error), "cannot load the model");
+            if explicit {
+                Err(ExitCode::from(exit::CONFIG))
+            } else {
+                tracing::warn!("serving the attention workload only");
+                Ok(axum::Router::new())
+            }
+        }
+        Err(error) => {
+            tracing::error!(%error, "model loader task failed");
+            Err(ExitCode::from(exit::RUNTIME))
+        }
+    }
+}
+
 async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let metrics = match metrics::Metrics::new() {
         Ok(m) => Arc::new(m),
@@ -182,7 +216,10 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     tracing::info!(%addr, "listening");
     let stop_server = Arc::new(tokio::sync::Notify::new());
     let stop = stop_server.clone();
-    let app = http::router(state.clone());
+    let app = match mount_model(&args, &metrics.registry).await {
+        Ok(app) => app.merge(http::router(state.clone())),
+        Err(code) => return code,
+    };
     let server = tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.notified().await })
