@@ -18,17 +18,22 @@
 //!    architecture) and the node affinity keeps pods on the architectures that resolve to
 //!    it, so every replica runs the same configuration.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::ops::Bound;
 
 use k8s_openapi::api::core::v1::{
     Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
 };
 use serde::Serialize;
 
-use crate::api::{CapacityStatus, InferenceDeploymentSpec, ResolvedConfig, Runtime};
+use crate::api::{CapacityStatus, GpuSelector, InferenceDeploymentSpec, ResolvedConfig, Runtime};
 use crate::compat::rules::{self, Violation};
 use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype, ModelFeatures};
 
+#[cfg(test)]
+mod equivalence_tests;
+#[cfg(test)]
+mod reference;
 #[cfg(test)]
 mod tests;
 
@@ -146,7 +151,27 @@ impl NodeFacts {
     }
 
     fn has_gfd_labels(&self) -> bool {
-        self.labels.keys().any(|k| k.starts_with("nvidia.com/gpu."))
+        // Keys are sorted: if any starts with the prefix, the first key at or after it does.
+        const PREFIX: &str = "nvidia.com/gpu.";
+        self.labels
+            .range::<str, _>((Bound::Included(PREFIX), Bound::Unbounded))
+            .next()
+            .is_some_and(|(k, _)| k.starts_with(PREFIX))
+    }
+
+    /// The raw facts every derived fact but the name, schedulability and
+    /// `pod.nodeSelector` match is computed from (see [`Signature`]).
+    fn signature_key(&self) -> SignatureKey<'_> {
+        let label = |k: &str| self.labels.get(k).map(String::as_str);
+        SignatureKey {
+            allocatable_gpus: self.allocatable_gpus,
+            has_gfd_labels: self.has_gfd_labels(),
+            product: label(labels::PRODUCT),
+            major: label(labels::COMPUTE_MAJOR),
+            minor: label(labels::COMPUTE_MINOR),
+            count: label(labels::COUNT),
+            memory: label(labels::MEMORY_MIB),
+        }
     }
 
     fn is_gpu_node(&self) -> bool {
@@ -282,8 +307,110 @@ pub fn synthetic_cluster(labels: &[&str]) -> Result<ClusterFacts, ValidateError>
 
 struct Candidate<'a> {
     node: &'a NodeFacts,
+    /// The node's signature, an index into [`Signatures::sigs`].
+    sig: usize,
     cc: ComputeCapability,
     enough_gpus: bool,
+}
+
+// === impl signatures ===
+//
+// Fleets have few distinct GPU configurations, so validation derives what it needs
+// (compute capability, product, GPUs, memory, whether gpu.selector takes it) once per
+// distinct configuration and fans it out to the nodes; only the name, `unschedulable`
+// and the `pod.nodeSelector` match (arbitrary labels) are looked at per node.
+
+/// The raw facts of a node that [`NodeFacts::product`], [`NodeFacts::compute_capability`],
+/// [`NodeFacts::gpus`], [`NodeFacts::gpu_memory_bytes`] and [`NodeFacts::is_gpu_node`]
+/// read: nodes with equal keys have equal derived facts.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct SignatureKey<'a> {
+    allocatable_gpus: Option<i64>,
+    has_gfd_labels: bool,
+    product: Option<&'a str>,
+    major: Option<&'a str>,
+    minor: Option<&'a str>,
+    count: Option<&'a str>,
+    memory: Option<&'a str>,
+}
+
+/// What validation derives from one signature, read from its first node.
+struct Signature<'a> {
+    /// The first node with this signature.
+    node: &'a NodeFacts,
+    gpu_node: bool,
+    product: Option<&'a str>,
+    cc: Option<ComputeCapability>,
+    gpus: Option<i64>,
+    /// Passes `gpu.selector` (products, minComputeCapability).
+    gpu_selected: bool,
+    enough_gpus: bool,
+}
+
+impl<'a> Signature<'a> {
+    fn new(
+        node: &'a NodeFacts,
+        selector: Option<&GpuSelector>,
+        min_cc: Option<ComputeCapability>,
+        gpus_per_replica: i64,
+    ) -> Self {
+        let product = node.product();
+        let cc = node.compute_capability();
+        let gpus = node.gpus();
+        Signature {
+            node,
+            gpu_node: node.is_gpu_node(),
+            product,
+            cc,
+            gpus,
+            gpu_selected: gpu_selector_matches(selector, product, cc, min_cc),
+            enough_gpus: gpus.is_some_and(|g| g >= gpus_per_replica),
+        }
+    }
+}
+
+/// The distinct signatures of a cluster's nodes.
+struct Signatures<'a> {
+    sigs: Vec<Signature<'a>>,
+    /// Per node of [`ClusterFacts::nodes`], its signature.
+    of_node: Vec<usize>,
+}
+
+/// Up to this many signatures, a linear search beats hashing the key.
+const LINEAR_SIGNATURES: usize = 16;
+
+impl<'a> Signatures<'a> {
+    fn build(facts: &'a ClusterFacts, new: impl Fn(&'a NodeFacts) -> Signature<'a>) -> Self {
+        let mut keys: Vec<SignatureKey<'a>> = Vec::new();
+        let mut index: HashMap<SignatureKey<'a>, usize> = HashMap::new();
+        let mut sigs = Vec::new();
+        let mut of_node = Vec::with_capacity(facts.nodes.len());
+        for node in &facts.nodes {
+            let key = node.signature_key();
+            let found = if keys.len() <= LINEAR_SIGNATURES {
+                keys.iter().position(|k| *k == key)
+            } else {
+                index.get(&key).copied()
+            };
+            let s = match found {
+                Some(s) => s,
+                None => {
+                    keys.push(key);
+                    if keys.len() > LINEAR_SIGNATURES {
+                        if index.is_empty() {
+                            index.extend(keys.iter().copied().enumerate().map(|(i, k)| (k, i)));
+                        } else {
+                            index.insert(key, keys.len() - 1);
+                        }
+                    }
+                    sigs.push(new(node));
+                    sigs.len() - 1
+                }
+            };
+            of_node.push(s);
+        }
+        Signatures { sigs, of_node }
+    }
 }
 
 fn denial(field: &str, reason: &str, message: String) -> Denial {
@@ -428,24 +555,21 @@ fn spec_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>, warnin
     }
 }
 
-fn selector_matches(
-    spec: &InferenceDeploymentSpec,
-    node: &NodeFacts,
+/// `pod.nodeSelector`: exact label matches, looked at per node.
+fn node_selector_matches(node_selector: Option<&BTreeMap<String, String>>, node: &NodeFacts) -> bool {
+    node_selector.is_none_or(|sel| sel.iter().all(|(k, v)| node.labels.get(k) == Some(v)))
+}
+
+/// `gpu.selector`: products and minimum compute capability.
+fn gpu_selector_matches(
+    selector: Option<&GpuSelector>,
+    product: Option<&str>,
+    cc: Option<ComputeCapability>,
     min_cc: Option<ComputeCapability>,
 ) -> bool {
-    if let Some(pod) = &spec.pod {
-        if !pod
-            .node_selector
-            .iter()
-            .all(|(k, v)| node.labels.get(k) == Some(v))
-        {
-            return false;
-        }
-    }
-    let selector = spec.gpu.as_ref().and_then(|g| g.selector.as_ref());
     if let Some(sel) = selector {
         if !sel.products.is_empty() {
-            let Some(product) = node.product() else {
+            let Some(product) = product else {
                 return false;
             };
             let base = products::base_label(product);
@@ -458,7 +582,7 @@ fn selector_matches(
             }
         }
     }
-    if let (Some(min), Some(cc)) = (min_cc, node.compute_capability()) {
+    if let (Some(min), Some(cc)) = (min_cc, cc) {
         if cc < min {
             return false;
         }
@@ -518,14 +642,28 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     let gpus_per_replica = i64::from(spec.gpus_per_replica().max(1));
 
     // --- which nodes could pods land on
-    let gpu_nodes: Vec<&NodeFacts> = facts.nodes.iter().filter(|n| n.is_gpu_node()).collect();
-    let matching: Vec<&NodeFacts> = gpu_nodes
-        .iter()
-        .copied()
-        .filter(|n| selector_matches(spec, n, min_cc))
-        .collect();
-    let cordoned = matching.iter().filter(|n| n.unschedulable).count();
-    let selected: Vec<&NodeFacts> = matching.iter().copied().filter(|n| !n.unschedulable).collect();
+    let sigs = Signatures::build(facts, |node| {
+        Signature::new(node, selector, min_cc, gpus_per_replica)
+    });
+    let node_selector = spec.pod.as_ref().map(|p| &p.node_selector);
+    let mut gpu_nodes = 0usize;
+    let mut cordoned = 0usize;
+    let mut selected: Vec<(&NodeFacts, usize)> = Vec::new();
+    for (node, &s) in facts.nodes.iter().zip(&sigs.of_node) {
+        let sig = &sigs.sigs[s];
+        if !sig.gpu_node {
+            continue;
+        }
+        gpu_nodes += 1;
+        if !sig.gpu_selected || !node_selector_matches(node_selector, node) {
+            continue;
+        }
+        if node.unschedulable {
+            cordoned += 1;
+        } else {
+            selected.push((node, s));
+        }
+    }
     if cordoned > 0 {
         warnings.push(format!(
             "{} matching the selectors {} cordoned and not considered",
@@ -535,22 +673,28 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     }
 
     let mut unlabeled = Vec::new();
-    let mut unknown_products = BTreeSet::new();
-    let mut candidates = Vec::new();
-    for node in &selected {
-        match node.compute_capability() {
-            Some(cc) => candidates.push(Candidate {
-                node,
-                cc,
-                enough_gpus: node.gpus().is_some_and(|g| g >= gpus_per_replica),
-            }),
-            None => match node.product() {
-                Some(p) => {
-                    unknown_products.insert(p.to_string());
-                    unlabeled.push(node.name.as_str());
+    let mut unknown_products: BTreeSet<&str> = BTreeSet::new();
+    let mut candidates = Vec::with_capacity(selected.len());
+    // Selected nodes with a compute capability (the candidates), per signature.
+    let mut candidates_of_sig = vec![0usize; sigs.sigs.len()];
+    for &(node, s) in &selected {
+        let sig = &sigs.sigs[s];
+        match sig.cc {
+            Some(cc) => {
+                candidates.push(Candidate {
+                    node,
+                    sig: s,
+                    cc,
+                    enough_gpus: sig.enough_gpus,
+                });
+                candidates_of_sig[s] += 1;
+            }
+            None => {
+                if let Some(p) = sig.product {
+                    unknown_products.insert(p);
                 }
-                None => unlabeled.push(node.name.as_str()),
-            },
+                unlabeled.push(node.name.as_str());
+            }
         }
     }
     if !unlabeled.is_empty() {
@@ -559,7 +703,7 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         } else {
             format!(
                 "have no nvidia.com/gpu.compute.major/minor labels and a product kvfleet does not know ({})",
-                unknown_products.iter().cloned().collect::<Vec<_>>().join(", ")
+                unknown_products.iter().copied().collect::<Vec<_>>().join(", ")
             )
         };
         warnings.push(format!(
@@ -568,17 +712,29 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
             unlabeled.join(", ")
         ));
     }
+    // Signatures with candidates.
+    let candidate_sigs: Vec<(&Signature, usize)> = sigs
+        .sigs
+        .iter()
+        .zip(&candidates_of_sig)
+        .filter(|(_, n)| **n > 0)
+        .map(|(sig, n)| (sig, *n))
+        .collect();
 
     // --- rules, once per compute capability
     let mut archs: Vec<ArchReport> = Vec::new();
-    let ccs: BTreeSet<ComputeCapability> = candidates.iter().map(|c| c.cc).collect();
+    let ccs: BTreeSet<ComputeCapability> = candidate_sigs.iter().filter_map(|(sig, _)| sig.cc).collect();
     for cc in ccs.iter().rev() {
-        let nodes: Vec<&Candidate> = candidates.iter().filter(|c| c.cc == *cc).collect();
-        let products: BTreeSet<String> = nodes
-            .iter()
-            .filter_map(|c| c.node.product())
-            .map(str::to_string)
-            .collect();
+        let mut products: BTreeSet<&str> = BTreeSet::new();
+        let mut nodes = 0;
+        let mut nodes_with_enough_gpus = 0;
+        for (sig, n) in candidate_sigs.iter().filter(|(sig, _)| sig.cc == Some(*cc)) {
+            nodes += n;
+            if sig.enough_gpus {
+                nodes_with_enough_gpus += n;
+            }
+            products.extend(sig.product);
+        }
         let ev = rules::evaluate(
             spec.engine.runtime,
             *cc,
@@ -594,9 +750,9 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         }
         archs.push(ArchReport {
             compute_capability: *cc,
-            products: products.into_iter().collect(),
-            nodes: nodes.len(),
-            nodes_with_enough_gpus: nodes.iter().filter(|c| c.enough_gpus).count(),
+            products: products.into_iter().map(str::to_string).collect(),
+            nodes,
+            nodes_with_enough_gpus,
             resolved: ev.resolved,
             violations: ev.violations,
         });
@@ -608,15 +764,17 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         .collect();
 
     if selected.is_empty() {
-        let cluster = if gpu_nodes.is_empty() {
+        let cluster = if gpu_nodes == 0 {
             format!(
                 "the cluster facts hold {} and none has GPUs",
                 plural(facts.nodes.len(), "node", "nodes")
             )
         } else {
-            let all: BTreeSet<String> = gpu_nodes
+            let all: BTreeSet<String> = sigs
+                .sigs
                 .iter()
-                .map(|n| match (n.product(), n.compute_capability()) {
+                .filter(|sig| sig.gpu_node)
+                .map(|sig| match (sig.product, sig.cc) {
                     (Some(p), Some(cc)) => format!("{p} ({cc})"),
                     (Some(p), None) => p.to_string(),
                     (None, Some(cc)) => cc.to_string(),
@@ -625,7 +783,7 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
                 .collect();
             format!(
                 "the cluster's {} have {}",
-                plural(gpu_nodes.len(), "GPU node", "GPU nodes"),
+                plural(gpu_nodes, "GPU node", "GPU nodes"),
                 all.into_iter().collect::<Vec<_>>().join(", ")
             )
         };
@@ -693,10 +851,10 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
             .filter(|a| a.resolved.is_some() && a.nodes_with_enough_gpus == 0)
             .collect();
         if !short.is_empty() {
-            let most = candidates
+            let most = candidate_sigs
                 .iter()
-                .filter(|c| short.iter().any(|a| a.compute_capability == c.cc))
-                .filter_map(|c| c.node.gpus())
+                .filter(|(sig, _)| short.iter().any(|a| Some(a.compute_capability) == sig.cc))
+                .filter_map(|(sig, _)| sig.gpus)
                 .max()
                 .unwrap_or(0);
             denials.push(denial(
@@ -762,26 +920,40 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     // KV capacity (issue 4 item 6): nodes whose GPUs cannot hold one maxModelLen request
     // are left out; none left is a denial naming the fix.
     let mut restrict_products = false;
-    let compatible: Vec<&Candidate> = match plan_capacity(spec, dtype, &compatible, &mut verdict.warnings) {
-        CapacityOutcome::NotPlanned => compatible,
-        CapacityOutcome::Denied(d) => {
-            verdict.denials.push(d);
-            return verdict;
-        }
-        CapacityOutcome::Planned {
-            fitting,
-            capacity,
-            basis,
-        } => {
-            restrict_products = fitting.len() < compatible.len();
-            verdict.capacity = Some(capacity);
-            verdict.capacity_basis = Some(basis);
-            compatible
-                .into_iter()
-                .filter(|c| fitting.contains(&c.node.name.as_str()))
-                .collect()
-        }
-    };
+    let compatible: Vec<&Candidate> =
+        match plan_capacity(spec, dtype, &compatible, &sigs.sigs, &mut verdict.warnings) {
+            CapacityOutcome::NotPlanned => compatible,
+            CapacityOutcome::Denied(d) => {
+                verdict.denials.push(d);
+                return verdict;
+            }
+            CapacityOutcome::Planned {
+                fits,
+                fitting,
+                capacity,
+                basis,
+            } => {
+                restrict_products = fitting < compatible.len();
+                verdict.capacity = Some(capacity);
+                verdict.capacity_basis = Some(basis);
+                if restrict_products {
+                    // A node stays when a node that fits has its name (names are unique in a
+                    // cluster; by name, as the per-node check always did).
+                    let names: HashSet<&str> = compatible
+                        .iter()
+                        .zip(&fits)
+                        .filter(|(_, fits)| **fits)
+                        .map(|(c, _)| c.node.name.as_str())
+                        .collect();
+                    compatible
+                        .into_iter()
+                        .filter(|c| names.contains(c.node.name.as_str()))
+                        .collect()
+                } else {
+                    compatible
+                }
+            }
+        };
     verdict.compatible_nodes = compatible.iter().map(|c| c.node.name.clone()).collect();
 
     // Warnings about what the affinity leaves out.
@@ -823,18 +995,31 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         }
     }
 
-    let products: BTreeSet<String> = compatible
+    // Signatures of the compatible nodes.
+    let mut compatible_sigs = vec![false; sigs.sigs.len()];
+    for c in &compatible {
+        compatible_sigs[c.sig] = true;
+    }
+    let compatible_sigs: Vec<&Signature> = sigs
+        .sigs
         .iter()
-        .filter_map(|c| c.node.product())
-        .map(str::to_string)
+        .zip(compatible_sigs)
+        .filter(|(_, used)| *used)
+        .map(|(sig, _)| sig)
         .collect();
+    let products: BTreeSet<&str> = compatible_sigs.iter().filter_map(|sig| sig.product).collect();
     verdict.resolved = Some(ResolvedConfig {
         kv_cache_dtype: dtype.to_string(),
         attention_backend: backend.to_string(),
         compute_capabilities: chosen_ccs.iter().rev().map(|c| c.to_string()).collect(),
-        products: products.into_iter().collect(),
+        products: products.into_iter().map(str::to_string).collect(),
     });
-    verdict.node_affinity = Some(node_affinity(spec, &compatible, &chosen_ccs, restrict_products));
+    verdict.node_affinity = Some(node_affinity(
+        spec,
+        &compatible_sigs,
+        &chosen_ccs,
+        restrict_products,
+    ));
     verdict
 }
 
@@ -844,7 +1029,7 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
 /// the compatible products when some nodes were left out for memory (`restrict_products`).
 fn node_affinity(
     spec: &InferenceDeploymentSpec,
-    compatible: &[&Candidate],
+    compatible: &[&Signature],
     ccs: &BTreeSet<ComputeCapability>,
     restrict_products: bool,
 ) -> NodeAffinity {
@@ -861,19 +1046,19 @@ fn node_affinity(
     };
     let mut terms = Vec::new();
     for cc in ccs.iter().rev() {
-        let nodes: Vec<&&Candidate> = compatible.iter().filter(|c| c.cc == *cc).collect();
-        let all_labelled = nodes
+        let sigs: Vec<&&Signature> = compatible.iter().filter(|sig| sig.cc == Some(*cc)).collect();
+        let all_labelled = sigs
             .iter()
-            .all(|c| c.node.labelled_compute_capability() == Some(*cc));
+            .all(|sig| sig.node.labelled_compute_capability() == Some(*cc));
         let mut exprs = Vec::new();
         if all_labelled {
             exprs.push(req(labels::COMPUTE_MAJOR, vec![cc.major.to_string()]));
             exprs.push(req(labels::COMPUTE_MINOR, vec![cc.minor.to_string()]));
         }
         if !all_labelled || !selected_products.is_empty() || restrict_products {
-            let mut products: BTreeSet<String> = nodes
+            let mut products: BTreeSet<String> = sigs
                 .iter()
-                .filter_map(|c| c.node.product())
+                .filter_map(|sig| sig.product)
                 .map(str::to_string)
                 .collect();
             products.extend(
@@ -900,12 +1085,16 @@ fn node_affinity(
 
 // === impl capacity ===
 
-enum CapacityOutcome<'a> {
+enum CapacityOutcome {
     /// The geometry or GPU memory is unknown here, or the planner declined (warned).
     NotPlanned,
     Denied(Denial),
     Planned {
-        fitting: Vec<&'a str>,
+        /// Per compatible node (in order): whether its GPUs hold one request (or could not
+        /// be judged).
+        fits: Vec<bool>,
+        /// How many of them do.
+        fitting: usize,
         capacity: CapacityStatus,
         basis: CapacityBasis,
     },
@@ -916,8 +1105,9 @@ fn plan_capacity<'a>(
     spec: &InferenceDeploymentSpec,
     dtype: KvCacheDtype,
     compatible: &[&Candidate<'a>],
+    sigs: &[Signature<'a>],
     warnings: &mut Vec<String>,
-) -> CapacityOutcome<'a> {
+) -> CapacityOutcome {
     let Some(g) = &spec.model.geometry else {
         return CapacityOutcome::NotPlanned;
     };
@@ -928,22 +1118,28 @@ fn plan_capacity<'a>(
             return CapacityOutcome::NotPlanned;
         }
     };
-    // (memory, product, nodes)
-    let mut groups: Vec<(u64, String, Vec<&'a str>)> = Vec::new();
+    // (memory, product of its first node, nodes), by first appearance; per signature, its
+    // group (`None`: memory unknown), computed once.
+    let mut groups: Vec<(u64, &'a str, usize)> = Vec::new();
+    let mut group_of_sig: Vec<Option<Option<usize>>> = vec![None; sigs.len()];
+    let mut group_of_node: Vec<Option<usize>> = Vec::with_capacity(compatible.len());
     let mut unknown: Vec<&'a str> = Vec::new();
     for c in compatible {
-        let name = c.node.name.as_str();
-        match c.node.gpu_memory_bytes() {
-            Some(mem) => match groups.iter_mut().find(|(m, _, _)| *m == mem) {
-                Some((_, _, nodes)) => nodes.push(name),
-                None => groups.push((
-                    mem,
-                    c.node.product().unwrap_or("unknown product").to_string(),
-                    vec![name],
-                )),
-            },
-            None => unknown.push(name),
+        let group = *group_of_sig[c.sig].get_or_insert_with(|| {
+            let mem = sigs[c.sig].node.gpu_memory_bytes()?;
+            Some(match groups.iter().position(|(m, _, _)| *m == mem) {
+                Some(g) => g,
+                None => {
+                    groups.push((mem, c.node.product().unwrap_or("unknown product"), 0));
+                    groups.len() - 1
+                }
+            })
+        });
+        match group {
+            Some(g) => groups[g].2 += 1,
+            None => unknown.push(c.node.name.as_str()),
         }
+        group_of_node.push(group);
     }
     if !unknown.is_empty() {
         warnings.push(format!(
@@ -952,22 +1148,28 @@ fn plan_capacity<'a>(
             unknown.join(", ")
         ));
     }
-    groups.sort_by_key(|(m, _, _)| *m);
-    let mut fitting: Vec<&'a str> = unknown.clone();
+    let mut by_memory: Vec<usize> = (0..groups.len()).collect();
+    by_memory.sort_by_key(|g| groups[*g].0);
+    let mut group_fits = vec![true; groups.len()];
+    let mut fitting = unknown.len();
     let mut smallest_fit: Option<(crate::plan::SpecCapacity, String)> = None;
     let mut not_fitting: Vec<(crate::plan::SpecCapacity, String, usize)> = Vec::new();
-    for (mem, product, nodes) in &groups {
-        match crate::plan::spec_capacity(spec, &geometry, *mem, dtype) {
+    for g in by_memory {
+        let (mem, product, nodes) = groups[g];
+        match crate::plan::spec_capacity(spec, &geometry, mem, dtype) {
             Ok(cap) if cap.fits_one_request => {
-                fitting.extend(nodes.iter().copied());
+                fitting += nodes;
                 if smallest_fit.is_none() {
-                    smallest_fit = Some((cap, product.clone()));
+                    smallest_fit = Some((cap, product.to_string()));
                 }
             }
-            Ok(cap) => not_fitting.push((cap, product.clone(), nodes.len())),
+            Ok(cap) => {
+                group_fits[g] = false;
+                not_fitting.push((cap, product.to_string(), nodes));
+            }
             Err(e) => {
                 warnings.push(format!("KV capacity not planned for {product}: {e}"));
-                fitting.extend(nodes.iter().copied());
+                fitting += nodes;
             }
         }
     }
@@ -994,6 +1196,10 @@ fn plan_capacity<'a>(
             notes: cap.explanation.clone(),
         };
         return CapacityOutcome::Planned {
+            fits: group_of_node
+                .iter()
+                .map(|g| g.is_none_or(|g| group_fits[g]))
+                .collect(),
             fitting,
             capacity: CapacityStatus {
                 tokens_per_replica: i64::try_from(tokens).ok(),
