@@ -8,8 +8,8 @@ TOOLS_ENV := .tools/env
 
 .PHONY: run test tools fmt fmt-check clippy unit crds crd-check bench
 
-## run: build and run kvfleet on its embedded default
-run:
+## run: build and run kvfleet on its embedded default (worker: SmolLM2 + attention engine, CPU)
+run: tools
 	$(CARGO) build --release
 	./target/release/kvfleet worker --listen 0.0.0.0:8000
 
