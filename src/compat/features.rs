@@ -25,6 +25,10 @@ pub struct ModelFeatures {
     pub mla: bool,
     /// The model's activation dtype: `bfloat16` or `float16`; what `auto` KV resolves to.
     pub model_dtype: KvCacheDtype,
+    /// Distinct GQA group sizes (query heads per KV head) across layers; empty when unknown.
+    pub gqa_groups: Vec<u32>,
+    /// The engine's KV page size in tokens (`spec.engine.blockSize`), when the caller knows it.
+    pub block_size: Option<u32>,
 }
 
 impl Default for ModelFeatures {
@@ -37,6 +41,8 @@ impl Default for ModelFeatures {
             quantized_checkpoint: false,
             mla: false,
             model_dtype: KvCacheDtype::Bfloat16,
+            gqa_groups: Vec::new(),
+            block_size: None,
         }
     }
 }
@@ -96,8 +102,22 @@ impl ModelFeatures {
         } else {
             Vec::new()
         };
+        let mut gqa_groups = Vec::new();
+        if !mla {
+            if let Some(q) = pos(g.query_heads) {
+                let mut kvs: Vec<u32> = pos(g.kv_heads).into_iter().collect();
+                if has_full {
+                    kvs.extend(g.global_kv_heads.and_then(pos));
+                }
+                gqa_groups.extend(kvs.into_iter().filter(|k| q % k == 0).map(|k| q / k));
+            }
+        }
+        gqa_groups.sort_unstable();
+        gqa_groups.dedup();
         Self {
             head_dims,
+            gqa_groups,
+            block_size: None,
             per_layer_windows: has_sliding && has_full,
             sliding_windows,
             non_causal,

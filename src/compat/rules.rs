@@ -10,6 +10,7 @@ use serde::Serialize;
 use super::cc::ComputeCapability;
 use super::features::ModelFeatures;
 use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
+use crate::worker::cuda::spec::Arch;
 
 /// Deny stops admission; Warn admits with a caveat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -137,7 +138,7 @@ const GEOMETRY: &str = "spec.model.geometry";
 const RUNTIME: &str = "spec.engine.runtime";
 
 /// Source tag of kvfleet's own rules: our kernels decide them.
-pub const KVFLEET_SOURCE: &str = "kvfleet kernels/ (our engine)";
+pub const KVFLEET_SOURCE: &str = "kvfleet kernels/attention.cu";
 
 fn head_dims(c: &Case) -> String {
     c.features
@@ -453,33 +454,65 @@ pub static KVFLEET_RULES: &[Rule] = &[
         fix: |_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string(),
     },
     Rule {
-        id: "kvfleet.cuda-needs-sm75",
+        id: "kvfleet.cuda-needs-sm80",
         runtime: Runtime::Kvfleet,
         backends: &[B::KvfleetCuda],
         severity: Severity::Deny,
         field: "spec.gpu.selector.minComputeCapability",
         reason: "UnsupportedArchitecture",
-        summary: "KVFLEET_CUDA kernels are built for compute capability 7.5 and newer",
+        summary: "KVFLEET_CUDA kernels are built for sm_80, sm_86/87, sm_89, sm_90a, sm_100a/103 and sm_120a/121 (bf16 mma.sync needs sm_80); every KV dtype (bfloat16, float16, fp8_e4m3, fp8_e5m2, nvfp4) runs on each",
         source: KVFLEET_SOURCE,
-        fires: |c| c.cc < ComputeCapability::new(7, 5),
-        cause: |_| "kvfleet's CUDA kernels need compute capability 7.5 or newer".to_string(),
-        fix: |_| "set gpu.selector.minComputeCapability to \"7.5\" or newer".to_string(),
+        fires: |c| Arch::for_capability(c.cc.major as i32, c.cc.minor as i32).is_none(),
+        cause: |c| format!(
+            "kvfleet's CUDA kernels are built for compute capability 8.0, 8.6, 8.7, 8.9, 9.0, 10.0, 10.3, 12.0 and 12.1, not {}",
+            c.cc
+        ),
+        fix: |_| "select GPUs of a supported compute capability (e.g. minComputeCapability \"8.0\"), or use attentionBackend KVFLEET_CPU or runtime vllm".to_string(),
     },
     Rule {
-        id: "kvfleet.sm75-float16-only",
+        id: "kvfleet.cuda-block-size-16",
         runtime: Runtime::Kvfleet,
         backends: &[B::KvfleetCuda],
         severity: Severity::Deny,
-        field: KV,
-        reason: "UnsupportedKvCacheDtype",
-        summary: "on sm_75 only float16 KV (bf16 mma needs sm_80; the fp8/nvfp4 software-dequant paths are built for sm_80+)",
+        field: "spec.engine.blockSize",
+        reason: "UnsupportedBlockSize",
+        summary: "KVFLEET_CUDA kernels are specialised for pages of 16 tokens",
         source: KVFLEET_SOURCE,
-        fires: |c| c.cc < ComputeCapability::new(8, 0) && c.kv() != D::Float16,
+        fires: |c| c.features.block_size.is_some_and(|b| b != 16),
         cause: |c| format!(
-            "kvCacheDtype {} is not implemented by kvfleet's kernels below compute capability 8.0 (float16 only there: bf16 mma needs sm_80)",
-            c.dtype_name()
+            "kvfleet's CUDA kernels use pages of 16 tokens; blockSize is {}",
+            c.features.block_size.unwrap_or(0)
         ),
-        fix: |_| "use float16 (or auto)".to_string(),
+        fix: |_| "set engine.blockSize to 16".to_string(),
+    },
+    Rule {
+        id: "kvfleet.cuda-gqa-groups",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda],
+        severity: Severity::Deny,
+        field: GEOMETRY,
+        reason: "UnsupportedGqaGroup",
+        summary: "KVFLEET_CUDA kernels are specialised for GQA groups of 1, 2, 4 and 8 query heads per KV head",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.features.gqa_groups.iter().any(|g| ![1, 2, 4, 8].contains(g)),
+        cause: |c| format!(
+            "kvfleet's CUDA kernels support 1, 2, 4 or 8 query heads per KV head; this model has {:?}",
+            c.features.gqa_groups
+        ),
+        fix: |_| "use attentionBackend KVFLEET_CPU or runtime vllm for this model".to_string(),
+    },
+    Rule {
+        id: "kvfleet.cuda-masks",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda],
+        severity: Severity::Deny,
+        field: "spec.engine.nonCausal",
+        reason: "UnsupportedMask",
+        summary: "KVFLEET_CUDA masks: full (non-causal), causal, causal with a sliding window; not a sliding window without the causal mask",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.features.non_causal && !c.features.sliding_windows.is_empty(),
+        cause: |_| "kvfleet's CUDA kernels apply a sliding window only together with the causal mask".to_string(),
+        fix: |_| "drop nonCausal for this sliding-window model, or use attentionBackend KVFLEET_CPU".to_string(),
     },
     Rule {
         id: "kvfleet.head-dims",

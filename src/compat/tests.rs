@@ -24,6 +24,14 @@ enum Model {
     Drafter,
     /// DeepSeek-style MLA.
     Mla,
+    /// Head dim 128 with 6 query heads per KV head (outside the CUDA kernels' groups).
+    Gqa6,
+    /// Llama served with 32-token pages.
+    Block32,
+    /// Llama with GQA 8 and 16-token pages (exactly what the kernels are specialised for).
+    Gqa8Block16,
+    /// A non-causal model with sliding-window layers.
+    SlidingEncoder,
 }
 
 fn features(m: Model) -> ModelFeatures {
@@ -56,6 +64,24 @@ fn features(m: Model) -> ModelFeatures {
         Model::Mla => ModelFeatures {
             head_dims: vec![576],
             mla: true,
+            ..base
+        },
+        Model::Gqa6 => ModelFeatures {
+            gqa_groups: vec![6],
+            ..base
+        },
+        Model::Block32 => ModelFeatures {
+            block_size: Some(32),
+            ..base
+        },
+        Model::Gqa8Block16 => ModelFeatures {
+            gqa_groups: vec![8],
+            block_size: Some(16),
+            ..base
+        },
+        Model::SlidingEncoder => ModelFeatures {
+            sliding_windows: vec![512],
+            non_causal: true,
             ..base
         },
     }
@@ -143,14 +169,20 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
 
         // --- kvfleet: our engine (kernels/)
         (K, "9.0", Llama, D::Auto, B::FlashInfer, Denied("kvfleet.backend-is-ours", "use attentionBackend auto or KVFLEET_CUDA")),
-        (K, "7.0", Llama, D::Float16, B::Auto, Denied("kvfleet.cuda-needs-sm75", "7.5 or newer")),
-        (K, "7.5", Llama, D::Bfloat16, B::Auto, Denied("kvfleet.sm75-float16-only", "use float16")),
-        (K, "7.5", Llama, D::Fp8E4m3, B::Auto, Denied("kvfleet.sm75-float16-only", "float16 only")),
-        (K, "7.5", Llama, D::Nvfp4, B::KvfleetCuda, Denied("kvfleet.sm75-float16-only", "nvfp4")),
+        (K, "7.0", Llama, D::Float16, B::Auto, Denied("kvfleet.cuda-needs-sm80", "not 7.0")),
+        (K, "7.5", Llama, D::Float16, B::Auto, Denied("kvfleet.cuda-needs-sm80", "minComputeCapability")),
+        (K, "7.5", Llama, D::Nvfp4, B::KvfleetCuda, Denied("kvfleet.cuda-needs-sm80", "8.0, 8.6")),
+        (K, "11.0", Llama, D::Auto, B::Auto, Denied("kvfleet.cuda-needs-sm80", "not 11.0")),
+        (K, "9.0", Gqa6, D::Auto, B::Auto, Denied("kvfleet.cuda-gqa-groups", "[6]")),
+        (K, "9.0", Block32, D::Auto, B::KvfleetCuda, Denied("kvfleet.cuda-block-size-16", "blockSize is 32")),
+        (K, "9.0", SlidingEncoder, D::Auto, B::Auto, Denied("kvfleet.cuda-masks", "causal mask")),
         (K, "9.0", Gemma4, D::Auto, B::Auto, Denied("kvfleet.head-dims", "this model has 256, 512")),
         (K, "9.0", Mla, D::Auto, B::Auto, Denied("kvfleet.no-mla", "use runtime vllm")),
         // kvfleet auto on every architecture; software dequant makes fp8/nvfp4 run on sm_80+
-        (K, "7.5", Llama, D::Auto, B::Auto, Runs(D::Float16, B::KvfleetCuda)),
+        (K, "9.0", Block32, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
+        (K, "9.0", Gqa6, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
+        (K, "9.0", Gqa8Block16, D::Fp8E4m3, B::Auto, Runs(D::Fp8E4m3, B::KvfleetCuda)),
+        (K, "12.1", Gqa8Block16, D::Fp8E5m2, B::Auto, Runs(D::Fp8E5m2, B::KvfleetCuda)),
         (K, "8.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "8.6", Llama, D::Fp8E4m3, B::Auto, Runs(D::Fp8E4m3, B::KvfleetCuda)),
         (K, "8.6", LlamaAwq, D::Fp8E5m2, B::Auto, Runs(D::Fp8E5m2, B::KvfleetCuda)),
@@ -159,7 +191,6 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", Drafter, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "10.0", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::KvfleetCuda)),
         (K, "10.3", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
-        (K, "11.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "12.0", Llama, D::Nvfp4, B::Auto, Runs(D::Nvfp4, B::KvfleetCuda)),
         (K, "12.1", Gemma2, D::Float16, B::Auto, Runs(D::Float16, B::KvfleetCuda)),
         (K, "9.0", Llama, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),

@@ -448,7 +448,7 @@ fn describe_archs<'a>(archs: impl IntoIterator<Item = &'a ArchReport>) -> String
 fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) -> ModelFeatures {
     let non_causal = spec.engine.non_causal;
     let quantized = spec.model.quantization.is_quantized();
-    match (&spec.model.geometry, &spec.model.config) {
+    let mut f = match (&spec.model.geometry, &spec.model.config) {
         (Some(g), _) => ModelFeatures::from_geometry(g, non_causal, quantized),
         (None, Some(cfg)) => {
             warnings.push(format!(
@@ -463,7 +463,9 @@ fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) ->
             );
             ModelFeatures::unknown(non_causal, quantized)
         }
-    }
+    };
+    f.block_size = u32::try_from(spec.engine.block_size).ok();
+    f
 }
 
 /// Valid tensorParallelSize values up to `limit` for these head counts.

@@ -420,8 +420,8 @@ fn config_map_models_are_validated_with_what_is_known_and_warned() {
 }
 
 #[test]
-fn differing_resolutions_pick_the_most_common_and_restrict_the_affinity() {
-    // kvfleet auto: float16 on 7.5, bfloat16 on 9.0; two H100 nodes beat one T4.
+fn nodes_the_kvfleet_kernels_do_not_support_are_excluded_by_the_affinity() {
+    // kvfleet auto: the CUDA kernels need sm_80+, so the T4 (7.5) is excluded, the H100s run.
     let nodes = vec![
         node("t4", "Tesla-T4", 1),
         node("h1", "NVIDIA-H100-80GB-HBM3", 8),
@@ -438,7 +438,7 @@ fn differing_resolutions_pick_the_most_common_and_restrict_the_affinity() {
     assert!(
         v.warnings
             .iter()
-            .any(|w| w.contains("nodes with 7.5 (Tesla-T4) would resolve to kvCacheDtype float16")),
+            .any(|w| w.contains("nodes with 7.5 (Tesla-T4) excluded") && w.contains("not 7.5")),
         "{:?}",
         v.warnings
     );

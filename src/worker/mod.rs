@@ -190,6 +190,12 @@ async fn mount_model(args: &WorkerArgs, registry: &prometheus::Registry) -> Resu
     }
 }
 
+/// The attention backend the engine thread runs.
+enum EngineBackend {
+    Cpu(engine::cpu::CpuBackend),
+    Cuda(Box<cuda::backend::CudaBackend>),
+}
+
 async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let metrics = match metrics::Metrics::new() {
         Ok(m) => Arc::new(m),
@@ -247,15 +253,31 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     }
     let backend = match pf.backend {
         preflight::BackendKind::Cpu => match engine::cpu::CpuBackend::new(pf.backend_config.clone()) {
-            Ok(b) => b,
+            Ok(b) => EngineBackend::Cpu(b),
             Err(error) => {
                 tracing::error!(%error, "preflight failed: cannot allocate the KV pools");
                 return ExitCode::from(exit::INCOMPATIBLE);
             }
         },
         preflight::BackendKind::Cuda => {
-            tracing::error!("preflight failed: the CUDA backend is not part of this build; use KVFLEET_CPU");
-            return ExitCode::from(exit::INCOMPATIBLE);
+            let ordinal = pf.gpu.as_ref().map_or(0, |g| g.index as usize);
+            let bc = pf.backend_config.clone();
+            let seed = cfg.seed;
+            let opened = tokio::task::spawn_blocking(move || cuda::backend::open_checked(ordinal, bc, seed))
+                .await
+                .unwrap_or_else(|e| Err(format!("CUDA preflight task failed: {e}")));
+            match opened {
+                Ok((b, lines)) => {
+                    for l in lines {
+                        tracing::info!("CUDA kernels {l}");
+                    }
+                    EngineBackend::Cuda(Box::new(b))
+                }
+                Err(error) => {
+                    tracing::error!(%error, "preflight failed: the CUDA backend cannot run; fix the GPU setup or use KVFLEET_CPU");
+                    return ExitCode::from(exit::INCOMPATIBLE);
+                }
+            }
         }
     };
     let sched = engine::scheduler::Scheduler::new(pf.scheduler.clone(), &pf.backend_config.groups);
@@ -309,7 +331,10 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let engine = std::thread::Builder::new()
         .name("kvfleet-engine".into())
         .spawn(move || {
-            let r = runner::run(backend, sched, rx, m, live, seed);
+            let r = match backend {
+                EngineBackend::Cpu(b) => runner::run(b, sched, rx, m, live, seed),
+                EngineBackend::Cuda(b) => runner::run(*b, sched, rx, m, live, seed),
+            };
             let _ = done_tx.send(r);
         });
     if let Err(error) = engine {

@@ -186,20 +186,22 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
                 )));
             };
             compat_check(cfg, g)?;
-            return Err(PreflightError::Incompatible(format!(
-                "attentionBackend KVFLEET_CUDA: this build has no CUDA backend yet (GPU {} sm_{}{}); use KVFLEET_CPU",
-                g.name, g.compute_capability.0, g.compute_capability.1
-            )));
+            BackendKind::Cuda
         }
-        AttentionBackend::Auto => {
-            if let Some(g) = &gpu {
-                warnings.push(format!(
-                    "GPU {} found but this build has no CUDA backend: running attention on the CPU",
-                    g.name
-                ));
-            }
-            BackendKind::Cpu
-        }
+        AttentionBackend::Auto => match &gpu {
+            // A GPU the kvfleet kernels support runs them; otherwise attention stays on the CPU.
+            Some(g) => match compat_check(cfg, g) {
+                Ok(()) => BackendKind::Cuda,
+                Err(e) => {
+                    warnings.push(format!(
+                        "GPU {} cannot run this config with the CUDA kernels ({e}): running attention on the CPU",
+                        g.name
+                    ));
+                    BackendKind::Cpu
+                }
+            },
+            None => BackendKind::Cpu,
+        },
         other => {
             return Err(PreflightError::Config(format!(
                 "attentionBackend {other} belongs to vLLM; the kvfleet engine runs KVFLEET_CUDA or KVFLEET_CPU (or auto)"
@@ -297,7 +299,8 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
 /// The compat rules of the kvfleet runtime for the real device (`compat::rules`).
 pub fn compat_check(cfg: &WorkerConfig, gpu: &GpuInfo) -> Result<(), PreflightError> {
     let cc = ComputeCapability::new(gpu.compute_capability.0, gpu.compute_capability.1);
-    let features = ModelFeatures::from_geometry(&cfg.geometry, cfg.engine.non_causal, false);
+    let mut features = ModelFeatures::from_geometry(&cfg.geometry, cfg.engine.non_causal, false);
+    features.block_size = u32::try_from(cfg.engine.block_size).ok();
     let eval = crate::compat::evaluate(
         Runtime::Kvfleet,
         cc,
@@ -403,6 +406,49 @@ mod tests {
             driver_version: "580".into(),
         };
         assert_eq!(compat_check(&c, &gpu), Ok(()));
+    }
+
+    fn h100() -> GpuInfo {
+        GpuInfo {
+            index: 0,
+            name: "NVIDIA H100 80GB HBM3".into(),
+            product: "NVIDIA-H100-80GB-HBM3".into(),
+            compute_capability: (9, 0),
+            memory_total_bytes: 80 << 30,
+            memory_free_bytes: 79 << 30,
+            driver_version: "580".into(),
+        }
+    }
+
+    #[test]
+    fn auto_on_a_supported_gpu_picks_the_cuda_backend_and_sizes_gpu_memory() {
+        let p = run(&WorkerConfig::embedded_default(), &Probe::Gpus(vec![h100()])).unwrap();
+        assert_eq!(p.backend, BackendKind::Cuda);
+        assert_eq!(p.memory_bytes, 80 << 30);
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.attention_backend = AttentionBackend::KvfleetCuda;
+        assert_eq!(
+            run(&c, &Probe::Gpus(vec![h100()])).unwrap().backend,
+            BackendKind::Cuda
+        );
+    }
+
+    #[test]
+    fn auto_on_a_pre_ampere_gpu_falls_back_to_the_cpu_and_explicit_cuda_is_refused() {
+        let mut t4 = h100();
+        t4.name = "Tesla T4".into();
+        t4.compute_capability = (7, 5);
+        let p = run(&WorkerConfig::embedded_default(), &Probe::Gpus(vec![t4.clone()])).unwrap();
+        assert_eq!(p.backend, BackendKind::Cpu);
+        assert!(
+            p.warnings.iter().any(|w| w.contains("Tesla T4")),
+            "{:?}",
+            p.warnings
+        );
+        let mut c = WorkerConfig::embedded_default();
+        c.engine.attention_backend = AttentionBackend::KvfleetCuda;
+        let err = run(&c, &Probe::Gpus(vec![t4])).unwrap_err();
+        assert_eq!(err.exit_code(), ExitCode::from(exit::INCOMPATIBLE));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! - [`reference`]: random scenarios, the f64 CPU reference and the acceptance bound (pure).
 //! - [`device`]: device buffers and launches; [`selftest`]: the preflight check on the real GPU.
 
+pub mod backend;
 pub mod device;
 pub mod nvrtc;
 pub mod plan;

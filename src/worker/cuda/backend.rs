@@ -1,0 +1,410 @@
+//! The engine's [`Backend`] on a GPU: KV pools of every layer on the device, activations in
+//! bf16 device buffers, and per layer one append launch and one attention launch sequence
+//! (attention, merge when split) of the kernels in `kernels/attention.cu`.
+//!
+//! `prepare` turns the engine's step plan into each layer group's CSR batch, plans the work
+//! items once per (group, specialisation) and uploads them; every layer of the step reuses
+//! them. Nothing synchronises the host until [`Backend::synchronize`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use super::device::{Gpu, Kernels, KvLayer, StepBuffers};
+use super::plan::{plan_step, CsrBatch};
+use super::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
+use super::{driver_err, CudaError};
+use crate::worker::engine::backend::{Backend, BackendError};
+use crate::worker::engine::layout::{self, BackendConfig, LayerSpec, StepPlan};
+
+fn dev(e: CudaError) -> BackendError {
+    BackendError::Device(e.to_string())
+}
+
+/// The specialisation that runs `layer` with pages of `block_size` tokens.
+pub fn spec_for(layer: &LayerSpec, block_size: usize) -> Result<KernelSpec, CudaError> {
+    let a = &layer.attn;
+    let unsupported = |what: String, supported: &'static str| CudaError::UnsupportedShape { what, supported };
+    let head_dim = HeadDim::from_usize(a.head_dim)
+        .ok_or_else(|| unsupported(format!("head_dim {}", a.head_dim), "64, 128, 256"))?;
+    let page = PageSize::from_usize(block_size)
+        .ok_or_else(|| unsupported(format!("blockSize {block_size}"), "16"))?;
+    if a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
+        return Err(unsupported(
+            format!("{} query heads over {} KV heads", a.q_heads, a.kv_heads),
+            "query heads a multiple of KV heads",
+        ));
+    }
+    let group = GroupSize::from_usize(a.group_size())
+        .ok_or_else(|| unsupported(format!("GQA group size {}", a.group_size()), "1, 2, 4, 8"))?;
+    let mask = match (a.causal, a.window) {
+        (false, None) => Mask::Full,
+        (true, None) => Mask::Causal,
+        (true, Some(_)) => Mask::CausalSliding,
+        (false, Some(_)) => {
+            return Err(unsupported(
+                "a sliding window without a causal mask".into(),
+                "full, causal, causal + sliding window",
+            ))
+        }
+    };
+    let dtype = match layer.dtype {
+        layout::KvDtype::Bf16 => KvDtype::Bf16,
+        layout::KvDtype::F16 => KvDtype::F16,
+        layout::KvDtype::Fp8E4m3 => KvDtype::Fp8E4m3,
+        layout::KvDtype::Fp8E5m2 => KvDtype::Fp8E5m2,
+        layout::KvDtype::Nvfp4 => KvDtype::Nvfp4,
+    };
+    Ok(KernelSpec {
+        dtype,
+        head_dim,
+        page,
+        group,
+        mask,
+    })
+}
+
+/// The distinct specialisations `cfg` needs (what preflight compiles and self-tests).
+pub fn specs_for(cfg: &BackendConfig) -> Result<Vec<(KernelSpec, usize)>, CudaError> {
+    let mut v: Vec<(KernelSpec, usize)> = Vec::new();
+    for l in &cfg.layers {
+        let s = (spec_for(l, cfg.block_size)?, l.attn.kv_heads);
+        if !v.contains(&s) {
+            v.push(s);
+        }
+    }
+    Ok(v)
+}
+
+struct Layer {
+    kernels: Arc<Kernels>,
+    kv: KvLayer,
+    sm_scale: f32,
+    window: i32,
+}
+
+/// One group's uploaded batch, per (specialisation, KV heads) that reads it.
+struct GroupStep {
+    slots: CudaSlice<i64>,
+    host_slots: Vec<i64>,
+    steps: HashMap<(KernelSpec, usize), StepBuffers>,
+}
+
+/// Attention on an NVIDIA GPU (sm_80 or newer) with kvfleet's kernels.
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    cfg: BackendConfig,
+    layers: Vec<Layer>,
+    groups: Vec<GroupStep>,
+    prepared: bool,
+    target_ctas: usize,
+}
+
+impl CudaBackend {
+    /// Compiles the kernels `cfg` needs for this device (cached) and allocates zeroed pools.
+    pub fn new(gpu: Arc<Gpu>, cfg: BackendConfig) -> Result<Self, BackendError> {
+        cfg.check()?;
+        let mut layers = Vec::with_capacity(cfg.layers.len());
+        for (i, l) in cfg.layers.iter().enumerate() {
+            let spec = spec_for(l, cfg.block_size).map_err(|e| BackendError::Unsupported(e.to_string()))?;
+            let kernels = gpu.kernels(&spec).map_err(dev)?;
+            let shape = cfg.pool_shape(i)?;
+            let mut kv = KvLayer::zeroed(
+                &gpu,
+                spec.dtype,
+                shape.num_blocks,
+                shape.kv_heads,
+                shape.block_size,
+                shape.head_dim,
+            )
+            .map_err(dev)?;
+            kv.k_scale = l.scales.k;
+            kv.v_scale = l.scales.v;
+            layers.push(Layer {
+                kernels,
+                kv,
+                sm_scale: l.attn.scale(),
+                window: l.attn.window.map_or(0, |w| w.min(i32::MAX as u32) as i32),
+            });
+        }
+        let target_ctas = gpu.num_sms * 2;
+        Ok(Self {
+            gpu,
+            cfg,
+            layers,
+            groups: Vec::new(),
+            prepared: false,
+            target_ctas,
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn layer_check(&self, layer: usize) -> Result<(), BackendError> {
+        if !self.prepared {
+            return Err(BackendError::NotPrepared);
+        }
+        if layer >= self.layers.len() {
+            return Err(BackendError::NoLayer {
+                layer,
+                layers: self.layers.len(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn to_i32(v: &[u32]) -> Result<Vec<i32>, BackendError> {
+    v.iter()
+        .map(|&x| i32::try_from(x).map_err(|_| BackendError::Plan(format!("index {x} exceeds i32"))))
+        .collect()
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<u16>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn config(&self) -> &BackendConfig {
+        &self.cfg
+    }
+
+    fn alloc(&mut self, elems: usize) -> Result<CudaSlice<u16>, BackendError> {
+        self.gpu
+            .stream()
+            .alloc_zeros::<u16>(elems.max(1))
+            .map_err(driver_err("allocating an activation buffer"))
+            .map_err(dev)
+    }
+
+    fn upload(&mut self, src: &[f32], dst: &mut CudaSlice<u16>) -> Result<(), BackendError> {
+        if dst.len() < src.len() {
+            return Err(BackendError::BufferTooSmall {
+                what: "destination",
+                have: dst.len(),
+                need: src.len(),
+            });
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let host: Vec<u16> = src.iter().map(|x| bf16::from_f32(*x).to_bits()).collect();
+        let mut view = dst.slice_mut(..src.len());
+        self.gpu
+            .stream()
+            .memcpy_htod(&host, &mut view)
+            .map_err(driver_err("copying activations to the device"))
+            .map_err(dev)
+    }
+
+    fn download(&mut self, src: &CudaSlice<u16>, dst: &mut [f32]) -> Result<(), BackendError> {
+        if src.len() < dst.len() {
+            return Err(BackendError::BufferTooSmall {
+                what: "source",
+                have: src.len(),
+                need: dst.len(),
+            });
+        }
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let mut host = vec![0u16; dst.len()];
+        self.gpu
+            .stream()
+            .memcpy_dtoh(&src.slice(..dst.len()), &mut host)
+            .map_err(driver_err("copying activations to the host"))
+            .map_err(dev)?;
+        self.gpu.synchronize().map_err(dev)?;
+        for (d, h) in dst.iter_mut().zip(host) {
+            *d = bf16::from_bits(h).to_f32();
+        }
+        Ok(())
+    }
+
+    fn prepare(&mut self, plan: &StepPlan) -> Result<(), BackendError> {
+        plan.check(&self.cfg).map_err(BackendError::Plan)?;
+        self.prepared = false;
+        let qo_indptr = to_i32(&plan.qo_indptr)?;
+        let mut groups = Vec::with_capacity(plan.groups.len());
+        for (g, t) in plan.groups.iter().enumerate() {
+            let batch = CsrBatch {
+                qo_indptr: qo_indptr.clone(),
+                kv_indptr: to_i32(&t.kv_indptr)?,
+                kv_indices: to_i32(&t.kv_indices)?,
+                kv_last_page_len: to_i32(&t.kv_last_page_len)?,
+                kv_first_pos: to_i32(&t.kv_first_pos)?,
+            };
+            let host_slots: Vec<i64> = t.slot_mapping.iter().map(|&s| s as i64).collect();
+            let slots = self.gpu.upload(&host_slots).map_err(dev)?;
+            let mut steps = HashMap::new();
+            for (i, l) in self.cfg.layers.iter().enumerate() {
+                if l.group != g {
+                    continue;
+                }
+                let layer = &self.layers[i];
+                let key = (layer.kernels.spec, layer.kv.kv_heads);
+                if steps.contains_key(&key) {
+                    continue;
+                }
+                let wp = plan_step(&batch, &key.0, key.1, self.target_ctas);
+                let sb = StepBuffers::upload(&self.gpu, &key.0, &layer.kv, &batch, &wp).map_err(dev)?;
+                steps.insert(key, sb);
+            }
+            groups.push(GroupStep {
+                slots,
+                host_slots,
+                steps,
+            });
+        }
+        self.groups = groups;
+        self.prepared = true;
+        Ok(())
+    }
+
+    fn append_kv(
+        &mut self,
+        layer: usize,
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+    ) -> Result<(), BackendError> {
+        self.layer_check(layer)?;
+        let g = &self.groups[self.cfg.layers[layer].group];
+        let l = &mut self.layers[layer];
+        l.kernels
+            .append(
+                self.gpu.stream(),
+                &mut l.kv,
+                k,
+                v,
+                &g.slots,
+                g.host_slots.len(),
+                &g.host_slots,
+            )
+            .map_err(dev)
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &CudaSlice<u16>,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), BackendError> {
+        self.layer_check(layer)?;
+        let g = &mut self.groups[self.cfg.layers[layer].group];
+        let l = &self.layers[layer];
+        let step = g
+            .steps
+            .get_mut(&(l.kernels.spec, l.kv.kv_heads))
+            .ok_or_else(|| BackendError::Plan("no uploaded batch for this layer".into()))?;
+        l.kernels
+            .attention(self.gpu.stream(), &l.kv, q, out, step, l.sm_scale, l.window)
+            .map_err(dev)
+    }
+
+    fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.gpu.synchronize().map_err(dev)
+    }
+}
+
+/// The worker's CUDA preflight: opens GPU `ordinal` (checking first that cudarc's libraries
+/// load), compiles the specialisations `cfg` needs for the device's architecture, runs
+/// [`super::selftest::run`] on each against the CPU reference, then allocates the pools.
+/// Returns the backend and one summary line per specialisation.
+pub fn open_checked(
+    ordinal: usize,
+    cfg: BackendConfig,
+    seed: u64,
+) -> Result<(CudaBackend, Vec<String>), String> {
+    if !super::device::driver_present() {
+        return Err(CudaError::DriverMissing.to_string());
+    }
+    let specs = specs_for(&cfg).map_err(|e| e.to_string())?;
+    let gpu = Arc::new(Gpu::open(ordinal).map_err(|e| e.to_string())?);
+    let mut lines = Vec::new();
+    for (i, (spec, kv_heads)) in specs.iter().enumerate() {
+        let k = gpu.kernels(spec).map_err(|e| e.to_string())?;
+        let c = super::selftest::run(&gpu, spec, *kv_heads, seed.wrapping_add(i as u64))
+            .map_err(|e| format!("{} on {} ({}): {e}", spec.key(), gpu.name, gpu.arch))?;
+        lines.push(format!(
+            "{} for {}: compiled in {:.2} s, self-test max error {:.2e} (bound {:.2e})",
+            spec.key(),
+            gpu.arch,
+            k.compile_seconds,
+            c.max_gpu_err,
+            c.bound
+        ));
+    }
+    let backend = CudaBackend::new(gpu, cfg).map_err(|e| e.to_string())?;
+    Ok((backend, lines))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::engine::layout::{KvScales, LayerAttn};
+
+    fn layer(q: usize, kv: usize, d: usize, causal: bool, window: Option<u32>) -> LayerSpec {
+        LayerSpec {
+            group: 0,
+            attn: LayerAttn {
+                q_heads: q,
+                kv_heads: kv,
+                head_dim: d,
+                causal,
+                window,
+                sm_scale: None,
+            },
+            dtype: layout::KvDtype::Fp8E4m3,
+            scales: KvScales::default(),
+        }
+    }
+
+    #[test]
+    fn engine_layers_map_to_their_kernel_specialisation() {
+        let s = spec_for(&layer(32, 8, 128, true, Some(4096)), 16).unwrap();
+        assert_eq!(s.key(), "attn/e4m3/d128/p16/g4/swa");
+        assert_eq!(
+            spec_for(&layer(8, 8, 64, false, None), 16).unwrap().key(),
+            "attn/e4m3/d64/p16/g1/full"
+        );
+        assert_eq!(
+            spec_for(&layer(16, 2, 256, true, None), 16).unwrap().key(),
+            "attn/e4m3/d256/p16/g8/causal"
+        );
+    }
+
+    #[test]
+    fn shapes_outside_the_kernels_are_errors_that_name_what_is_supported() {
+        for (l, bs, want) in [
+            (layer(32, 8, 96, true, None), 16, "64, 128, 256"),
+            (layer(32, 8, 128, true, None), 32, "16"),
+            (layer(48, 8, 128, true, None), 16, "1, 2, 4, 8"),
+            (layer(32, 8, 128, false, Some(128)), 16, "causal + sliding window"),
+        ] {
+            let e = spec_for(&l, bs).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_config_needs_each_distinct_specialisation_once() {
+        let cfg = BackendConfig {
+            block_size: 16,
+            groups: vec![],
+            layers: vec![
+                layer(8, 2, 64, true, Some(256)),
+                layer(8, 2, 64, true, None),
+                layer(8, 2, 64, true, Some(256)),
+                layer(8, 2, 64, true, None),
+            ],
+        };
+        let keys: Vec<String> = specs_for(&cfg).unwrap().iter().map(|(s, _)| s.key()).collect();
+        assert_eq!(keys, ["attn/e4m3/d64/p16/g4/swa", "attn/e4m3/d64/p16/g4/causal"]);
+    }
+}
