@@ -304,15 +304,24 @@ async fn run_pass(
 ) -> (Result<Action, kvfleet::controller::Error>, Vec<Seen>) {
     let handle = std::mem::replace(&mut h.handle, mock::pair::<Request<Body>, Response<Body>>().1);
     let server = tokio::spawn(serve(handle, calls));
-    let result = reconcile(Arc::new(obj), h.ctx.clone()).await;
+    let result = tokio::time::timeout(Duration::from_secs(5), reconcile(Arc::new(obj), h.ctx.clone())).await;
+    // A mismatch panics the server task: report that first, it says which request was wrong.
     let (mut handle, seen) = tokio::time::timeout(Duration::from_secs(2), server)
         .await
         .expect("mock server finished")
         .expect("mock server did not panic");
     if let Ok(Some((req, _))) = tokio::time::timeout(Duration::from_millis(100), handle.next_request()).await
     {
-        panic!("unexpected extra request {} {}", req.method(), req.uri());
+        let (parts, body) = req.into_parts();
+        let body = body.collect_bytes().await.unwrap_or_default();
+        panic!(
+            "unexpected extra request {} {}: {}",
+            parts.method,
+            parts.uri,
+            String::from_utf8_lossy(&body)
+        );
     }
+    let result = result.expect("reconcile finished within 5 s");
     h.handle = handle;
     (result, seen)
 }
@@ -760,4 +769,44 @@ async fn ready_workers_without_a_measurement_are_polled_again_soon() {
     calls.push(apply_call(STATUS));
     let (result, _) = run_pass(&mut h, guard(obj), calls).await;
     assert_eq!(result.unwrap(), Action::requeue(CAPACITY_POLL));
+}
+
+#[tokio::test]
+async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reaches_status() {
+    let mut node = gpu_node("gpu-1");
+    node.metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert(labels::MEMORY_MIB.into(), "24576".into());
+    let mut h = harness(&[node]);
+    Arc::get_mut(&mut h.ctx).unwrap().validate = kvfleet::validate::validate;
+    let mut calls = children_apply_calls(true);
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    result.unwrap();
+    let status = &seen[6].body;
+    assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
+    assert_eq!(
+        condition(status, "CapacityPlanned")["reason"],
+        "CapacityPredicted",
+        "{status}"
+    );
+    assert!(status["status"]["capacity"]["tokensPerReplica"].as_i64().unwrap() > 0);
+    let affinity = &seen[3].body["spec"]["template"]["spec"]["affinity"]["nodeAffinity"];
+    assert!(!affinity.is_null(), "pods are kept on compatible nodes");
+    let cfg =
+        kvfleet::worker::config::WorkerConfig::parse(seen[0].body["data"]["worker.yaml"].as_str().unwrap())
+            .expect("the worker accepts the rendered config");
+    assert!(cfg.resolved.is_some());
+    // The default gpuMemoryUtilization 0.9 draws the rules' warning: it becomes an Event.
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Normal".into(), "SpecApplied".into()),
+            ("Warning".into(), "AdmittedWithWarnings".into())
+        ]
+    );
 }

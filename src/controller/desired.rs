@@ -22,8 +22,10 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, Runtime};
+use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime};
+use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::{labels as gfd, Verdict};
+use crate::worker::config::{ResolvedEngine, WorkerConfig};
 
 /// Label that selects the pods of one InferenceDeployment (the scale selector).
 pub const INSTANCE_LABEL: &str = "kvfleet.io/inference-deployment";
@@ -94,6 +96,8 @@ pub enum DesiredError {
     MissingMetadata(&'static str),
     #[error("cannot render the worker config as YAML")]
     WorkerConfig(#[source] serde_yaml::Error),
+    #[error("runtime kvfleet needs spec.model.geometry inline; spec.model.config is read only by the vllm runtime")]
+    GeometryRequired,
 }
 
 /// Names of the owned objects.
@@ -167,7 +171,7 @@ pub fn desired(
 
     let (config_map, service_account, role_binding, config_hash) = match runtime {
         Runtime::Kvfleet => {
-            let yaml = worker_config_yaml(spec, verdict).map_err(DesiredError::WorkerConfig)?;
+            let yaml = worker_config_yaml(spec, verdict)?;
             let hash = format!("{:016x}", fnv1a64(yaml.as_bytes()));
             let cm = ConfigMap {
                 metadata: meta(config_map_name(&name)),
@@ -595,53 +599,40 @@ pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Strin
     args
 }
 
-/// The kvfleet worker's configuration file (`worker.yaml`): the spec with `auto` resolved.
-pub fn worker_config_yaml(
-    spec: &InferenceDeploymentSpec,
-    verdict: &Verdict,
-) -> Result<String, serde_yaml::Error> {
-    let e = &spec.engine;
+/// The kvfleet worker's configuration ([`WorkerConfig`], read by `kvfleet worker --config`):
+/// the spec's geometry and engine with the verdict's resolution of `auto`. `None` when the spec
+/// has no inline geometry (the worker needs it; see docs/controller.md).
+pub fn worker_config(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Option<WorkerConfig> {
+    let geometry = spec.model.geometry.clone()?;
     let (dtype, backend) = resolved_strings(spec, verdict);
-    let mut model = json!({
-        "name": spec.model.name,
-        "quantization": spec.model.quantization,
-    });
-    if let Some(g) = &spec.model.geometry {
-        model["geometry"] = json!(g);
-    }
-    if spec.model.config.is_some() {
-        model["configPath"] = json!(format!("{MODEL_CONFIG_DIR}/config.json"));
-    }
-    if let Some(w) = &spec.model.weight_bytes {
-        model["weightBytes"] = json!(w);
-    }
-    if let Some(w) = &spec.model.weights {
-        let path = match (&w.pvc_name, &w.path) {
-            (Some(_), Some(p)) => Some(format!("{WEIGHTS_DIR}/{}", p.trim_start_matches('/'))),
-            (Some(_), None) => Some(WEIGHTS_DIR.to_string()),
-            (None, p) => p.clone(),
-        };
-        model["weights"] = json!({ "format": w.format, "path": path });
-    }
-    let doc = json!({
-        "apiVersion": "kvfleet.io/v1alpha1",
-        "kind": "WorkerConfig",
-        "model": model,
-        "engine": {
-            "kvCacheDtype": dtype,
-            "attentionBackend": backend,
-            "maxModelLen": e.max_model_len,
-            "maxNumSeqs": e.max_num_seqs,
-            "maxNumBatchedTokens": e.max_num_batched_tokens,
-            "blockSize": e.block_size,
-            "gpuMemoryUtilization": e.gpu_memory_utilization,
-            "tensorParallelSize": e.tensor_parallel_size,
-            "nonCausal": e.non_causal,
-        },
-        "server": { "port": HTTP_PORT },
-        "capacity": { "podAnnotation": MEASURED_TOKENS_ANNOTATION },
-    });
-    serde_yaml::to_string(&doc)
+    let resolved = match (dtype.parse::<KvCacheDtype>(), backend.parse::<AttentionBackend>()) {
+        (Ok(kv_cache_dtype), Ok(attention_backend)) => Some(ResolvedEngine {
+            kv_cache_dtype,
+            attention_backend,
+        }),
+        _ => None,
+    };
+    Some(WorkerConfig {
+        model_name: spec.model.name.clone(),
+        geometry,
+        weight_bytes: spec
+            .model
+            .weight_bytes
+            .as_ref()
+            .and_then(|q| parse_quantity_bytes(&q.0).ok())
+            .unwrap_or(0),
+        engine: spec.engine.clone(),
+        resolved,
+        activation_reserve_bytes: None,
+        cpu_memory_bytes: None,
+        seed: 0,
+    })
+}
+
+/// `worker.yaml`: [`worker_config`] as YAML.
+pub fn worker_config_yaml(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Result<String, DesiredError> {
+    let cfg = worker_config(spec, verdict).ok_or(DesiredError::GeometryRequired)?;
+    serde_yaml::to_string(&cfg).map_err(DesiredError::WorkerConfig)
 }
 
 /// FNV-1a, 64 bit: a hash that stays the same across Rust releases (unlike `DefaultHasher`),
@@ -791,14 +782,18 @@ spec:
         let cm = d.config_map.as_ref().unwrap();
         assert_eq!(cm.metadata.name.as_deref(), Some("llama-config"));
         let yaml = &cm.data.as_ref().unwrap()[WORKER_CONFIG_KEY];
-        let doc: serde_json::Value = serde_yaml::from_str(yaml).unwrap();
+        let cfg = WorkerConfig::parse(yaml).expect("the worker accepts what the controller renders");
+        let r = cfg.resolved.unwrap();
         assert_eq!(
-            doc["engine"]["kvCacheDtype"], "bfloat16",
+            r.kv_cache_dtype,
+            KvCacheDtype::Bfloat16,
             "auto resolved by the verdict"
         );
-        assert_eq!(doc["engine"]["attentionBackend"], "KVFLEET_CUDA");
-        assert_eq!(doc["engine"]["tensorParallelSize"], 2);
-        assert_eq!(doc["model"]["geometry"]["kvHeads"], 8);
+        assert_eq!(r.attention_backend, AttentionBackend::KvfleetCuda);
+        assert_eq!(cfg.engine.tensor_parallel_size, 2);
+        assert_eq!(cfg.geometry.kv_heads, 8);
+        assert_eq!(cfg.weight_bytes, 16 << 30);
+        assert_eq!(cfg.model_name, "meta-llama/Llama-3.1-8B-Instruct");
         let c = container(&d);
         assert_eq!(c.command.unwrap(), vec!["kvfleet"]);
         assert_eq!(

@@ -23,7 +23,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
-use crate::validate::{ClusterFacts, NodeFacts, Verdict};
+use crate::validate::{ClusterFacts, Denial, NodeFacts, Verdict};
 
 use super::desired::{self, MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
 use super::metrics::Metrics;
@@ -43,9 +43,15 @@ pub type ValidateFn = fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict;
 /// Spec + admitting verdict -> predicted KV capacity; `None` when it cannot be planned.
 pub type PredictFn = fn(&InferenceDeploymentSpec, &Verdict) -> Option<CapacityPrediction>;
 
-/// Until the planner lands there is no prediction; status says so (`PlannerUnavailable`).
-pub fn no_prediction(_spec: &InferenceDeploymentSpec, _verdict: &Verdict) -> Option<CapacityPrediction> {
-    None
+/// The planner's prediction carried by the verdict (`validate::` calls `plan::`); `None` when
+/// it could not plan (status says `PlannerUnavailable`).
+pub fn verdict_capacity(_spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Option<CapacityPrediction> {
+    let c = verdict.capacity.as_ref()?;
+    Some(CapacityPrediction {
+        tokens_per_replica: c.tokens_per_replica?,
+        max_concurrency: c.max_concurrency.unwrap_or(0.0),
+        vllm_tokens_per_replica: c.vllm_tokens_per_replica,
+    })
 }
 
 /// Shared by every reconcile pass.
@@ -84,7 +90,7 @@ impl Context {
             settings,
             metrics,
             validate: crate::validate::validate,
-            predict: no_prediction,
+            predict: verdict_capacity,
             failures: Mutex::new(HashMap::new()),
         }
     }
@@ -247,7 +253,14 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         )))?;
     let name = obj.name_any();
     let facts = ctx.cluster_facts();
-    let verdict = (ctx.validate)(&obj.spec, &facts);
+    let mut verdict = (ctx.validate)(&obj.spec, &facts);
+    if verdict.allowed() && obj.spec.engine.runtime == Runtime::Kvfleet && obj.spec.model.geometry.is_none() {
+        verdict.denials.push(Denial {
+            field: "spec.model.geometry".into(),
+            reason: "GeometryRequired".into(),
+            message: desired::DesiredError::GeometryRequired.to_string(),
+        });
+    }
 
     let mut prediction = None;
     let mut measured = None;
