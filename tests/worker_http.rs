@@ -51,6 +51,8 @@ fn start(args: &[&str]) -> Worker {
     let listen = format!("127.0.0.1:{port}");
     let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
         .arg("worker")
+        // The attention engine alone: the embedded language model has its own test.
+        .arg("--no-model")
         .args(["--listen", &listen])
         .args(args)
         .stdout(Stdio::null())
