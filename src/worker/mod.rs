@@ -21,6 +21,7 @@ pub mod http;
 pub mod metrics;
 pub mod nvml;
 pub mod preflight;
+pub mod publish;
 pub mod runner;
 
 use config::WorkerConfig;
@@ -299,6 +300,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         predicted_capacity_tokens: pf.pools.capacity_tokens,
         pools: pf.pools.clone(),
     };
+    let measured_tokens = info.capacity_tokens as u64;
     metrics.capacity_tokens.set(info.capacity_tokens as i64);
     metrics
         .predicted_capacity_tokens
@@ -346,6 +348,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     }
     state.ready.store(true, Ordering::SeqCst);
     tracing::info!(%addr, "ready");
+    tokio::spawn(publish::publish_measured_capacity(measured_tokens));
 
     let mut code = ExitCode::SUCCESS;
     let mut done_rx = done_rx;
