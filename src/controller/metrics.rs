@@ -136,3 +136,100 @@ pub async fn serve(
         .with_graceful_shutdown(shutdown)
         .await
 }
+
+/// `kvfleet_inferencedeployment_condition{namespace,inferencedeployment,type,status}`: 1 for
+/// each condition's current status, 0 for its other statuses. Computed at scrape time from the
+/// controller's own cache, so a deleted object leaves no stale series behind.
+pub struct ConditionCollector {
+    store: kube::runtime::reflector::Store<kube::core::DeserializeGuard<crate::api::InferenceDeployment>>,
+    desc: Vec<prometheus::core::Desc>,
+}
+
+const CONDITION_METRIC: &str = "kvfleet_inferencedeployment_condition";
+const CONDITION_HELP: &str = "Status conditions of each InferenceDeployment (1 = current status)";
+const CONDITION_LABELS: [&str; 4] = ["namespace", "inferencedeployment", "type", "status"];
+
+impl ConditionCollector {
+    pub fn new(
+        store: kube::runtime::reflector::Store<kube::core::DeserializeGuard<crate::api::InferenceDeployment>>,
+    ) -> Result<Self, prometheus::Error> {
+        let gauge =
+            prometheus::IntGaugeVec::new(Opts::new(CONDITION_METRIC, CONDITION_HELP), &CONDITION_LABELS)?;
+        let desc = prometheus::core::Collector::desc(&gauge)
+            .into_iter()
+            .cloned()
+            .collect();
+        Ok(Self { store, desc })
+    }
+}
+
+impl prometheus::core::Collector for ConditionCollector {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.desc.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let Ok(gauge) =
+            prometheus::IntGaugeVec::new(Opts::new(CONDITION_METRIC, CONDITION_HELP), &CONDITION_LABELS)
+        else {
+            return Vec::new();
+        };
+        for guard in self.store.state() {
+            // A malformed object has no conditions we could trust.
+            let Ok(obj) = guard.0.as_ref() else { continue };
+            let ns = obj.metadata.namespace.as_deref().unwrap_or_default();
+            let name = obj.metadata.name.as_deref().unwrap_or_default();
+            for c in obj.status.iter().flat_map(|s| s.conditions.iter()) {
+                for status in ["True", "False", "Unknown"] {
+                    gauge
+                        .with_label_values(&[ns, name, c.type_.as_str(), status])
+                        .set(i64::from(c.status == status));
+                }
+            }
+        }
+        prometheus::core::Collector::collect(&gauge)
+    }
+}
+
+#[cfg(test)]
+mod condition_tests {
+    use super::*;
+    use kube::runtime::{reflector, watcher};
+
+    #[test]
+    fn conditions_are_exported_from_the_cache_and_vanish_with_the_object() {
+        let (store, mut writer) =
+            reflector::store::<kube::core::DeserializeGuard<crate::api::InferenceDeployment>>();
+        let obj: crate::api::InferenceDeployment = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": "llama", "namespace": "ml"},
+            "spec": {"model": {"name": "m", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 1, "headDim": 64}}},
+            "status": {"conditions": [{"type": "Compatible", "status": "False", "reason": "NoCompatibleNode",
+                "message": "m", "lastTransitionTime": "2026-11-22T00:00:00Z"}]}
+        }))
+        .unwrap();
+        let obj = kube::core::DeserializeGuard(Ok(obj));
+        writer.apply_watcher_event(&watcher::Event::Apply(obj.clone()));
+        let registry = Registry::new();
+        registry
+            .register(Box::new(ConditionCollector::new(store).unwrap()))
+            .unwrap();
+        let text = {
+            let mut buf = Vec::new();
+            TextEncoder::new().encode(&registry.gather(), &mut buf).unwrap();
+            String::from_utf8(buf).unwrap()
+        };
+        assert!(text.contains(
+            r#"kvfleet_inferencedeployment_condition{inferencedeployment="llama",namespace="ml",status="False",type="Compatible"} 1"#
+        ), "{text}");
+        assert!(text.contains(
+            r#"kvfleet_inferencedeployment_condition{inferencedeployment="llama",namespace="ml",status="True",type="Compatible"} 0"#
+        ), "{text}");
+        writer.apply_watcher_event(&watcher::Event::Delete(obj));
+        let families = registry.gather();
+        assert!(
+            families.iter().all(|f| f.get_metric().is_empty()),
+            "stale series after deletion"
+        );
+    }
+}

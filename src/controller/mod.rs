@@ -232,7 +232,10 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         }
     };
     tracing::info!("reconciling InferenceDeployments");
-    Controller::new(ids, watcher::Config::default())
+    let controller = Controller::new(ids, watcher::Config::default());
+    let conditions = metrics::ConditionCollector::new(controller.store()).map_err(Error::Metrics)?;
+    registry.register(Box::new(conditions)).map_err(Error::Metrics)?;
+    controller
         .with_config(ControllerConfig::default().concurrency(args.concurrency))
         .owns(Api::<Deployment>::all(client.clone()), owned.clone())
         .owns(Api::<Service>::all(client.clone()), owned.clone())
