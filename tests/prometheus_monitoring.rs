@@ -16,6 +16,9 @@ use serde_json::Value;
 
 // === tools ===
 
+mod tools_support;
+use tools_support::find_tool;
+
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
@@ -23,34 +26,12 @@ fn repo() -> &'static Path {
 const INSTALL_PROMETHEUS: &str = "install the Debian package `prometheus` (apt-get install -y prometheus; \
      `.ci/install-tools` does it) and stop the service it may start, or point the variable at the binary";
 
-fn find_tool(env_var: &str, name: &str) -> PathBuf {
-    if let Some(path) = std::env::var_os(env_var) {
-        let path = PathBuf::from(path);
-        assert!(
-            path.is_file(),
-            "{env_var}={} does not exist; {INSTALL_PROMETHEUS}",
-            path.display()
-        );
-        return path;
-    }
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
-    dirs.push(repo().join(".tools/bin"));
-    dirs.into_iter()
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!("`{name}` not found (set {env_var} or put it on PATH): {INSTALL_PROMETHEUS}")
-        })
-}
-
 fn promtool() -> PathBuf {
-    find_tool("KVFLEET_PROMTOOL", "promtool")
+    find_tool("KVFLEET_PROMTOOL", "promtool", INSTALL_PROMETHEUS)
 }
 
 fn prometheus() -> PathBuf {
-    find_tool("KVFLEET_PROMETHEUS", "prometheus")
+    find_tool("KVFLEET_PROMETHEUS", "prometheus", INSTALL_PROMETHEUS)
 }
 
 fn rules_file() -> PathBuf {

@@ -84,6 +84,30 @@ where
     }
 }
 
+/// Resolves on SIGTERM (what the kubelet sends) or ctrl-c; shared by every long-lived mode.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
 /// `error: cause: cause` on one line.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut out = error.to_string();

@@ -131,7 +131,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
-        shutdown_signal().await;
+        crate::cli::shutdown_signal().await;
         tracing::info!("shutdown requested");
         let _ = stop_tx.send(true);
     });
@@ -353,26 +353,4 @@ async fn refresh_monitor(ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
 fn default_identity() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "kvfleet-controller".into());
     format!("{host}-{:08x}", rand::random::<u32>())
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

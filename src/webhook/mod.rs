@@ -240,32 +240,10 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
     let result = tokio::select! {
         r = &mut https => r.map_err(|e| Error::Server("admission", std::io::Error::other(e))).and_then(|r| r.map_err(|e| Error::Server("admission", e))),
         r = &mut health => r.map_err(|e| Error::Server("health", std::io::Error::other(e))).and_then(|r| r.map_err(|e| Error::Server("health", e))),
-        () = shutdown_signal() => Ok(()),
+        () = crate::cli::shutdown_signal() => Ok(()),
     };
     // Let in-flight reviews finish; the API server retries on its own timeout anyway.
     https_handle.graceful_shutdown(Some(Duration::from_secs(5)));
     health_handle.graceful_shutdown(Some(Duration::from_secs(5)));
     result
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-    tracing::info!("shutting down");
 }

@@ -137,29 +137,6 @@ pub fn main(args: WorkerArgs) -> ExitCode {
     rt.block_on(serve(args, cfg))
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
-}
-
 /// The OpenAI-compatible routes of the model, when there is one: `--model FILE`, else the
 /// embedded SmolLM2 when `.tools/` holds it. An explicit model that cannot load is fatal.
 async fn mount_model(args: &WorkerArgs, registry: &prometheus::Registry) -> Result<axum::Router, ExitCode> {
@@ -353,7 +330,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let mut code = ExitCode::SUCCESS;
     let mut done_rx = done_rx;
     tokio::select! {
-        _ = shutdown_signal() => {
+        _ = crate::cli::shutdown_signal() => {
             tracing::info!("shutdown requested");
             state.ready.store(false, Ordering::SeqCst);
             let tx = state.commands.lock().ok().and_then(|mut c| c.take());
