@@ -211,6 +211,9 @@ fn main() {
             }
         }
         line += &format!("  max|err| {err:.1e}");
+        if let Ok((regs, spill, ctas)) = gpu.kernels(&s).and_then(|k| k.attention_resources(true)) {
+            line += &format!("  [{regs} regs, {spill} B spilled, {ctas} CTAs/SM]");
+        }
         json.insert(
             name.clone(),
             serde_json::json!({"us": ms * 1e3, "GBps": gbs, "max_err": err}),

@@ -32,6 +32,7 @@ constexpr int DT_E5M2 = 3;
 constexpr int DT_NVFP4 = 4;
 
 constexpr int NTHREADS = 128;
+
 constexpr int D = HEAD_DIM;
 constexpr bool KV16 = (KV_DTYPE == DT_BF16 || KV_DTYPE == DT_F16);
 // Tensor-core operand type: bf16 only when the cache is bf16; fp8/nvfp4 dequantize exactly to f16.
@@ -42,10 +43,11 @@ constexpr int LDS = D + 8;
 constexpr int ROW_BYTES = KV16 ? D * 2 : (KV_DTYPE == DT_NVFP4 ? D / 2 : D);
 constexpr int SCALE_BYTES = (KV_DTYPE == DT_NVFP4) ? D / 16 : 0;
 constexpr int TILE16_BYTES = TILE_KEYS * LDS * 2;
-constexpr int RAW_BYTES = TILE_KEYS * (ROW_BYTES + SCALE_BYTES);
+// Smem row stride of raw (quantized) key rows, in bytes: +16 keeps ldmatrix rows on distinct banks.
+constexpr int RAW_LD = ROW_BYTES + 16;
+constexpr int RAW_BYTES = TILE_KEYS * (RAW_LD + SCALE_BYTES);
 constexpr int STAGE_BYTES = KV16 ? 2 * TILE16_BYTES : 2 * RAW_BYTES;
-constexpr int CONVERTED_BYTES = KV16 ? 0 : 2 * TILE16_BYTES;
-constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + CONVERTED_BYTES;
+constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
 // After the key loop each warp dumps (m, l, O) for its 16 rows; this aliases the pipeline.
 constexpr int DUMP_LD = D + 4;
 constexpr int DUMP_BYTES = 4 * 16 * DUMP_LD * 4 + 2 * 4 * 16 * 4;
@@ -107,6 +109,10 @@ __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2,
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(u32 addr, u32& r0, u32& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
@@ -189,6 +195,68 @@ __device__ __forceinline__ void e2m1x8_to_f16(u32 w, u32* out) {
   out[3] = __byte_perm(hb_hi, 0u, 0x3424);
 }
 
+// Byte pairs (0, 2) and (1, 3) of a word as two f16x2 words (fp8 V fragments after ldmatrix.trans).
+__device__ __forceinline__ void fp8_pairs_to_f16(u32 w, u32& even, u32& odd) {
+  if constexpr (KV_DTYPE == DT_E4M3) {
+    even = e4m3x2_to_f16x2(static_cast<unsigned short>(__byte_perm(w, 0u, 0x0020)));
+    odd = e4m3x2_to_f16x2(static_cast<unsigned short>(__byte_perm(w, 0u, 0x0031)));
+  } else {
+    even = __byte_perm(w, 0u, 0x2404);
+    odd = __byte_perm(w, 0u, 0x3414);
+  }
+}
+
+// Four fp8 in a word (bytes 0..3) into two f16x2 words: (0, 1) and (2, 3).
+__device__ __forceinline__ void fp8x4_to_f16(u32 w, u32& lo, u32& hi) {
+  if constexpr (KV_DTYPE == DT_E4M3) {
+    e4m3x4_to_f16(w, lo, hi);
+  } else {
+    e5m2x4_to_f16(w, lo, hi);
+  }
+}
+
+// Nibbles a0..a3 (low half) and b0..b3 (high half) of a word reordered to a0 b0 a1 b1 a2 b2 a3 b3.
+__device__ __forceinline__ u32 interleave_nibbles(u32 w) {
+  u32 a = w & 0xffffu, b = w >> 16;
+  a = (a | (a << 8)) & 0x00ff00ffu;
+  a = (a | (a << 4)) & 0x0f0f0f0fu;
+  b = (b | (b << 8)) & 0x00ff00ffu;
+  b = (b | (b << 4)) & 0x0f0f0f0fu;
+  return a | (b << 4);
+}
+
+// Two e4m3 block scales as one f16x2 (exact).
+__device__ __forceinline__ __half2 scale_pair(u8 lo, u8 hi) {
+  __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(static_cast<unsigned short>(lo) | (static_cast<unsigned short>(hi) << 8)),
+      __NV_E4M3);
+  return *reinterpret_cast<__half2*>(&r);
+}
+
+__device__ __forceinline__ u32 hmul2_u32(u32 a, __half2 s) {
+  __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a), s);
+  return *reinterpret_cast<u32*>(&v);
+}
+
+// Quantized caches are dequantized in registers, straight from the raw tile, with the head
+// dimension permuted so each thread's ldmatrix fragment is its mma operand (a dot product and
+// the output are invariant under a permutation applied to Q, K and V alike; the output columns are
+// put back in place when they are written).
+// Q K^T: the first element of A fragment pair (k-step ks, column pair c) lives at physical column
+// q_col(ks, c); its partner (logical k + 8) at q_col + Q_A2_OFF.
+__device__ __forceinline__ int q_col(int ks, int c) {
+  if constexpr (KV16) return ks * 16 + c * 2;
+  else if constexpr (KV_DTYPE == DT_NVFP4) return (ks >> 1) * 32 + c * 8 + (ks & 1) * 4;
+  else return ks * 16 + c * 4;
+}
+constexpr int Q_A2_OFF = KV16 ? 8 : 2;
+// P V: the physical output column of logical n-tile dt, column n.
+__device__ __forceinline__ int o_col(int dt, int n) {
+  if constexpr (KV16) return dt * 8 + n;
+  else if constexpr (KV_DTYPE == DT_NVFP4) return (dt >> 2) * 32 + n * 4 + (dt & 3);
+  else return (dt >> 1) * 16 + n * 2 + (dt & 1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The attention CTA. WQ warps along query rows, WK warps along keys (split-KV inside the CTA).
 
@@ -239,9 +307,9 @@ __device__ __forceinline__ void attention_cta(
           q + (static_cast<size_t>(qo0 + (valid ? tok : 0)) * q_heads + kvh * GROUP + g) * D);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const int col = ks * 16 + (lane & 3) * 2;
+        const int col = q_col(ks, lane & 3);
         qf[ks][h] = valid ? q_pair(src[col / 2]) : 0u;
-        qf[ks][h + 2] = valid ? q_pair(src[(col + 8) / 2]) : 0u;
+        qf[ks][h + 2] = valid ? q_pair(src[(col + Q_A2_OFF) / 2]) : 0u;
       }
     }
   }
@@ -261,7 +329,6 @@ __device__ __forceinline__ void attention_cta(
   }
 
   const int n_tiles = ke > kb ? (ke - kb + TILE_KEYS - 1) / TILE_KEYS : 0;
-  char* conv = smem + STAGES * STAGE_BYTES;  // converted f16 tiles (quantized caches only)
 
   auto issue_tile = [&](int t) {
     char* st = smem + (t % STAGES) * STAGE_BYTES;
@@ -279,13 +346,13 @@ __device__ __forceinline__ void attention_cta(
         cp_async16(smem_addr(st + key * LDS * 2 + part * 16), k_cache + off, valid);
         cp_async16(smem_addr(st + TILE16_BYTES + key * LDS * 2 + part * 16), v_cache + off, valid);
       } else {
-        cp_async16(smem_addr(st + key * ROW_BYTES + part * 16), k_cache + off, valid);
-        cp_async16(smem_addr(st + RAW_BYTES + key * ROW_BYTES + part * 16), v_cache + off, valid);
+        cp_async16(smem_addr(st + key * RAW_LD + part * 16), k_cache + off, valid);
+        cp_async16(smem_addr(st + RAW_BYTES + key * RAW_LD + part * 16), v_cache + off, valid);
         if constexpr (SCALE_BYTES > 0) {
           if (part == 0) {
             const size_t soff = row * SCALE_BYTES;
-            char* sk = st + TILE_KEYS * ROW_BYTES + key * SCALE_BYTES;
-            char* sv = st + RAW_BYTES + TILE_KEYS * ROW_BYTES + key * SCALE_BYTES;
+            char* sk = st + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
+            char* sv = st + RAW_BYTES + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
             if constexpr (SCALE_BYTES == 16) {
               cp_async16(smem_addr(sk), k_bscale + soff, valid);
               cp_async16(smem_addr(sv), v_bscale + soff, valid);
@@ -293,65 +360,6 @@ __device__ __forceinline__ void attention_cta(
               cp_async_small<SCALE_BYTES>(smem_addr(sk), k_bscale + soff, valid);
               cp_async_small<SCALE_BYTES>(smem_addr(sv), v_bscale + soff, valid);
             }
-          }
-        }
-      }
-    }
-  };
-
-  // Quantized caches: raw stage -> f16 tiles, exact, in shared memory.
-  auto convert_tile = [&](const char* st) {
-#pragma unroll
-    for (int kv = 0; kv < 2; ++kv) {
-      const char* raw = st + kv * RAW_BYTES;
-      char* dst = conv + kv * TILE16_BYTES;
-      if constexpr (KV_DTYPE == DT_E4M3 || KV_DTYPE == DT_E5M2) {
-        constexpr int CPK = D / 16;
-#pragma unroll 2
-        for (int c = tid; c < TILE_KEYS * CPK; c += NTHREADS) {
-          const int key = c / CPK, part = c % CPK;
-          const uint4 w = *reinterpret_cast<const uint4*>(raw + key * D + part * 16);
-          uint4 a, b;
-          if constexpr (KV_DTYPE == DT_E4M3) {
-            e4m3x4_to_f16(w.x, a.x, a.y);
-            e4m3x4_to_f16(w.y, a.z, a.w);
-            e4m3x4_to_f16(w.z, b.x, b.y);
-            e4m3x4_to_f16(w.w, b.z, b.w);
-          } else {
-            e5m2x4_to_f16(w.x, a.x, a.y);
-            e5m2x4_to_f16(w.y, a.z, a.w);
-            e5m2x4_to_f16(w.z, b.x, b.y);
-            e5m2x4_to_f16(w.w, b.z, b.w);
-          }
-          uint4* out = reinterpret_cast<uint4*>(dst + key * LDS * 2 + part * 32);
-          out[0] = a;
-          out[1] = b;
-        }
-      } else {
-        // nvfp4: 16 bytes = 32 values = two scale blocks.
-        constexpr int CPK = D / 32;
-        const u8* scales = reinterpret_cast<const u8*>(raw + TILE_KEYS * ROW_BYTES);
-#pragma unroll 2
-        for (int c = tid; c < TILE_KEYS * CPK; c += NTHREADS) {
-          const int key = c / CPK, part = c % CPK;
-          const uint4 w = *reinterpret_cast<const uint4*>(raw + key * ROW_BYTES + part * 16);
-          const u32 words[4] = {w.x, w.y, w.z, w.w};
-          uint4* out = reinterpret_cast<uint4*>(dst + key * LDS * 2 + part * 64);
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) {
-            const unsigned short sb = scales[key * SCALE_BYTES + part * 2 + blk];
-            __half2_raw sr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(sb | (sb << 8)), __NV_E4M3);
-            const __half2 s2 = *reinterpret_cast<__half2*>(&sr);
-            u32 outw[8];
-            e2m1x8_to_f16(words[blk * 2], outw);
-            e2m1x8_to_f16(words[blk * 2 + 1], outw + 4);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              __half2 v = __hmul2(*reinterpret_cast<__half2*>(&outw[i]), s2);
-              outw[i] = *reinterpret_cast<u32*>(&v);
-            }
-            out[blk * 2] = make_uint4(outw[0], outw[1], outw[2], outw[3]);
-            out[blk * 2 + 1] = make_uint4(outw[4], outw[5], outw[6], outw[7]);
           }
         }
       }
@@ -370,17 +378,8 @@ __device__ __forceinline__ void attention_cta(
     cp_async_wait<STAGES - 1>();
     __syncthreads();
     const char* st = smem + (t % STAGES) * STAGE_BYTES;
-    const char* kt;
-    const char* vt;
-    if constexpr (KV16) {
-      kt = st;
-      vt = st + TILE16_BYTES;
-    } else {
-      convert_tile(st);
-      __syncthreads();
-      kt = conv;
-      vt = conv + TILE16_BYTES;
-    }
+    const char* kt = st;
+    const char* vt = st + (KV16 ? TILE16_BYTES : RAW_BYTES);
     const int kstart = kb + t * TILE_KEYS;
     const int key0 = wk * NKW;
 
@@ -389,14 +388,67 @@ __device__ __forceinline__ void attention_cta(
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      const int key = key0 + nt * 8 + (lane & 7);  // the row this lane addresses
+      if constexpr (KV16) {
 #pragma unroll
-      for (int kk = 0; kk < KS / 2; ++kk) {
-        u32 b0, b1, b2, b3;
-        const int key = key0 + nt * 8 + (lane & 7);
-        const int col = kk * 32 + (lane >> 3) * 8;
-        ldmatrix_x4(smem_addr(kt + (key * LDS + col) * 2), b0, b1, b2, b3);
-        mma16816(s[nt], qf[2 * kk], b0, b1);
-        mma16816(s[nt], qf[2 * kk + 1], b2, b3);
+        for (int kk = 0; kk < KS / 2; ++kk) {
+          u32 b0, b1, b2, b3;
+          const int col = kk * 32 + (lane >> 3) * 8;
+          ldmatrix_x4(smem_addr(kt + (key * LDS + col) * 2), b0, b1, b2, b3);
+          mma16816(s[nt], qf[2 * kk], b0, b1);
+          mma16816(s[nt], qf[2 * kk + 1], b2, b3);
+        }
+      } else if constexpr (KV_DTYPE == DT_NVFP4) {
+        // One 8x16-byte matrix = 8 keys x 32 values = two k-steps; this thread's key is lane / 4.
+        const u8* ksc = reinterpret_cast<const u8*>(kt + TILE_KEYS * RAW_LD) +
+                        (key0 + nt * 8 + (lane >> 2)) * SCALE_BYTES + ((lane & 3) >> 1);
+#pragma unroll
+        for (int kk = 0; kk < D / 128; ++kk) {
+          u32 r[4];
+          ldmatrix_x4(smem_addr(kt + key * RAW_LD + (kk * 4 + (lane >> 3)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int j = kk * 4 + i;
+            const u8 sb = ksc[2 * j];
+            const __half2 s2 = scale_pair(sb, sb);
+            u32 w[4];
+            e2m1x8_to_f16(r[i], w);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) w[e] = hmul2_u32(w[e], s2);
+            mma16816(s[nt], qf[2 * j], w[0], w[1]);
+            mma16816(s[nt], qf[2 * j + 1], w[2], w[3]);
+          }
+        }
+        if constexpr (D % 128 != 0) {  // head_dim 64: two matrices
+          u32 r0, r1;
+          ldmatrix_x2(smem_addr(kt + key * RAW_LD + ((D / 128) * 4 + ((lane >> 3) & 1)) * 16), r0, r1);
+          const u32 rr[2] = {r0, r1};
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int j = (D / 128) * 4 + i;
+            const u8 sb = ksc[2 * j];
+            const __half2 s2 = scale_pair(sb, sb);
+            u32 w[4];
+            e2m1x8_to_f16(rr[i], w);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) w[e] = hmul2_u32(w[e], s2);
+            mma16816(s[nt], qf[2 * j], w[0], w[1]);
+            mma16816(s[nt], qf[2 * j + 1], w[2], w[3]);
+          }
+        }
+      } else {
+        // fp8: one 8x16-byte matrix = 8 keys x 16 values = one k-step.
+#pragma unroll
+        for (int kk = 0; kk < KS / 4; ++kk) {
+          u32 r[4];
+          ldmatrix_x4(smem_addr(kt + key * RAW_LD + (kk * 4 + (lane >> 3)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            u32 b0, b1;
+            fp8x4_to_f16(r[i], b0, b1);
+            mma16816(s[nt], qf[kk * 4 + i], b0, b1);
+          }
+        }
       }
     }
 
@@ -448,14 +500,55 @@ __device__ __forceinline__ void attention_cta(
       a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
       a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const int key = key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row this lane addresses
+      if constexpr (KV16) {
 #pragma unroll
-      for (int dt = 0; dt < DT; dt += 2) {
-        u32 b0, b1, b2, b3;
-        const int key = key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int col = dt * 8 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(smem_addr(vt + (key * LDS + col) * 2), b0, b1, b2, b3);
-        mma16816(acc[dt], a, b0, b1);
-        mma16816(acc[dt + 1], a, b2, b3);
+        for (int dt = 0; dt < DT; dt += 2) {
+          u32 b0, b1, b2, b3;
+          const int col = dt * 8 + (lane >> 4) * 8;
+          ldmatrix_x4_trans(smem_addr(vt + (key * LDS + col) * 2), b0, b1, b2, b3);
+          mma16816(acc[dt], a, b0, b1);
+          mma16816(acc[dt + 1], a, b2, b3);
+        }
+      } else if constexpr (KV_DTYPE == DT_NVFP4) {
+        // Transposed 8x8 of 16-bit cells = 4 values each: this thread gets keys (2c, 2c+1) x
+        // values 4n..4n+3 of a 32-value chunk (n = lane / 4), i.e. four n-tiles' B fragments.
+        const u8* vsc = reinterpret_cast<const u8*>(vt + TILE_KEYS * RAW_LD);
+        const int kb2 = key0 + kk * 16 + (lane & 3) * 2;
+#pragma unroll
+        for (int j = 0; j < D / 32; j += 2) {
+          u32 r[4];
+          ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int blk = 2 * (j + jj) + ((lane >> 2) >> 2);
+            const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
+            const __half2 shi =
+                scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
+            u32 w0[4], w1[4];
+            e2m1x8_to_f16(interleave_nibbles(r[2 * jj]), w0);
+            e2m1x8_to_f16(interleave_nibbles(r[2 * jj + 1]), w1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              mma16816(acc[(j + jj) * 4 + e], a, hmul2_u32(w0[e], slo), hmul2_u32(w1[e], shi));
+          }
+        }
+      } else {
+        // Transposed 8x8 of 16-bit cells = 2 values each: keys (2c, 2c+1) x values (2n, 2n+1)
+        // of a 16-value chunk, i.e. the B fragments of two n-tiles (even and odd values).
+#pragma unroll
+        for (int j = 0; j < D / 16; j += 2) {
+          u32 r[4];
+          ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            u32 e0, o0, e1, o1;
+            fp8_pairs_to_f16(r[2 * jj], e0, o0);
+            fp8_pairs_to_f16(r[2 * jj + 1], e1, o1);
+            mma16816(acc[(j + jj) * 2], a, e0, e1);
+            mma16816(acc[(j + jj) * 2 + 1], a, o0, o1);
+          }
+        }
       }
     }
     __syncthreads();
@@ -479,9 +572,8 @@ __device__ __forceinline__ void attention_cta(
     }
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
-      const int col = dt * 8 + (lane & 3) * 2;
-      dump_o[(warp * 16 + rr) * DUMP_LD + col] = acc[dt][2 * h];
-      dump_o[(warp * 16 + rr) * DUMP_LD + col + 1] = acc[dt][2 * h + 1];
+      dump_o[(warp * 16 + rr) * DUMP_LD + o_col(dt, (lane & 3) * 2)] = acc[dt][2 * h];
+      dump_o[(warp * 16 + rr) * DUMP_LD + o_col(dt, (lane & 3) * 2 + 1)] = acc[dt][2 * h + 1];
     }
   }
   __syncthreads();
@@ -555,6 +647,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
                                                         v_cache, k_bscale, v_bscale, csr, partial_o,
                                                         partial_lse, sm_scale, k_scale, v_scale, window);
   }
+}
+
+// Steps without prefill items: every block runs a decode item. Built apart from kvf_attention so
+// its register allocation is not the prefill path's, which lets more CTAs share an SM.
+extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_decode(
+    const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const int* __restrict__ qo_indptr,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+    const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  extern __shared__ __align__(16) char smem[];
+  check_smem();
+  const WorkItem it = items[blockIdx.x];
+  const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
+  attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache,
+                                                      k_bscale, v_bscale, csr, partial_o, partial_lse, sm_scale,
+                                                      k_scale, v_scale, window);
 }
 
 // Combines split-KV partials (log-sum-exp weighted). grid = (n_jobs, kv_heads), block = 128.

@@ -14,7 +14,7 @@ use half::bf16;
 use kvfleet::worker::cuda::backend::CudaBackend;
 use kvfleet::worker::cuda::device::Gpu;
 use kvfleet::worker::engine::backend::{run_step, Backend, StepBuffers};
-use kvfleet::worker::engine::cpu::CpuBackend;
+use kvfleet::worker::engine::cpu::{CpuBackend, LayerPools};
 use kvfleet::worker::engine::layout::{
     BackendConfig, GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec, StepPlan,
 };
@@ -119,9 +119,9 @@ fn to_bf16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// (max |gpu - ref|, max |lowp - ref|) for `layer` of `plan`, keys read from the CPU pools.
+/// (max |gpu - ref|, max |lowp - ref|) for `layer` of `plan`, keys read from `pools`.
 fn errors(
-    cpu: &CpuBackend,
+    pools: &LayerPools,
     cfg: &BackendConfig,
     layer: usize,
     plan: &StepPlan,
@@ -131,7 +131,6 @@ fn errors(
     let spec = cfg.layers[layer];
     let a = spec.attn;
     let (qh, d, group) = (a.q_heads, a.head_dim, a.group_size());
-    let pools = cpu.pools(layer);
     let sh = pools.shape;
     let (db, sb) = (sh.dtype.data_bytes(d), sh.dtype.scale_bytes(d));
     let table = &plan.groups[spec.group];
@@ -279,7 +278,30 @@ fn gpu_backend_through_run_step_matches_the_cpu_backend() {
         let n = total * a.q_heads * a.head_dim;
         let mut out = vec![0f32; n];
         cuda.download(&gbufs.out, &mut out).unwrap();
-        let (ge, le) = errors(&cpu, &cfg, last, &plan, &q, &out);
+        // The GPU attends over the cache it wrote: take the reference from its own pools, and
+        // check separately that its quantizing append wrote what the CPU backend wrote.
+        for l in 0..cfg.layers.len() {
+            let g = cuda.download_pools(l).expect("GPU pools");
+            let c = cpu.pools(l);
+            let diff = |a: &[u8], b: &[u8]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+            let (dk, dv) = (diff(&g.k, &c.k), diff(&g.v, &c.v));
+            let (sk, sv) = (diff(&g.k_scales, &c.k_scales), diff(&g.v_scales, &c.v_scales));
+            let bytes = g.k.len() + g.v.len();
+            println!(
+                "step {i} layer {l} ({:?}): pool bytes differing from the CPU backend: K {dk}, V {dv} of {bytes}; block scales K {sk}, V {sv}",
+                cfg.layers[l].dtype
+            );
+            // Both quantize the same bf16 values with round-to-nearest-even; only a product
+            // landing exactly on a rounding tie (x * (1/s) on the host, x / s on the device)
+            // may differ.
+            if (dk + dv) * 1000 > bytes || sk + sv > 0 {
+                failures.push(format!("step {i} layer {l}: the GPU append differs from the CPU encoder in {} bytes and {} scales", dk + dv, sk + sv));
+            }
+        }
+        let gpools: Vec<LayerPools> = (0..cfg.layers.len())
+            .map(|l| cuda.download_pools(l).expect("GPU pools"))
+            .collect();
+        let (ge, le) = errors(&gpools[last], &cfg, last, &plan, &q, &out);
         let bound = 2.0 * le + 1e-3;
         println!("step {i} layer {last}: max|gpu-ref| {ge:.3e}, max|lowp-ref| {le:.3e}, bound {bound:.3e}");
         if ge > bound {
@@ -294,7 +316,7 @@ fn gpu_backend_through_run_step_matches_the_cpu_backend() {
             let a = cfg.layers[l].attn;
             let mut out = vec![0f32; total * a.q_heads * a.head_dim];
             cuda.download(&gbufs.out, &mut out).unwrap();
-            let (ge, le) = errors(&cpu, &cfg, l, &plan, &q, &out);
+            let (ge, le) = errors(&gpools[l], &cfg, l, &plan, &q, &out);
             let bound = 2.0 * le + 1e-3;
             println!("step {i} layer {l}: max|gpu-ref| {ge:.3e}, max|lowp-ref| {le:.3e}, bound {bound:.3e}");
             if ge > bound {
@@ -302,7 +324,7 @@ fn gpu_backend_through_run_step_matches_the_cpu_backend() {
             }
             // and the CPU backend's own output agrees with the reference
             cpu.attention(l, &cbufs.q, &mut cbufs.out).unwrap();
-            let (ce, _) = errors(&cpu, &cfg, l, &plan, &q, &cbufs.out[..out.len()]);
+            let (ce, _) = errors(cpu.pools(l), &cfg, l, &plan, &q, &cbufs.out[..out.len()]);
             assert!(ce < 1e-4, "CPU backend layer {l}: {ce}");
         }
     }

@@ -36,7 +36,7 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
                     Ok(c) => {
                         let ptx = &c.ptx;
                         let mut missing = Vec::new();
-                        for entry in ["kvf_attention", "kvf_merge", "kvf_append"] {
+                        for entry in ["kvf_attention", "kvf_decode", "kvf_merge", "kvf_append"] {
                             if !ptx.contains(&format!(".entry {entry}")) {
                                 missing.push(entry);
                             }

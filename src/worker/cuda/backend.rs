@@ -103,6 +103,31 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
+    /// Copies `layer`'s pools back to the host in the engine's layout (tests compare them
+    /// with the CPU backend's byte for byte; synchronises the stream).
+    pub fn download_pools(
+        &self,
+        layer: usize,
+    ) -> Result<crate::worker::engine::cpu::LayerPools, BackendError> {
+        let l = self.layers.get(layer).ok_or(BackendError::NoLayer {
+            layer,
+            layers: self.layers.len(),
+        })?;
+        let shape = self.cfg.pool_shape(layer)?;
+        let dl = |s: &CudaSlice<u8>, len: usize| -> Result<Vec<u8>, BackendError> {
+            let mut v = self.gpu.download(s).map_err(dev)?;
+            v.truncate(len);
+            Ok(v)
+        };
+        Ok(crate::worker::engine::cpu::LayerPools {
+            shape,
+            k: dl(&l.kv.k, shape.data_len())?,
+            v: dl(&l.kv.v, shape.data_len())?,
+            k_scales: dl(&l.kv.k_block_scales, shape.scale_len())?,
+            v_scales: dl(&l.kv.v_block_scales, shape.scale_len())?,
+        })
+    }
+
     /// Compiles the kernels `cfg` needs for this device (cached) and allocates zeroed pools.
     pub fn new(gpu: Arc<Gpu>, cfg: BackendConfig) -> Result<Self, BackendError> {
         cfg.check()?;

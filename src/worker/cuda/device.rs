@@ -35,6 +35,8 @@ pub struct Gpu {
 pub struct Kernels {
     pub spec: KernelSpec,
     attention: CudaFunction,
+    /// The decode-only entry (steps without prefill items): fewer registers, more CTAs per SM.
+    decode: CudaFunction,
     merge: CudaFunction,
     append: CudaFunction,
     /// Seconds NVRTC took for this specialisation.
@@ -94,15 +96,18 @@ impl Gpu {
             .map_err(driver_err("loading the PTX module"))?;
         let f = |name: &'static str| module.load_function(name).map_err(driver_err("finding a kernel"));
         let attention = f("kvf_attention")?;
-        attention
-            .set_attribute(
+        let decode = f("kvf_decode")?;
+        for k in [&attention, &decode] {
+            k.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 spec.smem_bytes() as i32,
             )
             .map_err(driver_err("raising the shared-memory limit"))?;
+        }
         let k = Arc::new(Kernels {
             spec: *spec,
             attention,
+            decode,
             merge: f("kvf_merge")?,
             append: f("kvf_append")?,
             compile_seconds: compiled.compile_time.as_secs_f64(),
@@ -314,6 +319,24 @@ fn check_layer(spec: &KernelSpec, kv: &KvLayer) -> Result<(), CudaError> {
 }
 
 impl Kernels {
+    /// Registers per thread, spilled (local) bytes per thread and resident CTAs per SM of the
+    /// attention kernel at its shared-memory size (for benchmarks and tuning).
+    pub fn attention_resources(&self, decode_only: bool) -> Result<(i32, i32, u32), CudaError> {
+        let f = if decode_only {
+            &self.decode
+        } else {
+            &self.attention
+        };
+        let regs = f.num_regs().map_err(driver_err("reading kernel attributes"))?;
+        let local = f
+            .local_size_bytes()
+            .map_err(driver_err("reading kernel attributes"))?;
+        let ctas = f
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, self.spec.smem_bytes(), None)
+            .map_err(driver_err("reading kernel occupancy"))?;
+        Ok((regs, local, ctas))
+    }
+
     /// One step of attention for every request of `step`: `q` and `o` are bf16 (as u16)
     /// `[total_q, kv_heads * group, head_dim]`. Launches attention, then merge when needed.
     #[allow(clippy::too_many_arguments)]
@@ -352,7 +375,12 @@ impl Kernels {
             shared_mem_bytes: self.spec.smem_bytes() as u32,
         };
         let n_prefill = step.n_prefill as i32;
-        let mut b = stream.launch_builder(&self.attention);
+        let kernel = if n_prefill == 0 {
+            &self.decode
+        } else {
+            &self.attention
+        };
+        let mut b = stream.launch_builder(kernel);
         b.arg(&step.items)
             .arg(&n_prefill)
             .arg(q)
@@ -372,7 +400,8 @@ impl Kernels {
             .arg(&kv.k_scale)
             .arg(&kv.v_scale)
             .arg(&window);
-        // SAFETY: the argument list matches `kvf_attention`'s signature in kernels/attention.cu
+        // SAFETY: the argument list matches `kvf_attention`'s (and `kvf_decode`'s, the same)
+        // signature in kernels/attention.cu
         // (pointers, then i32/f32 scalars, in order). Every pointer is a live device allocation
         // of this context; the batch was validated (page ids < num_blocks, lengths consistent),
         // Q/O sizes were checked above, and partial buffers were sized from the same plan.

@@ -292,17 +292,20 @@ impl KernelSpec {
         )
     }
 
-    /// Keys per pipeline tile: 64 up to head_dim 128, 32 at 256 (shared memory).
+    /// Keys per pipeline tile: 64 up to head_dim 128 (128 for nvfp4, whose tiles are small and
+    /// whose warps then get more independent work), 32 at 256 (shared memory).
     pub fn tile_keys(&self) -> usize {
-        if self.head_dim.get() <= 128 {
+        if self.head_dim.get() <= 128 && self.dtype == KvDtype::Nvfp4 {
+            128
+        } else if self.head_dim.get() <= 128 {
             64
         } else {
             32
         }
     }
 
-    /// Pipeline depth (cp.async stages). Quantized caches move fewer bytes per tile and also
-    /// convert each tile, so they keep more tiles in flight.
+    /// Pipeline depth (cp.async stages). Quantized caches move fewer bytes per tile, so they
+    /// keep more tiles in flight.
     pub fn stages(&self) -> usize {
         match self.dtype {
             KvDtype::Bf16 | KvDtype::F16 => 2,
@@ -313,6 +316,16 @@ impl KernelSpec {
     /// Warps that split one key tile in a decode CTA (each takes 16 keys).
     pub fn decode_warps_kv(&self) -> usize {
         (self.tile_keys() / 16).min(4)
+    }
+
+    /// Resident CTAs per SM that `kvf_decode`'s register budget must allow (its
+    /// `__launch_bounds__`). Measured on an H100 (bench/RESULTS.md): 3 helps fp8 and costs bf16
+    /// nothing; nvfp4 dequantizes in more registers and is faster unconstrained.
+    pub fn decode_min_ctas(&self) -> usize {
+        match self.dtype {
+            KvDtype::Nvfp4 => 1,
+            _ => 3,
+        }
     }
 
     /// Rows (token x head-in-group) one decode CTA holds; requests with more rows run as prefill.
@@ -327,10 +340,11 @@ impl KernelSpec {
         let lds = d + 8;
         let tile16 = tk * lds * 2;
         let kv16 = matches!(self.dtype, KvDtype::Bf16 | KvDtype::F16);
-        let raw = tk * (self.dtype.row_bytes(d) + self.dtype.scale_bytes(d));
+        // Raw rows are padded by 16 bytes (conflict-free ldmatrix); quantized tiles are
+        // dequantized in registers, so no converted copy is kept.
+        let raw = tk * (self.dtype.row_bytes(d) + 16 + self.dtype.scale_bytes(d));
         let stage = if kv16 { 2 * tile16 } else { 2 * raw };
-        let converted = if kv16 { 0 } else { 2 * tile16 };
-        let pipe = self.stages() * stage + converted;
+        let pipe = self.stages() * stage;
         let dump = 4 * 16 * (d + 4) * 4 + 2 * 4 * 16 * 4;
         pipe.max(dump)
     }
@@ -349,6 +363,7 @@ impl KernelSpec {
              constexpr int STAGES = {st};\n\
              constexpr int DECODE_WARPS_KV = {dw};\n\
              constexpr int DECODE_ROWS = {dr};\n\
+             constexpr int DECODE_MIN_CTAS = {dm};\n\
              constexpr int SMEM_BYTES_HOST = {sm};\n",
             key = self.key(),
             dt = self.dtype.code(),
@@ -361,6 +376,7 @@ impl KernelSpec {
             st = self.stages(),
             dw = self.decode_warps_kv(),
             dr = self.decode_rows(),
+            dm = self.decode_min_ctas(),
             sm = self.smem_bytes(),
         )
     }

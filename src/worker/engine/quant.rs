@@ -116,9 +116,15 @@ pub fn e5m2_decode(b: u8) -> f32 {
     }
     E5M2.decode(b)
 }
-/// e2m1 code in the low nibble.
+/// e2m1 code in the low nibble. A value that rounds to zero is +0 (code 0) whatever its sign,
+/// as the GPU append kernel writes it, so both backends hold byte-identical pools.
 pub fn e2m1_encode(x: f32) -> u8 {
-    E2M1.encode(x)
+    let c = E2M1.encode(x);
+    if c & 0x7 == 0 {
+        0
+    } else {
+        c
+    }
 }
 pub fn e2m1_decode(nibble: u8) -> f32 {
     E2M1.decode(nibble & 0xf)
@@ -164,15 +170,17 @@ pub fn encode_vector(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], sca
                 let bs = e4m3_encode(amax / 6.0 / scale);
                 *s = bs;
                 let eff = e4m3_decode(bs) * scale;
-                let inv = if eff > 0.0 && eff.is_finite() {
-                    1.0 / eff
-                } else {
-                    0.0
+                // Divide (not multiply by the reciprocal), as the GPU append does, so both
+                // round identically.
+                let q = |v: f32| {
+                    if eff > 0.0 && eff.is_finite() {
+                        e2m1_encode(v / eff)
+                    } else {
+                        0
+                    }
                 };
                 for (pair, out) in blk.chunks_exact(2).zip(d.iter_mut()) {
-                    let lo = e2m1_encode(pair[0] * inv);
-                    let hi = e2m1_encode(pair[1] * inv);
-                    *out = lo | (hi << 4);
+                    *out = q(pair[0]) | (q(pair[1]) << 4);
                 }
             }
         }
@@ -316,6 +324,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn e2m1_writes_values_that_round_to_zero_as_positive_zero() {
+        for x in [-0.0f32, -0.1, -0.25, 0.0, 0.2] {
+            assert_eq!(e2m1_encode(x), 0, "{x}");
+        }
+        assert_eq!(e2m1_encode(-0.3), 0x9);
     }
 
     #[test]
