@@ -308,6 +308,7 @@ fn gpu_backend_through_run_step_matches_the_cpu_backend() {
             failures.push(format!("step {i} layer {last}: {ge} > {bound}"));
         }
         // every other layer: attention again on the step's (already appended) caches
+        #[allow(clippy::needless_range_loop)] // l indexes layers, pools and the CPU backend alike
         for l in 0..last {
             cuda.upload(&vec![f32::NAN; max_q * qo], &mut gbufs.out).unwrap();
             cuda.attention(l, &gbufs.q, &mut gbufs.out)
