@@ -694,6 +694,22 @@ fn tokenizer_json_from_smollm2_vocab_tokenizes_like_the_gguf_tokenizer() {
             t.apply_chat_template(&chat()).unwrap(),
             reference.apply_chat_template(&chat()).unwrap()
         );
+        // Ids Hugging Face `tokenizers` gives for SmolLM2 (the GGUF tests' fixture).
+        let fixture =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/model/corpus.smollm2-ids.json");
+        let cases: Vec<serde_json::Value> =
+            serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+        assert!(cases.len() > 10);
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            let want: Vec<u32> = case["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(t.encode(text, true), want, "text {text:?}");
+        }
     }
 }
 
@@ -717,6 +733,8 @@ fn llama3_tokenizer_json_adds_bos_and_unknown_templates_leave_no_chat() {
         .map(|(i, t)| (t.clone(), json!(i)))
         .collect();
     vocab.insert("he".into(), json!(256));
+    // In the vocabulary but unreachable by merges: only `ignore_merges` yields it.
+    vocab.insert("hi".into(), json!(257));
     let pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     let tj = json!({
         "added_tokens": [
@@ -737,8 +755,9 @@ fn llama3_tokenizer_json_adds_bos_and_unknown_templates_leave_no_chat() {
     let tc = json!({"eos_token": "<|eot_id|>", "chat_template": "{% for m in messages %}[{{ m.role }}]{% endfor %}"}).to_string();
     let t = Tokenizer::from_hf_json(&tj, Some(&tc)).unwrap();
     assert_eq!((t.bos, t.eos, t.add_bos), (Some(300), Some(301), true));
-    assert_eq!(t.vocab_size(), 302, "ids 257..300 are reserved gaps");
+    assert_eq!(t.vocab_size(), 302, "ids 258..300 are reserved gaps");
     assert_eq!(t.encode("hehe", false), vec![300, 256, 256]);
+    assert_eq!(t.encode("hi", false), vec![300, 257]);
     assert!(t.stop_tokens.contains(&301));
     assert!(
         t.apply_chat_template(&chat()).is_err(),

@@ -113,11 +113,6 @@ fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result
     })
 }
 
-/// Whether `path` is a checkpoint directory (it holds `config.json`).
-pub fn is_checkpoint_dir(path: &Path) -> bool {
-    path.is_dir() && path.join("config.json").is_file()
-}
-
 /// `config.json` of a checkpoint directory, or the path itself when it names a file.
 fn config_path(path: &Path) -> PathBuf {
     if path.is_dir() {

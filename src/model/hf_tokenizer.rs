@@ -204,6 +204,7 @@ impl Tokenizer {
             _ => None,
         };
         let mut t = Self::build(tokens, &types, merges, pre, template)?;
+        t.ignore_merges = model.get("ignore_merges").and_then(Value::as_bool) == Some(true);
         let id_of = |what: &str, text: Option<&str>| -> Result<Option<u32>, TokenizerError> {
             match text {
                 None => Ok(None),

@@ -73,6 +73,9 @@ pub struct Tokenizer {
     specials: Vec<(String, u32)>,
     pre: fancy_regex::Regex,
     split_digits: bool,
+    /// A pre-token that is itself in the vocabulary skips the merges (`tokenizer.json`'s
+    /// `ignore_merges`, set by Llama 3).
+    pub(crate) ignore_merges: bool,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub add_bos: bool,
@@ -272,6 +275,7 @@ impl Tokenizer {
             specials,
             pre,
             split_digits,
+            ignore_merges: false,
             bos: None,
             eos: None,
             add_bos: false,
@@ -372,6 +376,14 @@ impl Tokenizer {
     }
 
     fn bpe(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        if self.ignore_merges && bytes.len() > 1 {
+            let table = byte_to_char_table();
+            let piece: String = bytes.iter().map(|&b| table[b as usize]).collect();
+            if let Some(&id) = self.token_to_id.get(&piece) {
+                out.push(id);
+                return;
+            }
+        }
         let mut syms: Vec<u32> = Vec::with_capacity(bytes.len());
         for &b in bytes {
             // A byte missing from the vocabulary (never in GPT-2 style vocabularies) is dropped
