@@ -1012,4 +1012,14 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
     };
     let e = mount(axum::Router::new(), &args, &prometheus::Registry::new()).unwrap_err();
     assert!(e.to_string().contains("--model-config"), "{e}");
+    // Without dummy, a directory (or its config.json) is loaded as a checkpoint: this one
+    // has no tokenizer, which the error names.
+    for model in [dir.0.clone(), path] {
+        let args = ModelArgs {
+            model: Some(model),
+            ..ModelArgs::default()
+        };
+        let e = mount(axum::Router::new(), &args, &prometheus::Registry::new()).unwrap_err();
+        assert!(e.to_string().contains("tokenizer.json"), "{e}");
+    }
 }
