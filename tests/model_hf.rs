@@ -788,6 +788,10 @@ fn unsupported_tokenizer_json_is_a_clear_error() {
     assert!(e.to_string().contains("Unigram"), "{e}");
     let e = Tokenizer::from_hf_json("{not json", None).unwrap_err();
     assert!(e.to_string().contains("tokenizer.json"), "{e}");
+    let huge = json!({"added_tokens": [{"id": 4_000_000_000u64, "content": "<x>", "special": true}],
+        "pre_tokenizer": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}});
+    let e = Tokenizer::from_hf_json(&huge.to_string(), None).unwrap_err();
+    assert!(e.to_string().contains("4000000000"), "{e}");
     let tc = json!({"eos_token": "<|nope|>"}).to_string();
     let e = Tokenizer::from_hf_json(&base(bl, json!({})), Some(&tc)).unwrap_err();
     assert!(e.to_string().contains("<|nope|>"), "{e}");

@@ -140,17 +140,27 @@ impl Tokenizer {
             .flatten()
         {
             let (Some(id), Some(content)) = (
-                t.get("id").and_then(Value::as_u64),
+                t.get("id")
+                    .and_then(Value::as_u64)
+                    .filter(|&i| i < u32::MAX as u64),
                 t.get("content").and_then(Value::as_str),
             ) else {
                 return Err(TokenizerError::Vocab(format!(
-                    "added token {t} lacks id or content"
+                    "added token {t} lacks content or a 32-bit id"
                 )));
             };
             let special = t.get("special").and_then(Value::as_bool).unwrap_or(false);
             entries.push((id as u32, content.to_string(), if special { 3 } else { 4 }));
         }
         let n = entries.iter().map(|e| e.0 as usize + 1).max().unwrap_or(0);
+        // Ids are dense in practice; a stray huge id must not allocate gigabytes of gaps.
+        if n > 4 * entries.len() + 1024 {
+            return Err(TokenizerError::Vocab(format!(
+                "token id {} is far beyond the {} tokens defined",
+                n - 1,
+                entries.len()
+            )));
+        }
         // Ids nobody names (reserved gaps) get a placeholder no text can produce.
         let mut tokens: Vec<Option<String>> = vec![None; n];
         let mut types = vec![1u64; n];
