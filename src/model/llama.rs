@@ -150,7 +150,7 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
-    fn check(&self) -> Result<(), LoadError> {
+    pub(crate) fn check(&self) -> Result<(), LoadError> {
         let bad = |m: String| Err(LoadError::Geometry(m));
         if self.n_layers == 0 || self.d_model == 0 || self.vocab == 0 || self.head_dim == 0 {
             return bad(format!("empty dimension in {self:?}"));
@@ -284,6 +284,92 @@ impl Llama {
             lm_head: opt("output.weight", cfg.vocab * d)?,
             inv_freq: inv_freq(&cfg, freq_factors.as_deref()),
             layers,
+            config: cfg,
+        })
+    }
+
+    /// Builds the model from tensors a checkpoint reader supplies. `get(name, shape)` is asked
+    /// for each tensor under its GGUF name (`blk.N.attn_q.weight`, ...) with the logical shape
+    /// `[out, in]` (or `[n]`), and only for the tensors `cfg` says exist (biases with
+    /// `attn_bias`, QK norms with `qk_norm`, `output.weight` unless `tied_embeddings`). Q/K rows
+    /// must already be in the layout `cfg.rope_neox` rotates. `freq_factors` divide RoPE's
+    /// inverse frequencies (llama3 scaling), one per rotated pair.
+    pub fn from_tensors<E: From<LoadError>>(
+        cfg: LlamaConfig,
+        freq_factors: Option<&[f32]>,
+        mut source: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
+    ) -> Result<Self, E> {
+        cfg.check()?;
+        let mut get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, E> {
+            let w = source(name, shape)?;
+            let want = shape.iter().product();
+            if w.len() != want {
+                return Err(LoadError::Shape {
+                    name: name.into(),
+                    got: w.len(),
+                    want,
+                }
+                .into());
+            }
+            Ok(w)
+        };
+        if let Some(f) = freq_factors {
+            if f.len() != cfg.rope_dims / 2 {
+                return Err(LoadError::Geometry(format!(
+                    "{} RoPE frequency factors for {} rotated pairs",
+                    f.len(),
+                    cfg.rope_dims / 2
+                ))
+                .into());
+            }
+        }
+        let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.d_ff);
+        let (qw, kw) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let mut opt = |on: bool, name: &str, shape: &[usize]| -> Result<Option<Vec<f32>>, E> {
+                if on {
+                    get(&n(name), shape).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let bq = opt(cfg.attn_bias, "attn_q.bias", &[qw])?;
+            let bk = opt(cfg.attn_bias, "attn_k.bias", &[kw])?;
+            let bv = opt(cfg.attn_bias, "attn_v.bias", &[kw])?;
+            let q_norm = opt(cfg.qk_norm, "attn_q_norm.weight", &[hd])?;
+            let k_norm = opt(cfg.qk_norm, "attn_k_norm.weight", &[hd])?;
+            layers.push(Layer {
+                attn_norm: get(&n("attn_norm.weight"), &[d])?,
+                wq: get(&n("attn_q.weight"), &[qw, d])?,
+                wk: get(&n("attn_k.weight"), &[kw, d])?,
+                wv: get(&n("attn_v.weight"), &[kw, d])?,
+                wo: get(&n("attn_output.weight"), &[d, qw])?,
+                bq,
+                bk,
+                bv,
+                q_norm,
+                k_norm,
+                ffn_norm: get(&n("ffn_norm.weight"), &[d])?,
+                w_gate: get(&n("ffn_gate.weight"), &[ff, d])?,
+                w_up: get(&n("ffn_up.weight"), &[ff, d])?,
+                w_down: get(&n("ffn_down.weight"), &[d, ff])?,
+            });
+        }
+        let embed = get("token_embd.weight", &[cfg.vocab, d])?;
+        let out_norm = get("output_norm.weight", &[d])?;
+        let lm_head = if cfg.tied_embeddings {
+            None
+        } else {
+            Some(get("output.weight", &[cfg.vocab, d])?)
+        };
+        Ok(Llama {
+            embed,
+            layers,
+            out_norm,
+            lm_head,
+            inv_freq: inv_freq(&cfg, freq_factors),
             config: cfg,
         })
     }

@@ -12,6 +12,7 @@ use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Re
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::gguf::{Gguf, GgufError};
+use super::hf::{self, HfError};
 use super::kv::{ContiguousKv, KvAttention, SeqId};
 use super::llama::{Llama, LoadError, SeqChunk};
 use super::sampling::{Sampler, SamplingParams, StopMatcher};
@@ -24,6 +25,8 @@ pub enum RuntimeError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Load(#[from] LoadError),
+    #[error(transparent)]
+    Hf(#[from] HfError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error("invalid runtime config: {0}")]
@@ -187,6 +190,42 @@ impl ModelRuntime {
         Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
     }
 
+    /// Loads a Hugging Face checkpoint directory (`config.json`, safetensors, `tokenizer.json`)
+    /// and starts its loop with a contiguous KV cache. The default name is the directory's.
+    pub fn load_hf(
+        dir: &Path,
+        name: Option<&str>,
+        cfg: RuntimeConfig,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        let tokenizer = hf::load_tokenizer(dir)?;
+        let model = hf::load_model(dir)?;
+        let name = name.map(str::to_string).unwrap_or_else(|| dir_name(dir));
+        let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
+        Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
+    }
+
+    /// Random weights of the geometry in `config` (a `config.json` or a checkpoint
+    /// directory), for capacity and throughput runs; see [`hf::load_dummy`].
+    pub fn load_dummy(
+        config: &Path,
+        name: Option<&str>,
+        cfg: RuntimeConfig,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        let (model, tokenizer) = hf::load_dummy(config, 0)?;
+        let name = name.map(str::to_string).unwrap_or_else(|| {
+            let dir = if config.is_dir() {
+                config
+            } else {
+                config.parent().unwrap_or(config)
+            };
+            format!("dummy-{}", dir_name(dir))
+        });
+        let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
+        Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
+    }
+
     /// Starts the loop for a model, a KV backend and a tokenizer.
     pub fn start(
         model: Arc<Llama>,
@@ -246,6 +285,13 @@ impl ModelRuntime {
             .map_err(|_| RuntimeError::Stopped)?;
         Ok(rx)
     }
+}
+
+fn dir_name(dir: &Path) -> String {
+    std::fs::canonicalize(dir)
+        .ok()
+        .and_then(|d| d.file_name().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into())
 }
 
 fn default_name(g: &Gguf, path: &Path) -> String {

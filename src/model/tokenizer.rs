@@ -20,6 +20,16 @@ pub enum TokenizerError {
     Model(String),
     #[error("pre-tokenizer `{0}` is not supported; supported: default, gpt2, smollm, starcoder, llama3, llama-bpe, qwen2")]
     Pre(String),
+    #[error("pre-tokenizer {0} of tokenizer.json is not supported; kvfleet reads ByteLevel, Digits(individual_digits) + ByteLevel (SmolLM, StarCoder), and a Split on the GPT-2, Llama 3 or Qwen2 regex + ByteLevel")]
+    HfPre(String),
+    #[error("tokenizer.json is not a byte-level BPE tokenizer kvfleet can run: {0}")]
+    HfModel(String),
+    #[error("cannot parse {file}: {source}")]
+    Json {
+        file: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("tokenizer metadata is inconsistent: {0}")]
     Vocab(String),
     #[error("the model has no chat template kvfleet understands (ChatML or Llama 3); use /v1/completions with a raw prompt")]
@@ -45,9 +55,10 @@ pub struct ChatMessage {
     pub content: String,
 }
 
-const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(crate) const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+pub(crate) const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub(crate) const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A byte-level BPE tokenizer.
 pub struct Tokenizer {
@@ -62,6 +73,9 @@ pub struct Tokenizer {
     specials: Vec<(String, u32)>,
     pre: fancy_regex::Regex,
     split_digits: bool,
+    /// A pre-token that is itself in the vocabulary skips the merges (`tokenizer.json`'s
+    /// `ignore_merges`, set by Llama 3).
+    pub(crate) ignore_merges: bool,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub add_bos: bool,
@@ -129,17 +143,33 @@ impl Tokenizer {
         t.bos = opt_id("tokenizer.ggml.bos_token_id");
         t.eos = opt_id("tokenizer.ggml.eos_token_id");
         t.add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
-        if let Some(e) = t.eos {
-            if e as usize >= t.tokens.len() {
+        t.check_specials()?;
+        Ok(t)
+    }
+
+    /// Checks BOS/EOS against the vocabulary and makes EOS a stop token.
+    pub(crate) fn check_specials(&mut self) -> Result<(), TokenizerError> {
+        for (what, id) in [("bos", self.bos), ("eos", self.eos)] {
+            if let Some(id) = id.filter(|&id| id as usize >= self.tokens.len()) {
                 return Err(TokenizerError::Vocab(format!(
-                    "eos id {e} outside the vocabulary"
+                    "{what} id {id} outside the vocabulary"
                 )));
             }
-            if !t.stop_tokens.contains(&e) {
-                t.stop_tokens.push(e);
+        }
+        if let Some(e) = self.eos {
+            if !self.stop_tokens.contains(&e) {
+                self.stop_tokens.push(e);
             }
         }
-        Ok(t)
+        Ok(())
+    }
+
+    /// A tokenizer of the 256 GPT-2 byte tokens and no merges: every byte is one token. For
+    /// dummy-weight models that come without a vocabulary (text in, ids out, nothing learned).
+    pub fn bytes_only() -> Self {
+        let tokens: Vec<String> = byte_to_char_table().iter().map(|c| c.to_string()).collect();
+        Self::build(tokens, &[], Vec::new(), "gpt2", None)
+            .expect("the GPT-2 pattern and byte table are valid")
     }
 
     /// Builds a tokenizer from a vocabulary (in GPT-2 byte-mapped form), token types (3 =
@@ -148,6 +178,24 @@ impl Tokenizer {
         tokens: Vec<String>,
         types: &[u64],
         merges: &[String],
+        pre: &str,
+        chat_template: Option<&str>,
+    ) -> Result<Self, TokenizerError> {
+        let mut pairs = Vec::with_capacity(merges.len());
+        for m in merges {
+            let Some((l, r)) = m.split_once(' ') else {
+                return Err(TokenizerError::Vocab(format!("merge `{m}` has no space")));
+            };
+            pairs.push((l.to_string(), r.to_string()));
+        }
+        Self::build(tokens, types, pairs, pre, chat_template)
+    }
+
+    /// [`Tokenizer::new`] with merges already split into (left, right), by rank.
+    pub(crate) fn build(
+        tokens: Vec<String>,
+        types: &[u64],
+        merges: Vec<(String, String)>,
         pre: &str,
         chat_template: Option<&str>,
     ) -> Result<Self, TokenizerError> {
@@ -195,10 +243,7 @@ impl Tokenizer {
             byte_to_id[b] = token_to_id.get(&c.to_string()).copied();
         }
         let mut merge_map = HashMap::with_capacity(merges.len());
-        for (rank, m) in merges.iter().enumerate() {
-            let Some((l, r)) = m.split_once(' ') else {
-                return Err(TokenizerError::Vocab(format!("merge `{m}` has no space")));
-            };
+        for (rank, (l, r)) in merges.iter().enumerate() {
             let (Some(&li), Some(&ri), Some(&mi)) = (
                 token_to_id.get(l),
                 token_to_id.get(r),
@@ -230,6 +275,7 @@ impl Tokenizer {
             specials,
             pre,
             split_digits,
+            ignore_merges: false,
             bos: None,
             eos: None,
             add_bos: false,
@@ -330,6 +376,14 @@ impl Tokenizer {
     }
 
     fn bpe(&self, bytes: &[u8], out: &mut Vec<u32>) {
+        if self.ignore_merges && bytes.len() > 1 {
+            let table = byte_to_char_table();
+            let piece: String = bytes.iter().map(|&b| table[b as usize]).collect();
+            if let Some(&id) = self.token_to_id.get(&piece) {
+                out.push(id);
+                return;
+            }
+        }
         let mut syms: Vec<u32> = Vec::with_capacity(bytes.len());
         for &b in bytes {
             // A byte missing from the vocabulary (never in GPT-2 style vocabularies) is dropped

@@ -1,0 +1,656 @@
+//! Hugging Face checkpoints: a directory with `config.json`, `model.safetensors` (or shards
+//! listed by `model.safetensors.index.json`), `tokenizer.json` and `tokenizer_config.json`.
+//! Shards are memory-mapped; BF16/F16/F32 tensors become f32 at load.
+//!
+//! RoPE layout: Hugging Face Llama-family attention rotates the two halves of each head
+//! (`rotate_half`, huggingface/transformers `src/transformers/models/llama/modeling_llama.py`),
+//! and its Q/K projections are stored in that order. llama.cpp's converter permutes Q/K rows of
+//! `llama` models into adjacent pairs instead (ggml-org/llama.cpp `convert_hf_to_gguf.py`,
+//! `LlamaModel.permute`). Checkpoints loaded here keep their rows and run with
+//! `rope_neox = true`, for every architecture.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use rayon::prelude::*;
+use safetensors::tensor::{Metadata, SafeTensorError};
+use safetensors::Dtype;
+use serde::Deserialize;
+
+use super::llama::{Llama, LlamaConfig, LoadError};
+use super::tokenizer::{Tokenizer, TokenizerError};
+
+/// `architectures[0]` of `config.json` -> kvfleet's architecture name.
+const ARCHITECTURES: &[(&str, &str)] = &[
+    ("LlamaForCausalLM", "llama"),
+    ("MistralForCausalLM", "mistral"),
+    ("Qwen2ForCausalLM", "qwen2"),
+    ("Qwen3ForCausalLM", "qwen3"),
+];
+
+/// Errors of loading a Hugging Face checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not valid: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_path_to_error::Error<serde_json::Error>,
+    },
+    #[error(
+        "{}: architecture `{arch}` is not supported; kvfleet loads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM",
+        path.display()
+    )]
+    Architecture { path: PathBuf, arch: String },
+    #[error(
+        "{}: rope_scaling type `{kind}` is not supported; kvfleet supports none (default), linear and llama3",
+        path.display()
+    )]
+    RopeScaling { path: PathBuf, kind: String },
+    #[error("{}: {msg}", path.display())]
+    Config { path: PathBuf, msg: String },
+    #[error(
+        "{} holds no weights: expected model.safetensors, or model.safetensors.index.json and its shards",
+        dir.display()
+    )]
+    NoWeights { dir: PathBuf },
+    #[error("{} is not a valid safetensors file: {source}", path.display())]
+    Safetensors {
+        path: PathBuf,
+        #[source]
+        source: SafeTensorError,
+    },
+    #[error("{}: {msg}", path.display())]
+    Index { path: PathBuf, msg: String },
+    #[error("tensor `{tensor}` is missing from the checkpoint in {} (is config.json from the same model?)", dir.display())]
+    MissingTensor { dir: PathBuf, tensor: String },
+    #[error("{}: tensor `{tensor}` has shape {got:?}, config.json implies {want:?}", path.display())]
+    Shape {
+        path: PathBuf,
+        tensor: String,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
+    #[error(
+        "{}: tensor `{tensor}` has dtype {dtype}; kvfleet loads BF16, F16 and F32 checkpoints (for quantised weights serve a GGUF file)",
+        path.display()
+    )]
+    Dtype {
+        path: PathBuf,
+        tensor: String,
+        dtype: String,
+    },
+    #[error("{}: {source}", path.display())]
+    Tokenizer {
+        path: PathBuf,
+        #[source]
+        source: TokenizerError,
+    },
+    #[error(transparent)]
+    Load(#[from] LoadError),
+}
+
+fn read(path: &Path) -> Result<String, HfError> {
+    std::fs::read_to_string(path).map_err(|source| HfError::Io {
+        path: path.into(),
+        source,
+    })
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, HfError> {
+    let de = &mut serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|source| HfError::Json {
+        path: path.into(),
+        source,
+    })
+}
+
+/// `config.json` of a checkpoint directory, or the path itself when it names a file.
+fn config_path(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    }
+}
+
+// === impl config ===
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    /// transformers v5 moves `rope_theta` and the scaling here.
+    rope_parameters: Option<serde_json::Value>,
+    max_position_embeddings: Option<usize>,
+    vocab_size: usize,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    partial_rotary_factor: Option<f64>,
+}
+
+/// A checkpoint's geometry plus what [`LlamaConfig`] does not carry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfConfig {
+    pub llama: LlamaConfig,
+    /// llama3 RoPE scaling: per rotated pair, the divisor of its inverse frequency.
+    pub rope_freq_factors: Option<Vec<f32>>,
+}
+
+impl HfConfig {
+    /// Reads `config.json` (or the `config.json` of a checkpoint directory).
+    pub fn load(path: &Path) -> Result<Self, HfError> {
+        let path = config_path(path);
+        Self::parse(&path, &read(&path)?)
+    }
+
+    /// Parses the text of a `config.json`; `path` only names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, HfError> {
+        let raw: RawConfig = parse_json(path, text)?;
+        let cfg_err = |msg: String| HfError::Config {
+            path: path.into(),
+            msg,
+        };
+        let arch = match (raw.architectures.as_deref(), raw.model_type.as_deref()) {
+            (Some([a, ..]), _) => ARCHITECTURES
+                .iter()
+                .find(|(hf, _)| hf == a)
+                .map(|(_, ours)| *ours)
+                .ok_or_else(|| HfError::Architecture {
+                    path: path.into(),
+                    arch: a.clone(),
+                })?,
+            (_, Some(t)) => ARCHITECTURES
+                .iter()
+                .find(|(_, ours)| ours == &t)
+                .map(|(_, ours)| *ours)
+                .ok_or_else(|| HfError::Architecture {
+                    path: path.into(),
+                    arch: t.into(),
+                })?,
+            _ => return Err(cfg_err("neither `architectures` nor `model_type` is set".into())),
+        };
+        if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(cfg_err(format!(
+                "hidden_act `{act}` is not supported; Llama-family models use silu"
+            )));
+        }
+        if raw.mlp_bias == Some(true) {
+            return Err(cfg_err("mlp_bias = true is not supported".into()));
+        }
+        if raw.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+            return Err(cfg_err(
+                "partial_rotary_factor other than 1 is not supported".into(),
+            ));
+        }
+        if raw.num_attention_heads == 0 {
+            return Err(cfg_err("num_attention_heads is 0".into()));
+        }
+        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        let params = raw.rope_parameters.as_ref();
+        let rope_theta = raw
+            .rope_theta
+            .or_else(|| params?.get("rope_theta")?.as_f64())
+            .unwrap_or(10000.0);
+        let mut context_len = raw.max_position_embeddings.unwrap_or(2048);
+        // Attention within the window is full attention, so clamping the context to the
+        // window keeps results exact.
+        let windowed = match arch {
+            "mistral" => true,
+            "qwen2" | "qwen3" => raw.use_sliding_window == Some(true),
+            _ => false,
+        };
+        if let Some(w) = raw.sliding_window.filter(|_| windowed) {
+            context_len = context_len.min(w);
+        }
+        let mut llama = LlamaConfig {
+            arch: arch.to_string(),
+            n_layers: raw.num_hidden_layers,
+            d_model: raw.hidden_size,
+            d_ff: raw.intermediate_size,
+            n_heads: raw.num_attention_heads,
+            n_kv_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
+            head_dim,
+            vocab: raw.vocab_size,
+            context_len,
+            rope_theta: rope_theta as f32,
+            rope_dims: head_dim,
+            rope_linear_scale: 1.0,
+            rope_neox: true,
+            rms_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            // Qwen2 always has Q/K/V biases; the others only with `attention_bias`.
+            attn_bias: arch == "qwen2" || raw.attention_bias == Some(true),
+            qk_norm: arch == "qwen3",
+            tied_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+        };
+        let scaling = raw.rope_scaling.as_ref().or(params).filter(|v| !v.is_null());
+        let mut rope_freq_factors = None;
+        if let Some(s) = scaling {
+            let kind = s
+                .get("rope_type")
+                .or_else(|| s.get("type"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("default");
+            let num = |k: &str| s.get(k).and_then(|v| v.as_f64());
+            let need = |k: &str| {
+                num(k).ok_or_else(|| cfg_err(format!("rope_scaling `{kind}` needs a number `{k}`")))
+            };
+            match kind {
+                "default" => {}
+                "linear" => llama.rope_linear_scale = need("factor")? as f32,
+                "llama3" => {
+                    rope_freq_factors = Some(llama3_freq_factors(
+                        &llama,
+                        need("factor")?,
+                        need("low_freq_factor")?,
+                        need("high_freq_factor")?,
+                        need("original_max_position_embeddings")?,
+                    ))
+                }
+                other => {
+                    return Err(HfError::RopeScaling {
+                        path: path.into(),
+                        kind: other.into(),
+                    })
+                }
+            }
+        }
+        llama.check()?;
+        Ok(HfConfig {
+            llama,
+            rope_freq_factors,
+        })
+    }
+}
+
+/// Llama 3.1 RoPE scaling as a divisor per rotated pair: low frequencies (wavelength beyond
+/// `original / low_freq_factor`) are divided by `factor`, high ones kept, the band between
+/// interpolated (huggingface/transformers `src/transformers/modeling_rope_utils.py`,
+/// `_compute_llama3_parameters`; llama.cpp stores the same divisors as `rope_freqs.weight`).
+fn llama3_freq_factors(cfg: &LlamaConfig, factor: f64, low: f64, high: f64, original: f64) -> Vec<f32> {
+    let dims = cfg.rope_dims as f64;
+    let (low_wavelen, high_wavelen) = (original / low, original / high);
+    (0..cfg.rope_dims / 2)
+        .map(|i| {
+            let freq = (cfg.rope_theta as f64).powf(-2.0 * i as f64 / dims);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let scaled = if wavelen < high_wavelen {
+                freq
+            } else if wavelen > low_wavelen {
+                freq / factor
+            } else {
+                let smooth = (original / wavelen - low) / (high - low);
+                (1.0 - smooth) * freq / factor + smooth * freq
+            };
+            (freq / scaled) as f32
+        })
+        .collect()
+}
+
+// === impl weights ===
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    /// Byte offset of the data section (after the 8-byte length and the JSON header).
+    data_start: usize,
+    meta: Metadata,
+}
+
+/// The memory-mapped safetensors files of a checkpoint and which holds each tensor.
+pub struct Safetensors {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for Safetensors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Safetensors")
+            .field("dir", &self.dir)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.index.len())
+            .finish()
+    }
+}
+
+#[derive(Deserialize)]
+struct IndexFile {
+    weight_map: HashMap<String, String>,
+}
+
+impl Safetensors {
+    /// Maps `model.safetensors`, or every shard `model.safetensors.index.json` names.
+    pub fn open(dir: &Path) -> Result<Self, HfError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let (files, weight_map) = if index_path.is_file() {
+            let idx: IndexFile = parse_json(&index_path, &read(&index_path)?)?;
+            let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
+            files.sort();
+            files.dedup();
+            (files, Some(idx.weight_map))
+        } else if single.is_file() {
+            (vec!["model.safetensors".to_string()], None)
+        } else {
+            return Err(HfError::NoWeights { dir: dir.into() });
+        };
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            if f.contains('/') || f.contains('\\') || f == ".." {
+                return Err(HfError::Index {
+                    path: index_path.clone(),
+                    msg: format!("shard `{f}` is not a file name in the checkpoint directory"),
+                });
+            }
+            let path = dir.join(f);
+            let file = File::open(&path).map_err(|source| HfError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            // SAFETY: the map is read-only; a checkpoint modified while being served is
+            // outside what kvfleet can guard against (as for the GGUF reader).
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| HfError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let (header, meta) =
+                safetensors::SafeTensors::read_metadata(&mmap).map_err(|source| HfError::Safetensors {
+                    path: path.clone(),
+                    source,
+                })?;
+            for name in meta.tensors().keys() {
+                index.insert(name.clone(), i);
+            }
+            shards.push(Shard {
+                path,
+                mmap,
+                data_start: 8 + header,
+                meta,
+            });
+        }
+        if let Some(map) = weight_map {
+            for (name, file) in map {
+                let held = index.get(&name).is_some_and(|&i| shards[i].path.ends_with(&file));
+                if !held {
+                    return Err(HfError::Index {
+                        path: index_path.clone(),
+                        msg: format!("tensor `{name}` is listed in {file}, which does not hold it"),
+                    });
+                }
+            }
+        }
+        Ok(Safetensors {
+            dir: dir.into(),
+            shards,
+            index,
+        })
+    }
+
+    /// Whether the checkpoint holds tensor `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Names of every tensor.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Tensor `name` as f32, checked against `shape`.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, HfError> {
+        let missing = || HfError::MissingTensor {
+            dir: self.dir.clone(),
+            tensor: name.into(),
+        };
+        let shard = &self.shards[*self.index.get(name).ok_or_else(missing)?];
+        let info = shard.meta.info(name).ok_or_else(missing)?;
+        if info.shape != shape {
+            return Err(HfError::Shape {
+                path: shard.path.clone(),
+                tensor: name.into(),
+                got: info.shape.clone(),
+                want: shape.to_vec(),
+            });
+        }
+        let (a, b) = info.data_offsets;
+        // `read_metadata` checked the offsets against the file length and the shape.
+        let bytes = &shard.mmap[shard.data_start + a..shard.data_start + b];
+        let n: usize = shape.iter().product();
+        let mut out = vec![0f32; n];
+        const CHUNK: usize = 1 << 16;
+        match info.dtype {
+            Dtype::F32 => out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+                let src = &bytes[c * CHUNK * 4..];
+                for (v, b) in o.iter_mut().zip(src.chunks_exact(4)) {
+                    *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }),
+            Dtype::BF16 => out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+                let src = &bytes[c * CHUNK * 2..];
+                for (v, b) in o.iter_mut().zip(src.chunks_exact(2)) {
+                    *v = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }),
+            Dtype::F16 => out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+                let src = &bytes[c * CHUNK * 2..];
+                for (v, b) in o.iter_mut().zip(src.chunks_exact(2)) {
+                    *v = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }),
+            other => {
+                return Err(HfError::Dtype {
+                    path: shard.path.clone(),
+                    tensor: name.into(),
+                    dtype: other.to_string(),
+                })
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The Hugging Face name of a tensor [`Llama::from_tensors`] asks for by its GGUF name.
+pub fn hf_tensor_name(gguf: &str) -> String {
+    match gguf {
+        "token_embd.weight" => return "model.embed_tokens.weight".into(),
+        "output_norm.weight" => return "model.norm.weight".into(),
+        "output.weight" => return "lm_head.weight".into(),
+        _ => {}
+    }
+    let Some((layer, rest)) = gguf.strip_prefix("blk.").and_then(|r| r.split_once('.')) else {
+        return gguf.into();
+    };
+    let (stem, kind) = rest.rsplit_once('.').unwrap_or((rest, "weight"));
+    let hf = match stem {
+        "attn_norm" => "input_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_norm" => "post_attention_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        other => other,
+    };
+    format!("model.layers.{layer}.{hf}.{kind}")
+}
+
+// === impl checkpoint ===
+
+/// Loads the model of a checkpoint directory.
+pub fn load_model(dir: &Path) -> Result<Llama, HfError> {
+    let cfg = HfConfig::load(dir)?;
+    let st = Safetensors::open(dir)?;
+    Llama::from_tensors(cfg.llama, cfg.rope_freq_factors.as_deref(), |name, shape| {
+        st.tensor_f32(&hf_tensor_name(name), shape)
+    })
+}
+
+/// Loads `tokenizer.json` (and `tokenizer_config.json`, `generation_config.json` when present)
+/// of a checkpoint directory.
+pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, HfError> {
+    let path = dir.join("tokenizer.json");
+    let tj = read(&path)?;
+    let cfg_path = dir.join("tokenizer_config.json");
+    let cfg = cfg_path.is_file().then(|| read(&cfg_path)).transpose()?;
+    let mut t =
+        Tokenizer::from_hf_json(&tj, cfg.as_deref()).map_err(|source| HfError::Tokenizer { path, source })?;
+    // Instruct models often end a turn with a token other than the tokenizer's EOS; the
+    // generation config lists them all.
+    let gen = dir.join("generation_config.json");
+    if gen.is_file() {
+        let v: serde_json::Value = parse_json(&gen, &read(&gen)?)?;
+        let ids: Vec<u64> = match v.get("eos_token_id") {
+            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).collect(),
+            Some(x) => x.as_u64().into_iter().collect(),
+            None => Vec::new(),
+        };
+        for id in ids {
+            let id = id as u32;
+            if (id as usize) < t.vocab_size() && !t.stop_tokens.contains(&id) {
+                t.stop_tokens.push(id);
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// Random weights of the geometry in `config` (a `config.json` or a checkpoint directory),
+/// with the checkpoint's tokenizer when it has one, else [`Tokenizer::bytes_only`].
+pub fn load_dummy(config: &Path, seed: u64) -> Result<(Llama, Tokenizer), HfError> {
+    let cfg = HfConfig::load(config)?;
+    let dir = config_path(config)
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let tokenizer = if dir.join("tokenizer.json").is_file() {
+        load_tokenizer(&dir)?
+    } else {
+        Tokenizer::bytes_only()
+    };
+    Ok((Llama::dummy(cfg.llama, seed)?, tokenizer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> String {
+        arch_config("LlamaForCausalLM", extra)
+    }
+
+    fn arch_config(arch: &str, extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["{arch}"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "max_position_embeddings": 512, "rope_theta": 500000.0{extra}}}"#
+        )
+    }
+
+    #[test]
+    fn llama_config_maps_to_neox_rope_and_defaults() {
+        let c = HfConfig::parse(Path::new("config.json"), &config("")).unwrap();
+        let l = &c.llama;
+        assert_eq!((l.arch.as_str(), l.head_dim, l.n_kv_heads), ("llama", 16, 2));
+        assert!(l.rope_neox && !l.attn_bias && !l.qk_norm && !l.tied_embeddings);
+        assert_eq!((l.rms_eps, l.context_len, l.rope_theta), (1e-6, 512, 500000.0));
+        assert_eq!(c.rope_freq_factors, None);
+    }
+
+    #[test]
+    fn qwen_flags_and_explicit_head_dim_are_read() {
+        let q2 = arch_config("Qwen2ForCausalLM", "");
+        let c = HfConfig::parse(Path::new("c"), &q2).unwrap().llama;
+        assert!(c.attn_bias && !c.qk_norm);
+        let q3 = arch_config(
+            "Qwen3ForCausalLM",
+            r#", "head_dim": 32, "tie_word_embeddings": true"#,
+        );
+        let c = HfConfig::parse(Path::new("c"), &q3).unwrap().llama;
+        assert!(!c.attn_bias && c.qk_norm && c.tied_embeddings);
+        assert_eq!((c.head_dim, c.rope_dims), (32, 32));
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let c = config(
+            r#", "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}"#,
+        );
+        let f = HfConfig::parse(Path::new("c"), &c)
+            .unwrap()
+            .rope_freq_factors
+            .unwrap();
+        assert_eq!(f.len(), 8);
+        assert_eq!(f[0], 1.0, "the highest frequency is kept");
+        assert!(
+            (f[7] - 8.0).abs() < 1e-4,
+            "the lowest is divided by the factor: {f:?}"
+        );
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+    }
+
+    #[test]
+    fn linear_scaling_sets_the_position_divisor() {
+        let c = config(r#", "rope_scaling": {"type": "linear", "factor": 4.0}"#);
+        assert_eq!(
+            HfConfig::parse(Path::new("c"), &c)
+                .unwrap()
+                .llama
+                .rope_linear_scale,
+            4.0
+        );
+    }
+
+    #[test]
+    fn mistral_sliding_window_bounds_the_context() {
+        let c = arch_config("MistralForCausalLM", r#", "sliding_window": 128"#);
+        assert_eq!(
+            HfConfig::parse(Path::new("c"), &c).unwrap().llama.context_len,
+            128
+        );
+    }
+
+    #[test]
+    fn tensor_names_map_to_hugging_face() {
+        assert_eq!(
+            hf_tensor_name("blk.3.attn_q.bias"),
+            "model.layers.3.self_attn.q_proj.bias"
+        );
+        assert_eq!(
+            hf_tensor_name("blk.0.attn_k_norm.weight"),
+            "model.layers.0.self_attn.k_norm.weight"
+        );
+        assert_eq!(
+            hf_tensor_name("blk.12.ffn_norm.weight"),
+            "model.layers.12.post_attention_layernorm.weight"
+        );
+        assert_eq!(hf_tensor_name("output.weight"), "lm_head.weight");
+    }
+}
