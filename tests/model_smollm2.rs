@@ -502,6 +502,7 @@ async fn worker_mount_serves_the_gguf_named_by_model_args() {
         max_num_batched_tokens: 256,
         kv_capacity_tokens: 4096,
         no_model: false,
+        ..ModelArgs::default()
     };
     let registry = prometheus::Registry::new();
     let e = mount(

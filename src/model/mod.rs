@@ -1,7 +1,9 @@
 //! Model runtime: weights (GGUF, dummy), tokenizer, the Llama-family forward pass and
 //! sampling, served through an OpenAI-compatible API (see `docs/model.md`).
 
+pub mod forward;
 pub mod gguf;
+pub mod gpu;
 pub mod kv;
 pub mod llama;
 pub mod openai;

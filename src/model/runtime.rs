@@ -11,7 +11,9 @@ use std::time::Instant;
 use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use super::forward::{CpuForward, Forward};
 use super::gguf::{Gguf, GgufError};
+use super::gpu::{GpuCapacity, GpuError, GpuLlama, GpuOptions};
 use super::kv::{ContiguousKv, KvAttention, SeqId};
 use super::llama::{Llama, LoadError, SeqChunk};
 use super::sampling::{Sampler, SamplingParams, StopMatcher};
@@ -36,6 +38,15 @@ pub enum RuntimeError {
     EmptyPrompt,
     #[error("the generation loop has stopped; restart the worker")]
     Stopped,
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// Where the forward pass runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Placement {
+    Cpu,
+    Cuda(GpuOptions),
 }
 
 /// Limits of the generation loop.
@@ -159,6 +170,12 @@ pub struct ModelRuntime {
     pub name: String,
     pub tokenizer: Arc<Tokenizer>,
     pub context_len: usize,
+    /// Where the forward pass runs (`cpu`, `cuda`).
+    pub device: &'static str,
+    /// Tokens the KV cache holds over all sequences (the admission limit).
+    pub kv_capacity_tokens: usize,
+    /// The GPU's memory split and KV capacity when the model runs on CUDA.
+    pub gpu_capacity: Option<GpuCapacity>,
     submit: mpsc::Sender<Submit>,
 }
 
@@ -187,10 +204,69 @@ impl ModelRuntime {
         Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
     }
 
-    /// Starts the loop for a model, a KV backend and a tokenizer.
+    /// Loads a GGUF model onto `placement`: the CPU (contiguous KV cache) or a GPU.
+    pub fn load_gguf_on(
+        path: &Path,
+        name: Option<&str>,
+        cfg: RuntimeConfig,
+        placement: &Placement,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        let opts = match placement {
+            Placement::Cpu => return Self::load_gguf(path, name, cfg, registry),
+            Placement::Cuda(opts) => opts,
+        };
+        let g = Gguf::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&g)?;
+        let model = Llama::from_gguf(&g)?;
+        let name = match name {
+            Some(n) => n.to_string(),
+            None => default_name(&g, path),
+        };
+        Self::start_gpu(model, tokenizer, name, cfg, opts, registry)
+    }
+
+    /// Uploads `model` to the GPU and starts the loop there. The KV cache takes the GPU
+    /// memory left (see [`GpuOptions`]); `cfg.kv_capacity_tokens` is replaced by what it holds.
+    pub fn start_gpu(
+        model: Llama,
+        tokenizer: Tokenizer,
+        name: String,
+        mut cfg: RuntimeConfig,
+        opts: &GpuOptions,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        let gpu = GpuLlama::open_gpu(opts.ordinal)?;
+        let m = GpuLlama::from_llama(gpu, &model, opts)?;
+        drop(model);
+        let cap = m.capacity().clone();
+        cfg.kv_capacity_tokens = cap.admission_tokens(cfg.max_num_seqs);
+        let mut rt = Self::start_forward(Box::new(m), tokenizer, name, cfg, registry)?;
+        rt.gpu_capacity = Some(cap);
+        Ok(rt)
+    }
+
+    /// Starts the loop for a CPU model, a KV backend and a tokenizer.
     pub fn start(
         model: Arc<Llama>,
         kv: Box<dyn KvAttention>,
+        tokenizer: Tokenizer,
+        name: String,
+        cfg: RuntimeConfig,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        Self::start_forward(
+            Box::new(CpuForward::new(model, kv)),
+            tokenizer,
+            name,
+            cfg,
+            registry,
+        )
+    }
+
+    /// Starts the loop for any [`Forward`] (CPU or GPU) and a tokenizer.
+    pub fn start_forward(
+        model: Box<dyn Forward>,
         tokenizer: Tokenizer,
         name: String,
         cfg: RuntimeConfig,
@@ -204,16 +280,21 @@ impl ModelRuntime {
         let metrics = ModelMetrics::new(registry)?;
         let tokenizer = Arc::new(tokenizer);
         let (tx, rx) = mpsc::channel();
-        let context_len = model.config.context_len;
+        let context_len = model.config().context_len;
+        let device = model.device();
+        let kv_capacity_tokens = cfg.kv_capacity_tokens;
         let tok = tokenizer.clone();
         std::thread::Builder::new()
             .name("kvfleet-model".into())
-            .spawn(move || Loop::new(model, kv, tok, cfg, metrics).run(rx))
+            .spawn(move || Loop::new(model, tok, cfg, metrics).run(rx))
             .map_err(|e| RuntimeError::Config(format!("cannot start the model thread: {e}")))?;
         Ok(ModelRuntime {
             name,
             tokenizer,
             context_len,
+            device,
+            kv_capacity_tokens,
+            gpu_capacity: None,
             submit: tx,
         })
     }
@@ -275,8 +356,7 @@ struct Active {
 }
 
 struct Loop {
-    model: Arc<Llama>,
-    kv: Box<dyn KvAttention>,
+    model: Box<dyn Forward>,
     tok: Arc<Tokenizer>,
     cfg: RuntimeConfig,
     metrics: ModelMetrics,
@@ -287,16 +367,9 @@ struct Loop {
 }
 
 impl Loop {
-    fn new(
-        model: Arc<Llama>,
-        kv: Box<dyn KvAttention>,
-        tok: Arc<Tokenizer>,
-        cfg: RuntimeConfig,
-        metrics: ModelMetrics,
-    ) -> Self {
+    fn new(model: Box<dyn Forward>, tok: Arc<Tokenizer>, cfg: RuntimeConfig, metrics: ModelMetrics) -> Self {
         Loop {
             model,
-            kv,
             tok,
             cfg,
             metrics,
@@ -380,7 +453,7 @@ impl Loop {
     }
 
     fn retire(&mut self, a: &Active) {
-        self.kv.release(a.id);
+        self.model.release(a.id);
         self.reserved -= a.reserved;
     }
 
@@ -419,7 +492,7 @@ impl Loop {
             })
             .collect();
         let started = Instant::now();
-        let result = self.model.forward(self.kv.as_mut(), &chunks);
+        let result = self.model.forward(&chunks);
         drop(chunks);
         let logits = match result {
             Ok(l) => l,
@@ -436,7 +509,7 @@ impl Loop {
                 return;
             }
         };
-        let vocab = self.model.config.vocab;
+        let vocab = self.model.config().vocab;
         let now = Instant::now();
         let mut row = 0;
         let mut finished = Vec::new();
