@@ -769,7 +769,8 @@ impl GpuLlama {
         Self::assemble(gpu, kernels, weights, config, opts)
     }
 
-    fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
+    /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
+    pub fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
         if HeadDim::from_usize(c.head_dim).is_none() {
             return Err(GpuError::Unsupported(format!(
                 "head_dim {} (the attention kernels build 64, 128, 256)",
@@ -1081,6 +1082,18 @@ mod tests {
         assert_eq!(kv_replication(48, 4).unwrap(), (3, 4), "group 12");
         assert_eq!(kv_replication(64, 4).unwrap(), (2, 8), "group 16");
         assert!(kv_replication(10, 4).is_err());
+    }
+
+    #[test]
+    fn head_dims_outside_the_attention_kernels_are_named_errors() {
+        let ok = LlamaConfig::llama(2, 4096, 14336, 32, 8, 128256);
+        GpuLlama::check_shapes(&ok).unwrap();
+        let bad = LlamaConfig::llama(2, 96 * 4, 512, 4, 2, 100);
+        let e = GpuLlama::check_shapes(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("head_dim 96") && e.contains("--model-device cpu"),
+            "{e}"
+        );
     }
 
     #[test]
