@@ -296,12 +296,16 @@ fn gpu_dummy_head_dim_64_gqa_2_matches_the_cpu() {
     q2.tied_embeddings = true;
     dummy_case(q2, "qwen2-style");
     // Qwen3-style: Q/K norm; partial rotary dimensions and linear RoPE scaling.
-    let mut q3 = cfg;
+    let mut q3 = cfg.clone();
     q3.rope_neox = true;
     q3.qk_norm = true;
     q3.rope_dims = 32;
     q3.rope_linear_scale = 2.0;
     dummy_case(q3, "qwen3-style");
+    // SmolLM2-135M's group of 3 (9 query heads, 3 KV heads): stored as 9 replicated KV heads.
+    let mut g3 = LlamaConfig::llama(2, 576, 1536, 9, 3, 1000);
+    g3.context_len = 256;
+    dummy_case(g3, "group-3");
 }
 
 #[test]
