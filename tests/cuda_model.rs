@@ -257,7 +257,7 @@ fn gpu_mixed_batch_gives_each_sequence_the_logits_it_gets_alone() {
             eprintln!("step {si} seq {s}: max|batched - alone| = {d:.3e} (max|logit| {scale:.3})");
             // Only GEMM tiling and attention splits differ: far below the bf16 bound.
             assert!(
-                d <= 0.01 * scale + 1e-3,
+                d <= 0.02 * scale + 1e-3,
                 "step {si} seq {s}: batched and alone differ by {d} (max|logit| {scale})"
             );
         }

@@ -970,7 +970,7 @@ impl GpuLlama {
                     .arg(&mut a.q)
                     .arg(&mut a.k)
                     .arg(&mut a.v);
-                // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (7 pointers, 10 ints, 2
+                // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (6 pointers, 8 ints, 2
                 // floats, 3 pointers in order). qkv holds `t * (qw + 2 kw)` f32 (written by
                 // the GEMM above), pos `t` positions, bias `qw + 2 kw` and the norms
                 // `head_dim` values when their flags are set, inv_freq `rope_dims / 2`; the
