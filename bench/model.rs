@@ -1,11 +1,23 @@
-//! Output tokens per second of the CPU forward pass for SmolLM2-135M-Instruct (Q4_1 GGUF,
-//! dequantised to f32) at batch 1, 32 and 256: every sequence holds the same 37-token chat
-//! prompt (prefilled first, not timed), then all decode together, one token each per step,
-//! through `Llama::forward` with the contiguous KV cache (the generation loop's step).
+//! Output tokens per second of the forward pass at batch 1, 32 and 256.
+//!
+//! CPU (default): SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to f32); every sequence holds
+//! the same 37-token chat prompt (prefilled first, not timed), then all decode together, one
+//! token each per step, through `Llama::forward` with the contiguous KV cache (the generation
+//! loop's step). Median of 3 runs per batch size.
+//!
+//! GPU (`KVFLEET_BENCH_DEVICE=cuda`): `GpuLlama` (bf16 weights, cuBLAS, paged bf16 KV) for
+//! SmolLM2 and a dummy-weight Llama-3-8B geometry (32 layers, d 4096, 32/8 heads, head_dim 128,
+//! ff 14336, vocab 128256: 16 GB of bf16 weights made on the device). Per batch size: each
+//! sequence prefills a 128-token prompt (untimed, chunks of up to 2048 tokens), then 128
+//! decode steps are timed, each step downloading the f32 logits and taking the greedy token on
+//! the host (as the generation loop does); one warm-up run, then the median of 3. Prints the
+//! KV capacity (tokens) the GPU holds after weights and activations, and a table last.
+//! Env: `KVFLEET_BENCH_MODELS=smollm2,llama3-8b`, `KVFLEET_BENCH_BATCHES=1,32,256`,
+//! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`.
 //!
 //! `cargo bench --bench model` (release). The model is found through env
 //! `KVFLEET_SMOLLM2_GGUF`, else `.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf`.
-//! Prints the median of 3 runs per batch size; `KVFLEET_BENCH_BATCHES=1,32` picks sizes.
+//! `KVFLEET_BENCH_BATCHES=1,32` picks sizes.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -17,11 +29,33 @@ use kvfleet::model::sampling::argmax;
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
 
 fn main() {
-    let path = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
+    match std::env::var("KVFLEET_BENCH_DEVICE").as_deref() {
+        Ok("cuda") => gpu::main(),
+        Ok("cpu") | Err(_) => cpu_main(),
+        Ok(other) => {
+            eprintln!("KVFLEET_BENCH_DEVICE={other}: expected cpu or cuda");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn smollm2_path() -> PathBuf {
+    std::env::var_os("KVFLEET_SMOLLM2_GGUF")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
+        })
+}
+
+fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
+    std::env::var(name)
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| default.to_vec())
+}
+
+fn cpu_main() {
+    let path = smollm2_path();
     let g = match Gguf::open(&path) {
         Ok(g) => g,
         Err(e) => {
@@ -47,10 +81,7 @@ fn main() {
         }])
         .expect("template");
     let ids = tok.encode(&prompt, true);
-    let batches: Vec<usize> = std::env::var("KVFLEET_BENCH_BATCHES")
-        .ok()
-        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 32, 256]);
+    let batches = env_list("KVFLEET_BENCH_BATCHES", &[1, 32, 256]);
     println!("batch  steps  median_tok_per_s  runs_tok_per_s");
     for &b in &batches {
         let steps = match b {
@@ -111,4 +142,211 @@ fn run(model: &Llama, ids: &[u32], b: usize, steps: usize) -> f64 {
     let secs = t.elapsed().as_secs_f64();
     assert_eq!(kv.cached_len(0), ids.len() + steps);
     (b * steps) as f64 / secs
+}
+
+mod gpu {
+    use std::str::FromStr;
+    use std::time::{Duration, Instant};
+
+    use kvfleet::compat::KvCacheDtype;
+    use kvfleet::model::forward::Forward;
+    use kvfleet::model::gguf::Gguf;
+    use kvfleet::model::gpu::{GpuLlama, GpuOptions};
+    use kvfleet::model::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
+    use kvfleet::model::sampling::argmax;
+    use kvfleet::worker::engine::KvDtype;
+    use rayon::prelude::*;
+
+    const CHUNK_TOKENS: usize = 2048;
+
+    struct Row {
+        model: &'static str,
+        batch: usize,
+        median: f64,
+        runs: Vec<f64>,
+        forward_ms: f64,
+        kv_tokens: usize,
+    }
+
+    fn fail(what: &str, e: impl std::fmt::Display) -> ! {
+        eprintln!("{what}: {e}");
+        std::process::exit(2);
+    }
+
+    pub fn main() {
+        let models: Vec<String> = std::env::var("KVFLEET_BENCH_MODELS")
+            .unwrap_or_else(|_| "smollm2,llama3-8b".into())
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .collect();
+        let batches = super::env_list("KVFLEET_BENCH_BATCHES", &[1, 32, 256]);
+        let prompt_len = super::env_list("KVFLEET_BENCH_PROMPT", &[128])[0];
+        let steps = super::env_list("KVFLEET_BENCH_STEPS", &[128])[0];
+        let kv = std::env::var("KVFLEET_BENCH_KV_DTYPE").unwrap_or_else(|_| "bfloat16".into());
+        let kv_dtype = match KvCacheDtype::from_str(&kv) {
+            Ok(d) => KvDtype::resolve(d, KvDtype::Bf16),
+            Err(e) => fail("KVFLEET_BENCH_KV_DTYPE", e),
+        };
+        let max_batch = batches.iter().copied().max().unwrap_or(1);
+        let opts = GpuOptions {
+            kv_dtype,
+            max_batched_tokens: CHUNK_TOKENS.max(max_batch),
+            max_num_seqs: max_batch.max(CHUNK_TOKENS / prompt_len.max(1)),
+            ..GpuOptions::default()
+        };
+        let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));
+        println!(
+            "device: {} ({}), {} SMs; kv dtype {}; prompt {prompt_len} tokens, {steps} decode steps, median of 3 after 1 warm-up",
+            gpu.name,
+            gpu.arch,
+            gpu.num_sms,
+            kv_dtype.as_str()
+        );
+        let mut rows = Vec::new();
+        for name in &models {
+            let t0 = Instant::now();
+            let (label, mut m): (&'static str, GpuLlama) = match name.as_str() {
+                "smollm2" => {
+                    let path = super::smollm2_path();
+                    let g = Gguf::open(&path).unwrap_or_else(|e| fail(&format!("{}", path.display()), e));
+                    let cpu = Llama::from_gguf(&g).unwrap_or_else(|e| fail("loading SmolLM2", e));
+                    let m = GpuLlama::from_llama(gpu.clone(), &cpu, &opts)
+                        .unwrap_or_else(|e| fail("SmolLM2 on the GPU", e));
+                    ("SmolLM2-135M", m)
+                }
+                "llama3-8b" => {
+                    let cfg = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
+                    let m = GpuLlama::dummy(gpu.clone(), cfg, 1, &opts)
+                        .unwrap_or_else(|e| fail("dummy Llama-3-8B on the GPU", e));
+                    ("Llama-3-8B-dummy", m)
+                }
+                other => fail(
+                    "KVFLEET_BENCH_MODELS",
+                    format!("unknown model {other:?} (smollm2, llama3-8b)"),
+                ),
+            };
+            let cap = m.capacity().clone();
+            println!(
+                "{label}: ready in {:.1}s; weights {:.2} GiB, activations {:.2} GiB, KV {} blocks x {} = {} tokens \
+                 ({} KiB/token, {:.1} GiB) of {:.1} GiB total",
+                t0.elapsed().as_secs_f64(),
+                cap.weight_bytes as f64 / (1u64 << 30) as f64,
+                cap.activation_bytes as f64 / (1u64 << 30) as f64,
+                cap.blocks,
+                cap.block_size,
+                cap.kv_tokens,
+                cap.kv_bytes_per_token >> 10,
+                (cap.kv_tokens * cap.kv_bytes_per_token) as f64 / (1u64 << 30) as f64,
+                cap.total_bytes as f64 / (1u64 << 30) as f64,
+            );
+            let vocab = m.config().vocab as u32;
+            let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+            let mut seq = 0u64;
+            for &b in &batches {
+                if b * (prompt_len + steps + 16) > cap.kv_tokens {
+                    println!(
+                        "{label} batch {b}: skipped, needs more than the {} KV tokens",
+                        cap.kv_tokens
+                    );
+                    continue;
+                }
+                let mut runs = Vec::new();
+                let mut fwd = Vec::new();
+                for r in 0..4 {
+                    seq += b as u64;
+                    let (tps, f) = run(&mut m, &prompt, b, steps, seq * 1000)
+                        .unwrap_or_else(|e| fail(&format!("{label} batch {b}"), e));
+                    if r > 0 {
+                        runs.push(tps);
+                        fwd.push(f.as_secs_f64() * 1000.0 / steps as f64);
+                    }
+                }
+                let shown = runs
+                    .iter()
+                    .map(|r| format!("{r:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                runs.sort_by(f64::total_cmp);
+                fwd.sort_by(f64::total_cmp);
+                println!(
+                    "{label} batch {b}: {:.1} tok/s (runs {shown}); forward incl. logits copy {:.2} ms/step",
+                    runs[1], fwd[1]
+                );
+                rows.push(Row {
+                    model: label,
+                    batch: b,
+                    median: runs[1],
+                    runs,
+                    forward_ms: fwd[1],
+                    kv_tokens: cap.kv_tokens,
+                });
+            }
+            drop(m);
+        }
+        println!();
+        println!("model              batch  median_tok_per_s  min_tok_per_s  max_tok_per_s  forward_ms_per_step  gpu_kv_tokens");
+        for r in &rows {
+            println!(
+                "{:<18} {:>5}  {:>16.1}  {:>13.1}  {:>13.1}  {:>19.2}  {:>13}",
+                r.model, r.batch, r.median, r.runs[0], r.runs[2], r.forward_ms, r.kv_tokens
+            );
+        }
+    }
+
+    /// Prefills `b` sequences (untimed), then times `steps` decode steps; returns output tok/s
+    /// and the time spent inside `forward` (the rest is the host's greedy choice).
+    fn run(
+        m: &mut GpuLlama,
+        prompt: &[u32],
+        b: usize,
+        steps: usize,
+        base: u64,
+    ) -> Result<(f64, Duration), ForwardError> {
+        let v = m.config().vocab;
+        let mut last = vec![0u32; b];
+        let per = (CHUNK_TOKENS / prompt.len().max(1)).max(1);
+        for start in (0..b).step_by(per) {
+            let end = (start + per).min(b);
+            let chunks: Vec<SeqChunk<'_>> = (start..end)
+                .map(|s| SeqChunk {
+                    seq: base + s as u64,
+                    start_pos: 0,
+                    tokens: prompt,
+                    want_logits: true,
+                })
+                .collect();
+            let logits = m.forward(&chunks)?;
+            for (i, s) in (start..end).enumerate() {
+                last[s] = argmax(&logits[i * v..(i + 1) * v]);
+            }
+        }
+        let mut in_forward = Duration::ZERO;
+        let t = Instant::now();
+        for step in 0..steps {
+            let toks: Vec<[u32; 1]> = last.iter().map(|&x| [x]).collect();
+            let chunks: Vec<SeqChunk<'_>> = toks
+                .iter()
+                .enumerate()
+                .map(|(s, tk)| SeqChunk {
+                    seq: base + s as u64,
+                    start_pos: prompt.len() + step,
+                    tokens: tk,
+                    want_logits: true,
+                })
+                .collect();
+            let f0 = Instant::now();
+            let logits = m.forward(&chunks)?;
+            in_forward += f0.elapsed();
+            last.par_iter_mut()
+                .zip(logits.par_chunks(v))
+                .for_each(|(l, row)| *l = argmax(row));
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let held = m.cached_len(base);
+        for s in 0..b {
+            m.release(base + s as u64);
+        }
+        assert_eq!(held, prompt.len() + steps, "KV length after the run");
+        Ok(((b * steps) as f64 / secs, in_forward))
+    }
 }

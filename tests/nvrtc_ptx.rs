@@ -74,3 +74,28 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
         failures.join("\n")
     );
 }
+
+#[test]
+fn model_kernels_compile_to_ptx_for_every_claimed_arch() {
+    use kvfleet::model::gpu::{MODEL_KERNELS, MODEL_SOURCE};
+    if let Err(e) = nvrtc::toolchain() {
+        panic!("{e}\nhint: run `.ci/install-tools` and eval its output (see the test above)");
+    }
+    let mut failures = Vec::new();
+    for arch in Arch::ALL {
+        match nvrtc::compile_source("model", MODEL_SOURCE, arch) {
+            Ok((ptx, _)) => {
+                let missing: Vec<&str> = MODEL_KERNELS
+                    .iter()
+                    .copied()
+                    .filter(|k| !ptx.contains(&format!(".entry {k}")))
+                    .collect();
+                if !missing.is_empty() {
+                    failures.push(format!("model {arch}: PTX lacks {missing:?}"));
+                }
+            }
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

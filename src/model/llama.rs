@@ -40,6 +40,8 @@ pub enum ForwardError {
     Token(u32),
     #[error("position {pos} exceeds the model's context length {ctx}")]
     Context { pos: usize, ctx: usize },
+    #[error(transparent)]
+    Gpu(#[from] super::gpu::GpuError),
 }
 
 /// Geometry and hyper-parameters of a Llama-family model.
@@ -150,7 +152,8 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
-    pub(crate) fn check(&self) -> Result<(), LoadError> {
+    /// Checks the geometry is consistent (heads, RoPE dimensions).
+    pub fn check(&self) -> Result<(), LoadError> {
         let bad = |m: String| Err(LoadError::Geometry(m));
         if self.n_layers == 0 || self.d_model == 0 || self.vocab == 0 || self.head_dim == 0 {
             return bad(format!("empty dimension in {self:?}"));
@@ -537,7 +540,69 @@ impl Llama {
     }
 }
 
-fn inv_freq(cfg: &LlamaConfig, factors: Option<&[f32]>) -> Vec<f32> {
+/// Borrowed f32 weights of one layer (matrices `[out, in]` row-major), for other backends.
+pub struct LayerTensors<'a> {
+    pub attn_norm: &'a [f32],
+    pub wq: &'a [f32],
+    pub wk: &'a [f32],
+    pub wv: &'a [f32],
+    pub wo: &'a [f32],
+    pub bq: Option<&'a [f32]>,
+    pub bk: Option<&'a [f32]>,
+    pub bv: Option<&'a [f32]>,
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
+    pub ffn_norm: &'a [f32],
+    pub w_gate: &'a [f32],
+    pub w_up: &'a [f32],
+    pub w_down: &'a [f32],
+}
+
+/// Borrowed f32 weights of the whole model (see [`Llama::tensors`]).
+pub struct LlamaTensors<'a> {
+    /// `[vocab, d_model]`.
+    pub embed: &'a [f32],
+    pub layers: Vec<LayerTensors<'a>>,
+    pub out_norm: &'a [f32],
+    /// `[vocab, d_model]`; `None` when tied to `embed`.
+    pub lm_head: Option<&'a [f32]>,
+    /// Per rotated pair: the inverse frequency, already divided by any rope_freqs factor.
+    pub inv_freq: &'a [f32],
+}
+
+impl Llama {
+    /// The model's weights, e.g. to upload them to a GPU (`model::gpu`).
+    pub fn tensors(&self) -> LlamaTensors<'_> {
+        LlamaTensors {
+            embed: &self.embed,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerTensors {
+                    attn_norm: &l.attn_norm,
+                    wq: &l.wq,
+                    wk: &l.wk,
+                    wv: &l.wv,
+                    wo: &l.wo,
+                    bq: l.bq.as_deref(),
+                    bk: l.bk.as_deref(),
+                    bv: l.bv.as_deref(),
+                    q_norm: l.q_norm.as_deref(),
+                    k_norm: l.k_norm.as_deref(),
+                    ffn_norm: &l.ffn_norm,
+                    w_gate: &l.w_gate,
+                    w_up: &l.w_up,
+                    w_down: &l.w_down,
+                })
+                .collect(),
+            out_norm: &self.out_norm,
+            lm_head: self.lm_head.as_deref(),
+            inv_freq: &self.inv_freq,
+        }
+    }
+}
+
+pub(crate) fn inv_freq(cfg: &LlamaConfig, factors: Option<&[f32]>) -> Vec<f32> {
     let half = cfg.rope_dims / 2;
     (0..half)
         .map(|i| {

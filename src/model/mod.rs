@@ -1,7 +1,9 @@
 //! Model runtime: weights (GGUF, Hugging Face safetensors, dummy), tokenizer, the Llama-family forward pass and
 //! sampling, served through an OpenAI-compatible API (see `docs/model.md`).
 
+pub mod forward;
 pub mod gguf;
+pub mod gpu;
 pub mod hf;
 pub mod hf_tokenizer;
 pub mod kv;

@@ -43,47 +43,42 @@ pub fn backend_config(
     }
 }
 
-/// The model's attention through an engine backend.
-pub struct PagedKv<B: Backend<Buf = Vec<f32>>> {
-    backend: B,
+/// Sequences' pages in a one-group paged cache: pages come from the engine's [`BlockPool`]
+/// and each forward pass becomes one CSR [`StepPlan`] for all layers. Shared by [`PagedKv`]
+/// (host backends) and the GPU forward pass (`model::gpu`).
+#[derive(Debug)]
+pub struct PageTable {
     pool: BlockPool,
     block_size: usize,
     /// seq -> (pages, tokens held).
     seqs: HashMap<SeqId, (Vec<u32>, usize)>,
-    plan: StepPlan,
-    /// The batch the current plan was built for.
-    planned: Vec<AttnSeq>,
-    kbuf: Vec<f32>,
-    vbuf: Vec<f32>,
-    qbuf: Vec<f32>,
-    obuf: Vec<f32>,
 }
 
-impl<B: Backend<Buf = Vec<f32>>> PagedKv<B> {
-    /// Wraps a backend built from [`backend_config`] (one full-attention group).
-    pub fn new(backend: B) -> Self {
-        let cfg = backend.config();
-        let pool = BlockPool::new(cfg.groups.first().map_or(0, |g| g.num_blocks));
-        let block_size = cfg.block_size;
-        PagedKv {
-            backend,
-            pool,
+impl PageTable {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        PageTable {
+            pool: BlockPool::new(num_blocks),
             block_size,
             seqs: HashMap::new(),
-            plan: StepPlan::default(),
-            planned: Vec::new(),
-            kbuf: Vec::new(),
-            vbuf: Vec::new(),
-            qbuf: Vec::new(),
-            obuf: Vec::new(),
         }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
     }
 
     pub fn free_blocks(&self) -> usize {
         self.pool.num_free()
     }
 
-    fn build_plan(&mut self, seqs: &[AttnSeq]) -> Result<(), KvError> {
+    pub fn total_blocks(&self) -> usize {
+        self.pool.total()
+    }
+
+    /// Grows every sequence of `seqs` by its new tokens (allocating pages) and writes the
+    /// step's plan into `plan`: `qo_indptr` over the batch and one group table holding each
+    /// sequence's pages, last-page fill and the slots of its new tokens.
+    pub fn plan_step(&mut self, seqs: &[AttnSeq], plan: &mut StepPlan) -> Result<(), KvError> {
         let bs = self.block_size;
         for s in seqs {
             let (pages, held) = self.seqs.entry(s.seq).or_default();
@@ -102,7 +97,7 @@ impl<B: Backend<Buf = Vec<f32>>> PagedKv<B> {
                 });
             }
         }
-        let p = &mut self.plan;
+        let p = plan;
         p.qo_indptr.clear();
         p.qo_indptr.push(0);
         p.groups.resize_with(1, Default::default);
@@ -126,6 +121,61 @@ impl<B: Backend<Buf = Vec<f32>>> PagedKv<B> {
             }
             *held = new_len;
         }
+        Ok(())
+    }
+
+    /// Tokens held for `seq`, 0 when unknown.
+    pub fn cached_len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.1)
+    }
+
+    /// Returns `seq`'s pages to the pool.
+    pub fn release(&mut self, seq: SeqId) {
+        if let Some((pages, _)) = self.seqs.remove(&seq) {
+            for p in pages {
+                // A page id we allocated is always known to the pool.
+                let _ = self.pool.release(p);
+            }
+        }
+    }
+}
+
+/// The model's attention through an engine backend.
+pub struct PagedKv<B: Backend<Buf = Vec<f32>>> {
+    backend: B,
+    pages: PageTable,
+    plan: StepPlan,
+    /// The batch the current plan was built for.
+    planned: Vec<AttnSeq>,
+    kbuf: Vec<f32>,
+    vbuf: Vec<f32>,
+    qbuf: Vec<f32>,
+    obuf: Vec<f32>,
+}
+
+impl<B: Backend<Buf = Vec<f32>>> PagedKv<B> {
+    /// Wraps a backend built from [`backend_config`] (one full-attention group).
+    pub fn new(backend: B) -> Self {
+        let cfg = backend.config();
+        let pages = PageTable::new(cfg.groups.first().map_or(0, |g| g.num_blocks), cfg.block_size);
+        PagedKv {
+            backend,
+            pages,
+            plan: StepPlan::default(),
+            planned: Vec::new(),
+            kbuf: Vec::new(),
+            vbuf: Vec::new(),
+            qbuf: Vec::new(),
+            obuf: Vec::new(),
+        }
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.pages.free_blocks()
+    }
+
+    fn build_plan(&mut self, seqs: &[AttnSeq]) -> Result<(), KvError> {
+        self.pages.plan_step(seqs, &mut self.plan)?;
         self.planned = seqs.to_vec();
         Ok(())
     }
@@ -170,16 +220,11 @@ impl<B: Backend<Buf = Vec<f32>> + Send> KvAttention for PagedKv<B> {
     }
 
     fn cached_len(&self, seq: SeqId) -> usize {
-        self.seqs.get(&seq).map_or(0, |s| s.1)
+        self.pages.cached_len(seq)
     }
 
     fn release(&mut self, seq: SeqId) {
-        if let Some((pages, _)) = self.seqs.remove(&seq) {
-            for p in pages {
-                // A page id we allocated is always known to the pool.
-                let _ = self.pool.release(p);
-            }
-        }
+        self.pages.release(seq)
     }
 }
 

@@ -11,7 +11,9 @@ use std::time::Instant;
 use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use super::forward::{CpuForward, Forward};
 use super::gguf::{Gguf, GgufError};
+use super::gpu::{GpuCapacity, GpuError, GpuLlama, GpuOptions};
 use super::hf::{self, HfError};
 use super::kv::{ContiguousKv, KvAttention, SeqId};
 use super::llama::{Llama, LoadError, SeqChunk};
@@ -39,6 +41,15 @@ pub enum RuntimeError {
     EmptyPrompt,
     #[error("the generation loop has stopped; restart the worker")]
     Stopped,
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// Where the forward pass runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Placement {
+    Cpu,
+    Cuda(GpuOptions),
 }
 
 /// Limits of the generation loop.
@@ -162,6 +173,12 @@ pub struct ModelRuntime {
     pub name: String,
     pub tokenizer: Arc<Tokenizer>,
     pub context_len: usize,
+    /// Where the forward pass runs (`cpu`, `cuda`).
+    pub device: &'static str,
+    /// Tokens the KV cache holds over all sequences (the admission limit).
+    pub kv_capacity_tokens: usize,
+    /// The GPU's memory split and KV capacity when the model runs on CUDA.
+    pub gpu_capacity: Option<GpuCapacity>,
     submit: mpsc::Sender<Submit>,
 }
 
@@ -172,11 +189,22 @@ impl std::fmt::Debug for ModelRuntime {
 }
 
 impl ModelRuntime {
-    /// Loads a GGUF model and starts its loop with a contiguous KV cache.
+    /// Loads a GGUF model and starts its loop on the CPU with a contiguous KV cache.
     pub fn load_gguf(
         path: &Path,
         name: Option<&str>,
         cfg: RuntimeConfig,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        Self::load_gguf_on(path, name, cfg, &Placement::Cpu, registry)
+    }
+
+    /// Loads a GGUF model onto `placement`: the CPU (contiguous KV cache) or a GPU.
+    pub fn load_gguf_on(
+        path: &Path,
+        name: Option<&str>,
+        cfg: RuntimeConfig,
+        placement: &Placement,
         registry: &Registry,
     ) -> Result<Self, RuntimeError> {
         let g = Gguf::open(path)?;
@@ -186,23 +214,32 @@ impl ModelRuntime {
             Some(n) => n.to_string(),
             None => default_name(&g, path),
         };
-        let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
-        Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
+        Self::start_on(model, tokenizer, name, cfg, placement, registry)
     }
 
     /// Loads a Hugging Face checkpoint directory (`config.json`, safetensors, `tokenizer.json`)
-    /// and starts its loop with a contiguous KV cache. The default name is the directory's.
+    /// and starts its loop on the CPU. The default name is the directory's.
     pub fn load_hf(
         dir: &Path,
         name: Option<&str>,
         cfg: RuntimeConfig,
         registry: &Registry,
     ) -> Result<Self, RuntimeError> {
+        Self::load_hf_on(dir, name, cfg, &Placement::Cpu, registry)
+    }
+
+    /// [`ModelRuntime::load_hf`] onto `placement`.
+    pub fn load_hf_on(
+        dir: &Path,
+        name: Option<&str>,
+        cfg: RuntimeConfig,
+        placement: &Placement,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
         let tokenizer = hf::load_tokenizer(dir)?;
         let model = hf::load_model(dir)?;
         let name = name.map(str::to_string).unwrap_or_else(|| dir_name(dir));
-        let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
-        Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
+        Self::start_on(model, tokenizer, name, cfg, placement, registry)
     }
 
     /// Random weights of the geometry in `config` (a `config.json` or a checkpoint
@@ -211,6 +248,7 @@ impl ModelRuntime {
         config: &Path,
         name: Option<&str>,
         cfg: RuntimeConfig,
+        placement: &Placement,
         registry: &Registry,
     ) -> Result<Self, RuntimeError> {
         let (model, tokenizer) = hf::load_dummy(config, 0)?;
@@ -222,14 +260,68 @@ impl ModelRuntime {
             };
             format!("dummy-{}", dir_name(dir))
         });
-        let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
-        Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
+        Self::start_on(model, tokenizer, name, cfg, placement, registry)
     }
 
-    /// Starts the loop for a model, a KV backend and a tokenizer.
+    /// Starts a loaded model's loop on `placement`.
+    pub fn start_on(
+        model: Llama,
+        tokenizer: Tokenizer,
+        name: String,
+        cfg: RuntimeConfig,
+        placement: &Placement,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        match placement {
+            Placement::Cpu => {
+                let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
+                Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
+            }
+            Placement::Cuda(opts) => Self::start_gpu(model, tokenizer, name, cfg, opts, registry),
+        }
+    }
+
+    /// Uploads `model` to the GPU and starts the loop there. The KV cache takes the GPU
+    /// memory left (see [`GpuOptions`]); `cfg.kv_capacity_tokens` is replaced by what it holds.
+    pub fn start_gpu(
+        model: Llama,
+        tokenizer: Tokenizer,
+        name: String,
+        mut cfg: RuntimeConfig,
+        opts: &GpuOptions,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        let gpu = GpuLlama::open_gpu(opts.ordinal)?;
+        let m = GpuLlama::from_llama(gpu, &model, opts)?;
+        drop(model);
+        let cap = m.capacity().clone();
+        cfg.kv_capacity_tokens = cap.admission_tokens(cfg.max_num_seqs);
+        let mut rt = Self::start_forward(Box::new(m), tokenizer, name, cfg, registry)?;
+        rt.gpu_capacity = Some(cap);
+        Ok(rt)
+    }
+
+    /// Starts the loop for a CPU model, a KV backend and a tokenizer.
     pub fn start(
         model: Arc<Llama>,
         kv: Box<dyn KvAttention>,
+        tokenizer: Tokenizer,
+        name: String,
+        cfg: RuntimeConfig,
+        registry: &Registry,
+    ) -> Result<Self, RuntimeError> {
+        Self::start_forward(
+            Box::new(CpuForward::new(model, kv)),
+            tokenizer,
+            name,
+            cfg,
+            registry,
+        )
+    }
+
+    /// Starts the loop for any [`Forward`] (CPU or GPU) and a tokenizer.
+    pub fn start_forward(
+        model: Box<dyn Forward>,
         tokenizer: Tokenizer,
         name: String,
         cfg: RuntimeConfig,
@@ -243,16 +335,21 @@ impl ModelRuntime {
         let metrics = ModelMetrics::new(registry)?;
         let tokenizer = Arc::new(tokenizer);
         let (tx, rx) = mpsc::channel();
-        let context_len = model.config.context_len;
+        let context_len = model.config().context_len;
+        let device = model.device();
+        let kv_capacity_tokens = cfg.kv_capacity_tokens;
         let tok = tokenizer.clone();
         std::thread::Builder::new()
             .name("kvfleet-model".into())
-            .spawn(move || Loop::new(model, kv, tok, cfg, metrics).run(rx))
+            .spawn(move || Loop::new(model, tok, cfg, metrics).run(rx))
             .map_err(|e| RuntimeError::Config(format!("cannot start the model thread: {e}")))?;
         Ok(ModelRuntime {
             name,
             tokenizer,
             context_len,
+            device,
+            kv_capacity_tokens,
+            gpu_capacity: None,
             submit: tx,
         })
     }
@@ -321,8 +418,7 @@ struct Active {
 }
 
 struct Loop {
-    model: Arc<Llama>,
-    kv: Box<dyn KvAttention>,
+    model: Box<dyn Forward>,
     tok: Arc<Tokenizer>,
     cfg: RuntimeConfig,
     metrics: ModelMetrics,
@@ -333,16 +429,9 @@ struct Loop {
 }
 
 impl Loop {
-    fn new(
-        model: Arc<Llama>,
-        kv: Box<dyn KvAttention>,
-        tok: Arc<Tokenizer>,
-        cfg: RuntimeConfig,
-        metrics: ModelMetrics,
-    ) -> Self {
+    fn new(model: Box<dyn Forward>, tok: Arc<Tokenizer>, cfg: RuntimeConfig, metrics: ModelMetrics) -> Self {
         Loop {
             model,
-            kv,
             tok,
             cfg,
             metrics,
@@ -426,7 +515,7 @@ impl Loop {
     }
 
     fn retire(&mut self, a: &Active) {
-        self.kv.release(a.id);
+        self.model.release(a.id);
         self.reserved -= a.reserved;
     }
 
@@ -465,7 +554,7 @@ impl Loop {
             })
             .collect();
         let started = Instant::now();
-        let result = self.model.forward(self.kv.as_mut(), &chunks);
+        let result = self.model.forward(&chunks);
         drop(chunks);
         let logits = match result {
             Ok(l) => l,
@@ -482,7 +571,7 @@ impl Loop {
                 return;
             }
         };
-        let vocab = self.model.config.vocab;
+        let vocab = self.model.config().vocab;
         let now = Instant::now();
         let mut row = 0;
         let mut finished = Vec::new();

@@ -7,8 +7,11 @@ use std::sync::Arc;
 use axum::Router;
 use prometheus::Registry;
 
+use super::gpu::{self, GpuError, GpuOptions};
 use super::openai;
-use super::runtime::{ModelRuntime, RuntimeConfig, RuntimeError};
+use super::runtime::{ModelRuntime, Placement, RuntimeConfig, RuntimeError};
+use crate::compat::KvCacheDtype;
+use crate::worker::engine::layout::KvDtype;
 
 /// Where the embedded model lands when installed into the repository's `.tools/`.
 pub const EMBEDDED_MODEL_PATHS: &[&str] = &[
@@ -54,6 +57,32 @@ pub struct ModelArgs {
     /// Serve no model even when the embedded one is installed (attention workload only).
     #[arg(long, conflicts_with = "model")]
     pub no_model: bool,
+    /// Where the forward pass runs: `auto` (CUDA when the driver, NVRTC with the CUDA headers,
+    /// cuBLAS and a GPU are present, else the CPU), `cpu` or `cuda`.
+    #[arg(long = "model-device", env = "KVFLEET_MODEL_DEVICE", value_enum, default_value_t = ModelDevice::Auto)]
+    pub device: ModelDevice,
+    /// KV-cache dtype of the GPU model: bfloat16, float16, fp8_e4m3 (fp8), fp8_e5m2, nvfp4
+    /// (auto = bfloat16). The CPU model keeps K/V in f32.
+    #[arg(
+        long = "model-kv-dtype",
+        env = "KVFLEET_MODEL_KV_DTYPE",
+        default_value = "bfloat16"
+    )]
+    pub kv_dtype: KvCacheDtype,
+    /// Caps the GPU model's KV cache in tokens (default: the GPU memory left after weights,
+    /// activations and a margin of max(1 GiB, 2%)). The CPU model uses
+    /// --model-kv-capacity-tokens.
+    #[arg(long = "model-gpu-kv-tokens", env = "KVFLEET_MODEL_GPU_KV_TOKENS")]
+    pub gpu_kv_tokens: Option<usize>,
+}
+
+/// Where the model's forward pass runs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ModelDevice {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
 }
 
 /// Source of the model's weights.
@@ -78,6 +107,9 @@ impl Default for ModelArgs {
             max_num_batched_tokens: 1024,
             kv_capacity_tokens: 131072,
             no_model: false,
+            device: ModelDevice::Auto,
+            kv_dtype: KvCacheDtype::Bfloat16,
+            gpu_kv_tokens: None,
         }
     }
 }
@@ -104,6 +136,36 @@ impl ModelArgs {
             kv_capacity_tokens: self.kv_capacity_tokens,
         }
     }
+
+    /// Resolves `--model-device`: `auto` picks CUDA when [`gpu::check_available`] passes;
+    /// `cuda` without what it needs is an error naming what is missing.
+    pub fn placement(&self) -> Result<Placement, MountError> {
+        let cuda = || Placement::Cuda(self.gpu_options());
+        match self.device {
+            ModelDevice::Cpu => Ok(Placement::Cpu),
+            ModelDevice::Cuda => match gpu::check_available() {
+                Ok(()) => Ok(cuda()),
+                Err(e) => Err(MountError::Device(e)),
+            },
+            ModelDevice::Auto => match gpu::check_available() {
+                Ok(()) => Ok(cuda()),
+                Err(e) => {
+                    tracing::info!(reason = %e, "model runs on the CPU");
+                    Ok(Placement::Cpu)
+                }
+            },
+        }
+    }
+
+    pub fn gpu_options(&self) -> GpuOptions {
+        GpuOptions {
+            kv_dtype: KvDtype::resolve(self.kv_dtype, KvDtype::Bf16),
+            max_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_kv_tokens: self.gpu_kv_tokens,
+            ..GpuOptions::default()
+        }
+    }
 }
 
 /// Errors of mounting the model.
@@ -115,33 +177,104 @@ pub enum MountError {
     NoDummyConfig,
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    #[error("--model-device cuda: {0}")]
+    Device(GpuError),
 }
 
 /// Loads the model (blocking: call before serving, or in `spawn_blocking`) and returns
 /// `app` with `/v1/models`, `/v1/completions` and `/v1/chat/completions` merged in.
 pub fn mount(app: Router, args: &ModelArgs, registry: &Registry) -> Result<Router, MountError> {
     let name = args.served_model_name.as_deref();
+    let placement = args.placement()?;
+    let cfg = args.runtime_config();
     let (rt, path) = if args.weights == Weights::Dummy {
         let config = args
             .model_config
             .clone()
             .or_else(|| args.model.clone())
             .ok_or(MountError::NoDummyConfig)?;
-        let rt = ModelRuntime::load_dummy(&config, name, args.runtime_config(), registry)?;
+        let rt = ModelRuntime::load_dummy(&config, name, cfg, &placement, registry)?;
         (rt, config)
     } else {
         let path = args.resolve_path().ok_or(MountError::NoModel)?;
         // A directory is a Hugging Face checkpoint; so is a path naming its config.json.
         let rt = if path.is_dir() {
-            ModelRuntime::load_hf(&path, name, args.runtime_config(), registry)?
+            ModelRuntime::load_hf_on(&path, name, cfg, &placement, registry)?
         } else if path.file_name().is_some_and(|f| f == "config.json") {
             let dir = path.parent().unwrap_or(&path);
-            ModelRuntime::load_hf(dir, name, args.runtime_config(), registry)?
+            ModelRuntime::load_hf_on(dir, name, cfg, &placement, registry)?
         } else {
-            ModelRuntime::load_gguf(&path, name, args.runtime_config(), registry)?
+            ModelRuntime::load_gguf_on(&path, name, cfg, &placement, registry)?
         };
         (rt, path)
     };
-    tracing::info!(model = %rt.name, path = %path.display(), "model loaded");
+    tracing::info!(
+        model = %rt.name,
+        path = %path.display(),
+        device = rt.device,
+        kv_capacity_tokens = rt.kv_capacity_tokens,
+        "model loaded"
+    );
     Ok(app.merge(openai::router(Arc::new(rt))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        model: ModelArgs,
+    }
+
+    #[test]
+    fn device_and_kv_dtype_flags_parse_and_default() {
+        let c = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(c.model.kv_dtype, KvCacheDtype::Bfloat16);
+        assert_eq!(c.model.gpu_options().kv_dtype, KvDtype::Bf16);
+        let c = Cli::try_parse_from([
+            "x",
+            "--model-device",
+            "cuda",
+            "--model-kv-dtype",
+            "fp8",
+            "--model-gpu-kv-tokens",
+            "4096",
+        ])
+        .unwrap();
+        assert_eq!(c.model.device, ModelDevice::Cuda);
+        let o = c.model.gpu_options();
+        assert_eq!(o.kv_dtype, KvDtype::Fp8E4m3);
+        assert_eq!(o.max_kv_tokens, Some(4096));
+        assert!(Cli::try_parse_from(["x", "--model-kv-dtype", "int4"]).is_err());
+        assert!(Cli::try_parse_from(["x", "--model-device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn cuda_is_chosen_exactly_when_the_gpu_path_is_available() {
+        let avail = gpu::check_available();
+        let auto = ModelArgs::default().placement().unwrap();
+        assert_eq!(matches!(auto, Placement::Cuda(_)), avail.is_ok());
+        let cuda = ModelArgs {
+            device: ModelDevice::Cuda,
+            ..ModelArgs::default()
+        }
+        .placement();
+        match (cuda, avail) {
+            (Ok(Placement::Cuda(_)), Ok(())) => {}
+            (Err(e), Err(why)) => {
+                let msg = e.to_string();
+                assert!(msg.contains(&why.to_string()), "{msg}");
+                assert!(msg.contains("--model-device"), "{msg}");
+            }
+            (got, want) => panic!("placement {got:?} disagrees with availability {want:?}"),
+        }
+        let cpu = ModelArgs {
+            device: ModelDevice::Cpu,
+            ..ModelArgs::default()
+        };
+        assert!(matches!(cpu.placement().unwrap(), Placement::Cpu));
+    }
 }

@@ -148,11 +148,13 @@ async fn mount_model(args: &WorkerArgs, registry: &prometheus::Registry) -> Resu
     match loaded {
         Ok(Ok(app)) => Ok(app),
         Ok(Err(MountError::NoModel)) => {
-            tracing::info!("no model file: serving the attention workload only (pass --model FILE.gguf)");
+            tracing::info!("no model file: serving the attention workload only (pass --model FILE.gguf or CHECKPOINT_DIR)");
             Ok(axum::Router::new())
         }
         Ok(Err(error)) => {
-            let explicit = args.model.model.is_some();
+            let explicit = args.model.model.is_some()
+                || args.model.model_config.is_some()
+                || args.model.weights == crate::model::serve::Weights::Dummy;
             tracing::error!(error = %crate::cli::error_chain(&error), "cannot load the model");
             if explicit {
                 Err(ExitCode::from(exit::CONFIG))

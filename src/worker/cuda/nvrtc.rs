@@ -122,29 +122,38 @@ pub struct CompiledPtx {
 
 /// Compiles `spec` for `arch` with NVRTC (no GPU needed).
 pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<CompiledPtx, CudaError> {
+    let key = spec.key();
+    let (ptx, compile_time) = compile_source(&key, &spec.source(), arch)?;
+    Ok(CompiledPtx {
+        spec: *spec,
+        arch,
+        ptx,
+        compile_time,
+    })
+}
+
+/// Compiles a complete CUDA source (e.g. `kernels/model.cu`) for `arch` with NVRTC and the
+/// same options as the attention kernels; `key` names it in errors. Returns PTX and how long
+/// NVRTC took.
+pub fn compile_source(key: &str, source: &str, arch: Arch) -> Result<(Arc<str>, Duration), CudaError> {
     let tc = toolchain()?;
     let start = Instant::now();
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch.nvrtc_arch()),
         include_paths: vec![path_str(&tc.include_dir)],
         options: vec!["--std=c++17".into(), "-default-device".into()],
-        name: Some(format!("{}.cu", spec.key().replace('/', "_"))),
+        name: Some(format!("{}.cu", key.replace('/', "_"))),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(spec.source(), opts).map_err(|e| match e {
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => CudaError::Compile {
-            key: spec.key(),
+            key: key.to_string(),
             arch: arch.as_str(),
             log: log.to_string_lossy().into_owned(),
         },
         other => CudaError::Nvrtc(format!("{other:?}")),
     })?;
-    Ok(CompiledPtx {
-        spec: *spec,
-        arch,
-        ptx: Arc::from(ptx.to_src()),
-        compile_time: start.elapsed(),
-    })
+    Ok((Arc::from(ptx.to_src()), start.elapsed()))
 }
 
 fn path_str(p: &Path) -> String {

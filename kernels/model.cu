@@ -1,0 +1,183 @@
+// Kernels of the Llama-family forward pass on the GPU: everything except the GEMMs (cuBLAS)
+// and attention (kernels/attention.cu). One NVRTC program, compiled once per architecture by
+// src/model/gpu.rs. Plain kernels over runtime shapes: they move activations, the GEMMs do
+// the work.
+//
+// Layouts (row-major, T = tokens of the step):
+//   residual x      f32  [T, d]
+//   normed h        bf16 [T, d]
+//   qkv             f32  [T, qw + 2 kw]   (GEMM output: Q heads, then K heads, then V heads)
+//   q, attn out     bf16 [T, n_heads, head_dim]
+//   k, v            bf16 [T, n_kv_heads * kv_rep, head_dim]  (what the attention backend reads)
+//   gate_up         f32  [T, 2 ff]        (gate columns, then up columns)
+//   act             bf16 [T, ff]
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+namespace {
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block, returned to every thread. blockDim.x must be a multiple of 32 (<= 1024)
+// and every thread of the block must call it.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = (blockDim.x + 31) >> 5;
+        float s = lane < nw ? part[lane] : 0.f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    const float r = total;
+    // part/total may be reused by a later call in the same kernel.
+    __syncthreads();
+    return r;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w over one row of d values, by the whole block.
+__device__ void rms_row(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
+                        bf16* __restrict__ out) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = x[i];
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = __float2bfloat16(x[i] * inv * w[i]);
+}
+
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+}  // namespace
+
+// x[t, :] = table[tokens[t], :] widened to f32. Grid (T), any block size.
+extern "C" __global__ void kvf_embed(const bf16* __restrict__ table, const int* __restrict__ tokens, int d,
+                                     float* __restrict__ x) {
+    const size_t t = blockIdx.x;
+    const bf16* row = table + (size_t)tokens[t] * d;
+    float* out = x + t * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = __bfloat162float(row[i]);
+}
+
+// RMSNorm of every row: out[r] = norm(x[r]) * w. Grid (rows), block a multiple of 32.
+extern "C" __global__ void kvf_rms_norm(const float* __restrict__ x, const float* __restrict__ w, int d,
+                                        float eps, bf16* __restrict__ out) {
+    const size_t r = blockIdx.x;
+    rms_row(x + r * d, w, d, eps, out + r * d);
+}
+
+// RMSNorm of gathered rows: out[r] = norm(x[rows[r]]) * w (the last token of each sequence
+// before the LM head). Grid (n rows), block a multiple of 32.
+extern "C" __global__ void kvf_rms_norm_rows(const float* __restrict__ x, const int* __restrict__ rows,
+                                             const float* __restrict__ w, int d, float eps,
+                                             bf16* __restrict__ out) {
+    rms_row(x + (size_t)rows[blockIdx.x] * d, w, d, eps, out + (size_t)blockIdx.x * d);
+}
+
+// Splits the QKV GEMM output into the attention inputs, per (token, head): adds the bias
+// (Qwen2), RMSNorm of each Q/K head (Qwen3), RoPE on Q/K (adjacent pairs, or the two halves of
+// the rotated dimensions when neox), then writes bf16 Q, and K/V repeated kv_rep times (so a
+// GQA group the attention kernels do not specialise for becomes one they do).
+// Grid (T, n_heads + 2 n_kv_heads), block a multiple of 32, dynamic shared head_dim floats.
+extern "C" __global__ void kvf_qkv_post(const float* __restrict__ qkv, const int* __restrict__ pos,
+                                        const float* __restrict__ bias, const float* __restrict__ q_norm,
+                                        const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
+                                        int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half,
+                                        int neox, int has_bias, int has_qk_norm, float pos_scale, float eps,
+                                        bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v) {
+    extern __shared__ float s[];
+    const int t = blockIdx.x;
+    const int h = blockIdx.y;
+    const int qw = n_heads * head_dim;
+    const int kw = n_kv_heads * head_dim;
+    // kind 0: a Q head, 1: a K head, 2: a V head; j its index among its kind.
+    const int kind = h < n_heads ? 0 : (h < n_heads + n_kv_heads ? 1 : 2);
+    const int j = kind == 0 ? h : (kind == 1 ? h - n_heads : h - n_heads - n_kv_heads);
+    const int col = (kind == 0 ? 0 : (kind == 1 ? qw : qw + kw)) + j * head_dim;
+    const float* src = qkv + (size_t)t * (qw + 2 * kw) + col;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) s[i] = src[i] + (has_bias ? bias[col + i] : 0.f);
+    __syncthreads();
+    // kind and has_qk_norm are uniform over the block, so block_sum is reached by all threads.
+    if (kind < 2 && has_qk_norm) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) ss += s[i] * s[i];
+        ss = block_sum(ss);
+        const float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
+        const float* w = kind == 0 ? q_norm : k_norm;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) s[i] = s[i] * inv * w[i];
+        __syncthreads();
+    }
+    const float p = (float)pos[t] / pos_scale;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float o = s[i];
+        if (kind < 2 && i < 2 * rope_half) {
+            int f, a, b;
+            bool second;
+            if (neox) {
+                second = i >= rope_half;
+                f = second ? i - rope_half : i;
+                a = f;
+                b = f + rope_half;
+            } else {
+                second = (i & 1) != 0;
+                f = i >> 1;
+                a = 2 * f;
+                b = a + 1;
+            }
+            float sn, cs;
+            sincosf(p * inv_freq[f], &sn, &cs);
+            o = second ? s[a] * sn + s[b] * cs : s[a] * cs - s[b] * sn;
+        }
+        const bf16 ob = __float2bfloat16(o);
+        if (kind == 0) {
+            q[(size_t)t * qw + (size_t)j * head_dim + i] = ob;
+        } else {
+            bf16* dst = kind == 1 ? k : v;
+            const size_t base = ((size_t)t * n_kv_heads * kv_rep + (size_t)j * kv_rep) * head_dim + i;
+            for (int r = 0; r < kv_rep; ++r) dst[base + (size_t)r * head_dim] = ob;
+        }
+    }
+}
+
+// act[t, i] = silu(gate[t, i]) * up[t, i] from gate_up [T, 2 ff]; n = T * ff. Grid-stride.
+extern "C" __global__ void kvf_silu_mul(const float* __restrict__ gate_up, int ff, long long n,
+                                        bf16* __restrict__ act) {
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long t = idx / ff;
+        const long long i = idx - t * ff;
+        const float g = gate_up[t * 2 * ff + i];
+        const float u = gate_up[t * 2 * ff + ff + i];
+        act[idx] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+    }
+}
+
+// out[i] = uniform(-a, a) from a hash of (seed, i): dummy weights made on the device.
+extern "C" __global__ void kvf_fill_uniform(bf16* __restrict__ out, long long n, unsigned long long seed,
+                                            float a) {
+    const unsigned long long base = splitmix64(seed);
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const unsigned long long r = splitmix64(base + (unsigned long long)idx);
+        const float u = (float)(r >> 40) * (1.f / 16777216.f);  // [0, 1)
+        out[idx] = __float2bfloat16((2.f * u - 1.f) * a);
+    }
+}

@@ -1,0 +1,1117 @@
+//! The Llama-family forward pass on an NVIDIA GPU, the same math as [`Llama::forward`]:
+//! GEMMs on cuBLAS (bf16 weights and activations, f32 accumulation), attention through the
+//! engine's [`CudaBackend`] on a paged KV cache, and the rest in the small NVRTC kernels of
+//! `kernels/model.cu`.
+//!
+//! Per step, all on the one stream of [`Gpu`] with no host synchronisation until the logits
+//! are copied back:
+//! 1. plan pages ([`PageTable`], the engine's `BlockPool`) and `prepare` the backend;
+//! 2. `x = embed[tokens]` (f32 residual stream);
+//! 3. per layer: `h = rmsnorm(x)` (bf16); `qkv = h · Wqkvᵀ` (one GEMM, f32 out); split with
+//!    bias, Q/K norm and RoPE into bf16 Q/K/V; append K/V and attend; `x += attn · Woᵀ` (the
+//!    GEMM accumulates into the f32 residual, beta = 1); `h = rmsnorm(x)`;
+//!    `gu = h · Wguᵀ` (gate and up in one GEMM); `act = silu(gate) * up`; `x += act · Wdownᵀ`;
+//! 4. the last row of every chunk that wants logits: `rmsnorm`, `logits = h · headᵀ` (f32).
+//!
+//! GQA groups the attention kernels do not specialise for (SmolLM2's 9 query heads over 3
+//! KV heads) store each KV head `kv_rep` times, turning the group into one they do (3 -> 1).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use half::bf16;
+use rayon::prelude::*;
+
+use super::forward::Forward;
+use super::kv::{AttnGeometry, AttnSeq, SeqId};
+use super::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
+use super::paged::{backend_config, PageTable};
+use crate::worker::cuda::backend::CudaBackend;
+use crate::worker::cuda::device::{driver_present, Gpu};
+use crate::worker::cuda::spec::{Arch, GroupSize, HeadDim};
+use crate::worker::cuda::{driver_err, nvrtc, CudaError};
+use crate::worker::engine::layout::{KvDtype, StepPlan};
+use crate::worker::engine::Backend;
+
+/// The kernels of the forward pass (everything but GEMMs and attention).
+pub const MODEL_SOURCE: &str = include_str!("../../kernels/model.cu");
+
+/// Entry points of [`MODEL_SOURCE`].
+pub const MODEL_KERNELS: [&str; 6] = [
+    "kvf_embed",
+    "kvf_rms_norm",
+    "kvf_rms_norm_rows",
+    "kvf_qkv_post",
+    "kvf_silu_mul",
+    "kvf_fill_uniform",
+];
+
+/// Tokens per KV page (the only page size the attention kernels build).
+pub const BLOCK_SIZE: usize = 16;
+
+const NORM_THREADS: u32 = 256;
+const HEAD_THREADS: u32 = 128;
+const ELEMWISE_THREADS: u32 = 256;
+const ELEMWISE_MAX_BLOCKS: usize = 8192;
+
+/// Errors of the GPU forward pass. Each message says what to do next.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error(
+        "cuBLAS (libcublas.so) is not loadable: put the CUDA toolkit's lib folder (e.g. /usr/local/cuda/lib64, \
+         or the `nvidia-cublas-cu12` wheel's nvidia/cublas/lib) on LD_LIBRARY_PATH, or run the model with \
+         --model-device cpu"
+    )]
+    CublasMissing,
+    #[error(
+        "no CUDA device is visible (check the NVIDIA driver and CUDA_VISIBLE_DEVICES), or run the model with \
+         --model-device cpu"
+    )]
+    NoDevice,
+    #[error("cuBLAS failed during {what}: {detail}")]
+    Cublas { what: &'static str, detail: String },
+    #[error("GPU attention backend: {0}")]
+    Backend(String),
+    #[error("the model does not fit kvfleet's GPU kernels: {0}; run it with --model-device cpu")]
+    Unsupported(String),
+    #[error(
+        "not enough GPU memory: {0}; use a smaller model, lower --model-max-num-batched-tokens, or run it with \
+         --model-device cpu"
+    )]
+    Memory(String),
+    #[error("invalid GPU model: {0}")]
+    Invalid(String),
+}
+
+fn cublas_err(what: &'static str) -> impl FnOnce(blas_result::CublasError) -> GpuError {
+    move |e| GpuError::Cublas {
+        what,
+        detail: format!("{e:?}"),
+    }
+}
+
+fn drv(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Cuda(driver_err(what)(e))
+}
+
+fn backend_err(e: crate::worker::engine::BackendError) -> GpuError {
+    GpuError::Backend(e.to_string())
+}
+
+/// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries `dlopen` on libcublas candidate names.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// `Ok` when the GPU path can run here: the CUDA driver, NVRTC with the CUDA headers, cuBLAS
+/// and at least one device; otherwise the first thing missing.
+pub fn check_available() -> Result<(), GpuError> {
+    if !driver_present() {
+        return Err(CudaError::DriverMissing.into());
+    }
+    nvrtc::toolchain()?;
+    if !cublas_present() {
+        return Err(GpuError::CublasMissing);
+    }
+    match cudarc::driver::CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(()),
+        _ => Err(GpuError::NoDevice),
+    }
+}
+
+/// PTX of [`MODEL_SOURCE`] for `arch`, compiled once per process and architecture.
+pub fn model_ptx(arch: Arch) -> Result<Arc<str>, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<Arch, Arc<str>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(p) = cache.lock().map_err(|_| CudaError::Poisoned)?.get(&arch) {
+        return Ok(p.clone());
+    }
+    let (ptx, took) = nvrtc::compile_source("model", MODEL_SOURCE, arch)?;
+    tracing::debug!(%arch, seconds = took.as_secs_f64(), "compiled kernels/model.cu");
+    cache
+        .lock()
+        .map_err(|_| CudaError::Poisoned)?
+        .insert(arch, ptx.clone());
+    Ok(ptx)
+}
+
+/// How many times each KV head is stored so that the attention kernels' GQA group sizes
+/// (1, 2, 4, 8) cover the model: returns `(kv_rep, stored group)`.
+pub fn kv_replication(n_heads: usize, n_kv_heads: usize) -> Result<(usize, usize), GpuError> {
+    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+        return Err(GpuError::Unsupported(format!(
+            "{n_heads} query heads over {n_kv_heads} KV heads"
+        )));
+    }
+    let group = n_heads / n_kv_heads;
+    let stored = GroupSize::ALL
+        .iter()
+        .map(|g| g.get())
+        .filter(|g| group % g == 0)
+        .max()
+        .unwrap_or(1);
+    Ok((group / stored, stored))
+}
+
+/// Options of the GPU model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuOptions {
+    /// CUDA device ordinal.
+    pub ordinal: usize,
+    /// KV-cache dtype (any the attention kernels build: bf16, f16, fp8, nvfp4).
+    pub kv_dtype: KvDtype,
+    /// Tokens per forward pass the activation buffers are sized for (larger batches grow them).
+    pub max_batched_tokens: usize,
+    /// Logit rows per forward pass the buffers are sized for.
+    pub max_num_seqs: usize,
+    /// Cap on KV tokens; `None`: all free memory after weights, activations and the margin.
+    pub max_kv_tokens: Option<usize>,
+    /// Bytes left free after the KV pools (cuBLAS workspace, per-step plans); `None`:
+    /// max(1 GiB, 2% of the device).
+    pub memory_margin_bytes: Option<usize>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            ordinal: 0,
+            kv_dtype: KvDtype::Bf16,
+            max_batched_tokens: 1024,
+            max_num_seqs: 256,
+            max_kv_tokens: None,
+            memory_margin_bytes: None,
+        }
+    }
+}
+
+/// Where the GPU's memory went; the KV capacity in tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuCapacity {
+    pub device: String,
+    pub total_bytes: usize,
+    pub weight_bytes: usize,
+    pub activation_bytes: usize,
+    /// Free bytes after weights and activations, before the KV pools.
+    pub free_bytes: usize,
+    pub margin_bytes: usize,
+    /// KV bytes per token over all layers (K and V, replicated heads included).
+    pub kv_bytes_per_token: usize,
+    /// KV heads stored per layer (`n_kv_heads * kv_rep`).
+    pub kv_heads_stored: usize,
+    pub blocks: usize,
+    pub block_size: usize,
+    /// `blocks * block_size`.
+    pub kv_tokens: usize,
+}
+
+impl GpuCapacity {
+    /// Tokens the generation loop may reserve: every running sequence may waste up to a
+    /// page minus one token in its last page.
+    pub fn admission_tokens(&self, max_num_seqs: usize) -> usize {
+        self.kv_tokens
+            .saturating_sub(max_num_seqs * (self.block_size - 1))
+            .max(self.block_size.min(self.kv_tokens))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    layers: usize,
+    d: usize,
+    hd: usize,
+    n_heads: usize,
+    n_kv: usize,
+    kv_rep: usize,
+    qw: usize,
+    kw: usize,
+    /// K/V width as stored (replicated heads).
+    kw_rep: usize,
+    ff: usize,
+    vocab: usize,
+}
+
+impl Dims {
+    fn new(c: &LlamaConfig, kv_rep: usize) -> Self {
+        let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        Dims {
+            layers: c.n_layers,
+            d: c.d_model,
+            hd: c.head_dim,
+            n_heads: c.n_heads,
+            n_kv: c.n_kv_heads,
+            kv_rep,
+            qw,
+            kw,
+            kw_rep: kw * kv_rep,
+            ff: c.d_ff,
+            vocab: c.vocab,
+        }
+    }
+}
+
+struct ModelKernels {
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    rms_norm_rows: CudaFunction,
+    qkv_post: CudaFunction,
+    silu_mul: CudaFunction,
+    fill_uniform: CudaFunction,
+}
+
+fn elemwise_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            n.div_ceil(ELEMWISE_THREADS as usize)
+                .clamp(1, ELEMWISE_MAX_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        block_dim: (ELEMWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+fn need<T>(what: &'static str, buf: &CudaSlice<T>, n: usize) -> Result<(), GpuError> {
+    if buf.len() < n {
+        return Err(GpuError::Invalid(format!(
+            "{what} holds {} elements, the step needs {n}",
+            buf.len()
+        )));
+    }
+    Ok(())
+}
+
+impl ModelKernels {
+    fn load(gpu: &Gpu) -> Result<Self, GpuError> {
+        let ptx = model_ptx(gpu.arch)?;
+        let module = gpu
+            .context()
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))
+            .map_err(drv("loading kernels/model.cu"))?;
+        let f = |name: &'static str| module.load_function(name).map_err(drv("finding a model kernel"));
+        Ok(ModelKernels {
+            embed: f("kvf_embed")?,
+            rms_norm: f("kvf_rms_norm")?,
+            rms_norm_rows: f("kvf_rms_norm_rows")?,
+            qkv_post: f("kvf_qkv_post")?,
+            silu_mul: f("kvf_silu_mul")?,
+            fill_uniform: f("kvf_fill_uniform")?,
+        })
+    }
+
+    fn embed(
+        &self,
+        s: &Arc<CudaStream>,
+        table: &CudaSlice<u16>,
+        tokens: &CudaSlice<i32>,
+        t: usize,
+        d: usize,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        need("token buffer", tokens, t)?;
+        need("residual", x, t * d)?;
+        let d_i = d as i32;
+        let mut b = s.launch_builder(&self.embed);
+        b.arg(table).arg(tokens).arg(&d_i).arg(x);
+        // SAFETY: matches `kvf_embed(const bf16*, const int*, int, float*)`; token ids were
+        // checked against the vocabulary on the host (the table is `[vocab, d]`), `x` holds
+        // `t * d` values (checked above).
+        unsafe { b.launch(rows_cfg(t, NORM_THREADS, 0)) }.map_err(drv("launching kvf_embed"))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        need("norm input", x, rows * d)?;
+        need("norm weight", w, d)?;
+        need("norm output", out, rows * d)?;
+        let d_i = d as i32;
+        let mut b = s.launch_builder(&self.rms_norm);
+        b.arg(x).arg(w).arg(&d_i).arg(&eps).arg(out);
+        // SAFETY: matches `kvf_rms_norm(const float*, const float*, int, float, bf16*)`; sizes
+        // checked above; one block of NORM_THREADS (a multiple of 32) per row.
+        unsafe { b.launch(rows_cfg(rows, NORM_THREADS, 0)) }.map_err(drv("launching kvf_rms_norm"))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        n: usize,
+        w: &CudaSlice<f32>,
+        d: usize,
+        eps: f32,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        need("row index buffer", rows, n)?;
+        need("norm output", out, n * d)?;
+        let d_i = d as i32;
+        let mut b = s.launch_builder(&self.rms_norm_rows);
+        b.arg(x).arg(rows).arg(w).arg(&d_i).arg(&eps).arg(out);
+        // SAFETY: matches `kvf_rms_norm_rows(const float*, const int*, const float*, int,
+        // float, bf16*)`; row indices are rows of this step (built on the host, < tokens).
+        unsafe { b.launch(rows_cfg(n, NORM_THREADS, 0)) }.map_err(drv("launching kvf_rms_norm_rows"))?;
+        Ok(())
+    }
+
+    fn silu_mul(
+        &self,
+        s: &Arc<CudaStream>,
+        gu: &CudaSlice<f32>,
+        t: usize,
+        ff: usize,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        need("gate/up", gu, t * 2 * ff)?;
+        need("activation", act, t * ff)?;
+        let (ff_i, n) = (ff as i32, (t * ff) as i64);
+        let mut b = s.launch_builder(&self.silu_mul);
+        b.arg(gu).arg(&ff_i).arg(&n).arg(act);
+        // SAFETY: matches `kvf_silu_mul(const float*, int, long long, bf16*)`; sizes checked.
+        unsafe { b.launch(elemwise_cfg(t * ff)) }.map_err(drv("launching kvf_silu_mul"))?;
+        Ok(())
+    }
+
+    fn fill_uniform(
+        &self,
+        s: &Arc<CudaStream>,
+        out: &mut CudaSlice<u16>,
+        seed: u64,
+        a: f32,
+    ) -> Result<(), GpuError> {
+        let n = out.len();
+        let n_i = n as i64;
+        let mut b = s.launch_builder(&self.fill_uniform);
+        b.arg(&mut *out).arg(&n_i).arg(&seed).arg(&a);
+        // SAFETY: matches `kvf_fill_uniform(bf16*, long long, unsigned long long, float)`;
+        // writes exactly `out.len()` elements.
+        unsafe { b.launch(elemwise_cfg(n)) }.map_err(drv("launching kvf_fill_uniform"))?;
+        Ok(())
+    }
+}
+
+/// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+= ` when `accumulate`): bf16 `x` and `w`, f32
+/// `y`, f32 accumulation.
+///
+/// cuBLAS is column-major: a row-major `[r, c]` buffer is the column-major `c × r` matrix (its
+/// transpose) with leading dimension `c`. So `y` is column-major `yᵀ` (n × t, ld n), `w` is
+/// `wᵀ` (k × n, ld k) and `x` is `xᵀ` (k × t, ld k). We want `yᵀ = w · xᵀ = (wᵀ)ᵀ · xᵀ`:
+/// `C = op(A) · op(B)` with `A` = the `w` buffer, `op(A) = Aᵀ` (transa T, lda k), `B` = the
+/// `x` buffer (transb N, ldb k), `C` = the `y` buffer (ldc n), and m = n, n = t, k = k.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    blas: &CudaBlas,
+    s: &Arc<CudaStream>,
+    w: &CudaSlice<u16>,
+    x: &CudaSlice<u16>,
+    y: &mut CudaSlice<f32>,
+    t: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<(), GpuError> {
+    if t == 0 || n == 0 {
+        return Ok(());
+    }
+    need("GEMM weight", w, n * k)?;
+    need("GEMM input", x, t * k)?;
+    need("GEMM output", y, t * n)?;
+    let dims = [t, n, k].map(i32::try_from);
+    let [Ok(ti), Ok(ni), Ok(ki)] = dims else {
+        return Err(GpuError::Invalid(format!(
+            "GEMM {t}x{n}x{k} exceeds 32-bit dimensions"
+        )));
+    };
+    let alpha = 1f32;
+    let beta = if accumulate { 1f32 } else { 0f32 };
+    let (wp, _rw) = w.device_ptr(s);
+    let (xp, _rx) = x.device_ptr(s);
+    let (yp, _ry) = y.device_ptr_mut(s);
+    // SAFETY: the handle runs on stream `s` (the stream of every buffer here); the buffer
+    // sizes were checked above against the shapes described in this function's comment;
+    // alpha/beta are host f32 (pointer mode host, compute type 32F); A/B are bf16, C is f32,
+    // a combination cublasGemmEx supports.
+    unsafe {
+        blas_result::gemm_ex(
+            *blas.handle(),
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            ni,
+            ti,
+            ki,
+            &alpha as *const f32 as *const c_void,
+            wp as *const c_void,
+            blas_sys::cudaDataType_t::CUDA_R_16BF,
+            ki,
+            xp as *const c_void,
+            blas_sys::cudaDataType_t::CUDA_R_16BF,
+            ki,
+            &beta as *const f32 as *const c_void,
+            yp as *mut c_void,
+            blas_sys::cudaDataType_t::CUDA_R_32F,
+            ni,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(cublas_err("a GEMM"))
+}
+
+struct LayerW {
+    attn_norm: CudaSlice<f32>,
+    /// `[qw + 2 kw, d]`: Q rows, then K rows, then V rows.
+    wqkv: CudaSlice<u16>,
+    /// `[qw + 2 kw]` (zeros where the model has no bias for a projection).
+    bqkv: Option<CudaSlice<f32>>,
+    q_norm: Option<CudaSlice<f32>>,
+    k_norm: Option<CudaSlice<f32>>,
+    /// `[d, qw]`.
+    wo: CudaSlice<u16>,
+    ffn_norm: CudaSlice<f32>,
+    /// `[2 ff, d]`: gate rows, then up rows.
+    wgu: CudaSlice<u16>,
+    /// `[d, ff]`.
+    wdown: CudaSlice<u16>,
+}
+
+struct Weights {
+    /// `[vocab, d]`.
+    embed: CudaSlice<u16>,
+    layers: Vec<LayerW>,
+    out_norm: CudaSlice<f32>,
+    /// `[vocab, d]`; `None` when tied to `embed`.
+    lm_head: Option<CudaSlice<u16>>,
+    /// `[rope_dims / 2]`.
+    inv_freq: CudaSlice<f32>,
+    bytes: usize,
+}
+
+fn to_bf16(parts: &[&[f32]]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        let start = out.len();
+        out.resize(start + p.len(), 0);
+        out[start..]
+            .par_iter_mut()
+            .zip(p.par_iter())
+            .for_each(|(o, x)| *o = bf16::from_f32(*x).to_bits());
+    }
+    out
+}
+
+fn upload_f32(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>, GpuError> {
+    Ok(gpu.upload(v)?)
+}
+
+impl Weights {
+    /// Converts the CPU model's f32 weights to bf16 (norms, biases and RoPE frequencies stay
+    /// f32) and uploads them, fusing Q/K/V and gate/up.
+    fn upload(gpu: &Gpu, m: &Llama) -> Result<Self, GpuError> {
+        let c = &m.config;
+        let t = m.tensors();
+        let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let mut bytes = 0usize;
+        let mut up16 = |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> {
+            let host = to_bf16(parts);
+            bytes += host.len() * 2;
+            Ok(gpu.upload(&host)?)
+        };
+        let embed = up16(&[t.embed])?;
+        let lm_head = t.lm_head.map(|h| up16(&[h])).transpose()?;
+        let mut layers = Vec::with_capacity(t.layers.len());
+        for l in &t.layers {
+            let bqkv = if l.bq.is_some() || l.bk.is_some() || l.bv.is_some() {
+                let mut b = vec![0f32; qw + 2 * kw];
+                for (src, off) in [(l.bq, 0), (l.bk, qw), (l.bv, qw + kw)] {
+                    if let Some(src) = src {
+                        b[off..off + src.len()].copy_from_slice(src);
+                    }
+                }
+                Some(upload_f32(gpu, &b)?)
+            } else {
+                None
+            };
+            layers.push(LayerW {
+                attn_norm: upload_f32(gpu, l.attn_norm)?,
+                wqkv: up16(&[l.wq, l.wk, l.wv])?,
+                bqkv,
+                q_norm: l.q_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+                k_norm: l.k_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+                wo: up16(&[l.wo])?,
+                ffn_norm: upload_f32(gpu, l.ffn_norm)?,
+                wgu: up16(&[l.w_gate, l.w_up])?,
+                wdown: up16(&[l.w_down])?,
+            });
+        }
+        Ok(Weights {
+            embed,
+            layers,
+            out_norm: upload_f32(gpu, t.out_norm)?,
+            lm_head,
+            inv_freq: upload_f32(gpu, t.inv_freq)?,
+            bytes,
+        })
+    }
+
+    /// Random weights made on the device (uniform in ±1/sqrt(fan-in), like [`Llama::dummy`]
+    /// but a different stream of numbers): for capacity and throughput of large geometries
+    /// without building them on the host.
+    fn random(gpu: &Gpu, k: &ModelKernels, c: &LlamaConfig, seed: u64) -> Result<Self, GpuError> {
+        let s = gpu.stream();
+        let (d, ff) = (c.d_model, c.d_ff);
+        let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let mut bytes = 0usize;
+        let mut tensor = 0u64;
+        let mut rand = |rows: usize, cols: usize| -> Result<CudaSlice<u16>, GpuError> {
+            let mut buf = s
+                .alloc_zeros::<u16>(rows * cols)
+                .map_err(drv("allocating dummy weights"))?;
+            tensor += 1;
+            let a = 1.0 / (cols as f32).sqrt();
+            k.fill_uniform(
+                s,
+                &mut buf,
+                seed.wrapping_mul(0x1000_0001).wrapping_add(tensor),
+                a,
+            )?;
+            bytes += rows * cols * 2;
+            Ok(buf)
+        };
+        let embed = rand(c.vocab, d)?;
+        let lm_head = if c.tied_embeddings {
+            None
+        } else {
+            Some(rand(c.vocab, d)?)
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for _ in 0..c.n_layers {
+            layers.push(LayerW {
+                attn_norm: upload_f32(gpu, &vec![1.0; d])?,
+                wqkv: rand(qw + 2 * kw, d)?,
+                bqkv: if c.attn_bias {
+                    Some(upload_f32(gpu, &vec![0.0; qw + 2 * kw])?)
+                } else {
+                    None
+                },
+                q_norm: c
+                    .qk_norm
+                    .then(|| upload_f32(gpu, &vec![1.0; c.head_dim]))
+                    .transpose()?,
+                k_norm: c
+                    .qk_norm
+                    .then(|| upload_f32(gpu, &vec![1.0; c.head_dim]))
+                    .transpose()?,
+                wo: rand(d, qw)?,
+                ffn_norm: upload_f32(gpu, &vec![1.0; d])?,
+                wgu: rand(2 * ff, d)?,
+                wdown: rand(d, ff)?,
+            });
+        }
+        Ok(Weights {
+            embed,
+            layers,
+            out_norm: upload_f32(gpu, &vec![1.0; d])?,
+            lm_head,
+            inv_freq: upload_f32(gpu, &inv_freq(c, None))?,
+            bytes,
+        })
+    }
+}
+
+/// Activation buffers for up to `tokens` tokens and `rows` logit rows per step.
+struct Acts {
+    tokens: usize,
+    rows: usize,
+    tok: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    last: CudaSlice<i32>,
+    /// f32 `[T, d]`, the residual stream.
+    x: CudaSlice<f32>,
+    /// bf16 `[T, max(d, qw)]`: normed input of the QKV and gate/up GEMMs.
+    h: CudaSlice<u16>,
+    /// f32 `[T, qw + 2 kw]`.
+    qkv: CudaSlice<f32>,
+    /// bf16 `[T, n_heads, hd]`.
+    q: CudaSlice<u16>,
+    /// bf16 `[T, n_kv * kv_rep, hd]`.
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    /// bf16 `[T, n_heads, hd]`.
+    attn: CudaSlice<u16>,
+    /// f32 `[T, 2 ff]`.
+    gu: CudaSlice<f32>,
+    /// bf16 `[T, ff]`.
+    act: CudaSlice<u16>,
+    /// bf16 `[R, d]`: normed last rows.
+    hl: CudaSlice<u16>,
+    /// f32 `[R, vocab]`.
+    logits: CudaSlice<f32>,
+}
+
+impl Acts {
+    fn bytes(dm: &Dims, t: usize, r: usize) -> usize {
+        let f32s = t * dm.d + t * (dm.qw + 2 * dm.kw) + t * 2 * dm.ff + r * dm.vocab;
+        let bf16s = t * dm.d + 2 * t * dm.qw + 2 * t * dm.kw_rep + t * dm.ff + r * dm.d;
+        4 * f32s + 2 * bf16s + 4 * (2 * t + r)
+    }
+
+    fn alloc(s: &Arc<CudaStream>, dm: &Dims, t: usize, r: usize) -> Result<Self, GpuError> {
+        let (t, r) = (t.max(1), r.max(1));
+        let f = |n: usize| s.alloc_zeros::<f32>(n).map_err(drv("allocating activations"));
+        let h = |n: usize| s.alloc_zeros::<u16>(n).map_err(drv("allocating activations"));
+        let i = |n: usize| s.alloc_zeros::<i32>(n).map_err(drv("allocating activations"));
+        Ok(Acts {
+            tokens: t,
+            rows: r,
+            tok: i(t)?,
+            pos: i(t)?,
+            last: i(r)?,
+            x: f(t * dm.d)?,
+            h: h(t * dm.d)?,
+            qkv: f(t * (dm.qw + 2 * dm.kw))?,
+            q: h(t * dm.qw)?,
+            k: h(t * dm.kw_rep)?,
+            v: h(t * dm.kw_rep)?,
+            attn: h(t * dm.qw)?,
+            gu: f(t * 2 * dm.ff)?,
+            act: h(t * dm.ff)?,
+            hl: h(r * dm.d)?,
+            logits: f(r * dm.vocab)?,
+        })
+    }
+}
+
+fn upload_into(s: &Arc<CudaStream>, host: &[i32], dst: &mut CudaSlice<i32>) -> Result<(), GpuError> {
+    if host.is_empty() {
+        return Ok(());
+    }
+    need("index buffer", dst, host.len())?;
+    let mut view = dst.slice_mut(..host.len());
+    s.memcpy_htod(host, &mut view)
+        .map_err(drv("copying step indices to the device"))
+}
+
+/// A Llama-family model on one GPU with its paged KV cache.
+pub struct GpuLlama {
+    config: LlamaConfig,
+    dims: Dims,
+    gpu: Arc<Gpu>,
+    blas: CudaBlas,
+    kernels: ModelKernels,
+    weights: Weights,
+    acts: Acts,
+    backend: CudaBackend,
+    pages: PageTable,
+    plan: StepPlan,
+    capacity: GpuCapacity,
+}
+
+impl std::fmt::Debug for GpuLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuLlama")
+            .field("config", &self.config)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl GpuLlama {
+    /// Opens GPU `ordinal` after checking that everything the GPU path needs is there.
+    pub fn open_gpu(ordinal: usize) -> Result<Arc<Gpu>, GpuError> {
+        check_available()?;
+        Ok(Arc::new(Gpu::open(ordinal)?))
+    }
+
+    /// Uploads a CPU model's weights (bf16; norms, biases and RoPE frequencies f32) and
+    /// allocates the KV cache in the free memory left.
+    pub fn from_llama(gpu: Arc<Gpu>, model: &Llama, opts: &GpuOptions) -> Result<Self, GpuError> {
+        Self::check_shapes(&model.config)?;
+        let kernels = ModelKernels::load(&gpu)?;
+        let weights = Weights::upload(&gpu, model)?;
+        Self::assemble(gpu, kernels, weights, model.config.clone(), opts)
+    }
+
+    /// Random weights of any geometry made on the device (vLLM's dummy load format), for
+    /// capacity and throughput.
+    pub fn dummy(gpu: Arc<Gpu>, config: LlamaConfig, seed: u64, opts: &GpuOptions) -> Result<Self, GpuError> {
+        config.check().map_err(|e| GpuError::Invalid(e.to_string()))?;
+        Self::check_shapes(&config)?;
+        let kernels = ModelKernels::load(&gpu)?;
+        let weights = Weights::random(&gpu, &kernels, &config, seed)?;
+        Self::assemble(gpu, kernels, weights, config, opts)
+    }
+
+    /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
+    pub fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
+        if HeadDim::from_usize(c.head_dim).is_none() {
+            return Err(GpuError::Unsupported(format!(
+                "head_dim {} (the attention kernels build 64, 128, 256)",
+                c.head_dim
+            )));
+        }
+        kv_replication(c.n_heads, c.n_kv_heads)?;
+        Ok(())
+    }
+
+    fn assemble(
+        gpu: Arc<Gpu>,
+        kernels: ModelKernels,
+        weights: Weights,
+        config: LlamaConfig,
+        opts: &GpuOptions,
+    ) -> Result<Self, GpuError> {
+        let (kv_rep, _) = kv_replication(config.n_heads, config.n_kv_heads)?;
+        let dims = Dims::new(&config, kv_rep);
+        let s = gpu.stream().clone();
+        let acts = Acts::alloc(&s, &dims, opts.max_batched_tokens, opts.max_num_seqs)?;
+        let activation_bytes = Acts::bytes(&dims, acts.tokens, acts.rows);
+        let blas = CudaBlas::new(s.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
+        gpu.synchronize()?;
+        gpu.context()
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        let (free, total) = cudarc::driver::result::mem_get_info().map_err(drv("reading free memory"))?;
+        let margin = opts
+            .memory_margin_bytes
+            .unwrap_or_else(|| (total / 50).max(1 << 30));
+        let geo = AttnGeometry {
+            n_layers: dims.layers,
+            n_heads: dims.n_heads,
+            n_kv_heads: dims.n_kv * kv_rep,
+            head_dim: dims.hd,
+        };
+        let dt = opts.kv_dtype;
+        let kv_bytes_per_token =
+            dims.layers * 2 * geo.n_kv_heads * (dt.data_bytes(dims.hd) + dt.scale_bytes(dims.hd));
+        let mut blocks = free.saturating_sub(margin) / (kv_bytes_per_token * BLOCK_SIZE).max(1);
+        if let Some(cap) = opts.max_kv_tokens {
+            blocks = blocks.min(cap.div_ceil(BLOCK_SIZE));
+        }
+        if blocks == 0 {
+            return Err(GpuError::Memory(format!(
+                "{} MiB free after {} MiB of weights and {} MiB of activations, {} MiB margin: no room for one \
+                 KV page of {} KiB",
+                free >> 20,
+                weights.bytes >> 20,
+                activation_bytes >> 20,
+                margin >> 20,
+                (kv_bytes_per_token * BLOCK_SIZE) >> 10
+            )));
+        }
+        let backend = CudaBackend::new(gpu.clone(), backend_config(geo, dt, BLOCK_SIZE, blocks))
+            .map_err(backend_err)?;
+        let capacity = GpuCapacity {
+            device: gpu.name.clone(),
+            total_bytes: total,
+            weight_bytes: weights.bytes,
+            activation_bytes,
+            free_bytes: free,
+            margin_bytes: margin,
+            kv_bytes_per_token,
+            kv_heads_stored: geo.n_kv_heads,
+            blocks,
+            block_size: BLOCK_SIZE,
+            kv_tokens: blocks * BLOCK_SIZE,
+        };
+        tracing::info!(
+            device = %capacity.device,
+            weights_mib = capacity.weight_bytes >> 20,
+            activations_mib = capacity.activation_bytes >> 20,
+            kv_dtype = dt.as_str(),
+            kv_rep,
+            kv_blocks = blocks,
+            kv_tokens = capacity.kv_tokens,
+            kv_gib = (blocks * BLOCK_SIZE * kv_bytes_per_token) as f64 / (1u64 << 30) as f64,
+            "GPU model ready"
+        );
+        Ok(GpuLlama {
+            config,
+            dims,
+            gpu,
+            blas,
+            kernels,
+            weights,
+            acts,
+            backend,
+            pages: PageTable::new(blocks, BLOCK_SIZE),
+            plan: StepPlan::default(),
+            capacity,
+        })
+    }
+
+    pub fn capacity(&self) -> &GpuCapacity {
+        &self.capacity
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Free KV pages.
+    pub fn free_blocks(&self) -> usize {
+        self.pages.free_blocks()
+    }
+
+    fn ensure_acts(&mut self, tokens: usize, rows: usize) -> Result<(), GpuError> {
+        if tokens <= self.acts.tokens && rows <= self.acts.rows {
+            return Ok(());
+        }
+        let (t, r) = (tokens.max(self.acts.tokens), rows.max(self.acts.rows));
+        tracing::debug!(tokens = t, rows = r, "growing GPU activation buffers");
+        // Free the old buffers first so the new ones can reuse their memory.
+        let s = self.gpu.stream().clone();
+        self.acts = Acts::alloc(&s, &self.dims, 1, 1)?;
+        self.acts = Acts::alloc(&s, &self.dims, t, r).map_err(|e| {
+            GpuError::Memory(format!(
+                "activations for {t} tokens and {r} logit rows ({} MiB): {e}",
+                Acts::bytes(&self.dims, t, r) >> 20
+            ))
+        })?;
+        Ok(())
+    }
+
+    /// The step on the device; host-side checks were done by the caller.
+    fn run(&mut self, t: usize, last: &[i32]) -> Result<Vec<f32>, GpuError> {
+        let GpuLlama {
+            config: c,
+            dims: dm,
+            gpu,
+            blas,
+            kernels: k,
+            weights: w,
+            acts: a,
+            backend,
+            ..
+        } = self;
+        let s = gpu.stream().clone();
+        k.embed(&s, &w.embed, &a.tok, t, dm.d, &mut a.x)?;
+        let heads = (dm.n_heads + 2 * dm.n_kv) as u32;
+        let rope_half = (c.rope_dims / 2) as i32;
+        for (li, l) in w.layers.iter().enumerate() {
+            k.rms_norm(&s, &a.x, &l.attn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
+            gemm(
+                blas,
+                &s,
+                &l.wqkv,
+                &a.h,
+                &mut a.qkv,
+                t,
+                dm.qw + 2 * dm.kw,
+                dm.d,
+                false,
+            )?;
+            {
+                need("q", &a.q, t * dm.qw)?;
+                need("k", &a.k, t * dm.kw_rep)?;
+                need("v", &a.v, t * dm.kw_rep)?;
+                // Flags say which optional tensors the kernel reads; absent ones get a valid
+                // pointer it never dereferences.
+                let bias = l.bqkv.as_ref().unwrap_or(&w.inv_freq);
+                let qn = l.q_norm.as_ref().unwrap_or(&w.inv_freq);
+                let kn = l.k_norm.as_ref().unwrap_or(&w.inv_freq);
+                let has_bias = l.bqkv.is_some() as i32;
+                let has_qk_norm = (l.q_norm.is_some() && l.k_norm.is_some()) as i32;
+                let (nh, nkv, rep, hd) = (dm.n_heads as i32, dm.n_kv as i32, dm.kv_rep as i32, dm.hd as i32);
+                let neox = c.rope_neox as i32;
+                let cfg = LaunchConfig {
+                    grid_dim: (t as u32, heads, 1),
+                    block_dim: (HEAD_THREADS, 1, 1),
+                    shared_mem_bytes: (dm.hd * 4) as u32,
+                };
+                let mut b = s.launch_builder(&k.qkv_post);
+                b.arg(&a.qkv)
+                    .arg(&a.pos)
+                    .arg(bias)
+                    .arg(qn)
+                    .arg(kn)
+                    .arg(&w.inv_freq)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&rep)
+                    .arg(&hd)
+                    .arg(&rope_half)
+                    .arg(&neox)
+                    .arg(&has_bias)
+                    .arg(&has_qk_norm)
+                    .arg(&c.rope_linear_scale)
+                    .arg(&c.rms_eps)
+                    .arg(&mut a.q)
+                    .arg(&mut a.k)
+                    .arg(&mut a.v);
+                // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (6 pointers, 8 ints, 2
+                // floats, 3 pointers in order). qkv holds `t * (qw + 2 kw)` f32 (written by
+                // the GEMM above), pos `t` positions, bias `qw + 2 kw` and the norms
+                // `head_dim` values when their flags are set, inv_freq `rope_dims / 2`; the
+                // outputs were checked above; dynamic shared memory holds one head in f32.
+                unsafe { b.launch(cfg) }.map_err(drv("launching kvf_qkv_post"))?;
+            }
+            backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
+            backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
+            gemm(blas, &s, &l.wo, &a.attn, &mut a.x, t, dm.d, dm.qw, true)?;
+            k.rms_norm(&s, &a.x, &l.ffn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
+            gemm(blas, &s, &l.wgu, &a.h, &mut a.gu, t, 2 * dm.ff, dm.d, false)?;
+            k.silu_mul(&s, &a.gu, t, dm.ff, &mut a.act)?;
+            gemm(blas, &s, &l.wdown, &a.act, &mut a.x, t, dm.d, dm.ff, true)?;
+        }
+        let n = last.len();
+        if n == 0 {
+            gpu.synchronize()?;
+            return Ok(Vec::new());
+        }
+        k.rms_norm_rows(&s, &a.x, &a.last, n, &w.out_norm, dm.d, c.rms_eps, &mut a.hl)?;
+        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+        gemm(blas, &s, head, &a.hl, &mut a.logits, n, dm.vocab, dm.d, false)?;
+        let mut host = vec![0f32; n * dm.vocab];
+        s.memcpy_dtoh(&a.logits.slice(..n * dm.vocab), &mut host)
+            .map_err(drv("copying logits to the host"))?;
+        gpu.synchronize()?;
+        Ok(host)
+    }
+}
+
+impl Forward for GpuLlama {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let mut tokens = Vec::with_capacity(t);
+        let mut positions = Vec::with_capacity(t);
+        let mut last = Vec::new();
+        for s in batch {
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                if tok as usize >= c.vocab {
+                    return Err(ForwardError::Token(tok));
+                }
+                let pos = s.start_pos + i;
+                if pos >= c.context_len {
+                    return Err(ForwardError::Context {
+                        pos,
+                        ctx: c.context_len,
+                    });
+                }
+                tokens.push(tok as i32);
+                positions.push(pos as i32);
+            }
+            if s.want_logits && !s.tokens.is_empty() {
+                last.push(tokens.len() as i32 - 1);
+            }
+        }
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        self.ensure_acts(t, last.len())?;
+        let seqs: Vec<AttnSeq> = batch
+            .iter()
+            .filter(|s| !s.tokens.is_empty())
+            .map(|s| AttnSeq {
+                seq: s.seq,
+                start_pos: s.start_pos,
+                len: s.tokens.len(),
+            })
+            .collect();
+        self.pages.plan_step(&seqs, &mut self.plan)?;
+        self.backend.prepare(&self.plan).map_err(backend_err)?;
+        let s = self.gpu.stream().clone();
+        upload_into(&s, &tokens, &mut self.acts.tok)?;
+        upload_into(&s, &positions, &mut self.acts.pos)?;
+        upload_into(&s, &last, &mut self.acts.last)?;
+        Ok(self.run(t, &last)?)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.pages.release(seq)
+    }
+
+    fn cached_len(&self, seq: SeqId) -> usize {
+        self.pages.cached_len(seq)
+    }
+
+    fn device(&self) -> &'static str {
+        "cuda"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gqa_groups_outside_the_kernels_store_replicated_kv_heads() {
+        assert_eq!(kv_replication(9, 3).unwrap(), (3, 1), "SmolLM2-135M");
+        assert_eq!(kv_replication(32, 8).unwrap(), (1, 4), "Llama 3 8B");
+        assert_eq!(kv_replication(28, 4).unwrap(), (7, 1), "Qwen2 7B: group 7");
+        assert_eq!(kv_replication(48, 4).unwrap(), (3, 4), "group 12");
+        assert_eq!(kv_replication(64, 4).unwrap(), (2, 8), "group 16");
+        assert!(kv_replication(10, 4).is_err());
+    }
+
+    #[test]
+    fn head_dims_outside_the_attention_kernels_are_named_errors() {
+        let ok = LlamaConfig::llama(2, 4096, 14336, 32, 8, 128256);
+        GpuLlama::check_shapes(&ok).unwrap();
+        let bad = LlamaConfig::llama(2, 96 * 4, 512, 4, 2, 100);
+        let e = GpuLlama::check_shapes(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("head_dim 96") && e.contains("--model-device cpu"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn admission_leaves_one_partial_page_per_sequence() {
+        let cap = GpuCapacity {
+            device: "x".into(),
+            total_bytes: 0,
+            weight_bytes: 0,
+            activation_bytes: 0,
+            free_bytes: 0,
+            margin_bytes: 0,
+            kv_bytes_per_token: 1,
+            kv_heads_stored: 1,
+            blocks: 100,
+            block_size: 16,
+            kv_tokens: 1600,
+        };
+        assert_eq!(cap.admission_tokens(10), 1600 - 150);
+        assert_eq!(cap.admission_tokens(1000), 16, "never below one page");
+    }
+}
