@@ -340,6 +340,7 @@ mod gpu {
             last.par_iter_mut()
                 .zip(logits.par_chunks(v))
                 .for_each(|(l, row)| *l = argmax(row));
+            m.recycle(logits);
         }
         let secs = t.elapsed().as_secs_f64();
         let held = m.cached_len(base);

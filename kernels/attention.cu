@@ -48,9 +48,10 @@ constexpr int RAW_LD = ROW_BYTES + 16;
 constexpr int RAW_BYTES = TILE_KEYS * (RAW_LD + SCALE_BYTES);
 constexpr int STAGE_BYTES = KV16 ? 2 * TILE16_BYTES : 2 * RAW_BYTES;
 constexpr int PIPE_BYTES = STAGES * STAGE_BYTES;
-// After the key loop each warp dumps (m, l, O) for its 16 rows; this aliases the pipeline.
+// After the key loop each warp dumps (m, l, O) for its rows; this aliases the pipeline.
 constexpr int DUMP_LD = D + 4;
-constexpr int DUMP_BYTES = 4 * 16 * DUMP_LD * 4 + 2 * 4 * 16 * 4;
+constexpr int DUMP_GROUPS = 4 * PREFILL_MT;  // 16-row groups: 4 warps x PREFILL_MT (decode: 4)
+constexpr int DUMP_BYTES = DUMP_GROUPS * 16 * DUMP_LD * 4 + 2 * DUMP_GROUPS * 16 * 4;
 constexpr int SMEM_BYTES = PIPE_BYTES > DUMP_BYTES ? PIPE_BYTES : DUMP_BYTES;
 static_assert(SMEM_BYTES == SMEM_BYTES_HOST, "host and device disagree on shared memory size");
 static_assert(D % 32 == 0 && TILE_KEYS % 16 == 0, "tile shape");
@@ -119,6 +120,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u3
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
+}
+
+// 2^x, flushing subnormal results to zero (softmax weights that small are noise); 2^-inf = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
@@ -258,20 +266,26 @@ __device__ __forceinline__ int o_col(int dt, int n) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The attention CTA. WQ warps along query rows, WK warps along keys (split-KV inside the CTA).
+// The attention CTA. WQ warps along query rows, WK warps along keys (split-KV inside the CTA),
+// MT m-tiles (16 rows each) per warp. With MT = 2 every K/V fragment read from shared memory
+// feeds two mma (prefill); the key tile is then consumed in sub-tiles of SUBK keys so S, the Q
+// fragments and the accumulators fit the register file.
 
-template <int WQ, int WK>
+template <int WQ, int WK, int MT>
 __device__ __forceinline__ void attention_cta(
     const WorkItem& it, const int kvh, const int kv_heads, char* smem, const __nv_bfloat16* __restrict__ q,
     __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
     const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const Csr& csr,
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
-  constexpr int ROWS = WQ * 16;
-  constexpr int NKW = TILE_KEYS / WK;  // keys per warp per tile
-  constexpr int NT = NKW / 8;          // S n-tiles per warp
-  constexpr int KS = D / 16;           // k-steps of Q K^T
-  constexpr int DT = D / 8;            // O n-tiles
+  constexpr int ROWS = WQ * 16 * MT;
+  constexpr int NKW = TILE_KEYS / WK;             // keys per warp per tile
+  constexpr int SUBK = MT > 1 ? 32 : NKW;         // keys per inner pass
+  constexpr int NSUB = NKW / SUBK;
+  constexpr int NT = SUBK / 8;                    // S n-tiles per pass
+  constexpr int KS = D / 16;                      // k-steps of Q K^T
+  constexpr int DT = D / 8;                       // O n-tiles
+  static_assert(NKW % SUBK == 0 && SUBK % 16 == 0, "sub-tile shape");
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int wq = warp / WK, wk = warp % WK;
@@ -288,45 +302,47 @@ __device__ __forceinline__ void attention_cta(
   const int rows_total = q_len * GROUP;
   const int row0 = it.row_base;
   const int nrows = min(ROWS, rows_total - row0);
+  // Positions of the CTA's first and last query token: a (sub-)tile that every row sees whole
+  // skips the per-element mask.
+  const int qpos_lo = q_pos0 + row0 / GROUP;
+  const int qpos_hi = q_pos0 + (row0 + nrows - 1) / GROUP;
 
   int kb = it.key_begin;
   int ke = min(it.key_end, n_keys);
-  if constexpr (CAUSAL) ke = min(ke, q_pos0 + (row0 + nrows - 1) / GROUP - first_pos + 1);
-  if constexpr (SLIDING) kb = max(kb, q_pos0 + row0 / GROUP - window + 1 - first_pos);
+  if constexpr (CAUSAL) ke = min(ke, qpos_hi - first_pos + 1);
+  if constexpr (SLIDING) kb = max(kb, qpos_lo - window + 1 - first_pos);
 
   // Q fragments straight from global memory into registers (A operand, row-major).
-  u32 qf[KS][4];
-  const int my_rows[2] = {wq * 16 + (lane >> 2), wq * 16 + (lane >> 2) + 8};
-  {
+  u32 qf[MT][KS][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int rr = row0 + my_rows[h];
-      const bool valid = my_rows[h] < nrows;
+      const int my_row = (wq * MT + m) * 16 + (lane >> 2) + 8 * h;
+      const int rr = row0 + my_row;
+      const bool valid = my_row < nrows;
       const int tok = rr / GROUP, g = rr % GROUP;
       const u32* src = reinterpret_cast<const u32*>(
           q + (static_cast<size_t>(qo0 + (valid ? tok : 0)) * q_heads + kvh * GROUP + g) * D);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const int col = q_col(ks, lane & 3);
-        qf[ks][h] = valid ? q_pair(src[col / 2]) : 0u;
-        qf[ks][h + 2] = valid ? q_pair(src[(col + Q_A2_OFF) / 2]) : 0u;
+        qf[m][ks][h] = valid ? q_pair(src[col / 2]) : 0u;
+        qf[m][ks][h + 2] = valid ? q_pair(src[(col + Q_A2_OFF) / 2]) : 0u;
       }
     }
   }
 
-  float acc[DT][4];
+  float acc[MT][DT][4];
+  float m_run[MT][2], l_run[MT][2];
 #pragma unroll
-  for (int i = 0; i < DT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
-  const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
-  int qpos_row[2];
-  bool row_ok[2];
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    qpos_row[h] = q_pos0 + (row0 + my_rows[h]) / GROUP;
-    row_ok[h] = my_rows[h] < nrows;
+    for (int i = 0; i < DT; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.f;
+    m_run[m][0] = m_run[m][1] = -INFINITY;
+    l_run[m][0] = l_run[m][1] = 0.f;
   }
+  const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
 
   const int n_tiles = ke > kb ? (ke - kb + TILE_KEYS - 1) / TILE_KEYS : 0;
 
@@ -381,172 +397,217 @@ __device__ __forceinline__ void attention_cta(
     const char* kt = st;
     const char* vt = st + (KV16 ? TILE16_BYTES : RAW_BYTES);
     const int kstart = kb + t * TILE_KEYS;
-    const int key0 = wk * NKW;
 
-    // S = Q K^T for this warp's rows and keys.
-    float s[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const int key = key0 + nt * 8 + (lane & 7);  // the row this lane addresses
-      if constexpr (KV16) {
-#pragma unroll
-        for (int kk = 0; kk < KS / 2; ++kk) {
-          u32 b0, b1, b2, b3;
-          const int col = kk * 32 + (lane >> 3) * 8;
-          ldmatrix_x4(smem_addr(kt + (key * LDS + col) * 2), b0, b1, b2, b3);
-          mma16816(s[nt], qf[2 * kk], b0, b1);
-          mma16816(s[nt], qf[2 * kk + 1], b2, b3);
-        }
-      } else if constexpr (KV_DTYPE == DT_NVFP4) {
-        // One 8x16-byte matrix = 8 keys x 32 values = two k-steps; this thread's key is lane / 4.
-        const u8* ksc = reinterpret_cast<const u8*>(kt + TILE_KEYS * RAW_LD) +
-                        (key0 + nt * 8 + (lane >> 2)) * SCALE_BYTES + ((lane & 3) >> 1);
-#pragma unroll
-        for (int kk = 0; kk < D / 128; ++kk) {
-          u32 r[4];
-          ldmatrix_x4(smem_addr(kt + key * RAW_LD + (kk * 4 + (lane >> 3)) * 16), r[0], r[1], r[2], r[3]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int j = kk * 4 + i;
-            const u8 sb = ksc[2 * j];
-            const __half2 s2 = scale_pair(sb, sb);
-            u32 w[4];
-            e2m1x8_to_f16(r[i], w);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) w[e] = hmul2_u32(w[e], s2);
-            mma16816(s[nt], qf[2 * j], w[0], w[1]);
-            mma16816(s[nt], qf[2 * j + 1], w[2], w[3]);
-          }
-        }
-        if constexpr (D % 128 != 0) {  // head_dim 64: two matrices
-          u32 r0, r1;
-          ldmatrix_x2(smem_addr(kt + key * RAW_LD + ((D / 128) * 4 + ((lane >> 3) & 1)) * 16), r0, r1);
-          const u32 rr[2] = {r0, r1};
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int j = (D / 128) * 4 + i;
-            const u8 sb = ksc[2 * j];
-            const __half2 s2 = scale_pair(sb, sb);
-            u32 w[4];
-            e2m1x8_to_f16(rr[i], w);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) w[e] = hmul2_u32(w[e], s2);
-            mma16816(s[nt], qf[2 * j], w[0], w[1]);
-            mma16816(s[nt], qf[2 * j + 1], w[2], w[3]);
-          }
-        }
-      } else {
-        // fp8: one 8x16-byte matrix = 8 keys x 16 values = one k-step.
-#pragma unroll
-        for (int kk = 0; kk < KS / 4; ++kk) {
-          u32 r[4];
-          ldmatrix_x4(smem_addr(kt + key * RAW_LD + (kk * 4 + (lane >> 3)) * 16), r[0], r[1], r[2], r[3]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            u32 b0, b1;
-            fp8x4_to_f16(r[i], b0, b1);
-            mma16816(s[nt], qf[kk * 4 + i], b0, b1);
-          }
-        }
-      }
-    }
+#pragma unroll 1
+    for (int sub = 0; sub < NSUB; ++sub) {
+      const int key0 = wk * NKW + sub * SUBK;
 
-    // Mask, scale, online softmax.
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i >> 1;
-        const int j = kstart + key0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-        const int kpos = first_pos + j;
-        bool ok = row_ok[h] && j < ke;
-        if constexpr (CAUSAL) ok = ok && kpos <= qpos_row[h];
-        if constexpr (SLIDING) ok = ok && qpos_row[h] - kpos < window;
-        s[nt][i] = ok ? s[nt][i] * scale_log2 : -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_run[h] - m_use);
-      m_run[h] = m_new;
-      float sum = 0.f;
+      // S = Q K^T for this warp's rows and SUBK keys.
+      float s[MT][NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        s[nt][2 * h] = exp2f(s[nt][2 * h] - m_use);
-        s[nt][2 * h + 1] = exp2f(s[nt][2 * h + 1] - m_use);
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      l_run[h] = l_run[h] * alpha + sum;
 #pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc[dt][2 * h] *= alpha;
-        acc[dt][2 * h + 1] *= alpha;
-      }
-    }
-
-    // O += P V.
+        for (int m = 0; m < MT; ++m) s[m][nt][0] = s[m][nt][1] = s[m][nt][2] = s[m][nt][3] = 0.f;
+        const int key = key0 + nt * 8 + (lane & 7);  // the row this lane addresses
+        if constexpr (KV16) {
 #pragma unroll
-    for (int kk = 0; kk < NKW / 16; ++kk) {
-      u32 a[4];
-      a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const int key = key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row this lane addresses
-      if constexpr (KV16) {
+          for (int kk = 0; kk < KS / 2; ++kk) {
+            u32 b0, b1, b2, b3;
+            const int col = kk * 32 + (lane >> 3) * 8;
+            ldmatrix_x4(smem_addr(kt + (key * LDS + col) * 2), b0, b1, b2, b3);
 #pragma unroll
-        for (int dt = 0; dt < DT; dt += 2) {
-          u32 b0, b1, b2, b3;
-          const int col = dt * 8 + (lane >> 4) * 8;
-          ldmatrix_x4_trans(smem_addr(vt + (key * LDS + col) * 2), b0, b1, b2, b3);
-          mma16816(acc[dt], a, b0, b1);
-          mma16816(acc[dt + 1], a, b2, b3);
-        }
-      } else if constexpr (KV_DTYPE == DT_NVFP4) {
-        // Transposed 8x8 of 16-bit cells = 4 values each: this thread gets keys (2c, 2c+1) x
-        // values 4n..4n+3 of a 32-value chunk (n = lane / 4), i.e. four n-tiles' B fragments.
-        const u8* vsc = reinterpret_cast<const u8*>(vt + TILE_KEYS * RAW_LD);
-        const int kb2 = key0 + kk * 16 + (lane & 3) * 2;
+            for (int m = 0; m < MT; ++m) {
+              mma16816(s[m][nt], qf[m][2 * kk], b0, b1);
+              mma16816(s[m][nt], qf[m][2 * kk + 1], b2, b3);
+            }
+          }
+        } else if constexpr (KV_DTYPE == DT_NVFP4) {
+          // One 8x16-byte matrix = 8 keys x 32 values = two k-steps; this thread's key is lane / 4.
+          const u8* ksc = reinterpret_cast<const u8*>(kt + TILE_KEYS * RAW_LD) +
+                          (key0 + nt * 8 + (lane >> 2)) * SCALE_BYTES + ((lane & 3) >> 1);
 #pragma unroll
-        for (int j = 0; j < D / 32; j += 2) {
-          u32 r[4];
-          ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+          for (int kk = 0; kk < D / 128; ++kk) {
+            u32 r[4];
+            ldmatrix_x4(smem_addr(kt + key * RAW_LD + (kk * 4 + (lane >> 3)) * 16), r[0], r[1], r[2], r[3]);
 #pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            const int blk = 2 * (j + jj) + ((lane >> 2) >> 2);
-            const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
-            const __half2 shi =
-                scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
-            u32 w0[4], w1[4];
-            e2m1x8_to_f16(interleave_nibbles(r[2 * jj]), w0);
-            e2m1x8_to_f16(interleave_nibbles(r[2 * jj + 1]), w1);
+            for (int i = 0; i < 4; ++i) {
+              const int j = kk * 4 + i;
+              const u8 sb = ksc[2 * j];
+              const __half2 s2 = scale_pair(sb, sb);
+              u32 w[4];
+              e2m1x8_to_f16(r[i], w);
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              mma16816(acc[(j + jj) * 4 + e], a, hmul2_u32(w0[e], slo), hmul2_u32(w1[e], shi));
+              for (int e = 0; e < 4; ++e) w[e] = hmul2_u32(w[e], s2);
+#pragma unroll
+              for (int m = 0; m < MT; ++m) {
+                mma16816(s[m][nt], qf[m][2 * j], w[0], w[1]);
+                mma16816(s[m][nt], qf[m][2 * j + 1], w[2], w[3]);
+              }
+            }
+          }
+          if constexpr (D % 128 != 0) {  // head_dim 64: two matrices
+            u32 r0, r1;
+            ldmatrix_x2(smem_addr(kt + key * RAW_LD + ((D / 128) * 4 + ((lane >> 3) & 1)) * 16), r0, r1);
+            const u32 rr[2] = {r0, r1};
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int j = (D / 128) * 4 + i;
+              const u8 sb = ksc[2 * j];
+              const __half2 s2 = scale_pair(sb, sb);
+              u32 w[4];
+              e2m1x8_to_f16(rr[i], w);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) w[e] = hmul2_u32(w[e], s2);
+#pragma unroll
+              for (int m = 0; m < MT; ++m) {
+                mma16816(s[m][nt], qf[m][2 * j], w[0], w[1]);
+                mma16816(s[m][nt], qf[m][2 * j + 1], w[2], w[3]);
+              }
+            }
+          }
+        } else {
+          // fp8: one 8x16-byte matrix = 8 keys x 16 values = one k-step.
+#pragma unroll
+          for (int kk = 0; kk < KS / 4; ++kk) {
+            u32 r[4];
+            ldmatrix_x4(smem_addr(kt + key * RAW_LD + (kk * 4 + (lane >> 3)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              u32 b0, b1;
+              fp8x4_to_f16(r[i], b0, b1);
+#pragma unroll
+              for (int m = 0; m < MT; ++m) mma16816(s[m][nt], qf[m][kk * 4 + i], b0, b1);
+            }
           }
         }
-      } else {
-        // Transposed 8x8 of 16-bit cells = 2 values each: keys (2c, 2c+1) x values (2n, 2n+1)
-        // of a 16-value chunk, i.e. the B fragments of two n-tiles (even and odd values).
+      }
+
+      // Mask (only where some row may not see some key of the pass), then the online softmax in
+      // log2 units: scores stay raw until one FFMA folds scale and max into the exponent.
+      const int jlo = kstart + key0 - wk * NKW;  // first key of this pass over all warps
+      const int jhi = kstart + (WK - 1) * NKW + key0 - wk * NKW + SUBK - 1;
+      bool need_mask = nrows < ROWS || jhi >= ke;
+      if constexpr (CAUSAL) need_mask = need_mask || first_pos + jhi > qpos_lo;
+      if constexpr (SLIDING) need_mask = need_mask || qpos_hi - (first_pos + jlo) >= window;
 #pragma unroll
-        for (int j = 0; j < D / 16; j += 2) {
-          u32 r[4];
-          ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+      for (int m = 0; m < MT; ++m) {
+        if (need_mask) {
 #pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            u32 e0, o0, e1, o1;
-            fp8_pairs_to_f16(r[2 * jj], e0, o0);
-            fp8_pairs_to_f16(r[2 * jj + 1], e1, o1);
-            mma16816(acc[(j + jj) * 2], a, e0, e1);
-            mma16816(acc[(j + jj) * 2 + 1], a, o0, o1);
+          for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int my_row = (wq * MT + m) * 16 + (lane >> 2) + 8 * (i >> 1);
+              const int qpos = q_pos0 + (row0 + my_row) / GROUP;
+              const int j = kstart + key0 + nt * 8 + (lane & 3) * 2 + (i & 1);
+              const int kpos = first_pos + j;
+              bool ok = my_row < nrows && j < ke;
+              if constexpr (CAUSAL) ok = ok && kpos <= qpos;
+              if constexpr (SLIDING) ok = ok && qpos - kpos < window;
+              if (!ok) s[m][nt][i] = -INFINITY;
+            }
+          }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * h], s[m][nt][2 * h + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[m][h], mx * scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          alpha[h] = fast_exp2(m_run[m][h] - m_use);
+          m_run[m][h] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            s[m][nt][2 * h] = fast_exp2(fmaf(s[m][nt][2 * h], scale_log2, -m_use));
+            s[m][nt][2 * h + 1] = fast_exp2(fmaf(s[m][nt][2 * h + 1], scale_log2, -m_use));
+            sum += s[m][nt][2 * h] + s[m][nt][2 * h + 1];
+          }
+          l_run[m][h] = l_run[m][h] * alpha[h] + sum;
+        }
+        // Once the running max settles (most passes), no row of the warp rescales: skip it.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+          for (int dt = 0; dt < DT; ++dt) {
+            acc[m][dt][0] *= alpha[0];
+            acc[m][dt][1] *= alpha[0];
+            acc[m][dt][2] *= alpha[1];
+            acc[m][dt][3] *= alpha[1];
+          }
+        }
+      }
+
+      // O += P V.
+#pragma unroll
+      for (int kk = 0; kk < SUBK / 16; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          a[m][0] = pack2(s[m][2 * kk][0], s[m][2 * kk][1]);
+          a[m][1] = pack2(s[m][2 * kk][2], s[m][2 * kk][3]);
+          a[m][2] = pack2(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+          a[m][3] = pack2(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+        }
+        const int key = key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row this lane addresses
+        if constexpr (KV16) {
+#pragma unroll
+          for (int dt = 0; dt < DT; dt += 2) {
+            u32 b0, b1, b2, b3;
+            const int col = dt * 8 + (lane >> 4) * 8;
+            ldmatrix_x4_trans(smem_addr(vt + (key * LDS + col) * 2), b0, b1, b2, b3);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+              mma16816(acc[m][dt], a[m], b0, b1);
+              mma16816(acc[m][dt + 1], a[m], b2, b3);
+            }
+          }
+        } else if constexpr (KV_DTYPE == DT_NVFP4) {
+          // Transposed 8x8 of 16-bit cells = 4 values each: this thread gets keys (2c, 2c+1) x
+          // values 4n..4n+3 of a 32-value chunk (n = lane / 4), i.e. four n-tiles' B fragments.
+          const u8* vsc = reinterpret_cast<const u8*>(vt + TILE_KEYS * RAW_LD);
+          const int kb2 = key0 + kk * 16 + (lane & 3) * 2;
+#pragma unroll
+          for (int j = 0; j < D / 32; j += 2) {
+            u32 r[4];
+            ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+              const int blk = 2 * (j + jj) + ((lane >> 2) >> 2);
+              const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
+              const __half2 shi =
+                  scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
+              u32 w0[4], w1[4];
+              e2m1x8_to_f16(interleave_nibbles(r[2 * jj]), w0);
+              e2m1x8_to_f16(interleave_nibbles(r[2 * jj + 1]), w1);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const u32 b0 = hmul2_u32(w0[e], slo), b1 = hmul2_u32(w1[e], shi);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) mma16816(acc[m][(j + jj) * 4 + e], a[m], b0, b1);
+              }
+            }
+          }
+        } else {
+          // Transposed 8x8 of 16-bit cells = 2 values each: keys (2c, 2c+1) x values (2n, 2n+1)
+          // of a 16-value chunk, i.e. the B fragments of two n-tiles (even and odd values).
+#pragma unroll
+          for (int j = 0; j < D / 16; j += 2) {
+            u32 r[4];
+            ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+              u32 e0, o0, e1, o1;
+              fp8_pairs_to_f16(r[2 * jj], e0, o0);
+              fp8_pairs_to_f16(r[2 * jj + 1], e1, o1);
+#pragma unroll
+              for (int m = 0; m < MT; ++m) {
+                mma16816(acc[m][(j + jj) * 2], a[m], e0, e1);
+                mma16816(acc[m][(j + jj) * 2 + 1], a[m], o0, o1);
+              }
+            }
           }
         }
       }
@@ -556,24 +617,30 @@ __device__ __forceinline__ void attention_cta(
   cp_async_wait<0>();
   __syncthreads();
 
-  // Each warp dumps its partial (m, l, O); then the CTA combines the WK key-splits.
+  // Each warp dumps its partial (m, l, O) per 16-row group; then the CTA combines the WK
+  // key-splits. Group index of (warp, m-tile): ((wq * MT + m) * WK + wk).
+  constexpr int GROUPS16 = WQ * MT * WK;
   float* dump_o = reinterpret_cast<float*>(smem);
-  float* dump_m = dump_o + 4 * 16 * DUMP_LD;
-  float* dump_l = dump_m + 4 * 16;
+  float* dump_m = dump_o + GROUPS16 * 16 * DUMP_LD;
+  float* dump_l = dump_m + GROUPS16 * 16;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int rr = (lane >> 2) + 8 * h;
-    if ((lane & 3) == 0) {
-      dump_m[warp * 16 + rr] = m_run[h];
-      dump_l[warp * 16 + rr] = l;
-    }
+  for (int m = 0; m < MT; ++m) {
+    const int grp = (wq * MT + m) * WK + wk;
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      dump_o[(warp * 16 + rr) * DUMP_LD + o_col(dt, (lane & 3) * 2)] = acc[dt][2 * h];
-      dump_o[(warp * 16 + rr) * DUMP_LD + o_col(dt, (lane & 3) * 2 + 1)] = acc[dt][2 * h + 1];
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[m][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int rr = (lane >> 2) + 8 * h;
+      if ((lane & 3) == 0) {
+        dump_m[grp * 16 + rr] = m_run[m][h];
+        dump_l[grp * 16 + rr] = l;
+      }
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        dump_o[(grp * 16 + rr) * DUMP_LD + o_col(dt, (lane & 3) * 2)] = acc[m][dt][2 * h];
+        dump_o[(grp * 16 + rr) * DUMP_LD + o_col(dt, (lane & 3) * 2 + 1)] = acc[m][dt][2 * h + 1];
+      }
     }
   }
   __syncthreads();
@@ -624,8 +691,8 @@ __device__ __forceinline__ void check_smem() {
   if (dyn < static_cast<u32>(SMEM_BYTES)) __trap();
 }
 
-// One launch for a whole step: blocks [0, n_prefill) run prefill items (64 rows, 4 warps along
-// rows), the rest run decode items (DECODE_ROWS rows, warps split the key tile).
+// One launch for a whole step: blocks [0, n_prefill) run prefill items (64 * PREFILL_MT rows, 4
+// warps along rows), the rest run decode items (DECODE_ROWS rows, warps split the key tile).
 // grid = (n_prefill + n_decode, kv_heads), block = 128, dynamic smem = SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
     const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
@@ -640,10 +707,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
   const WorkItem it = items[blockIdx.x];
   const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
   if (static_cast<int>(blockIdx.x) < n_prefill) {
-    attention_cta<4, 1>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
+    attention_cta<4, 1, PREFILL_MT>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
                         partial_o, partial_lse, sm_scale, k_scale, v_scale, window);
   } else {
-    attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache,
+    attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV, 1>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache,
                                                         v_cache, k_bscale, v_bscale, csr, partial_o,
                                                         partial_lse, sm_scale, k_scale, v_scale, window);
   }
@@ -663,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_deco
   check_smem();
   const WorkItem it = items[blockIdx.x];
   const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
-  attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache,
+  attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV, 1>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache,
                                                       k_bscale, v_bscale, csr, partial_o, partial_lse, sm_scale,
                                                       k_scale, v_scale, window);
 }

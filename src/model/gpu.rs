@@ -732,6 +732,8 @@ pub struct GpuLlama {
     pages: PageTable,
     plan: StepPlan,
     capacity: GpuCapacity,
+    /// The last step's host logits, handed back by [`Forward::recycle`] for reuse.
+    spare_logits: Vec<f32>,
 }
 
 impl std::fmt::Debug for GpuLlama {
@@ -864,6 +866,7 @@ impl GpuLlama {
             pages: PageTable::new(blocks, BLOCK_SIZE),
             plan: StepPlan::default(),
             capacity,
+            spare_logits: Vec::new(),
         })
     }
 
@@ -913,6 +916,7 @@ impl GpuLlama {
             weights: w,
             acts: a,
             backend,
+            spare_logits,
             ..
         } = self;
         let s = gpu.stream().clone();
@@ -993,7 +997,13 @@ impl GpuLlama {
         k.rms_norm_rows(&s, &a.x, &a.last, n, &w.out_norm, dm.d, c.rms_eps, &mut a.hl)?;
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         gemm(blas, &s, head, &a.hl, &mut a.logits, n, dm.vocab, dm.d, false)?;
-        let mut host = vec![0f32; n * dm.vocab];
+        // Reuse the recycled buffer: only growth touches fresh pages; the copy overwrites it all.
+        let mut host = std::mem::take(spare_logits);
+        if host.len() < n * dm.vocab {
+            host.resize(n * dm.vocab, 0.0);
+        } else {
+            host.truncate(n * dm.vocab);
+        }
         s.memcpy_dtoh(&a.logits.slice(..n * dm.vocab), &mut host)
             .map_err(drv("copying logits to the host"))?;
         gpu.synchronize()?;
@@ -1067,6 +1077,12 @@ impl Forward for GpuLlama {
 
     fn device(&self) -> &'static str {
         "cuda"
+    }
+
+    fn recycle(&mut self, logits: Vec<f32>) {
+        if logits.capacity() > self.spare_logits.capacity() {
+            self.spare_logits = logits;
+        }
     }
 }
 

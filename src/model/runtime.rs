@@ -633,6 +633,7 @@ impl Loop {
                 finished.push(i);
             }
         }
+        self.model.recycle(logits);
         let secs = started.elapsed().as_secs_f64();
         if decoded > 0 && secs > 0.0 {
             self.metrics.output_tokens_per_second.set(decoded as f64 / secs);

@@ -184,6 +184,12 @@ pub enum MountError {
 /// Loads the model (blocking: call before serving, or in `spawn_blocking`) and returns
 /// `app` with `/v1/models`, `/v1/completions` and `/v1/chat/completions` merged in.
 pub fn mount(app: Router, args: &ModelArgs, registry: &Registry) -> Result<Router, MountError> {
+    mount_on(app, args, registry).map(|(app, _)| app)
+}
+
+/// [`mount`], also saying where the forward pass runs (`cpu` or `cuda`): the worker keeps its
+/// attention workload engine off a GPU that the model holds.
+pub fn mount_on(app: Router, args: &ModelArgs, registry: &Registry) -> Result<(Router, &'static str), MountError> {
     let name = args.served_model_name.as_deref();
     let placement = args.placement()?;
     let cfg = args.runtime_config();
@@ -215,7 +221,8 @@ pub fn mount(app: Router, args: &ModelArgs, registry: &Registry) -> Result<Route
         kv_capacity_tokens = rt.kv_capacity_tokens,
         "model loaded"
     );
-    Ok(app.merge(openai::router(Arc::new(rt))))
+    let device = rt.device;
+    Ok((app.merge(openai::router(Arc::new(rt))), device))
 }
 
 #[cfg(test)]

@@ -153,6 +153,15 @@ impl WorkerConfig {
             .map(|r| r.attention_backend)
             .unwrap_or(self.engine.attention_backend)
     }
+
+    /// Runs the attention workload engine on the CPU whatever was asked: a served model holds
+    /// the GPU, and two KV caches sized from one gpuMemoryUtilization would not both fit.
+    pub fn attention_on_cpu(&mut self) {
+        self.engine.attention_backend = AttentionBackend::KvfleetCpu;
+        if let Some(r) = &mut self.resolved {
+            r.attention_backend = AttentionBackend::KvfleetCpu;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -182,5 +191,19 @@ cpuMemoryBytes: 1048576
             WorkerConfig::parse(&json).unwrap(),
             WorkerConfig::embedded_default()
         );
+    }
+
+    #[test]
+    fn a_model_on_the_gpu_moves_the_workload_engine_to_the_cpu_even_when_resolved_to_cuda() {
+        let yaml = r#"
+geometry: {layers: 2, queryHeads: 8, kvHeads: 2, headDim: 128}
+engine: {attentionBackend: KVFLEET_CUDA}
+resolved: {kvCacheDtype: bfloat16, attentionBackend: KVFLEET_CUDA}
+"#;
+        let mut c = WorkerConfig::parse(yaml).unwrap();
+        assert_eq!(c.attention_backend(), AttentionBackend::KvfleetCuda);
+        c.attention_on_cpu();
+        assert_eq!(c.attention_backend(), AttentionBackend::KvfleetCpu);
+        assert_eq!(c.kv_cache_dtype(), KvCacheDtype::Bfloat16, "only the backend moves");
     }
 }

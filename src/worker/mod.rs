@@ -138,18 +138,22 @@ pub fn main(args: WorkerArgs) -> ExitCode {
 }
 
 /// The OpenAI-compatible routes of the model, when there is one: `--model FILE`, else the
-/// embedded SmolLM2 when `.tools/` holds it. An explicit model that cannot load is fatal.
-async fn mount_model(args: &WorkerArgs, registry: &prometheus::Registry) -> Result<axum::Router, ExitCode> {
-    use crate::model::serve::{mount, MountError};
+/// embedded SmolLM2 when `.tools/` holds it, and where its forward pass runs (`None`: no
+/// model). An explicit model that cannot load is fatal.
+async fn mount_model(
+    args: &WorkerArgs,
+    registry: &prometheus::Registry,
+) -> Result<(axum::Router, Option<&'static str>), ExitCode> {
+    use crate::model::serve::{mount_on, MountError};
     let model_args = args.model.clone();
     let registry = registry.clone();
     let loaded =
-        tokio::task::spawn_blocking(move || mount(axum::Router::new(), &model_args, &registry)).await;
+        tokio::task::spawn_blocking(move || mount_on(axum::Router::new(), &model_args, &registry)).await;
     match loaded {
-        Ok(Ok(app)) => Ok(app),
+        Ok(Ok((app, device))) => Ok((app, Some(device))),
         Ok(Err(MountError::NoModel)) => {
             tracing::info!("no model file: serving the attention workload only (pass --model FILE.gguf or CHECKPOINT_DIR)");
-            Ok(axum::Router::new())
+            Ok((axum::Router::new(), None))
         }
         Ok(Err(error)) => {
             let explicit = args.model.model.is_some()
@@ -160,7 +164,7 @@ async fn mount_model(args: &WorkerArgs, registry: &prometheus::Registry) -> Resu
                 Err(ExitCode::from(exit::CONFIG))
             } else {
                 tracing::warn!("serving the attention workload only");
-                Ok(axum::Router::new())
+                Ok((axum::Router::new(), None))
             }
         }
         Err(error) => {
@@ -176,7 +180,7 @@ enum EngineBackend {
     Cuda(Box<cuda::backend::CudaBackend>),
 }
 
-async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
+async fn serve(args: WorkerArgs, mut cfg: WorkerConfig) -> ExitCode {
     let metrics = match metrics::Metrics::new() {
         Ok(m) => Arc::new(m),
         Err(error) => {
@@ -203,7 +207,13 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let stop_server = Arc::new(tokio::sync::Notify::new());
     let stop = stop_server.clone();
     let app = match mount_model(&args, &metrics.registry).await {
-        Ok(app) => app.merge(http::router(state.clone())),
+        Ok((app, device)) => {
+            if device == Some("cuda") {
+                tracing::info!("the model's forward pass and KV cache hold the GPU: the attention workload engine runs on the CPU");
+                cfg.attention_on_cpu();
+            }
+            app.merge(http::router(state.clone()))
+        }
         Err(code) => return code,
     };
     let server = tokio::spawn(async move {

@@ -2,7 +2,7 @@
 //! and merge jobs for split-KV partials. Planned once per step on the host; the kernels only
 //! run it. Pure.
 
-use super::spec::{KernelSpec, PREFILL_ROWS};
+use super::spec::KernelSpec;
 use super::CudaError;
 
 /// A batch in CSR form, host side (the same arrays are uploaded for the kernels).
@@ -152,6 +152,7 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ct
     let g = spec.group.get();
     let page = spec.page.get();
     let tile = spec.tile_keys();
+    let prefill_rows = spec.prefill_rows();
     let mut prefill: Vec<(usize, WorkItem)> = Vec::new();
     let mut decode_reqs = Vec::new();
     let mut decode_keys = 0usize;
@@ -168,7 +169,7 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ct
             let mut base = 0;
             while base < rows {
                 // work ~ keys visible to the tile's last token (causal) or all keys
-                let last_tok = ((base + PREFILL_ROWS).min(rows) - 1) / g;
+                let last_tok = ((base + prefill_rows).min(rows) - 1) / g;
                 let work = if spec.mask.causal() {
                     keys - batch.q_len(r) + last_tok + 1
                 } else {
@@ -185,7 +186,7 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ct
                         pad: [0; 3],
                     },
                 ));
-                base += PREFILL_ROWS;
+                base += prefill_rows;
             }
         }
     }
@@ -290,9 +291,12 @@ mod tests {
     fn prefill_rows_are_tiled_heaviest_first() {
         let b = batch(&[(100, 100), (1, 50)]);
         let p = plan_step(&b, &spec(), 8, 1);
-        // 100 tokens x group 4 = 400 rows -> 7 tiles of 64
-        assert_eq!(p.n_prefill, 7);
+        // 100 tokens x group 4 = 400 rows -> 4 tiles of 128 (head_dim 128: two m-tiles a warp)
+        assert_eq!(spec().prefill_rows(), 128);
+        assert_eq!(p.n_prefill, 4);
         assert_eq!(p.items[0].row_base, 384);
+        let bases: Vec<i32> = p.items[..p.n_prefill].iter().map(|w| w.row_base).collect();
+        assert_eq!(bases, [384, 256, 128, 0]);
         assert_eq!(p.items[p.n_prefill].request, 1);
     }
 

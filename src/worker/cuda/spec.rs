@@ -253,8 +253,6 @@ pub struct KernelSpec {
 
 /// Threads per CTA of every kernel.
 pub const THREADS: u32 = 128;
-/// Rows (token x head-in-group) of one prefill CTA.
-pub const PREFILL_ROWS: usize = 64;
 
 impl KernelSpec {
     /// Every specialisation we build and claim; the PTX test compiles each for every [`Arch`].
@@ -328,6 +326,22 @@ impl KernelSpec {
         }
     }
 
+    /// 16-row m-tiles per warp in a prefill CTA: 2 up to head_dim 128, so every K/V fragment
+    /// read from shared memory feeds two `mma` (the prefill kernel is bound by shared-memory
+    /// bandwidth otherwise); 1 at head_dim 256, whose accumulators would not fit the registers.
+    pub fn prefill_mt(&self) -> usize {
+        if self.head_dim.get() <= 128 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Rows (token x head-in-group) of one prefill CTA: 4 warps x 16 x [`Self::prefill_mt`].
+    pub fn prefill_rows(&self) -> usize {
+        64 * self.prefill_mt()
+    }
+
     /// Rows (token x head-in-group) one decode CTA holds; requests with more rows run as prefill.
     pub fn decode_rows(&self) -> usize {
         16 * (4 / self.decode_warps_kv())
@@ -345,7 +359,9 @@ impl KernelSpec {
         let raw = tk * (self.dtype.row_bytes(d) + 16 + self.dtype.scale_bytes(d));
         let stage = if kv16 { 2 * tile16 } else { 2 * raw };
         let pipe = self.stages() * stage;
-        let dump = 4 * 16 * (d + 4) * 4 + 2 * 4 * 16 * 4;
+        // The end-of-loop dump: (O, m, l) of every 16-row group (4 warps x prefill m-tiles).
+        let groups = 4 * self.prefill_mt();
+        let dump = groups * 16 * (d + 4) * 4 + 2 * groups * 16 * 4;
         pipe.max(dump)
     }
 
@@ -364,6 +380,7 @@ impl KernelSpec {
              constexpr int DECODE_WARPS_KV = {dw};\n\
              constexpr int DECODE_ROWS = {dr};\n\
              constexpr int DECODE_MIN_CTAS = {dm};\n\
+             constexpr int PREFILL_MT = {pm};\n\
              constexpr int SMEM_BYTES_HOST = {sm};\n",
             key = self.key(),
             dt = self.dtype.code(),
@@ -377,6 +394,7 @@ impl KernelSpec {
             dw = self.decode_warps_kv(),
             dr = self.decode_rows(),
             dm = self.decode_min_ctas(),
+            pm = self.prefill_mt(),
             sm = self.smem_bytes(),
         )
     }

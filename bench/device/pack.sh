@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds the GPU test and benchmark binaries here (release) and packs what a `device` call
+# carries into .device/MODE/ (gitignored): stripped, xz-compressed binaries, the trimmed FlashInfer
+# wheel and its tvm-ffi dependency (bench/peers.py), and, for the model calls, one half of the
+# SmolLM2 GGUF each (the device tool carries at most 64 MiB per call).
+#   bench/device/pack.sh attention   # peers + attention bench + cuda_attention/cuda_worker tests
+#   bench/device/pack.sh model-a     # model binaries + the GGUF's first half
+#   bench/device/pack.sh model-b     # the GGUF's second half
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mode=${1:?usage: pack.sh attention|model-a|model-b}
+out=.device/$mode
+rm -rf "$out"; mkdir -p "$out/bin"
+
+# Prints the executable path of each test/bench target built by one cargo invocation.
+exe_of() { cargo "$@" --locked --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import sys,json
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and set(m["target"]["kind"]) & {"test","bench"}:
+        print(m["target"]["name"], m["executable"])'; }
+
+pack_bins() {
+  while read -r name exe; do
+    strip -o "$out/bin/$name" "$exe"
+    xz -T2 -6 "$out/bin/$name"
+  done
+}
+
+gguf="${KVFLEET_SMOLLM2_GGUF:-.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+half=$(( ($(stat -Lc %s "$gguf") + 1) / 2 ))
+case "$mode" in
+  attention)
+    { exe_of test --release --test cuda_attention --test cuda_worker; exe_of bench --bench attention; } | pack_bins
+    whl=/tmp/kvfleet-whl
+    if [ ! -f "$whl/fi-trim.zip" ]; then
+      mkdir -p "$whl"
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$whl" \
+        flashinfer-python==0.7.2.post1 'apache-tvm-ffi<0.2,>=0.1.11'
+      # The wheel is 62 MB; batch decode's JIT needs the Python package, include/, the top-level
+      # csrc sources, cutlass and cccl, not the kernel sources of other features.
+      python3 bench/device/trim_wheel.py "$whl"/flashinfer_python-*.whl "$whl/fi-trim.zip"
+    fi
+    mkdir -p "$out/whl"; cp "$whl/fi-trim.zip" "$whl"/apache_tvm_ffi-*.whl "$out/whl/"
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    # Optional variant builds to time in the same call: VARIANTS=DIR holding attention_TAG
+    # binaries and variants.txt ("TAG ARGS..." per line, see run.sh).
+    if [ -n "${VARIANTS:-}" ]; then
+      for f in "$VARIANTS"/attention_*; do strip -o "$out/bin/$(basename "$f")" "$f"; xz -T2 -6 "$out/bin/$(basename "$f")"; done
+      cp "$VARIANTS/variants.txt" "$out/"
+    fi
+    cp bench/peers.py "$out/"
+    ;;
+  model-a)
+    { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    head -c "$half" "$gguf" > "$out/gguf.part1"
+    ;;
+  model-b)
+    tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
+    sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
+    ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
+du -sh "$out"; ls -la "$out" "$out"/*/ 2>/dev/null

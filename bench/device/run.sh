@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Runs on the device machine (the `device` tool), in the repository root, after pack.sh here
+# (carry .device/MODE).
+# Every log and JSON goes to $OUT; a short table is printed last.
+#   bash bench/device/run.sh attention   # peers (copy, GEMM, SDPA, FlashInfer) + attention bench + GPU tests
+#   bash bench/device/run.sh model-a     # stash the GGUF's first half; dummy-geometry model tests
+#   bash bench/device/run.sh model-b     # join the GGUF; SmolLM2 GPU tests; model benchmark
+set -uo pipefail
+mode=${1:?usage: run.sh attention|model-a|model-b}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export RUST_BACKTRACE=1
+dev=.device/$mode
+bin=/tmp/kvfleet-bin; mkdir -p "$bin"
+for f in $dev/bin/*.xz; do [ -e "$f" ] && xz -dc "$f" > "$bin/$(basename "$f" .xz)" && chmod +x "$bin/$(basename "$f" .xz)"; done
+stash=/root/kvfleet-stash; mkdir -p "$stash"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+t0=$(date +%s)
+step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+case "$mode" in
+  attention)
+    step "FlashInfer install"
+    site=/tmp/site; mkdir -p "$site"
+    (cd "$site" && python3 -m zipfile -e "$OLDPWD"/$dev/whl/fi-trim.zip . && \
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$OLDPWD"/$dev/whl/apache_tvm_ffi-*.whl) \
+      || echo "FlashInfer install failed"
+    step "peers"
+    PYTHONPATH=$site timeout 300 python3 $dev/peers.py "$OUT/anchors.json" 2>&1 | tee "$OUT/peers.log" | grep -v Warning
+    step "attention bench"
+    timeout 240 "$bin/attention" --anchors "$OUT/anchors.json" --out "$OUT" 2>&1 | tee "$OUT/bench_attention.log" | tail -14
+    # Variant builds carried to compare in the same run: "$dev/variants.txt" lines "TAG ARGS..."
+    # run "$bin/attention_TAG ARGS" (e.g. "--only decode_nvfp4").
+    if [ -f "$dev/variants.txt" ]; then
+      while read -r tag args; do
+        [ -x "$bin/attention_$tag" ] || continue
+        step "attention bench, variant $tag $args"
+        echo "### variant $tag $args" >> "$OUT/variants.log"
+        timeout 240 "$bin/attention_$tag" --anchors "$OUT/anchors.json" $args 2>&1 \
+          | tee -a "$OUT/variants.log" | sed -n '/^== kvfleet/,$p' | tail -n +3
+      done < "$dev/variants.txt"
+    fi
+    if [ -x "$bin/kvfleet" ] && [ -n "${KVFLEET_DEVICE_WORKER_MODEL:-}" ]; then
+      step "worker with a dummy-weight model on the GPU"
+      "$bin/kvfleet" worker --listen 127.0.0.1:8000 --model-weights dummy --model-config "$KVFLEET_DEVICE_WORKER_MODEL" \
+        --model-device cuda > "$OUT/worker.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 90); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
+      curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
+        -d '{"model":"dummy","prompt":"Hello","max_tokens":8,"temperature":0}'; echo
+      curl -s 127.0.0.1:8000/v1/capacity | head -c 600; echo
+      curl -s 127.0.0.1:8000/metrics | grep -E '^kvfleet_(kv_cache_capacity_tokens|gpu_info)' | head -5
+      kill $pid 2>/dev/null; wait $pid 2>/dev/null
+      grep -E "ERROR|WARN|engine runs on the CPU|model loaded|ready" "$OUT/worker.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -8
+    fi
+    step "cuda_attention tests"
+    timeout 240 "$bin/cuda_attention" --ignored --test-threads 1 2>&1 | tee "$OUT/cuda_attention.log" | tail -15
+    step "cuda_worker test"
+    timeout 120 "$bin/cuda_worker" --ignored --nocapture 2>&1 | tee "$OUT/cuda_worker.log" | tail -25
+    ;;
+  model-a)
+    cp $dev/gguf.part1 "$stash/" && for f in "$bin"/*; do cp "$f" "$stash/"; done
+    step "cuda_model dummy-geometry tests"
+    "$stash/cuda_model" --ignored --nocapture dummy 2>&1 | tee "$OUT/cuda_model_dummy.log" | tail -12
+    step "model bench: dummy Llama-3-8B"
+    KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b "$stash/model" 2>&1 | tee "$OUT/bench_model_8b.log" | tail -14
+    ;;
+  model-b)
+    gguf=$stash/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat "$stash/gguf.part1" $dev/gguf.part2 > "$gguf" || exit 3
+    echo "$(cat $dev/gguf.sha256)  $gguf" | sha256sum -c - || exit 3
+    export KVFLEET_SMOLLM2_GGUF=$gguf
+    step "cuda_model tests"
+    "$stash/cuda_model" --ignored --nocapture --test-threads 1 2>&1 | tee "$OUT/cuda_model.log" | grep -E "test |ratio|result|panicked|tokens" | tail -30
+    step "model bench: SmolLM2"
+    KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=smollm2 "$stash/model" 2>&1 | tee "$OUT/bench_model_smollm2.log" | tail -14
+    step "worker serves SmolLM2 on the GPU"
+    "$stash/kvfleet" worker --listen 127.0.0.1:8000 --model "$gguf" --model-device cuda > "$OUT/worker.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 120); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
+    curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \
+      -d '{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":24,"temperature":0}' \
+      | tee "$OUT/chat.json"; echo
+    curl -s 127.0.0.1:8000/metrics | grep -E '^kvfleet_(kv_cache_capacity_tokens|time_to_first|output_tokens)' | head
+    kill $pid; wait $pid 2>/dev/null
+    tail -5 "$OUT/worker.log"
+    ;;
+esac
+step "done"
