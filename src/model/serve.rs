@@ -189,7 +189,11 @@ pub fn mount(app: Router, args: &ModelArgs, registry: &Registry) -> Result<Route
 
 /// [`mount`], also saying where the forward pass runs (`cpu` or `cuda`): the worker keeps its
 /// attention workload engine off a GPU that the model holds.
-pub fn mount_on(app: Router, args: &ModelArgs, registry: &Registry) -> Result<(Router, &'static str), MountError> {
+pub fn mount_on(
+    app: Router,
+    args: &ModelArgs,
+    registry: &Registry,
+) -> Result<(Router, &'static str), MountError> {
     let name = args.served_model_name.as_deref();
     let placement = args.placement()?;
     let cfg = args.runtime_config();
