@@ -223,14 +223,29 @@ __device__ __forceinline__ void fp8x4_to_f16(u32 w, u32& lo, u32& hi) {
   }
 }
 
-// Nibbles a0..a3 (low half) and b0..b3 (high half) of a word reordered to a0 b0 a1 b1 a2 b2 a3 b3.
-__device__ __forceinline__ u32 interleave_nibbles(u32 w) {
-  u32 a = w & 0xffffu, b = w >> 16;
-  a = (a | (a << 8)) & 0x00ff00ffu;
-  a = (a | (a << 4)) & 0x0f0f0f0fu;
-  b = (b | (b << 8)) & 0x00ff00ffu;
-  b = (b | (b << 4)) & 0x0f0f0f0fu;
-  return a | (b << 4);
+// prmt.b32 in its default mode, where a selector nibble with bit 3 set replicates the sign bit of
+// the byte it picks (so it picks 0x00 from any byte below 0x80).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// Nibbles a0..a3 (low half: one key) and b0..b3 (high half: the next key) of a word into four
+// f16x2 words (a_e, b_e): the V fragments of four n-tiles after ldmatrix.trans. The magnitudes'
+// high bytes come from the 8-entry table; the pairing permute fills the low bytes with zeros by
+// sign replication of a magnitude byte (all below 0x80); the signs are shifted into bits 15 and 31.
+__device__ __forceinline__ void e2m1x8_pairs_to_f16(u32 w, u32* out) {
+  constexpr u32 LUT_LO = 0x3E3C3800u;  // 0, 0.5, 1, 1.5
+  constexpr u32 LUT_HI = 0x46444240u;  // 2, 3, 4, 6
+  const u32 mag = w & 0x77777777u;
+  const u32 ha = __byte_perm(LUT_LO, LUT_HI, mag);
+  const u32 hb = __byte_perm(LUT_LO, LUT_HI, mag >> 16);
+  const u32 s = w & 0x88888888u;
+  out[0] = prmt(ha, hb, 0x4808u) | ((s << 12) & 0x80008000u);
+  out[1] = prmt(ha, hb, 0x5818u) | ((s << 8) & 0x80008000u);
+  out[2] = prmt(ha, hb, 0x6828u) | ((s << 4) & 0x80008000u);
+  out[3] = prmt(ha, hb, 0x7838u) | (s & 0x80008000u);
 }
 
 // Two e4m3 block scales as one f16x2 (exact).
@@ -580,8 +595,8 @@ __device__ __forceinline__ void attention_cta(
               const __half2 shi =
                   scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
               u32 w0[4], w1[4];
-              e2m1x8_to_f16(interleave_nibbles(r[2 * jj]), w0);
-              e2m1x8_to_f16(interleave_nibbles(r[2 * jj + 1]), w1);
+              e2m1x8_pairs_to_f16(r[2 * jj], w0);
+              e2m1x8_pairs_to_f16(r[2 * jj + 1], w1);
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const u32 b0 = hmul2_u32(w0[e], slo), b1 = hmul2_u32(w1[e], shi);
