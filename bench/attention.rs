@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use cudarc::driver::sys::CUevent_flags;
-use kvfleet::worker::cuda::device::{Gpu, KvLayer, StepBuffers};
+use kvfleet::worker::cuda::device::{Gpu, Kernels, KvLayer, StepBuffers};
 use kvfleet::worker::cuda::plan::plan_step;
 use kvfleet::worker::cuda::reference::{RequestShape, Scenario};
 use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
@@ -18,7 +18,8 @@ struct Args {
     out: Option<String>,
     anchors: Option<String>,
     only: Option<String>,
-    ctas_per_sm: usize,
+    /// Overrides the decode kernel's occupancy when planning (`--ctas-per-sm N`).
+    ctas_per_sm: Option<usize>,
 }
 
 fn parse_args() -> Args {
@@ -27,7 +28,7 @@ fn parse_args() -> Args {
         out: None,
         anchors: None,
         only: None,
-        ctas_per_sm: 8,
+        ctas_per_sm: None,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -38,7 +39,7 @@ fn parse_args() -> Args {
             "--out" => a.out = next,
             "--anchors" => a.anchors = next,
             "--only" => a.only = next,
-            "--ctas-per-sm" => a.ctas_per_sm = next.and_then(|s| s.parse().ok()).unwrap_or(8),
+            "--ctas-per-sm" => a.ctas_per_sm = next.and_then(|s| s.parse().ok()),
             "--bench" => {
                 i += 1;
                 continue;
@@ -116,11 +117,16 @@ fn prepare(gpu: &Gpu, s: KernelSpec, kv_heads: usize, reqs: &[RequestShape], see
     Prepared { sc, kv, q, o }
 }
 
+/// Decode CTAs resident at once for `kernels`: the device's occupancy, or `ctas_per_sm` per SM.
+fn slots(gpu: &Gpu, kernels: &Kernels, ctas_per_sm: Option<usize>) -> usize {
+    ctas_per_sm.map_or_else(|| kernels.decode_slots(gpu.num_sms), |c| gpu.num_sms * c)
+}
+
 /// Runs one step, checks requests `check` against the reference, then times the step.
-fn run_case(gpu: &Gpu, p: &mut Prepared, target_ctas: usize, check: &[usize], iters: usize) -> (f64, f64) {
+fn run_case(gpu: &Gpu, p: &mut Prepared, ctas_per_sm: Option<usize>, check: &[usize], iters: usize) -> (f64, f64) {
     let s = p.sc.spec;
     let kernels = gpu.kernels(&s).expect("compile");
-    let plan = plan_step(&p.sc.batch, &s, p.kv.kv_heads, target_ctas);
+    let plan = plan_step(&p.sc.batch, &s, p.kv.kv_heads, slots(gpu, &kernels, ctas_per_sm));
     let mut step = StepBuffers::upload(gpu, &s, &p.kv, &p.sc.batch, &plan).expect("step upload");
     kernels
         .attention(gpu.stream(), &p.kv, &p.q, &mut p.o, &mut step, p.sc.sm_scale, 0)
@@ -168,7 +174,7 @@ fn main() {
     let want = |name: &str| args.only.as_ref().is_none_or(|o| name.contains(o.as_str()));
     let mut rows: Vec<(String, String)> = Vec::new();
     let mut json = serde_json::Map::new();
-    let target = gpu.num_sms * args.ctas_per_sm;
+    let target = args.ctas_per_sm;
 
     // --- decode: batch 64, ctx 4096, 32 q / 8 kv heads, d128, page 16 ---------------------------
     let (bs, ctx, kvh) = (64usize, 4096usize, 8usize);
@@ -295,6 +301,7 @@ fn main() {
             sub
         };
         let kernels = gpu.kernels(&s).expect("compile");
+        let target = slots(&gpu, &kernels, args.ctas_per_sm);
         let dec = split(0..256);
         let pre = split(256..257);
         let mut sd =

@@ -31,7 +31,7 @@ gguf="${KVFLEET_SMOLLM2_GGUF:-.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 half=$(( ($(stat -Lc %s "$gguf") + 1) / 2 ))
 case "$mode" in
   attention)
-    { exe_of test --release --test cuda_attention --test cuda_worker; exe_of bench --bench attention; } | pack_bins
+    { exe_of test --release --test cuda_attention --test cuda_worker; exe_of bench --bench attention --bench model; } | pack_bins
     whl=/tmp/kvfleet-whl
     if [ ! -f "$whl/fi-trim.zip" ]; then
       mkdir -p "$whl"

@@ -53,6 +53,11 @@ case "$mode" in
       kill $pid 2>/dev/null; wait $pid 2>/dev/null
       grep -E "ERROR|WARN|engine runs on the CPU|model loaded|ready" "$OUT/worker.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -8
     fi
+    if [ -x "$bin/model" ]; then
+      step "model bench: dummy Llama-3-8B (the worker's attention path end to end)"
+      KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b timeout 120 "$bin/model" 2>&1 \
+        | tee "$OUT/bench_model_8b.log" | sed -n '/^model /,$p'
+    fi
     step "cuda_attention tests"
     timeout 240 "$bin/cuda_attention" --ignored --test-threads 1 2>&1 | tee "$OUT/cuda_attention.log" | tail -15
     step "cuda_worker test"

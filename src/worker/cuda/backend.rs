@@ -83,6 +83,8 @@ struct Layer {
     kv: KvLayer,
     sm_scale: f32,
     window: i32,
+    /// Decode CTAs resident at once on this device ([`Kernels::decode_slots`]).
+    slots: usize,
 }
 
 /// One group's uploaded batch, per (specialisation, KV heads) that reads it.
@@ -99,7 +101,6 @@ pub struct CudaBackend {
     layers: Vec<Layer>,
     groups: Vec<GroupStep>,
     prepared: bool,
-    target_ctas: usize,
 }
 
 impl CudaBackend {
@@ -147,21 +148,21 @@ impl CudaBackend {
             .map_err(dev)?;
             kv.k_scale = l.scales.k;
             kv.v_scale = l.scales.v;
+            let slots = kernels.decode_slots(gpu.num_sms);
             layers.push(Layer {
+                slots,
                 kernels,
                 kv,
                 sm_scale: l.attn.scale(),
                 window: l.attn.window.map_or(0, |w| w.min(i32::MAX as u32) as i32),
             });
         }
-        let target_ctas = gpu.num_sms * 2;
         Ok(Self {
             gpu,
             cfg,
             layers,
             groups: Vec::new(),
             prepared: false,
-            target_ctas,
         })
     }
 
@@ -277,7 +278,7 @@ impl Backend for CudaBackend {
                 if steps.contains_key(&key) {
                     continue;
                 }
-                let wp = plan_step(&batch, &key.0, key.1, self.target_ctas);
+                let wp = plan_step(&batch, &key.0, key.1, layer.slots);
                 let sb = StepBuffers::upload(&self.gpu, &key.0, &layer.kv, &batch, &wp).map_err(dev)?;
                 steps.insert(key, sb);
             }

@@ -337,6 +337,16 @@ impl Kernels {
         Ok((regs, local, ctas))
     }
 
+    /// Decode CTAs the device holds at once: `num_sms` x the decode kernel's occupancy (one per
+    /// SM when the driver cannot say). [`super::plan::plan_step`] sizes its chunks by it.
+    pub fn decode_slots(&self, num_sms: usize) -> usize {
+        let per_sm = self
+            .attention_resources(true)
+            .map_or(1, |(_, _, ctas)| ctas as usize)
+            .max(1);
+        num_sms.max(1) * per_sm
+    }
+
     /// One step of attention for every request of `step`: `q` and `o` are bf16 (as u16)
     /// `[total_q, kv_heads * group, head_dim]`. Launches attention, then merge when needed.
     #[allow(clippy::too_many_arguments)]

@@ -146,16 +146,16 @@ impl StepPlan {
     }
 }
 
-/// Plans a step. `target_ctas` is how many CTAs (items x KV heads) the decode part should
-/// spread over, e.g. a few per SM; long decode requests are split into chunks of whole tiles.
-pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ctas: usize) -> StepPlan {
+/// Plans a step. `slots` is how many decode CTAs the GPU holds at once (SMs x the decode
+/// kernel's occupancy, [`super::device::Kernels::decode_slots`]); long decode requests are split
+/// into chunks of whole tiles, sized by [`decode_chunk_tiles`] so the CTAs fill whole waves.
+pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, slots: usize) -> StepPlan {
     let g = spec.group.get();
     let page = spec.page.get();
     let tile = spec.tile_keys();
     let prefill_rows = spec.prefill_rows();
     let mut prefill: Vec<(usize, WorkItem)> = Vec::new();
     let mut decode_reqs = Vec::new();
-    let mut decode_keys = 0usize;
     for r in 0..batch.num_requests() {
         let rows = batch.q_len(r) * g;
         let keys = batch.num_keys(r, page);
@@ -164,7 +164,6 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ct
         }
         if rows <= spec.decode_rows() {
             decode_reqs.push(r);
-            decode_keys += keys;
         } else {
             let mut base = 0;
             while base < rows {
@@ -198,8 +197,8 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ct
     };
     plan.items.extend(prefill.into_iter().map(|(_, w)| w));
 
-    let target = target_ctas.max(1);
-    let chunk = (decode_keys * kv_heads).div_ceil(target).div_ceil(tile).max(2) * tile;
+    let tiles: Vec<usize> = decode_reqs.iter().map(|&r| batch.num_keys(r, page).div_ceil(tile)).collect();
+    let chunk = decode_chunk_tiles(&tiles, kv_heads, slots) * tile;
     for r in decode_reqs {
         let keys = batch.num_keys(r, page);
         let n_chunks = keys.div_ceil(chunk).max(1);
@@ -234,6 +233,40 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, target_ct
         });
     }
     plan
+}
+
+/// Tiles per decode chunk for requests of `tiles` key tiles each (times `kv_heads` CTAs) on
+/// `slots` resident CTAs. A step lasts about max(longest item, waves x mean item), counting one
+/// tile of per-item overhead (Q load, epilogue, merge share): too few items leave SMs idle in
+/// the last wave, too many pay the overhead. Tries the splits of the longest request into
+/// 1..=64 chunks (at least 2 tiles each) and keeps the cheapest, the larger chunk on ties.
+pub fn decode_chunk_tiles(tiles: &[usize], kv_heads: usize, slots: usize) -> usize {
+    let max_t = tiles.iter().copied().max().unwrap_or(0).max(1);
+    let total: usize = tiles.iter().sum();
+    let slots = slots.max(1);
+    let mut best = (usize::MAX, max_t.max(2));
+    let mut last = 0;
+    for n in 1..=64usize {
+        let c = max_t.div_ceil(n).max(2);
+        if c == last {
+            continue;
+        }
+        last = c;
+        let items: usize = tiles.iter().map(|&t| t.div_ceil(c).max(1)).sum();
+        let ctas = items * kv_heads.max(1);
+        let waves = ctas.div_ceil(slots);
+        // cost in tiles x items, kept integral: waves x (mean item + 1) vs the longest item + 1
+        let wave_cost = waves * (total + items);
+        let longest = (c.min(max_t) + 1) * items;
+        let cost = wave_cost.max(longest) * 1_000 / items;
+        if cost < best.0 {
+            best = (cost, c);
+        }
+        if c == 2 {
+            break;
+        }
+    }
+    best.1
 }
 
 #[cfg(test)]
@@ -298,6 +331,36 @@ mod tests {
         let bases: Vec<i32> = p.items[..p.n_prefill].iter().map(|w| w.row_base).collect();
         assert_eq!(bases, [384, 256, 128, 0]);
         assert_eq!(p.items[p.n_prefill].request, 1);
+    }
+
+    #[test]
+    fn decode_chunks_fill_whole_waves() {
+        // 64 requests x 4096 keys (64 tiles) x 8 KV heads on 132 SMs x 3 CTAs: 1 chunk = 2
+        // waves of 64 tiles, 2 chunks = 2.6 waves (the third 59% idle), 3 chunks of 22 tiles =
+        // 3.9 waves: the cheapest.
+        assert_eq!(decode_chunk_tiles(&[64; 64], 8, 396), 22);
+        // 8 such requests: one wave of 384 CTAs with 6 chunks of 11 tiles each.
+        assert_eq!(decode_chunk_tiles(&[64; 8], 8, 396), 11);
+        // Enough requests to fill every SM ten times over: at most two chunks.
+        assert!(decode_chunk_tiles(&[64; 512], 8, 396) >= 32);
+        // nvfp4's 128-key tiles at 2 CTAs per SM: 512 CTAs are exactly two waves, no split.
+        assert_eq!(decode_chunk_tiles(&[32; 64], 8, 264), 32);
+        // One long request among short ones: split it finely, it would be the whole step.
+        let mut t = vec![1; 255];
+        t.push(1000);
+        let c = decode_chunk_tiles(&t, 8, 396);
+        assert!(c <= 32, "chunk {c}");
+    }
+
+    #[test]
+    fn decode_chunks_are_at_least_two_tiles_and_never_empty() {
+        for slots in [1, 7, 264, 396, 1056] {
+            for t in [vec![0], vec![1], vec![2, 3], vec![500; 3], vec![0, 64, 1]] {
+                let c = decode_chunk_tiles(&t, 8, slots);
+                assert!(c >= 2, "{t:?} on {slots}: {c}");
+                assert!(c <= t.iter().copied().max().unwrap().max(2), "{t:?} on {slots}: {c}");
+            }
+        }
     }
 
     #[test]
