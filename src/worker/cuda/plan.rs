@@ -241,6 +241,9 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, slots: us
 /// the last wave, too many pay the overhead. Tries the splits of the longest request into
 /// 1..=64 chunks (at least 2 tiles each) and keeps the cheapest, the larger chunk on ties.
 pub fn decode_chunk_tiles(tiles: &[usize], kv_heads: usize, slots: usize) -> usize {
+    if tiles.is_empty() {
+        return 2; // no decode requests (a prefill-only step): nothing to split
+    }
     let max_t = tiles.iter().copied().max().unwrap_or(0).max(1);
     let total: usize = tiles.iter().sum();
     let slots = slots.max(1);
@@ -350,6 +353,15 @@ mod tests {
         t.push(1000);
         let c = decode_chunk_tiles(&t, 8, 396);
         assert!(c <= 32, "chunk {c}");
+    }
+
+    #[test]
+    fn a_prefill_only_step_plans_without_decode_chunks() {
+        assert_eq!(decode_chunk_tiles(&[], 8, 396), 2);
+        let b = batch(&[(100, 100)]);
+        let p = plan_step(&b, &spec(), 8, 396);
+        assert_eq!(p.n_prefill, p.items.len());
+        assert!(p.merges.is_empty());
     }
 
     #[test]
