@@ -123,7 +123,13 @@ fn slots(gpu: &Gpu, kernels: &Kernels, ctas_per_sm: Option<usize>) -> usize {
 }
 
 /// Runs one step, checks requests `check` against the reference, then times the step.
-fn run_case(gpu: &Gpu, p: &mut Prepared, ctas_per_sm: Option<usize>, check: &[usize], iters: usize) -> (f64, f64) {
+fn run_case(
+    gpu: &Gpu,
+    p: &mut Prepared,
+    ctas_per_sm: Option<usize>,
+    check: &[usize],
+    iters: usize,
+) -> (f64, f64) {
     let s = p.sc.spec;
     let kernels = gpu.kernels(&s).expect("compile");
     let plan = plan_step(&p.sc.batch, &s, p.kv.kv_heads, slots(gpu, &kernels, ctas_per_sm));

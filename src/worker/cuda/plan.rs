@@ -197,7 +197,10 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, slots: us
     };
     plan.items.extend(prefill.into_iter().map(|(_, w)| w));
 
-    let tiles: Vec<usize> = decode_reqs.iter().map(|&r| batch.num_keys(r, page).div_ceil(tile)).collect();
+    let tiles: Vec<usize> = decode_reqs
+        .iter()
+        .map(|&r| batch.num_keys(r, page).div_ceil(tile))
+        .collect();
     let chunk = decode_chunk_tiles(&tiles, kv_heads, slots) * tile;
     for r in decode_reqs {
         let keys = batch.num_keys(r, page);
@@ -370,7 +373,10 @@ mod tests {
             for t in [vec![0], vec![1], vec![2, 3], vec![500; 3], vec![0, 64, 1]] {
                 let c = decode_chunk_tiles(&t, 8, slots);
                 assert!(c >= 2, "{t:?} on {slots}: {c}");
-                assert!(c <= t.iter().copied().max().unwrap().max(2), "{t:?} on {slots}: {c}");
+                assert!(
+                    c <= t.iter().copied().max().unwrap().max(2),
+                    "{t:?} on {slots}: {c}"
+                );
             }
         }
     }
