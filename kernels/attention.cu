@@ -122,6 +122,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u3
                : "r"(addr));
 }
 
+// Transposes an 8x8 matrix of 16-bit cells held one fragment row pair per thread (sm_75+).
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+  u32 y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // 2^x, flushing subnormal results to zero (softmax weights that small are noise); 2^-inf = 0.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -281,6 +288,106 @@ __device__ __forceinline__ int o_col(int dt, int n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// What every CTA reads of its work item: the request's extent and the keys this item visits.
+
+struct ItemView {
+  int qo0;        // first query token of the request in Q/O
+  int pg0;        // first page index of the request in kv_indices
+  int first_pos;  // absolute position of the request's first held key
+  int q_pos0;     // absolute position of query token 0
+  int nrows;      // rows of this item (at most ROWS)
+  int qpos_lo;    // position of the item's first query token
+  int qpos_hi;    // position of the item's last query token
+  int kb, ke;     // keys [kb, ke) of the request this item visits (mask-trimmed)
+};
+
+template <int ROWS>
+__device__ __forceinline__ ItemView item_view(const WorkItem& it, const Csr& csr, const int window) {
+  ItemView v;
+  const int r = it.request;
+  v.qo0 = csr.qo_indptr[r];
+  const int q_len = csr.qo_indptr[r + 1] - v.qo0;
+  v.pg0 = csr.kv_indptr[r];
+  const int npages = csr.kv_indptr[r + 1] - v.pg0;
+  const int n_keys = npages > 0 ? (npages - 1) * PAGE_SIZE + csr.kv_last_page_len[r] : 0;
+  v.first_pos = csr.kv_first_pos[r];
+  v.q_pos0 = v.first_pos + n_keys - q_len;
+  v.nrows = min(ROWS, q_len * GROUP - it.row_base);
+  // A (sub-)tile that every row sees whole skips the per-element mask.
+  v.qpos_lo = v.q_pos0 + it.row_base / GROUP;
+  v.qpos_hi = v.q_pos0 + (it.row_base + v.nrows - 1) / GROUP;
+  v.kb = it.key_begin;
+  v.ke = min(it.key_end, n_keys);
+  if constexpr (CAUSAL) v.ke = min(v.ke, v.qpos_hi - v.first_pos + 1);
+  if constexpr (SLIDING) v.kb = max(v.kb, v.qpos_lo - window + 1 - v.first_pos);
+  return v;
+}
+
+// One pipeline stage: TILE_KEYS keys from `kstart` of K and V (and nvfp4 block scales) into `st`
+// with cp.async; keys at or past `ke` are zero-filled.
+__device__ __forceinline__ void load_tile(char* st, const int kstart, const int ke, const int pg0, const int kvh,
+                                          const int kv_heads, const Csr& csr, const u8* __restrict__ k_cache,
+                                          const u8* __restrict__ v_cache, const u8* __restrict__ k_bscale,
+                                          const u8* __restrict__ v_bscale) {
+  constexpr int CPK = ROW_BYTES / 16;  // 16-byte chunks per key row
+#pragma unroll 4
+  for (int c = threadIdx.x; c < TILE_KEYS * CPK; c += NTHREADS) {
+    const int key = c / CPK, part = c % CPK;
+    const int j = kstart + key;
+    const bool valid = j < ke;
+    const int page = valid ? csr.kv_indices[pg0 + j / PAGE_SIZE] : 0;
+    const size_t row = (static_cast<size_t>(page) * kv_heads + kvh) * PAGE_SIZE + (valid ? j % PAGE_SIZE : 0);
+    const size_t off = row * ROW_BYTES + part * 16;
+    if constexpr (KV16) {
+      cp_async16(smem_addr(st + key * LDS * 2 + part * 16), k_cache + off, valid);
+      cp_async16(smem_addr(st + TILE16_BYTES + key * LDS * 2 + part * 16), v_cache + off, valid);
+    } else {
+      cp_async16(smem_addr(st + key * RAW_LD + part * 16), k_cache + off, valid);
+      cp_async16(smem_addr(st + RAW_BYTES + key * RAW_LD + part * 16), v_cache + off, valid);
+      if constexpr (SCALE_BYTES > 0) {
+        if (part == 0) {
+          const size_t soff = row * SCALE_BYTES;
+          char* sk = st + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
+          char* sv = st + RAW_BYTES + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
+          if constexpr (SCALE_BYTES == 16) {
+            cp_async16(smem_addr(sk), k_bscale + soff, valid);
+            cp_async16(smem_addr(sv), v_bscale + soff, valid);
+          } else {
+            cp_async_small<SCALE_BYTES>(smem_addr(sk), k_bscale + soff, valid);
+            cp_async_small<SCALE_BYTES>(smem_addr(sv), v_bscale + soff, valid);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Writes 8 output columns from `col` of item row `row`: to O (bf16) when the item covers all its
+// keys, else to its split-KV partial slot with the row's log2-sum-exp. `out` is unnormalised, `l`
+// its softmax sum and `mx` the log2-domain max.
+__device__ __forceinline__ void store_row(const WorkItem& it, const ItemView& v, const int kvh, const int kv_heads,
+                                          const int row, const int col, const float* out, const float l,
+                                          const float mx, const float v_scale, __nv_bfloat16* __restrict__ o,
+                                          float* __restrict__ partial_o, float* __restrict__ partial_lse) {
+  const float inv = l > 0.f ? v_scale / l : 0.f;
+  const int rr = it.row_base + row;
+  if (it.slot < 0) {
+    const int tok = rr / GROUP, g = rr % GROUP;
+    __nv_bfloat162 packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) packed[e] = __floats2bfloat162_rn(out[2 * e] * inv, out[2 * e + 1] * inv);
+    *reinterpret_cast<uint4*>(o + (static_cast<size_t>(v.qo0 + tok) * kv_heads * GROUP + kvh * GROUP + g) * D + col) =
+        *reinterpret_cast<uint4*>(packed);
+  } else {
+    const size_t base = (static_cast<size_t>(it.slot) * kv_heads + kvh) * DECODE_ROWS + row;
+    float4* po = reinterpret_cast<float4*>(partial_o + base * D + col);
+    po[0] = make_float4(out[0] * inv, out[1] * inv, out[2] * inv, out[3] * inv);
+    po[1] = make_float4(out[4] * inv, out[5] * inv, out[6] * inv, out[7] * inv);
+    if (col == 0) partial_lse[base] = l > 0.f ? mx + log2f(l) : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The attention CTA. WQ warps along query rows, WK warps along keys (split-KV inside the CTA),
 // MT m-tiles (16 rows each) per warp. With MT = 2 every K/V fragment read from shared memory
 // feeds two mma (prefill); the key tile is then consumed in sub-tiles of SUBK keys so S, the Q
@@ -306,26 +413,10 @@ __device__ __forceinline__ void attention_cta(
   const int wq = warp / WK, wk = warp % WK;
   const int q_heads = kv_heads * GROUP;
 
-  const int r = it.request;
-  const int qo0 = csr.qo_indptr[r];
-  const int q_len = csr.qo_indptr[r + 1] - qo0;
-  const int pg0 = csr.kv_indptr[r];
-  const int npages = csr.kv_indptr[r + 1] - pg0;
-  const int n_keys = npages > 0 ? (npages - 1) * PAGE_SIZE + csr.kv_last_page_len[r] : 0;
-  const int first_pos = csr.kv_first_pos[r];
-  const int q_pos0 = first_pos + n_keys - q_len;  // absolute position of query token 0
-  const int rows_total = q_len * GROUP;
+  const ItemView v = item_view<ROWS>(it, csr, window);
+  const int qo0 = v.qo0, first_pos = v.first_pos, q_pos0 = v.q_pos0, nrows = v.nrows;
+  const int qpos_lo = v.qpos_lo, qpos_hi = v.qpos_hi, kb = v.kb, ke = v.ke;
   const int row0 = it.row_base;
-  const int nrows = min(ROWS, rows_total - row0);
-  // Positions of the CTA's first and last query token: a (sub-)tile that every row sees whole
-  // skips the per-element mask.
-  const int qpos_lo = q_pos0 + row0 / GROUP;
-  const int qpos_hi = q_pos0 + (row0 + nrows - 1) / GROUP;
-
-  int kb = it.key_begin;
-  int ke = min(it.key_end, n_keys);
-  if constexpr (CAUSAL) ke = min(ke, qpos_hi - first_pos + 1);
-  if constexpr (SLIDING) kb = max(kb, qpos_lo - window + 1 - first_pos);
 
   // Q fragments straight from global memory into registers (A operand, row-major).
   u32 qf[MT][KS][4];
@@ -362,39 +453,8 @@ __device__ __forceinline__ void attention_cta(
   const int n_tiles = ke > kb ? (ke - kb + TILE_KEYS - 1) / TILE_KEYS : 0;
 
   auto issue_tile = [&](int t) {
-    char* st = smem + (t % STAGES) * STAGE_BYTES;
-    const int kstart = kb + t * TILE_KEYS;
-    constexpr int CPK = ROW_BYTES / 16;  // 16-byte chunks per key row
-#pragma unroll 4
-    for (int c = tid; c < TILE_KEYS * CPK; c += NTHREADS) {
-      const int key = c / CPK, part = c % CPK;
-      const int j = kstart + key;
-      const bool valid = j < ke;
-      const int page = valid ? csr.kv_indices[pg0 + j / PAGE_SIZE] : 0;
-      const size_t row = (static_cast<size_t>(page) * kv_heads + kvh) * PAGE_SIZE + (valid ? j % PAGE_SIZE : 0);
-      const size_t off = row * ROW_BYTES + part * 16;
-      if constexpr (KV16) {
-        cp_async16(smem_addr(st + key * LDS * 2 + part * 16), k_cache + off, valid);
-        cp_async16(smem_addr(st + TILE16_BYTES + key * LDS * 2 + part * 16), v_cache + off, valid);
-      } else {
-        cp_async16(smem_addr(st + key * RAW_LD + part * 16), k_cache + off, valid);
-        cp_async16(smem_addr(st + RAW_BYTES + key * RAW_LD + part * 16), v_cache + off, valid);
-        if constexpr (SCALE_BYTES > 0) {
-          if (part == 0) {
-            const size_t soff = row * SCALE_BYTES;
-            char* sk = st + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
-            char* sv = st + RAW_BYTES + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
-            if constexpr (SCALE_BYTES == 16) {
-              cp_async16(smem_addr(sk), k_bscale + soff, valid);
-              cp_async16(smem_addr(sv), v_bscale + soff, valid);
-            } else {
-              cp_async_small<SCALE_BYTES>(smem_addr(sk), k_bscale + soff, valid);
-              cp_async_small<SCALE_BYTES>(smem_addr(sv), v_bscale + soff, valid);
-            }
-          }
-        }
-      }
-    }
+    load_tile(smem + (t % STAGES) * STAGE_BYTES, kb + t * TILE_KEYS, ke, v.pg0, kvh, kv_heads, csr, k_cache, v_cache,
+              k_bscale, v_bscale);
   };
 
 #pragma unroll
@@ -679,32 +739,338 @@ __device__ __forceinline__ void attention_cta(
 #pragma unroll
       for (int e = 0; e < 8; ++e) out[e] += dump_o[idx * DUMP_LD + col + e] * f;
     }
-    const float inv = l > 0.f ? v_scale / l : 0.f;
-    const int rr = row0 + row;
-    if (it.slot < 0) {
-      const int tok = rr / GROUP, g = rr % GROUP;
-      __nv_bfloat162 packed[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) packed[e] = __floats2bfloat162_rn(out[2 * e] * inv, out[2 * e + 1] * inv);
-      *reinterpret_cast<uint4*>(o + (static_cast<size_t>(qo0 + tok) * q_heads + kvh * GROUP + g) * D + col) =
-          *reinterpret_cast<uint4*>(packed);
-    } else {
-      float* po = partial_o + ((static_cast<size_t>(it.slot) * kv_heads + kvh) * DECODE_ROWS + row) * D + col;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) po[e] = out[e] * inv;
-      if (col == 0) {
-        partial_lse[(static_cast<size_t>(it.slot) * kv_heads + kvh) * DECODE_ROWS + row] =
-            l > 0.f ? mx + log2f(l) : -INFINITY;
-      }
-    }
+    store_row(it, v, kvh, kv_heads, row, col, out, l, mx, v_scale, o, partial_o, partial_lse);
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The decode CTA for head_dim <= 128. A decode item has at most 8 query rows (one token's GQA
+// group), so they are the mma's N side and keys and head dims its M side: S^T = K Q^T, then
+// O^T = V^T P^T, with P^T turned into B fragments by movmatrix. Against the row-major form, whose
+// 16-row M side is mostly padding, this halves the mma, the softmax work and the accumulators.
+// The four warps split each key tile; K/V fragments come from the same ldmatrix addressing.
+
+// Physical output column of logical row r (0..15) of O^T m-tile md (the V dequantizers permute
+// head dims as q_col does).
+__device__ __forceinline__ int ot_col(int md, int r) {
+  if constexpr (KV16) return md * 16 + r;
+  else if constexpr (KV_DTYPE == DT_NVFP4) return (md >> 1) * 32 + 4 * (r & 7) + 2 * (md & 1) + (r >> 3);
+  else return md * 16 + 2 * (r & 7) + (r >> 3);
+}
+
+template <int TK, int NST>
+__device__ __forceinline__ void decode_cta_t(
+    const WorkItem& it, const int kvh, const int kv_heads, char* smem, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const Csr& csr,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  constexpr int WK = 4;                // warps along keys
+  constexpr int NKW = TK / WK;         // keys per warp per tile (TK = TILE_KEYS)
+  constexpr int KT = NKW / 16;         // 16-key m-tiles of S^T per warp per tile
+  constexpr int KS = D / 16;           // k-steps of K Q^T
+  constexpr int MD = D / 16;           // 16-dim m-tiles of O^T
+  static_assert(TK == TILE_KEYS && NST >= 2 && DECODE_ROWS == 8 && NKW % 16 == 0 && KS % 2 == 0, "transposed decode shape");
+  static_assert(TK == 0 || WK * 8 * DUMP_LD * 4 + 2 * WK * 8 * 4 <= SMEM_BYTES, "decode dump fits");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g8 = lane >> 2, c4 = lane & 3;
+  const ItemView v = item_view<DECODE_ROWS>(it, csr, window);
+
+  // Q^T as B fragments: this thread's row is g8, its k pairs those of q_col.
+  u32 qb[KS][2];
+  {
+    const bool valid = g8 < v.nrows;
+    const int rr = it.row_base + (valid ? g8 : 0);
+    const int tok = rr / GROUP, g = rr % GROUP;
+    const u32* src =
+        reinterpret_cast<const u32*>(q + (static_cast<size_t>(v.qo0 + tok) * kv_heads * GROUP + kvh * GROUP + g) * D);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const int col = q_col(ks, c4);
+      qb[ks][0] = valid ? q_pair(src[col / 2]) : 0u;
+      qb[ks][1] = valid ? q_pair(src[(col + Q_A2_OFF) / 2]) : 0u;
+    }
+  }
+
+  // O^T accumulators: acc[md] = (dims g8, g8 + 8 of m-tile md) x (rows 2 c4, 2 c4 + 1).
+  float acc[MD][4];
+#pragma unroll
+  for (int md = 0; md < MD; ++md) acc[md][0] = acc[md][1] = acc[md][2] = acc[md][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows 2 c4, 2 c4 + 1
+  const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
+  const int n_tiles = v.ke > v.kb ? (v.ke - v.kb + TILE_KEYS - 1) / TILE_KEYS : 0;
+
+#pragma unroll
+  for (int t = 0; t < NST - 1; ++t) {
+    if (t < n_tiles)
+      load_tile(smem + t * STAGE_BYTES, v.kb + t * TILE_KEYS, v.ke, v.pg0, kvh, kv_heads, csr, k_cache, v_cache,
+                k_bscale, v_bscale);
+    cp_async_commit();
+  }
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + NST - 1 < n_tiles)
+      load_tile(smem + ((t + NST - 1) % NST) * STAGE_BYTES, v.kb + (t + NST - 1) * TILE_KEYS, v.ke, v.pg0,
+                kvh, kv_heads, csr, k_cache, v_cache, k_bscale, v_bscale);
+    cp_async_commit();
+    cp_async_wait<NST - 1>();
+    __syncthreads();
+    const char* kt_s = smem + (t % NST) * STAGE_BYTES;
+    const char* vt_s = kt_s + (KV16 ? TILE16_BYTES : RAW_BYTES);
+    const int key0 = warp * NKW;  // this warp's first key in the tile
+    // The row each lane addresses for ldmatrix: matrices 0/2 keys 0-7, 1/3 keys 8-15 of a 16-key tile.
+    const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8;
+
+    // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent-mma latency.
+    float s[KT][4];
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+      const int key = key0 + kt * 16 + lrow;
+      if constexpr (KV16) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          u32 r[4];
+          ldmatrix_x4(smem_addr(kt_s + (key * LDS + ks * 16 + (lane >> 4) * 8) * 2), r[0], r[1], r[2], r[3]);
+          const u32 a[4] = {r[0], r[1], r[2], r[3]};
+          mma16816((ks & 1) ? sb : sa, a, qb[ks][0], qb[ks][1]);
+        }
+      } else if constexpr (KV_DTYPE == DT_NVFP4) {
+        // A 16-byte chunk is 32 dims (k-steps 2j, 2j + 1); this thread holds dims 8 c4 .. 8 c4 + 7
+        // of keys g8 and g8 + 8, each with its own e4m3 block scale.
+        const u8* sk = reinterpret_cast<const u8*>(kt_s + TILE_KEYS * RAW_LD) +
+                       (key0 + kt * 16 + g8) * SCALE_BYTES + (c4 >> 1);
+#pragma unroll
+        for (int i = 0; i < D / 32; i += 2) {
+          u32 r[4];
+          ldmatrix_x4(smem_addr(kt_s + key * RAW_LD + (i + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = i + jj;
+            const __half2 s0 = scale_pair(sk[2 * j], sk[2 * j]);
+            const __half2 s1 = scale_pair(sk[8 * SCALE_BYTES + 2 * j], sk[8 * SCALE_BYTES + 2 * j]);
+            u32 w0[4], w1[4];
+            e2m1x8_to_f16(r[2 * jj], w0);
+            e2m1x8_to_f16(r[2 * jj + 1], w1);
+            const u32 a0[4] = {hmul2_u32(w0[0], s0), hmul2_u32(w1[0], s1), hmul2_u32(w0[1], s0), hmul2_u32(w1[1], s1)};
+            mma16816(sa, a0, qb[2 * j][0], qb[2 * j][1]);
+            const u32 a1[4] = {hmul2_u32(w0[2], s0), hmul2_u32(w1[2], s1), hmul2_u32(w0[3], s0), hmul2_u32(w1[3], s1)};
+            mma16816(sb, a1, qb[2 * j + 1][0], qb[2 * j + 1][1]);
+          }
+        }
+      } else {
+        // fp8: a 16-byte chunk is one k-step; dims 4 c4 .. 4 c4 + 3 of keys g8 and g8 + 8.
+#pragma unroll
+        for (int i = 0; i < KS; i += 2) {
+          u32 r[4];
+          ldmatrix_x4(smem_addr(kt_s + key * RAW_LD + (i + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            u32 lo0, hi0, lo1, hi1;
+            fp8x4_to_f16(r[2 * jj], lo0, hi0);
+            fp8x4_to_f16(r[2 * jj + 1], lo1, hi1);
+            const u32 a[4] = {lo0, lo1, hi0, hi1};
+            mma16816(jj ? sb : sa, a, qb[i + jj][0], qb[i + jj][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[kt][e] = sa[e] + sb[e];
+    }
+
+    // Mask only where this warp's keys run past the item's end or cross a causal/window edge;
+    // rows past nrows have Q = 0 and are never written, so they need no mask.
+    const int wj0 = v.kb + t * TILE_KEYS + key0;  // first key of this warp's slice
+    bool need_mask = wj0 + NKW > v.ke;
+    if constexpr (CAUSAL) need_mask = need_mask || v.first_pos + wj0 + NKW - 1 > v.qpos_lo;
+    if constexpr (SLIDING) need_mask = need_mask || v.qpos_hi - (v.first_pos + wj0) >= window;
+    if (need_mask) {
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = wj0 + kt * 16 + g8 + 8 * (e >> 1);
+          const int qpos = v.q_pos0 + (it.row_base + 2 * c4 + (e & 1)) / GROUP;
+          const int kpos = v.first_pos + j;
+          bool ok = j < v.ke;
+          if constexpr (CAUSAL) ok = ok && kpos <= qpos;
+          if constexpr (SLIDING) ok = ok && qpos - kpos < window;
+          if (!ok) s[kt][e] = -INFINITY;
+        }
+      }
+    }
+
+    // Online softmax per row (the column of S^T): the max runs over this thread's keys, then
+    // over the eight lanes that share c4.
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) mx = fmaxf(mx, fmaxf(s[kt][h], s[kt][h + 2]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[h], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = fast_exp2(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < KT; ++kt) {
+        s[kt][h] = fast_exp2(fmaf(s[kt][h], scale_log2, -m_use));
+        s[kt][h + 2] = fast_exp2(fmaf(s[kt][h + 2], scale_log2, -m_use));
+        sum += s[kt][h] + s[kt][h + 2];
+      }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int md = 0; md < MD; ++md) {
+        acc[md][0] *= alpha[0];
+        acc[md][1] *= alpha[1];
+        acc[md][2] *= alpha[0];
+        acc[md][3] *= alpha[1];
+      }
+    }
+
+    // O^T += V^T P^T.
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+      // P^T's C fragment (keys g8 / g8 + 8 x rows 2 c4, 2 c4 + 1) transposed into the B fragment
+      // (keys 2 c4, 2 c4 + 1 / + 8 x row g8).
+      const u32 b0 = movmatrix_trans(pack2(s[kt][0], s[kt][1]));
+      const u32 b1 = movmatrix_trans(pack2(s[kt][2], s[kt][3]));
+      const int key = key0 + kt * 16 + lrow;
+      if constexpr (KV16) {
+#pragma unroll
+        for (int md = 0; md < MD; ++md) {
+          u32 r[4];
+          ldmatrix_x4_trans(smem_addr(vt_s + (key * LDS + md * 16 + (lane >> 4) * 8) * 2), r[0], r[1], r[2], r[3]);
+          const u32 a[4] = {r[0], r[2], r[1], r[3]};
+          mma16816(acc[md], a, b0, b1);
+        }
+      } else if constexpr (KV_DTYPE == DT_NVFP4) {
+        // Keys (2 c4, 2 c4 + 1) x values 4 g8 .. 4 g8 + 3 of a 32-value chunk: value pairs
+        // (4 g8 + 2p, + 1) make the two halves of m-tile 2 chunk + p.
+        const u8* vsc = reinterpret_cast<const u8*>(vt_s + TILE_KEYS * RAW_LD);
+        const int kb2 = key0 + kt * 16 + 2 * c4;
+#pragma unroll
+        for (int j = 0; j < D / 32; j += 2) {
+          u32 r[4];
+          ldmatrix_x4_trans(smem_addr(vt_s + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int blk = 2 * (j + jj) + (g8 >> 2);
+            const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
+            const __half2 shi = scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
+            u32 w0[4], w1[4];
+            e2m1x8_pairs_to_f16(r[2 * jj], w0);
+            e2m1x8_pairs_to_f16(r[2 * jj + 1], w1);
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const u32 a[4] = {hmul2_u32(w0[2 * p], slo), hmul2_u32(w0[2 * p + 1], slo), hmul2_u32(w1[2 * p], shi),
+                                hmul2_u32(w1[2 * p + 1], shi)};
+              mma16816(acc[(j + jj) * 2 + p], a, b0, b1);
+            }
+          }
+        }
+      } else {
+        // Keys (2 c4, 2 c4 + 1) x values (2 g8, 2 g8 + 1) of a 16-value chunk: even values are
+        // rows 0-7 of the chunk's m-tile, odd values rows 8-15.
+#pragma unroll
+        for (int j = 0; j < D / 16; j += 2) {
+          u32 r[4];
+          ldmatrix_x4_trans(smem_addr(vt_s + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            u32 e0, o0, e1, o1;
+            fp8_pairs_to_f16(r[2 * jj], e0, o0);
+            fp8_pairs_to_f16(r[2 * jj + 1], e1, o1);
+            const u32 a[4] = {e0, o0, e1, o1};
+            mma16816(acc[j + jj], a, b0, b1);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Each warp dumps (m, l, O) for the 8 rows; then the CTA combines the four key slices.
+  float* dump_o = reinterpret_cast<float*>(smem);
+  float* dump_m = dump_o + WK * 8 * DUMP_LD;
+  float* dump_l = dump_m + WK * 8;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    l += __shfl_xor_sync(0xffffffffu, l, 8);
+    l += __shfl_xor_sync(0xffffffffu, l, 16);
+    if (g8 == 0) {
+      dump_m[warp * 8 + 2 * c4 + h] = m_run[h];
+      dump_l[warp * 8 + 2 * c4 + h] = l;
+    }
+  }
+#pragma unroll
+  for (int md = 0; md < MD; ++md) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dump_o[(warp * 8 + 2 * c4 + (e & 1)) * DUMP_LD + ot_col(md, g8 + 8 * (e >> 1))] = acc[md][e];
+  }
+  __syncthreads();
+
+  for (int c = threadIdx.x; c < v.nrows * (D / 8); c += NTHREADS) {
+    const int row = c / (D / 8), col = (c % (D / 8)) * 8;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WK; ++w) mx = fmaxf(mx, dump_m[w * 8 + row]);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float l = 0.f;
+    float out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < WK; ++w) {
+      const float f = exp2f(dump_m[w * 8 + row] - m_use);
+      l += dump_l[w * 8 + row] * f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] += dump_o[(w * 8 + row) * DUMP_LD + col + e] * f;
+    }
+    store_row(it, v, kvh, kv_heads, row, col, out, l, mx, v_scale, o, partial_o, partial_lse);
+  }
+}
+
+// The decode CTA of this specialisation: transposed for head_dim <= 128, row-major above.
+template <int TK, int NST>
+__device__ __forceinline__ void decode_cta(
+    const WorkItem& it, const int kvh, const int kv_heads, char* smem, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const Csr& csr,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  if constexpr (D <= 128) {
+    decode_cta_t<TK, NST>(it, kvh, kv_heads, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr, partial_o, partial_lse,
+                 sm_scale, k_scale, v_scale, window);
+  } else {
+    attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV, 1>(it, kvh, kv_heads, smem, q, o, k_cache, v_cache,
+                                                        k_bscale, v_bscale, csr, partial_o, partial_lse, sm_scale,
+                                                        k_scale, v_scale, window);
+  }
+}
+
+template <int BYTES>
 __device__ __forceinline__ void check_smem() {
   u32 dyn;
   asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-  if (dyn < static_cast<u32>(SMEM_BYTES)) __trap();
+  if (dyn < static_cast<u32>(BYTES)) __trap();
 }
+
+// The decode-only kernel's footprint: its own pipeline depth, the dump of four warps x 8 rows.
+constexpr int DECODE_SMEM_BYTES =
+    D <= 128 ? (DECODE_STAGES * STAGE_BYTES > 4 * 8 * DUMP_LD * 4 + 2 * 4 * 8 * 4 ? DECODE_STAGES * STAGE_BYTES
+                                                                                   : 4 * 8 * DUMP_LD * 4 + 2 * 4 * 8 * 4)
+             : SMEM_BYTES;
+static_assert(DECODE_SMEM_BYTES == DECODE_SMEM_BYTES_HOST, "host and device disagree on decode shared memory");
 
 // One launch for a whole step: blocks [0, n_prefill) run prefill items (64 * PREFILL_MT rows, 4
 // warps along rows), the rest run decode items (DECODE_ROWS rows, warps split the key tile).
@@ -718,16 +1084,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
   extern __shared__ __align__(16) char smem[];
-  check_smem();
+  check_smem<SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];
   const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
   if (static_cast<int>(blockIdx.x) < n_prefill) {
     attention_cta<4, 1, PREFILL_MT>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
                         partial_o, partial_lse, sm_scale, k_scale, v_scale, window);
   } else {
-    attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV, 1>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache,
-                                                        v_cache, k_bscale, v_bscale, csr, partial_o,
-                                                        partial_lse, sm_scale, k_scale, v_scale, window);
+    decode_cta<TILE_KEYS, STAGES>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr, partial_o,
+               partial_lse, sm_scale, k_scale, v_scale, window);
   }
 }
 
@@ -742,12 +1107,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_deco
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
   extern __shared__ __align__(16) char smem[];
-  check_smem();
+  check_smem<DECODE_SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];
   const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
-  attention_cta<4 / DECODE_WARPS_KV, DECODE_WARPS_KV, 1>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache,
-                                                      k_bscale, v_bscale, csr, partial_o, partial_lse, sm_scale,
-                                                      k_scale, v_scale, window);
+  decode_cta<TILE_KEYS, DECODE_STAGES>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr, partial_o,
+             partial_lse, sm_scale, k_scale, v_scale, window);
 }
 
 // Combines split-KV partials (log-sum-exp weighted). grid = (n_jobs, kv_heads), block = 128.

@@ -97,10 +97,10 @@ impl Gpu {
         let f = |name: &'static str| module.load_function(name).map_err(driver_err("finding a kernel"));
         let attention = f("kvf_attention")?;
         let decode = f("kvf_decode")?;
-        for k in [&attention, &decode] {
+        for (k, bytes) in [(&attention, spec.smem_bytes()), (&decode, spec.decode_smem_bytes())] {
             k.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                spec.smem_bytes() as i32,
+                bytes as i32,
             )
             .map_err(driver_err("raising the shared-memory limit"))?;
         }
@@ -322,17 +322,17 @@ impl Kernels {
     /// Registers per thread, spilled (local) bytes per thread and resident CTAs per SM of the
     /// attention kernel at its shared-memory size (for benchmarks and tuning).
     pub fn attention_resources(&self, decode_only: bool) -> Result<(i32, i32, u32), CudaError> {
-        let f = if decode_only {
-            &self.decode
+        let (f, smem) = if decode_only {
+            (&self.decode, self.spec.decode_smem_bytes())
         } else {
-            &self.attention
+            (&self.attention, self.spec.smem_bytes())
         };
         let regs = f.num_regs().map_err(driver_err("reading kernel attributes"))?;
         let local = f
             .local_size_bytes()
             .map_err(driver_err("reading kernel attributes"))?;
         let ctas = f
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, self.spec.smem_bytes(), None)
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)
             .map_err(driver_err("reading kernel occupancy"))?;
         Ok((regs, local, ctas))
     }
@@ -379,16 +379,16 @@ impl Kernels {
         if step.n_items == 0 {
             return Ok(());
         }
+        let n_prefill = step.n_prefill as i32;
+        let (kernel, smem) = if n_prefill == 0 {
+            (&self.decode, self.spec.decode_smem_bytes())
+        } else {
+            (&self.attention, self.spec.smem_bytes())
+        };
         let cfg = LaunchConfig {
             grid_dim: (step.n_items as u32, kv.kv_heads as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: self.spec.smem_bytes() as u32,
-        };
-        let n_prefill = step.n_prefill as i32;
-        let kernel = if n_prefill == 0 {
-            &self.decode
-        } else {
-            &self.attention
+            shared_mem_bytes: smem as u32,
         };
         let mut b = stream.launch_builder(kernel);
         b.arg(&step.items)
