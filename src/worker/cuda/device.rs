@@ -97,7 +97,10 @@ impl Gpu {
         let f = |name: &'static str| module.load_function(name).map_err(driver_err("finding a kernel"));
         let attention = f("kvf_attention")?;
         let decode = f("kvf_decode")?;
-        for (k, bytes) in [(&attention, spec.smem_bytes()), (&decode, spec.decode_smem_bytes())] {
+        for (k, bytes) in [
+            (&attention, spec.smem_bytes()),
+            (&decode, spec.decode_smem_bytes()),
+        ] {
             k.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
