@@ -319,25 +319,50 @@ __device__ __forceinline__ ItemView item_view(const WorkItem& it, const Csr& csr
   v.kb = it.key_begin;
   v.ke = min(it.key_end, n_keys);
   if constexpr (CAUSAL) v.ke = min(v.ke, v.qpos_hi - v.first_pos + 1);
-  if constexpr (SLIDING) v.kb = max(v.kb, v.qpos_lo - window + 1 - v.first_pos);
+  // The window's first key, rounded down to a page (the mask drops the extra keys) so every
+  // tile starts on a page boundary; key_begin is one already (whole tiles per split).
+  if constexpr (SLIDING) v.kb = max(v.kb, (v.qpos_lo - window + 1 - v.first_pos) / PAGE_SIZE * PAGE_SIZE);
   return v;
 }
 
-// One pipeline stage: TILE_KEYS keys from `kstart` of K and V (and nvfp4 block scales) into `st`
-// with cp.async; keys at or past `ke` are zero-filled.
-__device__ __forceinline__ void load_tile(char* st, const int kstart, const int ke, const int pg0, const int kvh,
-                                          const int kv_heads, const Csr& csr, const u8* __restrict__ k_cache,
-                                          const u8* __restrict__ v_cache, const u8* __restrict__ k_bscale,
-                                          const u8* __restrict__ v_bscale) {
-  constexpr int CPK = ROW_BYTES / 16;  // 16-byte chunks per key row
-#pragma unroll 4
-  for (int c = threadIdx.x; c < TILE_KEYS * CPK; c += NTHREADS) {
-    const int key = c / CPK, part = c % CPK;
-    const int j = kstart + key;
-    const bool valid = j < ke;
-    const int page = valid ? csr.kv_indices[pg0 + j / PAGE_SIZE] : 0;
-    const size_t row = (static_cast<size_t>(page) * kv_heads + kvh) * PAGE_SIZE + (valid ? j % PAGE_SIZE : 0);
-    const size_t off = row * ROW_BYTES + part * 16;
+// A tile is loaded in 16-byte chunks: thread tid copies chunk part tid % CPK of keys
+// tid / CPK + i * KEYS_PER_PASS, i < TILE_CHUNKS, so every offset but the page is fixed per thread.
+constexpr int CPK = ROW_BYTES / 16;  // 16-byte chunks per key row
+constexpr int KEYS_PER_PASS = NTHREADS / CPK;
+constexpr int TILE_CHUNKS = TILE_KEYS / KEYS_PER_PASS;
+static_assert(NTHREADS % CPK == 0 && TILE_KEYS % KEYS_PER_PASS == 0 && TILE_KEYS % PAGE_SIZE == 0, "tile loader");
+
+// The page ids of this thread's chunks of the tile whose first key is `kstart` (a multiple of
+// PAGE_SIZE: item_view aligns kb), -1 at or past `ke`. Decode fetches them a tile ahead of
+// load_tile, which keeps the dependent global load off the start of each iteration.
+struct TilePages {
+  int id[TILE_CHUNKS];
+};
+
+__device__ __forceinline__ void fetch_pages(TilePages& p, const int kstart, const int ke, const int pg0,
+                                            const Csr& csr) {
+  const int key0 = threadIdx.x / CPK;
+#pragma unroll
+  for (int i = 0; i < TILE_CHUNKS; ++i) {
+    const int j = kstart + key0 + i * KEYS_PER_PASS;
+    p.id[i] = j < ke ? __ldg(csr.kv_indices + pg0 + j / PAGE_SIZE) : -1;
+  }
+}
+
+// One pipeline stage: K and V (and nvfp4 block scales) of the tile `p` names into `st` with
+// cp.async; chunks of keys past the end are zero-filled.
+__device__ __forceinline__ void load_tile(char* st, const TilePages& p, const int kvh, const int kv_heads,
+                                          const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+                                          const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale) {
+  const int part = threadIdx.x % CPK, key0 = threadIdx.x / CPK;
+  const u32 page_bytes = static_cast<u32>(kv_heads) * PAGE_SIZE * ROW_BYTES;
+#pragma unroll
+  for (int i = 0; i < TILE_CHUNKS; ++i) {
+    const int key = key0 + i * KEYS_PER_PASS;
+    const bool valid = p.id[i] >= 0;
+    const u32 page = valid ? static_cast<u32>(p.id[i]) : 0u;
+    const int slot = kvh * PAGE_SIZE + key % PAGE_SIZE;  // row of this head and key in the page
+    const size_t off = static_cast<size_t>(page) * page_bytes + slot * ROW_BYTES + part * 16;
     if constexpr (KV16) {
       cp_async16(smem_addr(st + key * LDS * 2 + part * 16), k_cache + off, valid);
       cp_async16(smem_addr(st + TILE16_BYTES + key * LDS * 2 + part * 16), v_cache + off, valid);
@@ -346,7 +371,8 @@ __device__ __forceinline__ void load_tile(char* st, const int kstart, const int 
       cp_async16(smem_addr(st + RAW_BYTES + key * RAW_LD + part * 16), v_cache + off, valid);
       if constexpr (SCALE_BYTES > 0) {
         if (part == 0) {
-          const size_t soff = row * SCALE_BYTES;
+          const size_t soff = static_cast<size_t>(page) * (static_cast<u32>(kv_heads) * PAGE_SIZE * SCALE_BYTES) +
+                              slot * SCALE_BYTES;
           char* sk = st + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
           char* sv = st + RAW_BYTES + TILE_KEYS * RAW_LD + key * SCALE_BYTES;
           if constexpr (SCALE_BYTES == 16) {
@@ -453,8 +479,9 @@ __device__ __forceinline__ void attention_cta(
   const int n_tiles = ke > kb ? (ke - kb + TILE_KEYS - 1) / TILE_KEYS : 0;
 
   auto issue_tile = [&](int t) {
-    load_tile(smem + (t % STAGES) * STAGE_BYTES, kb + t * TILE_KEYS, ke, v.pg0, kvh, kv_heads, csr, k_cache, v_cache,
-              k_bscale, v_bscale);
+    TilePages pages;
+    fetch_pages(pages, kb + t * TILE_KEYS, ke, v.pg0, csr);
+    load_tile(smem + (t % STAGES) * STAGE_BYTES, pages, kvh, kv_heads, k_cache, v_cache, k_bscale, v_bscale);
   };
 
 #pragma unroll
@@ -800,18 +827,24 @@ __device__ __forceinline__ void decode_cta_t(
   const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
   const int n_tiles = v.ke > v.kb ? (v.ke - v.kb + TILE_KEYS - 1) / TILE_KEYS : 0;
 
+  // `pages` always holds the page ids of the next tile to load.
+  TilePages pages;
+  fetch_pages(pages, v.kb, v.ke, v.pg0, csr);
 #pragma unroll
   for (int t = 0; t < NST - 1; ++t) {
-    if (t < n_tiles)
-      load_tile(smem + t * STAGE_BYTES, v.kb + t * TILE_KEYS, v.ke, v.pg0, kvh, kv_heads, csr, k_cache, v_cache,
-                k_bscale, v_bscale);
+    if (t < n_tiles) {
+      load_tile(smem + t * STAGE_BYTES, pages, kvh, kv_heads, k_cache, v_cache, k_bscale, v_bscale);
+      fetch_pages(pages, v.kb + (t + 1) * TK, v.ke, v.pg0, csr);
+    }
     cp_async_commit();
   }
 
   for (int t = 0; t < n_tiles; ++t) {
-    if (t + NST - 1 < n_tiles)
-      load_tile(smem + ((t + NST - 1) % NST) * STAGE_BYTES, v.kb + (t + NST - 1) * TILE_KEYS, v.ke, v.pg0,
-                kvh, kv_heads, csr, k_cache, v_cache, k_bscale, v_bscale);
+    if (t + NST - 1 < n_tiles) {
+      load_tile(smem + ((t + NST - 1) % NST) * STAGE_BYTES, pages, kvh, kv_heads, k_cache, v_cache, k_bscale,
+                v_bscale);
+      if (t + NST < n_tiles) fetch_pages(pages, v.kb + (t + NST) * TK, v.ke, v.pg0, csr);
+    }
     cp_async_commit();
     cp_async_wait<NST - 1>();
     __syncthreads();

@@ -319,6 +319,8 @@ mod tests {
         let mut covered = [0usize; 2];
         for it in &p.items {
             covered[it.request as usize] += (it.key_end - it.key_begin) as usize;
+            // the kernels' tile loader needs every split to start on a page boundary
+            assert_eq!(it.key_begin as usize % spec().page.get(), 0, "{it:?}");
         }
         assert_eq!(covered, [4096, 100]);
         assert!(p.merges.iter().any(|m| m.request == 0 && m.slot_count > 1));
