@@ -132,7 +132,13 @@ fn run_case(
 ) -> (f64, f64) {
     let s = p.sc.spec;
     let kernels = gpu.kernels(&s).expect("compile");
-    let plan = plan_step(&p.sc.batch, &s, p.kv.kv_heads, slots(gpu, &kernels, ctas_per_sm));
+    let plan = plan_step(
+        &p.sc.batch,
+        &s,
+        gpu.arch,
+        p.kv.kv_heads,
+        slots(gpu, &kernels, ctas_per_sm),
+    );
     let mut step = StepBuffers::upload(gpu, &s, &p.kv, &p.sc.batch, &plan).expect("step upload");
     kernels
         .attention(gpu.stream(), &p.kv, &p.q, &mut p.o, &mut step, p.sc.sm_scale, 0)
@@ -310,10 +316,10 @@ fn main() {
         let target = slots(&gpu, &kernels, args.ctas_per_sm);
         let dec = split(0..256);
         let pre = split(256..257);
-        let mut sd =
-            StepBuffers::upload(&gpu, &s, &p.kv, &dec, &plan_step(&dec, &s, 8, target)).expect("upload");
-        let mut sp =
-            StepBuffers::upload(&gpu, &s, &p.kv, &pre, &plan_step(&pre, &s, 8, target)).expect("upload");
+        let mut sd = StepBuffers::upload(&gpu, &s, &p.kv, &dec, &plan_step(&dec, &s, gpu.arch, 8, target))
+            .expect("upload");
+        let mut sp = StepBuffers::upload(&gpu, &s, &p.kv, &pre, &plan_step(&pre, &s, gpu.arch, 8, target))
+            .expect("upload");
         // Q rows of the parts are prefixes/suffixes of the mixed Q; timing only needs valid buffers
         let scale = p.sc.sm_scale;
         let dec_ms = time_ms(&gpu, args.iters, || {

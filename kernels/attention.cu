@@ -129,6 +129,118 @@ __device__ __forceinline__ u32 movmatrix_trans(u32 x) {
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// sm_90a warpgroup MMA (wgmma): the 128 threads of a CTA are one warpgroup. Only compiled for
+// compute_90a; every other target keeps mma.sync.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool SM90A = true;
+#else
+constexpr bool SM90A = false;
+#endif
+// The prefill CTA of 16-bit caches up to head_dim 128 runs on wgmma where it can: 64 rows, one
+// m64 slab per instruction (the host plans 64-row prefill items for it, KernelSpec::prefill_rows_for).
+constexpr bool WGMMA_PREFILL = SM90A && KV16 && D <= 128;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A shared-memory matrix descriptor, 128-byte swizzle (atoms 1 KiB-aligned, base offset 0).
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 addr, u32 lbo, u32 sbo) {
+  return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>(lbo >> 4) << 16) | (static_cast<unsigned long long>(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins a register the async MMA wrote so no read of it moves above the wait.
+__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D[64 x 64] (+)= A[64 x 16] (registers) B[16 x 64] (K-major in shared memory): S = Q K^T.
+__device__ __forceinline__ void wgmma_s64(float (&d)[8][4], const u32 (&a)[4], unsigned long long b, int accumulate) {
+  if constexpr (MMA_BF16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+        "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %37, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(b));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+        "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %37, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(b));
+  }
+}
+
+// D[64 x 8n] += A[64 x 16] (registers) B[16 x 8n] (N-major in shared memory), n = 8 or 16 (head_dim
+// 64 or 128): O += P V.
+#define KVF_ACC16(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+template <int NDT>
+__device__ __forceinline__ void wgmma_o(float (&d)[NDT][4], const u32 (&a)[4], unsigned long long b) {
+  static_assert(NDT == 8 || NDT == 16, "P V wgmma width");
+  if constexpr (NDT == 16) {
+    if constexpr (MMA_BF16) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+          "%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,"
+          "%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+          : KVF_ACC16(0), KVF_ACC16(1), KVF_ACC16(2), KVF_ACC16(3), KVF_ACC16(4), KVF_ACC16(5), KVF_ACC16(6),
+            KVF_ACC16(7), KVF_ACC16(8), KVF_ACC16(9), KVF_ACC16(10), KVF_ACC16(11), KVF_ACC16(12), KVF_ACC16(13),
+            KVF_ACC16(14), KVF_ACC16(15)
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+          "%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,"
+          "%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+          : KVF_ACC16(0), KVF_ACC16(1), KVF_ACC16(2), KVF_ACC16(3), KVF_ACC16(4), KVF_ACC16(5), KVF_ACC16(6),
+            KVF_ACC16(7), KVF_ACC16(8), KVF_ACC16(9), KVF_ACC16(10), KVF_ACC16(11), KVF_ACC16(12), KVF_ACC16(13),
+            KVF_ACC16(14), KVF_ACC16(15)
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    }
+  } else {
+    if constexpr (MMA_BF16) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+          "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+          : KVF_ACC16(0), KVF_ACC16(1), KVF_ACC16(2), KVF_ACC16(3), KVF_ACC16(4), KVF_ACC16(5), KVF_ACC16(6),
+            KVF_ACC16(7)
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    } else {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+          "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+          : KVF_ACC16(0), KVF_ACC16(1), KVF_ACC16(2), KVF_ACC16(3), KVF_ACC16(4), KVF_ACC16(5), KVF_ACC16(6),
+            KVF_ACC16(7)
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+    }
+  }
+}
+#undef KVF_ACC16
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 // 2^x, flushing subnormal results to zero (softmax weights that small are noise); 2^-inf = 0.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -325,12 +437,11 @@ __device__ __forceinline__ ItemView item_view(const WorkItem& it, const Csr& csr
   return v;
 }
 
-// A tile is loaded in 16-byte chunks: thread tid copies chunk part tid % CPK of keys
-// tid / CPK + i * KEYS_PER_PASS, i < TILE_CHUNKS, so every offset but the page is fixed per thread.
+// A tile is loaded in 16-byte chunks, TILE_CHUNKS per thread; which key and part a thread's chunk i
+// is depends on the thread and i only, so every offset but the page folds to a constant.
 constexpr int CPK = ROW_BYTES / 16;  // 16-byte chunks per key row
-constexpr int KEYS_PER_PASS = NTHREADS / CPK;
-constexpr int TILE_CHUNKS = TILE_KEYS / KEYS_PER_PASS;
-static_assert(NTHREADS % CPK == 0 && TILE_KEYS % KEYS_PER_PASS == 0 && TILE_KEYS % PAGE_SIZE == 0, "tile loader");
+constexpr int TILE_CHUNKS = TILE_KEYS * CPK / NTHREADS;
+static_assert(NTHREADS % CPK == 0 && TILE_KEYS * CPK % NTHREADS == 0 && TILE_KEYS % PAGE_SIZE == 0, "tile loader");
 
 // The page ids of this thread's chunks of the tile whose first key is `kstart` (a multiple of
 // PAGE_SIZE: item_view aligns kb), -1 at or past `ke`. Decode fetches them a tile ahead of
@@ -339,31 +450,56 @@ struct TilePages {
   int id[TILE_CHUNKS];
 };
 
+// The key of chunk i of this thread: consecutive parts of one key by default; with CORE (the
+// wgmma tile layout) eight consecutive keys of one part, so each warp's 16-byte writes fill whole
+// 128-byte core matrices.
+template <bool CORE>
+__device__ __forceinline__ int chunk_key(const int i) {
+  const u32 tid = threadIdx.x;  // unsigned: the divisions are shifts
+  if constexpr (CORE) return static_cast<int>((tid / (8 * CPK) + i * (NTHREADS / (8 * CPK))) * 8 + tid % 8);
+  else return static_cast<int>(tid / CPK + i * (NTHREADS / CPK));
+}
+template <bool CORE>
+__device__ __forceinline__ int chunk_part(const int i) {
+  if constexpr (CORE) return static_cast<int>(threadIdx.x / 8 % CPK);
+  else return static_cast<int>(threadIdx.x % CPK);
+}
+
+template <bool CORE = false>
 __device__ __forceinline__ void fetch_pages(TilePages& p, const int kstart, const int ke, const int pg0,
                                             const Csr& csr) {
-  const int key0 = threadIdx.x / CPK;
 #pragma unroll
   for (int i = 0; i < TILE_CHUNKS; ++i) {
-    const int j = kstart + key0 + i * KEYS_PER_PASS;
+    const int j = kstart + chunk_key<CORE>(i);
     p.id[i] = j < ke ? __ldg(csr.kv_indices + pg0 + j / PAGE_SIZE) : -1;
   }
 }
 
 // One pipeline stage: K and V (and nvfp4 block scales) of the tile `p` names into `st` with
-// cp.async; chunks of keys past the end are zero-filled.
+// cp.async; chunks of keys past the end are zero-filled. 16-bit tiles are stored with padded rows
+// for ldmatrix, or with CORE in wgmma's 128-byte-swizzled layout, [dim / 64][key / 8][key % 8][64 dims]
+// (K-major for K, N-major for V: one layout serves both). CORE stages must start 1 KiB-aligned.
+template <bool CORE = false>
 __device__ __forceinline__ void load_tile(char* st, const TilePages& p, const int kvh, const int kv_heads,
                                           const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
                                           const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale) {
-  const int part = threadIdx.x % CPK, key0 = threadIdx.x / CPK;
+  static_assert(!CORE || (KV16 && NTHREADS % (8 * CPK) == 0), "core-matrix tiles: 16-bit, head_dim <= 128");
   const u32 page_bytes = static_cast<u32>(kv_heads) * PAGE_SIZE * ROW_BYTES;
 #pragma unroll
   for (int i = 0; i < TILE_CHUNKS; ++i) {
-    const int key = key0 + i * KEYS_PER_PASS;
+    const int key = chunk_key<CORE>(i), part = chunk_part<CORE>(i);
     const bool valid = p.id[i] >= 0;
     const u32 page = valid ? static_cast<u32>(p.id[i]) : 0u;
     const int slot = kvh * PAGE_SIZE + key % PAGE_SIZE;  // row of this head and key in the page
     const size_t off = static_cast<size_t>(page) * page_bytes + slot * ROW_BYTES + part * 16;
-    if constexpr (KV16) {
+    if constexpr (CORE) {
+      // 1 KiB atoms of 8 keys x 64 dims (128-byte rows), 16-byte chunks XOR-swizzled by key % 8;
+      // atoms of one 64-dim half are consecutive, the halves TILE_KEYS / 8 atoms apart.
+      const int dst = (part / 8) * (TILE_KEYS / 8 * 1024) + (key / 8) * 1024 + (key % 8) * 128 +
+                      ((part % 8) ^ (key % 8)) * 16;
+      cp_async16(smem_addr(st + dst), k_cache + off, valid);
+      cp_async16(smem_addr(st + TILE16_BYTES + dst), v_cache + off, valid);
+    } else if constexpr (KV16) {
       cp_async16(smem_addr(st + key * LDS * 2 + part * 16), k_cache + off, valid);
       cp_async16(smem_addr(st + TILE16_BYTES + key * LDS * 2 + part * 16), v_cache + off, valid);
     } else {
@@ -384,6 +520,29 @@ __device__ __forceinline__ void load_tile(char* st, const TilePages& p, const in
           }
         }
       }
+    }
+  }
+}
+
+// The A fragments of Q for 16 rows from item row `row16` (zero past `nrows`): thread rows
+// lane / 4 and + 8, k pairs as q_col permutes them.
+__device__ __forceinline__ void load_q_frags(u32 (&qf)[D / 16][4], const int row16, const int row0, const int nrows,
+                                             const int qo0, const int kvh, const int kv_heads,
+                                             const __nv_bfloat16* __restrict__ q) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int my_row = row16 + (lane >> 2) + 8 * h;
+    const int rr = row0 + my_row;
+    const bool valid = my_row < nrows;
+    const int tok = rr / GROUP, g = rr % GROUP;
+    const u32* src = reinterpret_cast<const u32*>(
+        q + (static_cast<size_t>(qo0 + (valid ? tok : 0)) * kv_heads * GROUP + kvh * GROUP + g) * D);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int col = q_col(ks, lane & 3);
+      qf[ks][h] = valid ? q_pair(src[col / 2]) : 0u;
+      qf[ks][h + 2] = valid ? q_pair(src[(col + Q_A2_OFF) / 2]) : 0u;
     }
   }
 }
@@ -437,7 +596,6 @@ __device__ __forceinline__ void attention_cta(
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int wq = warp / WK, wk = warp % WK;
-  const int q_heads = kv_heads * GROUP;
 
   const ItemView v = item_view<ROWS>(it, csr, window);
   const int qo0 = v.qo0, first_pos = v.first_pos, q_pos0 = v.q_pos0, nrows = v.nrows;
@@ -447,23 +605,7 @@ __device__ __forceinline__ void attention_cta(
   // Q fragments straight from global memory into registers (A operand, row-major).
   u32 qf[MT][KS][4];
 #pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int my_row = (wq * MT + m) * 16 + (lane >> 2) + 8 * h;
-      const int rr = row0 + my_row;
-      const bool valid = my_row < nrows;
-      const int tok = rr / GROUP, g = rr % GROUP;
-      const u32* src = reinterpret_cast<const u32*>(
-          q + (static_cast<size_t>(qo0 + (valid ? tok : 0)) * q_heads + kvh * GROUP + g) * D);
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const int col = q_col(ks, lane & 3);
-        qf[m][ks][h] = valid ? q_pair(src[col / 2]) : 0u;
-        qf[m][ks][h + 2] = valid ? q_pair(src[(col + Q_A2_OFF) / 2]) : 0u;
-      }
-    }
-  }
+  for (int m = 0; m < MT; ++m) load_q_frags(qf[m], (wq * MT + m) * 16, row0, nrows, qo0, kvh, kv_heads, q);
 
   float acc[MT][DT][4];
   float m_run[MT][2], l_run[MT][2];
@@ -768,6 +910,176 @@ __device__ __forceinline__ void attention_cta(
     }
     store_row(it, v, kvh, kv_heads, row, col, out, l, mx, v_scale, o, partial_o, partial_lse);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sm_90a prefill CTA (16-bit caches, head_dim <= 128): 64 query rows, warp w owning rows
+// 16w .. 16w + 15 of wgmma's m64 slab; 64-key tiles in core-matrix layout. S = Q K^T and O += P V
+// run on wgmma with Q and P as register A operands and K, V read from shared memory; the online
+// softmax works on the accumulator fragments in between, which per warp have mma.sync's m16n8
+// layout. Prefill items are never split (plan_step), so this CTA always writes O.
+
+template <int TK>
+__device__ __forceinline__ void prefill_cta_wgmma(
+    const WorkItem& it, const int kvh, const int kv_heads, char* smem, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const Csr& csr, const float sm_scale,
+    const float k_scale, const float v_scale, const int window) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int ROWS = 64;
+  constexpr int KS = D / 16;  // k-steps of Q K^T
+  constexpr int DT = D / 8;   // 8-column blocks of O
+  constexpr int NT = TK / 8;  // 8-key blocks of S
+  static_assert(TK == TILE_KEYS && TK == 64 && KV16, "wgmma prefill shape");
+  static_assert(STAGE_BYTES % 1024 == 0 && TILE16_BYTES % 1024 == 0, "swizzle atoms 1 KiB-aligned");
+  if (smem_addr(smem) % 1024 != 0) __trap();  // the swizzle pattern is anchored at 1 KiB
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g8 = lane >> 2, c4 = lane & 3;
+  const ItemView v = item_view<ROWS>(it, csr, window);
+
+  u32 qf[KS][4];
+  load_q_frags(qf, warp * 16, it.row_base, v.nrows, v.qo0, kvh, kv_heads, q);
+  float acc[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g8, g8 + 8
+  const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
+  const int n_tiles = v.ke > v.kb ? (v.ke - v.kb + TK - 1) / TK : 0;
+
+  auto issue_tile = [&](int t) {
+    TilePages pages;
+    fetch_pages<true>(pages, v.kb + t * TK, v.ke, v.pg0, csr);
+    load_tile<true>(smem + (t % STAGES) * STAGE_BYTES, pages, kvh, kv_heads, k_cache, v_cache, k_bscale, v_bscale);
+  };
+#pragma unroll
+  for (int t = 0; t < STAGES - 1; ++t) {
+    if (t < n_tiles) issue_tile(t);
+    cp_async_commit();
+  }
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + STAGES - 1 < n_tiles) issue_tile(t + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    fence_proxy_async();
+    __syncthreads();
+    const u32 k_base = smem_addr(smem + (t % STAGES) * STAGE_BYTES);
+    const u32 v_base = k_base + TILE16_BYTES;
+    const int kstart = v.kb + t * TK;
+
+    // S = Q K^T: K is K-major; a k-step is 32 bytes into the swizzled 128-byte rows of its 64-dim
+    // half, 8-key atoms SBO = 1 KiB apart.
+    float s[NT][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      wgmma_s64(s, qf[ks], wgmma_desc(k_base + (ks / 4) * (TK / 8 * 1024) + (ks % 4) * 32, 16, 1024), ks > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      fence_reg(s[nt][0]);
+      fence_reg(s[nt][1]);
+      fence_reg(s[nt][2]);
+      fence_reg(s[nt][3]);
+    }
+
+    const int jhi = kstart + TK - 1;
+    bool need_mask = v.nrows < ROWS || jhi >= v.ke;
+    if constexpr (CAUSAL) need_mask = need_mask || v.first_pos + jhi > v.qpos_lo;
+    if constexpr (SLIDING) need_mask = need_mask || v.qpos_hi - (v.first_pos + kstart) >= window;
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int my_row = warp * 16 + g8 + 8 * (i >> 1);
+          const int qpos = v.q_pos0 + (it.row_base + my_row) / GROUP;
+          const int j = kstart + nt * 8 + 2 * c4 + (i & 1);
+          const int kpos = v.first_pos + j;
+          bool ok = my_row < v.nrows && j < v.ke;
+          if constexpr (CAUSAL) ok = ok && kpos <= qpos;
+          if constexpr (SLIDING) ok = ok && qpos - kpos < window;
+          if (!ok) s[nt][i] = -INFINITY;
+        }
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = fast_exp2(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_use));
+        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l_run[h] = l_run[h] * alpha[h] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        acc[dt][0] *= alpha[0];
+        acc[dt][1] *= alpha[0];
+        acc[dt][2] *= alpha[1];
+        acc[dt][3] *= alpha[1];
+      }
+    }
+
+    // O += P V: V is N-major; a k-step is two 8-key atoms (2 KiB), 8-key atoms SBO = 1 KiB apart,
+    // the 64-dim halves LBO = TK / 8 atoms apart.
+    u32 pa[TK / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < TK / 16; ++kk) {
+      pa[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < TK / 16; ++kk) wgmma_o<DT>(acc, pa[kk], wgmma_desc(v_base + kk * 2048, TK / 8 * 1024, 1024));
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      fence_reg(acc[dt][0]);
+      fence_reg(acc[dt][1]);
+      fence_reg(acc[dt][2]);
+      fence_reg(acc[dt][3]);
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  // Each warp holds whole rows: normalise and store straight from the fragments.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = warp * 16 + g8 + 8 * h;
+    if (row < v.nrows) {
+      const float inv = l > 0.f ? v_scale / l : 0.f;
+      const int rr = it.row_base + row;
+      const int tok = rr / GROUP, g = rr % GROUP;
+      __nv_bfloat16* dst = o + (static_cast<size_t>(v.qo0 + tok) * kv_heads * GROUP + kvh * GROUP + g) * D;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<__nv_bfloat162*>(dst + dt * 8 + 2 * c4) =
+            __floats2bfloat162_rn(acc[dt][2 * h] * inv, acc[dt][2 * h + 1] * inv);
+    }
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1106,7 +1418,8 @@ constexpr int DECODE_SMEM_BYTES =
 static_assert(DECODE_SMEM_BYTES == DECODE_SMEM_BYTES_HOST, "host and device disagree on decode shared memory");
 
 // One launch for a whole step: blocks [0, n_prefill) run prefill items (64 * PREFILL_MT rows, 4
-// warps along rows), the rest run decode items (DECODE_ROWS rows, warps split the key tile).
+// warps along rows; 64 rows on wgmma where WGMMA_PREFILL), the rest run decode items (DECODE_ROWS
+// rows, warps split the key tile).
 // grid = (n_prefill + n_decode, kv_heads), block = 128, dynamic smem = SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
     const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
@@ -1116,13 +1429,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
     const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(1024) char smem[];
   check_smem<SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];
   const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
   if (static_cast<int>(blockIdx.x) < n_prefill) {
-    attention_cta<4, 1, PREFILL_MT>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
-                        partial_o, partial_lse, sm_scale, k_scale, v_scale, window);
+    if constexpr (WGMMA_PREFILL) {
+      prefill_cta_wgmma<TILE_KEYS>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
+                                   sm_scale, k_scale, v_scale, window);
+    } else {
+      attention_cta<4, 1, PREFILL_MT>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale,
+                                      csr, partial_o, partial_lse, sm_scale, k_scale, v_scale, window);
+    }
   } else {
     decode_cta<TILE_KEYS, STAGES>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr, partial_o,
                partial_lse, sm_scale, k_scale, v_scale, window);
@@ -1139,7 +1457,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_deco
     const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
-  extern __shared__ __align__(16) char smem[];
+  extern __shared__ __align__(1024) char smem[];
   check_smem<DECODE_SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];
   const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};

@@ -278,7 +278,7 @@ impl Backend for CudaBackend {
                 if steps.contains_key(&key) {
                     continue;
                 }
-                let wp = plan_step(&batch, &key.0, key.1, layer.slots);
+                let wp = plan_step(&batch, &key.0, self.gpu.arch, key.1, layer.slots);
                 let sb = StepBuffers::upload(&self.gpu, &key.0, &layer.kv, &batch, &wp).map_err(dev)?;
                 steps.insert(key, sb);
             }

@@ -2,7 +2,7 @@
 //! and merge jobs for split-KV partials. Planned once per step on the host; the kernels only
 //! run it. Pure.
 
-use super::spec::KernelSpec;
+use super::spec::{Arch, KernelSpec};
 use super::CudaError;
 
 /// A batch in CSR form, host side (the same arrays are uploaded for the kernels).
@@ -146,14 +146,14 @@ impl StepPlan {
     }
 }
 
-/// Plans a step. `slots` is how many decode CTAs the GPU holds at once (SMs x the decode
+/// Plans a step for kernels built for `arch` (prefill rows per item depend on it). `slots` is how many decode CTAs the GPU holds at once (SMs x the decode
 /// kernel's occupancy, [`super::device::Kernels::decode_slots`]); long decode requests are split
 /// into chunks of whole tiles, sized by [`decode_chunk_tiles`] so the CTAs fill whole waves.
-pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, kv_heads: usize, slots: usize) -> StepPlan {
+pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, arch: Arch, kv_heads: usize, slots: usize) -> StepPlan {
     let g = spec.group.get();
     let page = spec.page.get();
     let tile = spec.tile_keys();
-    let prefill_rows = spec.prefill_rows();
+    let prefill_rows = spec.prefill_rows_on(arch);
     let mut prefill: Vec<(usize, WorkItem)> = Vec::new();
     let mut decode_reqs = Vec::new();
     for r in 0..batch.num_requests() {
@@ -314,7 +314,7 @@ mod tests {
     fn long_decode_is_split_and_every_key_is_covered_once() {
         let b = batch(&[(1, 4096), (1, 100)]);
         b.validate(16, 1000).unwrap();
-        let p = plan_step(&b, &spec(), 8, 132 * 8);
+        let p = plan_step(&b, &spec(), Arch::Sm80, 8, 132 * 8);
         assert_eq!(p.n_prefill, 0);
         let mut covered = [0usize; 2];
         for it in &p.items {
@@ -331,7 +331,7 @@ mod tests {
     #[test]
     fn prefill_rows_are_tiled_heaviest_first() {
         let b = batch(&[(100, 100), (1, 50)]);
-        let p = plan_step(&b, &spec(), 8, 1);
+        let p = plan_step(&b, &spec(), Arch::Sm80, 8, 1);
         // 100 tokens x group 4 = 400 rows -> 4 tiles of 128 (head_dim 128: two m-tiles a warp)
         assert_eq!(spec().prefill_rows(), 128);
         assert_eq!(p.n_prefill, 4);
@@ -339,6 +339,25 @@ mod tests {
         let bases: Vec<i32> = p.items[..p.n_prefill].iter().map(|w| w.row_base).collect();
         assert_eq!(bases, [384, 256, 128, 0]);
         assert_eq!(p.items[p.n_prefill].request, 1);
+    }
+
+    #[test]
+    fn prefill_items_are_one_wgmma_slab_on_sm90a() {
+        let b = batch(&[(100, 100)]);
+        let p = plan_step(&b, &spec(), Arch::Sm90a, 8, 1);
+        // bf16, head_dim 128 on sm_90a: 64-row items, so 400 rows -> 7
+        assert!(spec().wgmma_prefill(Arch::Sm90a));
+        assert_eq!(p.n_prefill, 7);
+        let mut bases: Vec<i32> = p.items.iter().map(|w| w.row_base).collect();
+        bases.sort();
+        assert_eq!(bases, [0, 64, 128, 192, 256, 320, 384]);
+        // quantized caches keep the mma.sync CTA and its 128 rows
+        let fp8 = KernelSpec {
+            dtype: KvDtype::Fp8E4m3,
+            ..spec()
+        };
+        assert!(!fp8.wgmma_prefill(Arch::Sm90a));
+        assert_eq!(plan_step(&b, &fp8, Arch::Sm90a, 8, 1).n_prefill, 4);
     }
 
     #[test]
@@ -364,7 +383,7 @@ mod tests {
     fn a_prefill_only_step_plans_without_decode_chunks() {
         assert_eq!(decode_chunk_tiles(&[], 8, 396), 2);
         let b = batch(&[(100, 100)]);
-        let p = plan_step(&b, &spec(), 8, 396);
+        let p = plan_step(&b, &spec(), Arch::Sm80, 8, 396);
         assert_eq!(p.n_prefill, p.items.len());
         assert!(p.merges.is_empty());
     }

@@ -70,7 +70,7 @@ pub fn run(gpu: &Gpu, spec: &KernelSpec, kv_heads: usize, seed: u64) -> Result<C
         sc.v_scale,
     )?;
     // few target CTAs so the 1000-key request is split and merged
-    let plan = plan_step(&sc.batch, spec, kv_heads, 8);
+    let plan = plan_step(&sc.batch, spec, gpu.arch, kv_heads, 8);
     let mut step = StepBuffers::upload(gpu, spec, &kv, &sc.batch, &plan)?;
     let q = gpu.upload(&sc.q)?;
     // poison: bf16 NaN everywhere, so an unwritten element fails the check

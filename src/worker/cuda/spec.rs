@@ -379,6 +379,23 @@ impl KernelSpec {
         64 * self.prefill_mt()
     }
 
+    /// Whether the prefill CTA runs on `wgmma` on `arch`: sm_90a with a 16-bit cache and
+    /// head_dim <= 128 (kernels/attention.cu `WGMMA_PREFILL`); elsewhere `mma.sync`.
+    pub fn wgmma_prefill(&self, arch: Arch) -> bool {
+        arch == Arch::Sm90a
+            && matches!(self.dtype, KvDtype::Bf16 | KvDtype::F16)
+            && self.head_dim.get() <= 128
+    }
+
+    /// Query rows of one prefill item on `arch`: the wgmma CTA is one m64 slab.
+    pub fn prefill_rows_on(&self, arch: Arch) -> usize {
+        if self.wgmma_prefill(arch) {
+            64
+        } else {
+            self.prefill_rows()
+        }
+    }
+
     /// Rows (token x head-in-group) one decode CTA holds; requests with more rows run as prefill.
     /// Query rows of one decode item (tokens x GQA group). Head dims up to 128 run the transposed
     /// decode CTA, whose rows are the mma's 8-wide N side; 256 runs the row-major CTA, 16 rows per
