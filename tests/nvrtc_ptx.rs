@@ -52,9 +52,22 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
                                 missing.push(want);
                             }
                         }
+                        // the wgmma prefill CTA exactly where the planner expects its 64-row items
+                        let wgmma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
+                            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+                        } else {
+                            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16"
+                        };
+                        if spec.wgmma_prefill(*arch) != ptx.contains(wgmma) {
+                            missing.push(if spec.wgmma_prefill(*arch) {
+                                "wgmma (the planner expects it)"
+                            } else {
+                                "no wgmma (the planner does not expect it)"
+                            });
+                        }
                         if !missing.is_empty() {
                             failures.lock().unwrap().push(format!(
-                                "{} {}: PTX lacks {missing:?}",
+                                "{} {}: PTX check failed: {missing:?}",
                                 spec.key(),
                                 arch
                             ));
