@@ -380,14 +380,6 @@ __device__ __forceinline__ u32 hmul2_u32(u32 a, __half2 s) {
   return *reinterpret_cast<u32*>(&v);
 }
 
-// Two e4m3 scale bytes picked from words x and y by a prmt selector (result bytes 0 and 1) as one
-// f16x2 (exact).
-__device__ __forceinline__ __half2 scale_pair_sel(u32 x, u32 y, u32 sel) {
-  const u32 two = prmt(x, y, sel);
-  __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-  return *reinterpret_cast<__half2*>(&r);
-}
-
 // Quantized caches are dequantized in registers, straight from the raw tile, with the head
 // dimension permuted so each thread's ldmatrix fragment is its mma operand (a dot product and
 // the output are invariant under a permutation applied to Q, K and V alike; the output columns are
@@ -1191,21 +1183,17 @@ __device__ __forceinline__ void decode_cta_t(
       } else if constexpr (KV_DTYPE == DT_NVFP4) {
         // A 16-byte chunk is 32 dims (k-steps 2j, 2j + 1); this thread holds dims 8 c4 .. 8 c4 + 7
         // of keys g8 and g8 + 8, each with its own e4m3 block scale.
-        // Chunk j's scale is byte 2 j + c4 / 2 of the key's scale row, read a word at a time and
-        // duplicated into both halves by prmt.
-        const u32* sk = reinterpret_cast<const u32*>(kt_s + TILE_KEYS * RAW_LD + (key0 + kt * 16 + g8) * SCALE_BYTES);
+        const u8* sk = reinterpret_cast<const u8*>(kt_s + TILE_KEYS * RAW_LD) +
+                       (key0 + kt * 16 + g8) * SCALE_BYTES + (c4 >> 1);
 #pragma unroll
         for (int i = 0; i < D / 32; i += 2) {
           u32 r[4];
           ldmatrix_x4(smem_addr(kt_s + key * RAW_LD + (i + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
-          // chunks i and i + 1 share scale word i / 2 of each key's row
-          const u32 kg = sk[i / 2], kg8 = sk[i / 2 + 2 * SCALE_BYTES];
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
             const int j = i + jj;
-            const u32 sel = ((2 * j) % 4 + (c4 >> 1)) * 0x11u;
-            const __half2 s0 = scale_pair_sel(kg, kg, sel);
-            const __half2 s1 = scale_pair_sel(kg8, kg8, sel);
+            const __half2 s0 = scale_pair(sk[2 * j], sk[2 * j]);
+            const __half2 s1 = scale_pair(sk[8 * SCALE_BYTES + 2 * j], sk[8 * SCALE_BYTES + 2 * j]);
             u32 w0[4], w1[4];
             e2m1x8_to_f16(r[2 * jj], w0);
             e2m1x8_to_f16(r[2 * jj + 1], w1);
@@ -1310,22 +1298,17 @@ __device__ __forceinline__ void decode_cta_t(
       } else if constexpr (KV_DTYPE == DT_NVFP4) {
         // Keys (2 c4, 2 c4 + 1) x values 4 g8 .. 4 g8 + 3 of a 32-value chunk: value pairs
         // (4 g8 + 2p, + 1) make the two halves of m-tile 2 chunk + p.
-        // Scales of keys 2 c4, 2 c4 + 1 (and + 8): chunk j's block is byte 2 j + g8 / 4 of each
-        // key's scale row; prmt pairs the two keys' bytes.
-        const u8* vsc = reinterpret_cast<const u8*>(vt_s + TILE_KEYS * RAW_LD) + (key0 + kt * 16 + 2 * c4) * SCALE_BYTES;
+        const u8* vsc = reinterpret_cast<const u8*>(vt_s + TILE_KEYS * RAW_LD);
+        const int kb2 = key0 + kt * 16 + 2 * c4;
 #pragma unroll
         for (int j = 0; j < D / 32; j += 2) {
           u32 r[4];
           ldmatrix_x4_trans(smem_addr(vt_s + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
-          // chunks j and j + 1 share scale word j / 2 of each key's row
-          const u32* vw = reinterpret_cast<const u32*>(vsc) + j / 2;
-          const u32 w0s = vw[0], w1s = vw[SCALE_BYTES / 4], w8s = vw[2 * SCALE_BYTES], w9s = vw[9 * SCALE_BYTES / 4];
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
-            const int b = (2 * (j + jj)) % 4 + (g8 >> 2);
-            const u32 sel = b | ((4 + b) << 4);
-            const __half2 slo = scale_pair_sel(w0s, w1s, sel);
-            const __half2 shi = scale_pair_sel(w8s, w9s, sel);
+            const int blk = 2 * (j + jj) + (g8 >> 2);
+            const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
+            const __half2 shi = scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
             u32 w0[4], w1[4];
             e2m1x8_pairs_to_f16(r[2 * jj], w0);
             e2m1x8_pairs_to_f16(r[2 * jj + 1], w1);
