@@ -240,6 +240,19 @@ fn ns_path(group_version: &str, plural: &str, name: &str) -> String {
 }
 
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ml/events";
+const PODS: &str = "/api/v1/namespaces/ml/pods";
+const PREFLIGHT_FAILURES_ZERO: &str =
+    r#"kvfleet_preflight_failures_total{inferencedeployment="llama",namespace="ml"} 0"#;
+
+fn pod_list(items: Vec<Value>) -> Value {
+    json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items})
+}
+
+fn metrics_text(h: &Harness) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&h.registry.gather())
+        .unwrap()
+}
 const STATUS: &str = "/apis/kvfleet.io/v1alpha1/namespaces/ml/inferencedeployments/llama/status";
 
 /// Serves `calls` in order, failing on a mismatch or after 1 s without the next request.
@@ -433,6 +446,10 @@ async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event
         event_reasons(&seen),
         vec![("Normal".into(), "SpecApplied".into())]
     );
+    assert!(
+        metrics_text(&h).contains(PREFLIGHT_FAILURES_ZERO),
+        "exported at 0 so that increase() sees the first failure"
+    );
 }
 
 #[tokio::test]
@@ -536,14 +553,16 @@ async fn a_spec_that_turns_incompatible_is_not_applied_and_gets_a_warning_event(
             ns_path("apps/v1", "deployments", "llama"),
             Reply::Json(200, running),
         ),
+        // The pods that run, for preflight failures.
+        call("GET", PODS, Reply::Json(200, pod_list(vec![]))),
         apply_call(STATUS),
         call("POST", EVENTS, Reply::Echo),
         call("POST", EVENTS, Reply::Echo),
     ];
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     assert_eq!(result.unwrap(), Action::await_change());
-    let status = &seen[1].body;
-    assert_applied(&seen[1], "InferenceDeployment");
+    let status = &seen[2].body;
+    assert_applied(&seen[2], "InferenceDeployment");
     assert_eq!(status["status"]["observedGeneration"], 4);
     let compat = condition(status, "Compatible");
     assert_eq!(compat["status"], "False");
@@ -566,7 +585,7 @@ async fn a_spec_that_turns_incompatible_is_not_applied_and_gets_a_warning_event(
             ("Warning".into(), "SpecNotApplied".into())
         ]
     );
-    assert!(seen[2].body["note"].as_str().unwrap().contains("nvfp4"));
+    assert!(seen[3].body["note"].as_str().unwrap().contains("nvfp4"));
 }
 
 #[tokio::test]
@@ -587,6 +606,7 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
             ns_path("apps/v1", "deployments", "llama"),
             Reply::Json(200, running),
         ),
+        call("GET", PODS, Reply::Json(200, pod_list(vec![]))),
         apply_call(STATUS),
         call("POST", EVENTS, Reply::Echo),
         call("POST", EVENTS, Reply::Echo),
@@ -595,7 +615,7 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
     let (result, seen) = run_pass(&mut h, guard(obj.clone()), calls).await;
     assert_eq!(result.unwrap(), Action::await_change());
     assert_eq!(
-        condition(&seen[1].body, "Compatible")["reason"],
+        condition(&seen[2].body, "Compatible")["reason"],
         "NoCompatibleNodes"
     );
     assert_eq!(
@@ -609,7 +629,7 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
 
     // A GPU node joins: the status written above is what the next pass reads.
     let mut after = obj;
-    after.status = Some(serde_json::from_value(seen[1].body["status"].clone()).unwrap());
+    after.status = Some(serde_json::from_value(seen[2].body["status"].clone()).unwrap());
     h.nodes
         .apply_watcher_event(&watcher::Event::Apply(gpu_node("gpu-2")));
     let mut calls = children_apply_calls(true);
@@ -769,6 +789,54 @@ async fn ready_workers_without_a_measurement_are_polled_again_soon() {
     calls.push(apply_call(STATUS));
     let (result, _) = run_pass(&mut h, guard(obj), calls).await;
     assert_eq!(result.unwrap(), Action::requeue(CAPACITY_POLL));
+}
+
+#[tokio::test]
+async fn workers_that_fail_preflight_are_counted_once_across_passes() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let obj = settled(inference_deployment(1, 2), 1);
+    let crashing = json!({"observedGeneration": 1, "replicas": 2, "readyReplicas": 0, "updatedReplicas": 2});
+    let finished = Timestamp::now().to_string();
+    let worker = |uid: &str, code: i32| {
+        json!({"metadata": {"name": format!("llama-{uid}"), "namespace": NS, "uid": uid},
+               "status": {"containerStatuses": [{"name": "kvfleet", "image": "kvfleet", "imageID": "",
+                   "ready": false, "restartCount": 1,
+                   "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                   "lastState": {"terminated": {"exitCode": code, "reason": "Error",
+                       "containerID": format!("containerd://{uid}-0"), "finishedAt": finished}}}]}})
+    };
+    // One pod refused the GPU (exit 3); the other was OOM-killed (137), which is not preflight.
+    let pods = pod_list(vec![worker("a", 3), worker("b", 137)]);
+    let script = |status_write: bool| {
+        let mut calls = children_apply_calls(true);
+        calls[3] = call(
+            "PATCH",
+            ns_path("apps/v1", "deployments", "llama"),
+            Reply::EchoWithStatus(crashing.clone()),
+        );
+        calls.push(call("GET", PODS, Reply::Json(200, pods.clone())));
+        if status_write {
+            calls.push(apply_call(STATUS));
+            calls.push(call("POST", EVENTS, Reply::Echo));
+        }
+        calls
+    };
+    let (result, seen) = run_pass(&mut h, guard(obj.clone()), script(true)).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    assert_eq!(
+        seen[6].query.get("labelSelector").map(String::as_str),
+        Some("kvfleet.io%2Finference-deployment%3Dllama"),
+        "the one LIST of the pass"
+    );
+    let counted = r#"kvfleet_preflight_failures_total{inferencedeployment="llama",namespace="ml"} 1"#;
+    assert!(metrics_text(&h).contains(counted), "{}", metrics_text(&h));
+
+    // The next pass sees the same terminations: nothing new is counted.
+    let mut again = obj;
+    again.status = Some(serde_json::from_value(seen[7].body["status"].clone()).unwrap());
+    let (result, _) = run_pass(&mut h, guard(again), script(false)).await;
+    result.unwrap();
+    assert!(metrics_text(&h).contains(counted), "{}", metrics_text(&h));
 }
 
 #[tokio::test]

@@ -21,6 +21,8 @@ pub struct Metrics {
     pub failures: IntCounterVec,
     pub duration: HistogramVec,
     pub leader: IntGauge,
+    /// Worker containers seen terminated by a failed preflight, per InferenceDeployment.
+    pub preflight_failures: IntCounterVec,
 }
 
 impl Metrics {
@@ -51,15 +53,24 @@ impl Metrics {
             "kvfleet_controller_leader",
             "1 while this replica holds the leader Lease",
         ))?;
+        let preflight_failures = IntCounterVec::new(
+            Opts::new(
+                "kvfleet_preflight_failures_total",
+                "Worker containers seen terminated by a failed preflight (exit 2, 3 or 4)",
+            ),
+            &["namespace", "inferencedeployment"],
+        )?;
         registry.register(Box::new(runs.clone()))?;
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(duration.clone()))?;
         registry.register(Box::new(leader.clone()))?;
+        registry.register(Box::new(preflight_failures.clone()))?;
         Ok(Metrics {
             runs,
             failures,
             duration,
             leader,
+            preflight_failures,
         })
     }
 

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Pod, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ContainerStateTerminated, Node, ObjectReference, Pod, Service, ServiceAccount,
+};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::RoleBinding;
 use k8s_openapi::jiff::Timestamp;
@@ -24,6 +26,7 @@ use serde_json::json;
 
 use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
 use crate::validate::{ClusterFacts, Denial, NodeFacts, Verdict};
+use crate::worker::preflight::exit;
 
 use super::desired::{self, MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
 use super::metrics::Metrics;
@@ -68,6 +71,11 @@ pub struct Context {
     pub predict: PredictFn,
     /// Consecutive failures per object, for backoff.
     failures: Mutex<HashMap<String, u32>>,
+    /// Worker terminations already counted, per object, so each is counted once.
+    terminations: Mutex<HashMap<String, SeenTerminations>>,
+    /// Terminations that finished before this process started are not counted: they were
+    /// counted (or missed) by the previous controller, and would alert again after a restart.
+    counting_since: Timestamp,
 }
 
 impl Context {
@@ -92,6 +100,8 @@ impl Context {
             validate: crate::validate::validate,
             predict: verdict_capacity,
             failures: Mutex::new(HashMap::new()),
+            terminations: Mutex::new(HashMap::new()),
+            counting_since: Timestamp::now(),
         }
     }
 
@@ -116,6 +126,19 @@ impl Context {
 
     fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
         self.failures.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn terminations(&self) -> std::sync::MutexGuard<'_, HashMap<String, SeenTerminations>> {
+        self.terminations.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Preflight failures among `pods` not counted before for the object `key`.
+    fn new_preflight_failures(&self, key: &str, pods: &[Pod]) -> u64 {
+        let mut seen = self.terminations();
+        let previous = seen.remove(key).unwrap_or_default();
+        let (n, next) = count_preflight_failures(pods, &previous, self.counting_since);
+        seen.insert(key.to_string(), next);
+        n
     }
 
     async fn publish(&self, regarding: &ObjectReference, n: &status::Notice) {
@@ -242,8 +265,14 @@ async fn report_malformed(invalid: &InvalidObject, ctx: &Context) {
 }
 
 async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Action, Error> {
+    let object_key = format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any());
     if obj.metadata.deletion_timestamp.is_some() {
         // Everything we create carries an owner reference: the garbage collector removes it.
+        ctx.terminations().remove(&object_key);
+        let _ = ctx
+            .metrics
+            .preflight_failures
+            .remove_label_values(&[&obj.namespace().unwrap_or_default(), &obj.name_any()]);
         return Ok(Action::await_change());
     }
     let ns = obj
@@ -252,6 +281,8 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             "namespace",
         )))?;
     let name = obj.name_any();
+    // Exported from the first pass on, so that `increase()` sees the first failure.
+    let preflight_failures = ctx.metrics.preflight_failures.with_label_values(&[&ns, &name]);
     let facts = ctx.cluster_facts();
     let mut verdict = (ctx.validate)(&obj.spec, &facts);
     if verdict.allowed() && obj.spec.engine.runtime == Runtime::Kvfleet && obj.spec.model.geometry.is_none() {
@@ -292,11 +323,6 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             let api = Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &kind.resource);
             apply(&api, mon).await?;
         }
-        if obj.spec.engine.runtime == Runtime::Kvfleet
-            && dep.status.as_ref().and_then(|s| s.ready_replicas).unwrap_or(0) > 0
-        {
-            measured = measured_tokens(ctx, &ns, &name).await?;
-        }
         Some(dep)
     } else {
         // Leave what runs alone; just report on it.
@@ -305,6 +331,24 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             .await
             .map_err(|source| Error::kube("read Deployment", source))?
     };
+
+    // One LIST of the worker pods serves both the measured capacity and the preflight
+    // failures; vLLM exit codes mean something else, and without pods there is nothing to read.
+    let dep_status = deployment.as_ref().and_then(|d| d.status.as_ref());
+    if obj.spec.engine.runtime == Runtime::Kvfleet && dep_status.and_then(|s| s.replicas).unwrap_or(0) > 0 {
+        let pods = list_pods(ctx, &ns, &name).await?;
+        if verdict.allowed() && dep_status.and_then(|s| s.ready_replicas).unwrap_or(0) > 0 {
+            measured = min_measured_tokens(&pods);
+        }
+        let failed = ctx.new_preflight_failures(&object_key, &pods);
+        if failed > 0 {
+            preflight_failures.inc_by(failed);
+            tracing::warn!(
+                failed,
+                "worker pods failed preflight; their logs and termination messages say what to change"
+            );
+        }
+    }
 
     let seen = Observed {
         verdict: Some(&verdict),
@@ -397,13 +441,13 @@ async fn patch_status(
     }
 }
 
-/// Smallest measured capacity over ready pods that report one.
-async fn measured_tokens(ctx: &Context, ns: &str, name: &str) -> Result<Option<i64>, Error> {
+/// The pods of the InferenceDeployment `name` (every ReplicaSet of its Deployment).
+async fn list_pods(ctx: &Context, ns: &str, name: &str) -> Result<Vec<Pod>, Error> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns)
         .list(&ListParams::default().labels(&desired::selector_string(name)))
         .await
         .map_err(|source| Error::kube("list pods", source))?;
-    Ok(min_measured_tokens(&pods.items))
+    Ok(pods.items)
 }
 
 /// Smallest `kvfleet.io/measured-kv-tokens` over ready pods (a malformed value is ignored).
@@ -419,6 +463,83 @@ pub fn min_measured_tokens(pods: &[Pod]) -> Option<i64> {
         .filter_map(|v| v.trim().parse::<i64>().ok())
         .filter(|v| *v >= 0)
         .min()
+}
+
+/// Exit codes with which `kvfleet worker` refuses to start ([`crate::worker::preflight::exit`],
+/// each after one `preflight failed` log line): the config is invalid, cannot run on this
+/// machine (GPU, kernels' self-test), or its KV cache does not fit. Not `RUNTIME` (a failure
+/// after start), 0, nor 128 + signal (137: OOM kill or SIGKILL).
+pub const PREFLIGHT_EXIT_CODES: [i32; 3] = [
+    exit::CONFIG as i32,
+    exit::INCOMPATIBLE as i32,
+    exit::NO_MEMORY as i32,
+];
+
+/// Terminations of worker containers visible at the last look, per pod uid. Only the current
+/// and the last termination of a container are ever visible, so this holds at most two per
+/// pod, and pods that are gone are dropped on the next look.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SeenTerminations {
+    pods: HashMap<String, Vec<String>>,
+}
+
+/// Pods + what the last look saw -> preflight failures not counted before + what this look
+/// saw. A termination is counted once, whether it is seen as `state.terminated`, later as
+/// `lastState.terminated`, or both; one that finished before `since` is only remembered.
+/// Only the `kvfleet` container counts: a vLLM pod's exit codes mean something else.
+pub fn count_preflight_failures(
+    pods: &[Pod],
+    previous: &SeenTerminations,
+    since: Timestamp,
+) -> (u64, SeenTerminations) {
+    let worker = Runtime::Kvfleet.as_str();
+    let mut count = 0;
+    let mut next = SeenTerminations::default();
+    for pod in pods {
+        // Without a uid a termination cannot be told from the same one seen again.
+        let Some(uid) = pod.metadata.uid.as_deref().filter(|u| !u.is_empty()) else {
+            continue;
+        };
+        let before = previous.pods.get(uid);
+        let statuses = pod
+            .status
+            .iter()
+            .flat_map(|s| s.container_statuses.iter().flatten());
+        let mut ids = Vec::new();
+        for cs in statuses.filter(|cs| cs.name == worker) {
+            let current = cs.state.as_ref().and_then(|s| s.terminated.as_ref());
+            let last = cs.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+            for (t, which) in [(current, "current"), (last, "last")] {
+                let Some(t) = t else { continue };
+                let id = termination_id(t, cs.restart_count, which);
+                if ids.contains(&id) {
+                    continue;
+                }
+                let fresh = !before.is_some_and(|b| b.contains(&id));
+                let recent = t.finished_at.as_ref().is_none_or(|f| f.0 >= since);
+                if fresh && recent && PREFLIGHT_EXIT_CODES.contains(&t.exit_code) {
+                    count += 1;
+                }
+                ids.push(id);
+            }
+        }
+        if !ids.is_empty() {
+            next.pods.insert(uid.to_string(), ids);
+        }
+    }
+    (count, next)
+}
+
+/// What identifies one termination in both `state` and `lastState`: the container id, else
+/// the finish time; the restart count (which differs between the two) only as a last resort.
+fn termination_id(t: &ContainerStateTerminated, restart_count: i32, which: &str) -> String {
+    if let Some(id) = t.container_id.as_deref().filter(|id| !id.is_empty()) {
+        return id.to_string();
+    }
+    if let Some(f) = &t.finished_at {
+        return format!("finished:{}", f.0);
+    }
+    format!("restart:{restart_count}:{which}")
 }
 
 pub(crate) fn is_conflict(e: &kube::Error) -> bool {
@@ -449,5 +570,170 @@ mod tests {
         ];
         assert_eq!(min_measured_tokens(&pods), Some(24000));
         assert_eq!(min_measured_tokens(&[pod(false, Some("1"))]), None);
+    }
+
+    // === preflight failures ===
+
+    /// Controller start; every termination below finished after it unless a test says so.
+    fn since() -> Timestamp {
+        Timestamp::from_second(1_700_000_000).unwrap()
+    }
+
+    /// A terminated state: exit code, container id (run number), seconds after `since()`.
+    fn terminated(code: i32, run: u32, at: i64) -> serde_json::Value {
+        json!({"terminated": {"exitCode": code, "reason": "Error",
+            "containerID": format!("containerd://run-{run}"),
+            "finishedAt": Timestamp::from_second(1_700_000_000 + at).unwrap().to_string()}})
+    }
+
+    /// A worker pod `uid` whose `container` restarted `restarts` times.
+    fn worker_pod(
+        uid: &str,
+        container: &str,
+        restarts: i32,
+        state: serde_json::Value,
+        last: serde_json::Value,
+    ) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": format!("llama-{uid}"), "uid": uid},
+            "status": {"containerStatuses": [{"name": container, "image": "kvfleet", "imageID": "",
+                "ready": false, "restartCount": restarts, "state": state, "lastState": last}]}
+        }))
+        .unwrap()
+    }
+
+    fn waiting() -> serde_json::Value {
+        json!({"waiting": {"reason": "CrashLoopBackOff"}})
+    }
+
+    #[test]
+    fn a_fresh_preflight_failure_counts_once() {
+        let pods = [worker_pod("a", "kvfleet", 0, terminated(3, 0, 10), json!({}))];
+        let (n, seen) = count_preflight_failures(&pods, &SeenTerminations::default(), since());
+        assert_eq!(n, 1);
+        let (n, _) = count_preflight_failures(&pods, &seen, since());
+        assert_eq!(n, 0, "the same terminated state on the next pass");
+    }
+
+    #[test]
+    fn a_termination_seen_first_as_state_then_as_last_state_counts_once() {
+        let first = [worker_pod("a", "kvfleet", 0, terminated(4, 0, 10), json!({}))];
+        let (n, seen) = count_preflight_failures(&first, &SeenTerminations::default(), since());
+        assert_eq!(n, 1);
+        let backoff = [worker_pod("a", "kvfleet", 1, waiting(), terminated(4, 0, 10))];
+        let (n, _) = count_preflight_failures(&backoff, &seen, since());
+        assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn a_restart_that_fails_preflight_again_counts_again() {
+        let first = [worker_pod("a", "kvfleet", 1, waiting(), terminated(3, 0, 10))];
+        let (n, seen) = count_preflight_failures(&first, &SeenTerminations::default(), since());
+        assert_eq!(n, 1);
+        let again = [worker_pod("a", "kvfleet", 2, waiting(), terminated(3, 1, 40))];
+        let (n, seen) = count_preflight_failures(&again, &seen, since());
+        assert_eq!(n, 1);
+        // Caught while terminated, before the kubelet restarts it: both runs are visible.
+        let both = [worker_pod(
+            "a",
+            "kvfleet",
+            2,
+            terminated(3, 2, 90),
+            terminated(3, 1, 40),
+        )];
+        let (n, _) = count_preflight_failures(&both, &seen, since());
+        assert_eq!(n, 1);
+    }
+
+    #[test]
+    fn config_incompatible_and_no_memory_exits_count_and_nothing_else_does() {
+        for code in [2, 3, 4] {
+            let pods = [worker_pod("a", "kvfleet", 0, terminated(code, 0, 10), json!({}))];
+            assert_eq!(
+                count_preflight_failures(&pods, &SeenTerminations::default(), since()).0,
+                1
+            );
+        }
+        for code in [0, 1, 137, 143, 255, -1] {
+            let pods = [worker_pod("a", "kvfleet", 1, waiting(), terminated(code, 0, 10))];
+            assert_eq!(
+                count_preflight_failures(&pods, &SeenTerminations::default(), since()).0,
+                0,
+                "exit {code}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_vllm_pod_exiting_3_does_not_count() {
+        let pods = [worker_pod(
+            "a",
+            "vllm",
+            1,
+            terminated(3, 1, 20),
+            terminated(3, 0, 10),
+        )];
+        let (n, _) = count_preflight_failures(&pods, &SeenTerminations::default(), since());
+        assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn a_failure_from_before_the_controller_started_is_remembered_not_counted() {
+        let pods = [worker_pod(
+            "a",
+            "kvfleet",
+            1,
+            json!({"running": {}}),
+            terminated(4, 0, -3600),
+        )];
+        let (n, seen) = count_preflight_failures(&pods, &SeenTerminations::default(), since());
+        assert_eq!(n, 0);
+        assert_eq!(seen.pods["a"].len(), 1);
+    }
+
+    #[test]
+    fn pods_that_are_gone_are_forgotten() {
+        let pods = [
+            worker_pod("a", "kvfleet", 1, waiting(), terminated(3, 0, 10)),
+            worker_pod("b", "kvfleet", 1, waiting(), terminated(3, 0, 10)),
+        ];
+        let (n, seen) = count_preflight_failures(&pods, &SeenTerminations::default(), since());
+        assert_eq!(n, 2);
+        let (_, seen) = count_preflight_failures(&pods[1..], &seen, since());
+        assert_eq!(seen.pods.keys().collect::<Vec<_>>(), ["b"]);
+        let (_, seen) = count_preflight_failures(&[], &seen, since());
+        assert_eq!(seen, SeenTerminations::default());
+    }
+
+    #[test]
+    fn a_malformed_or_missing_status_never_panics_nor_counts() {
+        let empty = SeenTerminations::default();
+        let pods: Vec<Pod> = [
+            json!({"metadata": {"name": "no-uid"}, "status": {"containerStatuses": [
+                {"name": "kvfleet", "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                 "state": {"terminated": {"exitCode": 3}}}]}}),
+            json!({"metadata": {"name": "no-status", "uid": "a"}}),
+            json!({"metadata": {"name": "no-containers", "uid": "b"}, "status": {}}),
+            json!({"metadata": {"name": "empty-state", "uid": "c"}, "status": {"containerStatuses": [
+                {"name": "kvfleet", "image": "", "imageID": "", "ready": false, "restartCount": 0}]}}),
+        ]
+        .into_iter()
+        .map(|v| serde_json::from_value(v).unwrap())
+        .collect();
+        assert_eq!(
+            count_preflight_failures(&pods, &empty, since()),
+            (0, empty.clone())
+        );
+        // Neither container id nor finish time: counted, and not again on the next pass.
+        let bare = [worker_pod(
+            "d",
+            "kvfleet",
+            0,
+            json!({"terminated": {"exitCode": 3}}),
+            json!({}),
+        )];
+        let (n, seen) = count_preflight_failures(&bare, &empty, since());
+        assert_eq!(n, 1);
+        assert_eq!(count_preflight_failures(&bare, &seen, since()).0, 0);
     }
 }
