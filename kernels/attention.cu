@@ -380,6 +380,31 @@ __device__ __forceinline__ u32 hmul2_u32(u32 a, __half2 s) {
   return *reinterpret_cast<u32*>(&v);
 }
 
+// V fragments of one 16-key chunk after ldmatrix.trans, shared by the row-major and the transposed
+// CTAs. `r_lo` holds keys (2c, 2c + 1) and `r_hi` keys (2c + 8, 2c + 9), c = lane % 4.
+// fp8, a 16-value chunk: f = {even value of r_lo, odd of r_lo, even of r_hi, odd of r_hi}, values
+// (2n, 2n + 1), n = lane / 4.
+__device__ __forceinline__ void fp8_v_chunk(u32 r_lo, u32 r_hi, u32 (&f)[4]) {
+  fp8_pairs_to_f16(r_lo, f[0], f[1]);
+  fp8_pairs_to_f16(r_hi, f[2], f[3]);
+}
+
+// nvfp4, a 32-value chunk: lo[e] / hi[e] = value 4n + e of r_lo's / r_hi's keys, times their e4m3
+// block scales (block 2 chunk + n / 4 of each key's row in `vsc`; the first key is kb2).
+__device__ __forceinline__ void nvfp4_v_chunk(u32 r_lo, u32 r_hi, const u8* vsc, int kb2, int chunk, int n,
+                                              u32 (&lo)[4], u32 (&hi)[4]) {
+  const int blk = 2 * chunk + (n >> 2);
+  const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
+  const __half2 shi = scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
+  e2m1x8_pairs_to_f16(r_lo, lo);
+  e2m1x8_pairs_to_f16(r_hi, hi);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    lo[e] = hmul2_u32(lo[e], slo);
+    hi[e] = hmul2_u32(hi[e], shi);
+  }
+}
+
 // Quantized caches are dequantized in registers, straight from the raw tile, with the head
 // dimension permuted so each thread's ldmatrix fragment is its mma operand (a dot product and
 // the output are invariant under a permutation applied to Q, K and V alike; the output columns are
@@ -572,6 +597,68 @@ __device__ __forceinline__ void store_row(const WorkItem& it, const ItemView& v,
   }
 }
 
+// Masks the scores of an mma / wgmma C fragment (NT 8-key blocks from key `key_base`, rows from
+// item row `row16`: this thread's lane / 4 and + 8) that their row may not see: rows past the
+// item, keys past its end, the causal future, keys out of the window.
+template <int NT>
+__device__ __forceinline__ void mask_rows(float (&s)[NT][4], const ItemView& v, const int row_base, const int row16,
+                                          const int key_base, const int window) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int my_row = row16 + (lane >> 2) + 8 * (i >> 1);
+      const int qpos = v.q_pos0 + (row_base + my_row) / GROUP;
+      const int j = key_base + nt * 8 + (lane & 3) * 2 + (i & 1);
+      const int kpos = v.first_pos + j;
+      bool ok = my_row < v.nrows && j < v.ke;
+      if constexpr (CAUSAL) ok = ok && kpos <= qpos;
+      if constexpr (SLIDING) ok = ok && qpos - kpos < window;
+      if (!ok) s[nt][i] = -INFINITY;
+    }
+  }
+}
+
+// Online softmax over the rows of an mma / wgmma C fragment (NT 8-key blocks; this thread's rows
+// lane / 4 and + 8 are h = 0 and 1), in log2 units: raw scores stay raw until one FFMA folds scale
+// and max into the exponent. Turns s into P, updates the running max and sum, and rescales the
+// row's accumulators `acc` (skipped once the max settles: no row of the warp moved).
+template <int NT, int NACC>
+__device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&m_run)[2], float (&l_run)[2],
+                                             const float scale_log2, float (&acc)[NACC][4]) {
+  float alpha[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run[h], mx * scale_log2);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    alpha[h] = fast_exp2(m_run[h] - m_use);
+    m_run[h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_use));
+      s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
+      sum += s[nt][2 * h] + s[nt][2 * h + 1];
+    }
+    l_run[h] = l_run[h] * alpha[h] + sum;
+  }
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The attention CTA. WQ warps along query rows, WK warps along keys (split-KV inside the CTA),
 // MT m-tiles (16 rows each) per warp. With MT = 2 every K/V fragment read from shared memory
@@ -598,7 +685,7 @@ __device__ __forceinline__ void attention_cta(
   const int wq = warp / WK, wk = warp % WK;
 
   const ItemView v = item_view<ROWS>(it, csr, window);
-  const int qo0 = v.qo0, first_pos = v.first_pos, q_pos0 = v.q_pos0, nrows = v.nrows;
+  const int qo0 = v.qo0, first_pos = v.first_pos, nrows = v.nrows;
   const int qpos_lo = v.qpos_lo, qpos_hi = v.qpos_hi, kb = v.kb, ke = v.ke;
   const int row0 = it.row_base;
 
@@ -735,53 +822,8 @@ __device__ __forceinline__ void attention_cta(
       if constexpr (SLIDING) need_mask = need_mask || qpos_hi - (first_pos + jlo) >= window;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        if (need_mask) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int my_row = (wq * MT + m) * 16 + (lane >> 2) + 8 * (i >> 1);
-              const int qpos = q_pos0 + (row0 + my_row) / GROUP;
-              const int j = kstart + key0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-              const int kpos = first_pos + j;
-              bool ok = my_row < nrows && j < ke;
-              if constexpr (CAUSAL) ok = ok && kpos <= qpos;
-              if constexpr (SLIDING) ok = ok && qpos - kpos < window;
-              if (!ok) s[m][nt][i] = -INFINITY;
-            }
-          }
-        }
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * h], s[m][nt][2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m_run[m][h], mx * scale_log2);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          alpha[h] = fast_exp2(m_run[m][h] - m_use);
-          m_run[m][h] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            s[m][nt][2 * h] = fast_exp2(fmaf(s[m][nt][2 * h], scale_log2, -m_use));
-            s[m][nt][2 * h + 1] = fast_exp2(fmaf(s[m][nt][2 * h + 1], scale_log2, -m_use));
-            sum += s[m][nt][2 * h] + s[m][nt][2 * h + 1];
-          }
-          l_run[m][h] = l_run[m][h] * alpha[h] + sum;
-        }
-        // Once the running max settles (most passes), no row of the warp rescales: skip it.
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int dt = 0; dt < DT; ++dt) {
-            acc[m][dt][0] *= alpha[0];
-            acc[m][dt][1] *= alpha[0];
-            acc[m][dt][2] *= alpha[1];
-            acc[m][dt][3] *= alpha[1];
-          }
-        }
+        if (need_mask) mask_rows(s[m], v, row0, (wq * MT + m) * 16, kstart + key0, window);
+        softmax_rows(s[m], m_run[m], l_run[m], scale_log2, acc[m]);
       }
 
       // O += P V.
@@ -819,18 +861,12 @@ __device__ __forceinline__ void attention_cta(
             ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {
-              const int blk = 2 * (j + jj) + ((lane >> 2) >> 2);
-              const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
-              const __half2 shi =
-                  scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
-              u32 w0[4], w1[4];
-              e2m1x8_pairs_to_f16(r[2 * jj], w0);
-              e2m1x8_pairs_to_f16(r[2 * jj + 1], w1);
+              u32 lo[4], hi[4];
+              nvfp4_v_chunk(r[2 * jj], r[2 * jj + 1], vsc, kb2, j + jj, lane >> 2, lo, hi);
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const u32 b0 = hmul2_u32(w0[e], slo), b1 = hmul2_u32(w1[e], shi);
 #pragma unroll
-                for (int m = 0; m < MT; ++m) mma16816(acc[m][(j + jj) * 4 + e], a[m], b0, b1);
+                for (int m = 0; m < MT; ++m) mma16816(acc[m][(j + jj) * 4 + e], a[m], lo[e], hi[e]);
               }
             }
           }
@@ -843,13 +879,12 @@ __device__ __forceinline__ void attention_cta(
             ldmatrix_x4_trans(smem_addr(vt + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {
-              u32 e0, o0, e1, o1;
-              fp8_pairs_to_f16(r[2 * jj], e0, o0);
-              fp8_pairs_to_f16(r[2 * jj + 1], e1, o1);
+              u32 f[4];
+              fp8_v_chunk(r[2 * jj], r[2 * jj + 1], f);
 #pragma unroll
               for (int m = 0; m < MT; ++m) {
-                mma16816(acc[m][(j + jj) * 2], a[m], e0, e1);
-                mma16816(acc[m][(j + jj) * 2 + 1], a[m], o0, o1);
+                mma16816(acc[m][(j + jj) * 2], a[m], f[0], f[2]);
+                mma16816(acc[m][(j + jj) * 2 + 1], a[m], f[1], f[3]);
               }
             }
           }
@@ -988,52 +1023,8 @@ __device__ __forceinline__ void prefill_cta_wgmma(
     bool need_mask = v.nrows < ROWS || jhi >= v.ke;
     if constexpr (CAUSAL) need_mask = need_mask || v.first_pos + jhi > v.qpos_lo;
     if constexpr (SLIDING) need_mask = need_mask || v.qpos_hi - (v.first_pos + kstart) >= window;
-    if (need_mask) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int my_row = warp * 16 + g8 + 8 * (i >> 1);
-          const int qpos = v.q_pos0 + (it.row_base + my_row) / GROUP;
-          const int j = kstart + nt * 8 + 2 * c4 + (i & 1);
-          const int kpos = v.first_pos + j;
-          bool ok = my_row < v.nrows && j < v.ke;
-          if constexpr (CAUSAL) ok = ok && kpos <= qpos;
-          if constexpr (SLIDING) ok = ok && qpos - kpos < window;
-          if (!ok) s[nt][i] = -INFINITY;
-        }
-      }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = fast_exp2(m_run[h] - m_use);
-      m_run[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -m_use));
-        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -m_use));
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      l_run[h] = l_run[h] * alpha[h] + sum;
-    }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        acc[dt][0] *= alpha[0];
-        acc[dt][1] *= alpha[0];
-        acc[dt][2] *= alpha[1];
-        acc[dt][3] *= alpha[1];
-      }
-    }
+    if (need_mask) mask_rows(s, v, it.row_base, warp * 16, kstart, window);
+    softmax_rows(s, m_run, l_run, scale_log2, acc);
 
     // O += P V: V is N-major; a k-step is two 8-key atoms (2 KiB), 8-key atoms SBO = 1 KiB apart,
     // the 64-dim halves LBO = TK / 8 atoms apart.
@@ -1306,16 +1297,11 @@ __device__ __forceinline__ void decode_cta_t(
           ldmatrix_x4_trans(smem_addr(vt_s + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
-            const int blk = 2 * (j + jj) + (g8 >> 2);
-            const __half2 slo = scale_pair(vsc[kb2 * SCALE_BYTES + blk], vsc[(kb2 + 1) * SCALE_BYTES + blk]);
-            const __half2 shi = scale_pair(vsc[(kb2 + 8) * SCALE_BYTES + blk], vsc[(kb2 + 9) * SCALE_BYTES + blk]);
-            u32 w0[4], w1[4];
-            e2m1x8_pairs_to_f16(r[2 * jj], w0);
-            e2m1x8_pairs_to_f16(r[2 * jj + 1], w1);
+            u32 lo[4], hi[4];
+            nvfp4_v_chunk(r[2 * jj], r[2 * jj + 1], vsc, kb2, j + jj, g8, lo, hi);
 #pragma unroll
             for (int p = 0; p < 2; ++p) {
-              const u32 a[4] = {hmul2_u32(w0[2 * p], slo), hmul2_u32(w0[2 * p + 1], slo), hmul2_u32(w1[2 * p], shi),
-                                hmul2_u32(w1[2 * p + 1], shi)};
+              const u32 a[4] = {lo[2 * p], lo[2 * p + 1], hi[2 * p], hi[2 * p + 1]};
               mma16816(acc[(j + jj) * 2 + p], a, b0, b1);
             }
           }
@@ -1329,10 +1315,8 @@ __device__ __forceinline__ void decode_cta_t(
           ldmatrix_x4_trans(smem_addr(vt_s + key * RAW_LD + (j + (lane >> 4)) * 16), r[0], r[1], r[2], r[3]);
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
-            u32 e0, o0, e1, o1;
-            fp8_pairs_to_f16(r[2 * jj], e0, o0);
-            fp8_pairs_to_f16(r[2 * jj + 1], e1, o1);
-            const u32 a[4] = {e0, o0, e1, o1};
+            u32 a[4];
+            fp8_v_chunk(r[2 * jj], r[2 * jj + 1], a);
             mma16816(acc[j + jj], a, b0, b1);
           }
         }
