@@ -2,8 +2,9 @@
 //!
 //! CPU (default): SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to f32); every sequence holds
 //! the same 37-token chat prompt (prefilled first, not timed), then all decode together, one
-//! token each per step, through `Llama::forward` with the contiguous KV cache (the generation
-//! loop's step). Median of 3 runs per batch size.
+//! token each per step, through the engine: `CpuForward` (the served model's forward pass)
+//! on the engine's CPU backend with bf16 paged KV, planned by the scheduler's page tables.
+//! Median of 3 runs per batch size.
 //!
 //! GPU (`KVFLEET_BENCH_DEVICE=cuda`): `GpuLlama` (bf16 weights, cuBLAS, paged bf16 KV) for
 //! SmolLM2 and a dummy-weight Llama-3-8B geometry (32 layers, d 4096, 32/8 heads, head_dim 128,
@@ -22,11 +23,16 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use std::sync::Arc;
+
+use kvfleet::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
 use kvfleet::model::gguf::Gguf;
-use kvfleet::model::kv::{ContiguousKv, KvAttention};
 use kvfleet::model::llama::{Llama, SeqChunk};
 use kvfleet::model::sampling::argmax;
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
+use kvfleet::worker::engine::cpu::CpuBackend;
+use kvfleet::worker::engine::direct::DirectPlanner;
+use kvfleet::worker::engine::{KvDtype, StepPlan};
 
 fn main() {
     match std::env::var("KVFLEET_BENCH_DEVICE").as_deref() {
@@ -65,7 +71,7 @@ fn cpu_main() {
     };
     let t0 = Instant::now();
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
-    let model = Llama::from_gguf(&g).expect("model");
+    let model = Arc::new(Llama::from_gguf(&g).expect("model"));
     println!(
         "loaded {} ({} layers, d_model {}) in {:.2}s; {} rayon threads",
         path.display(),
@@ -101,8 +107,13 @@ fn cpu_main() {
 }
 
 /// Prefills `b` copies of the prompt, then times `steps` decode steps; returns output tok/s.
-fn run(model: &Llama, ids: &[u32], b: usize, steps: usize) -> f64 {
-    let mut kv = ContiguousKv::new(model.config.attn_geometry(), b * (ids.len() + steps + 1));
+fn run(model: &Arc<Llama>, ids: &[u32], b: usize, steps: usize) -> f64 {
+    const BS: usize = 16;
+    let blocks = b * (ids.len() + steps + 1).div_ceil(BS);
+    let pools = llama_backend_config(model.config.attn_geometry(), KvDtype::Bf16, BS, blocks);
+    let mut f = CpuForward::new(model.clone(), CpuBackend::new(pools).expect("KV pools")).expect("engine");
+    let mut planner = DirectPlanner::new(BS, &f.kv_config().groups);
+    let mut plan = StepPlan::default();
     let v = model.config.vocab;
     let mut last = vec![0u32; b];
     // Prefill in chunks of up to 1024 tokens.
@@ -116,7 +127,7 @@ fn run(model: &Llama, ids: &[u32], b: usize, steps: usize) -> f64 {
                 want_logits: true,
             })
             .collect();
-        let logits = model.forward(&mut kv, &chunks).expect("prefill");
+        let logits = step_direct(&mut f, &mut planner, &chunks, &mut plan).expect("prefill");
         for (i, s) in (start..(start + per).min(b)).enumerate() {
             last[s] = argmax(&logits[i * v..(i + 1) * v]);
         }
@@ -134,13 +145,13 @@ fn run(model: &Llama, ids: &[u32], b: usize, steps: usize) -> f64 {
                 want_logits: true,
             })
             .collect();
-        let logits = model.forward(&mut kv, &chunks).expect("decode");
+        let logits = step_direct(&mut f, &mut planner, &chunks, &mut plan).expect("decode");
         for (s, l) in last.iter_mut().enumerate() {
             *l = argmax(&logits[s * v..(s + 1) * v]);
         }
     }
     let secs = t.elapsed().as_secs_f64();
-    assert_eq!(kv.cached_len(0), ids.len() + steps);
+    assert_eq!(planner.held(0), ids.len() + steps);
     (b * steps) as f64 / secs
 }
 
@@ -149,8 +160,10 @@ mod gpu {
     use std::time::{Duration, Instant};
 
     use kvfleet::compat::KvCacheDtype;
-    use kvfleet::model::forward::Forward;
+    use kvfleet::model::forward::{step_direct, Forward};
     use kvfleet::model::gguf::Gguf;
+    use kvfleet::worker::engine::direct::DirectPlanner;
+    use kvfleet::worker::engine::StepPlan;
     use kvfleet::model::gpu::{GpuLlama, GpuOptions};
     use kvfleet::model::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
     use kvfleet::model::sampling::argmax;
@@ -304,6 +317,9 @@ mod gpu {
     ) -> Result<(f64, Duration), ForwardError> {
         let v = m.config().vocab;
         let mut last = vec![0u32; b];
+        // The scheduler's page tables and plan writer, with batches chosen here.
+        let mut planner = DirectPlanner::new(m.kv_config().block_size, &m.kv_config().groups);
+        let mut plan = StepPlan::default();
         let per = (CHUNK_TOKENS / prompt.len().max(1)).max(1);
         for start in (0..b).step_by(per) {
             let end = (start + per).min(b);
@@ -315,7 +331,7 @@ mod gpu {
                     want_logits: true,
                 })
                 .collect();
-            let logits = m.forward(&chunks)?;
+            let logits = step_direct(m, &mut planner, &chunks, &mut plan)?;
             for (i, s) in (start..end).enumerate() {
                 last[s] = argmax(&logits[i * v..(i + 1) * v]);
             }
@@ -335,7 +351,7 @@ mod gpu {
                 })
                 .collect();
             let f0 = Instant::now();
-            let logits = m.forward(&chunks)?;
+            let logits = step_direct(m, &mut planner, &chunks, &mut plan)?;
             in_forward += f0.elapsed();
             last.par_iter_mut()
                 .zip(logits.par_chunks(v))
@@ -343,9 +359,9 @@ mod gpu {
             m.recycle(logits);
         }
         let secs = t.elapsed().as_secs_f64();
-        let held = m.cached_len(base);
+        let held = planner.held(base);
         for s in 0..b {
-            m.release(base + s as u64);
+            planner.release(base + s as u64);
         }
         assert_eq!(held, prompt.len() + steps, "KV length after the run");
         Ok(((b * steps) as f64 / secs, in_forward))

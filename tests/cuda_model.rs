@@ -15,12 +15,16 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use kvfleet::model::forward::Forward;
+use kvfleet::model::forward::{step_direct, Forward};
 use kvfleet::model::gguf::Gguf;
 use kvfleet::model::gpu::{GpuLlama, GpuOptions};
 use kvfleet::model::kv::ContiguousKv;
 use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
-use kvfleet::model::runtime::{GenEvent, ModelRuntime, RuntimeConfig};
+use kvfleet::model::llama::ForwardError;
+use kvfleet::model::runtime::{GenEvent, ModelRuntime};
+use kvfleet::worker::engine::direct::DirectPlanner;
+use kvfleet::worker::engine::scheduler::SchedulerConfig;
+use kvfleet::worker::engine::{KvDtype, StepPlan};
 use kvfleet::model::sampling::{argmax, SamplingParams};
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
 use kvfleet::worker::cuda::device::Gpu;
@@ -75,11 +79,48 @@ fn opts() -> GpuOptions {
     }
 }
 
-fn on_gpu(m: &Llama) -> GpuLlama {
-    match GpuLlama::from_llama(gpu(), m, &opts()) {
-        Ok(g) => g,
+/// The GPU model stepped with batches chosen by the test, over the scheduler's page tables.
+struct Stepped {
+    g: GpuLlama,
+    planner: DirectPlanner,
+    plan: StepPlan,
+}
+
+impl Stepped {
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
+        step_direct(&mut self.g, &mut self.planner, batch, &mut self.plan)
+    }
+
+    fn cached_len(&self, id: u64) -> usize {
+        self.planner.held(id)
+    }
+
+    fn free_blocks(&self) -> usize {
+        self.planner.kv().total_blocks() - self.planner.kv().used_blocks()
+    }
+
+    fn release(&mut self, id: u64) {
+        self.planner.release(id)
+    }
+}
+
+fn on_gpu_with(m: &Llama, kv_dtype: KvDtype) -> Stepped {
+    let o = GpuOptions { kv_dtype, ..opts() };
+    match GpuLlama::from_llama(gpu(), m, &o) {
+        Ok(g) => {
+            let planner = DirectPlanner::new(g.kv_config().block_size, &g.kv_config().groups);
+            Stepped {
+                g,
+                planner,
+                plan: StepPlan::default(),
+            }
+        }
         Err(e) => panic!("cannot build the GPU model: {e}"),
     }
+}
+
+fn on_gpu(m: &Llama) -> Stepped {
+    on_gpu_with(m, KvDtype::Bf16)
 }
 
 fn chunk(seq: u64, start_pos: usize, tokens: &[u32]) -> SeqChunk<'_> {
@@ -225,6 +266,35 @@ fn gpu_smollm2_prefill_and_decode_logits_match_the_cpu() {
     );
 }
 
+/// fp8 and nvfp4 KV caches on the GPU against the CPU's f32 cache: the same prefill and decode
+/// steps as the bf16 test, with bounds that allow for the KV rounding (e4m3 keeps 3 mantissa
+/// bits, relative rounding 2^-4 ~ 6%; nvfp4 1 bit with a per-16 scale): relative logit error
+/// at most 0.15 (fp8) and 0.30 (nvfp4) of max|logit|. Each prints the measured ratio.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_fp8_and_nvfp4_kv_logits_stay_within_their_bounds() {
+    let m = smollm2();
+    let ids = chat_ids("What is the capital of France?");
+    for (dtype, bound) in [(KvDtype::Fp8E4m3, 0.15f32), (KvDtype::Fp8E5m2, 0.15), (KvDtype::Nvfp4, 0.30)] {
+        let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
+        let mut g = on_gpu_with(m, dtype);
+        let mut cpu = m.forward(&mut kv, &[chunk(7, 0, &ids)]).unwrap();
+        let mut gpu = g.forward(&[chunk(7, 0, &ids)]).unwrap();
+        let mut worst = 0f32;
+        let mut pos = ids.len();
+        for _ in 0..5 {
+            let (d, s) = diff(&gpu, &cpu);
+            worst = worst.max(d / s.max(1e-12));
+            let next = [argmax(&cpu)];
+            cpu = m.forward(&mut kv, &[chunk(7, pos, &next)]).unwrap();
+            gpu = g.forward(&[chunk(7, pos, &next)]).unwrap();
+            pos += 1;
+        }
+        eprintln!("{dtype:?} KV: worst max|gpu - cpu| / max|cpu| over 6 steps = {worst:.4} (bound {bound})");
+        assert!(worst <= bound, "{dtype:?}: relative logit error {worst} above {bound}");
+    }
+}
+
 /// Steps of three sequences: prefills (one crossing a page), then a decode mixed with a
 /// continued prefill chunk and a new prefill, then decodes of all three.
 fn mixed_steps() -> Vec<Vec<(u64, usize, Vec<u32>)>> {
@@ -311,25 +381,33 @@ fn gpu_dummy_head_dim_64_gqa_2_matches_the_cpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
 fn gpu_runtime_generation_loop_answers_paris() {
-    let registry = prometheus::Registry::new();
     let m = Llama::from_gguf(gguf()).expect("load SmolLM2 weights");
-    let cfg = RuntimeConfig {
-        max_num_seqs: 8,
-        max_batched_tokens: 256,
-        kv_capacity_tokens: 0, // replaced by the GPU's capacity
-    };
     let tok = Tokenizer::from_gguf(gguf()).unwrap();
-    let rt = match ModelRuntime::start_gpu(m, tok, "smol".into(), cfg, &opts(), &registry) {
+    let o = GpuOptions {
+        self_test: true,
+        ..opts()
+    };
+    let weights = kvfleet::model::serve::LoadedWeights::Host(m);
+    let (forward, cap) = match kvfleet::model::serve::on_gpu(weights, &o, 0) {
+        Ok(f) => f,
+        Err(e) => panic!("cannot put the model on the GPU: {e}"),
+    };
+    let sched = SchedulerConfig {
+        block_size: 16,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 256,
+        max_model_len: 4096,
+        max_waiting: 64,
+    };
+    let metrics = Arc::new(kvfleet::worker::metrics::Metrics::new().unwrap());
+    let rt = match ModelRuntime::start(forward, tok, "smol".into(), sched, metrics) {
         Ok(rt) => rt,
         Err(e) => panic!("cannot start the GPU runtime: {e}"),
     };
     assert_eq!(rt.device, "cuda");
-    let cap = rt.gpu_capacity.clone().expect("GPU capacity");
-    eprintln!(
-        "GPU capacity: {cap:?}; admission {} tokens",
-        rt.kv_capacity_tokens
-    );
+    eprintln!("GPU capacity: {cap:?}; pool {:?}", rt.pool);
     assert_eq!(cap.kv_tokens, 16384);
+    assert_eq!(rt.pool.total_blocks * rt.pool.block_size, 16384, "the scheduler manages the GPU's pool");
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: 24,

@@ -17,7 +17,7 @@ use kvfleet::model::gguf::{Gguf, Value};
 use kvfleet::model::hf::{self, HfConfig, HfError};
 use kvfleet::model::kv::ContiguousKv;
 use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
-use kvfleet::model::runtime::{GenEvent, ModelRuntime, RuntimeConfig};
+use kvfleet::model::runtime::GenEvent;
 use kvfleet::model::sampling::{argmax, SamplingParams};
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
 
@@ -946,12 +946,18 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
     drop(hf_model);
 
     // The serving path: the runtime loads the directory and answers through the loop.
-    let registry = prometheus::Registry::new();
-    let cfg = RuntimeConfig {
-        kv_capacity_tokens: 4096,
-        ..RuntimeConfig::default()
+    use kvfleet::model::serve::{load, start_cpu, CpuLimits, ModelSource};
+    let source = ModelSource {
+        path: Some(dir.0.clone()),
+        ..ModelSource::default()
     };
-    let rt = ModelRuntime::load_hf(&dir.0, None, cfg, &registry).unwrap();
+    let loaded = load(&source, None, None, 0).unwrap();
+    let limits = CpuLimits {
+        kv_tokens: 4096,
+        ..CpuLimits::default()
+    };
+    let metrics = std::sync::Arc::new(kvfleet::worker::metrics::Metrics::new().unwrap());
+    let rt = start_cpu(loaded, limits, metrics).unwrap();
     assert!(
         rt.name.starts_with("kvfleet-hf-"),
         "named after the directory: {}",
@@ -1001,29 +1007,35 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
     let logits = model_logits(&m, &[1, 2, 3]);
     assert_eq!(logits.len(), g.vocab);
     assert!(logits.iter().all(|v| v.is_finite()));
-    // Through the worker's options: --model-weights dummy --model-config DIR.
-    use kvfleet::model::serve::{mount, ModelArgs, Weights};
-    let args = ModelArgs {
+    // Through the worker's model source: --model-weights dummy --model-config DIR.
+    use kvfleet::model::serve::{load, start_cpu, CpuLimits, ModelSource, Weights};
+    let source = ModelSource {
         weights: Weights::Dummy,
-        model_config: Some(dir.0.clone()),
-        kv_capacity_tokens: 1024,
-        ..ModelArgs::default()
+        config: Some(dir.0.clone()),
+        ..ModelSource::default()
     };
-    let _app = mount(axum::Router::new(), &args, &prometheus::Registry::new()).unwrap();
-    let args = ModelArgs {
+    let loaded = load(&source, None, None, 0).unwrap();
+    assert!(loaded.name.starts_with("dummy-"), "{}", loaded.name);
+    let metrics = std::sync::Arc::new(kvfleet::worker::metrics::Metrics::new().unwrap());
+    let limits = CpuLimits {
+        kv_tokens: 1024,
+        ..CpuLimits::default()
+    };
+    start_cpu(loaded, limits, metrics).unwrap();
+    let source = ModelSource {
         weights: Weights::Dummy,
-        ..ModelArgs::default()
+        ..ModelSource::default()
     };
-    let e = mount(axum::Router::new(), &args, &prometheus::Registry::new()).unwrap_err();
+    let e = load(&source, None, None, 0).err().unwrap();
     assert!(e.to_string().contains("--model-config"), "{e}");
     // Without dummy, a directory (or its config.json) is loaded as a checkpoint: this one
     // has no tokenizer, which the error names.
     for model in [dir.0.clone(), path] {
-        let args = ModelArgs {
-            model: Some(model),
-            ..ModelArgs::default()
+        let source = ModelSource {
+            path: Some(model),
+            ..ModelSource::default()
         };
-        let e = mount(axum::Router::new(), &args, &prometheus::Registry::new()).unwrap_err();
+        let e = load(&source, None, None, 0).err().unwrap();
         assert!(e.to_string().contains("tokenizer.json"), "{e}");
     }
 }

@@ -529,7 +529,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(scratch.join("data")).expect("scratch directory");
 
-    // The worker, on its embedded default geometry on the CPU.
+    // The worker, serving the embedded SmolLM2 on the CPU engine.
     let worker_port = free_port();
     let mut worker = Proc(
         Command::new(env!("CARGO_BIN_EXE_kvfleet"))
@@ -577,14 +577,16 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         }
     });
 
-    // Synthetic load so that usage, requests and attention latency move.
-    // docs/worker.md: 202 at once with "stream": false.
-    let load = r#"{"requests": [{"promptTokens": 256, "outputTokens": 128, "count": 32}], "stream": false}"#;
-    let (status, body) = http(worker_port, "POST", "/v1/load", Some(load)).expect("POST /v1/load");
-    assert!(
-        (200..300).contains(&status),
-        "POST /v1/load answered {status}: {body}"
-    );
+    // Real traffic to the served model so that usage, requests and latencies move: 8
+    // completions in the background while Prometheus scrapes.
+    let load: Vec<_> = (0..8)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = format!(r#"{{"prompt":"Story number {i}: once upon a time","max_tokens":48,"temperature":0}}"#);
+                http(worker_port, "POST", "/v1/completions", Some(&body))
+            })
+        })
+        .collect();
 
     // Enough scrapes for rate() over 15s windows and for the recording rules to run.
     wait_for("worker target up", Duration::from_secs(60), || {
@@ -631,6 +633,12 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
             failures.push(format!("variable {label}: {expected} not found"));
         }
     }
+    for h in load {
+        match h.join() {
+            Ok(Ok((200, _))) => {}
+            other => failures.push(format!("a completion failed: {other:?}")),
+        }
+    }
     // The load reached the engine: tokens were computed.
     let tokens = prom_query(prom_port, "max(kvfleet_tokens_total)").unwrap_or_default();
     let computed = tokens
@@ -639,7 +647,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0);
     if computed <= 0.0 {
-        failures.push("kvfleet_tokens_total stayed 0 after POST /v1/load".to_owned());
+        failures.push("kvfleet_tokens_total stayed 0 after the completions".to_owned());
     }
     // The recording rules ran on the scraped data.
     for record in [

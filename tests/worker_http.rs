@@ -1,42 +1,43 @@
-//! Starts the real `kvfleet worker` on the CPU, submits loads over HTTP, scrapes
-//! `/metrics` and checks capacity against the planner and usage against the load.
+//! The real `kvfleet worker` binary serving the embedded SmolLM2 on the engine (CPU backend):
+//! the README's run command, overload of a small KV pool by 64 concurrent streams with the
+//! metrics sampled while they run, start-up failures with their exit codes and termination
+//! log, and capacity measured on the pool the served model allocated.
+//!
+//! Needs the embedded model (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`).
 
-use std::io::{Read, Write};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvfleet::worker::config::WorkerConfig;
-use kvfleet::worker::nvml::Probe;
-use kvfleet::worker::preflight;
-
-/// One full-attention layer, 4 query heads over 1 KV head of 64, bf16, pages of 16:
-/// one block is K + V = 2 x 16 x 64 x 2 bytes = 4 KiB; 1 MiB x 0.9 leaves 230 blocks.
-const CONFIG: &str = r#"
-modelName: test-tiny
-geometry: {layers: 1, queryHeads: 4, kvHeads: 1, headDim: 64}
-engine: {maxModelLen: 512, maxNumSeqs: 8, maxNumBatchedTokens: 64, blockSize: 16, gpuMemoryUtilization: 0.9}
-cpuMemoryBytes: 1048576
-"#;
-
-fn write_config(name: &str, text: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("kvfleet-worker-test-{}-{name}.yaml", std::process::id()));
-    std::fs::write(&p, text).unwrap();
+fn smollm2() -> PathBuf {
+    let p = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(
+        p.exists(),
+        "the embedded SmolLM2 is not installed at {} (run .ci/install-tools)",
+        p.display()
+    );
     p
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("kvfleet-worker-http-{}-{name}", std::process::id()))
 }
 
 struct Worker {
     child: Child,
     port: u16,
+    log: PathBuf,
 }
 
 impl Drop for Worker {
@@ -46,26 +47,33 @@ impl Drop for Worker {
     }
 }
 
-fn start(args: &[&str]) -> Worker {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
-        .arg("worker")
-        // The attention engine alone: the embedded language model has its own test.
-        .arg("--no-model")
-        .args(["--listen", &listen])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    Worker { child, port }
+impl Worker {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
 }
 
-/// (status, body) of one HTTP/1.1 exchange; decodes chunked bodies.
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+fn start(name: &str, args: &[&str], env: &[(&str, &str)]) -> Worker {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let log = temp(&format!("{name}.log"));
+    let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .arg("worker")
+        .args(["--listen", &listen])
+        .args(args)
+        .env("KVFLEET_SMOLLM2_GGUF", smollm2())
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    Worker { child, port, log }
+}
+
+/// (status, headers, body) of one HTTP/1.1 exchange; decodes chunked bodies.
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     write!(
         s,
         "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -80,10 +88,9 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
         let mut out = String::new();
         let mut rest = rest;
-        loop {
-            let (size, after) = rest.split_once("\r\n").unwrap();
-            let n = usize::from_str_radix(size.trim(), 16).unwrap();
-            if n == 0 {
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 || after.len() < n {
                 break;
             }
             out.push_str(&after[..n]);
@@ -93,38 +100,21 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     } else {
         rest.to_string()
     };
-    (status, body)
+    (status, head.to_string(), body)
 }
 
-fn try_get(port: u16, path: &str) -> Option<(u16, String)> {
-    TcpStream::connect(("127.0.0.1", port)).ok()?;
-    Some(http(port, "GET", path, ""))
-}
-
-fn wait_ready(w: &mut Worker) {
+fn wait_ready(w: &mut Worker, within: Duration) {
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(60) {
+    while t0.elapsed() < within {
         if let Some(status) = w.child.try_wait().unwrap() {
-            panic!("worker exited during start-up: {status}");
+            panic!("worker exited during start-up: {status}\n{}", w.log());
         }
-        if let Some((200, _)) = try_get(w.port, "/readyz") {
+        if TcpStream::connect(("127.0.0.1", w.port)).is_ok() && http(w.port, "GET", "/readyz", "").0 == 200 {
             return;
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(200));
     }
-    panic!("worker not ready within 60 s");
-}
-
-/// The value of a sample `name` (with its labels, as printed) in Prometheus text.
-fn sample(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("{name} missing in:\n{metrics}"))
-        .trim()
-        .parse()
-        .unwrap()
+    panic!("worker not ready within {within:?}\n{}", w.log());
 }
 
 fn wait_exit(w: &mut Worker, within: Duration) -> Option<i32> {
@@ -138,152 +128,296 @@ fn wait_exit(w: &mut Worker, within: Duration) -> Option<i32> {
     None
 }
 
-#[test]
-fn worker_serves_a_load_and_its_gauges_match_the_planner_and_the_load() {
-    let path = write_config("load", CONFIG);
-    let mut w = start(&["--config", path.to_str().unwrap(), "--drain-seconds", "1"]);
-    wait_ready(&mut w);
+/// The value of sample `name` (with its labels, as printed) in Prometheus text.
+fn sample(metrics: &str, name: &str) -> f64 {
+    try_sample(metrics, name).unwrap_or_else(|| panic!("{name} missing in:\n{metrics}"))
+}
 
-    // Capacity: the planner's prediction for the same config on a machine without GPU,
-    // which by hand is 230 blocks / 32 blocks per 512-token request x 512 = 3680 tokens.
-    let cfg = WorkerConfig::parse(CONFIG).unwrap();
-    let predicted = preflight::run(
-        &cfg,
-        &Probe::NoGpu {
-            reason: "test".into(),
-        },
-    )
-    .unwrap();
-    let planner = kvfleet::plan::pool_layout(
-        &kvfleet::plan::Geometry::from_spec(&cfg.geometry).unwrap(),
-        &kvfleet::plan::EngineParams {
-            tp: 1,
-            dtype: kvfleet::compat::KvCacheDtype::Bfloat16,
-            block_size: 16,
-            max_model_len: 512,
-            max_num_batched_tokens: 64,
-        },
-        (1048576.0f64 * 0.9).floor() as u64,
-    )
-    .unwrap();
-    assert_eq!(planner.groups[0].num_blocks, 230);
-    assert_eq!(planner.capacity_tokens, 3680);
-    assert_eq!(predicted.pools.capacity_tokens, planner.capacity_tokens);
-    let (status, m) = http(w.port, "GET", "/metrics", "");
-    assert_eq!(status, 200);
-    assert_eq!(sample(&m, "kvfleet_kv_cache_capacity_tokens"), 3680.0);
-    assert_eq!(sample(&m, "kvfleet_kv_cache_predicted_capacity_tokens"), 3680.0);
-    assert_eq!(sample(&m, "kvfleet_kv_cache_max_concurrency"), 230.0 / 32.0);
-    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}"), 230.0);
-    assert_eq!(
-        sample(&m, r#"kvfleet_gpu_info{compute_capability="none",product="cpu"}"#),
-        1.0
-    );
-    let (status, cap) = http(w.port, "GET", "/v1/capacity", "");
-    assert_eq!(status, 200);
-    let cap: serde_json::Value = serde_json::from_str(&cap).unwrap();
-    assert_eq!(cap["capacityTokens"], 3680);
+fn try_sample(metrics: &str, name: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+}
 
-    // Bad input: a reason and a 4xx, never a crash.
-    for (body, want) in [
-        ("{\"requests\": [", "malformed"),
-        (
-            r#"{"requests": [{"promptTokens": 500, "outputTokens": 100}]}"#,
-            "maxModelLen",
-        ),
-        (
-            r#"{"requests": [{"promptTokens": 0, "outputTokens": 1}]}"#,
-            "at least 1",
-        ),
-        (
-            r#"{"requests": [{"promptTokens": 1, "outputTokens": 1, "count": 0}]}"#,
-            "no requests",
-        ),
-        (r#"{"requests": [], "extra": 1}"#, "malformed"),
-    ] {
-        let (status, text) = http(w.port, "POST", "/v1/load", body);
-        assert_eq!(status, 400, "{body} -> {text}");
-        assert!(text.contains(want), "{body} -> {text}");
+/// Streams a greedy completion; returns the text or the error the stream carried.
+fn stream_completion(port: u16, prompt: &str, max_tokens: usize) -> Result<String, String> {
+    let body = serde_json::json!({
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true
+    })
+    .to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| e.to_string())?;
+    let mut r = BufReader::new(s);
+    let mut status = String::new();
+    r.read_line(&mut status).map_err(|e| e.to_string())?;
+    if !status.contains(" 200 ") {
+        let mut rest = String::new();
+        let _ = r.read_to_string(&mut rest);
+        return Err(format!("{status} {rest}"));
     }
-
-    // A load that stays running: 6 requests of 200 prompt + 300 output tokens.
-    let (status, text) = http(
-        w.port,
-        "POST",
-        "/v1/load",
-        r#"{"requests": [{"promptTokens": 200, "outputTokens": 300, "count": 6}], "stream": false}"#,
-    );
-    assert_eq!(status, 202, "{text}");
-    // Wait until every prompt is in the cache (6 x cdiv(200, 16) = 78 blocks at least).
-    let t0 = Instant::now();
-    let m = loop {
-        let (_, m) = http(w.port, "GET", "/metrics", "");
-        if sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}") >= 78.0 {
-            break m;
+    let mut text = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+            return Err(format!("stream ended without [DONE] after {text:?}"));
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "prefill did not finish:\n{m}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let used = sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}");
-    let free = sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}");
-    assert_eq!(used + free, 230.0);
-    // Each request holds at most cdiv(499, 16) = 32 blocks.
-    assert!(used <= 6.0 * 32.0, "{used}");
-    let usage = sample(&m, "kvfleet_kv_cache_usage_ratio");
-    assert!((usage - used / 230.0).abs() < 1e-12);
-    assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), usage);
-    assert_eq!(sample(&m, "kvfleet_requests{state=\"running\"}"), 6.0);
-    assert_eq!(sample(&m, "vllm:num_requests_running"), 6.0);
-    assert_eq!(sample(&m, "vllm:num_requests_waiting"), 0.0);
-    assert!(sample(&m, "kvfleet_attention_seconds_count") > 0.0);
-
-    // A streamed load alongside: every request reports its tokens and finishes.
-    let (status, stream) = http(
-        w.port,
-        "POST",
-        "/v1/load",
-        r#"{"requests": [{"promptTokens": 10, "outputTokens": 3, "count": 2}]}"#,
-    );
-    assert_eq!(status, 200);
-    let lines: Vec<serde_json::Value> = stream.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(lines[0]["event"], "accepted");
-    let ids = lines[0]["ids"].as_array().unwrap().clone();
-    assert_eq!(ids.len(), 2);
-    for id in &ids {
-        let tokens = lines
-            .iter()
-            .filter(|l| l["event"] == "token" && &l["id"] == id)
-            .count();
-        assert_eq!(tokens, 3, "{stream}");
-        assert!(lines.iter().any(|l| l["event"] == "finished" && &l["id"] == id));
+        let Some(data) = line.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return Ok(text);
+        }
+        let v: serde_json::Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        if let Some(e) = v.get("error") {
+            return Err(e.to_string());
+        }
+        if let Some(t) = v["choices"][0]["text"].as_str() {
+            text.push_str(t);
+        }
     }
-    assert_eq!(lines.last().unwrap()["event"], "done");
-    assert_eq!(lines.last().unwrap()["finished"], 2);
-
-    // SIGTERM: drain for 1 s, fail the rest explicitly, exit 0.
-    let pid = w.child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(30)), Some(0));
-    let _ = std::fs::remove_file(path);
 }
 
 #[test]
-fn worker_refuses_to_start_with_a_distinct_exit_code() {
-    // Too little memory for one maxModelLen request: exit 4.
-    let path = write_config("small", CONFIG);
-    let mut w = start(&["--config", path.to_str().unwrap(), "--cpu-memory-bytes", "65536"]);
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(30)), Some(4));
-    // A config that is not the documented shape: exit 2.
-    let bad = write_config("bad", "geometry: {layers: 1}\nnope: true\n");
-    let mut w = start(&["--config", bad.to_str().unwrap()]);
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(30)), Some(2));
-    let _ = std::fs::remove_file(path);
-    let _ = std::fs::remove_file(bad);
+fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
+    let mut w = start("default", &[], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let (st, _, body) = http(w.port, "GET", "/v1/models", "");
+    assert_eq!(st, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["data"][0]["id"], "SmolLM2-135M-Instruct");
+    let (st, _, cap) = http(w.port, "GET", "/v1/capacity", "");
+    assert_eq!(st, 200);
+    let cap: serde_json::Value = serde_json::from_str(&cap).unwrap();
+    assert_eq!(cap["modelName"], "SmolLM2-135M-Instruct", "capacity describes the served model");
+    assert_eq!(cap["backend"], "cpu");
+    assert_eq!(cap["kvCacheDtype"], "bfloat16");
+    // The pool is sized for SmolLM2's geometry: 30 layers x K+V x 3 KV heads x 64 x 2 bytes
+    // = 23,040 bytes a token; 128 MiB x 0.9 holds 5,242 tokens, 327 pages of 16.
+    assert_eq!(cap["totalBlocks"], 327, "{cap}");
+    assert_eq!(cap["kvTokens"], 327 * 16);
+    let (_, _, m) = http(w.port, "GET", "/metrics", "");
+    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}"), 327.0);
+    assert!(
+        m.contains(r#"vllm:cache_config_info{block_size="16",cache_dtype="bfloat16",num_gpu_blocks="327"} 1"#),
+        "{m}"
+    );
+    let chat = r#"{"model":"SmolLM2-135M-Instruct","temperature":0,"max_tokens":16,
+        "messages":[{"role":"user","content":"What is the capital of France?"}]}"#;
+    let (st, _, body) = http(w.port, "POST", "/v1/chat/completions", chat);
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Paris"), "{v}");
+    let (_, _, m) = http(w.port, "GET", "/metrics", "");
+    assert!(sample(&m, "vllm:generation_tokens_total") >= 3.0);
+    assert_eq!(sample(&m, "vllm:prompt_tokens_total"), 37.0, "the chat prompt, once");
+    assert_eq!(sample(&m, "vllm:time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(sample(&m, "vllm:e2e_request_latency_seconds_count"), 1.0);
+}
+
+/// 64 concurrent streaming requests against a pool of 48 pages (768 tokens): a request needs
+/// 3 to 4 pages, so at most about 14 run at once and the rest wait or are preempted. Each
+/// completes with the greedy text it gets alone; the pool is empty afterwards.
+#[test]
+fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone() {
+    let mut w = start(
+        "overload",
+        &[
+            "--max-kv-tokens",
+            "768",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "256",
+            "--max-model-len",
+            "512",
+        ],
+        &[],
+    );
+    wait_ready(&mut w, Duration::from_secs(180));
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time, in a small village,",
+        "The three primary colours are",
+        "To make a cup of tea, first",
+        "The largest planet in the solar system is",
+        "def fibonacci(n):",
+        "La capitale de l'Italie est",
+        "Water boils at a temperature of",
+    ];
+    const MAX_TOKENS: usize = 12;
+    let alone: HashMap<&str, String> = prompts
+        .iter()
+        .map(|p| (*p, stream_completion(w.port, p, MAX_TOKENS).expect("alone")))
+        .collect();
+    for (p, t) in &alone {
+        assert!(!t.is_empty(), "{p:?} produced nothing");
+    }
+    let (_, _, m) = http(w.port, "GET", "/metrics", "");
+    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"), 0.0);
+    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}"), 48.0);
+    let preempted_before = sample(&m, "vllm:num_preemptions_total");
+
+    // Sample /metrics every 100 ms while the 64 streams run.
+    let done = Arc::new(AtomicBool::new(false));
+    let peaks = Arc::new(Mutex::new((0f64, 0f64, 0f64, 0f64)));
+    let sampler = {
+        let (done, peaks, port) = (done.clone(), peaks.clone(), w.port);
+        std::thread::spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                let (_, _, m) = http(port, "GET", "/metrics", "");
+                let mut p = peaks.lock().unwrap();
+                p.0 = p.0.max(sample(&m, "vllm:kv_cache_usage_perc"));
+                p.1 = p.1.max(sample(&m, "vllm:num_requests_running"));
+                p.2 = p.2.max(sample(&m, "vllm:num_requests_waiting"));
+                p.3 = p.3.max(sample(&m, "vllm:num_preemptions_total"));
+                drop(p);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let port = w.port;
+    let handles: Vec<_> = (0..64)
+        .map(|i| {
+            let p = prompts[i % prompts.len()];
+            std::thread::spawn(move || (p, stream_completion(port, p, MAX_TOKENS)))
+        })
+        .collect();
+    let results: Vec<(&str, Result<String, String>)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    done.store(true, Ordering::SeqCst);
+    sampler.join().unwrap();
+    for (p, r) in &results {
+        match r {
+            Ok(t) => assert_eq!(t, &alone[p], "prompt {p:?}: concurrent text differs from alone"),
+            Err(e) => panic!("prompt {p:?} failed: {e}\n{}", w.log()),
+        }
+    }
+    let (usage, running, waiting, preemptions) = *peaks.lock().unwrap();
+    eprintln!(
+        "peaks while 64 streams ran: kv usage {usage:.3}, running {running}, waiting {waiting}, \
+         preemptions {}",
+        preemptions - preempted_before
+    );
+    assert!(usage > 0.0, "vllm:kv_cache_usage_perc stayed 0");
+    assert!(running > 0.0, "vllm:num_requests_running stayed 0");
+    assert!(
+        waiting > 0.0 || preemptions > preempted_before,
+        "the pool never filled: nothing waited and nothing was preempted"
+    );
+    let (_, _, m) = http(w.port, "GET", "/metrics", "");
+    assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), 0.0, "usage back to 0");
+    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"), 0.0, "no block leaked");
+    assert_eq!(sample(&m, "vllm:num_requests_running"), 0.0);
+    assert_eq!(sample(&m, "vllm:e2e_request_latency_seconds_count"), 72.0);
+}
+
+#[test]
+fn bad_requests_get_a_4xx_and_a_full_queue_answers_429_with_retry_after() {
+    let mut w = start(
+        "limits",
+        &["--max-model-len", "64", "--max-waiting", "1", "--max-num-seqs", "1", "--max-num-batched-tokens", "64"],
+        &[],
+    );
+    wait_ready(&mut w, Duration::from_secs(180));
+    let long = "word ".repeat(200);
+    let body = serde_json::json!({"prompt": long, "max_tokens": 4}).to_string();
+    let (st, _, b) = http(w.port, "POST", "/v1/completions", &body);
+    assert_eq!(st, 400, "{b}");
+    assert!(b.contains("maxModelLen 64") && b.contains("\"param\":\"prompt\""), "{b}");
+    let (st, _, b) = http(w.port, "POST", "/v1/completions", r#"{"prompt":"","max_tokens":4}"#);
+    assert_eq!(st, 400, "{b}");
+    // One running, one queued: the next ones are refused until the queue drains.
+    let port = w.port;
+    let burst: Vec<_> = (0..6)
+        .map(|_| {
+            std::thread::spawn(move || {
+                http(port, "POST", "/v1/completions", r#"{"prompt":"Count to ten:","max_tokens":40,"temperature":0}"#)
+            })
+        })
+        .collect();
+    let answers: Vec<(u16, String, String)> = burst.into_iter().map(|h| h.join().unwrap()).collect();
+    let ok = answers.iter().filter(|a| a.0 == 200).count();
+    let limited: Vec<_> = answers.iter().filter(|a| a.0 == 429).collect();
+    assert!(ok >= 1, "{answers:?}");
+    assert!(!limited.is_empty(), "no 429 with a queue of 1: {answers:?}");
+    for (_, head, body) in limited {
+        assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+        assert!(body.contains("retry later"), "{body}");
+    }
+    assert_eq!(ok + answers.iter().filter(|a| a.0 == 429).count(), 6, "{answers:?}");
+}
+
+#[test]
+fn a_config_without_weights_or_with_the_wrong_geometry_exits_2_and_says_why() {
+    let cfg = temp("noweights.yaml");
+    std::fs::write(
+        &cfg,
+        "modelName: m\nmodel: {weights: load}\nengine: {maxModelLen: 1024}\n",
+    )
+    .unwrap();
+    let tlog = temp("termination-log");
+    std::fs::write(&tlog, "").unwrap();
+    let tl = tlog.to_str().unwrap().to_string();
+    let mut w = start("noweights", &["--config", cfg.to_str().unwrap()], &[("KVFLEET_TERMINATION_LOG", &tl)]);
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(2), "{}", w.log());
+    let why = std::fs::read_to_string(&tlog).unwrap();
+    assert!(why.contains("spec.model.weights"), "termination log: {why:?}");
+
+    // The spec says 32 layers; the file has 30: refused before anything is allocated.
+    let cfg = temp("wrong-geometry.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model: {{path: {}}}\ngeometry: {{layers: 32, queryHeads: 9, kvHeads: 3, headDim: 64}}\nengine: {{maxModelLen: 1024}}\n",
+            smollm2().display()
+        ),
+    )
+    .unwrap();
+    let mut w = start("geometry", &["--config", cfg.to_str().unwrap()], &[("KVFLEET_TERMINATION_LOG", &tl)]);
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(120)), Some(2), "{}", w.log());
+    let why = std::fs::read_to_string(&tlog).unwrap();
+    assert!(why.contains("layers 32 (the model has 30)"), "termination log: {why:?}");
+
+    // A model path that does not exist names the path and the volume.
+    let mut w = start("missing", &["--model", "/nonexistent/m.gguf"], &[("KVFLEET_TERMINATION_LOG", &tl)]);
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(2), "{}", w.log());
+    let why = std::fs::read_to_string(&tlog).unwrap();
+    assert!(why.contains("/nonexistent/m.gguf") && why.contains("volume"), "{why:?}");
+
+    // maxModelLen beyond the model's context (8192).
+    let mut w = start("ctx", &["--max-model-len", "100000"], &[("KVFLEET_TERMINATION_LOG", &tl)]);
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(120)), Some(2), "{}", w.log());
+    let why = std::fs::read_to_string(&tlog).unwrap();
+    assert!(why.contains("context length"), "{why:?}");
+}
+
+#[test]
+fn sigterm_lets_a_running_stream_finish_within_the_drain_time() {
+    let mut w = start("drain", &["--drain-seconds", "60"], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+    let running = std::thread::spawn(move || stream_completion(port, "Once upon a time", 24));
+    // Let it start, then SIGTERM.
+    let t0 = Instant::now();
+    loop {
+        let (_, _, m) = http(w.port, "GET", "/metrics", "");
+        if sample(&m, "vllm:num_requests_running") >= 1.0 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "the request never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = w.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let text = running.join().unwrap().expect("the running stream finishes during the drain");
+    assert!(!text.is_empty());
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(0), "{}", w.log());
 }

@@ -135,8 +135,9 @@ pub struct ModelSpec {
     #[serde(default)]
     pub quantization: Quantization,
 
-    /// Where the worker loads weights from. Absent: random weights of the geometry
-    /// (capacity and throughput runs, like vLLM's dummy load format).
+    /// Where the worker loads weights from. Required to serve text: a kvfleet worker without
+    /// weights refuses to start; random weights (capacity and throughput runs, like vLLM's
+    /// dummy load format) only with `format: dummy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<WeightsSource>,
 }
@@ -267,17 +268,33 @@ fn default_config_key() -> String {
     "config.json".to_string()
 }
 
-/// Where the worker reads weights from.
+/// Where the worker reads weights from. The volume (a PersistentVolumeClaim or a directory of
+/// the node) is mounted read-only at `/models`; `path` names the GGUF file or the Hugging Face
+/// checkpoint directory (config.json, safetensors, tokenizer.json) inside it. `format: dummy`
+/// serves random weights of the geometry instead (capacity and throughput runs only).
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!(has(self.pvcName) && has(self.hostPath))",
+        "message": "set one of weights.pvcName and weights.hostPath",
+    },
+]))]
 pub struct WeightsSource {
-    /// File format of the weights.
+    /// File format of the weights: `gguf` (one file), `safetensors` (a checkpoint
+    /// directory), or `dummy` (random weights, no volume).
     #[serde(default)]
     pub format: WeightsFormat,
-    /// A PersistentVolumeClaim holding the weights, mounted read-only.
+    /// A PersistentVolumeClaim holding the weights, mounted read-only at `/models`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pvc_name: Option<String>,
-    /// Path of the weights file or directory inside the volume or image.
+    /// A directory on the node holding the weights (e.g. a local NVMe cache), mounted
+    /// read-only at `/models`. Set this or `pvcName`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub host_path: Option<String>,
+    /// Path of the weights file or checkpoint directory inside the volume, relative to its
+    /// root (e.g. `llama-3.1-8b/` or `smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
 }

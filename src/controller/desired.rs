@@ -5,11 +5,12 @@
 //! nothing changed.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, KeyToPath, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
     PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
     SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
 };
@@ -22,7 +23,8 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime};
+use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat};
+use crate::model::serve::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::{labels as gfd, Verdict};
 use crate::worker::config::{ResolvedEngine, WorkerConfig};
@@ -361,15 +363,31 @@ fn pod_template(
             });
         }
     }
-    if let Some(pvc) = spec.model.weights.as_ref().and_then(|w| w.pvc_name.clone()) {
-        volumes.push(Volume {
+    let weights = spec.model.weights.as_ref();
+    let weights_volume = match (
+        weights.and_then(|w| w.pvc_name.clone()),
+        weights.and_then(|w| w.host_path.clone()),
+    ) {
+        (Some(pvc), _) => Some(Volume {
             name: "weights".into(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
                 claim_name: pvc,
                 read_only: Some(true),
             }),
             ..Volume::default()
-        });
+        }),
+        (None, Some(path)) => Some(Volume {
+            name: "weights".into(),
+            host_path: Some(HostPathVolumeSource {
+                path,
+                type_: Some("Directory".into()),
+            }),
+            ..Volume::default()
+        }),
+        (None, None) => None,
+    };
+    if let Some(v) = weights_volume {
+        volumes.push(v);
         mounts.push(VolumeMount {
             name: "weights".into(),
             mount_path: WEIGHTS_DIR.into(),
@@ -613,8 +631,9 @@ pub fn worker_config(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Optio
         _ => None,
     };
     Some(WorkerConfig {
-        model_name: spec.model.name.clone(),
-        geometry,
+        model_name: Some(spec.model.name.clone()),
+        model: Some(worker_model_source(spec)),
+        geometry: Some(geometry),
         weight_bytes: spec
             .model
             .weight_bytes
@@ -625,8 +644,38 @@ pub fn worker_config(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Optio
         resolved,
         activation_reserve_bytes: None,
         cpu_memory_bytes: None,
+        max_kv_tokens: None,
+        max_waiting: None,
         seed: 0,
     })
+}
+
+/// Where the worker reads the model: `/models/<weights.path>` on the weights volume, or
+/// dummy weights (of the `model.config` ConfigMap's geometry when there is one, else of the
+/// inline geometry). No weights at all renders a source without a path, which the worker
+/// refuses at start with the fix (never the embedded model, never random weights).
+pub fn worker_model_source(spec: &InferenceDeploymentSpec) -> ModelSource {
+    let w = spec.model.weights.as_ref();
+    match w.map(|w| w.format) {
+        Some(WeightsFormat::Dummy) => ModelSource {
+            path: None,
+            weights: Weights::Dummy,
+            config: spec
+                .model
+                .config
+                .as_ref()
+                .map(|_| PathBuf::from(format!("{MODEL_CONFIG_DIR}/config.json"))),
+        },
+        Some(_) => ModelSource {
+            path: w.map(|w| {
+                let rel = w.path.as_deref().unwrap_or("").trim_start_matches('/');
+                PathBuf::from(WEIGHTS_DIR).join(rel)
+            }),
+            weights: Weights::Load,
+            config: None,
+        },
+        None => ModelSource::default(),
+    }
 }
 
 /// `worker.yaml`: [`worker_config`] as YAML.
@@ -791,9 +840,9 @@ spec:
         );
         assert_eq!(r.attention_backend, AttentionBackend::KvfleetCuda);
         assert_eq!(cfg.engine.tensor_parallel_size, 2);
-        assert_eq!(cfg.geometry.kv_heads, 8);
+        assert_eq!(cfg.geometry.as_ref().unwrap().kv_heads, 8);
         assert_eq!(cfg.weight_bytes, 16 << 30);
-        assert_eq!(cfg.model_name, "meta-llama/Llama-3.1-8B-Instruct");
+        assert_eq!(cfg.model_name.as_deref(), Some("meta-llama/Llama-3.1-8B-Instruct"));
         let c = container(&d);
         assert_eq!(c.command.unwrap(), vec!["kvfleet"]);
         assert_eq!(

@@ -1,28 +1,40 @@
-//! The seam between the generation loop and where the forward pass runs: the CPU model with
-//! any [`KvAttention`] cache, or the GPU model (`model::gpu::GpuLlama`) with its paged cache.
+//! The seam between the serving loop and where the forward pass runs. The engine's
+//! [`Scheduler`](crate::worker::engine::scheduler::Scheduler) owns the page tables and writes
+//! each step's [`StepPlan`]; a [`Forward`] runs the model's layers for the step's tokens and
+//! hands each layer's Q/K/V to the engine backend (append + attention) under that plan: the
+//! CPU backend here, the CUDA backend in `model::gpu::GpuLlama`.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::kv::{KvAttention, SeqId};
+use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
+use crate::worker::engine::cpu::CpuBackend;
+use crate::worker::engine::direct::DirectPlanner;
+use crate::worker::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
+use crate::worker::engine::{Backend, BackendError, StepPlan};
 
-/// A model plus its KV cache, stepped by the generation loop.
+/// A model on a device with the engine's KV pools, stepped by the serving loop.
 pub trait Forward: Send {
     /// The model's geometry.
     fn config(&self) -> &LlamaConfig;
 
-    /// Runs the new tokens of every chunk (storing their K/V) and returns
+    /// The KV pools as allocated (groups, pages, dtype): what the scheduler manages.
+    fn kv_config(&self) -> &BackendConfig;
+
+    /// Runs the new tokens of every chunk under `plan` (whose `qo_indptr` lists the chunks in
+    /// the same order, and whose slot mappings say where their K/V go) and returns
     /// `[chunks wanting logits, vocab]` f32 logits in chunk order.
-    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError>;
+    fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError>;
 
-    /// Frees everything cached for `seq`.
-    fn release(&mut self, seq: SeqId);
-
-    /// Tokens cached for `seq`, 0 when unknown.
-    fn cached_len(&self, seq: SeqId) -> usize;
-
-    /// Where it runs, for logs (`cpu`, `cuda`).
+    /// Where it runs, for logs and `/v1/capacity` (`cpu`, `cuda`).
     fn device(&self) -> &'static str;
+
+    /// Time the last step spent in the engine's append + attention calls, when the device
+    /// can tell without a synchronisation (the CPU).
+    fn last_attention_time(&self) -> Option<Duration> {
+        None
+    }
 
     /// Hands a logits buffer back once sampled, so the next step can reuse its memory (a GPU
     /// step copies `[rows, vocab]` f32 to the host: 131 MB for 256 rows of a 128k vocabulary,
@@ -32,16 +44,153 @@ pub trait Forward: Send {
     }
 }
 
-/// The CPU forward pass ([`Llama::forward`]) over a [`KvAttention`] cache.
+/// Checks that `plan` was written for `batch`: one `qo_indptr` entry per chunk, each the
+/// chunk's token count.
+pub fn check_plan(batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<(), ForwardError> {
+    let lens = plan.qo_indptr.windows(2).map(|w| (w[1] - w[0]) as usize);
+    let ok = plan.qo_indptr.len() == batch.len() + 1
+        && lens.zip(batch).all(|(n, c)| n == c.tokens.len());
+    if ok {
+        Ok(())
+    } else {
+        Err(ForwardError::Kv(KvError::Backend(format!(
+            "the step plan lists {} chunks, the batch {}; plan and batch must come from the same schedule",
+            plan.qo_indptr.len().saturating_sub(1),
+            batch.len()
+        ))))
+    }
+}
+
+/// Plans `batch` on `planner` (the scheduler's page tables, for callers that choose their own
+/// batches: tests, benchmarks) and runs it.
+pub fn step_direct(
+    f: &mut dyn Forward,
+    planner: &mut DirectPlanner,
+    batch: &[SeqChunk<'_>],
+    plan: &mut StepPlan,
+) -> Result<Vec<f32>, ForwardError> {
+    let seqs: Vec<(u64, usize, usize)> = batch.iter().map(|c| (c.seq, c.start_pos, c.tokens.len())).collect();
+    planner
+        .plan(&seqs, plan)
+        .map_err(|e| ForwardError::Kv(KvError::Backend(e.to_string())))?;
+    f.forward(batch, plan)
+}
+
+/// The engine's pools for a Llama-family geometry: one full-attention group of `num_blocks`
+/// pages of `block_size` tokens, every layer in `dtype`.
+pub fn llama_backend_config(geo: AttnGeometry, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
+    let layer = LayerSpec {
+        group: 0,
+        attn: LayerAttn {
+            q_heads: geo.n_heads,
+            kv_heads: geo.n_kv_heads,
+            head_dim: geo.head_dim,
+            causal: true,
+            window: None,
+            sm_scale: None,
+        },
+        dtype,
+        scales: KvScales::default(),
+    };
+    BackendConfig {
+        block_size,
+        groups: vec![GroupSpec {
+            window: None,
+            num_blocks,
+        }],
+        layers: vec![layer; geo.n_layers],
+    }
+}
+
+/// The CPU forward pass ([`Llama::forward`]) on the engine's CPU backend: K/V in the
+/// engine's paged pools, in the resolved KV dtype.
 pub struct CpuForward {
-    pub model: Arc<Llama>,
-    pub kv: Box<dyn KvAttention>,
+    model: Arc<Llama>,
+    backend: CpuBackend,
+    attention_time: Duration,
 }
 
 impl CpuForward {
-    pub fn new(model: Arc<Llama>, kv: Box<dyn KvAttention>) -> Self {
-        CpuForward { model, kv }
+    /// `backend` must hold the model's layers (checked).
+    pub fn new(model: Arc<Llama>, backend: CpuBackend) -> Result<Self, ForwardError> {
+        let geo = model.config.attn_geometry();
+        let cfg = backend.config();
+        let fits = cfg.layers.len() == geo.n_layers
+            && cfg.layers.iter().all(|l| {
+                l.attn.q_heads == geo.n_heads && l.attn.kv_heads == geo.n_kv_heads && l.attn.head_dim == geo.head_dim
+            });
+        if !fits {
+            return Err(ForwardError::Kv(KvError::Backend(format!(
+                "the KV pools were laid out for {} layers of another geometry; the model has {} layers of \
+                 {} query heads, {} KV heads, head_dim {}",
+                cfg.layers.len(),
+                geo.n_layers,
+                geo.n_heads,
+                geo.n_kv_heads,
+                geo.head_dim
+            ))));
+        }
+        Ok(CpuForward {
+            model,
+            backend,
+            attention_time: Duration::ZERO,
+        })
     }
+
+    pub fn model(&self) -> &Arc<Llama> {
+        &self.model
+    }
+}
+
+/// The engine backend seen by [`Llama::forward`] for one planned step.
+struct Planned<'a> {
+    backend: &'a mut CpuBackend,
+    plan: &'a StepPlan,
+    prepared: bool,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    out: Vec<f32>,
+    time: Duration,
+}
+
+fn fill(buf: &mut Vec<f32>, src: &[f32]) {
+    buf.clear();
+    buf.extend_from_slice(src);
+}
+
+impl KvAttention for Planned<'_> {
+    fn attend(
+        &mut self,
+        layer: usize,
+        _seqs: &[AttnSeq],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), KvError> {
+        let t0 = Instant::now();
+        let device = |e: BackendError| KvError::Backend(e.to_string());
+        if !self.prepared {
+            self.backend.prepare(self.plan).map_err(device)?;
+            self.prepared = true;
+        }
+        fill(&mut self.k, k);
+        fill(&mut self.v, v);
+        fill(&mut self.q, q);
+        self.out.resize(out.len(), 0.0);
+        self.backend.append_kv(layer, &self.k, &self.v).map_err(device)?;
+        self.backend.attention(layer, &self.q, &mut self.out).map_err(device)?;
+        out.copy_from_slice(&self.out[..out.len()]);
+        self.time += t0.elapsed();
+        Ok(())
+    }
+
+    fn cached_len(&self, _seq: SeqId) -> usize {
+        0
+    }
+
+    fn release(&mut self, _seq: SeqId) {}
 }
 
 impl Forward for CpuForward {
@@ -49,20 +198,33 @@ impl Forward for CpuForward {
         &self.model.config
     }
 
-    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
-        self.model.forward(self.kv.as_mut(), batch)
+    fn kv_config(&self) -> &BackendConfig {
+        self.backend.config()
     }
 
-    fn release(&mut self, seq: SeqId) {
-        self.kv.release(seq)
-    }
-
-    fn cached_len(&self, seq: SeqId) -> usize {
-        self.kv.cached_len(seq)
+    fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
+        check_plan(batch, plan)?;
+        let mut planned = Planned {
+            backend: &mut self.backend,
+            plan,
+            prepared: false,
+            k: Vec::new(),
+            v: Vec::new(),
+            q: Vec::new(),
+            out: Vec::new(),
+            time: Duration::ZERO,
+        };
+        let logits = self.model.forward(&mut planned, batch);
+        self.attention_time = planned.time;
+        logits
     }
 
     fn device(&self) -> &'static str {
         "cpu"
+    }
+
+    fn last_attention_time(&self) -> Option<Duration> {
+        Some(self.attention_time)
     }
 }
 
@@ -70,26 +232,94 @@ impl Forward for CpuForward {
 mod tests {
     use super::*;
     use crate::model::kv::ContiguousKv;
-    use crate::model::llama::LlamaConfig;
+    use crate::worker::engine::scheduler::{Event, Scheduler, SchedulerConfig};
+
+    /// Steps `prompts` through the engine scheduler and the CPU forward pass, feeding back a
+    /// fixed token, and compares every logit row with the f32 contiguous reference cache.
+    #[test]
+    fn scheduled_steps_on_the_engine_match_the_contiguous_reference() {
+        let mut cfg = LlamaConfig::llama(2, 64, 96, 4, 2, 40);
+        cfg.context_len = 128;
+        let m = Arc::new(Llama::dummy(cfg, 11).unwrap());
+        let geo = m.config.attn_geometry();
+        let backend = CpuBackend::new(llama_backend_config(geo, KvDtype::F16, 4, 32)).unwrap();
+        let mut f = CpuForward::new(m.clone(), backend).unwrap();
+        let mut sched = Scheduler::new(
+            SchedulerConfig {
+                block_size: 4,
+                max_num_seqs: 4,
+                max_num_batched_tokens: 8,
+                max_model_len: 64,
+                max_waiting: 16,
+            },
+            &f.kv_config().groups,
+        );
+        let prompts: [Vec<u32>; 2] = [(0..9).map(|i| i * 7 % 40).collect(), (0..5).map(|i| i * 3 % 40).collect()];
+        let mut toks: Vec<Vec<u32>> = prompts.to_vec();
+        for (i, p) in prompts.iter().enumerate() {
+            sched.submit(i as u64, p.len(), 3).unwrap();
+        }
+        let mut flat = ContiguousKv::new(geo, 1000);
+        let mut plan = StepPlan::default();
+        let mut events = Vec::new();
+        let mut rows_checked = 0;
+        while !sched.is_idle() {
+            sched.schedule(&mut plan, &mut events);
+            let chunks: Vec<_> = sched.scheduled().collect();
+            let batch: Vec<SeqChunk<'_>> = chunks
+                .iter()
+                .map(|c| SeqChunk {
+                    seq: c.id,
+                    start_pos: c.start,
+                    tokens: &toks[c.id as usize][c.start..c.start + c.len],
+                    want_logits: c.samples,
+                })
+                .collect();
+            let got = f.forward(&batch, &plan).unwrap();
+            let want = m.forward(&mut flat, &batch).unwrap();
+            assert_eq!(got.len(), want.len());
+            let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            let scale = want.iter().map(|x| x.abs()).fold(0.0, f32::max);
+            assert!(err <= 0.02 * scale + 1e-3, "max |engine - contiguous| = {err} (scale {scale})");
+            rows_checked += got.len() / m.config.vocab;
+            drop(batch);
+            sched.complete(&mut events);
+            for e in events.drain(..) {
+                if let Event::Token { id, .. } = e {
+                    toks[id as usize].push((id as u32 + 1) * 5);
+                }
+            }
+        }
+        assert_eq!(rows_checked, 6, "3 tokens for each of 2 requests");
+        assert_eq!(sched.kv().used_blocks(), 0, "every page returned");
+    }
 
     #[test]
-    fn cpu_forward_steps_and_releases_through_the_trait() {
+    fn a_plan_for_another_batch_is_refused() {
         let m = Arc::new(Llama::dummy(LlamaConfig::llama(1, 32, 64, 4, 2, 20), 3).unwrap());
-        let kv = ContiguousKv::new(m.config.attn_geometry(), 100);
-        let mut f: Box<dyn Forward> = Box::new(CpuForward::new(m.clone(), Box::new(kv)));
+        let backend = CpuBackend::new(llama_backend_config(m.config.attn_geometry(), KvDtype::Bf16, 4, 8)).unwrap();
+        let mut f = CpuForward::new(m, backend).unwrap();
         let toks = [1u32, 2, 3];
-        let l = f
-            .forward(&[SeqChunk {
-                seq: 4,
-                start_pos: 0,
-                tokens: &toks,
-                want_logits: true,
-            }])
-            .unwrap();
-        assert_eq!(l.len(), f.config().vocab);
-        assert_eq!(f.cached_len(4), 3);
-        f.release(4);
-        assert_eq!(f.cached_len(4), 0);
-        assert_eq!(f.device(), "cpu");
+        let e = f
+            .forward(
+                &[SeqChunk {
+                    seq: 1,
+                    start_pos: 0,
+                    tokens: &toks,
+                    want_logits: true,
+                }],
+                &StepPlan::default(),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("same schedule"), "{e}");
+    }
+
+    #[test]
+    fn pools_of_another_geometry_are_refused() {
+        let m = Arc::new(Llama::dummy(LlamaConfig::llama(2, 32, 64, 4, 2, 20), 3).unwrap());
+        let mut geo = m.config.attn_geometry();
+        geo.n_layers = 3;
+        let backend = CpuBackend::new(llama_backend_config(geo, KvDtype::Bf16, 4, 8)).unwrap();
+        assert!(CpuForward::new(m, backend).is_err());
     }
 }

@@ -27,15 +27,14 @@ use cudarc::driver::{
 use half::bf16;
 use rayon::prelude::*;
 
-use super::forward::Forward;
-use super::kv::{AttnGeometry, AttnSeq, SeqId};
+use super::forward::{check_plan, llama_backend_config, Forward};
+use super::kv::AttnGeometry;
 use super::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
-use super::paged::{backend_config, PageTable};
 use crate::worker::cuda::backend::CudaBackend;
 use crate::worker::cuda::device::{driver_present, Gpu};
 use crate::worker::cuda::spec::{Arch, GroupSize, HeadDim};
 use crate::worker::cuda::{driver_err, nvrtc, CudaError};
-use crate::worker::engine::layout::{KvDtype, StepPlan};
+use crate::worker::engine::layout::{BackendConfig, KvDtype, StepPlan};
 use crate::worker::engine::Backend;
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
@@ -67,25 +66,27 @@ pub enum GpuError {
     #[error(
         "cuBLAS (libcublas.so) is not loadable: put the CUDA toolkit's lib folder (e.g. /usr/local/cuda/lib64, \
          or the `nvidia-cublas-cu12` wheel's nvidia/cublas/lib) on LD_LIBRARY_PATH, or run the model with \
-         --model-device cpu"
+         --attention-backend KVFLEET_CPU"
     )]
     CublasMissing,
     #[error(
         "no CUDA device is visible (check the NVIDIA driver and CUDA_VISIBLE_DEVICES), or run the model with \
-         --model-device cpu"
+         --attention-backend KVFLEET_CPU"
     )]
     NoDevice,
     #[error("cuBLAS failed during {what}: {detail}")]
     Cublas { what: &'static str, detail: String },
     #[error("GPU attention backend: {0}")]
     Backend(String),
-    #[error("the model does not fit kvfleet's GPU kernels: {0}; run it with --model-device cpu")]
+    #[error("the model does not fit kvfleet's GPU kernels: {0}; run it with --attention-backend KVFLEET_CPU")]
     Unsupported(String),
     #[error(
-        "not enough GPU memory: {0}; use a smaller model, lower --model-max-num-batched-tokens, or run it with \
-         --model-device cpu"
+        "not enough GPU memory: {0}; use a smaller model, lower maxNumBatchedTokens, or run it with \
+         --attention-backend KVFLEET_CPU"
     )]
     Memory(String),
+    #[error("the attention kernels failed their self-test on the served geometry and KV dtype: {0}")]
+    SelfTest(String),
     #[error("invalid GPU model: {0}")]
     Invalid(String),
 }
@@ -174,9 +175,17 @@ pub struct GpuOptions {
     pub max_num_seqs: usize,
     /// Cap on KV tokens; `None`: all free memory after weights, activations and the margin.
     pub max_kv_tokens: Option<usize>,
-    /// Bytes left free after the KV pools (cuBLAS workspace, per-step plans); `None`:
-    /// max(1 GiB, 2% of the device).
+    /// Tokens per KV page.
+    pub block_size: usize,
+    /// Fraction of the device's memory kvfleet may use (vLLM's `gpu_memory_utilization`):
+    /// `(1 - it) x total` stays free after weights, activations and KV pools.
+    pub gpu_memory_utilization: f64,
+    /// Bytes left free after the KV pools; `None`: `(1 - gpu_memory_utilization) x total`,
+    /// at least 256 MiB (cuBLAS workspace, per-step plans).
     pub memory_margin_bytes: Option<usize>,
+    /// Run the attention kernels' self-test on the served geometry and dtype before
+    /// allocating the pools (the worker's preflight).
+    pub self_test: bool,
 }
 
 impl Default for GpuOptions {
@@ -187,7 +196,10 @@ impl Default for GpuOptions {
             max_batched_tokens: 1024,
             max_num_seqs: 256,
             max_kv_tokens: None,
+            block_size: BLOCK_SIZE,
+            gpu_memory_utilization: 0.9,
             memory_margin_bytes: None,
+            self_test: false,
         }
     }
 }
@@ -729,8 +741,6 @@ pub struct GpuLlama {
     weights: Weights,
     acts: Acts,
     backend: CudaBackend,
-    pages: PageTable,
-    plan: StepPlan,
     capacity: GpuCapacity,
     /// The last step's host logits, handed back by [`Forward::recycle`] for reuse.
     spare_logits: Vec<f32>,
@@ -801,9 +811,10 @@ impl GpuLlama {
             .bind_to_thread()
             .map_err(drv("binding the context"))?;
         let (free, total) = cudarc::driver::result::mem_get_info().map_err(drv("reading free memory"))?;
+        let util = opts.gpu_memory_utilization.clamp(0.0, 1.0);
         let margin = opts
             .memory_margin_bytes
-            .unwrap_or_else(|| (total / 50).max(1 << 30));
+            .unwrap_or_else(|| (((1.0 - util) * total as f64) as usize).max(256 << 20));
         let geo = AttnGeometry {
             n_layers: dims.layers,
             n_heads: dims.n_heads,
@@ -813,9 +824,15 @@ impl GpuLlama {
         let dt = opts.kv_dtype;
         let kv_bytes_per_token =
             dims.layers * 2 * geo.n_kv_heads * (dt.data_bytes(dims.hd) + dt.scale_bytes(dims.hd));
-        let mut blocks = free.saturating_sub(margin) / (kv_bytes_per_token * BLOCK_SIZE).max(1);
+        let bs = opts.block_size;
+        if bs != BLOCK_SIZE {
+            return Err(GpuError::Unsupported(format!(
+                "blockSize {bs} (the attention kernels build pages of {BLOCK_SIZE} tokens)"
+            )));
+        }
+        let mut blocks = free.saturating_sub(margin) / (kv_bytes_per_token * bs).max(1);
         if let Some(cap) = opts.max_kv_tokens {
-            blocks = blocks.min(cap.div_ceil(BLOCK_SIZE));
+            blocks = blocks.min(cap.div_ceil(bs));
         }
         if blocks == 0 {
             return Err(GpuError::Memory(format!(
@@ -825,11 +842,16 @@ impl GpuLlama {
                 weights.bytes >> 20,
                 activation_bytes >> 20,
                 margin >> 20,
-                (kv_bytes_per_token * BLOCK_SIZE) >> 10
+                (kv_bytes_per_token * bs) >> 10
             )));
         }
-        let backend = CudaBackend::new(gpu.clone(), backend_config(geo, dt, BLOCK_SIZE, blocks))
-            .map_err(backend_err)?;
+        let pools = llama_backend_config(geo, dt, bs, blocks);
+        if opts.self_test {
+            for line in crate::worker::cuda::backend::self_test(&gpu, &pools, 0).map_err(GpuError::SelfTest)? {
+                tracing::info!("CUDA kernels {line}");
+            }
+        }
+        let backend = CudaBackend::new(gpu.clone(), pools).map_err(backend_err)?;
         let capacity = GpuCapacity {
             device: gpu.name.clone(),
             total_bytes: total,
@@ -840,8 +862,8 @@ impl GpuLlama {
             kv_bytes_per_token,
             kv_heads_stored: geo.n_kv_heads,
             blocks,
-            block_size: BLOCK_SIZE,
-            kv_tokens: blocks * BLOCK_SIZE,
+            block_size: bs,
+            kv_tokens: blocks * bs,
         };
         tracing::info!(
             device = %capacity.device,
@@ -851,7 +873,7 @@ impl GpuLlama {
             kv_rep,
             kv_blocks = blocks,
             kv_tokens = capacity.kv_tokens,
-            kv_gib = (blocks * BLOCK_SIZE * kv_bytes_per_token) as f64 / (1u64 << 30) as f64,
+            kv_gib = (blocks * bs * kv_bytes_per_token) as f64 / (1u64 << 30) as f64,
             "GPU model ready"
         );
         Ok(GpuLlama {
@@ -863,8 +885,6 @@ impl GpuLlama {
             weights,
             acts,
             backend,
-            pages: PageTable::new(blocks, BLOCK_SIZE),
-            plan: StepPlan::default(),
             capacity,
             spare_logits: Vec::new(),
         })
@@ -880,11 +900,6 @@ impl GpuLlama {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
-    }
-
-    /// Free KV pages.
-    pub fn free_blocks(&self) -> usize {
-        self.pages.free_blocks()
     }
 
     fn ensure_acts(&mut self, tokens: usize, rows: usize) -> Result<(), GpuError> {
@@ -1016,7 +1031,12 @@ impl Forward for GpuLlama {
         &self.config
     }
 
-    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
+    fn kv_config(&self) -> &BackendConfig {
+        self.backend.config()
+    }
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
+        check_plan(batch, plan)?;
         let c = &self.config;
         let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let mut tokens = Vec::with_capacity(t);
@@ -1049,30 +1069,12 @@ impl Forward for GpuLlama {
             .bind_to_thread()
             .map_err(drv("binding the context"))?;
         self.ensure_acts(t, last.len())?;
-        let seqs: Vec<AttnSeq> = batch
-            .iter()
-            .filter(|s| !s.tokens.is_empty())
-            .map(|s| AttnSeq {
-                seq: s.seq,
-                start_pos: s.start_pos,
-                len: s.tokens.len(),
-            })
-            .collect();
-        self.pages.plan_step(&seqs, &mut self.plan)?;
-        self.backend.prepare(&self.plan).map_err(backend_err)?;
+        self.backend.prepare(plan).map_err(backend_err)?;
         let s = self.gpu.stream().clone();
         upload_into(&s, &tokens, &mut self.acts.tok)?;
         upload_into(&s, &positions, &mut self.acts.pos)?;
         upload_into(&s, &last, &mut self.acts.last)?;
         Ok(self.run(t, &last)?)
-    }
-
-    fn release(&mut self, seq: SeqId) {
-        self.pages.release(seq)
-    }
-
-    fn cached_len(&self, seq: SeqId) -> usize {
-        self.pages.cached_len(seq)
     }
 
     fn device(&self) -> &'static str {
@@ -1107,7 +1109,7 @@ mod tests {
         let bad = LlamaConfig::llama(2, 96 * 4, 512, 4, 2, 100);
         let e = GpuLlama::check_shapes(&bad).unwrap_err().to_string();
         assert!(
-            e.contains("head_dim 96") && e.contains("--model-device cpu"),
+            e.contains("head_dim 96") && e.contains("--attention-backend KVFLEET_CPU"),
             "{e}"
         );
     }

@@ -9,7 +9,6 @@ pub mod hf_tokenizer;
 pub mod kv;
 pub mod llama;
 pub mod openai;
-pub mod paged;
 pub mod runtime;
 pub mod sampling;
 pub mod serve;

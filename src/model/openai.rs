@@ -71,16 +71,29 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        r
     }
 }
 
-impl From<RuntimeError> for ApiError {
-    fn from(e: RuntimeError) -> Self {
+impl ApiError {
+    /// A runtime refusal; `param` names the request field a prompt error is about.
+    fn from_runtime(e: RuntimeError, param: &'static str) -> Self {
         match e {
-            RuntimeError::PromptTooLong { .. } | RuntimeError::EmptyPrompt => {
-                ApiError::bad(e.to_string(), Some("messages"))
+            RuntimeError::PromptTooLong { .. } | RuntimeError::PromptOverCapacity { .. } | RuntimeError::EmptyPrompt => {
+                ApiError::bad(e.to_string(), Some(param))
             }
+            RuntimeError::QueueFull { .. } => ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                message: e.to_string(),
+                kind: "rate_limit_error",
+                param: None,
+                code: Some("queue_full"),
+            },
             other => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 message: other.to_string(),
@@ -241,7 +254,7 @@ async fn models(State(rt): State<Arc<ModelRuntime>>) -> Json<Value> {
             "object": "model",
             "created": now_secs(),
             "owned_by": "kvfleet",
-            "max_model_len": rt.context_len,
+            "max_model_len": rt.max_model_len,
         }],
     }))
 }
@@ -326,9 +339,13 @@ async fn respond(
     params: SamplingParams,
     common: Common,
 ) -> Response {
+    let param = match kind {
+        Kind::Chat => "messages",
+        Kind::Completion => "prompt",
+    };
     let rx = match rt.generate(ids, params) {
         Ok(rx) => rx,
-        Err(e) => return ApiError::from(e).into_response(),
+        Err(e) => return ApiError::from_runtime(e, param).into_response(),
     };
     let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let meta = Meta {

@@ -1,24 +1,28 @@
-//! The generation loop: one thread owns the model and its KV cache and steps every active
-//! sequence together (continuous batching: new requests join between steps, finished or
-//! cancelled ones leave), with chunked prefill under a token budget per step.
+//! The serving loop: one thread owns the served model (a [`Forward`]: its weights and the
+//! engine's KV pools) and the engine's [`Scheduler`], which decides every step: continuous
+//! batching under `maxNumSeqs`, chunked prefill mixed with decodes under
+//! `maxNumBatchedTokens`, FCFS admission, and preemption by recompute when KV pages run out.
+//! The loop feeds the scheduled tokens through the model, samples the requests whose chunk
+//! reached their last known token, streams text back and keeps the worker's metrics.
 
-use std::collections::VecDeque;
-use std::path::Path;
-use std::sync::mpsc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::forward::{CpuForward, Forward};
-use super::gguf::{Gguf, GgufError};
-use super::gpu::{GpuCapacity, GpuError, GpuLlama, GpuOptions};
-use super::hf::{self, HfError};
-use super::kv::{ContiguousKv, KvAttention, SeqId};
-use super::llama::{Llama, LoadError, SeqChunk};
+use super::forward::Forward;
+use super::gguf::GgufError;
+use super::gpu::{GpuCapacity, GpuError};
+use super::hf::HfError;
+use super::llama::{LoadError, SeqChunk};
 use super::sampling::{Sampler, SamplingParams, StopMatcher};
 use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+use crate::worker::engine::scheduler::{Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError};
+use crate::worker::engine::StepPlan;
+use crate::worker::metrics::Metrics;
 
 /// Errors of starting the runtime or submitting to it.
 #[derive(Debug, thiserror::Error)]
@@ -33,44 +37,20 @@ pub enum RuntimeError {
     Tokenizer(#[from] TokenizerError),
     #[error("invalid runtime config: {0}")]
     Config(String),
-    #[error("cannot register model metrics: {0}")]
-    Metrics(#[from] prometheus::Error),
-    #[error("the prompt has {prompt} tokens; the model's context is {ctx} (shorten the prompt)")]
-    PromptTooLong { prompt: usize, ctx: usize },
+    #[error("the prompt has {prompt} tokens; maxModelLen is {max_model_len} (shorten the prompt)")]
+    PromptTooLong { prompt: usize, max_model_len: usize },
+    #[error("the prompt has {prompt} tokens but the KV cache holds at most {capacity} tokens for one request; shorten the prompt")]
+    PromptOverCapacity { prompt: usize, capacity: usize },
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("{queued} requests are already queued (limit {limit}); retry later")]
+    QueueFull { queued: usize, limit: usize },
+    #[error("the worker is shutting down; retry on another replica")]
+    ShuttingDown,
     #[error("the generation loop has stopped; restart the worker")]
     Stopped,
     #[error(transparent)]
     Gpu(#[from] GpuError),
-}
-
-/// Where the forward pass runs.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Placement {
-    Cpu,
-    Cuda(GpuOptions),
-}
-
-/// Limits of the generation loop.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RuntimeConfig {
-    /// Sequences stepped together at most.
-    pub max_num_seqs: usize,
-    /// Tokens (prefill chunks plus decodes) per step at most.
-    pub max_batched_tokens: usize,
-    /// Tokens the KV cache holds over all sequences; a request reserves prompt + max_tokens.
-    pub kv_capacity_tokens: usize,
-}
-
-impl Default for RuntimeConfig {
-    fn default() -> Self {
-        RuntimeConfig {
-            max_num_seqs: 256,
-            max_batched_tokens: 1024,
-            kv_capacity_tokens: 131072,
-        }
-    }
 }
 
 /// Why a generation ended (OpenAI's `finish_reason`).
@@ -102,84 +82,44 @@ pub enum GenEvent {
     Error(String),
 }
 
-struct Submit {
-    prompt: Vec<u32>,
-    params: SamplingParams,
-    events: UnboundedSender<GenEvent>,
-    arrived: Instant,
+enum Command {
+    Submit {
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        events: UnboundedSender<GenEvent>,
+        arrived: Instant,
+    },
+    /// Stop taking requests, finish what runs until `drain` elapses, fail the rest, exit.
+    Shutdown { drain: Duration },
 }
 
-/// Prometheus metrics of generation.
-#[derive(Clone)]
-pub struct ModelMetrics {
-    pub ttft: Histogram,
-    pub tpot: Histogram,
-    pub generation_tokens: IntCounter,
-    pub prompt_tokens: IntCounter,
-    pub output_tokens_per_second: Gauge,
-    pub running: IntGauge,
-    pub waiting: IntGauge,
+/// What the served model's KV pools hold, as allocated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolSummary {
+    pub block_size: usize,
+    pub total_blocks: usize,
+    pub kv_cache_dtype: &'static str,
+    /// Tokens of prompt + output one request may hold at most (maxModelLen or the pool).
+    pub max_request_tokens: usize,
 }
 
-impl ModelMetrics {
-    /// Creates the metrics and registers them into `registry`.
-    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let lat = vec![
-            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-        ];
-        let m = ModelMetrics {
-            ttft: Histogram::with_opts(
-                HistogramOpts::new(
-                    "kvfleet_model_time_to_first_token_seconds",
-                    "Time from a request's arrival to its first output token.",
-                )
-                .buckets(lat.clone()),
-            )?,
-            tpot: Histogram::with_opts(
-                HistogramOpts::new(
-                    "kvfleet_model_time_per_output_token_seconds",
-                    "Time between consecutive output tokens of a request.",
-                )
-                .buckets(lat),
-            )?,
-            generation_tokens: IntCounter::new(
-                "kvfleet_model_generation_tokens_total",
-                "Output tokens generated.",
-            )?,
-            prompt_tokens: IntCounter::new("kvfleet_model_prompt_tokens_total", "Prompt tokens prefilled.")?,
-            output_tokens_per_second: Gauge::with_opts(Opts::new(
-                "kvfleet_model_output_tokens_per_second",
-                "Output tokens per second of the last decode step (all sequences).",
-            ))?,
-            running: IntGauge::new("kvfleet_model_requests_running", "Requests in the running batch.")?,
-            waiting: IntGauge::new(
-                "kvfleet_model_requests_waiting",
-                "Requests waiting for KV space or a batch slot.",
-            )?,
-        };
-        registry.register(Box::new(m.ttft.clone()))?;
-        registry.register(Box::new(m.tpot.clone()))?;
-        registry.register(Box::new(m.generation_tokens.clone()))?;
-        registry.register(Box::new(m.prompt_tokens.clone()))?;
-        registry.register(Box::new(m.output_tokens_per_second.clone()))?;
-        registry.register(Box::new(m.running.clone()))?;
-        registry.register(Box::new(m.waiting.clone()))?;
-        Ok(m)
-    }
-}
-
-/// A handle to the generation loop; cheap to share between HTTP handlers.
+/// A handle to the serving loop; cheap to share between HTTP handlers.
 pub struct ModelRuntime {
     pub name: String,
     pub tokenizer: Arc<Tokenizer>,
-    pub context_len: usize,
+    /// Prompt + output tokens of one request at most (the engine's maxModelLen).
+    pub max_model_len: usize,
     /// Where the forward pass runs (`cpu`, `cuda`).
     pub device: &'static str,
-    /// Tokens the KV cache holds over all sequences (the admission limit).
-    pub kv_capacity_tokens: usize,
-    /// The GPU's memory split and KV capacity when the model runs on CUDA.
+    pub pool: PoolSummary,
+    /// The GPU's memory split when the model runs on CUDA.
     pub gpu_capacity: Option<GpuCapacity>,
-    submit: mpsc::Sender<Submit>,
+    pub metrics: Arc<Metrics>,
+    max_waiting: usize,
+    /// Submitted and not yet started (the admission queue, for 429).
+    queued: Arc<AtomicUsize>,
+    submit: std::sync::Mutex<Option<mpsc::Sender<Command>>>,
+    done: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
 
 impl std::fmt::Debug for ModelRuntime {
@@ -189,173 +129,85 @@ impl std::fmt::Debug for ModelRuntime {
 }
 
 impl ModelRuntime {
-    /// Loads a GGUF model and starts its loop on the CPU with a contiguous KV cache.
-    pub fn load_gguf(
-        path: &Path,
-        name: Option<&str>,
-        cfg: RuntimeConfig,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        Self::load_gguf_on(path, name, cfg, &Placement::Cpu, registry)
-    }
-
-    /// Loads a GGUF model onto `placement`: the CPU (contiguous KV cache) or a GPU.
-    pub fn load_gguf_on(
-        path: &Path,
-        name: Option<&str>,
-        cfg: RuntimeConfig,
-        placement: &Placement,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        let g = Gguf::open(path)?;
-        let tokenizer = Tokenizer::from_gguf(&g)?;
-        let model = Llama::from_gguf(&g)?;
-        let name = match name {
-            Some(n) => n.to_string(),
-            None => default_name(&g, path),
-        };
-        Self::start_on(model, tokenizer, name, cfg, placement, registry)
-    }
-
-    /// Loads a Hugging Face checkpoint directory (`config.json`, safetensors, `tokenizer.json`)
-    /// and starts its loop on the CPU. The default name is the directory's.
-    pub fn load_hf(
-        dir: &Path,
-        name: Option<&str>,
-        cfg: RuntimeConfig,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        Self::load_hf_on(dir, name, cfg, &Placement::Cpu, registry)
-    }
-
-    /// [`ModelRuntime::load_hf`] onto `placement`.
-    pub fn load_hf_on(
-        dir: &Path,
-        name: Option<&str>,
-        cfg: RuntimeConfig,
-        placement: &Placement,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        let tokenizer = hf::load_tokenizer(dir)?;
-        let model = hf::load_model(dir)?;
-        let name = name.map(str::to_string).unwrap_or_else(|| dir_name(dir));
-        Self::start_on(model, tokenizer, name, cfg, placement, registry)
-    }
-
-    /// Random weights of the geometry in `config` (a `config.json` or a checkpoint
-    /// directory), for capacity and throughput runs; see [`hf::load_dummy`].
-    pub fn load_dummy(
-        config: &Path,
-        name: Option<&str>,
-        cfg: RuntimeConfig,
-        placement: &Placement,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        let (model, tokenizer) = hf::load_dummy(config, 0)?;
-        let name = name.map(str::to_string).unwrap_or_else(|| {
-            let dir = if config.is_dir() {
-                config
-            } else {
-                config.parent().unwrap_or(config)
-            };
-            format!("dummy-{}", dir_name(dir))
-        });
-        Self::start_on(model, tokenizer, name, cfg, placement, registry)
-    }
-
-    /// Starts a loaded model's loop on `placement`.
-    pub fn start_on(
-        model: Llama,
-        tokenizer: Tokenizer,
-        name: String,
-        cfg: RuntimeConfig,
-        placement: &Placement,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        match placement {
-            Placement::Cpu => {
-                let kv = ContiguousKv::new(model.config.attn_geometry(), cfg.kv_capacity_tokens);
-                Self::start(Arc::new(model), Box::new(kv), tokenizer, name, cfg, registry)
-            }
-            Placement::Cuda(opts) => Self::start_gpu(model, tokenizer, name, cfg, opts, registry),
-        }
-    }
-
-    /// Uploads `model` to the GPU and starts the loop there. The KV cache takes the GPU
-    /// memory left (see [`GpuOptions`]); `cfg.kv_capacity_tokens` is replaced by what it holds.
-    pub fn start_gpu(
-        model: Llama,
-        tokenizer: Tokenizer,
-        name: String,
-        mut cfg: RuntimeConfig,
-        opts: &GpuOptions,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        let gpu = GpuLlama::open_gpu(opts.ordinal)?;
-        let m = GpuLlama::from_llama(gpu, &model, opts)?;
-        drop(model);
-        let cap = m.capacity().clone();
-        cfg.kv_capacity_tokens = cap.admission_tokens(cfg.max_num_seqs);
-        let mut rt = Self::start_forward(Box::new(m), tokenizer, name, cfg, registry)?;
-        rt.gpu_capacity = Some(cap);
-        Ok(rt)
-    }
-
-    /// Starts the loop for a CPU model, a KV backend and a tokenizer.
+    /// Starts the loop for a model on its device with the engine's scheduler over the
+    /// model's KV pools.
     pub fn start(
-        model: Arc<Llama>,
-        kv: Box<dyn KvAttention>,
-        tokenizer: Tokenizer,
-        name: String,
-        cfg: RuntimeConfig,
-        registry: &Registry,
-    ) -> Result<Self, RuntimeError> {
-        Self::start_forward(
-            Box::new(CpuForward::new(model, kv)),
-            tokenizer,
-            name,
-            cfg,
-            registry,
-        )
-    }
-
-    /// Starts the loop for any [`Forward`] (CPU or GPU) and a tokenizer.
-    pub fn start_forward(
         model: Box<dyn Forward>,
         tokenizer: Tokenizer,
         name: String,
-        cfg: RuntimeConfig,
-        registry: &Registry,
+        sched: SchedulerConfig,
+        metrics: Arc<Metrics>,
     ) -> Result<Self, RuntimeError> {
-        if cfg.max_num_seqs == 0 || cfg.max_batched_tokens == 0 || cfg.kv_capacity_tokens == 0 {
+        sched.check().map_err(RuntimeError::Config)?;
+        let ctx = model.config().context_len;
+        if sched.max_model_len > ctx {
             return Err(RuntimeError::Config(format!(
-                "every limit must be positive: {cfg:?}"
+                "maxModelLen {} exceeds the model's context length {ctx}; lower maxModelLen",
+                sched.max_model_len
             )));
         }
-        let metrics = ModelMetrics::new(registry)?;
+        let kv = model.kv_config().clone();
+        if kv.block_size != sched.block_size {
+            return Err(RuntimeError::Config(format!(
+                "the KV pools use blocks of {} tokens, the scheduler {}",
+                kv.block_size, sched.block_size
+            )));
+        }
+        let scheduler = Scheduler::new(sched.clone(), &kv.groups);
+        let max_request_tokens = largest_request(&scheduler);
+        if max_request_tokens < 2 {
+            return Err(RuntimeError::Config(format!(
+                "the KV pools ({} blocks of {} tokens) cannot hold one request",
+                kv.groups.iter().map(|g| g.num_blocks).sum::<usize>(),
+                kv.block_size
+            )));
+        }
+        let pool = PoolSummary {
+            block_size: kv.block_size,
+            total_blocks: scheduler.kv().total_blocks(),
+            kv_cache_dtype: kv.layers.first().map_or("bfloat16", |l| l.dtype.as_str()),
+            max_request_tokens,
+        };
+        metrics.set_cache_config(pool.block_size, pool.total_blocks, pool.kv_cache_dtype);
         let tokenizer = Arc::new(tokenizer);
         let (tx, rx) = mpsc::channel();
-        let context_len = model.config().context_len;
+        let (done_tx, done_rx) = mpsc::channel();
         let device = model.device();
-        let kv_capacity_tokens = cfg.kv_capacity_tokens;
-        let tok = tokenizer.clone();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let lp = Loop {
+            model,
+            tok: tokenizer.clone(),
+            sched: scheduler,
+            metrics: metrics.clone(),
+            live: HashMap::new(),
+            next_id: 1,
+            queued: queued.clone(),
+            last: Counters::default(),
+        };
         std::thread::Builder::new()
-            .name("kvfleet-model".into())
-            .spawn(move || Loop::new(model, tok, cfg, metrics).run(rx))
-            .map_err(|e| RuntimeError::Config(format!("cannot start the model thread: {e}")))?;
+            .name("kvfleet-engine".into())
+            .spawn(move || {
+                lp.run(rx);
+                let _ = done_tx.send(());
+            })
+            .map_err(|e| RuntimeError::Config(format!("cannot start the engine thread: {e}")))?;
         Ok(ModelRuntime {
             name,
             tokenizer,
-            context_len,
+            max_model_len: sched.max_model_len,
             device,
-            kv_capacity_tokens,
+            pool,
             gpu_capacity: None,
-            submit: tx,
+            metrics,
+            max_waiting: sched.max_waiting,
+            queued,
+            submit: std::sync::Mutex::new(Some(tx)),
+            done: std::sync::Mutex::new(Some(done_rx)),
         })
     }
 
     /// Queues a generation; events arrive on the returned receiver. Dropping the receiver
-    /// cancels the request at the next step.
+    /// cancels the request at the next step (its KV pages are freed then).
     pub fn generate(
         &self,
         prompt: Vec<u32>,
@@ -364,284 +216,442 @@ impl ModelRuntime {
         if prompt.is_empty() {
             return Err(RuntimeError::EmptyPrompt);
         }
-        if prompt.len() >= self.context_len {
+        if prompt.len() >= self.max_model_len {
             return Err(RuntimeError::PromptTooLong {
                 prompt: prompt.len(),
-                ctx: self.context_len,
+                max_model_len: self.max_model_len,
             });
         }
-        params.max_tokens = params.max_tokens.min(self.context_len - prompt.len());
+        if prompt.len() >= self.pool.max_request_tokens {
+            return Err(RuntimeError::PromptOverCapacity {
+                prompt: prompt.len(),
+                capacity: self.pool.max_request_tokens - 1,
+            });
+        }
+        params.max_tokens = params
+            .max_tokens
+            .min(self.pool.max_request_tokens - prompt.len())
+            .max(1);
+        let queued = self.queued.load(Ordering::SeqCst);
+        if queued >= self.max_waiting {
+            return Err(RuntimeError::QueueFull {
+                queued,
+                limit: self.max_waiting,
+            });
+        }
         let (tx, rx) = unbounded_channel();
-        self.submit
-            .send(Submit {
+        let submit = self.submit.lock().map_err(|_| RuntimeError::Stopped)?;
+        let Some(submit) = submit.as_ref() else {
+            return Err(RuntimeError::ShuttingDown);
+        };
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        submit
+            .send(Command::Submit {
                 prompt,
                 params,
                 events: tx,
                 arrived: Instant::now(),
             })
-            .map_err(|_| RuntimeError::Stopped)?;
+            .map_err(|_| {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                RuntimeError::Stopped
+            })?;
         Ok(rx)
     }
-}
 
-fn dir_name(dir: &Path) -> String {
-    std::fs::canonicalize(dir)
-        .ok()
-        .and_then(|d| d.file_name().map(|s| s.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "model".into())
-}
-
-fn default_name(g: &Gguf, path: &Path) -> String {
-    if let Ok(n) = g.get_str("general.name") {
-        if n.to_ascii_lowercase().starts_with("smollm2 135m") {
-            return "SmolLM2-135M-Instruct".into();
+    /// Stops taking requests, lets running ones finish for up to `drain`, ends the rest with
+    /// an error event, and waits for the loop to exit (blocking: call from
+    /// `spawn_blocking`). Later calls return at once.
+    pub fn shutdown(&self, drain: Duration) {
+        let tx = self.submit.lock().ok().and_then(|mut s| s.take());
+        if let Some(tx) = tx {
+            let _ = tx.send(Command::Shutdown { drain });
+        }
+        let rx = self.done.lock().ok().and_then(|mut d| d.take());
+        if let Some(rx) = rx {
+            let _ = rx.recv_timeout(drain + Duration::from_secs(30));
         }
     }
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into())
 }
 
-struct Active {
-    id: SeqId,
-    prompt: Vec<u32>,
-    /// Prompt tokens already in the KV cache.
-    prefilled: usize,
-    output: Vec<u32>,
+/// The longest prompt + output one request may have: maxModelLen, or less when a group's
+/// pool cannot hold that many pages.
+fn largest_request(s: &Scheduler) -> usize {
+    let (mut lo, mut hi) = (1usize, s.config().max_model_len);
+    if s.check(hi - 1, 1).is_ok() {
+        return hi;
+    }
+    // check(n - 1, 1) is monotone in n: find the largest n that passes.
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if mid >= 2 && s.check(mid - 1, 1).is_ok() {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+struct Live {
+    /// Prompt then output tokens (a preempted request recomputes from them).
+    tokens: Vec<u32>,
+    prompt_len: usize,
     sampler: Sampler,
     decoder: StreamDecoder,
     stops: StopMatcher,
     events: UnboundedSender<GenEvent>,
     arrived: Instant,
     last_token_at: Option<Instant>,
-    reserved: usize,
+    started: bool,
+    /// Set once the end was reported to the client.
+    ended: Option<FinishReason>,
+}
+
+impl Live {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
 }
 
 struct Loop {
     model: Box<dyn Forward>,
     tok: Arc<Tokenizer>,
-    cfg: RuntimeConfig,
-    metrics: ModelMetrics,
-    waiting: VecDeque<Submit>,
-    active: Vec<Active>,
-    reserved: usize,
-    next_id: SeqId,
+    sched: Scheduler,
+    metrics: Arc<Metrics>,
+    live: HashMap<RequestId, Live>,
+    next_id: RequestId,
+    queued: Arc<AtomicUsize>,
+    last: Counters,
 }
 
 impl Loop {
-    fn new(model: Box<dyn Forward>, tok: Arc<Tokenizer>, cfg: RuntimeConfig, metrics: ModelMetrics) -> Self {
-        Loop {
-            model,
-            tok,
-            cfg,
-            metrics,
-            waiting: VecDeque::new(),
-            active: Vec::new(),
-            reserved: 0,
-            next_id: 1,
-        }
-    }
-
-    fn run(mut self, rx: mpsc::Receiver<Submit>) {
+    fn run(mut self, rx: mpsc::Receiver<Command>) {
+        let mut plan = StepPlan::default();
+        let mut events = Vec::new();
+        let mut drain_until: Option<Instant> = None;
+        self.publish();
         loop {
-            if self.active.is_empty() && self.waiting.is_empty() {
-                match rx.recv() {
-                    Ok(s) => self.waiting.push_back(s),
-                    Err(_) => return,
-                }
-            }
-            while let Ok(s) = rx.try_recv() {
-                self.waiting.push_back(s);
-            }
-            self.admit();
-            self.drop_cancelled();
-            self.metrics.running.set(self.active.len() as i64);
-            self.metrics.waiting.set(self.waiting.len() as i64);
-            if !self.active.is_empty() {
-                self.step();
-            }
-        }
-    }
-
-    fn admit(&mut self) {
-        while self.active.len() < self.cfg.max_num_seqs {
-            let Some(s) = self.waiting.front() else { break };
-            if s.events.is_closed() {
-                self.waiting.pop_front();
-                continue;
-            }
-            let need = s.prompt.len() + s.params.max_tokens;
-            if need > self.cfg.kv_capacity_tokens {
-                let s = self.waiting.pop_front().expect("front exists");
-                let _ = s.events.send(GenEvent::Error(format!(
-                    "prompt plus max_tokens is {need} tokens, more than the KV cache's {}; lower max_tokens",
-                    self.cfg.kv_capacity_tokens
-                )));
-                continue;
-            }
-            if self.reserved + need > self.cfg.kv_capacity_tokens {
-                break;
-            }
-            let s = self.waiting.pop_front().expect("front exists");
-            self.reserved += need;
-            let id = self.next_id;
-            self.next_id += 1;
-            self.active.push(Active {
-                id,
-                sampler: Sampler::new(s.params.clone()),
-                stops: StopMatcher::new(s.params.stop.clone()),
-                prompt: s.prompt,
-                prefilled: 0,
-                output: Vec::new(),
-                decoder: StreamDecoder::new(),
-                events: s.events,
-                arrived: s.arrived,
-                last_token_at: None,
-                reserved: need,
-            });
-        }
-    }
-
-    fn drop_cancelled(&mut self) {
-        let mut i = 0;
-        while i < self.active.len() {
-            if self.active[i].events.is_closed() {
-                let a = self.active.swap_remove(i);
-                self.retire(&a);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    fn retire(&mut self, a: &Active) {
-        self.model.release(a.id);
-        self.reserved -= a.reserved;
-    }
-
-    fn step(&mut self) {
-        // Decodes first (one token each), then prefill chunks within the token budget.
-        let mut budget = self.cfg.max_batched_tokens;
-        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (active index, start, len)
-        for (i, a) in self.active.iter().enumerate() {
-            if a.prefilled == a.prompt.len() && budget > 0 {
-                plan.push((i, a.prompt.len() + a.output.len() - 1, 1));
-                budget -= 1;
-            }
-        }
-        for (i, a) in self.active.iter().enumerate() {
-            if a.prefilled < a.prompt.len() && budget > 0 {
-                let n = (a.prompt.len() - a.prefilled).min(budget);
-                plan.push((i, a.prefilled, n));
-                budget -= n;
-            }
-        }
-        let chunks: Vec<SeqChunk<'_>> = plan
-            .iter()
-            .map(|&(i, start, len)| {
-                let a = &self.active[i];
-                let tokens = if a.prefilled < a.prompt.len() {
-                    &a.prompt[start..start + len]
+            // Commands: block while idle, poll while busy.
+            loop {
+                let cmd = if self.sched.is_idle() && drain_until.is_none() {
+                    match rx.recv_timeout(Duration::from_millis(500)) {
+                        Ok(c) => c,
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => {
+                            drain_until.get_or_insert_with(Instant::now);
+                            break;
+                        }
+                    }
                 } else {
-                    &a.output[a.output.len() - 1..]
+                    match rx.try_recv() {
+                        Ok(c) => c,
+                        Err(_) => break,
+                    }
                 };
-                SeqChunk {
-                    seq: a.id,
-                    start_pos: start,
-                    tokens,
-                    want_logits: a.prefilled + len >= a.prompt.len(),
+                match cmd {
+                    Command::Submit {
+                        prompt,
+                        params,
+                        events: tx,
+                        arrived,
+                    } => {
+                        if drain_until.is_some() {
+                            self.queued.fetch_sub(1, Ordering::SeqCst);
+                            let _ = tx.send(GenEvent::Error(RuntimeError::ShuttingDown.to_string()));
+                            continue;
+                        }
+                        self.submit(prompt, params, tx, arrived);
+                    }
+                    Command::Shutdown { drain } => {
+                        drain_until = Some(Instant::now() + drain);
+                        tracing::info!(
+                            running = self.sched.num_running(),
+                            waiting = self.sched.num_waiting(),
+                            ?drain,
+                            "draining"
+                        );
+                    }
                 }
-            })
+            }
+            self.drop_cancelled(&mut events);
+            if let Some(deadline) = drain_until {
+                if self.sched.is_idle() || Instant::now() >= deadline {
+                    self.sched.abort_all(
+                        "the worker is shutting down and the drain time ran out; retry the request",
+                        &mut events,
+                    );
+                    self.handle(&mut events, None, &[]);
+                    self.publish();
+                    return;
+                }
+            }
+            if self.sched.is_idle() {
+                self.publish();
+                continue;
+            }
+            self.step(&mut plan, &mut events);
+            self.publish();
+        }
+    }
+
+    fn submit(&mut self, prompt: Vec<u32>, params: SamplingParams, tx: UnboundedSender<GenEvent>, arrived: Instant) {
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Err(e) = self.sched.submit(id, prompt.len(), params.max_tokens) {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            let msg = match e {
+                SubmitError::QueueFull { .. } => RuntimeError::QueueFull {
+                    queued: self.sched.num_waiting(),
+                    limit: self.sched.config().max_waiting,
+                }
+                .to_string(),
+                other => other.to_string(),
+            };
+            let _ = tx.send(GenEvent::Error(msg));
+            return;
+        }
+        self.live.insert(
+            id,
+            Live {
+                prompt_len: prompt.len(),
+                tokens: prompt,
+                sampler: Sampler::new(params.clone()),
+                stops: StopMatcher::new(params.stop.clone()),
+                decoder: StreamDecoder::new(),
+                events: tx,
+                arrived,
+                last_token_at: None,
+                started: false,
+                ended: None,
+            },
+        );
+    }
+
+    /// Requests whose client went away leave the scheduler (their pages free at once).
+    fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
+        let gone: Vec<RequestId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(id, _)| *id)
             .collect();
+        for id in gone {
+            self.sched.cancel(id, events);
+        }
+        self.handle(events, None, &[]);
+    }
+
+    fn step(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) {
+        if self.sched.schedule(plan, events) == 0 {
+            // Nothing fits this step (every request preempted or waiting): apply and retry.
+            self.sched.complete(events);
+            self.handle(events, None, &[]);
+            return;
+        }
+        let chunks: Vec<_> = self.sched.scheduled().collect();
+        let rows: Vec<RequestId> = chunks.iter().filter(|c| c.samples).map(|c| c.id).collect();
         let started = Instant::now();
-        let result = self.model.forward(&chunks);
-        drop(chunks);
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                // A failed step fails the sequences in it; the loop keeps serving others.
-                let msg = format!("generation failed: {e}");
-                let mut idx: Vec<usize> = plan.iter().map(|p| p.0).collect();
-                idx.sort_unstable_by(|a, b| b.cmp(a));
-                for i in idx {
-                    let a = self.active.swap_remove(i);
-                    let _ = a.events.send(GenEvent::Error(msg.clone()));
-                    self.retire(&a);
+        let result = {
+            let mut batch = Vec::with_capacity(chunks.len());
+            let mut bad = None;
+            for c in &chunks {
+                match self.live.get(&c.id) {
+                    Some(l) if c.start + c.len <= l.tokens.len() => batch.push(SeqChunk {
+                        seq: c.id,
+                        start_pos: c.start,
+                        tokens: &l.tokens[c.start..c.start + c.len],
+                        want_logits: c.samples,
+                    }),
+                    _ => bad = Some(c.id),
                 }
-                return;
+            }
+            match bad {
+                Some(id) => Err(format!("request {id} was scheduled without its tokens")),
+                None => self.model.forward(&batch, plan).map_err(|e| e.to_string()),
             }
         };
-        let vocab = self.model.config().vocab;
-        let now = Instant::now();
-        let mut row = 0;
-        let mut finished = Vec::new();
-        let mut decoded = 0usize;
-        for &(i, _, len) in &plan {
-            let a = &mut self.active[i];
-            if a.prefilled < a.prompt.len() {
-                a.prefilled += len;
-                self.metrics.prompt_tokens.inc_by(len as u64);
-                if a.prefilled < a.prompt.len() {
-                    continue;
+        let elapsed = started.elapsed();
+        self.sched.complete(events);
+        match result {
+            Ok(logits) => {
+                if let Some(t) = self.model.last_attention_time() {
+                    self.metrics.attention_seconds.observe(t.as_secs_f64());
                 }
+                self.metrics.step_seconds.observe(elapsed.as_secs_f64());
+                let now = Instant::now();
+                self.handle(events, Some((&logits, now)), &rows);
+                self.model.recycle(logits);
             }
-            let next = a.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-            row += 1;
-            decoded += 1;
-            self.metrics.generation_tokens.inc();
-            match a.last_token_at {
-                None => self.metrics.ttft.observe((now - a.arrived).as_secs_f64()),
-                Some(t) => self.metrics.tpot.observe((now - t).as_secs_f64()),
-            }
-            a.last_token_at = Some(now);
-            let mut reason = None;
-            let mut text = String::new();
-            // Held-back text is flushed unless a stop string ended the generation.
-            let mut flush = false;
-            if self.tok.stop_tokens.contains(&next) {
-                reason = Some(FinishReason::Stop);
-                flush = true;
-            } else {
-                a.output.push(next);
-                let piece = a.decoder.push(&self.tok, next);
-                let (t, hit) = a.stops.push(&piece);
-                text = t;
-                if hit {
-                    reason = Some(FinishReason::Stop);
-                } else if a.output.len() >= a.sampler.params().max_tokens {
-                    reason = Some(FinishReason::Length);
-                    flush = true;
+            Err(e) => {
+                // A failed step fails the requests in it; the loop keeps serving others.
+                tracing::error!(error = %e, "step failed");
+                events.retain(|e| !matches!(e, Event::Token { .. }));
+                for c in &chunks {
+                    if let Some(l) = self.live.get_mut(&c.id) {
+                        let _ = l.events.send(GenEvent::Error(format!("generation failed: {e}")));
+                        l.ended = Some(FinishReason::Stop);
+                    }
+                    self.sched.cancel(c.id, events);
                 }
+                self.handle(events, None, &[]);
             }
-            if flush {
-                let tail = a.decoder.finish();
-                let (t, hit) = a.stops.push(&tail);
-                text.push_str(&t);
-                if !hit {
-                    text.push_str(&a.stops.finish());
-                }
-            }
-            if !text.is_empty() {
-                let _ = a.events.send(GenEvent::Text(text));
-            }
-            if let Some(reason) = reason {
-                let _ = a.events.send(GenEvent::Done {
-                    reason,
-                    prompt_tokens: a.prompt.len(),
-                    completion_tokens: a.output.len(),
-                });
-                finished.push(i);
-            }
-        }
-        self.model.recycle(logits);
-        let secs = started.elapsed().as_secs_f64();
-        if decoded > 0 && secs > 0.0 {
-            self.metrics.output_tokens_per_second.set(decoded as f64 / secs);
-        }
-        finished.sort_unstable_by(|a, b| b.cmp(a));
-        for i in finished {
-            let a = self.active.swap_remove(i);
-            self.retire(&a);
         }
     }
+
+    /// Applies scheduler events: samples the next token of every request the step yielded
+    /// one for (row `i` of `logits` belongs to `rows[i]`), streams text, ends requests.
+    fn handle(&mut self, events: &mut Vec<Event>, logits: Option<(&[f32], Instant)>, rows: &[RequestId]) {
+        let vocab = self.model.config().vocab;
+        let mut stopped = Vec::new();
+        loop {
+            for e in events.drain(..) {
+                match e {
+                    Event::Started { id } => {
+                        if let Some(l) = self.live.get_mut(&id) {
+                            if !l.started {
+                                l.started = true;
+                                self.queued.fetch_sub(1, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                    Event::Token { id, .. } => {
+                        let (Some((logits, now)), Some(row)) = (logits, rows.iter().position(|r| *r == id)) else {
+                            continue;
+                        };
+                        let Some(l) = self.live.get_mut(&id) else { continue };
+                        if l.ended.is_some() {
+                            continue;
+                        }
+                        let next = l.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+                        self.metrics.vllm_generation_tokens.inc();
+                        match l.last_token_at {
+                            None => {
+                                self.metrics.vllm_ttft.observe((now - l.arrived).as_secs_f64());
+                                self.metrics.vllm_prompt_tokens.inc_by(l.prompt_len as u64);
+                            }
+                            Some(t) => self.metrics.vllm_tpot.observe((now - t).as_secs_f64()),
+                        }
+                        l.last_token_at = Some(now);
+                        if let Some(reason) = push_token(&self.tok, l, next) {
+                            l.ended = Some(reason);
+                            stopped.push(id);
+                        }
+                    }
+                    Event::Preempted { id } => {
+                        tracing::debug!(id, "preempted: recomputes when pages free");
+                    }
+                    Event::Finished { id } => {
+                        if let Some(mut l) = self.live.remove(&id) {
+                            if l.ended.is_none() {
+                                // The scheduler's output budget (max_tokens) ran out.
+                                flush(&mut l, FinishReason::Length);
+                            }
+                            self.metrics
+                                .vllm_e2e_latency
+                                .observe(l.arrived.elapsed().as_secs_f64());
+                        }
+                    }
+                    Event::Failed { id, reason } => {
+                        if let Some(l) = self.live.remove(&id) {
+                            if !l.started {
+                                self.queued.fetch_sub(1, Ordering::SeqCst);
+                            }
+                            if l.ended.is_none() {
+                                let _ = l.events.send(GenEvent::Error(reason));
+                            }
+                        }
+                    }
+                }
+            }
+            // Requests that hit a stop token or string leave the scheduler now.
+            if stopped.is_empty() {
+                break;
+            }
+            for id in stopped.drain(..) {
+                self.sched.finish(id, events);
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        let kv = self.sched.kv();
+        let m = &self.metrics;
+        let (used, total) = (kv.used_blocks(), kv.total_blocks());
+        let usage = kv.usage();
+        m.blocks.with_label_values(&["used"]).set(used as i64);
+        m.blocks.with_label_values(&["free"]).set((total - used) as i64);
+        m.usage_ratio.set(usage);
+        m.vllm_usage.set(usage);
+        let (running, waiting) = (self.sched.num_running(), self.sched.num_waiting());
+        m.requests.with_label_values(&["running"]).set(running as i64);
+        m.requests.with_label_values(&["waiting"]).set(waiting as i64);
+        m.vllm_running.set(running as i64);
+        m.vllm_waiting.set(waiting as i64);
+        let c = self.sched.counters();
+        m.preemptions.inc_by(c.preemptions - self.last.preemptions);
+        m.vllm_preemptions.inc_by(c.preemptions - self.last.preemptions);
+        m.finished.inc_by(c.finished - self.last.finished);
+        m.failed.inc_by(c.failed - self.last.failed);
+        m.tokens.inc_by(c.tokens - self.last.tokens);
+        self.last = c;
+        m.set_live(crate::worker::metrics::LiveStats {
+            used_blocks: used,
+            free_blocks: total - used,
+            usage_ratio: usage,
+            running,
+            waiting,
+            preemptions: c.preemptions,
+            finished: c.finished,
+            failed: c.failed,
+            steps: c.steps,
+            tokens: c.tokens,
+        });
+    }
+}
+
+/// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
+/// finish reason when the request ends with it.
+fn push_token(tok: &Tokenizer, l: &mut Live, next: u32) -> Option<FinishReason> {
+    if tok.stop_tokens.contains(&next) {
+        flush(l, FinishReason::Stop);
+        return Some(FinishReason::Stop);
+    }
+    l.tokens.push(next);
+    let piece = l.decoder.push(tok, next);
+    let (text, hit) = l.stops.push(&piece);
+    if !text.is_empty() {
+        let _ = l.events.send(GenEvent::Text(text));
+    }
+    if hit {
+        let _ = l.events.send(GenEvent::Done {
+            reason: FinishReason::Stop,
+            prompt_tokens: l.prompt_len,
+            completion_tokens: l.output_len(),
+        });
+        return Some(FinishReason::Stop);
+    }
+    if l.output_len() >= l.sampler.params().max_tokens {
+        flush(l, FinishReason::Length);
+        return Some(FinishReason::Length);
+    }
+    None
+}
+
+/// Sends held-back text (unless it completes a stop string) and the end of the request.
+fn flush(l: &mut Live, reason: FinishReason) {
+    let tail = l.decoder.finish();
+    let (mut text, hit) = l.stops.push(&tail);
+    if !hit {
+        text.push_str(&l.stops.finish());
+    }
+    if !text.is_empty() {
+        let _ = l.events.send(GenEvent::Text(text));
+    }
+    let _ = l.events.send(GenEvent::Done {
+        reason,
+        prompt_tokens: l.prompt_len,
+        completion_tokens: l.output_len(),
+    });
+    l.ended = Some(reason);
 }

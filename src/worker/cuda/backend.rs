@@ -350,12 +350,21 @@ pub fn open_checked(
     if !super::device::driver_present() {
         return Err(CudaError::DriverMissing.to_string());
     }
-    let specs = specs_for(&cfg).map_err(|e| e.to_string())?;
     let gpu = Arc::new(Gpu::open(ordinal).map_err(|e| e.to_string())?);
+    let lines = self_test(&gpu, &cfg, seed)?;
+    let backend = CudaBackend::new(gpu, cfg).map_err(|e| e.to_string())?;
+    Ok((backend, lines))
+}
+
+/// Compiles the specialisations `cfg` needs for `gpu`'s architecture and runs
+/// [`super::selftest::run`] on each against the CPU reference. Returns one summary line per
+/// specialisation, or what failed.
+pub fn self_test(gpu: &Gpu, cfg: &BackendConfig, seed: u64) -> Result<Vec<String>, String> {
+    let specs = specs_for(cfg).map_err(|e| e.to_string())?;
     let mut lines = Vec::new();
     for (i, (spec, kv_heads)) in specs.iter().enumerate() {
         let k = gpu.kernels(spec).map_err(|e| e.to_string())?;
-        let c = super::selftest::run(&gpu, spec, *kv_heads, seed.wrapping_add(i as u64))
+        let c = super::selftest::run(gpu, spec, *kv_heads, seed.wrapping_add(i as u64))
             .map_err(|e| format!("{} on {} ({}): {e}", spec.key(), gpu.name, gpu.arch))?;
         lines.push(format!(
             "{} for {}: compiled in {:.2} s, self-test max error {:.2e} (bound {:.2e})",
@@ -366,8 +375,7 @@ pub fn open_checked(
             c.bound
         ));
     }
-    let backend = CudaBackend::new(gpu, cfg).map_err(|e| e.to_string())?;
-    Ok((backend, lines))
+    Ok(lines)
 }
 
 #[cfg(test)]

@@ -106,6 +106,19 @@ impl Request {
     }
 }
 
+/// One request's share of a step, as [`Scheduler::scheduled`] lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledChunk {
+    pub id: RequestId,
+    /// First position computed this step.
+    pub start: usize,
+    /// Positions computed this step.
+    pub len: usize,
+    /// Whether this chunk ends at the request's last known token, so the step yields the
+    /// request's next token (its logits are needed).
+    pub samples: bool,
+}
+
 /// Counters since start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
@@ -345,31 +358,12 @@ impl Scheduler {
     }
 
     fn build_plan(&self, plan: &mut StepPlan) {
-        let bs = self.cfg.block_size;
-        plan.qo_indptr.clear();
-        plan.qo_indptr.push(0);
-        plan.groups.resize_with(self.kv.groups.len(), Default::default);
-        for t in plan.groups.iter_mut() {
-            t.clear();
-            t.kv_indptr.push(0);
-        }
-        let mut total_q = 0u32;
-        for r in self.running.iter().filter(|r| r.scheduled > 0) {
-            total_q += r.scheduled as u32;
-            plan.qo_indptr.push(total_q);
-            let new_len = r.computed + r.scheduled;
-            for (t, bt) in plan.groups.iter_mut().zip(&r.tables) {
-                t.kv_indices.extend_from_slice(bt.live());
-                t.kv_indptr.push(t.kv_indices.len() as u32);
-                t.kv_last_page_len
-                    .push((new_len - (bt.blocks.len() - 1) * bs) as u32);
-                t.kv_first_pos.push((bt.freed * bs) as u32);
-                for p in r.computed..new_len {
-                    t.slot_mapping
-                        .push(bt.blocks[p / bs] * bs as u32 + (p % bs) as u32);
-                }
-            }
-        }
+        let rows = self
+            .running
+            .iter()
+            .filter(|r| r.scheduled > 0)
+            .map(|r| (r.tables.as_slice(), r.computed, r.scheduled));
+        write_plan(plan, self.cfg.block_size, self.kv.groups.len(), rows);
     }
 
     /// Applies the step the backend just ran: advances positions, emits tokens, finishes
@@ -410,6 +404,47 @@ impl Scheduler {
         }
     }
 
+    /// The step's batch in plan order (`qo_indptr` order): `(id, first position, tokens)`.
+    /// The last chunk of a request whose end reaches its known tokens yields its next token.
+    pub fn scheduled(&self) -> impl Iterator<Item = ScheduledChunk> + '_ {
+        self.running
+            .iter()
+            .filter(|r| r.scheduled > 0)
+            .map(|r| ScheduledChunk {
+                id: r.id,
+                start: r.computed,
+                len: r.scheduled,
+                samples: r.computed + r.scheduled == r.known(),
+            })
+    }
+
+    /// Ends a running or waiting request early (a stop token or stop string) and frees its
+    /// pages; counted as finished. `false` when unknown or while a step is in flight.
+    pub fn finish(&mut self, id: RequestId, events: &mut Vec<Event>) -> bool {
+        if self.stepping {
+            return false;
+        }
+        let r = if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            self.running.remove(i)
+        } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            match self.waiting.remove(i) {
+                Some(r) => r,
+                None => return false,
+            }
+        } else {
+            return false;
+        };
+        let mut r = r;
+        match self.kv.free_all(&mut r.tables) {
+            Ok(()) => {
+                self.counters.finished += 1;
+                events.push(Event::Finished { id });
+            }
+            Err(e) => self.fail(r, e, events),
+        }
+        true
+    }
+
     /// Whether some running request is still in prefill (benchmarks warm up past it).
     pub fn schedule_peek_prefilling(&self) -> bool {
         self.running.iter().any(|r| r.known() - r.computed > 1)
@@ -421,6 +456,40 @@ impl Scheduler {
             .iter()
             .map(|r| (r.id, r.tables.iter().map(|t| t.live().len()).collect()))
             .collect()
+    }
+}
+
+/// Writes a step's plan: for each `(tables, computed, scheduled)` in batch order, the query
+/// rows `computed..computed + scheduled` and, per group, the live pages, the last page's fill,
+/// the first position still held and the slots of the new tokens.
+pub fn write_plan<'a>(
+    plan: &mut StepPlan,
+    block_size: usize,
+    num_groups: usize,
+    rows: impl IntoIterator<Item = (&'a [BlockTable], usize, usize)>,
+) {
+    let bs = block_size;
+    plan.qo_indptr.clear();
+    plan.qo_indptr.push(0);
+    plan.groups.resize_with(num_groups, Default::default);
+    for t in plan.groups.iter_mut() {
+        t.clear();
+        t.kv_indptr.push(0);
+    }
+    let mut total_q = 0u32;
+    for (tables, computed, scheduled) in rows {
+        total_q += scheduled as u32;
+        plan.qo_indptr.push(total_q);
+        let new_len = computed + scheduled;
+        for (t, bt) in plan.groups.iter_mut().zip(tables) {
+            t.kv_indices.extend_from_slice(bt.live());
+            t.kv_indptr.push(t.kv_indices.len() as u32);
+            t.kv_last_page_len.push((new_len - (bt.blocks.len() - 1) * bs) as u32);
+            t.kv_first_pos.push((bt.freed * bs) as u32);
+            for p in computed..new_len {
+                t.slot_mapping.push(bt.blocks[p / bs] * bs as u32 + (p % bs) as u32);
+            }
+        }
     }
 }
 
