@@ -162,12 +162,12 @@ mod gpu {
     use kvfleet::compat::KvCacheDtype;
     use kvfleet::model::forward::{step_direct, Forward};
     use kvfleet::model::gguf::Gguf;
-    use kvfleet::worker::engine::direct::DirectPlanner;
-    use kvfleet::worker::engine::StepPlan;
     use kvfleet::model::gpu::{GpuLlama, GpuOptions};
     use kvfleet::model::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
     use kvfleet::model::sampling::argmax;
+    use kvfleet::worker::engine::direct::DirectPlanner;
     use kvfleet::worker::engine::KvDtype;
+    use kvfleet::worker::engine::StepPlan;
     use rayon::prelude::*;
 
     const CHUNK_TOKENS: usize = 2048;

@@ -19,15 +19,15 @@ use kvfleet::model::forward::{step_direct, Forward};
 use kvfleet::model::gguf::Gguf;
 use kvfleet::model::gpu::{GpuLlama, GpuOptions};
 use kvfleet::model::kv::ContiguousKv;
-use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet::model::llama::ForwardError;
+use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet::model::runtime::{GenEvent, ModelRuntime};
-use kvfleet::worker::engine::direct::DirectPlanner;
-use kvfleet::worker::engine::scheduler::SchedulerConfig;
-use kvfleet::worker::engine::{KvDtype, StepPlan};
 use kvfleet::model::sampling::{argmax, SamplingParams};
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
 use kvfleet::worker::cuda::device::Gpu;
+use kvfleet::worker::engine::direct::DirectPlanner;
+use kvfleet::worker::engine::scheduler::SchedulerConfig;
+use kvfleet::worker::engine::{KvDtype, StepPlan};
 
 /// Relative logit bound (see the module comment).
 const REL_BOUND: f32 = 0.05;
@@ -275,7 +275,11 @@ fn gpu_smollm2_prefill_and_decode_logits_match_the_cpu() {
 fn gpu_fp8_and_nvfp4_kv_logits_stay_within_their_bounds() {
     let m = smollm2();
     let ids = chat_ids("What is the capital of France?");
-    for (dtype, bound) in [(KvDtype::Fp8E4m3, 0.15f32), (KvDtype::Fp8E5m2, 0.15), (KvDtype::Nvfp4, 0.30)] {
+    for (dtype, bound) in [
+        (KvDtype::Fp8E4m3, 0.15f32),
+        (KvDtype::Fp8E5m2, 0.15),
+        (KvDtype::Nvfp4, 0.30),
+    ] {
         let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
         let mut g = on_gpu_with(m, dtype);
         let mut cpu = m.forward(&mut kv, &[chunk(7, 0, &ids)]).unwrap();
@@ -291,7 +295,10 @@ fn gpu_fp8_and_nvfp4_kv_logits_stay_within_their_bounds() {
             pos += 1;
         }
         eprintln!("{dtype:?} KV: worst max|gpu - cpu| / max|cpu| over 6 steps = {worst:.4} (bound {bound})");
-        assert!(worst <= bound, "{dtype:?}: relative logit error {worst} above {bound}");
+        assert!(
+            worst <= bound,
+            "{dtype:?}: relative logit error {worst} above {bound}"
+        );
     }
 }
 
@@ -407,7 +414,11 @@ fn gpu_runtime_generation_loop_answers_paris() {
     assert_eq!(rt.device, "cuda");
     eprintln!("GPU capacity: {cap:?}; pool {:?}", rt.pool);
     assert_eq!(cap.kv_tokens, 16384);
-    assert_eq!(rt.pool.total_blocks * rt.pool.block_size, 16384, "the scheduler manages the GPU's pool");
+    assert_eq!(
+        rt.pool.total_blocks * rt.pool.block_size,
+        16384,
+        "the scheduler manages the GPU's pool"
+    );
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: 24,

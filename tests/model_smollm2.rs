@@ -315,7 +315,11 @@ fn regenerate_smollm2_greedy_fixture() {
             "top2_margins": margins,
         }));
     }
-    std::fs::write(fixture("smollm2-greedy.json"), serde_json::to_string_pretty(&rows).unwrap() + "\n").unwrap();
+    std::fs::write(
+        fixture("smollm2-greedy.json"),
+        serde_json::to_string_pretty(&rows).unwrap() + "\n",
+    )
+    .unwrap();
 }
 
 /// Where bf16 KV rounding may flip a greedy choice: the reference's top two logits closer
@@ -379,7 +383,10 @@ fn smollm2_greedy_outputs_on_the_engine_equal_the_recorded_cpu_outputs() {
             }
         }
     }
-    eprintln!("{exact} of {} prompts: the same 32 greedy tokens as the f32 reference", rows.len());
+    eprintln!(
+        "{exact} of {} prompts: the same 32 greedy tokens as the f32 reference",
+        rows.len()
+    );
     assert!(exact >= 6, "only {exact} prompts match exactly");
     assert_eq!(planner.kv().used_blocks(), 0, "every page returned");
 }
@@ -408,7 +415,10 @@ fn engine_greedy_text(rt: &ModelRuntime, prompt: &str, max_tokens: usize) -> Str
 #[test]
 fn smollm2_serving_loop_batches_prompts_without_changing_their_greedy_text() {
     let rt = Arc::new(engine(KvDtype::Bf16, 8192, 8));
-    let alone: Vec<String> = FIXTURE_PROMPTS[..4].iter().map(|p| engine_greedy_text(&rt, p, 16)).collect();
+    let alone: Vec<String> = FIXTURE_PROMPTS[..4]
+        .iter()
+        .map(|p| engine_greedy_text(&rt, p, 16))
+        .collect();
     let together: Vec<String> = std::thread::scope(|s| {
         let hs: Vec<_> = FIXTURE_PROMPTS[..4]
             .iter()

@@ -582,7 +582,9 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     let load: Vec<_> = (0..8)
         .map(|i| {
             std::thread::spawn(move || {
-                let body = format!(r#"{{"prompt":"Story number {i}: once upon a time","max_tokens":48,"temperature":0}}"#);
+                let body = format!(
+                    r#"{{"prompt":"Story number {i}: once upon a time","max_tokens":48,"temperature":0}}"#
+                );
                 http(worker_port, "POST", "/v1/completions", Some(&body))
             })
         })

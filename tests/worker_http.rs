@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 fn smollm2() -> PathBuf {
     let p = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
     assert!(
         p.exists(),
         "the embedded SmolLM2 is not installed at {} (run .ci/install-tools)",
@@ -27,7 +29,11 @@ fn smollm2() -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn temp(name: &str) -> PathBuf {
@@ -197,7 +203,10 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
     let (st, _, cap) = http(w.port, "GET", "/v1/capacity", "");
     assert_eq!(st, 200);
     let cap: serde_json::Value = serde_json::from_str(&cap).unwrap();
-    assert_eq!(cap["modelName"], "SmolLM2-135M-Instruct", "capacity describes the served model");
+    assert_eq!(
+        cap["modelName"], "SmolLM2-135M-Instruct",
+        "capacity describes the served model"
+    );
     assert_eq!(cap["backend"], "cpu");
     assert_eq!(cap["kvCacheDtype"], "bfloat16");
     // The pool is sized for SmolLM2's geometry: 30 layers x K+V x 3 KV heads x 64 x 2 bytes
@@ -207,7 +216,9 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
     let (_, _, m) = http(w.port, "GET", "/metrics", "");
     assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}"), 327.0);
     assert!(
-        m.contains(r#"vllm:cache_config_info{block_size="16",cache_dtype="bfloat16",num_gpu_blocks="327"} 1"#),
+        m.contains(
+            r#"vllm:cache_config_info{block_size="16",cache_dtype="bfloat16",num_gpu_blocks="327"} 1"#
+        ),
         "{m}"
     );
     let chat = r#"{"model":"SmolLM2-135M-Instruct","temperature":0,"max_tokens":16,
@@ -215,10 +226,20 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
     let (st, _, body) = http(w.port, "POST", "/v1/chat/completions", chat);
     assert_eq!(st, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Paris"), "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Paris"),
+        "{v}"
+    );
     let (_, _, m) = http(w.port, "GET", "/metrics", "");
     assert!(sample(&m, "vllm:generation_tokens_total") >= 3.0);
-    assert_eq!(sample(&m, "vllm:prompt_tokens_total"), 37.0, "the chat prompt, once");
+    assert_eq!(
+        sample(&m, "vllm:prompt_tokens_total"),
+        37.0,
+        "the chat prompt, once"
+    );
     assert_eq!(sample(&m, "vllm:time_to_first_token_seconds_count"), 1.0);
     assert_eq!(sample(&m, "vllm:e2e_request_latency_seconds_count"), 1.0);
 }
@@ -291,7 +312,8 @@ fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone(
             std::thread::spawn(move || (p, stream_completion(port, p, MAX_TOKENS)))
         })
         .collect();
-    let results: Vec<(&str, Result<String, String>)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let results: Vec<(&str, Result<String, String>)> =
+        handles.into_iter().map(|h| h.join().unwrap()).collect();
     done.store(true, Ordering::SeqCst);
     sampler.join().unwrap();
     for (p, r) in &results {
@@ -314,7 +336,11 @@ fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone(
     );
     let (_, _, m) = http(w.port, "GET", "/metrics", "");
     assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), 0.0, "usage back to 0");
-    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"), 0.0, "no block leaked");
+    assert_eq!(
+        sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"),
+        0.0,
+        "no block leaked"
+    );
     assert_eq!(sample(&m, "vllm:num_requests_running"), 0.0);
     assert_eq!(sample(&m, "vllm:e2e_request_latency_seconds_count"), 72.0);
 }
@@ -323,7 +349,16 @@ fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone(
 fn bad_requests_get_a_4xx_and_a_full_queue_answers_429_with_retry_after() {
     let mut w = start(
         "limits",
-        &["--max-model-len", "64", "--max-waiting", "1", "--max-num-seqs", "1", "--max-num-batched-tokens", "64"],
+        &[
+            "--max-model-len",
+            "64",
+            "--max-waiting",
+            "1",
+            "--max-num-seqs",
+            "1",
+            "--max-num-batched-tokens",
+            "64",
+        ],
         &[],
     );
     wait_ready(&mut w, Duration::from_secs(180));
@@ -331,15 +366,28 @@ fn bad_requests_get_a_4xx_and_a_full_queue_answers_429_with_retry_after() {
     let body = serde_json::json!({"prompt": long, "max_tokens": 4}).to_string();
     let (st, _, b) = http(w.port, "POST", "/v1/completions", &body);
     assert_eq!(st, 400, "{b}");
-    assert!(b.contains("maxModelLen 64") && b.contains("\"param\":\"prompt\""), "{b}");
-    let (st, _, b) = http(w.port, "POST", "/v1/completions", r#"{"prompt":"","max_tokens":4}"#);
+    assert!(
+        b.contains("maxModelLen 64") && b.contains("\"param\":\"prompt\""),
+        "{b}"
+    );
+    let (st, _, b) = http(
+        w.port,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"","max_tokens":4}"#,
+    );
     assert_eq!(st, 400, "{b}");
     // One running, one queued: the next ones are refused until the queue drains.
     let port = w.port;
     let burst: Vec<_> = (0..6)
         .map(|_| {
             std::thread::spawn(move || {
-                http(port, "POST", "/v1/completions", r#"{"prompt":"Count to ten:","max_tokens":40,"temperature":0}"#)
+                http(
+                    port,
+                    "POST",
+                    "/v1/completions",
+                    r#"{"prompt":"Count to ten:","max_tokens":40,"temperature":0}"#,
+                )
             })
         })
         .collect();
@@ -352,7 +400,11 @@ fn bad_requests_get_a_4xx_and_a_full_queue_answers_429_with_retry_after() {
         assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
         assert!(body.contains("retry later"), "{body}");
     }
-    assert_eq!(ok + answers.iter().filter(|a| a.0 == 429).count(), 6, "{answers:?}");
+    assert_eq!(
+        ok + answers.iter().filter(|a| a.0 == 429).count(),
+        6,
+        "{answers:?}"
+    );
 }
 
 #[test]
@@ -366,7 +418,11 @@ fn a_config_without_weights_or_with_the_wrong_geometry_exits_2_and_says_why() {
     let tlog = temp("termination-log");
     std::fs::write(&tlog, "").unwrap();
     let tl = tlog.to_str().unwrap().to_string();
-    let mut w = start("noweights", &["--config", cfg.to_str().unwrap()], &[("KVFLEET_TERMINATION_LOG", &tl)]);
+    let mut w = start(
+        "noweights",
+        &["--config", cfg.to_str().unwrap()],
+        &[("KVFLEET_TERMINATION_LOG", &tl)],
+    );
     assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(2), "{}", w.log());
     let why = std::fs::read_to_string(&tlog).unwrap();
     assert!(why.contains("spec.model.weights"), "termination log: {why:?}");
@@ -381,20 +437,48 @@ fn a_config_without_weights_or_with_the_wrong_geometry_exits_2_and_says_why() {
         ),
     )
     .unwrap();
-    let mut w = start("geometry", &["--config", cfg.to_str().unwrap()], &[("KVFLEET_TERMINATION_LOG", &tl)]);
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(120)), Some(2), "{}", w.log());
+    let mut w = start(
+        "geometry",
+        &["--config", cfg.to_str().unwrap()],
+        &[("KVFLEET_TERMINATION_LOG", &tl)],
+    );
+    assert_eq!(
+        wait_exit(&mut w, Duration::from_secs(120)),
+        Some(2),
+        "{}",
+        w.log()
+    );
     let why = std::fs::read_to_string(&tlog).unwrap();
-    assert!(why.contains("layers 32 (the model has 30)"), "termination log: {why:?}");
+    assert!(
+        why.contains("layers 32 (the model has 30)"),
+        "termination log: {why:?}"
+    );
 
     // A model path that does not exist names the path and the volume.
-    let mut w = start("missing", &["--model", "/nonexistent/m.gguf"], &[("KVFLEET_TERMINATION_LOG", &tl)]);
+    let mut w = start(
+        "missing",
+        &["--model", "/nonexistent/m.gguf"],
+        &[("KVFLEET_TERMINATION_LOG", &tl)],
+    );
     assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(2), "{}", w.log());
     let why = std::fs::read_to_string(&tlog).unwrap();
-    assert!(why.contains("/nonexistent/m.gguf") && why.contains("volume"), "{why:?}");
+    assert!(
+        why.contains("/nonexistent/m.gguf") && why.contains("volume"),
+        "{why:?}"
+    );
 
     // maxModelLen beyond the model's context (8192).
-    let mut w = start("ctx", &["--max-model-len", "100000"], &[("KVFLEET_TERMINATION_LOG", &tl)]);
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(120)), Some(2), "{}", w.log());
+    let mut w = start(
+        "ctx",
+        &["--max-model-len", "100000"],
+        &[("KVFLEET_TERMINATION_LOG", &tl)],
+    );
+    assert_eq!(
+        wait_exit(&mut w, Duration::from_secs(120)),
+        Some(2),
+        "{}",
+        w.log()
+    );
     let why = std::fs::read_to_string(&tlog).unwrap();
     assert!(why.contains("context length"), "{why:?}");
 }
@@ -412,12 +496,22 @@ fn sigterm_lets_a_running_stream_finish_within_the_drain_time() {
         if sample(&m, "vllm:num_requests_running") >= 1.0 {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "the request never started");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the request never started"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let pid = w.child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    let text = running.join().unwrap().expect("the running stream finishes during the drain");
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let text = running
+        .join()
+        .unwrap()
+        .expect("the running stream finishes during the drain");
     assert!(!text.is_empty());
     assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(0), "{}", w.log());
 }

@@ -56,10 +56,12 @@ case "$mode" in
     { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins
     strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
     head -c "$half" "$gguf" > "$out/gguf.part1"
+    cp bench/http_load.py bench/device/llama-3.1-8b.json "$out/"
     ;;
   model-b)
     tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
     sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
+    cp bench/http_load.py "$out/"
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

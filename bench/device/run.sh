@@ -43,7 +43,7 @@ case "$mode" in
     if [ -x "$bin/kvfleet" ] && [ -n "${KVFLEET_DEVICE_WORKER_MODEL:-}" ]; then
       step "worker with a dummy-weight model on the GPU"
       "$bin/kvfleet" worker --listen 127.0.0.1:8000 --model-weights dummy --model-config "$KVFLEET_DEVICE_WORKER_MODEL" \
-        --model-device cuda > "$OUT/worker.log" 2>&1 &
+        --attention-backend KVFLEET_CUDA > "$OUT/worker.log" 2>&1 &
       pid=$!
       for _ in $(seq 1 90); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
       curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
@@ -69,6 +69,25 @@ case "$mode" in
     "$stash/cuda_model" --ignored --nocapture dummy 2>&1 | tee "$OUT/cuda_model_dummy.log" | tail -12
     step "model bench: dummy Llama-3-8B"
     KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b "$stash/model" 2>&1 | tee "$OUT/bench_model_8b.log" | tail -14
+    # The served model through HTTP: the worker with dummy Llama-3.1-8B weights on the GPU,
+    # bench/http_load.py with /metrics sampled during each run (bench/RESULTS.md).
+    for dtype in ${KVFLEET_DEVICE_HTTP_DTYPES:-bfloat16}; do
+      step "HTTP load: dummy Llama-3.1-8B, $dtype KV"
+      "$stash/kvfleet" worker --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
+        --attention-backend KVFLEET_CUDA --kv-cache-dtype "$dtype" --max-model-len 4096 --max-num-seqs 256 \
+        --max-num-batched-tokens 2048 --gpu-memory-utilization 0.92 --max-waiting 4096 > "$OUT/worker_8b_$dtype.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 120); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
+      curl -s 127.0.0.1:8000/v1/capacity > "$OUT/capacity_8b_$dtype.json"; head -c 400 "$OUT/capacity_8b_$dtype.json"; echo
+      for row in ${KVFLEET_DEVICE_HTTP_ROWS:-1:130:512 64:130:512 256:130:512 256:1500:128}; do
+        IFS=: read -r c p o <<< "$row"
+        timeout 150 python3 $dev/http_load.py --port 8000 --concurrency "$c" --prompt-tokens "$p" --output-tokens "$o" \
+          --vocab 128000 --metrics 2>&1 | tee -a "$OUT/http_8b_$dtype.log" | tail -3
+      done
+      curl -s 127.0.0.1:8000/metrics > "$OUT/metrics_8b_$dtype.txt"
+      kill $pid; wait $pid 2>/dev/null
+      grep -E "ERROR|WARN|KV pool|ready" "$OUT/worker_8b_$dtype.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -4
+    done
     ;;
   model-b)
     gguf=$stash/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -80,13 +99,17 @@ case "$mode" in
     step "model bench: SmolLM2"
     KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=smollm2 "$stash/model" 2>&1 | tee "$OUT/bench_model_smollm2.log" | tail -14
     step "worker serves SmolLM2 on the GPU"
-    "$stash/kvfleet" worker --listen 127.0.0.1:8000 --model "$gguf" --model-device cuda > "$OUT/worker.log" 2>&1 &
+    "$stash/kvfleet" worker --listen 127.0.0.1:8000 --model "$gguf" --attention-backend KVFLEET_CUDA \
+      --max-num-seqs 256 --max-num-batched-tokens 2048 > "$OUT/worker.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 120); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
     curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \
       -d '{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":24,"temperature":0}' \
       | tee "$OUT/chat.json"; echo
-    curl -s 127.0.0.1:8000/metrics | grep -E '^kvfleet_(kv_cache_capacity_tokens|time_to_first|output_tokens)' | head
+    curl -s 127.0.0.1:8000/v1/capacity > "$OUT/capacity_smollm2.json"; head -c 400 "$OUT/capacity_smollm2.json"; echo
+    timeout 120 python3 $dev/http_load.py --port 8000 --concurrency 64 --prompt-tokens 130 --output-tokens 256 \
+      --vocab 49000 --metrics 2>&1 | tee "$OUT/http_smollm2.log" | tail -3
+    curl -s 127.0.0.1:8000/metrics | grep -E '^(kvfleet_kv_cache_capacity_tokens|vllm:(generation_tokens_total|num_preemptions_total|time_to_first_token_seconds_count))' | head
     kill $pid; wait $pid 2>/dev/null
     tail -5 "$OUT/worker.log"
     ;;

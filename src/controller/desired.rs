@@ -10,9 +10,10 @@ use std::path::PathBuf;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
-    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
-    SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, ObjectFieldSelector,
+    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec,
+    Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
@@ -23,7 +24,9 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat};
+use crate::api::{
+    AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat,
+};
 use crate::model::serve::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::{labels as gfd, Verdict};
@@ -403,11 +406,7 @@ fn pod_template(
     ];
     let (image, command, args, probe_paths) = match runtime {
         Runtime::Kvfleet => {
-            let mut args = vec![
-                "worker".to_string(),
-                "--config".to_string(),
-                format!("{CONFIG_DIR}/{WORKER_CONFIG_KEY}"),
-            ];
+            let mut args = worker_args(spec, verdict);
             args.extend(spec.engine.extra_args.iter().cloned());
             (
                 spec.engine
@@ -617,6 +616,38 @@ pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Strin
     args
 }
 
+/// `kvfleet worker` arguments: the rendered config, and on top of it the values a reader of
+/// `kubectl describe pod` looks for (they equal the config's): the model path on the weights
+/// volume, the served name, the resolved KV dtype and the engine limits.
+pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
+    let (dtype, _) = resolved_strings(spec, verdict);
+    let e = &spec.engine;
+    let mut args = vec![
+        "worker".to_string(),
+        "--config".to_string(),
+        format!("{CONFIG_DIR}/{WORKER_CONFIG_KEY}"),
+    ];
+    let source = worker_model_source(spec);
+    if let Some(p) = &source.path {
+        args.extend(["--model".to_string(), p.display().to_string()]);
+    }
+    if source.weights == Weights::Dummy {
+        args.extend(["--model-weights".to_string(), "dummy".to_string()]);
+    }
+    for (flag, value) in [
+        ("--served-model-name", spec.model.name.clone()),
+        ("--kv-cache-dtype", dtype),
+        ("--max-model-len", e.max_model_len.to_string()),
+        ("--max-num-seqs", e.max_num_seqs.to_string()),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens.to_string()),
+        ("--block-size", e.block_size.to_string()),
+        ("--gpu-memory-utilization", e.gpu_memory_utilization.to_string()),
+    ] {
+        args.extend([flag.to_string(), value]);
+    }
+    args
+}
+
 /// The kvfleet worker's configuration ([`WorkerConfig`], read by `kvfleet worker --config`):
 /// the spec's geometry and engine with the verdict's resolution of `auto`. `None` when the spec
 /// has no inline geometry (the worker needs it; see docs/controller.md).
@@ -668,7 +699,7 @@ pub fn worker_model_source(spec: &InferenceDeploymentSpec) -> ModelSource {
         },
         Some(_) => ModelSource {
             path: w.map(|w| {
-                let rel = w.path.as_deref().unwrap_or("").trim_start_matches('/');
+                let rel = w.path.as_deref().unwrap_or("").trim_matches('/');
                 PathBuf::from(WEIGHTS_DIR).join(rel)
             }),
             weights: Weights::Load,
@@ -823,6 +854,100 @@ spec:
         assert_eq!(d.deployment.spec.as_ref().unwrap().replicas, Some(2));
     }
 
+    const KVFLEET_H100_PVC: &str = r#"
+apiVersion: kvfleet.io/v1alpha1
+kind: InferenceDeployment
+metadata: {name: llama}
+spec:
+  model:
+    name: meta-llama/Llama-3.1-8B-Instruct
+    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    weights: {format: safetensors, pvcName: llama-weights, path: /llama-3.1-8b-instruct/}
+  engine:
+    runtime: kvfleet
+    kvCacheDtype: fp8
+    maxModelLen: 32768
+    maxNumSeqs: 48
+    maxNumBatchedTokens: 4096
+    gpuMemoryUtilization: 0.92
+  gpu:
+    selector: {products: [NVIDIA-H100-80GB-HBM3]}
+"#;
+
+    #[test]
+    fn kvfleet_pod_args_name_the_model_on_the_mounted_weights_volume_with_dtype_and_limits() {
+        let obj = fixture(KVFLEET_H100_PVC);
+        let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        let args = c.args.clone().unwrap();
+        let model = arg_after(&args, "--model").expect("--model");
+        assert_eq!(model, "/models/llama-3.1-8b-instruct");
+        for (flag, want) in [
+            ("--served-model-name", "meta-llama/Llama-3.1-8B-Instruct"),
+            ("--kv-cache-dtype", "fp8_e4m3"),
+            ("--max-model-len", "32768"),
+            ("--max-num-seqs", "48"),
+            ("--max-num-batched-tokens", "4096"),
+            ("--block-size", "16"),
+            ("--gpu-memory-utilization", "0.92"),
+        ] {
+            assert_eq!(
+                arg_after(&args, flag).as_deref(),
+                Some(want),
+                "{flag} in {args:?}"
+            );
+        }
+        assert_eq!(arg_after(&args, "--model-weights"), None, "real weights");
+        // The volume holding the weights is mounted, read-only, at the directory --model is in.
+        let mount = c
+            .volume_mounts
+            .unwrap()
+            .into_iter()
+            .find(|m| model.starts_with(&format!("{}/", m.mount_path)))
+            .expect("a mount under --model");
+        assert_eq!(mount.read_only, Some(true));
+        let vol = pod(&d)
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        let pvc = vol.persistent_volume_claim.unwrap();
+        assert_eq!(pvc.claim_name, "llama-weights");
+        // The config file says the same.
+        let yaml = &d.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
+        let cfg = WorkerConfig::parse(yaml).unwrap();
+        let src = cfg.model.unwrap();
+        assert_eq!(src.path.unwrap().display().to_string(), model);
+        assert_eq!(src.weights, Weights::Load);
+
+        // hostPath weights: a Directory volume at the same place.
+        let host = KVFLEET_H100_PVC.replace("pvcName: llama-weights", "hostPath: /mnt/nvme/models");
+        let d = desired(&fixture(&host), &v, &Settings::default(), None).unwrap();
+        let vol = pod(&d)
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == "weights")
+            .unwrap();
+        let hp = vol.host_path.unwrap();
+        assert_eq!(
+            (hp.path.as_str(), hp.type_.as_deref()),
+            ("/mnt/nvme/models", Some("Directory"))
+        );
+
+        // Dummy weights only when asked, with no model path.
+        let dummy = KVFLEET_H100_PVC.replace(
+            "weights: {format: safetensors, pvcName: llama-weights, path: /llama-3.1-8b-instruct/}",
+            "weights: {format: dummy}",
+        );
+        let d = desired(&fixture(&dummy), &v, &Settings::default(), None).unwrap();
+        let args = container(&d).args.unwrap();
+        assert_eq!(arg_after(&args, "--model-weights").as_deref(), Some("dummy"));
+        assert_eq!(arg_after(&args, "--model"), None);
+    }
+
     #[test]
     fn kvfleet_worker_reads_the_resolved_config_from_the_config_map() {
         let obj = fixture(KVFLEET_RTX3090_TP2);
@@ -842,12 +967,23 @@ spec:
         assert_eq!(cfg.engine.tensor_parallel_size, 2);
         assert_eq!(cfg.geometry.as_ref().unwrap().kv_heads, 8);
         assert_eq!(cfg.weight_bytes, 16 << 30);
-        assert_eq!(cfg.model_name.as_deref(), Some("meta-llama/Llama-3.1-8B-Instruct"));
+        assert_eq!(
+            cfg.model_name.as_deref(),
+            Some("meta-llama/Llama-3.1-8B-Instruct")
+        );
         let c = container(&d);
         assert_eq!(c.command.unwrap(), vec!["kvfleet"]);
+        let args = c.args.unwrap();
+        assert_eq!(args[..3], ["worker", "--config", "/etc/kvfleet/worker.yaml"]);
         assert_eq!(
-            c.args.unwrap(),
-            vec!["worker", "--config", "/etc/kvfleet/worker.yaml"]
+            arg_after(&args, "--model"),
+            None,
+            "no weights: no model path, never a default model"
+        );
+        assert_eq!(
+            cfg.model,
+            Some(ModelSource::default()),
+            "the worker refuses to start without weights"
         );
         assert!(c
             .volume_mounts

@@ -48,8 +48,7 @@ pub trait Forward: Send {
 /// chunk's token count.
 pub fn check_plan(batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<(), ForwardError> {
     let lens = plan.qo_indptr.windows(2).map(|w| (w[1] - w[0]) as usize);
-    let ok = plan.qo_indptr.len() == batch.len() + 1
-        && lens.zip(batch).all(|(n, c)| n == c.tokens.len());
+    let ok = plan.qo_indptr.len() == batch.len() + 1 && lens.zip(batch).all(|(n, c)| n == c.tokens.len());
     if ok {
         Ok(())
     } else {
@@ -69,7 +68,10 @@ pub fn step_direct(
     batch: &[SeqChunk<'_>],
     plan: &mut StepPlan,
 ) -> Result<Vec<f32>, ForwardError> {
-    let seqs: Vec<(u64, usize, usize)> = batch.iter().map(|c| (c.seq, c.start_pos, c.tokens.len())).collect();
+    let seqs: Vec<(u64, usize, usize)> = batch
+        .iter()
+        .map(|c| (c.seq, c.start_pos, c.tokens.len()))
+        .collect();
     planner
         .plan(&seqs, plan)
         .map_err(|e| ForwardError::Kv(KvError::Backend(e.to_string())))?;
@@ -78,7 +80,12 @@ pub fn step_direct(
 
 /// The engine's pools for a Llama-family geometry: one full-attention group of `num_blocks`
 /// pages of `block_size` tokens, every layer in `dtype`.
-pub fn llama_backend_config(geo: AttnGeometry, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
+pub fn llama_backend_config(
+    geo: AttnGeometry,
+    dtype: KvDtype,
+    block_size: usize,
+    num_blocks: usize,
+) -> BackendConfig {
     let layer = LayerSpec {
         group: 0,
         attn: LayerAttn {
@@ -117,7 +124,9 @@ impl CpuForward {
         let cfg = backend.config();
         let fits = cfg.layers.len() == geo.n_layers
             && cfg.layers.iter().all(|l| {
-                l.attn.q_heads == geo.n_heads && l.attn.kv_heads == geo.n_kv_heads && l.attn.head_dim == geo.head_dim
+                l.attn.q_heads == geo.n_heads
+                    && l.attn.kv_heads == geo.n_kv_heads
+                    && l.attn.head_dim == geo.head_dim
             });
         if !fits {
             return Err(ForwardError::Kv(KvError::Backend(format!(
@@ -180,7 +189,9 @@ impl KvAttention for Planned<'_> {
         fill(&mut self.q, q);
         self.out.resize(out.len(), 0.0);
         self.backend.append_kv(layer, &self.k, &self.v).map_err(device)?;
-        self.backend.attention(layer, &self.q, &mut self.out).map_err(device)?;
+        self.backend
+            .attention(layer, &self.q, &mut self.out)
+            .map_err(device)?;
         out.copy_from_slice(&self.out[..out.len()]);
         self.time += t0.elapsed();
         Ok(())
@@ -254,7 +265,10 @@ mod tests {
             },
             &f.kv_config().groups,
         );
-        let prompts: [Vec<u32>; 2] = [(0..9).map(|i| i * 7 % 40).collect(), (0..5).map(|i| i * 3 % 40).collect()];
+        let prompts: [Vec<u32>; 2] = [
+            (0..9).map(|i| i * 7 % 40).collect(),
+            (0..5).map(|i| i * 3 % 40).collect(),
+        ];
         let mut toks: Vec<Vec<u32>> = prompts.to_vec();
         for (i, p) in prompts.iter().enumerate() {
             sched.submit(i as u64, p.len(), 3).unwrap();
@@ -278,9 +292,16 @@ mod tests {
             let got = f.forward(&batch, &plan).unwrap();
             let want = m.forward(&mut flat, &batch).unwrap();
             assert_eq!(got.len(), want.len());
-            let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
             let scale = want.iter().map(|x| x.abs()).fold(0.0, f32::max);
-            assert!(err <= 0.02 * scale + 1e-3, "max |engine - contiguous| = {err} (scale {scale})");
+            assert!(
+                err <= 0.02 * scale + 1e-3,
+                "max |engine - contiguous| = {err} (scale {scale})"
+            );
             rows_checked += got.len() / m.config.vocab;
             drop(batch);
             sched.complete(&mut events);
@@ -297,7 +318,13 @@ mod tests {
     #[test]
     fn a_plan_for_another_batch_is_refused() {
         let m = Arc::new(Llama::dummy(LlamaConfig::llama(1, 32, 64, 4, 2, 20), 3).unwrap());
-        let backend = CpuBackend::new(llama_backend_config(m.config.attn_geometry(), KvDtype::Bf16, 4, 8)).unwrap();
+        let backend = CpuBackend::new(llama_backend_config(
+            m.config.attn_geometry(),
+            KvDtype::Bf16,
+            4,
+            8,
+        ))
+        .unwrap();
         let mut f = CpuForward::new(m, backend).unwrap();
         let toks = [1u32, 2, 3];
         let e = f

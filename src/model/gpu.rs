@@ -78,7 +78,9 @@ pub enum GpuError {
     Cublas { what: &'static str, detail: String },
     #[error("GPU attention backend: {0}")]
     Backend(String),
-    #[error("the model does not fit kvfleet's GPU kernels: {0}; run it with --attention-backend KVFLEET_CPU")]
+    #[error(
+        "the model does not fit kvfleet's GPU kernels: {0}; run it with --attention-backend KVFLEET_CPU"
+    )]
     Unsupported(String),
     #[error(
         "not enough GPU memory: {0}; use a smaller model, lower maxNumBatchedTokens, or run it with \
@@ -847,7 +849,9 @@ impl GpuLlama {
         }
         let pools = llama_backend_config(geo, dt, bs, blocks);
         if opts.self_test {
-            for line in crate::worker::cuda::backend::self_test(&gpu, &pools, 0).map_err(GpuError::SelfTest)? {
+            for line in
+                crate::worker::cuda::backend::self_test(&gpu, &pools, 0).map_err(GpuError::SelfTest)?
+            {
                 tracing::info!("CUDA kernels {line}");
             }
         }

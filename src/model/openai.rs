@@ -73,8 +73,10 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
-            r.headers_mut()
-                .insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
         }
         r
     }
@@ -84,9 +86,9 @@ impl ApiError {
     /// A runtime refusal; `param` names the request field a prompt error is about.
     fn from_runtime(e: RuntimeError, param: &'static str) -> Self {
         match e {
-            RuntimeError::PromptTooLong { .. } | RuntimeError::PromptOverCapacity { .. } | RuntimeError::EmptyPrompt => {
-                ApiError::bad(e.to_string(), Some(param))
-            }
+            RuntimeError::PromptTooLong { .. }
+            | RuntimeError::PromptOverCapacity { .. }
+            | RuntimeError::EmptyPrompt => ApiError::bad(e.to_string(), Some(param)),
             RuntimeError::QueueFull { .. } => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
                 message: e.to_string(),
@@ -110,6 +112,15 @@ impl ApiError {
 enum OneOrMany {
     One(String),
     Many(Vec<String>),
+}
+
+/// A completions prompt: text, a list of one text, or token ids (as OpenAI and vLLM accept;
+/// benchmarks use ids for exact prompt lengths).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Tokens(Vec<u32>),
+    Text(OneOrMany),
 }
 
 impl OneOrMany {
@@ -162,6 +173,8 @@ struct Common {
     stream: bool,
     stream_options: Option<StreamOptions>,
     n: Option<usize>,
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 #[derive(Deserialize)]
@@ -173,7 +186,7 @@ struct ChatRequest {
 
 #[derive(Deserialize)]
 struct CompletionRequest {
-    prompt: OneOrMany,
+    prompt: Prompt,
     #[serde(flatten)]
     common: Common,
 }
@@ -215,6 +228,7 @@ impl Common {
             top_p: self.top_p.unwrap_or(1.0),
             top_k,
             seed: self.seed,
+            ignore_eos: self.ignore_eos,
             max_tokens: self
                 .max_completion_tokens
                 .or(self.max_tokens)
@@ -314,16 +328,30 @@ async fn completions(State(rt): State<Arc<ModelRuntime>>, body: Bytes) -> Respon
     let run = async {
         let req: CompletionRequest = parse(&body)?;
         req.common.check_model(&rt)?;
-        let mut prompts = req.prompt.into_vec();
-        if prompts.len() != 1 {
-            return Err(ApiError::bad(
-                "exactly one prompt string is supported",
-                Some("prompt"),
-            ));
-        }
-        let prompt = prompts.pop().unwrap_or_default();
         let params = req.common.params(DEFAULT_COMPLETION_MAX_TOKENS)?;
-        let ids = rt.tokenizer.encode(&prompt, true);
+        let ids = match req.prompt {
+            Prompt::Tokens(ids) => {
+                let vocab = rt.vocab_size;
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(ApiError::bad(
+                        format!("token id {bad} is outside the vocabulary of {vocab}"),
+                        Some("prompt"),
+                    ));
+                }
+                ids
+            }
+            Prompt::Text(text) => {
+                let mut prompts = text.into_vec();
+                if prompts.len() != 1 {
+                    return Err(ApiError::bad(
+                        "exactly one prompt string is supported",
+                        Some("prompt"),
+                    ));
+                }
+                let prompt = prompts.pop().unwrap_or_default();
+                rt.tokenizer.encode(&prompt, true)
+            }
+        };
         Ok((ids, params, req.common))
     };
     match run.await {

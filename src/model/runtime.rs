@@ -72,7 +72,8 @@ impl FinishReason {
 /// What the loop reports to a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
-    /// New text (always complete UTF-8, never part of a stop string).
+    /// New text of one sampled token (always complete UTF-8, never part of a stop string;
+    /// empty while bytes are held back).
     Text(String),
     Done {
         reason: FinishReason,
@@ -109,6 +110,8 @@ pub struct ModelRuntime {
     pub tokenizer: Arc<Tokenizer>,
     /// Prompt + output tokens of one request at most (the engine's maxModelLen).
     pub max_model_len: usize,
+    /// Token ids the model knows.
+    pub vocab_size: usize,
     /// Where the forward pass runs (`cpu`, `cuda`).
     pub device: &'static str,
     pub pool: PoolSummary,
@@ -173,6 +176,7 @@ impl ModelRuntime {
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
         let device = model.device();
+        let vocab_size = model.config().vocab;
         let queued = Arc::new(AtomicUsize::new(0));
         let lp = Loop {
             model,
@@ -195,6 +199,7 @@ impl ModelRuntime {
             name,
             tokenizer,
             max_model_len: sched.max_model_len,
+            vocab_size,
             device,
             pool,
             gpu_capacity: None,
@@ -395,7 +400,13 @@ impl Loop {
         }
     }
 
-    fn submit(&mut self, prompt: Vec<u32>, params: SamplingParams, tx: UnboundedSender<GenEvent>, arrived: Instant) {
+    fn submit(
+        &mut self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        tx: UnboundedSender<GenEvent>,
+        arrived: Instant,
+    ) {
         let id = self.next_id;
         self.next_id += 1;
         if let Err(e) = self.sched.submit(id, prompt.len(), params.max_tokens) {
@@ -516,7 +527,8 @@ impl Loop {
                         }
                     }
                     Event::Token { id, .. } => {
-                        let (Some((logits, now)), Some(row)) = (logits, rows.iter().position(|r| *r == id)) else {
+                        let (Some((logits, now)), Some(row)) = (logits, rows.iter().position(|r| *r == id))
+                        else {
                             continue;
                         };
                         let Some(l) = self.live.get_mut(&id) else { continue };
@@ -613,16 +625,16 @@ impl Loop {
 /// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
 /// finish reason when the request ends with it.
 fn push_token(tok: &Tokenizer, l: &mut Live, next: u32) -> Option<FinishReason> {
-    if tok.stop_tokens.contains(&next) {
+    if !l.sampler.params().ignore_eos && tok.stop_tokens.contains(&next) {
         flush(l, FinishReason::Stop);
         return Some(FinishReason::Stop);
     }
     l.tokens.push(next);
     let piece = l.decoder.push(tok, next);
     let (text, hit) = l.stops.push(&piece);
-    if !text.is_empty() {
-        let _ = l.events.send(GenEvent::Text(text));
-    }
+    // One event per token even when its text is held back or empty (a partial UTF-8
+    // sequence, a byte-less dummy token): streams show every token's arrival.
+    let _ = l.events.send(GenEvent::Text(text));
     if hit {
         let _ = l.events.send(GenEvent::Done {
             reason: FinishReason::Stop,

@@ -14,6 +14,9 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens until `max_tokens` (vLLM's extension;
+    /// benchmarks use it for fixed output lengths).
+    pub ignore_eos: bool,
 }
 
 impl Default for SamplingParams {
@@ -25,6 +28,7 @@ impl Default for SamplingParams {
             seed: None,
             max_tokens: 16,
             stop: Vec::new(),
+            ignore_eos: false,
         }
     }
 }

@@ -79,7 +79,10 @@ pub fn embedded_model_path() -> Option<PathBuf> {
             return Some(p);
         }
     }
-    EMBEDDED_MODEL_PATHS.iter().map(PathBuf::from).find(|p| p.exists())
+    EMBEDDED_MODEL_PATHS
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
 }
 
 /// Errors of finding and loading the model.
@@ -234,13 +237,21 @@ fn dummy_config(g: &ModelGeometry, max_model_len: usize) -> Result<LlamaConfig, 
     let u = |v: i32| usize::try_from(v).unwrap_or(0);
     if g.sliding_window.is_some() || g.layer_types.is_some() || g.kv_lora_rank.is_some() {
         return Err(MountError::Runtime(RuntimeError::Config(
-            "dummy weights for sliding-window or MLA geometries need a config.json (spec.model.config)".into(),
+            "dummy weights for sliding-window or MLA geometries need a config.json (spec.model.config)"
+                .into(),
         )));
     }
     let (heads, hd) = (u(g.query_heads), u(g.head_dim));
     let d = g.hidden_size.map_or(heads * hd, u);
     let ff = (d * 8 / 3).div_ceil(256) * 256;
-    let mut c = LlamaConfig::llama(u(g.layers), d, ff, heads, u(g.kv_heads), g.vocab_size.map_or(32000, u));
+    let mut c = LlamaConfig::llama(
+        u(g.layers),
+        d,
+        ff,
+        heads,
+        u(g.kv_heads),
+        g.vocab_size.map_or(32000, u),
+    );
     c.head_dim = hd;
     c.rope_dims = hd;
     c.context_len = max_model_len;
@@ -249,21 +260,30 @@ fn dummy_config(g: &ModelGeometry, max_model_len: usize) -> Result<LlamaConfig, 
 }
 
 fn readable(path: &Path) -> Result<(), MountError> {
-    std::fs::metadata(path).map(|_| ()).map_err(|e| MountError::Unreadable {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })
+    std::fs::metadata(path)
+        .map(|_| ())
+        .map_err(|e| MountError::Unreadable {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })
 }
 
 /// Puts the model on the CPU backend with `pools` (laid out for its geometry).
-pub fn on_cpu(weights: LoadedWeights, pools: BackendConfig, seed: u64) -> Result<Box<dyn Forward>, RuntimeError> {
+pub fn on_cpu(
+    weights: LoadedWeights,
+    pools: BackendConfig,
+    seed: u64,
+) -> Result<Box<dyn Forward>, RuntimeError> {
     let model = match weights {
         LoadedWeights::Host(m) => Arc::new(m),
         LoadedWeights::Shared(m) => m,
         LoadedWeights::Dummy(c) => Arc::new(Llama::dummy(c, seed)?),
     };
-    let backend = CpuBackend::new(pools).map_err(|e| RuntimeError::Config(format!("cannot allocate the KV pools: {e}")))?;
-    Ok(Box::new(CpuForward::new(model, backend).map_err(|e| RuntimeError::Config(e.to_string()))?))
+    let backend = CpuBackend::new(pools)
+        .map_err(|e| RuntimeError::Config(format!("cannot allocate the KV pools: {e}")))?;
+    Ok(Box::new(
+        CpuForward::new(model, backend).map_err(|e| RuntimeError::Config(e.to_string()))?,
+    ))
 }
 
 /// Puts the model on GPU `opts.ordinal`: weights, activations, then KV pools in the memory
@@ -335,14 +355,21 @@ impl Default for CpuLimits {
 
 /// Starts a loaded model on the CPU engine with explicit limits (tests and tools; the worker
 /// sizes its pools through preflight instead).
-pub fn start_cpu(model: LoadedModel, limits: CpuLimits, metrics: Arc<Metrics>) -> Result<ModelRuntime, MountError> {
+pub fn start_cpu(
+    model: LoadedModel,
+    limits: CpuLimits,
+    metrics: Arc<Metrics>,
+) -> Result<ModelRuntime, MountError> {
     let max_model_len = limits
         .max_model_len
         .unwrap_or_else(|| model.config().context_len.min(4096));
     let blocks = limits.kv_tokens.div_ceil(limits.block_size);
     let pools = cpu_pools(&model, limits.kv_dtype, limits.block_size, blocks);
     let LoadedModel {
-        weights, tokenizer, name, ..
+        weights,
+        tokenizer,
+        name,
+        ..
     } = model;
     let forward = on_cpu(weights, pools, 0)?;
     let sched = SchedulerConfig {

@@ -199,7 +199,11 @@ resolved: {kvCacheDtype: bfloat16, attentionBackend: KVFLEET_CUDA}
         assert_eq!(c.attention_backend(), AttentionBackend::KvfleetCuda);
         c.force_cpu();
         assert_eq!(c.attention_backend(), AttentionBackend::KvfleetCpu);
-        assert_eq!(c.kv_cache_dtype(), KvCacheDtype::Bfloat16, "only the backend moves");
+        assert_eq!(
+            c.kv_cache_dtype(),
+            KvCacheDtype::Bfloat16,
+            "only the backend moves"
+        );
     }
 
     #[test]

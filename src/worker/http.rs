@@ -112,4 +112,3 @@ async fn capacity(State(s): State<Arc<AppState>>) -> Response {
     }
     Json(v).into_response()
 }
-

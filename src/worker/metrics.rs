@@ -202,7 +202,11 @@ impl Metrics {
     pub fn set_cache_config(&self, block_size: usize, blocks: usize, dtype: &str) {
         self.vllm_cache_config.reset();
         self.vllm_cache_config
-            .with_label_values(&[block_size.to_string().as_str(), blocks.to_string().as_str(), dtype])
+            .with_label_values(&[
+                block_size.to_string().as_str(),
+                blocks.to_string().as_str(),
+                dtype,
+            ])
             .set(1.0);
     }
 
@@ -230,6 +234,7 @@ impl Metrics {
 /// Request latency buckets (seconds): 5 ms to 2 minutes.
 fn latency_buckets() -> Vec<f64> {
     vec![
-        0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 120.0,
+        0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+        80.0, 120.0,
     ]
 }

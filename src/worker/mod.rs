@@ -162,7 +162,8 @@ pub const TERMINATION_LOG: &str = "/dev/termination-log";
 /// its exit code.
 fn fail(code: u8, what: &str, error: &dyn std::fmt::Display) -> ExitCode {
     tracing::error!(%error, "{what}");
-    let path = std::env::var_os("KVFLEET_TERMINATION_LOG").map_or_else(|| PathBuf::from(TERMINATION_LOG), PathBuf::from);
+    let path = std::env::var_os("KVFLEET_TERMINATION_LOG")
+        .map_or_else(|| PathBuf::from(TERMINATION_LOG), PathBuf::from);
     if path.exists() {
         // Best effort: a read-only or absent log must not hide the real failure.
         let _ = std::fs::write(&path, format!("{what}: {error}\n"));
@@ -182,7 +183,13 @@ fn fail_preflight(error: &PreflightError) -> ExitCode {
 pub fn main(args: WorkerArgs) -> ExitCode {
     let cfg = match args.resolve_config() {
         Ok(c) => c,
-        Err(error) => return fail(exit::CONFIG, "worker config unusable", &crate::cli::error_chain(&error)),
+        Err(error) => {
+            return fail(
+                exit::CONFIG,
+                "worker config unusable",
+                &crate::cli::error_chain(&error),
+            )
+        }
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -200,7 +207,10 @@ pub fn main(args: WorkerArgs) -> ExitCode {
 
 /// The spec's geometry against the loaded model's: the fields the engine and the planner
 /// use must agree.
-fn check_geometry(spec: &crate::api::ModelGeometry, model: &crate::api::ModelGeometry) -> Result<(), PreflightError> {
+fn check_geometry(
+    spec: &crate::api::ModelGeometry,
+    model: &crate::api::ModelGeometry,
+) -> Result<(), PreflightError> {
     let pairs = [
         ("layers", spec.layers, model.layers),
         ("queryHeads", spec.query_heads, model.query_heads),
@@ -234,7 +244,11 @@ struct Placed {
     pf: preflight::Preflight,
 }
 
-fn place(model: LoadedModel, cfg: &mut WorkerConfig, probe: &nvml::Probe) -> Result<(Placed, crate::model::tokenizer::Tokenizer), PreflightError> {
+fn place(
+    model: LoadedModel,
+    cfg: &mut WorkerConfig,
+    probe: &nvml::Probe,
+) -> Result<(Placed, crate::model::tokenizer::Tokenizer), PreflightError> {
     cfg.geometry = Some(model.geometry());
     let ctx = model.config().context_len;
     if cfg.engine.max_model_len > ctx as i64 {
@@ -256,7 +270,9 @@ fn place(model: LoadedModel, cfg: &mut WorkerConfig, probe: &nvml::Probe) -> Res
             pf = preflight::run(cfg, probe)?;
         }
     }
-    let crate::model::serve::LoadedModel { weights, tokenizer, .. } = model;
+    let crate::model::serve::LoadedModel {
+        weights, tokenizer, ..
+    } = model;
     let placed = match pf.backend {
         preflight::BackendKind::Cpu => {
             let mut pools = pf.backend_config.clone();
@@ -266,8 +282,13 @@ fn place(model: LoadedModel, cfg: &mut WorkerConfig, probe: &nvml::Probe) -> Res
                     g.num_blocks = g.num_blocks.min(blocks);
                 }
             }
-            let forward = serve::on_cpu(weights, pools, cfg.seed).map_err(|e| PreflightError::NoMemory(e.to_string()))?;
-            Placed { forward, gpu: None, pf }
+            let forward = serve::on_cpu(weights, pools, cfg.seed)
+                .map_err(|e| PreflightError::NoMemory(e.to_string()))?;
+            Placed {
+                forward,
+                gpu: None,
+                pf,
+            }
         }
         preflight::BackendKind::Cuda => {
             let opts = crate::model::gpu::GpuOptions {
@@ -282,10 +303,16 @@ fn place(model: LoadedModel, cfg: &mut WorkerConfig, probe: &nvml::Probe) -> Res
                 self_test: true,
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
-                crate::model::runtime::RuntimeError::Gpu(crate::model::gpu::GpuError::Memory(m)) => PreflightError::NoMemory(m),
+                crate::model::runtime::RuntimeError::Gpu(crate::model::gpu::GpuError::Memory(m)) => {
+                    PreflightError::NoMemory(m)
+                }
                 other => PreflightError::Incompatible(other.to_string()),
             })?;
-            Placed { forward, gpu: Some(cap), pf }
+            Placed {
+                forward,
+                gpu: Some(cap),
+                pf,
+            }
         }
     };
     Ok((placed, tokenizer))
@@ -315,11 +342,19 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let name = cfg.model_name.clone();
     let geometry = cfg.geometry.clone();
     let max_len = usize::try_from(cfg.engine.max_model_len).unwrap_or(0);
-    let loaded =
-        tokio::task::spawn_blocking(move || serve::load(&source, name.as_deref(), geometry.as_ref(), max_len)).await;
+    let loaded = tokio::task::spawn_blocking(move || {
+        serve::load(&source, name.as_deref(), geometry.as_ref(), max_len)
+    })
+    .await;
     let model = match loaded {
         Ok(Ok(m)) => m,
-        Ok(Err(error)) => return fail(exit::CONFIG, "cannot load the model", &crate::cli::error_chain(&error)),
+        Ok(Err(error)) => {
+            return fail(
+                exit::CONFIG,
+                "cannot load the model",
+                &crate::cli::error_chain(&error),
+            )
+        }
         Err(error) => return fail(exit::RUNTIME, "model loader task failed", &error),
     };
     if let Some(spec) = &cfg.geometry {
@@ -344,7 +379,11 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         let mut cfg2 = cfg.clone();
         let wants_gpu = !matches!(cfg2.attention_backend(), AttentionBackend::KvfleetCpu);
         // The planner's prediction on a GPU subtracts the weights; CPU pools have their own budget.
-        cfg2.weight_bytes = if wants_gpu && matches!(probe, nvml::Probe::Gpus(_)) { weight_bytes } else { 0 };
+        cfg2.weight_bytes = if wants_gpu && matches!(probe, nvml::Probe::Gpus(_)) {
+            weight_bytes
+        } else {
+            0
+        };
         let r = tokio::task::spawn_blocking(move || place(model, &mut cfg2, &probe).map(|p| (p, cfg2))).await;
         match r {
             Ok(Ok(((p, tok), _placed_cfg))) => (p, tok),
@@ -352,14 +391,27 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             Err(error) => return fail(exit::RUNTIME, "model placement task failed", &error),
         }
     };
-    let (Placed { forward, gpu: gpu_cap, pf }, tokenizer) = placed;
+    let (
+        Placed {
+            forward,
+            gpu: gpu_cap,
+            pf,
+        },
+        tokenizer,
+    ) = placed;
     for w in &pf.warnings {
         tracing::warn!("{w}");
     }
     let device = forward.device();
     let mut sched_cfg = pf.scheduler.clone();
     sched_cfg.block_size = forward.kv_config().block_size;
-    let runtime = match ModelRuntime::start(forward, tokenizer, served_name.clone(), sched_cfg, metrics.clone()) {
+    let runtime = match ModelRuntime::start(
+        forward,
+        tokenizer,
+        served_name.clone(),
+        sched_cfg,
+        metrics.clone(),
+    ) {
         Ok(mut rt) => {
             rt.gpu_capacity = gpu_cap.clone();
             Arc::new(rt)
@@ -371,7 +423,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     // prediction beside it.
     let c = &pf.scheduler;
     let pool = &runtime.pool;
-    let pages_per_request = (c.max_model_len.min(pool.max_request_tokens)).div_ceil(pool.block_size).max(1);
+    let pages_per_request = (c.max_model_len.min(pool.max_request_tokens))
+        .div_ceil(pool.block_size)
+        .max(1);
     let max_concurrency = pool.total_blocks as f64 / pages_per_request as f64;
     let capacity_tokens = (max_concurrency * c.max_model_len as f64) as u64;
     let info = http::CapacityInfo {
@@ -385,9 +439,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         max_num_seqs: c.max_num_seqs,
         max_num_batched_tokens: c.max_num_batched_tokens,
         memory_bytes: gpu_cap.as_ref().map_or(pf.memory_bytes, |g| g.total_bytes as u64),
-        available_kv_bytes: gpu_cap
-            .as_ref()
-            .map_or(pf.available_kv_bytes, |g| (g.kv_tokens * g.kv_bytes_per_token) as u64),
+        available_kv_bytes: gpu_cap.as_ref().map_or(pf.available_kv_bytes, |g| {
+            (g.kv_tokens * g.kv_bytes_per_token) as u64
+        }),
         total_blocks: pool.total_blocks,
         kv_tokens: (pool.total_blocks * pool.block_size) as u64,
         capacity_tokens,
@@ -404,7 +458,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         }),
     };
     metrics.capacity_tokens.set(capacity_tokens as i64);
-    metrics.predicted_capacity_tokens.set(info.predicted_capacity_tokens as i64);
+    metrics
+        .predicted_capacity_tokens
+        .set(info.predicted_capacity_tokens as i64);
     metrics.max_concurrency.set(max_concurrency);
     match &pf.gpu {
         Some(g) if device == "cuda" => metrics

@@ -12,7 +12,9 @@ use super::layout::{GroupSpec, StepPlan};
 pub enum DirectError {
     #[error("sequence {id} holds {held} positions but the step starts it at {start}; positions must be contiguous")]
     Position { id: u64, held: usize, start: usize },
-    #[error("KV cache is full ({blocks} blocks of {block_size} tokens); release sequences or use a larger pool")]
+    #[error(
+        "KV cache is full ({blocks} blocks of {block_size} tokens); release sequences or use a larger pool"
+    )]
     Full { blocks: usize, block_size: usize },
 }
 
@@ -55,7 +57,9 @@ impl DirectPlanner {
                 blocks: self.kv.total_blocks(),
                 block_size: self.kv.block_size,
             };
-            self.kv.free_out_of_window(tables, start).map_err(|_| full.clone())?;
+            self.kv
+                .free_out_of_window(tables, start)
+                .map_err(|_| full.clone())?;
             if !self.kv.allocate(tables, start + len) {
                 return Err(full);
             }
@@ -87,7 +91,13 @@ mod tests {
 
     #[test]
     fn direct_plans_use_the_schedulers_layout_and_free_everything() {
-        let mut p = DirectPlanner::new(4, &[GroupSpec { window: None, num_blocks: 8 }]);
+        let mut p = DirectPlanner::new(
+            4,
+            &[GroupSpec {
+                window: None,
+                num_blocks: 8,
+            }],
+        );
         let mut plan = StepPlan::default();
         p.plan(&[(1, 0, 9), (2, 0, 3)], &mut plan).unwrap();
         assert_eq!(plan.qo_indptr, vec![0, 9, 12]);
@@ -97,8 +107,14 @@ mod tests {
         assert_eq!(g.slot_mapping.len(), 12);
         p.plan(&[(1, 9, 1)], &mut plan).unwrap();
         assert_eq!(plan.groups[0].kv_last_page_len, vec![2]);
-        assert!(matches!(p.plan(&[(2, 5, 1)], &mut plan), Err(DirectError::Position { .. })));
-        assert!(matches!(p.plan(&[(3, 0, 100)], &mut plan), Err(DirectError::Full { .. })));
+        assert!(matches!(
+            p.plan(&[(2, 5, 1)], &mut plan),
+            Err(DirectError::Position { .. })
+        ));
+        assert!(matches!(
+            p.plan(&[(3, 0, 100)], &mut plan),
+            Err(DirectError::Full { .. })
+        ));
         p.release(1);
         p.release(2);
         p.release(3);

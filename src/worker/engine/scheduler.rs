@@ -484,10 +484,12 @@ pub fn write_plan<'a>(
         for (t, bt) in plan.groups.iter_mut().zip(tables) {
             t.kv_indices.extend_from_slice(bt.live());
             t.kv_indptr.push(t.kv_indices.len() as u32);
-            t.kv_last_page_len.push((new_len - (bt.blocks.len() - 1) * bs) as u32);
+            t.kv_last_page_len
+                .push((new_len - (bt.blocks.len() - 1) * bs) as u32);
             t.kv_first_pos.push((bt.freed * bs) as u32);
             for p in computed..new_len {
-                t.slot_mapping.push(bt.blocks[p / bs] * bs as u32 + (p % bs) as u32);
+                t.slot_mapping
+                    .push(bt.blocks[p / bs] * bs as u32 + (p % bs) as u32);
             }
         }
     }
