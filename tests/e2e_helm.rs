@@ -266,7 +266,8 @@ fn pods(name: &str) -> Vec<(String, String, String)> {
         "-l",
         &format!("kvfleet.io/inference-deployment={name}"),
     ])
-    .expect("pods");
+    // `--ignore-not-found` prints nothing for an empty list.
+    .unwrap_or_else(|| serde_json::json!({"items": []}));
     list["items"]
         .as_array()
         .unwrap()
@@ -286,6 +287,43 @@ fn count(kind: &str, selector: &str) -> usize {
     get_json(&[kind, "-n", APPS, "-l", selector])
         .and_then(|l| l["items"].as_array().map(Vec::len))
         .unwrap_or(0)
+}
+
+/// The release of this suite: uninstalled on drop (before its namespace goes, which holds
+/// helm's record of it), also when an assertion failed.
+struct Release;
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = helm(&["uninstall", RELEASE, "-n", SYSTEM, "--wait", "--ignore-not-found"]);
+    }
+}
+
+/// What an interrupted run of this suite may have left: its release, and the cluster-scoped
+/// objects of its release (labelled with its instance) once helm's record is gone.
+fn remove_leftovers() {
+    let _ = helm(&["uninstall", RELEASE, "-n", SYSTEM, "--wait", "--ignore-not-found"]);
+    let _ = kubectl(&[
+        "delete",
+        "validatingwebhookconfiguration,clusterrole,clusterrolebinding",
+        "-l",
+        &format!("app.kubernetes.io/instance={RELEASE}"),
+        "--ignore-not-found",
+    ]);
+}
+
+/// Gives the fields `route_webhook_to_host` changed back to the chart's values, so that
+/// helm's server-side apply meets no conflict.
+fn route_webhook_to_chart() {
+    kubectl_ok(&[
+        "patch",
+        "validatingwebhookconfiguration",
+        VWC,
+        "--type=json",
+        "-p",
+        r#"[{"op":"replace","path":"/webhooks/0/clientConfig/service/name","value":"kvfleet-e2e-webhook"},
+            {"op":"replace","path":"/webhooks/0/clientConfig/service/port","value":443}]"#,
+    ]);
 }
 
 fn step(start: &mut Instant, what: &str) {
@@ -314,9 +352,10 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
     // --- helm install: the chart's own CRD, RBAC, webhook configuration, Secret, Lease.
     // The operator runs on this host, so no controller pod; the one webhook pod the chart
     // insists on never runs a container here (and nothing routes to it).
+    remove_leftovers();
     let system = Namespace::create(SYSTEM);
     let apps = Namespace::create(APPS);
-    let _ = helm(&["uninstall", RELEASE, "-n", SYSTEM, "--wait"]);
+    let release = Release;
     let chart = repo().join("charts/kvfleet");
     ok(
         "helm install",
@@ -600,6 +639,7 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
     // --- helm upgrade: a changed value lands; the webhook's certificate and the Lease holder stay
     let holder = get_json(&["lease", LEASE, "-n", SYSTEM]).unwrap()["spec"]["holderIdentity"].clone();
     assert_eq!(holder, "kvfleet-e2e-host-controller");
+    route_webhook_to_chart();
     ok(
         "helm upgrade",
         helm(&[
@@ -633,6 +673,7 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
     // --- helm uninstall: operator objects go, the worker ClusterRole and CRD stay, workloads run
     drop(webhook_proc);
     drop(controller_proc);
+    std::mem::forget(release);
     ok(
         "helm uninstall",
         helm(&["uninstall", RELEASE, "-n", SYSTEM, "--wait"]),
