@@ -696,8 +696,7 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
     step(&mut t, "helm uninstall");
 
     // --- clean up what this suite made
-    drop(apps);
-    drop(system);
+    e2e_support::delete_namespaces(vec![apps, system]);
     let _ = kubectl(&["delete", "clusterrole", "kvfleet-worker", "--ignore-not-found"]);
     drop(nodes);
     e2e_support::delete_crd_if_created(crd_created);

@@ -131,6 +131,21 @@ impl Namespace {
     }
 }
 
+/// Deletes several namespaces at once and waits for all of them (a namespace holding pods
+/// takes about 10 s to go; one after the other that adds up).
+pub fn delete_namespaces(namespaces: Vec<Namespace>) {
+    let mut args = vec![
+        "delete",
+        "namespace",
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=180s",
+    ];
+    args.extend(namespaces.iter().map(|n| n.name.as_str()));
+    let _ = kubectl(&args);
+    drop(namespaces);
+}
+
 impl Drop for Namespace {
     fn drop(&mut self) {
         delete_namespace(&self.name);
