@@ -4,7 +4,8 @@
 //! controller` from this build run on the host under the chart's ServiceAccounts (tokens
 //! from `kubectl create token`, so the chart's RBAC is what they get). The API server reaches
 //! the webhook through an ExternalName Service to 127.0.0.1, as ../shared/k8s/README.md
-//! explains. Everything else goes through `kubectl` as a user types it, on a mixed fleet of
+//! explains. Nothing runs in pods here (no kubelet): a worker that fails preflight is
+//! simulated by patching its pod's status as a kubelet would report it. Everything else goes through `kubectl` as a user types it, on a mixed fleet of
 //! GPU nodes this suite creates (H100, L4, RTX PRO 6000, B200, RTX 3090).
 //!
 //! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_helm -- --ignored --nocapture`.
@@ -619,6 +620,49 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
         });
     }
     step(&mut t, "controller killed and restarted");
+
+    // --- a worker that fails preflight: Degraded with the worker's reason, and an Event.
+    // Nothing runs here, so the pod's status is patched the way a kubelet reports a
+    // container that exits 3 at start (the stand-in leaves Running pods alone).
+    let (pod, _, _) = pods("while-down").into_iter().next().expect("a pod");
+    let crashed = serde_json::json!({"status": {
+        "conditions": [{"type": "Ready", "status": "False"}, {"type": "ContainersReady", "status": "False"}],
+        "containerStatuses": [{"name": "kvfleet", "ready": false, "started": false, "restartCount": 1,
+            "image": "kvfleet", "imageID": "",
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 3, "reason": "Error",
+                "message": "preflight failed: cannot run here: no CUDA device (driver not found)",
+                "finishedAt": jiff::Timestamp::now().to_string()}}}]}});
+    kubectl_ok(&[
+        "patch",
+        "pod",
+        &pod,
+        "-n",
+        APPS,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &crashed.to_string(),
+    ]);
+    let degraded = wait_condition("while-down", "Degraded", "True", "PreflightFailed");
+    assert!(
+        degraded.starts_with(&format!(
+            "worker pod {pod} exits with code 3 at start (the configuration cannot run on this GPU): preflight failed: cannot run here: no CUDA device"
+        )),
+        "{degraded}"
+    );
+    let events = kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        APPS,
+        "--field-selector",
+        "involvedObject.name=while-down,reason=PreflightFailed",
+        "-o",
+        "jsonpath={.items[*].type}",
+    ]);
+    assert!(events.contains("Warning"), "no PreflightFailed event: {events:?}");
+    step(&mut t, "preflight failure reported");
 
     // --- garbage collection on delete
     kubectl_ok(&["delete", "infdep", "killed", "-n", APPS, "--wait=true"]);
