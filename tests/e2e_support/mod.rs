@@ -165,20 +165,6 @@ fn delete_namespace(name: &str) {
 
 // === nodes ===
 
-/// `../shared/k8s`: the control plane's scripts.
-pub fn shared_k8s() -> PathBuf {
-    let dir = std::env::var_os("KVFLEET_K8S_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/k8s"));
-    assert!(
-        dir.join("gpu-node").exists(),
-        "{} has no gpu-node script: the e2e suites run against ../shared/k8s (set KVFLEET_K8S_DIR \
-         if it lives elsewhere)",
-        dir.display()
-    );
-    dir
-}
-
 /// One GPU node as GFD labels it.
 #[derive(Clone, Copy, Debug)]
 pub struct Gpu {
@@ -232,32 +218,84 @@ pub const T4: Gpu = Gpu {
     memory_mib: 15360,
 };
 
-/// The GPU nodes a suite created; deleted (and only they) on drop.
+/// Marks the nodes the e2e suites create, so that a suite never takes over a node of the
+/// same name that it did not make.
+pub const E2E_NODE_LABEL: &str = "kvfleet.io/e2e-node";
+
+/// The GPU nodes a suite created; deleted (and only they) on drop. Made through the API of
+/// the cluster KUBECONFIG points at (as `../shared/k8s/gpu-node` does for its own): a Node
+/// labelled as GPU Feature Discovery labels one, with a Ready status and `nvidia.com/gpu`.
 #[derive(Default)]
 pub struct Nodes {
     pub names: Vec<String>,
 }
 
 impl Nodes {
-    /// Creates (or, for a node of this suite, updates) a Ready GPU node; returns once it is
-    /// schedulable.
+    /// Creates (or, for a node of an e2e suite, relabels) a Ready GPU node; returns once it
+    /// is schedulable (the node-lifecycle controller lifted its not-ready taint).
     pub fn gpu(&mut self, name: &str, gpu: Gpu) {
-        let script = shared_k8s().join("gpu-node");
-        let out = Command::new(&script)
-            .args([
-                name,
-                gpu.product,
-                &gpu.major.to_string(),
-                &gpu.minor.to_string(),
-                &gpu.count.to_string(),
-                &gpu.memory_mib.to_string(),
-            ])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        ok(&format!("gpu-node {name}"), out);
+        let labels = serde_json::json!({
+            E2E_NODE_LABEL: "true",
+            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": gpu.product,
+            "nvidia.com/gpu.compute.major": gpu.major.to_string(),
+            "nvidia.com/gpu.compute.minor": gpu.minor.to_string(),
+            "nvidia.com/gpu.count": gpu.count.to_string(),
+            "nvidia.com/gpu.memory": gpu.memory_mib.to_string(),
+        });
+        match get_json(&["node", name]) {
+            Some(existing) => assert_eq!(
+                existing["metadata"]["labels"][E2E_NODE_LABEL], "true",
+                "node {name} exists and was not made by an e2e suite: not touching it"
+            ),
+            None => {
+                let node = serde_json::json!({"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name, "labels": labels}});
+                ok(
+                    &format!("create node {name}"),
+                    kubectl_stdin(&["create", "-f", "-"], &node.to_string()),
+                );
+            }
+        }
+        let patch = serde_json::json!({"metadata": {"labels": labels}});
+        kubectl_ok(&["patch", "node", name, "--type=merge", "-p", &patch.to_string()]);
+        let now = jiff::Timestamp::now().to_string();
+        let resources = serde_json::json!({"cpu": "64", "memory": "512Gi", "pods": "110",
+            "nvidia.com/gpu": gpu.count.to_string()});
+        let status = serde_json::json!({"status": {
+            "capacity": resources, "allocatable": resources,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "node object of an e2e suite", "lastHeartbeatTime": now, "lastTransitionTime": now}],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+        }});
+        kubectl_ok(&[
+            "patch",
+            "node",
+            name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &status.to_string(),
+        ]);
         if !self.names.iter().any(|n| n == name) {
             self.names.push(name.into());
         }
+        wait_for(
+            &format!("node {name} schedulable"),
+            Duration::from_secs(30),
+            || {
+                let node = get_json(&["node", name]).ok_or("gone")?;
+                let tainted = node["spec"]["taints"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["key"] == "node.kubernetes.io/not-ready"));
+                if tainted {
+                    Err(node["spec"]["taints"].to_string())
+                } else {
+                    Ok(())
+                }
+            },
+        );
     }
 }
 
