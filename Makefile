@@ -6,15 +6,15 @@ CARGO ?= cargo
 CRD := crds/inferencedeployments.kvfleet.io.yaml
 TOOLS_ENV := .tools/env
 
-.PHONY: run test tools fmt fmt-check clippy unit crds crd-check bench
+.PHONY: run test tools fmt fmt-check clippy unit e2e crds crd-check bench
 
 ## run: build and run kvfleet on its embedded default (worker: SmolLM2 + attention engine, CPU)
 run: tools
 	$(CARGO) build --release
 	./target/release/kvfleet worker --listen 0.0.0.0:8000
 
-## test: everything CI checks (installs the external tools first)
-test: tools fmt-check clippy crd-check unit
+## test: everything CI checks (installs the external tools first), the e2e suites included
+test: tools fmt-check clippy crd-check unit e2e
 
 ## tools: helm, kubectl, promtool, prometheus, NVRTC + CUDA headers into .tools/
 tools:
@@ -32,6 +32,23 @@ clippy:
 ## unit: the test suite, with the tools on PATH (GPU and cluster tests are ignored and say so)
 unit:
 	source $(TOOLS_ENV) && $(CARGO) test --locked
+
+# The real control plane of the e2e suites (kube-apiserver, controller-manager, scheduler,
+# etcd on loopback; see ../shared/k8s/README.md) and the suites that need it.
+K8S ?= ../shared/k8s
+E2E_SUITES := $(patsubst tests/%.rs,--test %,$(sort $(wildcard tests/e2e_*.rs)))
+
+## e2e: the cluster suites (tests/e2e_*) with --ignored, against KUBECONFIG; when it is
+## unset, against ../shared/k8s started here (and stopped again, its data kept)
+e2e:
+	source $(TOOLS_ENV); \
+	if [ -z "$${KUBECONFIG:-}" ]; then \
+	  eval "$$($(K8S)/up)"; \
+	  trap '$(K8S)/down >/dev/null 2>&1 || true' EXIT; \
+	fi; \
+	start=$$(date +%s); \
+	$(CARGO) test --locked $(E2E_SUITES) -- --ignored --test-threads=1; \
+	echo "e2e suites: $$(( $$(date +%s) - start )) s" >&2
 
 ## crds: regenerate crds/ from src/api and sync the chart's copies
 crds:

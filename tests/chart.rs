@@ -368,9 +368,11 @@ fn default_render_has_operator_webhook_crd_and_rbac() {
         ("ClusterRoleBinding", 2),
         ("CustomResourceDefinition", 1),
         ("Deployment", 2),
+        ("Lease", 1),
         ("PodDisruptionBudget", 1),
         ("Role", 2),
         ("RoleBinding", 2),
+        ("Secret", 1),
         ("Service", 2),
         ("ServiceAccount", 2),
         ("ValidatingWebhookConfiguration", 1),
@@ -591,6 +593,37 @@ fn worker_cluster_role_lets_a_worker_annotate_only_pods() {
     assert_eq!(strs(&rules[0]["apiGroups"]), [""]);
     assert_eq!(strs(&rules[0]["resources"]), ["pods"]);
     assert_eq!(strs(&rules[0]["verbs"]), ["get", "patch"]);
+}
+
+/// `helm uninstall` removes what the release made at run time (the webhook's TLS Secret, the
+/// leader Lease: the chart owns them) and keeps the ClusterRole the kept workers' RoleBindings
+/// point at.
+#[test]
+fn uninstall_removes_the_tls_secret_and_lease_and_keeps_the_worker_cluster_role() {
+    let objs = render(&[]);
+    let role = one_of(&objs, "ClusterRole", "kvfleet-worker");
+    assert_eq!(role["metadata"]["annotations"]["helm.sh/resource-policy"], "keep");
+    let secret = one_of(&objs, "Secret", "kvfleet-webhook-tls");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    // The webhook's flag names the same Secret, and its RBAC reaches it.
+    assert_eq!(
+        env_value(container(&objs, "kvfleet-webhook"), "KVFLEET_WEBHOOK_TLS_SECRET").as_deref(),
+        Some("kvfleet-webhook-tls")
+    );
+    let lease = one_of(&objs, "Lease", "kvfleet-controller");
+    assert!(
+        lease.get("spec").is_none_or(Value::is_null),
+        "the chart must not own the holder: {lease}"
+    );
+    assert!(strs(&container(&objs, "kvfleet-controller")["args"])
+        .contains(&"--lease-name=kvfleet-controller".to_string()));
+    // Other owners: cert-manager owns the Secret, and without leader election there is no Lease.
+    let objs = render(&[
+        "webhook.certManager.enabled=true",
+        "controller.leaderElection.enabled=false",
+    ]);
+    assert!(all_of(&objs, "Secret").is_empty());
+    assert!(all_of(&objs, "Lease").is_empty());
 }
 
 /// Every KVFLEET_* variable and flag the chart passes is one the binary declares
@@ -998,6 +1031,8 @@ fn every_core_object_round_trips_through_its_kubernetes_type() {
             "Service" => round_trip::<core::Service>(obj),
             "ServiceAccount" => round_trip::<core::ServiceAccount>(obj),
             "ConfigMap" => round_trip::<core::ConfigMap>(obj),
+            "Secret" => round_trip::<core::Secret>(obj),
+            "Lease" => round_trip::<k8s_openapi::api::coordination::v1::Lease>(obj),
             "ClusterRole" => round_trip::<rbac::ClusterRole>(obj),
             "ClusterRoleBinding" => round_trip::<rbac::ClusterRoleBinding>(obj),
             "Role" => round_trip::<rbac::Role>(obj),

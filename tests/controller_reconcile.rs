@@ -618,12 +618,21 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
         condition(&seen[2].body, "Compatible")["reason"],
         "NoCompatibleNodes"
     );
+    // The spec did not change, the nodes did: Degraded says so, not "fix the spec".
+    let degraded = condition(&seen[2].body, "Degraded");
+    assert!(
+        degraded["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("the nodes changed, not the spec: generation 1 was admitted on"),
+        "{degraded}"
+    );
     assert_eq!(
         event_reasons(&seen),
         vec![
             ("Warning".into(), "NoCompatibleNodes".into()),
             ("Warning".into(), "Unavailable".into()),
-            ("Warning".into(), "SpecNotApplied".into())
+            ("Warning".into(), "NodesChanged".into())
         ]
     );
 
@@ -818,11 +827,29 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
         if status_write {
             calls.push(apply_call(STATUS));
             calls.push(call("POST", EVENTS, Reply::Echo));
+            calls.push(call("POST", EVENTS, Reply::Echo));
         }
         calls
     };
     let (result, seen) = run_pass(&mut h, guard(obj.clone()), script(true)).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    // Not only a counter: Degraded with the worker's reason, and a Warning Event.
+    let degraded = condition(&seen[7].body, "Degraded");
+    assert_eq!(
+        (degraded["status"].as_str(), degraded["reason"].as_str()),
+        (Some("True"), Some("PreflightFailed"))
+    );
+    assert!(
+        degraded["message"].as_str().unwrap().starts_with(
+            "worker pod llama-a exits with code 3 at start (the configuration cannot run on this GPU)"
+        ),
+        "{degraded}"
+    );
+    assert!(
+        event_reasons(&seen).contains(&("Warning".into(), "PreflightFailed".into())),
+        "{:?}",
+        event_reasons(&seen)
+    );
     assert_eq!(
         seen[6].query.get("labelSelector").map(String::as_str),
         Some("kvfleet.io%2Finference-deployment%3Dllama"),
@@ -852,8 +879,10 @@ async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reac
     let mut calls = children_apply_calls(true);
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
-    calls.push(call("POST", EVENTS, Reply::Echo));
-    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    // The kvfleet engine runs one GPU per replica: the real rules deny tensorParallelSize 2.
+    let mut obj = inference_deployment(1, 2);
+    obj.spec.engine.tensor_parallel_size = 1;
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     result.unwrap();
     let status = &seen[6].body;
     assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
@@ -869,12 +898,9 @@ async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reac
         kvfleet::worker::config::WorkerConfig::parse(seen[0].body["data"]["worker.yaml"].as_str().unwrap())
             .expect("the worker accepts the rendered config");
     assert!(cfg.resolved.is_some());
-    // The default gpuMemoryUtilization 0.9 draws the rules' warning: it becomes an Event.
+    // The CRD's default gpuMemoryUtilization (0.9) draws no warning: no AdmittedWithWarnings.
     assert_eq!(
         event_reasons(&seen),
-        vec![
-            ("Normal".into(), "SpecApplied".into()),
-            ("Warning".into(), "AdmittedWithWarnings".into())
-        ]
+        vec![("Normal".into(), "SpecApplied".into())]
     );
 }

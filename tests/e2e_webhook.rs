@@ -1,21 +1,21 @@
-//! End to end against a real cluster: applies the CRD and a ValidatingWebhookConfiguration
-//! pointing at a webhook run by this test (self-managed certificates: it writes its
-//! Secret and server-side-applies the caBundle itself), labels a node as an RTX PRO 6000
-//! Blackwell (compute capability 12.0) with 4 GPUs, `kubectl apply`s the nvfp4 example
-//! and checks kubectl's error message.
+//! End to end against a real control plane (`../shared/k8s`, or any cluster KUBECONFIG points
+//! at, with cluster-admin): applies the CRD and a ValidatingWebhookConfiguration pointing at a
+//! webhook run by this test on the host (self-managed certificates: it writes its Secret and
+//! server-side-applies the caBundle itself), reached through an ExternalName Service to
+//! 127.0.0.1 as ../shared/k8s/README.md explains; creates its own GPU node (an RTX PRO 6000
+//! Blackwell, compute capability 12.0, 4 GPUs), `kubectl apply`s the nvfp4 example and
+//! checks kubectl's error message.
 //!
-//! Needs: KUBECONFIG (cluster-admin), kubectl on PATH (or KUBECTL), and
-//! KVFLEET_E2E_WEBHOOK_HOST: an address of this machine the API server can reach (kind
-//! on Linux: the gateway of the `kind` docker network, e.g. 172.18.0.1). Optional:
-//! KVFLEET_E2E_WEBHOOK_PORT (default 9443), KVFLEET_E2E_NODE (default: the first node).
-//! Run: `cargo test --test e2e_webhook -- --ignored --nocapture`.
+//! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_webhook -- --ignored --nocapture`.
+
+mod e2e_support;
 
 use std::net::SocketAddr;
-use std::process::{Command, Output};
 use std::time::Duration;
 
 use axum_server::tls_rustls::RustlsConfig;
 use axum_server::Handle;
+use e2e_support::{kubectl, kubectl_ok, kubectl_stdin, Namespace, Nodes, RTX_PRO_6000};
 use k8s_openapi::api::core::v1::Node;
 use kube::{Api, Client};
 use kvfleet::webhook::certs::{Lifetimes, SelfManaged};
@@ -23,41 +23,10 @@ use kvfleet::webhook::metrics::Metrics;
 use kvfleet::webhook::server::{self, AppState};
 use kvfleet::webhook::{cache, tls};
 
-const NAMESPACE: &str = "kvfleet-e2e";
+const NAMESPACE: &str = "kvfleet-e2e-webhook";
 const CONFIGURATION: &str = "kvfleet-e2e-webhook";
-
-fn kubectl(args: &[&str]) -> Output {
-    let bin = std::env::var("KUBECTL").unwrap_or_else(|_| "kubectl".into());
-    Command::new(&bin)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {bin}: {e}; install kubectl or set KUBECTL"))
-}
-
-fn kubectl_ok(args: &[&str]) -> String {
-    let out = kubectl(args);
-    assert!(
-        out.status.success(),
-        "kubectl {} failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn kubectl_stdin(args: &[&str], input: &str) -> Output {
-    use std::io::Write;
-    let bin = std::env::var("KUBECTL").unwrap_or_else(|_| "kubectl".into());
-    let mut child = Command::new(&bin)
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    child.wait_with_output().unwrap()
-}
+const SERVICE: &str = "kvfleet-e2e-webhook";
+const NODE: &str = "kvfleet-e2e-webhook-rtxpro";
 
 /// The nvfp4-on-sm_120 example: `deploy/examples/*nvfp4*` when one exists, else the
 /// object of our admission fixture.
@@ -100,24 +69,14 @@ fn nvfp4_example() -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a Kubernetes cluster (KUBECONFIG) and KVFLEET_E2E_WEBHOOK_HOST"]
+#[ignore = "needs a Kubernetes cluster (KUBECONFIG): ../shared/k8s/up, as make test does"]
 async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix() {
-    if std::env::var_os("KUBECONFIG").is_none() {
-        println!("skipped: KUBECONFIG not set");
-        return;
-    }
-    let host = std::env::var("KVFLEET_E2E_WEBHOOK_HOST").expect(
-        "KVFLEET_E2E_WEBHOOK_HOST: an address of this machine the API server can reach \
-         (kind on Linux: `docker network inspect kind -f '{{(index .IPAM.Config 0).Gateway}}'`)",
-    );
-    let port: u16 = std::env::var("KVFLEET_E2E_WEBHOOK_PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(9443);
-    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    e2e_support::require_cluster("e2e_webhook");
+    let port = e2e_support::free_port();
     let client = Client::try_default().await.expect("a client from KUBECONFIG");
 
-    // The CRD, the namespace and the webhook configuration.
+    // The CRD, the namespace, the ExternalName Service and the webhook configuration.
+    let crd_created = !e2e_support::crd_exists();
     let crd = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/crds/inferencedeployments.kvfleet.io.yaml"
@@ -129,14 +88,20 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
         "crd/inferencedeployments.kvfleet.io",
         "--timeout=60s",
     ]);
-    let _ = kubectl(&["create", "namespace", NAMESPACE]);
+    let ns = Namespace::create(NAMESPACE);
+    let service = format!(
+        r#"{{"apiVersion": "v1", "kind": "Service", "metadata": {{"name": "{SERVICE}", "namespace": "{NAMESPACE}"}},
+  "spec": {{"type": "ExternalName", "externalName": "127.0.0.1", "ports": [{{"port": {port}}}]}}}}"#
+    );
+    let out = kubectl_stdin(&["apply", "-f", "-"], &service);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let configuration = format!(
         r#"{{"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
   "metadata": {{"name": "{CONFIGURATION}"}},
   "webhooks": [{{"name": "validate.inferencedeployments.kvfleet.io",
     "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
     "matchPolicy": "Equivalent", "timeoutSeconds": 10,
-    "clientConfig": {{"url": "https://{host}:{port}/validate"}},
+    "clientConfig": {{"service": {{"name": "{SERVICE}", "namespace": "{NAMESPACE}", "port": {port}, "path": "/validate"}}}},
     "namespaceSelector": {{"matchLabels": {{"kubernetes.io/metadata.name": "{NAMESPACE}"}}}},
     "rules": [{{"apiGroups": ["kvfleet.io"], "apiVersions": ["v1alpha1"],
       "operations": ["CREATE", "UPDATE"], "resources": ["inferencedeployments"], "scope": "Namespaced"}}]}}]}}"#
@@ -144,41 +109,21 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
     let out = kubectl_stdin(&["apply", "-f", "-"], &configuration);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    // Label a node as an RTX PRO 6000 Blackwell with 4 GPUs.
-    let node = match std::env::var("KVFLEET_E2E_NODE") {
-        Ok(node) => node,
-        Err(_) => kubectl_ok(&["get", "nodes", "-o", "jsonpath={.items[0].metadata.name}"]),
-    };
-    kubectl_ok(&[
-        "label",
-        "node",
-        &node,
-        "--overwrite",
-        "nvidia.com/gpu.present=true",
-        "nvidia.com/gpu.product=NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
-        "nvidia.com/gpu.compute.major=12",
-        "nvidia.com/gpu.compute.minor=0",
-        "nvidia.com/gpu.count=4",
-        "nvidia.com/gpu.memory=97887",
-    ]);
-    kubectl_ok(&[
-        "patch",
-        "node",
-        &node,
-        "--subresource=status",
-        "--type=json",
-        "-p",
-        r#"[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"4"},
-            {"op":"add","path":"/status/allocatable/nvidia.com~1gpu","value":"4"}]"#,
-    ]);
+    // Our own RTX PRO 6000 Blackwell node with 4 GPUs.
+    let mut nodes = Nodes::default();
+    nodes.gpu(NODE, RTX_PRO_6000);
 
-    // The webhook, in this process: self-managed certificate for `host`, node cache
-    // from the cluster.
+    // The webhook, in this process: self-managed certificate for the Service's DNS name
+    // (the API server dials 127.0.0.1 with that TLS server name), node cache from the cluster.
     let manager = SelfManaged {
         client: client.clone(),
         namespace: NAMESPACE.into(),
         secret_name: "kvfleet-e2e-webhook-tls".into(),
-        names: vec![host.clone()],
+        names: vec![
+            SERVICE.to_string(),
+            format!("{SERVICE}.{NAMESPACE}"),
+            format!("{SERVICE}.{NAMESPACE}.svc"),
+        ],
         webhook_configuration: Some(CONFIGURATION.into()),
         lifetimes: Lifetimes {
             ca: Duration::from_secs(86400),
@@ -203,7 +148,8 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
         )
         .unwrap(),
     );
-    let listener = std::net::TcpListener::bind(SocketAddr::from(([0, 0, 0, 0], port))).expect("webhook port");
+    let listener =
+        std::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).expect("webhook port");
     let handle = Handle::new();
     tokio::spawn(server::serve_https(listener, state, rustls, handle.clone()));
     for _ in 0..100 {
@@ -212,7 +158,7 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
             && facts
                 .nodes
                 .iter()
-                .any(|n| n.name == node && n.allocatable_gpus == Some(4))
+                .any(|n| n.name == NODE && n.allocatable_gpus == Some(4))
         {
             break;
         }
@@ -231,7 +177,7 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
             "kubectl apply was admitted: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        if stderr.contains("denied the request") {
+        if !stderr.contains("failed calling webhook") {
             break;
         }
         // "failed calling webhook" while the caBundle propagates.
@@ -247,39 +193,19 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
         CONFIGURATION,
         "--ignore-not-found",
     ]);
-    let _ = kubectl(&[
-        "delete",
-        "namespace",
-        NAMESPACE,
-        "--ignore-not-found",
-        "--wait=false",
-    ]);
-    let _ = kubectl(&[
-        "label",
-        "node",
-        &node,
-        "nvidia.com/gpu.present-",
-        "nvidia.com/gpu.product-",
-        "nvidia.com/gpu.compute.major-",
-        "nvidia.com/gpu.compute.minor-",
-        "nvidia.com/gpu.count-",
-        "nvidia.com/gpu.memory-",
-    ]);
-    let _ = kubectl(&[
-        "patch",
-        "node",
-        &node,
-        "--subresource=status",
-        "--type=json",
-        "-p",
-        r#"[{"op":"remove","path":"/status/capacity/nvidia.com~1gpu"},
-            {"op":"remove","path":"/status/allocatable/nvidia.com~1gpu"}]"#,
-    ]);
+    drop(ns);
+    drop(nodes);
+    e2e_support::delete_crd_if_created(crd_created);
 
+    // kubectl names the object, the field, the reason and the fix.
     assert!(
-        stderr.contains(r#"admission webhook "validate.inferencedeployments.kvfleet.io" denied the request"#),
+        stderr.contains(r#"The InferenceDeployment "qwen3-32b-nvfp4-rtxpro" is invalid"#),
         "{stderr}"
     );
     assert!(stderr.contains("spec.engine.kvCacheDtype"), "{stderr}");
-    assert!(stderr.contains("nvfp4") && stderr.contains("fp8"), "{stderr}");
+    assert!(
+        stderr.contains("kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3")
+            && stderr.contains("use fp8"),
+        "{stderr}"
+    );
 }

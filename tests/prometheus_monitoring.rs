@@ -548,13 +548,27 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         }
     });
 
-    // Prometheus, labelling the target the way the controller's PodMonitor does.
+    // Prometheus, with the relabelings of the controller's ServiceMonitor/PodMonitor: the
+    // target carries the pod label as service discovery would, and `inferencedeployment`
+    // must come out of the relabeling (namespace and pod the operator sets itself).
     let prom_port = free_port();
+    let relabel: Vec<serde_json::Value> = kvfleet::controller::desired::monitor_relabelings()
+        .as_array()
+        .expect("relabelings")
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "action": r["action"], "source_labels": r["sourceLabels"], "target_label": r["targetLabel"],
+            })
+        })
+        .collect();
     let config = format!(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {rules}\n\
          scrape_configs:\n  - job_name: kvfleet-worker\n    static_configs:\n      - targets: ['127.0.0.1:{worker_port}']\n        \
-         labels: {{namespace: ml, inferencedeployment: demo, pod: demo-0}}\n",
-        rules = rules_file().display()
+         labels: {{namespace: ml, pod: demo-0, __meta_kubernetes_pod_label_kvfleet_io_inference_deployment: demo}}\n    \
+         relabel_configs: {relabel}\n",
+        rules = rules_file().display(),
+        relabel = serde_json::Value::Array(relabel),
     );
     let config_path = scratch.join("prometheus.yml");
     std::fs::write(&config_path, config).expect("prometheus.yml");

@@ -880,6 +880,39 @@ async fn a_missing_secret_is_created_and_the_ca_bundle_server_side_applied() {
     );
 }
 
+/// The chart owns the Secret (so that `helm uninstall` removes it): the webhook replaces the
+/// placeholder certificate but keeps the chart's labels, or the next `helm upgrade` (server-side
+/// apply) conflicts over `app.kubernetes.io/managed-by`.
+#[tokio::test]
+async fn a_secret_the_chart_made_is_filled_keeping_its_helm_labels() {
+    let chart_made = serde_json::json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "kvfleet-webhook-tls", "namespace": "kvfleet-system", "resourceVersion": "3",
+                     "labels": {"app.kubernetes.io/managed-by": "Helm", "app.kubernetes.io/instance": "kvfleet"},
+                     "annotations": {"meta.helm.sh/release-name": "kvfleet"}},
+        "data": {"tls.crt": b64(b"not a certificate"), "tls.key": b64(b"not a key")}});
+    let (client, mut api) = api_server::client();
+    let mut manager = manager(client);
+    manager.webhook_configuration = None;
+    let server = tokio::spawn(async move {
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, chart_made).await;
+        api_server::echo(&mut api, "PUT", SECRET_PATH, 200).await.1
+    });
+    let material = manager.ensure(OffsetDateTime::now_utc()).await.unwrap();
+    let put = server.await.unwrap();
+    assert_eq!(put["metadata"]["resourceVersion"], "3");
+    assert_eq!(
+        put["metadata"]["labels"]["app.kubernetes.io/managed-by"], "Helm",
+        "{put}"
+    );
+    assert_eq!(put["metadata"]["labels"]["app.kubernetes.io/instance"], "kvfleet");
+    assert_eq!(
+        put["metadata"]["annotations"]["meta.helm.sh/release-name"],
+        "kvfleet"
+    );
+    assert_eq!(put["data"]["tls.crt"], b64(material.serving.cert_pem.as_bytes()));
+    assert!(put["data"]["ca.crt"].is_string(), "{put}");
+}
+
 #[tokio::test]
 async fn losing_a_write_race_adopts_the_other_replicas_certificate() {
     let now = OffsetDateTime::now_utc();

@@ -523,16 +523,18 @@ pub fn explain_text() -> String {
         out.push('\n');
     }
     out.push_str(&format!(
-        "== spec checks (both runtimes)\n  tensorParallelSize must divide the query heads, and KV heads and tensorParallelSize must divide one another  [vllm config/model.py verify_with_parallel_config; QKVParallelLinear]\n  gpu.count >= tensorParallelSize, and a selected node must have that many allocatable nvidia.com/gpu\n  gpuMemoryUtilization above {} warns: the sampler warm-up can OOM at 0.90  [seed report]\n  nodes without GFD labels are never assumed compatible  [gfd]\n\n",
+        "== spec checks (both runtimes)\n  tensorParallelSize must divide the query heads, and KV heads and tensorParallelSize must divide one another  [vllm config/model.py verify_with_parallel_config; QKVParallelLinear]\n  gpu.count >= tensorParallelSize, and a selected node must have that many allocatable nvidia.com/gpu\n  gpuMemoryUtilization above the default {} warns: the sampler warm-up can OOM at 0.90  [seed report]\n  runtime kvfleet: tensorParallelSize 1 and model.geometry inline (its engine runs one GPU per replica and does not read model.config)\n  nodes without GFD labels are never assumed compatible  [gfd]\n\n",
         validate::GPU_MEMORY_UTILIZATION_WARN
     ));
-    out.push_str("== GPU products (GFD nvidia.com/gpu.product -> compute capability, nominal memory)\n");
+    out.push_str(
+        "== GPU products (GFD nvidia.com/gpu.product -> compute capability, memory as GFD labels it)\n",
+    );
     for p in products::PRODUCTS {
         out.push_str(&format!(
             "  {:<56} {:>5}  {:>7} MiB  {}\n",
             p.label,
             p.cc.to_string(),
-            p.memory_mib,
+            validate::product_memory_mib(p.label).unwrap_or(p.memory_mib),
             p.name
         ));
     }

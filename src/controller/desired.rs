@@ -105,6 +105,26 @@ pub enum DesiredError {
     GeometryRequired,
 }
 
+/// The target label the recording rules and dashboards group worker series by.
+pub const MONITOR_TARGET_LABEL: &str = "inferencedeployment";
+
+/// Relabelings (Prometheus Operator spelling) of the worker ServiceMonitor / PodMonitor:
+/// the pod label [`INSTANCE_LABEL`] becomes the target label `inferencedeployment`
+/// (`namespace` and `pod` the operator adds itself).
+pub fn monitor_relabelings() -> serde_json::Value {
+    // Prometheus' service discovery spells a pod label as
+    // __meta_kubernetes_pod_label_<name with every invalid character as _>.
+    let meta: String = INSTANCE_LABEL
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    json!([{
+        "action": "replace",
+        "sourceLabels": [format!("__meta_kubernetes_pod_label_{meta}")],
+        "targetLabel": MONITOR_TARGET_LABEL,
+    }])
+}
+
 /// Names of the owned objects.
 pub fn config_map_name(name: &str) -> String {
     format!("{name}-config")
@@ -262,12 +282,11 @@ pub fn desired(
         let mut o = DynamicObject::new(&name, &m.resource).within(&ns);
         o.metadata = meta(name.clone());
         let selector = json!({ "matchLabels": selector_labels(&name) });
+        let endpoint = json!({ "port": "http", "path": "/metrics", "relabelings": monitor_relabelings() });
         o.data = if m.kind == "PodMonitor" {
-            json!({ "spec": { "selector": selector,
-                "podMetricsEndpoints": [{ "port": "http", "path": "/metrics" }] } })
+            json!({ "spec": { "selector": selector, "podMetricsEndpoints": [endpoint] } })
         } else {
-            json!({ "spec": { "selector": selector,
-                "endpoints": [{ "port": "http", "path": "/metrics" }] } })
+            json!({ "spec": { "selector": selector, "endpoints": [endpoint] } })
         };
         o
     });
@@ -1160,6 +1179,13 @@ spec:
         let mon = serde_json::to_value(d.monitor.unwrap()).unwrap();
         assert_eq!(mon["kind"], "ServiceMonitor");
         assert_eq!(mon["spec"]["endpoints"][0]["port"], "http");
+        // The label the rules and dashboards group by comes from the pod's instance label.
+        assert_eq!(
+            mon["spec"]["endpoints"][0]["relabelings"],
+            json!([{"action": "replace",
+                    "sourceLabels": ["__meta_kubernetes_pod_label_kvfleet_io_inference_deployment"],
+                    "targetLabel": "inferencedeployment"}])
+        );
         assert_eq!(mon["spec"]["selector"]["matchLabels"][INSTANCE_LABEL], "llama");
         assert_eq!(
             d.service.spec.unwrap().selector.unwrap(),

@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
-use crate::validate::{ClusterFacts, Denial, NodeFacts, Verdict};
+use crate::validate::{ClusterFacts, NodeFacts, Verdict};
 use crate::worker::preflight::exit;
 
 use super::desired::{self, MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
@@ -284,14 +284,9 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     // Exported from the first pass on, so that `increase()` sees the first failure.
     let preflight_failures = ctx.metrics.preflight_failures.with_label_values(&[&ns, &name]);
     let facts = ctx.cluster_facts();
-    let mut verdict = (ctx.validate)(&obj.spec, &facts);
-    if verdict.allowed() && obj.spec.engine.runtime == Runtime::Kvfleet && obj.spec.model.geometry.is_none() {
-        verdict.denials.push(Denial {
-            field: "spec.model.geometry".into(),
-            reason: "GeometryRequired".into(),
-            message: desired::DesiredError::GeometryRequired.to_string(),
-        });
-    }
+    // validate:: denies what the worker cannot run (runtime kvfleet without model.geometry,
+    // or with tensor parallelism), as the webhook does: nothing admitted is stranded here.
+    let verdict = (ctx.validate)(&obj.spec, &facts);
 
     let mut prediction = None;
     let mut measured = None;
@@ -334,12 +329,14 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
 
     // One LIST of the worker pods serves both the measured capacity and the preflight
     // failures; vLLM exit codes mean something else, and without pods there is nothing to read.
+    let mut preflight = None;
     let dep_status = deployment.as_ref().and_then(|d| d.status.as_ref());
     if obj.spec.engine.runtime == Runtime::Kvfleet && dep_status.and_then(|s| s.replicas).unwrap_or(0) > 0 {
         let pods = list_pods(ctx, &ns, &name).await?;
         if verdict.allowed() && dep_status.and_then(|s| s.ready_replicas).unwrap_or(0) > 0 {
             measured = min_measured_tokens(&pods);
         }
+        preflight = preflight_failure(&pods);
         let failed = ctx.new_preflight_failures(&object_key, &pods);
         if failed > 0 {
             preflight_failures.inc_by(failed);
@@ -355,6 +352,7 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         prediction: prediction.as_ref(),
         deployment: deployment.as_ref(),
         measured_tokens: measured,
+        preflight_failure: preflight.as_deref(),
     };
     let new_status = status::compute(obj, &seen, Timestamp::now());
     if obj.status.as_ref() != Some(&new_status) {
@@ -475,6 +473,58 @@ pub const PREFLIGHT_EXIT_CODES: [i32; 3] = [
     exit::NO_MEMORY as i32,
 ];
 
+/// Why the worker pods will not start, when their `kvfleet` container's latest
+/// termination is a preflight exit and it is not running again: the exit code's meaning, the
+/// worker's termination message, how many pods, and where to look. `None` when no pod is
+/// stuck in preflight.
+pub fn preflight_failure(pods: &[Pod]) -> Option<String> {
+    let worker = Runtime::Kvfleet.as_str();
+    let mut stuck: Vec<(&str, &ContainerStateTerminated)> = Vec::new();
+    for pod in pods {
+        let statuses = pod
+            .status
+            .iter()
+            .flat_map(|s| s.container_statuses.iter().flatten());
+        for cs in statuses.filter(|cs| cs.name == worker) {
+            let state = cs.state.as_ref();
+            if state.is_some_and(|s| s.running.is_some()) {
+                continue;
+            }
+            let latest = state
+                .and_then(|s| s.terminated.as_ref())
+                .or_else(|| cs.last_state.as_ref().and_then(|s| s.terminated.as_ref()));
+            if let Some(t) = latest.filter(|t| PREFLIGHT_EXIT_CODES.contains(&t.exit_code)) {
+                stuck.push((pod.metadata.name.as_deref().unwrap_or("?"), t));
+            }
+        }
+    }
+    let (first, t) = stuck.first()?;
+    let meaning = match u8::try_from(t.exit_code).ok() {
+        Some(exit::CONFIG) => "its configuration is invalid",
+        Some(exit::INCOMPATIBLE) => "the configuration cannot run on this GPU",
+        Some(exit::NO_MEMORY) => "the KV cache does not fit in the GPU memory left",
+        _ => "preflight failed",
+    };
+    let said = t
+        .message
+        .as_deref()
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(|m| format!(": {}", m.lines().next().unwrap_or(m)))
+        .unwrap_or_default();
+    Some(format!(
+        "{} exit{} with code {} at start ({meaning}){said}; change the spec accordingly (kubectl logs {first} -c {} --previous shows the worker's reason)",
+        if stuck.len() == 1 {
+            format!("worker pod {first}")
+        } else {
+            format!("{} worker pods (e.g. {first})", stuck.len())
+        },
+        if stuck.len() == 1 { "s" } else { "" },
+        t.exit_code,
+        Runtime::Kvfleet.as_str()
+    ))
+}
+
 /// Terminations of worker containers visible at the last look, per pod uid. Only the current
 /// and the last termination of a container are ever visible, so this holds at most two per
 /// pod, and pods that are gone are dropped on the next look.
@@ -573,6 +623,42 @@ mod tests {
     }
 
     // === preflight failures ===
+
+    fn crashed_pod(name: &str, code: i32, running_again: bool) -> Pod {
+        let terminated = json!({"exitCode": code, "reason": "Error",
+            "message": "preflight failed: the kvfleet engine runs one GPU per replica, but tensorParallelSize is 4; set it to 1 or use runtime vllm\n",
+            "finishedAt": "2026-11-24T05:00:00Z"});
+        let state = if running_again {
+            json!({"running": {"startedAt": "2026-11-24T05:00:05Z"}})
+        } else {
+            json!({"waiting": {"reason": "CrashLoopBackOff"}})
+        };
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "uid": format!("uid-{name}")},
+            "status": {"containerStatuses": [{"name": "kvfleet", "ready": false, "restartCount": 3,
+                "image": "i", "imageID": "", "state": state, "lastState": {"terminated": terminated}}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn pods_stuck_in_preflight_are_described_with_the_workers_reason() {
+        let msg = preflight_failure(&[crashed_pod("m-0", 3, false)]).expect("a failure");
+        assert!(
+            msg.starts_with("worker pod m-0 exits with code 3 at start (the configuration cannot run on this GPU): preflight failed: the kvfleet engine runs one GPU per replica"),
+            "{msg}"
+        );
+        assert!(msg.contains("kubectl logs m-0 -c kvfleet --previous"), "{msg}");
+        let two = preflight_failure(&[crashed_pod("m-0", 4, false), crashed_pod("m-1", 4, false)]).unwrap();
+        assert!(
+            two.starts_with("2 worker pods (e.g. m-0) exit with code 4"),
+            "{two}"
+        );
+        // Running again, or a crash that is not a preflight exit: not stuck in preflight.
+        assert_eq!(preflight_failure(&[crashed_pod("m-0", 3, true)]), None);
+        assert_eq!(preflight_failure(&[crashed_pod("m-0", 1, false)]), None);
+        assert_eq!(preflight_failure(&[]), None);
+    }
 
     /// Controller start; every termination below finished after it unless a test says so.
     fn since() -> Timestamp {

@@ -34,6 +34,8 @@ pub struct Observed<'a> {
     pub deployment: Option<&'a Deployment>,
     /// Smallest `kvfleet.io/measured-kv-tokens` over ready pods.
     pub measured_tokens: Option<i64>,
+    /// Why worker pods exit at start (a preflight exit code and their message), if they do.
+    pub preflight_failure: Option<&'a str>,
 }
 
 /// An Event to publish: severity, PascalCase reason, human note.
@@ -182,7 +184,10 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
             } else {
                 cond(PROGRESSING, false, "RolloutComplete", ready_msg.clone())
             });
-            conds.push(if deadline_exceeded {
+            conds.push(if let Some(p) = seen.preflight_failure.filter(|_| compatible) {
+                // The most specific reason first: the worker said why it will not start.
+                cond(DEGRADED, true, PREFLIGHT_FAILED, p.to_string())
+            } else if deadline_exceeded {
                 cond(
                     DEGRADED,
                     true,
@@ -197,12 +202,15 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
                     f.message.unwrap_or_else(|| "pods could not be created".into()),
                 )
             } else if !compatible {
-                cond(
-                    DEGRADED,
-                    true,
-                    "SpecNotApplied",
-                    "the running pods keep the last compatible configuration; fix the spec to roll out",
-                )
+                match nodes_changed(obj, &old, seen.verdict) {
+                    Some(what) => cond(DEGRADED, true, "NodesChanged", what),
+                    None => cond(
+                        DEGRADED,
+                        true,
+                        "SpecNotApplied",
+                        "the running pods keep the last compatible configuration; fix the spec to roll out",
+                    ),
+                }
             } else {
                 cond(DEGRADED, false, "AsExpected", ready_msg)
             });
@@ -270,6 +278,55 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
         updated_replicas: Some(updated),
         selector: Some(selector_string(&name)),
     }
+}
+
+/// Reason of the Degraded condition while worker pods exit with a preflight code.
+pub const PREFLIGHT_FAILED: &str = "PreflightFailed";
+
+/// When the generation that is denied now was admitted before, the spec did not change:
+/// the nodes did. Says what they had and what they have now.
+fn nodes_changed(
+    obj: &InferenceDeployment,
+    old: &InferenceDeploymentStatus,
+    verdict: Option<&Verdict>,
+) -> Option<String> {
+    let generation = obj.metadata.generation?;
+    let was_admitted = find(old, COMPATIBLE)
+        .is_some_and(|c| c.status == "True" && c.observed_generation == Some(generation));
+    let was_admitted = was_admitted
+        || (find(old, DEGRADED)
+            .is_some_and(|c| c.reason == "NodesChanged" && c.observed_generation == Some(generation)));
+    if !was_admitted {
+        return None;
+    }
+    let v = verdict?;
+    let before = old
+        .resolved
+        .as_ref()
+        .map(|r| {
+            let ccs = r.compute_capabilities.join(", ");
+            match (r.products.is_empty(), ccs.is_empty()) {
+                (false, false) => format!("{} ({ccs})", r.products.join(", ")),
+                (false, true) => r.products.join(", "),
+                (true, false) => format!("compute capability {ccs}"),
+                (true, true) => "the nodes it was admitted on".to_string(),
+            }
+        })
+        .unwrap_or_else(|| "the nodes it was admitted on".to_string());
+    let now: Vec<String> = v
+        .architectures
+        .iter()
+        .map(|a| format!("{} ({})", a.products.join(", "), a.compute_capability))
+        .collect();
+    let now = if now.is_empty() {
+        "no schedulable GPU node matches the selectors any more".to_string()
+    } else {
+        format!("the selected nodes now have {}", now.join(", "))
+    };
+    Some(format!(
+        "the nodes changed, not the spec: generation {generation} was admitted on {before}; {now}, where it cannot run ({}). The running pods keep the last compatible configuration; restore or add such nodes, or change the spec",
+        denial_message(v)
+    ))
 }
 
 fn denial_message(v: &Verdict) -> String {
@@ -531,6 +588,7 @@ mod tests {
             prediction: Some(&p),
             deployment: Some(&d),
             measured_tokens: Some(25_100),
+            preflight_failure: None,
         };
         let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
         let c = s.capacity.clone().unwrap();
@@ -542,5 +600,103 @@ mod tests {
         assert!(n
             .iter()
             .any(|n| n.reason == "CapacityMeasured" && n.note.contains("predicted 25200")));
+    }
+
+    fn ts() -> Timestamp {
+        "2026-11-24T05:00:00Z".parse().unwrap()
+    }
+
+    #[test]
+    fn pods_stuck_in_preflight_make_the_deployment_degraded_with_an_event() {
+        let o = obj(1);
+        let v = allowed();
+        let d = dep(0, 2);
+        let before = compute(
+            &o,
+            &Observed {
+                verdict: Some(&v),
+                deployment: Some(&d),
+                ..Observed::default()
+            },
+            ts(),
+        );
+        assert_eq!(get(&before, DEGRADED).status, "False");
+        let why = "worker pod m-0 exits with code 3 at start (the configuration cannot run on this GPU)";
+        let after = compute(
+            &o,
+            &Observed {
+                verdict: Some(&v),
+                deployment: Some(&d),
+                preflight_failure: Some(why),
+                ..Observed::default()
+            },
+            ts(),
+        );
+        let c = get(&after, DEGRADED);
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", PREFLIGHT_FAILED));
+        assert_eq!(c.message, why);
+        let events = notices(Some(&before), &after, Some(&v));
+        assert!(
+            events
+                .iter()
+                .any(|n| n.warning && n.reason == PREFLIGHT_FAILED && n.note == why),
+            "{events:?}"
+        );
+    }
+
+    #[test]
+    fn a_relabelled_node_says_the_nodes_changed_not_the_spec() {
+        let mut o = obj(3);
+        let v = allowed();
+        let d = dep(2, 2);
+        let admitted = compute(
+            &o,
+            &Observed {
+                verdict: Some(&v),
+                deployment: Some(&d),
+                ..Observed::default()
+            },
+            ts(),
+        );
+        o.status = Some(admitted);
+        // The node was relabelled from an RTX 3090 (8.6) to a T4 (7.5): same generation.
+        let denied = Verdict {
+            denials: vec![Denial {
+                field: "spec.engine.kvCacheDtype".into(),
+                reason: "UnsupportedKvCacheDtype".into(),
+                message: "fp8_e5m2 needs 8.0; use float16".into(),
+            }],
+            architectures: vec![crate::validate::ArchReport {
+                compute_capability: "7.5".parse().unwrap(),
+                products: vec!["Tesla-T4".into()],
+                nodes: 1,
+                nodes_with_enough_gpus: 1,
+                resolved: None,
+                violations: vec![],
+            }],
+            ..Verdict::default()
+        };
+        let seen = Observed {
+            verdict: Some(&denied),
+            deployment: Some(&d),
+            ..Observed::default()
+        };
+        let st = compute(&o, &seen, ts());
+        let c = get(&st, DEGRADED);
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "NodesChanged"));
+        assert!(
+            c.message.starts_with("the nodes changed, not the spec: generation 3 was admitted on compute capability 8.6; the selected nodes now have Tesla-T4 (7.5), where it cannot run (spec.engine.kvCacheDtype: fp8_e5m2 needs 8.0; use float16)"),
+            "{}",
+            c.message
+        );
+        assert!(!c.message.contains("fix the spec"), "{}", c.message);
+        // Stays NodesChanged on the next pass (Compatible is False by then).
+        o.status = Some(st);
+        let again = compute(&o, &seen, ts());
+        assert_eq!(get(&again, DEGRADED).reason, "NodesChanged");
+        // A new generation that is denied is the spec's fault.
+        o.metadata.generation = Some(4);
+        let next = compute(&o, &seen, ts());
+        assert_eq!(get(&next, DEGRADED).reason, "SpecNotApplied");
     }
 }

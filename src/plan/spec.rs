@@ -53,6 +53,13 @@ pub struct SpecCapacity {
 impl SpecCapacity {
     /// A denial message naming the fix, or `None` when one request fits.
     pub fn fix_hint(&self) -> Option<String> {
+        self.fix_hint_on(None)
+    }
+
+    /// [`Self::fix_hint`] for nodes with at most `max_gpus_per_node` GPUs (`None`: any):
+    /// a larger tensorParallelSize is suggested only where the nodes have that many GPUs,
+    /// and never for runtime kvfleet (one GPU per replica).
+    pub fn fix_hint_on(&self, max_gpus_per_node: Option<i64>) -> Option<String> {
         if self.fits_one_request {
             return None;
         }
@@ -65,7 +72,11 @@ impl SpecCapacity {
         if fix.fp8_fits {
             fixes.push("use kvCacheDtype fp8".to_string());
         }
-        if let Some(tp) = fix.tensor_parallel_size_that_fits {
+        let tp_fix = fix
+            .tensor_parallel_size_that_fits
+            .filter(|_| self.runtime == Runtime::Vllm)
+            .filter(|tp| max_gpus_per_node.is_none_or(|max| i64::from(*tp) <= max));
+        if let Some(tp) = tp_fix {
             fixes.push(format!("raise tensorParallelSize (and gpu.count) to {tp}"));
         }
         if fixes.is_empty() {

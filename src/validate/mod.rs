@@ -50,11 +50,27 @@ pub mod labels {
 }
 
 /// Above this gpuMemoryUtilization, warn: at 0.90 the sampler warm-up (maxNumSeqs dummy
-/// requests) can OOM with ~1.7 GiB left (seed report, COMPAT.md).
-pub const GPU_MEMORY_UTILIZATION_WARN: f64 = 0.85;
+/// requests) can OOM with ~1.7 GiB left (seed report, COMPAT.md). It is the CRD's (and
+/// vLLM's) default: a value nobody chose must not warn on every apply, so only a value
+/// raised above it does.
+pub const GPU_MEMORY_UTILIZATION_WARN: f64 = 0.9;
+
+/// What the warning advises instead.
+pub const GPU_MEMORY_UTILIZATION_SAFE: f64 = 0.85;
 
 /// GPUs of a node made up by [`validate_offline`] / `kvfleet check --gpu`.
 pub const SYNTHETIC_NODE_GPUS: i64 = 8;
+
+/// Memory of one GPU of a product in MiB, the one figure `kvfleet check --gpu`, nodes
+/// without a `nvidia.com/gpu.memory` label and scale-from-zero admission all use: what GFD
+/// labels such a node with (the planner's table of reported totals, e.g. 23034 for an L4),
+/// else the product's nominal size.
+pub fn product_memory_mib(label: &str) -> Option<u64> {
+    const MIB: u64 = 1024 * 1024;
+    crate::plan::gpu_memory_bytes(products::base_label(label))
+        .map(|b| b / MIB)
+        .or_else(|| products::lookup(label).map(|p| p.memory_mib))
+}
 
 /// What validation knows about one node: its labels and allocatable GPUs.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -91,7 +107,12 @@ impl NodeFacts {
             (labels::PRODUCT, product.label.to_string()),
             (labels::COMPUTE_MAJOR, product.cc.major.to_string()),
             (labels::COMPUTE_MINOR, product.cc.minor.to_string()),
-            (labels::MEMORY_MIB, product.memory_mib.to_string()),
+            (
+                labels::MEMORY_MIB,
+                product_memory_mib(product.label)
+                    .unwrap_or(product.memory_mib)
+                    .to_string(),
+            ),
             (labels::COUNT, gpus.to_string()),
         ]
         .into_iter()
@@ -143,11 +164,7 @@ impl NodeFacts {
             .and_then(|m| m.trim().parse::<u64>().ok())
             .filter(|m| *m > 0)
             .map(|m| m * MIB)
-            .or_else(|| {
-                let product = self.product()?;
-                crate::plan::gpu_memory_bytes(products::base_label(product))
-                    .or_else(|| products::lookup(product).map(|p| p.memory_mib * MIB))
-            })
+            .or_else(|| product_memory_mib(self.product()?).map(|m| m * MIB))
     }
 
     fn has_gfd_labels(&self) -> bool {
@@ -445,14 +462,18 @@ fn describe_archs<'a>(archs: impl IntoIterator<Item = &'a ArchReport>) -> String
 }
 
 /// The model's features, or a warning when they cannot be known here.
-fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) -> ModelFeatures {
+pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) -> ModelFeatures {
     let non_causal = spec.engine.non_causal;
     let quantized = spec.model.quantization.is_quantized();
     let mut f = match (&spec.model.geometry, &spec.model.config) {
         (Some(g), _) => ModelFeatures::from_geometry(g, non_causal, quantized),
+        (None, Some(_)) if spec.engine.runtime == Runtime::Kvfleet => {
+            // Denied by spec_checks (KvfleetNeedsGeometry): nothing more to warn about.
+            ModelFeatures::unknown(non_causal, quantized)
+        }
         (None, Some(cfg)) => {
             warnings.push(format!(
-                "model.config (ConfigMap {}, key {}) is not read at admission: head-dimension, sliding-window, KV-head and capacity checks were skipped; the worker's preflight checks them, or write model.geometry",
+                "model.config (ConfigMap {}, key {}) is not read at admission: head-dimension, sliding-window, KV-head and capacity checks were skipped and vLLM finds out at start; write model.geometry to have them checked at kubectl apply",
                 cfg.config_map_ref.name, cfg.config_map_ref.key
             ));
             ModelFeatures::unknown(non_causal, quantized)
@@ -481,7 +502,11 @@ fn valid_tp(query_heads: i64, kv_heads: &[i64], limit: i64) -> Vec<i64> {
 }
 
 /// Checks that need no node: parallelism against heads and GPUs, memory utilisation.
-fn spec_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>, warnings: &mut Vec<String>) {
+pub(super) fn spec_checks(
+    spec: &InferenceDeploymentSpec,
+    denials: &mut Vec<Denial>,
+    warnings: &mut Vec<String>,
+) {
     let engine = &spec.engine;
     let tp = i64::from(engine.tensor_parallel_size);
     if tp < 1 {
@@ -490,6 +515,30 @@ fn spec_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>, warnin
             "InvalidTensorParallelSize",
             format!("tensorParallelSize {tp} must be at least 1; set it to the GPUs one replica shards the model over"),
         ));
+    }
+    if engine.runtime == Runtime::Kvfleet {
+        // The worker refuses both at start (preflight exit 3 / 2): deny what it cannot run.
+        if tp > 1 {
+            denials.push(denial(
+                "spec.engine.tensorParallelSize",
+                "KvfleetSingleGpu",
+                format!("runtime kvfleet runs one GPU per replica (its engine has no tensor parallelism), but tensorParallelSize is {tp}; set tensorParallelSize to 1 and scale with replicas, or use runtime vllm to shard the model over {tp} GPUs"),
+            ));
+        }
+        if spec.model.geometry.is_none() {
+            let source = match &spec.model.config {
+                Some(cfg) => format!(
+                    "model.config (ConfigMap {}, key {}) is read only by the vllm runtime",
+                    cfg.config_map_ref.name, cfg.config_map_ref.key
+                ),
+                None => "the model has neither geometry nor config".to_string(),
+            };
+            denials.push(denial(
+                "spec.model.geometry",
+                "KvfleetNeedsGeometry",
+                format!("runtime kvfleet sizes its KV cache from model.geometry, and {source}; write model.geometry (layers, queryHeads, kvHeads, headDim from the model's config.json: num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim), or use runtime vllm"),
+            ));
+        }
     }
     if let Some(count) = spec.gpu.as_ref().and_then(|g| g.count) {
         if i64::from(count) < tp {
@@ -548,13 +597,18 @@ fn spec_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>, warnin
         denials.push(denial(
             "spec.engine.gpuMemoryUtilization",
             "InvalidGpuMemoryUtilization",
-            format!("gpuMemoryUtilization {util} must be in (0, 1]; 0.85 is a safe default"),
+            format!("gpuMemoryUtilization {util} must be in (0, 1]; {GPU_MEMORY_UTILIZATION_SAFE} is a safe value"),
         ));
-    } else if util > GPU_MEMORY_UTILIZATION_WARN {
-        warnings.push(format!(
-            "gpuMemoryUtilization {util} is above {GPU_MEMORY_UTILIZATION_WARN}: at 0.90 the sampler warm-up (maxNumSeqs dummy requests) can run out of memory with ~1.7 GiB left on large models; lower it to {GPU_MEMORY_UTILIZATION_WARN} (or lower maxNumSeqs) if pods fail at start-up"
-        ));
+    } else if let Some(w) = gpu_memory_utilization_warning(util) {
+        warnings.push(w);
     }
+}
+
+/// The warning for a gpuMemoryUtilization raised above the default, if it is.
+pub(crate) fn gpu_memory_utilization_warning(util: f64) -> Option<String> {
+    (util > GPU_MEMORY_UTILIZATION_WARN).then(|| format!(
+        "gpuMemoryUtilization {util} is above the default {GPU_MEMORY_UTILIZATION_WARN}: already at 0.90 the sampler warm-up (maxNumSeqs dummy requests) can run out of memory with ~1.7 GiB left on large models; lower it to {GPU_MEMORY_UTILIZATION_SAFE} (or lower maxNumSeqs) if pods fail at start-up"
+    ))
 }
 
 /// `pod.nodeSelector`: exact label matches, looked at per node.
@@ -620,7 +674,102 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
 }
 
 /// Decides whether `spec` can run on `facts`.
+///
+/// When no node matches the selectors right now (a GPU pool scaled to zero by Karpenter or
+/// the cluster-autoscaler), the spec is judged against what its selector declares: one
+/// node of each selected product (or, with only `minComputeCapability`, of each known
+/// product at or above it), admitted with a warning that pods stay Pending until such a
+/// node joins; the controller re-validates when one does.
 pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes)
+}
+
+/// Reason of the denial for selectors that match no node.
+pub const NO_MATCHING_NODES: &str = "NoMatchingNodes";
+
+/// The products a GPU selector declares: its known products (at or above
+/// `minComputeCapability` when both are given), else every known product at or above
+/// `minComputeCapability`. Empty when it declares neither.
+pub fn declared_products(spec: &InferenceDeploymentSpec) -> Vec<&'static products::Product> {
+    let Some(sel) = spec.gpu.as_ref().and_then(|g| g.selector.as_ref()) else {
+        return Vec::new();
+    };
+    let min_cc = sel
+        .min_compute_capability
+        .as_deref()
+        .and_then(|s| s.parse::<ComputeCapability>().ok());
+    let at_least = |p: &&products::Product| min_cc.is_none_or(|min| p.cc >= min);
+    let mut out: Vec<&'static products::Product> = Vec::new();
+    if !sel.products.is_empty() {
+        for p in sel.products.iter().filter_map(|p| products::lookup(p)) {
+            if at_least(&p) && !out.iter().any(|o| o.label == p.label) {
+                out.push(p);
+            }
+        }
+    } else if min_cc.is_some() {
+        out.extend(products::PRODUCTS.iter().filter(at_least));
+    }
+    out
+}
+
+/// See [`validate`]: `verdict` is what the nodes say; `inner` judges the declared products.
+pub(super) fn scale_from_zero(
+    spec: &InferenceDeploymentSpec,
+    verdict: Verdict,
+    inner: impl Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict,
+) -> Verdict {
+    if !verdict.denials.iter().any(|d| d.reason == NO_MATCHING_NODES) {
+        return verdict;
+    }
+    let declared = declared_products(spec);
+    if declared.is_empty() {
+        return verdict;
+    }
+    let gpus = i64::from(spec.gpus_per_replica().max(1));
+    let facts = ClusterFacts {
+        nodes: declared
+            .iter()
+            .enumerate()
+            .map(|(i, p)| NodeFacts::synthetic(format!("declared-{i}"), p, gpus))
+            .collect(),
+    };
+    // The declared nodes carry only GFD labels: pod.nodeSelector still applies to the pods.
+    let mut declared_spec = spec.clone();
+    if let Some(pod) = declared_spec.pod.as_mut() {
+        pod.node_selector.clear();
+    }
+    let mut judged = inner(&declared_spec, &facts);
+    let names: Vec<&str> = declared.iter().map(|p| p.label).collect();
+    let (names, more) = if names.len() > 6 {
+        (&names[..6], format!(" and {} more", names.len() - 6))
+    } else {
+        (&names[..], String::new())
+    };
+    let basis = format!(
+        "no schedulable GPU node matches the selectors ({}) right now, so this was judged against the products they declare ({}{more})",
+        describe_selectors(spec),
+        names.join(", ")
+    );
+    judged.compatible_nodes.clear();
+    if judged.allowed() {
+        // The warnings about declared nodes being left out name made-up nodes: drop them.
+        judged
+            .warnings
+            .retain(|w| !w.contains("selected GPU nodes can run this"));
+        judged.warnings.insert(
+            0,
+            format!("{basis}: pods stay Pending until such a node joins (a GPU pool scaled to zero by Karpenter or the cluster-autoscaler); kvfleet re-validates when it does"),
+        );
+    } else {
+        judged
+            .warnings
+            .insert(0, format!("{basis}; on those it cannot run"));
+    }
+    judged
+}
+
+/// [`validate`] against the nodes only.
+fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
     let mut denials = Vec::new();
     let mut warnings = Vec::new();
     let features = model_features(spec, &mut warnings);
@@ -808,7 +957,7 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         };
         denials.push(denial(
             "spec.gpu.selector",
-            "NoMatchingNodes",
+            NO_MATCHING_NODES,
             format!(
                 "no schedulable GPU node matches the selectors ({}){hint}; {cluster}; change gpu.selector or pod.nodeSelector to match GPU nodes, or add such nodes",
                 describe_selectors(spec)
@@ -887,7 +1036,9 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
         architectures: archs.clone(),
         ..Verdict::default()
     };
-    if !verdict.denials.is_empty() || runnable.is_empty() {
+    // Spec checks that denied do not stop the capacity check: a spec with two problems
+    // gets one denial naming both.
+    if runnable.is_empty() {
         return verdict;
     }
 
@@ -924,11 +1075,13 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     let mut restrict_products = false;
     let compatible: Vec<&Candidate> =
         match plan_capacity(spec, dtype, &compatible, &sigs.sigs, &mut verdict.warnings) {
-            CapacityOutcome::NotPlanned => compatible,
             CapacityOutcome::Denied(d) => {
                 verdict.denials.push(d);
                 return verdict;
             }
+            // Spec checks denied and the capacity fits (or was not judged): they stand alone.
+            _ if !verdict.denials.is_empty() => return verdict,
+            CapacityOutcome::NotPlanned => compatible,
             CapacityOutcome::Planned {
                 fits,
                 fitting,
@@ -1120,6 +1273,8 @@ fn plan_capacity<'a>(
             return CapacityOutcome::NotPlanned;
         }
     };
+    // A larger tensorParallelSize is a fix only where the nodes have the GPUs for it.
+    let max_gpus = compatible.iter().filter_map(|c| c.node.gpus()).max();
     // (memory, product of its first node, nodes), by first appearance; per signature, its
     // group (`None`: memory unknown), computed once.
     let mut groups: Vec<(u64, &'a str, usize)> = Vec::new();
@@ -1181,7 +1336,7 @@ fn plan_capacity<'a>(
                 "{} with {product} cannot hold one request and {} excluded: {}",
                 plural(*n, "node", "nodes"),
                 if *n == 1 { "is" } else { "are" },
-                cap.fix_hint().unwrap_or_default()
+                cap.fix_hint_on(max_gpus).unwrap_or_default()
             ));
         }
         let (tokens, concurrency) = match spec.engine.runtime {
@@ -1227,7 +1382,7 @@ fn plan_capacity<'a>(
         })
         .collect();
     let (largest, _, _) = &not_fitting[not_fitting.len() - 1];
-    let hint = largest.fix_hint().unwrap_or_default();
+    let hint = largest.fix_hint_on(max_gpus).unwrap_or_default();
     CapacityOutcome::Denied(denial(
         "spec.engine.maxModelLen",
         "KvCacheTooSmall",

@@ -6,12 +6,10 @@ use std::collections::BTreeSet;
 
 use k8s_openapi::api::core::v1::{NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 
-use super::{
-    labels, ArchReport, CapacityBasis, ClusterFacts, Denial, NodeFacts, Verdict, GPU_MEMORY_UTILIZATION_WARN,
-};
+use super::{labels, ArchReport, CapacityBasis, ClusterFacts, Denial, NodeFacts, Verdict};
 use crate::api::{CapacityStatus, InferenceDeploymentSpec, ResolvedConfig, Runtime};
 use crate::compat::rules;
-use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype, ModelFeatures};
+use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype};
 
 /// The label scan as it was.
 fn is_gpu_node(node: &NodeFacts) -> bool {
@@ -57,116 +55,8 @@ fn describe_archs<'a>(archs: impl IntoIterator<Item = &'a ArchReport>) -> String
         .join(", ")
 }
 
-/// The model's features, or a warning when they cannot be known here.
-fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) -> ModelFeatures {
-    let non_causal = spec.engine.non_causal;
-    let quantized = spec.model.quantization.is_quantized();
-    match (&spec.model.geometry, &spec.model.config) {
-        (Some(g), _) => ModelFeatures::from_geometry(g, non_causal, quantized),
-        (None, Some(cfg)) => {
-            warnings.push(format!(
-                "model.config (ConfigMap {}, key {}) is not read at admission: head-dimension, sliding-window, KV-head and capacity checks were skipped; the worker's preflight checks them, or write model.geometry",
-                cfg.config_map_ref.name, cfg.config_map_ref.key
-            ));
-            ModelFeatures::unknown(non_causal, quantized)
-        }
-        (None, None) => {
-            warnings.push(
-                "model has neither geometry nor config: head-dimension, sliding-window and KV-head checks were skipped".to_string(),
-            );
-            ModelFeatures::unknown(non_causal, quantized)
-        }
-    }
-}
-
-/// Valid tensorParallelSize values up to `limit` for these head counts.
-fn valid_tp(query_heads: i64, kv_heads: &[i64], limit: i64) -> Vec<i64> {
-    (1..=limit)
-        .filter(|tp| {
-            query_heads % tp == 0
-                && kv_heads
-                    .iter()
-                    .all(|kv| if *tp <= *kv { kv % tp == 0 } else { tp % kv == 0 })
-        })
-        .collect()
-}
-
-/// Checks that need no node: parallelism against heads and GPUs, memory utilisation.
-fn spec_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>, warnings: &mut Vec<String>) {
-    let engine = &spec.engine;
-    let tp = i64::from(engine.tensor_parallel_size);
-    if tp < 1 {
-        denials.push(denial(
-            "spec.engine.tensorParallelSize",
-            "InvalidTensorParallelSize",
-            format!("tensorParallelSize {tp} must be at least 1; set it to the GPUs one replica shards the model over"),
-        ));
-    }
-    if let Some(count) = spec.gpu.as_ref().and_then(|g| g.count) {
-        if i64::from(count) < tp {
-            denials.push(denial(
-                "spec.gpu.count",
-                "InsufficientGpuCount",
-                format!("gpu.count {count} is less than tensorParallelSize {tp}: each replica shards the model over {tp} GPUs; set gpu.count to at least {tp} or lower tensorParallelSize"),
-            ));
-        }
-    }
-    if let Some(g) = &spec.model.geometry {
-        let q = i64::from(g.query_heads);
-        let mut kvs = vec![i64::from(g.kv_heads)];
-        kvs.extend(g.global_kv_heads.map(i64::from));
-        if q < 1 || kvs.iter().any(|kv| *kv < 1) {
-            denials.push(denial(
-                "spec.model.geometry",
-                "InvalidGeometry",
-                "model.geometry queryHeads and kvHeads must be at least 1; copy num_attention_heads and num_key_value_heads from the model's config.json".to_string(),
-            ));
-        } else if tp >= 1 {
-            let mla = g.kv_lora_rank.is_some();
-            let kv_check: &[i64] = if mla { &[] } else { &kvs };
-            if valid_tp(q, kv_check, tp).last() != Some(&tp) {
-                let options = valid_tp(q, kv_check, 64.min(q.max(kvs[0])).max(1));
-                let options: Vec<String> = options.iter().take(8).map(|t| t.to_string()).collect();
-                let heads = if q % tp != 0 {
-                    format!("does not divide the model's {q} query heads")
-                } else {
-                    let kv = kvs
-                        .iter()
-                        .find(|kv| {
-                            if tp <= **kv {
-                                **kv % tp != 0
-                            } else {
-                                tp % **kv != 0
-                            }
-                        })
-                        .copied()
-                        .unwrap_or(kvs[0]);
-                    format!("and the model's {kv} KV heads do not split evenly (KV heads must be a multiple of tensorParallelSize, or tensorParallelSize a multiple of KV heads)")
-                };
-                denials.push(denial(
-                    "spec.engine.tensorParallelSize",
-                    "TensorParallelSizeMismatch",
-                    format!(
-                        "tensorParallelSize {tp} {heads} (vllm config/model.py verify_with_parallel_config, QKVParallelLinear); use one of {}",
-                        options.join(", ")
-                    ),
-                ));
-            }
-        }
-    }
-    let util = engine.gpu_memory_utilization;
-    if !(util > 0.0 && util <= 1.0) {
-        denials.push(denial(
-            "spec.engine.gpuMemoryUtilization",
-            "InvalidGpuMemoryUtilization",
-            format!("gpuMemoryUtilization {util} must be in (0, 1]; 0.85 is a safe default"),
-        ));
-    } else if util > GPU_MEMORY_UTILIZATION_WARN {
-        warnings.push(format!(
-            "gpuMemoryUtilization {util} is above {GPU_MEMORY_UTILIZATION_WARN}: at 0.90 the sampler warm-up (maxNumSeqs dummy requests) can run out of memory with ~1.7 GiB left on large models; lower it to {GPU_MEMORY_UTILIZATION_WARN} (or lower maxNumSeqs) if pods fail at start-up"
-        ));
-    }
-}
+// The spec checks and model features are not part of the grouping: shared.
+use super::{model_features, spec_checks};
 
 fn selector_matches(
     spec: &InferenceDeploymentSpec,
@@ -235,6 +125,10 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
 
 /// Decides whether `spec` can run on `facts`.
 pub(super) fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    super::scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes)
+}
+
+fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
     let mut denials = Vec::new();
     let mut warnings = Vec::new();
     let features = model_features(spec, &mut warnings);
@@ -467,7 +361,7 @@ pub(super) fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> 
         architectures: archs.clone(),
         ..Verdict::default()
     };
-    if !verdict.denials.is_empty() || runnable.is_empty() {
+    if runnable.is_empty() {
         return verdict;
     }
 
@@ -503,11 +397,13 @@ pub(super) fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> 
     // are left out; none left is a denial naming the fix.
     let mut restrict_products = false;
     let compatible: Vec<&Candidate> = match plan_capacity(spec, dtype, &compatible, &mut verdict.warnings) {
-        CapacityOutcome::NotPlanned => compatible,
         CapacityOutcome::Denied(d) => {
             verdict.denials.push(d);
             return verdict;
         }
+        // Spec checks denied and the capacity fits (or was not judged): they stand alone.
+        _ if !verdict.denials.is_empty() => return verdict,
+        CapacityOutcome::NotPlanned => compatible,
         CapacityOutcome::Planned {
             fitting,
             capacity,
@@ -668,6 +564,8 @@ fn plan_capacity<'a>(
             return CapacityOutcome::NotPlanned;
         }
     };
+    // A larger tensorParallelSize is a fix only where the nodes have the GPUs for it.
+    let max_gpus = compatible.iter().filter_map(|c| c.node.gpus()).max();
     // (memory, product, nodes)
     let mut groups: Vec<(u64, String, Vec<&'a str>)> = Vec::new();
     let mut unknown: Vec<&'a str> = Vec::new();
@@ -717,7 +615,7 @@ fn plan_capacity<'a>(
                 "{} with {product} cannot hold one request and {} excluded: {}",
                 plural(*n, "node", "nodes"),
                 if *n == 1 { "is" } else { "are" },
-                cap.fix_hint().unwrap_or_default()
+                cap.fix_hint_on(max_gpus).unwrap_or_default()
             ));
         }
         let (tokens, concurrency) = match spec.engine.runtime {
@@ -759,7 +657,7 @@ fn plan_capacity<'a>(
         })
         .collect();
     let (largest, _, _) = &not_fitting[not_fitting.len() - 1];
-    let hint = largest.fix_hint().unwrap_or_default();
+    let hint = largest.fix_hint_on(max_gpus).unwrap_or_default();
     CapacityOutcome::Denied(denial(
         "spec.engine.maxModelLen",
         "KvCacheTooSmall",

@@ -195,15 +195,27 @@ fn no_nodes_at_all_is_denied_as_no_matching_node() {
 
 #[test]
 fn selectors_filter_nodes_and_name_what_the_cluster_has() {
+    // A product kvfleet does not know cannot be judged without such a node: denied, naming
+    // what the cluster has. (A known one is judged as declared: scale from zero.)
     let s = spec(&format!(
-        "{LLAMA}gpu: {{selector: {{products: [NVIDIA-H200]}}}}\n"
+        "{LLAMA}gpu: {{selector: {{products: [NVIDIA-H999]}}}}\n"
     ));
     let v = validate(&s, &cluster(vec![node("l4", "NVIDIA-L4", 1)]));
     assert!(!v.allowed());
     let m = messages(&v);
     assert!(
-        m.contains("gpu.selector.products [NVIDIA-H200]") && m.contains("NVIDIA-L4 (8.9)"),
+        m.contains("gpu.selector.products [NVIDIA-H999]") && m.contains("NVIDIA-L4 (8.9)"),
         "{m}"
+    );
+    let s = spec(&format!(
+        "{LLAMA}gpu: {{selector: {{products: [NVIDIA-H200]}}}}\n"
+    ));
+    let v = validate(&s, &cluster(vec![node("l4", "NVIDIA-L4", 1)]));
+    assert!(v.allowed() && v.compatible_nodes.is_empty(), "{v:#?}");
+    assert!(
+        v.warnings[0].contains("gpu.selector.products [NVIDIA-H200]"),
+        "{:?}",
+        v.warnings
     );
 
     let s = spec(&format!("{LLAMA}pod: {{nodeSelector: {{pool: gpu-a}}}}\n"));
@@ -308,7 +320,7 @@ fn mig_products_match_a_selector_of_the_base_product() {
 
 #[test]
 fn tensor_parallel_size_needs_gpus_on_one_node() {
-    let s = llama("{tensorParallelSize: 4}");
+    let s = llama("{runtime: vllm, tensorParallelSize: 4}");
     let v = validate(
         &s,
         &cluster(vec![node("a", "NVIDIA-L4", 2), node("b", "NVIDIA-L4", 1)]),
@@ -340,7 +352,7 @@ fn tensor_parallel_size_needs_gpus_on_one_node() {
 #[test]
 fn tensor_parallel_size_must_split_the_heads() {
     let v = validate(
-        &llama("{tensorParallelSize: 3}"),
+        &llama("{runtime: vllm, tensorParallelSize: 3}"),
         &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
     );
     assert!(!v.allowed());
@@ -357,12 +369,12 @@ fn tensor_parallel_size_must_split_the_heads() {
     );
     // tp 16 > 8 KV heads is fine (replicated KV heads: 16 % 8 == 0).
     assert!(validate(
-        &llama("{tensorParallelSize: 16}"),
+        &llama("{runtime: vllm, tensorParallelSize: 16}"),
         &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 16)])
     )
     .allowed());
     // 12 KV heads over tp 8: neither divides the other.
-    let s = spec("model: {name: x, geometry: {layers: 1, queryHeads: 96, kvHeads: 12, headDim: 128}}\nengine: {tensorParallelSize: 8}\n");
+    let s = spec("model: {name: x, geometry: {layers: 1, queryHeads: 96, kvHeads: 12, headDim: 128}}\nengine: {runtime: vllm, tensorParallelSize: 8}\n");
     let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
     assert!(
         v.denials.iter().any(|d| d.message.contains("12 KV heads")),
@@ -373,23 +385,34 @@ fn tensor_parallel_size_must_split_the_heads() {
 #[test]
 fn gpu_count_below_tensor_parallel_size_is_denied() {
     let s = spec(&format!(
-        "{LLAMA}engine: {{tensorParallelSize: 2}}\ngpu: {{count: 1}}\n"
+        "{LLAMA}engine: {{runtime: vllm, tensorParallelSize: 2}}\ngpu: {{count: 1}}\n"
     ));
     let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
     assert!(v.denials.iter().any(|d| d.field == "spec.gpu.count"), "{v:#?}");
 }
 
 #[test]
-fn high_gpu_memory_utilization_warns() {
+fn gpu_memory_utilization_raised_above_the_default_warns_and_the_default_does_not() {
     let v = validate(
-        &llama("{gpuMemoryUtilization: 0.9}"),
+        &llama("{runtime: vllm, gpuMemoryUtilization: 0.95}"),
         &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
     );
     assert!(v.allowed());
     assert!(
+        v.warnings.iter().any(
+            |w| w.contains("gpuMemoryUtilization 0.95 is above the default 0.9")
+                && w.contains("lower it to 0.85")
+        ),
+        "{:?}",
         v.warnings
-            .iter()
-            .any(|w| w.contains("gpuMemoryUtilization 0.9 is above 0.85")),
+    );
+    // The CRD's default (what a spec that leaves it unset carries) must not warn.
+    let unset = llama("{runtime: vllm}");
+    assert_eq!(unset.engine.gpu_memory_utilization, 0.9);
+    let v = validate(&unset, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+    assert!(v.allowed());
+    assert!(
+        !v.warnings.iter().any(|w| w.contains("gpuMemoryUtilization")),
         "{:?}",
         v.warnings
     );
@@ -407,7 +430,7 @@ fn high_gpu_memory_utilization_warns() {
 #[test]
 fn config_map_models_are_validated_with_what_is_known_and_warned() {
     let s =
-        spec("model: {name: x, config: {configMapRef: {name: cfg}}}\nengine: {gpuMemoryUtilization: 0.8}\n");
+        spec("model: {name: x, config: {configMapRef: {name: cfg}}}\nengine: {runtime: vllm, gpuMemoryUtilization: 0.8}\n");
     let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
     assert!(v.allowed());
     assert!(
@@ -566,7 +589,12 @@ mod property {
             if v.allowed() {
                 let r = v.resolved.as_ref().expect("admitted verdicts carry the resolution");
                 prop_assert!(v.node_affinity.is_some());
-                prop_assert!(!v.compatible_nodes.is_empty());
+                // Admitted with no node: only when judged against the declared products.
+                prop_assert!(
+                    !v.compatible_nodes.is_empty()
+                        || v.warnings[0].contains("judged against the products they declare"),
+                    "{:?}", v.warnings
+                );
                 for c in &v.compatible_nodes {
                     let n = nodes.iter().find(|n| &n.name == c).unwrap();
                     prop_assert!(!n.unschedulable);
@@ -663,4 +691,181 @@ mod capacity {
             "1 of 2 selected GPU nodes can run this; the affinity excludes the others"
         );
     }
+}
+
+// === issue 16 ===
+
+#[test]
+fn kvfleet_runtime_with_tensor_parallelism_is_denied_naming_the_fix() {
+    let v = validate(
+        &llama("{runtime: kvfleet, tensorParallelSize: 4}"),
+        &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
+    );
+    assert!(!v.allowed());
+    let d = v
+        .denials
+        .iter()
+        .find(|d| d.reason == "KvfleetSingleGpu")
+        .unwrap_or_else(|| panic!("{v:#?}"));
+    assert_eq!(d.field, "spec.engine.tensorParallelSize");
+    assert!(
+        d.message.contains("runs one GPU per replica")
+            && d.message.contains("tensorParallelSize is 4")
+            && d.message.contains("set tensorParallelSize to 1")
+            && d.message.contains("runtime vllm"),
+        "{}",
+        d.message
+    );
+    // The same spec with the vllm runtime runs on 4 of the 8 GPUs.
+    assert!(validate(
+        &llama("{runtime: vllm, tensorParallelSize: 4}"),
+        &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)])
+    )
+    .allowed());
+}
+
+#[test]
+fn kvfleet_runtime_with_a_config_map_model_is_denied_with_the_geometry_fix() {
+    let s = spec("model: {name: x, config: {configMapRef: {name: cfg}}}\nengine: {runtime: kvfleet}\n");
+    let v = validate(&s, &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]));
+    assert!(!v.allowed(), "{v:#?}");
+    assert_eq!(v.denials.len(), 1, "{v:#?}");
+    let d = &v.denials[0];
+    assert_eq!(
+        (d.field.as_str(), d.reason.as_str()),
+        ("spec.model.geometry", "KvfleetNeedsGeometry")
+    );
+    assert!(
+        d.message.contains("ConfigMap cfg, key config.json")
+            && d.message.contains("write model.geometry")
+            && d.message.contains("num_key_value_heads"),
+        "{}",
+        d.message
+    );
+    // No promise that the worker's preflight checks it.
+    assert!(
+        !v.warnings.iter().any(|w| w.contains("preflight")),
+        "{:?}",
+        v.warnings
+    );
+}
+
+#[test]
+fn two_problems_in_one_spec_are_reported_in_one_denial() {
+    // Tensor parallelism on the kvfleet runtime and a maxModelLen no L4 can hold.
+    let v = validate(
+        &llama("{runtime: kvfleet, tensorParallelSize: 2, maxModelLen: 1000000}"),
+        &cluster(vec![node("l4", "NVIDIA-L4", 2)]),
+    );
+    let reasons: Vec<&str> = v.denials.iter().map(|d| d.reason.as_str()).collect();
+    assert!(
+        reasons.contains(&"KvfleetSingleGpu") && reasons.contains(&"KvCacheTooSmall"),
+        "{v:#?}"
+    );
+    assert!(v.resolved.is_none() && v.node_affinity.is_none() && v.capacity.is_none());
+}
+
+#[test]
+fn offline_check_and_the_cluster_use_the_memory_gfd_labels_the_product_with() {
+    // GFD labels an L4 with 23034 MiB (not 24 GiB): kvfleet check --gpu must judge the
+    // same maxModelLen as admission against a real L4 node does.
+    let facts = synthetic_cluster(&["NVIDIA-L4"]).unwrap();
+    assert_eq!(facts.nodes[0].labels[labels::MEMORY_MIB], "23034");
+    let mut real = node("l4", "NVIDIA-L4", 1);
+    real.labels.insert(labels::MEMORY_MIB.into(), "23034".into());
+    let mut unlabelled = node("l4-bare", "NVIDIA-L4", 1);
+    unlabelled.labels.remove(labels::MEMORY_MIB);
+    assert_eq!(unlabelled.gpu_memory_bytes(), Some(23034 * 1024 * 1024));
+    for len in [17360u32, 17376, 20000, 27840] {
+        let s = llama(&format!("{{runtime: kvfleet, maxModelLen: {len}}}"));
+        let offline = validate(&s, &facts);
+        let cluster_v = validate(&s, &cluster(vec![real.clone()]));
+        assert_eq!(offline.allowed(), cluster_v.allowed(), "maxModelLen {len}");
+        assert_eq!(offline.capacity, cluster_v.capacity, "maxModelLen {len}");
+    }
+}
+
+#[test]
+fn a_capacity_denial_suggests_tensor_parallelism_only_where_nodes_have_the_gpus() {
+    let big = "{runtime: vllm, maxModelLen: 400000}";
+    let on_one = validate(&llama(big), &cluster(vec![node("l4", "NVIDIA-L4", 1)]));
+    let d = on_one
+        .denials
+        .iter()
+        .find(|d| d.reason == "KvCacheTooSmall")
+        .unwrap();
+    assert!(!d.message.contains("raise tensorParallelSize"), "{}", d.message);
+    assert!(d.message.contains("lower maxModelLen to"), "{}", d.message);
+    let on_eight = validate(&llama(big), &cluster(vec![node("l4", "NVIDIA-L4", 8)]));
+    let d = on_eight
+        .denials
+        .iter()
+        .find(|d| d.reason == "KvCacheTooSmall")
+        .unwrap();
+    assert!(d.message.contains("raise tensorParallelSize"), "{}", d.message);
+    // kvfleet runs one GPU per replica: never suggested.
+    let kvfleet = validate(
+        &llama("{runtime: kvfleet, maxModelLen: 400000}"),
+        &cluster(vec![node("l4", "NVIDIA-L4", 8)]),
+    );
+    let d = kvfleet
+        .denials
+        .iter()
+        .find(|d| d.reason == "KvCacheTooSmall")
+        .unwrap();
+    assert!(!d.message.contains("raise tensorParallelSize"), "{}", d.message);
+}
+
+#[test]
+fn with_no_matching_node_the_declared_products_are_judged_and_admitted_with_a_warning() {
+    // A B200 pool scaled to zero: only H100 nodes exist right now.
+    let h100 = cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]);
+    let s = spec(&format!(
+        "{LLAMA}engine: {{runtime: vllm, kvCacheDtype: nvfp4}}\ngpu: {{selector: {{products: [NVIDIA-B200]}}}}\n"
+    ));
+    let v = validate(&s, &h100);
+    assert!(v.allowed(), "{v:#?}");
+    assert!(v.compatible_nodes.is_empty());
+    assert!(
+        v.warnings[0].contains("judged against the products they declare (NVIDIA-B200)")
+            && v.warnings[0].contains("pods stay Pending until such a node joins"),
+        "{:?}",
+        v.warnings
+    );
+    let r = v.resolved.as_ref().unwrap();
+    assert_eq!(r.compute_capabilities, vec!["10.0"]);
+    let terms = affinity_terms(&v);
+    assert!(
+        terms[0].contains(&(labels::PRODUCT.to_string(), vec!["NVIDIA-B200".to_string()])),
+        "{terms:?}"
+    );
+    // What the declared product cannot run is still denied, naming it.
+    let s = spec(&format!(
+        "{LLAMA}engine: {{runtime: vllm, kvCacheDtype: nvfp4}}\ngpu: {{selector: {{products: [NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition]}}}}\n"
+    ));
+    let v = validate(&s, &h100);
+    assert!(!v.allowed());
+    assert_eq!(v.denials[0].field, "spec.engine.kvCacheDtype");
+    assert!(
+        v.denials[0].message.contains("use fp8"),
+        "{}",
+        v.denials[0].message
+    );
+    // Only a minimum compute capability: every known product at or above it.
+    let s = spec(&format!(
+        "{LLAMA}engine: {{runtime: vllm}}\ngpu: {{selector: {{minComputeCapability: \"10.0\"}}}}\n"
+    ));
+    let v = validate(&s, &h100);
+    assert!(v.allowed(), "{v:#?}");
+    let ten: ComputeCapability = "10.0".parse().unwrap();
+    assert!(v
+        .resolved
+        .as_ref()
+        .unwrap()
+        .compute_capabilities
+        .iter()
+        .all(|c| c.parse::<ComputeCapability>().unwrap() >= ten));
+    // Nothing declared: nothing to judge against.
+    let none = validate(&llama("{runtime: vllm}"), &cluster(vec![]));
+    assert_eq!(none.denials[0].reason, NO_MATCHING_NODES);
 }

@@ -236,10 +236,18 @@ impl SelfManaged {
                         .as_ref()
                         .and_then(|s| s.metadata.resource_version.clone()),
                     managed_fields: None,
-                    labels: Some(BTreeMap::from([(
-                        "app.kubernetes.io/managed-by".to_string(),
-                        "kvfleet-webhook".to_string(),
-                    )])),
+                    // A Secret the chart made keeps its labels (managed-by: Helm): a
+                    // rewritten label makes the next `helm upgrade` conflict with us.
+                    labels: Some({
+                        let mut labels = existing
+                            .as_ref()
+                            .and_then(|s| s.metadata.labels.clone())
+                            .unwrap_or_default();
+                        labels
+                            .entry("app.kubernetes.io/managed-by".to_string())
+                            .or_insert_with(|| "kvfleet-webhook".to_string());
+                        labels
+                    }),
                     ..existing.as_ref().map(|s| s.metadata.clone()).unwrap_or_default()
                 },
                 type_: Some("kubernetes.io/tls".to_string()),

@@ -247,7 +247,23 @@ where
             return (response, Outcome::Invalid);
         }
     };
-    answer(allow, &verdict)
+    answer(allow, &verdict, &object_name(request, object))
+}
+
+/// The name kubectl prints in "The InferenceDeployment \"NAME\" is invalid": the request's
+/// (set on UPDATE and on a CREATE that names the object), else the object's, else its
+/// `generateName` prefix (the API server names such objects only after admission).
+fn object_name(request: &AdmissionRequest<DynamicObject>, object: &DynamicObject) -> String {
+    [
+        Some(request.name.as_str()),
+        object.metadata.name.as_deref(),
+        object.metadata.generate_name.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|n| !n.is_empty())
+    .unwrap_or_default()
+    .to_string()
 }
 
 fn read_spec(object: &DynamicObject) -> Result<InferenceDeploymentSpec, String> {
@@ -266,7 +282,7 @@ fn deny_invalid(allow: AdmissionResponse, message: &str) -> (AdmissionResponse, 
 
 /// Turns a verdict into a response: every denial in `status.message` (one line, the way
 /// kubectl prints it after "denied the request: ") and in `status.details.causes`.
-fn answer(allow: AdmissionResponse, verdict: &Verdict) -> (AdmissionResponse, Outcome) {
+fn answer(allow: AdmissionResponse, verdict: &Verdict, name: &str) -> (AdmissionResponse, Outcome) {
     let warnings = (!verdict.warnings.is_empty()).then(|| verdict.warnings.clone());
     if verdict.allowed() {
         let mut response = allow;
@@ -278,7 +294,7 @@ fn answer(allow: AdmissionResponse, verdict: &Verdict) -> (AdmissionResponse, Ou
     response.result = Status::failure(&denial_message(verdict), "Invalid")
         .with_code(422)
         .with_details(StatusDetails {
-            name: String::new(),
+            name: name.to_string(),
             uid: String::new(),
             retry_after_seconds: 0,
             group: GROUP.to_string(),
@@ -363,6 +379,40 @@ mod tests {
             denial_message(&verdict),
             "2 problems: (1) spec.engine.kvCacheDtype: use fp8 (2) spec.engine.tensorParallelSize: use 2"
         );
+    }
+
+    fn nvfp4_create() -> Value {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/admission/create-nvfp4-vllm.json"
+        );
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    fn denied_name(body: &Value) -> String {
+        let facts = validate::synthetic_cluster(&["NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition"]).unwrap();
+        let review = review(&serde_json::to_vec(body).unwrap(), &facts);
+        let response = review.response.expect("response");
+        assert!(!response.allowed);
+        let details = response.result.details.expect("details");
+        assert_eq!(details.kind, KIND);
+        assert_eq!(details.causes[0].field, "spec.engine.kvCacheDtype");
+        details.name
+    }
+
+    /// kubectl prints `The InferenceDeployment "NAME" is invalid: ...` from the details.
+    #[test]
+    fn a_denial_names_the_object_from_the_request_the_object_or_its_generate_name() {
+        let mut body = nvfp4_create();
+        assert_eq!(denied_name(&body), "llama-nvfp4");
+        // A CREATE the request does not name: the object's own name.
+        body["request"]["name"] = Value::String(String::new());
+        assert_eq!(denied_name(&body), "llama-nvfp4");
+        // generateName: the API server names the object after admission.
+        let meta = body["request"]["object"]["metadata"].as_object_mut().unwrap();
+        meta.remove("name");
+        meta.insert("generateName".into(), Value::String("llama-".into()));
+        assert_eq!(denied_name(&body), "llama-");
     }
 
     #[test]

@@ -1,0 +1,372 @@
+//! Shared by the e2e suites (tests/e2e_*.rs): they run against a real control plane
+//! (`../shared/k8s/up`, or any cluster KUBECONFIG points at), through `kubectl` and `helm`
+//! as a user types them.
+//!
+//! Rules every suite keeps: it FAILS with a message when KUBECONFIG is missing (it is
+//! `#[ignore]`d only so that a plain `cargo test` needs no cluster); it works in namespaces
+//! of its own and waits for their deletion; it creates the GPU nodes it needs (with
+//! `../shared/k8s/gpu-node`) and deletes exactly those; it never changes a node or object
+//! it did not create.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Fails the test (never skips it) when no cluster is configured.
+pub fn require_cluster(suite: &str) {
+    if std::env::var_os("KUBECONFIG").is_none_or(|k| k.is_empty()) {
+        panic!(
+            "{suite}: KUBECONFIG is not set, so there is no cluster to run against. Start the \
+             loopback control plane with `eval \"$(../shared/k8s/up)\"` (or `make test`, which \
+             does it), then `cargo test --test {suite} -- --ignored`"
+        );
+    }
+    // kube-rs in this process needs a crypto provider for rustls.
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+}
+
+/// kubectl: $KVFLEET_KUBECTL (.tools/env), else $KUBECTL (`../shared/k8s/up`), else PATH.
+pub fn kubectl_bin() -> String {
+    std::env::var("KVFLEET_KUBECTL")
+        .or_else(|_| std::env::var("KUBECTL"))
+        .unwrap_or_else(|_| "kubectl".into())
+}
+
+/// helm: $KVFLEET_HELM (.tools/env), else PATH.
+pub fn helm_bin() -> String {
+    std::env::var("KVFLEET_HELM").unwrap_or_else(|_| "helm".into())
+}
+
+fn run(bin: &str, args: &[&str], input: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {bin}: {e}; run .ci/install-tools and `source .tools/env`"));
+    if let (Some(data), Some(mut pipe)) = (input, child.stdin.take()) {
+        pipe.write_all(data.as_bytes()).expect("write stdin");
+    }
+    child.wait_with_output().expect("wait")
+}
+
+pub fn kubectl(args: &[&str]) -> Output {
+    run(&kubectl_bin(), args, None)
+}
+
+pub fn kubectl_stdin(args: &[&str], input: &str) -> Output {
+    run(&kubectl_bin(), args, Some(input))
+}
+
+pub fn helm(args: &[&str]) -> Output {
+    run(&helm_bin(), args, None)
+}
+
+pub fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// stdout of a command that must succeed.
+pub fn ok(what: &str, out: Output) -> String {
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{what} failed: {stderr}{stdout}");
+    stdout
+}
+
+pub fn kubectl_ok(args: &[&str]) -> String {
+    ok(&format!("kubectl {}", args.join(" ")), kubectl(args))
+}
+
+/// Polls `f` every 250 ms until it returns `Some`, failing after `timeout` with `what` and
+/// the last value seen.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<T, String>) -> T {
+    let start = Instant::now();
+    loop {
+        match f() {
+            Ok(v) => return v,
+            Err(last) => {
+                assert!(
+                    start.elapsed() < timeout,
+                    "timed out after {timeout:?} waiting for {what}; last: {last}"
+                );
+            }
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// `kubectl get -o json`, parsed; `None` when it does not exist.
+pub fn get_json(args: &[&str]) -> Option<serde_json::Value> {
+    let mut all = vec!["get"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["-o", "json", "--ignore-not-found"]);
+    let out = kubectl_ok(&all);
+    (!out.trim().is_empty()).then(|| serde_json::from_str(&out).expect("kubectl JSON"))
+}
+
+// === namespaces ===
+
+/// A namespace of the suite's own: a leftover from an interrupted run is deleted first;
+/// on drop it is deleted and waited for, so that the next suite never meets
+/// "namespace ... is being terminated".
+pub struct Namespace {
+    pub name: String,
+}
+
+impl Namespace {
+    pub fn create(name: &str) -> Namespace {
+        delete_namespace(name);
+        kubectl_ok(&["create", "namespace", name]);
+        Namespace { name: name.into() }
+    }
+}
+
+/// Deletes several namespaces at once and waits for all of them (a namespace holding pods
+/// takes about 10 s to go; one after the other that adds up).
+pub fn delete_namespaces(namespaces: Vec<Namespace>) {
+    let mut args = vec![
+        "delete",
+        "namespace",
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=180s",
+    ];
+    args.extend(namespaces.iter().map(|n| n.name.as_str()));
+    let _ = kubectl(&args);
+    drop(namespaces);
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        delete_namespace(&self.name);
+    }
+}
+
+fn delete_namespace(name: &str) {
+    let _ = kubectl(&[
+        "delete",
+        "namespace",
+        name,
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+}
+
+// === nodes ===
+
+/// One GPU node as GFD labels it.
+#[derive(Clone, Copy, Debug)]
+pub struct Gpu {
+    pub product: &'static str,
+    pub major: u32,
+    pub minor: u32,
+    pub count: u32,
+    pub memory_mib: u64,
+}
+
+pub const H100: Gpu = Gpu {
+    product: "NVIDIA-H100-80GB-HBM3",
+    major: 9,
+    minor: 0,
+    count: 8,
+    memory_mib: 81559,
+};
+pub const L4: Gpu = Gpu {
+    product: "NVIDIA-L4",
+    major: 8,
+    minor: 9,
+    count: 1,
+    memory_mib: 23034,
+};
+pub const RTX_PRO_6000: Gpu = Gpu {
+    product: "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+    major: 12,
+    minor: 0,
+    count: 4,
+    memory_mib: 97887,
+};
+pub const B200: Gpu = Gpu {
+    product: "NVIDIA-B200",
+    major: 10,
+    minor: 0,
+    count: 8,
+    memory_mib: 183359,
+};
+pub const RTX_3090: Gpu = Gpu {
+    product: "NVIDIA-GeForce-RTX-3090",
+    major: 8,
+    minor: 6,
+    count: 2,
+    memory_mib: 24576,
+};
+pub const T4: Gpu = Gpu {
+    product: "Tesla-T4",
+    major: 7,
+    minor: 5,
+    count: 1,
+    memory_mib: 15360,
+};
+
+/// Marks the nodes the e2e suites create, so that a suite never takes over a node of the
+/// same name that it did not make.
+pub const E2E_NODE_LABEL: &str = "kvfleet.io/e2e-node";
+
+/// The GPU nodes a suite created; deleted (and only they) on drop. Made through the API of
+/// the cluster KUBECONFIG points at (as `../shared/k8s/gpu-node` does for its own): a Node
+/// labelled as GPU Feature Discovery labels one, with a Ready status and `nvidia.com/gpu`.
+#[derive(Default)]
+pub struct Nodes {
+    pub names: Vec<String>,
+}
+
+impl Nodes {
+    /// Creates (or, for a node of an e2e suite, relabels) a Ready GPU node; returns once it
+    /// is schedulable (the node-lifecycle controller lifted its not-ready taint).
+    pub fn gpu(&mut self, name: &str, gpu: Gpu) {
+        let labels = serde_json::json!({
+            E2E_NODE_LABEL: "true",
+            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": gpu.product,
+            "nvidia.com/gpu.compute.major": gpu.major.to_string(),
+            "nvidia.com/gpu.compute.minor": gpu.minor.to_string(),
+            "nvidia.com/gpu.count": gpu.count.to_string(),
+            "nvidia.com/gpu.memory": gpu.memory_mib.to_string(),
+        });
+        match get_json(&["node", name]) {
+            Some(existing) => assert_eq!(
+                existing["metadata"]["labels"][E2E_NODE_LABEL], "true",
+                "node {name} exists and was not made by an e2e suite: not touching it"
+            ),
+            None => {
+                let node = serde_json::json!({"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name, "labels": labels}});
+                ok(
+                    &format!("create node {name}"),
+                    kubectl_stdin(&["create", "-f", "-"], &node.to_string()),
+                );
+            }
+        }
+        let patch = serde_json::json!({"metadata": {"labels": labels}});
+        kubectl_ok(&["patch", "node", name, "--type=merge", "-p", &patch.to_string()]);
+        let now = jiff::Timestamp::now().to_string();
+        let resources = serde_json::json!({"cpu": "64", "memory": "512Gi", "pods": "110",
+            "nvidia.com/gpu": gpu.count.to_string()});
+        let status = serde_json::json!({"status": {
+            "capacity": resources, "allocatable": resources,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                "message": "node object of an e2e suite", "lastHeartbeatTime": now, "lastTransitionTime": now}],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+        }});
+        kubectl_ok(&[
+            "patch",
+            "node",
+            name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &status.to_string(),
+        ]);
+        if !self.names.iter().any(|n| n == name) {
+            self.names.push(name.into());
+        }
+        wait_for(
+            &format!("node {name} schedulable"),
+            Duration::from_secs(30),
+            || {
+                let node = get_json(&["node", name]).ok_or("gone")?;
+                let tainted = node["spec"]["taints"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["key"] == "node.kubernetes.io/not-ready"));
+                if tainted {
+                    Err(node["spec"]["taints"].to_string())
+                } else {
+                    Ok(())
+                }
+            },
+        );
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = kubectl(&["delete", "node", name, "--ignore-not-found", "--wait=true"]);
+        }
+    }
+}
+
+// === processes ===
+
+/// A child process killed (SIGKILL) on drop; its output goes to a log file kept for failures.
+pub struct Proc {
+    pub child: std::process::Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(what: &str, cmd: &mut Command, log: PathBuf) -> Proc {
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = cmd
+            .stdout(file.try_clone().expect("log file"))
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+        Proc { child, log }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A TCP port free on loopback right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Whether the CRD exists now (a suite deletes it at the end only if it created it).
+pub fn crd_exists() -> bool {
+    get_json(&["crd", "inferencedeployments.kvfleet.io"]).is_some()
+}
+
+/// Deletes the CRD and waits, when `created` says this suite made it.
+pub fn delete_crd_if_created(created: bool) {
+    if created {
+        let _ = kubectl(&[
+            "delete",
+            "crd",
+            "inferencedeployments.kvfleet.io",
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=120s",
+        ]);
+    }
+}
