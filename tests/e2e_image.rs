@@ -84,7 +84,13 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
     // outside Helm (server-side apply, the same content) and keep the chart's copy off.
     let crd = std::fs::read(repo().join("crds/inferencedeployments.kvfleet.io.yaml")).unwrap();
     let mut apply = Command::new(tool("KVFLEET_KUBECTL", "kubectl"))
-        .args(["apply", "--server-side", "--field-manager=kvfleet-e2e-image", "-f", "-"])
+        .args([
+            "apply",
+            "--server-side",
+            "--field-manager=kvfleet-e2e-image",
+            "-f",
+            "-",
+        ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -116,17 +122,40 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
 
     // A mistyped value: helm install stops on the schema and names the key; nothing installed.
     let out = helm(&[
-        "install", RELEASE, chart, "-n", NS, "--set", "crds.enabled=false", "--set",
+        "install",
+        RELEASE,
+        chart,
+        "-n",
+        NS,
+        "--set",
+        "crds.enabled=false",
+        "--set",
         "image.pullPolicy=Sometimes",
     ]);
-    assert!(!out.status.success(), "helm install accepted image.pullPolicy=Sometimes");
+    assert!(
+        !out.status.success(),
+        "helm install accepted image.pullPolicy=Sometimes"
+    );
     let err = text(&out);
     assert!(
         err.contains("schema") && err.contains("/image/pullPolicy") && err.contains("IfNotPresent"),
         "the schema error does not name the key and its allowed values: {err}"
     );
-    let out = helm(&["install", RELEASE, chart, "-n", NS, "--set", "crds.enabled=false", "--set", "controler.replicas=2"]);
-    assert!(!out.status.success(), "helm install accepted the misspelt key 'controler'");
+    let out = helm(&[
+        "install",
+        RELEASE,
+        chart,
+        "-n",
+        NS,
+        "--set",
+        "crds.enabled=false",
+        "--set",
+        "controler.replicas=2",
+    ]);
+    assert!(
+        !out.status.success(),
+        "helm install accepted the misspelt key 'controler'"
+    );
     assert!(text(&out).contains("controler"), "{}", text(&out));
     assert!(
         !String::from_utf8_lossy(&helm(&["list", "-n", NS, "-q"]).stdout).contains(RELEASE),
@@ -183,7 +212,12 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
     let mut components = Vec::new();
     for pod in &pods {
         let name = pod["metadata"]["name"].as_str().unwrap();
-        components.push(pod["metadata"]["labels"]["app.kubernetes.io/component"].as_str().unwrap().to_string());
+        components.push(
+            pod["metadata"]["labels"]["app.kubernetes.io/component"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
         let spec = &pod["spec"];
         let psc = &spec["securityContext"];
         assert_eq!(psc["runAsNonRoot"], true, "{name}");
@@ -191,7 +225,11 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
         assert_eq!(psc["seccompProfile"]["type"], "RuntimeDefault", "{name}");
         assert_eq!(spec["imagePullSecrets"][0]["name"], "regcred", "{name}");
         for c in spec["containers"].as_array().unwrap() {
-            assert_eq!(c["image"], image.as_str(), "{name}: not the image make image tags");
+            assert_eq!(
+                c["image"],
+                image.as_str(),
+                "{name}: not the image make image tags"
+            );
             let sc = &c["securityContext"];
             assert_eq!(sc["readOnlyRootFilesystem"], true, "{name}");
             assert_eq!(sc["allowPrivilegeEscalation"], false, "{name}");
@@ -204,7 +242,11 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
                 .iter()
                 .find(|e| e["name"] == "KVFLEET_WORKER_IMAGE")
                 .expect("controller has KVFLEET_WORKER_IMAGE");
-            assert_eq!(worker["value"], image.as_str(), "worker pods run the chart's image");
+            assert_eq!(
+                worker["value"],
+                image.as_str(),
+                "worker pods run the chart's image"
+            );
         }
     }
     components.sort();

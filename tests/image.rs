@@ -75,7 +75,13 @@ fn build_and_unpack() -> Image {
     let archive = dir.join("kvfleet-cpu.oci.tar");
     let started = Instant::now();
     let out = Command::new(repo().join("image/build"))
-        .args(["--flavour", "cpu", "--binary", env!("CARGO_BIN_EXE_kvfleet"), "--out"])
+        .args([
+            "--flavour",
+            "cpu",
+            "--binary",
+            env!("CARGO_BIN_EXE_kvfleet"),
+            "--out",
+        ])
         .arg(&archive)
         .output()
         .expect("cannot run image/build");
@@ -94,13 +100,19 @@ fn build_and_unpack() -> Image {
     std::fs::create_dir_all(&rootfs).unwrap();
     run_ok(Command::new("tar").arg("-xf").arg(&archive).arg("-C").arg(&oci));
     let read_json = |p: PathBuf| -> Value {
-        serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
-            .unwrap()
+        serde_json::from_slice(&std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
     };
-    let blob = |digest: &str| oci.join("blobs/sha256").join(digest.trim_start_matches("sha256:"));
+    let blob = |digest: &str| {
+        oci.join("blobs/sha256")
+            .join(digest.trim_start_matches("sha256:"))
+    };
     let index = read_json(oci.join("index.json"));
-    let manifest = read_json(blob(index["manifests"][0]["digest"].as_str().expect("manifest digest")));
-    let config = read_json(blob(manifest["config"]["digest"].as_str().expect("config digest")));
+    let manifest = read_json(blob(
+        index["manifests"][0]["digest"].as_str().expect("manifest digest"),
+    ));
+    let config = read_json(blob(
+        manifest["config"]["digest"].as_str().expect("config digest"),
+    ));
     let mut layers = Vec::new();
     for layer in manifest["layers"].as_array().expect("layers") {
         assert_eq!(
@@ -120,10 +132,11 @@ fn build_and_unpack() -> Image {
                 .args(["--numeric-owner", "-C"])
                 .arg(&rootfs),
         );
-        let unpacked = run_ok(Command::new("sh").arg("-c").arg(format!(
-            "gzip -dc '{}' | wc -c",
-            path.display()
-        )));
+        let unpacked = run_ok(
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("gzip -dc '{}' | wc -c", path.display())),
+        );
         layers.push((
             layer["size"].as_u64().unwrap(),
             String::from_utf8_lossy(&unpacked.stdout).trim().parse().unwrap(),
@@ -168,11 +181,21 @@ fn in_image(args: &[&str]) -> Command {
     let img = image();
     let cfg = &img.config["config"];
     let mut cmd = Command::new("unshare");
-    cmd.args(["--mount", "--pid", "--fork", "--kill-child=SIGKILL", "--", "sh", "-c", SANDBOX, "sandbox"])
-        .arg(&img.rootfs)
-        .arg(repo().join("deploy/examples"))
-        .arg(cfg["User"].as_str().expect("image user"))
-        .arg(cfg["WorkingDir"].as_str().expect("image working directory"));
+    cmd.args([
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child=SIGKILL",
+        "--",
+        "sh",
+        "-c",
+        SANDBOX,
+        "sandbox",
+    ])
+    .arg(&img.rootfs)
+    .arg(repo().join("deploy/examples"))
+    .arg(cfg["User"].as_str().expect("image user"))
+    .arg(cfg["WorkingDir"].as_str().expect("image working directory"));
     for e in cfg["Env"].as_array().expect("image env") {
         cmd.arg(e.as_str().unwrap());
     }
@@ -252,13 +275,24 @@ fn cpu_image_runs_version_check_and_the_embedded_model_as_uid_65532_on_a_read_on
     .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(text(&out).contains("ADMITTED"), "{}", text(&out));
-    let out = in_image(&["kvfleet", "check", "-f", "/mnt/nvfp4-b200.yaml", "--nodes", "/mnt/nodes/rtx-3090.yaml"])
-        .output()
-        .unwrap();
+    let out = in_image(&[
+        "kvfleet",
+        "check",
+        "-f",
+        "/mnt/nvfp4-b200.yaml",
+        "--nodes",
+        "/mnt/nodes/rtx-3090.yaml",
+    ])
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
 
     // kvfleet worker with no model flags: the embedded SmolLM2 from the image answers a chat.
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let log = img.archive.with_file_name("worker.log");
     let child = in_image(&["kvfleet", "worker", "--listen", &format!("127.0.0.1:{port}")])
         .stdout(Stdio::null())
@@ -298,7 +332,10 @@ fn image_config_is_non_root_labelled_and_matches_the_containerfile() {
     let tag = format!("kvfleet:{}-cpu", version());
     let annotations = &img.index["manifests"][0]["annotations"];
     assert_eq!(annotations["org.opencontainers.image.ref.name"], tag.as_str());
-    assert_eq!(annotations["io.containerd.image.name"], format!("docker.io/library/{tag}").as_str());
+    assert_eq!(
+        annotations["io.containerd.image.name"],
+        format!("docker.io/library/{tag}").as_str()
+    );
 
     let cfg = &img.config["config"];
     assert_eq!(cfg["User"], "65532:65532");
@@ -344,10 +381,7 @@ fn image_config_is_non_root_labelled_and_matches_the_containerfile() {
     assert_eq!(env, image_env, "Containerfile ENV and image/build --env differ");
     assert!(containerfile.contains("USER 65532:65532"));
     assert!(containerfile.contains("WORKDIR /opt/kvfleet"));
-    assert!(containerfile.contains(&format!(
-        "org.opencontainers.image.version=\"{}\"",
-        version()
-    )));
+    assert!(containerfile.contains(&format!("org.opencontainers.image.version=\"{}\"", version())));
 }
 
 // === tests: the chart and the controller run what `make image` tags (no root needed) ===
