@@ -274,7 +274,7 @@ fn cpu_image_runs_version_check_and_the_embedded_model_as_uid_65532_on_a_read_on
     .output()
     .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    assert!(text(&out).contains("ADMITTED"), "{}", text(&out));
+    assert!(text(&out).contains("): admitted"), "{}", text(&out));
     let out = in_image(&[
         "kvfleet",
         "check",
@@ -286,6 +286,7 @@ fn cpu_image_runs_version_check_and_the_embedded_model_as_uid_65532_on_a_read_on
     .output()
     .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("): denied"), "{}", text(&out));
 
     // kvfleet worker with no model flags: the embedded SmolLM2 from the image answers a chat.
     let port = TcpListener::bind("127.0.0.1:0")
