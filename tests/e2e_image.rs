@@ -100,6 +100,15 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
     let applied = apply.wait_with_output().unwrap();
     assert!(applied.status.success(), "apply CRD: {}", text(&applied));
 
+    // A namespace left by an earlier run may still be terminating.
+    kubectl_ok(&[
+        "delete",
+        "namespace",
+        NS,
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
     kubectl_ok(&["create", "namespace", NS]);
     kubectl_ok(&[
         "label",
