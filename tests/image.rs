@@ -58,10 +58,15 @@ struct Image {
 
 fn image() -> &'static Image {
     static IMAGE: OnceLock<Image> = OnceLock::new();
-    IMAGE.get_or_init(build_and_unpack)
+    IMAGE.get_or_init(|| build_and_unpack("cpu"))
 }
 
-fn build_and_unpack() -> Image {
+fn gpu_image() -> &'static Image {
+    static IMAGE: OnceLock<Image> = OnceLock::new();
+    IMAGE.get_or_init(|| build_and_unpack("gpu"))
+}
+
+fn build_and_unpack(flavour: &str) -> Image {
     let uid = Command::new("id").arg("-u").output().expect("cannot run id");
     assert_eq!(
         String::from_utf8_lossy(&uid.stdout).trim(),
@@ -69,15 +74,15 @@ fn build_and_unpack() -> Image {
         "the image test needs root (mmdebstrap, buildah with vfs storage, chroot): run it as root, \
          e.g. `sudo -E cargo test --test image`"
     );
-    let dir = repo().join("target/image-test");
+    let dir = repo().join("target/image-test").join(flavour);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let archive = dir.join("kvfleet-cpu.oci.tar");
+    let archive = dir.join(format!("kvfleet-{flavour}.oci.tar"));
     let started = Instant::now();
     let out = Command::new(repo().join("image/build"))
         .args([
             "--flavour",
-            "cpu",
+            flavour,
             "--binary",
             env!("CARGO_BIN_EXE_kvfleet"),
             "--out",
@@ -88,7 +93,7 @@ fn build_and_unpack() -> Image {
     let build_seconds = started.elapsed().as_secs_f64();
     assert!(
         out.status.success(),
-        "image/build --flavour cpu failed (tools: run .ci/install-tools):\n{}",
+        "image/build --flavour {flavour} failed (tools: run .ci/install-tools):\n{}",
         text(&out)
     );
     eprintln!("{}", String::from_utf8_lossy(&out.stderr).trim_end());
@@ -178,7 +183,10 @@ wait $!
 /// A command run inside the image; the `unshare --pid --kill-child` parent takes every process
 /// of it down when dropped.
 fn in_image(args: &[&str]) -> Command {
-    let img = image();
+    in_this_image(image(), args)
+}
+
+fn in_this_image(img: &Image, args: &[&str]) -> Command {
     let cfg = &img.config["config"];
     let mut cmd = Command::new("unshare");
     cmd.args([
@@ -457,4 +465,72 @@ fn helm_rejects_mistyped_image_values_naming_the_key() {
             .expect("cannot run helm");
         assert!(out.status.success(), "--set {set}: {}", text(&out));
     }
+}
+
+// === the gpu flavour: only before a release (1 GB of wheels, a 767 MiB archive) ===
+
+#[test]
+#[ignore = "builds the gpu flavour: downloads about 1 GB of CUDA wheels and writes a 767 MiB archive (3 minutes cold); needs root, no GPU"]
+fn gpu_image_holds_nvrtc_headers_and_cublas_where_the_worker_looks_and_needs_only_libcuda() {
+    let img = gpu_image();
+    let archive_mib = std::fs::metadata(&img.archive).unwrap().len() as f64 / 1048576.0;
+    let unpacked_mib = img.layers.iter().map(|l| l.1).sum::<u64>() as f64 / 1048576.0;
+    eprintln!(
+        "image kvfleet:{}: archive {archive_mib:.1} MiB, unpacked {unpacked_mib:.1} MiB, built in {:.0} s",
+        version(),
+        img.build_seconds
+    );
+    let labels = &img.config["config"]["Labels"];
+    assert_eq!(
+        labels["org.opencontainers.image.licenses"],
+        "Apache-2.0 AND LicenseRef-NVIDIA-CUDA-EULA"
+    );
+    for header in ["cuda_fp8.h", "cuda_bf16.h", "cuda_fp16.h", "nvrtc.h"] {
+        assert!(
+            img.rootfs.join("usr/local/cuda/include").join(header).is_file(),
+            "{header}"
+        );
+    }
+    // The dynamic loader of the image resolves what cudarc opens by name.
+    let out = run_ok(&mut in_this_image(img, &["/sbin/ldconfig", "-p"]));
+    let cache = String::from_utf8_lossy(&out.stdout);
+    for lib in [
+        "libnvrtc.so ",
+        "libnvrtc-builtins.so.12.9",
+        "libcublas.so ",
+        "libcublasLt.so ",
+    ] {
+        assert!(cache.contains(lib), "ldconfig -p lacks {lib}:\n{cache}");
+    }
+    // Without a GPU the worker serves on the CPU and names the one library the NVIDIA container
+    // toolkit must mount: libcuda. NVRTC and cuBLAS are not what is missing.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = img.archive.with_file_name("worker.log");
+    let child = in_this_image(
+        img,
+        &["kvfleet", "worker", "--listen", &format!("127.0.0.1:{port}")],
+    )
+    .stdout(Stdio::null())
+    .stderr(std::fs::File::create(&log).unwrap())
+    .spawn()
+    .unwrap();
+    let mut worker = Running(child);
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while http(port, "GET", "/readyz", "").map(|r| r.0) != Some(200) {
+        assert!(
+            Instant::now() < deadline && worker.0.try_wait().ok().flatten().is_none(),
+            "the worker in the gpu image did not become ready:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let _ = worker.0.kill();
+    let _ = worker.0.wait();
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(logged.contains("libcuda.so.1"), "{logged}");
+    assert!(!logged.to_lowercase().contains("nvrtc"), "{logged}");
 }
