@@ -5,10 +5,11 @@ SHELL := /bin/bash
 CARGO ?= cargo
 CRD := crds/inferencedeployments.kvfleet.io.yaml
 TOOLS_ENV := .tools/env
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -1)
 
-.PHONY: run test tools fmt fmt-check clippy unit e2e crds crd-check bench
+.PHONY: run test tools fmt fmt-check clippy unit e2e crds crd-check bench image image-cpu
 
-## run: build and run kvfleet on its embedded default (worker: SmolLM2 + attention engine, CPU)
+## run: build and run kvfleet on its embedded default (worker: SmolLM2 served on the engine, CPU)
 run: tools
 	$(CARGO) build --release
 	./target/release/kvfleet worker --listen 0.0.0.0:8000
@@ -63,3 +64,14 @@ crd-check:
 ## bench: build the benchmarks (run them one by one, see bench/RESULTS.md)
 bench:
 	$(CARGO) bench --no-run
+
+## image: the runtime image kvfleet:$(VERSION) (gpu flavour: NVRTC, CUDA headers, cuBLAS) as the
+## OCI archive target/image/kvfleet-$(VERSION).oci.tar, pulling no base image (root; docs/install.md)
+image: tools
+	$(CARGO) build --release --locked
+	./image/build --flavour gpu
+
+## image-cpu: kvfleet:$(VERSION)-cpu, without CUDA libraries (tests, small installs)
+image-cpu: tools
+	$(CARGO) build --release --locked
+	./image/build --flavour cpu

@@ -63,7 +63,8 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            worker_image: format!("ghcr.io/kvfleet/kvfleet:{}", env!("CARGO_PKG_VERSION")),
+            // What `make image` tags and the chart's image.repository/appVersion default to.
+            worker_image: format!("kvfleet:{}", env!("CARGO_PKG_VERSION")),
             vllm_image: "vllm/vllm-openai:v0.11.0".to_string(),
         }
     }
