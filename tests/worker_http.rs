@@ -367,7 +367,7 @@ fn bad_requests_get_a_4xx_and_a_full_queue_answers_429_with_retry_after() {
     let (st, _, b) = http(w.port, "POST", "/v1/completions", &body);
     assert_eq!(st, 400, "{b}");
     assert!(
-        b.contains("maxModelLen 64") && b.contains("\"param\":\"prompt\""),
+        b.contains("maxModelLen is 64") && b.contains("\"param\":\"prompt\""),
         "{b}"
     );
     let (st, _, b) = http(
@@ -485,10 +485,11 @@ fn a_config_without_weights_or_with_the_wrong_geometry_exits_2_and_says_why() {
 
 #[test]
 fn sigterm_lets_a_running_stream_finish_within_the_drain_time() {
-    let mut w = start("drain", &["--drain-seconds", "60"], &[]);
+    // A long drain: a debug build on two busy cores may take seconds a token.
+    let mut w = start("drain", &["--drain-seconds", "600"], &[]);
     wait_ready(&mut w, Duration::from_secs(180));
     let port = w.port;
-    let running = std::thread::spawn(move || stream_completion(port, "Once upon a time", 24));
+    let running = std::thread::spawn(move || stream_completion(port, "Once upon a time", 8));
     // Let it start, then SIGTERM.
     let t0 = Instant::now();
     loop {
@@ -513,5 +514,5 @@ fn sigterm_lets_a_running_stream_finish_within_the_drain_time() {
         .unwrap()
         .expect("the running stream finishes during the drain");
     assert!(!text.is_empty());
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(0), "{}", w.log());
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(120)), Some(0), "{}", w.log());
 }
