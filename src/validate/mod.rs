@@ -30,6 +30,7 @@ use crate::api::{CapacityStatus, GpuSelector, InferenceDeploymentSpec, ResolvedC
 use crate::compat::rules::{self, Violation};
 use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype, ModelFeatures};
 
+pub mod bounds;
 #[cfg(test)]
 mod equivalence_tests;
 #[cfg(test)]
@@ -621,6 +622,14 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
 
 /// Decides whether `spec` can run on `facts`.
 pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    // Bounds first: nothing below may loop or allocate on a value over its bound.
+    let out_of_bounds = bounds::check(spec);
+    if !out_of_bounds.is_empty() {
+        return Verdict {
+            denials: out_of_bounds,
+            ..Verdict::default()
+        };
+    }
     let mut denials = Vec::new();
     let mut warnings = Vec::new();
     let features = model_features(spec, &mut warnings);
@@ -1088,7 +1097,7 @@ fn node_affinity(
 // === impl capacity ===
 
 enum CapacityOutcome {
-    /// The geometry or GPU memory is unknown here, or the planner declined (warned).
+    /// The geometry or GPU memory is unknown here (warned).
     NotPlanned,
     Denied(Denial),
     Planned {
@@ -1115,10 +1124,7 @@ fn plan_capacity<'a>(
     };
     let geometry = match crate::plan::Geometry::from_spec(g) {
         Ok(geometry) => geometry,
-        Err(e) => {
-            warnings.push(format!("KV capacity not planned: {e}"));
-            return CapacityOutcome::NotPlanned;
-        }
+        Err(e) => return CapacityOutcome::Denied(bounds::planner_denial(&e)),
     };
     // (memory, product of its first node, nodes), by first appearance; per signature, its
     // group (`None`: memory unknown), computed once.
@@ -1169,10 +1175,7 @@ fn plan_capacity<'a>(
                 group_fits[g] = false;
                 not_fitting.push((cap, product.to_string(), nodes));
             }
-            Err(e) => {
-                warnings.push(format!("KV capacity not planned for {product}: {e}"));
-                fitting += nodes;
-            }
+            Err(e) => return CapacityOutcome::Denied(bounds::planner_denial(&e)),
         }
     }
     if let Some((cap, product)) = smallest_fit {
@@ -1213,7 +1216,7 @@ fn plan_capacity<'a>(
         };
     }
     if !unknown.is_empty() || not_fitting.is_empty() {
-        // Nothing was judged too small (planner errors or unknown memory): admit, warned.
+        // Nothing was judged too small (unknown memory): admit, warned.
         return CapacityOutcome::NotPlanned;
     }
     // Nothing fits: name the fix for the largest GPU (the last group).

@@ -235,6 +235,13 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
 
 /// Decides whether `spec` can run on `facts`.
 pub(super) fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    let out_of_bounds = super::bounds::check(spec);
+    if !out_of_bounds.is_empty() {
+        return Verdict {
+            denials: out_of_bounds,
+            ..Verdict::default()
+        };
+    }
     let mut denials = Vec::new();
     let mut warnings = Vec::new();
     let features = model_features(spec, &mut warnings);
@@ -663,10 +670,7 @@ fn plan_capacity<'a>(
     };
     let geometry = match crate::plan::Geometry::from_spec(g) {
         Ok(geometry) => geometry,
-        Err(e) => {
-            warnings.push(format!("KV capacity not planned: {e}"));
-            return CapacityOutcome::NotPlanned;
-        }
+        Err(e) => return CapacityOutcome::Denied(super::bounds::planner_denial(&e)),
     };
     // (memory, product, nodes)
     let mut groups: Vec<(u64, String, Vec<&'a str>)> = Vec::new();
@@ -705,10 +709,7 @@ fn plan_capacity<'a>(
                 }
             }
             Ok(cap) => not_fitting.push((cap, product.clone(), nodes.len())),
-            Err(e) => {
-                warnings.push(format!("KV capacity not planned for {product}: {e}"));
-                fitting.extend(nodes.iter().copied());
-            }
+            Err(e) => return CapacityOutcome::Denied(super::bounds::planner_denial(&e)),
         }
     }
     if let Some((cap, product)) = smallest_fit {
