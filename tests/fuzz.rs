@@ -1,10 +1,10 @@
 //! Property/fuzz tests over the untrusted inputs of the control plane and the model loaders
 //! (issue 22): AdmissionReview bodies, InferenceDeployment specs, GGUF headers, safetensors
-//! headers, HF `config.json` and tokenizer input. Each property must hold without a panic,
+//! headers, HF `config.json`, `tokenizer.json` and tokenizer input. Each property must hold without a panic,
 //! an allocation abort or a slow answer.
 //!
 //! Cases per input kind: `KVFLEET_FUZZ_CASES` (by default a few seconds per kind in a debug
-//! build on 2 cores: 1,000 to 4,000, 200 for the served model's tokenizer);
+//! build on 2 cores: 1,000 to 2,000, 64 for the served model's tokenizer);
 //! the recorded runs use 100,000 (`KVFLEET_FUZZ_CASES=100000 cargo test --release --test fuzz`,
 //! see bench/RESULTS.md). Proptest counts a case once it ran; a panic fails the test with the
 //! shrunk input.
@@ -389,7 +389,7 @@ fn gguf_bytes() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(config(4000))]
+    #![proptest_config(config(2000))]
 
     #[test]
     fn gguf_headers_with_hostile_counts_lengths_and_dims_are_errors_not_panics(
@@ -444,7 +444,7 @@ fn safetensors_bytes() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(config(4000))]
+    #![proptest_config(config(2000))]
 
     /// `Safetensors::tensor_f32` slices `data_start + a .. data_start + b` on the strength of
     /// `read_metadata`'s checks: every header it accepts must keep those slices in the file.
@@ -523,7 +523,7 @@ fn text_input() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(config(200))]
+    #![proptest_config(config(64))]
 
     #[test]
     fn tokenizer_input_of_any_bytes_encodes_and_decodes_without_panic(
@@ -578,4 +578,51 @@ fn nodes_with_hostile_labels_do_not_break_validation() {
     }))
     .unwrap();
     let _ = validate::validate(&spec, &ClusterFacts { nodes });
+}
+
+// === tokenizer.json ===
+
+fn tokenizer_json() -> impl Strategy<Value = String> {
+    let id = prop_oneof![6 => 0u64..400, 1 => prop::sample::select(vec![1u64 << 20, 1 << 24, 1 << 31, u64::from(u32::MAX), u64::MAX])];
+    let token = "[a-zé ]{1,3}";
+    (
+        prop::collection::vec((token, id.clone()), 0..12),
+        prop::collection::vec((token, token), 0..8),
+        prop::collection::vec(("<\\|[a-z]{1,4}\\|>", id, any::<bool>()), 0..3),
+        prop::sample::select(vec!["ByteLevel", "Metaspace", "Split", "Sequence", "Whitespace"]),
+        any::<bool>(),
+    )
+        .prop_map(|(vocab, merges, added, pre, ignore_merges)| {
+            let vocab: serde_json::Map<String, Value> =
+                vocab.into_iter().map(|(t, i)| (t, json!(i))).collect();
+            let added: Vec<Value> = added
+                .into_iter()
+                .map(|(c, i, s)| json!({"id": i, "content": c, "special": s}))
+                .collect();
+            json!({
+                "added_tokens": added,
+                "pre_tokenizer": {"type": pre, "add_prefix_space": false, "use_regex": true,
+                                  "pretokenizers": [{"type": "ByteLevel"}]},
+                "model": {"type": "BPE", "vocab": vocab, "merges": merges, "ignore_merges": ignore_merges}
+            })
+            .to_string()
+        })
+}
+
+proptest! {
+    #![proptest_config(config(500))]
+
+    #[test]
+    fn tokenizer_json_with_hostile_ids_and_merges_is_an_error_or_a_working_tokenizer(
+        json in tokenizer_json(),
+        text in prop::collection::vec(any::<u8>(), 0..64),
+    ) {
+        let start = Instant::now();
+        if let Ok(tok) = kvfleet::model::tokenizer::Tokenizer::from_hf_json(&json, None) {
+            prop_assert!(tok.vocab_size() <= 1 << 24, "a vocabulary of {} entries from {json}", tok.vocab_size());
+            let ids = tok.encode(&String::from_utf8_lossy(&text), true);
+            let _ = tok.decode(&ids, true);
+        }
+        prop_assert!(start.elapsed() < SLOW);
+    }
 }
