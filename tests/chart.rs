@@ -243,11 +243,12 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         ("policy", &["poddisruptionbudgets"], MANAGE, "*"),
         ("", &["nodes", "pods"], &["get", "list", "watch"], "*"),
         ("events.k8s.io", &["events"], &["create", "patch"], "*"),
-        ("", &["serviceaccounts"], &["create", "patch"], "*"),
+        // `get`: ownership is read before every apply (issue 22).
+        ("", &["serviceaccounts"], &["get", "create", "patch"], "*"),
         (
             "rbac.authorization.k8s.io",
             &["rolebindings"],
-            &["create", "patch"],
+            &["get", "create", "patch"],
             "*",
         ),
         (
@@ -259,7 +260,7 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         (
             "monitoring.coreos.com",
             &["servicemonitors", "podmonitors"],
-            &["create", "patch"],
+            &["get", "create", "patch"],
             "*",
         ),
         (
