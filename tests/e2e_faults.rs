@@ -335,3 +335,203 @@ async fn the_webhook_node_cache_turns_stale_while_the_api_server_is_unreachable_
     watch.abort();
     probe.abort();
 }
+
+// === ownership (issue 22): the real controller binary against the real API server ===
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A GPU node made by `../shared/k8s/gpu-node`, deleted on drop.
+struct ScratchNode {
+    client: Client,
+    name: String,
+}
+
+impl Drop for ScratchNode {
+    fn drop(&mut self) {
+        let client = self.client.clone();
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Runtime::new().unwrap().block_on(async move {
+                let _ = Api::<k8s_openapi::api::core::v1::Node>::all(client)
+                    .delete(&name, &DeleteParams::default())
+                    .await;
+            })
+        })
+        .join();
+    }
+}
+
+async fn eventually<T, Fut: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Fut,
+) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the control plane of ../shared/k8s (KUBECONFIG)"]
+async fn the_controller_never_takes_over_a_service_it_did_not_create() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Patch, PatchParams};
+    use kvfleet::api::InferenceDeployment;
+
+    let client = Client::try_from(config().await).unwrap();
+    let bin = env!("CARGO_BIN_EXE_kvfleet");
+    // The CRD of this build.
+    let crd = std::process::Command::new(bin)
+        .arg("crd")
+        .output()
+        .expect("kvfleet crd");
+    let crd: CustomResourceDefinition = serde_yaml::from_slice(&crd.stdout).expect("CRD YAML");
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    crds.patch(
+        "inferencedeployments.kvfleet.io",
+        &PatchParams::apply("kvfleet-e2e-faults").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply the CRD");
+    eventually("the CRD established", Duration::from_secs(30), || async {
+        let c = crds.get("inferencedeployments.kvfleet.io").await.ok()?;
+        c.status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True")
+            .then_some(())
+    })
+    .await;
+
+    let scratch = Scratch::new(client.clone(), "owner").await;
+    let node_name = format!("e2e-faults-gpu-{}", std::process::id());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/k8s/gpu-node");
+    let made = std::process::Command::new(&script)
+        .args([&node_name, "NVIDIA-H100-80GB-HBM3", "9", "0", "8", "81559"])
+        .output()
+        .expect("../shared/k8s/gpu-node");
+    assert!(
+        made.status.success(),
+        "gpu-node: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let _node = ScratchNode {
+        client: client.clone(),
+        name: node_name,
+    };
+
+    // Someone's Service, of the name the InferenceDeployment will want.
+    let services = Api::<Service>::namespaced(client.clone(), &scratch.name);
+    let theirs: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "llm", "labels": {"team": "billing"}},
+        "spec": {"ports": [{"name": "https", "port": 443}], "selector": {"app": "billing"}}
+    }))
+    .unwrap();
+    services.create(&PostParams::default(), &theirs).await.unwrap();
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let http = listener.local_addr().unwrap();
+    drop(listener);
+    let _controller = KillOnDrop(
+        std::process::Command::new(bin)
+            .args([
+                "controller",
+                "--leader-elect=false",
+                "--http-addr",
+                &http.to_string(),
+            ])
+            .spawn()
+            .expect("start kvfleet controller"),
+    );
+    let ids = Api::<InferenceDeployment>::namespaced(client.clone(), &scratch.name);
+    let obj: InferenceDeployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": "llm"},
+        "spec": {"replicas": 1,
+                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}},
+                 "engine": {"runtime": "vllm", "maxModelLen": 1024, "maxNumSeqs": 4, "maxNumBatchedTokens": 256},
+                 "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}}}
+    }))
+    .unwrap();
+    ids.create(&PostParams::default(), &obj)
+        .await
+        .expect("create InferenceDeployment");
+
+    let degraded = eventually("Degraded=OwnershipConflict", Duration::from_secs(60), || async {
+        let s = ids.get("llm").await.ok()?.status?;
+        s.conditions
+            .into_iter()
+            .find(|c| c.type_ == "Degraded" && c.reason == "OwnershipConflict")
+    })
+    .await;
+    assert!(
+        degraded
+            .message
+            .contains(&format!("Service {}/llm", scratch.name)),
+        "{}",
+        degraded.message
+    );
+    let svc = services.get("llm").await.unwrap();
+    assert!(
+        svc.metadata.owner_references.unwrap_or_default().is_empty(),
+        "the Service was taken over"
+    );
+    assert_eq!(
+        svc.spec.unwrap().ports.unwrap()[0].port,
+        443,
+        "the Service was changed"
+    );
+    assert!(
+        Api::<Deployment>::namespaced(client.clone(), &scratch.name)
+            .get_opt("llm")
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing is applied while an object of its names is someone else's"
+    );
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), &scratch.name);
+    eventually(
+        "a Warning Event OwnershipConflict",
+        Duration::from_secs(30),
+        || async {
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items
+                .iter()
+                .any(|e| e.reason.as_deref() == Some("OwnershipConflict"))
+                .then_some(())
+        },
+    )
+    .await;
+
+    // Once their Service is gone, the next look (every 60 s) applies ours.
+    services.delete("llm", &DeleteParams::default()).await.unwrap();
+    let removed = Instant::now();
+    eventually("the controller's Service", Duration::from_secs(90), || async {
+        let s = services.get_opt("llm").await.ok()??;
+        (!s.metadata.owner_references.unwrap_or_default().is_empty()).then_some(())
+    })
+    .await;
+    eprintln!(
+        "applied {:.1} s after the conflicting Service was deleted",
+        removed.elapsed().as_secs_f64()
+    );
+    let _ = ids.delete("llm", &DeleteParams::default()).await;
+}

@@ -450,11 +450,11 @@ pub fn is_owned_by<K: Resource>(obj: &K, uid: &str) -> bool {
     !uid.is_empty() && obj.owner_references().iter().any(|r| r.uid == uid)
 }
 
-/// Who owns `obj`, for messages: "Deployment other (uid ...)" or "nobody (created outside kvfleet)".
+/// Who owns `obj`, for messages: "owned by Deployment other" or "no owner reference: ...".
 fn describe_owners<K: Resource>(obj: &K) -> String {
     let refs = obj.owner_references();
     if refs.is_empty() {
-        return "no owner reference (created outside kvfleet)".into();
+        return "no owner reference: created outside kvfleet".into();
     }
     let owners: Vec<String> = refs.iter().map(|r| format!("{} {}", r.kind, r.name)).collect();
     format!("owned by {}", owners.join(", "))
