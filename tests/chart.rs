@@ -243,11 +243,12 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         ("policy", &["poddisruptionbudgets"], MANAGE, "*"),
         ("", &["nodes", "pods"], &["get", "list", "watch"], "*"),
         ("events.k8s.io", &["events"], &["create", "patch"], "*"),
-        ("", &["serviceaccounts"], &["create", "patch"], "*"),
+        // `get`: ownership is read before every apply (issue 22).
+        ("", &["serviceaccounts"], &["get", "create", "patch"], "*"),
         (
             "rbac.authorization.k8s.io",
             &["rolebindings"],
-            &["create", "patch"],
+            &["get", "create", "patch"],
             "*",
         ),
         (
@@ -259,7 +260,7 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         (
             "monitoring.coreos.com",
             &["servicemonitors", "podmonitors"],
-            &["create", "patch"],
+            &["get", "create", "patch"],
             "*",
         ),
         (
@@ -794,9 +795,20 @@ fn rendered_crd_equals_crds_folder_and_is_kept_on_uninstall() {
 fn cert_manager_mode_renders_a_certificate_and_injects_its_ca() {
     let objs = render(&["webhook.certManager.enabled=true"]);
     let cert = one_of(&objs, "Certificate", "kvfleet-webhook");
-    let issuer = one_of(&objs, "Issuer", "kvfleet-webhook-selfsigned");
-    assert!(issuer["spec"]["selfSigned"].is_object());
-    assert_eq!(cert["spec"]["issuerRef"]["name"], "kvfleet-webhook-selfsigned");
+    // A CA that survives serving renewals: selfSigned Issuer -> CA Certificate (key kept)
+    // -> CA Issuer -> serving Certificate.
+    let selfsigned = one_of(&objs, "Issuer", "kvfleet-webhook-selfsigned");
+    assert!(selfsigned["spec"]["selfSigned"].is_object());
+    let ca = one_of(&objs, "Certificate", "kvfleet-webhook-ca");
+    assert_eq!(ca["spec"]["isCA"], true);
+    assert_eq!(ca["spec"]["issuerRef"]["name"], "kvfleet-webhook-selfsigned");
+    assert_eq!(ca["spec"]["privateKey"]["rotationPolicy"], "Never");
+    assert_eq!(ca["spec"]["duration"], "43800h");
+    let ca_issuer = one_of(&objs, "Issuer", "kvfleet-webhook-ca");
+    assert_eq!(ca_issuer["spec"]["ca"]["secretName"], ca["spec"]["secretName"]);
+    assert_eq!(cert["spec"]["issuerRef"]["name"], "kvfleet-webhook-ca");
+    assert_eq!(cert["spec"]["issuerRef"]["kind"], "Issuer");
+    assert!(cert["spec"]["isCA"].is_null(), "the serving certificate is no CA");
     assert_eq!(cert["spec"]["secretName"], "kvfleet-webhook-tls");
     let dns = strs(&cert["spec"]["dnsNames"]);
     assert!(
@@ -838,6 +850,7 @@ fn cert_manager_mode_renders_a_certificate_and_injects_its_ca() {
         all_of(&objs, "Issuer").is_empty(),
         "no self-signed Issuer with an explicit issuerRef"
     );
+    assert_eq!(all_of(&objs, "Certificate").len(), 1, "no chart-made CA either");
     let cert = one_of(&objs, "Certificate", "kvfleet-webhook");
     assert_eq!(cert["spec"]["issuerRef"]["name"], "corp-ca");
     assert_eq!(cert["spec"]["issuerRef"]["kind"], "ClusterIssuer");

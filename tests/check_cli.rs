@@ -293,3 +293,84 @@ fn explain_prints_both_rule_sets_with_sources() {
         ],
     );
 }
+
+// === hostile numbers (issue 22): each a denial naming the field and the bound ===
+
+/// Writes `spec` as an InferenceDeployment into a temporary file and returns its path.
+fn spec_file(name: &str, engine: &str, geometry_extra: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("kvfleet-check-{name}-{}.yaml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: kvfleet.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {{name: {name}}}\nspec:\n  model:\n    name: m\n    geometry: {{layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128{geometry_extra}}}\n  engine: {{{engine}}}\n  gpu: {{selector: {{products: [NVIDIA-H100-80GB-HBM3]}}}}\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn hostile_sizes_are_denied_quickly_naming_the_field_and_the_bound() {
+    let cases = [
+        (
+            "draft",
+            "runtime: kvfleet",
+            ", draftLayers: 2147483647",
+            "spec.model.geometry.draftLayers 2147483647 is above the maximum 1024",
+        ),
+        (
+            "draft20m",
+            "runtime: vllm",
+            ", draftLayers: 20000000",
+            "spec.model.geometry.draftLayers 20000000 is above the maximum 1024",
+        ),
+        (
+            "tp",
+            "runtime: kvfleet, tensorParallelSize: 2147483647",
+            "",
+            "spec.engine.tensorParallelSize 2147483647 is above the maximum 64",
+        ),
+        (
+            "tpvllm",
+            "runtime: vllm, tensorParallelSize: 2147483647",
+            "",
+            "spec.engine.tensorParallelSize 2147483647 is above the maximum 64",
+        ),
+        (
+            "len",
+            "runtime: vllm, maxModelLen: 9223372036854775807",
+            "",
+            "spec.engine.maxModelLen 9223372036854775807 is above the maximum 33554432",
+        ),
+        (
+            "window",
+            "runtime: vllm",
+            ", slidingWindow: 2147483647",
+            "spec.model.geometry.slidingWindow 2147483647 is above the maximum 33554432",
+        ),
+    ];
+    for (name, engine, extra, message) in cases {
+        let path = spec_file(name, engine, extra);
+        let start = std::time::Instant::now();
+        check(
+            &["-f", path.to_str().unwrap()],
+            1,
+            &["denied", "[ValueOutOfBounds]", message],
+        );
+        let took = start.elapsed();
+        assert!(took < std::time::Duration::from_secs(3), "{name}: {took:?}");
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+#[test]
+fn a_capacity_the_planner_cannot_compute_is_denied_not_warned() {
+    // Negative draft layers pass serde (i32) but no planner can size them.
+    let path = spec_file("negative", "runtime: vllm", ", draftLayers: -3");
+    check(
+        &["-f", path.to_str().unwrap()],
+        1,
+        &["denied", "[CapacityNotComputable]", "draftLayers"],
+    );
+    let _ = std::fs::remove_file(path);
+}

@@ -378,8 +378,45 @@ fn event_reasons(seen: &[Seen]) -> Vec<(String, String)> {
         .collect()
 }
 
+const UID: &str = "6d1c1b8e-1111-4c5e-8a2e-000000000001";
+
+/// The owner reference the controller puts on what it creates for `llama`.
+fn owner_ref() -> Value {
+    json!({"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment", "name": "llama",
+           "uid": UID, "controller": true, "blockOwnerDeletion": true})
+}
+
+/// An existing object `name` owned by the InferenceDeployment `llama`.
+fn owned(api_version: &str, kind: &str, name: &str) -> Value {
+    json!({"apiVersion": api_version, "kind": kind,
+           "metadata": {"name": name, "namespace": NS, "ownerReferences": [owner_ref()]}})
+}
+
+fn not_found() -> Reply {
+    status_failure(404, "NotFound")
+}
+
+/// The ownership reads before any apply (none of the objects exists yet), in apply order;
+/// the PodDisruptionBudget is read whether it is to be applied or removed.
+const LOOKUPS: usize = 6;
+
+fn child_paths() -> Vec<String> {
+    vec![
+        ns_path("v1", "configmaps", "llama-config"),
+        ns_path("v1", "serviceaccounts", "llama-worker"),
+        ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
+        ns_path("apps/v1", "deployments", "llama"),
+        ns_path("v1", "services", "llama"),
+        ns_path("policy/v1", "poddisruptionbudgets", "llama"),
+    ]
+}
+
 fn children_apply_calls(replicas_pdb: bool) -> Vec<Call> {
-    let mut v = vec![
+    let mut v: Vec<Call> = child_paths()
+        .into_iter()
+        .map(|p| call("GET", p, not_found()))
+        .collect();
+    v.extend([
         apply_call(&ns_path("v1", "configmaps", "llama-config")),
         apply_call(&ns_path("v1", "serviceaccounts", "llama-worker")),
         apply_call(&ns_path(
@@ -389,7 +426,7 @@ fn children_apply_calls(replicas_pdb: bool) -> Vec<Call> {
         )),
         apply_call(&ns_path("apps/v1", "deployments", "llama")),
         apply_call(&ns_path("v1", "services", "llama")),
-    ];
+    ]);
     if replicas_pdb {
         v.push(apply_call(&ns_path("policy/v1", "poddisruptionbudgets", "llama")));
     }
@@ -407,7 +444,11 @@ async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
 
-    for (s, kind) in seen.iter().zip([
+    assert!(
+        seen[..LOOKUPS].iter().all(|s| s.method == "GET"),
+        "ownership is read first"
+    );
+    for (s, kind) in seen[LOOKUPS..].iter().zip([
         "ConfigMap",
         "ServiceAccount",
         "RoleBinding",
@@ -418,7 +459,7 @@ async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event
     ]) {
         assert_applied(s, kind);
     }
-    let dep = &seen[3].body;
+    let dep = &seen[LOOKUPS + 3].body;
     assert_eq!(dep["spec"]["replicas"], 2);
     let pod = &dep["spec"]["template"]["spec"];
     assert_eq!(pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"], "2");
@@ -427,7 +468,7 @@ async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event
             ["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0],
         PRODUCT
     );
-    let status = &seen[6].body;
+    let status = &seen[LOOKUPS + 6].body;
     assert_eq!(status["status"]["observedGeneration"], 1);
     assert_eq!(
         status["status"]["selector"],
@@ -466,7 +507,7 @@ async fn update_rolls_out_the_new_config_and_reports_measured_capacity_from_pod_
     let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {},
                       "items": [pod("llama-a", "25200"), pod("llama-b", "24800")]});
     let mut calls = children_apply_calls(true);
-    calls[3] = call(
+    calls[LOOKUPS + 3] = call(
         "PATCH",
         ns_path("apps/v1", "deployments", "llama"),
         Reply::EchoWithStatus(ready),
@@ -482,14 +523,14 @@ async fn update_rolls_out_the_new_config_and_reports_measured_capacity_from_pod_
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
 
-    let worker_yaml = seen[0].body["data"]["worker.yaml"].as_str().unwrap();
+    let worker_yaml = seen[LOOKUPS].body["data"]["worker.yaml"].as_str().unwrap();
     assert!(worker_yaml.contains("maxNumSeqs: 128"), "{worker_yaml}");
-    let list = &seen[6];
+    let list = &seen[LOOKUPS + 6];
     assert_eq!(
         list.query.get("labelSelector").map(String::as_str),
         Some("kvfleet.io%2Finference-deployment%3Dllama")
     );
-    let status = &seen[7].body;
+    let status = &seen[LOOKUPS + 7].body;
     assert_eq!(status["status"]["observedGeneration"], 2);
     assert_eq!(
         status["status"]["capacity"]["measuredTokensPerReplica"], 24800,
@@ -511,6 +552,8 @@ async fn scale_to_one_replica_sets_deployment_replicas_and_removes_the_pdb() {
     let mut h = harness(&[gpu_node("gpu-1")]);
     let obj = settled(inference_deployment(3, 1), 2);
     let mut calls = children_apply_calls(false);
+    // The PodDisruptionBudget of the 2-replica generation, ours: it is removed.
+    calls[5].reply = Reply::Json(200, owned("policy/v1", "PodDisruptionBudget", "llama"));
     calls.push(call(
         "DELETE",
         ns_path("policy/v1", "poddisruptionbudgets", "llama"),
@@ -524,9 +567,9 @@ async fn scale_to_one_replica_sets_deployment_replicas_and_removes_the_pdb() {
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     result.unwrap();
-    assert_eq!(seen[3].body["spec"]["replicas"], 1);
-    assert_eq!(seen[5].method, "DELETE");
-    assert_eq!(seen[6].body["status"]["observedGeneration"], 3);
+    assert_eq!(seen[LOOKUPS + 3].body["spec"]["replicas"], 1);
+    assert_eq!(seen[LOOKUPS + 5].method, "DELETE");
+    assert_eq!(seen[LOOKUPS + 6].body["status"]["observedGeneration"], 3);
     assert_eq!(
         event_reasons(&seen),
         vec![
@@ -542,7 +585,7 @@ async fn a_spec_that_turns_incompatible_is_not_applied_and_gets_a_warning_event(
     let mut obj = settled(inference_deployment(4, 2), 3);
     obj.spec.engine.kv_cache_dtype = KvCacheDtype::Nvfp4;
     let running = json!({"apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "llama", "namespace": NS, "generation": 3},
+        "metadata": {"name": "llama", "namespace": NS, "ownerReferences": [owner_ref()], "generation": 3},
         "spec": {"selector": {"matchLabels": {"kvfleet.io/inference-deployment": "llama"}},
                  "template": {"spec": {"containers": []}}},
         "status": {"observedGeneration": 3, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}});
@@ -597,7 +640,7 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
     h.nodes
         .apply_watcher_event(&watcher::Event::Delete(gpu_node("gpu-1")));
     let running = json!({"apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "llama", "namespace": NS, "generation": 1},
+        "metadata": {"name": "llama", "namespace": NS, "ownerReferences": [owner_ref()], "generation": 1},
         "spec": {"selector": {}, "template": {}},
         "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 0, "updatedReplicas": 2}});
     let calls = vec![
@@ -646,7 +689,7 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(after), calls).await;
     result.unwrap();
-    let status = &seen[6].body;
+    let status = &seen[LOOKUPS + 6].body;
     assert_eq!(condition(status, "Compatible")["status"], "True");
     assert!(condition(status, "Compatible")["message"]
         .as_str()
@@ -667,7 +710,11 @@ async fn a_conflict_on_the_status_update_is_retried_in_the_same_pass() {
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
     result.unwrap();
-    assert_eq!(seen[6].body, seen[7].body, "the same status is sent again");
+    assert_eq!(
+        seen[LOOKUPS + 6].body,
+        seen[LOOKUPS + 7].body,
+        "the same status is sent again"
+    );
 }
 
 #[tokio::test]
@@ -701,7 +748,7 @@ async fn persistent_conflicts_fail_the_pass_and_are_counted_and_retried_soon() {
 async fn transient_api_errors_back_off_exponentially() {
     let mut h = harness(&[gpu_node("gpu-1")]);
     let calls = vec![call(
-        "PATCH",
+        "GET",
         ns_path("v1", "configmaps", "llama-config"),
         status_failure(503, "ServiceUnavailable"),
     )];
@@ -765,17 +812,15 @@ async fn a_service_monitor_is_applied_only_when_discovery_found_the_crd() {
         kind: "ServiceMonitor".into(),
     });
     let mut calls = children_apply_calls(true);
-    calls.push(apply_call(&ns_path(
-        "monitoring.coreos.com/v1",
-        "servicemonitors",
-        "llama",
-    )));
+    let monitor_path = ns_path("monitoring.coreos.com/v1", "servicemonitors", "llama");
+    calls.insert(LOOKUPS, call("GET", monitor_path.clone(), not_found()));
+    calls.push(apply_call(&monitor_path));
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
     result.unwrap();
-    assert_applied(&seen[6], "ServiceMonitor");
-    assert_eq!(seen[6].body["spec"]["endpoints"][0]["path"], "/metrics");
+    assert_applied(&seen[LOOKUPS + 7], "ServiceMonitor");
+    assert_eq!(seen[LOOKUPS + 7].body["spec"]["endpoints"][0]["path"], "/metrics");
 }
 
 #[tokio::test]
@@ -785,7 +830,7 @@ async fn ready_workers_without_a_measurement_are_polled_again_soon() {
     let ready = json!({"observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2});
     let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []});
     let mut calls = children_apply_calls(true);
-    calls[3] = call(
+    calls[LOOKUPS + 3] = call(
         "PATCH",
         ns_path("apps/v1", "deployments", "llama"),
         Reply::EchoWithStatus(ready),
@@ -818,7 +863,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
     let pods = pod_list(vec![worker("a", 3), worker("b", 137)]);
     let script = |status_write: bool| {
         let mut calls = children_apply_calls(true);
-        calls[3] = call(
+        calls[LOOKUPS + 3] = call(
             "PATCH",
             ns_path("apps/v1", "deployments", "llama"),
             Reply::EchoWithStatus(crashing.clone()),
@@ -851,7 +896,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
         event_reasons(&seen)
     );
     assert_eq!(
-        seen[6].query.get("labelSelector").map(String::as_str),
+        seen[LOOKUPS + 6].query.get("labelSelector").map(String::as_str),
         Some("kvfleet.io%2Finference-deployment%3Dllama"),
         "the one LIST of the pass"
     );
@@ -860,7 +905,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
 
     // The next pass sees the same terminations: nothing new is counted.
     let mut again = obj;
-    again.status = Some(serde_json::from_value(seen[7].body["status"].clone()).unwrap());
+    again.status = Some(serde_json::from_value(seen[LOOKUPS + 7].body["status"].clone()).unwrap());
     let (result, _) = run_pass(&mut h, guard(again), script(false)).await;
     result.unwrap();
     assert!(metrics_text(&h).contains(counted), "{}", metrics_text(&h));
@@ -884,7 +929,7 @@ async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reac
     obj.spec.engine.tensor_parallel_size = 1;
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     result.unwrap();
-    let status = &seen[6].body;
+    let status = &seen[LOOKUPS + 6].body;
     assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
     assert_eq!(
         condition(status, "CapacityPlanned")["reason"],
@@ -892,15 +937,126 @@ async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reac
         "{status}"
     );
     assert!(status["status"]["capacity"]["tokensPerReplica"].as_i64().unwrap() > 0);
-    let affinity = &seen[3].body["spec"]["template"]["spec"]["affinity"]["nodeAffinity"];
+    let affinity = &seen[LOOKUPS + 3].body["spec"]["template"]["spec"]["affinity"]["nodeAffinity"];
     assert!(!affinity.is_null(), "pods are kept on compatible nodes");
-    let cfg =
-        kvfleet::worker::config::WorkerConfig::parse(seen[0].body["data"]["worker.yaml"].as_str().unwrap())
-            .expect("the worker accepts the rendered config");
+    let cfg = kvfleet::worker::config::WorkerConfig::parse(
+        seen[LOOKUPS].body["data"]["worker.yaml"].as_str().unwrap(),
+    )
+    .expect("the worker accepts the rendered config");
     assert!(cfg.resolved.is_some());
     // The CRD's default gpuMemoryUtilization (0.9) draws no warning: no AdmittedWithWarnings.
     assert_eq!(
         event_reasons(&seen),
         vec![("Normal".into(), "SpecApplied".into())]
+    );
+}
+
+// === ownership (issue 22) ===
+
+#[tokio::test]
+async fn a_service_kvfleet_did_not_create_is_never_applied_over_and_is_named_in_degraded_and_an_event() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    // Someone else's Service of the name kvfleet would use: created by hand, no owner.
+    let theirs = json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "llama", "namespace": NS, "uid": "0000-their-service"},
+        "spec": {"ports": [{"port": 443}]}});
+    let mut calls: Vec<Call> = child_paths()
+        .into_iter()
+        .map(|p| call("GET", p, not_found()))
+        .collect();
+    calls[4].reply = Reply::Json(200, theirs);
+    // No PATCH and no DELETE of any child: straight to status, then the Event.
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    assert_eq!(
+        result.unwrap(),
+        Action::requeue(kvfleet::controller::reconcile::OWNERSHIP_RETRY)
+    );
+    assert!(
+        seen.iter()
+            .all(|s| s.method == "GET" || s.path == STATUS || s.path == EVENTS),
+        "nothing but reads, status and the Event: {seen:?}"
+    );
+    let status = &seen[LOOKUPS].body;
+    let degraded = condition(status, "Degraded");
+    assert_eq!(degraded["status"], "True");
+    assert_eq!(degraded["reason"], "OwnershipConflict");
+    let message = degraded["message"].as_str().unwrap();
+    assert!(message.contains("Service ml/llama"), "{message}");
+    assert!(message.contains("created outside kvfleet"), "{message}");
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Warning".into(), "OwnershipConflict".into())],
+        "no SpecApplied: nothing was applied"
+    );
+    let note = seen[LOOKUPS + 1].body["note"].as_str().unwrap();
+    assert!(note.contains("Service ml/llama"), "{note}");
+}
+
+#[tokio::test]
+async fn an_object_owned_by_another_controller_blocks_the_apply_and_names_its_owner() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let other = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "llama-config", "namespace": NS, "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "name": "billing", "uid": "0000-billing", "controller": true}]}});
+    let mut calls: Vec<Call> = child_paths()
+        .into_iter()
+        .map(|p| call("GET", p, not_found()))
+        .collect();
+    calls[0].reply = Reply::Json(200, other);
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    result.unwrap();
+    let message = condition(&seen[LOOKUPS].body, "Degraded")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("ConfigMap ml/llama-config (owned by Deployment billing)"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn objects_this_inference_deployment_owns_are_applied_as_before() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    calls[4].reply = Reply::Json(200, owned("v1", "Service", "llama"));
+    calls[3].reply = Reply::Json(200, owned("apps/v1", "Deployment", "llama"));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    assert_applied(&seen[LOOKUPS + 3], "Deployment");
+    assert_applied(&seen[LOOKUPS + 4], "Service");
+    assert_ne!(
+        condition(&seen[LOOKUPS + 6].body, "Degraded")["reason"],
+        "OwnershipConflict"
+    );
+}
+
+#[tokio::test]
+async fn a_pdb_kvfleet_did_not_create_is_not_deleted_on_scale_down() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let obj = settled(inference_deployment(3, 1), 2);
+    let mut calls = children_apply_calls(false);
+    // A PodDisruptionBudget of that name that someone else made: not wanted at one replica,
+    // and not ours to delete; the rest is applied.
+    calls[5].reply = Reply::Json(
+        200,
+        json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+               "metadata": {"name": "llama", "namespace": NS}}),
+    );
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    result.unwrap();
+    assert!(seen.iter().all(|s| s.method != "DELETE"), "{seen:?}");
+    assert_ne!(
+        condition(&seen[LOOKUPS + 5].body, "Degraded")["reason"],
+        "OwnershipConflict"
     );
 }

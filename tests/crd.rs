@@ -105,6 +105,11 @@ fn enums_and_ranges_are_in_the_schema() {
     assert_eq!(engine["gpuMemoryUtilization"]["maximum"], json!(1.0));
     assert_eq!(engine["maxModelLen"]["minimum"], json!(1.0));
     assert_eq!(engine["tensorParallelSize"]["minimum"], json!(1.0));
+    assert_eq!(engine["tensorParallelSize"]["maximum"], json!(64.0));
+    assert_eq!(engine["maxModelLen"]["maximum"], json!(33_554_432.0));
+    let geometry = &spec_schema()["properties"]["model"]["properties"]["geometry"]["properties"];
+    assert_eq!(geometry["draftLayers"]["maximum"], json!(1024.0));
+    assert_eq!(geometry["layerTypes"]["maxItems"], json!(1024));
     assert_eq!(spec_schema()["properties"]["replicas"]["minimum"], json!(0.0));
 }
 
@@ -189,6 +194,16 @@ fn structural_errors(path: &str, schema: &Value, v: &Value, errs: &mut Vec<Strin
             }
         }
     }
+    let too_many = |key: &str, n: usize| {
+        schema
+            .get(key)
+            .and_then(Value::as_u64)
+            .filter(|max| n as u64 > *max)
+            .map(|max| format!("{path}: {n} is more than {key} {max}"))
+    };
+    errs.extend(v.as_str().and_then(|s| too_many("maxLength", s.chars().count())));
+    errs.extend(v.as_array().and_then(|a| too_many("maxItems", a.len())));
+    errs.extend(v.as_object().and_then(|o| too_many("maxProperties", o.len())));
     if let Some(obj) = v.as_object() {
         let props = schema.get("properties").and_then(Value::as_object);
         for req in schema
@@ -335,6 +350,43 @@ fn bounds_and_enums_are_enforced() {
         (
             "runtime",
             Box::new(|v| v["spec"]["engine"]["runtime"] = json!("tgi")),
+        ),
+        // Upper bounds (issue 22): what used to abort or stall the webhook.
+        (
+            "draftLayers",
+            Box::new(|v| v["spec"]["model"]["geometry"]["draftLayers"] = json!(2_147_483_647)),
+        ),
+        (
+            "tensorParallelSize",
+            Box::new(|v| v["spec"]["engine"]["tensorParallelSize"] = json!(2_147_483_647)),
+        ),
+        (
+            "layers",
+            Box::new(|v| v["spec"]["model"]["geometry"]["layers"] = json!(1025)),
+        ),
+        (
+            "maxModelLen",
+            Box::new(|v| v["spec"]["engine"]["maxModelLen"] = json!(33_554_433i64)),
+        ),
+        (
+            "maxNumSeqs",
+            Box::new(|v| v["spec"]["engine"]["maxNumSeqs"] = json!(65_537)),
+        ),
+        (
+            "extraArgs",
+            Box::new(|v| v["spec"]["engine"]["extraArgs"] = json!(vec!["--x"; 257])),
+        ),
+        (
+            "image",
+            Box::new(|v| v["spec"]["engine"]["image"] = json!("i".repeat(1025))),
+        ),
+        (
+            "nodeSelector",
+            Box::new(|v| {
+                let labels: serde_json::Map<String, Value> =
+                    (0..65).map(|i| (format!("k{i}"), json!("v"))).collect();
+                v["spec"]["pod"] = json!({"nodeSelector": labels});
+            }),
         ),
     ];
     for (field, edit) in cases {

@@ -325,7 +325,7 @@ fn deepseek_mla_caches_one_576_value_latent_per_layer() {
 
 #[test]
 fn gemma4_text_config_and_draft_layers() {
-    let g = geometry("gemma-4-31b-it.json").with_draft_layers(2);
+    let g = geometry("gemma-4-31b-it.json").with_draft_layers(2).unwrap();
     assert_eq!(g.layers.len(), 62);
     assert_eq!(g.draft_layers, 2);
     assert_eq!(g.layers[61].kind, LayerKind::Full);

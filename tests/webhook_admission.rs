@@ -950,3 +950,280 @@ async fn losing_a_write_race_adopts_the_other_replicas_certificate() {
     server.await.unwrap();
     assert_eq!(adopted, theirs);
 }
+
+// === hostile clients, a vanished API server, unpublished CAs (issue 22) ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (ca, serving) = loopback_pki();
+    let (cache, _writer) = synced_cache(vec![]);
+    let state = kvfleet::webhook::server::AppState::with_header_read_timeout(
+        cache,
+        kvfleet::webhook::metrics::Metrics::new().unwrap(),
+        Duration::from_millis(300),
+    );
+    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
+        tls::server_config(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes()).unwrap(),
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handle = axum_server::Handle::new();
+    tokio::spawn(kvfleet::webhook::server::serve_https(
+        listener,
+        state,
+        rustls,
+        handle.clone(),
+    ));
+    let tcp = loop {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(tcp) => break tcp,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector(&ca.0.cert_pem).connect(name, tcp).await.unwrap();
+    // Half a request: the headers never end.
+    tls.write_all(b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), tls.read_to_end(&mut buf)).await;
+    let held = start.elapsed();
+    assert!(read.is_ok(), "the connection was still open after 5 s");
+    assert!(
+        held < Duration::from_secs(3),
+        "the server held a half-sent request for {held:?}"
+    );
+    handle.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_the_node_cache_is_stale_and_returns_when_the_api_server_answers() {
+    let (_ca, serving) = loopback_pki();
+    let (cache, mut writer) = kvfleet::webhook::cache::node_cache_stale_after(Duration::from_millis(300));
+    writer.apply(&watcher::Event::Init);
+    writer.apply(&watcher::Event::InitDone);
+    let running = start(cache.clone(), &serving).await;
+    assert_eq!(http_get(running.health, "/readyz").await.0, 200);
+    // The API server vanishes: no watch event and no probe answer for longer than the bound.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(cache.stale());
+    let (status, text) = http_get(running.health, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(text.contains("stale"), "{text}");
+    // It answers again (a probe or a watch event).
+    cache.mark_fresh();
+    assert_eq!(http_get(running.health, "/readyz").await.0, 200);
+}
+
+#[tokio::test]
+async fn the_node_probe_marks_the_cache_fresh_only_when_the_api_server_answers() {
+    let (cache, mut writer) = kvfleet::webhook::cache::node_cache_stale_after(Duration::from_millis(200));
+    writer.apply(&watcher::Event::Init);
+    writer.apply(&watcher::Event::InitDone);
+    let (client, mut api) = api_server::client();
+    let probe = tokio::spawn(
+        cache
+            .clone()
+            .probe(kube::Api::<Node>::all(client), Duration::from_millis(100)),
+    );
+    let list = serde_json::json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+        "metadata": {}, "items": []});
+    // Answering probes keep it fresh well past the bound.
+    for _ in 0..5 {
+        api_server::expect(&mut api, "GET", "/api/v1/nodes", 200, list.clone()).await;
+    }
+    assert!(!cache.stale(), "age {:?}", cache.age());
+    // Failing probes do not.
+    for _ in 0..4 {
+        api_server::expect(
+            &mut api,
+            "GET",
+            "/api/v1/nodes",
+            503,
+            api_server::status(503, "ServiceUnavailable"),
+        )
+        .await;
+    }
+    assert!(cache.stale(), "age {:?}", cache.age());
+    probe.abort();
+}
+
+fn material_secret(material: &certs::Material) -> Value {
+    serde_json::json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+        "metadata": {"name": "kvfleet-webhook-tls", "namespace": "kvfleet-system", "resourceVersion": "3"},
+        "data": serde_json::to_value(material.to_data()).unwrap()})
+}
+
+#[tokio::test]
+async fn a_certificate_whose_ca_failed_to_publish_is_not_served() {
+    let now = OffsetDateTime::now_utc();
+    let (old, _) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    // The Secret now holds a new CA and certificate (another replica rotated them).
+    let (new, _) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    assert_ne!(old.ca, new.ca);
+    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
+        tls::server_config(old.serving.cert_pem.as_bytes(), old.serving.key_pem.as_bytes()).unwrap(),
+    );
+    let metrics = kvfleet::webhook::metrics::Metrics::new().unwrap();
+    let mut served = certs::Served::published(&old);
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let secret = material_secret(&new);
+    let server = tokio::spawn(async move {
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, secret).await;
+        api_server::expect(
+            &mut api,
+            "GET",
+            VWC_PATH,
+            503,
+            api_server::status(503, "ServiceUnavailable"),
+        )
+        .await;
+    });
+    let err = manager.refresh(&rustls, &metrics, &mut served).await.unwrap_err();
+    server.await.unwrap();
+    assert!(matches!(err, certs::CertError::CaNotPublished(_)), "{err}");
+    assert_eq!(
+        served.cert_pem.as_deref(),
+        Some(old.serving.cert_pem.as_str()),
+        "the old certificate stays"
+    );
+    assert!(!metrics
+        .render()
+        .contains("certificate_reloads_total{result=\"ok\"} 1"));
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_of_an_already_published_ca_is_served_even_if_publishing_fails() {
+    let now = OffsetDateTime::now_utc();
+    let (old, _) = certs::plan(
+        &Default::default(),
+        &names(),
+        &lifetimes(),
+        now - time::Duration::days(80),
+    )
+    .unwrap();
+    // Same CA, a renewed serving certificate.
+    let (renewed, _) = certs::plan(&old.to_data(), &names(), &lifetimes(), now).unwrap();
+    assert_eq!(old.ca, renewed.ca);
+    assert_ne!(old.serving, renewed.serving);
+    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
+        tls::server_config(old.serving.cert_pem.as_bytes(), old.serving.key_pem.as_bytes()).unwrap(),
+    );
+    let metrics = kvfleet::webhook::metrics::Metrics::new().unwrap();
+    let mut served = certs::Served::published(&old);
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let secret = material_secret(&renewed);
+    let server = tokio::spawn(async move {
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, secret).await;
+        api_server::expect(
+            &mut api,
+            "GET",
+            VWC_PATH,
+            503,
+            api_server::status(503, "ServiceUnavailable"),
+        )
+        .await;
+    });
+    manager.refresh(&rustls, &metrics, &mut served).await.unwrap();
+    server.await.unwrap();
+    assert_eq!(
+        served.cert_pem.as_deref(),
+        Some(renewed.serving.cert_pem.as_str())
+    );
+}
+
+#[tokio::test]
+async fn the_first_certificate_waits_until_its_ca_bundle_is_published() {
+    let now = OffsetDateTime::now_utc();
+    let (material, _) = certs::plan(&Default::default(), &names(), &lifetimes(), now).unwrap();
+    let (client, mut api) = api_server::client();
+    let manager = manager(client);
+    let secret = material_secret(&material);
+    let bundle = b64(material.ca_bundle().as_bytes());
+    let server = tokio::spawn(async move {
+        // The chart has not created the configuration yet.
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, secret.clone()).await;
+        api_server::expect(
+            &mut api,
+            "GET",
+            VWC_PATH,
+            404,
+            api_server::status(404, "NotFound"),
+        )
+        .await;
+        // One second later it exists, already trusting the CA.
+        api_server::expect(&mut api, "GET", SECRET_PATH, 200, secret).await;
+        let vwc = serde_json::json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": "kvfleet-webhook"},
+            "webhooks": [{"name": "validate.kvfleet.io", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                          "clientConfig": {"caBundle": bundle}}]});
+        api_server::expect(&mut api, "GET", VWC_PATH, 200, vwc).await;
+    });
+    let started = std::time::Instant::now();
+    let got = tokio::time::timeout(
+        Duration::from_secs(5),
+        manager.published_material(Duration::from_secs(1)),
+    )
+    .await
+    .expect("published within 5 s")
+    .unwrap();
+    server.await.unwrap();
+    assert_eq!(got, material);
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "it waited for the retry"
+    );
+}
+
+#[test]
+fn hostile_sizes_in_a_review_are_denied_at_once_naming_the_field_and_the_bound() {
+    let facts = facts(&[gpu_node("h100-0", "NVIDIA-H100-80GB-HBM3", 9, 0, 8)]);
+    let cases = [
+        (
+            "/request/object/spec/model/geometry/draftLayers",
+            2_147_483_647i64,
+            "spec.model.geometry.draftLayers 2147483647 is above the maximum 1024",
+        ),
+        (
+            "/request/object/spec/model/geometry/draftLayers",
+            20_000_000,
+            "spec.model.geometry.draftLayers 20000000 is above the maximum 1024",
+        ),
+        (
+            "/request/object/spec/engine/tensorParallelSize",
+            2_147_483_647,
+            "spec.engine.tensorParallelSize 2147483647 is above the maximum 64",
+        ),
+        (
+            "/request/object/spec/engine/maxNumSeqs",
+            2_147_483_647,
+            "spec.engine.maxNumSeqs 2147483647 is above the maximum 65536",
+        ),
+    ];
+    for (pointer, value, message) in cases {
+        let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+        let (parent, key) = pointer.rsplit_once('/').unwrap();
+        let obj = v
+            .pointer_mut(parent)
+            .unwrap_or_else(|| panic!("{parent} in the fixture"));
+        obj[key] = serde_json::json!(value);
+        let body = serde_json::to_vec(&v).unwrap();
+        let start = std::time::Instant::now();
+        let reviewed = review(&body, &facts);
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{pointer}: {:?}",
+            start.elapsed()
+        );
+        let json = assert_well_formed(&reviewed, Some(&uid_of(&body)));
+        assert_eq!(json["response"]["allowed"], false, "{pointer}");
+        let text = json["response"]["status"]["message"].as_str().unwrap();
+        assert!(text.contains(message), "{pointer}: {text}");
+    }
+}

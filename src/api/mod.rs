@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime};
 
+pub mod limits;
+use limits::*;
+
 pub const GROUP: &str = "kvfleet.io";
 pub const VERSION: &str = "v1alpha1";
 pub const KIND: &str = "InferenceDeployment";
@@ -195,52 +198,53 @@ pub enum LayerType {
 ]))]
 pub struct ModelGeometry {
     /// Number of decoder layers that hold a KV cache.
-    #[schemars(range(min = 1, max = 1024))]
+    #[schemars(range(min = 1, max = LAYERS_MAX))]
     pub layers: i32,
     /// Attention (query) heads per layer.
-    #[schemars(range(min = 1, max = 1024))]
+    #[schemars(range(min = 1, max = HEADS_MAX))]
     pub query_heads: i32,
     /// Key/value heads per layer (grouped-query attention when fewer than queryHeads).
-    #[schemars(range(min = 1, max = 1024))]
+    #[schemars(range(min = 1, max = HEADS_MAX))]
     pub kv_heads: i32,
     /// Dimension of one attention head.
-    #[schemars(range(min = 8, max = 1024))]
+    #[schemars(range(min = 8, max = HEAD_DIM_MAX))]
     pub head_dim: i32,
     /// Window of sliding-attention layers in tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = SLIDING_WINDOW_MAX))]
     pub sliding_window: Option<i32>,
     /// Attention type of each layer; absent means all layers are full attention
     /// (or all sliding when only slidingWindow is set, as in Mistral 7B v0.1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = LAYERS_MAX))]
     pub layer_types: Option<Vec<LayerType>>,
     /// Head dimension of full-attention layers when it differs from headDim (Gemma 4).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 8, max = 1024))]
+    #[schemars(range(min = 8, max = HEAD_DIM_MAX))]
     pub global_head_dim: Option<i32>,
     /// KV heads of full-attention layers when they differ from kvHeads (Gemma 4).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 1024))]
+    #[schemars(range(min = 1, max = HEADS_MAX))]
     pub global_kv_heads: Option<i32>,
     /// MLA latent rank (DeepSeek-style `kv_lora_rank`); set with qkRopeHeadDim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = KV_LORA_RANK_MAX))]
     pub kv_lora_rank: Option<i32>,
     /// MLA rotary head dimension (`qk_rope_head_dim`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = QK_ROPE_HEAD_DIM_MAX))]
     pub qk_rope_head_dim: Option<i32>,
     /// Extra layers of a speculative draft model served with it (their KV cache counts too).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = DRAFT_LAYERS_MAX))]
     pub draft_layers: Option<i32>,
     /// Hidden size (needed to serve real weights; optional for capacity planning).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = HIDDEN_SIZE_MAX))]
     pub hidden_size: Option<i32>,
     /// Vocabulary size (needed to serve real weights; optional for capacity planning).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = VOCAB_SIZE_MAX))]
     pub vocab_size: Option<i32>,
 }
 
@@ -261,6 +265,7 @@ pub struct ConfigMapKeyRef {
     pub name: String,
     /// Key holding the JSON; defaults to `config.json`.
     #[serde(default = "default_config_key")]
+    #[schemars(length(min = 1, max = NAME_LEN_MAX))]
     pub key: String,
 }
 
@@ -287,6 +292,7 @@ pub struct WeightsSource {
     pub format: WeightsFormat,
     /// A PersistentVolumeClaim holding the weights, mounted read-only at `/models`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = NAME_LEN_MAX))]
     pub pvc_name: Option<String>,
     /// A directory on the node holding the weights (e.g. a local NVMe cache), mounted
     /// read-only at `/models`. Set this or `pvcName`.
@@ -296,6 +302,7 @@ pub struct WeightsSource {
     /// Path of the weights file or checkpoint directory inside the volume, relative to its
     /// root (e.g. `llama-3.1-8b/` or `smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = PATH_LEN_MAX))]
     pub path: Option<String>,
 }
 
@@ -337,6 +344,7 @@ pub struct EngineSpec {
     /// Container image; defaults to the operator's own image for kvfleet and to
     /// `vllm/vllm-openai` for vllm.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = IMAGE_LEN_MAX))]
     pub image: Option<String>,
     /// KV-cache dtype; `auto` keeps the model dtype.
     #[serde(default)]
@@ -346,15 +354,15 @@ pub struct EngineSpec {
     pub attention_backend: AttentionBackend,
     /// Longest context (prompt + output) in tokens.
     #[serde(default = "default_max_model_len")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_MODEL_LEN_MAX))]
     pub max_model_len: i64,
     /// Most sequences running at once.
     #[serde(default = "default_max_num_seqs")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_NUM_SEQS_MAX))]
     pub max_num_seqs: i32,
     /// Most tokens scheduled in one step (prefill chunk + decodes).
     #[serde(default = "default_max_num_batched_tokens")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_NUM_BATCHED_TOKENS_MAX))]
     pub max_num_batched_tokens: i32,
     /// Tokens per KV-cache block (page).
     #[serde(default = "default_block_size")]
@@ -366,13 +374,14 @@ pub struct EngineSpec {
     pub gpu_memory_utilization: f64,
     /// GPUs one replica shards the model over.
     #[serde(default = "default_tensor_parallel_size")]
-    #[schemars(range(min = 1, max = 64))]
+    #[schemars(range(min = 1, max = GPUS_PER_REPLICA_MAX))]
     pub tensor_parallel_size: i32,
     /// Attention without a causal mask (drafter blocks, encoders).
     #[serde(default)]
     pub non_causal: bool,
     /// Extra command-line arguments appended to the engine's command.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = EXTRA_ARGS_MAX), inner(length(max = EXTRA_ARG_LEN_MAX)))]
     pub extra_args: Vec<String>,
 }
 
@@ -423,7 +432,7 @@ pub struct GpuSpec {
     pub selector: Option<GpuSelector>,
     /// GPUs per replica; defaults to engine.tensorParallelSize.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 64))]
+    #[schemars(range(min = 1, max = GPUS_PER_REPLICA_MAX))]
     pub count: Option<i32>,
 }
 
@@ -433,6 +442,7 @@ pub struct GpuSpec {
 pub struct GpuSelector {
     /// Allowed `nvidia.com/gpu.product` values (e.g. `NVIDIA-H100-80GB-HBM3`); empty allows all.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = PRODUCTS_MAX), inner(length(max = NAME_LEN_MAX)))]
     pub products: Vec<String>,
     /// Lowest compute capability allowed, as `major.minor` (e.g. `8.0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -449,15 +459,19 @@ pub struct PodOverrides {
     pub resources: Option<ResourceRequirements>,
     /// Tolerations, e.g. for tainted GPU nodes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = TOLERATIONS_MAX))]
     pub tolerations: Vec<Toleration>,
     /// Node labels a pod's node must carry, in addition to kvfleet's GPU affinity.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = NODE_SELECTOR_MAX))]
     pub node_selector: BTreeMap<String, String>,
     /// Extra environment variables of the serving container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = ENV_MAX))]
     pub env: Vec<EnvVar>,
     /// Extra pod annotations.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = ANNOTATIONS_MAX))]
     pub annotations: BTreeMap<String, String>,
 }
 

@@ -107,8 +107,8 @@ fn run_inner(a: &PlanArgs) -> Result<String, String> {
     let config: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))?;
     let geometry = Geometry::from_hf_config(&config)
-        .map_err(|e| format!("{}: {e}", path.display()))?
-        .with_draft_layers(a.draft_layers);
+        .and_then(|g| g.with_draft_layers(a.draft_layers))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
 
     let memory = if let Some(x) = a.available_kv_gib {
         MemoryInput::AvailableKv {

@@ -5,7 +5,9 @@
 //! after it has seen the record unchanged for a whole `leaseDurationSeconds` measured on its
 //! own clock (so clock skew between nodes does not matter); every write carries the
 //! resourceVersion it read, so two candidates cannot both win; a leader that cannot renew
-//! within the renew deadline steps down.
+//! within the renew deadline steps down. Every Lease call is bounded by a timeout shorter
+//! than the renew deadline (issue 22): a hung call ends as a failed attempt, so a leader
+//! whose API server stalls steps down before a standby can take over (no split brain).
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +26,16 @@ pub struct Timing {
     pub renew_deadline: Duration,
     /// Pause between attempts.
     pub retry_period: Duration,
+    /// Longest one attempt (a read and a write of the Lease) may take; held below the
+    /// renew deadline, and a leader's attempt also ends at its renew deadline.
+    pub call_timeout: Duration,
+}
+
+impl Timing {
+    /// The call timeout actually used: at most half the renew deadline.
+    pub fn bounded_call_timeout(&self) -> Duration {
+        self.call_timeout.min(self.renew_deadline / 2)
+    }
 }
 
 impl Default for Timing {
@@ -32,6 +44,7 @@ impl Default for Timing {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            call_timeout: Duration::from_secs(4),
         }
     }
 }
@@ -161,8 +174,34 @@ impl Elector {
         }
     }
 
+    /// [`Self::try_acquire_or_renew`] bounded by `budget`; a timeout is a failed attempt.
+    async fn attempt(&mut self, budget: Duration) -> bool {
+        match tokio::time::timeout(budget, self.try_acquire_or_renew()).await {
+            Ok(Ok(held)) => held,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, lease = %self.name, "cannot read or write the leader Lease");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(lease = %self.name, timeout_s = budget.as_secs_f64(),
+                    "the leader Lease call did not answer in time; the API server may be stalled");
+                false
+            }
+        }
+    }
+
     /// Gives the Lease up on shutdown so a standby takes over at once.
     pub async fn release(&mut self) -> Result<(), kube::Error> {
+        let budget = self.timing.bounded_call_timeout();
+        match tokio::time::timeout(budget, self.release_unbounded()).await {
+            Ok(r) => r,
+            Err(_) => Err(kube::Error::Service(
+                format!("releasing the Lease took more than {budget:?}").into(),
+            )),
+        }
+    }
+
+    async fn release_unbounded(&mut self) -> Result<(), kube::Error> {
         let Some(mut lease) = self.api.get_opt(&self.name).await? else {
             return Ok(());
         };
@@ -185,15 +224,19 @@ impl Elector {
     /// lost the loop ends (the caller exits so a fresh process campaigns again).
     pub async fn run(mut self, leading: watch::Sender<bool>, mut stop: watch::Receiver<bool>) {
         let mut last_renewed: Option<Instant> = None;
+        let call_timeout = self.timing.bounded_call_timeout();
         loop {
-            let held = match self.try_acquire_or_renew().await {
-                Ok(held) => held,
-                Err(error) => {
-                    tracing::warn!(%error, lease = %self.name, "cannot read or write the leader Lease");
-                    false
-                }
-            };
             let was_leading = *leading.borrow();
+            // A leader's attempt never runs past its renew deadline.
+            let budget = match last_renewed.filter(|_| was_leading) {
+                Some(t) => call_timeout.min(self.timing.renew_deadline.saturating_sub(t.elapsed())),
+                None => call_timeout,
+            };
+            let held = if budget.is_zero() {
+                false
+            } else {
+                self.attempt(budget).await
+            };
             if held {
                 last_renewed = Some(Instant::now());
                 if !was_leading {
@@ -242,6 +285,124 @@ mod tests {
         }
     }
     const D: Duration = Duration::from_secs(15);
+
+    // === a hung API server ===
+
+    use http::{Request, Response};
+    use kube::client::Body;
+    use tower_test::mock;
+
+    fn fast() -> Timing {
+        Timing {
+            lease_duration: Duration::from_millis(1500),
+            renew_deadline: Duration::from_millis(1000),
+            retry_period: Duration::from_millis(100),
+            call_timeout: Duration::from_millis(300),
+        }
+    }
+
+    fn lease_json(holder: &str) -> serde_json::Value {
+        serde_json::json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "kvfleet-controller", "namespace": "kvfleet", "resourceVersion": "1"},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 1,
+                     "renewTime": "2026-01-01T00:00:00.000000Z"}})
+    }
+
+    fn reply(code: u16, body: serde_json::Value) -> Response<Body> {
+        Response::builder()
+            .status(code)
+            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_leader_whose_lease_calls_hang_steps_down_within_the_renew_deadline() {
+        let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(service, "kvfleet");
+        let timing = fast();
+        let elector = Elector::new(
+            Api::<Lease>::namespaced(client, "kvfleet"),
+            "kvfleet-controller",
+            "a",
+            timing,
+        );
+        let (leading_tx, mut leading_rx) = watch::channel(false);
+        let (_stop_tx, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(elector.run(leading_tx, stop_rx));
+
+        // No Lease yet: GET 404, then the create wins.
+        let (req, send) = handle.next_request().await.unwrap();
+        assert_eq!(req.method(), "GET");
+        send.send_response(reply(
+            404,
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound", "metadata": {}}),
+        ));
+        let (req, send) = handle.next_request().await.unwrap();
+        assert_eq!(req.method(), "POST");
+        send.send_response(reply(201, lease_json("a")));
+        leading_rx.wait_for(|l| *l).await.unwrap();
+        let renewed = Instant::now();
+
+        // From now on the API server accepts requests and never answers them.
+        let mut hung = Vec::new();
+        let server = tokio::spawn(async move {
+            while let Some((_req, send)) = handle.next_request().await {
+                hung.push(send); // kept, so the call hangs instead of failing
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(5), leading_rx.wait_for(|l| !*l))
+            .await
+            .expect("the leader stepped down although every Lease call hangs")
+            .ok();
+        let stepped_down_after = renewed.elapsed();
+        assert!(
+            stepped_down_after < timing.lease_duration,
+            "stepped down {stepped_down_after:?} after the last renewal: a standby may take over after {:?}, so two leaders acted",
+            timing.lease_duration
+        );
+        assert!(
+            stepped_down_after >= timing.renew_deadline - Duration::from_millis(50),
+            "stepped down at {stepped_down_after:?}, before the renew deadline"
+        );
+        tokio::time::timeout(Duration::from_secs(1), task)
+            .await
+            .expect("the election loop ends after stepping down")
+            .unwrap();
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn a_hung_release_returns_after_the_call_timeout() {
+        let (service, mut handle) = mock::pair::<Request<Body>, Response<Body>>();
+        let client = kube::Client::new(service, "kvfleet");
+        let mut elector = Elector::new(
+            Api::<Lease>::namespaced(client, "kvfleet"),
+            "kvfleet-controller",
+            "a",
+            fast(),
+        );
+        let server = tokio::spawn(async move {
+            let mut hung = Vec::new();
+            while let Some((_req, send)) = handle.next_request().await {
+                hung.push(send);
+            }
+        });
+        let t = Instant::now();
+        let err = elector.release().await.unwrap_err();
+        assert!(t.elapsed() < Duration::from_millis(600), "{:?}", t.elapsed());
+        assert!(err.to_string().contains("releasing the Lease"), "{err}");
+        server.abort();
+    }
+
+    #[test]
+    fn the_call_timeout_stays_below_the_renew_deadline() {
+        let t = Timing {
+            call_timeout: Duration::from_secs(60),
+            ..Timing::default()
+        };
+        assert_eq!(t.bounded_call_timeout(), Duration::from_secs(5));
+        assert!(Timing::default().bounded_call_timeout() < Timing::default().renew_deadline);
+    }
 
     #[test]
     fn a_missing_or_empty_lease_is_acquired() {

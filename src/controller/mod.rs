@@ -224,18 +224,20 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
 
     let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=kvfleet");
     let mut stop = stop_rx.clone();
-    let mut lost = leading_rx.clone();
     let shutdown = async move {
-        tokio::select! {
-            _ = stop.wait_for(|s| *s) => {}
-            _ = lost.wait_for(|l| !*l) => {}
-        }
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    // Lost leadership stops every reconcile at once (in-flight ones are dropped, not
+    // awaited): a former leader must not act after a standby may have taken over.
+    let mut lost = leading_rx.clone();
+    let lost = async move {
+        let _ = lost.wait_for(|l| !*l).await;
     };
     tracing::info!("reconciling InferenceDeployments");
     let controller = Controller::new(ids, watcher::Config::default());
     let conditions = metrics::ConditionCollector::new(controller.store()).map_err(Error::Metrics)?;
     registry.register(Box::new(conditions)).map_err(Error::Metrics)?;
-    controller
+    let run = controller
         .with_config(ControllerConfig::default().concurrency(args.concurrency))
         .owns(Api::<Deployment>::all(client.clone()), owned.clone())
         .owns(Api::<Service>::all(client.clone()), owned.clone())
@@ -248,8 +250,15 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
             if let Err(error) = r {
                 tracing::debug!(error = %crate::cli::error_chain(&error), "controller stream");
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        _ = run => {}
+        _ = lost, if args.leader_elect => {
+            metrics.leader.set(0);
+            tracing::error!("lost leadership: reconciles stopped");
+            return Err(Error::LeadershipLost);
+        }
+    }
     metrics.leader.set(0);
 
     if args.leader_elect && !*stop_rx.borrow() {

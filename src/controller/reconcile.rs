@@ -40,6 +40,12 @@ pub const RESYNC: Duration = Duration::from_secs(300);
 /// How often an object whose workers have not yet reported capacity is looked at again.
 pub const CAPACITY_POLL: Duration = Duration::from_secs(30);
 const CONFLICT_RETRIES: usize = 3;
+/// How often an object blocked by an object kvfleet did not create is looked at again
+/// (deleting the blocking object wakes no watch of ours).
+pub const OWNERSHIP_RETRY: Duration = Duration::from_secs(60);
+/// Degraded reason (and Event reason) when an object of a name kvfleet would create
+/// exists and is not owned by this InferenceDeployment.
+pub const OWNERSHIP_CONFLICT: &str = "OwnershipConflict";
 
 /// Spec + cluster facts -> verdict; [`crate::validate::validate`] in production.
 pub type ValidateFn = fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict;
@@ -290,41 +296,91 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
 
     let mut prediction = None;
     let mut measured = None;
+    let uid = obj.metadata.uid.clone().unwrap_or_default();
+    // Objects of our names that this InferenceDeployment does not own (issue 22).
+    let mut foreign: Vec<String> = Vec::new();
     let deployment = if verdict.allowed() {
         prediction = (ctx.predict)(&obj.spec, &verdict);
         let monitor = ctx.monitor_kind();
         let want = desired::desired(obj, &verdict, &ctx.settings, monitor.as_ref())?;
         let c = &ctx.client;
+        // Ownership first: a forced apply over an object someone else created would take it
+        // over (and garbage collection would later delete it), so nothing is applied while
+        // any object of our names belongs to someone else.
+        let mut check = Ownership::new(&uid, &ns);
         if let Some(cm) = &want.config_map {
-            apply(&Api::<ConfigMap>::namespaced(c.clone(), &ns), cm).await?;
+            check
+                .look(&Api::<ConfigMap>::namespaced(c.clone(), &ns), cm)
+                .await?;
         }
         if let Some(sa) = &want.service_account {
-            apply(&Api::<ServiceAccount>::namespaced(c.clone(), &ns), sa).await?;
+            check
+                .look(&Api::<ServiceAccount>::namespaced(c.clone(), &ns), sa)
+                .await?;
         }
         if let Some(rb) = &want.role_binding {
-            apply(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb).await?;
+            check
+                .look(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb)
+                .await?;
         }
-        let dep = apply(&Api::<Deployment>::namespaced(c.clone(), &ns), &want.deployment).await?;
-        apply(&Api::<Service>::namespaced(c.clone(), &ns), &want.service).await?;
+        let deployments = Api::<Deployment>::namespaced(c.clone(), &ns);
+        let current = check.look(&deployments, &want.deployment).await?;
+        check
+            .look(&Api::<Service>::namespaced(c.clone(), &ns), &want.service)
+            .await?;
         let pdbs = Api::<PodDisruptionBudget>::namespaced(c.clone(), &ns);
-        match &want.pdb {
-            Some(pdb) => {
-                apply(&pdbs, pdb).await?;
+        let pdb_is_ours = match &want.pdb {
+            Some(pdb) => check.look(&pdbs, pdb).await?.is_some(),
+            // Not wanted: only removed when ours; someone else's is left alone.
+            None => pdbs
+                .get_opt(&name)
+                .await
+                .map_err(|source| Error::kube(format!("read PodDisruptionBudget {name}"), source))?
+                .is_some_and(|p| is_owned_by(&p, &uid)),
+        };
+        let monitors = monitor
+            .as_ref()
+            .map(|kind| Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &kind.resource));
+        if let (Some(mon), Some(api)) = (&want.monitor, &monitors) {
+            check.look(api, mon).await?;
+        }
+        foreign = check.foreign;
+        if !foreign.is_empty() {
+            tracing::warn!(objects = %foreign.join("; "), "not applying: objects of kvfleet's names exist that this InferenceDeployment does not own");
+            current
+        } else {
+            if let Some(cm) = &want.config_map {
+                apply(&Api::<ConfigMap>::namespaced(c.clone(), &ns), cm).await?;
             }
-            // One replica with a PDB would block every node drain: remove it when scaling down.
-            None => delete_if_present(&pdbs, &name).await?,
+            if let Some(sa) = &want.service_account {
+                apply(&Api::<ServiceAccount>::namespaced(c.clone(), &ns), sa).await?;
+            }
+            if let Some(rb) = &want.role_binding {
+                apply(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb).await?;
+            }
+            let dep = apply(&deployments, &want.deployment).await?;
+            apply(&Api::<Service>::namespaced(c.clone(), &ns), &want.service).await?;
+            match &want.pdb {
+                Some(pdb) => {
+                    apply(&pdbs, pdb).await?;
+                }
+                // One replica with a PDB would block every node drain: remove ours when
+                // scaling down (never one we did not create).
+                None if pdb_is_ours => delete_if_present(&pdbs, &name).await?,
+                None => {}
+            }
+            if let (Some(mon), Some(api)) = (&want.monitor, &monitors) {
+                apply(api, mon).await?;
+            }
+            Some(dep)
         }
-        if let (Some(mon), Some(kind)) = (&want.monitor, &monitor) {
-            let api = Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &kind.resource);
-            apply(&api, mon).await?;
-        }
-        Some(dep)
     } else {
-        // Leave what runs alone; just report on it.
+        // Leave what runs alone; just report on it (only a Deployment this object owns).
         Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
             .get_opt(&name)
             .await
             .map_err(|source| Error::kube("read Deployment", source))?
+            .filter(|d| is_owned_by(d, &uid))
     };
 
     // One LIST of the worker pods serves both the measured capacity and the preflight
@@ -354,16 +410,24 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         measured_tokens: measured,
         preflight_failure: preflight.as_deref(),
     };
-    let new_status = status::compute(obj, &seen, Timestamp::now());
+    let mut new_status = status::compute(obj, &seen, Timestamp::now());
+    if !foreign.is_empty() {
+        mark_ownership_conflict(obj, &mut new_status, &foreign);
+    }
     if obj.status.as_ref() != Some(&new_status) {
         patch_status(ctx, &ns, &name, &new_status).await?;
     }
     let regarding = obj.object_ref(&());
     for n in status::notices(obj.status.as_ref(), &new_status, Some(&verdict)) {
+        if !foreign.is_empty() && n.reason == "SpecApplied" {
+            continue; // nothing was applied
+        }
         ctx.publish(&regarding, &n).await;
     }
 
-    Ok(if !verdict.allowed() {
+    Ok(if !foreign.is_empty() {
+        Action::requeue(OWNERSHIP_RETRY)
+    } else if !verdict.allowed() {
         // Invalid spec or no compatible node: a spec change or a node change wakes us.
         Action::await_change()
     } else if obj.spec.engine.runtime == Runtime::Kvfleet
@@ -375,6 +439,98 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     } else {
         Action::requeue(RESYNC)
     })
+}
+
+// === impl ownership ===
+
+/// True when `obj` carries an owner reference to the object of `uid`.
+pub fn is_owned_by<K: Resource>(obj: &K, uid: &str) -> bool {
+    !uid.is_empty() && obj.owner_references().iter().any(|r| r.uid == uid)
+}
+
+/// Who owns `obj`, for messages: "owned by Deployment other" or "no owner reference: ...".
+fn describe_owners<K: Resource>(obj: &K) -> String {
+    let refs = obj.owner_references();
+    if refs.is_empty() {
+        return "no owner reference: created outside kvfleet".into();
+    }
+    let owners: Vec<String> = refs.iter().map(|r| format!("{} {}", r.kind, r.name)).collect();
+    format!("owned by {}", owners.join(", "))
+}
+
+/// The existing objects of the names kvfleet applies, and those it must not touch.
+struct Ownership<'a> {
+    uid: &'a str,
+    ns: &'a str,
+    /// "Service ml/llama (owned by ...)" per object that exists and is not ours.
+    foreign: Vec<String>,
+}
+
+impl<'a> Ownership<'a> {
+    fn new(uid: &'a str, ns: &'a str) -> Self {
+        Ownership {
+            uid,
+            ns,
+            foreign: Vec::new(),
+        }
+    }
+
+    /// The existing object of `want`'s name when this InferenceDeployment owns it; records
+    /// it as foreign when someone else does.
+    async fn look<K>(&mut self, api: &Api<K>, want: &K) -> Result<Option<K>, Error>
+    where
+        K: Resource + Serialize + DeserializeOwned + Clone + Debug,
+    {
+        let name = want.meta().name.clone().unwrap_or_default();
+        let kind = kind_of(want);
+        let existing = api
+            .get_opt(&name)
+            .await
+            .map_err(|source| Error::kube(format!("read {kind} {name}"), source))?;
+        match existing {
+            Some(o) if is_owned_by(&o, self.uid) => Ok(Some(o)),
+            Some(o) => {
+                self.foreign
+                    .push(format!("{kind} {}/{name} ({})", self.ns, describe_owners(&o)));
+                Ok(None)
+            }
+            None => Ok(None),
+        }
+    }
+}
+
+/// Degraded=True with [`OWNERSHIP_CONFLICT`], naming the objects (the Event follows from it).
+fn mark_ownership_conflict(
+    obj: &InferenceDeployment,
+    st: &mut crate::api::InferenceDeploymentStatus,
+    foreign: &[String],
+) {
+    let message = format!(
+        "not applied: kvfleet never takes over objects it did not create, and {} already {}: delete or rename {}, or give this InferenceDeployment another name",
+        foreign.join("; "),
+        if foreign.len() == 1 { "exists" } else { "exist" },
+        if foreign.len() == 1 { "it" } else { "them" },
+    );
+    let old = obj
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == status::DEGRADED));
+    let last_transition_time = match old {
+        Some(c) if c.status == "True" => c.last_transition_time.clone(),
+        _ => k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
+    };
+    let cond = k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        type_: status::DEGRADED.into(),
+        status: "True".into(),
+        reason: OWNERSHIP_CONFLICT.into(),
+        message,
+        observed_generation: obj.metadata.generation,
+        last_transition_time,
+    };
+    match st.conditions.iter_mut().find(|c| c.type_ == status::DEGRADED) {
+        Some(c) => *c = cond,
+        None => st.conditions.push(cond),
+    }
 }
 
 /// Server-side apply with the controller's field manager, retried on conflicts.

@@ -175,10 +175,18 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
+    /// Element count (saturating: a header's dims are untrusted; the parser rejects tensors
+    /// whose bytes overflow or lie past the file).
     pub fn elements(&self) -> u64 {
-        self.dims.iter().product()
+        self.dims.iter().fold(1u64, |a, &d| a.saturating_mul(d))
     }
 }
+
+/// Most values reserved up front for a header array or the tensor index: counts come from
+/// the file, so a large count grows the vector as elements really parse (issue 22).
+const PREALLOCATE_MAX: usize = 4096;
+/// Largest `general.alignment` accepted (llama.cpp writes 32).
+const ALIGNMENT_MAX: u64 = 1 << 16;
 
 enum Storage {
     Mapped(Mmap),
@@ -282,7 +290,7 @@ impl<'a> Reader<'a> {
                 }
                 let ety = self.u32()?;
                 let n = self.len("array", 1)?;
-                let mut out = Vec::with_capacity(n);
+                let mut out = Vec::with_capacity(n.min(PREALLOCATE_MAX));
                 for _ in 0..n {
                     out.push(self.value(ety, depth + 1)?);
                 }
@@ -344,7 +352,7 @@ impl Gguf {
             let v = r.value(ty, 0)?;
             metadata.insert(key, v);
         }
-        let mut tensors = Vec::with_capacity(n_tensors);
+        let mut tensors = Vec::with_capacity(n_tensors.min(PREALLOCATE_MAX));
         let mut by_name = BTreeMap::new();
         for _ in 0..n_tensors {
             let name = r.string()?;
@@ -372,7 +380,13 @@ impl Gguf {
             .get("general.alignment")
             .and_then(Value::as_u64)
             .unwrap_or(32)
-            .max(1) as usize;
+            .max(1);
+        if align > ALIGNMENT_MAX {
+            return Err(GgufError::Corrupt(format!(
+                "general.alignment {align} is larger than {ALIGNMENT_MAX}"
+            )));
+        }
+        let align = align as usize;
         let data_start = r.pos.div_ceil(align) * align;
         let me = Gguf {
             version,
@@ -415,7 +429,11 @@ impl Gguf {
                 t.ty.name()
             )));
         }
-        Ok(Some((n / per_block as u64) as usize * block_bytes))
+        usize::try_from(n / per_block as u64)
+            .ok()
+            .and_then(|blocks| blocks.checked_mul(block_bytes))
+            .map(Some)
+            .ok_or_else(|| GgufError::Corrupt(format!("tensor `{}` is too large", t.name)))
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {

@@ -207,6 +207,22 @@ impl HfConfig {
         if raw.num_attention_heads == 0 {
             return Err(cfg_err("num_attention_heads is 0".into()));
         }
+        // Bounds before anything is sized from them (issue 22): far above any real model.
+        for (key, value, max) in [
+            ("hidden_size", Some(raw.hidden_size), 1usize << 17),
+            ("intermediate_size", Some(raw.intermediate_size), 1 << 20),
+            ("num_hidden_layers", Some(raw.num_hidden_layers), 4096),
+            ("num_attention_heads", Some(raw.num_attention_heads), 1024),
+            ("num_key_value_heads", raw.num_key_value_heads, 1024),
+            ("head_dim", raw.head_dim, 16_384),
+            ("vocab_size", Some(raw.vocab_size), 1 << 22),
+            ("max_position_embeddings", raw.max_position_embeddings, 1 << 25),
+            ("sliding_window", raw.sliding_window, 1 << 25),
+        ] {
+            if let Some(v) = value.filter(|v| *v > max) {
+                return Err(cfg_err(format!("{key} {v} is above the maximum {max}")));
+            }
+        }
         let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
         let params = raw.rope_parameters.as_ref();
         let rope_theta = raw

@@ -9,6 +9,19 @@ use serde_json::Value;
 use super::PlanError;
 use crate::api::{LayerType, ModelGeometry};
 
+/// Most layers (model plus draft) a geometry may hold: checked before any per-layer
+/// allocation, so a hostile config or spec cannot make the planner allocate gigabytes.
+pub const MAX_LAYERS: u32 = 4096;
+/// Largest KV heads or head dimension of one layer.
+pub const MAX_LAYER_DIM: u32 = 16_384;
+
+fn too_many_layers(key: &str, n: u64) -> PlanError {
+    PlanError::InvalidConfig {
+        key: key.into(),
+        message: format!("{n} layers is more than the maximum {MAX_LAYERS}; check the value (real models have at most a few hundred)"),
+    }
+}
+
 /// How a layer attends, which decides how much of the context its KV cache holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
@@ -115,10 +128,19 @@ impl Geometry {
                 message: "must be at least 1".into(),
             });
         }
+        if n_layers > MAX_LAYERS {
+            return Err(too_many_layers("num_hidden_layers", n_layers.into()));
+        }
         let hidden_size = c.first_u32(&["hidden_size", "n_embd", "d_model"])?;
 
         // MLA (DeepSeek V2/V3, Kimi K2, GLM-4.5-style MLA variants).
         if let (Some(rank), Some(rope)) = (c.u32("kv_lora_rank")?, c.u32("qk_rope_head_dim")?) {
+            if rank > MAX_LAYER_DIM || rope > MAX_LAYER_DIM {
+                return Err(PlanError::InvalidConfig {
+                    key: "kv_lora_rank / qk_rope_head_dim".into(),
+                    message: format!("{rank} and {rope} must each be at most {MAX_LAYER_DIM}"),
+                });
+            }
             notes.push(format!(
                 "MLA: every layer caches one latent of kv_lora_rank {rank} + qk_rope_head_dim {rope} = {} values per token",
                 rank + rope
@@ -260,6 +282,9 @@ impl Geometry {
             v.map(|v| pos(name, v)).transpose()
         };
         let n_layers = pos("layers", spec.layers)?;
+        if n_layers > MAX_LAYERS {
+            return Err(too_many_layers("model.geometry.layers", n_layers.into()));
+        }
         let query_heads = pos("queryHeads", spec.query_heads)?;
         let kv_heads = pos("kvHeads", spec.kv_heads)?;
         let head_dim = pos("headDim", spec.head_dim)?;
@@ -271,6 +296,9 @@ impl Geometry {
                     key: "model.geometry.draftLayers".into(),
                     message: format!("must not be negative, got {d}"),
                 })
+            }
+            Some(d) if d as u32 > MAX_LAYERS => {
+                return Err(too_many_layers("model.geometry.draftLayers", d as u64));
             }
             Some(d) => d as u32,
             None => 0,
@@ -346,14 +374,19 @@ impl Geometry {
             hidden_size: opt("hiddenSize", spec.hidden_size)?,
             notes,
         };
-        Ok(geometry.with_draft_layers(draft))
+        geometry.with_draft_layers(draft)
     }
 
     /// Adds `n` layers of a speculative draft model. They take the spec of the model's
     /// full-attention (or MLA) layers, or of its first layer when every layer slides.
-    pub fn with_draft_layers(mut self, n: u32) -> Geometry {
+    /// More than [`MAX_LAYERS`] in all is an error (nothing is allocated for them).
+    pub fn with_draft_layers(mut self, n: u32) -> Result<Geometry, PlanError> {
         if n == 0 {
-            return self;
+            return Ok(self);
+        }
+        let total = self.layers.len() as u64 + u64::from(n);
+        if total > u64::from(MAX_LAYERS) {
+            return Err(too_many_layers("draft layers", total));
         }
         let template = self
             .layers
@@ -367,7 +400,7 @@ impl Geometry {
             self.notes
                 .push(format!("{n} draft-model layers of spec {} added", t.kind.label()));
         }
-        self
+        Ok(self)
     }
 
     /// Rejects sizes no real model has, so that byte counts cannot overflow.
@@ -377,16 +410,17 @@ impl Geometry {
                 "the model has no layers with a KV cache".into(),
             ));
         }
-        if self.layers.len() > 4096 {
+        if self.layers.len() > MAX_LAYERS as usize {
             return Err(PlanError::InvalidInput(format!(
-                "{} layers is more than 4096",
+                "{} layers is more than {MAX_LAYERS}",
                 self.layers.len()
             )));
         }
         for l in &self.layers {
-            if l.kv_heads > 16_384 || l.head_dim > 16_384 || l.kv_heads == 0 || l.head_dim == 0 {
+            if l.kv_heads > MAX_LAYER_DIM || l.head_dim > MAX_LAYER_DIM || l.kv_heads == 0 || l.head_dim == 0
+            {
                 return Err(PlanError::InvalidInput(format!(
-                    "KV heads {} and head_dim {} must be in 1..=16384",
+                    "KV heads {} and head_dim {} must be in 1..={MAX_LAYER_DIM}",
                     l.kv_heads, l.head_dim
                 )));
             }

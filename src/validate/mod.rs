@@ -30,6 +30,7 @@ use crate::api::{CapacityStatus, GpuSelector, InferenceDeploymentSpec, ResolvedC
 use crate::compat::rules::{self, Violation};
 use crate::compat::{products, AttentionBackend, ComputeCapability, KvCacheDtype, ModelFeatures};
 
+pub mod bounds;
 #[cfg(test)]
 mod equivalence_tests;
 #[cfg(test)]
@@ -681,6 +682,14 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
 /// product at or above it), admitted with a warning that pods stay Pending until such a
 /// node joins; the controller re-validates when one does.
 pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    // Bounds first: nothing below may loop or allocate on a value over its bound.
+    let out_of_bounds = bounds::check(spec);
+    if !out_of_bounds.is_empty() {
+        return Verdict {
+            denials: out_of_bounds,
+            ..Verdict::default()
+        };
+    }
     scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes)
 }
 
@@ -1241,7 +1250,7 @@ fn node_affinity(
 // === impl capacity ===
 
 enum CapacityOutcome {
-    /// The geometry or GPU memory is unknown here, or the planner declined (warned).
+    /// The geometry or GPU memory is unknown here (warned).
     NotPlanned,
     Denied(Denial),
     Planned {
@@ -1268,10 +1277,7 @@ fn plan_capacity<'a>(
     };
     let geometry = match crate::plan::Geometry::from_spec(g) {
         Ok(geometry) => geometry,
-        Err(e) => {
-            warnings.push(format!("KV capacity not planned: {e}"));
-            return CapacityOutcome::NotPlanned;
-        }
+        Err(e) => return CapacityOutcome::Denied(bounds::planner_denial(&e)),
     };
     // A larger tensorParallelSize is a fix only where the nodes have the GPUs for it.
     let max_gpus = compatible.iter().filter_map(|c| c.node.gpus()).max();
@@ -1324,10 +1330,7 @@ fn plan_capacity<'a>(
                 group_fits[g] = false;
                 not_fitting.push((cap, product.to_string(), nodes));
             }
-            Err(e) => {
-                warnings.push(format!("KV capacity not planned for {product}: {e}"));
-                fitting += nodes;
-            }
+            Err(e) => return CapacityOutcome::Denied(bounds::planner_denial(&e)),
         }
     }
     if let Some((cap, product)) = smallest_fit {
@@ -1368,7 +1371,7 @@ fn plan_capacity<'a>(
         };
     }
     if !unknown.is_empty() || not_fitting.is_empty() {
-        // Nothing was judged too small (planner errors or unknown memory): admit, warned.
+        // Nothing was judged too small (unknown memory): admit, warned.
         return CapacityOutcome::NotPlanned;
     }
     // Nothing fits: name the fix for the largest GPU (the last group).

@@ -125,6 +125,13 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
 
 /// Decides whether `spec` can run on `facts`.
 pub(super) fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
+    let out_of_bounds = super::bounds::check(spec);
+    if !out_of_bounds.is_empty() {
+        return Verdict {
+            denials: out_of_bounds,
+            ..Verdict::default()
+        };
+    }
     super::scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes)
 }
 
@@ -559,10 +566,7 @@ fn plan_capacity<'a>(
     };
     let geometry = match crate::plan::Geometry::from_spec(g) {
         Ok(geometry) => geometry,
-        Err(e) => {
-            warnings.push(format!("KV capacity not planned: {e}"));
-            return CapacityOutcome::NotPlanned;
-        }
+        Err(e) => return CapacityOutcome::Denied(super::bounds::planner_denial(&e)),
     };
     // A larger tensorParallelSize is a fix only where the nodes have the GPUs for it.
     let max_gpus = compatible.iter().filter_map(|c| c.node.gpus()).max();
@@ -603,10 +607,7 @@ fn plan_capacity<'a>(
                 }
             }
             Ok(cap) => not_fitting.push((cap, product.clone(), nodes.len())),
-            Err(e) => {
-                warnings.push(format!("KV capacity not planned for {product}: {e}"));
-                fitting.extend(nodes.iter().copied());
-            }
+            Err(e) => return CapacityOutcome::Denied(super::bounds::planner_denial(&e)),
         }
     }
     if let Some((cap, product)) = smallest_fit {

@@ -4,14 +4,22 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Node;
+use kube::api::ListParams;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Api;
 
 use crate::validate::{ClusterFacts, NodeFacts};
+
+/// The cache is stale (readiness fails) when the API server has not answered the watch
+/// or a probe for this long: 3 missed [`PROBE_INTERVAL`]s.
+pub const STALE_AFTER: Duration = Duration::from_secs(90);
+/// How often the API server is asked for one node, so a quiet watch is told from a dead one.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Read side of the node cache, shared by the request handlers.
 pub struct NodeCache {
@@ -20,6 +28,10 @@ pub struct NodeCache {
     generation: AtomicU64,
     synced: AtomicBool,
     snapshot: Mutex<(u64, Arc<ClusterFacts>)>,
+    /// When the API server last answered (a watch event or a probe), as ms after `epoch`.
+    last_ok_ms: AtomicU64,
+    epoch: Instant,
+    stale_after: Duration,
 }
 
 /// Write side: applies watch events to the store and tells readers what changed.
@@ -30,12 +42,20 @@ pub struct NodeCacheWriter {
 
 /// A new, empty, not yet synced cache and its writer.
 pub fn node_cache() -> (Arc<NodeCache>, NodeCacheWriter) {
+    node_cache_stale_after(STALE_AFTER)
+}
+
+/// [`node_cache`] that turns stale after `stale_after` without an answer from the API server.
+pub fn node_cache_stale_after(stale_after: Duration) -> (Arc<NodeCache>, NodeCacheWriter) {
     let (store, writer) = reflector::store::<Node>();
     let cache = Arc::new(NodeCache {
         store,
         generation: AtomicU64::new(1),
         synced: AtomicBool::new(false),
         snapshot: Mutex::new((0, Arc::new(ClusterFacts::default()))),
+        last_ok_ms: AtomicU64::new(0),
+        epoch: Instant::now(),
+        stale_after,
     });
     (cache.clone(), NodeCacheWriter { writer, cache })
 }
@@ -44,6 +64,39 @@ impl NodeCache {
     /// True once the first full list of nodes has been applied.
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
+    }
+
+    /// Records that the API server answered just now.
+    pub fn mark_fresh(&self) {
+        let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ok_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+
+    /// Time since the API server last answered (a watch event or a probe).
+    pub fn age(&self) -> Duration {
+        let last = Duration::from_millis(self.last_ok_ms.load(Ordering::Acquire));
+        self.epoch.elapsed().saturating_sub(last)
+    }
+
+    /// True when the API server has not answered for longer than the staleness bound: the
+    /// cache may no longer describe the cluster.
+    pub fn stale(&self) -> bool {
+        self.age() > self.stale_after
+    }
+
+    /// Asks the API server for one node every `interval`, for ever; each answer marks the
+    /// cache fresh. A failed or hung probe (bounded by `interval`) leaves it to go stale.
+    pub async fn probe(self: Arc<Self>, api: Api<Node>, interval: Duration) {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            match tokio::time::timeout(interval, api.list_metadata(&ListParams::default().limit(1))).await {
+                Ok(Ok(_)) => self.mark_fresh(),
+                Ok(Err(error)) => tracing::warn!(%error, "the API server did not answer the node probe"),
+                Err(_) => tracing::warn!(timeout_s = interval.as_secs_f64(), "the node probe timed out"),
+            }
+        }
     }
 
     /// Nodes in the cache.
@@ -90,6 +143,7 @@ impl NodeCacheWriter {
             watcher::Event::Init | watcher::Event::InitApply(_) => false,
         };
         self.writer.apply_watcher_event(event);
+        self.cache.mark_fresh();
         if changed {
             self.cache.generation.fetch_add(1, Ordering::AcqRel);
         }

@@ -50,6 +50,8 @@ pub enum CertError {
         #[source]
         source: kube::Error,
     },
+    #[error("the CA of the new serving certificate could not be published, so the certificate is not served (the API server would not trust it); the previous one stays")]
+    CaNotPublished(#[source] Box<CertError>),
     #[error("Secret {namespace}/{name} kept changing under us ({attempts} attempts); is another program writing it?")]
     Contended {
         namespace: String,
@@ -200,6 +202,30 @@ pub fn serving_names(pem: &str) -> Option<Vec<String>> {
 }
 
 /// Self-managed certificates of one webhook deployment.
+/// The certificate being served and the CAs the API server was last told to trust.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    pub cert_pem: Option<String>,
+    /// CA certificates (PEM) of the last bundle published.
+    pub trusted_cas: Vec<String>,
+}
+
+impl Served {
+    /// Serving `material`, whose bundle was just published.
+    pub fn published(material: &Material) -> Self {
+        Served {
+            cert_pem: Some(material.serving.cert_pem.clone()),
+            trusted_cas: bundle_cas(material),
+        }
+    }
+}
+
+fn bundle_cas(material: &Material) -> Vec<String> {
+    let mut cas = vec![material.ca.0.cert_pem.clone()];
+    cas.extend(material.previous_ca_pem.clone());
+    cas
+}
+
 #[derive(Clone)]
 pub struct SelfManaged {
     pub client: Client,
@@ -330,31 +356,67 @@ impl SelfManaged {
         Ok(true)
     }
 
+    /// The first certificate to serve: the Secret's material once its CA bundle is
+    /// published, retried (1 s doubling to `max_delay`) while publishing fails, e.g. while
+    /// the chart's ValidatingWebhookConfiguration does not exist yet.
+    pub async fn published_material(&self, max_delay: Duration) -> Result<Material, CertError> {
+        let mut delay = Duration::from_secs(1);
+        loop {
+            let material = self.ensure(OffsetDateTime::now_utc()).await?;
+            match self.apply_ca_bundle(&material.ca_bundle()).await {
+                Ok(_) => return Ok(material),
+                Err(error) => {
+                    tracing::warn!(error = %crate::cli::error_chain(&error), retry_s = delay.as_secs(),
+                    "cannot publish the CA bundle; not serving until it is published")
+                }
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(max_delay.max(Duration::from_secs(1)));
+        }
+    }
+
     /// One round: ensure the Secret, publish the CA bundle, then serve the certificate
-    /// if it differs from `served` (the bundle goes first so the API server already
-    /// trusts the CA of the certificate we switch to).
+    /// if it differs from the served one (the bundle goes first so the API server already
+    /// trusts the CA of the certificate we switch to). When publishing fails, a new
+    /// certificate is served only if its CA is one already published.
     pub async fn refresh(
         &self,
         rustls: &RustlsConfig,
         metrics: &Metrics,
-        served: &mut Option<String>,
+        served: &mut Served,
     ) -> Result<(), CertError> {
         let material = self.ensure(OffsetDateTime::now_utc()).await?;
-        if let Err(error) = self.apply_ca_bundle(&material.ca_bundle()).await {
-            // Keep serving: the configuration may not exist yet (chart installs it
-            // after the Deployment) and the next round retries.
-            tracing::warn!(error = %crate::cli::error_chain(&error), "cannot publish the CA bundle yet");
-        }
-        if served.as_deref() != Some(material.serving.cert_pem.as_str()) {
+        let published = self.apply_ca_bundle(&material.ca_bundle()).await;
+        if served.cert_pem.as_deref() != Some(material.serving.cert_pem.as_str()) {
+            let ca_pem = material.ca.0.cert_pem.as_str();
+            if let Err(error) = published {
+                if !served.trusted_cas.iter().any(|c| c == ca_pem) {
+                    return Err(CertError::CaNotPublished(Box::new(error)));
+                }
+                tracing::warn!(error = %crate::cli::error_chain(&error), "cannot publish the CA bundle; serving the new certificate, whose CA was published before");
+                tls::install(
+                    rustls,
+                    material.serving.cert_pem.as_bytes(),
+                    material.serving.key_pem.as_bytes(),
+                    metrics,
+                )?;
+                served.cert_pem = Some(material.serving.cert_pem.clone());
+                return Ok(());
+            }
             tls::install(
                 rustls,
                 material.serving.cert_pem.as_bytes(),
                 material.serving.key_pem.as_bytes(),
                 metrics,
             )?;
-            *served = Some(material.serving.cert_pem.clone());
+            served.cert_pem = Some(material.serving.cert_pem.clone());
             tracing::info!(not_after = %material.serving.not_after, "serving certificate installed");
+        } else if let Err(error) = published {
+            // Keep serving the current certificate; the next round retries.
+            tracing::warn!(error = %crate::cli::error_chain(&error), "cannot publish the CA bundle; retrying next round");
+            return Ok(());
         }
+        served.trusted_cas = bundle_cas(&material);
         Ok(())
     }
 
@@ -364,7 +426,7 @@ impl SelfManaged {
         rustls: RustlsConfig,
         metrics: Metrics,
         interval: Duration,
-        mut served: Option<String>,
+        mut served: Served,
     ) {
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -167,6 +167,12 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
 
     let selector = (!args.node_selector.is_empty()).then(|| args.node_selector.clone());
     tokio::spawn(writer.run(Api::<Node>::all(client.clone()), selector));
+    tokio::spawn(
+        state
+            .cache
+            .clone()
+            .probe(Api::<Node>::all(client.clone()), cache::PROBE_INTERVAL),
+    );
 
     let interval = Duration::from_secs(tls_args.tls_reload_seconds);
     let rustls = match tls_args.tls_mode {
@@ -205,10 +211,12 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
                     serving: Duration::from_secs(tls_args.cert_validity_hours * 3600),
                 },
             });
-            let material = manager
-                .ensure(time::OffsetDateTime::now_utc())
-                .await
-                .map_err(Box::new)?;
+            // Nothing is served (and /readyz fails) until the API server trusts the CA of
+            // the certificate: a certificate whose CA failed to publish fails every admission.
+            let material = tokio::select! {
+                m = manager.published_material(interval) => m.map_err(Box::new)?,
+                () = crate::cli::shutdown_signal() => return Ok(()),
+            };
             let rustls = RustlsConfig::from_config(tls::server_config(
                 material.serving.cert_pem.as_bytes(),
                 material.serving.key_pem.as_bytes(),
@@ -216,14 +224,11 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
             metrics
                 .cert_not_after
                 .set(material.serving.not_after.unix_timestamp());
-            if let Err(error) = manager.apply_ca_bundle(&material.ca_bundle()).await {
-                tracing::warn!(error = %crate::cli::error_chain(&error), "cannot publish the CA bundle yet; retrying");
-            }
             tokio::spawn(manager.run(
                 rustls.clone(),
                 metrics.clone(),
                 interval,
-                Some(material.serving.cert_pem),
+                certs::Served::published(&material),
             ));
             rustls
         }

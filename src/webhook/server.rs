@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
@@ -22,27 +22,50 @@ use super::review::{self, Reviewed};
 /// Largest AdmissionReview body accepted (object and oldObject of a large resource).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
+/// A client must send a request's headers within this time (slowloris), on both servers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// What the handlers share.
 pub struct AppState {
     pub cache: Arc<NodeCache>,
     pub metrics: Metrics,
     /// Set once a serving certificate is installed.
     pub tls_ready: AtomicBool,
+    /// See [`HEADER_READ_TIMEOUT`].
+    pub header_read_timeout: Duration,
 }
 
 impl AppState {
     pub fn new(cache: Arc<NodeCache>, metrics: Metrics) -> Arc<Self> {
+        Self::with_header_read_timeout(cache, metrics, HEADER_READ_TIMEOUT)
+    }
+
+    pub fn with_header_read_timeout(cache: Arc<NodeCache>, metrics: Metrics, timeout: Duration) -> Arc<Self> {
         Arc::new(AppState {
             cache,
             metrics,
             tls_ready: AtomicBool::new(false),
+            header_read_timeout: timeout,
         })
     }
 
-    /// Ready to admit: nodes listed and a certificate to serve.
+    /// Ready to admit: nodes listed and fresh (the API server answered recently), and a
+    /// certificate to serve.
     pub fn ready(&self) -> bool {
-        self.cache.synced() && self.tls_ready.load(Ordering::Acquire)
+        self.cache.synced() && !self.cache.stale() && self.tls_ready.load(Ordering::Acquire)
     }
+}
+
+/// HTTP/1 connections must send their headers within `timeout` (hyper needs a timer for it).
+fn limit_header_read<A, Acc>(server: &mut axum_server::Server<A, Acc>, timeout: Duration)
+where
+    A: axum_server::Address,
+{
+    server
+        .http_builder()
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(timeout);
 }
 
 /// The admission router: `POST /validate` (and `/` for configurations written by hand).
@@ -104,6 +127,15 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
             "not ready: the node cache has not synced yet\n",
         )
             .into_response()
+    } else if state.cache.stale() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: the node cache is stale (the API server last answered {} s ago); check the API server and the webhook's network path to it\n",
+                state.cache.age().as_secs()
+            ),
+        )
+            .into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -133,7 +165,9 @@ pub async fn serve_https(
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     state.tls_ready.store(true, Ordering::Release);
-    axum_server::from_tcp_rustls(listener, tls)?
+    let mut server = axum_server::from_tcp_rustls(listener, tls)?;
+    limit_header_read(&mut server, state.header_read_timeout);
+    server
         .handle(handle)
         .serve(admission_router(state).into_make_service())
         .await
@@ -146,7 +180,9 @@ pub async fn serve_health(
     handle: Handle<SocketAddr>,
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
-    axum_server::from_tcp(listener)?
+    let mut server = axum_server::from_tcp(listener)?;
+    limit_header_read(&mut server, state.header_read_timeout);
+    server
         .handle(handle)
         .serve(health_router(state).into_make_service())
         .await

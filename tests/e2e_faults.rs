@@ -1,0 +1,537 @@
+//! End-to-end faults on the real control plane (../shared/k8s), issue 22: leader failover of
+//! two controller electors through a real Lease, with the leader killed and with the leader's
+//! API calls hung (a TCP proxy between it and the API server stops forwarding). Measures the
+//! time to a new leader and checks that two leaders never act at once.
+//!
+//! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_faults -- --ignored --nocapture`.
+//! Without KUBECONFIG the tests fail (they never skip).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use kvfleet::controller::leader::{Elector, Timing};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// Faster than client-go's defaults (15/10/2 s), same proportions.
+fn timing() -> Timing {
+    Timing {
+        lease_duration: Duration::from_secs(6),
+        renew_deadline: Duration::from_secs(4),
+        retry_period: Duration::from_millis(500),
+        call_timeout: Duration::from_millis(1500),
+    }
+}
+
+async fn config() -> Config {
+    let path = std::env::var("KUBECONFIG").expect(
+        "KUBECONFIG is not set: start the control plane with eval \"$(../shared/k8s/up)\" (this e2e test needs it)",
+    );
+    let kubeconfig = Kubeconfig::read_from(&path).expect("KUBECONFIG readable");
+    Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("a usable kubeconfig")
+}
+
+/// A scratch namespace, deleted on drop (only what this test created).
+struct Scratch {
+    client: Client,
+    name: String,
+}
+
+impl Scratch {
+    async fn new(client: Client, what: &str) -> Self {
+        let name = format!("kvfleet-e2e-faults-{what}-{}", std::process::id());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .expect("create the scratch namespace");
+        Scratch { client, name }
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let client = self.client.clone();
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Runtime::new().unwrap().block_on(async move {
+                let _ = Api::<Namespace>::all(client)
+                    .delete(&name, &DeleteParams::background())
+                    .await;
+            })
+        })
+        .join();
+    }
+}
+
+/// A TCP proxy to the API server that can be frozen: while frozen it forwards nothing (and
+/// accepts new connections without answering), as a stalled API server or network path.
+struct Proxy {
+    addr: std::net::SocketAddr,
+    frozen: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let frozen = Arc::new(AtomicBool::new(false));
+        let f = frozen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let upstream = upstream.clone();
+                let f = f.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let f2 = f.clone();
+                    let up = async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = match cr.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            while f2.load(Ordering::Acquire) {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            if sw.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
+                    let down = async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = match sr.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            while f.load(Ordering::Acquire) {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            if cw.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
+                    tokio::join!(up, down);
+                });
+            }
+        });
+        Proxy { addr, frozen }
+    }
+}
+
+struct Candidate {
+    leading: watch::Receiver<bool>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn campaign(client: Client, ns: &str, identity: &str) -> Candidate {
+    let elector = Elector::new(
+        Api::<Lease>::namespaced(client, ns),
+        "kvfleet-controller",
+        identity,
+        timing(),
+    );
+    let (leading_tx, leading) = watch::channel(false);
+    let (stop, stop_rx) = watch::channel(false);
+    let task = tokio::spawn(elector.run(leading_tx, stop_rx));
+    Candidate { leading, stop, task }
+}
+
+/// Samples both candidates every 20 ms until `until` holds or `timeout` passes; fails when
+/// both lead at once. Returns the time `until` took.
+async fn watch_both(
+    a: &Candidate,
+    b: &Candidate,
+    timeout: Duration,
+    until: impl Fn(bool, bool) -> bool,
+) -> Duration {
+    let start = Instant::now();
+    loop {
+        let (la, lb) = (*a.leading.borrow(), *b.leading.borrow());
+        assert!(!(la && lb), "two leaders at once after {:?}", start.elapsed());
+        if until(la, lb) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "no change within {timeout:?} (a {la}, b {lb})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the control plane of ../shared/k8s (KUBECONFIG)"]
+async fn a_killed_leader_is_replaced_within_the_lease_duration() {
+    let client = Client::try_from(config().await).unwrap();
+    let scratch = Scratch::new(client.clone(), "kill").await;
+    let a = campaign(client.clone(), &scratch.name, "a");
+    let mut a_leading = a.leading.clone();
+    tokio::time::timeout(Duration::from_secs(10), a_leading.wait_for(|l| *l))
+        .await
+        .expect("a leads within 10 s")
+        .unwrap();
+    let b = campaign(client.clone(), &scratch.name, "b");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        *a.leading.borrow() && !*b.leading.borrow(),
+        "b follows a live leader"
+    );
+    // a dies without releasing the Lease (a crashed pod).
+    a.task.abort();
+    let killed = Instant::now();
+    let mut b_leading = b.leading.clone();
+    tokio::time::timeout(Duration::from_secs(20), b_leading.wait_for(|l| *l))
+        .await
+        .expect("b takes over")
+        .unwrap();
+    let failover = killed.elapsed();
+    eprintln!(
+        "failover after a killed leader: {:.2} s (lease duration {:?})",
+        failover.as_secs_f64(),
+        timing().lease_duration
+    );
+    assert!(
+        failover <= timing().lease_duration + timing().retry_period * 4,
+        "took {failover:?}"
+    );
+    let _ = b.stop.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), b.task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the control plane of ../shared/k8s (KUBECONFIG)"]
+async fn a_leader_whose_api_calls_hang_steps_down_before_the_standby_takes_over() {
+    let direct = config().await;
+    let upstream = direct
+        .cluster_url
+        .authority()
+        .expect("API server URL with a host")
+        .to_string();
+    let client = Client::try_from(direct.clone()).unwrap();
+    let scratch = Scratch::new(client.clone(), "hang").await;
+    let proxy = Proxy::start(upstream).await;
+    let mut through_proxy = direct.clone();
+    through_proxy.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
+    // The API server's certificate names 127.0.0.1; the proxy listens there too.
+    let a_client = Client::try_from(through_proxy).unwrap();
+
+    let a = campaign(a_client, &scratch.name, "a");
+    let mut a_leading = a.leading.clone();
+    tokio::time::timeout(Duration::from_secs(10), a_leading.wait_for(|l| *l))
+        .await
+        .expect("a leads within 10 s")
+        .unwrap();
+    let b = campaign(client.clone(), &scratch.name, "b");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // a's API server stalls: its renewals hang.
+    proxy.frozen.store(true, Ordering::Release);
+    let frozen = Instant::now();
+    let stepped_down = watch_both(&a, &b, Duration::from_secs(20), |la, _| !la).await;
+    let took_over = watch_both(&a, &b, Duration::from_secs(20), |_, lb| lb).await + stepped_down;
+    eprintln!(
+        "hung leader stepped down {:.2} s after the stall; the standby led {:.2} s after the stall (gap {:.2} s with no leader)",
+        stepped_down.as_secs_f64(),
+        took_over.as_secs_f64(),
+        (took_over - stepped_down).as_secs_f64()
+    );
+    assert!(frozen.elapsed() >= took_over);
+    assert!(
+        stepped_down <= timing().renew_deadline + timing().retry_period,
+        "the hung leader acted for {stepped_down:?} after the stall"
+    );
+    assert!(
+        took_over > stepped_down,
+        "the standby led before the old leader stepped down"
+    );
+    proxy.frozen.store(false, Ordering::Release);
+    let _ = b.stop.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(5), b.task).await;
+    a.task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the control plane of ../shared/k8s (KUBECONFIG)"]
+async fn the_webhook_node_cache_turns_stale_while_the_api_server_is_unreachable_and_recovers() {
+    use k8s_openapi::api::core::v1::Node;
+    let direct = config().await;
+    let upstream = direct
+        .cluster_url
+        .authority()
+        .expect("API server URL with a host")
+        .to_string();
+    let proxy = Proxy::start(upstream).await;
+    let mut through_proxy = direct.clone();
+    through_proxy.cluster_url = format!("https://{}", proxy.addr).parse().unwrap();
+    let client = Client::try_from(through_proxy).unwrap();
+    let stale_after = Duration::from_secs(3);
+    let (cache, writer) = kvfleet::webhook::cache::node_cache_stale_after(stale_after);
+    let watch = tokio::spawn(writer.run(Api::<Node>::all(client.clone()), None));
+    let probe = tokio::spawn(
+        cache
+            .clone()
+            .probe(Api::<Node>::all(client), Duration::from_secs(1)),
+    );
+    let start = Instant::now();
+    while !cache.synced() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the node cache did not sync"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        !cache.stale(),
+        "a reachable API server keeps the cache fresh (age {:?})",
+        cache.age()
+    );
+
+    proxy.frozen.store(true, Ordering::Release);
+    let frozen = Instant::now();
+    while !cache.stale() {
+        assert!(
+            frozen.elapsed() < stale_after + Duration::from_secs(3),
+            "still fresh while unreachable"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let went_stale = frozen.elapsed();
+    proxy.frozen.store(false, Ordering::Release);
+    let thawed = Instant::now();
+    while cache.stale() {
+        assert!(
+            thawed.elapsed() < Duration::from_secs(10),
+            "did not recover after the API server came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "node cache stale {:.2} s after the API server became unreachable (bound {stale_after:?}); fresh again {:.2} s after it came back",
+        went_stale.as_secs_f64(),
+        thawed.elapsed().as_secs_f64()
+    );
+    watch.abort();
+    probe.abort();
+}
+
+// === ownership (issue 22): the real controller binary against the real API server ===
+
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A GPU node made by `../shared/k8s/gpu-node`, deleted on drop.
+struct ScratchNode {
+    client: Client,
+    name: String,
+}
+
+impl Drop for ScratchNode {
+    fn drop(&mut self) {
+        let client = self.client.clone();
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Runtime::new().unwrap().block_on(async move {
+                let _ = Api::<k8s_openapi::api::core::v1::Node>::all(client)
+                    .delete(&name, &DeleteParams::default())
+                    .await;
+            })
+        })
+        .join();
+    }
+}
+
+async fn eventually<T, Fut: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Fut,
+) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the control plane of ../shared/k8s (KUBECONFIG)"]
+async fn the_controller_never_takes_over_a_service_it_did_not_create() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Patch, PatchParams};
+    use kvfleet::api::InferenceDeployment;
+
+    let client = Client::try_from(config().await).unwrap();
+    let bin = env!("CARGO_BIN_EXE_kvfleet");
+    // The CRD of this build.
+    let crd = std::process::Command::new(bin)
+        .arg("crd")
+        .output()
+        .expect("kvfleet crd");
+    let crd: CustomResourceDefinition = serde_yaml::from_slice(&crd.stdout).expect("CRD YAML");
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    crds.patch(
+        "inferencedeployments.kvfleet.io",
+        &PatchParams::apply("kvfleet-e2e-faults").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply the CRD");
+    eventually("the CRD established", Duration::from_secs(30), || async {
+        let c = crds.get("inferencedeployments.kvfleet.io").await.ok()?;
+        c.status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True")
+            .then_some(())
+    })
+    .await;
+
+    let scratch = Scratch::new(client.clone(), "owner").await;
+    let node_name = format!("e2e-faults-gpu-{}", std::process::id());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/k8s/gpu-node");
+    let made = std::process::Command::new(&script)
+        .args([&node_name, "NVIDIA-H100-80GB-HBM3", "9", "0", "8", "81559"])
+        .output()
+        .expect("../shared/k8s/gpu-node");
+    assert!(
+        made.status.success(),
+        "gpu-node: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let _node = ScratchNode {
+        client: client.clone(),
+        name: node_name,
+    };
+
+    // Someone's Service, of the name the InferenceDeployment will want.
+    let services = Api::<Service>::namespaced(client.clone(), &scratch.name);
+    let theirs: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "llm", "labels": {"team": "billing"}},
+        "spec": {"ports": [{"name": "https", "port": 443}], "selector": {"app": "billing"}}
+    }))
+    .unwrap();
+    services.create(&PostParams::default(), &theirs).await.unwrap();
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let http = listener.local_addr().unwrap();
+    drop(listener);
+    let _controller = KillOnDrop(
+        std::process::Command::new(bin)
+            .args([
+                "controller",
+                "--leader-elect=false",
+                "--http-addr",
+                &http.to_string(),
+            ])
+            .spawn()
+            .expect("start kvfleet controller"),
+    );
+    let ids = Api::<InferenceDeployment>::namespaced(client.clone(), &scratch.name);
+    let obj: InferenceDeployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": "llm"},
+        "spec": {"replicas": 1,
+                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}},
+                 "engine": {"runtime": "vllm", "maxModelLen": 1024, "maxNumSeqs": 4, "maxNumBatchedTokens": 256},
+                 "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}}}
+    }))
+    .unwrap();
+    ids.create(&PostParams::default(), &obj)
+        .await
+        .expect("create InferenceDeployment");
+
+    let degraded = eventually("Degraded=OwnershipConflict", Duration::from_secs(60), || async {
+        let s = ids.get("llm").await.ok()?.status?;
+        s.conditions
+            .into_iter()
+            .find(|c| c.type_ == "Degraded" && c.reason == "OwnershipConflict")
+    })
+    .await;
+    assert!(
+        degraded
+            .message
+            .contains(&format!("Service {}/llm", scratch.name)),
+        "{}",
+        degraded.message
+    );
+    let svc = services.get("llm").await.unwrap();
+    assert!(
+        svc.metadata.owner_references.unwrap_or_default().is_empty(),
+        "the Service was taken over"
+    );
+    assert_eq!(
+        svc.spec.unwrap().ports.unwrap()[0].port,
+        443,
+        "the Service was changed"
+    );
+    assert!(
+        Api::<Deployment>::namespaced(client.clone(), &scratch.name)
+            .get_opt("llm")
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing is applied while an object of its names is someone else's"
+    );
+    let events = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), &scratch.name);
+    eventually(
+        "a Warning Event OwnershipConflict",
+        Duration::from_secs(30),
+        || async {
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items
+                .iter()
+                .any(|e| e.reason.as_deref() == Some("OwnershipConflict"))
+                .then_some(())
+        },
+    )
+    .await;
+
+    // Once their Service is gone, the next look (every 60 s) applies ours.
+    services.delete("llm", &DeleteParams::default()).await.unwrap();
+    let removed = Instant::now();
+    eventually("the controller's Service", Duration::from_secs(90), || async {
+        let s = services.get_opt("llm").await.ok()??;
+        (!s.metadata.owner_references.unwrap_or_default().is_empty()).then_some(())
+    })
+    .await;
+    eprintln!(
+        "applied {:.1} s after the conflicting Service was deleted",
+        removed.elapsed().as_secs_f64()
+    );
+    let _ = ids.delete("llm", &DeleteParams::default()).await;
+}
