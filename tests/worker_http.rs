@@ -514,5 +514,10 @@ fn sigterm_lets_a_running_stream_finish_within_the_drain_time() {
         .unwrap()
         .expect("the running stream finishes during the drain");
     assert!(!text.is_empty());
-    assert_eq!(wait_exit(&mut w, Duration::from_secs(120)), Some(0), "{}", w.log());
+    assert_eq!(
+        wait_exit(&mut w, Duration::from_secs(120)),
+        Some(0),
+        "{}",
+        w.log()
+    );
 }
