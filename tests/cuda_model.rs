@@ -266,36 +266,61 @@ fn gpu_smollm2_prefill_and_decode_logits_match_the_cpu() {
     );
 }
 
-/// fp8 and nvfp4 KV caches on the GPU against the CPU's f32 cache: the same prefill and decode
-/// steps as the bf16 test, with bounds that allow for the KV rounding (e4m3 keeps 3 mantissa
-/// bits, relative rounding 2^-4 ~ 6%; nvfp4 1 bit with a per-16 scale): relative logit error
-/// at most 0.15 (fp8) and 0.30 (nvfp4) of max|logit|. Each prints the measured ratio.
+/// fp8 and nvfp4 KV caches on the GPU against the CPU engine with the same KV dtype (the CPU
+/// backend quantizes K/V with the same encoders, byte-identical to the GPU's append): what
+/// differs is only the bf16 weights and GEMM rounding of the GPU path, so the bf16 bound
+/// `REL_BOUND` holds for every dtype. The quantization error itself (against the f32 cache)
+/// is printed per dtype, not bounded: it is a property of the format.
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
-fn gpu_fp8_and_nvfp4_kv_logits_stay_within_their_bounds() {
+fn gpu_fp8_and_nvfp4_kv_logits_match_the_cpu_engine_with_the_same_kv_dtype() {
+    use kvfleet::model::forward::{llama_backend_config, CpuForward};
+    use kvfleet::worker::engine::cpu::CpuBackend;
     let m = smollm2();
+    let arc = Arc::new(Llama::from_gguf(gguf()).expect("load SmolLM2 weights"));
     let ids = chat_ids("What is the capital of France?");
-    for (dtype, bound) in [
-        (KvDtype::Fp8E4m3, 0.15f32),
-        (KvDtype::Fp8E5m2, 0.15),
-        (KvDtype::Nvfp4, 0.30),
-    ] {
-        let mut kv = ContiguousKv::new(m.config.attn_geometry(), 4096);
+    for dtype in [KvDtype::Fp8E4m3, KvDtype::Fp8E5m2, KvDtype::Nvfp4] {
+        let pools = llama_backend_config(m.config.attn_geometry(), dtype, 16, 64);
+        let mut cpu_engine = CpuForward::new(arc.clone(), CpuBackend::new(pools).unwrap()).unwrap();
+        let mut cpu_planner = DirectPlanner::new(16, &cpu_engine.kv_config().groups);
+        let mut cpu_plan = StepPlan::default();
+        let mut flat = ContiguousKv::new(m.config.attn_geometry(), 4096);
         let mut g = on_gpu_with(m, dtype);
-        let mut cpu = m.forward(&mut kv, &[chunk(7, 0, &ids)]).unwrap();
+        let step_cpu = |f: &mut CpuForward,
+                        p: &mut DirectPlanner,
+                        plan: &mut StepPlan,
+                        c: &[SeqChunk<'_>]| { step_direct(f, p, c, plan).unwrap() };
+        let mut cpu = step_cpu(
+            &mut cpu_engine,
+            &mut cpu_planner,
+            &mut cpu_plan,
+            &[chunk(7, 0, &ids)],
+        );
         let mut gpu = g.forward(&[chunk(7, 0, &ids)]).unwrap();
-        let mut worst = 0f32;
+        let mut f32_ref = m.forward(&mut flat, &[chunk(7, 0, &ids)]).unwrap();
+        let (mut worst, mut format_err) = (0f32, 0f32);
         for pos in ids.len()..ids.len() + 5 {
             let (d, s) = diff(&gpu, &cpu);
             worst = worst.max(d / s.max(1e-12));
+            let (d, s) = diff(&cpu, &f32_ref);
+            format_err = format_err.max(d / s.max(1e-12));
             let next = [argmax(&cpu)];
-            cpu = m.forward(&mut kv, &[chunk(7, pos, &next)]).unwrap();
+            cpu = step_cpu(
+                &mut cpu_engine,
+                &mut cpu_planner,
+                &mut cpu_plan,
+                &[chunk(7, pos, &next)],
+            );
             gpu = g.forward(&[chunk(7, pos, &next)]).unwrap();
+            f32_ref = m.forward(&mut flat, &[chunk(7, pos, &next)]).unwrap();
         }
-        eprintln!("{dtype:?} KV: worst max|gpu - cpu| / max|cpu| over 6 steps = {worst:.4} (bound {bound})");
+        eprintln!(
+            "{dtype:?} KV over 6 steps: GPU vs CPU engine {worst:.4} of max|logit| (bound {REL_BOUND}); \
+             CPU engine vs f32 cache (the format's own error) {format_err:.4}"
+        );
         assert!(
-            worst <= bound,
-            "{dtype:?}: relative logit error {worst} above {bound}"
+            worst <= REL_BOUND,
+            "{dtype:?}: GPU and CPU engine logits differ by {worst} of max|logit|, above {REL_BOUND}"
         );
     }
 }

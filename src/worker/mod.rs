@@ -249,7 +249,20 @@ fn place(
     cfg: &mut WorkerConfig,
     probe: &nvml::Probe,
 ) -> Result<(Placed, crate::model::tokenizer::Tokenizer), PreflightError> {
-    cfg.geometry = Some(model.geometry());
+    // On a GPU the model stores each KV head `kv_rep` times where its GQA group is not one the
+    // kernels build (SmolLM2: 9 over 3 is stored as 9 over 9); preflight checks what is stored.
+    let real = model.geometry();
+    let stored = {
+        let c = model.config();
+        let mut g = real.clone();
+        if let Ok((rep, _)) = crate::model::gpu::kv_replication(c.n_heads, c.n_kv_heads) {
+            g.kv_heads = i32::try_from(c.n_kv_heads * rep).unwrap_or(g.kv_heads);
+        }
+        g
+    };
+    let gpu_present = matches!(probe, nvml::Probe::Gpus(g) if !g.is_empty());
+    let wants_gpu = gpu_present && cfg.attention_backend() != AttentionBackend::KvfleetCpu;
+    cfg.geometry = Some(if wants_gpu { stored } else { real.clone() });
     let ctx = model.config().context_len;
     if cfg.engine.max_model_len > ctx as i64 {
         return Err(PreflightError::Config(format!(
@@ -267,8 +280,13 @@ fn place(
             }
             tracing::warn!(reason = %e, "the GPU path is not usable: the model runs on the CPU");
             cfg.force_cpu();
+            cfg.geometry = Some(real.clone());
             pf = preflight::run(cfg, probe)?;
         }
+    } else if wants_gpu {
+        // Auto fell back to the CPU: its pools hold the model's own KV heads.
+        cfg.geometry = Some(real);
+        pf = preflight::run(cfg, probe)?;
     }
     let crate::model::serve::LoadedModel {
         weights, tokenizer, ..
