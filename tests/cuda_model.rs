@@ -266,14 +266,15 @@ fn gpu_smollm2_prefill_and_decode_logits_match_the_cpu() {
     );
 }
 
-/// fp8 and nvfp4 KV caches on the GPU against the CPU engine with the same KV dtype (the CPU
-/// backend quantizes K/V with the same encoders, byte-identical to the GPU's append): what
-/// differs is only the bf16 weights and GEMM rounding of the GPU path, so the bf16 bound
-/// `REL_BOUND` holds for every dtype. The quantization error itself (against the f32 cache)
-/// is printed per dtype, not bounded: it is a property of the format.
+/// fp8 and nvfp4 KV caches on the GPU, with FlashAttention's rule for low precision: against
+/// the f32 cache as the oracle, the GPU's error may be at most twice the error of the plain
+/// low-precision implementation (the CPU engine quantizing K/V with the same encoders) plus the
+/// bf16 bound `REL_BOUND` of the GPU's weights and GEMMs. K/V rounding is discontinuous: the
+/// GPU's bf16 activations and the CPU's f32 ones round to different fp8/e2m1 neighbours, so the
+/// two low-precision paths differ by about the format's own error, not by the bf16 bound.
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
-fn gpu_fp8_and_nvfp4_kv_logits_match_the_cpu_engine_with_the_same_kv_dtype() {
+fn gpu_fp8_and_nvfp4_kv_logits_stay_within_twice_the_formats_own_error() {
     use kvfleet::model::forward::{llama_backend_config, CpuForward};
     use kvfleet::worker::engine::cpu::CpuBackend;
     let m = smollm2();
@@ -300,7 +301,7 @@ fn gpu_fp8_and_nvfp4_kv_logits_match_the_cpu_engine_with_the_same_kv_dtype() {
         let mut f32_ref = m.forward(&mut flat, &[chunk(7, 0, &ids)]).unwrap();
         let (mut worst, mut format_err) = (0f32, 0f32);
         for pos in ids.len()..ids.len() + 5 {
-            let (d, s) = diff(&gpu, &cpu);
+            let (d, s) = diff(&gpu, &f32_ref);
             worst = worst.max(d / s.max(1e-12));
             let (d, s) = diff(&cpu, &f32_ref);
             format_err = format_err.max(d / s.max(1e-12));
@@ -314,13 +315,14 @@ fn gpu_fp8_and_nvfp4_kv_logits_match_the_cpu_engine_with_the_same_kv_dtype() {
             gpu = g.forward(&[chunk(7, pos, &next)]).unwrap();
             f32_ref = m.forward(&mut flat, &[chunk(7, pos, &next)]).unwrap();
         }
+        let bound = 2.0 * format_err + REL_BOUND;
         eprintln!(
-            "{dtype:?} KV over 6 steps: GPU vs CPU engine {worst:.4} of max|logit| (bound {REL_BOUND}); \
-             CPU engine vs f32 cache (the format's own error) {format_err:.4}"
+            "{dtype:?} KV over 6 steps, max|x - f32 cache| / max|logit|: GPU {worst:.4}, CPU engine (the \
+             format's own error) {format_err:.4}; bound 2 x {format_err:.4} + {REL_BOUND} = {bound:.4}"
         );
         assert!(
-            worst <= REL_BOUND,
-            "{dtype:?}: GPU and CPU engine logits differ by {worst} of max|logit|, above {REL_BOUND}"
+            worst <= bound,
+            "{dtype:?}: the GPU's logit error {worst} is above twice the CPU engine's {format_err} + {REL_BOUND}"
         );
     }
 }

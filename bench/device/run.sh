@@ -67,6 +67,7 @@ case "$mode" in
     cp $dev/gguf.part1 "$stash/" && for f in "$bin"/*; do cp "$f" "$stash/"; done
     step "cuda_model dummy-geometry tests"
     "$stash/cuda_model" --ignored --nocapture dummy 2>&1 | tee "$OUT/cuda_model_dummy.log" | tail -12
+    [ -n "${KVFLEET_DEVICE_TESTS_ONLY:-}" ] && { step "done"; exit 0; }
     step "model bench: dummy Llama-3-8B"
     KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b "$stash/model" 2>&1 | tee "$OUT/bench_model_8b.log" | tail -14
     # The served model through HTTP: the worker with dummy Llama-3.1-8B weights on the GPU,
@@ -96,6 +97,7 @@ case "$mode" in
     export KVFLEET_SMOLLM2_GGUF=$gguf
     step "cuda_model tests"
     "$stash/cuda_model" --ignored --nocapture --test-threads 1 2>&1 | tee "$OUT/cuda_model.log" | grep -E "test |ratio|result|panicked|tokens" | tail -30
+    [ -n "${KVFLEET_DEVICE_TESTS_ONLY:-}" ] && { step "done"; exit 0; }
     step "model bench: SmolLM2"
     KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=smollm2 "$stash/model" 2>&1 | tee "$OUT/bench_model_smollm2.log" | tail -14
     step "worker serves SmolLM2 on the GPU"
