@@ -245,8 +245,9 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
 }
 
 /// 64 concurrent streaming requests against a pool of 48 pages (768 tokens): a request needs
-/// 3 to 4 pages, so at most about 14 run at once and the rest wait or are preempted. Each
-/// completes with the greedy text it gets alone; the pool is empty afterwards.
+/// 3 to 4 pages by its end, so the pool holds about 14 whole requests; the others wait, or start
+/// and are preempted when pages run out. Each completes with the greedy text it gets alone; the
+/// pool is empty afterwards.
 #[test]
 fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone() {
     let mut w = start(

@@ -557,10 +557,8 @@ pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, HfError> {
     Ok(t)
 }
 
-/// Random weights of the geometry in `config` (a `config.json` or a checkpoint directory),
-/// with the checkpoint's tokenizer when it has one, else [`Tokenizer::bytes_only`].
 /// The geometry of `config` (a config.json or a checkpoint directory) and the directory's
-/// tokenizer when it has one (else a bytes-only tokenizer), for dummy weights made later on
+/// tokenizer when it has one (else [`Tokenizer::bytes_only`]), for dummy weights made later on
 /// the device that serves them.
 pub fn load_dummy_config(config: &Path) -> Result<(LlamaConfig, Tokenizer), HfError> {
     let cfg = HfConfig::load(config)?;
@@ -577,18 +575,11 @@ pub fn load_dummy_config(config: &Path) -> Result<(LlamaConfig, Tokenizer), HfEr
     Ok((cfg.llama, tokenizer))
 }
 
+/// Random weights of the geometry in `config` on the host, with the tokenizer of
+/// [`load_dummy_config`].
 pub fn load_dummy(config: &Path, seed: u64) -> Result<(Llama, Tokenizer), HfError> {
-    let cfg = HfConfig::load(config)?;
-    let dir = config_path(config)
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default();
-    let tokenizer = if dir.join("tokenizer.json").is_file() {
-        load_tokenizer(&dir)?
-    } else {
-        Tokenizer::bytes_only()
-    };
-    Ok((Llama::dummy(cfg.llama, seed)?, tokenizer))
+    let (cfg, tokenizer) = load_dummy_config(config)?;
+    Ok((Llama::dummy(cfg, seed)?, tokenizer))
 }
 
 #[cfg(test)]

@@ -245,20 +245,9 @@ impl Scheduler {
 
     /// Drops a request (client gone); `false` when unknown or already done.
     pub fn cancel(&mut self, id: RequestId, events: &mut Vec<Event>) -> bool {
-        let r = if let Some(i) = self.running.iter().position(|r| r.id == id) {
-            if self.stepping {
-                return false; // its tokens are in flight; cancel after complete()
-            }
-            self.running.remove(i)
-        } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
-            match self.waiting.remove(i) {
-                Some(r) => r,
-                None => return false,
-            }
-        } else {
+        let Some(mut r) = self.take(id) else {
             return false;
         };
-        let mut r = r;
         let _ = self.kv.free_all(&mut r.tables);
         self.counters.failed += 1;
         events.push(Event::Failed {
@@ -266,6 +255,20 @@ impl Scheduler {
             reason: "cancelled".into(),
         });
         true
+    }
+
+    /// Removes request `id` from the queue, or from the running set unless its tokens are in
+    /// flight (a step between `schedule` and `complete`).
+    fn take(&mut self, id: RequestId) -> Option<Request> {
+        if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            return if self.stepping {
+                None
+            } else {
+                Some(self.running.remove(i))
+            };
+        }
+        let i = self.waiting.iter().position(|r| r.id == id)?;
+        self.waiting.remove(i)
     }
 
     fn preempt(&mut self, mut r: Request, events: &mut Vec<Event>) {
@@ -424,17 +427,9 @@ impl Scheduler {
         if self.stepping {
             return false;
         }
-        let r = if let Some(i) = self.running.iter().position(|r| r.id == id) {
-            self.running.remove(i)
-        } else if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
-            match self.waiting.remove(i) {
-                Some(r) => r,
-                None => return false,
-            }
-        } else {
+        let Some(mut r) = self.take(id) else {
             return false;
         };
-        let mut r = r;
         match self.kv.free_all(&mut r.tables) {
             Ok(()) => {
                 self.counters.finished += 1;
