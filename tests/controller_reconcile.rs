@@ -879,7 +879,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
     let (result, seen) = run_pass(&mut h, guard(obj.clone()), script(true)).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
     // Not only a counter: Degraded with the worker's reason, and a Warning Event.
-    let degraded = condition(&seen[7].body, "Degraded");
+    let degraded = condition(&seen[LOOKUPS + 7].body, "Degraded");
     assert_eq!(
         (degraded["status"].as_str(), degraded["reason"].as_str()),
         (Some("True"), Some("PreflightFailed"))
