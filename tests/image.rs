@@ -269,8 +269,8 @@ fn cpu_image_runs_version_check_and_the_embedded_model_as_uid_65532_on_a_read_on
         format!("kvfleet {}", version())
     );
 
-    // kvfleet check on an example (deploy/examples mounted at /mnt): admitted on H100 nodes,
-    // denied on RTX 3090 nodes, exit codes 0 and 1.
+    // kvfleet check on examples (deploy/examples mounted at /mnt): admitted on H100 nodes (exit
+    // 0); nvfp4 KV on an RTX PRO 6000 (sm_120) denied with the fix (exit 1).
     let out = in_image(&[
         "kvfleet",
         "check",
@@ -287,9 +287,7 @@ fn cpu_image_runs_version_check_and_the_embedded_model_as_uid_65532_on_a_read_on
         "kvfleet",
         "check",
         "-f",
-        "/mnt/nvfp4-b200.yaml",
-        "--nodes",
-        "/mnt/nodes/rtx-3090.yaml",
+        "/mnt/nvfp4-rtx-pro-6000.yaml",
     ])
     .output()
     .unwrap();
