@@ -283,14 +283,9 @@ fn cpu_image_runs_version_check_and_the_embedded_model_as_uid_65532_on_a_read_on
     .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(text(&out).contains("): admitted"), "{}", text(&out));
-    let out = in_image(&[
-        "kvfleet",
-        "check",
-        "-f",
-        "/mnt/nvfp4-rtx-pro-6000.yaml",
-    ])
-    .output()
-    .unwrap();
+    let out = in_image(&["kvfleet", "check", "-f", "/mnt/nvfp4-rtx-pro-6000.yaml"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("): denied"), "{}", text(&out));
 
