@@ -335,7 +335,13 @@ fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone(
         waiting > 0.0 || preemptions > preempted_before,
         "the pool never filled: nothing waited and nothing was preempted"
     );
-    let (_, _, m) = http(w.port, "GET", "/metrics", "");
+    // The last request's end reaches its client before the loop frees its pages and publishes.
+    let t0 = Instant::now();
+    let mut m = http(w.port, "GET", "/metrics", "").2;
+    while sample(&m, "vllm:num_requests_running") != 0.0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+        m = http(w.port, "GET", "/metrics", "").2;
+    }
     assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), 0.0, "usage back to 0");
     assert_eq!(
         sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"),
