@@ -172,6 +172,13 @@ impl ModelRuntime {
             max_request_tokens,
         };
         metrics.set_cache_config(pool.block_size, pool.total_blocks, pool.kv_cache_dtype);
+        // The empty pool, published before the first request can arrive (the loop thread
+        // publishes from its first iteration on).
+        metrics.blocks.with_label_values(&["used"]).set(0);
+        metrics
+            .blocks
+            .with_label_values(&["free"])
+            .set(pool.total_blocks as i64);
         let tokenizer = Arc::new(tokenizer);
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
