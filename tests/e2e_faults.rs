@@ -404,6 +404,12 @@ async fn the_controller_never_takes_over_a_service_it_did_not_create() {
         .expect("kvfleet crd");
     let crd: CustomResourceDefinition = serde_yaml::from_slice(&crd.stdout).expect("CRD YAML");
     let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    // Deleted at the end only when this test made it (another suite, or helm, may own it).
+    let crd_created = crds
+        .get_opt("inferencedeployments.kvfleet.io")
+        .await
+        .expect("read the CRD")
+        .is_none();
     crds.patch(
         "inferencedeployments.kvfleet.io",
         &PatchParams::apply("kvfleet-e2e-faults").force(),
@@ -534,4 +540,17 @@ async fn the_controller_never_takes_over_a_service_it_did_not_create() {
         removed.elapsed().as_secs_f64()
     );
     let _ = ids.delete("llm", &DeleteParams::default()).await;
+    if crd_created {
+        let _ = crds
+            .delete("inferencedeployments.kvfleet.io", &DeleteParams::default())
+            .await;
+        eventually("the CRD deleted", Duration::from_secs(120), || async {
+            crds.get_opt("inferencedeployments.kvfleet.io")
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
+        })
+        .await;
+    }
 }
