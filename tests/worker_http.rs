@@ -147,6 +147,21 @@ fn try_sample(metrics: &str, name: &str) -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// `/metrics` once the serving loop has published the end of the last request: a request's end
+/// reaches its client before the loop frees its pages and publishes the step (up to 10 s).
+fn metrics_once_idle(port: u16) -> String {
+    let t0 = Instant::now();
+    loop {
+        let m = http(port, "GET", "/metrics", "").2;
+        let idle = sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}") == 0.0
+            && sample(&m, "vllm:num_requests_running") == 0.0;
+        if idle || t0.elapsed() > Duration::from_secs(10) {
+            return m;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Streams a greedy completion; returns the text or the error the stream carried.
 fn stream_completion(port: u16, prompt: &str, max_tokens: usize) -> Result<String, String> {
     let body = serde_json::json!({
@@ -283,15 +298,7 @@ fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone(
     for (p, t) in &alone {
         assert!(!t.is_empty(), "{p:?} produced nothing");
     }
-    // A request's end reaches its client before the loop frees its pages and publishes.
-    let t0 = Instant::now();
-    let mut m = http(w.port, "GET", "/metrics", "").2;
-    while sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}") != 0.0
-        && t0.elapsed() < Duration::from_secs(10)
-    {
-        std::thread::sleep(Duration::from_millis(50));
-        m = http(w.port, "GET", "/metrics", "").2;
-    }
+    let m = metrics_once_idle(w.port);
     assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"), 0.0);
     assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}"), 48.0);
     let preempted_before = sample(&m, "vllm:num_preemptions_total");
@@ -343,13 +350,7 @@ fn sixty_four_streams_overload_a_small_pool_and_each_gets_its_greedy_text_alone(
         waiting > 0.0 || preemptions > preempted_before,
         "the pool never filled: nothing waited and nothing was preempted"
     );
-    // The last request's end reaches its client before the loop frees its pages and publishes.
-    let t0 = Instant::now();
-    let mut m = http(w.port, "GET", "/metrics", "").2;
-    while sample(&m, "vllm:num_requests_running") != 0.0 && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(50));
-        m = http(w.port, "GET", "/metrics", "").2;
-    }
+    let m = metrics_once_idle(w.port);
     assert_eq!(sample(&m, "vllm:kv_cache_usage_perc"), 0.0, "usage back to 0");
     assert_eq!(
         sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"),
