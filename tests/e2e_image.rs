@@ -56,12 +56,32 @@ fn helm(args: &[&str]) -> Output {
 }
 
 /// Removes what the test created, also when it fails half-way.
-struct Cleanup;
+/// What the test made, removed on drop; the CRD only when this test applied it first.
+struct Cleanup {
+    crd_created: bool,
+}
 impl Drop for Cleanup {
     fn drop(&mut self) {
         let _ = helm(&["uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "60s"]);
-        let _ = kubectl(&["delete", "namespace", NS, "--ignore-not-found", "--wait=false"]);
+        let _ = kubectl(&[
+            "delete",
+            "namespace",
+            NS,
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=120s",
+        ]);
         let _ = kubectl(&["delete", "node", NODE, "--ignore-not-found"]);
+        if self.crd_created {
+            let _ = kubectl(&[
+                "delete",
+                "crd",
+                "inferencedeployments.kvfleet.io",
+                "--ignore-not-found",
+                "--wait=true",
+                "--timeout=120s",
+            ]);
+        }
     }
 }
 
@@ -75,7 +95,17 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
     let chart = repo().join("charts/kvfleet");
     let chart = chart.to_str().expect("UTF-8 path");
     let image = format!("kvfleet:{}", env!("CARGO_PKG_VERSION"));
-    let _cleanup = Cleanup;
+    let crd_created = kubectl_ok(&[
+        "get",
+        "crd",
+        "inferencedeployments.kvfleet.io",
+        "--ignore-not-found",
+        "-o",
+        "name",
+    ])
+    .trim()
+    .is_empty();
+    let _cleanup = Cleanup { crd_created };
     let _ = helm(&["uninstall", RELEASE, "-n", NS, "--wait"]);
 
     let node = run(Command::new(repo().join("../shared/k8s/cpu-node")).arg(NODE));

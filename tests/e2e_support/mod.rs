@@ -354,19 +354,71 @@ pub fn free_port() -> u16 {
 
 /// Whether the CRD exists now (a suite deletes it at the end only if it created it).
 pub fn crd_exists() -> bool {
-    get_json(&["crd", "inferencedeployments.kvfleet.io"]).is_some()
+    get_json(&["crd", CRD]).is_some()
 }
 
-/// Deletes the CRD and waits, when `created` says this suite made it.
+pub const CRD: &str = "inferencedeployments.kvfleet.io";
+
+/// The CRD as it is now, waiting first (up to 120 s) for one that is being deleted to go:
+/// a suite that starts while an earlier one's CRD is terminating must not count it as
+/// someone else's.
+pub fn crd_settled() -> Option<serde_json::Value> {
+    wait_for(
+        "a terminating CRD to go",
+        Duration::from_secs(120),
+        || match get_json(&["crd", CRD]) {
+            Some(crd) if crd["metadata"]["deletionTimestamp"].is_string() => {
+                Err(format!("{CRD} is terminating"))
+            }
+            found => Ok(found),
+        },
+    )
+}
+
+/// Who wrote the CRD (its field managers and creation time), for a message.
+pub fn crd_owners(crd: &serde_json::Value) -> String {
+    let managers: Vec<String> = crd["metadata"]["managedFields"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .map(|f| {
+                    format!(
+                        "{} ({})",
+                        f["manager"].as_str().unwrap_or("?"),
+                        f["operation"].as_str().unwrap_or("?")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    format!(
+        "created {}, field managers: {}",
+        crd["metadata"]["creationTimestamp"].as_str().unwrap_or("?"),
+        managers.join(", ")
+    )
+}
+
+/// Deletes the CRD and waits until it is gone, when `created` says this suite made it. A
+/// CRD that stays fails the suite that left it (the next suite's `helm install` would
+/// refuse to adopt it).
 pub fn delete_crd_if_created(created: bool) {
-    if created {
-        let _ = kubectl(&[
-            "delete",
-            "crd",
-            "inferencedeployments.kvfleet.io",
-            "--ignore-not-found",
-            "--wait=true",
-            "--timeout=120s",
-        ]);
+    if !created {
+        return;
+    }
+    let out = kubectl(&[
+        "delete",
+        "crd",
+        CRD,
+        "--ignore-not-found",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(
+        out.status.success(),
+        "kubectl delete crd {CRD} failed: {stderr}{stdout}"
+    );
+    if let Some(left) = get_json(&["crd", CRD]) {
+        panic!("{CRD} is still there after its deletion: {}", crd_owners(&left));
     }
 }
