@@ -537,3 +537,92 @@ fn sigterm_lets_a_running_stream_finish_within_the_drain_time() {
         w.log()
     );
 }
+
+/// Hostile and broken clients (issue 22): an oversized body, parameters the server does not
+/// implement, a client that never finishes its headers, a generation past the request
+/// timeout (plain and streamed). Each gets a bounded answer in OpenAI's error shape, and
+/// nothing they did holds KV afterwards.
+#[test]
+fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
+    let mut w = start(
+        "hostile",
+        &["--max-request-bytes", "65536", "--request-timeout-seconds", "6"],
+        &[],
+    );
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+
+    // A body over the limit: 413 before it is parsed.
+    let big = serde_json::json!({"prompt": "a ".repeat(50_000), "max_tokens": 1}).to_string();
+    let (st, _, b) = http(port, "POST", "/v1/completions", &big);
+    assert_eq!(st, 413, "{b}");
+    assert!(b.contains("request_too_large") && b.contains("65536"), "{b}");
+
+    // Parameters asked for and not implemented: 400 naming each one.
+    for (field, value) in [
+        ("logprobs", serde_json::json!(true)),
+        ("top_logprobs", serde_json::json!(3)),
+        ("n", serde_json::json!(2)),
+        ("echo", serde_json::json!(true)),
+        ("best_of", serde_json::json!(3)),
+        ("logit_bias", serde_json::json!({"42": 5})),
+        ("presence_penalty", serde_json::json!(0.5)),
+        ("response_format", serde_json::json!({"type": "json_object"})),
+        ("tools", serde_json::json!([{"type": "function", "function": {"name": "f"}}])),
+    ] {
+        let mut req = serde_json::json!({
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2
+        });
+        req[field] = value;
+        let (st, _, b) = http(port, "POST", "/v1/chat/completions", &req.to_string());
+        assert_eq!(st, 400, "{field}: {b}");
+        let e: serde_json::Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(e["error"]["param"], field, "{b}");
+        assert!(e["error"]["message"].as_str().unwrap().contains("not supported"), "{b}");
+    }
+    // Their default values are what every client sends: accepted.
+    let fine = serde_json::json!({
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 1,
+        "logprobs": false, "echo": false, "presence_penalty": 0, "logit_bias": {},
+        "response_format": {"type": "text"}, "tools": []
+    });
+    let (st, _, b) = http(port, "POST", "/v1/chat/completions", &fine.to_string());
+    assert_eq!(st, 200, "{b}");
+
+    // Slowloris: headers never finished. The server closes the connection once the header
+    // read timeout passes, and answers everyone else meanwhile.
+    let mut slow = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let opened = Instant::now();
+    assert_eq!(http(port, "GET", "/healthz", "").0, 200);
+    let mut buf = [0u8; 512];
+    let closed = match slow.read(&mut buf) {
+        Ok(_) => true,
+        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+    };
+    assert!(closed, "the server kept a connection with unfinished headers for 30 s");
+    let held = opened.elapsed();
+    assert!(
+        held >= Duration::from_secs(5) && held < Duration::from_secs(20),
+        "closed after {held:?}: the header read timeout is 10 s"
+    );
+
+    // Past the request timeout (6 s): 504 for a plain request, an error chunk on a stream.
+    let long = serde_json::json!({
+        "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true, "temperature": 0
+    });
+    let t0 = Instant::now();
+    let (st, _, b) = http(port, "POST", "/v1/completions", &long.to_string());
+    assert_eq!(st, 504, "{b}");
+    assert!(b.contains("request_timeout") && b.contains("6 s"), "{b}");
+    assert!(t0.elapsed() < Duration::from_secs(15), "answered after {:?}", t0.elapsed());
+    let streamed = stream_completion(port, &"Once upon a time ".repeat(4), 3000);
+    let err = streamed.expect_err("a 3000-token stream ended within 6 s");
+    assert!(err.contains("request_timeout"), "{err}");
+    // Both sequences were cancelled: no running request, no page held.
+    let m = metrics_once_idle(port);
+    assert_eq!(sample(&m, "vllm:num_requests_running"), 0.0, "{m}");
+    assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"), 0.0, "{m}");
+    drop(w);
+}

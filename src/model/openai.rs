@@ -2,11 +2,17 @@
 //! `/v1/chat/completions`, streaming (SSE) or not, with usage counts and OpenAI's error shape
 //! (`{"error": {"message", "type", "param", "code"}}`). A client that disconnects drops its
 //! event receiver, which cancels the sequence at the next step.
+//!
+//! Bounded against hostile or broken clients ([`ApiLimits`]): the body is read under a size
+//! limit (413) and a time limit (408), a request that runs past the request timeout is ended
+//! (504, or an error chunk on a stream) and its sequence cancelled, tokenisation runs on the
+//! blocking pool (never on the threads that answer health probes), and parameters the server
+//! does not implement are refused with 400 naming them instead of being ignored.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -29,13 +35,47 @@ pub const DEFAULT_CHAT_MAX_TOKENS: usize = 1024;
 /// Output tokens of a completion that names no `max_tokens` (OpenAI's default).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
 
-/// The API's routes, to be merged into the worker's router.
+/// Limits on what one request may cost the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApiLimits {
+    /// Largest request body; more is answered 413 before it is parsed.
+    pub max_body_bytes: usize,
+    /// Time a client has to send its whole body (a slow sender is answered 408).
+    pub body_timeout: Duration,
+    /// Time from arrival to the last token; past it the request ends (504 or an error chunk)
+    /// and its sequence is cancelled at the next step.
+    pub request_timeout: Duration,
+}
+
+impl Default for ApiLimits {
+    fn default() -> Self {
+        ApiLimits {
+            // 4 MiB: about a million tokens of text, far over any context this server takes.
+            max_body_bytes: 4 << 20,
+            body_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Api {
+    rt: Arc<ModelRuntime>,
+    limits: ApiLimits,
+}
+
+/// The API's routes with the default [`ApiLimits`], to be merged into the worker's router.
 pub fn router(rt: Arc<ModelRuntime>) -> Router {
+    router_with(rt, ApiLimits::default())
+}
+
+/// The API's routes with the given limits.
+pub fn router_with(rt: Arc<ModelRuntime>, limits: ApiLimits) -> Router {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .with_state(rt)
+        .with_state(Api { rt, limits })
 }
 
 /// An error in OpenAI's shape.
@@ -83,6 +123,16 @@ impl IntoResponse for ApiError {
 }
 
 impl ApiError {
+    fn status(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
+        ApiError {
+            status,
+            message,
+            kind,
+            param: None,
+            code: Some(code),
+        }
+    }
+
     /// A runtime refusal; `param` names the request field a prompt error is about.
     fn from_runtime(e: RuntimeError, param: &'static str) -> Self {
         match e {
@@ -175,6 +225,30 @@ struct Common {
     n: Option<usize>,
     #[serde(default)]
     ignore_eos: bool,
+    // Parameters clients send that this server does not implement: refused when they ask
+    // for something (a default value is accepted), never silently ignored.
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    echo: Option<bool>,
+    best_of: Option<usize>,
+    suffix: Option<String>,
+    logit_bias: Option<Value>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    response_format: Option<Value>,
+    tools: Option<Value>,
+}
+
+/// Whether a JSON value asks for something: not null, false, 0, "", [] or {}.
+fn asks(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+        Some(Value::Bool(true)) => true,
+    }
 }
 
 #[derive(Deserialize)]
@@ -209,10 +283,54 @@ impl Common {
         }
     }
 
-    fn params(&self, default_max: usize) -> Result<SamplingParams, ApiError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+    /// Refuses, naming it, the first parameter that asks for something not implemented.
+    fn check_supported(&self) -> Result<(), ApiError> {
+        let text_format = self
+            .response_format
+            .as_ref()
+            .is_none_or(|f| f.is_null() || f.get("type").and_then(Value::as_str) == Some("text"));
+        let unsupported: [(&'static str, bool); 10] = [
+            ("n", self.n.is_some_and(|n| n != 1)),
+            ("logprobs", asks(&self.logprobs)),
+            ("top_logprobs", asks(&self.top_logprobs)),
+            ("echo", self.echo == Some(true)),
+            ("best_of", self.best_of.is_some_and(|b| b > 1)),
+            ("suffix", self.suffix.as_deref().is_some_and(|s| !s.is_empty())),
+            ("logit_bias", asks(&self.logit_bias)),
+            (
+                "presence_penalty",
+                self.presence_penalty.is_some_and(|p| p != 0.0),
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty.is_some_and(|p| p != 0.0),
+            ),
+            ("response_format", !text_format),
+        ];
+        if let Some((param, _)) = unsupported.iter().find(|(_, asked)| *asked) {
+            let what = match *param {
+                "n" | "best_of" => "only one choice per request is generated (n = 1)",
+                "response_format" => "only free text is generated (type `text`)",
+                _ => "this server does not compute it",
+            };
+            return Err(ApiError::bad(
+                format!(
+                    "`{param}` is not supported by the kvfleet worker: {what}; remove it from the request"
+                ),
+                Some(param),
+            ));
         }
+        if asks(&self.tools) {
+            return Err(ApiError::bad(
+                "`tools` is not supported by the kvfleet worker (no tool calling); remove it from the request",
+                Some("tools"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn params(&self, default_max: usize) -> Result<SamplingParams, ApiError> {
+        self.check_supported()?;
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
             Some(k) if k > 0 => k as usize,
@@ -260,7 +378,7 @@ fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn models(State(rt): State<Arc<ModelRuntime>>) -> Json<Value> {
+async fn models(State(Api { rt, .. }): State<Api>) -> Json<Value> {
     Json(json!({
         "object": "list",
         "data": [{
@@ -273,14 +391,63 @@ async fn models(State(rt): State<Arc<ModelRuntime>>) -> Json<Value> {
     }))
 }
 
+/// The request body, under the size and time limits.
+async fn read_body(req: axum::extract::Request, limits: &ApiLimits) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!(
+                "the request body is over the worker's limit of {} bytes; send a shorter prompt",
+                limits.max_body_bytes
+            ),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        return Err(too_large());
+    }
+    let read = axum::body::to_bytes(req.into_body(), limits.max_body_bytes);
+    match tokio::time::timeout(limits.body_timeout, read).await {
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(e)) if format!("{e:?}").contains("LengthLimit") => Err(too_large()),
+        Ok(Err(e)) => Err(ApiError::bad(format!("cannot read the request body: {e}"), None)),
+        Err(_) => Err(ApiError::status(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "request_timeout",
+            format!(
+                "the request body did not arrive within {} s",
+                limits.body_timeout.as_secs()
+            ),
+        )),
+    }
+}
+
+/// Runs tokenisation (or any CPU work on the request) on the blocking pool, off the threads
+/// that serve other requests and health probes.
+async fn off_async<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| server_error(format!("tokenisation failed: {e}")))
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     Chat,
     Completion,
 }
 
-async fn chat_completions(State(rt): State<Arc<ModelRuntime>>, body: Bytes) -> Response {
+async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
+    let arrived = tokio::time::Instant::now();
+    let rt = api.rt.clone();
     let run = async {
+        let body = read_body(req, &api.limits).await?;
         let req: ChatRequest = parse(&body)?;
         req.common.check_model(&rt)?;
         if req.messages.is_empty() {
@@ -310,22 +477,39 @@ async fn chat_completions(State(rt): State<Arc<ModelRuntime>>, body: Bytes) -> R
                 content,
             });
         }
-        let prompt = rt
-            .tokenizer
-            .apply_chat_template(&messages)
-            .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
         let params = req.common.params(DEFAULT_CHAT_MAX_TOKENS)?;
-        let ids = rt.tokenizer.encode(&prompt, true);
+        let tokenizer = rt.tokenizer.clone();
+        let ids = off_async(move || {
+            tokenizer
+                .apply_chat_template(&messages)
+                .map(|prompt| tokenizer.encode(&prompt, true))
+        })
+        .await?
+        .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
         Ok((ids, params, req.common))
     };
     match run.await {
-        Ok((ids, params, common)) => respond(rt, Kind::Chat, ids, params, common).await,
+        Ok((ids, params, common)) => {
+            respond(
+                rt,
+                Kind::Chat,
+                ids,
+                params,
+                common,
+                arrived + api.limits.request_timeout,
+                api.limits.request_timeout,
+            )
+            .await
+        }
         Err(e) => e.into_response(),
     }
 }
 
-async fn completions(State(rt): State<Arc<ModelRuntime>>, body: Bytes) -> Response {
+async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
+    let arrived = tokio::time::Instant::now();
+    let rt = api.rt.clone();
     let run = async {
+        let body = read_body(req, &api.limits).await?;
         let req: CompletionRequest = parse(&body)?;
         req.common.check_model(&rt)?;
         let params = req.common.params(DEFAULT_COMPLETION_MAX_TOKENS)?;
@@ -349,13 +533,25 @@ async fn completions(State(rt): State<Arc<ModelRuntime>>, body: Bytes) -> Respon
                     ));
                 }
                 let prompt = prompts.pop().unwrap_or_default();
-                rt.tokenizer.encode(&prompt, true)
+                let tokenizer = rt.tokenizer.clone();
+                off_async(move || tokenizer.encode(&prompt, true)).await?
             }
         };
         Ok((ids, params, req.common))
     };
     match run.await {
-        Ok((ids, params, common)) => respond(rt, Kind::Completion, ids, params, common).await,
+        Ok((ids, params, common)) => {
+            respond(
+                rt,
+                Kind::Completion,
+                ids,
+                params,
+                common,
+                arrived + api.limits.request_timeout,
+                api.limits.request_timeout,
+            )
+            .await
+        }
         Err(e) => e.into_response(),
     }
 }
@@ -366,6 +562,8 @@ async fn respond(
     ids: Vec<u32>,
     params: SamplingParams,
     common: Common,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
 ) -> Response {
     let param = match kind {
         Kind::Chat => "messages",
@@ -384,12 +582,19 @@ async fn respond(
         created: now_secs(),
         model: rt.name.clone(),
         kind,
+        deadline,
+        timeout,
     };
     if common.stream {
         let include_usage = common.stream_options.unwrap_or_default().include_usage;
         Sse::new(sse_stream(meta, rx, include_usage)).into_response()
     } else {
-        collect(meta, rx).await
+        let timeout = meta.timeout;
+        match tokio::time::timeout_at(deadline, collect(meta, rx)).await {
+            Ok(response) => response,
+            // Dropping the receiver cancels the sequence at the loop's next step.
+            Err(_) => timed_out(timeout).into_response(),
+        }
     }
 }
 
@@ -398,6 +603,21 @@ struct Meta {
     created: u64,
     model: String,
     kind: Kind,
+    /// When the request must have ended (arrival + the request timeout).
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+}
+
+fn timed_out(timeout: Duration) -> ApiError {
+    ApiError::status(
+        StatusCode::GATEWAY_TIMEOUT,
+        "timeout_error",
+        "request_timeout",
+        format!(
+            "the request ran past the worker's request timeout of {} s and was stopped; ask for fewer tokens or raise --request-timeout-seconds",
+            timeout.as_secs()
+        ),
+    )
 }
 
 fn usage(prompt: usize, completion: usize) -> Value {
@@ -502,28 +722,39 @@ fn sse_stream(
                 let ev = data(chunk(&meta, Some(""), true, None));
                 return Some((vec![ev], (rx, St::Running, meta)));
             }
-            _ => match rx.recv().await {
-                Some(GenEvent::Text(t)) => vec![data(chunk(&meta, Some(&t), false, None))],
-                Some(GenEvent::Done {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                }) => {
-                    let mut v = vec![data(chunk(&meta, None, false, Some(reason)))];
-                    if include_usage {
-                        let mut u = chunk(&meta, None, false, None);
-                        u["choices"] = json!([]);
-                        u["usage"] = usage(prompt_tokens, completion_tokens);
-                        v.push(data(u));
+            _ => match tokio::time::timeout_at(meta.deadline, rx.recv()).await {
+                Err(_) => {
+                    // Past the deadline: an explicit error chunk, then the end; dropping the
+                    // receiver cancels the sequence.
+                    let v = vec![
+                        data(timed_out(meta.timeout).body()),
+                        Event::default().data("[DONE]"),
+                    ];
+                    return Some((v, (rx, St::Done, meta)));
+                }
+                Ok(next) => match next {
+                    Some(GenEvent::Text(t)) => vec![data(chunk(&meta, Some(&t), false, None))],
+                    Some(GenEvent::Done {
+                        reason,
+                        prompt_tokens,
+                        completion_tokens,
+                    }) => {
+                        let mut v = vec![data(chunk(&meta, None, false, Some(reason)))];
+                        if include_usage {
+                            let mut u = chunk(&meta, None, false, None);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage(prompt_tokens, completion_tokens);
+                            v.push(data(u));
+                        }
+                        v.push(Event::default().data("[DONE]"));
+                        return Some((v, (rx, St::Done, meta)));
                     }
-                    v.push(Event::default().data("[DONE]"));
-                    return Some((v, (rx, St::Done, meta)));
-                }
-                Some(GenEvent::Error(m)) => {
-                    let v = vec![data(server_error(m).body()), Event::default().data("[DONE]")];
-                    return Some((v, (rx, St::Done, meta)));
-                }
-                None => return None,
+                    Some(GenEvent::Error(m)) => {
+                        let v = vec![data(server_error(m).body()), Event::default().data("[DONE]")];
+                        return Some((v, (rx, St::Done, meta)));
+                    }
+                    None => return None,
+                },
             },
         };
         Some((events, (rx, St::Running, meta)))

@@ -69,8 +69,10 @@ pub struct Tokenizer {
     /// (left, right) -> (rank, merged id).
     merges: HashMap<(u32, u32), (u32, u32)>,
     byte_to_id: [Option<u32>; 256],
-    /// Special tokens matched literally in input text, longest first.
-    specials: Vec<(String, u32)>,
+    /// Special tokens matched literally in input text: the leftmost match, the longest at
+    /// one position, found in one pass over the text (ids by pattern index).
+    specials: Option<aho_corasick::AhoCorasick>,
+    special_ids: Vec<u32>,
     pre: fancy_regex::Regex,
     split_digits: bool,
     /// A pre-token that is itself in the vocabulary skips the merges (`tokenizer.json`'s
@@ -92,6 +94,60 @@ impl std::fmt::Debug for Tokenizer {
             .field("chat_template", &self.chat_template)
             .finish()
     }
+}
+
+/// Applies BPE merges to `syms` in place: the pair of lowest rank first, the leftmost among
+/// equal ranks, until no adjacent pair has a merge. A heap of candidate pairs over a linked
+/// list keeps this O(n log n) in the length of the piece (rescanning for the best pair after
+/// every merge is quadratic: an 80 KB word without spaces took 15 s).
+fn merge_by_rank(syms: &mut Vec<u32>, merge: impl Fn(u32, u32) -> Option<(u32, u32)>) {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let n = syms.len();
+    if n < 2 {
+        return;
+    }
+    const NONE: usize = usize::MAX;
+    let mut prev: Vec<usize> = (0..n).map(|i| if i == 0 { NONE } else { i - 1 }).collect();
+    let mut next: Vec<usize> = (0..n).map(|i| if i + 1 == n { NONE } else { i + 1 }).collect();
+    let mut alive = vec![true; n];
+    // (rank, left position, left id, right id, merged id); stale entries are skipped on pop.
+    let mut heap: BinaryHeap<Reverse<(u32, usize, u32, u32, u32)>> = BinaryHeap::with_capacity(n);
+    let candidate = |heap: &mut BinaryHeap<_>, syms: &[u32], next: &[usize], i: usize| {
+        let j = next[i];
+        if j != NONE {
+            if let Some((rank, merged)) = merge(syms[i], syms[j]) {
+                heap.push(Reverse((rank, i, syms[i], syms[j], merged)));
+            }
+        }
+    };
+    for i in 0..n - 1 {
+        candidate(&mut heap, syms, &next, i);
+    }
+    while let Some(Reverse((_, i, left, right, merged))) = heap.pop() {
+        let j = next[i];
+        if !alive[i] || syms[i] != left || j == NONE || syms[j] != right {
+            continue;
+        }
+        syms[i] = merged;
+        alive[j] = false;
+        next[i] = next[j];
+        if next[j] != NONE {
+            prev[next[j]] = i;
+        }
+        if prev[i] != NONE {
+            candidate(&mut heap, syms, &next, prev[i]);
+        }
+        candidate(&mut heap, syms, &next, i);
+    }
+    let mut k = 0;
+    for i in 0..n {
+        if alive[i] {
+            syms[k] = syms[i];
+            k += 1;
+        }
+    }
+    syms.truncate(k);
 }
 
 /// GPT-2's reversible byte <-> printable-char mapping (openai/gpt-2 `src/encoder.py`,
@@ -237,7 +293,17 @@ impl Tokenizer {
             }
             is_special.push(ty == 3);
         }
-        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
+        let special_ids = specials.iter().map(|s| s.1).collect();
+        let specials = if specials.is_empty() {
+            None
+        } else {
+            Some(
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(specials.iter().map(|s| s.0.as_str()))
+                    .map_err(|e| TokenizerError::Vocab(format!("special tokens: {e}")))?,
+            )
+        };
         let mut byte_to_id = [None; 256];
         for (b, c) in table.iter().enumerate() {
             byte_to_id[b] = token_to_id.get(&c.to_string()).copied();
@@ -273,6 +339,7 @@ impl Tokenizer {
             merges: merge_map,
             byte_to_id,
             specials,
+            special_ids,
             pre,
             split_digits,
             ignore_merges: false,
@@ -304,39 +371,16 @@ impl Tokenizer {
         if self.add_bos {
             out.extend(self.bos);
         }
-        let mut rest = text;
-        while !rest.is_empty() {
-            let hit = if parse_special {
-                self.find_special(rest)
-            } else {
-                None
-            };
-            match hit {
-                Some((at, len, id)) => {
-                    self.encode_plain(&rest[..at], &mut out);
-                    out.push(id);
-                    rest = &rest[at + len..];
-                }
-                None => {
-                    self.encode_plain(rest, &mut out);
-                    break;
-                }
+        let mut start = 0;
+        if let (true, Some(specials)) = (parse_special, &self.specials) {
+            for m in specials.find_iter(text) {
+                self.encode_plain(&text[start..m.start()], &mut out);
+                out.push(self.special_ids[m.pattern().as_usize()]);
+                start = m.end();
             }
         }
+        self.encode_plain(&text[start..], &mut out);
         out
-    }
-
-    fn find_special(&self, text: &str) -> Option<(usize, usize, u32)> {
-        let mut best: Option<(usize, usize, u32)> = None;
-        for (s, id) in &self.specials {
-            if let Some(at) = text.find(s.as_str()) {
-                // Earliest match wins; at equal positions the longer (sorted first) wins.
-                if best.is_none_or(|(b, _, _)| at < b) {
-                    best = Some((at, s.len(), *id));
-                }
-            }
-        }
-        best
     }
 
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
@@ -390,19 +434,7 @@ impl Tokenizer {
             // in favour of id 0 rather than panicking.
             syms.push(self.byte_to_id[b as usize].unwrap_or(0));
         }
-        loop {
-            let mut best: Option<(u32, usize, u32)> = None;
-            for i in 0..syms.len().saturating_sub(1) {
-                if let Some(&(rank, merged)) = self.merges.get(&(syms[i], syms[i + 1])) {
-                    if best.is_none_or(|(r, _, _)| rank < r) {
-                        best = Some((rank, i, merged));
-                    }
-                }
-            }
-            let Some((_, i, merged)) = best else { break };
-            syms[i] = merged;
-            syms.remove(i + 1);
-        }
+        merge_by_rank(&mut syms, |l, r| self.merges.get(&(l, r)).copied());
         out.extend(syms);
     }
 
@@ -552,6 +584,63 @@ mod tests {
             Some("<|im_start|>system\nBe kind<|im_end|>"),
         )
         .unwrap()
+    }
+
+    /// BPE as its definition reads: rescan for the lowest-ranked, leftmost pair after every
+    /// merge (quadratic; what `merge_by_rank` must equal).
+    fn merge_by_definition(syms: &mut Vec<u32>, merge: impl Fn(u32, u32) -> Option<(u32, u32)>) {
+        loop {
+            let mut best: Option<(u32, usize, u32)> = None;
+            for i in 0..syms.len().saturating_sub(1) {
+                if let Some((rank, merged)) = merge(syms[i], syms[i + 1]) {
+                    if best.is_none_or(|(r, _, _)| rank < r) {
+                        best = Some((rank, i, merged));
+                    }
+                }
+            }
+            let Some((_, i, merged)) = best else { break };
+            syms[i] = merged;
+            syms.remove(i + 1);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// Over random merge tables (ties in rank included: a table may give two pairs one
+        /// rank) and random pieces, the heap merge gives exactly the definition's tokens.
+        #[test]
+        fn heap_merge_equals_the_definition(
+            table in proptest::collection::vec((0u32..6, 0u32..6, 0u32..12), 0..24),
+            piece in proptest::collection::vec(0u32..6, 0..64),
+        ) {
+            // Pair -> (rank, merged id); merged ids live above the alphabet and may merge on.
+            let mut merges = HashMap::new();
+            for (rank, (l, r, m)) in table.iter().enumerate() {
+                merges.entry((*l % 6 + if *m > 8 { 6 } else { 0 }, *r)).or_insert(((rank / 2) as u32, 6 + rank as u32));
+            }
+            let f = |l: u32, r: u32| merges.get(&(l, r)).copied();
+            let mut fast = piece.clone();
+            let mut slow = piece.clone();
+            merge_by_rank(&mut fast, f);
+            merge_by_definition(&mut slow, f);
+            proptest::prop_assert_eq!(fast, slow);
+        }
+    }
+
+    #[test]
+    fn special_tokens_anywhere_and_adjacent_are_found_in_one_pass() {
+        let t = toy();
+        let ids = t.encode("<|im_start|><|im_end|>x<|im_start|>", true);
+        assert_eq!(ids[0], 1);
+        assert_eq!(ids[1], 2);
+        assert_eq!(*ids.last().unwrap(), 1);
+        assert_eq!(ids.len(), 4);
+        // A long prompt of one word goes through the merges (it took 15 s at 80 KB before).
+        let long = "hell".repeat(50_000);
+        let ids = t.encode(&long, false);
+        let hell = t.token_id("hell").unwrap();
+        assert_eq!(ids.len(), 50_000);
+        assert!(ids.iter().all(|&i| i == hell));
     }
 
     #[test]

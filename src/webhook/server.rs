@@ -23,7 +23,7 @@ use super::review::{self, Reviewed};
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 /// A client must send a request's headers within this time (slowloris), on both servers.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HEADER_READ_TIMEOUT: Duration = crate::serving::HEADER_READ_TIMEOUT;
 
 /// What the handlers share.
 pub struct AppState {
@@ -54,18 +54,6 @@ impl AppState {
     pub fn ready(&self) -> bool {
         self.cache.synced() && !self.cache.stale() && self.tls_ready.load(Ordering::Acquire)
     }
-}
-
-/// HTTP/1 connections must send their headers within `timeout` (hyper needs a timer for it).
-fn limit_header_read<A, Acc>(server: &mut axum_server::Server<A, Acc>, timeout: Duration)
-where
-    A: axum_server::Address,
-{
-    server
-        .http_builder()
-        .http1()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(timeout);
 }
 
 /// The admission router: `POST /validate` (and `/` for configurations written by hand).
@@ -166,7 +154,7 @@ pub async fn serve_https(
     listener.set_nonblocking(true)?;
     state.tls_ready.store(true, Ordering::Release);
     let mut server = axum_server::from_tcp_rustls(listener, tls)?;
-    limit_header_read(&mut server, state.header_read_timeout);
+    crate::serving::limit_header_read(&mut server, state.header_read_timeout);
     server
         .handle(handle)
         .serve(admission_router(state).into_make_service())
@@ -181,7 +169,7 @@ pub async fn serve_health(
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     let mut server = axum_server::from_tcp(listener)?;
-    limit_header_read(&mut server, state.header_read_timeout);
+    crate::serving::limit_header_read(&mut server, state.header_read_timeout);
     server
         .handle(handle)
         .serve(health_router(state).into_make_service())

@@ -87,6 +87,13 @@ pub struct WorkerArgs {
     /// On SIGTERM/ctrl-c, let running requests finish for this long, then fail the rest.
     #[arg(long, default_value_t = 20)]
     pub drain_seconds: u64,
+    /// Largest request body accepted (413 above it).
+    #[arg(long, default_value_t = crate::model::openai::ApiLimits::default().max_body_bytes)]
+    pub max_request_bytes: usize,
+    /// A request still generating this long after it arrived is ended (504, or an error
+    /// chunk on a stream) and its KV freed.
+    #[arg(long, default_value_t = crate::model::openai::ApiLimits::default().request_timeout.as_secs())]
+    pub request_timeout_seconds: u64,
 }
 
 impl WorkerArgs {
@@ -344,7 +351,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             return ExitCode::from(exit::RUNTIME);
         }
     };
-    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+    let listener = match std::net::TcpListener::bind(args.listen) {
         Ok(l) => l,
         Err(error) => {
             tracing::error!(%error, listen = %args.listen, "cannot listen; pass a free address to --listen");
@@ -502,14 +509,22 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         capacity: RwLock::new(Some(info)),
         metrics: metrics.clone(),
     });
-    let app = crate::model::openai::router(runtime.clone()).merge(http::router(state.clone()));
-    let stop_server = Arc::new(tokio::sync::Notify::new());
-    let stop = stop_server.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.notified().await })
-            .await
-    });
+    let limits = crate::model::openai::ApiLimits {
+        max_body_bytes: args.max_request_bytes,
+        request_timeout: Duration::from_secs(args.request_timeout_seconds),
+        ..Default::default()
+    };
+    let app = crate::model::openai::router_with(runtime.clone(), limits).merge(http::router(state.clone()));
+    let handle = axum_server::Handle::new();
+    let server = {
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            listener.set_nonblocking(true)?;
+            let mut server = axum_server::from_tcp(listener)?;
+            crate::serving::limit_header_read(&mut server, crate::serving::HEADER_READ_TIMEOUT);
+            server.handle(handle).serve(app.into_make_service()).await
+        })
+    };
     state.ready.store(true, Ordering::SeqCst);
     tracing::info!(%addr, model = %served_name, "ready");
     tokio::spawn(publish::publish_measured_capacity(capacity_tokens));
@@ -521,7 +536,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let rt = runtime.clone();
     let _ = tokio::task::spawn_blocking(move || rt.shutdown(drain)).await;
     tracing::info!("engine drained");
-    stop_server.notify_one();
+    handle.graceful_shutdown(Some(Duration::from_secs(5)));
     match tokio::time::timeout(Duration::from_secs(10), server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(error))) => tracing::warn!(%error, "server stopped with an error"),
