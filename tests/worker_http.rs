@@ -568,7 +568,10 @@ fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
         ("logit_bias", serde_json::json!({"42": 5})),
         ("presence_penalty", serde_json::json!(0.5)),
         ("response_format", serde_json::json!({"type": "json_object"})),
-        ("tools", serde_json::json!([{"type": "function", "function": {"name": "f"}}])),
+        (
+            "tools",
+            serde_json::json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
     ] {
         let mut req = serde_json::json!({
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2
@@ -578,7 +581,10 @@ fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
         assert_eq!(st, 400, "{field}: {b}");
         let e: serde_json::Value = serde_json::from_str(&b).unwrap();
         assert_eq!(e["error"]["param"], field, "{b}");
-        assert!(e["error"]["message"].as_str().unwrap().contains("not supported"), "{b}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains("not supported"),
+            "{b}"
+        );
     }
     // Their default values are what every client sends: accepted.
     let fine = serde_json::json!({
@@ -592,16 +598,23 @@ fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
     // Slowloris: headers never finished. The server closes the connection once the header
     // read timeout passes, and answers everyone else meanwhile.
     let mut slow = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
     slow.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let opened = Instant::now();
     assert_eq!(http(port, "GET", "/healthz", "").0, 200);
     let mut buf = [0u8; 512];
     let closed = match slow.read(&mut buf) {
         Ok(_) => true,
-        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
     };
-    assert!(closed, "the server kept a connection with unfinished headers for 30 s");
+    assert!(
+        closed,
+        "the server kept a connection with unfinished headers for 30 s"
+    );
     let held = opened.elapsed();
     assert!(
         held >= Duration::from_secs(5) && held < Duration::from_secs(20),
@@ -616,7 +629,11 @@ fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
     let (st, _, b) = http(port, "POST", "/v1/completions", &long.to_string());
     assert_eq!(st, 504, "{b}");
     assert!(b.contains("request_timeout") && b.contains("6 s"), "{b}");
-    assert!(t0.elapsed() < Duration::from_secs(15), "answered after {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "answered after {:?}",
+        t0.elapsed()
+    );
     let streamed = stream_completion(port, &"Once upon a time ".repeat(4), 3000);
     let err = streamed.expect_err("a 3000-token stream ended within 6 s");
     assert!(err.contains("request_timeout"), "{err}");

@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, ObjectFieldSelector,
-    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec,
-    Toleration, Volume, VolumeMount,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, Lifecycle, LifecycleHandler,
+    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort,
+    ServiceSpec, SleepAction, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
@@ -236,14 +236,7 @@ pub fn desired(
                 match_labels: Some(selector_labels(&name)),
                 ..LabelSelector::default()
             },
-            // A surge pod needs spare GPUs that a full pool does not have: replace in place.
-            strategy: Some(DeploymentStrategy {
-                type_: Some("RollingUpdate".into()),
-                rolling_update: Some(RollingUpdateDeployment {
-                    max_surge: Some(IntOrString::Int(0)),
-                    max_unavailable: Some(IntOrString::Int(1)),
-                }),
-            }),
+            strategy: Some(rollout(spec.replicas)),
             template: pod_template(&name, spec, verdict, settings, &labels, config_hash),
             ..DeploymentSpec::default()
         }),
@@ -505,6 +498,15 @@ fn pod_template(
         liveness_probe: Some(http_probe(probe_paths.1, 10, 3)),
         // Loading weights and sizing the KV pool can take many minutes: 60 x 10 s.
         startup_probe: Some(http_probe(probe_paths.1, 10, 60)),
+        lifecycle: Some(Lifecycle {
+            pre_stop: Some(LifecycleHandler {
+                sleep: Some(SleepAction {
+                    seconds: PRE_STOP_SECONDS,
+                }),
+                ..LifecycleHandler::default()
+            }),
+            ..Lifecycle::default()
+        }),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
@@ -558,8 +560,30 @@ fn pod_template(
                 }),
                 ..PodSecurityContext::default()
             }),
-            termination_grace_period_seconds: Some(60),
+            termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
             ..PodSpec::default()
+        }),
+    }
+}
+
+/// Seconds a terminating pod keeps serving before SIGTERM (its preStop sleep), so that the
+/// endpoint controllers and proxies stop routing to it first.
+pub const PRE_STOP_SECONDS: i64 = 5;
+/// Seconds from the preStop hook to SIGKILL: the preStop sleep, the worker's drain (20 s by
+/// default: running requests finish, the rest end with an error) and closing the server.
+pub const TERMINATION_GRACE_SECONDS: i64 = 60;
+
+/// Never dark during a rollout. One replica: the new pod comes up beside the old one
+/// (`maxSurge: 1, maxUnavailable: 0`); on a full pool it waits Pending for a GPU while the old
+/// pod keeps serving. Several replicas: one at a time is replaced in place
+/// (`maxSurge: 0, maxUnavailable: 1`), which needs no spare GPU, while the others serve.
+pub fn rollout(replicas: i32) -> DeploymentStrategy {
+    let (surge, unavailable) = if replicas <= 1 { (1, 0) } else { (0, 1) };
+    DeploymentStrategy {
+        type_: Some("RollingUpdate".into()),
+        rolling_update: Some(RollingUpdateDeployment {
+            max_surge: Some(IntOrString::Int(surge)),
+            max_unavailable: Some(IntOrString::Int(unavailable)),
         }),
     }
 }
@@ -1135,6 +1159,37 @@ spec:
         let args = vllm_args(&obj.spec, &v);
         assert!(!args.contains(&"--attention-backend".to_string()), "{args:?}");
         assert_eq!(arg_after(&args, "--kv-cache-dtype").as_deref(), Some("fp8"));
+    }
+
+    #[test]
+    fn rollouts_never_go_dark_and_termination_drains_behind_a_pre_stop_sleep() {
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let strategy = |d: &Desired| {
+            let r = d
+                .deployment
+                .spec
+                .clone()
+                .unwrap()
+                .strategy
+                .unwrap()
+                .rolling_update
+                .unwrap();
+            (r.max_surge.unwrap(), r.max_unavailable.unwrap())
+        };
+        // One replica: the replacement starts beside it (never zero serving pods).
+        let one = desired(&fixture(VLLM_RTX5090), &v, &Settings::default(), None).unwrap();
+        assert_eq!(strategy(&one), (IntOrString::Int(1), IntOrString::Int(0)));
+        // Several: one at a time in place, needing no spare GPU.
+        let two = desired(&fixture(KVFLEET_RTX3090_TP2), &v, &Settings::default(), None).unwrap();
+        assert_eq!(strategy(&two), (IntOrString::Int(0), IntOrString::Int(1)));
+        for d in [&one, &two] {
+            let p = pod(d);
+            let c = &p.containers[0];
+            let sleep = c.lifecycle.clone().unwrap().pre_stop.unwrap().sleep.unwrap();
+            assert_eq!(sleep.seconds, PRE_STOP_SECONDS);
+            // preStop + the worker's default drain + closing the server fit in the grace period.
+            assert!(PRE_STOP_SECONDS + 20 + 10 < p.termination_grace_period_seconds.unwrap());
+        }
     }
 
     #[test]
