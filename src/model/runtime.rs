@@ -156,7 +156,16 @@ impl ModelRuntime {
                 kv.block_size, sched.block_size
             )));
         }
-        let scheduler = Scheduler::new(sched.clone(), &kv.groups);
+        // The bound on waiting requests is kept here, at submission (`generate`), where a
+        // refusal is still a 429; the scheduler's own queue also holds preempted requests,
+        // so it gets room for every running one on top and never refuses inside the loop.
+        let scheduler = Scheduler::new(
+            SchedulerConfig {
+                max_waiting: sched.max_waiting.saturating_add(sched.max_num_seqs),
+                ..sched.clone()
+            },
+            &kv.groups,
+        );
         let max_request_tokens = largest_request(&scheduler);
         if max_request_tokens < 2 {
             return Err(RuntimeError::Config(format!(
@@ -244,19 +253,20 @@ impl ModelRuntime {
             .max_tokens
             .min(self.pool.max_request_tokens - prompt.len())
             .max(1);
-        let queued = self.queued.load(Ordering::SeqCst);
-        if queued >= self.max_waiting {
-            return Err(RuntimeError::QueueFull {
-                queued,
-                limit: self.max_waiting,
-            });
-        }
         let (tx, rx) = unbounded_channel();
         let submit = self.submit.lock().map_err(|_| RuntimeError::Stopped)?;
         let Some(submit) = submit.as_ref() else {
             return Err(RuntimeError::ShuttingDown);
         };
-        self.queued.fetch_add(1, Ordering::SeqCst);
+        // Check and count in one step, so that concurrent submissions never overshoot.
+        self.queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+                (q < self.max_waiting).then_some(q + 1)
+            })
+            .map_err(|queued| RuntimeError::QueueFull {
+                queued,
+                limit: self.max_waiting,
+            })?;
         submit
             .send(Command::Submit {
                 prompt,
