@@ -590,10 +590,44 @@ fn worker_cluster_role_lets_a_worker_annotate_only_pods() {
         kvfleet::controller::desired::WORKER_CLUSTER_ROLE,
     );
     let rules = role["rules"].as_array().expect("rules");
-    assert_eq!(rules.len(), 1);
+    assert_eq!(rules.len(), 2);
     assert_eq!(strs(&rules[0]["apiGroups"]), [""]);
     assert_eq!(strs(&rules[0]["resources"]), ["pods"]);
     assert_eq!(strs(&rules[0]["verbs"]), ["get", "patch"]);
+    // The marker the admission policy recognises workers by; it grants nothing served.
+    assert_eq!(strs(&rules[1]["apiGroups"]), ["kvfleet.io"]);
+    assert_eq!(strs(&rules[1]["resources"]), ["workers"]);
+    assert_eq!(strs(&rules[1]["verbs"]), ["identify"]);
+    // The policy that narrows the namespace-wide patch to the worker's own pod's annotation
+    // (enforced in tests/e2e_worker_identity.rs), bound with Deny.
+    let policy = one_of(&objs, "ValidatingAdmissionPolicy", "kvfleet-worker-own-pod");
+    assert_eq!(policy["spec"]["failurePolicy"], "Fail");
+    let text = policy.to_string();
+    assert!(text.contains("authentication.kubernetes.io/pod-name"), "{text}");
+    assert!(
+        text.contains(kvfleet::controller::desired::MEASURED_TOKENS_ANNOTATION),
+        "{text}"
+    );
+    let binding = one_of(
+        &objs,
+        "ValidatingAdmissionPolicyBinding",
+        "kvfleet-worker-own-pod",
+    );
+    assert_eq!(binding["spec"]["policyName"], "kvfleet-worker-own-pod");
+    assert_eq!(strs(&binding["spec"]["validationActions"]), ["Deny"]);
+    // deploy/rbac/worker.yaml carries the same rules and policy for installs without Helm.
+    let plain = std::fs::read_to_string(repo().join("deploy/rbac/worker.yaml")).unwrap();
+    let plain: Vec<Value> = serde_yaml::Deserializer::from_str(&plain)
+        .map(|d| serde_yaml::from_value::<Value>(serde_yaml::Value::deserialize(d).unwrap()).unwrap())
+        .collect();
+    assert_eq!(
+        one_of(&plain, "ClusterRole", "kvfleet-worker")["rules"],
+        role["rules"]
+    );
+    assert_eq!(
+        one_of(&plain, "ValidatingAdmissionPolicy", "kvfleet-worker-own-pod")["spec"],
+        policy["spec"]
+    );
 }
 
 /// `helm uninstall` removes what the release made at run time (the webhook's TLS Secret, the
@@ -1084,4 +1118,35 @@ fn notes_tell_the_user_what_to_do_next() {
     ] {
         assert!(notes.contains(needle), "NOTES lack {needle:?}:\n{notes}");
     }
+}
+
+/// The NetworkPolicies admit ingress only on ports the operator's containers name (a policy
+/// naming a port the pod lacks would silently block it), select the pods of their Deployment,
+/// and go away with `networkPolicy.enabled=false`.
+#[test]
+fn network_policies_admit_only_the_operators_own_named_ports() {
+    let objs = render(&[]);
+    let policies = all_of(&objs, "NetworkPolicy");
+    assert_eq!(policies.len(), 2, "webhook and controller");
+    for policy in policies {
+        let selector = &policy["spec"]["podSelector"]["matchLabels"];
+        let deployment = all_of(&objs, "Deployment")
+            .into_iter()
+            .find(|d| &d["spec"]["selector"]["matchLabels"] == selector)
+            .unwrap_or_else(|| panic!("no Deployment selected by {selector}"));
+        let named: Vec<&str> = deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+        let ingress = policy["spec"]["ingress"].as_array().unwrap();
+        assert_eq!(ingress.len(), 1);
+        for port in ingress[0]["ports"].as_array().unwrap() {
+            let name = port["port"].as_str().unwrap();
+            assert!(named.contains(&name), "{name} is not a port of {named:?}");
+        }
+    }
+    assert!(all_of(&render(&["networkPolicy.enabled=false"]), "NetworkPolicy").is_empty());
 }

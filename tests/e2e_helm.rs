@@ -51,31 +51,8 @@ fn scratch() -> PathBuf {
 /// A kubeconfig for ServiceAccount `sa` of the release namespace: the API server of
 /// KUBECONFIG, a token from `kubectl create token`.
 fn service_account_kubeconfig(sa: &str, dir: &Path) -> PathBuf {
-    let admin: Value = serde_json::from_str(&kubectl_ok(&[
-        "config", "view", "--raw", "--minify", "-o", "json",
-    ]))
-    .expect("kubeconfig JSON");
-    let cluster = &admin["clusters"][0]["cluster"];
     let token = kubectl_ok(&["create", "token", sa, "-n", SYSTEM, "--duration=2h"]);
-    let ca = match cluster["certificate-authority-data"].as_str() {
-        Some(data) => format!("certificate-authority-data: {data}"),
-        None => format!(
-            "certificate-authority: {}",
-            cluster["certificate-authority"]
-                .as_str()
-                .expect("a CA in the kubeconfig")
-        ),
-    };
-    let config = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster:\n    server: {}\n    {ca}\n\
-         users:\n- name: {sa}\n  user:\n    token: {}\ncontexts:\n- name: e2e\n  context: {{cluster: e2e, user: {sa}}}\n\
-         current-context: e2e\n",
-        cluster["server"].as_str().expect("server"),
-        token.trim()
-    );
-    let path = dir.join(format!("{sa}.kubeconfig"));
-    std::fs::write(&path, config).expect("kubeconfig");
-    path
+    e2e_support::token_kubeconfig(sa, token.trim(), dir)
 }
 
 struct Webhook {

@@ -59,6 +59,9 @@ fn helm(args: &[&str]) -> Output {
 /// What the test made, removed on drop; the CRD only when this test applied it first.
 struct Cleanup {
     crd_created: bool,
+    /// The chart keeps the kvfleet-worker ClusterRole on uninstall (workers' RoleBindings
+    /// point at it); removed here when this test's install made it.
+    worker_role_created: bool,
 }
 impl Drop for Cleanup {
     fn drop(&mut self) {
@@ -72,6 +75,9 @@ impl Drop for Cleanup {
             "--timeout=120s",
         ]);
         let _ = kubectl(&["delete", "node", NODE, "--ignore-not-found"]);
+        if self.worker_role_created {
+            let _ = kubectl(&["delete", "clusterrole", "kvfleet-worker", "--ignore-not-found"]);
+        }
         if self.crd_created {
             let _ = kubectl(&[
                 "delete",
@@ -105,7 +111,20 @@ fn e2e_chart_pods_run_the_built_image_under_the_restricted_pod_security_profile(
     ])
     .trim()
     .is_empty();
-    let _cleanup = Cleanup { crd_created };
+    let worker_role_created = kubectl_ok(&[
+        "get",
+        "clusterrole",
+        "kvfleet-worker",
+        "--ignore-not-found",
+        "-o",
+        "name",
+    ])
+    .trim()
+    .is_empty();
+    let _cleanup = Cleanup {
+        crd_created,
+        worker_role_created,
+    };
     let _ = helm(&["uninstall", RELEASE, "-n", NS, "--wait"]);
 
     let node = run(Command::new(repo().join("../shared/k8s/cpu-node")).arg(NODE));

@@ -352,6 +352,34 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// A kubeconfig that authenticates with `token` (named `user`) to the API server of
+/// KUBECONFIG, written into `dir`.
+pub fn token_kubeconfig(user: &str, token: &str, dir: &std::path::Path) -> PathBuf {
+    let admin: serde_json::Value = serde_json::from_str(&kubectl_ok(&[
+        "config", "view", "--raw", "--minify", "-o", "json",
+    ]))
+    .expect("kubeconfig JSON");
+    let cluster = &admin["clusters"][0]["cluster"];
+    let ca = match cluster["certificate-authority-data"].as_str() {
+        Some(data) => format!("certificate-authority-data: {data}"),
+        None => format!(
+            "certificate-authority: {}",
+            cluster["certificate-authority"]
+                .as_str()
+                .expect("a CA in the kubeconfig")
+        ),
+    };
+    let config = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: e2e\n  cluster:\n    server: {}\n    {ca}\n\
+         users:\n- name: {user}\n  user:\n    token: {token}\ncontexts:\n- name: e2e\n  context: {{cluster: e2e, user: {user}}}\n\
+         current-context: e2e\n",
+        cluster["server"].as_str().expect("server"),
+    );
+    let path = dir.join(format!("{user}.kubeconfig"));
+    std::fs::write(&path, config).expect("kubeconfig");
+    path
+}
+
 /// Whether the CRD exists now (a suite deletes it at the end only if it created it).
 pub fn crd_exists() -> bool {
     get_json(&["crd", CRD]).is_some()
