@@ -91,6 +91,18 @@ async fn e2e_controller_creates_scales_and_garbage_collects_an_inference_deploym
     );
 
     let ns = Namespace::create(NS);
+    // Every pod kvfleet renders meets the restricted Pod Security Standard: the namespace
+    // enforces it, so a non-compliant pod would never be created (FailedCreate).
+    kubectl(
+        &[
+            "label",
+            "namespace",
+            NS,
+            "pod-security.kubernetes.io/enforce=restricted",
+            "pod-security.kubernetes.io/enforce-version=latest",
+        ],
+        None,
+    );
     let mut nodes = Nodes::default();
     nodes.gpu(NODE, L4);
     let product = L4.product;
@@ -165,6 +177,35 @@ async fn e2e_controller_creates_scales_and_garbage_collects_an_inference_deploym
         Some(d)
     })
     .await;
+
+    // The worker pod was admitted under the restricted profile and scheduled on the L4 node.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), NS);
+    let pod = eventually(
+        "a worker pod admitted under the restricted Pod Security Standard",
+        Duration::from_secs(60),
+        || async {
+            let list = pods
+                .list(&kube::api::ListParams::default().labels("kvfleet.io/inference-deployment=e2e-model"))
+                .await
+                .ok()?;
+            list.items.into_iter().next()
+        },
+    )
+    .await;
+    let spec = pod.spec.unwrap();
+    assert_eq!(
+        spec.automount_service_account_token,
+        Some(true),
+        "the worker publishes capacity"
+    );
+    assert!(
+        spec.containers[0]
+            .lifecycle
+            .as_ref()
+            .and_then(|l| l.pre_stop.as_ref())
+            .is_some(),
+        "no preStop: endpoints would still route to a terminating worker"
+    );
 
     kubectl(
         &["scale", "-n", NS, "inferencedeployment", NAME, "--replicas=2"],
