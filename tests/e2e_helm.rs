@@ -22,7 +22,6 @@ use e2e_support::{
 };
 use k8s_openapi::api::core::v1::Node;
 use kvfleet::validate::{self, ClusterFacts, NodeFacts};
-use serde_json::Value;
 
 const RELEASE: &str = "kvfleet-e2e";
 const SYSTEM: &str = "kvfleet-e2e-system";

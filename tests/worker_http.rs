@@ -643,3 +643,49 @@ fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
     assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"used\"}"), 0.0, "{m}");
     drop(w);
 }
+
+/// With a key (spec.apiKey → KVFLEET_API_KEY), the OpenAI API answers 401 without it or with
+/// another; probes and metrics stay open; the key never reaches the log.
+#[test]
+fn an_api_key_guards_the_openai_api_and_never_reaches_the_log() {
+    let mut w = start(
+        "apikey",
+        &["--max-kv-tokens", "4096"],
+        &[("KVFLEET_API_KEY", "s3cret-k3y")],
+    );
+    wait_ready(&mut w, Duration::from_secs(180));
+    let ask = |auth: Option<&str>| {
+        let mut s = TcpStream::connect(("127.0.0.1", w.port)).unwrap();
+        let auth = auth
+            .map(|a| format!("Authorization: {a}\r\n"))
+            .unwrap_or_default();
+        write!(
+            s,
+            "GET /v1/models HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        raw
+    };
+    for auth in [
+        None,
+        Some("Bearer wrong"),
+        Some("Bearer s3cret-k3"),
+        Some("Basic s3cret-k3y"),
+    ] {
+        let answer = ask(auth);
+        assert!(answer.starts_with("HTTP/1.1 401"), "{auth:?}: {answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("www-authenticate: bearer"),
+            "{answer}"
+        );
+        assert!(answer.contains("invalid_api_key"), "{answer}");
+    }
+    let answer = ask(Some("Bearer s3cret-k3y"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("SmolLM2"), "{answer}");
+    assert_eq!(http(w.port, "GET", "/healthz", "").0, 200);
+    assert_eq!(http(w.port, "GET", "/metrics", "").0, 200);
+    assert!(!w.log().contains("s3cret"), "the key is in the log:\n{}", w.log());
+}

@@ -99,6 +99,30 @@ pub struct InferenceDeploymentSpec {
     /// Overrides for the pods kvfleet creates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodOverrides>,
+
+    /// Requires `Authorization: Bearer <key>` on the OpenAI API of every replica, the key read
+    /// from a Secret of the namespace. Off by default: in-cluster clients reach replicas
+    /// through the Service, and NetworkPolicy is the usual guard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<ApiKeySpec>,
+}
+
+/// Where the API key of the replicas is: a key of a Secret in the InferenceDeployment's
+/// namespace (`kvfleet worker` reads it as `KVFLEET_API_KEY`, vLLM as `VLLM_API_KEY`).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiKeySpec {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub secret_name: String,
+    /// Key in the Secret (default `api-key`).
+    #[serde(default = "default_api_key_key")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+fn default_api_key_key() -> String {
+    "api-key".into()
 }
 
 fn default_replicas() -> i32 {

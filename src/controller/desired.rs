@@ -12,8 +12,8 @@ use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, Lifecycle, LifecycleHandler,
     ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort,
-    ServiceSpec, SleepAction, Toleration, Volume, VolumeMount,
+    Probe, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Service, ServiceAccount,
+    ServicePort, ServiceSpec, SleepAction, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
@@ -417,6 +417,25 @@ fn pod_template(
         field_env("POD_NAMESPACE", "metadata.namespace"),
         plain_env("HOME", "/tmp"),
     ];
+    if let Some(key) = &spec.api_key {
+        // Each server's own variable for the key of its OpenAI API.
+        let var = match runtime {
+            Runtime::Kvfleet => "KVFLEET_API_KEY",
+            Runtime::Vllm => "VLLM_API_KEY",
+        };
+        env.push(EnvVar {
+            name: var.into(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: key.secret_name.clone(),
+                    key: key.key.clone(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
     let (image, command, args, probe_paths) = match runtime {
         Runtime::Kvfleet => {
             let mut args = worker_args(spec, verdict);
@@ -1189,6 +1208,32 @@ spec:
             assert_eq!(sleep.seconds, PRE_STOP_SECONDS);
             // preStop + the worker's default drain + closing the server fit in the grace period.
             assert!(PRE_STOP_SECONDS + 20 + 10 < p.termination_grace_period_seconds.unwrap());
+        }
+    }
+
+    #[test]
+    fn an_api_key_secret_reaches_each_server_as_its_own_variable() {
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        for (fixture_yaml, var) in [
+            (KVFLEET_RTX3090_TP2, "KVFLEET_API_KEY"),
+            (VLLM_RTX5090, "VLLM_API_KEY"),
+        ] {
+            let mut spec = fixture(fixture_yaml);
+            let plain = desired(&spec, &v, &Settings::default(), None).unwrap();
+            let env = |d: &Desired| pod(d).containers[0].env.clone().unwrap_or_default();
+            assert!(
+                !env(&plain).iter().any(|e| e.name.ends_with("API_KEY")),
+                "off by default"
+            );
+            spec.spec.api_key = Some(crate::api::ApiKeySpec {
+                secret_name: "llm-key".into(),
+                key: "api-key".into(),
+            });
+            let keyed = desired(&spec, &v, &Settings::default(), None).unwrap();
+            let e = env(&keyed).into_iter().find(|e| e.name == var).expect(var);
+            assert!(e.value.is_none(), "the key never appears in the pod spec");
+            let r = e.value_from.unwrap().secret_key_ref.unwrap();
+            assert_eq!((r.name.as_str(), r.key.as_str()), ("llm-key", "api-key"));
         }
     }
 

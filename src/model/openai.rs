@@ -64,18 +64,81 @@ struct Api {
     limits: ApiLimits,
 }
 
-/// The API's routes with the default [`ApiLimits`], to be merged into the worker's router.
-pub fn router(rt: Arc<ModelRuntime>) -> Router {
-    router_with(rt, ApiLimits::default())
+/// The key clients must present as `Authorization: Bearer <key>`. Its `Debug` never shows
+/// it, so that it cannot reach a log through the worker's options.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(Arc<str>);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
 }
 
-/// The API's routes with the given limits.
-pub fn router_with(rt: Arc<ModelRuntime>, limits: ApiLimits) -> Router {
-    Router::new()
+impl std::str::FromStr for ApiKey {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err("the API key is empty; unset it to serve without one".into());
+        }
+        Ok(ApiKey(s.into()))
+    }
+}
+
+impl ApiKey {
+    /// Compares in time independent of where the first difference is.
+    fn matches(&self, presented: &[u8]) -> bool {
+        let key = self.0.as_bytes();
+        presented.len() == key.len() && presented.iter().zip(key).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+    }
+}
+
+/// The API's routes with the default [`ApiLimits`], to be merged into the worker's router.
+pub fn router(rt: Arc<ModelRuntime>) -> Router {
+    router_with(rt, ApiLimits::default(), None)
+}
+
+/// The API's routes with the given limits; with a key, every route asks for it (401).
+pub fn router_with(rt: Arc<ModelRuntime>, limits: ApiLimits, key: Option<ApiKey>) -> Router {
+    let routes = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
-        .with_state(Api { rt, limits })
+        .with_state(Api { rt, limits });
+    match key {
+        Some(key) => routes.layer(axum::middleware::from_fn_with_state(key, require_key)),
+        None => routes,
+    }
+}
+
+async fn require_key(
+    State(key): State<ApiKey>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let presented = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    if presented.is_some_and(|p| key.matches(p)) {
+        return next.run(req).await;
+    }
+    let mut r = ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        message: "a valid API key is required: send `Authorization: Bearer <key>` (the key is in \
+                  the Secret that the InferenceDeployment's spec.apiKey names)"
+            .into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("invalid_api_key"),
+    }
+    .into_response();
+    r.headers_mut().insert(
+        axum::http::header::WWW_AUTHENTICATE,
+        axum::http::HeaderValue::from_static("Bearer"),
+    );
+    r
 }
 
 /// An error in OpenAI's shape.

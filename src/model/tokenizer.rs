@@ -112,7 +112,8 @@ fn merge_by_rank(syms: &mut Vec<u32>, merge: impl Fn(u32, u32) -> Option<(u32, u
     let mut next: Vec<usize> = (0..n).map(|i| if i + 1 == n { NONE } else { i + 1 }).collect();
     let mut alive = vec![true; n];
     // (rank, left position, left id, right id, merged id); stale entries are skipped on pop.
-    let mut heap: BinaryHeap<Reverse<(u32, usize, u32, u32, u32)>> = BinaryHeap::with_capacity(n);
+    type Candidate = Reverse<(u32, usize, u32, u32, u32)>;
+    let mut heap: BinaryHeap<Candidate> = BinaryHeap::with_capacity(n);
     let candidate = |heap: &mut BinaryHeap<_>, syms: &[u32], next: &[usize], i: usize| {
         let j = next[i];
         if j != NONE {

@@ -94,6 +94,10 @@ pub struct WorkerArgs {
     /// chunk on a stream) and its KV freed.
     #[arg(long, default_value_t = crate::model::openai::ApiLimits::default().request_timeout.as_secs())]
     pub request_timeout_seconds: u64,
+    /// Require `Authorization: Bearer <key>` on the OpenAI API (the controller sets it from
+    /// the Secret in spec.apiKey). Probes, /metrics and /v1/capacity stay open.
+    #[arg(long, env = "KVFLEET_API_KEY", hide_env_values = true)]
+    pub api_key: Option<crate::model::openai::ApiKey>,
 }
 
 impl WorkerArgs {
@@ -514,7 +518,11 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
         ..Default::default()
     };
-    let app = crate::model::openai::router_with(runtime.clone(), limits).merge(http::router(state.clone()));
+    if args.api_key.is_some() {
+        tracing::info!("the OpenAI API requires an API key");
+    }
+    let app = crate::model::openai::router_with(runtime.clone(), limits, args.api_key.clone())
+        .merge(http::router(state.clone()));
     let handle = axum_server::Handle::new();
     let server = {
         let handle = handle.clone();
