@@ -1,7 +1,9 @@
 //! End-to-end faults on the real control plane (../shared/k8s), issue 22: leader failover of
 //! two controller electors through a real Lease, with the leader killed and with the leader's
 //! API calls hung (a TCP proxy between it and the API server stops forwarding). Measures the
-//! time to a new leader and checks that two leaders never act at once.
+//! time to a new leader and checks that two leaders never act at once. The controller never
+//! takes over an object it did not create, and survives its API server being killed and
+//! restarted (../shared/k8s/up), reconciling what changed after.
 //!
 //! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_faults -- --ignored --nocapture`.
 //! Without KUBECONFIG the tests fail (they never skip).
@@ -391,58 +393,12 @@ async fn eventually<T, Fut: std::future::Future<Output = Option<T>>>(
 async fn the_controller_never_takes_over_a_service_it_did_not_create() {
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::core::v1::Service;
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    use kube::api::{Patch, PatchParams};
     use kvfleet::api::InferenceDeployment;
 
     let client = Client::try_from(config().await).unwrap();
-    let bin = env!("CARGO_BIN_EXE_kvfleet");
-    // The CRD of this build.
-    let crd = std::process::Command::new(bin)
-        .arg("crd")
-        .output()
-        .expect("kvfleet crd");
-    let crd: CustomResourceDefinition = serde_yaml::from_slice(&crd.stdout).expect("CRD YAML");
-    let crds = Api::<CustomResourceDefinition>::all(client.clone());
-    // Deleted at the end only when this test made it (another suite, or helm, may own it).
-    let crd_created = crds
-        .get_opt("inferencedeployments.kvfleet.io")
-        .await
-        .expect("read the CRD")
-        .is_none();
-    crds.patch(
-        "inferencedeployments.kvfleet.io",
-        &PatchParams::apply("kvfleet-e2e-faults").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("apply the CRD");
-    eventually("the CRD established", Duration::from_secs(30), || async {
-        let c = crds.get("inferencedeployments.kvfleet.io").await.ok()?;
-        c.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
-
+    let crd = TestCrd::apply(&client).await;
     let scratch = Scratch::new(client.clone(), "owner").await;
-    let node_name = format!("e2e-faults-gpu-{}", std::process::id());
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/k8s/gpu-node");
-    let made = std::process::Command::new(&script)
-        .args([&node_name, "NVIDIA-H100-80GB-HBM3", "9", "0", "8", "81559"])
-        .output()
-        .expect("../shared/k8s/gpu-node");
-    assert!(
-        made.status.success(),
-        "gpu-node: {}",
-        String::from_utf8_lossy(&made.stderr)
-    );
-    let _node = ScratchNode {
-        client: client.clone(),
-        name: node_name,
-    };
+    let _node = gpu_node(&client, "gpu");
 
     // Someone's Service, of the name the InferenceDeployment will want.
     let services = Api::<Service>::namespaced(client.clone(), &scratch.name);
@@ -453,30 +409,9 @@ async fn the_controller_never_takes_over_a_service_it_did_not_create() {
     .unwrap();
     services.create(&PostParams::default(), &theirs).await.unwrap();
 
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let http = listener.local_addr().unwrap();
-    drop(listener);
-    let _controller = KillOnDrop(
-        std::process::Command::new(bin)
-            .args([
-                "controller",
-                "--leader-elect=false",
-                "--http-addr",
-                &http.to_string(),
-            ])
-            .spawn()
-            .expect("start kvfleet controller"),
-    );
+    let _controller = start_controller();
     let ids = Api::<InferenceDeployment>::namespaced(client.clone(), &scratch.name);
-    let obj: InferenceDeployment = serde_json::from_value(serde_json::json!({
-        "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
-        "metadata": {"name": "llm"},
-        "spec": {"replicas": 1,
-                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}},
-                 "engine": {"runtime": "vllm", "maxModelLen": 1024, "maxNumSeqs": 4, "maxNumBatchedTokens": 256},
-                 "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}}}
-    }))
-    .unwrap();
+    let obj = small_inference_deployment(1);
     ids.create(&PostParams::default(), &obj)
         .await
         .expect("create InferenceDeployment");
@@ -540,17 +475,194 @@ async fn the_controller_never_takes_over_a_service_it_did_not_create() {
         removed.elapsed().as_secs_f64()
     );
     let _ = ids.delete("llm", &DeleteParams::default()).await;
-    if crd_created {
-        let _ = crds
-            .delete("inferencedeployments.kvfleet.io", &DeleteParams::default())
-            .await;
-        eventually("the CRD deleted", Duration::from_secs(120), || async {
-            crds.get_opt("inferencedeployments.kvfleet.io")
-                .await
-                .ok()?
-                .is_none()
+    crd.delete_if_created().await;
+}
+
+/// The CRD of this build, applied; deleted at the end only when this test made it (another
+/// suite, or helm, may own it).
+struct TestCrd {
+    api: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>,
+    created: bool,
+}
+
+const CRD_NAME: &str = "inferencedeployments.kvfleet.io";
+
+impl TestCrd {
+    async fn apply(client: &Client) -> TestCrd {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        use kube::api::{Patch, PatchParams};
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+            .arg("crd")
+            .output()
+            .expect("kvfleet crd");
+        let crd: CustomResourceDefinition = serde_yaml::from_slice(&out.stdout).expect("CRD YAML");
+        let api = Api::<CustomResourceDefinition>::all(client.clone());
+        let created = api.get_opt(CRD_NAME).await.expect("read the CRD").is_none();
+        api.patch(
+            CRD_NAME,
+            &PatchParams::apply("kvfleet-e2e-faults").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .expect("apply the CRD");
+        eventually("the CRD established", Duration::from_secs(30), || async {
+            let c = api.get(CRD_NAME).await.ok()?;
+            c.status?
+                .conditions?
+                .iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
                 .then_some(())
         })
         .await;
+        TestCrd { api, created }
     }
+
+    async fn delete_if_created(&self) {
+        if !self.created {
+            return;
+        }
+        let _ = self.api.delete(CRD_NAME, &DeleteParams::default()).await;
+        eventually("the CRD deleted", Duration::from_secs(120), || async {
+            self.api.get_opt(CRD_NAME).await.ok()?.is_none().then_some(())
+        })
+        .await;
+    }
+}
+
+/// A GPU node of this test, made with `../shared/k8s/gpu-node`.
+fn gpu_node(client: &Client, what: &str) -> ScratchNode {
+    let name = format!("e2e-faults-{what}-{}", std::process::id());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/k8s/gpu-node");
+    let made = std::process::Command::new(&script)
+        .args([&name, "NVIDIA-H100-80GB-HBM3", "9", "0", "8", "81559"])
+        .output()
+        .expect("../shared/k8s/gpu-node");
+    assert!(
+        made.status.success(),
+        "gpu-node: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    ScratchNode {
+        client: client.clone(),
+        name,
+    }
+}
+
+/// A `kvfleet controller` process on this host (no leader election), killed on drop.
+fn start_controller() -> KillOnDrop {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let http = listener.local_addr().unwrap();
+    drop(listener);
+    KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+            .args([
+                "controller",
+                "--leader-elect=false",
+                "--http-addr",
+                &http.to_string(),
+            ])
+            .spawn()
+            .expect("start kvfleet controller"),
+    )
+}
+
+/// An InferenceDeployment small enough for any H100 node.
+fn small_inference_deployment(replicas: i32) -> kvfleet::api::InferenceDeployment {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
+        "metadata": {"name": "llm"},
+        "spec": {"replicas": replicas,
+                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}},
+                 "engine": {"runtime": "vllm", "maxModelLen": 1024, "maxNumSeqs": 4, "maxNumBatchedTokens": 256},
+                 "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}}}
+    }))
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the control plane of ../shared/k8s (KUBECONFIG, KVFLEET_K8S_STATE): restarts it"]
+async fn the_controller_survives_an_api_server_restart_and_reconciles_after_it() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use kube::api::{Patch, PatchParams};
+    use kvfleet::api::InferenceDeployment;
+
+    let state = std::env::var("KVFLEET_K8S_STATE").expect(
+        "KVFLEET_K8S_STATE is not set: this test stops and restarts the API server of \
+         ../shared/k8s (eval \"$(../shared/k8s/up)\" exports it)",
+    );
+    let client = Client::try_from(config().await).unwrap();
+    let crd = TestCrd::apply(&client).await;
+    let scratch = Scratch::new(client.clone(), "restart").await;
+    let _node = gpu_node(&client, "restart");
+    let mut controller = start_controller();
+    let ids = Api::<InferenceDeployment>::namespaced(client.clone(), &scratch.name);
+    ids.create(&PostParams::default(), &small_inference_deployment(1))
+        .await
+        .expect("create InferenceDeployment");
+    let deployments = Api::<Deployment>::namespaced(client.clone(), &scratch.name);
+    let replicas = |want: i32| {
+        let deployments = deployments.clone();
+        async move {
+            let d = deployments.get_opt("llm").await.ok()??;
+            (d.spec?.replicas == Some(want)).then_some(())
+        }
+    };
+    eventually("the Deployment", Duration::from_secs(60), || replicas(1)).await;
+
+    // The API server dies (SIGKILL, no goodbye to its watches) and stays away for 5 s.
+    let pids = std::fs::read_to_string(format!("{state}/pids")).expect("the control plane's pids");
+    let pid = pids
+        .lines()
+        .find_map(|l| l.strip_prefix("kube-apiserver "))
+        .expect("kube-apiserver in pids")
+        .trim()
+        .to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        controller.0.try_wait().unwrap().is_none(),
+        "the controller exited while the API server was away"
+    );
+    // `up` finds it down and restarts the control plane on the same data.
+    let up =
+        std::process::Command::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/k8s/up"))
+            .output()
+            .expect("../shared/k8s/up");
+    assert!(up.status.success(), "up: {}", String::from_utf8_lossy(&up.stderr));
+    let back = Instant::now();
+    eprintln!(
+        "API server away {:.1} s (killed, then `up` restarted the control plane)",
+        back.duration_since(killed).as_secs_f64()
+    );
+
+    // A change made after the restart is reconciled by the same controller process.
+    let patched = eventually("the API server answering", Duration::from_secs(60), || async {
+        ids.patch(
+            "llm",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": 2}})),
+        )
+        .await
+        .ok()
+    })
+    .await;
+    assert_eq!(patched.spec.replicas, 2);
+    let asked = Instant::now();
+    eventually("the scaled Deployment", Duration::from_secs(60), || replicas(2)).await;
+    eprintln!(
+        "scale made {:.1} s after the API server was back reconciled in {:.1} s",
+        asked.duration_since(back).as_secs_f64(),
+        asked.elapsed().as_secs_f64()
+    );
+    assert!(
+        controller.0.try_wait().unwrap().is_none(),
+        "the controller exited after the restart"
+    );
+    let _ = ids.delete("llm", &DeleteParams::default()).await;
+    crd.delete_if_created().await;
 }

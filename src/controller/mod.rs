@@ -191,7 +191,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
     let node_stream = reflector::reflector(
         writer,
         watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
+            .backoff(WatchBackoff::default())
             .modify(strip_node),
     );
     tokio::spawn(node_changes(node_stream, node_tx));
@@ -234,7 +234,8 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         let _ = lost.wait_for(|l| !*l).await;
     };
     tracing::info!("reconciling InferenceDeployments");
-    let controller = Controller::new(ids, watcher::Config::default());
+    let controller =
+        Controller::new(ids, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
     let conditions = metrics::ConditionCollector::new(controller.store()).map_err(Error::Metrics)?;
     registry.register(Box::new(conditions)).map_err(Error::Metrics)?;
     let run = controller
@@ -266,6 +267,42 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Backoff of the controller's watches after an error: 250 ms doubling to at most 4 s (plus up to
+/// 50% jitter), back to 250 ms after the next event. kube-runtime's default (client-go's: 0.8 s
+/// doubling to 30 s, reset only after 120 s without errors) grew to 20-50 s waits while an API
+/// server restarted, so a change made right after it came back was reconciled only minutes later
+/// (tests/e2e_faults.rs). Our watches are label-filtered and cheap to re-list.
+#[derive(Debug, Clone)]
+pub struct WatchBackoff {
+    next: std::time::Duration,
+}
+
+impl WatchBackoff {
+    const FIRST: std::time::Duration = std::time::Duration::from_millis(250);
+    const MAX: std::time::Duration = std::time::Duration::from_secs(4);
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff { next: Self::FIRST }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = std::time::Duration;
+    fn next(&mut self) -> Option<std::time::Duration> {
+        let base = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        Some(base.mul_f64(1.0 + rand::random::<f64>() * 0.5))
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
 }
 
 /// Keeps only what validation reads (labels, allocatable, unschedulable): node objects carry
@@ -362,4 +399,25 @@ async fn refresh_monitor(ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
 fn default_identity() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "kvfleet-controller".into());
     format!("{host}-{:08x}", rand::random::<u32>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WatchBackoff;
+    use kube::runtime::utils::Backoff;
+
+    #[test]
+    fn watch_backoff_doubles_to_its_cap_with_jitter_and_resets() {
+        let mut b = WatchBackoff::default();
+        let waits: Vec<_> = (&mut b).take(8).collect();
+        assert!(waits[0] >= WatchBackoff::FIRST && waits[0] <= WatchBackoff::FIRST.mul_f64(1.5));
+        for w in &waits[5..] {
+            assert!(
+                *w >= WatchBackoff::MAX && *w <= WatchBackoff::MAX.mul_f64(1.5),
+                "{waits:?}"
+            );
+        }
+        b.reset();
+        assert!(b.next().unwrap() <= WatchBackoff::FIRST.mul_f64(1.5));
+    }
 }
