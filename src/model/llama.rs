@@ -168,22 +168,14 @@ impl LlamaConfig {
         }
     }
 
-    /// A Gemma 3 shaped geometry (QK norms, post-norms, tied head, NeoX RoPE, local layers of
-    /// `window` tokens), e.g. for dummy weights.
-    pub fn gemma3(
-        n_layers: usize,
-        d_model: usize,
-        d_ff: usize,
-        n_heads: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        vocab: usize,
-        window: usize,
-    ) -> Self {
-        let mut c = Self::llama(n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab);
+    /// A Gemma 3 shaped geometry with 270M's attention (4 query heads over 1 KV head of 256):
+    /// QK norms, post-norms, tied head, NeoX RoPE, local layers of `window` tokens; e.g. for
+    /// dummy weights (change the head fields for another size).
+    pub fn gemma3(n_layers: usize, d_model: usize, d_ff: usize, vocab: usize, window: usize) -> Self {
+        let mut c = Self::llama(n_layers, d_model, d_ff, 4, 1, vocab);
         c.arch = "gemma3".into();
-        c.head_dim = head_dim;
-        c.rope_dims = head_dim;
+        c.head_dim = 256;
+        c.rope_dims = 256;
         c.rope_theta = 1_000_000.0;
         c.rope_neox = true;
         c.rms_eps = 1e-6;
