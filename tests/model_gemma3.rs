@@ -399,7 +399,7 @@ fn more_than_k_at_once(
 
 /// Item 4 in CI: Gemma 3 270M's attention geometry (18 layers, 15 local with window 512, 4
 /// query heads over 1 KV head of 256) with small random MLP and embedding weights, so that the
-/// run is attention and paging, not the 270M weights (the real model below takes about 20
+/// run is attention and paging, not the 270M weights (the real model below did not finish in 27
 /// minutes on two busy cores). The pool figures depend on the geometry alone.
 #[test]
 fn gemma3_geometry_window_aware_pool_runs_more_long_requests_at_once_than_a_full_layer_budget() {
@@ -417,7 +417,7 @@ fn gemma3_geometry_window_aware_pool_runs_more_long_requests_at_once_than_a_full
 
 /// Item 4 on the real model: the figures in bench/RESULTS.md (issue 20).
 #[test]
-#[ignore = "about 20 minutes on two busy cores (debug build): run by hand for bench/RESULTS.md"]
+#[ignore = "did not finish in 27 minutes on two busy cores (debug build): run by hand, in release, for bench/RESULTS.md"]
 fn gemma3_window_aware_pool_runs_more_long_requests_at_once_than_a_full_layer_budget() {
     let t = tokenizer();
     more_than_k_at_once(model(), Tokenizer::from_gguf(gguf()).unwrap(), |j| {
