@@ -109,6 +109,35 @@ pub fn llama_backend_config(
     }
 }
 
+/// The engine's pools for a model: [`llama_backend_config`] when every layer is full; for a
+/// model with local layers (Gemma 3), group 0 holds the full layers and group 1 the local
+/// layers with their window, each of `num_blocks` pages.
+pub fn model_backend_config(
+    cfg: &LlamaConfig,
+    dtype: KvDtype,
+    block_size: usize,
+    num_blocks: usize,
+) -> BackendConfig {
+    let mut pools = llama_backend_config(cfg.attn_geometry(), dtype, block_size, num_blocks);
+    let windows: Vec<Option<u32>> = (0..cfg.n_layers)
+        .map(|i| cfg.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)))
+        .collect();
+    let Some(window) = windows.iter().flatten().next().copied() else {
+        return pools;
+    };
+    pools.groups.push(GroupSpec {
+        window: Some(window),
+        num_blocks,
+    });
+    for (l, w) in pools.layers.iter_mut().zip(&windows) {
+        if w.is_some() {
+            l.group = 1;
+            l.attn.window = *w;
+        }
+    }
+    pools
+}
+
 /// The CPU forward pass ([`Llama::forward`]) on the engine's CPU backend: K/V in the
 /// engine's paged pools, in the resolved KV dtype.
 pub struct CpuForward {
@@ -122,21 +151,25 @@ impl CpuForward {
     pub fn new(model: Arc<Llama>, backend: CpuBackend) -> Result<Self, ForwardError> {
         let geo = model.config.attn_geometry();
         let cfg = backend.config();
+        let c = &model.config;
         let fits = cfg.layers.len() == geo.n_layers
-            && cfg.layers.iter().all(|l| {
+            && cfg.layers.iter().enumerate().all(|(i, l)| {
                 l.attn.q_heads == geo.n_heads
                     && l.attn.kv_heads == geo.n_kv_heads
                     && l.attn.head_dim == geo.head_dim
+                    && l.attn.window.map(|w| w as usize) == c.layer_window(i)
             });
         if !fits {
             return Err(ForwardError::Kv(KvError::Backend(format!(
                 "the KV pools were laid out for {} layers of another geometry; the model has {} layers of \
-                 {} query heads, {} KV heads, head_dim {}",
+                 {} query heads, {} KV heads, head_dim {}, sliding windows {:?} (lay the pools out with \
+                 model_backend_config, or give the worker the model's own geometry)",
                 cfg.layers.len(),
                 geo.n_layers,
                 geo.n_heads,
                 geo.n_kv_heads,
-                geo.head_dim
+                geo.head_dim,
+                (0..geo.n_layers).map(|i| c.layer_window(i)).collect::<Vec<_>>()
             ))));
         }
         Ok(CpuForward {

@@ -40,7 +40,7 @@ pub enum GgufError {
     },
     #[error("tensor `{0}` is not in the model file")]
     MissingTensor(String),
-    #[error("tensor `{name}` has type {ty}, which kvfleet cannot load; supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0 (re-quantise the model to one of these)")]
+    #[error("tensor `{name}` has type {ty}, which kvfleet cannot load; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K (re-quantise the model to one of these)")]
     UnsupportedType { name: String, ty: String },
 }
 
@@ -113,7 +113,10 @@ pub enum GgmlType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
+    Q4K,
+    Q6K,
     Bf16,
     /// Any other ggml type: indexed, but not loadable.
     Other(u32),
@@ -126,7 +129,10 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
             8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4K,
+            14 => GgmlType::Q6K,
             30 => GgmlType::Bf16,
             other => GgmlType::Other(other),
         }
@@ -139,7 +145,11 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::Bf16 => Some((1, 2)),
             GgmlType::Q4_0 => Some((32, 18)),
             GgmlType::Q4_1 => Some((32, 20)),
+            GgmlType::Q5_0 => Some((32, 22)),
             GgmlType::Q8_0 => Some((32, 34)),
+            // Super-blocks of QK_K = 256 elements.
+            GgmlType::Q4K => Some((256, 144)),
+            GgmlType::Q6K => Some((256, 210)),
             GgmlType::Other(_) => None,
         }
     }
@@ -150,7 +160,10 @@ impl GgmlType {
             GgmlType::F16 => "F16".into(),
             GgmlType::Q4_0 => "Q4_0".into(),
             GgmlType::Q4_1 => "Q4_1".into(),
+            GgmlType::Q5_0 => "Q5_0".into(),
             GgmlType::Q8_0 => "Q8_0".into(),
+            GgmlType::Q4K => "Q4_K".into(),
+            GgmlType::Q6K => "Q6_K".into(),
             GgmlType::Bf16 => "BF16".into(),
             GgmlType::Other(v) => match v {
                 6 => "Q5_0".into(),
@@ -570,7 +583,84 @@ fn decode_block(ty: GgmlType, b: &[u8], o: &mut [f32]) {
                 o[j] = (b[2 + j] as i8) as f32 * d;
             }
         }
+        // block_q5_0 { half d; uint8_t qh[4]; uint8_t qs[16]; }: element j (< 16) takes the low
+        // nibble of qs[j] and bit j of qh as its fifth bit, element j + 16 the high nibble and
+        // bit j + 16; x = (q - 16) * d.
+        GgmlType::Q5_0 => {
+            let d = f16_at(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in 0..16 {
+                let q = b[6 + j];
+                let lo = (q & 0x0f) as u32 | ((qh >> j) & 1) << 4;
+                let hi = (q >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+                o[j] = (lo as i32 - 16) as f32 * d;
+                o[j + 16] = (hi as i32 - 16) as f32 * d;
+            }
+        }
+        GgmlType::Q4K => decode_q4_k(b, o),
+        GgmlType::Q6K => decode_q6_k(b, o),
         GgmlType::Other(_) => unreachable!("rejected by dequantize_into"),
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K super-block, packed into 12 bytes:
+/// sub-blocks 0..4 keep theirs in the low 6 bits of bytes j (scale) and j + 4 (min); 4..8 put
+/// their low 4 bits in the nibbles of byte j + 4 and their top 2 bits in the top bits of bytes
+/// j - 4 (scale) and j (min).
+fn q4_k_scale_min(s: &[u8], j: usize) -> (f32, f32) {
+    let (sc, m) = if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    };
+    (sc as f32, m as f32)
+}
+
+/// block_q4_K { half d; half dmin; uint8_t scales[12]; uint8_t qs[128]; }: eight sub-blocks of
+/// 32, x = d * scale_j * q - dmin * min_j. Each 32 bytes of qs hold two sub-blocks: low
+/// nibbles the first, high nibbles the second (ggml-org/ggml `src/ggml-quants.c`,
+/// `dequantize_row_q4_K`; layout in `src/ggml-common.h`).
+fn decode_q4_k(b: &[u8], o: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let dmin = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for pair in 0..4 {
+        let (s0, m0) = q4_k_scale_min(scales, 2 * pair);
+        let (s1, m1) = q4_k_scale_min(scales, 2 * pair + 1);
+        let q = &qs[32 * pair..32 * pair + 32];
+        let out = &mut o[64 * pair..64 * pair + 64];
+        for l in 0..32 {
+            out[l] = d * s0 * (q[l] & 0x0f) as f32 - dmin * m0;
+            out[l + 32] = d * s1 * (q[l] >> 4) as f32 - dmin * m1;
+        }
+    }
+}
+
+/// block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; half d; }: sixteen
+/// sub-blocks of 16 with signed 8-bit scales, x = d * scale * (q - 32), q = 4 low bits from ql
+/// and 2 high bits from qh. Each half (128 elements) uses 64 bytes of ql, 32 of qh and 8
+/// scales: element l + 32 * i (l < 32, i < 4) takes ql[l + 32 * (i & 1)]'s low (i < 2) or high
+/// nibble and bits 2i..2i+2 of qh[l] (ggml-org/ggml `src/ggml-quants.c`, `dequantize_row_q6_K`).
+fn decode_q6_k(b: &[u8], o: &mut [f32]) {
+    let d = f16_at(b, 208);
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+        let out = &mut o[128 * half..128 * half + 128];
+        for l in 0..32 {
+            for i in 0..4 {
+                let low = ql[l + 32 * (i & 1)];
+                let nib = if i < 2 { low & 0x0f } else { low >> 4 };
+                let q = (nib | ((qh[l] >> (2 * i)) & 3) << 4) as i32 - 32;
+                let scale = sc[l / 16 + 2 * i] as i8 as f32;
+                out[l + 32 * i] = d * scale * q as f32;
+            }
+        }
     }
 }
 
@@ -629,6 +719,101 @@ mod tests {
     }
 
     #[test]
+    fn q5_0_block_takes_the_fifth_bit_from_qh() {
+        let mut b = h(0.5).to_vec();
+        // Fifth bit set for elements 1 and 17 (bits 1 and 17), nothing else.
+        b.extend(((1u32 << 1) | (1u32 << 17)).to_le_bytes());
+        for j in 0..16u8 {
+            b.push(j | ((15 - j) << 4));
+        }
+        let mut o = vec![0f32; 32];
+        dequantize_into(GgmlType::Q5_0, &b, &mut o).unwrap();
+        assert_eq!(o[0], -8.0, "q 0 - 16");
+        assert_eq!(o[1], (1.0 + 16.0 - 16.0) * 0.5, "q 1 | 16");
+        assert_eq!(o[15], (15.0 - 16.0) * 0.5);
+        assert_eq!(o[16], (15.0 - 16.0) * 0.5);
+        assert_eq!(o[17], (14.0 + 16.0 - 16.0) * 0.5, "q 14 | 16");
+        assert_eq!(o[31], (0.0 - 16.0) * 0.5);
+    }
+
+    /// Packs eight 6-bit (scale, min) pairs the way Q4_K stores them.
+    fn pack_q4_k_scales(sm: &[(u8, u8); 8]) -> [u8; 12] {
+        let mut s = [0u8; 12];
+        for j in 0..4 {
+            s[j] = sm[j].0 | ((sm[j + 4].0 >> 4) << 6);
+            s[j + 4] = sm[j].1 | ((sm[j + 4].1 >> 4) << 6);
+            s[j + 8] = (sm[j + 4].0 & 0x0f) | ((sm[j + 4].1 & 0x0f) << 4);
+        }
+        s
+    }
+
+    #[test]
+    fn q4_k_super_block_applies_each_sub_blocks_scale_and_min() {
+        // Scales and mins above 15 exercise the split 6-bit packing of sub-blocks 4..8.
+        let sm = [
+            (1, 0),
+            (2, 1),
+            (3, 2),
+            (63, 4),
+            (5, 63),
+            (17, 33),
+            (40, 7),
+            (8, 20),
+        ];
+        let (d, dmin) = (0.5f32, 0.25f32);
+        let mut b = h(d).to_vec();
+        b.extend(h(dmin));
+        b.extend(pack_q4_k_scales(&sm));
+        let q = |i: usize| ((i * 7 + 3) % 16) as u8;
+        // Element e: sub-block e / 32; pair p = e / 64 holds sub-blocks 2p (low nibbles) and
+        // 2p + 1 (high nibbles) in bytes 32p..32p + 32.
+        let mut qs = [0u8; 128];
+        for e in 0..256 {
+            let (p, in_pair) = (e / 64, e % 64);
+            let byte = 32 * p + in_pair % 32;
+            qs[byte] |= if in_pair < 32 { q(e) } else { q(e) << 4 };
+        }
+        b.extend(qs);
+        assert_eq!(b.len(), 144);
+        let mut o = vec![0f32; 256];
+        dequantize_into(GgmlType::Q4K, &b, &mut o).unwrap();
+        for e in 0..256 {
+            let (sc, m) = sm[e / 32];
+            let want = d * sc as f32 * q(e) as f32 - dmin * m as f32;
+            assert_eq!(o[e], want, "element {e}");
+        }
+    }
+
+    #[test]
+    fn q6_k_super_block_combines_ql_qh_and_signed_scales() {
+        let d = 0.125f32;
+        let q = |e: usize| ((e * 13 + 5) % 64) as u8; // 6-bit, stored with +32 bias
+        let scales: [i8; 16] = [1, -2, 3, -4, 5, 6, -7, 8, 127, -128, 11, 12, -13, 14, 15, -16];
+        let mut ql = [0u8; 128];
+        let mut qh = [0u8; 64];
+        for e in 0..256 {
+            let (half, r) = (e / 128, e % 128);
+            let (i, l) = (r / 32, r % 32);
+            let lo = q(e) & 0x0f;
+            let byte = 64 * half + l + 32 * (i & 1);
+            ql[byte] |= if i < 2 { lo } else { lo << 4 };
+            qh[32 * half + l] |= (q(e) >> 4) << (2 * i);
+        }
+        let mut b = ql.to_vec();
+        b.extend(qh);
+        b.extend(scales.iter().map(|&s| s as u8));
+        b.extend(h(d));
+        assert_eq!(b.len(), 210);
+        let mut o = vec![0f32; 256];
+        dequantize_into(GgmlType::Q6K, &b, &mut o).unwrap();
+        for e in 0..256 {
+            // Sub-blocks of 16 elements, in order.
+            let want = d * scales[e / 16] as f32 * (q(e) as i32 - 32) as f32;
+            assert_eq!(o[e], want, "element {e}");
+        }
+    }
+
+    #[test]
     fn float_types_decode_exactly() {
         let vals = [1.5f32, -2.25, 0.0, 384.0];
         let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -652,8 +837,8 @@ mod tests {
     fn wrong_byte_count_and_unknown_type_are_errors() {
         let mut o = vec![0f32; 32];
         assert!(dequantize_into(GgmlType::Q8_0, &[0u8; 33], &mut o).is_err());
-        let e = dequantize_into(GgmlType::Other(12), &[0u8; 144], &mut o).unwrap_err();
-        assert_eq!(e, "Q4_K");
+        let e = dequantize_into(GgmlType::Other(11), &[0u8; 110], &mut o).unwrap_err();
+        assert_eq!(e, "Q3_K");
     }
 
     /// A GGUF image with one metadata key and one Q8_0 tensor.
@@ -702,9 +887,9 @@ mod tests {
         let mut b = tiny_gguf(8);
         b.truncate(b.len() - 10);
         assert!(matches!(Gguf::from_bytes(b), Err(GgufError::Corrupt(_))));
-        let g = Gguf::from_bytes(tiny_gguf(12)).unwrap();
+        let g = Gguf::from_bytes(tiny_gguf(11)).unwrap();
         let e = g.dequantize("w").unwrap_err();
-        assert!(e.to_string().contains("Q4_K"), "{e}");
+        assert!(e.to_string().contains("Q3_K"), "{e}");
         assert!(matches!(
             Gguf::from_bytes(b"GGML....".to_vec()),
             Err(GgufError::BadMagic(_))

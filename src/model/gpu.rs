@@ -785,6 +785,11 @@ impl GpuLlama {
 
     /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
     pub fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
+        if c.gemma3.is_some() {
+            return Err(GpuError::Unsupported(
+                "Gemma 3's block (post-norms, GeGLU, local RoPE, sliding windows) runs on the CPU only for now (issue 20)".into(),
+            ));
+        }
         if HeadDim::from_usize(c.head_dim).is_none() {
             return Err(GpuError::Unsupported(format!(
                 "head_dim {} (the attention kernels build 64, 128, 256)",

@@ -259,6 +259,7 @@ impl HfConfig {
             attn_bias: arch == "qwen2" || raw.attention_bias == Some(true),
             qk_norm: arch == "qwen3",
             tied_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            gemma3: None,
         };
         let scaling = raw.rope_scaling.as_ref().or(params).filter(|v| !v.is_null());
         let mut rope_freq_factors = None;

@@ -3,6 +3,9 @@
 //! separate LM head. Weights are f32 (dequantised at load); GEMMs run on `matrixmultiply`,
 //! split across rayon threads.
 //!
+//! Gemma 3 (`gemma3` GGUF files) runs on the same pass with its departures switched on by
+//! [`Gemma3`]: see that type for each one and where the facts come from.
+//!
 //! GGUF tensor names and the rotary layout per architecture follow llama.cpp: `llama` files
 //! have Q/K rows permuted by the converter so RoPE rotates adjacent pairs (`LLAMA_ROPE_TYPE_NORM`),
 //! `qwen2`/`qwen3` rotate the two halves of a head (`LLAMA_ROPE_TYPE_NEOX`)
@@ -20,7 +23,7 @@ pub enum LoadError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(
-        "architecture `{0}` is not supported; kvfleet runs llama, mistral, qwen2 and qwen3 (dense) models"
+        "architecture `{0}` is not supported; kvfleet runs llama, mistral, qwen2, qwen3 (dense) and gemma3 models"
     )]
     Architecture(String),
     #[error("RoPE scaling `{0}` is not supported (only none, linear, and llama3-style rope_freqs)")]
@@ -69,9 +72,69 @@ pub struct LlamaConfig {
     /// Qwen3: RMSNorm on each Q and K head.
     pub qk_norm: bool,
     pub tied_embeddings: bool,
+    /// Gemma 3's block (`None` for the Llama family).
+    pub gemma3: Option<Gemma3>,
+}
+
+/// What a Gemma 3 block does differently from a Llama block. From the GGUF file: the window
+/// (`gemma3.attention.sliding_window`), the global RoPE base (`gemma3.rope.freq_base`), QK norms
+/// and the post-norms (tensors `attn_{q,k}_norm`, `post_attention_norm`, `post_ffw_norm`), the
+/// tied head (no `output.weight`). Not in the file, and read here from Hugging Face
+/// transformers `src/transformers/models/gemma3/` (`configuration_gemma3.py`,
+/// `modeling_gemma3.py`, v5.23) and llama.cpp `src/llama-model.cpp` (`LLM_ARCH_GEMMA3`):
+/// - the layer pattern: layer `i` is local (sliding) unless `(i + 1) % 6 == 0`
+///   (`sliding_window_pattern = 6` in transformers' config; `set_swa_pattern(6)` in llama.cpp),
+///   so 18 layers are 15 local and 3 global (5, 11, 17);
+/// - the local layers' RoPE base 10,000 (`rope_local_base_freq`; llama.cpp
+///   `rope_freq_base_train_swa = 10000`), the global layers' from the file;
+/// - query scaling `query_pre_attn_scalar ** -0.5`, 256 for the 270M model (transformers'
+///   default, which its GGUF loader keeps; llama.cpp: `1 / sqrt(n_embd_head_k)` except 27B);
+/// - the embedding scaled by `sqrt(hidden_size)` (`Gemma3TextScaledWordEmbedding`);
+/// - GeGLU with the tanh GELU (`hidden_activation = gelu_pytorch_tanh`);
+/// - RMSNorm `x * (1 + w)`: llama.cpp's converter stores `1 + w` in the GGUF norm tensors
+///   (transformers' GGUF loader subtracts the 1 again, `Gemma2TensorProcessor` in
+///   `modeling_gguf_pytorch_utils.py`), so the file's weights multiply as they are;
+/// - the rotary layout of the halves (NeoX; llama.cpp `LLAMA_ROPE_TYPE_NEOX` for gemma3,
+///   transformers' `rotate_half`), without the Q/K row permutation of `llama` files;
+/// - no logit soft-capping (`final_logit_softcapping` and `attn_logit_softcapping` are None).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma3 {
+    /// Tokens a local layer attends to, itself included (`q_pos - key_pos < window`).
+    pub sliding_window: usize,
+    /// Every `global_every`-th layer (1-based) attends to the full context.
+    pub global_every: usize,
+    /// RoPE base of the local layers.
+    pub rope_theta_local: f32,
+    /// Softmax scale of attention (`query_pre_attn_scalar ** -0.5`).
+    pub query_scale: f32,
+}
+
+impl Gemma3 {
+    /// Gemma 3's fixed choices around a window read from the file.
+    pub fn new(sliding_window: usize) -> Self {
+        Gemma3 {
+            sliding_window,
+            global_every: 6,
+            rope_theta_local: 10_000.0,
+            query_scale: 1.0 / 256f32.sqrt(),
+        }
+    }
+
+    /// Whether layer `i` attends only within the window.
+    pub fn is_local(&self, i: usize) -> bool {
+        (i + 1) % self.global_every != 0
+    }
 }
 
 impl LlamaConfig {
+    /// The sliding window of layer `i`, `None` for full attention.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        self.gemma3
+            .as_ref()
+            .filter(|g| g.is_local(i))
+            .map(|g| g.sliding_window)
+    }
+
     /// A Llama-shaped geometry (no biases, adjacent-pair RoPE, separate head), e.g. for dummy
     /// weights.
     pub fn llama(
@@ -101,7 +164,25 @@ impl LlamaConfig {
             attn_bias: false,
             qk_norm: false,
             tied_embeddings: false,
+            gemma3: None,
         }
+    }
+
+    /// A Gemma 3 shaped geometry with 270M's attention (4 query heads over 1 KV head of 256):
+    /// QK norms, post-norms, tied head, NeoX RoPE, local layers of `window` tokens; e.g. for
+    /// dummy weights (change the head fields for another size).
+    pub fn gemma3(n_layers: usize, d_model: usize, d_ff: usize, vocab: usize, window: usize) -> Self {
+        let mut c = Self::llama(n_layers, d_model, d_ff, 4, 1, vocab);
+        c.arch = "gemma3".into();
+        c.head_dim = 256;
+        c.rope_dims = 256;
+        c.rope_theta = 1_000_000.0;
+        c.rope_neox = true;
+        c.rms_eps = 1e-6;
+        c.qk_norm = true;
+        c.tied_embeddings = true;
+        c.gemma3 = Some(Gemma3::new(window));
+        c
     }
 
     /// Reads the geometry from GGUF metadata (`{arch}.block_count`, ...).
@@ -110,7 +191,7 @@ impl LlamaConfig {
         let (rope_neox, attn_bias, qk_norm) = match arch.as_str() {
             "llama" | "mistral" => (false, false, false),
             "qwen2" => (true, true, false),
-            "qwen3" => (true, false, true),
+            "qwen3" | "gemma3" => (true, false, true),
             _ => return Err(LoadError::Architecture(arch)),
         };
         let u = |k: &str| g.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
@@ -138,6 +219,7 @@ impl LlamaConfig {
             context_len: u("context_length").unwrap_or(4096),
             rope_theta: g.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10000.0) as f32,
             rope_dims: u("rope.dimension_count").unwrap_or(head_dim),
+            // (gemma3's RMS epsilon is in the file: 1e-6.)
             rope_linear_scale,
             rope_neox,
             rms_eps: g
@@ -146,6 +228,10 @@ impl LlamaConfig {
             attn_bias,
             qk_norm,
             tied_embeddings: g.tensor_info("output.weight").is_none(),
+            gemma3: match arch.as_str() {
+                "gemma3" => Some(Gemma3::new(u("attention.sliding_window")?)),
+                _ => None,
+            },
             arch,
         };
         cfg.check()?;
@@ -170,6 +256,13 @@ impl LlamaConfig {
                 self.rope_dims, self.head_dim
             ));
         }
+        if let Some(g) = &self.gemma3 {
+            if g.sliding_window == 0 || g.global_every == 0 || !self.qk_norm || !self.tied_embeddings {
+                return bad(format!(
+                    "a Gemma 3 geometry needs a window, QK norms and a tied head: {self:?}"
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -186,7 +279,12 @@ impl LlamaConfig {
     pub fn parameters(&self) -> usize {
         let (d, hd) = (self.d_model, self.head_dim);
         let attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2;
-        let layer = attn + 3 * d * self.d_ff + 2 * d;
+        let norms = if self.gemma3.is_some() {
+            4 * d + 2 * hd
+        } else {
+            2 * d
+        };
+        let layer = attn + 3 * d * self.d_ff + norms;
         let head = if self.tied_embeddings { 0 } else { self.vocab * d };
         self.n_layers * layer + self.vocab * d + head + d
     }
@@ -207,6 +305,9 @@ struct Layer {
     w_gate: Vec<f32>,
     w_up: Vec<f32>,
     w_down: Vec<f32>,
+    /// Gemma 3: RMSNorm of the attention output and of the MLP output, before each residual add.
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// A loaded Llama-family model (f32 weights, matrices `[out, in]` row-major).
@@ -218,6 +319,8 @@ pub struct Llama {
     lm_head: Option<Vec<f32>>,
     /// Per rotated pair: the inverse frequency, already divided by any rope_freqs factor.
     inv_freq: Vec<f32>,
+    /// Gemma 3: the inverse frequencies of the local layers (their own RoPE base).
+    inv_freq_local: Vec<f32>,
 }
 
 impl std::fmt::Debug for Llama {
@@ -278,6 +381,14 @@ impl Llama {
                 w_gate: load(&n("ffn_gate.weight"), ff * d)?,
                 w_up: load(&n("ffn_up.weight"), ff * d)?,
                 w_down: load(&n("ffn_down.weight"), d * ff)?,
+                post_attn_norm: match cfg.gemma3 {
+                    Some(_) => Some(load(&n("post_attention_norm.weight"), d)?),
+                    None => None,
+                },
+                post_ffn_norm: match cfg.gemma3 {
+                    Some(_) => Some(load(&n("post_ffw_norm.weight"), d)?),
+                    None => None,
+                },
             });
         }
         let freq_factors = opt("rope_freqs.weight", cfg.rope_dims / 2)?;
@@ -286,6 +397,7 @@ impl Llama {
             out_norm: load("output_norm.weight", d)?,
             lm_head: opt("output.weight", cfg.vocab * d)?,
             inv_freq: inv_freq(&cfg, freq_factors.as_deref()),
+            inv_freq_local: inv_freq_local(&cfg),
             layers,
             config: cfg,
         })
@@ -303,6 +415,10 @@ impl Llama {
         mut source: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
     ) -> Result<Self, E> {
         cfg.check()?;
+        if cfg.gemma3.is_some() {
+            let what = "gemma3 from a Hugging Face checkpoint (load its GGUF file instead)";
+            return Err(LoadError::Architecture(what.into()).into());
+        }
         let mut get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, E> {
             let w = source(name, shape)?;
             let want = shape.iter().product();
@@ -358,6 +474,8 @@ impl Llama {
                 w_gate: get(&n("ffn_gate.weight"), &[ff, d])?,
                 w_up: get(&n("ffn_up.weight"), &[ff, d])?,
                 w_down: get(&n("ffn_down.weight"), &[d, ff])?,
+                post_attn_norm: None,
+                post_ffn_norm: None,
             });
         }
         let embed = get("token_embd.weight", &[cfg.vocab, d])?;
@@ -373,6 +491,7 @@ impl Llama {
             out_norm,
             lm_head,
             inv_freq: inv_freq(&cfg, freq_factors),
+            inv_freq_local: Vec::new(),
             config: cfg,
         })
     }
@@ -405,6 +524,8 @@ impl Llama {
                 w_gate: rand_mat(ff, d),
                 w_up: rand_mat(ff, d),
                 w_down: rand_mat(d, ff),
+                post_attn_norm: cfg.gemma3.as_ref().map(|_| vec![1.0; d]),
+                post_ffn_norm: cfg.gemma3.as_ref().map(|_| vec![1.0; d]),
             });
         }
         let embed = rand_mat(cfg.vocab, d);
@@ -415,6 +536,7 @@ impl Llama {
             out_norm: vec![1.0; d],
             lm_head,
             inv_freq: inv_freq(&cfg, None),
+            inv_freq_local: inv_freq_local(&cfg),
             config: cfg,
         })
     }
@@ -446,8 +568,17 @@ impl Llama {
                     });
                 }
                 positions.push(pos);
-                x[row * d..(row + 1) * d]
-                    .copy_from_slice(&self.embed[tok as usize * d..(tok as usize + 1) * d]);
+                let e = &self.embed[tok as usize * d..(tok as usize + 1) * d];
+                let xr = &mut x[row * d..(row + 1) * d];
+                match &c.gemma3 {
+                    // The embedding times sqrt(hidden_size), rounded to the weights' dtype
+                    // first as transformers does (f32 here).
+                    Some(_) => {
+                        let s = (d as f32).sqrt();
+                        xr.iter_mut().zip(e).for_each(|(o, v)| *o = v * s);
+                    }
+                    None => xr.copy_from_slice(e),
+                }
                 row += 1;
             }
         }
@@ -486,18 +617,44 @@ impl Llama {
                 let src = k.clone();
                 rms_norm(&src, n, c.rms_eps, &mut k);
             }
-            self.rope(&mut q, &positions, c.n_heads);
-            self.rope(&mut k, &positions, c.n_kv_heads);
+            let freqs = match c.layer_window(li) {
+                Some(_) => &self.inv_freq_local,
+                None => &self.inv_freq,
+            };
+            self.rope_with(freqs, &mut q, &positions, c.n_heads);
+            self.rope_with(freqs, &mut k, &positions, c.n_kv_heads);
+            if let Some(g) = &c.gemma3 {
+                // Attention backends scale by 1/sqrt(head_dim); fold the model's own scale
+                // into the queries (a no-op when query_pre_attn_scalar equals head_dim).
+                let s = g.query_scale * (hd as f32).sqrt();
+                if s != 1.0 {
+                    q.par_iter_mut().for_each(|v| *v *= s);
+                }
+            }
             kv.attend(li, &seqs, &q, &k, &v, &mut attn)?;
             matmul_t(&attn, t, qw, &l.wo, d, &mut proj);
+            if let Some(n) = &l.post_attn_norm {
+                let src = proj.clone();
+                rms_norm(&src, n, c.rms_eps, &mut proj);
+            }
             add_in_place(&mut x, &proj);
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
             matmul_t(&h, t, d, &l.w_gate, ff, &mut gate);
             matmul_t(&h, t, d, &l.w_up, ff, &mut up);
-            gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            });
+            if c.gemma3.is_some() {
+                gate.par_iter_mut()
+                    .zip(up.par_iter())
+                    .for_each(|(g, u)| *g = gelu_tanh(*g) * u);
+            } else {
+                gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
+                    *g = *g / (1.0 + (-*g).exp()) * u;
+                });
+            }
             matmul_t(&gate, t, ff, &l.w_down, d, &mut proj);
+            if let Some(n) = &l.post_ffn_norm {
+                let src = proj.clone();
+                rms_norm(&src, n, c.rms_eps, &mut proj);
+            }
             add_in_place(&mut x, &proj);
         }
         // Only the last row of chunks that want logits goes through the LM head.
@@ -518,7 +675,12 @@ impl Llama {
         Ok(logits)
     }
 
+    #[cfg(test)]
     fn rope(&self, x: &mut [f32], positions: &[usize], heads: usize) {
+        self.rope_with(&self.inv_freq, x, positions, heads)
+    }
+
+    fn rope_with(&self, inv_freq: &[f32], x: &mut [f32], positions: &[usize], heads: usize) {
         let hd = self.config.head_dim;
         let half = self.config.rope_dims / 2;
         let scale = self.config.rope_linear_scale;
@@ -528,7 +690,7 @@ impl Llama {
             .for_each(|(row, &pos)| {
                 let p = pos as f32 / scale;
                 for head in row.chunks_mut(hd) {
-                    for (i, f) in self.inv_freq.iter().enumerate() {
+                    for (i, f) in inv_freq.iter().enumerate() {
                         let (sin, cos) = (p * f).sin_cos();
                         let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
                         let (x0, x1) = (head[a], head[b]);
@@ -610,6 +772,24 @@ pub(crate) fn inv_freq(cfg: &LlamaConfig, factors: Option<&[f32]>) -> Vec<f32> {
             f / factors.and_then(|fs| fs.get(i)).copied().unwrap_or(1.0)
         })
         .collect()
+}
+
+/// Gemma 3: the local layers' inverse frequencies (empty for other models).
+fn inv_freq_local(cfg: &LlamaConfig) -> Vec<f32> {
+    match &cfg.gemma3 {
+        Some(g) => {
+            let mut local = cfg.clone();
+            local.rope_theta = g.rope_theta_local;
+            inv_freq(&local, None)
+        }
+        None => Vec::new(),
+    }
+}
+
+/// GELU with the tanh approximation: `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`.
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
 }
 
 /// RMSNorm of each row of `x` (row length `w.len()`), scaled by `w`.

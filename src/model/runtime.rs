@@ -102,6 +102,9 @@ pub struct PoolSummary {
     pub kv_cache_dtype: &'static str,
     /// Tokens of prompt + output one request may hold at most (maxModelLen or the pool).
     pub max_request_tokens: usize,
+    /// What the pools admit for maxModelLen requests, window-aware and under a full-layer
+    /// budget (`/v1/capacity`, `kvfleet_kv_cache_*max_concurrency`).
+    pub admission: crate::worker::engine::capacity::Admission,
 }
 
 /// A handle to the serving loop; cheap to share between HTTP handlers.
@@ -179,7 +182,16 @@ impl ModelRuntime {
             total_blocks: scheduler.kv().total_blocks(),
             kv_cache_dtype: kv.layers.first().map_or("bfloat16", |l| l.dtype.as_str()),
             max_request_tokens,
+            admission: crate::worker::engine::capacity::admitted(
+                &kv,
+                sched.max_model_len,
+                sched.max_num_batched_tokens,
+            ),
         };
+        metrics.max_concurrency.set(pool.admission.max_concurrency);
+        metrics
+            .full_layer_max_concurrency
+            .set(pool.admission.full_layer_max_concurrency);
         metrics.set_cache_config(pool.block_size, pool.total_blocks, pool.kv_cache_dtype);
         // The empty pool, published before the first request can arrive (the loop thread
         // publishes from its first iteration on).

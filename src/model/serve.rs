@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::forward::{llama_backend_config, CpuForward, Forward};
+use super::forward::{model_backend_config, CpuForward, Forward};
 use super::gguf::Gguf;
 use super::gpu::{GpuCapacity, GpuLlama, GpuOptions};
 use super::hf;
 use super::llama::{Llama, LlamaConfig};
 use super::runtime::{ModelRuntime, RuntimeError};
 use super::tokenizer::Tokenizer;
-use crate::api::ModelGeometry;
+use crate::api::{LayerType, ModelGeometry};
 use crate::worker::engine::cpu::CpuBackend;
 use crate::worker::engine::layout::{BackendConfig, KvDtype};
 use crate::worker::engine::scheduler::SchedulerConfig;
@@ -135,8 +135,18 @@ impl LoadedModel {
             query_heads: i(c.n_heads),
             kv_heads: i(c.n_kv_heads),
             head_dim: i(c.head_dim),
-            sliding_window: None,
-            layer_types: None,
+            sliding_window: c
+                .gemma3
+                .as_ref()
+                .map(|g| i32::try_from(g.sliding_window).unwrap_or(i32::MAX)),
+            layer_types: c.gemma3.as_ref().map(|_| {
+                (0..c.n_layers)
+                    .map(|l| match c.layer_window(l) {
+                        Some(_) => LayerType::SlidingAttention,
+                        None => LayerType::FullAttention,
+                    })
+                    .collect()
+            }),
             global_head_dim: None,
             global_kv_heads: None,
             kv_lora_rank: None,
@@ -303,9 +313,10 @@ pub fn on_gpu(
     Ok((Box::new(m), cap))
 }
 
-/// The CPU pools for the model's geometry: `num_blocks` pages of `block_size` tokens.
+/// The CPU pools for the model's geometry: `num_blocks` pages of `block_size` tokens per layer
+/// group (one group, or the full and the local layers of Gemma 3).
 pub fn cpu_pools(model: &LoadedModel, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
-    llama_backend_config(model.config().attn_geometry(), dtype, block_size, num_blocks)
+    model_backend_config(model.config(), dtype, block_size, num_blocks)
 }
 
 fn dir_name(dir: &Path) -> String {
@@ -333,6 +344,9 @@ pub struct CpuLimits {
     pub max_num_batched_tokens: usize,
     /// `None`: the model's context length, at most 4096.
     pub max_model_len: Option<usize>,
+    /// The KV pool in tokens of every layer. A model with sliding-window layers (Gemma 3) gets
+    /// the same bytes split between its layer groups by what one maxModelLen request needs from
+    /// each (as preflight does), so it admits more requests than `kv_tokens / maxModelLen`.
     pub kv_tokens: usize,
     pub block_size: usize,
     pub kv_dtype: KvDtype,
@@ -364,7 +378,11 @@ pub fn start_cpu(
         .max_model_len
         .unwrap_or_else(|| model.config().context_len.min(4096));
     let blocks = limits.kv_tokens.div_ceil(limits.block_size);
-    let pools = cpu_pools(&model, limits.kv_dtype, limits.block_size, blocks);
+    let pools = if model.config().gemma3.is_some() {
+        windowed_pools(model.config(), &limits, max_model_len)?
+    } else {
+        cpu_pools(&model, limits.kv_dtype, limits.block_size, blocks)
+    };
     let LoadedModel {
         weights,
         tokenizer,
@@ -380,6 +398,47 @@ pub fn start_cpu(
         max_waiting: limits.max_waiting,
     };
     Ok(ModelRuntime::start(forward, tokenizer, name, sched, metrics)?)
+}
+
+/// Pools for a model with sliding-window layers: the bytes of `kv_tokens` tokens of every
+/// layer (a full-layer pool of that many tokens), split between the layer groups by what one
+/// maxModelLen request needs from each, as preflight sizes the worker's pools.
+fn windowed_pools(
+    cfg: &LlamaConfig,
+    limits: &CpuLimits,
+    max_model_len: usize,
+) -> Result<BackendConfig, MountError> {
+    use crate::worker::engine::capacity::{size_pools, ModelLayer, PoolParams};
+    use crate::worker::engine::layout::{KvScales, PoolShape};
+    let layers: Vec<ModelLayer> = (0..cfg.n_layers)
+        .map(|i| ModelLayer {
+            q_heads: cfg.n_heads,
+            kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            window: cfg.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)),
+        })
+        .collect();
+    let params = PoolParams {
+        block_size: limits.block_size,
+        max_model_len,
+        max_num_batched_tokens: limits.max_num_batched_tokens,
+        dtype: limits.kv_dtype,
+        causal: true,
+    };
+    let bad = |e: String| MountError::from(RuntimeError::Config(format!("cannot size the KV pools: {e}")));
+    let page = PoolShape::new(
+        0,
+        cfg.n_kv_heads,
+        limits.block_size,
+        cfg.head_dim,
+        limits.kv_dtype,
+    )
+    .map_err(|e| bad(e.to_string()))?
+    .page_bytes() as u64;
+    let blocks = limits.kv_tokens.div_ceil(limits.block_size) as u64;
+    let bytes = blocks * 2 * page * cfg.n_layers as u64;
+    let plan = size_pools(&layers, &params, bytes).map_err(|e| bad(e.to_string()))?;
+    Ok(plan.backend_config(&layers, &params, KvScales::default()))
 }
 
 /// A model already in memory, for [`start_cpu`].

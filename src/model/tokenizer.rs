@@ -1,5 +1,6 @@
-//! Byte-level BPE tokenizer read from GGUF metadata (`tokenizer.ggml.*`), chat templates, and
-//! a streaming detokenizer that only emits complete UTF-8.
+//! Byte-level BPE tokenizer read from GGUF metadata (`tokenizer.ggml.*`), the SentencePiece-style
+//! tokenizer of `llama`-model vocabularies (Gemma 3: scores, byte fallback), chat templates, and a
+//! streaming detokenizer that only emits complete UTF-8.
 //!
 //! The pre-tokenizer regexes per `tokenizer.ggml.pre` are those llama.cpp uses
 //! (ggml-org/llama.cpp `src/llama-vocab.cpp`, `llm_tokenizer_bpe`): `smollm` and `starcoder` split
@@ -15,7 +16,7 @@ pub enum TokenizerError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(
-        "tokenizer model `{0}` is not supported; kvfleet reads byte-level BPE (`gpt2`) vocabularies only"
+        "tokenizer model `{0}` is not supported; kvfleet reads byte-level BPE (`gpt2`) and SentencePiece (`llama`) vocabularies"
     )]
     Model(String),
     #[error("pre-tokenizer `{0}` is not supported; supported: default, gpt2, smollm, starcoder, llama3, llama-bpe, qwen2")]
@@ -84,7 +85,40 @@ pub struct Tokenizer {
     /// Tokens that end a generation: EOS and the end-of-turn markers of the chat template.
     pub stop_tokens: Vec<u32>,
     pub chat_template: ChatTemplate,
+    /// Set for a SentencePiece-style vocabulary: encoding merges by score instead of rank.
+    spm: Option<Spm>,
 }
+
+/// The SentencePiece-style (`tokenizer.ggml.model = llama`) half of a [`Tokenizer`].
+#[derive(Debug)]
+struct Spm {
+    /// Per token: the score a merge into it is ranked by (higher first).
+    scores: Vec<f32>,
+    /// Prepend a space to the text before encoding (`tokenizer.ggml.add_space_prefix`).
+    add_space_prefix: bool,
+    /// User-defined tokens (type 4: Gemma's runs of newlines, spaces and tabs, HTML tags),
+    /// matched literally in any text before the merges, in one pass.
+    user_defined: Option<aho_corasick::AhoCorasick>,
+    user_defined_ids: Vec<u32>,
+}
+
+/// One pass over a text finds the tokens written literally in it: the leftmost match, the
+/// longest at one position (ids by pattern index). None when there are no such tokens.
+type LiteralMatcher = (Option<aho_corasick::AhoCorasick>, Vec<u32>);
+
+fn literal_matcher(tokens: &[(String, u32)]) -> Result<LiteralMatcher, TokenizerError> {
+    if tokens.is_empty() {
+        return Ok((None, Vec::new()));
+    }
+    let matcher = aho_corasick::AhoCorasick::builder()
+        .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+        .build(tokens.iter().map(|s| s.0.as_str()))
+        .map_err(|e| TokenizerError::Vocab(format!("literal tokens: {e}")))?;
+    Ok((Some(matcher), tokens.iter().map(|s| s.1).collect()))
+}
+
+/// SentencePiece's whitespace marker, U+2581.
+const SPM_SPACE: char = '\u{2581}';
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -184,6 +218,9 @@ impl Tokenizer {
     /// Builds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
     pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
         let model = g.get_str("tokenizer.ggml.model")?;
+        if model == "llama" {
+            return Self::spm_from_gguf(g);
+        }
         if model != "gpt2" {
             return Err(TokenizerError::Model(model.into()));
         }
@@ -202,6 +239,117 @@ impl Tokenizer {
         t.add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
         t.check_specials()?;
         Ok(t)
+    }
+
+    /// A SentencePiece-style tokenizer from `tokenizer.ggml.{tokens,scores,token_type}`.
+    fn spm_from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
+        let tokens = strings(g.get_array("tokenizer.ggml.tokens")?, "tokenizer.ggml.tokens")?;
+        let scores: Vec<f32> = g
+            .get_array("tokenizer.ggml.scores")?
+            .iter()
+            .map(|v| v.as_f64().unwrap_or(0.0) as f32)
+            .collect();
+        let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let add_space_prefix = matches!(g.get("tokenizer.ggml.add_space_prefix"), Some(Value::Bool(true)));
+        let template = g.get_str("tokenizer.chat_template").ok();
+        let mut t = Self::spm(tokens, &types, scores, add_space_prefix, template)?;
+        let opt_id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
+        t.bos = opt_id("tokenizer.ggml.bos_token_id");
+        t.eos = opt_id("tokenizer.ggml.eos_token_id");
+        // SentencePiece models add BOS unless told otherwise (llama.cpp's default for `llama`
+        // vocabularies, ggml-org/llama.cpp `src/llama-vocab.cpp`).
+        t.add_bos = !matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(false)));
+        t.check_specials()?;
+        Ok(t)
+    }
+
+    /// Builds a SentencePiece-style tokenizer: `tokens` with `▁` for spaces, token types (2 =
+    /// unknown and 3 = control: matched literally only when asked, decoded only with
+    /// specials; 4 = user-defined: matched literally always; 6 = byte, written `<0xAB>`) and
+    /// merge scores.
+    pub fn spm(
+        tokens: Vec<String>,
+        types: &[u64],
+        scores: Vec<f32>,
+        add_space_prefix: bool,
+        chat_template: Option<&str>,
+    ) -> Result<Self, TokenizerError> {
+        if scores.len() != tokens.len() {
+            return Err(TokenizerError::Vocab(format!(
+                "{} scores for {} tokens",
+                scores.len(),
+                tokens.len()
+            )));
+        }
+        let mut token_to_id = HashMap::with_capacity(tokens.len());
+        let mut token_bytes = Vec::with_capacity(tokens.len());
+        let mut is_special = Vec::with_capacity(tokens.len());
+        let mut specials = Vec::new();
+        let mut user_defined = Vec::new();
+        let mut byte_to_id = [None; 256];
+        for (i, tok) in tokens.iter().enumerate() {
+            let ty = types.get(i).copied().unwrap_or(1);
+            let id = i as u32;
+            token_to_id.entry(tok.clone()).or_insert(id);
+            let byte = (ty == 6)
+                .then(|| tok.strip_prefix("<0x")?.strip_suffix('>'))
+                .flatten()
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            match (ty, byte) {
+                (6, Some(b)) => {
+                    byte_to_id[b as usize] = Some(id);
+                    token_bytes.push(vec![b]);
+                }
+                (2 | 3, _) => {
+                    specials.push((tok.clone(), id));
+                    token_bytes.push(tok.as_bytes().to_vec());
+                }
+                (4, _) => {
+                    user_defined.push((tok.clone(), id));
+                    token_bytes.push(tok.as_bytes().to_vec());
+                }
+                _ => token_bytes.push(tok.replace(SPM_SPACE, " ").into_bytes()),
+            }
+            is_special.push(ty == 2 || ty == 3);
+        }
+        let (specials, special_ids) = literal_matcher(&specials)?;
+        let (user_defined, user_defined_ids) = literal_matcher(&user_defined)?;
+        // Gemma's chat turns are not rendered (yet): an instruction-tuned model's template
+        // leaves /v1/chat/completions refused, the raw completions API works.
+        let _ = chat_template;
+        let chat_template = ChatTemplate::None;
+        let stop_tokens = ["<end_of_turn>"]
+            .iter()
+            .filter_map(|s| token_to_id.get(*s).copied())
+            .collect();
+        Ok(Tokenizer {
+            tokens,
+            token_bytes,
+            is_special,
+            token_to_id,
+            merges: HashMap::new(),
+            byte_to_id,
+            specials,
+            special_ids,
+            pre: fancy_regex::Regex::new(GPT2_PATTERN)
+                .map_err(|e| TokenizerError::Vocab(format!("pre-tokenizer regex: {e}")))?,
+            split_digits: false,
+            ignore_merges: false,
+            bos: None,
+            eos: None,
+            add_bos: false,
+            stop_tokens,
+            chat_template,
+            spm: Some(Spm {
+                scores,
+                add_space_prefix,
+                user_defined,
+                user_defined_ids,
+            }),
+        })
     }
 
     /// Checks BOS/EOS against the vocabulary and makes EOS a stop token.
@@ -294,17 +442,7 @@ impl Tokenizer {
             }
             is_special.push(ty == 3);
         }
-        let special_ids = specials.iter().map(|s| s.1).collect();
-        let specials = if specials.is_empty() {
-            None
-        } else {
-            Some(
-                aho_corasick::AhoCorasick::builder()
-                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
-                    .build(specials.iter().map(|s| s.0.as_str()))
-                    .map_err(|e| TokenizerError::Vocab(format!("special tokens: {e}")))?,
-            )
-        };
+        let (specials, special_ids) = literal_matcher(&specials)?;
         let mut byte_to_id = [None; 256];
         for (b, c) in table.iter().enumerate() {
             byte_to_id[b] = token_to_id.get(&c.to_string()).copied();
@@ -344,6 +482,7 @@ impl Tokenizer {
             pre,
             split_digits,
             ignore_merges: false,
+            spm: None,
             bos: None,
             eos: None,
             add_bos: false,
@@ -386,6 +525,10 @@ impl Tokenizer {
 
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
         if text.is_empty() {
+            return;
+        }
+        if let Some(spm) = &self.spm {
+            self.spm_encode(spm, text, out);
             return;
         }
         if self.split_digits {
@@ -437,6 +580,126 @@ impl Tokenizer {
         }
         merge_by_rank(&mut syms, |l, r| self.merges.get(&(l, r)).copied());
         out.extend(syms);
+    }
+
+    /// SentencePiece-style encoding, as llama.cpp's `llm_tokenizer_spm` does it: user-defined
+    /// tokens are cut out literally first; each remaining fragment has its spaces replaced by
+    /// `▁`, starts as one symbol per character, and the adjacent pair whose concatenation is the
+    /// highest-scoring vocabulary entry is merged (leftmost first on ties) until none is; a
+    /// symbol left that is not a token becomes its UTF-8 bytes' `<0xAB>` tokens (byte fallback).
+    fn spm_encode(&self, spm: &Spm, text: &str, out: &mut Vec<u32>) {
+        let mut start = 0;
+        if let Some(literal) = &spm.user_defined {
+            for m in literal.find_iter(text) {
+                if m.start() > start {
+                    self.spm_fragment(
+                        spm,
+                        &text[start..m.start()],
+                        start == 0 && spm.add_space_prefix,
+                        out,
+                    );
+                }
+                out.push(spm.user_defined_ids[m.pattern().as_usize()]);
+                start = m.end();
+            }
+        }
+        if start < text.len() {
+            self.spm_fragment(spm, &text[start..], start == 0 && spm.add_space_prefix, out);
+        }
+    }
+
+    fn spm_fragment(&self, spm: &Spm, text: &str, space_prefix: bool, out: &mut Vec<u32>) {
+        use std::cmp::Ordering;
+        use std::collections::BinaryHeap;
+        let mut norm = String::with_capacity(text.len() + 3);
+        if space_prefix {
+            norm.push(SPM_SPACE);
+        }
+        norm.extend(text.chars().map(|c| if c == ' ' { SPM_SPACE } else { c }));
+        // Symbols: byte ranges of `norm`, linked left/right; a merged-away symbol has len 0.
+        let mut start: Vec<usize> = Vec::new();
+        let mut len: Vec<usize> = Vec::new();
+        for (i, c) in norm.char_indices() {
+            start.push(i);
+            len.push(c.len_utf8());
+        }
+        let n = start.len();
+        let mut prev: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
+        let mut next: Vec<Option<usize>> = (0..n).map(|i| (i + 1 < n).then_some(i + 1)).collect();
+        /// A candidate merge of symbol `left` with its right neighbour into `size` bytes.
+        struct Bigram {
+            score: f32,
+            left: usize,
+            size: usize,
+        }
+        impl PartialEq for Bigram {
+            fn eq(&self, o: &Self) -> bool {
+                self.cmp(o) == Ordering::Equal
+            }
+        }
+        impl Eq for Bigram {}
+        impl PartialOrd for Bigram {
+            fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+                Some(self.cmp(o))
+            }
+        }
+        impl Ord for Bigram {
+            // Max-heap: higher score first, then the leftmost pair.
+            fn cmp(&self, o: &Self) -> Ordering {
+                self.score
+                    .total_cmp(&o.score)
+                    .then_with(|| o.left.cmp(&self.left))
+            }
+        }
+        let mut heap = BinaryHeap::new();
+        let try_add = |heap: &mut BinaryHeap<Bigram>, l: usize, r: usize, start: &[usize], len: &[usize]| {
+            let piece = &norm[start[l]..start[r] + len[r]];
+            if let Some(&id) = self.token_to_id.get(piece) {
+                heap.push(Bigram {
+                    score: spm.scores[id as usize],
+                    left: l,
+                    size: piece.len(),
+                });
+            }
+        };
+        for i in 1..n {
+            try_add(&mut heap, i - 1, i, &start, &len);
+        }
+        while let Some(b) = heap.pop() {
+            let l = b.left;
+            let Some(r) = next[l] else { continue };
+            // Stale: one side has changed since the pair was queued.
+            if len[l] == 0 || len[r] == 0 || len[l] + len[r] != b.size {
+                continue;
+            }
+            len[l] += len[r];
+            len[r] = 0;
+            next[l] = next[r];
+            if let Some(rr) = next[r] {
+                prev[rr] = Some(l);
+            }
+            if let Some(pl) = prev[l] {
+                try_add(&mut heap, pl, l, &start, &len);
+            }
+            if let Some(nr) = next[l] {
+                try_add(&mut heap, l, nr, &start, &len);
+            }
+        }
+        let mut i = Some(0).filter(|_| n > 0);
+        while let Some(s) = i {
+            let piece = &norm[start[s]..start[s] + len[s]];
+            match self.token_to_id.get(piece) {
+                Some(&id) => out.push(id),
+                None => {
+                    for b in piece.bytes() {
+                        // A vocabulary without byte tokens (not SentencePiece's byte fallback)
+                        // falls back to the unknown token, id 0 if even that is missing.
+                        out.push(self.byte_to_id[b as usize].unwrap_or(0));
+                    }
+                }
+            }
+            i = next[s];
+        }
     }
 
     /// The bytes a token stands for; control tokens yield nothing unless `with_special`.
@@ -642,6 +905,69 @@ mod tests {
         let hell = t.token_id("hell").unwrap();
         assert_eq!(ids.len(), 50_000);
         assert!(ids.iter().all(|&i| i == hell));
+    }
+
+    /// A SentencePiece-style vocabulary: controls, a user-defined run of newlines, the 256
+    /// byte tokens, and pieces whose scores decide the merges.
+    fn toy_spm() -> Tokenizer {
+        let mut tokens: Vec<String> = vec!["<pad>".into(), "<eos>".into(), "<bos>".into(), "\n\n".into()];
+        let mut types = vec![3u64, 3, 3, 4];
+        let mut scores = vec![0f32; 4];
+        for b in 0..=255u8 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(6);
+            scores.push(0.0);
+        }
+        // "▁ab" outranks "ab" (merged first when both apply), "bc" outranks "▁ab"... pieces
+        // must be reachable pairwise, so every prefix pair exists.
+        for (piece, score) in [
+            ("a", -1.0),
+            ("b", -1.0),
+            ("c", -1.0),
+            ("▁", -1.0),
+            ("ab", -5.0),
+            ("bc", -2.0),
+            ("▁a", -3.0),
+            ("▁ab", -4.0),
+            ("é", -1.0),
+        ] {
+            tokens.push(piece.into());
+            types.push(1);
+            scores.push(score);
+        }
+        let mut t = Tokenizer::spm(tokens, &types, scores, false, None).unwrap();
+        t.bos = Some(2);
+        t.eos = Some(1);
+        t.add_bos = true;
+        t.check_specials().unwrap();
+        t
+    }
+
+    #[test]
+    fn spm_merges_by_score_with_byte_fallback_and_bos() {
+        let t = toy_spm();
+        let piece = |ids: &[u32]| {
+            ids.iter()
+                .map(|&i| t.token(i).unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
+        // "abc": bc (-2) beats ab (-5); then a + bc has no token.
+        assert_eq!(piece(&t.encode("abc", false)), ["<bos>", "a", "bc"]);
+        // " ab": ▁a (-3) first, then ▁a + b = ▁ab (-4); ab (-5) never wins.
+        assert_eq!(piece(&t.encode(" ab", false)), ["<bos>", "▁ab"]);
+        // "ä" is not a piece: its two UTF-8 bytes; "é" is.
+        assert_eq!(piece(&t.encode("äé", false)), ["<bos>", "<0xC3>", "<0xA4>", "é"]);
+        // User-defined tokens are cut out literally, control tokens only when asked.
+        assert_eq!(
+            piece(&t.encode("a\n\nb<eos>", false))[..4],
+            ["<bos>", "a", "\n\n", "b"]
+        );
+        assert_eq!(piece(&t.encode("a<eos>", true)), ["<bos>", "a", "<eos>"]);
+        for s in ["abc", " ab", "äé x", "a\n\nb"] {
+            let ids = t.encode(s, false);
+            assert_eq!(t.decode(&ids[1..], false), s);
+        }
+        assert_eq!(t.stop_tokens, [1]);
     }
 
     #[test]

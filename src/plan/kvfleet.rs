@@ -76,6 +76,10 @@ pub struct KvfleetPlan {
     pub max_model_len: u64,
     pub chunk: u64,
     pub fits_one_request: bool,
+    /// Requests of max_model_len the same pools would admit if every layer were budgeted for
+    /// the whole length: pool bytes / (sum of block_bytes x cdiv(max_model_len, block)). The
+    /// worker reports the same figure (`/v1/capacity`, `kvfleet_kv_cache_full_layer_max_concurrency`).
+    pub full_layer_max_concurrency: f64,
 }
 
 /// Groups layers by spec and sizes one pool per group for `available_kv_bytes`.
@@ -164,7 +168,19 @@ pub fn pool_layout(
         .iter()
         .map(|g| g.num_blocks as f64 / g.blocks_per_request as f64)
         .fold(f64::INFINITY, f64::min);
+    let pool_bytes: u64 = groups
+        .iter()
+        .map(|g| g.num_blocks.saturating_mul(g.block_bytes))
+        .fold(0u64, u64::saturating_add);
+    let full_per_request: u64 = groups
+        .iter()
+        .map(|g| {
+            g.block_bytes
+                .saturating_mul(cdiv(p.max_model_len, u64::from(p.block_size.max(1))))
+        })
+        .fold(0u64, u64::saturating_add);
     Ok(KvfleetPlan {
+        full_layer_max_concurrency: pool_bytes as f64 / full_per_request.max(1) as f64,
         available_kv_bytes,
         bytes_per_request,
         max_concurrency,

@@ -582,6 +582,14 @@ impl Plan {
             t(k.max_model_len),
             t(k.capacity_tokens)
         );
+        let _ = writeln!(
+            o,
+            "   full-layer budget of the same pools (every layer holds {} tokens): {:.4} -> {:.2}x; window-aware / full-layer = {:.3}",
+            t(k.max_model_len),
+            k.full_layer_max_concurrency,
+            k.full_layer_max_concurrency,
+            if k.full_layer_max_concurrency > 0.0 { k.max_concurrency / k.full_layer_max_concurrency } else { 0.0 }
+        );
 
         let s = &self.saving;
         let _ = writeln!(o, "\n7. kvfleet against vLLM");

@@ -42,6 +42,13 @@ pub struct CapacityInfo {
     pub max_concurrency: f64,
     /// The planner's prediction for the same inputs.
     pub predicted_capacity_tokens: u64,
+    /// Side by side with `maxConcurrency`: what the same pools would admit if every layer,
+    /// sliding-window ones included, were budgeted for maxModelLen.
+    pub full_layer_max_concurrency: f64,
+    pub full_layer_capacity_tokens: u64,
+    /// Per layer group: window, layers, blocks, and the block tokens one maxModelLen request
+    /// holds there (window-aware and full-layer).
+    pub tokens_per_request: Vec<super::engine::capacity::GroupTokens>,
     pub pools: PoolPlan,
     /// On a GPU: the memory measured around model load (total, weights, activations, free
     /// before the KV pools, margin kept free).

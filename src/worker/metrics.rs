@@ -32,6 +32,7 @@ pub struct Metrics {
     pub blocks: IntGaugeVec,
     pub usage_ratio: Gauge,
     pub max_concurrency: Gauge,
+    pub full_layer_max_concurrency: Gauge,
     pub requests: IntGaugeVec,
     pub preemptions: IntCounter,
     pub finished: IntCounter,
@@ -79,6 +80,10 @@ impl Metrics {
             max_concurrency: Gauge::new(
                 "kvfleet_kv_cache_max_concurrency",
                 "Requests of maxModelLen tokens the KV pool holds at once",
+            )?,
+            full_layer_max_concurrency: Gauge::new(
+                "kvfleet_kv_cache_full_layer_max_concurrency",
+                "Requests of maxModelLen tokens the same KV pool bytes would hold at once if every layer, sliding-window ones included, were budgeted for maxModelLen",
             )?,
             requests: IntGaugeVec::new(Opts::new("kvfleet_requests", "Requests by state"), &["state"])?,
             preemptions: IntCounter::new(
@@ -170,6 +175,7 @@ impl Metrics {
         r.register(Box::new(m.blocks.clone()))?;
         r.register(Box::new(m.usage_ratio.clone()))?;
         r.register(Box::new(m.max_concurrency.clone()))?;
+        r.register(Box::new(m.full_layer_max_concurrency.clone()))?;
         r.register(Box::new(m.requests.clone()))?;
         r.register(Box::new(m.preemptions.clone()))?;
         r.register(Box::new(m.finished.clone()))?;

@@ -452,10 +452,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     // prediction beside it.
     let c = &pf.scheduler;
     let pool = &runtime.pool;
-    let pages_per_request = (c.max_model_len.min(pool.max_request_tokens))
-        .div_ceil(pool.block_size)
-        .max(1);
-    let max_concurrency = pool.total_blocks as f64 / pages_per_request as f64;
+    // Each layer group by its window (what the scheduler admits), and beside it what the
+    // same pools would admit under a full-layer budget.
+    let max_concurrency = pool.admission.max_concurrency;
     let capacity_tokens = (max_concurrency * c.max_model_len as f64) as u64;
     let info = http::CapacityInfo {
         model_name: served_name.clone(),
@@ -476,6 +475,10 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         capacity_tokens,
         max_concurrency,
         predicted_capacity_tokens: pf.pools.capacity_tokens,
+        full_layer_max_concurrency: pool.admission.full_layer_max_concurrency,
+        full_layer_capacity_tokens: (pool.admission.full_layer_max_concurrency * c.max_model_len as f64)
+            as u64,
+        tokens_per_request: pool.admission.tokens_per_request.clone(),
         pools: pf.pools.clone(),
         gpu_memory: gpu_cap.as_ref().map(|g| http::GpuMemory {
             total_bytes: g.total_bytes as u64,
@@ -491,6 +494,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         .predicted_capacity_tokens
         .set(info.predicted_capacity_tokens as i64);
     metrics.max_concurrency.set(max_concurrency);
+    metrics
+        .full_layer_max_concurrency
+        .set(pool.admission.full_layer_max_concurrency);
     match &pf.gpu {
         Some(g) if device == "cuda" => metrics
             .gpu_info

@@ -371,6 +371,7 @@ fn planner_sized(
             pools.pool_bytes = pools.groups.iter().map(|g| g.num_blocks * g.block_bytes).sum();
             pools.max_concurrency = p.max_concurrency;
             pools.capacity_tokens = p.capacity_tokens;
+            pools.full_layer_max_concurrency = p.full_layer_max_concurrency;
         }
         Ok(_) => warnings
             .push("the planner groups this model's layers differently; pools sized by the worker".into()),

@@ -51,6 +51,9 @@ pub struct PoolPlan {
     pub max_concurrency: f64,
     /// floor(max_concurrency x max_model_len).
     pub capacity_tokens: u64,
+    /// Requests of max_model_len the same pool bytes admit when every layer is budgeted for
+    /// the whole length (see [`Admission`]).
+    pub full_layer_max_concurrency: f64,
 }
 
 /// Blocks a request of `tokens` holds at most in a group (see `block::KvManager`).
@@ -63,6 +66,101 @@ pub fn blocks_per_request(window: Option<u32>, tokens: usize, chunk: usize, bloc
         None => full,
     };
     n as u64
+}
+
+/// What allocated pools admit: requests of `max_model_len` at once with each group budgeted by
+/// its window (what the scheduler does), and with every layer budgeted for the whole length
+/// in the same bytes (a full-layer budget, as vLLM budgeted sliding layers before
+/// vllm-project/vllm#40946), side by side.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Admission {
+    /// min over groups of `num_blocks / blocks a max_model_len request holds there`.
+    pub max_concurrency: f64,
+    /// `pool bytes / (sum over groups of block_bytes x cdiv(max_model_len, block_size))`.
+    pub full_layer_max_concurrency: f64,
+    /// Per group (in the pools' order): its window and the tokens of blocks one
+    /// max_model_len request holds there at most.
+    pub tokens_per_request: Vec<GroupTokens>,
+}
+
+/// One group's budget per request.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GroupTokens {
+    pub window: Option<u32>,
+    pub layers: usize,
+    pub num_blocks: usize,
+    /// Block tokens one request holds at most in this group.
+    pub tokens: usize,
+    /// The same under a full-layer budget.
+    pub full_layer_tokens: usize,
+}
+
+/// The full-layer concurrency of pools of `pool_bytes` whose groups have blocks of
+/// `block_bytes`: every layer holds `cdiv(max_model_len, block_size)` blocks per request.
+pub fn full_layer_concurrency(
+    pool_bytes: u64,
+    block_bytes: impl Iterator<Item = u64>,
+    max_model_len: usize,
+    block_size: usize,
+) -> f64 {
+    let per_request: u64 = block_bytes.sum::<u64>() * max_model_len.div_ceil(block_size.max(1)) as u64;
+    pool_bytes as f64 / per_request.max(1) as f64
+}
+
+/// What the pools of `cfg` admit for requests of `max_model_len` with prefill chunks of
+/// `chunk` tokens (see [`Admission`]).
+pub fn admitted(cfg: &BackendConfig, max_model_len: usize, chunk: usize) -> Admission {
+    let bs = cfg.block_size.max(1);
+    let mut block_bytes = vec![0u64; cfg.groups.len()];
+    let mut layers = vec![0usize; cfg.groups.len()];
+    for l in &cfg.layers {
+        let page = PoolShape::new(0, l.attn.kv_heads, bs, l.attn.head_dim, l.dtype)
+            .map(|s| 2 * s.page_bytes() as u64)
+            .unwrap_or(0);
+        if let Some(b) = block_bytes.get_mut(l.group) {
+            *b += page;
+            layers[l.group] += 1;
+        }
+    }
+    let full = max_model_len.div_ceil(bs);
+    let tokens_per_request: Vec<GroupTokens> = cfg
+        .groups
+        .iter()
+        .zip(&layers)
+        .map(|(g, &n)| GroupTokens {
+            window: g.window,
+            layers: n,
+            num_blocks: g.num_blocks,
+            tokens: blocks_per_request(g.window, max_model_len, chunk, bs) as usize * bs,
+            full_layer_tokens: full * bs,
+        })
+        .collect();
+    let max_concurrency = tokens_per_request
+        .iter()
+        .map(|g| g.num_blocks as f64 / (g.tokens / bs).max(1) as f64)
+        .fold(f64::INFINITY, f64::min);
+    let pool_bytes: u64 = cfg
+        .groups
+        .iter()
+        .zip(&block_bytes)
+        .map(|(g, b)| g.num_blocks as u64 * b)
+        .sum();
+    Admission {
+        max_concurrency: if max_concurrency.is_finite() {
+            max_concurrency
+        } else {
+            0.0
+        },
+        full_layer_max_concurrency: full_layer_concurrency(
+            pool_bytes,
+            block_bytes.into_iter(),
+            max_model_len,
+            bs,
+        ),
+        tokens_per_request,
+    }
 }
 
 /// Why pools cannot be sized.
@@ -135,11 +233,18 @@ pub fn size_pools(
         .iter()
         .map(|g| g.num_blocks as f64 / g.blocks_per_request as f64)
         .fold(f64::INFINITY, f64::min);
+    let pool_bytes = groups.iter().map(|g| g.num_blocks * g.block_bytes).sum();
     Ok(PoolPlan {
-        pool_bytes: groups.iter().map(|g| g.num_blocks * g.block_bytes).sum(),
+        pool_bytes,
         available_kv_bytes,
         max_concurrency,
         capacity_tokens: (max_concurrency * p.max_model_len as f64) as u64,
+        full_layer_max_concurrency: full_layer_concurrency(
+            pool_bytes,
+            groups.iter().map(|g| g.block_bytes),
+            p.max_model_len,
+            p.block_size,
+        ),
         groups,
     })
 }
@@ -218,5 +323,57 @@ mod tests {
         let c = plan.max_concurrency;
         assert!((26.0..27.0).contains(&c), "{c}");
         assert_eq!(plan.capacity_tokens, (c * 2048.0) as u64);
+        // Full-layer: 64 MiB over 2 groups x 16 KiB x 128 blocks = 16 requests.
+        assert!(
+            (plan.full_layer_max_concurrency - 16.0).abs() < 0.01,
+            "{}",
+            plan.full_layer_max_concurrency
+        );
+    }
+
+    /// Gemma 3 270M's layers: 15 local (window 512) and 3 global, 1 KV head of 256.
+    fn gemma3_layers() -> Vec<ModelLayer> {
+        (0..18)
+            .map(|i| ModelLayer {
+                q_heads: 4,
+                kv_heads: 1,
+                head_dim: 256,
+                window: ((i + 1) % 6 != 0).then_some(512),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn allocated_gemma3_pools_admit_more_than_a_full_layer_budget() {
+        let p = PoolParams {
+            block_size: 16,
+            max_model_len: 4096,
+            max_num_batched_tokens: 256,
+            dtype: KvDtype::Bf16,
+            causal: true,
+        };
+        let layers = gemma3_layers();
+        let plan = size_pools(&layers, &p, 1 << 30).unwrap();
+        assert_eq!(plan.groups.len(), 2);
+        let cfg = plan.backend_config(&layers, &p, KvScales::default());
+        let a = admitted(&cfg, p.max_model_len, p.max_num_batched_tokens);
+        assert!((a.max_concurrency - plan.max_concurrency).abs() < 1e-9);
+        assert!((a.full_layer_max_concurrency - plan.full_layer_max_concurrency).abs() < 1e-9);
+        // Local: cdiv(511, 16) + cdiv(256, 16) = 48 blocks = 768 tokens; global: 4096.
+        let local = a
+            .tokens_per_request
+            .iter()
+            .find(|g| g.window == Some(512))
+            .unwrap();
+        assert_eq!(
+            (local.layers, local.tokens, local.full_layer_tokens),
+            (15, 768, 4096)
+        );
+        let global = a.tokens_per_request.iter().find(|g| g.window.is_none()).unwrap();
+        assert_eq!((global.layers, global.tokens), (3, 4096));
+        // bf16, 1 head of 256: 16 KiB per layer block. Full-layer: 18 x 256 blocks per request;
+        // window-aware: 3 x 256 + 15 x 48 = 1488 blocks, 3.1 times as many requests.
+        let ratio = a.max_concurrency / a.full_layer_max_concurrency;
+        assert!((3.0..3.2).contains(&ratio), "{ratio}");
     }
 }
