@@ -383,6 +383,22 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = EXTRA_ARGS_MAX), inner(length(max = EXTRA_ARG_LEN_MAX)))]
     pub extra_args: Vec<String>,
+    /// Settings of the vllm runtime only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vllm: Option<VllmEngineSpec>,
+}
+
+/// Settings of the vllm runtime.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VllmEngineSpec {
+    /// The vLLM release the image holds (e.g. `0.21.1`), for images whose tag is not a
+    /// release (a digest, `latest`, a private build). Flags, compat rules and capacity
+    /// arithmetic follow it; without it they follow the image tag, or kvfleet's default
+    /// image when no image is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^v?[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?([a-z0-9.+-]*)$"))]
+    pub version: Option<String>,
 }
 
 fn default_max_model_len() -> i64 {
@@ -419,6 +435,7 @@ impl Default for EngineSpec {
             tensor_parallel_size: default_tensor_parallel_size(),
             non_causal: false,
             extra_args: Vec::new(),
+            vllm: None,
         }
     }
 }
@@ -541,6 +558,18 @@ pub struct CapacityStatus {
 }
 
 impl InferenceDeploymentSpec {
+    /// The vLLM release this spec runs (runtime vllm): `engine.vllm.version`, else the image
+    /// tag, else kvfleet's default image.
+    pub fn vllm_version(
+        &self,
+    ) -> Result<crate::compat::VllmVersion, crate::compat::vllm_versions::VersionError> {
+        crate::compat::vllm_versions::resolve(
+            self.engine.image.as_deref(),
+            self.engine.vllm.as_ref().and_then(|v| v.version.as_deref()),
+        )
+        .map(|(v, _)| v)
+    }
+
     /// GPUs per replica: gpu.count, else tensorParallelSize.
     pub fn gpus_per_replica(&self) -> i32 {
         self.gpu

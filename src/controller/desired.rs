@@ -24,6 +24,7 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
+use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::api::{
     AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat,
 };
@@ -65,7 +66,8 @@ impl Default for Settings {
         Settings {
             // What `make image` tags and the chart's image.repository/appVersion default to.
             worker_image: format!("kvfleet:{}", env!("CARGO_PKG_VERSION")),
-            vllm_image: "vllm/vllm-openai:v0.11.0".to_string(),
+            // A release whose every flag kvfleet renders exists (compat/vllm_versions.rs).
+            vllm_image: crate::compat::vllm_versions::default_image(),
         }
     }
 }
@@ -444,17 +446,21 @@ fn pod_template(
             env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface"));
             env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
             env.push(plain_env("TRITON_CACHE_DIR", "/tmp/.cache/triton"));
+            let image = spec
+                .engine
+                .image
+                .clone()
+                .unwrap_or_else(|| settings.vllm_image.clone());
+            let version = rendered_vllm_version(spec, &image);
+            env.extend(vllm_env(spec, verdict, version));
             (
-                spec.engine
-                    .image
-                    .clone()
-                    .unwrap_or_else(|| settings.vllm_image.clone()),
+                image,
                 vec![
                     "python3".to_string(),
                     "-m".to_string(),
                     "vllm.entrypoints.openai.api_server".to_string(),
                 ],
-                vllm_args(spec, verdict),
+                vllm_args_at(spec, verdict, version),
                 // vLLM's server answers /health once the engine is up.
                 ("/health", "/health"),
             )
@@ -586,11 +592,54 @@ fn field_env(name: &str, path: &str) -> EnvVar {
     }
 }
 
-/// Command-line flags of the vLLM OpenAI server, from the resolved configuration, so the
-/// server runs exactly what admission checked.
-pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
-    let e = &spec.engine;
+/// The vLLM release the pod runs: `engine.vllm.version`, else the tag of the image rendered
+/// (the controller's `--vllm-image` when the spec names none), else kvfleet's default.
+pub fn rendered_vllm_version(spec: &InferenceDeploymentSpec, image: &str) -> VllmVersion {
+    vllm_versions::resolve(
+        Some(image),
+        spec.engine.vllm.as_ref().and_then(|v| v.version.as_deref()),
+    )
+    .map(|(v, _)| v)
+    .unwrap_or(vllm_versions::DEFAULT_VERSION)
+}
+
+/// The KV dtype and backend strings vLLM gets: `auto` stays `auto` (vLLM keeps the model
+/// dtype, which is what the verdict resolved it to, and `auto` exists in every release while
+/// `bfloat16`/`float16` do not).
+fn vllm_dtype_backend(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (String, String) {
     let (dtype, backend) = resolved_strings(spec, verdict);
+    let dtype = if spec.engine.kv_cache_dtype == KvCacheDtype::Auto {
+        KvCacheDtype::Auto.as_str().to_string()
+    } else {
+        dtype
+    };
+    (dtype, backend)
+}
+
+/// Environment of the vLLM container that depends on the release: before 0.12 the attention
+/// backend is chosen by `VLLM_ATTENTION_BACKEND` (vllm#26315 made it a flag).
+pub fn vllm_env(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: VllmVersion) -> Vec<EnvVar> {
+    let (_, backend) = vllm_dtype_backend(spec, verdict);
+    if backend != AttentionBackend::Auto.as_str()
+        && vllm_versions::backend_choice(version) == vllm_versions::BackendChoice::Env
+    {
+        vec![plain_env(vllm_versions::ATTENTION_BACKEND_ENV, &backend)]
+    } else {
+        Vec::new()
+    }
+}
+
+/// [`vllm_args_at`] for the spec's own release (or kvfleet's default image's).
+pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
+    let version = spec.vllm_version().unwrap_or(vllm_versions::DEFAULT_VERSION);
+    vllm_args_at(spec, verdict, version)
+}
+
+/// Command-line flags of the vLLM OpenAI server of release `version`, from the resolved
+/// configuration, so the server runs exactly what admission checked.
+pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: VllmVersion) -> Vec<String> {
+    let e = &spec.engine;
+    let (dtype, backend) = vllm_dtype_backend(spec, verdict);
     let model = match spec.model.weights.as_ref() {
         Some(w) if w.pvc_name.is_some() => match w.path.as_deref() {
             Some(p) => format!("{WEIGHTS_DIR}/{}", p.trim_start_matches('/')),
@@ -611,7 +660,9 @@ pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Strin
         "--kv-cache-dtype".to_string(),
         dtype,
     ];
-    if backend != AttentionBackend::Auto.as_str() {
+    if backend != AttentionBackend::Auto.as_str()
+        && vllm_versions::backend_choice(version) == vllm_versions::BackendChoice::Flag
+    {
         args.push("--attention-backend".into());
         args.push(backend);
     }

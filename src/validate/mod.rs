@@ -605,6 +605,39 @@ pub(super) fn spec_checks(
     }
 }
 
+/// The vLLM release of a vllm spec (`None` for runtime kvfleet, or when it is unknown: then
+/// a denial names the fix). A release newer than kvfleet's table is judged as the newest
+/// release in it, with a warning.
+pub(super) fn vllm_version_check(
+    spec: &InferenceDeploymentSpec,
+    denials: &mut Vec<Denial>,
+    warnings: &mut Vec<String>,
+) -> Option<crate::compat::VllmVersion> {
+    use crate::compat::vllm_versions;
+    if spec.engine.runtime != Runtime::Vllm {
+        if spec.engine.vllm.is_some() {
+            warnings.push("spec.engine.vllm is read only by runtime vllm; it is ignored for runtime kvfleet".to_string());
+        }
+        return None;
+    }
+    match spec.vllm_version() {
+        Ok(v) => {
+            if v > vllm_versions::newest() {
+                warnings.push(format!(
+                    "vLLM {v} is newer than {}, the newest release kvfleet's table describes; its flags and rules are assumed to be those of {}",
+                    vllm_versions::newest(),
+                    vllm_versions::newest()
+                ));
+            }
+            Some(v)
+        }
+        Err(e) => {
+            denials.push(denial("spec.engine.vllm.version", "UnknownVllmVersion", e.to_string()));
+            None
+        }
+    }
+}
+
 /// The warning for a gpuMemoryUtilization raised above the default, if it is.
 pub(crate) fn gpu_memory_utilization_warning(util: f64) -> Option<String> {
     (util > GPU_MEMORY_UTILIZATION_WARN).then(|| format!(
@@ -783,6 +816,7 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
     let mut warnings = Vec::new();
     let features = model_features(spec, &mut warnings);
     spec_checks(spec, &mut denials, &mut warnings);
+    let vllm_version = vllm_version_check(spec, &mut denials, &mut warnings);
 
     let selector = spec.gpu.as_ref().and_then(|g| g.selector.as_ref());
     let min_cc = match selector.and_then(|s| s.min_compute_capability.as_deref()) {
@@ -895,12 +929,13 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
             }
             products.extend(sig.product);
         }
-        let ev = rules::evaluate(
+        let ev = rules::evaluate_at(
             spec.engine.runtime,
             *cc,
             &features,
             spec.engine.kv_cache_dtype,
             spec.engine.attention_backend,
+            vllm_version,
         );
         for w in &ev.warnings {
             let text = format!("{} [{}; {}]", w.message, w.rule, w.source);
