@@ -162,10 +162,12 @@ fn head_dims(c: &Case) -> String {
 /// The first dtype of `candidates` that runs with the case's runtime on its arch (backend
 /// auto), for fixes like "use fp8".
 fn first_running_dtype(c: &Case, candidates: &[D]) -> Option<D> {
-    candidates
-        .iter()
-        .copied()
-        .find(|d| *d != c.dtype && resolve(c.runtime, c.cc, c.features, *d, B::Auto, c.vllm).0.is_some())
+    candidates.iter().copied().find(|d| {
+        *d != c.dtype
+            && resolve(c.runtime, c.cc, c.features, *d, B::Auto, c.vllm)
+                .0
+                .is_some()
+    })
 }
 
 fn use_dtype(c: &Case, candidates: &[D]) -> String {

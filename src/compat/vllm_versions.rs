@@ -94,14 +94,38 @@ pub struct Release {
 /// a newer release is treated as the newest here (facts carry forward until a row says
 /// otherwise), an older one is refused.
 pub static RELEASES: &[Release] = &[
-    Release { version: v(0, 11, 0), note: "kvfleet's previous default image; backend through VLLM_ATTENTION_BACKEND" },
-    Release { version: v(0, 12, 0), note: "--attention-backend (vllm#26315)" },
-    Release { version: v(0, 13, 0), note: "--max-model-len auto (vllm#29431)" },
-    Release { version: v(0, 14, 0), note: "VLLM_ATTENTION_BACKEND removed (deprecation of vllm#26315 named v0.14.0)" },
-    Release { version: v(0, 19, 0), note: "float16 KV cache dtype (vllm#37199)" },
-    Release { version: v(0, 20, 0), note: "last release before the Gemma 4 capacity change (vllm#43308)" },
-    Release { version: v(0, 21, 0), note: "nvfp4 KV cache on sm_100 (vllm#40177); GPU KV cache size = max_concurrency x max_model_len" },
-    Release { version: v(0, 29, 0), note: "kvfleet's default image" },
+    Release {
+        version: v(0, 11, 0),
+        note: "kvfleet's previous default image; backend through VLLM_ATTENTION_BACKEND",
+    },
+    Release {
+        version: v(0, 12, 0),
+        note: "--attention-backend (vllm#26315)",
+    },
+    Release {
+        version: v(0, 13, 0),
+        note: "--max-model-len auto (vllm#29431)",
+    },
+    Release {
+        version: v(0, 14, 0),
+        note: "VLLM_ATTENTION_BACKEND removed (deprecation of vllm#26315 named v0.14.0)",
+    },
+    Release {
+        version: v(0, 19, 0),
+        note: "float16 KV cache dtype (vllm#37199)",
+    },
+    Release {
+        version: v(0, 20, 0),
+        note: "last release before the Gemma 4 capacity change (vllm#43308)",
+    },
+    Release {
+        version: v(0, 21, 0),
+        note: "nvfp4 KV cache on sm_100 (vllm#40177); GPU KV cache size = max_concurrency x max_model_len",
+    },
+    Release {
+        version: v(0, 29, 0),
+        note: "kvfleet's default image",
+    },
 ];
 
 /// The oldest release kvfleet renders for.
@@ -152,20 +176,118 @@ const ENGINE_ARGS: &str = "vllm engine arguments, docs.vllm.ai serve CLI referen
 
 /// Every flag the controller renders, with the releases that accept it.
 pub static FLAGS: &[Flag] = &[
-    Flag { flag: "--model", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--served-model-name", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--host", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--port", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--kv-cache-dtype", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--max-model-len", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--max-num-seqs", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--max-num-batched-tokens", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--block-size", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--gpu-memory-utilization", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--tensor-parallel-size", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--pipeline-parallel-size", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--load-format", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
-    Flag { flag: "--download-dir", availability: Availability { since: ALWAYS, removed_in: None, source: ENGINE_ARGS } },
+    Flag {
+        flag: "--model",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--served-model-name",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--host",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--port",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--kv-cache-dtype",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--max-model-len",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--max-num-seqs",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--max-num-batched-tokens",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--block-size",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--gpu-memory-utilization",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--tensor-parallel-size",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--pipeline-parallel-size",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--load-format",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
+    Flag {
+        flag: "--download-dir",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
     Flag {
         flag: "--attention-backend",
         availability: Availability {
@@ -196,7 +318,10 @@ pub const MAX_MODEL_LEN_AUTO: Availability = Availability {
 
 /// Whether `flag` exists in `version`; unknown flags (extraArgs) are not judged.
 pub fn flag_at(flag: &str, version: VllmVersion) -> Option<bool> {
-    FLAGS.iter().find(|f| f.flag == flag).map(|f| f.availability.at(version))
+    FLAGS
+        .iter()
+        .find(|f| f.flag == flag)
+        .map(|f| f.availability.at(version))
 }
 
 /// The `--kv-cache-dtype` values each release accepts (`vllm.config.cache.CacheDType`).
@@ -220,7 +345,8 @@ pub fn kv_dtype_availability(dtype: D) -> Availability {
         D::Nvfp4 => Availability {
             since: Some(v(0, 21, 0)),
             removed_in: None,
-            source: "vllm#40177 nvfp4 KV cache through FlashInfer trtllm-gen on sm_100 (released in v0.21.0; D)",
+            source:
+                "vllm#40177 nvfp4 KV cache through FlashInfer trtllm-gen on sm_100 (released in v0.21.0; D)",
         },
     }
 }
@@ -283,7 +409,12 @@ pub static RULE_LIFTS: &[RuleLift] = &[
 /// Whether compat rule `id` holds in `version` (`None`: the rule holds).
 pub fn rule_holds(id: &str, version: Option<VllmVersion>) -> bool {
     match (RULE_LIFTS.iter().find(|l| l.rule == id), version) {
-        (Some(RuleLift { lifted_in: Some(l), .. }), Some(v)) => v < *l,
+        (
+            Some(RuleLift {
+                lifted_in: Some(l), ..
+            }),
+            Some(v),
+        ) => v < *l,
         _ => true,
     }
 }
@@ -325,14 +456,21 @@ pub enum VersionError {
     #[error("spec.engine.vllm.version {0:?} is not of the form MAJOR.MINOR[.PATCH], e.g. \"{d}\"", d = DEFAULT_VERSION)]
     Invalid(String),
     #[error("spec.engine.vllm.version {field} contradicts the tag of spec.engine.image {image:?} ({tag}); remove spec.engine.vllm.version or make it equal to the image's release")]
-    Contradiction { field: VllmVersion, image: String, tag: VllmVersion },
+    Contradiction {
+        field: VllmVersion,
+        image: String,
+        tag: VllmVersion,
+    },
     #[error("vLLM {0} is older than {oldest}, the oldest release kvfleet renders flags for; use image {default} (or at least {oldest})", oldest = oldest(), default = default_image())]
     TooOld(VllmVersion),
 }
 
 /// The vLLM release of a spec: `spec.engine.vllm.version`, else the image tag, else (no image)
 /// the default image's release.
-pub fn resolve(image: Option<&str>, field: Option<&str>) -> Result<(VllmVersion, VersionSource), VersionError> {
+pub fn resolve(
+    image: Option<&str>,
+    field: Option<&str>,
+) -> Result<(VllmVersion, VersionSource), VersionError> {
     let from_field = match field {
         Some(f) => Some(VllmVersion::parse(f).ok_or_else(|| VersionError::Invalid(f.to_string()))?),
         None => None,
@@ -372,10 +510,20 @@ mod tests {
 
     #[test]
     fn versions_parse_from_tags_and_fields() {
-        assert_eq!(VllmVersion::from_image("vllm/vllm-openai:v0.11.0"), Some(v(0, 11, 0)));
-        assert_eq!(VllmVersion::from_image("registry:5000/vllm/vllm-openai:v0.21.1-cu130"), Some(v(0, 21, 1)));
+        assert_eq!(
+            VllmVersion::from_image("vllm/vllm-openai:v0.11.0"),
+            Some(v(0, 11, 0))
+        );
+        assert_eq!(
+            VllmVersion::from_image("registry:5000/vllm/vllm-openai:v0.21.1-cu130"),
+            Some(v(0, 21, 1))
+        );
         assert_eq!(VllmVersion::from_image("vllm/vllm-openai:latest"), None);
-        assert_eq!(VllmVersion::from_image("registry:5000/vllm"), None, "a port is not a tag");
+        assert_eq!(
+            VllmVersion::from_image("registry:5000/vllm"),
+            None,
+            "a port is not a tag"
+        );
         assert_eq!(VllmVersion::from_image("vllm/vllm-openai@sha256:abcd"), None);
         assert_eq!(VllmVersion::parse("0.20.1rc1"), Some(v(0, 20, 1)));
         assert_eq!(VllmVersion::parse("0.21"), Some(v(0, 21, 0)));
@@ -401,7 +549,10 @@ mod tests {
     fn nvfp4_kv_exists_from_0_21_and_its_sm100_rule_still_holds() {
         assert!(!kv_dtype_availability(D::Nvfp4).at(v(0, 20, 0)));
         assert!(kv_dtype_availability(D::Nvfp4).at(v(0, 21, 0)));
-        assert_eq!(first_release_with(&kv_dtype_availability(D::Nvfp4)), Some(v(0, 21, 0)));
+        assert_eq!(
+            first_release_with(&kv_dtype_availability(D::Nvfp4)),
+            Some(v(0, 21, 0))
+        );
         assert!(rule_holds("vllm.nvfp4-kv-needs-sm100", Some(newest())));
     }
 
@@ -425,13 +576,20 @@ mod tests {
             Err(VersionError::Contradiction { .. })
         ));
         let old = resolve(Some("vllm/vllm-openai:v0.10.2"), None).unwrap_err();
-        assert!(old.to_string().contains("0.10.2") && old.to_string().contains("0.11.0"), "{old}");
+        assert!(
+            old.to_string().contains("0.10.2") && old.to_string().contains("0.11.0"),
+            "{old}"
+        );
     }
 
     #[test]
     fn the_default_release_has_every_flag_and_value_kvfleet_renders() {
         for f in FLAGS {
-            assert!(f.availability.at(DEFAULT_VERSION), "{} missing in {DEFAULT_VERSION}", f.flag);
+            assert!(
+                f.availability.at(DEFAULT_VERSION),
+                "{} missing in {DEFAULT_VERSION}",
+                f.flag
+            );
         }
         for d in D::ALL {
             assert!(kv_dtype_availability(d).at(DEFAULT_VERSION), "{d}");

@@ -24,10 +24,10 @@ use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::api::{
     AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat,
 };
+use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::model::serve::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::{labels as gfd, Verdict};
@@ -446,11 +446,7 @@ fn pod_template(
             env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface"));
             env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
             env.push(plain_env("TRITON_CACHE_DIR", "/tmp/.cache/triton"));
-            let image = spec
-                .engine
-                .image
-                .clone()
-                .unwrap_or_else(|| settings.vllm_image.clone());
+            let image = vllm_image(spec, settings);
             let version = rendered_vllm_version(spec, &image);
             env.extend(vllm_env(spec, verdict, version));
             (
@@ -589,6 +585,17 @@ fn field_env(name: &str, path: &str) -> EnvVar {
             ..EnvVarSource::default()
         }),
         ..EnvVar::default()
+    }
+}
+
+/// The vLLM image of a spec: its own, else the official image of `engine.vllm.version`, else
+/// the controller's default (`--vllm-image`).
+pub fn vllm_image(spec: &InferenceDeploymentSpec, settings: &Settings) -> String {
+    let field = spec.engine.vllm.as_ref().and_then(|v| v.version.as_deref());
+    match (&spec.engine.image, field.and_then(VllmVersion::parse)) {
+        (Some(i), _) => i.clone(),
+        (None, Some(v)) => v.image(),
+        (None, None) => settings.vllm_image.clone(),
     }
 }
 

@@ -616,7 +616,10 @@ pub(super) fn vllm_version_check(
     use crate::compat::vllm_versions;
     if spec.engine.runtime != Runtime::Vllm {
         if spec.engine.vllm.is_some() {
-            warnings.push("spec.engine.vllm is read only by runtime vllm; it is ignored for runtime kvfleet".to_string());
+            warnings.push(
+                "spec.engine.vllm is read only by runtime vllm; it is ignored for runtime kvfleet"
+                    .to_string(),
+            );
         }
         return None;
     }
@@ -632,7 +635,11 @@ pub(super) fn vllm_version_check(
             Some(v)
         }
         Err(e) => {
-            denials.push(denial("spec.engine.vllm.version", "UnknownVllmVersion", e.to_string()));
+            denials.push(denial(
+                "spec.engine.vllm.version",
+                "UnknownVllmVersion",
+                e.to_string(),
+            ));
             None
         }
     }
