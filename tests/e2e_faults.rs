@@ -472,7 +472,7 @@ async fn the_controller_never_takes_over_a_service_it_did_not_create() {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
         "metadata": {"name": "llm"},
         "spec": {"replicas": 1,
-                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}},
+                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}, "weights": {"format": "dummy"}},
                  "engine": {"runtime": "vllm", "maxModelLen": 1024, "maxNumSeqs": 4, "maxNumBatchedTokens": 256},
                  "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}}}
     }))

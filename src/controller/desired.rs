@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, ObjectFieldSelector,
-    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec,
-    Toleration, Volume, VolumeMount,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ImageVolumeSource, KeyToPath,
+    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Service, ServiceAccount,
+    ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
@@ -51,6 +51,8 @@ pub const RUN_AS_USER: i64 = 65532;
 const CONFIG_DIR: &str = "/etc/kvfleet";
 const MODEL_CONFIG_DIR: &str = "/etc/kvfleet/model";
 const WEIGHTS_DIR: &str = "/models";
+/// Where a Hugging Face download cache PVC is mounted (`HF_HOME`).
+pub const HF_CACHE_DIR: &str = "/cache/huggingface";
 
 /// Images and other operator-wide choices (from the controller's flags).
 #[derive(Clone, Debug, PartialEq)]
@@ -409,7 +411,14 @@ fn pod_template(
             }),
             ..Volume::default()
         }),
-        (None, None) => None,
+        (None, None) => weights.and_then(|w| w.image.clone()).map(|reference| Volume {
+            name: "weights".into(),
+            image: Some(ImageVolumeSource {
+                reference: Some(reference),
+                pull_policy: Some("IfNotPresent".into()),
+            }),
+            ..Volume::default()
+        }),
     };
     if let Some(v) = weights_volume {
         volumes.push(v);
@@ -443,7 +452,41 @@ fn pod_template(
         Runtime::Vllm => {
             // vLLM writes caches under $HOME / XDG paths; the root filesystem is read-only.
             env.push(plain_env("XDG_CACHE_HOME", "/tmp/.cache"));
-            env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface"));
+            let hf = weights.and_then(|w| w.hugging_face.as_ref());
+            match hf.and_then(|h| h.cache_pvc_name.clone()) {
+                Some(pvc) => {
+                    // The Hub download cache outlives the pod: a restart reads it, not the network.
+                    volumes.push(Volume {
+                        name: "hf-cache".into(),
+                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                            claim_name: pvc,
+                            read_only: Some(false),
+                        }),
+                        ..Volume::default()
+                    });
+                    mounts.push(VolumeMount {
+                        name: "hf-cache".into(),
+                        mount_path: HF_CACHE_DIR.into(),
+                        ..VolumeMount::default()
+                    });
+                    env.push(plain_env("HF_HOME", HF_CACHE_DIR));
+                }
+                None => env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface")),
+            }
+            if let Some(secret) = hf.and_then(|h| h.token_secret_ref.as_ref()) {
+                env.push(EnvVar {
+                    name: "HF_TOKEN".into(),
+                    value_from: Some(EnvVarSource {
+                        secret_key_ref: Some(SecretKeySelector {
+                            name: secret.name.clone(),
+                            key: secret.key.clone(),
+                            optional: Some(false),
+                        }),
+                        ..EnvVarSource::default()
+                    }),
+                    ..EnvVar::default()
+                });
+            }
             env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
             env.push(plain_env("TRITON_CACHE_DIR", "/tmp/.cache/triton"));
             let image = vllm_image(spec, settings);
@@ -505,8 +548,13 @@ fn pod_template(
         volume_mounts: Some(mounts),
         readiness_probe: Some(http_probe(probe_paths.0, 10, 3)),
         liveness_probe: Some(http_probe(probe_paths.1, 10, 3)),
-        // Loading weights and sizing the KV pool can take many minutes: 60 x 10 s.
-        startup_probe: Some(http_probe(probe_paths.1, 10, 60)),
+        // Loading weights and sizing the KV pool can take many minutes; a Hub download of a
+        // large checkpoint longer still (see startup_probe_failures).
+        startup_probe: Some(http_probe(
+            probe_paths.1,
+            STARTUP_PROBE_PERIOD_S,
+            startup_probe_failures(spec),
+        )),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
@@ -564,6 +612,33 @@ fn pod_template(
             ..PodSpec::default()
         }),
     }
+}
+
+/// Period of the startup probe in seconds.
+pub const STARTUP_PROBE_PERIOD_S: i32 = 10;
+
+/// Startup-probe failures allowed: 10 minutes for engine start and KV sizing, plus time for
+/// the weights at 1 GiB per 4 s from a volume (NVMe or a network filesystem) and 1 GiB per
+/// 10 s from the Hugging Face Hub; capped at 3 hours. Without weightBytes, 64 GiB is assumed.
+pub fn startup_probe_failures(spec: &InferenceDeploymentSpec) -> i32 {
+    const GIB: u64 = 1 << 30;
+    let bytes = spec
+        .model
+        .weight_bytes
+        .as_ref()
+        .and_then(|q| parse_quantity_bytes(&q.0).ok())
+        .unwrap_or(64 * GIB);
+    let w = spec.model.weights.as_ref();
+    let per_gib_s = match w {
+        Some(w) if w.hugging_face.is_some() => 10,
+        Some(w) if w.has_source() => 4,
+        _ => 0,
+    };
+    let seconds = 600 + bytes.div_ceil(GIB) * per_gib_s;
+    let failures = seconds
+        .div_ceil(STARTUP_PROBE_PERIOD_S as u64)
+        .min(3 * 3600 / STARTUP_PROBE_PERIOD_S as u64);
+    failures as i32
 }
 
 fn plain_env(name: &str, value: &str) -> EnvVar {
@@ -647,13 +722,16 @@ pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Strin
 pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: VllmVersion) -> Vec<String> {
     let e = &spec.engine;
     let (dtype, backend) = vllm_dtype_backend(spec, verdict);
-    let model = match spec.model.weights.as_ref() {
-        Some(w) if w.pvc_name.is_some() => match w.path.as_deref() {
-            Some(p) => format!("{WEIGHTS_DIR}/{}", p.trim_start_matches('/')),
-            None => WEIGHTS_DIR.to_string(),
+    let w = spec.model.weights.as_ref();
+    let hf = w.and_then(|w| w.hugging_face.as_ref());
+    let model = match (w, hf) {
+        (_, Some(h)) => h.repo.clone().unwrap_or_else(|| spec.model.name.clone()),
+        (Some(w), None) if w.has_source() => match w.path.as_deref().map(|p| p.trim_matches('/')) {
+            Some(p) if !p.is_empty() => format!("{WEIGHTS_DIR}/{p}"),
+            _ => WEIGHTS_DIR.to_string(),
         },
-        Some(w) => w.path.clone().unwrap_or_else(|| spec.model.name.clone()),
-        None => spec.model.name.clone(),
+        // Dummy weights: vLLM reads the model's config.json by its name.
+        _ => spec.model.name.clone(),
     };
     let mut args = vec![
         "--model".to_string(),
@@ -685,8 +763,12 @@ pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: 
         args.push(flag.into());
         args.push(value);
     }
-    if spec.model.weights.is_none() {
-        // No weights named: random weights of the geometry, as the kvfleet worker does.
+    if let Some(rev) = hf.and_then(|h| h.revision.clone()) {
+        args.push("--revision".into());
+        args.push(rev);
+    }
+    // Random weights only when the spec says so (admission denies a vllm spec without weights).
+    if w.is_some_and(|w| w.format == WeightsFormat::Dummy && !w.has_source()) {
         args.push("--load-format".into());
         args.push("dummy".into());
     }
@@ -856,6 +938,7 @@ spec:
   model:
     name: google/gemma-3-12b-it
     geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}
+    weights: {format: dummy}
   engine:
     runtime: vllm
     kvCacheDtype: fp8
@@ -1269,6 +1352,102 @@ spec:
         assert_eq!(r.limits.as_ref().unwrap()["nvidia.com/gpu"], Quantity("1".into()));
         assert_eq!(r.limits.unwrap()["memory"], Quantity("64Gi".into()));
         assert_eq!(r.requests.unwrap()["nvidia.com/gpu"], Quantity("1".into()));
+    }
+
+    fn env_value(c: &Container, name: &str) -> Option<EnvVar> {
+        c.env
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .find(|e| e.name == name)
+    }
+
+    #[test]
+    fn vllm_downloads_hub_weights_with_the_token_secret_into_the_cache_pvc() {
+        let yaml = VLLM_RTX5090.replace(
+            "weights: {format: dummy}",
+            "weights: {format: safetensors, huggingFace: {revision: v1, tokenSecretRef: {name: hf-token}, cachePvcName: hf-cache}}\n    weightBytes: 24Gi",
+        );
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let d = desired(&fixture(&yaml), &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        let args = c.args.clone().unwrap();
+        assert_eq!(
+            arg_after(&args, "--model").as_deref(),
+            Some("google/gemma-3-12b-it")
+        );
+        assert_eq!(arg_after(&args, "--revision").as_deref(), Some("v1"));
+        assert_eq!(arg_after(&args, "--load-format"), None, "real weights: no dummy");
+        let token = env_value(&c, "HF_TOKEN").expect("HF_TOKEN");
+        let sel = token.value_from.unwrap().secret_key_ref.unwrap();
+        assert_eq!((sel.name.as_str(), sel.key.as_str()), ("hf-token", "token"));
+        assert_eq!(
+            env_value(&c, "HF_HOME").unwrap().value.as_deref(),
+            Some(HF_CACHE_DIR)
+        );
+        let mount = c
+            .volume_mounts
+            .clone()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.mount_path == HF_CACHE_DIR)
+            .unwrap();
+        assert_ne!(mount.read_only, Some(true), "the cache is written");
+        let vol = pod(&d)
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "hf-cache");
+        // A Hub download of 24 GiB gets more than the 10 minutes of a dummy start.
+        let probe = c.startup_probe.unwrap();
+        assert_eq!(probe.http_get.unwrap().path.as_deref(), Some("/health"));
+        let seconds = probe.failure_threshold.unwrap() * probe.period_seconds.unwrap();
+        assert!(seconds >= 600 + 24 * 10, "{seconds}");
+        assert_eq!(
+            c.readiness_probe.unwrap().http_get.unwrap().path.as_deref(),
+            Some("/health")
+        );
+    }
+
+    #[test]
+    fn vllm_loads_local_weights_from_a_pvc_host_path_or_image_volume_at_models() {
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        for (source, check) in [
+            ("pvcName: w", "pvc"),
+            ("hostPath: /mnt/nvme", "hostPath"),
+            ("image: registry.example/weights/gemma:1", "image"),
+        ] {
+            let yaml = VLLM_RTX5090.replace(
+                "weights: {format: dummy}",
+                &format!("weights: {{format: safetensors, {source}, path: /gemma-3-12b/}}"),
+            );
+            let d = desired(&fixture(&yaml), &v, &Settings::default(), None).unwrap();
+            let c = container(&d);
+            let args = c.args.clone().unwrap();
+            assert_eq!(
+                arg_after(&args, "--model").as_deref(),
+                Some("/models/gemma-3-12b"),
+                "{source}"
+            );
+            assert_eq!(arg_after(&args, "--load-format"), None, "{source}");
+            let vol = pod(&d)
+                .volumes
+                .unwrap()
+                .into_iter()
+                .find(|v| v.name == "weights")
+                .unwrap();
+            match check {
+                "pvc" => assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "w"),
+                "hostPath" => assert_eq!(vol.host_path.unwrap().path, "/mnt/nvme"),
+                _ => assert_eq!(
+                    vol.image.unwrap().reference.as_deref(),
+                    Some("registry.example/weights/gemma:1")
+                ),
+            }
+            assert!(env_value(&c, "HF_TOKEN").is_none());
+        }
     }
 
     #[test]
