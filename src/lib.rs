@@ -9,6 +9,7 @@ pub mod compat;
 pub mod controller;
 pub mod model;
 pub mod plan;
+pub mod sidecar;
 pub mod telemetry;
 pub mod validate;
 pub mod webhook;
