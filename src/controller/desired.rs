@@ -199,14 +199,22 @@ pub fn desired(
         ..ObjectMeta::default()
     };
 
+    // Both runtimes annotate their own pod with the measured capacity: the kvfleet worker
+    // itself, vLLM through the capacity sidecar.
     let (config_map, service_account, role_binding, config_hash) = match runtime {
-        Runtime::Kvfleet => {
-            let yaml = worker_config_yaml(spec, verdict)?;
-            let hash = format!("{:016x}", fnv1a64(yaml.as_bytes()));
-            let cm = ConfigMap {
-                metadata: meta(config_map_name(&name)),
-                data: Some(BTreeMap::from([(WORKER_CONFIG_KEY.to_string(), yaml)])),
-                ..ConfigMap::default()
+        Runtime::Kvfleet | Runtime::Vllm => {
+            let (cm, hash) = match runtime {
+                Runtime::Kvfleet => {
+                    let yaml = worker_config_yaml(spec, verdict)?;
+                    let hash = format!("{:016x}", fnv1a64(yaml.as_bytes()));
+                    let cm = ConfigMap {
+                        metadata: meta(config_map_name(&name)),
+                        data: Some(BTreeMap::from([(WORKER_CONFIG_KEY.to_string(), yaml)])),
+                        ..ConfigMap::default()
+                    };
+                    (Some(cm), Some(hash))
+                }
+                Runtime::Vllm => (None, None),
             };
             let sa = ServiceAccount {
                 metadata: meta(worker_service_account_name(&name)),
@@ -227,9 +235,8 @@ pub fn desired(
                     ..Subject::default()
                 }]),
             };
-            (Some(cm), Some(sa), Some(rb), Some(hash))
+            (cm, Some(sa), Some(rb), hash)
         }
-        Runtime::Vllm => (None, None, None, None),
     };
 
     let deployment = Deployment {
@@ -532,6 +539,7 @@ fn pod_template(
         ..Probe::default()
     };
 
+    let sidecar = (runtime == Runtime::Vllm).then(|| capacity_sidecar(settings));
     let container = Container {
         name: runtime.as_str().into(),
         image: Some(image),
@@ -587,9 +595,9 @@ fn pod_template(
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
-            containers: vec![container],
-            service_account_name: (runtime == Runtime::Kvfleet).then(|| worker_service_account_name(name)),
-            automount_service_account_token: Some(runtime == Runtime::Kvfleet),
+            containers: std::iter::once(container).chain(sidecar).collect(),
+            service_account_name: Some(worker_service_account_name(name)),
+            automount_service_account_token: Some(true),
             affinity: verdict.node_affinity.clone().map(|na| Affinity {
                 node_affinity: Some(na),
                 ..Affinity::default()
@@ -611,6 +619,47 @@ fn pod_template(
             termination_grace_period_seconds: Some(60),
             ..PodSpec::default()
         }),
+    }
+}
+
+/// Name of the container that publishes vLLM's measured KV capacity.
+pub const CAPACITY_SIDECAR: &str = "kv-capacity";
+
+/// `kvfleet capacity-sidecar` beside vLLM: reads `localhost:8000/metrics` and annotates the pod
+/// (the kvfleet image, a few MiB of memory, no GPU).
+fn capacity_sidecar(settings: &Settings) -> Container {
+    Container {
+        name: CAPACITY_SIDECAR.into(),
+        image: Some(settings.worker_image.clone()),
+        command: Some(vec!["kvfleet".into()]),
+        args: Some(vec![
+            "capacity-sidecar".into(),
+            "--metrics".into(),
+            format!("127.0.0.1:{HTTP_PORT}/metrics"),
+        ]),
+        env: Some(vec![
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+        ]),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".to_string(), Quantity("10m".into())),
+                ("memory".to_string(), Quantity("32Mi".into())),
+            ])),
+            limits: Some(BTreeMap::from([("memory".to_string(), Quantity("64Mi".into()))])),
+            ..ResourceRequirements::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
     }
 }
 
@@ -1262,8 +1311,31 @@ spec:
             c.resources.unwrap().limits.unwrap().get("nvidia.com/gpu"),
             Some(&Quantity("1".into()))
         );
-        assert!(d.config_map.is_none() && d.service_account.is_none() && d.role_binding.is_none());
-        assert_eq!(pod(&d).automount_service_account_token, Some(false));
+        assert!(d.config_map.is_none());
+        // The capacity sidecar annotates the pod: the pod's identity may do so.
+        assert_eq!(d.role_binding.clone().unwrap().role_ref.name, WORKER_CLUSTER_ROLE);
+        let p = pod(&d);
+        assert_eq!(p.automount_service_account_token, Some(true));
+        assert_eq!(p.service_account_name.as_deref(), Some("gemma-worker"));
+        let sidecar = p
+            .containers
+            .iter()
+            .find(|c| c.name == CAPACITY_SIDECAR)
+            .expect("sidecar");
+        assert_eq!(
+            sidecar.args.as_ref().unwrap()[..3],
+            ["capacity-sidecar", "--metrics", "127.0.0.1:8000/metrics"]
+        );
+        assert_eq!(sidecar.image, Some(Settings::default().worker_image));
+        assert!(sidecar
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap()
+            .get("nvidia.com/gpu")
+            .is_none());
     }
 
     #[test]
