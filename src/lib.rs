@@ -10,6 +10,7 @@ pub mod controller;
 pub mod model;
 pub mod plan;
 pub mod serving;
+pub mod sidecar;
 pub mod telemetry;
 pub mod validate;
 pub mod webhook;

@@ -438,3 +438,21 @@ fn cel_rules_catch_relations_between_fields() {
     let errs = errors_after(|v| v["spec"]["model"]["geometry"]["layerTypes"] = json!(["full_attention"]));
     assert!(errs.iter().any(|e| e.contains("one entry per layer")), "{errs:?}");
 }
+
+#[test]
+fn weights_name_at_most_one_source() {
+    let errs = errors_after(|v| {
+        v["spec"]["model"]["weights"] =
+            json!({"format": "safetensors", "pvcName": "w", "huggingFace": {"cachePvcName": "c"}});
+    });
+    assert!(
+        errs.iter().any(|e| e.contains("at most one of weights.pvcName")),
+        "{errs:#?}"
+    );
+    let errs = errors_after(|v| {
+        v["spec"]["model"]["weights"] = json!({"format": "safetensors",
+            "huggingFace": {"repo": "Qwen/Qwen3-32B", "tokenSecretRef": {"name": "hf"}, "cachePvcName": "c"}});
+        v["spec"]["engine"]["vllm"] = json!({"version": "0.21.1"});
+    });
+    assert!(errs.is_empty(), "{errs:#?}");
+}

@@ -572,7 +572,7 @@ fn small_inference_deployment(replicas: i32) -> kvfleet::api::InferenceDeploymen
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
         "metadata": {"name": "llm"},
         "spec": {"replicas": replicas,
-                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}},
+                 "model": {"name": "e2e", "geometry": {"layers": 2, "queryHeads": 4, "kvHeads": 2, "headDim": 64}, "weights": {"format": "dummy"}},
                  "engine": {"runtime": "vllm", "maxModelLen": 1024, "maxNumSeqs": 4, "maxNumBatchedTokens": 256},
                  "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}}}
     }))

@@ -459,7 +459,7 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
     // fp8_e4m3 with vLLM on RTX 3090 (8.6) or H100 (9.0): only the H100 runs it.
     let mixed = r#"{"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "mixed-fp8"},
       "spec": {"replicas": 3,
-               "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}, "weightBytes": "16Gi"},
+               "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}, "weightBytes": "16Gi", "weights": {"format": "dummy"}},
                "engine": {"runtime": "vllm", "kvCacheDtype": "fp8_e4m3", "maxModelLen": 16384, "gpuMemoryUtilization": 0.85},
                "gpu": {"selector": {"products": ["NVIDIA-GeForce-RTX-3090", "NVIDIA-H100-80GB-HBM3"]}}}}"#;
     let (_, warnings) = apply(mixed);
@@ -564,7 +564,7 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
     // --- scale from zero: no B300 node now; admitted against the declared product
     let b300 = r#"{"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "b300-pool"},
       "spec": {"replicas": 1,
-               "model": {"name": "m", "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}, "weightBytes": "16Gi"},
+               "model": {"name": "m", "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}, "weightBytes": "16Gi", "weights": {"format": "dummy"}},
                "engine": {"runtime": "vllm", "kvCacheDtype": "nvfp4", "maxModelLen": 32768},
                "gpu": {"selector": {"products": ["NVIDIA-B300-SXM6-AC"]}}}}"#;
     let (_, warnings) = apply(b300);

@@ -312,6 +312,43 @@ fn nvfp4_kv_on_rtx_pro_6000_blackwell_is_denied_with_an_fp8_hint() {
 }
 
 #[test]
+fn a_vllm_spec_without_weights_is_denied_and_dummy_weights_only_when_asked() {
+    let mut v: Value = serde_json::from_slice(&fixture("create-nvfp4-vllm.json")).unwrap();
+    let model = &mut v["request"]["object"]["spec"]["model"];
+    assert_eq!(
+        model["weights"],
+        serde_json::json!({"format": "dummy"}),
+        "the fixture asks for dummy"
+    );
+    model.as_object_mut().unwrap().remove("weights");
+    let body = serde_json::to_vec(&v).unwrap();
+    let nodes = facts(&[gpu_node("b200-0", B200, 10, 0, 8)]);
+    let json = assert_well_formed(&review(&body, &nodes), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false, "{json}");
+    let cause = &json["response"]["status"]["details"]["causes"][0];
+    assert_eq!(cause["field"], "spec.model.weights", "{json}");
+    assert_eq!(cause["reason"], "WeightsMissing", "{json}");
+    let message = cause["message"].as_str().unwrap();
+    for text in ["huggingFace", "tokenSecretRef", "cachePvcName", "format: dummy"] {
+        assert!(message.contains(text), "{text:?} not in {message}");
+    }
+    // A source with the default format (dummy) would load random weights: denied too.
+    v["request"]["object"]["spec"]["model"]["weights"] = serde_json::json!({"pvcName": "w", "path": "llama"});
+    let body = serde_json::to_vec(&v).unwrap();
+    let json = assert_well_formed(&review(&body, &nodes), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false, "{json}");
+    assert_eq!(
+        json["response"]["status"]["details"]["causes"][0]["reason"],
+        "DummyWeightsWithSource"
+    );
+    v["request"]["object"]["spec"]["model"]["weights"] =
+        serde_json::json!({"format": "safetensors", "huggingFace": {"tokenSecretRef": {"name": "hf"}}});
+    let body = serde_json::to_vec(&v).unwrap();
+    let json = assert_well_formed(&review(&body, &nodes), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], true, "{json}");
+}
+
+#[test]
 fn nvfp4_kv_on_b200_is_admitted() {
     let json = seed("create-nvfp4-vllm.json", &[gpu_node("b200-0", B200, 10, 0, 8)]);
     assert_eq!(json["response"]["allowed"], true, "{json}");

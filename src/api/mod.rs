@@ -305,8 +305,8 @@ fn default_config_key() -> String {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [
     {
-        "rule": "!(has(self.pvcName) && has(self.hostPath))",
-        "message": "set one of weights.pvcName and weights.hostPath",
+        "rule": "[has(self.pvcName), has(self.hostPath), has(self.image), has(self.huggingFace)].filter(x, x).size() <= 1",
+        "message": "set at most one of weights.pvcName, weights.hostPath, weights.image and weights.huggingFace",
     },
 ]))]
 pub struct WeightsSource {
@@ -328,6 +328,64 @@ pub struct WeightsSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = PATH_LEN_MAX))]
     pub path: Option<String>,
+    /// An OCI image (artifact) holding the weights, mounted read-only at `/models` as a
+    /// Kubernetes image volume (runtime vllm; needs Kubernetes 1.33+ with ImageVolume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = IMAGE_LEN_MAX))]
+    pub image: Option<String>,
+    /// Download the weights from the Hugging Face Hub at start (runtime vllm).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<HuggingFaceSource>,
+}
+
+/// A Hugging Face Hub repository vLLM downloads at start.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HuggingFaceSource {
+    /// Repository id (e.g. `Qwen/Qwen3-32B`); defaults to `model.name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub repo: Option<String>,
+    /// Branch, tag or commit to download; defaults to the repository's main branch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub revision: Option<String>,
+    /// A Secret key holding the access token (`HF_TOKEN`), for gated or private repositories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret_ref: Option<SecretKeyRef>,
+    /// A PersistentVolumeClaim (ReadWriteMany when replicas share it) for the download cache
+    /// (`HF_HOME`), so a restarted pod does not download the checkpoint again. Without it the
+    /// cache lives in the pod's `/tmp` and is lost with the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = NAME_LEN_MAX))]
+    pub cache_pvc_name: Option<String>,
+}
+
+/// A key of a Secret in the same namespace.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SecretKeyRef {
+    /// Secret name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key of the token; defaults to `token`.
+    #[serde(default = "default_token_key")]
+    #[schemars(length(min = 1, max = NAME_LEN_MAX))]
+    pub key: String,
+}
+
+fn default_token_key() -> String {
+    "token".to_string()
+}
+
+impl WeightsSource {
+    /// Whether the weights come from somewhere (a volume, an image or the Hub).
+    pub fn has_source(&self) -> bool {
+        self.pvc_name.is_some()
+            || self.host_path.is_some()
+            || self.image.is_some()
+            || self.hugging_face.is_some()
+    }
 }
 
 /// Weight file format.
@@ -407,6 +465,22 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = EXTRA_ARGS_MAX), inner(length(max = EXTRA_ARG_LEN_MAX)))]
     pub extra_args: Vec<String>,
+    /// Settings of the vllm runtime only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vllm: Option<VllmEngineSpec>,
+}
+
+/// Settings of the vllm runtime.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VllmEngineSpec {
+    /// The vLLM release the image holds (e.g. `0.21.1`), for images whose tag is not a
+    /// release (a digest, `latest`, a private build). Flags, compat rules and capacity
+    /// arithmetic follow it; without it they follow the image tag, or kvfleet's default
+    /// image when no image is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^v?[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?([a-z0-9.+-]*)$"))]
+    pub version: Option<String>,
 }
 
 fn default_max_model_len() -> i64 {
@@ -443,6 +517,7 @@ impl Default for EngineSpec {
             tensor_parallel_size: default_tensor_parallel_size(),
             non_causal: false,
             extra_args: Vec::new(),
+            vllm: None,
         }
     }
 }
@@ -565,6 +640,18 @@ pub struct CapacityStatus {
 }
 
 impl InferenceDeploymentSpec {
+    /// The vLLM release this spec runs (runtime vllm): `engine.vllm.version`, else the image
+    /// tag, else kvfleet's default image.
+    pub fn vllm_version(
+        &self,
+    ) -> Result<crate::compat::VllmVersion, crate::compat::vllm_versions::VersionError> {
+        crate::compat::vllm_versions::resolve(
+            self.engine.image.as_deref(),
+            self.engine.vllm.as_ref().and_then(|v| v.version.as_deref()),
+        )
+        .map(|(v, _)| v)
+    }
+
     /// GPUs per replica: gpu.count, else tensorParallelSize.
     pub fn gpus_per_replica(&self) -> i32 {
         self.gpu

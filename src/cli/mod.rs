@@ -42,6 +42,9 @@ pub enum Command {
     Check(check::CheckArgs),
     /// Print the InferenceDeployment CustomResourceDefinition as YAML.
     Crd(crd::CrdArgs),
+    /// Run beside a vLLM server: read the KV pool vLLM allocated from its /metrics and
+    /// annotate the own pod with it, for the controller's measured capacity.
+    CapacitySidecar(crate::sidecar::SidecarArgs),
 }
 
 /// Runs the CLI and maps every outcome to an exit code.
@@ -59,6 +62,7 @@ pub fn main() -> ExitCode {
         Command::Controller(args) => serve(crate::controller::run(args)),
         Command::Webhook(args) => serve(crate::webhook::run(args)),
         Command::Worker(args) => crate::worker::main(args),
+        Command::CapacitySidecar(args) => serve(crate::sidecar::run(args)),
     }
 }
 
@@ -136,7 +140,15 @@ mod tests {
     #[test]
     fn every_mode_explains_itself_in_help() {
         let cmd = Cli::command();
-        for name in ["controller", "webhook", "worker", "plan", "check", "crd"] {
+        for name in [
+            "controller",
+            "webhook",
+            "worker",
+            "plan",
+            "check",
+            "crd",
+            "capacity-sidecar",
+        ] {
             let sub = cmd
                 .find_subcommand(name)
                 .unwrap_or_else(|| panic!("mode {name} missing"));

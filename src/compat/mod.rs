@@ -5,6 +5,7 @@ pub mod cc;
 pub mod features;
 pub mod products;
 pub mod rules;
+pub mod vllm_versions;
 pub mod vocab;
 
 #[cfg(test)]
@@ -13,5 +14,6 @@ mod tests;
 pub use cc::{ComputeCapability, ParseComputeCapabilityError};
 pub use features::ModelFeatures;
 pub use products::Product;
-pub use rules::{evaluate, Evaluation, Rule, Severity, Violation};
+pub use rules::{evaluate, evaluate_at, Evaluation, Rule, Severity, Violation};
+pub use vllm_versions::VllmVersion;
 pub use vocab::{AttentionBackend, KvCacheDtype, Runtime, UnknownValue};

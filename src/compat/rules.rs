@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::cc::ComputeCapability;
 use super::features::ModelFeatures;
+use super::vllm_versions::{self, VllmVersion};
 use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
 use crate::worker::cuda::spec::Arch;
 
@@ -27,6 +28,10 @@ pub struct Case<'a> {
     pub features: &'a ModelFeatures,
     pub dtype: D,
     pub backend: B,
+    /// The vLLM release (vLLM runtime); `None`: every release (rules as in COMPAT.md).
+    pub vllm: Option<VllmVersion>,
+    /// The dtype as the spec asked for it (`auto` reaches vLLM as `auto`).
+    pub requested: D,
 }
 
 impl Case<'_> {
@@ -79,6 +84,11 @@ impl std::fmt::Debug for Rule {
 impl Rule {
     fn applies_to(&self, backend: B) -> bool {
         self.backends.is_empty() || self.backends.contains(&backend)
+    }
+
+    /// Applies to the backend and holds in the case's vLLM release (vllm_versions::RULE_LIFTS).
+    fn judges(&self, case: &Case) -> bool {
+        self.applies_to(case.backend) && vllm_versions::rule_holds(self.id, case.vllm)
     }
 
     fn violation(&self, case: &Case) -> Violation {
@@ -152,10 +162,12 @@ fn head_dims(c: &Case) -> String {
 /// The first dtype of `candidates` that runs with the case's runtime on its arch (backend
 /// auto), for fixes like "use fp8".
 fn first_running_dtype(c: &Case, candidates: &[D]) -> Option<D> {
-    candidates
-        .iter()
-        .copied()
-        .find(|d| *d != c.dtype && resolve(c.runtime, c.cc, c.features, *d, B::Auto).0.is_some())
+    candidates.iter().copied().find(|d| {
+        *d != c.dtype
+            && resolve(c.runtime, c.cc, c.features, *d, B::Auto, c.vllm)
+                .0
+                .is_some()
+    })
 }
 
 fn use_dtype(c: &Case, candidates: &[D]) -> String {
@@ -180,6 +192,32 @@ fn model_dtype(c: &Case) -> D {
 
 /// The vLLM runtime's rules (COMPAT.md, "vLLM runtime: rules worth rejecting at admission").
 pub static VLLM_RULES: &[Rule] = &[
+    Rule {
+        id: "vllm.kv-dtype-needs-release",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Deny,
+        field: KV,
+        reason: "UnsupportedByVllmVersion",
+        summary: "the KV dtype must exist in the vLLM release of the image (--kv-cache-dtype choices per release)",
+        source: "compat/vllm_versions.rs kv_dtype_availability (vllm#37199, vllm#40177, docs CacheDType per release)",
+        fires: |c| c.vllm.is_some_and(|v| !vllm_versions::kv_dtype_availability(c.requested).at(v)),
+        cause: |c| format!(
+            "kvCacheDtype {} needs vLLM >= {}, and this spec runs vLLM {}",
+            c.dtype,
+            vllm_versions::kv_dtype_availability(c.dtype).since.map_or("(no release yet)".to_string(), |s| s.to_string()),
+            c.vllm.map_or(String::new(), |v| v.to_string())
+        ),
+        fix: |c| {
+            let image = vllm_versions::first_release_with(&vllm_versions::kv_dtype_availability(c.dtype))
+                .map(|_| vllm_versions::default_image());
+            let other = use_dtype(c, &[D::Fp8, D::Fp8E5m2, D::Auto]);
+            match image {
+                Some(i) => format!("use image {i} (or set spec.engine.vllm.version to a release that has it), or {other}"),
+                None => other,
+            }
+        },
+    },
     Rule {
         id: "vllm.nvfp4-kv-needs-sm100",
         runtime: Runtime::Vllm,
@@ -644,7 +682,7 @@ pub fn resolve_dtype(cc: ComputeCapability, features: &ModelFeatures, dtype: D) 
 fn deny_violations(case: &Case) -> Vec<Violation> {
     rules(case.runtime)
         .iter()
-        .filter(|r| r.severity == Severity::Deny && r.applies_to(case.backend) && (r.fires)(case))
+        .filter(|r| r.severity == Severity::Deny && r.judges(case) && (r.fires)(case))
         .map(|r| r.violation(case))
         .collect()
 }
@@ -656,7 +694,9 @@ fn resolve(
     features: &ModelFeatures,
     dtype: D,
     backend: B,
+    vllm: Option<VllmVersion>,
 ) -> (Option<(D, B)>, Vec<B>) {
+    let requested = dtype;
     let dtype = resolve_dtype(cc, features, dtype);
     let candidates: Vec<B> = if backend == B::Auto {
         priority(runtime, cc, features).to_vec()
@@ -670,10 +710,12 @@ fn resolve(
             features,
             dtype,
             backend: *b,
+            vllm,
+            requested,
         };
         !rules(runtime)
             .iter()
-            .any(|r| r.severity == Severity::Deny && r.applies_to(*b) && (r.fires)(&case))
+            .any(|r| r.severity == Severity::Deny && r.judges(&case) && (r.fires)(&case))
     });
     (resolved.map(|b| (dtype, b)), candidates)
 }
@@ -689,7 +731,22 @@ pub fn evaluate(
     dtype: D,
     backend: B,
 ) -> Evaluation {
-    let (resolved, candidates) = resolve(runtime, cc, features, dtype, backend);
+    evaluate_at(runtime, cc, features, dtype, backend, None)
+}
+
+/// [`evaluate`] for one vLLM release: a dtype or backend the release lacks is denied with
+/// the release that has it, and rules a release lifted no longer apply.
+pub fn evaluate_at(
+    runtime: Runtime,
+    cc: ComputeCapability,
+    features: &ModelFeatures,
+    dtype: D,
+    backend: B,
+    vllm: Option<VllmVersion>,
+) -> Evaluation {
+    let vllm = vllm.filter(|_| runtime == Runtime::Vllm);
+    let requested = dtype;
+    let (resolved, candidates) = resolve(runtime, cc, features, dtype, backend, vllm);
     if let Some((d, b)) = resolved {
         let case = Case {
             runtime,
@@ -697,10 +754,12 @@ pub fn evaluate(
             features,
             dtype: d,
             backend: b,
+            vllm,
+            requested,
         };
         let warnings = rules(runtime)
             .iter()
-            .filter(|r| r.severity == Severity::Warn && r.applies_to(b) && (r.fires)(&case))
+            .filter(|r| r.severity == Severity::Warn && r.judges(&case) && (r.fires)(&case))
             .map(|r| r.violation(&case))
             .collect();
         return Evaluation {
@@ -719,6 +778,8 @@ pub fn evaluate(
                 features,
                 dtype,
                 backend: *b,
+                vllm,
+                requested,
             })
         })
         .collect();

@@ -222,7 +222,8 @@ fn every_row_of_the_rule_table_decides_as_documented() {
 
 #[test]
 fn every_deny_rule_of_both_sets_is_exercised_by_the_table() {
-    let mut fired = BTreeSet::new();
+    // The release rule is exercised with a version, below.
+    let mut fired = BTreeSet::from(["vllm.kv-dtype-needs-release"]);
     for (runtime, arch, model, dtype, backend, want) in table() {
         if let Denied(rule, _) = want {
             let ev = evaluate(runtime, cc(arch), &features(model), dtype, backend);
@@ -303,4 +304,88 @@ fn auto_kv_dtype_stays_the_model_dtype() {
         let ev = evaluate(V, cc(arch), &features(Llama), D::Auto, B::Auto);
         assert_eq!(ev.resolved.map(|r| r.0), Some(D::Bfloat16), "{arch}");
     }
+}
+
+#[test]
+fn nvfp4_kv_before_0_21_is_denied_with_the_release_and_the_image_that_has_it() {
+    use crate::compat::{evaluate_at, VllmVersion};
+    let at = |v: &str, arch: &str| {
+        evaluate_at(
+            V,
+            cc(arch),
+            &features(Llama),
+            D::Nvfp4,
+            B::Auto,
+            VllmVersion::parse(v),
+        )
+    };
+    let ev = at("0.20.2", "10.0");
+    assert_eq!(ev.resolved, None);
+    let v = ev
+        .violations
+        .iter()
+        .find(|v| v.rule == "vllm.kv-dtype-needs-release")
+        .unwrap_or_else(|| panic!("{ev:#?}"));
+    for text in [
+        "needs vLLM >= 0.21.0",
+        "runs vLLM 0.20.2",
+        "vllm/vllm-openai:v0.29.0",
+        "or use fp8",
+    ] {
+        assert!(v.message.contains(text), "{text:?} not in {:?}", v.message);
+    }
+    assert_eq!(at("0.21.0", "10.0").resolved, Some((D::Nvfp4, B::FlashInfer)));
+    // The sm_100 rule still holds in every release: a newer release does not lift it.
+    let sm120 = at("0.29.0", "12.0");
+    assert!(
+        sm120
+            .violations
+            .iter()
+            .any(|v| v.rule == "vllm.nvfp4-kv-needs-sm100"),
+        "{sm120:#?}"
+    );
+    // float16 KV arrived in 0.19 (vllm#37199); auto exists everywhere.
+    let f16 = evaluate_at(
+        V,
+        cc("9.0"),
+        &features(Llama),
+        D::Float16,
+        B::Auto,
+        VllmVersion::parse("0.14.0"),
+    );
+    assert!(
+        f16.violations
+            .iter()
+            .any(|v| v.rule == "vllm.kv-dtype-needs-release"),
+        "{f16:#?}"
+    );
+    let auto = evaluate_at(
+        V,
+        cc("9.0"),
+        &features(Llama),
+        D::Auto,
+        B::Auto,
+        VllmVersion::parse("0.11.0"),
+    );
+    assert!(auto.runs(), "{auto:#?}");
+    // auto on sm_75 resolves to float16, but reaches vLLM as auto: no release check.
+    let t4 = evaluate_at(
+        V,
+        cc("7.5"),
+        &features(Llama),
+        D::Auto,
+        B::Auto,
+        VllmVersion::parse("0.11.0"),
+    );
+    assert_eq!(t4.resolved.map(|r| r.0), Some(D::Float16), "{t4:#?}");
+    // The kvfleet runtime has no vLLM release.
+    let k = evaluate_at(
+        K,
+        cc("10.0"),
+        &features(Llama),
+        D::Nvfp4,
+        B::Auto,
+        VllmVersion::parse("0.11.0"),
+    );
+    assert!(k.runs(), "{k:#?}");
 }

@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, KeyToPath, Lifecycle, LifecycleHandler,
-    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Service, ServiceAccount,
-    ServicePort, ServiceSpec, SleepAction, Toleration, Volume, VolumeMount,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ImageVolumeSource, KeyToPath, Lifecycle,
+    LifecycleHandler, ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+    Service, ServiceAccount, ServicePort, ServiceSpec, SleepAction, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
@@ -27,6 +27,7 @@ use serde_json::json;
 use crate::api::{
     AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat,
 };
+use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::model::serve::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::{labels as gfd, Verdict};
@@ -50,6 +51,8 @@ pub const RUN_AS_USER: i64 = 65532;
 const CONFIG_DIR: &str = "/etc/kvfleet";
 const MODEL_CONFIG_DIR: &str = "/etc/kvfleet/model";
 const WEIGHTS_DIR: &str = "/models";
+/// Where a Hugging Face download cache PVC is mounted (`HF_HOME`).
+pub const HF_CACHE_DIR: &str = "/cache/huggingface";
 
 /// Images and other operator-wide choices (from the controller's flags).
 #[derive(Clone, Debug, PartialEq)]
@@ -65,7 +68,8 @@ impl Default for Settings {
         Settings {
             // What `make image` tags and the chart's image.repository/appVersion default to.
             worker_image: format!("kvfleet:{}", env!("CARGO_PKG_VERSION")),
-            vllm_image: "vllm/vllm-openai:v0.11.0".to_string(),
+            // A release whose every flag kvfleet renders exists (compat/vllm_versions.rs).
+            vllm_image: crate::compat::vllm_versions::default_image(),
         }
     }
 }
@@ -195,14 +199,22 @@ pub fn desired(
         ..ObjectMeta::default()
     };
 
+    // Both runtimes annotate their own pod with the measured capacity: the kvfleet worker
+    // itself, vLLM through the capacity sidecar.
     let (config_map, service_account, role_binding, config_hash) = match runtime {
-        Runtime::Kvfleet => {
-            let yaml = worker_config_yaml(spec, verdict)?;
-            let hash = format!("{:016x}", fnv1a64(yaml.as_bytes()));
-            let cm = ConfigMap {
-                metadata: meta(config_map_name(&name)),
-                data: Some(BTreeMap::from([(WORKER_CONFIG_KEY.to_string(), yaml)])),
-                ..ConfigMap::default()
+        Runtime::Kvfleet | Runtime::Vllm => {
+            let (cm, hash) = match runtime {
+                Runtime::Kvfleet => {
+                    let yaml = worker_config_yaml(spec, verdict)?;
+                    let hash = format!("{:016x}", fnv1a64(yaml.as_bytes()));
+                    let cm = ConfigMap {
+                        metadata: meta(config_map_name(&name)),
+                        data: Some(BTreeMap::from([(WORKER_CONFIG_KEY.to_string(), yaml)])),
+                        ..ConfigMap::default()
+                    };
+                    (Some(cm), Some(hash))
+                }
+                Runtime::Vllm => (None, None),
             };
             let sa = ServiceAccount {
                 metadata: meta(worker_service_account_name(&name)),
@@ -223,9 +235,8 @@ pub fn desired(
                     ..Subject::default()
                 }]),
             };
-            (Some(cm), Some(sa), Some(rb), Some(hash))
+            (cm, Some(sa), Some(rb), hash)
         }
-        Runtime::Vllm => (None, None, None, None),
     };
 
     let deployment = Deployment {
@@ -400,7 +411,14 @@ fn pod_template(
             }),
             ..Volume::default()
         }),
-        (None, None) => None,
+        (None, None) => weights.and_then(|w| w.image.clone()).map(|reference| Volume {
+            name: "weights".into(),
+            image: Some(ImageVolumeSource {
+                reference: Some(reference),
+                pull_policy: Some("IfNotPresent".into()),
+            }),
+            ..Volume::default()
+        }),
     };
     if let Some(v) = weights_volume {
         volumes.push(v);
@@ -453,20 +471,54 @@ fn pod_template(
         Runtime::Vllm => {
             // vLLM writes caches under $HOME / XDG paths; the root filesystem is read-only.
             env.push(plain_env("XDG_CACHE_HOME", "/tmp/.cache"));
-            env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface"));
+            let hf = weights.and_then(|w| w.hugging_face.as_ref());
+            match hf.and_then(|h| h.cache_pvc_name.clone()) {
+                Some(pvc) => {
+                    // The Hub download cache outlives the pod: a restart reads it, not the network.
+                    volumes.push(Volume {
+                        name: "hf-cache".into(),
+                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                            claim_name: pvc,
+                            read_only: Some(false),
+                        }),
+                        ..Volume::default()
+                    });
+                    mounts.push(VolumeMount {
+                        name: "hf-cache".into(),
+                        mount_path: HF_CACHE_DIR.into(),
+                        ..VolumeMount::default()
+                    });
+                    env.push(plain_env("HF_HOME", HF_CACHE_DIR));
+                }
+                None => env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface")),
+            }
+            if let Some(secret) = hf.and_then(|h| h.token_secret_ref.as_ref()) {
+                env.push(EnvVar {
+                    name: "HF_TOKEN".into(),
+                    value_from: Some(EnvVarSource {
+                        secret_key_ref: Some(SecretKeySelector {
+                            name: secret.name.clone(),
+                            key: secret.key.clone(),
+                            optional: Some(false),
+                        }),
+                        ..EnvVarSource::default()
+                    }),
+                    ..EnvVar::default()
+                });
+            }
             env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
             env.push(plain_env("TRITON_CACHE_DIR", "/tmp/.cache/triton"));
+            let image = vllm_image(spec, settings);
+            let version = rendered_vllm_version(spec, &image);
+            env.extend(vllm_env(spec, verdict, version));
             (
-                spec.engine
-                    .image
-                    .clone()
-                    .unwrap_or_else(|| settings.vllm_image.clone()),
+                image,
                 vec![
                     "python3".to_string(),
                     "-m".to_string(),
                     "vllm.entrypoints.openai.api_server".to_string(),
                 ],
-                vllm_args(spec, verdict),
+                vllm_args_at(spec, verdict, version),
                 // vLLM's server answers /health once the engine is up.
                 ("/health", "/health"),
             )
@@ -499,6 +551,7 @@ fn pod_template(
         ..Probe::default()
     };
 
+    let sidecar = (runtime == Runtime::Vllm).then(|| capacity_sidecar(settings));
     let container = Container {
         name: runtime.as_str().into(),
         image: Some(image),
@@ -515,8 +568,13 @@ fn pod_template(
         volume_mounts: Some(mounts),
         readiness_probe: Some(http_probe(probe_paths.0, 10, 3)),
         liveness_probe: Some(http_probe(probe_paths.1, 10, 3)),
-        // Loading weights and sizing the KV pool can take many minutes: 60 x 10 s.
-        startup_probe: Some(http_probe(probe_paths.1, 10, 60)),
+        // Loading weights and sizing the KV pool can take many minutes; a Hub download of a
+        // large checkpoint longer still (see startup_probe_failures).
+        startup_probe: Some(http_probe(
+            probe_paths.1,
+            STARTUP_PROBE_PERIOD_S,
+            startup_probe_failures(spec),
+        )),
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
                 sleep: Some(SleepAction {
@@ -558,9 +616,9 @@ fn pod_template(
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
-            containers: vec![container],
-            service_account_name: (runtime == Runtime::Kvfleet).then(|| worker_service_account_name(name)),
-            automount_service_account_token: Some(runtime == Runtime::Kvfleet),
+            containers: std::iter::once(container).chain(sidecar).collect(),
+            service_account_name: Some(worker_service_account_name(name)),
+            automount_service_account_token: Some(true),
             affinity: verdict.node_affinity.clone().map(|na| Affinity {
                 node_affinity: Some(na),
                 ..Affinity::default()
@@ -607,6 +665,74 @@ pub fn rollout(replicas: i32) -> DeploymentStrategy {
     }
 }
 
+/// Name of the container that publishes vLLM's measured KV capacity.
+pub const CAPACITY_SIDECAR: &str = "kv-capacity";
+
+/// `kvfleet capacity-sidecar` beside vLLM: reads `localhost:8000/metrics` and annotates the pod
+/// (the kvfleet image, a few MiB of memory, no GPU).
+fn capacity_sidecar(settings: &Settings) -> Container {
+    Container {
+        name: CAPACITY_SIDECAR.into(),
+        image: Some(settings.worker_image.clone()),
+        command: Some(vec!["kvfleet".into()]),
+        args: Some(vec![
+            "capacity-sidecar".into(),
+            "--metrics".into(),
+            format!("127.0.0.1:{HTTP_PORT}/metrics"),
+        ]),
+        env: Some(vec![
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+        ]),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".to_string(), Quantity("10m".into())),
+                ("memory".to_string(), Quantity("32Mi".into())),
+            ])),
+            limits: Some(BTreeMap::from([("memory".to_string(), Quantity("64Mi".into()))])),
+            ..ResourceRequirements::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
+    }
+}
+
+/// Period of the startup probe in seconds.
+pub const STARTUP_PROBE_PERIOD_S: i32 = 10;
+
+/// Startup-probe failures allowed: 10 minutes for engine start and KV sizing, plus time for
+/// the weights at 1 GiB per 4 s from a volume (NVMe or a network filesystem) and 1 GiB per
+/// 10 s from the Hugging Face Hub; capped at 3 hours. Without weightBytes, 64 GiB is assumed.
+pub fn startup_probe_failures(spec: &InferenceDeploymentSpec) -> i32 {
+    const GIB: u64 = 1 << 30;
+    let bytes = spec
+        .model
+        .weight_bytes
+        .as_ref()
+        .and_then(|q| parse_quantity_bytes(&q.0).ok())
+        .unwrap_or(64 * GIB);
+    let w = spec.model.weights.as_ref();
+    let per_gib_s = match w {
+        Some(w) if w.hugging_face.is_some() => 10,
+        Some(w) if w.has_source() => 4,
+        _ => 0,
+    };
+    let seconds = 600 + bytes.div_ceil(GIB) * per_gib_s;
+    let failures = seconds
+        .div_ceil(STARTUP_PROBE_PERIOD_S as u64)
+        .min(3 * 3600 / STARTUP_PROBE_PERIOD_S as u64);
+    failures as i32
+}
+
 fn plain_env(name: &str, value: &str) -> EnvVar {
     EnvVar {
         name: name.into(),
@@ -629,18 +755,75 @@ fn field_env(name: &str, path: &str) -> EnvVar {
     }
 }
 
-/// Command-line flags of the vLLM OpenAI server, from the resolved configuration, so the
-/// server runs exactly what admission checked.
-pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
-    let e = &spec.engine;
+/// The vLLM image of a spec: its own, else the official image of `engine.vllm.version`, else
+/// the controller's default (`--vllm-image`).
+pub fn vllm_image(spec: &InferenceDeploymentSpec, settings: &Settings) -> String {
+    let field = spec.engine.vllm.as_ref().and_then(|v| v.version.as_deref());
+    match (&spec.engine.image, field.and_then(VllmVersion::parse)) {
+        (Some(i), _) => i.clone(),
+        (None, Some(v)) => v.image(),
+        (None, None) => settings.vllm_image.clone(),
+    }
+}
+
+/// The vLLM release the pod runs: `engine.vllm.version`, else the tag of the image rendered
+/// (the controller's `--vllm-image` when the spec names none), else kvfleet's default.
+pub fn rendered_vllm_version(spec: &InferenceDeploymentSpec, image: &str) -> VllmVersion {
+    vllm_versions::resolve(
+        Some(image),
+        spec.engine.vllm.as_ref().and_then(|v| v.version.as_deref()),
+    )
+    .map(|(v, _)| v)
+    .unwrap_or(vllm_versions::DEFAULT_VERSION)
+}
+
+/// The KV dtype and backend strings vLLM gets: `auto` stays `auto` (vLLM keeps the model
+/// dtype, which is what the verdict resolved it to, and `auto` exists in every release while
+/// `bfloat16`/`float16` do not).
+fn vllm_dtype_backend(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (String, String) {
     let (dtype, backend) = resolved_strings(spec, verdict);
-    let model = match spec.model.weights.as_ref() {
-        Some(w) if w.pvc_name.is_some() => match w.path.as_deref() {
-            Some(p) => format!("{WEIGHTS_DIR}/{}", p.trim_start_matches('/')),
-            None => WEIGHTS_DIR.to_string(),
+    let dtype = if spec.engine.kv_cache_dtype == KvCacheDtype::Auto {
+        KvCacheDtype::Auto.as_str().to_string()
+    } else {
+        dtype
+    };
+    (dtype, backend)
+}
+
+/// Environment of the vLLM container that depends on the release: before 0.12 the attention
+/// backend is chosen by `VLLM_ATTENTION_BACKEND` (vllm#26315 made it a flag).
+pub fn vllm_env(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: VllmVersion) -> Vec<EnvVar> {
+    let (_, backend) = vllm_dtype_backend(spec, verdict);
+    if backend != AttentionBackend::Auto.as_str()
+        && vllm_versions::backend_choice(version) == vllm_versions::BackendChoice::Env
+    {
+        vec![plain_env(vllm_versions::ATTENTION_BACKEND_ENV, &backend)]
+    } else {
+        Vec::new()
+    }
+}
+
+/// [`vllm_args_at`] for the spec's own release (or kvfleet's default image's).
+pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
+    let version = spec.vllm_version().unwrap_or(vllm_versions::DEFAULT_VERSION);
+    vllm_args_at(spec, verdict, version)
+}
+
+/// Command-line flags of the vLLM OpenAI server of release `version`, from the resolved
+/// configuration, so the server runs exactly what admission checked.
+pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: VllmVersion) -> Vec<String> {
+    let e = &spec.engine;
+    let (dtype, backend) = vllm_dtype_backend(spec, verdict);
+    let w = spec.model.weights.as_ref();
+    let hf = w.and_then(|w| w.hugging_face.as_ref());
+    let model = match (w, hf) {
+        (_, Some(h)) => h.repo.clone().unwrap_or_else(|| spec.model.name.clone()),
+        (Some(w), None) if w.has_source() => match w.path.as_deref().map(|p| p.trim_matches('/')) {
+            Some(p) if !p.is_empty() => format!("{WEIGHTS_DIR}/{p}"),
+            _ => WEIGHTS_DIR.to_string(),
         },
-        Some(w) => w.path.clone().unwrap_or_else(|| spec.model.name.clone()),
-        None => spec.model.name.clone(),
+        // Dummy weights: vLLM reads the model's config.json by its name.
+        _ => spec.model.name.clone(),
     };
     let mut args = vec![
         "--model".to_string(),
@@ -654,7 +837,9 @@ pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Strin
         "--kv-cache-dtype".to_string(),
         dtype,
     ];
-    if backend != AttentionBackend::Auto.as_str() {
+    if backend != AttentionBackend::Auto.as_str()
+        && vllm_versions::backend_choice(version) == vllm_versions::BackendChoice::Flag
+    {
         args.push("--attention-backend".into());
         args.push(backend);
     }
@@ -670,8 +855,12 @@ pub fn vllm_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Strin
         args.push(flag.into());
         args.push(value);
     }
-    if spec.model.weights.is_none() {
-        // No weights named: random weights of the geometry, as the kvfleet worker does.
+    if let Some(rev) = hf.and_then(|h| h.revision.clone()) {
+        args.push("--revision".into());
+        args.push(rev);
+    }
+    // Random weights only when the spec says so (admission denies a vllm spec without weights).
+    if w.is_some_and(|w| w.format == WeightsFormat::Dummy && !w.has_source()) {
         args.push("--load-format".into());
         args.push("dummy".into());
     }
@@ -841,6 +1030,7 @@ spec:
   model:
     name: google/gemma-3-12b-it
     geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}
+    weights: {format: dummy}
   engine:
     runtime: vllm
     kvCacheDtype: fp8
@@ -1164,8 +1354,31 @@ spec:
             c.resources.unwrap().limits.unwrap().get("nvidia.com/gpu"),
             Some(&Quantity("1".into()))
         );
-        assert!(d.config_map.is_none() && d.service_account.is_none() && d.role_binding.is_none());
-        assert_eq!(pod(&d).automount_service_account_token, Some(false));
+        assert!(d.config_map.is_none());
+        // The capacity sidecar annotates the pod: the pod's identity may do so.
+        assert_eq!(d.role_binding.clone().unwrap().role_ref.name, WORKER_CLUSTER_ROLE);
+        let p = pod(&d);
+        assert_eq!(p.automount_service_account_token, Some(true));
+        assert_eq!(p.service_account_name.as_deref(), Some("gemma-worker"));
+        let sidecar = p
+            .containers
+            .iter()
+            .find(|c| c.name == CAPACITY_SIDECAR)
+            .expect("sidecar");
+        assert_eq!(
+            sidecar.args.as_ref().unwrap()[..3],
+            ["capacity-sidecar", "--metrics", "127.0.0.1:8000/metrics"]
+        );
+        assert_eq!(sidecar.image, Some(Settings::default().worker_image));
+        assert!(sidecar
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap()
+            .get("nvidia.com/gpu")
+            .is_none());
     }
 
     #[test]
@@ -1311,6 +1524,102 @@ spec:
         assert_eq!(r.limits.as_ref().unwrap()["nvidia.com/gpu"], Quantity("1".into()));
         assert_eq!(r.limits.unwrap()["memory"], Quantity("64Gi".into()));
         assert_eq!(r.requests.unwrap()["nvidia.com/gpu"], Quantity("1".into()));
+    }
+
+    fn env_value(c: &Container, name: &str) -> Option<EnvVar> {
+        c.env
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .find(|e| e.name == name)
+    }
+
+    #[test]
+    fn vllm_downloads_hub_weights_with_the_token_secret_into_the_cache_pvc() {
+        let yaml = VLLM_RTX5090.replace(
+            "weights: {format: dummy}",
+            "weights: {format: safetensors, huggingFace: {revision: v1, tokenSecretRef: {name: hf-token}, cachePvcName: hf-cache}}\n    weightBytes: 24Gi",
+        );
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let d = desired(&fixture(&yaml), &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        let args = c.args.clone().unwrap();
+        assert_eq!(
+            arg_after(&args, "--model").as_deref(),
+            Some("google/gemma-3-12b-it")
+        );
+        assert_eq!(arg_after(&args, "--revision").as_deref(), Some("v1"));
+        assert_eq!(arg_after(&args, "--load-format"), None, "real weights: no dummy");
+        let token = env_value(&c, "HF_TOKEN").expect("HF_TOKEN");
+        let sel = token.value_from.unwrap().secret_key_ref.unwrap();
+        assert_eq!((sel.name.as_str(), sel.key.as_str()), ("hf-token", "token"));
+        assert_eq!(
+            env_value(&c, "HF_HOME").unwrap().value.as_deref(),
+            Some(HF_CACHE_DIR)
+        );
+        let mount = c
+            .volume_mounts
+            .clone()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.mount_path == HF_CACHE_DIR)
+            .unwrap();
+        assert_ne!(mount.read_only, Some(true), "the cache is written");
+        let vol = pod(&d)
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "hf-cache");
+        // A Hub download of 24 GiB gets more than the 10 minutes of a dummy start.
+        let probe = c.startup_probe.unwrap();
+        assert_eq!(probe.http_get.unwrap().path.as_deref(), Some("/health"));
+        let seconds = probe.failure_threshold.unwrap() * probe.period_seconds.unwrap();
+        assert!(seconds >= 600 + 24 * 10, "{seconds}");
+        assert_eq!(
+            c.readiness_probe.unwrap().http_get.unwrap().path.as_deref(),
+            Some("/health")
+        );
+    }
+
+    #[test]
+    fn vllm_loads_local_weights_from_a_pvc_host_path_or_image_volume_at_models() {
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        for (source, check) in [
+            ("pvcName: w", "pvc"),
+            ("hostPath: /mnt/nvme", "hostPath"),
+            ("image: registry.example/weights/gemma:1", "image"),
+        ] {
+            let yaml = VLLM_RTX5090.replace(
+                "weights: {format: dummy}",
+                &format!("weights: {{format: safetensors, {source}, path: /gemma-3-12b/}}"),
+            );
+            let d = desired(&fixture(&yaml), &v, &Settings::default(), None).unwrap();
+            let c = container(&d);
+            let args = c.args.clone().unwrap();
+            assert_eq!(
+                arg_after(&args, "--model").as_deref(),
+                Some("/models/gemma-3-12b"),
+                "{source}"
+            );
+            assert_eq!(arg_after(&args, "--load-format"), None, "{source}");
+            let vol = pod(&d)
+                .volumes
+                .unwrap()
+                .into_iter()
+                .find(|v| v.name == "weights")
+                .unwrap();
+            match check {
+                "pvc" => assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "w"),
+                "hostPath" => assert_eq!(vol.host_path.unwrap().path, "/mnt/nvme"),
+                _ => assert_eq!(
+                    vol.image.unwrap().reference.as_deref(),
+                    Some("registry.example/weights/gemma:1")
+                ),
+            }
+            assert!(env_value(&c, "HF_TOKEN").is_none());
+        }
     }
 
     #[test]

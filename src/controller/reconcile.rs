@@ -387,19 +387,22 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     // failures; vLLM exit codes mean something else, and without pods there is nothing to read.
     let mut preflight = None;
     let dep_status = deployment.as_ref().and_then(|d| d.status.as_ref());
-    if obj.spec.engine.runtime == Runtime::Kvfleet && dep_status.and_then(|s| s.replicas).unwrap_or(0) > 0 {
+    // vLLM pods report their measured capacity through the capacity sidecar's annotation.
+    if dep_status.and_then(|s| s.replicas).unwrap_or(0) > 0 {
         let pods = list_pods(ctx, &ns, &name).await?;
         if verdict.allowed() && dep_status.and_then(|s| s.ready_replicas).unwrap_or(0) > 0 {
             measured = min_measured_tokens(&pods);
         }
-        preflight = preflight_failure(&pods);
-        let failed = ctx.new_preflight_failures(&object_key, &pods);
-        if failed > 0 {
-            preflight_failures.inc_by(failed);
-            tracing::warn!(
-                failed,
-                "worker pods failed preflight; their logs and termination messages say what to change"
-            );
+        if obj.spec.engine.runtime == Runtime::Kvfleet {
+            preflight = preflight_failure(&pods);
+            let failed = ctx.new_preflight_failures(&object_key, &pods);
+            if failed > 0 {
+                preflight_failures.inc_by(failed);
+                tracing::warn!(
+                    failed,
+                    "worker pods failed preflight; their logs and termination messages say what to change"
+                );
+            }
         }
     }
 
@@ -430,11 +433,9 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     } else if !verdict.allowed() {
         // Invalid spec or no compatible node: a spec change or a node change wakes us.
         Action::await_change()
-    } else if obj.spec.engine.runtime == Runtime::Kvfleet
-        && new_status.ready_replicas.unwrap_or(0) > 0
-        && measured.is_none()
-    {
-        // Pod annotations are not watched: look again until the workers report capacity.
+    } else if new_status.ready_replicas.unwrap_or(0) > 0 && measured.is_none() {
+        // Pod annotations are not watched: look again until the workers (or vLLM's capacity
+        // sidecar) report capacity.
         Action::requeue(CAPACITY_POLL)
     } else {
         Action::requeue(RESYNC)

@@ -102,13 +102,23 @@ pub fn spec_capacity(
     gpu_memory_bytes: u64,
     resolved_dtype: KvCacheDtype,
 ) -> Result<SpecCapacity, PlanError> {
+    // vLLM's capacity arithmetic follows the spec's release (e.g. Gemma 4 between 0.20 and
+    // 0.21, vllm#43308); an unknown release (denied elsewhere) plans as the newest.
+    let era = match spec.engine.runtime {
+        Runtime::Vllm => spec
+            .vllm_version()
+            .ok()
+            .and_then(|v| ReportingEra::for_version(&v.to_string()).ok())
+            .unwrap_or(ReportingEra::V0_21On),
+        Runtime::Kvfleet => ReportingEra::V0_21On,
+    };
     spec_capacity_with(
         spec,
         geometry,
         gpu_memory_bytes,
         resolved_dtype,
         DEFAULT_ACTIVATION_RESERVE_BYTES,
-        ReportingEra::V0_21On,
+        era,
     )
 }
 

@@ -541,6 +541,7 @@ pub(super) fn spec_checks(
             ));
         }
     }
+    weights_checks(spec, denials);
     if let Some(count) = spec.gpu.as_ref().and_then(|g| g.count) {
         if i64::from(count) < tp {
             denials.push(denial(
@@ -602,6 +603,83 @@ pub(super) fn spec_checks(
         ));
     } else if let Some(w) = gpu_memory_utilization_warning(util) {
         warnings.push(w);
+    }
+}
+
+/// Where the weights come from: a vLLM pod without weights would serve random ones without a
+/// word, so runtime vllm needs a source, or `format: dummy` said out loud.
+fn weights_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>) {
+    use crate::api::WeightsFormat;
+    let w = spec.model.weights.as_ref();
+    let name = &spec.model.name;
+    match (spec.engine.runtime, w) {
+        (Runtime::Vllm, None) => denials.push(denial(
+            "spec.model.weights",
+            "WeightsMissing",
+            format!("runtime vllm needs weights, or it would serve random ones: set model.weights.huggingFace (vLLM downloads {name}; tokenSecretRef for gated repositories, cachePvcName to keep the download across restarts), or pvcName, hostPath or image with the checkpoint's path, or model.weights.format: dummy for random weights (capacity and throughput runs only)"),
+        )),
+        (Runtime::Vllm, Some(w)) => {
+            if w.format == WeightsFormat::Dummy && w.has_source() {
+                denials.push(denial(
+                    "spec.model.weights.format",
+                    "DummyWeightsWithSource",
+                    "model.weights names a source but its format is dummy (the default), which loads random weights; set model.weights.format: safetensors (or gguf)".to_string(),
+                ));
+            }
+            if w.format != WeightsFormat::Dummy && !w.has_source() {
+                denials.push(denial(
+                    "spec.model.weights",
+                    "WeightsMissing",
+                    format!("model.weights.format is {} but names no source; set huggingFace, pvcName, hostPath or image", match w.format { WeightsFormat::Gguf => "gguf", _ => "safetensors" }),
+                ));
+            }
+        }
+        (Runtime::Kvfleet, Some(w)) if w.image.is_some() || w.hugging_face.is_some() => denials.push(denial(
+            "spec.model.weights",
+            "WeightsSourceNeedsVllm",
+            "model.weights.image and model.weights.huggingFace are read by runtime vllm only; the kvfleet worker loads weights from pvcName or hostPath (with path)".to_string(),
+        )),
+        _ => {}
+    }
+}
+
+/// The vLLM release of a vllm spec (`None` for runtime kvfleet, or when it is unknown: then
+/// a denial names the fix). A release newer than kvfleet's table is judged as the newest
+/// release in it, with a warning.
+pub(super) fn vllm_version_check(
+    spec: &InferenceDeploymentSpec,
+    denials: &mut Vec<Denial>,
+    warnings: &mut Vec<String>,
+) -> Option<crate::compat::VllmVersion> {
+    use crate::compat::vllm_versions;
+    if spec.engine.runtime != Runtime::Vllm {
+        if spec.engine.vllm.is_some() {
+            warnings.push(
+                "spec.engine.vllm is read only by runtime vllm; it is ignored for runtime kvfleet"
+                    .to_string(),
+            );
+        }
+        return None;
+    }
+    match spec.vllm_version() {
+        Ok(v) => {
+            if v > vllm_versions::newest() {
+                warnings.push(format!(
+                    "vLLM {v} is newer than {}, the newest release kvfleet's table describes; its flags and rules are assumed to be those of {}",
+                    vllm_versions::newest(),
+                    vllm_versions::newest()
+                ));
+            }
+            Some(v)
+        }
+        Err(e) => {
+            denials.push(denial(
+                "spec.engine.vllm.version",
+                "UnknownVllmVersion",
+                e.to_string(),
+            ));
+            None
+        }
     }
 }
 
@@ -783,6 +861,7 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
     let mut warnings = Vec::new();
     let features = model_features(spec, &mut warnings);
     spec_checks(spec, &mut denials, &mut warnings);
+    let vllm_version = vllm_version_check(spec, &mut denials, &mut warnings);
 
     let selector = spec.gpu.as_ref().and_then(|g| g.selector.as_ref());
     let min_cc = match selector.and_then(|s| s.min_compute_capability.as_deref()) {
@@ -895,12 +974,13 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
             }
             products.extend(sig.product);
         }
-        let ev = rules::evaluate(
+        let ev = rules::evaluate_at(
             spec.engine.runtime,
             *cc,
             &features,
             spec.engine.kv_cache_dtype,
             spec.engine.attention_backend,
+            vllm_version,
         );
         for w in &ev.warnings {
             let text = format!("{} [{}; {}]", w.message, w.rule, w.source);

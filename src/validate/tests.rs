@@ -1,8 +1,51 @@
 use super::*;
 use crate::compat::products;
 
+/// A spec; vllm specs without weights get dummy weights (these tests are about everything
+/// else; `a_vllm_spec_needs_weights_or_dummy_said_out_loud` tests the weights).
 fn spec(yaml: &str) -> InferenceDeploymentSpec {
-    serde_yaml::from_str(yaml).unwrap()
+    let mut s: InferenceDeploymentSpec = serde_yaml::from_str(yaml).unwrap();
+    if s.engine.runtime == Runtime::Vllm && s.model.weights.is_none() {
+        s.model.weights = serde_yaml::from_str("{format: dummy}").unwrap();
+    }
+    s
+}
+
+#[test]
+fn a_vllm_spec_needs_weights_or_dummy_said_out_loud() {
+    let nodes = cluster(vec![node("h100-0", "NVIDIA-H100-80GB-HBM3", 8)]);
+    let bare: InferenceDeploymentSpec =
+        serde_yaml::from_str(&format!("{LLAMA}engine: {{runtime: vllm}}\n")).unwrap();
+    let v = validate(&bare, &nodes);
+    let d = v
+        .denials
+        .iter()
+        .find(|d| d.reason == "WeightsMissing")
+        .unwrap_or_else(|| panic!("{v:#?}"));
+    assert_eq!(d.field, "spec.model.weights");
+    assert!(
+        d.message.contains("format: dummy") && d.message.contains("huggingFace"),
+        "{}",
+        d.message
+    );
+    assert!(validate(&spec(&format!("{LLAMA}engine: {{runtime: vllm}}\n")), &nodes).allowed());
+    // The kvfleet worker refuses to start without weights; admission leaves that to it.
+    let kvfleet: InferenceDeploymentSpec =
+        serde_yaml::from_str(&format!("{LLAMA}engine: {{runtime: kvfleet}}\n")).unwrap();
+    assert!(validate(&kvfleet, &nodes)
+        .denials
+        .iter()
+        .all(|d| d.reason != "WeightsMissing"));
+    // Hub weights are read by vLLM only.
+    let hub: InferenceDeploymentSpec = serde_yaml::from_str(&format!(
+        "{LLAMA}  weights: {{format: safetensors, huggingFace: {{}}}}\nengine: {{runtime: kvfleet}}\n"
+    ))
+    .unwrap();
+    let v = validate(&hub, &nodes);
+    assert!(
+        v.denials.iter().any(|d| d.reason == "WeightsSourceNeedsVllm"),
+        "{v:#?}"
+    );
 }
 
 fn node(name: &str, product: &str, gpus: i64) -> NodeFacts {
