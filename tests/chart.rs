@@ -377,6 +377,9 @@ fn default_render_has_operator_webhook_crd_and_rbac() {
         ("Service", 2),
         ("ServiceAccount", 2),
         ("ValidatingWebhookConfiguration", 1),
+        ("ValidatingAdmissionPolicy", 1),
+        ("ValidatingAdmissionPolicyBinding", 1),
+        ("NetworkPolicy", 2),
     ]
     .into();
     assert_eq!(kinds, expected);
@@ -387,6 +390,8 @@ fn default_render_has_operator_webhook_crd_and_rbac() {
                 | "ClusterRoleBinding"
                 | "CustomResourceDefinition"
                 | "ValidatingWebhookConfiguration"
+                | "ValidatingAdmissionPolicy"
+                | "ValidatingAdmissionPolicyBinding"
         );
         let ns = obj["metadata"]["namespace"].as_str();
         if namespaced {
@@ -1062,8 +1067,8 @@ fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(obj: &Value) {
 #[test]
 fn every_core_object_round_trips_through_its_kubernetes_type() {
     use k8s_openapi::api::{
-        admissionregistration::v1 as adm, apps::v1 as apps, core::v1 as core, policy::v1 as policy,
-        rbac::v1 as rbac,
+        admissionregistration::v1 as adm, apps::v1 as apps, core::v1 as core, networking::v1 as net,
+        policy::v1 as policy, rbac::v1 as rbac,
     };
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1 as ext;
     let objs = render(&[
@@ -1086,6 +1091,9 @@ fn every_core_object_round_trips_through_its_kubernetes_type() {
             "RoleBinding" => round_trip::<rbac::RoleBinding>(obj),
             "PodDisruptionBudget" => round_trip::<policy::PodDisruptionBudget>(obj),
             "ValidatingWebhookConfiguration" => round_trip::<adm::ValidatingWebhookConfiguration>(obj),
+            "ValidatingAdmissionPolicy" => round_trip::<adm::ValidatingAdmissionPolicy>(obj),
+            "ValidatingAdmissionPolicyBinding" => round_trip::<adm::ValidatingAdmissionPolicyBinding>(obj),
+            "NetworkPolicy" => round_trip::<net::NetworkPolicy>(obj),
             "CustomResourceDefinition" => round_trip::<ext::CustomResourceDefinition>(obj),
             // Third-party kinds (cert-manager, Prometheus Operator) have no type here.
             "Certificate" | "Issuer" | "ServiceMonitor" | "PrometheusRule" => continue,
