@@ -584,16 +584,7 @@ fn pod_template(
             }),
             ..Lifecycle::default()
         }),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                ..Capabilities::default()
-            }),
-            ..SecurityContext::default()
-        }),
+        security_context: Some(restricted_container()),
         ..Container::default()
     };
 
@@ -665,6 +656,21 @@ pub fn rollout(replicas: i32) -> DeploymentStrategy {
     }
 }
 
+/// What the restricted Pod Security Standard asks of every container we render: no privilege
+/// escalation, no capabilities, non-root, and a read-only root filesystem.
+fn restricted_container() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Capabilities::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
 /// Name of the container that publishes vLLM's measured KV capacity.
 pub const CAPACITY_SIDECAR: &str = "kv-capacity";
 
@@ -692,16 +698,7 @@ fn capacity_sidecar(settings: &Settings) -> Container {
             limits: Some(BTreeMap::from([("memory".to_string(), Quantity("64Mi".into()))])),
             ..ResourceRequirements::default()
         }),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                ..Capabilities::default()
-            }),
-            ..SecurityContext::default()
-        }),
+        security_context: Some(restricted_container()),
         ..Container::default()
     }
 }
