@@ -89,25 +89,7 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
         "--timeout=60s",
     ]);
     let ns = Namespace::create(NAMESPACE);
-    let service = format!(
-        r#"{{"apiVersion": "v1", "kind": "Service", "metadata": {{"name": "{SERVICE}", "namespace": "{NAMESPACE}"}},
-  "spec": {{"type": "ExternalName", "externalName": "127.0.0.1", "ports": [{{"port": {port}}}]}}}}"#
-    );
-    let out = kubectl_stdin(&["apply", "-f", "-"], &service);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let configuration = format!(
-        r#"{{"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-  "metadata": {{"name": "{CONFIGURATION}"}},
-  "webhooks": [{{"name": "validate.inferencedeployments.kvfleet.io",
-    "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
-    "matchPolicy": "Equivalent", "timeoutSeconds": 10,
-    "clientConfig": {{"service": {{"name": "{SERVICE}", "namespace": "{NAMESPACE}", "port": {port}, "path": "/validate"}}}},
-    "namespaceSelector": {{"matchLabels": {{"kubernetes.io/metadata.name": "{NAMESPACE}"}}}},
-    "rules": [{{"apiGroups": ["kvfleet.io"], "apiVersions": ["v1alpha1"],
-      "operations": ["CREATE", "UPDATE"], "resources": ["inferencedeployments"], "scope": "Namespaced"}}]}}]}}"#
-    );
-    let out = kubectl_stdin(&["apply", "-f", "-"], &configuration);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    e2e_support::route_webhook_to_host(NAMESPACE, SERVICE, CONFIGURATION, port);
 
     // Our own RTX PRO 6000 Blackwell node with 4 GPUs.
     let mut nodes = Nodes::default();

@@ -69,26 +69,7 @@ async fn certificates_rotate_under_traffic_without_a_failed_admission() {
         "--timeout=60s",
     ]);
     let ns = Namespace::create(NAMESPACE);
-    let service = format!(
-        r#"{{"apiVersion": "v1", "kind": "Service", "metadata": {{"name": "{SERVICE}", "namespace": "{NAMESPACE}"}},
-  "spec": {{"type": "ExternalName", "externalName": "127.0.0.1", "ports": [{{"port": {port}}}]}}}}"#
-    );
-    e2e_support::ok("Service", kubectl_stdin(&["apply", "-f", "-"], &service));
-    let configuration = format!(
-        r#"{{"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-  "metadata": {{"name": "{CONFIGURATION}"}},
-  "webhooks": [{{"name": "validate.inferencedeployments.kvfleet.io",
-    "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
-    "matchPolicy": "Equivalent", "timeoutSeconds": 10,
-    "clientConfig": {{"service": {{"name": "{SERVICE}", "namespace": "{NAMESPACE}", "port": {port}, "path": "/validate"}}}},
-    "namespaceSelector": {{"matchLabels": {{"kubernetes.io/metadata.name": "{NAMESPACE}"}}}},
-    "rules": [{{"apiGroups": ["kvfleet.io"], "apiVersions": ["v1alpha1"],
-      "operations": ["CREATE", "UPDATE"], "resources": ["inferencedeployments"], "scope": "Namespaced"}}]}}]}}"#
-    );
-    e2e_support::ok(
-        "webhook configuration",
-        kubectl_stdin(&["apply", "-f", "-"], &configuration),
-    );
+    e2e_support::route_webhook_to_host(NAMESPACE, SERVICE, CONFIGURATION, port);
     let mut nodes = Nodes::default();
     nodes.gpu(NODE, RTX_PRO_6000);
 

@@ -380,6 +380,36 @@ pub fn token_kubeconfig(user: &str, token: &str, dir: &std::path::Path) -> PathB
     path
 }
 
+/// Routes a ValidatingWebhookConfiguration for InferenceDeployments (failurePolicy Fail, only
+/// in `namespace`) to a webhook this test serves on 127.0.0.1:`port`: an ExternalName Service
+/// `service` to 127.0.0.1 (../shared/k8s/README.md), and the configuration `configuration`,
+/// whose caBundle the webhook's certificate manager publishes.
+pub fn route_webhook_to_host(namespace: &str, service: &str, configuration: &str, port: u16) {
+    let svc = format!(
+        r#"{{"apiVersion": "v1", "kind": "Service", "metadata": {{"name": "{service}", "namespace": "{namespace}"}},
+  "spec": {{"type": "ExternalName", "externalName": "127.0.0.1", "ports": [{{"port": {port}}}]}}}}"#
+    );
+    ok(
+        "the webhook's Service",
+        kubectl_stdin(&["apply", "-f", "-"], &svc),
+    );
+    let vwc = format!(
+        r#"{{"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+  "metadata": {{"name": "{configuration}"}},
+  "webhooks": [{{"name": "validate.inferencedeployments.kvfleet.io",
+    "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
+    "matchPolicy": "Equivalent", "timeoutSeconds": 10,
+    "clientConfig": {{"service": {{"name": "{service}", "namespace": "{namespace}", "port": {port}, "path": "/validate"}}}},
+    "namespaceSelector": {{"matchLabels": {{"kubernetes.io/metadata.name": "{namespace}"}}}},
+    "rules": [{{"apiGroups": ["kvfleet.io"], "apiVersions": ["v1alpha1"],
+      "operations": ["CREATE", "UPDATE"], "resources": ["inferencedeployments"], "scope": "Namespaced"}}]}}]}}"#
+    );
+    ok(
+        "the webhook configuration",
+        kubectl_stdin(&["apply", "-f", "-"], &vwc),
+    );
+}
+
 /// Whether the CRD exists now (a suite deletes it at the end only if it created it).
 pub fn crd_exists() -> bool {
     get_json(&["crd", CRD]).is_some()
