@@ -441,18 +441,7 @@ fn pod_template(
             Runtime::Kvfleet => "KVFLEET_API_KEY",
             Runtime::Vllm => "VLLM_API_KEY",
         };
-        env.push(EnvVar {
-            name: var.into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: key.secret_name.clone(),
-                    key: key.key.clone(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        });
+        env.push(secret_env(var, &key.secret_name, &key.key));
     }
     let (image, command, args, probe_paths) = match runtime {
         Runtime::Kvfleet => {
@@ -493,18 +482,7 @@ fn pod_template(
                 None => env.push(plain_env("HF_HOME", "/tmp/.cache/huggingface")),
             }
             if let Some(secret) = hf.and_then(|h| h.token_secret_ref.as_ref()) {
-                env.push(EnvVar {
-                    name: "HF_TOKEN".into(),
-                    value_from: Some(EnvVarSource {
-                        secret_key_ref: Some(SecretKeySelector {
-                            name: secret.name.clone(),
-                            key: secret.key.clone(),
-                            optional: Some(false),
-                        }),
-                        ..EnvVarSource::default()
-                    }),
-                    ..EnvVar::default()
-                });
+                env.push(secret_env("HF_TOKEN", &secret.name, &secret.key));
             }
             env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
             env.push(plain_env("TRITON_CACHE_DIR", "/tmp/.cache/triton"));
@@ -734,6 +712,23 @@ fn plain_env(name: &str, value: &str) -> EnvVar {
     EnvVar {
         name: name.into(),
         value: Some(value.into()),
+        ..EnvVar::default()
+    }
+}
+
+/// A variable read from `key` of Secret `secret` (required: the pod waits for it), so that
+/// the value never appears in the pod spec.
+fn secret_env(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.into(),
+                key: key.into(),
+                optional: Some(false),
+            }),
+            ..EnvVarSource::default()
+        }),
         ..EnvVar::default()
     }
 }
