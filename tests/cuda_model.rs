@@ -472,3 +472,69 @@ fn gpu_runtime_generation_loop_answers_paris() {
     assert!(replies[0].contains("Paris"), "{replies:?}");
     assert_eq!(replies[0], replies[1]);
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_greedy_rows_are_picked_on_the_device_as_the_host_argmax() {
+    // A vocabulary that is no multiple of the kernel's 1024 threads.
+    let mut cfg = LlamaConfig::llama(2, 256, 512, 4, 2, 5003);
+    cfg.context_len = 256;
+    let m = Llama::dummy(cfg, 11).expect("dummy model");
+    let (mut host, mut device) = (on_gpu(&m), on_gpu(&m));
+    let v = m.config.vocab;
+    let a: Vec<u32> = (0..19).map(|i| (i * 17 + 3) % v as u32).collect();
+    let b: Vec<u32> = (0..5).map(|i| (i * 29 + 1) % v as u32).collect();
+    let c: Vec<u32> = (0..33).map(|i| (i * 7 + 5) % v as u32).collect();
+    let steps: Vec<(Vec<SeqChunk<'_>>, Vec<bool>)> = vec![
+        (
+            vec![chunk(1, 0, &a), chunk(2, 0, &b), chunk(3, 0, &c)],
+            vec![true, false, true],
+        ),
+        (
+            vec![chunk(1, 19, &[4]), chunk(2, 5, &[9]), chunk(3, 33, &[2])],
+            vec![false, true, true],
+        ),
+        (
+            vec![chunk(1, 20, &[8]), chunk(2, 6, &[1]), chunk(3, 34, &[6])],
+            vec![true, true, true],
+        ),
+    ];
+    for (si, (batch, greedy)) in steps.iter().enumerate() {
+        let want = host.forward(batch).expect("logits step");
+        let seqs: Vec<(u64, usize, usize)> = batch
+            .iter()
+            .map(|c| (c.seq, c.start_pos, c.tokens.len()))
+            .collect();
+        device.planner.plan(&seqs, &mut device.plan).expect("plan");
+        let got = device
+            .g
+            .forward_rows(batch, &device.plan, greedy)
+            .expect("sampling step");
+        let mut back = 0;
+        for (i, &g) in greedy.iter().enumerate() {
+            let row = &want[i * v..(i + 1) * v];
+            if g {
+                assert_eq!(got.picked[i], Some(argmax(row)), "step {si} row {i}: device pick");
+                assert_eq!(
+                    got.logits_row[i], None,
+                    "step {si} row {i}: greedy rows stay on the device"
+                );
+            } else {
+                assert_eq!(got.picked[i], None, "step {si} row {i}");
+                let r = got.logits_row[i].expect("a sampled row's logits come back");
+                assert_eq!(r, back, "step {si} row {i}: rows come back in order");
+                let (d, scale) = diff(&got.logits[r * v..(r + 1) * v], row);
+                assert!(
+                    d <= 1e-5 * scale + 1e-6,
+                    "step {si} row {i}: logits differ by {d} (max {scale})"
+                );
+                back += 1;
+            }
+        }
+        assert_eq!(
+            got.logits.len(),
+            back * v,
+            "step {si}: only the sampled rows' logits come back"
+        );
+    }
+}

@@ -4,11 +4,12 @@
 # wheel and its tvm-ffi dependency (bench/peers.py), and, for the model calls, one half of the
 # SmolLM2 GGUF each (the device tool carries at most 64 MiB per call).
 #   bench/device/pack.sh attention   # peers + attention bench + cuda_attention/cuda_worker tests
+#   bench/device/pack.sh serve       # the worker (and BASE=PATH, an earlier one) for the HTTP benchmark
 #   bench/device/pack.sh model-a     # model binaries + the GGUF's first half
 #   bench/device/pack.sh model-b     # the GGUF's second half
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|model-a|model-b}
+mode=${1:?usage: pack.sh attention|serve|model-a|model-b}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -51,6 +52,13 @@ case "$mode" in
       cp "$VARIANTS/variants.txt" "$out/"
     fi
     cp bench/peers.py "$out/"
+    ;;
+  serve)
+    # The serving benchmark: this tree's worker and, with BASE=PATH, an earlier build to time
+    # in the same call (bench/RESULTS.md, issue 19).
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    if [ -n "${BASE:-}" ]; then strip -o "$out/bin/kvfleet-base" "$BASE" && xz -T2 -6 "$out/bin/kvfleet-base"; fi
+    cp bench/http_load.py bench/peers.py bench/device/llama-3.1-8b.json "$out/"
     ;;
   model-a)
     { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins

@@ -6,7 +6,7 @@
 #   bash bench/device/run.sh model-a     # stash the GGUF's first half; dummy-geometry model tests
 #   bash bench/device/run.sh model-b     # join the GGUF; SmolLM2 GPU tests; model benchmark
 set -uo pipefail
-mode=${1:?usage: run.sh attention|model-a|model-b}
+mode=${1:?usage: run.sh attention|serve|model-a|model-b}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_BACKTRACE=1
@@ -62,6 +62,33 @@ case "$mode" in
     timeout 240 "$bin/cuda_attention" --ignored --test-threads 1 2>&1 | tee "$OUT/cuda_attention.log" | tail -15
     step "cuda_worker test"
     timeout 120 "$bin/cuda_worker" --ignored --nocapture 2>&1 | tee "$OUT/cuda_worker.log" | tail -25
+    ;;
+  serve)
+    # The served model through HTTP (issue 19): ceilings of this call, then each worker build
+    # carried (kvfleet-base first, when present) with dummy Llama-3.1-8B weights, the same load
+    # rows, and the profile tables (KVFLEET_PROFILE=1) the worker logs.
+    step "ceilings (copy bandwidth, bf16 GEMM)"
+    PEERS_CEILINGS_ONLY=1 timeout 120 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning
+    for build in kvfleet-base kvfleet; do
+      [ -x "$bin/$build" ] || continue
+      for dtype in ${KVFLEET_DEVICE_HTTP_DTYPES:-bfloat16}; do
+        step "HTTP load: $build, dummy Llama-3.1-8B, $dtype KV"
+        log="$OUT/${build}_$dtype"
+        KVFLEET_PROFILE=1 "$bin/$build" worker --listen 127.0.0.1:8000 --model-weights dummy \
+          --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --kv-cache-dtype "$dtype" \
+          --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens ${KVFLEET_DEVICE_CHUNK:-2048} \
+          --gpu-memory-utilization 0.92 --max-waiting 4096 > "$log.worker.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 1 120); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
+        for row in ${KVFLEET_DEVICE_HTTP_ROWS:-1:130:512:1 64:130:512:64 256:130:512:256 256:1500:128:256 1:1500:16:5}; do
+          IFS=: read -r c p o n <<< "$row"
+          timeout 150 python3 $dev/http_load.py --port 8000 --concurrency "$c" --prompt-tokens "$p" \
+            --output-tokens "$o" --requests "$n" --vocab 128000 --metrics 2>&1 | tee -a "$log.http.log" | tail -2
+        done
+        kill $pid; wait $pid 2>/dev/null
+        sed 's/\x1b\[[0-9;]*m//g' "$log.worker.log" | grep -A12 "profile" | tail -40
+      done
+    done
     ;;
   model-a)
     cp $dev/gguf.part1 "$stash/" && for f in "$bin"/*; do cp "$f" "$stash/"; done

@@ -27,6 +27,20 @@ pub trait Forward: Send {
     /// `[chunks wanting logits, vocab]` f32 logits in chunk order.
     fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError>;
 
+    /// Runs the step like [`Forward::forward`] for a serving loop that samples: row `i` (the
+    /// `i`-th chunk wanting logits) asks for its argmax when `greedy[i]`, its logits otherwise.
+    /// A device that holds the logits picks the greedy rows' tokens itself, so that only token
+    /// ids cross to the host; the default returns every row's logits.
+    fn forward_rows(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        plan: &StepPlan,
+        greedy: &[bool],
+    ) -> Result<StepOutput, ForwardError> {
+        let logits = self.forward(batch, plan)?;
+        Ok(StepOutput::all_logits(logits, greedy.len()))
+    }
+
     /// Where it runs, for logs and `/v1/capacity` (`cpu`, `cuda`).
     fn device(&self) -> &'static str;
 
@@ -41,6 +55,28 @@ pub trait Forward: Send {
     /// whose fresh allocation and page faults cost more than the copy).
     fn recycle(&mut self, logits: Vec<f32>) {
         drop(logits);
+    }
+}
+
+/// What a step returns for its sampling rows (the chunks wanting logits, in chunk order).
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    /// Per row: the token the device picked (the argmax), for greedy rows.
+    pub picked: Vec<Option<u32>>,
+    /// Per row: its row in `logits`, for rows whose logits came back.
+    pub logits_row: Vec<Option<usize>>,
+    /// `[rows that came back, vocab]` f32.
+    pub logits: Vec<f32>,
+}
+
+impl StepOutput {
+    /// Every one of `rows` rows as logits (a device that samples on the host).
+    pub fn all_logits(logits: Vec<f32>, rows: usize) -> Self {
+        StepOutput {
+            picked: vec![None; rows],
+            logits_row: (0..rows).map(Some).collect(),
+            logits,
+        }
     }
 }
 

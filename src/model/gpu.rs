@@ -27,9 +27,10 @@ use cudarc::driver::{
 use half::bf16;
 use rayon::prelude::*;
 
-use super::forward::{check_plan, llama_backend_config, Forward};
+use super::forward::{check_plan, llama_backend_config, Forward, StepOutput};
 use super::kv::AttnGeometry;
 use super::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
+use super::profile::{self, GpuSteps};
 use crate::worker::cuda::backend::CudaBackend;
 use crate::worker::cuda::device::{driver_present, Gpu};
 use crate::worker::cuda::spec::{Arch, GroupSize, HeadDim};
@@ -38,17 +39,57 @@ use crate::worker::engine::layout::{BackendConfig, KvDtype, StepPlan};
 use crate::worker::engine::Backend;
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
-pub const MODEL_SOURCE: &str = include_str!("../../kernels/model.cu");
+/// `kernels/sampling.cu` follows `kernels/model.cu` in one program (it uses the latter's helpers).
+pub const MODEL_SOURCE: &str = concat!(
+    include_str!("../../kernels/model.cu"),
+    "\n",
+    include_str!("../../kernels/sampling.cu")
+);
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 6] = [
+pub const MODEL_KERNELS: [&str; 7] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
     "kvf_qkv_post",
     "kvf_silu_mul",
     "kvf_fill_uniform",
+    "kvf_argmax_rows",
 ];
+
+/// The parts of a step [`profile::GpuSteps`] times, in the order they run.
+const PROFILE_PARTS: &[&str] = &[
+    "prepare",
+    "embed",
+    "norm",
+    "qkv_gemm",
+    "qkv_post",
+    "kv_append",
+    "attention",
+    "o_gemm",
+    "ffn_gemm",
+    "act",
+    "down_gemm",
+    "lm_head",
+    "sample",
+    "to_host",
+];
+mod part {
+    pub const PREPARE: usize = 0;
+    pub const EMBED: usize = 1;
+    pub const NORM: usize = 2;
+    pub const QKV_GEMM: usize = 3;
+    pub const QKV_POST: usize = 4;
+    pub const KV_APPEND: usize = 5;
+    pub const ATTENTION: usize = 6;
+    pub const O_GEMM: usize = 7;
+    pub const FFN_GEMM: usize = 8;
+    pub const ACT: usize = 9;
+    pub const DOWN_GEMM: usize = 10;
+    pub const LM_HEAD: usize = 11;
+    pub const SAMPLE: usize = 12;
+    pub const TO_HOST: usize = 13;
+}
 
 /// Tokens per KV page (the only page size the attention kernels build).
 pub const BLOCK_SIZE: usize = 16;
@@ -278,6 +319,7 @@ struct ModelKernels {
     qkv_post: CudaFunction,
     silu_mul: CudaFunction,
     fill_uniform: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
 fn elemwise_cfg(n: usize) -> LaunchConfig {
@@ -326,6 +368,7 @@ impl ModelKernels {
             qkv_post: f("kvf_qkv_post")?,
             silu_mul: f("kvf_silu_mul")?,
             fill_uniform: f("kvf_fill_uniform")?,
+            argmax_rows: f("kvf_argmax_rows")?,
         })
     }
 
@@ -393,6 +436,27 @@ impl ModelKernels {
         // SAFETY: matches `kvf_rms_norm_rows(const float*, const int*, const float*, int,
         // float, bf16*)`; row indices are rows of this step (built on the host, < tokens).
         unsafe { b.launch(rows_cfg(n, NORM_THREADS, 0)) }.map_err(drv("launching kvf_rms_norm_rows"))?;
+        Ok(())
+    }
+
+    /// `out[r] = argmax(logits[r, :vocab])` for `rows` rows.
+    fn argmax_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), GpuError> {
+        need("logits", logits, rows * vocab)?;
+        need("argmax output", out, rows)?;
+        let v = vocab as i32;
+        let mut b = s.launch_builder(&self.argmax_rows);
+        b.arg(logits).arg(&v).arg(out);
+        // SAFETY: matches `kvf_argmax_rows` in kernels/sampling.cu (pointer, int, pointer);
+        // `logits` holds `rows * vocab` f32 and `out` `rows` ints (checked above); one block of
+        // 1024 threads (a multiple of 32) per row, static shared memory only.
+        unsafe { b.launch(rows_cfg(rows, 1024, 0)) }.map_err(drv("launching kvf_argmax_rows"))?;
         Ok(())
     }
 
@@ -688,13 +752,15 @@ struct Acts {
     hl: CudaSlice<u16>,
     /// f32 `[R, vocab]`.
     logits: CudaSlice<f32>,
+    /// `[R]`: each row's argmax.
+    picks: CudaSlice<i32>,
 }
 
 impl Acts {
     fn bytes(dm: &Dims, t: usize, r: usize) -> usize {
         let f32s = t * dm.d + t * (dm.qw + 2 * dm.kw) + t * 2 * dm.ff + r * dm.vocab;
         let bf16s = t * dm.d + 2 * t * dm.qw + 2 * t * dm.kw_rep + t * dm.ff + r * dm.d;
-        4 * f32s + 2 * bf16s + 4 * (2 * t + r)
+        4 * f32s + 2 * bf16s + 4 * (2 * t + 2 * r)
     }
 
     fn alloc(s: &Arc<CudaStream>, dm: &Dims, t: usize, r: usize) -> Result<Self, GpuError> {
@@ -719,6 +785,7 @@ impl Acts {
             act: h(t * dm.ff)?,
             hl: h(r * dm.d)?,
             logits: f(r * dm.vocab)?,
+            picks: i(r)?,
         })
     }
 }
@@ -746,6 +813,8 @@ pub struct GpuLlama {
     capacity: GpuCapacity,
     /// The last step's host logits, handed back by [`Forward::recycle`] for reuse.
     spare_logits: Vec<f32>,
+    /// CUDA-event timing of each part of a step, when `KVFLEET_PROFILE=1`.
+    profile: Option<GpuSteps>,
 }
 
 impl std::fmt::Debug for GpuLlama {
@@ -885,6 +954,7 @@ impl GpuLlama {
             kv_gib = (blocks * bs * kv_bytes_per_token) as f64 / (1u64 << 30) as f64,
             "GPU model ready"
         );
+        let gpu_ctx = gpu.context().clone();
         Ok(GpuLlama {
             config,
             dims,
@@ -896,6 +966,7 @@ impl GpuLlama {
             backend,
             capacity,
             spare_logits: Vec::new(),
+            profile: profile::enabled().then(|| GpuSteps::new(gpu_ctx, PROFILE_PARTS)),
         })
     }
 
@@ -929,8 +1000,10 @@ impl GpuLlama {
         Ok(())
     }
 
-    /// The step on the device; host-side checks were done by the caller.
-    fn run(&mut self, t: usize, last: &[i32]) -> Result<Vec<f32>, GpuError> {
+    /// The step on the device; host-side checks were done by the caller. With `greedy`, row
+    /// `i` comes back as its argmax when `greedy[i]`, else as logits; without, every row as
+    /// logits.
+    fn run(&mut self, t: usize, last: &[i32], greedy: Option<&[bool]>) -> Result<StepOutput, GpuError> {
         let GpuLlama {
             config: c,
             dims: dm,
@@ -941,14 +1014,25 @@ impl GpuLlama {
             acts: a,
             backend,
             spare_logits,
+            profile,
             ..
         } = self;
         let s = gpu.stream().clone();
+        macro_rules! mark {
+            ($part:expr) => {
+                if let Some(p) = profile.as_mut() {
+                    p.mark(&s, $part)
+                        .map_err(drv("recording a profile event"))?;
+                }
+            };
+        }
         k.embed(&s, &w.embed, &a.tok, t, dm.d, &mut a.x)?;
+        mark!(part::EMBED);
         let heads = (dm.n_heads + 2 * dm.n_kv) as u32;
         let rope_half = (c.rope_dims / 2) as i32;
         for (li, l) in w.layers.iter().enumerate() {
             k.rms_norm(&s, &a.x, &l.attn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
+            mark!(part::NORM);
             gemm(
                 blas,
                 &s,
@@ -960,6 +1044,7 @@ impl GpuLlama {
                 dm.d,
                 false,
             )?;
+            mark!(part::QKV_GEMM);
             {
                 need("q", &a.q, t * dm.qw)?;
                 need("k", &a.k, t * dm.kw_rep)?;
@@ -1005,46 +1090,87 @@ impl GpuLlama {
                 // outputs were checked above; dynamic shared memory holds one head in f32.
                 unsafe { b.launch(cfg) }.map_err(drv("launching kvf_qkv_post"))?;
             }
+            mark!(part::QKV_POST);
             backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
+            mark!(part::KV_APPEND);
             backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
+            mark!(part::ATTENTION);
             gemm(blas, &s, &l.wo, &a.attn, &mut a.x, t, dm.d, dm.qw, true)?;
+            mark!(part::O_GEMM);
             k.rms_norm(&s, &a.x, &l.ffn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
+            mark!(part::NORM);
             gemm(blas, &s, &l.wgu, &a.h, &mut a.gu, t, 2 * dm.ff, dm.d, false)?;
+            mark!(part::FFN_GEMM);
             k.silu_mul(&s, &a.gu, t, dm.ff, &mut a.act)?;
+            mark!(part::ACT);
             gemm(blas, &s, &l.wdown, &a.act, &mut a.x, t, dm.d, dm.ff, true)?;
+            mark!(part::DOWN_GEMM);
         }
         let n = last.len();
         if n == 0 {
             gpu.synchronize()?;
-            return Ok(Vec::new());
+            return Ok(StepOutput::default());
         }
         k.rms_norm_rows(&s, &a.x, &a.last, n, &w.out_norm, dm.d, c.rms_eps, &mut a.hl)?;
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         gemm(blas, &s, head, &a.hl, &mut a.logits, n, dm.vocab, dm.d, false)?;
-        // Reuse the recycled buffer: only growth touches fresh pages; the copy overwrites it all.
-        let mut host = std::mem::take(spare_logits);
-        if host.len() < n * dm.vocab {
-            host.resize(n * dm.vocab, 0.0);
-        } else {
-            host.truncate(n * dm.vocab);
+        mark!(part::LM_HEAD);
+        let vocab = dm.vocab;
+        // Rows whose logits come back: all, or those not picked on the device.
+        let full: Vec<usize> = match greedy {
+            Some(g) => (0..n).filter(|&i| !g.get(i).copied().unwrap_or(false)).collect(),
+            None => (0..n).collect(),
+        };
+        let mut picked = vec![None; n];
+        if full.len() < n {
+            k.argmax_rows(&s, &a.logits, n, vocab, &mut a.picks)?;
+            mark!(part::SAMPLE);
+            let mut ids = vec![0i32; n];
+            s.memcpy_dtoh(&a.picks.slice(..n), &mut ids)
+                .map_err(drv("copying sampled tokens to the host"))?;
+            for (i, id) in ids.into_iter().enumerate() {
+                if greedy.is_some_and(|g| g[i]) {
+                    picked[i] = Some(id as u32);
+                }
+            }
         }
-        s.memcpy_dtoh(&a.logits.slice(..n * dm.vocab), &mut host)
+        // Reuse the recycled buffer: only growth touches fresh pages; the copies overwrite it.
+        let mut host = std::mem::take(spare_logits);
+        host.resize(full.len() * vocab, 0.0);
+        let mut logits_row = vec![None; n];
+        // Runs of consecutive rows go in one copy.
+        let mut j = 0;
+        while j < full.len() {
+            let mut e = j + 1;
+            while e < full.len() && full[e] == full[e - 1] + 1 {
+                e += 1;
+            }
+            let (r0, rows) = (full[j], e - j);
+            s.memcpy_dtoh(
+                &a.logits.slice(r0 * vocab..(r0 + rows) * vocab),
+                &mut host[j * vocab..e * vocab],
+            )
             .map_err(drv("copying logits to the host"))?;
+            for (q, &r) in full[j..e].iter().enumerate() {
+                logits_row[r] = Some(j + q);
+            }
+            j = e;
+        }
         gpu.synchronize()?;
-        Ok(host)
-    }
-}
-
-impl Forward for GpuLlama {
-    fn config(&self) -> &LlamaConfig {
-        &self.config
-    }
-
-    fn kv_config(&self) -> &BackendConfig {
-        self.backend.config()
+        mark!(part::TO_HOST);
+        if let Some(p) = profile.as_mut() {
+            p.finish(t, n).map_err(drv("reading profile events"))?;
+        }
+        Ok(StepOutput {
+            picked,
+            logits_row,
+            logits: host,
+        })
     }
 
-    fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
+    /// Host checks, uploads and the backend's plan for a step; returns the step's tokens and
+    /// the rows wanting logits.
+    fn begin(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<(usize, Vec<i32>), ForwardError> {
         check_plan(batch, plan)?;
         let c = &self.config;
         let t: usize = batch.iter().map(|s| s.tokens.len()).sum();
@@ -1071,19 +1197,64 @@ impl Forward for GpuLlama {
             }
         }
         if t == 0 {
-            return Ok(Vec::new());
+            return Ok((0, last));
         }
         self.gpu
             .context()
             .bind_to_thread()
             .map_err(drv("binding the context"))?;
         self.ensure_acts(t, last.len())?;
-        self.backend.prepare(plan).map_err(backend_err)?;
         let s = self.gpu.stream().clone();
+        if let Some(p) = self.profile.as_mut() {
+            p.start(&s).map_err(drv("recording a profile event"))?;
+        }
+        self.backend.prepare(plan).map_err(backend_err)?;
         upload_into(&s, &tokens, &mut self.acts.tok)?;
         upload_into(&s, &positions, &mut self.acts.pos)?;
         upload_into(&s, &last, &mut self.acts.last)?;
-        Ok(self.run(t, &last)?)
+        if let Some(p) = self.profile.as_mut() {
+            p.mark(&s, part::PREPARE)
+                .map_err(drv("recording a profile event"))?;
+        }
+        Ok((t, last))
+    }
+}
+
+impl Forward for GpuLlama {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn kv_config(&self) -> &BackendConfig {
+        self.backend.config()
+    }
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
+        let (t, last) = self.begin(batch, plan)?;
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(self.run(t, &last, None)?.logits)
+    }
+
+    fn forward_rows(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        plan: &StepPlan,
+        greedy: &[bool],
+    ) -> Result<StepOutput, ForwardError> {
+        let (t, last) = self.begin(batch, plan)?;
+        if t == 0 {
+            return Ok(StepOutput::default());
+        }
+        if greedy.len() != last.len() {
+            return Err(ForwardError::Kv(super::kv::KvError::Backend(format!(
+                "{} sampling choices for {} rows wanting logits",
+                greedy.len(),
+                last.len()
+            ))));
+        }
+        Ok(self.run(t, &last, Some(greedy))?)
     }
 
     fn device(&self) -> &'static str {

@@ -9,6 +9,7 @@ pub mod hf_tokenizer;
 pub mod kv;
 pub mod llama;
 pub mod openai;
+pub mod profile;
 pub mod runtime;
 pub mod sampling;
 pub mod serve;

@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::forward::Forward;
+use super::forward::{Forward, StepOutput};
 use super::gguf::GgufError;
 use super::gpu::{GpuCapacity, GpuError};
 use super::hf::HfError;
 use super::llama::{LoadError, SeqChunk};
+use super::profile::{self, Shape, Table};
 use super::sampling::{Sampler, SamplingParams, StopMatcher};
 use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 use crate::worker::engine::scheduler::{Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError};
@@ -215,6 +216,7 @@ impl ModelRuntime {
             next_id: 1,
             queued: queued.clone(),
             last: Counters::default(),
+            profile: profile::enabled().then(|| Table::new("serving loop (host)", HOST_PARTS)),
         };
         std::thread::Builder::new()
             .name("kvfleet-engine".into())
@@ -357,7 +359,13 @@ struct Loop {
     next_id: RequestId,
     queued: Arc<AtomicUsize>,
     last: Counters,
+    /// Host time per step part, when `KVFLEET_PROFILE=1`.
+    profile: Option<Table>,
 }
+
+/// The serving loop's parts a profile times: commands and cancellations, scheduling, the
+/// forward pass (wall time, the device's included), sampling and streaming, metrics.
+const HOST_PARTS: &[&str] = &["intake", "schedule", "forward", "sample", "publish"];
 
 impl Loop {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
@@ -365,6 +373,7 @@ impl Loop {
         let mut events = Vec::new();
         let mut drain_until: Option<Instant> = None;
         self.publish();
+        let mut intake_from = Instant::now();
         loop {
             // Commands: block while idle, poll while busy.
             loop {
@@ -417,15 +426,28 @@ impl Loop {
                     );
                     self.handle(&mut events, None, &[]);
                     self.publish();
+                    if let Some(p) = self.profile.as_mut() {
+                        p.report();
+                    }
                     return;
                 }
             }
             if self.sched.is_idle() {
                 self.publish();
+                intake_from = Instant::now();
                 continue;
             }
-            self.step(&mut plan, &mut events);
+            let intake = intake_from.elapsed();
+            let shape = self.step(&mut plan, &mut events);
+            let published = Instant::now();
             self.publish();
+            if let (Some(p), Some((shape, tokens, mut ms))) = (self.profile.as_mut(), shape) {
+                ms[0] = intake.as_secs_f64() * 1e3;
+                ms[4] = published.elapsed().as_secs_f64() * 1e3;
+                p.add(shape, tokens, &ms);
+                p.maybe_report();
+            }
+            intake_from = Instant::now();
         }
     }
 
@@ -482,13 +504,17 @@ impl Loop {
         self.handle(events, None, &[]);
     }
 
-    fn step(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) {
+    /// One step; returns its shape, tokens and host times (ms of schedule, forward, sample in
+    /// `HOST_PARTS` order) when a forward pass ran.
+    fn step(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) -> Option<(Shape, usize, [f64; 5])> {
+        let scheduling = Instant::now();
         if self.sched.schedule(plan, events) == 0 {
             // Nothing fits this step (every request preempted or waiting): apply and retry.
             self.sched.complete(events);
             self.handle(events, None, &[]);
-            return;
+            return None;
         }
+        let scheduled = scheduling.elapsed();
         let chunks: Vec<_> = self.sched.scheduled().collect();
         let rows: Vec<RequestId> = chunks.iter().filter(|c| c.samples).map(|c| c.id).collect();
         let started = Instant::now();
@@ -508,20 +534,37 @@ impl Loop {
             }
             match bad {
                 Some(id) => Err(format!("request {id} was scheduled without its tokens")),
-                None => self.model.forward(&batch, plan).map_err(|e| e.to_string()),
+                None => {
+                    let greedy: Vec<bool> = rows
+                        .iter()
+                        .map(|id| self.live.get(id).is_some_and(|l| l.sampler.is_greedy()))
+                        .collect();
+                    self.model
+                        .forward_rows(&batch, plan, &greedy)
+                        .map_err(|e| e.to_string())
+                }
             }
         };
         let elapsed = started.elapsed();
+        let sampling = Instant::now();
         self.sched.complete(events);
+        let tokens: usize = chunks.iter().map(|c| c.len).sum();
+        let shape = Shape::new(tokens, rows.len());
         match result {
-            Ok(logits) => {
+            Ok(out) => {
                 if let Some(t) = self.model.last_attention_time() {
                     self.metrics.attention_seconds.observe(t.as_secs_f64());
                 }
                 self.metrics.step_seconds.observe(elapsed.as_secs_f64());
                 let now = Instant::now();
-                self.handle(events, Some((&logits, now)), &rows);
-                self.model.recycle(logits);
+                self.handle(events, Some((&out, now)), &rows);
+                self.model.recycle(out.logits);
+                let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                Some((
+                    shape,
+                    tokens,
+                    [0.0, ms(scheduled), ms(elapsed), ms(sampling.elapsed()), 0.0],
+                ))
             }
             Err(e) => {
                 // A failed step fails the requests in it; the loop keeps serving others.
@@ -535,13 +578,14 @@ impl Loop {
                     self.sched.cancel(c.id, events);
                 }
                 self.handle(events, None, &[]);
+                None
             }
         }
     }
 
     /// Applies scheduler events: samples the next token of every request the step yielded
-    /// one for (row `i` of `logits` belongs to `rows[i]`), streams text, ends requests.
-    fn handle(&mut self, events: &mut Vec<Event>, logits: Option<(&[f32], Instant)>, rows: &[RequestId]) {
+    /// one for (row `i` of the step's output belongs to `rows[i]`), streams text, ends requests.
+    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&StepOutput, Instant)>, rows: &[RequestId]) {
         let vocab = self.model.config().vocab;
         let mut stopped = Vec::new();
         loop {
@@ -556,15 +600,27 @@ impl Loop {
                         }
                     }
                     Event::Token { id, .. } => {
-                        let (Some((logits, now)), Some(row)) = (logits, rows.iter().position(|r| *r == id))
-                        else {
+                        let (Some((out, now)), Some(row)) = (out, rows.iter().position(|r| *r == id)) else {
                             continue;
                         };
                         let Some(l) = self.live.get_mut(&id) else { continue };
                         if l.ended.is_some() {
                             continue;
                         }
-                        let next = l.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+                        let next = match (out.picked.get(row).copied().flatten(), out.logits_row.get(row)) {
+                            (Some(tok), _) => tok,
+                            (None, Some(Some(r))) => {
+                                l.sampler.sample(&out.logits[r * vocab..(r + 1) * vocab])
+                            }
+                            (None, _) => {
+                                tracing::error!(
+                                    id,
+                                    row,
+                                    "the step returned neither a token nor logits for a row"
+                                );
+                                continue;
+                            }
+                        };
                         self.metrics.vllm_generation_tokens.inc();
                         match l.last_token_at {
                             None => {

@@ -77,12 +77,18 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether the next token is the argmax of the logits (temperature 0 or top-k 1), which a
+    /// device can pick without the logits leaving it.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 || self.params.top_k == 1
+    }
+
     /// The next token for `logits` (one row over the vocabulary).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature <= 0.0 || p.top_k == 1 {
+        if self.is_greedy() {
             return argmax(logits);
         }
+        let p = &self.params;
         let c = &mut self.scratch;
         c.clear();
         c.extend(
