@@ -67,14 +67,18 @@ case "$mode" in
     # The served model through HTTP (issue 19): ceilings of this call, then each worker build
     # carried (kvfleet-base first, when present) with dummy Llama-3.1-8B weights, the same load
     # rows, and the profile tables (KVFLEET_PROFILE=1) the worker logs.
-    step "ceilings (copy bandwidth, bf16 GEMM)"
-    PEERS_CEILINGS_ONLY=1 timeout 120 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning
-    for build in kvfleet-base kvfleet; do
+    # KVFLEET_DEVICE_BUILDS picks the builds, KVFLEET_DEVICE_PROFILE=1 turns the profile on
+    # (it costs launch time: time the figures without it), KVFLEET_DEVICE_TAG names the logs.
+    if [ ! -s "$OUT/ceilings.json" ]; then
+      step "ceilings (copy bandwidth, bf16 GEMM)"
+      PEERS_CEILINGS_ONLY=1 timeout 120 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning
+    fi
+    for build in ${KVFLEET_DEVICE_BUILDS:-kvfleet-base kvfleet}; do
       [ -x "$bin/$build" ] || continue
       for dtype in ${KVFLEET_DEVICE_HTTP_DTYPES:-bfloat16}; do
         step "HTTP load: $build, dummy Llama-3.1-8B, $dtype KV"
-        log="$OUT/${build}_$dtype"
-        KVFLEET_PROFILE=1 "$bin/$build" worker --listen 127.0.0.1:8000 --model-weights dummy \
+        log="$OUT/${build}_$dtype${KVFLEET_DEVICE_TAG:-}"
+        KVFLEET_PROFILE=${KVFLEET_DEVICE_PROFILE:-0} "$bin/$build" worker --listen 127.0.0.1:8000 --model-weights dummy \
           --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --kv-cache-dtype "$dtype" \
           --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens ${KVFLEET_DEVICE_CHUNK:-2048} \
           --gpu-memory-utilization 0.92 --max-waiting 4096 > "$log.worker.log" 2>&1 &
@@ -83,10 +87,11 @@ case "$mode" in
         for row in ${KVFLEET_DEVICE_HTTP_ROWS:-1:130:512:1 64:130:512:64 256:130:512:256 256:1500:128:256 1:1500:16:5}; do
           IFS=: read -r c p o n <<< "$row"
           timeout 150 python3 $dev/http_load.py --port 8000 --concurrency "$c" --prompt-tokens "$p" \
-            --output-tokens "$o" --requests "$n" --vocab 128000 --metrics 2>&1 | tee -a "$log.http.log" | tail -2
+            --output-tokens "$o" --requests "$n" --vocab 128000 --metrics 2>&1 | tee -a "$log.http.log" | tail -1 \
+            | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print({k: r[k] for k in ("concurrency","prompt_tokens","output_tokens","errors","output_tok_per_s","ttft_p50_ms","ttft_p99_ms","itl_p50_ms","itl_p99_ms")})' 
         done
         kill $pid; wait $pid 2>/dev/null
-        sed 's/\x1b\[[0-9;]*m//g' "$log.worker.log" | grep -A12 "profile" | tail -40
+        [ "${KVFLEET_DEVICE_PROFILE:-0}" = 1 ] && sed 's/\x1b\[[0-9;]*m//g' "$log.worker.log" | grep -A12 "profile" | tail -40
       done
     done
     ;;

@@ -587,6 +587,7 @@ impl Loop {
     /// one for (row `i` of the step's output belongs to `rows[i]`), streams text, ends requests.
     fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&StepOutput, Instant)>, rows: &[RequestId]) {
         let vocab = self.model.config().vocab;
+        let row_of: HashMap<RequestId, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut stopped = Vec::new();
         loop {
             for e in events.drain(..) {
@@ -600,7 +601,7 @@ impl Loop {
                         }
                     }
                     Event::Token { id, .. } => {
-                        let (Some((out, now)), Some(row)) = (out, rows.iter().position(|r| *r == id)) else {
+                        let (Some((out, now)), Some(row)) = (out, row_of.get(&id).copied()) else {
                             continue;
                         };
                         let Some(l) = self.live.get_mut(&id) else { continue };
