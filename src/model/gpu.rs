@@ -1399,6 +1399,65 @@ mod tests {
         );
     }
 
+    fn gemma_270m() -> LlamaConfig {
+        LlamaConfig::gemma3(18, 640, 2048, 262_144, 512)
+    }
+
+    #[test]
+    fn gemma_pools_split_the_gpu_bytes_by_window_and_admit_more_than_a_full_layer_budget() {
+        let c = gemma_270m();
+        GpuLlama::check_shapes(&c).unwrap();
+        let geo = c.attn_geometry();
+        let opts = GpuOptions {
+            max_model_len: Some(4096),
+            max_batched_tokens: 256,
+            ..GpuOptions::default()
+        };
+        // bf16, 1 KV head of 256: 2 x 512 bytes per layer and token; 1024 pages of every layer.
+        let per_token = 18 * 2 * 512;
+        let bytes = 1024 * 16 * per_token;
+        let pools = windowed_pools(&c, geo, &opts, bytes).unwrap();
+        assert_eq!(pools.groups.len(), 2);
+        for (i, l) in pools.layers.iter().enumerate() {
+            let want = c.layer_window(i).map(|w| w as u32);
+            assert_eq!(l.attn.window, want, "layer {i}");
+            assert_eq!(pools.groups[l.group].window, want, "layer {i} reads its window's page table");
+        }
+        let used: usize = pools
+            .groups
+            .iter()
+            .map(|g| {
+                let layers = pools.layers.iter().filter(|l| pools.groups[l.group] == *g).count();
+                g.num_blocks * layers * 16 * 2 * 512
+            })
+            .sum();
+        assert!(used <= bytes && used > bytes * 99 / 100, "{used} of {bytes} bytes");
+        let a = crate::worker::engine::capacity::admitted(&pools, 4096, 256);
+        // Full-layer: 18 x 256 pages per request; window-aware: 3 x 256 + 15 x 48.
+        assert!((a.full_layer_max_concurrency - 4.0).abs() < 0.01, "{a:?}");
+        let ratio = a.max_concurrency / a.full_layer_max_concurrency;
+        assert!((3.0..3.2).contains(&ratio), "{ratio}");
+    }
+
+    #[test]
+    fn gemma_pools_without_room_for_every_group_are_a_memory_error() {
+        let c = gemma_270m();
+        let e = windowed_pools(&c, c.attn_geometry(), &GpuOptions::default(), 16 * 1024).unwrap_err();
+        assert!(matches!(e, GpuError::Memory(_)), "{e}");
+    }
+
+    #[test]
+    fn gemma_query_scale_is_folded_only_where_it_differs_from_the_kernels() {
+        let mut c = gemma_270m();
+        assert_eq!(gemma_q_scale(&c), 1.0, "270M: query_pre_attn_scalar = head_dim");
+        c.gemma3.as_mut().unwrap().query_scale = 1.0 / 144f32.sqrt();
+        assert!((gemma_q_scale(&c) - 16.0 / 12.0).abs() < 1e-6);
+        assert_eq!(gemma_q_scale(&LlamaConfig::llama(2, 64, 96, 4, 2, 40)), 1.0);
+        let local = gemma_inv_freq_local(&c).unwrap();
+        assert!((local[1] - 10_000f32.powf(-2.0 / 256.0)).abs() < 1e-9);
+        assert!(gemma_inv_freq_local(&LlamaConfig::llama(2, 64, 96, 4, 2, 40)).is_none());
+    }
+
     #[test]
     fn admission_leaves_one_partial_page_per_sequence() {
         let cap = GpuCapacity {
