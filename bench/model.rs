@@ -59,7 +59,9 @@ fn smollm2_path() -> PathBuf {
 fn gemma3_path() -> PathBuf {
     std::env::var_os("KVFLEET_GEMMA3_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/gemma-3-270m-q4_k_m.gguf"))
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/gemma-3-270m-q4_k_m.gguf")
+        })
 }
 
 fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
@@ -275,7 +277,11 @@ mod gpu {
             );
             // What the pools admit for max_model_len requests, each layer group by its window and
             // under a full-layer budget of the same bytes (as /v1/capacity reports them).
-            let a = kvfleet::worker::engine::capacity::admitted(m.kv_config(), max_model_len, opts.max_batched_tokens);
+            let a = kvfleet::worker::engine::capacity::admitted(
+                m.kv_config(),
+                max_model_len,
+                opts.max_batched_tokens,
+            );
             println!(
                 "{label}: max_model_len {max_model_len}: window-aware max concurrency {:.2}, full-layer {:.2} \
                  (ratio {:.2}); groups {}",

@@ -55,10 +55,7 @@ fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
 /// window, a chunk crossing it next to a decode, then decodes until the local group has freed
 /// leading pages of both.
 fn window_steps() -> Vec<Vec<(u64, usize, usize)>> {
-    let mut steps = vec![
-        vec![(1, 0, 70), (2, 0, 30)],
-        vec![(1, 70, 1), (2, 30, 25)],
-    ];
+    let mut steps = vec![vec![(1, 0, 70), (2, 0, 30)], vec![(1, 70, 1), (2, 30, 25)]];
     for i in 0..24 {
         steps.push(vec![(2, 55 + i, 1), (1, 71 + i, 1)]);
     }
@@ -89,7 +86,9 @@ fn gpu_windowed_attention_on_its_own_page_table_matches_the_cpu_backend() {
         freed_seen |= plan.groups[local_group].kv_first_pos.iter().any(|&p| p > 0);
         let t: usize = step.iter().map(|s| s.2).sum();
         let mut rand = |n: usize| -> Vec<f32> {
-            (0..n).map(|_| bf16_round(rng.random_range(-2.0f32..2.0))).collect()
+            (0..n)
+                .map(|_| bf16_round(rng.random_range(-2.0f32..2.0)))
+                .collect()
         };
         let (q, k, v) = (rand(t * qw), rand(t * kw), rand(t * kw));
         cpu.prepare(&plan).unwrap();
@@ -110,7 +109,10 @@ fn gpu_windowed_attention_on_its_own_page_table_matches_the_cpu_backend() {
             cuda.attention(layer, &qb, &mut ob).unwrap();
             let mut got = vec![0f32; t * qw];
             cuda.download(&ob, &mut got).unwrap();
-            assert!(got.iter().all(|x| x.is_finite()), "step {si} layer {layer}: not finite");
+            assert!(
+                got.iter().all(|x| x.is_finite()),
+                "step {si} layer {layer}: not finite"
+            );
             let (d, s) = diff(&got, &want);
             worst = worst.max(d / s.max(1e-12));
             assert!(
@@ -127,7 +129,10 @@ fn gpu_windowed_attention_on_its_own_page_table_matches_the_cpu_backend() {
         "windowed attention: max|gpu - cpu| / max|cpu| = {worst:.2e}; local vs global layer on the same \
          inputs differ by up to {window_effect:.3} of max|out|"
     );
-    assert!(freed_seen, "the local group never dropped a page: the window was not exercised");
+    assert!(
+        freed_seen,
+        "the local group never dropped a page: the window was not exercised"
+    );
     assert!(
         window_effect > 0.1,
         "local and global layers agree ({window_effect}): the window masked nothing"
@@ -212,7 +217,11 @@ fn gpu_dummy_gemma3_geometry_matches_the_cpu_engine_past_the_window() {
     let pools = model_backend_config(&m.config, KvDtype::Bf16, 16, 64);
     let mut cpu = CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     let mut g = GpuLlama::from_llama(gpu(), &m, &gpu_opts()).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(g.kv_config().groups.len(), 2, "full and local page tables on the GPU");
+    assert_eq!(
+        g.kv_config().groups.len(),
+        2,
+        "full and local page tables on the GPU"
+    );
     let prompt: Vec<u32> = (0..50).map(|i| (i * 13 + 1) % 300).collect();
     let (ct, cl) = greedy(&mut cpu, 1, &prompt, 12, 20);
     let (gt, gl) = greedy(&mut g, 1, &prompt, 12, 20);
@@ -271,7 +280,10 @@ fn gpu_gemma3_270m_greedy_tokens_equal_the_cpu_engine_with_bf16_kv() {
         gm.kv_config().groups
     );
     let cases = fixture();
-    assert!(cases.iter().any(|c| c.0.len() > 512), "a prompt longer than the window");
+    assert!(
+        cases.iter().any(|c| c.0.len() > 512),
+        "a prompt longer than the window"
+    );
     let (mut exact, mut worst, mut same_as_hf) = (0, 0f32, 0);
     for (i, (ids, hf)) in cases.iter().enumerate() {
         let n = hf.len();
@@ -317,5 +329,9 @@ fn gpu_gemma3_270m_greedy_tokens_equal_the_cpu_engine_with_bf16_kv() {
         cases.len(),
         cases[0].1.len()
     );
-    assert!(exact * 2 > cases.len(), "only {exact} of {} prompts equal", cases.len());
+    assert!(
+        exact * 2 > cases.len(),
+        "only {exact} of {} prompts equal",
+        cases.len()
+    );
 }

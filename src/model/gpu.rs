@@ -686,8 +686,16 @@ impl Weights {
                 ffn_norm: upload_f32(gpu, &vec![1.0; d])?,
                 wgu: rand(2 * ff, d)?,
                 wdown: rand(d, ff)?,
-                post_attn_norm: c.gemma3.as_ref().map(|_| upload_f32(gpu, &vec![1.0; d])).transpose()?,
-                post_ffn_norm: c.gemma3.as_ref().map(|_| upload_f32(gpu, &vec![1.0; d])).transpose()?,
+                post_attn_norm: c
+                    .gemma3
+                    .as_ref()
+                    .map(|_| upload_f32(gpu, &vec![1.0; d]))
+                    .transpose()?,
+                post_ffn_norm: c
+                    .gemma3
+                    .as_ref()
+                    .map(|_| upload_f32(gpu, &vec![1.0; d]))
+                    .transpose()?,
             });
         }
         Ok(Weights {
@@ -1241,7 +1249,10 @@ fn gemma_layers(
     t: usize,
 ) -> Result<(), GpuError> {
     let missing = |what: &str| GpuError::Invalid(format!("a Gemma 3 model without {what}"));
-    let local_freq = w.inv_freq_local.as_ref().ok_or_else(|| missing("local RoPE frequencies"))?;
+    let local_freq = w
+        .inv_freq_local
+        .as_ref()
+        .ok_or_else(|| missing("local RoPE frequencies"))?;
     k.gemma
         .embed_scaled(s, &w.embed, &a.tok, t, dm.d, (dm.d as f32).sqrt(), &mut a.x)?;
     need("q", &a.q, t * dm.qw)?;
@@ -1263,7 +1274,17 @@ fn gemma_layers(
             &w.inv_freq
         };
         k.rms_norm(s, &a.x, &l.attn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
-        gemm(blas, s, &l.wqkv, &a.h, &mut a.qkv, t, dm.qw + 2 * dm.kw, dm.d, false)?;
+        gemm(
+            blas,
+            s,
+            &l.wqkv,
+            &a.h,
+            &mut a.qkv,
+            t,
+            dm.qw + 2 * dm.kw,
+            dm.d,
+            false,
+        )?;
         let cfg = LaunchConfig {
             grid_dim: (t as u32, heads, 1),
             block_dim: (HEAD_THREADS, 1, 1),
@@ -1421,17 +1442,27 @@ mod tests {
         for (i, l) in pools.layers.iter().enumerate() {
             let want = c.layer_window(i).map(|w| w as u32);
             assert_eq!(l.attn.window, want, "layer {i}");
-            assert_eq!(pools.groups[l.group].window, want, "layer {i} reads its window's page table");
+            assert_eq!(
+                pools.groups[l.group].window, want,
+                "layer {i} reads its window's page table"
+            );
         }
         let used: usize = pools
             .groups
             .iter()
             .map(|g| {
-                let layers = pools.layers.iter().filter(|l| pools.groups[l.group] == *g).count();
+                let layers = pools
+                    .layers
+                    .iter()
+                    .filter(|l| pools.groups[l.group] == *g)
+                    .count();
                 g.num_blocks * layers * 16 * 2 * 512
             })
             .sum();
-        assert!(used <= bytes && used > bytes * 99 / 100, "{used} of {bytes} bytes");
+        assert!(
+            used <= bytes && used > bytes * 99 / 100,
+            "{used} of {bytes} bytes"
+        );
         let a = crate::worker::engine::capacity::admitted(&pools, 4096, 256);
         // Full-layer: 18 x 256 pages per request; window-aware: 3 x 256 + 15 x 48.
         assert!((a.full_layer_max_concurrency - 4.0).abs() < 0.01, "{a:?}");
