@@ -8,7 +8,10 @@
 //!
 //! GPU (`KVFLEET_BENCH_DEVICE=cuda`): `GpuLlama` (bf16 weights, cuBLAS, paged bf16 KV) for
 //! SmolLM2 and a dummy-weight Llama-3-8B geometry (32 layers, d 4096, 32/8 heads, head_dim 128,
-//! ff 14336, vocab 128256: 16 GB of bf16 weights made on the device). Per batch size: each
+//! ff 14336, vocab 128256: 16 GB of bf16 weights made on the device), and Gemma 3 270M (`gemma3`,
+//! Q4_K_M GGUF from `KVFLEET_GEMMA3_GGUF`, window-aware KV pools: the admitted concurrency of
+//! `KVFLEET_BENCH_MAX_MODEL_LEN`-token requests, default 4096, is printed beside a full-layer
+//! budget's). Per batch size: each
 //! sequence prefills a 128-token prompt (untimed, chunks of up to 2048 tokens), then 128
 //! decode steps are timed, each step downloading the f32 logits and taking the greedy token on
 //! the host (as the generation loop does); one warm-up run, then the median of 3. Prints the
@@ -50,6 +53,14 @@ fn smollm2_path() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+}
+
+fn gemma3_path() -> PathBuf {
+    std::env::var_os("KVFLEET_GEMMA3_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/gemma-3-270m-q4_k_m.gguf")
         })
 }
 
@@ -201,12 +212,14 @@ mod gpu {
             Err(e) => fail("KVFLEET_BENCH_KV_DTYPE", e),
         };
         let max_batch = batches.iter().copied().max().unwrap_or(1);
+        let max_model_len = super::env_list("KVFLEET_BENCH_MAX_MODEL_LEN", &[4096])[0];
         let opts = GpuOptions {
             kv_dtype,
             max_batched_tokens: CHUNK_TOKENS.max(max_batch),
             max_num_seqs: max_batch.max(CHUNK_TOKENS / prompt_len.max(1)),
             // The margin the figures at 7b425e4 were taken with: max(1 GiB, 2%) of the device.
             gpu_memory_utilization: 0.98,
+            max_model_len: Some(max_model_len),
             ..GpuOptions::default()
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));
@@ -229,6 +242,14 @@ mod gpu {
                         .unwrap_or_else(|e| fail("SmolLM2 on the GPU", e));
                     ("SmolLM2-135M", m)
                 }
+                "gemma3" => {
+                    let path = super::gemma3_path();
+                    let g = Gguf::open(&path).unwrap_or_else(|e| fail(&format!("{}", path.display()), e));
+                    let cpu = Llama::from_gguf(&g).unwrap_or_else(|e| fail("loading Gemma 3", e));
+                    let m = GpuLlama::from_llama(gpu.clone(), &cpu, &opts)
+                        .unwrap_or_else(|e| fail("Gemma 3 on the GPU", e));
+                    ("Gemma-3-270M", m)
+                }
                 "llama3-8b" => {
                     let cfg = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
                     let m = GpuLlama::dummy(gpu.clone(), cfg, 1, &opts)
@@ -237,7 +258,7 @@ mod gpu {
                 }
                 other => fail(
                     "KVFLEET_BENCH_MODELS",
-                    format!("unknown model {other:?} (smollm2, llama3-8b)"),
+                    format!("unknown model {other:?} (smollm2, gemma3, llama3-8b)"),
                 ),
             };
             let cap = m.capacity().clone();
@@ -253,6 +274,28 @@ mod gpu {
                 cap.kv_bytes_per_token >> 10,
                 (cap.kv_tokens * cap.kv_bytes_per_token) as f64 / (1u64 << 30) as f64,
                 cap.total_bytes as f64 / (1u64 << 30) as f64,
+            );
+            // What the pools admit for max_model_len requests, each layer group by its window and
+            // under a full-layer budget of the same bytes (as /v1/capacity reports them).
+            let a = kvfleet::worker::engine::capacity::admitted(
+                m.kv_config(),
+                max_model_len,
+                opts.max_batched_tokens,
+            );
+            println!(
+                "{label}: max_model_len {max_model_len}: window-aware max concurrency {:.2}, full-layer {:.2} \
+                 (ratio {:.2}); groups {}",
+                a.max_concurrency,
+                a.full_layer_max_concurrency,
+                a.max_concurrency / a.full_layer_max_concurrency.max(1e-12),
+                a.tokens_per_request
+                    .iter()
+                    .map(|g| format!(
+                        "[window {:?}: {} layers, {} blocks, {} tokens/request (full-layer {})]",
+                        g.window, g.layers, g.num_blocks, g.tokens, g.full_layer_tokens
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(" ")
             );
             let vocab = m.config().vocab as u32;
             let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();

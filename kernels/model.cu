@@ -181,3 +181,50 @@ extern "C" __global__ void kvf_fill_uniform(bf16* __restrict__ out, long long n,
         out[idx] = __float2bfloat16((2.f * u - 1.f) * a);
     }
 }
+
+// === Gemma 3 ===
+// The parts of Gemma 3's block the Llama-family kernels above do not cover (src/model/gpu.rs,
+// `gemma_layers`). Its (1 + w) RMSNorm needs no kernel of its own: the GGUF norm tensors
+// already hold 1 + w (see `Gemma3` in src/model/llama.rs).
+
+// x[t, :] = table[tokens[t], :] * scale (Gemma 3 scales the embedding by sqrt(hidden); the tied
+// LM head reads the same table unscaled). Grid (T), any block size.
+extern "C" __global__ void kvf_embed_scaled(const bf16* __restrict__ table, const int* __restrict__ tokens, int d,
+                                            float scale, float* __restrict__ x) {
+    const size_t t = blockIdx.x;
+    const bf16* row = table + (size_t)tokens[t] * d;
+    float* out = x + t * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = __bfloat162float(row[i]) * scale;
+}
+
+// x[r] += norm(y[r]) * w: the post-norm of a sublayer's output added to the residual, in f32.
+// Grid (rows), block a multiple of 32.
+extern "C" __global__ void kvf_rms_norm_add(const float* __restrict__ y, const float* __restrict__ w, int d,
+                                            float eps, float* __restrict__ x) {
+    const size_t r = blockIdx.x;
+    const float* yr = y + r * d;
+    float* xr = x + r * d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = yr[i];
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] += yr[i] * inv * w[i];
+}
+
+// act[t, i] = gelu_tanh(gate[t, i]) * up[t, i] (GeGLU) from gate_up [T, 2 ff]; n = T * ff.
+// Grid-stride.
+extern "C" __global__ void kvf_gelu_tanh_mul(const float* __restrict__ gate_up, int ff, long long n,
+                                             bf16* __restrict__ act) {
+    const float c = 0.7978845608f;  // sqrt(2 / pi)
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long t = idx / ff;
+        const long long i = idx - t * ff;
+        const float g = gate_up[t * 2 * ff + i];
+        const float u = gate_up[t * 2 * ff + ff + i];
+        act[idx] = __float2bfloat16(0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g))) * u);
+    }
+}

@@ -47,7 +47,7 @@ pub const MODEL_SOURCE: &str = concat!(
 );
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 7] = [
+pub const MODEL_KERNELS: [&str; 10] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
@@ -55,6 +55,9 @@ pub const MODEL_KERNELS: [&str; 7] = [
     "kvf_silu_mul",
     "kvf_fill_uniform",
     "kvf_argmax_rows",
+    "kvf_embed_scaled",
+    "kvf_rms_norm_add",
+    "kvf_gelu_tanh_mul",
 ];
 
 /// The parts of a step [`profile::GpuSteps`] times, in the order they run.
@@ -229,6 +232,10 @@ pub struct GpuOptions {
     /// Run the attention kernels' self-test on the served geometry and dtype before
     /// allocating the pools (the worker's preflight).
     pub self_test: bool,
+    /// Tokens of one request at most (the engine's maxModelLen): a model with sliding-window
+    /// layers splits the KV memory between its layer groups by what one such request needs
+    /// from each. `None`: the model's context length.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for GpuOptions {
@@ -243,6 +250,7 @@ impl Default for GpuOptions {
             gpu_memory_utilization: 0.9,
             memory_margin_bytes: None,
             self_test: false,
+            max_model_len: None,
         }
     }
 }
@@ -261,6 +269,9 @@ pub struct GpuCapacity {
     pub kv_bytes_per_token: usize,
     /// KV heads stored per layer (`n_kv_heads * kv_rep`).
     pub kv_heads_stored: usize,
+    /// Pages of every layer the KV memory holds. A model with sliding-window layers (Gemma 3)
+    /// gets the same bytes split between its layer groups ([`GpuLlama`]'s `kv_config` has each
+    /// group's pages), so these are the pages of a full-layer budget of the same memory.
     pub blocks: usize,
     pub block_size: usize,
     /// `blocks * block_size`.
@@ -291,6 +302,8 @@ struct Dims {
     kw_rep: usize,
     ff: usize,
     vocab: usize,
+    /// Gemma 3's block (post-norms, GeGLU, scaled embedding, local RoPE).
+    gemma: bool,
 }
 
 impl Dims {
@@ -308,6 +321,7 @@ impl Dims {
             kw_rep: kw * kv_rep,
             ff: c.d_ff,
             vocab: c.vocab,
+            gemma: c.gemma3.is_some(),
         }
     }
 }
@@ -320,6 +334,14 @@ struct ModelKernels {
     silu_mul: CudaFunction,
     fill_uniform: CudaFunction,
     argmax_rows: CudaFunction,
+    gemma: GemmaKernels,
+}
+
+/// The Gemma 3 section of `kernels/model.cu`.
+struct GemmaKernels {
+    embed_scaled: CudaFunction,
+    rms_norm_add: CudaFunction,
+    gelu_tanh_mul: CudaFunction,
 }
 
 fn elemwise_cfg(n: usize) -> LaunchConfig {
@@ -369,6 +391,11 @@ impl ModelKernels {
             silu_mul: f("kvf_silu_mul")?,
             fill_uniform: f("kvf_fill_uniform")?,
             argmax_rows: f("kvf_argmax_rows")?,
+            gemma: GemmaKernels {
+                embed_scaled: f("kvf_embed_scaled")?,
+                rms_norm_add: f("kvf_rms_norm_add")?,
+                gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
+            },
         })
     }
 
@@ -578,6 +605,9 @@ struct LayerW {
     wgu: CudaSlice<u16>,
     /// `[d, ff]`.
     wdown: CudaSlice<u16>,
+    /// Gemma 3: RMSNorm weights of the attention and MLP outputs.
+    post_attn_norm: Option<CudaSlice<f32>>,
+    post_ffn_norm: Option<CudaSlice<f32>>,
 }
 
 struct Weights {
@@ -589,6 +619,8 @@ struct Weights {
     lm_head: Option<CudaSlice<u16>>,
     /// `[rope_dims / 2]`.
     inv_freq: CudaSlice<f32>,
+    /// Gemma 3: `[rope_dims / 2]` of the local layers (their own RoPE base).
+    inv_freq_local: Option<CudaSlice<f32>>,
     bytes: usize,
 }
 
@@ -637,16 +669,22 @@ impl Weights {
             } else {
                 None
             };
+            let q_scale = gemma_q_scale(c);
             layers.push(LayerW {
                 attn_norm: upload_f32(gpu, l.attn_norm)?,
                 wqkv: up16(&[l.wq, l.wk, l.wv])?,
                 bqkv,
-                q_norm: l.q_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+                q_norm: l
+                    .q_norm
+                    .map(|n| upload_f32(gpu, &n.iter().map(|w| w * q_scale).collect::<Vec<_>>()))
+                    .transpose()?,
                 k_norm: l.k_norm.map(|n| upload_f32(gpu, n)).transpose()?,
                 wo: up16(&[l.wo])?,
                 ffn_norm: upload_f32(gpu, l.ffn_norm)?,
                 wgu: up16(&[l.w_gate, l.w_up])?,
                 wdown: up16(&[l.w_down])?,
+                post_attn_norm: l.post_attn_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+                post_ffn_norm: l.post_ffn_norm.map(|n| upload_f32(gpu, n)).transpose()?,
             });
         }
         Ok(Weights {
@@ -655,6 +693,7 @@ impl Weights {
             out_norm: upload_f32(gpu, t.out_norm)?,
             lm_head,
             inv_freq: upload_f32(gpu, t.inv_freq)?,
+            inv_freq_local: gemma_inv_freq_local(c).map(|f| upload_f32(gpu, &f)).transpose()?,
             bytes,
         })
     }
@@ -711,6 +750,16 @@ impl Weights {
                 ffn_norm: upload_f32(gpu, &vec![1.0; d])?,
                 wgu: rand(2 * ff, d)?,
                 wdown: rand(d, ff)?,
+                post_attn_norm: c
+                    .gemma3
+                    .as_ref()
+                    .map(|_| upload_f32(gpu, &vec![1.0; d]))
+                    .transpose()?,
+                post_ffn_norm: c
+                    .gemma3
+                    .as_ref()
+                    .map(|_| upload_f32(gpu, &vec![1.0; d]))
+                    .transpose()?,
             });
         }
         Ok(Weights {
@@ -719,6 +768,7 @@ impl Weights {
             out_norm: upload_f32(gpu, &vec![1.0; d])?,
             lm_head,
             inv_freq: upload_f32(gpu, &inv_freq(c, None))?,
+            inv_freq_local: gemma_inv_freq_local(c).map(|f| upload_f32(gpu, &f)).transpose()?,
             bytes,
         })
     }
@@ -754,13 +804,16 @@ struct Acts {
     logits: CudaSlice<f32>,
     /// `[R]`: each row's argmax.
     picks: CudaSlice<i32>,
+    /// Gemma 3: f32 `[T, d]`, a sublayer's output before its post-norm (one element otherwise).
+    proj: CudaSlice<f32>,
 }
 
 impl Acts {
     fn bytes(dm: &Dims, t: usize, r: usize) -> usize {
         let f32s = t * dm.d + t * (dm.qw + 2 * dm.kw) + t * 2 * dm.ff + r * dm.vocab;
         let bf16s = t * dm.d + 2 * t * dm.qw + 2 * t * dm.kw_rep + t * dm.ff + r * dm.d;
-        4 * f32s + 2 * bf16s + 4 * (2 * t + 2 * r)
+        let proj = if dm.gemma { t * dm.d } else { 1 };
+        4 * (f32s + proj) + 2 * bf16s + 4 * (2 * t + 2 * r)
     }
 
     fn alloc(s: &Arc<CudaStream>, dm: &Dims, t: usize, r: usize) -> Result<Self, GpuError> {
@@ -786,6 +839,7 @@ impl Acts {
             hl: h(r * dm.d)?,
             logits: f(r * dm.vocab)?,
             picks: i(r)?,
+            proj: f(if dm.gemma { t * dm.d } else { 1 })?,
         })
     }
 }
@@ -854,9 +908,9 @@ impl GpuLlama {
 
     /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
     pub fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
-        if c.gemma3.is_some() {
+        if c.gemma3.is_some() && !c.qk_norm {
             return Err(GpuError::Unsupported(
-                "Gemma 3's block (post-norms, GeGLU, local RoPE, sliding windows) runs on the CPU only for now (issue 20)".into(),
+                "a Gemma 3 geometry without QK norms (the query scale is folded into the Q norm)".into(),
             ));
         }
         if HeadDim::from_usize(c.head_dim).is_none() {
@@ -921,7 +975,11 @@ impl GpuLlama {
                 (kv_bytes_per_token * bs) >> 10
             )));
         }
-        let pools = llama_backend_config(geo, dt, bs, blocks);
+        let pools = if config.gemma3.is_some() {
+            windowed_pools(&config, geo, opts, blocks * bs * kv_bytes_per_token)?
+        } else {
+            llama_backend_config(geo, dt, bs, blocks)
+        };
         if opts.self_test {
             for line in
                 crate::worker::cuda::backend::self_test(&gpu, &pools, 0).map_err(GpuError::SelfTest)?
@@ -1026,11 +1084,18 @@ impl GpuLlama {
                 }
             };
         }
-        k.embed(&s, &w.embed, &a.tok, t, dm.d, &mut a.x)?;
+        // Gemma 3 runs its own block ([`gemma_layers`]); the loop below is the Llama family's.
+        let llama_layers: &[LayerW] = if dm.gemma {
+            gemma_layers(c, dm, blas, k, w, a, backend, &s, t)?;
+            &[]
+        } else {
+            k.embed(&s, &w.embed, &a.tok, t, dm.d, &mut a.x)?;
+            &w.layers
+        };
         mark!(part::EMBED);
         let heads = (dm.n_heads + 2 * dm.n_kv) as u32;
         let rope_half = (c.rope_dims / 2) as i32;
-        for (li, l) in w.layers.iter().enumerate() {
+        for (li, l) in llama_layers.iter().enumerate() {
             k.rms_norm(&s, &a.x, &l.attn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
             mark!(part::NORM);
             gemm(
@@ -1220,6 +1285,238 @@ impl GpuLlama {
     }
 }
 
+// === Gemma 3 ===
+//
+// Gemma 3's block on the GPU, apart from the Llama family's step so that the two can change
+// independently. Per layer (the CPU's `Llama::forward` with `gemma3` set, in the same order):
+// `h = rmsnorm(x)`; `qkv = h · Wqkvᵀ`; Q/K norms (the query scale folded into the Q norm's
+// weights) and RoPE with the layer's base (local or global); append K/V to the layer group's
+// pages and attend (the local layers' group masks keys outside the window);
+// `x += rmsnorm(attn · Woᵀ)`; `h = rmsnorm(x)`; `act = gelu_tanh(gate) * up`;
+// `x += rmsnorm(act · Wdownᵀ)`. The embedding is scaled by `sqrt(d)` on the way in; the tied
+// LM head reads the unscaled table. The (1 + w) RMSNorm is the plain kernel: the GGUF norm
+// tensors already hold 1 + w.
+
+/// The factor folded into the Q norm's weights so that the attention kernels' `1 / sqrt(head_dim)`
+/// becomes Gemma's `query_pre_attn_scalar ** -0.5` (1 when the two agree, as for 270M). RoPE is
+/// linear, so scaling Q before it equals scaling it after.
+fn gemma_q_scale(c: &LlamaConfig) -> f32 {
+    c.gemma3
+        .as_ref()
+        .map_or(1.0, |g| g.query_scale * (c.head_dim as f32).sqrt())
+}
+
+/// The local layers' inverse frequencies (Gemma 3's own RoPE base), `None` for other models.
+fn gemma_inv_freq_local(c: &LlamaConfig) -> Option<Vec<f32>> {
+    c.gemma3.as_ref().map(|g| {
+        let mut local = c.clone();
+        local.rope_theta = g.rope_theta_local;
+        inv_freq(&local, None)
+    })
+}
+
+/// The KV pools of a model with sliding-window layers in `bytes`: one group per window (and
+/// one of the full layers), memory split by what one maxModelLen request needs from each
+/// (`capacity::size_pools`, as the CPU engine and preflight size them).
+fn windowed_pools(
+    c: &LlamaConfig,
+    geo: AttnGeometry,
+    opts: &GpuOptions,
+    bytes: usize,
+) -> Result<BackendConfig, GpuError> {
+    use crate::worker::engine::capacity::{size_pools, ModelLayer, PoolParams};
+    use crate::worker::engine::layout::KvScales;
+    let layers: Vec<ModelLayer> = (0..c.n_layers)
+        .map(|i| ModelLayer {
+            q_heads: geo.n_heads,
+            kv_heads: geo.n_kv_heads,
+            head_dim: geo.head_dim,
+            window: c.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)),
+        })
+        .collect();
+    let params = PoolParams {
+        block_size: opts.block_size,
+        max_model_len: opts.max_model_len.unwrap_or(c.context_len).max(1),
+        max_num_batched_tokens: opts.max_batched_tokens,
+        dtype: opts.kv_dtype,
+        causal: true,
+    };
+    let plan = size_pools(&layers, &params, bytes as u64)
+        .map_err(|e| GpuError::Invalid(format!("cannot size the KV pools: {e}")))?;
+    if let Some(g) = plan.groups.iter().find(|g| g.num_blocks == 0) {
+        return Err(GpuError::Memory(format!(
+            "{} MiB of KV memory leave no page for the layers of window {:?}",
+            bytes >> 20,
+            g.window
+        )));
+    }
+    Ok(plan.backend_config(&layers, &params, KvScales::default()))
+}
+
+impl GemmaKernels {
+    #[allow(clippy::too_many_arguments)]
+    fn embed_scaled(
+        &self,
+        s: &Arc<CudaStream>,
+        table: &CudaSlice<u16>,
+        tokens: &CudaSlice<i32>,
+        t: usize,
+        d: usize,
+        scale: f32,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        need("token buffer", tokens, t)?;
+        need("residual", x, t * d)?;
+        let d_i = d as i32;
+        let mut b = s.launch_builder(&self.embed_scaled);
+        b.arg(table).arg(tokens).arg(&d_i).arg(&scale).arg(x);
+        // SAFETY: matches `kvf_embed_scaled(const bf16*, const int*, int, float, float*)`; token
+        // ids were checked against the vocabulary on the host (the table is `[vocab, d]`), `x`
+        // holds `t * d` values (checked above).
+        unsafe { b.launch(rows_cfg(t, NORM_THREADS, 0)) }.map_err(drv("launching kvf_embed_scaled"))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_add(
+        &self,
+        s: &Arc<CudaStream>,
+        y: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        need("post-norm input", y, rows * d)?;
+        need("post-norm weight", w, d)?;
+        need("residual", x, rows * d)?;
+        let d_i = d as i32;
+        let mut b = s.launch_builder(&self.rms_norm_add);
+        b.arg(y).arg(w).arg(&d_i).arg(&eps).arg(x);
+        // SAFETY: matches `kvf_rms_norm_add(const float*, const float*, int, float, float*)`;
+        // sizes checked above; one block of NORM_THREADS (a multiple of 32) per row.
+        unsafe { b.launch(rows_cfg(rows, NORM_THREADS, 0)) }.map_err(drv("launching kvf_rms_norm_add"))?;
+        Ok(())
+    }
+
+    fn gelu_tanh_mul(
+        &self,
+        s: &Arc<CudaStream>,
+        gu: &CudaSlice<f32>,
+        t: usize,
+        ff: usize,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        need("gate/up", gu, t * 2 * ff)?;
+        need("activation", act, t * ff)?;
+        let (ff_i, n) = (ff as i32, (t * ff) as i64);
+        let mut b = s.launch_builder(&self.gelu_tanh_mul);
+        b.arg(gu).arg(&ff_i).arg(&n).arg(act);
+        // SAFETY: matches `kvf_gelu_tanh_mul(const float*, int, long long, bf16*)`; sizes checked.
+        unsafe { b.launch(elemwise_cfg(t * ff)) }.map_err(drv("launching kvf_gelu_tanh_mul"))?;
+        Ok(())
+    }
+}
+
+/// Gemma 3's layers for the step's `t` tokens (see the section comment): from the token ids
+/// in `a.tok` to the residual stream `a.x` after the last layer.
+#[allow(clippy::too_many_arguments)]
+fn gemma_layers(
+    c: &LlamaConfig,
+    dm: &Dims,
+    blas: &CudaBlas,
+    k: &ModelKernels,
+    w: &Weights,
+    a: &mut Acts,
+    backend: &mut CudaBackend,
+    s: &Arc<CudaStream>,
+    t: usize,
+) -> Result<(), GpuError> {
+    let missing = |what: &str| GpuError::Invalid(format!("a Gemma 3 model without {what}"));
+    let local_freq = w
+        .inv_freq_local
+        .as_ref()
+        .ok_or_else(|| missing("local RoPE frequencies"))?;
+    k.gemma
+        .embed_scaled(s, &w.embed, &a.tok, t, dm.d, (dm.d as f32).sqrt(), &mut a.x)?;
+    need("q", &a.q, t * dm.qw)?;
+    need("k", &a.k, t * dm.kw_rep)?;
+    need("v", &a.v, t * dm.kw_rep)?;
+    let heads = (dm.n_heads + 2 * dm.n_kv) as u32;
+    let (nh, nkv, rep, hd) = (dm.n_heads as i32, dm.n_kv as i32, dm.kv_rep as i32, dm.hd as i32);
+    let rope_half = (c.rope_dims / 2) as i32;
+    let (neox, has_bias, has_qk_norm) = (c.rope_neox as i32, 0i32, 1i32);
+    for (li, l) in w.layers.iter().enumerate() {
+        let (Some(qn), Some(kn), Some(post_attn), Some(post_ffn)) =
+            (&l.q_norm, &l.k_norm, &l.post_attn_norm, &l.post_ffn_norm)
+        else {
+            return Err(missing("QK norms and post-norms"));
+        };
+        let freq = if c.layer_window(li).is_some() {
+            local_freq
+        } else {
+            &w.inv_freq
+        };
+        k.rms_norm(s, &a.x, &l.attn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
+        gemm(
+            blas,
+            s,
+            &l.wqkv,
+            &a.h,
+            &mut a.qkv,
+            t,
+            dm.qw + 2 * dm.kw,
+            dm.d,
+            false,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, heads, 1),
+            block_dim: (HEAD_THREADS, 1, 1),
+            shared_mem_bytes: (dm.hd * 4) as u32,
+        };
+        let mut b = s.launch_builder(&k.qkv_post);
+        // No bias: `freq` stands in for the pointer the kernel never reads.
+        b.arg(&a.qkv)
+            .arg(&a.pos)
+            .arg(freq)
+            .arg(qn)
+            .arg(kn)
+            .arg(freq)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&rep)
+            .arg(&hd)
+            .arg(&rope_half)
+            .arg(&neox)
+            .arg(&has_bias)
+            .arg(&has_qk_norm)
+            .arg(&c.rope_linear_scale)
+            .arg(&c.rms_eps)
+            .arg(&mut a.q)
+            .arg(&mut a.k)
+            .arg(&mut a.v);
+        // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (6 pointers, 8 ints, 2 floats, 3
+        // pointers in order). qkv holds `t * (qw + 2 kw)` f32 (the GEMM above), pos `t`
+        // positions, the norms `head_dim` values, `freq` `rope_dims / 2`; with has_bias 0 the
+        // bias pointer is never read; outputs checked above; dynamic shared memory holds one
+        // head in f32.
+        unsafe { b.launch(cfg) }.map_err(drv("launching kvf_qkv_post"))?;
+        backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
+        backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
+        gemm(blas, s, &l.wo, &a.attn, &mut a.proj, t, dm.d, dm.qw, false)?;
+        k.gemma
+            .rms_norm_add(s, &a.proj, post_attn, t, dm.d, c.rms_eps, &mut a.x)?;
+        k.rms_norm(s, &a.x, &l.ffn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
+        gemm(blas, s, &l.wgu, &a.h, &mut a.gu, t, 2 * dm.ff, dm.d, false)?;
+        k.gemma.gelu_tanh_mul(s, &a.gu, t, dm.ff, &mut a.act)?;
+        gemm(blas, s, &l.wdown, &a.act, &mut a.proj, t, dm.d, dm.ff, false)?;
+        k.gemma
+            .rms_norm_add(s, &a.proj, post_ffn, t, dm.d, c.rms_eps, &mut a.x)?;
+    }
+    Ok(())
+}
+
 impl Forward for GpuLlama {
     fn config(&self) -> &LlamaConfig {
         &self.config
@@ -1292,6 +1589,75 @@ mod tests {
             e.contains("head_dim 96") && e.contains("--attention-backend KVFLEET_CPU"),
             "{e}"
         );
+    }
+
+    fn gemma_270m() -> LlamaConfig {
+        LlamaConfig::gemma3(18, 640, 2048, 262_144, 512)
+    }
+
+    #[test]
+    fn gemma_pools_split_the_gpu_bytes_by_window_and_admit_more_than_a_full_layer_budget() {
+        let c = gemma_270m();
+        GpuLlama::check_shapes(&c).unwrap();
+        let geo = c.attn_geometry();
+        let opts = GpuOptions {
+            max_model_len: Some(4096),
+            max_batched_tokens: 256,
+            ..GpuOptions::default()
+        };
+        // bf16, 1 KV head of 256: 2 x 512 bytes per layer and token; 1024 pages of every layer.
+        let per_token = 18 * 2 * 512;
+        let bytes = 1024 * 16 * per_token;
+        let pools = windowed_pools(&c, geo, &opts, bytes).unwrap();
+        assert_eq!(pools.groups.len(), 2);
+        for (i, l) in pools.layers.iter().enumerate() {
+            let want = c.layer_window(i).map(|w| w as u32);
+            assert_eq!(l.attn.window, want, "layer {i}");
+            assert_eq!(
+                pools.groups[l.group].window, want,
+                "layer {i} reads its window's page table"
+            );
+        }
+        let used: usize = pools
+            .groups
+            .iter()
+            .map(|g| {
+                let layers = pools
+                    .layers
+                    .iter()
+                    .filter(|l| pools.groups[l.group] == *g)
+                    .count();
+                g.num_blocks * layers * 16 * 2 * 512
+            })
+            .sum();
+        assert!(
+            used <= bytes && used > bytes * 99 / 100,
+            "{used} of {bytes} bytes"
+        );
+        let a = crate::worker::engine::capacity::admitted(&pools, 4096, 256);
+        // Full-layer: 18 x 256 pages per request; window-aware: 3 x 256 + 15 x 48.
+        assert!((a.full_layer_max_concurrency - 4.0).abs() < 0.01, "{a:?}");
+        let ratio = a.max_concurrency / a.full_layer_max_concurrency;
+        assert!((3.0..3.2).contains(&ratio), "{ratio}");
+    }
+
+    #[test]
+    fn gemma_pools_without_room_for_every_group_are_a_memory_error() {
+        let c = gemma_270m();
+        let e = windowed_pools(&c, c.attn_geometry(), &GpuOptions::default(), 16 * 1024).unwrap_err();
+        assert!(matches!(e, GpuError::Memory(_)), "{e}");
+    }
+
+    #[test]
+    fn gemma_query_scale_is_folded_only_where_it_differs_from_the_kernels() {
+        let mut c = gemma_270m();
+        assert_eq!(gemma_q_scale(&c), 1.0, "270M: query_pre_attn_scalar = head_dim");
+        c.gemma3.as_mut().unwrap().query_scale = 1.0 / 144f32.sqrt();
+        assert!((gemma_q_scale(&c) - 16.0 / 12.0).abs() < 1e-6);
+        assert_eq!(gemma_q_scale(&LlamaConfig::llama(2, 64, 96, 4, 2, 40)), 1.0);
+        let local = gemma_inv_freq_local(&c).unwrap();
+        assert!((local[1] - 10_000f32.powf(-2.0 / 256.0)).abs() < 1e-9);
+        assert!(gemma_inv_freq_local(&LlamaConfig::llama(2, 64, 96, 4, 2, 40)).is_none());
     }
 
     #[test]

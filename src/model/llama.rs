@@ -718,6 +718,9 @@ pub struct LayerTensors<'a> {
     pub w_gate: &'a [f32],
     pub w_up: &'a [f32],
     pub w_down: &'a [f32],
+    /// Gemma 3: RMSNorm weights of the attention and MLP outputs (`None` for the Llama family).
+    pub post_attn_norm: Option<&'a [f32]>,
+    pub post_ffn_norm: Option<&'a [f32]>,
 }
 
 /// Borrowed f32 weights of the whole model (see [`Llama::tensors`]).
@@ -755,6 +758,8 @@ impl Llama {
                     w_gate: &l.w_gate,
                     w_up: &l.w_up,
                     w_down: &l.w_down,
+                    post_attn_norm: l.post_attn_norm.as_deref(),
+                    post_ffn_norm: l.post_ffn_norm.as_deref(),
                 })
                 .collect(),
             out_norm: &self.out_norm,

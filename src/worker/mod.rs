@@ -330,6 +330,7 @@ fn place(
                 gpu_memory_utilization: cfg.engine.gpu_memory_utilization,
                 memory_margin_bytes: None,
                 self_test: true,
+                max_model_len: Some(pf.scheduler.max_model_len),
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
                 crate::model::runtime::RuntimeError::Gpu(crate::model::gpu::GpuError::Memory(m)) => {
