@@ -111,6 +111,10 @@ pub static RELEASES: &[Release] = &[
         note: "VLLM_ATTENTION_BACKEND removed (deprecation of vllm#26315 named v0.14.0)",
     },
     Release {
+        version: v(0, 15, 0),
+        note: "multi-node without Ray: --nnodes, --node-rank, --master-addr, --headless (vllm#23691)",
+    },
+    Release {
         version: v(0, 19, 0),
         note: "float16 KV cache dtype (vllm#37199)",
     },
@@ -289,6 +293,26 @@ pub static FLAGS: &[Flag] = &[
         },
     },
     Flag {
+        flag: "--nnodes",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--node-rank",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--master-addr",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--master-port",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--headless",
+        availability: MULTI_NODE,
+    },
+    Flag {
         flag: "--attention-backend",
         availability: Availability {
             since: Some(v(0, 12, 0)),
@@ -297,6 +321,21 @@ pub static FLAGS: &[Flag] = &[
         },
     },
 ];
+
+/// vLLM's multi-node launch without Ray (the multiprocessing executor across nodes): every
+/// node runs `vllm serve` with the same parallelism plus `--nnodes N --node-rank R
+/// --master-addr LEADER`, and the nodes other than rank 0 add `--headless` (no API server).
+/// vllm#23691 ("[V1] Support MP Executor for multi node distributed inference", opened
+/// 2025-08-26) added the flags. Its merge date is not in what kvfleet could read, so the
+/// first release is not known; 0.15.0 is the oldest release a public source states has them
+/// (Center-for-AI-Innovation/LLMFlux#137, "vLLM 0.15.0's native rendezvous flags"). kvfleet
+/// claims 0.15.0 and denies multi-node specs on older releases: never a flag the release may
+/// lack. Lower `since` when a source shows an older release has them.
+pub const MULTI_NODE: Availability = Availability {
+    since: Some(v(0, 15, 0)),
+    removed_in: None,
+    source: "vllm#23691 (flags); 0.15.0 stated by Center-for-AI-Innovation/LLMFlux#137 (D); older releases not known",
+};
 
 /// The environment variable that chose the backend before `--attention-backend`.
 pub const ATTENTION_BACKEND_ENV: &str = "VLLM_ATTENTION_BACKEND";
