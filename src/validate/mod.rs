@@ -846,7 +846,11 @@ pub(super) fn gpus_per_pod(spec: &InferenceDeploymentSpec, facts: &ClusterFacts)
 
 /// The multi-node part of a verdict: the release must have vLLM's multi-node launch, and the
 /// compatible nodes must hold every pod of every replica (one pod per node).
-pub(super) fn multi_node_checks(spec: &InferenceDeploymentSpec, facts: &ClusterFacts, mut verdict: Verdict) -> Verdict {
+pub(super) fn multi_node_checks(
+    spec: &InferenceDeploymentSpec,
+    facts: &ClusterFacts,
+    mut verdict: Verdict,
+) -> Verdict {
     let Some(layout) = multi_node_layout(spec, facts) else {
         return verdict;
     };
@@ -865,7 +869,9 @@ pub(super) fn multi_node_checks(spec: &InferenceDeploymentSpec, facts: &ClusterF
     if let Ok(version) = spec.vllm_version() {
         let since = crate::compat::vllm_versions::MULTI_NODE.since;
         if !crate::compat::vllm_versions::MULTI_NODE.at(version) {
-            let since = since.map(|s| s.to_string()).unwrap_or_else(|| "a newer release".into());
+            let since = since
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "a newer release".into());
             denials.push(denial(
                 "spec.engine.vllm.version",
                 "MultiNodeNeedsNewerVllm",
