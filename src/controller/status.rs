@@ -73,7 +73,7 @@ fn capacity_match(obj: &InferenceDeployment, seen: &Observed<'_>) -> Option<Cond
         0.0
     };
     let cause = if diff < 0 {
-        "the pods have less memory for the KV cache than planned: weights larger than model.weightBytes (or weightBytes absent), activation and CUDA-graph memory above kvfleet's reserve, or other processes on the GPU; set model.weightBytes to the checkpoint's size per GPU, or lower gpuMemoryUtilization headroom elsewhere"
+        "the pods have less memory for the KV cache than planned: weights larger than model.weightBytes (or weightBytes absent), activation and CUDA-graph memory above kvfleet's reserve, or other processes on the GPU; set model.weightBytes to the checkpoint's bytes (kvfleet divides them over the GPUs) so the plan matches what runs"
     } else {
         "the pods have more memory for the KV cache than planned: model.weightBytes above the real checkpoint, or a smaller activation peak than kvfleet's reserve; set model.weightBytes to the checkpoint's size"
     };
