@@ -1037,3 +1037,24 @@ fn parallelism_above_the_gpus_per_replica_bound_is_denied_in_code() {
     let v = validate(&llama("{runtime: vllm, pipelineParallelSize: 65}"), &h100s(1));
     assert_eq!(v.denials[0].field, "spec.engine.pipelineParallelSize");
 }
+
+#[test]
+fn pipeline_stages_split_the_layers_so_a_replica_holds_about_twice_the_tokens() {
+    let one = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 8, maxModelLen: 8192}"),
+        &h100s(1),
+    );
+    let two = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 8, pipelineParallelSize: 2, maxModelLen: 8192}"),
+        &h100s(2),
+    );
+    let tokens = |v: &Verdict| {
+        v.capacity
+            .as_ref()
+            .and_then(|c| c.tokens_per_replica)
+            .unwrap_or_else(|| panic!("{v:#?}"))
+    };
+    let (a, b) = (tokens(&one), tokens(&two));
+    // 16 of 32 layers per GPU: twice the tokens, less the pages lost to rounding.
+    assert!(b > a * 19 / 10 && b <= a * 2 + 64, "pp1 {a}, pp2 {b}");
+}
