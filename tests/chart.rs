@@ -263,6 +263,13 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
             &["get", "create", "patch"],
             "*",
         ),
+        // Multi-node replicas (issue 18): applied after a read, like every owned object.
+        (
+            "leaderworkerset.x-k8s.io",
+            &["leaderworkersets"],
+            &["get", "create", "patch"],
+            "*",
+        ),
         (
             "coordination.k8s.io",
             &["kvfleet-system/leases"],

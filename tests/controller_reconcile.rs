@@ -1060,3 +1060,148 @@ async fn a_pdb_kvfleet_did_not_create_is_not_deleted_on_scale_down() {
         "OwnershipConflict"
     );
 }
+
+// === multi-node replicas (issue 18 item 4) ===
+
+const LWS_DISCOVERY: &str = "/apis/leaderworkerset.x-k8s.io/v1";
+
+/// A node as GPU Feature Discovery labels an 8 x H100 machine.
+fn h100_node(name: &str) -> Node {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            labels::PRODUCT: "NVIDIA-H100-80GB-HBM3", labels::COMPUTE_MAJOR: "9",
+            labels::COMPUTE_MINOR: "0", labels::COUNT: "8", labels::MEMORY_MIB: "81559"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "8"}}
+    }))
+    .unwrap()
+}
+
+/// A vLLM spec of tensorParallelSize 16: more GPUs than one H100 node has.
+fn tp16(generation: i64) -> InferenceDeployment {
+    let mut o = inference_deployment(generation, 1);
+    o.spec = serde_json::from_value(json!({
+        "replicas": 1,
+        "model": {"name": "meta-llama/Llama-3.1-70B-Instruct",
+                  "geometry": {"layers": 80, "queryHeads": 64, "kvHeads": 8, "headDim": 128},
+                  "weights": {"format": "dummy"}},
+        "engine": {"runtime": "vllm", "tensorParallelSize": 16}
+    }))
+    .unwrap();
+    o
+}
+
+fn multi_node_harness() -> Harness {
+    let mut h = harness(&[h100_node("h100-0"), h100_node("h100-1")]);
+    Arc::get_mut(&mut h.ctx).unwrap().validate = kvfleet::validate::validate;
+    h
+}
+
+#[tokio::test]
+async fn without_the_leader_worker_set_crd_a_multi_node_spec_is_denied_naming_the_crd_and_its_install() {
+    let mut h = multi_node_harness();
+    let calls = vec![
+        // Discovery: the API server does not serve leaderworkerset.x-k8s.io/v1.
+        call("GET", LWS_DISCOVERY, not_found()),
+        // Denied: nothing applied; a Deployment of ours would only be reported on.
+        call("GET", ns_path("apps/v1", "deployments", "llama"), not_found()),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(tp16(1)), calls).await;
+    // Installing the CRD wakes no watch: the object is looked at again.
+    assert_eq!(
+        result.unwrap(),
+        Action::requeue(kvfleet::controller::reconcile::CRD_RETRY)
+    );
+    let status = &seen[2].body;
+    let c = condition(status, "Compatible");
+    assert_eq!(c["status"], "False", "{status}");
+    assert_eq!(c["reason"], "LeaderWorkerSetCrdMissing");
+    let msg = c["message"].as_str().unwrap();
+    assert!(
+        msg.contains("leaderworkersets.leaderworkerset.x-k8s.io/v1")
+            && msg.contains("kubernetes-sigs/lws")
+            && msg.contains("spans 2 nodes"),
+        "{msg}"
+    );
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Warning".into(), "LeaderWorkerSetCrdMissing".into())]
+    );
+}
+
+#[tokio::test]
+async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and_no_deployment() {
+    let mut h = multi_node_harness();
+    let resources = json!({"kind": "APIResourceList", "apiVersion": "v1",
+        "groupVersion": "leaderworkerset.x-k8s.io/v1",
+        "resources": [{"name": "leaderworkersets", "singularName": "leaderworkerset",
+                       "namespaced": true, "kind": "LeaderWorkerSet",
+                       "verbs": ["get", "list", "watch", "create", "patch"]}]});
+    let lws_path = ns_path("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "llama");
+    let calls = vec![
+        call("GET", LWS_DISCOVERY, Reply::Json(200, resources)),
+        call(
+            "GET",
+            ns_path("v1", "serviceaccounts", "llama-worker"),
+            not_found(),
+        ),
+        call(
+            "GET",
+            ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
+            not_found(),
+        ),
+        call("GET", lws_path.clone(), not_found()),
+        // A Deployment of ours from a single-node generation would be removed.
+        call("GET", ns_path("apps/v1", "deployments", "llama"), not_found()),
+        call("GET", ns_path("v1", "services", "llama"), not_found()),
+        call(
+            "GET",
+            ns_path("policy/v1", "poddisruptionbudgets", "llama"),
+            not_found(),
+        ),
+        apply_call(&ns_path("v1", "serviceaccounts", "llama-worker")),
+        apply_call(&ns_path(
+            "rbac.authorization.k8s.io/v1",
+            "rolebindings",
+            "llama-worker",
+        )),
+        call(
+            "PATCH",
+            lws_path,
+            Reply::EchoWithStatus(json!({"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1})),
+        ),
+        apply_call(&ns_path("v1", "services", "llama")),
+        call("GET", PODS, Reply::Json(200, pod_list(vec![]))),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(tp16(1)), calls).await;
+    result.unwrap();
+    let lws = &seen[9];
+    assert_applied(lws, "LeaderWorkerSet");
+    let lwt = &lws.body["spec"]["leaderWorkerTemplate"];
+    assert_eq!(lwt["size"], 2);
+    assert_eq!(
+        lwt["leaderTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "8"
+    );
+    assert!(
+        seen.iter()
+            .all(|s| !s.path.contains("/deployments/") || s.method == "GET"),
+        "no Deployment is applied"
+    );
+    let status = &seen[12].body;
+    assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
+    assert_eq!(condition(status, "Available")["status"], "True", "{status}");
+    assert_eq!(status["status"]["readyReplicas"], 1);
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Normal".into(), "SpecApplied".into()),
+            ("Normal".into(), "Available".into())
+        ]
+    );
+}

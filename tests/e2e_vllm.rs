@@ -2,7 +2,8 @@
 //! real control plane (`../shared/k8s`), the controller from this build renders a vLLM pod with
 //! the capacity sidecar; since no container runs there, the test runs `kvfleet
 //! capacity-sidecar` on the host for that pod (POD_NAME/POD_NAMESPACE, KUBECONFIG), fed by a
-//! stub vLLM `/metrics` it serves itself, and waits for `measuredTokensPerReplica`.
+//! stub vLLM `/metrics` it serves itself, and waits for `measuredTokensPerReplica`; the stub's
+//! pool differs from the planner's prediction, so `KvCapacityMatchesPlan` turns False.
 //!
 //! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_vllm -- --ignored --nocapture`
 
@@ -197,6 +198,32 @@ async fn e2e_vllm_measured_capacity_from_the_sidecar_reaches_status() {
         started.elapsed().as_secs_f64(),
         status.capacity.as_ref().and_then(|c| c.tokens_per_replica)
     );
+
+    // The stub's pool (197,520 tokens) is far from what the planner predicts for this tiny
+    // model on an 80 GB H100: the mismatch is a condition with both figures and a cause.
+    let predicted = status
+        .capacity
+        .as_ref()
+        .and_then(|c| c.tokens_per_replica)
+        .expect("a prediction");
+    let c = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "KvCapacityMatchesPlan")
+        .unwrap_or_else(|| panic!("no KvCapacityMatchesPlan in {:?}", status.conditions));
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "MeasuredDiffersFromPlan"),
+        "{c:?}"
+    );
+    assert!(
+        c.message.contains(&format!("measured {want}"))
+            && c.message.contains(&format!("predicted {predicted}"))
+            && c.message.contains("likely cause"),
+        "{}",
+        c.message
+    );
+    eprintln!("KvCapacityMatchesPlan=False: {}", c.message);
 
     ids.delete(NAME, &DeleteParams::foreground())
         .await

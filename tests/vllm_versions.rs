@@ -59,7 +59,15 @@ fn at(o: &InferenceDeployment, version: VllmVersion) -> InferenceDeployment {
 
 fn container(o: &InferenceDeployment, v: &Verdict) -> Container {
     let d = desired(o, v, &Settings::default(), None).expect("renders");
-    d.deployment.spec.unwrap().template.spec.unwrap().containers[0].clone()
+    d.deployment
+        .unwrap()
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+        .containers[0]
+        .clone()
 }
 
 /// Asserts every flag and value rendered for `version` exists in it.

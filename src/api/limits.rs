@@ -31,8 +31,11 @@ pub const SLIDING_WINDOW_MAX: i32 = MAX_MODEL_LEN_MAX as i32;
 pub const MAX_NUM_BATCHED_TOKENS_MAX: i32 = MAX_MODEL_LEN_MAX as i32;
 /// Sequences running at once.
 pub const MAX_NUM_SEQS_MAX: i32 = 65_536;
-/// GPUs one replica shards over (tensorParallelSize, gpu.count).
+/// GPUs one replica shards over (tensorParallelSize, gpu.count, and
+/// tensorParallelSize x pipelineParallelSize).
 pub const GPUS_PER_REPLICA_MAX: i32 = 64;
+/// Pipeline stages of one replica (pipelineParallelSize).
+pub const PIPELINE_STAGES_MAX: i32 = 64;
 /// Entries of `engine.extraArgs`, and bytes of each.
 pub const EXTRA_ARGS_MAX: usize = 256;
 pub const EXTRA_ARG_LEN_MAX: usize = 4096;

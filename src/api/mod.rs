@@ -74,8 +74,8 @@ pub const KIND: &str = "InferenceDeployment";
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schemars(extend("x-kubernetes-validations" = [
     {
-        "rule": "!has(self.gpu) || !has(self.gpu.count) || self.gpu.count >= self.engine.tensorParallelSize",
-        "message": "gpu.count must be at least engine.tensorParallelSize: each replica shards the model over tensorParallelSize GPUs",
+        "rule": "!has(self.gpu) || !has(self.gpu.count) || self.gpu.count >= self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
+        "message": "gpu.count must be at least engine.tensorParallelSize x engine.pipelineParallelSize: each replica shards the model over that many GPUs",
         "fieldPath": ".gpu.count"
     }
 ]))]
@@ -414,6 +414,11 @@ pub enum WeightsFormat {
         "fieldPath": ".attentionBackend"
     },
     {
+        "rule": "self.tensorParallelSize * self.pipelineParallelSize <= 64",
+        "message": "tensorParallelSize x pipelineParallelSize (the GPUs of one replica) must be at most 64",
+        "fieldPath": ".pipelineParallelSize"
+    },
+    {
         "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
         "message": "maxNumBatchedTokens must be at least maxNumSeqs so every running sequence can decode in one step",
         "fieldPath": ".maxNumBatchedTokens"
@@ -458,6 +463,13 @@ pub struct EngineSpec {
     #[serde(default = "default_tensor_parallel_size")]
     #[schemars(range(min = 1, max = GPUS_PER_REPLICA_MAX))]
     pub tensor_parallel_size: i32,
+    /// Pipeline stages one replica splits the model's layers into (runtime vllm). A replica
+    /// uses tensorParallelSize x pipelineParallelSize GPUs; when that is more than one node of
+    /// the selected pool has (GFD `nvidia.com/gpu.count`), the replica spans several nodes and
+    /// kvfleet runs it as a LeaderWorkerSet (the LeaderWorkerSet CRD must be installed).
+    #[serde(default = "default_pipeline_parallel_size")]
+    #[schemars(range(min = 1, max = PIPELINE_STAGES_MAX))]
+    pub pipeline_parallel_size: i32,
     /// Attention without a causal mask (drafter blocks, encoders).
     #[serde(default)]
     pub non_causal: bool,
@@ -501,6 +513,9 @@ fn default_gpu_memory_utilization() -> f64 {
 fn default_tensor_parallel_size() -> i32 {
     1
 }
+fn default_pipeline_parallel_size() -> i32 {
+    1
+}
 
 impl Default for EngineSpec {
     fn default() -> Self {
@@ -515,6 +530,7 @@ impl Default for EngineSpec {
             block_size: default_block_size(),
             gpu_memory_utilization: default_gpu_memory_utilization(),
             tensor_parallel_size: default_tensor_parallel_size(),
+            pipeline_parallel_size: default_pipeline_parallel_size(),
             non_causal: false,
             extra_args: Vec::new(),
             vllm: None,
@@ -529,7 +545,7 @@ pub struct GpuSpec {
     /// Restricts the nodes considered, by GPU Feature Discovery labels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<GpuSelector>,
-    /// GPUs per replica; defaults to engine.tensorParallelSize.
+    /// GPUs per replica; defaults to engine.tensorParallelSize x engine.pipelineParallelSize.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = GPUS_PER_REPLICA_MAX))]
     pub count: Option<i32>,
@@ -652,11 +668,18 @@ impl InferenceDeploymentSpec {
         .map(|(v, _)| v)
     }
 
-    /// GPUs per replica: gpu.count, else tensorParallelSize.
+    /// GPUs per replica: gpu.count, else tensorParallelSize x pipelineParallelSize.
     pub fn gpus_per_replica(&self) -> i32 {
         self.gpu
             .as_ref()
             .and_then(|g| g.count)
-            .unwrap_or(self.engine.tensor_parallel_size)
+            .unwrap_or_else(|| self.parallel_gpus())
+    }
+
+    /// tensorParallelSize x pipelineParallelSize (saturating: bounds are checked elsewhere).
+    pub fn parallel_gpus(&self) -> i32 {
+        self.engine
+            .tensor_parallel_size
+            .saturating_mul(self.engine.pipeline_parallel_size.max(1))
     }
 }

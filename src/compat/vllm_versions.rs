@@ -111,6 +111,10 @@ pub static RELEASES: &[Release] = &[
         note: "VLLM_ATTENTION_BACKEND removed (deprecation of vllm#26315 named v0.14.0)",
     },
     Release {
+        version: v(0, 15, 0),
+        note: "multi-node without Ray: --nnodes, --node-rank, --master-addr, --headless (vllm#23691)",
+    },
+    Release {
         version: v(0, 19, 0),
         note: "float16 KV cache dtype (vllm#37199)",
     },
@@ -289,6 +293,26 @@ pub static FLAGS: &[Flag] = &[
         },
     },
     Flag {
+        flag: "--nnodes",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--node-rank",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--master-addr",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--master-port",
+        availability: MULTI_NODE,
+    },
+    Flag {
+        flag: "--headless",
+        availability: MULTI_NODE,
+    },
+    Flag {
         flag: "--attention-backend",
         availability: Availability {
             since: Some(v(0, 12, 0)),
@@ -297,6 +321,21 @@ pub static FLAGS: &[Flag] = &[
         },
     },
 ];
+
+/// vLLM's multi-node launch without Ray (the multiprocessing executor across nodes): every
+/// node runs `vllm serve` with the same parallelism plus `--nnodes N --node-rank R
+/// --master-addr LEADER`, and the nodes other than rank 0 add `--headless` (no API server).
+/// vllm#23691 ("[V1] Support MP Executor for multi node distributed inference", opened
+/// 2025-08-26) added the flags. Its merge date is not in what kvfleet could read, so the
+/// first release is not known; 0.15.0 is the oldest release a public source states has them
+/// (Center-for-AI-Innovation/LLMFlux#137, "vLLM 0.15.0's native rendezvous flags"). kvfleet
+/// claims 0.15.0 and denies multi-node specs on older releases: never a flag the release may
+/// lack. Lower `since` when a source shows an older release has them.
+pub const MULTI_NODE: Availability = Availability {
+    since: Some(v(0, 15, 0)),
+    removed_in: None,
+    source: "vllm#23691 (flags); 0.15.0 stated by Center-for-AI-Innovation/LLMFlux#137 (D); older releases not known",
+};
 
 /// The environment variable that chose the backend before `--attention-backend`.
 pub const ATTENTION_BACKEND_ENV: &str = "VLLM_ATTENTION_BACKEND";
@@ -313,7 +352,11 @@ pub const ATTENTION_BACKEND_ENV_AVAILABILITY: Availability = Availability {
 pub const MAX_MODEL_LEN_AUTO: Availability = Availability {
     since: Some(v(0, 13, 0)),
     removed_in: None,
-    source: "vllm#29431 (merged 2025-11-25; first release after: I)",
+    // Known: vllm#29431 ("Add `--max-model-len auto` to auto-fit context to available
+    // memory"), whose test logs are dated 11-25 (2025). Not known: the first release that
+    // ships it; 0.13.0 is the first row after that date. kvfleet never renders `auto`, so this
+    // row informs docs/vllm.md only.
+    source: "vllm#29431 (test logs 2025-11-25; first release not found, 0.13.0 assumed: I); also cited by kaito-project/kaito#2156",
 };
 
 /// Whether `flag` exists in `version`; unknown flags (extraArgs) are not judged.
@@ -335,12 +378,19 @@ pub fn kv_dtype_availability(dtype: D) -> Availability {
         D::Bfloat16 => Availability {
             since: ALWAYS,
             removed_in: None,
-            source: "docs v0.11.1 CacheDType adds bfloat16 (absent in v0.10.2) (D); 0.11.0 inferred",
+            // Known: docs v0.11.1 list bfloat16 in CacheDType, docs v0.10.2 do not. Not
+            // known: whether 0.11.0 (between them) has it; the table's oldest row is
+            // 0.11.0 and kvfleet assumes it does. A spec asking for bfloat16 on 0.11.0 is the
+            // one case this row could get wrong (the fix would be `since: 0.11.1`).
+            source: "docs v0.11.1 CacheDType adds bfloat16 (absent in v0.10.2) (D); 0.11.0 not known, assumed (I)",
         },
         D::Float16 => Availability {
             since: Some(v(0, 19, 0)),
             removed_in: None,
-            source: "vllm#37199 adds float16 to CacheDType (merged 2026-03-16; first release after: I)",
+            // Known: vllm#37199 (merged 2026-03-16) and docs v0.21.0, whose TRITON_ATTN
+            // backend lists "float16" among its supported_kv_cache_dtypes. Not known: the
+            // first release; 0.19.0 is the first row after the merge date.
+            source: "vllm#37199 adds float16 to CacheDType (merged 2026-03-16); present in docs v0.21.0 triton_attn (D); first release 0.19.0 assumed (I)",
         },
         D::Nvfp4 => Availability {
             since: Some(v(0, 21, 0)),
@@ -367,7 +417,12 @@ pub fn backend_availability(backend: B) -> Availability {
         B::TritonAttn => Availability {
             since: ALWAYS,
             removed_in: None,
-            source: "vllm#24648 (2025-09) split triton_attn; before it the name was TRITON_ATTN_VLLM_V1 (vllm#14071) (I)",
+            // Known: vllm#14071 named the backend TRITON_ATTN_VLLM_V1 (2025-03);
+            // vllm#24648 (approved 2025-09-22) split triton_attn into a Triton-only backend and
+            // rocm_attn; docs v0.13.0 list both modules, docs v0.10.2 only the old one; docs
+            // v0.21.0 name it "TRITON_ATTN". Not known: whether 0.11.0 and 0.12.0 accept the
+            // name TRITON_ATTN (the split fell between 0.10.2 and 0.13.0).
+            source: "vllm#14071, vllm#24648; docs v0.13.0 and v0.21.0 (D); 0.11.0 and 0.12.0 not known, assumed (I)",
         },
         B::FlashMla | B::CutlassMla | B::FlashInferMla | B::TritonMla => Availability {
             since: ALWAYS,

@@ -43,6 +43,8 @@ const CONFLICT_RETRIES: usize = 3;
 /// How often an object blocked by an object kvfleet did not create is looked at again
 /// (deleting the blocking object wakes no watch of ours).
 pub const OWNERSHIP_RETRY: Duration = Duration::from_secs(60);
+/// How often an object waiting for the LeaderWorkerSet CRD is looked at again.
+pub const CRD_RETRY: Duration = Duration::from_secs(30);
 /// Degraded reason (and Event reason) when an object of a name kvfleet would create
 /// exists and is not owned by this InferenceDeployment.
 pub const OWNERSHIP_CONFLICT: &str = "OwnershipConflict";
@@ -292,7 +294,11 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     let facts = ctx.cluster_facts();
     // validate:: denies what the worker cannot run (runtime kvfleet without model.geometry,
     // or with tensor parallelism), as the webhook does: nothing admitted is stranded here.
-    let verdict = (ctx.validate)(&obj.spec, &facts);
+    let mut verdict = (ctx.validate)(&obj.spec, &facts);
+    // Replicas that span nodes run as a LeaderWorkerSet: without its CRD, deny with the fix.
+    if verdict.allowed() && verdict.multi_node.is_some() && !leader_worker_set_installed(&ctx.client).await? {
+        deny_without_leader_worker_set(&obj.spec, &mut verdict);
+    }
 
     let mut prediction = None;
     let mut measured = None;
@@ -324,7 +330,24 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
                 .await?;
         }
         let deployments = Api::<Deployment>::namespaced(c.clone(), &ns);
-        let current = check.look(&deployments, &want.deployment).await?;
+        let current = match &want.deployment {
+            Some(dep) => check.look(&deployments, dep).await?,
+            None => None,
+        };
+        let lws_api =
+            Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &desired::leader_worker_set_resource());
+        let current_lws = match &want.leader_worker_set {
+            Some(lws) => check.look(&lws_api, lws).await?,
+            None => None,
+        };
+        // A replica that outgrew one node: the Deployment of the single-node shape goes (ours only).
+        let old_deployment_is_ours = want.deployment.is_none()
+            && deployments
+                .get_opt(&name)
+                .await
+                .map_err(|source| Error::kube(format!("read Deployment {name}"), source))?
+                .is_some_and(|d| is_owned_by(&d, &uid));
+        let current = current.or_else(|| current_lws.as_ref().map(leader_worker_set_as_deployment));
         check
             .look(&Api::<Service>::namespaced(c.clone(), &ns), &want.service)
             .await?;
@@ -358,7 +381,17 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             if let Some(rb) = &want.role_binding {
                 apply(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb).await?;
             }
-            let dep = apply(&deployments, &want.deployment).await?;
+            let dep = match (&want.deployment, &want.leader_worker_set) {
+                (Some(dep), _) => Some(apply(&deployments, dep).await?),
+                (None, Some(lws)) => {
+                    let applied = apply(&lws_api, lws).await?;
+                    if old_deployment_is_ours {
+                        delete_if_present(&deployments, &name).await?;
+                    }
+                    Some(leader_worker_set_as_deployment(&applied))
+                }
+                (None, None) => None,
+            };
             apply(&Api::<Service>::namespaced(c.clone(), &ns), &want.service).await?;
             match &want.pdb {
                 Some(pdb) => {
@@ -372,7 +405,7 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             if let (Some(mon), Some(api)) = (&want.monitor, &monitors) {
                 apply(api, mon).await?;
             }
-            Some(dep)
+            dep
         }
     } else {
         // Leave what runs alone; just report on it (only a Deployment this object owns).
@@ -430,6 +463,13 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
 
     Ok(if !foreign.is_empty() {
         Action::requeue(OWNERSHIP_RETRY)
+    } else if verdict
+        .denials
+        .iter()
+        .any(|d| d.reason == LEADER_WORKER_SET_MISSING)
+    {
+        // Installing a CRD wakes no watch of ours: look again for it.
+        Action::requeue(CRD_RETRY)
     } else if !verdict.allowed() {
         // Invalid spec or no compatible node: a spec change or a node change wakes us.
         Action::await_change()
@@ -440,6 +480,78 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     } else {
         Action::requeue(RESYNC)
     })
+}
+
+// === impl multi-node ===
+
+/// Reason (Compatible=False, Warning Event) when replicas span nodes and the LeaderWorkerSet
+/// CRD is not installed.
+pub const LEADER_WORKER_SET_MISSING: &str = "LeaderWorkerSetCrdMissing";
+
+/// Whether the API server serves leaderworkersets (leaderworkerset.x-k8s.io/v1), asked on
+/// each pass that needs it, so installing the CRD later lifts the denial on the next pass.
+pub async fn leader_worker_set_installed(client: &Client) -> Result<bool, Error> {
+    let gv = format!("{}/{}", desired::LWS_GROUP, desired::LWS_VERSION);
+    match client.list_api_group_resources(&gv).await {
+        Ok(list) => Ok(list.resources.iter().any(|r| r.name == desired::LWS_PLURAL)),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(source) => Err(Error::kube(format!("discover {gv}"), source)),
+    }
+}
+
+/// Turns an admitting multi-node verdict into a denial naming the CRD and how to install it.
+pub fn deny_without_leader_worker_set(spec: &InferenceDeploymentSpec, verdict: &mut Verdict) {
+    let Some(layout) = verdict.multi_node.take() else {
+        return;
+    };
+    verdict.denials.push(crate::validate::Denial {
+        field: "spec.engine.tensorParallelSize".into(),
+        reason: LEADER_WORKER_SET_MISSING.into(),
+        message: format!(
+            "one replica needs {} GPUs (tensorParallelSize {} x pipelineParallelSize {}) and the selected nodes have at most {}, so it spans {} nodes and runs as a LeaderWorkerSet, but the API server does not serve leaderworkersets.{}/{}; install LeaderWorkerSet (kubernetes-sigs/lws: kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/latest/download/manifests.yaml), or select nodes with at least {} GPUs, or lower the parallelism",
+            spec.gpus_per_replica(),
+            spec.engine.tensor_parallel_size,
+            spec.engine.pipeline_parallel_size,
+            layout.most_gpus_on_a_node,
+            layout.nodes_per_replica,
+            desired::LWS_GROUP,
+            desired::LWS_VERSION,
+            spec.gpus_per_replica()
+        ),
+    });
+    verdict.resolved = None;
+    verdict.node_affinity = None;
+    verdict.compatible_nodes.clear();
+    verdict.capacity = None;
+    verdict.capacity_basis = None;
+}
+
+/// A LeaderWorkerSet's progress in the shape status reads from a Deployment: its replicas are
+/// groups, ready when every pod of the group is. LWS status has no observedGeneration, so the
+/// object's own generation stands in for it.
+pub fn leader_worker_set_as_deployment(lws: &DynamicObject) -> Deployment {
+    use k8s_openapi::api::apps::v1::DeploymentStatus;
+    let st = &lws.data["status"];
+    let int = |k: &str| {
+        st.get(k)
+            .and_then(|v| v.as_i64())
+            .and_then(|v| i32::try_from(v).ok())
+    };
+    Deployment {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: lws.metadata.name.clone(),
+            generation: lws.metadata.generation,
+            ..Default::default()
+        },
+        spec: None,
+        status: Some(DeploymentStatus {
+            replicas: int("replicas"),
+            ready_replicas: int("readyReplicas"),
+            updated_replicas: int("updatedReplicas"),
+            observed_generation: lws.metadata.generation,
+            ..DeploymentStatus::default()
+        }),
+    }
 }
 
 // === impl ownership ===

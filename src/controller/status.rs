@@ -14,6 +14,13 @@ pub const CAPACITY_PLANNED: &str = "CapacityPlanned";
 pub const AVAILABLE: &str = "Available";
 pub const PROGRESSING: &str = "Progressing";
 pub const DEGRADED: &str = "Degraded";
+/// Whether the KV pool the pods measured is the one the planner predicted (set once both are
+/// known; see [`capacity_tolerance_tokens`]).
+pub const KV_CAPACITY_MATCHES_PLAN: &str = "KvCapacityMatchesPlan";
+/// vLLM logs the memory it leaves to the KV cache with two decimals ("Available KV cache
+/// memory: 36.20 GiB", quoted in vllm#29431): a figure read from that log is known to
+/// +-0.005 GiB, the bound below which measured and predicted cannot be told apart.
+pub const LOGGED_GIB_ROUNDING_BYTES: f64 = 0.005 * (1u64 << 30) as f64;
 
 /// KV capacity predicted by the planner for one replica.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +30,64 @@ pub struct CapacityPrediction {
     pub max_concurrency: f64,
     /// What vLLM would log as "GPU KV cache size" for the same configuration.
     pub vllm_tokens_per_replica: Option<i64>,
+}
+
+/// How far measured and predicted tokens may differ and still match: the tokens held by
+/// the 0.005 GiB rounding of the logged KV memory (at the predicted bytes per token of one
+/// GPU: `predicted / available_kv_bytes`), plus one block (a pool is whole blocks).
+pub fn capacity_tolerance_tokens(predicted: i64, available_kv_bytes: u64, block_size: i32) -> i64 {
+    let per_byte = if available_kv_bytes == 0 {
+        0.0
+    } else {
+        predicted.max(0) as f64 / available_kv_bytes as f64
+    };
+    (LOGGED_GIB_ROUNDING_BYTES * per_byte).ceil() as i64 + i64::from(block_size.max(1))
+}
+
+/// The `KvCapacityMatchesPlan` condition, when a measurement, a prediction and the memory
+/// it was planned from are all known.
+fn capacity_match(obj: &InferenceDeployment, seen: &Observed<'_>) -> Option<Cond> {
+    let measured = seen.measured_tokens?;
+    let predicted = seen.prediction?.tokens_per_replica;
+    let basis = seen.verdict?.capacity_basis.as_ref()?;
+    let tolerance =
+        capacity_tolerance_tokens(predicted, basis.available_kv_bytes, obj.spec.engine.block_size);
+    let diff = measured - predicted;
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let bound = format!(
+        "+-{tolerance} tokens: the 0.005 GiB rounding of the logged KV memory plus one block of {}",
+        obj.spec.engine.block_size
+    );
+    if diff.abs() <= tolerance {
+        return Some(cond(
+            KV_CAPACITY_MATCHES_PLAN,
+            true,
+            "MeasuredMatchesPlan",
+            format!("measured {measured} KV-cache tokens per replica, predicted {predicted} ({bound})"),
+        ));
+    }
+    let planned = basis.available_kv_bytes as f64;
+    let implied = if predicted > 0 {
+        planned * measured as f64 / predicted as f64
+    } else {
+        0.0
+    };
+    let cause = if diff < 0 {
+        "the pods have less memory for the KV cache than planned: weights larger than model.weightBytes (or weightBytes absent), activation and CUDA-graph memory above kvfleet's reserve, or other processes on the GPU; set model.weightBytes to the checkpoint's bytes (kvfleet divides them over the GPUs) so the plan matches what runs"
+    } else {
+        "the pods have more memory for the KV cache than planned: model.weightBytes above the real checkpoint, or a smaller activation peak than kvfleet's reserve; set model.weightBytes to the checkpoint's size"
+    };
+    Some(cond(
+        KV_CAPACITY_MATCHES_PLAN,
+        false,
+        "MeasuredDiffersFromPlan",
+        format!(
+            "measured {measured} KV-cache tokens per replica, predicted {predicted} on {} ({:.2} GiB planned for the KV cache per GPU, about {:.2} GiB measured): {diff:+} tokens, beyond {bound}; likely cause: {cause}",
+            basis.product,
+            gib(planned),
+            gib(implied)
+        ),
+    ))
 }
 
 /// What the reconcile pass saw, besides the object itself.
@@ -215,6 +280,10 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
                 cond(DEGRADED, false, "AsExpected", ready_msg)
             });
         }
+    }
+
+    if compatible {
+        conds.extend(capacity_match(obj, seen));
     }
 
     let now_time = Time(now);
@@ -418,6 +487,15 @@ pub fn notices(
             out.push(Notice {
                 warning: true,
                 reason: c.reason.clone(),
+                note: c.message.clone(),
+            });
+        }
+    }
+    if let Some(c) = is(KV_CAPACITY_MATCHES_PLAN) {
+        if c.status == "False" && (was(KV_CAPACITY_MATCHES_PLAN) != Some("False") || new_generation) {
+            out.push(Notice {
+                warning: true,
+                reason: "KvCapacityDiffersFromPlan".into(),
                 note: c.message.clone(),
             });
         }
@@ -698,5 +776,79 @@ mod tests {
         o.metadata.generation = Some(4);
         let next = compute(&o, &seen, ts());
         assert_eq!(get(&next, DEGRADED).reason, "SpecNotApplied");
+    }
+
+    fn planned(available_kv_bytes: u64) -> Verdict {
+        Verdict {
+            capacity_basis: Some(crate::validate::CapacityBasis {
+                product: "NVIDIA-H100-80GB-HBM3".into(),
+                gpu_memory_bytes: 80 << 30,
+                available_kv_bytes,
+                bytes_per_request: 0,
+                kvfleet_tokens: 0,
+                vllm_tokens: 0,
+                notes: vec![],
+            }),
+            ..allowed()
+        }
+    }
+
+    #[test]
+    fn the_tolerance_is_the_tokens_of_the_logged_gib_rounding_plus_one_block() {
+        // 1 GiB holds 100,000 tokens: 0.005 GiB holds 500; plus a block of 16.
+        assert_eq!(capacity_tolerance_tokens(100_000, 1 << 30, 16), 516);
+        assert_eq!(capacity_tolerance_tokens(0, 0, 16), 16);
+    }
+
+    #[test]
+    fn measured_and_predicted_within_the_rounding_match_and_beyond_it_raise_a_condition_with_both_figures() {
+        let d = dep(2, 2);
+        let p = CapacityPrediction {
+            tokens_per_replica: 100_000,
+            max_concurrency: 1.0,
+            vllm_tokens_per_replica: Some(100_000),
+        };
+        let v = planned(1 << 30);
+        let status_with = |measured: Option<i64>| {
+            let seen = Observed {
+                verdict: Some(&v),
+                prediction: Some(&p),
+                deployment: Some(&d),
+                measured_tokens: measured,
+                preflight_failure: None,
+            };
+            compute(&obj(1), &seen, Timestamp::UNIX_EPOCH)
+        };
+        // No measurement yet: no condition.
+        assert!(find(&status_with(None), KV_CAPACITY_MATCHES_PLAN).is_none());
+        let s = status_with(Some(100_000 - 516));
+        let c = get(&s, KV_CAPACITY_MATCHES_PLAN);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "MeasuredMatchesPlan")
+        );
+        let s = status_with(Some(100_000 - 517));
+        let c = get(&s, KV_CAPACITY_MATCHES_PLAN);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "MeasuredDiffersFromPlan")
+        );
+        assert!(
+            c.message.contains("measured 99483")
+                && c.message.contains("predicted 100000")
+                && c.message.contains("model.weightBytes"),
+            "{}",
+            c.message
+        );
+        let n = notices(None, &s, Some(&v));
+        assert!(
+            n.iter()
+                .any(|n| n.warning && n.reason == "KvCapacityDiffersFromPlan"),
+            "{n:?}"
+        );
+        let more = status_with(Some(150_000));
+        assert!(get(&more, KV_CAPACITY_MATCHES_PLAN)
+            .message
+            .contains("more memory"));
     }
 }

@@ -149,12 +149,25 @@ pub fn spec_capacity_with(
     era: ReportingEra,
 ) -> Result<SpecCapacity, PlanError> {
     let engine = engine_params(spec, resolved_dtype)?;
+    // Pipeline stages split the layers (and the weights): each GPU holds the KV of its stage's
+    // layers for every token, so the replica's tokens are those of its largest stage.
+    let stages = u64::try_from(spec.engine.pipeline_parallel_size)
+        .unwrap_or(1)
+        .max(1);
+    let stage;
+    let geometry = if stages > 1 {
+        stage = pipeline_stage(geometry, stages);
+        &stage
+    } else {
+        geometry
+    };
     let weights = spec
         .model
         .weight_bytes
         .as_ref()
         .map(|q| parse_quantity_bytes(&q.0))
-        .transpose()?;
+        .transpose()?
+        .map(|w| w.div_ceil(stages));
     let util = spec.engine.gpu_memory_utilization;
     let memory = MemoryInput::Predict {
         gpu_memory_bytes,
@@ -255,6 +268,25 @@ pub fn spec_capacity_with(
         fix,
         plan,
     })
+}
+
+/// The largest stage of `geometry` split into `stages` pipeline stages: the first
+/// `ceil(main layers / stages)` layers (vLLM splits layers evenly; the remainder makes some
+/// stages one layer longer), plus the draft layers, counted on it to stay on the safe side.
+pub fn pipeline_stage(geometry: &Geometry, stages: u64) -> Geometry {
+    let draft = (geometry.draft_layers as usize).min(geometry.layers.len());
+    let main = geometry.layers.len() - draft;
+    let per_stage = main.div_ceil(stages.max(1) as usize);
+    let mut g = geometry.clone();
+    g.layers = geometry.layers[..per_stage]
+        .iter()
+        .chain(&geometry.layers[main..])
+        .cloned()
+        .collect();
+    g.notes.push(format!(
+        "pipelineParallelSize {stages}: the largest stage holds {per_stage} of {main} layers (and the {draft} draft layers); weights are divided over the stages"
+    ));
+    g
 }
 
 fn plan_memory(m: MemoryInput, tp: u32) -> Result<u64, PlanError> {

@@ -148,6 +148,23 @@ pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
         GPUS_PER_REPLICA_MAX.into(),
         "set it to the GPUs one replica shards the model over",
     );
+    b.int(
+        "spec.engine.pipelineParallelSize",
+        Some(e.pipeline_parallel_size.into()),
+        PIPELINE_STAGES_MAX.into(),
+        "set it to the pipeline stages of one replica (often its nodes)",
+    );
+    let gpus = i64::from(e.tensor_parallel_size) * i64::from(e.pipeline_parallel_size);
+    if b.denials.is_empty() && gpus > i64::from(GPUS_PER_REPLICA_MAX) {
+        b.denials.push(denial(
+            "spec.engine.pipelineParallelSize",
+            REASON,
+            format!(
+                "tensorParallelSize {} x pipelineParallelSize {} is {gpus} GPUs per replica, above the maximum {GPUS_PER_REPLICA_MAX}; lower one of them",
+                e.tensor_parallel_size, e.pipeline_parallel_size
+            ),
+        ));
+    }
     b.count(
         "spec.engine.extraArgs",
         e.extra_args.len(),

@@ -259,7 +259,26 @@ pub struct Verdict {
     /// What the capacity prediction is based on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capacity_basis: Option<CapacityBasis>,
+    /// Set when one replica needs more GPUs than one node of the pool has: it spans nodes
+    /// and runs as a LeaderWorkerSet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multi_node: Option<MultiNode>,
 }
+
+/// How one replica spreads over nodes (vLLM multi-node: a leader and workers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MultiNode {
+    /// Pods, each on its own node, of one replica: the leader (node rank 0) and workers.
+    pub nodes_per_replica: i64,
+    /// GPUs of each of those pods (GPUs per replica / nodes per replica).
+    pub gpus_per_node: i64,
+    /// The most GPUs a selected node has (GFD `nvidia.com/gpu.count`, or allocatable).
+    pub most_gpus_on_a_node: i64,
+}
+
+/// Reason of the denial when the pool has fewer nodes than multi-node replicas need.
+pub const INSUFFICIENT_NODES: &str = "InsufficientNodesForMultiNode";
 
 /// The GPU and memory arithmetic behind [`Verdict::capacity`].
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -517,6 +536,21 @@ pub(super) fn spec_checks(
             format!("tensorParallelSize {tp} must be at least 1; set it to the GPUs one replica shards the model over"),
         ));
     }
+    let pp = i64::from(engine.pipeline_parallel_size);
+    if pp < 1 {
+        denials.push(denial(
+            "spec.engine.pipelineParallelSize",
+            "InvalidPipelineParallelSize",
+            format!("pipelineParallelSize {pp} must be at least 1; set it to the pipeline stages of one replica (1 for none)"),
+        ));
+    }
+    if engine.runtime == Runtime::Kvfleet && pp > 1 {
+        denials.push(denial(
+            "spec.engine.pipelineParallelSize",
+            "KvfleetSingleGpu",
+            format!("runtime kvfleet runs one GPU per replica (its engine has no pipeline parallelism), but pipelineParallelSize is {pp}; set pipelineParallelSize to 1, or use runtime vllm"),
+        ));
+    }
     if engine.runtime == Runtime::Kvfleet {
         // The worker refuses both at start (preflight exit 3 / 2): deny what it cannot run.
         if tp > 1 {
@@ -543,7 +577,14 @@ pub(super) fn spec_checks(
     }
     weights_checks(spec, denials);
     if let Some(count) = spec.gpu.as_ref().and_then(|g| g.count) {
-        if i64::from(count) < tp {
+        if pp > 1 && i64::from(count) < tp * pp {
+            let gpus = tp * pp;
+            denials.push(denial(
+                "spec.gpu.count",
+                "InsufficientGpuCount",
+                format!("gpu.count {count} is less than tensorParallelSize {tp} x pipelineParallelSize {pp}: each replica shards the model over {gpus} GPUs; set gpu.count to at least {gpus} (or leave it out) or lower the parallelism"),
+            ));
+        } else if i64::from(count) < tp {
             denials.push(denial(
                 "spec.gpu.count",
                 "InsufficientGpuCount",
@@ -752,6 +793,130 @@ fn describe_selectors(spec: &InferenceDeploymentSpec) -> String {
     }
 }
 
+/// How one replica of `spec` spreads over the nodes of `facts`: `None` when one selected node
+/// has the GPUs of a whole replica (or the runtime is kvfleet, or no node is selected: then
+/// validation judges it as one node). Otherwise the replica spans the fewest nodes, each with
+/// the same share of its GPUs (vLLM needs the world size to divide evenly over nodes), no
+/// share above the most GPUs a selected node has.
+pub fn multi_node_layout(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Option<MultiNode> {
+    if spec.engine.runtime != Runtime::Vllm {
+        return None;
+    }
+    let total = i64::from(spec.gpus_per_replica());
+    if total <= 1 {
+        return None;
+    }
+    let selector = spec.gpu.as_ref().and_then(|g| g.selector.as_ref());
+    let min_cc = selector
+        .and_then(|s| s.min_compute_capability.as_deref())
+        .and_then(|s| s.parse::<ComputeCapability>().ok());
+    let node_selector = spec.pod.as_ref().map(|p| &p.node_selector);
+    let most = facts
+        .nodes
+        .iter()
+        .filter(|n| !n.unschedulable && n.is_gpu_node())
+        .filter(|n| {
+            let cc = n.compute_capability();
+            cc.is_some() && gpu_selector_matches(selector, n.product(), cc, min_cc)
+        })
+        .filter(|n| node_selector_matches(node_selector, n))
+        .filter_map(|n| n.gpus())
+        .max()?;
+    if most < 1 || total <= most {
+        return None;
+    }
+    let mut nodes = (total + most - 1) / most;
+    while total % nodes != 0 {
+        nodes += 1;
+    }
+    Some(MultiNode {
+        nodes_per_replica: nodes,
+        gpus_per_node: total / nodes,
+        most_gpus_on_a_node: most,
+    })
+}
+
+/// GPUs one pod of `spec` needs on its node: a whole replica, or its share when the replica
+/// spans nodes ([`multi_node_layout`]).
+pub(super) fn gpus_per_pod(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> i64 {
+    multi_node_layout(spec, facts)
+        .map(|m| m.gpus_per_node)
+        .unwrap_or_else(|| i64::from(spec.gpus_per_replica().max(1)))
+}
+
+/// The multi-node part of a verdict: the release must have vLLM's multi-node launch, and the
+/// compatible nodes must hold every pod of every replica (one pod per node).
+pub(super) fn multi_node_checks(
+    spec: &InferenceDeploymentSpec,
+    facts: &ClusterFacts,
+    mut verdict: Verdict,
+) -> Verdict {
+    let Some(layout) = multi_node_layout(spec, facts) else {
+        return verdict;
+    };
+    if !verdict.allowed() {
+        return verdict;
+    }
+    let tp = spec.engine.tensor_parallel_size;
+    let pp = spec.engine.pipeline_parallel_size;
+    let gpus = spec.gpus_per_replica();
+    let nodes = layout.nodes_per_replica;
+    let shape = format!(
+        "one replica (tensorParallelSize {tp} x pipelineParallelSize {pp} = {gpus} GPUs) needs more GPUs than a selected node has (at most {}), so it spans {nodes} nodes of {} GPUs each",
+        layout.most_gpus_on_a_node, layout.gpus_per_node
+    );
+    let mut denials = Vec::new();
+    if let Ok(version) = spec.vllm_version() {
+        let since = crate::compat::vllm_versions::MULTI_NODE.since;
+        if !crate::compat::vllm_versions::MULTI_NODE.at(version) {
+            let since = since
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "a newer release".into());
+            denials.push(denial(
+                "spec.engine.vllm.version",
+                "MultiNodeNeedsNewerVllm",
+                format!(
+                    "{shape}; vLLM's multi-node launch (--nnodes, --node-rank, --master-addr) needs vLLM >= {since}, and this spec runs vLLM {version}; use image {} (or set spec.engine.vllm.version to a release that has it), or select nodes with at least {gpus} GPUs [{}]",
+                    crate::compat::vllm_versions::default_image(),
+                    crate::compat::vllm_versions::MULTI_NODE.source
+                ),
+            ));
+        }
+    }
+    let replicas = i64::from(spec.replicas.max(0));
+    let needed = nodes * replicas;
+    let have = verdict.compatible_nodes.len() as i64;
+    if have < needed {
+        let fit = have / nodes;
+        let lower = if fit >= 1 {
+            format!("lower spec.replicas to {fit}, ")
+        } else {
+            String::new()
+        };
+        denials.push(denial(
+            "spec.replicas",
+            INSUFFICIENT_NODES,
+            format!(
+                "{shape}; {replicas} {} {needed} such nodes, and the selected pool has {have} that can run it; {lower}add nodes with at least {} GPUs, or lower tensorParallelSize x pipelineParallelSize",
+                if replicas == 1 { "replica needs" } else { "replicas need" },
+                layout.gpus_per_node
+            ),
+        ));
+    }
+    if denials.is_empty() {
+        verdict.multi_node = Some(layout);
+    } else {
+        // A denied verdict carries no resolution, affinity or nodes (see [`Verdict`]).
+        verdict.denials.extend(denials);
+        verdict.resolved = None;
+        verdict.node_affinity = None;
+        verdict.compatible_nodes.clear();
+        verdict.capacity = None;
+        verdict.capacity_basis = None;
+    }
+    verdict
+}
+
 /// Decides whether `spec` can run on `facts`.
 ///
 /// When no node matches the selectors right now (a GPU pool scaled to zero by Karpenter or
@@ -768,7 +933,11 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
             ..Verdict::default()
         };
     }
-    scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes)
+    multi_node_checks(
+        spec,
+        facts,
+        scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes),
+    )
 }
 
 /// Reason of the denial for selectors that match no node.
@@ -878,7 +1047,8 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
         },
         None => None,
     };
-    let gpus_per_replica = i64::from(spec.gpus_per_replica().max(1));
+    // GPUs one pod needs: the replica's, or its share on each node when it spans nodes.
+    let gpus_per_replica = gpus_per_pod(spec, facts);
 
     // --- which nodes could pods land on
     let sigs = Signatures::build(facts, |node| {

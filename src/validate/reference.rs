@@ -132,7 +132,11 @@ pub(super) fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> 
             ..Verdict::default()
         };
     }
-    super::scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes)
+    super::multi_node_checks(
+        spec,
+        facts,
+        super::scale_from_zero(spec, validate_nodes(spec, facts), validate_nodes),
+    )
 }
 
 fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
@@ -156,7 +160,7 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
         },
         None => None,
     };
-    let gpus_per_replica = i64::from(spec.gpus_per_replica().max(1));
+    let gpus_per_replica = super::gpus_per_pod(spec, facts);
 
     // --- which nodes could pods land on
     let gpu_nodes: Vec<&NodeFacts> = facts.nodes.iter().filter(|n| is_gpu_node(n)).collect();

@@ -368,11 +368,13 @@ fn tensor_parallel_size_needs_gpus_on_one_node() {
         &s,
         &cluster(vec![node("a", "NVIDIA-L4", 2), node("b", "NVIDIA-L4", 1)]),
     );
+    // vLLM spreads the replica over 2 nodes of 2 GPUs; only one such node exists.
     assert!(!v.allowed());
-    assert_eq!(v.denials[0].reason, "InsufficientGpusPerNode");
+    assert_eq!(v.denials[0].reason, INSUFFICIENT_NODES);
     assert!(
-        v.denials[0].message.contains("needs 4 GPUs on one node")
-            && v.denials[0].message.contains("at most 2"),
+        v.denials[0].message.contains("spans 2 nodes of 2 GPUs")
+            && v.denials[0].message.contains("at most 2")
+            && v.denials[0].message.contains("the selected pool has 1"),
         "{}",
         v.denials[0].message
     );
@@ -911,4 +913,148 @@ fn with_no_matching_node_the_declared_products_are_judged_and_admitted_with_a_wa
     // Nothing declared: nothing to judge against.
     let none = validate(&llama("{runtime: vllm}"), &cluster(vec![]));
     assert_eq!(none.denials[0].reason, NO_MATCHING_NODES);
+}
+
+// === multi-node (issue 18 item 4) ===
+
+fn h100s(n: usize) -> ClusterFacts {
+    cluster(
+        (0..n)
+            .map(|i| node(&format!("h100-{i}"), "NVIDIA-H100-80GB-HBM3", 8))
+            .collect(),
+    )
+}
+
+#[test]
+fn tensor_parallel_16_on_8_gpu_nodes_spans_two_nodes_of_8() {
+    let v = validate(&llama("{runtime: vllm, tensorParallelSize: 16}"), &h100s(2));
+    assert!(v.allowed(), "{v:#?}");
+    assert_eq!(
+        v.multi_node,
+        Some(MultiNode {
+            nodes_per_replica: 2,
+            gpus_per_node: 8,
+            most_gpus_on_a_node: 8
+        })
+    );
+    assert_eq!(v.compatible_nodes, vec!["h100-0", "h100-1"]);
+    // On a 16-GPU node it is one pod again.
+    let one = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 16}"),
+        &cluster(vec![node("big", "NVIDIA-H100-80GB-HBM3", 16)]),
+    );
+    assert!(one.allowed() && one.multi_node.is_none(), "{one:#?}");
+}
+
+#[test]
+fn pipeline_stages_multiply_the_gpus_of_a_replica() {
+    let s = llama("{runtime: vllm, tensorParallelSize: 8, pipelineParallelSize: 2}");
+    assert_eq!(s.gpus_per_replica(), 16);
+    let v = validate(&s, &h100s(2));
+    assert_eq!(v.multi_node.map(|m| m.nodes_per_replica), Some(2), "{v:#?}");
+    // 12 GPUs over nodes of at most 8: 2 nodes of 6 each.
+    let s = llama("{runtime: vllm, tensorParallelSize: 4, pipelineParallelSize: 3}");
+    let v = validate(&s, &h100s(2));
+    assert_eq!(
+        v.multi_node.map(|m| (m.nodes_per_replica, m.gpus_per_node)),
+        Some((2, 6)),
+        "{v:#?}"
+    );
+}
+
+#[test]
+fn a_pool_with_fewer_nodes_than_replicas_need_is_denied_naming_field_reason_and_fix() {
+    let s = spec(&format!(
+        "{LLAMA}replicas: 2\nengine: {{runtime: vllm, tensorParallelSize: 16}}\n"
+    ));
+    let v = validate(&s, &h100s(3));
+    assert!(!v.allowed());
+    let d = v
+        .denials
+        .iter()
+        .find(|d| d.reason == INSUFFICIENT_NODES)
+        .unwrap_or_else(|| panic!("{v:#?}"));
+    assert_eq!(d.field, "spec.replicas");
+    assert!(
+        d.message.contains("2 replicas need 4 such nodes")
+            && d.message.contains("the selected pool has 3")
+            && d.message.contains("lower spec.replicas to 1")
+            && d.message.contains("add nodes with at least 8 GPUs"),
+        "{}",
+        d.message
+    );
+    assert!(v.resolved.is_none() && v.node_affinity.is_none() && v.multi_node.is_none());
+    assert!(validate(&s, &h100s(4)).allowed());
+}
+
+#[test]
+fn multi_node_on_a_release_without_the_multi_node_launch_is_denied_with_the_release() {
+    let s = llama("{runtime: vllm, tensorParallelSize: 16, vllm: {version: 0.14.0}}");
+    let v = validate(&s, &h100s(2));
+    let d = v
+        .denials
+        .iter()
+        .find(|d| d.reason == "MultiNodeNeedsNewerVllm")
+        .unwrap_or_else(|| panic!("{v:#?}"));
+    assert!(
+        d.message.contains("needs vLLM >= 0.15.0") && d.message.contains("runs vLLM 0.14.0"),
+        "{}",
+        d.message
+    );
+    // One node holding the replica needs no multi-node launch.
+    assert!(validate(&s, &cluster(vec![node("big", "NVIDIA-H100-80GB-HBM3", 16)])).allowed());
+}
+
+#[test]
+fn kvfleet_runtime_with_pipeline_stages_is_denied_naming_the_fix() {
+    let v = validate(&llama("{runtime: kvfleet, pipelineParallelSize: 2}"), &h100s(1));
+    let d = v
+        .denials
+        .iter()
+        .find(|d| d.field == "spec.engine.pipelineParallelSize")
+        .unwrap_or_else(|| panic!("{v:#?}"));
+    assert!(
+        d.message.contains("set pipelineParallelSize to 1"),
+        "{}",
+        d.message
+    );
+}
+
+#[test]
+fn parallelism_above_the_gpus_per_replica_bound_is_denied_in_code() {
+    let v = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 16, pipelineParallelSize: 8}"),
+        &h100s(1),
+    );
+    let d = &v.denials[0];
+    assert_eq!(d.field, "spec.engine.pipelineParallelSize");
+    assert!(
+        d.message
+            .contains("is 128 GPUs per replica, above the maximum 64"),
+        "{}",
+        d.message
+    );
+    let v = validate(&llama("{runtime: vllm, pipelineParallelSize: 65}"), &h100s(1));
+    assert_eq!(v.denials[0].field, "spec.engine.pipelineParallelSize");
+}
+
+#[test]
+fn pipeline_stages_split_the_layers_so_a_replica_holds_about_twice_the_tokens() {
+    let one = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 8, maxModelLen: 8192}"),
+        &h100s(1),
+    );
+    let two = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 8, pipelineParallelSize: 2, maxModelLen: 8192}"),
+        &h100s(2),
+    );
+    let tokens = |v: &Verdict| {
+        v.capacity
+            .as_ref()
+            .and_then(|c| c.tokens_per_replica)
+            .unwrap_or_else(|| panic!("{v:#?}"))
+    };
+    let (a, b) = (tokens(&one), tokens(&two));
+    // 16 of 32 layers per GPU: twice the tokens, less the pages lost to rounding.
+    assert!(b > a * 19 / 10 && b <= a * 2 + 64, "pp1 {a}, pp2 {b}");
 }
