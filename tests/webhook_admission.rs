@@ -1264,3 +1264,42 @@ fn hostile_sizes_in_a_review_are_denied_at_once_naming_the_field_and_the_bound()
         assert!(text.contains(message), "{pointer}: {text}");
     }
 }
+
+#[test]
+fn network_peers_out_of_bounds_or_invalid_are_denied_in_a_review_naming_the_peer() {
+    let facts = facts(&[gpu_node("h100-0", "NVIDIA-H100-80GB-HBM3", 9, 0, 8)]);
+    let peer = serde_json::json!({"podSelector": {"matchLabels": {"app": "gateway"}}});
+    let cases = [
+        (
+            serde_json::json!(vec![peer.clone(); 33]),
+            "spec.network.allowFrom has 33 peers, more than the maximum 32",
+        ),
+        (
+            serde_json::json!([{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]),
+            "spec.network.allowFrom[0]: an ipBlock cannot be combined",
+        ),
+        (
+            serde_json::json!([peer, {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"]}}]),
+            "spec.network.allowFrom[1]: ipBlock.except \"192.168.0.0/16\" is not a CIDR strictly inside 10.0.0.0/8",
+        ),
+    ];
+    for (allow_from, message) in cases {
+        let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+        v["request"]["object"]["spec"]["network"] = serde_json::json!({"allowFrom": allow_from});
+        let body = serde_json::to_vec(&v).unwrap();
+        let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+        assert_eq!(json["response"]["allowed"], false, "{message}");
+        let text = json["response"]["status"]["message"].as_str().unwrap();
+        assert!(text.contains(message), "{text}");
+    }
+    // The same object with valid peers is admitted.
+    let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+    let before = assert_well_formed(&review(&serde_json::to_vec(&v).unwrap(), &facts), None)["response"]
+        ["allowed"]
+        .clone();
+    v["request"]["object"]["spec"]["network"] =
+        serde_json::json!({"allowFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}]});
+    let body = serde_json::to_vec(&v).unwrap();
+    let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], before, "valid peers change nothing");
+}
