@@ -437,7 +437,7 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     if !foreign.is_empty() {
         mark_ownership_conflict(obj, &mut new_status, &foreign);
     }
-    if obj.status.as_ref() != Some(&new_status) {
+    if obj.status.as_ref().map(status::owned_part) != Some(new_status.clone()) {
         patch_status(ctx, &ns, &name, &new_status).await?;
     }
     let regarding = obj.object_ref(&());
