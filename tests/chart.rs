@@ -221,7 +221,8 @@ fn grants(list: &[(&str, &[&str], &[&str], &str)]) -> BTreeSet<(String, String, 
 const MANAGE: &[&str] = &["get", "list", "watch", "create", "patch", "delete"];
 
 /// What src/controller/ calls: watches (list, watch), reads (get), server-side apply (create,
-/// patch), the PDB it removes on scale-down (delete), status patches, owner references with
+/// patch), the PDB it removes on scale-down and the worker NetworkPolicy it removes with
+/// `spec.network` (delete), status patches, owner references with
 /// blockOwnerDeletion (finalizers update), Events, its Lease, and binding worker accounts.
 fn controller_grants() -> BTreeSet<(String, String, String, String)> {
     let list: Vec<(&str, &[&str], &[&str], &str)> = vec![
@@ -241,6 +242,7 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         ("apps", &["deployments"], MANAGE, "*"),
         ("", &["services", "configmaps"], MANAGE, "*"),
         ("policy", &["poddisruptionbudgets"], MANAGE, "*"),
+        ("networking.k8s.io", &["networkpolicies"], MANAGE, "*"),
         ("", &["nodes", "pods"], &["get", "list", "watch"], "*"),
         ("events.k8s.io", &["events"], &["create", "patch"], "*"),
         // `get`: ownership is read before every apply (issue 22).
@@ -1164,4 +1166,26 @@ fn network_policies_admit_only_the_operators_own_named_ports() {
         }
     }
     assert!(all_of(&render(&["networkPolicy.enabled=false"]), "NetworkPolicy").is_empty());
+}
+
+/// The metrics peers of `networkPolicy.metricsFrom` reach the controller as JSON, so the
+/// NetworkPolicies it renders for workers (`spec.network`) admit the same Prometheus.
+#[test]
+fn the_controller_gets_the_metrics_peers_for_worker_network_policies() {
+    let controller = |objs: &[Value]| {
+        one_of(objs, "Deployment", "kvfleet-controller")["spec"]["template"]["spec"]["containers"][0].clone()
+    };
+    let peers = |objs: &[Value]| -> Value {
+        let raw = env_value(&controller(objs), "KVFLEET_WORKER_METRICS_FROM")
+            .expect("KVFLEET_WORKER_METRICS_FROM is set");
+        let parsed: Vec<k8s_openapi::api::networking::v1::NetworkPolicyPeer> =
+            serde_json::from_str(&raw).unwrap_or_else(|e| panic!("{raw}: {e}"));
+        serde_json::to_value(parsed).unwrap()
+    };
+    assert_eq!(peers(&render(&[])), serde_json::json!([]));
+    let objs = render(&["networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring"]);
+    assert_eq!(
+        peers(&objs),
+        serde_json::json!([{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}])
+    );
 }

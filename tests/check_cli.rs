@@ -374,3 +374,33 @@ fn a_capacity_the_planner_cannot_compute_is_denied_not_warned() {
     );
     let _ = std::fs::remove_file(path);
 }
+
+#[test]
+fn network_peers_over_the_bound_or_invalid_are_denied_by_check() {
+    let base = spec_file("network", "runtime: vllm", "");
+    let spec = std::fs::read_to_string(&base).unwrap();
+    let peers: Vec<&str> = vec!["{podSelector: {matchLabels: {app: gateway}}}"; 33];
+    for (name, allow_from, reason, message) in [
+        (
+            "many",
+            format!("[{}]", peers.join(", ")),
+            "[ValueOutOfBounds]",
+            "spec.network.allowFrom has 33 peers, more than the maximum 32",
+        ),
+        (
+            "empty-peer",
+            "[{}]".to_string(),
+            "[InvalidNetworkPeer]",
+            "spec.network.allowFrom[0]: a peer needs a podSelector and/or namespaceSelector, or an ipBlock",
+        ),
+    ] {
+        let path = std::env::temp_dir().join(format!(
+            "kvfleet-check-network-{name}-{}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&path, format!("{spec}  network: {{allowFrom: {allow_from}}}\n")).unwrap();
+        check(&["-f", path.to_str().unwrap()], 1, &["denied", reason, message]);
+        let _ = std::fs::remove_file(path);
+    }
+    let _ = std::fs::remove_file(base);
+}

@@ -162,6 +162,10 @@ struct Harness {
 }
 
 fn harness(nodes: &[Node]) -> Harness {
+    harness_with(nodes, Settings::default())
+}
+
+fn harness_with(nodes: &[Node], settings: Settings) -> Harness {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = Client::new(service, "default");
     let mut writer: Writer<Node> = Writer::default();
@@ -172,7 +176,7 @@ fn harness(nodes: &[Node]) -> Harness {
     let mut ctx = Context::new(
         client,
         writer.as_reader(),
-        Settings::default(),
+        settings,
         Metrics::new(&registry).unwrap(),
         Some("test".into()),
     );
@@ -396,9 +400,10 @@ fn not_found() -> Reply {
     status_failure(404, "NotFound")
 }
 
-/// The ownership reads before any apply (none of the objects exists yet), in apply order;
-/// the PodDisruptionBudget is read whether it is to be applied or removed.
-const LOOKUPS: usize = 6;
+/// The ownership reads before any apply (none of the objects exists yet); the
+/// PodDisruptionBudget and the worker NetworkPolicy are read whether they are to be applied
+/// or removed.
+const LOOKUPS: usize = 7;
 
 fn child_paths() -> Vec<String> {
     vec![
@@ -408,6 +413,7 @@ fn child_paths() -> Vec<String> {
         ns_path("apps/v1", "deployments", "llama"),
         ns_path("v1", "services", "llama"),
         ns_path("policy/v1", "poddisruptionbudgets", "llama"),
+        ns_path("networking.k8s.io/v1", "networkpolicies", "llama-worker"),
     ]
 }
 
@@ -1161,6 +1167,12 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
             ns_path("policy/v1", "poddisruptionbudgets", "llama"),
             not_found(),
         ),
+        // No spec.network: a NetworkPolicy of that name is only looked at (ours would go).
+        call(
+            "GET",
+            ns_path("networking.k8s.io/v1", "networkpolicies", "llama-worker"),
+            not_found(),
+        ),
         apply_call(&ns_path("v1", "serviceaccounts", "llama-worker")),
         apply_call(&ns_path(
             "rbac.authorization.k8s.io/v1",
@@ -1180,7 +1192,7 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
     ];
     let (result, seen) = run_pass(&mut h, guard(tp16(1)), calls).await;
     result.unwrap();
-    let lws = &seen[9];
+    let lws = &seen[10];
     assert_applied(lws, "LeaderWorkerSet");
     let lwt = &lws.body["spec"]["leaderWorkerTemplate"];
     assert_eq!(lwt["size"], 2);
@@ -1193,7 +1205,7 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
             .all(|s| !s.path.contains("/deployments/") || s.method == "GET"),
         "no Deployment is applied"
     );
-    let status = &seen[12].body;
+    let status = &seen[13].body;
     assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
     assert_eq!(condition(status, "Available")["status"], "True", "{status}");
     assert_eq!(status["status"]["readyReplicas"], 1);
@@ -1203,5 +1215,131 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
             ("Normal".into(), "SpecApplied".into()),
             ("Normal".into(), "Available".into())
         ]
+    );
+}
+
+// === worker NetworkPolicy (issue 22, item 7) ===
+
+const POLICY: &str = "llama-worker";
+
+fn policy_path() -> String {
+    ns_path("networking.k8s.io/v1", "networkpolicies", POLICY)
+}
+
+fn with_network(mut o: InferenceDeployment, allow_from: Value) -> InferenceDeployment {
+    o.spec.network = Some(serde_json::from_value(json!({"allowFrom": allow_from})).unwrap());
+    o
+}
+
+#[tokio::test]
+async fn spec_network_applies_a_worker_network_policy_before_the_deployment() {
+    let metrics =
+        json!([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]);
+    let settings = Settings {
+        worker_metrics_from: serde_json::from_value(metrics.clone()).unwrap(),
+        ..Settings::default()
+    };
+    let mut h = harness_with(&[gpu_node("gpu-1")], settings);
+    let clients = json!([{"podSelector": {"matchLabels": {"app": "gateway"}}}]);
+    let obj = with_network(inference_deployment(1, 2), clients.clone());
+    let mut calls = children_apply_calls(true);
+    // After the ConfigMap, ServiceAccount and RoleBinding; before the Deployment.
+    calls.insert(LOOKUPS + 3, apply_call(&policy_path()));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    let np = &seen[LOOKUPS + 3];
+    assert_applied(np, "NetworkPolicy");
+    assert_eq!(np.body["metadata"]["name"], POLICY);
+    assert_eq!(
+        np.body["spec"]["podSelector"],
+        json!({"matchLabels": {"kvfleet.io/inference-deployment": "llama"}})
+    );
+    assert_eq!(np.body["spec"]["policyTypes"], json!(["Ingress"]));
+    let rules = np.body["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    assert_eq!(rules[0]["from"], clients);
+    assert_eq!(rules[1]["from"], metrics);
+    for r in rules {
+        assert_eq!(r["ports"], json!([{"port": "http", "protocol": "TCP"}]));
+    }
+    assert_applied(&seen[LOOKUPS + 4], "Deployment");
+}
+
+#[tokio::test]
+async fn a_network_policy_kvfleet_did_not_create_blocks_the_apply_and_is_named() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let obj = with_network(inference_deployment(1, 2), json!([{"podSelector": {}}]));
+    let theirs = json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": POLICY, "namespace": NS}, "spec": {"podSelector": {}}});
+    let mut calls: Vec<Call> = child_paths()
+        .into_iter()
+        .map(|p| call("GET", p, not_found()))
+        .collect();
+    calls[6].reply = Reply::Json(200, theirs);
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(
+        result.unwrap(),
+        Action::requeue(kvfleet::controller::reconcile::OWNERSHIP_RETRY)
+    );
+    assert!(
+        seen.iter()
+            .all(|s| s.method == "GET" || s.path == STATUS || s.path == EVENTS),
+        "nothing applied: {seen:?}"
+    );
+    let degraded = condition(&seen[LOOKUPS].body, "Degraded");
+    assert_eq!(degraded["reason"], "OwnershipConflict");
+    let message = degraded["message"].as_str().unwrap();
+    assert!(message.contains("NetworkPolicy ml/llama-worker"), "{message}");
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Warning".into(), "OwnershipConflict".into())]
+    );
+}
+
+#[tokio::test]
+async fn removing_spec_network_deletes_our_policy_and_never_someone_elses() {
+    // Ours (from the generation that had spec.network): deleted.
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    calls[6].reply = Reply::Json(200, owned("networking.k8s.io/v1", "NetworkPolicy", POLICY));
+    calls.insert(
+        LOOKUPS + 3,
+        call(
+            "DELETE",
+            policy_path(),
+            Reply::Json(
+                200,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}),
+            ),
+        ),
+    );
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    result.unwrap();
+    assert_eq!(seen[LOOKUPS + 3].method, "DELETE");
+    assert_eq!(seen[LOOKUPS + 3].path, policy_path());
+
+    // Someone else's of that name, with no spec.network: not ours to delete, and no conflict
+    // either, since kvfleet wants no object of that name.
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    calls[6].reply = Reply::Json(
+        200,
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+               "metadata": {"name": POLICY, "namespace": NS}, "spec": {"podSelector": {}}}),
+    );
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    assert!(seen.iter().all(|s| s.method != "DELETE"), "{seen:?}");
+    assert_ne!(
+        condition(&seen[LOOKUPS + 6].body, "Degraded")["reason"],
+        "OwnershipConflict"
     );
 }

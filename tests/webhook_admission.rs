@@ -1264,3 +1264,168 @@ fn hostile_sizes_in_a_review_are_denied_at_once_naming_the_field_and_the_bound()
         assert!(text.contains(message), "{pointer}: {text}");
     }
 }
+
+#[test]
+fn network_peers_out_of_bounds_or_invalid_are_denied_in_a_review_naming_the_peer() {
+    let facts = facts(&[gpu_node("h100-0", "NVIDIA-H100-80GB-HBM3", 9, 0, 8)]);
+    let peer = serde_json::json!({"podSelector": {"matchLabels": {"app": "gateway"}}});
+    let cases = [
+        (
+            serde_json::json!(vec![peer.clone(); 33]),
+            "spec.network.allowFrom has 33 peers, more than the maximum 32",
+        ),
+        (
+            serde_json::json!([{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]),
+            "spec.network.allowFrom[0]: an ipBlock cannot be combined",
+        ),
+        (
+            serde_json::json!([peer, {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"]}}]),
+            "spec.network.allowFrom[1]: ipBlock.except \"192.168.0.0/16\" is not a CIDR strictly inside 10.0.0.0/8",
+        ),
+    ];
+    for (allow_from, message) in cases {
+        let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+        v["request"]["object"]["spec"]["network"] = serde_json::json!({"allowFrom": allow_from});
+        let body = serde_json::to_vec(&v).unwrap();
+        let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+        assert_eq!(json["response"]["allowed"], false, "{message}");
+        let text = json["response"]["status"]["message"].as_str().unwrap();
+        assert!(text.contains(message), "{text}");
+    }
+    // The same object with valid peers is admitted.
+    let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+    let before = assert_well_formed(&review(&serde_json::to_vec(&v).unwrap(), &facts), None)["response"]
+        ["allowed"]
+        .clone();
+    v["request"]["object"]["spec"]["network"] =
+        serde_json::json!({"allowFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}]});
+    let body = serde_json::to_vec(&v).unwrap();
+    let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], before, "valid peers change nothing");
+}
+
+/// Sets `path` (slash-separated, under the review's spec) to `value`, creating objects on the way.
+fn set_in_spec(review: &mut Value, path: &str, value: Value) {
+    let mut at = &mut review["request"]["object"]["spec"];
+    let mut keys = path.split('/').peekable();
+    while let Some(k) = keys.next() {
+        if !at.is_object() {
+            *at = serde_json::json!({});
+        }
+        if keys.peek().is_none() {
+            at[k] = value;
+            return;
+        }
+        at = &mut at[k];
+    }
+}
+
+#[test]
+fn every_bound_of_the_spec_is_denied_in_a_review_naming_the_field_and_the_bound() {
+    use kvfleet::api::limits::*;
+    use serde_json::json;
+    let facts = facts(&[gpu_node("h100-0", "NVIDIA-H100-80GB-HBM3", 9, 0, 8)]);
+    let many = |n: usize, f: &dyn Fn(usize) -> Value| Value::Array((0..n).map(f).collect());
+    let map = |n: usize| Value::Object((0..n).map(|i| (format!("k{i}"), json!("v"))).collect());
+    let int = |path: &str, max: i64| {
+        let field = format!("spec.{}", path.replace('/', "."));
+        (
+            path.to_string(),
+            json!(max + 1),
+            format!("{field} {} is above the maximum {max}", max + 1),
+        )
+    };
+    let count = |path: &str, n: usize, what: &str, max: usize, v: Value| {
+        let field = format!("spec.{}", path.replace('/', "."));
+        (
+            path.to_string(),
+            v,
+            format!("{field} has {n} {what}, more than the maximum {max}"),
+        )
+    };
+    let cases = vec![
+        int("model/geometry/layers", LAYERS_MAX.into()),
+        int("model/geometry/queryHeads", HEADS_MAX.into()),
+        int("model/geometry/kvHeads", HEADS_MAX.into()),
+        int("model/geometry/headDim", HEAD_DIM_MAX.into()),
+        int("model/geometry/slidingWindow", SLIDING_WINDOW_MAX.into()),
+        int("model/geometry/globalHeadDim", HEAD_DIM_MAX.into()),
+        int("model/geometry/globalKvHeads", HEADS_MAX.into()),
+        int("model/geometry/kvLoraRank", KV_LORA_RANK_MAX.into()),
+        int("model/geometry/qkRopeHeadDim", QK_ROPE_HEAD_DIM_MAX.into()),
+        int("model/geometry/draftLayers", DRAFT_LAYERS_MAX.into()),
+        int("model/geometry/hiddenSize", HIDDEN_SIZE_MAX.into()),
+        int("model/geometry/vocabSize", VOCAB_SIZE_MAX.into()),
+        int("engine/maxModelLen", MAX_MODEL_LEN_MAX),
+        int("engine/maxNumSeqs", MAX_NUM_SEQS_MAX.into()),
+        int("engine/maxNumBatchedTokens", MAX_NUM_BATCHED_TOKENS_MAX.into()),
+        int("engine/tensorParallelSize", GPUS_PER_REPLICA_MAX.into()),
+        int("gpu/count", GPUS_PER_REPLICA_MAX.into()),
+        count(
+            "engine/extraArgs",
+            EXTRA_ARGS_MAX + 1,
+            "entries",
+            EXTRA_ARGS_MAX,
+            many(EXTRA_ARGS_MAX + 1, &|_| json!("--x")),
+        ),
+        count(
+            "gpu/selector/products",
+            PRODUCTS_MAX + 1,
+            "entries",
+            PRODUCTS_MAX,
+            many(PRODUCTS_MAX + 1, &|_| json!("NVIDIA-H100-80GB-HBM3")),
+        ),
+        count(
+            "pod/tolerations",
+            TOLERATIONS_MAX + 1,
+            "entries",
+            TOLERATIONS_MAX,
+            many(TOLERATIONS_MAX + 1, &|_| json!({})),
+        ),
+        count(
+            "pod/env",
+            ENV_MAX + 1,
+            "entries",
+            ENV_MAX,
+            many(ENV_MAX + 1, &|i| json!({"name": format!("E{i}")})),
+        ),
+        count(
+            "pod/annotations",
+            ANNOTATIONS_MAX + 1,
+            "entries",
+            ANNOTATIONS_MAX,
+            map(ANNOTATIONS_MAX + 1),
+        ),
+        count(
+            "pod/nodeSelector",
+            NODE_SELECTOR_MAX + 1,
+            "entries",
+            NODE_SELECTOR_MAX,
+            map(NODE_SELECTOR_MAX + 1),
+        ),
+        count(
+            "network/allowFrom",
+            ALLOW_FROM_MAX + 1,
+            "peers",
+            ALLOW_FROM_MAX,
+            many(ALLOW_FROM_MAX + 1, &|_| json!({"podSelector": {}})),
+        ),
+        (
+            "engine/image".to_string(),
+            json!("i".repeat(IMAGE_LEN_MAX + 1)),
+            format!(
+                "spec.engine.image is {} bytes long, more than the maximum {IMAGE_LEN_MAX}",
+                IMAGE_LEN_MAX + 1
+            ),
+        ),
+    ];
+    for (path, value, message) in cases {
+        let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+        set_in_spec(&mut v, &path, value);
+        let body = serde_json::to_vec(&v).unwrap();
+        let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+        assert_eq!(json["response"]["allowed"], false, "{path}");
+        let text = json["response"]["status"]["message"].as_str().unwrap();
+        assert!(text.contains(&message), "{path}: want {message:?} in {text}");
+    }
+}

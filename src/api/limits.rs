@@ -53,3 +53,8 @@ pub const TOLERATIONS_MAX: usize = 64;
 /// Entries of `pod.env`, `pod.annotations`.
 pub const ENV_MAX: usize = 256;
 pub const ANNOTATIONS_MAX: usize = 256;
+/// Peers of `network.allowFrom`.
+pub const ALLOW_FROM_MAX: usize = 32;
+/// Entries of one peer's label selector (matchLabels plus matchExpressions), values of one
+/// expression, and `ipBlock.except` entries.
+pub const PEER_TERMS_MAX: usize = 32;

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
@@ -105,6 +106,26 @@ pub struct InferenceDeploymentSpec {
     /// through the Service, and NetworkPolicy is the usual guard.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<ApiKeySpec>,
+
+    /// Who may reach the replicas. Absent: no NetworkPolicy, so any pod of the cluster reaches
+    /// them (the in-cluster default, as for any Deployment). Present: the controller renders
+    /// the NetworkPolicy `<name>-worker`, which admits ingress to the serving port only from
+    /// these peers and from the metrics peers the operator was installed with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkSpec>,
+}
+
+/// Ingress to the replicas' serving port (8000: the OpenAI API, probes and `/metrics`).
+/// Takes effect where the cluster's network plugin enforces NetworkPolicy.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NetworkSpec {
+    /// Peers allowed to reach the serving port, as in a NetworkPolicy rule's `from`: each a
+    /// `podSelector` and/or `namespaceSelector`, or an `ipBlock`. A `podSelector` alone means
+    /// pods of this namespace. Empty: no client is admitted (only the metrics peers).
+    #[serde(default)]
+    #[schemars(length(max = ALLOW_FROM_MAX))]
+    pub allow_from: Vec<NetworkPolicyPeer>,
 }
 
 /// Where the API key of the replicas is: a key of a Secret in the InferenceDeployment's

@@ -15,6 +15,9 @@ use k8s_openapi::api::core::v1::{
     PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
     Service, ServiceAccount, ServicePort, ServiceSpec, SleepAction, Toleration, Volume, VolumeMount,
 };
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
+};
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -61,6 +64,9 @@ pub struct Settings {
     pub worker_image: String,
     /// Image of the vLLM OpenAI server when the spec names none.
     pub vllm_image: String,
+    /// Peers that scrape `/metrics` (the chart's `networkPolicy.metricsFrom`): admitted by every
+    /// worker NetworkPolicy besides the spec's `network.allowFrom`. Empty: none besides those.
+    pub worker_metrics_from: Vec<NetworkPolicyPeer>,
 }
 
 impl Default for Settings {
@@ -70,6 +76,7 @@ impl Default for Settings {
             worker_image: format!("kvfleet:{}", env!("CARGO_PKG_VERSION")),
             // A release whose every flag kvfleet renders exists (compat/vllm_versions.rs).
             vllm_image: crate::compat::vllm_versions::default_image(),
+            worker_metrics_from: Vec::new(),
         }
     }
 }
@@ -101,6 +108,8 @@ pub struct Desired {
     pub pdb: Option<PodDisruptionBudget>,
     /// Only when the Prometheus Operator CRDs exist.
     pub monitor: Option<DynamicObject>,
+    /// Only when the spec sets `network`; otherwise an existing one of ours is removed.
+    pub network_policy: Option<NetworkPolicy>,
 }
 
 /// The object lacks metadata the owned objects need.
@@ -139,6 +148,9 @@ pub fn config_map_name(name: &str) -> String {
     format!("{name}-config")
 }
 pub fn worker_service_account_name(name: &str) -> String {
+    format!("{name}-worker")
+}
+pub fn worker_network_policy_name(name: &str) -> String {
     format!("{name}-worker")
 }
 
@@ -317,6 +329,15 @@ pub fn desired(
         o
     });
 
+    let network_policy = spec.network.as_ref().map(|net| NetworkPolicy {
+        metadata: meta(worker_network_policy_name(&name)),
+        spec: Some(worker_network_policy(
+            &name,
+            &net.allow_from,
+            &settings.worker_metrics_from,
+        )),
+    });
+
     Ok(Desired {
         config_map,
         service_account,
@@ -326,6 +347,7 @@ pub fn desired(
         service,
         pdb,
         monitor,
+        network_policy,
     })
 }
 
@@ -438,6 +460,41 @@ fn leader_worker_set_spec(
             }
         }
     })
+}
+
+/// Ingress to the pods of `name` (worker or vLLM) on the serving port only, from `allow_from`
+/// and from `metrics_from`. The port serves the API, the probes and `/metrics` alike, so a
+/// metrics peer reaches the API too (`spec.apiKey` guards that). An empty list adds no rule:
+/// a rule with no `from` would admit every source. Both empty: no ingress at all. Kubelet
+/// probes come from the node and the capacity sidecar over loopback; the usual plugins do
+/// not filter either.
+pub fn worker_network_policy(
+    name: &str,
+    allow_from: &[NetworkPolicyPeer],
+    metrics_from: &[NetworkPolicyPeer],
+) -> NetworkPolicySpec {
+    let rule = |from: &[NetworkPolicyPeer]| NetworkPolicyIngressRule {
+        from: Some(from.to_vec()),
+        ports: Some(vec![NetworkPolicyPort {
+            port: Some(IntOrString::String("http".into())),
+            protocol: Some("TCP".into()),
+            ..NetworkPolicyPort::default()
+        }]),
+    };
+    let ingress = [allow_from, metrics_from]
+        .into_iter()
+        .filter(|peers| !peers.is_empty())
+        .map(rule)
+        .collect();
+    NetworkPolicySpec {
+        pod_selector: Some(LabelSelector {
+            match_labels: Some(selector_labels(name)),
+            ..LabelSelector::default()
+        }),
+        policy_types: Some(vec!["Ingress".into()]),
+        ingress: Some(ingress),
+        egress: None,
+    }
 }
 
 fn pod_template(
@@ -1606,6 +1663,110 @@ spec:
         assert_eq!(pdb.spec.unwrap().max_unavailable, Some(IntOrString::Int(1)));
         let one = desired(&fixture(VLLM_RTX5090), &v, &Settings::default(), None).unwrap();
         assert!(one.pdb.is_none());
+    }
+
+    impl Desired {
+        /// (name, port) of the serving container's ports.
+        fn deployment_container_ports(&self) -> Vec<(String, i32)> {
+            let pod = self
+                .deployment
+                .as_ref()
+                .unwrap()
+                .spec
+                .as_ref()
+                .unwrap()
+                .template
+                .spec
+                .as_ref()
+                .unwrap();
+            pod.containers[0]
+                .ports
+                .iter()
+                .flatten()
+                .map(|p| (p.name.clone().unwrap_or_default(), p.container_port))
+                .collect()
+        }
+    }
+
+    fn peers(json: serde_json::Value) -> Vec<NetworkPolicyPeer> {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn without_spec_network_no_network_policy_is_rendered() {
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let d = desired(&fixture(KVFLEET_RTX3090_TP2), &v, &Settings::default(), None).unwrap();
+        assert_eq!(d.network_policy, None);
+    }
+
+    #[test]
+    fn spec_network_renders_a_policy_admitting_its_peers_and_the_metrics_peers_to_the_serving_port() {
+        let mut obj = fixture(VLLM_RTX5090);
+        obj.spec.network = Some(crate::api::NetworkSpec {
+            allow_from: peers(json!([
+                {"podSelector": {"matchLabels": {"app": "gateway"}}},
+                {"ipBlock": {"cidr": "10.8.0.0/16", "except": ["10.8.1.0/24"]}}
+            ])),
+        });
+        let settings = Settings {
+            worker_metrics_from: peers(json!([
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ])),
+            ..Settings::default()
+        };
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let d = desired(&obj, &v, &settings, None).unwrap();
+        let np = d.network_policy.clone().expect("a NetworkPolicy");
+        assert_eq!(np.metadata.name.as_deref(), Some("gemma-worker"));
+        assert_eq!(np.metadata.namespace.as_deref(), Some("ml"));
+        let owner = &np.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("InferenceDeployment", Some(true))
+        );
+        let spec = serde_json::to_value(np.spec.unwrap()).unwrap();
+        // The pods of this deployment, exactly as its Deployment and Service select them.
+        assert_eq!(
+            spec["podSelector"],
+            json!({"matchLabels": {INSTANCE_LABEL: "gemma"}})
+        );
+        let template = &d.deployment.as_ref().unwrap().spec.as_ref().unwrap().template;
+        assert_eq!(
+            template.metadata.as_ref().unwrap().labels.as_ref().unwrap()[INSTANCE_LABEL],
+            "gemma"
+        );
+        assert_eq!(spec["policyTypes"], json!(["Ingress"]));
+        let port = json!([{"port": "http", "protocol": "TCP"}]);
+        assert_eq!(
+            spec["ingress"],
+            json!([
+                {"from": [{"podSelector": {"matchLabels": {"app": "gateway"}}},
+                          {"ipBlock": {"cidr": "10.8.0.0/16", "except": ["10.8.1.0/24"]}}],
+                 "ports": port},
+                {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                 "ports": port}
+            ])
+        );
+        // The named port is the serving container's.
+        let c = &d.deployment_container_ports();
+        assert!(c.contains(&("http".to_string(), HTTP_PORT)), "{c:?}");
+    }
+
+    #[test]
+    fn an_empty_peer_list_never_becomes_a_rule_that_admits_everyone() {
+        let none = worker_network_policy("m", &[], &[]);
+        // No rule at all: no ingress. (A rule without `from` would admit every source.)
+        assert_eq!(none.ingress, Some(vec![]));
+        assert_eq!(none.policy_types, Some(vec!["Ingress".to_string()]));
+        let metrics = peers(json!([{"podSelector": {"matchLabels": {"app": "prometheus"}}}]));
+        let only_metrics = worker_network_policy("m", &[], &metrics);
+        let rules = only_metrics.ingress.unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(rules[0].from.as_deref(), Some(&metrics[..]));
+        let clients = peers(json!([{"namespaceSelector": {}}]));
+        let rules = worker_network_policy("m", &clients, &[]).ingress.unwrap();
+        assert_eq!(rules.len(), 1);
+        assert_eq!(rules[0].from.as_deref(), Some(&clients[..]));
     }
 
     #[test]

@@ -16,6 +16,7 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeStatus, Service};
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams};
 use kube::core::DeserializeGuard;
@@ -60,9 +61,30 @@ pub struct ControllerArgs {
     /// Identity in the Lease and in Events (the pod name).
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
+    /// NetworkPolicy peers (a JSON list, as in a rule's `from`) that scrape the workers'
+    /// `/metrics`; every worker NetworkPolicy admits them besides the spec's
+    /// `network.allowFrom`. The chart passes its `networkPolicy.metricsFrom`.
+    #[arg(long, env = "KVFLEET_WORKER_METRICS_FROM", default_value = "[]", value_parser = parse_peers)]
+    pub worker_metrics_from: Peers,
     /// InferenceDeployments reconciled at once.
     #[arg(long, default_value_t = 16)]
     pub concurrency: u16,
+}
+
+/// A list of NetworkPolicy peers given on the command line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Peers(pub Vec<NetworkPolicyPeer>);
+
+fn parse_peers(s: &str) -> Result<Peers, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(Peers::default());
+    }
+    serde_json::from_str(s).map(Peers).map_err(|e| {
+        format!(
+            "{e}; give a JSON list of NetworkPolicy peers, e.g. [{{\"namespaceSelector\": {{\"matchLabels\": {{\"kubernetes.io/metadata.name\": \"monitoring\"}}}}}}]"
+        )
+    })
 }
 
 /// Errors of the controller.
@@ -210,6 +232,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         if let Some(i) = args.vllm_image.clone() {
             s.vllm_image = i;
         }
+        s.worker_metrics_from = args.worker_metrics_from.0.clone();
         s
     };
     let ctx = Arc::new(Context::new(
@@ -243,7 +266,8 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         .owns(Api::<Deployment>::all(client.clone()), owned.clone())
         .owns(Api::<Service>::all(client.clone()), owned.clone())
         .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
-        .owns(Api::<PodDisruptionBudget>::all(client.clone()), owned)
+        .owns(Api::<PodDisruptionBudget>::all(client.clone()), owned.clone())
+        .owns(Api::<NetworkPolicy>::all(client.clone()), owned)
         .reconcile_all_on(node_rx)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
@@ -403,8 +427,26 @@ fn default_identity() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::WatchBackoff;
+    use super::{parse_peers, WatchBackoff};
     use kube::runtime::utils::Backoff;
+
+    #[test]
+    fn worker_metrics_peers_parse_from_json_and_a_bad_value_says_what_to_give() {
+        assert!(parse_peers("[]").unwrap().0.is_empty());
+        assert!(parse_peers("").unwrap().0.is_empty());
+        let peers = parse_peers(
+            r#"[{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]"#,
+        )
+        .unwrap();
+        let labels = peers.0[0]
+            .namespace_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.as_ref())
+            .unwrap();
+        assert_eq!(labels["kubernetes.io/metadata.name"], "monitoring");
+        let err = parse_peers("{monitoring}").unwrap_err();
+        assert!(err.contains("give a JSON list of NetworkPolicy peers"), "{err}");
+    }
 
     #[test]
     fn watch_backoff_doubles_to_its_cap_with_jitter_and_resets() {

@@ -10,6 +10,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
     ConfigMap, ContainerStateTerminated, Node, ObjectReference, Pod, Service, ServiceAccount,
 };
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::RoleBinding;
 use k8s_openapi::jiff::Timestamp;
@@ -361,6 +362,17 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
                 .map_err(|source| Error::kube(format!("read PodDisruptionBudget {name}"), source))?
                 .is_some_and(|p| is_owned_by(&p, &uid)),
         };
+        let policies = Api::<NetworkPolicy>::namespaced(c.clone(), &ns);
+        let policy_name = desired::worker_network_policy_name(&name);
+        let policy_is_ours = match &want.network_policy {
+            Some(np) => check.look(&policies, np).await?.is_some(),
+            // Not wanted (no spec.network): only ours is removed, as for the PDB.
+            None => policies
+                .get_opt(&policy_name)
+                .await
+                .map_err(|source| Error::kube(format!("read NetworkPolicy {policy_name}"), source))?
+                .is_some_and(|p| is_owned_by(&p, &uid)),
+        };
         let monitors = monitor
             .as_ref()
             .map(|kind| Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &kind.resource));
@@ -380,6 +392,14 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             }
             if let Some(rb) = &want.role_binding {
                 apply(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb).await?;
+            }
+            // The worker NetworkPolicy before the Deployment: no pod runs unguarded.
+            match &want.network_policy {
+                Some(np) => {
+                    apply(&policies, np).await?;
+                }
+                None if policy_is_ours => delete_if_present(&policies, &policy_name).await?,
+                None => {}
             }
             let dep = match (&want.deployment, &want.leader_worker_set) {
                 (Some(dep), _) => Some(apply(&deployments, dep).await?),
@@ -450,7 +470,7 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     if !foreign.is_empty() {
         mark_ownership_conflict(obj, &mut new_status, &foreign);
     }
-    if obj.status.as_ref() != Some(&new_status) {
+    if obj.status.as_ref().map(status::owned_part) != Some(new_status.clone()) {
         patch_status(ctx, &ns, &name, &new_status).await?;
     }
     let regarding = obj.object_ref(&());

@@ -22,6 +22,19 @@ pub const KV_CAPACITY_MATCHES_PLAN: &str = "KvCapacityMatchesPlan";
 /// +-0.005 GiB, the bound below which measured and predicted cannot be told apart.
 pub const LOGGED_GIB_ROUNDING_BYTES: f64 = 0.005 * (1u64 << 30) as f64;
 
+/// The condition types this controller writes; other writers' conditions are theirs.
+pub const OWNED_CONDITIONS: [&str; 5] = [COMPATIBLE, CAPACITY_PLANNED, AVAILABLE, PROGRESSING, DEGRADED];
+
+/// `status` as far as the controller writes it: without other writers' conditions. Its
+/// server-side apply leaves those alone (`conditions` is a list-map keyed by type), so only
+/// this part decides whether a write is needed.
+pub fn owned_part(status: &InferenceDeploymentStatus) -> InferenceDeploymentStatus {
+    let mut s = status.clone();
+    s.conditions
+        .retain(|c| OWNED_CONDITIONS.contains(&c.type_.as_str()));
+    s
+}
+
 /// KV capacity predicted by the planner for one replica.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CapacityPrediction {
@@ -522,6 +535,31 @@ mod tests {
 
     use super::*;
     use crate::validate::Denial;
+
+    #[test]
+    fn another_writers_condition_is_not_part_of_what_the_controller_compares() {
+        let t = Time(Timestamp::from_second(1_700_000_000).unwrap());
+        let c = |type_: &str| Condition {
+            type_: type_.into(),
+            status: "True".into(),
+            reason: "R".into(),
+            message: String::new(),
+            observed_generation: Some(1),
+            last_transition_time: t.clone(),
+        };
+        let ours = InferenceDeploymentStatus {
+            conditions: OWNED_CONDITIONS.iter().map(|t| c(t)).collect(),
+            ..InferenceDeploymentStatus::default()
+        };
+        let mut stored = ours.clone();
+        stored.conditions.insert(2, c("ExternalCheck"));
+        assert_ne!(stored, ours);
+        assert_eq!(owned_part(&stored), ours);
+        // A condition of ours missing is still a difference.
+        let mut lost = stored.clone();
+        lost.conditions.retain(|c| c.type_ != DEGRADED);
+        assert_ne!(owned_part(&lost), ours);
+    }
 
     fn obj(generation: i64) -> InferenceDeployment {
         let mut o: InferenceDeployment = serde_yaml::from_str(

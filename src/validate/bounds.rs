@@ -9,6 +9,8 @@ use super::{denial, Denial};
 use crate::api::limits::*;
 use crate::api::InferenceDeploymentSpec;
 use crate::plan::PlanError;
+use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 /// Reason of every bound denial (events, conditions, metrics).
 pub const REASON: &str = "ValueOutOfBounds";
@@ -229,7 +231,166 @@ pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
             "entries",
         );
     }
+    if let Some(net) = &spec.network {
+        network_peers(&mut b, &net.allow_from);
+    }
     b.denials
+}
+
+/// Reason of a `network.allowFrom` peer the API server would refuse in a NetworkPolicy.
+pub const PEER_REASON: &str = "InvalidNetworkPeer";
+
+/// `network.allowFrom`: bounded, and each peer one the NetworkPolicy API accepts, so an
+/// admitted spec never fails at apply time.
+fn network_peers(b: &mut Bounds, peers: &[NetworkPolicyPeer]) {
+    let field = "spec.network.allowFrom";
+    b.count(field, peers.len(), ALLOW_FROM_MAX, "peers");
+    if peers.len() > ALLOW_FROM_MAX {
+        return;
+    }
+    for (i, p) in peers.iter().enumerate() {
+        let at = format!("{field}[{i}]");
+        let mut deny = |message: String| {
+            b.denials
+                .push(denial(&at, PEER_REASON, format!("{at}: {message}")))
+        };
+        let selectors = p.pod_selector.is_some() || p.namespace_selector.is_some();
+        match (&p.ip_block, selectors) {
+            (None, false) => deny(
+                "a peer needs a podSelector and/or namespaceSelector, or an ipBlock; `{}` would match nothing".into(),
+            ),
+            (Some(_), true) => deny(
+                "an ipBlock cannot be combined with podSelector or namespaceSelector in one peer; list them as two peers".into(),
+            ),
+            (Some(ip), false) => match parse_cidr(&ip.cidr) {
+                None => deny(format!(
+                    "ipBlock.cidr {:?} is not a CIDR; write it as 10.0.0.0/8 or fd00::/8",
+                    truncated(&ip.cidr)
+                )),
+                Some(net) => {
+                    let except = ip.except.as_deref().unwrap_or_default();
+                    if except.len() > PEER_TERMS_MAX {
+                        deny(format!(
+                            "ipBlock.except has {} entries, more than the maximum {PEER_TERMS_MAX}; remove some",
+                            except.len()
+                        ));
+                    } else if let Some(e) = except
+                        .iter()
+                        .find(|e| !parse_cidr(e).is_some_and(|x| net.strictly_contains(&x)))
+                    {
+                        deny(format!(
+                            "ipBlock.except {:?} is not a CIDR strictly inside {}; remove it or fix it",
+                            truncated(e),
+                            ip.cidr
+                        ));
+                    }
+                }
+            },
+            (None, true) => {
+                for (which, sel) in [
+                    ("podSelector", &p.pod_selector),
+                    ("namespaceSelector", &p.namespace_selector),
+                ] {
+                    if let Some(message) = sel.as_ref().and_then(selector_problem) {
+                        deny(format!("{which}: {message}"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn truncated(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// What the API server would refuse in a label selector, bounded first.
+fn selector_problem(sel: &LabelSelector) -> Option<String> {
+    let labels = sel.match_labels.as_ref().map_or(0, |m| m.len());
+    let exprs = sel.match_expressions.as_deref().unwrap_or_default();
+    if labels + exprs.len() > PEER_TERMS_MAX {
+        return Some(format!(
+            "{} matchLabels and matchExpressions, more than the maximum {PEER_TERMS_MAX}; remove some",
+            labels + exprs.len()
+        ));
+    }
+    for e in exprs {
+        let values = e.values.as_deref().unwrap_or_default();
+        if values.len() > PEER_TERMS_MAX {
+            return Some(format!(
+                "matchExpressions key {:?} has {} values, more than the maximum {PEER_TERMS_MAX}; remove some",
+                truncated(&e.key),
+                values.len()
+            ));
+        }
+        match (e.operator.as_str(), values.is_empty()) {
+            ("In" | "NotIn", false) | ("Exists" | "DoesNotExist", true) => {}
+            ("In" | "NotIn", true) => {
+                return Some(format!(
+                    "operator {} on key {:?} needs values",
+                    e.operator,
+                    truncated(&e.key)
+                ))
+            }
+            ("Exists" | "DoesNotExist", false) => {
+                return Some(format!(
+                    "operator {} on key {:?} takes no values; remove them",
+                    e.operator,
+                    truncated(&e.key)
+                ))
+            }
+            (op, _) => {
+                return Some(format!(
+                    "operator {:?} is not one of In, NotIn, Exists, DoesNotExist",
+                    truncated(op)
+                ))
+            }
+        }
+    }
+    None
+}
+
+/// An IPv4 or IPv6 network in CIDR notation, as bits in a u128 (IPv4 mapped).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Cidr {
+    v6: bool,
+    addr: u128,
+    prefix: u32,
+}
+
+impl Cidr {
+    /// `other` lies inside this network and is smaller than it.
+    fn strictly_contains(&self, other: &Cidr) -> bool {
+        if self.v6 != other.v6 || other.prefix <= self.prefix {
+            return false;
+        }
+        let width = if self.v6 { 128 } else { 32 };
+        let shift = width - self.prefix;
+        let mask = if shift >= 128 { 0 } else { u128::MAX << shift };
+        other.addr & mask == self.addr & mask
+    }
+}
+
+fn parse_cidr(s: &str) -> Option<Cidr> {
+    let (ip, prefix) = s.split_once('/')?;
+    let prefix: u32 = prefix.parse().ok()?;
+    match ip.parse::<std::net::IpAddr>().ok()? {
+        std::net::IpAddr::V4(a) if prefix <= 32 => Some(Cidr {
+            v6: false,
+            addr: u128::from(u32::from(a)),
+            prefix,
+        }),
+        std::net::IpAddr::V6(a) if prefix <= 128 => Some(Cidr {
+            v6: true,
+            addr: u128::from(a),
+            prefix,
+        }),
+        _ => None,
+    }
 }
 
 /// The denial for a capacity the planner cannot compute: the spec cannot be served as
@@ -290,6 +451,125 @@ mod tests {
                 d[0].message
             );
         }
+    }
+
+    const MODEL: &str = "model: {name: m, geometry: {layers: 2, queryHeads: 2, kvHeads: 2, headDim: 64}}";
+
+    fn with_peers(peers: &str) -> Vec<Denial> {
+        check(&spec(&format!("{MODEL}\nnetwork: {{allowFrom: {peers}}}")))
+    }
+
+    #[test]
+    fn network_peers_that_a_network_policy_accepts_pass() {
+        assert_eq!(with_peers("[]"), vec![]);
+        assert_eq!(
+            with_peers(
+                "[{podSelector: {matchLabels: {app: gateway}}},
+                  {namespaceSelector: {matchExpressions: [{key: team, operator: In, values: [a, b]}]},
+                   podSelector: {matchExpressions: [{key: tier, operator: Exists}]}},
+                  {ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16, 10.2.3.4/32]}},
+                  {ipBlock: {cidr: 'fd00::/8', except: ['fd00:1::/32']}}]"
+            ),
+            vec![]
+        );
+    }
+
+    #[test]
+    fn network_peers_the_api_server_would_refuse_are_denied_naming_the_peer() {
+        let cases = [
+            ("[{}]", "[0]", "needs a podSelector"),
+            (
+                "[{podSelector: {}}, {ipBlock: {cidr: 10.0.0.0/8}, podSelector: {}}]",
+                "[1]",
+                "cannot be combined",
+            ),
+            ("[{ipBlock: {cidr: 10.0.0.0}}]", "[0]", "is not a CIDR"),
+            ("[{ipBlock: {cidr: 10.0.0.0/33}}]", "[0]", "is not a CIDR"),
+            (
+                "[{ipBlock: {cidr: 10.0.0.0/8, except: [192.168.0.0/16]}}]",
+                "[0]",
+                "strictly inside",
+            ),
+            (
+                "[{ipBlock: {cidr: 10.0.0.0/8, except: [10.0.0.0/8]}}]",
+                "[0]",
+                "strictly inside",
+            ),
+            (
+                "[{ipBlock: {cidr: 10.0.0.0/8, except: ['fd00::/8']}}]",
+                "[0]",
+                "strictly inside",
+            ),
+            (
+                "[{podSelector: {matchExpressions: [{key: a, operator: In}]}}]",
+                "[0]",
+                "needs values",
+            ),
+            (
+                "[{namespaceSelector: {matchExpressions: [{key: a, operator: Exists, values: [x]}]}}]",
+                "[0]",
+                "takes no values",
+            ),
+            (
+                "[{podSelector: {matchExpressions: [{key: a, operator: Gt, values: ['1']}]}}]",
+                "[0]",
+                "is not one of",
+            ),
+        ];
+        for (peers, at, says) in cases {
+            let d = with_peers(peers);
+            assert_eq!(d.len(), 1, "{peers}: {d:?}");
+            assert_eq!(d[0].field, format!("spec.network.allowFrom{at}"), "{peers}");
+            assert_eq!(d[0].reason, PEER_REASON);
+            assert!(d[0].message.contains(says), "{peers}: {}", d[0].message);
+        }
+    }
+
+    #[test]
+    fn network_lists_over_their_bounds_are_denied_with_the_bound() {
+        let peer = "{podSelector: {matchLabels: {app: a}}}";
+        let many = format!("[{}]", vec![peer; ALLOW_FROM_MAX + 1].join(", "));
+        let d = with_peers(&many);
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(d[0].field, "spec.network.allowFrom");
+        assert_eq!(d[0].reason, REASON);
+        assert!(
+            d[0].message.contains(&ALLOW_FROM_MAX.to_string()),
+            "{}",
+            d[0].message
+        );
+        assert_eq!(
+            with_peers(&format!("[{}]", vec![peer; ALLOW_FROM_MAX].join(", "))),
+            vec![]
+        );
+
+        let labels: Vec<String> = (0..=PEER_TERMS_MAX).map(|i| format!("k{i}: v")).collect();
+        let d = with_peers(&format!(
+            "[{{podSelector: {{matchLabels: {{{}}}}}}}]",
+            labels.join(", ")
+        ));
+        assert!(
+            d[0].message.contains(&format!("maximum {PEER_TERMS_MAX}")),
+            "{d:?}"
+        );
+        let except: Vec<String> = (0..=PEER_TERMS_MAX).map(|i| format!("10.0.{i}.0/24")).collect();
+        let d = with_peers(&format!(
+            "[{{ipBlock: {{cidr: 10.0.0.0/8, except: [{}]}}}}]",
+            except.join(", ")
+        ));
+        assert!(
+            d[0].message.contains(&format!("maximum {PEER_TERMS_MAX}")),
+            "{d:?}"
+        );
+        let values: Vec<String> = (0..=PEER_TERMS_MAX).map(|i| format!("v{i}")).collect();
+        let d = with_peers(&format!(
+            "[{{podSelector: {{matchExpressions: [{{key: k, operator: In, values: [{}]}}]}}}}]",
+            values.join(", ")
+        ));
+        assert!(
+            d[0].message.contains(&format!("maximum {PEER_TERMS_MAX}")),
+            "{d:?}"
+        );
     }
 
     #[test]
