@@ -631,7 +631,7 @@ impl Loop {
                             Some(t) => self.metrics.vllm_tpot.observe((now - t).as_secs_f64()),
                         }
                         l.last_token_at = Some(now);
-                        if let Some(reason) = push_token(&self.tok, l, next) {
+                        if let Some(reason) = push_token(&self.tok, l, next, &self.metrics) {
                             l.ended = Some(reason);
                             stopped.push(id);
                         }
@@ -643,11 +643,8 @@ impl Loop {
                         if let Some(mut l) = self.live.remove(&id) {
                             if l.ended.is_none() {
                                 // The scheduler's output budget (max_tokens) ran out.
-                                flush(&mut l, FinishReason::Length);
+                                flush(&mut l, FinishReason::Length, &self.metrics);
                             }
-                            self.metrics
-                                .vllm_e2e_latency
-                                .observe(l.arrived.elapsed().as_secs_f64());
                         }
                     }
                     Event::Failed { id, reason } => {
@@ -710,9 +707,9 @@ impl Loop {
 
 /// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
 /// finish reason when the request ends with it.
-fn push_token(tok: &Tokenizer, l: &mut Live, next: u32) -> Option<FinishReason> {
+fn push_token(tok: &Tokenizer, l: &mut Live, next: u32, metrics: &Metrics) -> Option<FinishReason> {
     if !l.sampler.params().ignore_eos && tok.stop_tokens.contains(&next) {
-        flush(l, FinishReason::Stop);
+        flush(l, FinishReason::Stop, metrics);
         return Some(FinishReason::Stop);
     }
     l.tokens.push(next);
@@ -722,22 +719,18 @@ fn push_token(tok: &Tokenizer, l: &mut Live, next: u32) -> Option<FinishReason> 
     // sequence, a byte-less dummy token): streams show every token's arrival.
     let _ = l.events.send(GenEvent::Text(text));
     if hit {
-        let _ = l.events.send(GenEvent::Done {
-            reason: FinishReason::Stop,
-            prompt_tokens: l.prompt_len,
-            completion_tokens: l.output_len(),
-        });
+        done(l, FinishReason::Stop, metrics);
         return Some(FinishReason::Stop);
     }
     if l.output_len() >= l.sampler.params().max_tokens {
-        flush(l, FinishReason::Length);
+        flush(l, FinishReason::Length, metrics);
         return Some(FinishReason::Length);
     }
     None
 }
 
 /// Sends held-back text (unless it completes a stop string) and the end of the request.
-fn flush(l: &mut Live, reason: FinishReason) {
+fn flush(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
     let tail = l.decoder.finish();
     let (mut text, hit) = l.stops.push(&tail);
     if !hit {
@@ -746,6 +739,15 @@ fn flush(l: &mut Live, reason: FinishReason) {
     if !text.is_empty() {
         let _ = l.events.send(GenEvent::Text(text));
     }
+    done(l, reason, metrics);
+}
+
+/// Ends a request for its client. The end-to-end latency is observed before the client can
+/// see the end, so a client that reads `/metrics` after its answer always finds it counted.
+fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
+    metrics
+        .vllm_e2e_latency
+        .observe(l.arrived.elapsed().as_secs_f64());
     let _ = l.events.send(GenEvent::Done {
         reason,
         prompt_tokens: l.prompt_len,
