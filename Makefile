@@ -51,12 +51,12 @@ e2e:
 	$(CARGO) test --locked $(E2E_SUITES) -- --ignored --test-threads=1; \
 	echo "e2e suites: $$(( $$(date +%s) - start )) s" >&2
 
-## crds: regenerate crds/ from src/api and sync the chart's copies
+## crds: regenerate crds/ from crates/kvfleet-core/src/api and sync the chart's copies
 crds:
 	$(CARGO) run --quiet -- crd > $(CRD)
 	charts/kvfleet/hack/sync-files.sh
 
-## crd-check: fail when crds/ differs from what src/api generates
+## crd-check: fail when crds/ differs from what crates/kvfleet-core/src/api generates
 crd-check:
 	$(CARGO) run --quiet --locked -- crd | diff -u $(CRD) - || \
 	  { echo "$(CRD) is stale: run 'make crds' and commit it" >&2; exit 1; }

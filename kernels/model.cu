@@ -1,6 +1,6 @@
 // Kernels of the Llama-family forward pass on the GPU: everything except the GEMMs (cuBLAS)
 // and attention (kernels/attention.cu). One NVRTC program, compiled once per architecture by
-// src/model/gpu.rs. Plain kernels over runtime shapes: they move activations, the GEMMs do
+// crates/kvfleet-cuda/src/gpu.rs. Plain kernels over runtime shapes: they move activations, the GEMMs do
 // the work.
 //
 // Layouts (row-major, T = tokens of the step):
@@ -183,9 +183,9 @@ extern "C" __global__ void kvf_fill_uniform(bf16* __restrict__ out, long long n,
 }
 
 // === Gemma 3 ===
-// The parts of Gemma 3's block the Llama-family kernels above do not cover (src/model/gpu.rs,
+// The parts of Gemma 3's block the Llama-family kernels above do not cover (crates/kvfleet-cuda/src/gpu.rs,
 // `gemma_layers`). Its (1 + w) RMSNorm needs no kernel of its own: the GGUF norm tensors
-// already hold 1 + w (see `Gemma3` in src/model/llama.rs).
+// already hold 1 + w (see `Gemma3` in crates/kvfleet-engine/src/model/llama.rs).
 
 // x[t, :] = table[tokens[t], :] * scale (Gemma 3 scales the embedding by sqrt(hidden); the tied
 // LM head reads the same table unscaled). Grid (T), any block size.

@@ -1,6 +1,6 @@
 // Sampling kernels: what a step needs on the device so that it copies token ids to the host
 // instead of `[rows, vocab]` f32 logits (131 MB a step for 256 rows of a 128k vocabulary).
-// Appended to kernels/model.cu in one NVRTC program (src/model/gpu.rs), so it uses that file's
+// Appended to kernels/model.cu in one NVRTC program (crates/kvfleet-cuda/src/gpu.rs), so it uses that file's
 // helpers and typedefs.
 
 namespace {

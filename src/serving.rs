@@ -1,6 +1,7 @@
-//! HTTP serving shared by the webhook and the worker: every HTTP/1 connection must send its
-//! request headers within a time limit, so that a client that opens connections and trickles
-//! bytes (slowloris) cannot hold them, nor the server's file descriptors, for long.
+//! What the long-lived modes share: shutdown on SIGTERM, and HTTP serving for the webhook and
+//! the worker, where every HTTP/1 connection must send its request headers within a time limit,
+//! so that a client that opens connections and trickles bytes (slowloris) cannot hold them, nor
+//! the server's file descriptors, for long.
 
 use std::time::Duration;
 
@@ -18,4 +19,28 @@ where
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(timeout);
+}
+
+/// Resolves on SIGTERM (what the kubelet sends) or ctrl-c; shared by every long-lived mode.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
 }

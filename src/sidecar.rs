@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::worker::publish::{annotation_patch, pod_identity};
+use crate::publish::{annotation_patch, pod_identity};
 
 /// Arguments of `kvfleet capacity-sidecar`.
 #[derive(clap::Args, Debug, Clone)]
@@ -144,7 +144,7 @@ pub async fn run(args: SidecarArgs) -> Result<(), SidecarError> {
     let pods: Api<Pod> = Api::namespaced(client, &namespace);
     let mut published: Option<u64> = None;
     let interval = Duration::from_secs(args.interval_seconds.max(1));
-    let shutdown = crate::cli::shutdown_signal();
+    let shutdown = crate::serving::shutdown_signal();
     tokio::pin!(shutdown);
     loop {
         match fetch(&args.metrics).await.map(|b| parse_cache_config(&b)) {

@@ -431,7 +431,7 @@ fn gpu_runtime_generation_loop_answers_paris() {
         max_model_len: 4096,
         max_waiting: 64,
     };
-    let metrics = Arc::new(kvfleet::worker::metrics::Metrics::new().unwrap());
+    let metrics = Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
     let rt = match ModelRuntime::start(forward, tok, "smol".into(), sched, metrics) {
         Ok(rt) => rt,
         Err(e) => panic!("cannot start the GPU runtime: {e}"),

@@ -17,10 +17,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvfleet::model::llama::{Llama, LlamaConfig};
+use kvfleet::model::metrics::Metrics;
 use kvfleet::model::openai;
 use kvfleet::model::serve::{loaded, start_cpu, CpuLimits};
 use kvfleet::model::tokenizer::Tokenizer;
-use kvfleet::worker::metrics::Metrics;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 

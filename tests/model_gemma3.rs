@@ -15,13 +15,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use kvfleet::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
 use kvfleet::model::gguf::{GgmlType, Gguf};
 use kvfleet::model::llama::{Llama, SeqChunk};
+use kvfleet::model::metrics::Metrics;
 use kvfleet::model::openai;
 use kvfleet::model::serve::{loaded, start_cpu, CpuLimits};
 use kvfleet::model::tokenizer::Tokenizer;
 use kvfleet::worker::engine::cpu::CpuBackend;
 use kvfleet::worker::engine::direct::DirectPlanner;
 use kvfleet::worker::engine::{KvDtype, StepPlan};
-use kvfleet::worker::metrics::Metrics;
 
 fn gguf_path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVFLEET_GEMMA3_GGUF") {

@@ -956,7 +956,7 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
         kv_tokens: 4096,
         ..CpuLimits::default()
     };
-    let metrics = std::sync::Arc::new(kvfleet::worker::metrics::Metrics::new().unwrap());
+    let metrics = std::sync::Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
     let rt = start_cpu(loaded, limits, metrics).unwrap();
     assert!(
         rt.name.starts_with("kvfleet-hf-"),
@@ -1016,7 +1016,7 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
     };
     let loaded = load(&source, None, None, 0).unwrap();
     assert!(loaded.name.starts_with("dummy-"), "{}", loaded.name);
-    let metrics = std::sync::Arc::new(kvfleet::worker::metrics::Metrics::new().unwrap());
+    let metrics = std::sync::Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
     let limits = CpuLimits {
         kv_tokens: 1024,
         ..CpuLimits::default()

@@ -11,13 +11,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use kvfleet::model::gguf::{GgmlType, Gguf};
 use kvfleet::model::kv::{ContiguousKv, KvAttention};
 use kvfleet::model::llama::{Llama, SeqChunk};
+use kvfleet::model::metrics::Metrics;
 use kvfleet::model::openai;
 use kvfleet::model::runtime::{GenEvent, ModelRuntime};
 use kvfleet::model::sampling::{argmax, SamplingParams};
 use kvfleet::model::serve::{loaded, start_cpu, CpuLimits};
 use kvfleet::model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 use kvfleet::worker::engine::KvDtype;
-use kvfleet::worker::metrics::Metrics;
 
 fn gguf_path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVFLEET_SMOLLM2_GGUF") {

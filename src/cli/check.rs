@@ -130,7 +130,7 @@ pub fn run(args: &CheckArgs) -> ExitCode {
             }
         }
         Err(e) => {
-            eprintln!("error: {}", crate::cli::error_chain(&e));
+            eprintln!("error: {}", crate::error_chain(&e));
             ExitCode::from(2)
         }
     }

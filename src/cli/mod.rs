@@ -82,47 +82,14 @@ where
     match rt.block_on(fut) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!(error = %crate::cli::error_chain(&error), "exiting");
+            tracing::error!(error = %crate::error_chain(&error), "exiting");
             ExitCode::FAILURE
         }
     }
 }
 
-/// Resolves on SIGTERM (what the kubelet sends) or ctrl-c; shared by every long-lived mode.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
-    }
-}
-
-/// `error: cause: cause` on one line.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
-}
+pub use crate::error_chain;
+pub use crate::serving::shutdown_signal;
 
 #[cfg(test)]
 mod tests {

@@ -31,23 +31,16 @@ use crate::api::{
     AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime, WeightsFormat,
 };
 use crate::compat::vllm_versions::{self, VllmVersion};
-use crate::model::serve::{ModelSource, Weights};
+use crate::contract::config::{ResolvedEngine, WorkerConfig};
+use crate::contract::model::{ModelSource, Weights};
+pub use crate::contract::{
+    CONFIG_HASH_ANNOTATION, HTTP_PORT, INSTANCE_LABEL, MEASURED_TOKENS_ANNOTATION, WORKER_CONFIG_KEY,
+};
 use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::{labels as gfd, Verdict};
-use crate::worker::config::{ResolvedEngine, WorkerConfig};
 
-/// Label that selects the pods of one InferenceDeployment (the scale selector).
-pub const INSTANCE_LABEL: &str = "kvfleet.io/inference-deployment";
-/// Pod annotation the kvfleet worker writes with its measured KV capacity in tokens.
-pub const MEASURED_TOKENS_ANNOTATION: &str = "kvfleet.io/measured-kv-tokens";
-/// Pod-template annotation holding a hash of the worker config, so a config change rolls the pods.
-pub const CONFIG_HASH_ANNOTATION: &str = "kvfleet.io/config-hash";
-/// Key of the worker configuration in the ConfigMap.
-pub const WORKER_CONFIG_KEY: &str = "worker.yaml";
 /// ClusterRole (shipped in deploy/rbac) that lets a worker annotate its own pod.
 pub const WORKER_CLUSTER_ROLE: &str = "kvfleet-worker";
-/// Port of the serving container (kvfleet worker and vLLM both default to 8000).
-pub const HTTP_PORT: i32 = 8000;
 /// Non-root UID/GID the pods run as.
 pub const RUN_AS_USER: i64 = 65532;
 

@@ -153,7 +153,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
-        crate::cli::shutdown_signal().await;
+        crate::serving::shutdown_signal().await;
         tracing::info!("shutdown requested");
         let _ = stop_tx.send(true);
     });
@@ -273,7 +273,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         .run(reconcile, error_policy, ctx)
         .for_each(|r| async move {
             if let Err(error) = r {
-                tracing::debug!(error = %crate::cli::error_chain(&error), "controller stream");
+                tracing::debug!(error = %crate::error_chain(&error), "controller stream");
             }
         });
     tokio::select! {

@@ -26,8 +26,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
+use crate::contract::exit;
 use crate::validate::{ClusterFacts, NodeFacts, Verdict};
-use crate::worker::preflight::exit;
 
 use super::desired::{self, MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
 use super::metrics::Metrics;
@@ -234,7 +234,7 @@ pub fn error_policy(
     };
     let delay = backoff(error, n);
     tracing::warn!(object = %k, %category, attempt = n, retry_in_s = delay.as_secs_f64(),
-        error = %crate::cli::error_chain(error), "reconcile failed");
+        error = %crate::error_chain(error), "reconcile failed");
     Action::requeue(delay)
 }
 
@@ -752,7 +752,7 @@ pub fn min_measured_tokens(pods: &[Pod]) -> Option<i64> {
         .min()
 }
 
-/// Exit codes with which `kvfleet worker` refuses to start ([`crate::worker::preflight::exit`],
+/// Exit codes with which `kvfleet worker` refuses to start ([`crate::contract::exit`],
 /// each after one `preflight failed` log line): the config is invalid, cannot run on this
 /// machine (GPU, kernels' self-test), or its KV cache does not fit. Not `RUNTIME` (a failure
 /// after start), 0, nor 128 + signal (137: OOM kill or SIGKILL).

@@ -1,16 +1,12 @@
-//! Model runtime: weights (GGUF, Hugging Face safetensors, dummy), tokenizer, the Llama-family forward pass and
-//! sampling, served through an OpenAI-compatible API (see `docs/model.md`).
+//! Model runtime: the serving loop over the engine ([`runtime`]), the OpenAI-compatible API
+//! ([`openai`]) and putting a model on its device ([`serve`]). The pure parts (weights,
+//! tokenizers, the CPU forward pass, sampling) are `kvfleet-engine`'s; the GPU forward pass is
+//! `kvfleet-cuda`'s. They are re-exported here under their old paths.
 
-pub mod forward;
-pub mod gguf;
-pub mod gpu;
-pub mod hf;
-pub mod hf_tokenizer;
-pub mod kv;
-pub mod llama;
+pub use kvfleet_cuda::{gpu, profile};
+pub use kvfleet_engine::model::{forward, gguf, hf, hf_tokenizer, kv, llama, sampling, tokenizer};
+
+pub mod metrics;
 pub mod openai;
-pub mod profile;
 pub mod runtime;
-pub mod sampling;
 pub mod serve;
-pub mod tokenizer;

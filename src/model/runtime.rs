@@ -18,12 +18,14 @@ use super::gguf::GgufError;
 use super::gpu::{GpuCapacity, GpuError};
 use super::hf::HfError;
 use super::llama::{LoadError, SeqChunk};
+use super::metrics::Metrics;
 use super::profile::{self, Shape, Table};
 use super::sampling::{Sampler, SamplingParams, StopMatcher};
 use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
-use crate::worker::engine::scheduler::{Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError};
-use crate::worker::engine::StepPlan;
-use crate::worker::metrics::Metrics;
+use kvfleet_engine::engine::scheduler::{
+    Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError,
+};
+use kvfleet_engine::engine::StepPlan;
 
 /// Errors of starting the runtime or submitting to it.
 #[derive(Debug, thiserror::Error)]
@@ -105,7 +107,7 @@ pub struct PoolSummary {
     pub max_request_tokens: usize,
     /// What the pools admit for maxModelLen requests, window-aware and under a full-layer
     /// budget (`/v1/capacity`, `kvfleet_kv_cache_*max_concurrency`).
-    pub admission: crate::worker::engine::capacity::Admission,
+    pub admission: kvfleet_engine::engine::capacity::Admission,
 }
 
 /// A handle to the serving loop; cheap to share between HTTP handlers.
@@ -183,7 +185,7 @@ impl ModelRuntime {
             total_blocks: scheduler.kv().total_blocks(),
             kv_cache_dtype: kv.layers.first().map_or("bfloat16", |l| l.dtype.as_str()),
             max_request_tokens,
-            admission: crate::worker::engine::capacity::admitted(
+            admission: kvfleet_engine::engine::capacity::admitted(
                 &kv,
                 sched.max_model_len,
                 sched.max_num_batched_tokens,
@@ -690,7 +692,7 @@ impl Loop {
         m.failed.inc_by(c.failed - self.last.failed);
         m.tokens.inc_by(c.tokens - self.last.tokens);
         self.last = c;
-        m.set_live(crate::worker::metrics::LiveStats {
+        m.set_live(super::metrics::LiveStats {
             used_blocks: used,
             free_blocks: total - used,
             usage_ratio: usage,

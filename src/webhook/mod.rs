@@ -215,7 +215,7 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
             // the certificate: a certificate whose CA failed to publish fails every admission.
             let material = tokio::select! {
                 m = manager.published_material(interval) => m.map_err(Box::new)?,
-                () = crate::cli::shutdown_signal() => return Ok(()),
+                () = crate::serving::shutdown_signal() => return Ok(()),
             };
             let rustls = RustlsConfig::from_config(tls::server_config(
                 material.serving.cert_pem.as_bytes(),
@@ -245,7 +245,7 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
     let result = tokio::select! {
         r = &mut https => r.map_err(|e| Error::Server("admission", std::io::Error::other(e))).and_then(|r| r.map_err(|e| Error::Server("admission", e))),
         r = &mut health => r.map_err(|e| Error::Server("health", std::io::Error::other(e))).and_then(|r| r.map_err(|e| Error::Server("health", e))),
-        () = crate::cli::shutdown_signal() => Ok(()),
+        () = crate::serving::shutdown_signal() => Ok(()),
     };
     // Let in-flight reviews finish; the API server retries on its own timeout anyway.
     https_handle.graceful_shutdown(Some(Duration::from_secs(5)));

@@ -238,7 +238,7 @@ impl CertFiles {
             let next = match self.read() {
                 Ok(next) => next,
                 Err(error) => {
-                    tracing::warn!(error = %crate::cli::error_chain(&error), "cannot read the serving certificate files");
+                    tracing::warn!(error = %crate::error_chain(&error), "cannot read the serving certificate files");
                     continue;
                 }
             };
@@ -251,7 +251,7 @@ impl CertFiles {
                     current = next;
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::cli::error_chain(&error), "new certificate files are not usable yet; keeping the old certificate")
+                    tracing::warn!(error = %crate::error_chain(&error), "new certificate files are not usable yet; keeping the old certificate")
                 }
             }
         }

@@ -13,8 +13,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::engine::capacity::PoolPlan;
-use super::metrics::Metrics;
 use super::nvml::GpuInfo;
+use crate::model::metrics::Metrics;
 
 /// What `/v1/capacity` reports besides the live numbers (fixed after preflight).
 #[derive(Clone, Debug, PartialEq, Serialize)]

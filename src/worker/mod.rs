@@ -20,14 +20,12 @@ use crate::compat::{AttentionBackend, KvCacheDtype};
 use crate::model::runtime::ModelRuntime;
 use crate::model::serve::{self, LoadedModel, ModelSource, Weights};
 
-pub mod config;
-pub mod cuda;
-pub mod engine;
+pub use crate::contract::config;
+pub use kvfleet_cuda as cuda;
+pub use kvfleet_engine::engine;
 pub mod http;
-pub mod metrics;
 pub mod nvml;
 pub mod preflight;
-pub mod publish;
 
 use config::WorkerConfig;
 use preflight::{exit, PreflightError};
@@ -49,7 +47,14 @@ pub struct WorkerArgs {
     pub model: Option<PathBuf>,
     /// `load` reads the weights from --model; `dummy` makes random weights of the geometry in
     /// --model-config (capacity and throughput runs, not text).
-    #[arg(long = "model-weights", env = "KVFLEET_MODEL_WEIGHTS", value_enum)]
+    #[arg(
+        long = "model-weights",
+        env = "KVFLEET_MODEL_WEIGHTS",
+        value_parser = clap::builder::TypedValueParser::map(
+            clap::builder::PossibleValuesParser::new(Weights::NAMES),
+            |s: String| s.parse::<Weights>().expect("one of the possible values"),
+        )
+    )]
     pub weights: Option<Weights>,
     /// config.json (or a checkpoint directory) with the geometry for --model-weights dummy
     /// (default: --model).
@@ -198,7 +203,7 @@ pub fn main(args: WorkerArgs) -> ExitCode {
             return fail(
                 exit::CONFIG,
                 "worker config unusable",
-                &crate::cli::error_chain(&error),
+                &crate::error_chain(&error),
             )
         }
     };
@@ -349,7 +354,7 @@ fn place(
 }
 
 async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
-    let metrics = match metrics::Metrics::new() {
+    let metrics = match crate::model::metrics::Metrics::new() {
         Ok(m) => Arc::new(m),
         Err(error) => {
             tracing::error!(%error, "cannot register metrics");
@@ -378,13 +383,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     .await;
     let model = match loaded {
         Ok(Ok(m)) => m,
-        Ok(Err(error)) => {
-            return fail(
-                exit::CONFIG,
-                "cannot load the model",
-                &crate::cli::error_chain(&error),
-            )
-        }
+        Ok(Err(error)) => return fail(exit::CONFIG, "cannot load the model", &crate::error_chain(&error)),
         Err(error) => return fail(exit::RUNTIME, "model loader task failed", &error),
     };
     if let Some(spec) = &cfg.geometry {
@@ -542,9 +541,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     };
     state.ready.store(true, Ordering::SeqCst);
     tracing::info!(%addr, model = %served_name, "ready");
-    tokio::spawn(publish::publish_measured_capacity(capacity_tokens));
+    tokio::spawn(crate::publish::publish_measured_capacity(capacity_tokens));
 
-    crate::cli::shutdown_signal().await;
+    crate::serving::shutdown_signal().await;
     tracing::info!("shutdown requested: not ready; draining");
     state.ready.store(false, Ordering::SeqCst);
     let drain = Duration::from_secs(args.drain_seconds);

@@ -11,23 +11,13 @@ use super::engine::layout::{BackendConfig, KvDtype, KvScales};
 use super::engine::scheduler::SchedulerConfig;
 use super::nvml::{GpuInfo, Probe};
 use crate::api::{LayerType, Runtime};
-use crate::compat::{AttentionBackend, ComputeCapability, ModelFeatures};
+use crate::compat::{AttentionBackend, ComputeCapability};
 use crate::plan::{pool_layout, EngineParams, Geometry};
 
 /// Exit codes of `kvfleet worker` (documented in docs/worker.md).
-pub mod exit {
-    /// A runtime failure after start (cannot listen, engine error).
-    pub const RUNTIME: u8 = 1;
-    /// The configuration cannot be read or is invalid.
-    pub const CONFIG: u8 = 2;
-    /// The configuration cannot run on this machine (GPU, architecture, feature).
-    pub const INCOMPATIBLE: u8 = 3;
-    /// The KV cache does not fit in the memory left.
-    pub const NO_MEMORY: u8 = 4;
-}
+pub use crate::contract::exit;
 
-/// Requests queued (not yet running) before the worker answers 429.
-pub const DEFAULT_MAX_WAITING: usize = 1024;
+pub use crate::contract::config::DEFAULT_MAX_WAITING;
 
 /// Why the worker refuses to start.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -309,7 +299,7 @@ pub fn compat_check(cfg: &WorkerConfig, gpu: &GpuInfo) -> Result<(), PreflightEr
     let Some(geometry) = cfg.geometry.as_ref() else {
         return Err(PreflightError::Config("no model geometry to check".into()));
     };
-    let mut features = ModelFeatures::from_geometry(geometry, cfg.engine.non_causal, false);
+    let mut features = geometry.features(cfg.engine.non_causal, false);
     features.block_size = u32::try_from(cfg.engine.block_size).ok();
     let eval = crate::compat::evaluate(
         Runtime::Kvfleet,

@@ -27,23 +27,23 @@ use cudarc::driver::{
 use half::bf16;
 use rayon::prelude::*;
 
-use super::forward::{check_plan, llama_backend_config, Forward, StepOutput};
-use super::kv::AttnGeometry;
-use super::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
-use super::profile::{self, GpuSteps};
-use crate::worker::cuda::backend::CudaBackend;
-use crate::worker::cuda::device::{driver_present, Gpu};
-use crate::worker::cuda::spec::{Arch, GroupSize, HeadDim};
-use crate::worker::cuda::{driver_err, nvrtc, CudaError};
-use crate::worker::engine::layout::{BackendConfig, KvDtype, StepPlan};
-use crate::worker::engine::Backend;
+use crate::backend::CudaBackend;
+use crate::device::{driver_present, Gpu};
+use crate::profile::{self, GpuSteps};
+use crate::spec::{Arch, GroupSize, HeadDim};
+use crate::{driver_err, nvrtc, CudaError};
+use kvfleet_engine::engine::layout::{BackendConfig, KvDtype, StepPlan};
+use kvfleet_engine::engine::Backend;
+use kvfleet_engine::model::forward::{check_plan, llama_backend_config, Forward, StepOutput};
+use kvfleet_engine::model::kv::AttnGeometry;
+use kvfleet_engine::model::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
 /// `kernels/sampling.cu` follows `kernels/model.cu` in one program (it uses the latter's helpers).
 pub const MODEL_SOURCE: &str = concat!(
-    include_str!("../../kernels/model.cu"),
+    include_str!("../../../kernels/model.cu"),
     "\n",
-    include_str!("../../kernels/sampling.cu")
+    include_str!("../../../kernels/sampling.cu")
 );
 
 /// Entry points of [`MODEL_SOURCE`].
@@ -137,6 +137,12 @@ pub enum GpuError {
     Invalid(String),
 }
 
+impl From<GpuError> for ForwardError {
+    fn from(e: GpuError) -> Self {
+        ForwardError::Device(Box::new(e))
+    }
+}
+
 fn cublas_err(what: &'static str) -> impl FnOnce(blas_result::CublasError) -> GpuError {
     move |e| GpuError::Cublas {
         what,
@@ -148,7 +154,7 @@ fn drv(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuErr
     move |e| GpuError::Cuda(driver_err(what)(e))
 }
 
-fn backend_err(e: crate::worker::engine::BackendError) -> GpuError {
+fn backend_err(e: kvfleet_engine::engine::BackendError) -> GpuError {
     GpuError::Backend(e.to_string())
 }
 
@@ -981,9 +987,7 @@ impl GpuLlama {
             llama_backend_config(geo, dt, bs, blocks)
         };
         if opts.self_test {
-            for line in
-                crate::worker::cuda::backend::self_test(&gpu, &pools, 0).map_err(GpuError::SelfTest)?
-            {
+            for line in crate::backend::self_test(&gpu, &pools, 0).map_err(GpuError::SelfTest)? {
                 tracing::info!("CUDA kernels {line}");
             }
         }
@@ -1324,8 +1328,8 @@ fn windowed_pools(
     opts: &GpuOptions,
     bytes: usize,
 ) -> Result<BackendConfig, GpuError> {
-    use crate::worker::engine::capacity::{size_pools, ModelLayer, PoolParams};
-    use crate::worker::engine::layout::KvScales;
+    use kvfleet_engine::engine::capacity::{size_pools, ModelLayer, PoolParams};
+    use kvfleet_engine::engine::layout::KvScales;
     let layers: Vec<ModelLayer> = (0..c.n_layers)
         .map(|i| ModelLayer {
             q_heads: geo.n_heads,
@@ -1545,11 +1549,13 @@ impl Forward for GpuLlama {
             return Ok(StepOutput::default());
         }
         if greedy.len() != last.len() {
-            return Err(ForwardError::Kv(super::kv::KvError::Backend(format!(
-                "{} sampling choices for {} rows wanting logits",
-                greedy.len(),
-                last.len()
-            ))));
+            return Err(ForwardError::Kv(kvfleet_engine::model::kv::KvError::Backend(
+                format!(
+                    "{} sampling choices for {} rows wanting logits",
+                    greedy.len(),
+                    last.len()
+                ),
+            )));
         }
         Ok(self.run(t, &last, Some(greedy))?)
     }
@@ -1634,7 +1640,7 @@ mod tests {
             used <= bytes && used > bytes * 99 / 100,
             "{used} of {bytes} bytes"
         );
-        let a = crate::worker::engine::capacity::admitted(&pools, 4096, 256);
+        let a = kvfleet_engine::engine::capacity::admitted(&pools, 4096, 256);
         // Full-layer: 18 x 256 pages per request; window-aware: 3 x 256 + 15 x 48.
         assert!((a.full_layer_max_concurrency - 4.0).abs() < 0.01, "{a:?}");
         let ratio = a.max_concurrency / a.full_layer_max_concurrency;

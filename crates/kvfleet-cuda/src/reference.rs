@@ -348,7 +348,7 @@ pub struct Comparison {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::cuda::spec::{GroupSize, HeadDim, KvDtype, Mask, PageSize};
+    use crate::spec::{GroupSize, HeadDim, KvDtype, Mask, PageSize};
 
     #[test]
     fn lowp_reference_is_close_but_not_equal_to_exact() {

@@ -1,5 +1,5 @@
 //! The seam between the serving loop and where the forward pass runs. The engine's
-//! [`Scheduler`](crate::worker::engine::scheduler::Scheduler) owns the page tables and writes
+//! [`Scheduler`](crate::engine::scheduler::Scheduler) owns the page tables and writes
 //! each step's [`StepPlan`]; a [`Forward`] runs the model's layers for the step's tokens and
 //! hands each layer's Q/K/V to the engine backend (append + attention) under that plan: the
 //! CPU backend here, the CUDA backend in `model::gpu::GpuLlama`.
@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
-use crate::worker::engine::cpu::CpuBackend;
-use crate::worker::engine::direct::DirectPlanner;
-use crate::worker::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
-use crate::worker::engine::{Backend, BackendError, StepPlan};
+use crate::engine::cpu::CpuBackend;
+use crate::engine::direct::DirectPlanner;
+use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
+use crate::engine::{Backend, BackendError, StepPlan};
 
 /// A model on a device with the engine's KV pools, stepped by the serving loop.
 pub trait Forward: Send {
@@ -311,8 +311,8 @@ impl Forward for CpuForward {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::scheduler::{Event, Scheduler, SchedulerConfig};
     use crate::model::kv::ContiguousKv;
-    use crate::worker::engine::scheduler::{Event, Scheduler, SchedulerConfig};
 
     /// Steps `prompts` through the engine scheduler and the CPU forward pass, feeding back a
     /// fixed token, and compares every logit row with the f32 contiguous reference cache.

@@ -497,7 +497,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::worker::engine::layout::BackendConfig;
+    use crate::engine::layout::BackendConfig;
 
     fn sched(
         bs: usize,

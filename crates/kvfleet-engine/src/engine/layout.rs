@@ -53,7 +53,7 @@
 //! (see [`super::backend::Backend`]). Activations are `f32` on the host side of the API;
 //! a device backend may keep them in its own buffer type.
 
-use crate::compat::KvCacheDtype;
+use kvfleet_core::compat::KvCacheDtype;
 
 /// KV-cache storage dtype as the engine implements it (resolved: no `auto`, no alias).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -278,7 +278,7 @@ pub fn decode_chunk_tiles(tiles: &[usize], kv_heads: usize, slots: usize) -> usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::cuda::spec::{GroupSize, HeadDim, KvDtype, Mask, PageSize};
+    use crate::spec::{GroupSize, HeadDim, KvDtype, Mask, PageSize};
 
     fn spec() -> KernelSpec {
         KernelSpec {

@@ -27,9 +27,12 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::model::ModelSource;
 use crate::api::{EngineSpec, ModelGeometry};
 use crate::compat::{AttentionBackend, KvCacheDtype};
-use crate::model::serve::ModelSource;
+
+/// Requests queued (not yet running) before the worker answers 429 (`maxWaiting`).
+pub const DEFAULT_MAX_WAITING: usize = 1024;
 
 /// GiB in bytes.
 pub const GIB: u64 = 1 << 30;
@@ -214,7 +217,7 @@ resolved: {kvCacheDtype: bfloat16, attentionBackend: KVFLEET_CUDA}
         .unwrap();
         let m = c.model.unwrap();
         assert_eq!(m.path.as_deref(), Some(std::path::Path::new("/models/m.gguf")));
-        assert_eq!(m.weights, crate::model::serve::Weights::Load);
+        assert_eq!(m.weights, crate::contract::model::Weights::Load);
         assert!(WorkerConfig::parse("model: {path: /m, weights: random}").is_err());
     }
 }

@@ -1,70 +1,13 @@
-//! Model features that constrain which attention backends and KV dtypes can run.
+//! What a model's geometry means for kernels: the features the compat rules take.
 
-use serde::Serialize;
+use super::{LayerType, ModelGeometry};
+use crate::compat::{KvCacheDtype, ModelFeatures};
 
-use super::vocab::KvCacheDtype;
-use crate::api::{LayerType, ModelGeometry};
-
-/// What a model's attention looks like, as far as kernels care.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct ModelFeatures {
-    /// Distinct attention head dimensions (e.g. `[256, 512]` for Gemma 4: sliding and
-    /// global heads). For MLA models the latent width `kv_lora_rank + qk_rope_head_dim`.
-    /// Empty when unknown (model given by a ConfigMap that admission cannot read).
-    pub head_dims: Vec<u32>,
-    /// Distinct sliding-window sizes in tokens across layers (empty: no sliding layers).
-    pub sliding_windows: Vec<u32>,
-    /// Layers differ in their window (some sliding, some full, or several windows), as in
-    /// Gemma 2/3/4 and gpt-oss. FlashInfer needs one window for all layers.
-    pub per_layer_windows: bool,
-    /// Attention without a causal mask (drafter blocks, encoders).
-    pub non_causal: bool,
-    /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
-    pub quantized_checkpoint: bool,
-    /// Multi-head latent attention (DeepSeek-style `kv_lora_rank`).
-    pub mla: bool,
-    /// The model's activation dtype: `bfloat16` or `float16`; what `auto` KV resolves to.
-    pub model_dtype: KvCacheDtype,
-    /// Distinct GQA group sizes (query heads per KV head) across layers; empty when unknown.
-    pub gqa_groups: Vec<u32>,
-    /// The engine's KV page size in tokens (`spec.engine.blockSize`), when the caller knows it.
-    pub block_size: Option<u32>,
-}
-
-impl Default for ModelFeatures {
-    fn default() -> Self {
-        Self {
-            head_dims: Vec::new(),
-            sliding_windows: Vec::new(),
-            per_layer_windows: false,
-            non_causal: false,
-            quantized_checkpoint: false,
-            mla: false,
-            model_dtype: KvCacheDtype::Bfloat16,
-            gqa_groups: Vec::new(),
-            block_size: None,
-        }
-    }
-}
-
-impl ModelFeatures {
-    /// Features of a model whose geometry is unknown (only the engine flags are known).
-    pub fn unknown(non_causal: bool, quantized: bool) -> Self {
-        Self {
-            non_causal,
-            quantized_checkpoint: quantized,
-            ..Self::default()
-        }
-    }
-
-    /// True when the head dimensions are known.
-    pub fn geometry_known(&self) -> bool {
-        !self.head_dims.is_empty()
-    }
-
+impl ModelGeometry {
     /// Derives the features from the CRD's geometry. Values the schema would reject
     /// (negative numbers) are ignored rather than trusted.
-    pub fn from_geometry(g: &ModelGeometry, non_causal: bool, quantized: bool) -> Self {
+    pub fn features(&self, non_causal: bool, quantized: bool) -> ModelFeatures {
+        let g = self;
         let pos = |v: i32| u32::try_from(v).ok().filter(|v| *v > 0);
         let mut head_dims = Vec::new();
         let mla = g.kv_lora_rank.is_some();
@@ -114,7 +57,7 @@ impl ModelFeatures {
         }
         gqa_groups.sort_unstable();
         gqa_groups.dedup();
-        Self {
+        ModelFeatures {
             head_dims,
             gqa_groups,
             block_size: None,
@@ -139,7 +82,7 @@ mod tests {
     #[test]
     fn llama_has_one_head_dim_and_no_windows() {
         let g = geometry(serde_json::json!({"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}));
-        let f = ModelFeatures::from_geometry(&g, false, false);
+        let f = g.features(false, false);
         assert_eq!(f.head_dims, vec![128]);
         assert!(f.sliding_windows.is_empty());
         assert!(!f.per_layer_windows && !f.mla);
@@ -154,7 +97,7 @@ mod tests {
             "layers": 6, "queryHeads": 32, "kvHeads": 16, "headDim": 256,
             "slidingWindow": 1024, "layerTypes": types, "globalHeadDim": 512, "globalKvHeads": 4
         }));
-        let f = ModelFeatures::from_geometry(&g, false, true);
+        let f = g.features(false, true);
         assert_eq!(f.head_dims, vec![256, 512]);
         assert_eq!(f.sliding_windows, vec![1024]);
         assert!(f.per_layer_windows);
@@ -166,7 +109,7 @@ mod tests {
         let g = geometry(serde_json::json!({
             "layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128, "slidingWindow": 4096
         }));
-        let f = ModelFeatures::from_geometry(&g, false, false);
+        let f = g.features(false, false);
         assert_eq!(f.sliding_windows, vec![4096]);
         assert!(!f.per_layer_windows);
     }
@@ -177,7 +120,7 @@ mod tests {
             "layers": 61, "queryHeads": 128, "kvHeads": 128, "headDim": 192,
             "kvLoraRank": 512, "qkRopeHeadDim": 64
         }));
-        let f = ModelFeatures::from_geometry(&g, false, false);
+        let f = g.features(false, false);
         assert!(f.mla);
         assert_eq!(f.head_dims, vec![576]);
     }

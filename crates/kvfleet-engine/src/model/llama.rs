@@ -43,8 +43,9 @@ pub enum ForwardError {
     Token(u32),
     #[error("position {pos} exceeds the model's context length {ctx}")]
     Context { pos: usize, ctx: usize },
+    /// The device's own error (the GPU backend converts its errors into this).
     #[error(transparent)]
-    Gpu(#[from] super::gpu::GpuError),
+    Device(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// Geometry and hyper-parameters of a Llama-family model.
@@ -769,7 +770,7 @@ impl Llama {
     }
 }
 
-pub(crate) fn inv_freq(cfg: &LlamaConfig, factors: Option<&[f32]>) -> Vec<f32> {
+pub fn inv_freq(cfg: &LlamaConfig, factors: Option<&[f32]>) -> Vec<f32> {
     let half = cfg.rope_dims / 2;
     (0..half)
         .map(|i| {

@@ -1,12 +1,13 @@
-//! Publishes the measured KV capacity as an annotation on the worker's own pod, where the
-//! controller reads it into `status.capacity.measuredTokensPerReplica` (docs/controller.md).
+//! Publishes the measured KV capacity as an annotation on the serving pod (the kvfleet worker,
+//! or the capacity sidecar beside vLLM), where the controller reads it into
+//! `status.capacity.measuredTokensPerReplica` (docs/controller.md).
 //! Best effort: outside a pod (no `POD_NAME`/`POD_NAMESPACE`) it does nothing, and an API
 //! error is logged, never fatal; `/metrics` and `/v1/capacity` carry the same figure.
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 
-use crate::controller::desired::MEASURED_TOKENS_ANNOTATION;
+use crate::contract::MEASURED_TOKENS_ANNOTATION;
 
 /// The merge patch that records `tokens` on the pod.
 pub fn annotation_patch(tokens: u64) -> serde_json::Value {

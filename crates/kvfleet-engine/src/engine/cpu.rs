@@ -251,9 +251,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::worker::engine::backend::StepBuffers;
-    use crate::worker::engine::layout::{GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec};
-    use crate::worker::engine::{backend, quant, reference};
+    use crate::engine::backend::StepBuffers;
+    use crate::engine::layout::{GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec};
+    use crate::engine::{backend, quant, reference};
 
     /// One request of a test batch: positions `first_pos .. kv_before` already cached,
     /// `q_len` new tokens.

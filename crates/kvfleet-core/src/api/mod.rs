@@ -12,12 +12,13 @@ use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
 use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::CustomResource;
+use kube_derive::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime};
 
+mod features;
 pub mod limits;
 use limits::*;
 
@@ -30,6 +31,8 @@ pub const KIND: &str = "InferenceDeployment";
 /// nodes and that its KV cache fits, then runs it and reports the KV capacity in status.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
+    // The derive names kube-core itself: the core crate does not depend on kube (the client).
+    crates(kube_core = "::kube_core"),
     group = "kvfleet.io",
     version = "v1alpha1",
     kind = "InferenceDeployment",

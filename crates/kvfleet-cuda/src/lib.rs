@@ -1,5 +1,7 @@
-//! The CUDA attention backend: kernels from `kernels/` compiled with NVRTC per specialisation,
-//! cached by key, and launched on paged KV caches. The only `unsafe` of kvfleet lives here.
+//! kvfleet on the GPU: the CUDA attention backend (kernels from `kernels/` compiled with NVRTC
+//! per specialisation, cached by key, and launched on paged KV caches) and the model's forward
+//! pass on the GPU ([`gpu`], with its per-step profile in [`profile`]). Every `unsafe` block of
+//! kvfleet lives in this crate: kernel launches and device memory.
 //!
 //! - [`spec`]: the closed set of specialisations, their keys and generated preludes (pure).
 //! - [`nvrtc`]: finding NVRTC and the headers, PTX compile cache.
@@ -10,8 +12,10 @@
 
 pub mod backend;
 pub mod device;
+pub mod gpu;
 pub mod nvrtc;
 pub mod plan;
+pub mod profile;
 pub mod quant;
 pub mod reference;
 pub mod selftest;

@@ -486,7 +486,7 @@ pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<
     let non_causal = spec.engine.non_causal;
     let quantized = spec.model.quantization.is_quantized();
     let mut f = match (&spec.model.geometry, &spec.model.config) {
-        (Some(g), _) => ModelFeatures::from_geometry(g, non_causal, quantized),
+        (Some(g), _) => g.features(non_causal, quantized),
         (None, Some(_)) if spec.engine.runtime == Runtime::Kvfleet => {
             // Denied by spec_checks (KvfleetNeedsGeometry): nothing more to warn about.
             ModelFeatures::unknown(non_causal, quantized)

@@ -7,11 +7,11 @@
 
 use serde::Serialize;
 
+use super::cc::Arch;
 use super::cc::ComputeCapability;
 use super::features::ModelFeatures;
 use super::vllm_versions::{self, VllmVersion};
 use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
-use crate::worker::cuda::spec::Arch;
 
 /// Deny stops admission; Warn admits with a caveat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

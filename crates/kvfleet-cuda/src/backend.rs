@@ -16,8 +16,8 @@ use super::device::{Gpu, Kernels, KvLayer, StepBuffers};
 use super::plan::{plan_step, CsrBatch};
 use super::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
 use super::{driver_err, CudaError};
-use crate::worker::engine::backend::{Backend, BackendError};
-use crate::worker::engine::layout::{self, BackendConfig, LayerSpec, StepPlan};
+use kvfleet_engine::engine::backend::{Backend, BackendError};
+use kvfleet_engine::engine::layout::{self, BackendConfig, LayerSpec, StepPlan};
 
 fn dev(e: CudaError) -> BackendError {
     BackendError::Device(e.to_string())
@@ -109,7 +109,7 @@ impl CudaBackend {
     pub fn download_pools(
         &self,
         layer: usize,
-    ) -> Result<crate::worker::engine::cpu::LayerPools, BackendError> {
+    ) -> Result<kvfleet_engine::engine::cpu::LayerPools, BackendError> {
         let l = self.layers.get(layer).ok_or(BackendError::NoLayer {
             layer,
             layers: self.layers.len(),
@@ -120,7 +120,7 @@ impl CudaBackend {
             v.truncate(len);
             Ok(v)
         };
-        Ok(crate::worker::engine::cpu::LayerPools {
+        Ok(kvfleet_engine::engine::cpu::LayerPools {
             shape,
             k: dl(&l.kv.k, shape.data_len())?,
             v: dl(&l.kv.v, shape.data_len())?,
@@ -381,7 +381,7 @@ pub fn self_test(gpu: &Gpu, cfg: &BackendConfig, seed: u64) -> Result<Vec<String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::engine::layout::{KvScales, LayerAttn};
+    use kvfleet_engine::engine::layout::{KvScales, LayerAttn};
 
     fn layer(q: usize, kv: usize, d: usize, causal: bool, window: Option<u32>) -> LayerSpec {
         LayerSpec {

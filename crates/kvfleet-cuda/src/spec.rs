@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::compat::vocab::KvCacheDtype;
+use kvfleet_core::compat::vocab::KvCacheDtype;
 
 /// The CUDA source, embedded at build time so a worker image needs no kernel files.
 pub const ATTENTION_SOURCE: &str = include_str!("../../../kernels/attention.cu");
@@ -174,72 +174,8 @@ impl Mask {
     }
 }
 
-/// GPU targets we compile for and claim. `a` targets allow architecture-specific instructions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Arch {
-    Sm80,
-    Sm86,
-    Sm89,
-    Sm90a,
-    Sm100a,
-    Sm120a,
-}
-
-impl Arch {
-    pub const ALL: [Arch; 6] = [
-        Self::Sm80,
-        Self::Sm86,
-        Self::Sm89,
-        Self::Sm90a,
-        Self::Sm100a,
-        Self::Sm120a,
-    ];
-
-    /// NVRTC's `--gpu-architecture` value (virtual arch: NVRTC emits PTX for it).
-    pub fn nvrtc_arch(self) -> &'static str {
-        match self {
-            Self::Sm80 => "compute_80",
-            Self::Sm86 => "compute_86",
-            Self::Sm89 => "compute_89",
-            Self::Sm90a => "compute_90a",
-            Self::Sm100a => "compute_100a",
-            Self::Sm120a => "compute_120a",
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Sm80 => "sm_80",
-            Self::Sm86 => "sm_86",
-            Self::Sm89 => "sm_89",
-            Self::Sm90a => "sm_90a",
-            Self::Sm100a => "sm_100a",
-            Self::Sm120a => "sm_120a",
-        }
-    }
-
-    /// The target to build for a device of compute capability `major.minor`, or `None` if the
-    /// kernels do not support it (pre-Ampere: no bf16 `mma.sync`). Families without their own
-    /// entry take the newest of their family we build (sm_87 Orin -> sm_86, sm_103 -> sm_100a,
-    /// sm_121 -> sm_120a); PTX is JIT-compiled forward by the driver inside a family.
-    pub fn for_capability(major: i32, minor: i32) -> Option<Self> {
-        match (major, minor) {
-            (8, 0) => Some(Self::Sm80),
-            (8, 6) | (8, 7) => Some(Self::Sm86),
-            (8, 9) => Some(Self::Sm89),
-            (9, 0) => Some(Self::Sm90a),
-            (10, 0) | (10, 3) => Some(Self::Sm100a),
-            (12, 0) | (12, 1) => Some(Self::Sm120a),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Arch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// The kernel targets live with the compute capabilities (the compat rules deny what has none).
+pub use kvfleet_core::compat::cc::Arch;
 
 /// One compiled program: all kernels (attention, merge, append) for one point of every axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,0 +1,63 @@
+//! Model features that constrain which attention backends and KV dtypes can run.
+
+use serde::Serialize;
+
+use super::vocab::KvCacheDtype;
+
+/// What a model's attention looks like, as far as kernels care.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ModelFeatures {
+    /// Distinct attention head dimensions (e.g. `[256, 512]` for Gemma 4: sliding and
+    /// global heads). For MLA models the latent width `kv_lora_rank + qk_rope_head_dim`.
+    /// Empty when unknown (model given by a ConfigMap that admission cannot read).
+    pub head_dims: Vec<u32>,
+    /// Distinct sliding-window sizes in tokens across layers (empty: no sliding layers).
+    pub sliding_windows: Vec<u32>,
+    /// Layers differ in their window (some sliding, some full, or several windows), as in
+    /// Gemma 2/3/4 and gpt-oss. FlashInfer needs one window for all layers.
+    pub per_layer_windows: bool,
+    /// Attention without a causal mask (drafter blocks, encoders).
+    pub non_causal: bool,
+    /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
+    pub quantized_checkpoint: bool,
+    /// Multi-head latent attention (DeepSeek-style `kv_lora_rank`).
+    pub mla: bool,
+    /// The model's activation dtype: `bfloat16` or `float16`; what `auto` KV resolves to.
+    pub model_dtype: KvCacheDtype,
+    /// Distinct GQA group sizes (query heads per KV head) across layers; empty when unknown.
+    pub gqa_groups: Vec<u32>,
+    /// The engine's KV page size in tokens (`spec.engine.blockSize`), when the caller knows it.
+    pub block_size: Option<u32>,
+}
+
+impl Default for ModelFeatures {
+    fn default() -> Self {
+        Self {
+            head_dims: Vec::new(),
+            sliding_windows: Vec::new(),
+            per_layer_windows: false,
+            non_causal: false,
+            quantized_checkpoint: false,
+            mla: false,
+            model_dtype: KvCacheDtype::Bfloat16,
+            gqa_groups: Vec::new(),
+            block_size: None,
+        }
+    }
+}
+
+impl ModelFeatures {
+    /// Features of a model whose geometry is unknown (only the engine flags are known).
+    pub fn unknown(non_causal: bool, quantized: bool) -> Self {
+        Self {
+            non_causal,
+            quantized_checkpoint: quantized,
+            ..Self::default()
+        }
+    }
+
+    /// True when the head dimensions are known.
+    pub fn geometry_known(&self) -> bool {
+        !self.head_dims.is_empty()
+    }
+}

@@ -1,0 +1,11 @@
+//! The model: weights (GGUF, Hugging Face safetensors, dummy), tokenizers, the Llama-family
+//! and Gemma 3 forward pass on the CPU, and sampling (see `docs/model.md`).
+
+pub mod forward;
+pub mod gguf;
+pub mod hf;
+pub mod hf_tokenizer;
+pub mod kv;
+pub mod llama;
+pub mod sampling;
+pub mod tokenizer;
