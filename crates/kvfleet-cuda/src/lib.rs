@@ -1,7 +1,9 @@
 //! kvfleet on the GPU: the CUDA attention backend (kernels from `kernels/` compiled with NVRTC
 //! per specialisation, cached by key, and launched on paged KV caches) and the model's forward
-//! pass on the GPU ([`gpu`], with its per-step profile in [`profile`]). Every `unsafe` block of
-//! kvfleet lives in this crate: kernel launches and device memory.
+//! pass on the GPU ([`gpu`], with its per-step profile in [`profile`]). The `unsafe` of the GPU
+//! path (kernel launches, device memory) lives in this crate; elsewhere kvfleet's `unsafe` is
+//! limited to mapping weight files and one pointer split in the CPU forward pass
+//! (`tests/architecture.rs` keeps the list).
 //!
 //! - [`spec`]: the closed set of specialisations, their keys and generated preludes (pure).
 //! - [`nvrtc`]: finding NVRTC and the headers, PTX compile cache.
