@@ -88,9 +88,6 @@ where
     }
 }
 
-pub use crate::error_chain;
-pub use crate::serving::shutdown_signal;
-
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
