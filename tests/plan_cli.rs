@@ -648,10 +648,10 @@ fn cli_rejects_nvfp4_for_head_dims_it_cannot_pack() {
 
 mod random {
     use super::*;
-    use kvfleet::plan::LayerSpec;
+    use kvfleet::plan::LayerGeometry;
     use proptest::prelude::*;
 
-    fn layer() -> impl Strategy<Value = LayerSpec> {
+    fn layer() -> impl Strategy<Value = LayerGeometry> {
         let kind = prop_oneof![
             Just(LayerKind::Full),
             Just(LayerKind::Mla),
@@ -664,12 +664,12 @@ mod random {
             prop::sample::select(vec![64u32, 128, 256, 512]),
         )
             .prop_map(|(kind, kv_heads, head_dim)| match kind {
-                LayerKind::Mla => LayerSpec {
+                LayerKind::Mla => LayerGeometry {
                     kind,
                     kv_heads: 1,
                     head_dim: 576,
                 },
-                _ => LayerSpec {
+                _ => LayerGeometry {
                     kind,
                     kv_heads,
                     head_dim,
@@ -690,7 +690,7 @@ mod random {
             mnbt in 1u64..20_000,
             avail in 0u64..(96 * GIB),
         ) {
-            let layers: Vec<LayerSpec> = pattern.iter().cycle().take(pattern.len() * repeats).copied().collect();
+            let layers: Vec<LayerGeometry> = pattern.iter().cycle().take(pattern.len() * repeats).copied().collect();
             let g = Geometry {
                 architecture: "random".into(),
                 query_heads: 64,

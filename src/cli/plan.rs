@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::compat::KvCacheDtype;
-use crate::plan::memory::{gib_to_bytes, gpu_memory_bytes, GPU_PRODUCTS};
+use crate::plan::memory::{gib_to_bytes, gpu_memory_bytes, gpu_products};
 use crate::plan::{
     plan, EngineParams, Geometry, MemoryInput, PlanInputs, ReportingEra, DEFAULT_ACTIVATION_RESERVE_BYTES,
 };
@@ -117,7 +117,7 @@ fn run_inner(a: &PlanArgs) -> Result<String, String> {
     } else {
         let gpu_memory_bytes = match (&a.gpu, a.gpu_memory_gib) {
             (Some(product), _) => gpu_memory_bytes(product).ok_or_else(|| {
-                let known: Vec<&str> = GPU_PRODUCTS.iter().map(|(n, _)| *n).collect();
+                let known: Vec<&str> = gpu_products().map(|p| p.label).collect();
                 format!("unknown GPU product {product:?}; pass --gpu-memory-gib, or one of: {}", known.join(", "))
             })?,
             (None, Some(g)) => gib("gpu-memory-gib", g)?,

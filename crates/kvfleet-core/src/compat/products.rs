@@ -6,7 +6,8 @@
 //! `NVIDIA-H100-80GB-HBM3`, `Tesla-T4`, `NVIDIA-L4`. Under time-slicing/MPS sharing the value
 //! may end in `-SHARED`, under the MIG single strategy in `-MIG-1g.5gb` (or similar).
 //! Capabilities: CUDA C Programming Guide, "Compute Capabilities" table, and COMPAT.md.
-//! Memory is nominal (marketing GiB x 1024 MiB) unless noted; a node's own
+//! Memory is nominal (marketing GiB x 1024 MiB) unless noted; where known, the total NVML
+//! (nvidia-smi) reports is kept beside it (`reported_mib`). A node's own
 //! `nvidia.com/gpu.memory` label wins over this table.
 
 use super::cc::ComputeCapability;
@@ -21,6 +22,9 @@ pub struct Product {
     pub cc: ComputeCapability,
     /// Memory per GPU in MiB (nominal).
     pub memory_mib: u64,
+    /// Memory per GPU in MiB as NVML (nvidia-smi) reports it and GFD labels it
+    /// (`nvidia.com/gpu.memory`), where known. (I): typical nvidia-smi totals.
+    pub reported_mib: Option<u64>,
 }
 
 const fn p(label: &'static str, name: &'static str, major: u32, minor: u32, gib: u64) -> Product {
@@ -29,13 +33,24 @@ const fn p(label: &'static str, name: &'static str, major: u32, minor: u32, gib:
         name,
         cc: ComputeCapability::new(major, minor),
         memory_mib: gib * 1024,
+        reported_mib: None,
+    }
+}
+
+impl Product {
+    /// The same product with the total NVML reports.
+    const fn reported(self, mib: u64) -> Product {
+        Product {
+            reported_mib: Some(mib),
+            ..self
+        }
     }
 }
 
 /// Every product kvfleet knows, ordered by compute capability.
 pub static PRODUCTS: &[Product] = &[
     // 7.5 Turing
-    p("Tesla-T4", "T4 16 GB", 7, 5, 16),
+    p("Tesla-T4", "T4 16 GB", 7, 5, 16).reported(15_360),
     p("NVIDIA-GeForce-RTX-2080-Ti", "RTX 2080 Ti 11 GB", 7, 5, 11),
     p(
         "GeForce-RTX-2080-Ti",
@@ -46,36 +61,36 @@ pub static PRODUCTS: &[Product] = &[
     ),
     p("Quadro-RTX-8000", "Quadro RTX 8000 48 GB", 7, 5, 48),
     // 8.0 Ampere data center
-    p("NVIDIA-A100-SXM4-40GB", "A100 SXM4 40 GB", 8, 0, 40),
-    p("NVIDIA-A100-SXM4-80GB", "A100 SXM4 80 GB", 8, 0, 80),
-    p("NVIDIA-A100-PCIE-40GB", "A100 PCIe 40 GB", 8, 0, 40),
-    p("NVIDIA-A100-80GB-PCIe", "A100 PCIe 80 GB", 8, 0, 80),
+    p("NVIDIA-A100-SXM4-40GB", "A100 SXM4 40 GB", 8, 0, 40).reported(40_960),
+    p("NVIDIA-A100-SXM4-80GB", "A100 SXM4 80 GB", 8, 0, 80).reported(81_920),
+    p("NVIDIA-A100-PCIE-40GB", "A100 PCIe 40 GB", 8, 0, 40).reported(40_960),
+    p("NVIDIA-A100-80GB-PCIe", "A100 PCIe 80 GB", 8, 0, 80).reported(81_920),
     p("NVIDIA-A30", "A30 24 GB", 8, 0, 24),
     // 8.6 Ampere
-    p("NVIDIA-A10", "A10 24 GB", 8, 6, 24),
-    p("NVIDIA-A40", "A40 48 GB", 8, 6, 48),
-    p("NVIDIA-GeForce-RTX-3090", "RTX 3090 24 GB", 8, 6, 24),
-    p("NVIDIA-RTX-A6000", "RTX A6000 48 GB", 8, 6, 48),
+    p("NVIDIA-A10", "A10 24 GB", 8, 6, 24).reported(23_028),
+    p("NVIDIA-A40", "A40 48 GB", 8, 6, 48).reported(46_068),
+    p("NVIDIA-GeForce-RTX-3090", "RTX 3090 24 GB", 8, 6, 24).reported(24_576),
+    p("NVIDIA-RTX-A6000", "RTX A6000 48 GB", 8, 6, 48).reported(49_140),
     // 8.7 Jetson Orin (unified memory; 64 GB is the AGX Orin 64 GB module)
     p("NVIDIA-Jetson-AGX-Orin", "Jetson AGX Orin 64 GB", 8, 7, 64),
     p("Orin", "Jetson Orin (nvgpu)", 8, 7, 64),
     // 8.9 Ada
-    p("NVIDIA-L4", "L4 24 GB", 8, 9, 24),
-    p("NVIDIA-L40", "L40 48 GB", 8, 9, 48),
-    p("NVIDIA-L40S", "L40S 48 GB", 8, 9, 48),
-    p("NVIDIA-GeForce-RTX-4090", "RTX 4090 24 GB", 8, 9, 24),
-    p("NVIDIA-RTX-6000-Ada-Generation", "RTX 6000 Ada 48 GB", 8, 9, 48),
+    p("NVIDIA-L4", "L4 24 GB", 8, 9, 24).reported(23_034),
+    p("NVIDIA-L40", "L40 48 GB", 8, 9, 48).reported(46_068),
+    p("NVIDIA-L40S", "L40S 48 GB", 8, 9, 48).reported(46_068),
+    p("NVIDIA-GeForce-RTX-4090", "RTX 4090 24 GB", 8, 9, 24).reported(24_564),
+    p("NVIDIA-RTX-6000-Ada-Generation", "RTX 6000 Ada 48 GB", 8, 9, 48).reported(49_140),
     // 9.0 Hopper
-    p("NVIDIA-H100-80GB-HBM3", "H100 SXM 80 GB", 9, 0, 80),
-    p("NVIDIA-H100-PCIe", "H100 PCIe 80 GB", 9, 0, 80),
-    p("NVIDIA-H100-NVL", "H100 NVL 94 GB", 9, 0, 94),
-    p("NVIDIA-H200", "H200 141 GB", 9, 0, 141),
+    p("NVIDIA-H100-80GB-HBM3", "H100 SXM 80 GB", 9, 0, 80).reported(81_559),
+    p("NVIDIA-H100-PCIe", "H100 PCIe 80 GB", 9, 0, 80).reported(81_559),
+    p("NVIDIA-H100-NVL", "H100 NVL 94 GB", 9, 0, 94).reported(95_830),
+    p("NVIDIA-H200", "H200 141 GB", 9, 0, 141).reported(143_771),
     p("NVIDIA-H200-NVL", "H200 NVL 141 GB", 9, 0, 141),
     p("NVIDIA-GH200-480GB", "GH200 96 GB HBM3", 9, 0, 96),
     p("NVIDIA-GH200-144G-HBM3e", "GH200 144 GB HBM3e", 9, 0, 144),
     p("NVIDIA-H20", "H20 96 GB", 9, 0, 96),
     // 10.0 Blackwell data center
-    p("NVIDIA-B200", "B200 180 GB", 10, 0, 180),
+    p("NVIDIA-B200", "B200 180 GB", 10, 0, 180).reported(183_359),
     p("NVIDIA-GB200", "GB200 186 GB", 10, 0, 186),
     // 10.3 Blackwell Ultra
     p("NVIDIA-B300-SXM6-AC", "B300 288 GB", 10, 3, 288),
@@ -85,14 +100,15 @@ pub static PRODUCTS: &[Product] = &[
     p("NVIDIA-Jetson-AGX-Thor", "Jetson AGX Thor 128 GB", 11, 0, 128),
     p("NVIDIA-Thor", "Jetson Thor 128 GB", 11, 0, 128),
     // 12.0 Blackwell workstation / consumer
-    p("NVIDIA-GeForce-RTX-5090", "RTX 5090 32 GB", 12, 0, 32),
+    p("NVIDIA-GeForce-RTX-5090", "RTX 5090 32 GB", 12, 0, 32).reported(32_607),
     p(
         "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
         "RTX PRO 6000 Blackwell Server Edition 96 GB",
         12,
         0,
         96,
-    ),
+    )
+    .reported(97_887),
     p(
         "NVIDIA-RTX-PRO-6000-Blackwell-Workstation-Edition",
         "RTX PRO 6000 Blackwell Workstation Edition 96 GB",

@@ -46,9 +46,10 @@ impl LayerKind {
     }
 }
 
-/// The KV-cache shape of one layer.
+/// The KV-cache shape of one layer, as the planner sizes it (the engine's
+/// `layout::LayerSpec` is another thing: where a layer's pages live and how it attends).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct LayerSpec {
+pub struct LayerGeometry {
     #[serde(flatten)]
     pub kind: LayerKind,
     /// KV heads of the whole layer (before tensor parallelism); 1 for MLA.
@@ -57,7 +58,10 @@ pub struct LayerSpec {
     pub head_dim: u32,
 }
 
-/// The attention geometry of a model: one [`LayerSpec`] per layer that holds a KV cache.
+/// The old name, for `plan/bytes.rs` until its own change renames it there; not exported.
+pub(crate) use LayerGeometry as LayerSpec;
+
+/// The attention geometry of a model: one [`LayerGeometry`] per layer that holds a KV cache.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Geometry {
     /// `model_type` or `architectures[0]` of the config, or `spec` for CRD geometry.
@@ -65,7 +69,7 @@ pub struct Geometry {
     /// Query heads per layer (tensor parallelism must divide them).
     pub query_heads: u32,
     /// Layers holding a KV cache, in model order (draft layers last).
-    pub layers: Vec<LayerSpec>,
+    pub layers: Vec<LayerGeometry>,
     /// How many of `layers` (at the end) belong to a speculative draft model.
     pub draft_layers: u32,
     /// Hidden size when the config gives it.
@@ -145,7 +149,7 @@ impl Geometry {
                 "MLA: every layer caches one latent of kv_lora_rank {rank} + qk_rope_head_dim {rope} = {} values per token",
                 rank + rope
             ));
-            let spec = LayerSpec {
+            let spec = LayerGeometry {
                 kind: LayerKind::Mla,
                 kv_heads: 1,
                 head_dim: rank + rope,
@@ -225,15 +229,15 @@ impl Geometry {
             });
         }
         let kinds = layer_kinds(&c, &model_type, n_layers, window, &mut notes)?;
-        let full = LayerSpec {
+        let full = LayerGeometry {
             kind: LayerKind::Full,
             kv_heads: global_kv_heads,
             head_dim: global_head_dim,
         };
-        let mut layers: Vec<LayerSpec> = kinds
+        let mut layers: Vec<LayerGeometry> = kinds
             .into_iter()
             .map(|k| match k {
-                LayerKind::Sliding { .. } => LayerSpec {
+                LayerKind::Sliding { .. } => LayerGeometry {
                     kind: k,
                     kv_heads,
                     head_dim,
@@ -310,7 +314,7 @@ impl Geometry {
             (Some(rank), Some(rope)) => {
                 notes.push(format!("MLA: latent {rank} + rope {rope} values per token"));
                 vec![
-                    LayerSpec {
+                    LayerGeometry {
                         kind: LayerKind::Mla,
                         kv_heads: 1,
                         head_dim: rank + rope
@@ -325,12 +329,12 @@ impl Geometry {
                 })
             }
             (None, None) => {
-                let full = LayerSpec {
+                let full = LayerGeometry {
                     kind: LayerKind::Full,
                     kv_heads: opt("globalKvHeads", spec.global_kv_heads)?.unwrap_or(kv_heads),
                     head_dim: opt("globalHeadDim", spec.global_head_dim)?.unwrap_or(head_dim),
                 };
-                let sliding = |w| LayerSpec {
+                let sliding = |w| LayerGeometry {
                     kind: LayerKind::Sliding { window: w },
                     kv_heads,
                     head_dim,
@@ -429,8 +433,8 @@ impl Geometry {
     }
 
     /// Counts of each distinct layer spec, in first-seen order.
-    pub fn distinct_specs(&self) -> Vec<(LayerSpec, usize)> {
-        let mut out: Vec<(LayerSpec, usize)> = Vec::new();
+    pub fn distinct_specs(&self) -> Vec<(LayerGeometry, usize)> {
+        let mut out: Vec<(LayerGeometry, usize)> = Vec::new();
         for l in &self.layers {
             match out.iter_mut().find(|(s, _)| s == l) {
                 Some((_, n)) => *n += 1,

@@ -41,6 +41,23 @@ pub fn blocks_per_request(kind: LayerKind, tokens: u64, chunk: u64, block_size: 
     }
 }
 
+/// Requests of `max_model_len` tokens that pools of `pool_bytes` admit when every layer is
+/// budgeted for the whole length, for groups with blocks of `block_bytes`:
+/// `pool_bytes / (sum of block_bytes x cdiv(max_model_len, block_size))`.
+pub fn full_layer_concurrency(
+    pool_bytes: u64,
+    block_bytes: impl IntoIterator<Item = u64>,
+    max_model_len: u64,
+    block_size: u32,
+) -> f64 {
+    let blocks = cdiv(max_model_len, u64::from(block_size.max(1)));
+    let per_request = block_bytes
+        .into_iter()
+        .map(|b| b.saturating_mul(blocks))
+        .fold(0u64, u64::saturating_add);
+    pool_bytes as f64 / per_request.max(1) as f64
+}
+
 /// One kvfleet layer group and its block pool.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct KvfleetGroup {
@@ -172,15 +189,13 @@ pub fn pool_layout(
         .iter()
         .map(|g| g.num_blocks.saturating_mul(g.block_bytes))
         .fold(0u64, u64::saturating_add);
-    let full_per_request: u64 = groups
-        .iter()
-        .map(|g| {
-            g.block_bytes
-                .saturating_mul(cdiv(p.max_model_len, u64::from(p.block_size.max(1))))
-        })
-        .fold(0u64, u64::saturating_add);
     Ok(KvfleetPlan {
-        full_layer_max_concurrency: pool_bytes as f64 / full_per_request.max(1) as f64,
+        full_layer_max_concurrency: full_layer_concurrency(
+            pool_bytes,
+            groups.iter().map(|g| g.block_bytes),
+            p.max_model_len,
+            p.block_size,
+        ),
         available_kv_bytes,
         bytes_per_request,
         max_concurrency,

@@ -13,6 +13,7 @@
 use serde::Serialize;
 
 use super::PlanError;
+use crate::compat::products::{Product, PRODUCTS};
 
 pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;
@@ -26,34 +27,8 @@ pub const MIB: u64 = 1 << 20;
 /// memory" from a vLLM startup log and pass their sum as the reserve.
 pub const DEFAULT_ACTIVATION_RESERVE_BYTES: u64 = GIB;
 
-/// Total memory of GPU products as NVML (nvidia-smi) reports it, keyed by the GPU Feature
-/// Discovery `nvidia.com/gpu.product` label. (I): typical nvidia-smi totals; the node
-/// label `nvidia.com/gpu.memory` (MiB) is authoritative when available.
-pub const GPU_PRODUCTS: &[(&str, u64)] = &[
-    ("Tesla-T4", 15_360),
-    ("NVIDIA-A10", 23_028),
-    ("NVIDIA-L4", 23_034),
-    ("NVIDIA-GeForce-RTX-3090", 24_576),
-    ("NVIDIA-GeForce-RTX-4090", 24_564),
-    ("NVIDIA-GeForce-RTX-5090", 32_607),
-    ("NVIDIA-A100-SXM4-40GB", 40_960),
-    ("NVIDIA-A100-PCIE-40GB", 40_960),
-    ("NVIDIA-A40", 46_068),
-    ("NVIDIA-L40", 46_068),
-    ("NVIDIA-L40S", 46_068),
-    ("NVIDIA-RTX-A6000", 49_140),
-    ("NVIDIA-RTX-6000-Ada-Generation", 49_140),
-    ("NVIDIA-A100-SXM4-80GB", 81_920),
-    ("NVIDIA-A100-80GB-PCIe", 81_920),
-    ("NVIDIA-H100-80GB-HBM3", 81_559),
-    ("NVIDIA-H100-PCIe", 81_559),
-    ("NVIDIA-H100-NVL", 95_830),
-    ("NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition", 97_887),
-    ("NVIDIA-H200", 143_771),
-    ("NVIDIA-B200", 183_359),
-];
-
-/// Memory of a GPU product in bytes. Matches the GFD label case-insensitively, with
+/// Memory of a GPU product in bytes as NVML reports it ([`Product::reported_mib`]; products
+/// without a reported total are unknown here). Matches the GFD label case-insensitively, with
 /// spaces or dashes, with or without the `NVIDIA-` prefix.
 pub fn gpu_memory_bytes(product: &str) -> Option<u64> {
     let norm = |s: &str| {
@@ -61,10 +36,15 @@ pub fn gpu_memory_bytes(product: &str) -> Option<u64> {
         s.strip_prefix("nvidia-").map(str::to_string).unwrap_or(s)
     };
     let want = norm(product);
-    GPU_PRODUCTS
-        .iter()
-        .find(|(name, _)| norm(name) == want)
-        .map(|(_, mib)| mib * MIB)
+    gpu_products()
+        .find(|p| norm(p.label) == want)
+        .and_then(|p| p.reported_mib)
+        .map(|mib| mib * MIB)
+}
+
+/// The products [`gpu_memory_bytes`] knows.
+pub fn gpu_products() -> impl Iterator<Item = &'static Product> {
+    PRODUCTS.iter().filter(|p| p.reported_mib.is_some())
 }
 
 /// Parses a Kubernetes quantity (`19Gi`, `16G`, `1.5Ti`, `2e9`, `512Mi`, `1024`) as bytes,

@@ -19,8 +19,8 @@ pub mod vllm;
 pub use bytes::{
     check_tensor_parallel, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank, page_bytes,
 };
-pub use geometry::{Geometry, LayerKind, LayerSpec};
-pub use kvfleet::{blocks_per_request, pool_layout, KvfleetGroup, KvfleetPlan};
+pub use geometry::{Geometry, LayerGeometry, LayerKind};
+pub use kvfleet::{blocks_per_request, full_layer_concurrency, pool_layout, KvfleetGroup, KvfleetPlan};
 pub use memory::{
     gpu_memory_bytes, parse_quantity_bytes, MemoryBudget, DEFAULT_ACTIVATION_RESERVE_BYTES, GIB,
 };

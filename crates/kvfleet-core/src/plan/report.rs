@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::bytes::{
     check_tensor_parallel, dtype_label, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank,
 };
-use super::geometry::{Geometry, LayerKind, LayerSpec};
+use super::geometry::{Geometry, LayerGeometry, LayerKind};
 use super::kvfleet::{blocks_per_request, pool_layout, KvfleetPlan};
 use super::memory::{fmt_gib, MemoryBudget};
 use super::vllm::{
@@ -47,7 +47,7 @@ pub struct PlanInputs {
 /// KV bytes of one distinct layer spec.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LayerBytes {
-    pub spec: LayerSpec,
+    pub spec: LayerGeometry,
     pub layers: usize,
     pub kv_heads_per_rank: u32,
     pub head_vector_bytes: u64,
@@ -227,7 +227,7 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
-fn spec_name(s: &LayerSpec) -> String {
+fn spec_name(s: &LayerGeometry) -> String {
     match s.kind {
         LayerKind::Mla => format!("mla latent {}", s.head_dim),
         k => format!("{} {}x{}", k.label(), s.kv_heads, s.head_dim),

@@ -21,7 +21,7 @@
 use serde::Serialize;
 
 use super::bytes::{kv_heads_per_rank, page_bytes};
-use super::geometry::{Geometry, LayerKind, LayerSpec};
+use super::geometry::{Geometry, LayerGeometry, LayerKind};
 use super::{cdiv, PlanError};
 use crate::compat::KvCacheDtype;
 
@@ -388,7 +388,7 @@ impl VllmPlan {
 }
 
 /// The distinct layer specs of a group list, for reports.
-pub fn describe_spec(spec: &LayerSpec) -> String {
+pub fn describe_spec(spec: &LayerGeometry) -> String {
     format!(
         "{} x {} KV heads x head_dim {}",
         spec.kind.label(),

@@ -1,7 +1,11 @@
 //! The engine's model: layers grouped into page tables, and pools sized from the memory
-//! left for the KV cache. Mirrors `plan::kvfleet` (layers grouped by window, KV heads and
+//! left for the KV cache. Grouped as `plan::kvfleet` groups them (by window, KV heads and
 //! head_dim; one block of a group holds `block_size` tokens of every layer in it; memory
-//! split in proportion to what one `max_model_len` request needs from each group).
+//! split in proportion to what one `max_model_len` request needs from each group), with the
+//! planner's per-request block budgets ([`plan::blocks_per_request`],
+//! [`plan::full_layer_concurrency`]).
+
+use kvfleet_core::plan::{self, LayerKind};
 
 use super::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec, PoolShape};
 
@@ -56,16 +60,15 @@ pub struct PoolPlan {
     pub full_layer_max_concurrency: f64,
 }
 
-/// Blocks a request of `tokens` holds at most in a group (see `block::KvManager`).
+/// Blocks a request of `tokens` holds at most in a group of `window` (see `block::KvManager`):
+/// [`plan::blocks_per_request`].
 pub fn blocks_per_request(window: Option<u32>, tokens: usize, chunk: usize, block_size: usize) -> u64 {
-    let full = tokens.div_ceil(block_size);
-    let n = match window {
-        Some(w) => {
-            full.min((w as usize).saturating_sub(1).div_ceil(block_size) + chunk.max(1).div_ceil(block_size))
-        }
-        None => full,
-    };
-    n as u64
+    let kind = window.map_or(LayerKind::Full, |window| LayerKind::Sliding { window });
+    plan::blocks_per_request(kind, tokens as u64, chunk as u64, block_u32(block_size))
+}
+
+fn block_u32(block_size: usize) -> u32 {
+    u32::try_from(block_size).unwrap_or(u32::MAX)
 }
 
 /// What allocated pools admit: requests of `max_model_len` at once with each group budgeted by
@@ -95,18 +98,6 @@ pub struct GroupTokens {
     pub tokens: usize,
     /// The same under a full-layer budget.
     pub full_layer_tokens: usize,
-}
-
-/// The full-layer concurrency of pools of `pool_bytes` whose groups have blocks of
-/// `block_bytes`: every layer holds `cdiv(max_model_len, block_size)` blocks per request.
-pub fn full_layer_concurrency(
-    pool_bytes: u64,
-    block_bytes: impl Iterator<Item = u64>,
-    max_model_len: usize,
-    block_size: usize,
-) -> f64 {
-    let per_request: u64 = block_bytes.sum::<u64>() * max_model_len.div_ceil(block_size.max(1)) as u64;
-    pool_bytes as f64 / per_request.max(1) as f64
 }
 
 /// What the pools of `cfg` admit for requests of `max_model_len` with prefill chunks of
@@ -153,11 +144,11 @@ pub fn admitted(cfg: &BackendConfig, max_model_len: usize, chunk: usize) -> Admi
         } else {
             0.0
         },
-        full_layer_max_concurrency: full_layer_concurrency(
+        full_layer_max_concurrency: plan::full_layer_concurrency(
             pool_bytes,
-            block_bytes.into_iter(),
-            max_model_len,
-            bs,
+            block_bytes,
+            max_model_len as u64,
+            block_u32(bs),
         ),
         tokens_per_request,
     }
@@ -239,11 +230,11 @@ pub fn size_pools(
         available_kv_bytes,
         max_concurrency,
         capacity_tokens: (max_concurrency * p.max_model_len as f64) as u64,
-        full_layer_max_concurrency: full_layer_concurrency(
+        full_layer_max_concurrency: plan::full_layer_concurrency(
             pool_bytes,
             groups.iter().map(|g| g.block_bytes),
-            p.max_model_len,
-            p.block_size,
+            p.max_model_len as u64,
+            block_u32(p.block_size),
         ),
         groups,
     })
@@ -375,5 +366,93 @@ mod tests {
         // window-aware: 3 x 256 + 15 x 48 = 1488 blocks, 3.1 times as many requests.
         let ratio = a.max_concurrency / a.full_layer_max_concurrency;
         assert!((3.0..3.2).contains(&ratio), "{ratio}");
+    }
+    /// The planner's geometry of `layers` (one GPU).
+    fn planner_geometry(layers: &[ModelLayer]) -> plan::Geometry {
+        plan::Geometry {
+            architecture: "test".into(),
+            query_heads: layers[0].q_heads as u32,
+            layers: layers
+                .iter()
+                .map(|l| plan::LayerGeometry {
+                    kind: l
+                        .window
+                        .map_or(LayerKind::Full, |window| LayerKind::Sliding { window }),
+                    kv_heads: l.kv_heads as u32,
+                    head_dim: l.head_dim as u32,
+                })
+                .collect(),
+            draft_layers: 0,
+            hidden_size: None,
+            notes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn live_capacity_equals_the_planners_for_llama_gemma3_and_mistral() {
+        let layer = |q_heads, kv_heads, head_dim, window| ModelLayer {
+            q_heads,
+            kv_heads,
+            head_dim,
+            window,
+        };
+        let models: [(&str, Vec<ModelLayer>); 3] = [
+            // Llama 3 8B: 32 full layers, GQA 32/8, head_dim 128.
+            ("llama", vec![layer(32, 8, 128, None); 32]),
+            // Gemma 3 1B: 26 layers, every 6th full, the rest slide over 512 tokens.
+            (
+                "gemma3",
+                (0..26)
+                    .map(|i| layer(4, 1, 256, ((i + 1) % 6 != 0).then_some(512)))
+                    .collect(),
+            ),
+            // Mistral 7B v0.1: every layer slides over 4096 tokens.
+            ("mistral", vec![layer(32, 8, 128, Some(4096)); 32]),
+        ];
+        for (name, layers) in models {
+            for (max_model_len, chunk, available) in [(8192, 512, 4u64 << 30), (32_768, 2048, 20 << 30)] {
+                let p = PoolParams {
+                    block_size: 16,
+                    max_model_len,
+                    max_num_batched_tokens: chunk,
+                    dtype: KvDtype::Bf16,
+                    causal: true,
+                };
+                let planned = plan::pool_layout(
+                    &planner_geometry(&layers),
+                    &plan::EngineParams {
+                        tp: 1,
+                        dtype: p.dtype.spec(),
+                        block_size: p.block_size as u32,
+                        max_model_len: max_model_len as u64,
+                        max_num_batched_tokens: chunk as u64,
+                    },
+                    available,
+                )
+                .unwrap();
+                let mut pools = size_pools(&layers, &p, available).unwrap();
+                let case = format!("{name} at {max_model_len} tokens");
+                assert_eq!(pools.groups.len(), planned.groups.len(), "{case}");
+                for (e, g) in pools.groups.iter_mut().zip(&planned.groups) {
+                    assert_eq!(e.layers, g.layers, "{case}");
+                    assert_eq!(e.block_bytes, g.block_bytes, "{case}");
+                    assert_eq!(e.blocks_per_request, g.blocks_per_request, "{case}");
+                    // The worker allocates the planner's pools (preflight).
+                    e.num_blocks = g.num_blocks;
+                }
+                let cfg = pools.backend_config(&layers, &p, KvScales::default());
+                let live = admitted(&cfg, max_model_len, chunk);
+                assert_eq!(live.max_concurrency, planned.max_concurrency, "{case}");
+                assert_eq!(
+                    live.full_layer_max_concurrency, planned.full_layer_max_concurrency,
+                    "{case}"
+                );
+                assert_eq!(
+                    (live.max_concurrency * max_model_len as f64) as u64,
+                    planned.capacity_tokens,
+                    "{case}"
+                );
+            }
+        }
     }
 }
