@@ -4,27 +4,17 @@ use super::geometry::{Geometry, LayerKind, LayerSpec};
 use super::PlanError;
 use crate::compat::KvCacheDtype;
 
-/// Bytes one head vector of `head_dim` values occupies in `dtype`.
-///
-/// bf16/fp16 (and `auto`, which keeps the model's 16-bit dtype): 2 bytes per value;
-/// fp8: 1 byte; nvfp4: packed e2m1 (head_dim / 2 bytes) plus one fp8 scale per 16
-/// values (head_dim / 16 bytes), as vLLM's `FullAttentionSpec.real_page_size_bytes`
-/// lays it out (vllm/v1/kv_cache_interface.py, `nvfp4_kv_cache_full_dim`).
+/// Bytes one head vector of `head_dim` values occupies in `dtype` (data and block scales, see
+/// [`KvCacheDtype::data_bytes`]); an error where the dtype has no layout for `head_dim`.
 pub fn head_vector_bytes(head_dim: u32, dtype: KvCacheDtype) -> Result<u64, PlanError> {
-    let d = u64::from(head_dim);
-    Ok(match dtype {
-        KvCacheDtype::Auto | KvCacheDtype::Bfloat16 | KvCacheDtype::Float16 => 2 * d,
-        KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => d,
-        KvCacheDtype::Nvfp4 => {
-            if head_dim % 16 != 0 {
-                return Err(PlanError::UnsupportedDtype {
-                    dtype,
-                    reason: format!("nvfp4 packs 16 values per scale; head_dim {head_dim} is not a multiple of 16; use fp8"),
-                });
-            }
-            d / 2 + d / 16
-        }
-    })
+    let d = head_dim as usize;
+    if !dtype.fits_head_dim(d) {
+        return Err(PlanError::UnsupportedDtype {
+            dtype,
+            reason: format!("nvfp4 packs 16 values per scale; head_dim {head_dim} is not a multiple of 16; use fp8"),
+        });
+    }
+    Ok((dtype.data_bytes(d) + dtype.scale_bytes(d)) as u64)
 }
 
 /// KV heads one rank holds: `max(1, kv_heads / tp)` (KV heads are replicated when

@@ -131,7 +131,7 @@ pub fn e2m1_decode(nibble: u8) -> f32 {
 }
 
 /// Values per nvfp4 block scale.
-pub const NVFP4_BLOCK: usize = 16;
+pub use kvfleet_core::compat::vocab::NVFP4_BLOCK;
 
 /// Writes one head vector `x` (len `head_dim`) in `dtype` to `data` (`data_bytes` long)
 /// and, for nvfp4, `scales` (`head_dim / 16` bytes). `scale` is the per-(layer, K|V)
