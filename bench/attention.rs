@@ -11,7 +11,7 @@ use cudarc::driver::sys::CUevent_flags;
 use kvfleet::worker::cuda::device::{Gpu, Kernels, KvLayer, StepBuffers};
 use kvfleet::worker::cuda::plan::plan_step;
 use kvfleet::worker::cuda::reference::{RequestShape, Scenario};
-use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
+use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelDtype, KernelSpec, KvDtype, Mask, PageSize};
 
 struct Args {
     iters: usize,
@@ -192,7 +192,7 @@ fn main() {
     let (bs, ctx, kvh) = (64usize, 4096usize, 8usize);
     let mut decode_us = BTreeMap::new();
     for dtype in [KvDtype::Bf16, KvDtype::Fp8E4m3, KvDtype::Fp8E5m2, KvDtype::Nvfp4] {
-        let name = format!("decode_{}", dtype.as_str());
+        let name = format!("decode_{}", dtype.key_name());
         if !want(&name) {
             continue;
         }
@@ -207,10 +207,10 @@ fn main() {
         ];
         let mut p = prepare(&gpu, s, kvh, &reqs, seed);
         let (ms, err) = run_case(&gpu, &mut p, target, &[0, bs - 1], args.iters);
-        let kv_bytes = (bs * ctx * kvh * 2 * (dtype.row_bytes(128) + dtype.scale_bytes(128))) as f64;
+        let kv_bytes = (bs * ctx * kvh * 2 * (dtype.data_bytes(128) + dtype.scale_bytes(128))) as f64;
         let qo_bytes = (bs * 32 * 128 * 2 * 2) as f64;
         let gbs = (kv_bytes + qo_bytes) / (ms * 1e-3) / 1e9;
-        decode_us.insert(dtype.as_str(), ms * 1e3);
+        decode_us.insert(dtype.key_name(), ms * 1e3);
         let mut line = format!("{:9.1} us {:7.0} GB/s", ms * 1e3, gbs);
         if let Some(c) = copy {
             line += &format!("  {:5.1}% of copy", 100.0 * gbs / c);

@@ -126,7 +126,7 @@ fn gpu_append_quantizes_bit_exactly_like_the_host_encoder() {
             let v = gpu.download(&kv.v).unwrap();
             let kbs = gpu.download(&kv.k_block_scales).unwrap();
             let vbs = gpu.download(&kv.v_block_scales).unwrap();
-            let (rb, sb) = (dtype.row_bytes(d), dtype.scale_bytes(d));
+            let (rb, sb) = (dtype.data_bytes(d), dtype.scale_bytes(d));
             let mut mismatches = 0;
             let mut written = vec![false; num_blocks * page];
             for (t, &slot) in slots.iter().enumerate() {

@@ -14,10 +14,10 @@ use half::bf16;
 
 use super::device::{Gpu, Kernels, KvLayer, StepBuffers};
 use super::plan::{plan_step, CsrBatch};
-use super::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
+use super::spec::{GroupSize, HeadDim, KernelSpec, Mask, PageSize};
 use super::{driver_err, CudaError};
 use kvfleet_engine::engine::backend::{Backend, BackendError};
-use kvfleet_engine::engine::layout::{self, BackendConfig, LayerSpec, StepPlan};
+use kvfleet_engine::engine::layout::{BackendConfig, LayerSpec, StepPlan};
 
 fn dev(e: CudaError) -> BackendError {
     BackendError::Device(e.to_string())
@@ -50,15 +50,8 @@ pub fn spec_for(layer: &LayerSpec, block_size: usize) -> Result<KernelSpec, Cuda
             ))
         }
     };
-    let dtype = match layer.dtype {
-        layout::KvDtype::Bf16 => KvDtype::Bf16,
-        layout::KvDtype::F16 => KvDtype::F16,
-        layout::KvDtype::Fp8E4m3 => KvDtype::Fp8E4m3,
-        layout::KvDtype::Fp8E5m2 => KvDtype::Fp8E5m2,
-        layout::KvDtype::Nvfp4 => KvDtype::Nvfp4,
-    };
     Ok(KernelSpec {
-        dtype,
+        dtype: layer.dtype,
         head_dim,
         page,
         group,
@@ -381,7 +374,7 @@ pub fn self_test(gpu: &Gpu, cfg: &BackendConfig, seed: u64) -> Result<Vec<String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvfleet_engine::engine::layout::{KvScales, LayerAttn};
+    use kvfleet_engine::engine::layout::{KvDtype, KvScales, LayerAttn};
 
     fn layer(q: usize, kv: usize, d: usize, causal: bool, window: Option<u32>) -> LayerSpec {
         LayerSpec {
@@ -394,7 +387,7 @@ mod tests {
                 window,
                 sm_scale: None,
             },
-            dtype: layout::KvDtype::Fp8E4m3,
+            dtype: KvDtype::Fp8E4m3,
             scales: KvScales::default(),
         }
     }

@@ -175,7 +175,7 @@ impl KvLayer {
         page: usize,
         head_dim: usize,
     ) -> usize {
-        num_blocks * kv_heads * page * dtype.row_bytes(head_dim)
+        num_blocks * kv_heads * page * dtype.data_bytes(head_dim)
     }
 
     /// Allocates zeroed pools.

@@ -266,3 +266,197 @@ mod tests {
         }
     }
 }
+
+/// The engine's codecs against this module's, before this module goes: every fp8 code, a sweep
+/// of floats, and rows of every dtype; then digests of what this module produces, which the
+/// engine's tests pin once this module is gone.
+#[cfg(test)]
+mod against_the_engine {
+    use super::*;
+    use kvfleet_engine::engine::quant as eq;
+
+    /// Every bf16 value, every 4099th f32 bit pattern, and e2m1's range in steps of 1/1024.
+    fn sweep() -> Vec<f32> {
+        let mut v: Vec<f32> = (0u32..=0xffff).map(|h| f32::from_bits(h << 16)).collect();
+        v.extend((0..=u32::MAX).step_by(4099).map(f32::from_bits));
+        v.extend((-8192i32..=8192).map(|k| k as f32 / 1024.0));
+        v
+    }
+
+    fn fnv(h: &mut u64, bytes: &[u8]) {
+        for b in bytes {
+            *h ^= u64::from(*b);
+            *h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    /// Rows for the head-vector codecs: bf16 values of several magnitudes with the scale
+    /// [`suggested_scale`] gives and a few off it, plus rows with zeros, infinities and NaN.
+    fn rows() -> Vec<(KvDtype, Vec<f32>, f32)> {
+        let mut st = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            st
+        };
+        let mut out = Vec::new();
+        for dtype in KvDtype::ALL {
+            for d in [64usize, 128] {
+                for amax in [1e-3f32, 0.7, 4.5, 300.0, 6e4] {
+                    for off in [1.0f32, 0.37, 3.1] {
+                        for _ in 0..8 {
+                            let x: Vec<f32> = (0..d)
+                                .map(|_| {
+                                    let u = (next() >> 40) as f32 / (1u64 << 24) as f32;
+                                    half::bf16::from_f32((u * 2.0 - 1.0) * amax).to_f32()
+                                })
+                                .collect();
+                            out.push((dtype, x, suggested_scale(dtype, amax) * off));
+                        }
+                    }
+                }
+                let mut special = vec![0f32; d];
+                special[1] = -0.0;
+                special[2] = f32::INFINITY;
+                special[5] = f32::NEG_INFINITY;
+                special[17] = f32::NAN;
+                special[18] = 1.5;
+                special[33] = -2.5;
+                out.push((dtype, special.clone(), 1.0));
+                out.push((dtype, special, 0.01));
+                out.push((dtype, vec![0f32; d], 1.0));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fp8_and_e2m1_decoders_agree_on_every_code() {
+        for b in 0u8..=255 {
+            assert_eq!(
+                e4m3_to_f32(b).to_bits(),
+                eq::e4m3_decode(b).to_bits(),
+                "e4m3 {b:#x}"
+            );
+            assert_eq!(
+                e5m2_to_f32(b).to_bits(),
+                eq::e5m2_decode(b).to_bits(),
+                "e5m2 {b:#x}"
+            );
+        }
+        for n in 0u8..16 {
+            assert_eq!(
+                e2m1_to_f32(n).to_bits(),
+                eq::e2m1_decode(n).to_bits(),
+                "e2m1 {n:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn encoders_agree_on_the_sweep_but_for_e2m1_of_nan() {
+        for x in sweep() {
+            assert_eq!(
+                f32_to_e4m3(x),
+                eq::e4m3_encode(x),
+                "e4m3 {x:e} ({:#x})",
+                x.to_bits()
+            );
+            assert_eq!(
+                f32_to_e5m2(x),
+                eq::e5m2_encode(x),
+                "e5m2 {x:e} ({:#x})",
+                x.to_bits()
+            );
+            if x.is_nan() {
+                assert_eq!(
+                    (f32_to_e2m1(x), eq::e2m1_encode(x)),
+                    (0x7, 0),
+                    "{:#x}",
+                    x.to_bits()
+                );
+            } else {
+                assert_eq!(
+                    f32_to_e2m1(x),
+                    eq::e2m1_encode(x),
+                    "e2m1 {x:e} ({:#x})",
+                    x.to_bits()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_engine_mirror_of_the_kernels_writes_and_reads_rows_as_this_module() {
+        for (dtype, x, scale) in rows() {
+            let d = x.len();
+            let (want, want_s) = encode_row(dtype, &x, scale);
+            let mut got = vec![0u8; dtype.data_bytes(d)];
+            let mut got_s = vec![0u8; dtype.scale_bytes(d)];
+            eq::encode_vector_as_kernels(dtype, &x, scale, &mut got, &mut got_s);
+            assert_eq!((&got, &got_s), (&want, &want_s), "{dtype} scale {scale:e}: {x:?}");
+            let back = decode_row(dtype, &want, &want_s, scale, d);
+            let mut got_back = vec![0f32; d];
+            eq::decode_vector_as_kernels(dtype, &want, &want_s, scale, &mut got_back);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got_back), bits(&back), "{dtype} scale {scale:e}");
+        }
+        for dtype in KvDtype::ALL {
+            for amax in [0.0f32, -1.0, 1e-30, 0.7, 4.5, 3e38] {
+                assert_eq!(
+                    suggested_scale(dtype, amax).to_bits(),
+                    eq::suggested_scale(dtype, amax).to_bits()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_cpu_backend_rounds_fp8_scaling_and_reads_nvfp4_differently() {
+        // x / scale (the append kernel) and x * (1 / scale) (the CPU backend) fall on either
+        // side of an e4m3 midpoint here.
+        let (x, scale) = (f32::from_bits(0x3eca_0000), f32::from_bits(0x3e2a_1af3));
+        let (row, _) = encode_row(KvDtype::Fp8E4m3, &[x], scale);
+        let (mut cpu, mut kern) = ([0u8], [0u8]);
+        eq::encode_vector(KvDtype::Fp8E4m3, &[x], scale, &mut cpu, &mut []);
+        eq::encode_vector_as_kernels(KvDtype::Fp8E4m3, &[x], scale, &mut kern, &mut []);
+        assert_eq!((row[0], kern[0], cpu[0]), (0x42, 0x42, 0x41));
+        // nvfp4: (1.5 * bs) * gs is one rounding, 1.5 * (bs * gs) two.
+        let gs = f32::from_bits(0x3000_1eef);
+        let (data, scales) = ([0x03u8; 8], [0x03u8]);
+        let row = decode_row(KvDtype::Nvfp4, &data, &scales, gs, 16);
+        let (mut cpu, mut kern) = ([0f32; 16], [0f32; 16]);
+        eq::decode_vector(KvDtype::Nvfp4, &data, &scales, gs, &mut cpu);
+        eq::decode_vector_as_kernels(KvDtype::Nvfp4, &data, &scales, gs, &mut kern);
+        assert_eq!(row[0].to_bits(), kern[0].to_bits());
+        assert_ne!(row[0].to_bits(), cpu[0].to_bits());
+    }
+
+    #[test]
+    fn digests_of_this_module() {
+        let mut dec = 0xcbf2_9ce4_8422_2325u64;
+        for b in 0u8..=255 {
+            fnv(&mut dec, &e4m3_to_f32(b).to_bits().to_le_bytes());
+            fnv(&mut dec, &e5m2_to_f32(b).to_bits().to_le_bytes());
+        }
+        for n in 0u8..16 {
+            fnv(&mut dec, &e2m1_to_f32(n).to_bits().to_le_bytes());
+        }
+        let mut enc = 0xcbf2_9ce4_8422_2325u64;
+        for x in sweep() {
+            let e2m1 = if x.is_nan() { 0xff } else { f32_to_e2m1(x) };
+            fnv(&mut enc, &[f32_to_e4m3(x), f32_to_e5m2(x), e2m1]);
+        }
+        let mut row = 0xcbf2_9ce4_8422_2325u64;
+        for (dtype, x, scale) in rows() {
+            let (b, s) = encode_row(dtype, &x, scale);
+            fnv(&mut row, &b);
+            fnv(&mut row, &s);
+            for v in decode_row(dtype, &b, &s, scale, x.len()) {
+                fnv(&mut row, &v.to_bits().to_le_bytes());
+            }
+        }
+        println!("DIGESTS decode {dec:#018x} encode {enc:#018x} rows {row:#018x}");
+    }
+}

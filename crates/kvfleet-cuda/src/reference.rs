@@ -99,7 +99,7 @@ impl Scenario {
         let amax = 4.5f32;
         let k_scale = quant::suggested_scale(dtype, amax);
         let v_scale = quant::suggested_scale(dtype, amax);
-        let rb = dtype.row_bytes(d);
+        let rb = dtype.data_bytes(d);
         let sb = dtype.scale_bytes(d);
         let rows = num_blocks * kv_heads * page;
         let mut k = vec![0u8; rows * rb];
@@ -165,7 +165,7 @@ impl Scenario {
         let dt = self.spec.dtype;
         let pid = self.batch.kv_indices[self.batch.kv_indptr[r] as usize + j / page] as usize;
         let row = (pid * self.kv_heads + h) * page + j % page;
-        let (rb, sb) = (dt.row_bytes(d), dt.scale_bytes(d));
+        let (rb, sb) = (dt.data_bytes(d), dt.scale_bytes(d));
         let (pool, scales, scale) = if value {
             (&self.v, &self.v_block_scales, self.v_scale)
         } else {

@@ -5,26 +5,24 @@
 
 use std::fmt;
 
-use kvfleet_core::compat::vocab::KvCacheDtype;
-
 /// The CUDA source, embedded at build time so a worker image needs no kernel files.
 pub const ATTENTION_SOURCE: &str = include_str!("../../../kernels/attention.cu");
 
-/// KV-cache storage dtype as the kernels see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KvDtype {
-    Bf16,
-    F16,
-    Fp8E4m3,
-    Fp8E5m2,
-    Nvfp4,
+/// The KV-cache storage dtype is the engine's: one enum for the layout, the CPU backend and
+/// the kernels.
+pub use kvfleet_engine::engine::layout::KvDtype;
+
+/// What the kernels call a [`KvDtype`]. Both names are frozen: the code is compiled into every
+/// prelude and the key names the PTX caches.
+pub trait KernelDtype {
+    /// The `KV_DTYPE` constant of the kernel source (`DT_BF16` .. `DT_NVFP4`).
+    fn kernel_code(self) -> u32;
+    /// The dtype's segment of [`KernelSpec::key`].
+    fn key_name(self) -> &'static str;
 }
 
-impl KvDtype {
-    pub const ALL: [KvDtype; 5] = [Self::Bf16, Self::F16, Self::Fp8E4m3, Self::Fp8E5m2, Self::Nvfp4];
-
-    /// The `KV_DTYPE` constant of the kernel source.
-    fn code(self) -> u32 {
+impl KernelDtype for KvDtype {
+    fn kernel_code(self) -> u32 {
         match self {
             Self::Bf16 => 0,
             Self::F16 => 1,
@@ -34,42 +32,13 @@ impl KvDtype {
         }
     }
 
-    pub fn as_str(self) -> &'static str {
+    fn key_name(self) -> &'static str {
         match self {
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
             Self::Fp8E4m3 => "e4m3",
             Self::Fp8E5m2 => "e5m2",
             Self::Nvfp4 => "nvfp4",
-        }
-    }
-
-    /// Bytes of one key (or value) row of `head_dim` elements in the cache, block scales excluded.
-    pub fn row_bytes(self, head_dim: usize) -> usize {
-        match self {
-            Self::Bf16 | Self::F16 => head_dim * 2,
-            Self::Fp8E4m3 | Self::Fp8E5m2 => head_dim,
-            Self::Nvfp4 => head_dim / 2,
-        }
-    }
-
-    /// Bytes of nvfp4 block scales per row (one e4m3 per 16 values); 0 for other dtypes.
-    pub fn scale_bytes(self, head_dim: usize) -> usize {
-        match self {
-            Self::Nvfp4 => head_dim / 16,
-            _ => 0,
-        }
-    }
-
-    /// Maps the user-facing vocabulary; `auto` resolves to the model dtype first (`model`).
-    pub fn from_vocab(dtype: KvCacheDtype, model: KvDtype) -> Self {
-        match dtype.canonical() {
-            KvCacheDtype::Auto => model,
-            KvCacheDtype::Bfloat16 => Self::Bf16,
-            KvCacheDtype::Float16 => Self::F16,
-            KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 => Self::Fp8E4m3,
-            KvCacheDtype::Fp8E5m2 => Self::Fp8E5m2,
-            KvCacheDtype::Nvfp4 => Self::Nvfp4,
         }
     }
 }
@@ -218,7 +187,7 @@ impl KernelSpec {
     pub fn key(&self) -> String {
         format!(
             "attn/{}/d{}/p{}/g{}/{}",
-            self.dtype.as_str(),
+            self.dtype.key_name(),
             self.head_dim.get(),
             self.page.get(),
             self.group.get(),
@@ -298,7 +267,7 @@ impl KernelSpec {
         if matches!(self.dtype, KvDtype::Bf16 | KvDtype::F16) {
             2 * tk * (d + 8) * 2
         } else {
-            2 * tk * (self.dtype.row_bytes(d) + 16 + self.dtype.scale_bytes(d))
+            2 * tk * (self.dtype.data_bytes(d) + 16 + self.dtype.scale_bytes(d))
         }
     }
 
@@ -372,7 +341,7 @@ impl KernelSpec {
              constexpr int PREFILL_MT = {pm};\n\
              constexpr int SMEM_BYTES_HOST = {sm};\n",
             key = self.key(),
-            dt = self.dtype.code(),
+            dt = self.dtype.kernel_code(),
             d = self.head_dim.get(),
             p = self.page.get(),
             g = self.group.get(),
@@ -436,6 +405,28 @@ mod tests {
             assert!(p.contains(want), "{want} missing from {p}");
         }
         assert_eq!(s.key(), "attn/nvfp4/d128/p16/g4/swa");
+    }
+
+    #[test]
+    fn dtype_codes_and_key_names_stay_what_the_caches_were_built_with() {
+        let names: Vec<_> = KvDtype::ALL
+            .iter()
+            .map(|d| (d.kernel_code(), d.key_name()))
+            .collect();
+        assert_eq!(
+            names,
+            [(0, "bf16"), (1, "f16"), (2, "e4m3"), (3, "e5m2"), (4, "nvfp4")]
+        );
+        for (code, dt) in ["DT_BF16", "DT_F16", "DT_E4M3", "DT_E5M2", "DT_NVFP4"]
+            .iter()
+            .zip(KvDtype::ALL)
+        {
+            let want = format!("constexpr int {code} = {};", dt.kernel_code());
+            assert!(
+                ATTENTION_SOURCE.contains(&want),
+                "{want} missing from the kernel source"
+            );
+        }
     }
 
     #[test]

@@ -84,7 +84,41 @@ impl KvCacheDtype {
     pub fn is_fp8(self) -> bool {
         matches!(self, Self::Fp8 | Self::Fp8E4m3 | Self::Fp8E5m2)
     }
+
+    /// Data bytes of one head vector of `head_dim` values: 2 per value for the 16-bit dtypes
+    /// (`auto` keeps the model's), 1 for fp8, packed e2m1 (`head_dim / 2`) for nvfp4. With
+    /// [`Self::scale_bytes`], the layout of vLLM's `FullAttentionSpec.real_page_size_bytes`
+    /// (vllm/v1/kv_cache_interface.py, `nvfp4_kv_cache_full_dim`), of the engine's pools and of
+    /// the kernels' caches.
+    pub fn data_bytes(self, head_dim: usize) -> usize {
+        match self {
+            Self::Auto | Self::Bfloat16 | Self::Float16 => 2 * head_dim,
+            Self::Fp8 | Self::Fp8E4m3 | Self::Fp8E5m2 => head_dim,
+            Self::Nvfp4 => head_dim / 2,
+        }
+    }
+
+    /// Block-scale bytes of one head vector: nvfp4 keeps one fp8 e4m3 scale per
+    /// [`NVFP4_BLOCK`] values; the other dtypes none.
+    pub fn scale_bytes(self, head_dim: usize) -> usize {
+        match self {
+            Self::Nvfp4 => head_dim / NVFP4_BLOCK,
+            _ => 0,
+        }
+    }
+
+    /// Whether a head vector of `head_dim` values has a layout in this dtype (nvfp4 needs
+    /// whole blocks of [`NVFP4_BLOCK`]).
+    pub fn fits_head_dim(self, head_dim: usize) -> bool {
+        match self {
+            Self::Nvfp4 => head_dim % NVFP4_BLOCK == 0,
+            _ => true,
+        }
+    }
 }
+
+/// Values per nvfp4 block scale.
+pub const NVFP4_BLOCK: usize = 16;
 
 /// Attention backend. Upper-case names are vLLM's `--attention-backend` values;
 /// `KVFLEET_CUDA` and `KVFLEET_CPU` are kvfleet's own engine.
@@ -232,6 +266,19 @@ mod tests {
             assert_eq!(d.as_str().parse::<KvCacheDtype>().unwrap(), d);
             assert_eq!(serde_json::to_value(d).unwrap(), serde_json::json!(d.as_str()));
         }
+    }
+
+    #[test]
+    fn head_vector_bytes_follow_the_element_size_and_nvfp4_blocks() {
+        let bytes = |d: KvCacheDtype| (d.data_bytes(128), d.scale_bytes(128));
+        assert_eq!(bytes(KvCacheDtype::Auto), (256, 0));
+        assert_eq!(bytes(KvCacheDtype::Bfloat16), (256, 0));
+        assert_eq!(bytes(KvCacheDtype::Fp8), (128, 0));
+        assert_eq!(bytes(KvCacheDtype::Fp8E5m2), (128, 0));
+        assert_eq!(bytes(KvCacheDtype::Nvfp4), (64, 8));
+        assert!(KvCacheDtype::Nvfp4.fits_head_dim(64));
+        assert!(!KvCacheDtype::Nvfp4.fits_head_dim(72));
+        assert!(KvCacheDtype::Fp8.fits_head_dim(72));
     }
 
     #[test]

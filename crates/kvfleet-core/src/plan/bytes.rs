@@ -1,35 +1,27 @@
 //! Bytes of KV cache per token, per layer, per tensor-parallel rank.
 
-use super::geometry::{Geometry, LayerKind, LayerSpec};
+use super::geometry::{Geometry, LayerGeometry, LayerKind};
 use super::PlanError;
 use crate::compat::KvCacheDtype;
 
-/// Bytes one head vector of `head_dim` values occupies in `dtype`.
-///
-/// bf16/fp16 (and `auto`, which keeps the model's 16-bit dtype): 2 bytes per value;
-/// fp8: 1 byte; nvfp4: packed e2m1 (head_dim / 2 bytes) plus one fp8 scale per 16
-/// values (head_dim / 16 bytes), as vLLM's `FullAttentionSpec.real_page_size_bytes`
-/// lays it out (vllm/v1/kv_cache_interface.py, `nvfp4_kv_cache_full_dim`).
+/// Bytes one head vector of `head_dim` values occupies in `dtype` (data and block scales, see
+/// [`KvCacheDtype::data_bytes`]); an error where the dtype has no layout for `head_dim`.
 pub fn head_vector_bytes(head_dim: u32, dtype: KvCacheDtype) -> Result<u64, PlanError> {
-    let d = u64::from(head_dim);
-    Ok(match dtype {
-        KvCacheDtype::Auto | KvCacheDtype::Bfloat16 | KvCacheDtype::Float16 => 2 * d,
-        KvCacheDtype::Fp8 | KvCacheDtype::Fp8E4m3 | KvCacheDtype::Fp8E5m2 => d,
-        KvCacheDtype::Nvfp4 => {
-            if head_dim % 16 != 0 {
-                return Err(PlanError::UnsupportedDtype {
-                    dtype,
-                    reason: format!("nvfp4 packs 16 values per scale; head_dim {head_dim} is not a multiple of 16; use fp8"),
-                });
-            }
-            d / 2 + d / 16
-        }
-    })
+    let d = head_dim as usize;
+    if !dtype.fits_head_dim(d) {
+        return Err(PlanError::UnsupportedDtype {
+            dtype,
+            reason: format!(
+                "nvfp4 packs 16 values per scale; head_dim {head_dim} is not a multiple of 16; use fp8"
+            ),
+        });
+    }
+    Ok((dtype.data_bytes(d) + dtype.scale_bytes(d)) as u64)
 }
 
 /// KV heads one rank holds: `max(1, kv_heads / tp)` (KV heads are replicated when
 /// tp exceeds them); MLA latents are replicated on every rank (1 "head").
-pub fn kv_heads_per_rank(layer: &LayerSpec, tp: u32) -> u32 {
+pub fn kv_heads_per_rank(layer: &LayerGeometry, tp: u32) -> u32 {
     match layer.kind {
         LayerKind::Mla => 1,
         _ => (layer.kv_heads / tp.max(1)).max(1),
@@ -38,7 +30,7 @@ pub fn kv_heads_per_rank(layer: &LayerSpec, tp: u32) -> u32 {
 
 /// Bytes of KV cache one token needs in `layer` on one of `tp` ranks:
 /// 2 (K and V) x kv_heads_per_rank x head_vector_bytes; MLA stores one latent, no V.
-pub fn kv_bytes_per_token(layer: &LayerSpec, dtype: KvCacheDtype, tp: u32) -> Result<u64, PlanError> {
+pub fn kv_bytes_per_token(layer: &LayerGeometry, dtype: KvCacheDtype, tp: u32) -> Result<u64, PlanError> {
     let heads = u64::from(kv_heads_per_rank(layer, tp));
     match layer.kind {
         LayerKind::Mla => {
@@ -56,7 +48,7 @@ pub fn kv_bytes_per_token(layer: &LayerSpec, dtype: KvCacheDtype, tp: u32) -> Re
 
 /// Bytes of one page (`block_size` tokens) of one layer on one rank.
 pub fn page_bytes(
-    layer: &LayerSpec,
+    layer: &LayerGeometry,
     dtype: KvCacheDtype,
     tp: u32,
     block_size: u32,
@@ -115,8 +107,8 @@ pub fn dtype_label(dtype: KvCacheDtype) -> &'static str {
 mod tests {
     use super::*;
 
-    fn full(kv: u32, d: u32) -> LayerSpec {
-        LayerSpec {
+    fn full(kv: u32, d: u32) -> LayerGeometry {
+        LayerGeometry {
             kind: LayerKind::Full,
             kv_heads: kv,
             head_dim: d,
@@ -147,7 +139,7 @@ mod tests {
 
     #[test]
     fn mla_stores_one_latent_replicated_on_every_rank() {
-        let l = LayerSpec {
+        let l = LayerGeometry {
             kind: LayerKind::Mla,
             kv_heads: 1,
             head_dim: 576,

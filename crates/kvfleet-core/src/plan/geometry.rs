@@ -58,9 +58,6 @@ pub struct LayerGeometry {
     pub head_dim: u32,
 }
 
-/// The old name, for `plan/bytes.rs` until its own change renames it there; not exported.
-pub(crate) use LayerGeometry as LayerSpec;
-
 /// The attention geometry of a model: one [`LayerGeometry`] per layer that holds a KV cache.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Geometry {

@@ -95,30 +95,19 @@ impl KvDtype {
         self.spec().as_str()
     }
 
-    /// Data bytes of one head vector of `head_dim` elements.
+    /// Data bytes of one head vector of `head_dim` elements ([`KvCacheDtype::data_bytes`]).
     pub fn data_bytes(self, head_dim: usize) -> usize {
-        match self {
-            Self::Bf16 | Self::F16 => 2 * head_dim,
-            Self::Fp8E4m3 | Self::Fp8E5m2 => head_dim,
-            Self::Nvfp4 => head_dim / 2,
-        }
+        self.spec().data_bytes(head_dim)
     }
 
     /// Block-scale bytes of one head vector (nvfp4 only: one e4m3 byte per 16 values).
     pub fn scale_bytes(self, head_dim: usize) -> usize {
-        match self {
-            Self::Nvfp4 => head_dim / 16,
-            _ => 0,
-        }
+        self.spec().scale_bytes(head_dim)
     }
 
     /// Whether `head_dim` can be stored in this dtype.
     pub fn supports_head_dim(self, head_dim: usize) -> bool {
-        head_dim > 0
-            && match self {
-                Self::Nvfp4 => head_dim % 16 == 0,
-                _ => true,
-            }
+        head_dim > 0 && self.spec().fits_head_dim(head_dim)
     }
 }
 

@@ -3,6 +3,19 @@
 //! 8-bit floating point spec v1.0; OCP microscaling spec v1.0 for e2m1): round to
 //! nearest even, saturate to the largest finite value, NaN stored as 0 would hide bugs so
 //! NaN inputs are stored as NaN where the format has one.
+//!
+//! The element codecs serve every backend. The head-vector codecs come in two flavours, because
+//! the CPU backend and the GPU kernels (kernels/attention.cu) round three corners differently
+//! and each side's pools are checked bit for bit:
+//! - fp8 scaling: the CPU backend multiplies by `1 / scale`, `kvf_append` divides
+//!   (`__fdiv_rn`); the quotients differ by an f32 ulp now and then, which can cross an fp8
+//!   rounding midpoint.
+//! - e2m1 of NaN: the CPU backend writes 0; the kernel's threshold ladder writes 6.
+//! - nvfp4 reads: the CPU backend multiplies by `block_scale * global_scale`; the kernels
+//!   multiply the exact `e2m1 * block_scale` (an f16) by the global scale.
+//!
+//! [`encode_vector`] / [`decode_vector`] are the CPU backend's;
+//! [`encode_vector_as_kernels`] / [`decode_vector_as_kernels`] the kernels'.
 
 use half::{bf16, f16};
 
@@ -131,12 +144,29 @@ pub fn e2m1_decode(nibble: u8) -> f32 {
 }
 
 /// Values per nvfp4 block scale.
-pub const NVFP4_BLOCK: usize = 16;
+pub use kvfleet_core::compat::vocab::NVFP4_BLOCK;
+
+/// Whose arithmetic a head-vector codec reproduces (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mirror {
+    CpuBackend,
+    Kernels,
+}
 
 /// Writes one head vector `x` (len `head_dim`) in `dtype` to `data` (`data_bytes` long)
 /// and, for nvfp4, `scales` (`head_dim / 16` bytes). `scale` is the per-(layer, K|V)
-/// fp8 scale or nvfp4 global scale.
+/// fp8 scale or nvfp4 global scale. The CPU backend's rounding.
 pub fn encode_vector(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], scales: &mut [u8]) {
+    encode(Mirror::CpuBackend, dtype, x, scale, data, scales)
+}
+
+/// [`encode_vector`] as `kvf_append` writes it, bit for bit. `x` must already be
+/// bf16-representable (the append kernel reads bf16).
+pub fn encode_vector_as_kernels(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], scales: &mut [u8]) {
+    encode(Mirror::Kernels, dtype, x, scale, data, scales)
+}
+
+fn encode(mirror: Mirror, dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], scales: &mut [u8]) {
     match dtype {
         KvDtype::Bf16 => {
             for (c, &v) in data.chunks_exact_mut(2).zip(x) {
@@ -148,16 +178,18 @@ pub fn encode_vector(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], sca
                 c.copy_from_slice(&f16::from_f32(v).to_le_bytes());
             }
         }
-        KvDtype::Fp8E4m3 => {
+        KvDtype::Fp8E4m3 | KvDtype::Fp8E5m2 => {
+            let code: fn(f32) -> u8 = if dtype == KvDtype::Fp8E4m3 {
+                e4m3_encode
+            } else {
+                e5m2_encode
+            };
             let inv = 1.0 / scale;
             for (d, &v) in data.iter_mut().zip(x) {
-                *d = e4m3_encode(v * inv);
-            }
-        }
-        KvDtype::Fp8E5m2 => {
-            let inv = 1.0 / scale;
-            for (d, &v) in data.iter_mut().zip(x) {
-                *d = e5m2_encode(v * inv);
+                *d = code(match mirror {
+                    Mirror::CpuBackend => v * inv,
+                    Mirror::Kernels => v / scale,
+                });
             }
         }
         KvDtype::Nvfp4 => {
@@ -172,12 +204,15 @@ pub fn encode_vector(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], sca
                 let eff = e4m3_decode(bs) * scale;
                 // Divide (not multiply by the reciprocal), as the GPU append does, so both
                 // round identically.
-                let q = |v: f32| {
-                    if eff > 0.0 && eff.is_finite() {
-                        e2m1_encode(v / eff)
-                    } else {
-                        0
-                    }
+                let q = |v: f32| match mirror {
+                    Mirror::CpuBackend if eff > 0.0 && eff.is_finite() => e2m1_encode(v / eff),
+                    // The kernel's ladder (`e2m1_code`) fails every comparison for NaN and
+                    // lands on its largest code.
+                    Mirror::Kernels if eff > 0.0 => match v / eff {
+                        n if n.is_nan() => 0x7,
+                        n => e2m1_encode(n),
+                    },
+                    _ => 0,
                 };
                 for (pair, out) in blk.chunks_exact(2).zip(d.iter_mut()) {
                     *out = q(pair[0]) | (q(pair[1]) << 4);
@@ -187,8 +222,18 @@ pub fn encode_vector(dtype: KvDtype, x: &[f32], scale: f32, data: &mut [u8], sca
     }
 }
 
-/// Reads one head vector back to `f32` (the inverse of [`encode_vector`]).
+/// Reads one head vector back to `f32` (the inverse of [`encode_vector`]): what the CPU
+/// backend computes with.
 pub fn decode_vector(dtype: KvDtype, data: &[u8], scales: &[u8], scale: f32, out: &mut [f32]) {
+    decode(Mirror::CpuBackend, dtype, data, scales, scale, out)
+}
+
+/// [`decode_vector`] with the kernels' nvfp4 product: what the attention kernels compute with.
+pub fn decode_vector_as_kernels(dtype: KvDtype, data: &[u8], scales: &[u8], scale: f32, out: &mut [f32]) {
+    decode(Mirror::Kernels, dtype, data, scales, scale, out)
+}
+
+fn decode(mirror: Mirror, dtype: KvDtype, data: &[u8], scales: &[u8], scale: f32, out: &mut [f32]) {
     match dtype {
         KvDtype::Bf16 => {
             for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
@@ -216,10 +261,15 @@ pub fn decode_vector(dtype: KvDtype, data: &[u8], scales: &[u8], scale: f32, out
                 .zip(data.chunks_exact(NVFP4_BLOCK / 2))
                 .zip(scales)
             {
-                let eff = e4m3_decode(s) * scale;
+                let bs = e4m3_decode(s);
+                let eff = bs * scale;
+                let value = |nibble: u8| match mirror {
+                    Mirror::CpuBackend => e2m1_decode(nibble) * eff,
+                    Mirror::Kernels => e2m1_decode(nibble) * bs * scale,
+                };
                 for (pair, &b) in o.chunks_exact_mut(2).zip(d) {
-                    pair[0] = e2m1_decode(b & 0xf) * eff;
-                    pair[1] = e2m1_decode(b >> 4) * eff;
+                    pair[0] = value(b & 0xf);
+                    pair[1] = value(b >> 4);
                 }
             }
         }
@@ -232,6 +282,18 @@ pub fn round_trip(dtype: KvDtype, x: &mut [f32], scale: f32) {
     let mut scales = vec![0u8; dtype.scale_bytes(x.len())];
     encode_vector(dtype, x, scale, &mut data, &mut scales);
     decode_vector(dtype, &data, &scales, scale, x);
+}
+
+/// A reasonable per-tensor scale for values of magnitude up to `amax`: fp8 maps amax to the
+/// largest finite value; nvfp4 lets block scales span e4m3's range (amax / (448 * 6)).
+pub fn suggested_scale(dtype: KvDtype, amax: f32) -> f32 {
+    let amax = if amax > 0.0 { amax } else { 1.0 };
+    match dtype {
+        KvDtype::Bf16 | KvDtype::F16 => 1.0,
+        KvDtype::Fp8E4m3 => amax / 448.0,
+        KvDtype::Fp8E5m2 => amax / 57344.0,
+        KvDtype::Nvfp4 => amax / (448.0 * 6.0),
+    }
 }
 
 /// Unit round-off of the dtype's element encoding: `|x - q(x)| <= u * |x|` for values in
