@@ -1,0 +1,117 @@
+//! Test fixtures shared by the builders' tests: InferenceDeployments as the API server would
+//! return them, verdicts, and accessors into the rendered Deployment.
+
+use k8s_openapi::api::core::v1::{
+    Container, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
+};
+
+use super::Desired;
+use crate::api::{InferenceDeployment, ResolvedConfig};
+use crate::validate::{labels as gfd, Verdict};
+
+pub fn fixture(yaml: &str) -> InferenceDeployment {
+    let mut o: InferenceDeployment = serde_yaml::from_str(yaml).expect("fixture parses");
+    o.metadata.namespace = Some("ml".into());
+    o.metadata.uid = Some("0b7c6c1e-7f7e-4a38-9d43-2f9c1d3f7a10".into());
+    o.metadata.generation = Some(1);
+    o
+}
+
+pub const KVFLEET_RTX3090_TP2: &str = r#"
+apiVersion: kvfleet.io/v1alpha1
+kind: InferenceDeployment
+metadata: {name: llama}
+spec:
+  replicas: 2
+  model:
+    name: meta-llama/Llama-3.1-8B-Instruct
+    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    weightBytes: 16Gi
+  engine:
+    runtime: kvfleet
+    kvCacheDtype: auto
+    tensorParallelSize: 2
+  gpu:
+    selector: {products: [NVIDIA-GeForce-RTX-3090]}
+"#;
+
+pub const VLLM_RTX5090: &str = r#"
+apiVersion: kvfleet.io/v1alpha1
+kind: InferenceDeployment
+metadata: {name: gemma}
+spec:
+  replicas: 1
+  model:
+    name: google/gemma-3-12b-it
+    geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}
+    weights: {format: dummy}
+  engine:
+    runtime: vllm
+    kvCacheDtype: fp8
+    attentionBackend: auto
+    maxModelLen: 32768
+    maxNumSeqs: 32
+    maxNumBatchedTokens: 4096
+    blockSize: 32
+    gpuMemoryUtilization: 0.85
+    tensorParallelSize: 1
+"#;
+
+pub fn verdict(dtype: &str, backend: &str, cc: &str, product: &str) -> Verdict {
+    Verdict {
+        resolved: Some(ResolvedConfig {
+            kv_cache_dtype: dtype.into(),
+            attention_backend: backend.into(),
+            compute_capabilities: vec![cc.into()],
+            products: vec![product.into()],
+        }),
+        node_affinity: Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(vec![NodeSelectorRequirement {
+                        key: gfd::PRODUCT.into(),
+                        operator: "In".into(),
+                        values: Some(vec![product.into()]),
+                    }]),
+                    ..NodeSelectorTerm::default()
+                }],
+            }),
+            ..NodeAffinity::default()
+        }),
+        compatible_nodes: vec!["gpu-1".into()],
+        ..Verdict::default()
+    }
+}
+
+pub fn container(d: &Desired) -> Container {
+    d.deployment
+        .as_ref()
+        .unwrap()
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .clone()
+}
+pub fn pod(d: &Desired) -> PodSpec {
+    d.deployment
+        .as_ref()
+        .unwrap()
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap()
+}
+
+pub fn arg_after(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}

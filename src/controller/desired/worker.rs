@@ -1,0 +1,279 @@
+//! The kvfleet runtime's serving process: `kvfleet worker` with its arguments, its
+//! configuration (`worker.yaml`, see `config_map.rs`), the model source it reads, and the
+//! volumes that carry them.
+
+use std::path::PathBuf;
+
+use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, Volume, VolumeMount};
+
+use super::container::ServingProcess;
+use super::pod::{mount, WEIGHTS_DIR};
+use super::{config_map_name, resolved_strings, DesiredError, Settings, WORKER_CONFIG_KEY};
+use crate::api::{AttentionBackend, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat};
+use crate::contract::config::{ResolvedEngine, WorkerConfig};
+use crate::contract::model::{ModelSource, Weights};
+use crate::plan::memory::parse_quantity_bytes;
+use crate::validate::Verdict;
+
+/// Where the worker's ConfigMap is mounted.
+const CONFIG_DIR: &str = "/etc/kvfleet";
+/// Where the `model.config` ConfigMap's `config.json` is mounted.
+const MODEL_CONFIG_DIR: &str = "/etc/kvfleet/model";
+
+/// `kvfleet worker` in the spec's image (else the controller's), probed on its own
+/// readiness and health endpoints.
+pub(super) fn serving_process(
+    spec: &InferenceDeploymentSpec,
+    verdict: &Verdict,
+    settings: &Settings,
+) -> ServingProcess {
+    let mut args = worker_args(spec, verdict);
+    args.extend(spec.engine.extra_args.iter().cloned());
+    ServingProcess {
+        image: spec
+            .engine
+            .image
+            .clone()
+            .unwrap_or_else(|| settings.worker_image.clone()),
+        command: vec!["kvfleet".to_string()],
+        args,
+        env: Vec::new(),
+        ready_path: "/readyz",
+        live_path: "/healthz",
+    }
+}
+
+/// The worker's ConfigMap at [`CONFIG_DIR`], and the spec's `model.config` ConfigMap (when
+/// set) at [`MODEL_CONFIG_DIR`], both read-only.
+pub(super) fn config_volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<(Volume, VolumeMount)> {
+    let mut volumes = vec![(
+        Volume {
+            name: "config".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: config_map_name(name),
+                ..ConfigMapVolumeSource::default()
+            }),
+            ..Volume::default()
+        },
+        mount("config", CONFIG_DIR, Some(true)),
+    )];
+    if let Some(src) = &spec.model.config {
+        volumes.push((
+            Volume {
+                name: "model-config".into(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: src.config_map_ref.name.clone(),
+                    items: Some(vec![KeyToPath {
+                        key: src.config_map_ref.key.clone(),
+                        path: "config.json".into(),
+                        ..KeyToPath::default()
+                    }]),
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            },
+            mount("model-config", MODEL_CONFIG_DIR, Some(true)),
+        ));
+    }
+    volumes
+}
+
+/// `kvfleet worker` arguments: the rendered config, and on top of it the values a reader of
+/// `kubectl describe pod` looks for (they equal the config's): the model path on the weights
+/// volume, the served name, the resolved KV dtype and the engine limits.
+pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
+    let (dtype, _) = resolved_strings(spec, verdict);
+    let e = &spec.engine;
+    let mut args = vec![
+        "worker".to_string(),
+        "--config".to_string(),
+        format!("{CONFIG_DIR}/{WORKER_CONFIG_KEY}"),
+    ];
+    let source = worker_model_source(spec);
+    if let Some(p) = &source.path {
+        args.extend(["--model".to_string(), p.display().to_string()]);
+    }
+    if source.weights == Weights::Dummy {
+        args.extend(["--model-weights".to_string(), "dummy".to_string()]);
+    }
+    for (flag, value) in [
+        ("--served-model-name", spec.model.name.clone()),
+        ("--kv-cache-dtype", dtype),
+        ("--max-model-len", e.max_model_len.to_string()),
+        ("--max-num-seqs", e.max_num_seqs.to_string()),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens.to_string()),
+        ("--block-size", e.block_size.to_string()),
+        ("--gpu-memory-utilization", e.gpu_memory_utilization.to_string()),
+    ] {
+        args.extend([flag.to_string(), value]);
+    }
+    args
+}
+
+/// The kvfleet worker's configuration ([`WorkerConfig`], read by `kvfleet worker --config`):
+/// the spec's geometry and engine with the verdict's resolution of `auto`. `None` when the spec
+/// has no inline geometry (the worker needs it; see docs/controller.md).
+pub fn worker_config(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Option<WorkerConfig> {
+    let geometry = spec.model.geometry.clone()?;
+    let (dtype, backend) = resolved_strings(spec, verdict);
+    let resolved = match (dtype.parse::<KvCacheDtype>(), backend.parse::<AttentionBackend>()) {
+        (Ok(kv_cache_dtype), Ok(attention_backend)) => Some(ResolvedEngine {
+            kv_cache_dtype,
+            attention_backend,
+        }),
+        _ => None,
+    };
+    Some(WorkerConfig {
+        model_name: Some(spec.model.name.clone()),
+        model: Some(worker_model_source(spec)),
+        geometry: Some(geometry),
+        weight_bytes: spec
+            .model
+            .weight_bytes
+            .as_ref()
+            .and_then(|q| parse_quantity_bytes(&q.0).ok())
+            .unwrap_or(0),
+        engine: spec.engine.clone(),
+        resolved,
+        activation_reserve_bytes: None,
+        cpu_memory_bytes: None,
+        max_kv_tokens: None,
+        max_waiting: None,
+        seed: 0,
+    })
+}
+
+/// Where the worker reads the model: `/models/<weights.path>` on the weights volume, or
+/// dummy weights (of the `model.config` ConfigMap's geometry when there is one, else of the
+/// inline geometry). No weights at all renders a source without a path, which the worker
+/// refuses at start with the fix (never the embedded model, never random weights).
+pub fn worker_model_source(spec: &InferenceDeploymentSpec) -> ModelSource {
+    let w = spec.model.weights.as_ref();
+    match w.map(|w| w.format) {
+        Some(WeightsFormat::Dummy) => ModelSource {
+            path: None,
+            weights: Weights::Dummy,
+            config: spec
+                .model
+                .config
+                .as_ref()
+                .map(|_| PathBuf::from(format!("{MODEL_CONFIG_DIR}/config.json"))),
+        },
+        Some(_) => ModelSource {
+            path: w.map(|w| {
+                let rel = w.path.as_deref().unwrap_or("").trim_matches('/');
+                PathBuf::from(WEIGHTS_DIR).join(rel)
+            }),
+            weights: Weights::Load,
+            config: None,
+        },
+        None => ModelSource::default(),
+    }
+}
+
+/// `worker.yaml`: [`worker_config`] as YAML.
+pub fn worker_config_yaml(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Result<String, DesiredError> {
+    let cfg = worker_config(spec, verdict).ok_or(DesiredError::GeometryRequired)?;
+    serde_yaml::to_string(&cfg).map_err(DesiredError::WorkerConfig)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::desired;
+    use super::super::fixtures::*;
+    use super::*;
+
+    const KVFLEET_H100_PVC: &str = r#"
+apiVersion: kvfleet.io/v1alpha1
+kind: InferenceDeployment
+metadata: {name: llama}
+spec:
+  model:
+    name: meta-llama/Llama-3.1-8B-Instruct
+    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    weights: {format: safetensors, pvcName: llama-weights, path: /llama-3.1-8b-instruct/}
+  engine:
+    runtime: kvfleet
+    kvCacheDtype: fp8
+    maxModelLen: 32768
+    maxNumSeqs: 48
+    maxNumBatchedTokens: 4096
+    gpuMemoryUtilization: 0.92
+  gpu:
+    selector: {products: [NVIDIA-H100-80GB-HBM3]}
+"#;
+
+    #[test]
+    fn kvfleet_pod_args_name_the_model_on_the_mounted_weights_volume_with_dtype_and_limits() {
+        let obj = fixture(KVFLEET_H100_PVC);
+        let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        let args = c.args.clone().unwrap();
+        let model = arg_after(&args, "--model").expect("--model");
+        assert_eq!(model, "/models/llama-3.1-8b-instruct");
+        for (flag, want) in [
+            ("--served-model-name", "meta-llama/Llama-3.1-8B-Instruct"),
+            ("--kv-cache-dtype", "fp8_e4m3"),
+            ("--max-model-len", "32768"),
+            ("--max-num-seqs", "48"),
+            ("--max-num-batched-tokens", "4096"),
+            ("--block-size", "16"),
+            ("--gpu-memory-utilization", "0.92"),
+        ] {
+            assert_eq!(
+                arg_after(&args, flag).as_deref(),
+                Some(want),
+                "{flag} in {args:?}"
+            );
+        }
+        assert_eq!(arg_after(&args, "--model-weights"), None, "real weights");
+        // The volume holding the weights is mounted, read-only, at the directory --model is in.
+        let mount = c
+            .volume_mounts
+            .unwrap()
+            .into_iter()
+            .find(|m| model.starts_with(&format!("{}/", m.mount_path)))
+            .expect("a mount under --model");
+        assert_eq!(mount.read_only, Some(true));
+        let vol = pod(&d)
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        let pvc = vol.persistent_volume_claim.unwrap();
+        assert_eq!(pvc.claim_name, "llama-weights");
+        // The config file says the same.
+        let yaml = &d.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
+        let cfg = WorkerConfig::parse(yaml).unwrap();
+        let src = cfg.model.unwrap();
+        assert_eq!(src.path.unwrap().display().to_string(), model);
+        assert_eq!(src.weights, Weights::Load);
+
+        // hostPath weights: a Directory volume at the same place.
+        let host = KVFLEET_H100_PVC.replace("pvcName: llama-weights", "hostPath: /mnt/nvme/models");
+        let d = desired(&fixture(&host), &v, &Settings::default(), None).unwrap();
+        let vol = pod(&d)
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == "weights")
+            .unwrap();
+        let hp = vol.host_path.unwrap();
+        assert_eq!(
+            (hp.path.as_str(), hp.type_.as_deref()),
+            ("/mnt/nvme/models", Some("Directory"))
+        );
+
+        // Dummy weights only when asked, with no model path.
+        let dummy = KVFLEET_H100_PVC.replace(
+            "weights: {format: safetensors, pvcName: llama-weights, path: /llama-3.1-8b-instruct/}",
+            "weights: {format: dummy}",
+        );
+        let d = desired(&fixture(&dummy), &v, &Settings::default(), None).unwrap();
+        let args = container(&d).args.unwrap();
+        assert_eq!(arg_after(&args, "--model-weights").as_deref(), Some("dummy"));
+        assert_eq!(arg_after(&args, "--model"), None);
+    }
+}
