@@ -18,7 +18,9 @@ use kube::core::DeserializeGuard;
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher;
 use kube::Client;
-use kvfleet::api::{InferenceDeployment, InferenceDeploymentSpec, ResolvedConfig};
+use kvfleet::api::{
+    AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, ResolvedConfig,
+};
 use kvfleet::controller::desired::Settings;
 use kvfleet::controller::metrics::Metrics;
 use kvfleet::controller::{reconcile, Context};
@@ -33,8 +35,8 @@ const CONCURRENCY: usize = 16;
 fn admit_gpu_nodes(_spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict {
     Verdict {
         resolved: Some(ResolvedConfig {
-            kv_cache_dtype: "bfloat16".into(),
-            attention_backend: "KVFLEET_CUDA".into(),
+            kv_cache_dtype: KvCacheDtype::Bfloat16,
+            attention_backend: AttentionBackend::KvfleetCuda,
             compute_capabilities: vec!["9.0".into()],
             products: vec!["NVIDIA-H100-80GB-HBM3".into()],
         }),

@@ -24,7 +24,9 @@ use kube::runtime::controller::Action;
 use kube::runtime::reflector::store::Writer;
 use kube::runtime::watcher;
 use kube::Client;
-use kvfleet::api::{InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, ResolvedConfig};
+use kvfleet::api::{
+    AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, ResolvedConfig,
+};
 use kvfleet::controller::desired::{MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
 use kvfleet::controller::metrics::Metrics;
 use kvfleet::controller::reconcile::{CAPACITY_POLL, RESYNC};
@@ -81,8 +83,8 @@ fn gpu_product_rules(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Ve
     let products: Vec<String> = nodes.iter().map(|n| n.labels[labels::PRODUCT].clone()).collect();
     Verdict {
         resolved: Some(ResolvedConfig {
-            kv_cache_dtype: "bfloat16".into(),
-            attention_backend: "KVFLEET_CUDA".into(),
+            kv_cache_dtype: KvCacheDtype::Bfloat16,
+            attention_backend: AttentionBackend::KvfleetCuda,
             compute_capabilities: vec!["8.6".into()],
             products: products.clone(),
         }),

@@ -185,8 +185,8 @@ fn before_0_12_an_explicit_backend_goes_to_the_environment_variable() {
     let spec = at(&o, VllmVersion::parse("0.11.0").unwrap());
     let v = verdict_for(&spec);
     assert!(v.allowed(), "{:#?}", v.denials);
-    let backend = v.resolved.as_ref().unwrap().attention_backend.clone();
-    assert_ne!(backend, "auto");
+    let backend = v.resolved.as_ref().unwrap().attention_backend;
+    assert_ne!(backend.as_str(), "auto");
     let c = container(&spec, &v);
     assert!(!c.args.unwrap().iter().any(|a| a == "--attention-backend"));
     let env = c.env.unwrap();

@@ -7,7 +7,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::api::{CapacityStatus, InferenceDeployment, InferenceDeploymentStatus, ResolvedConfig};
 use crate::validate::Verdict;
 
-use super::desired::{resolved_strings, selector_string};
+use super::desired::{resolved, selector_string};
 
 pub const COMPATIBLE: &str = "Compatible";
 pub const CAPACITY_PLANNED: &str = "CapacityPlanned";
@@ -151,7 +151,7 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
     let mut conds = Vec::with_capacity(5);
     conds.push(match seen.verdict {
         Some(v) if v.allowed() => {
-            let (dtype, backend) = resolved_strings(&obj.spec, v);
+            let (dtype, backend) = resolved(&obj.spec, v);
             let ccs = v
                 .resolved
                 .as_ref()
@@ -323,7 +323,7 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
 
     let resolved = match seen.verdict {
         Some(v) if v.allowed() => Some(v.resolved.clone().unwrap_or_else(|| {
-            let (kv_cache_dtype, attention_backend) = resolved_strings(&obj.spec, v);
+            let (kv_cache_dtype, attention_backend) = resolved(&obj.spec, v);
             ResolvedConfig {
                 kv_cache_dtype,
                 attention_backend,
@@ -534,6 +534,7 @@ mod tests {
     use k8s_openapi::api::apps::v1::DeploymentStatus;
 
     use super::*;
+    use crate::api::{AttentionBackend, KvCacheDtype};
     use crate::validate::Denial;
 
     #[test]
@@ -574,8 +575,8 @@ mod tests {
     fn allowed() -> Verdict {
         Verdict {
             resolved: Some(ResolvedConfig {
-                kv_cache_dtype: "fp8_e5m2".into(),
-                attention_backend: "KVFLEET_CUDA".into(),
+                kv_cache_dtype: KvCacheDtype::Fp8E5m2,
+                attention_backend: AttentionBackend::KvfleetCuda,
                 compute_capabilities: vec!["8.6".into()],
                 products: vec![],
             }),

@@ -60,8 +60,8 @@ spec:
 pub fn verdict(dtype: &str, backend: &str, cc: &str, product: &str) -> Verdict {
     Verdict {
         resolved: Some(ResolvedConfig {
-            kv_cache_dtype: dtype.into(),
-            attention_backend: backend.into(),
+            kv_cache_dtype: dtype.parse().expect("a KV cache dtype"),
+            attention_backend: backend.parse().expect("an attention backend"),
             compute_capabilities: vec![cc.into()],
             products: vec![product.into()],
         }),

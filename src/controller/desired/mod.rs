@@ -31,7 +31,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 
-use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
+use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime};
 use crate::validate::Verdict;
 
 mod config_map;
@@ -164,14 +164,11 @@ fn common_labels(name: &str, runtime: Runtime) -> BTreeMap<String, String> {
     l
 }
 
-/// The resolved dtype and backend strings: the verdict's, else the spec's own values.
-pub fn resolved_strings(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (String, String) {
+/// The resolved dtype and backend: the verdict's, else the spec's own values.
+pub fn resolved(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (KvCacheDtype, AttentionBackend) {
     match &verdict.resolved {
-        Some(r) => (r.kv_cache_dtype.clone(), r.attention_backend.clone()),
-        None => (
-            spec.engine.kv_cache_dtype.as_str().to_string(),
-            spec.engine.attention_backend.as_str().to_string(),
-        ),
+        Some(r) => (r.kv_cache_dtype, r.attention_backend),
+        None => (spec.engine.kv_cache_dtype, spec.engine.attention_backend),
     }
 }
 

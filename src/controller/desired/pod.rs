@@ -69,8 +69,8 @@ pub(super) fn pod_template(
 /// Whether the resolved backend runs on CPU: then the pod asks for no GPU and tolerates no
 /// GPU taint.
 fn runs_on_cpu(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> bool {
-    let (_, backend) = super::resolved_strings(spec, verdict);
-    backend == AttentionBackend::KvfleetCpu.as_str()
+    let (_, backend) = super::resolved(spec, verdict);
+    backend == AttentionBackend::KvfleetCpu
 }
 
 /// Our labels, and the spec's annotations with the worker config's hash.

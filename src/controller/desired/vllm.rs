@@ -5,7 +5,7 @@ use k8s_openapi::api::core::v1::{EnvVar, PersistentVolumeClaimVolumeSource, Volu
 
 use super::container::{plain_env, secret_env, ServingProcess};
 use super::pod::{mount, WEIGHTS_DIR};
-use super::{resolved_strings, Settings, HTTP_PORT};
+use super::{resolved, Settings, HTTP_PORT};
 use crate::api::{AttentionBackend, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat};
 use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::validate::Verdict;
@@ -101,13 +101,13 @@ pub fn rendered_vllm_version(spec: &InferenceDeploymentSpec, image: &str) -> Vll
 /// dtype, which is what the verdict resolved it to, and `auto` exists in every release while
 /// `bfloat16`/`float16` do not).
 fn vllm_dtype_backend(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (String, String) {
-    let (dtype, backend) = resolved_strings(spec, verdict);
+    let (dtype, backend) = resolved(spec, verdict);
     let dtype = if spec.engine.kv_cache_dtype == KvCacheDtype::Auto {
-        KvCacheDtype::Auto.as_str().to_string()
+        KvCacheDtype::Auto
     } else {
         dtype
     };
-    (dtype, backend)
+    (dtype.as_str().to_string(), backend.as_str().to_string())
 }
 
 /// Environment of the vLLM container that depends on the release: before 0.12 the attention

@@ -8,8 +8,8 @@ use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, Volume, Volum
 
 use super::container::ServingProcess;
 use super::pod::{mount, WEIGHTS_DIR};
-use super::{config_map_name, resolved_strings, DesiredError, Settings, WORKER_CONFIG_KEY};
-use crate::api::{AttentionBackend, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat};
+use super::{config_map_name, resolved, DesiredError, Settings, WORKER_CONFIG_KEY};
+use crate::api::{InferenceDeploymentSpec, WeightsFormat};
 use crate::contract::config::{ResolvedEngine, WorkerConfig};
 use crate::contract::model::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
@@ -82,7 +82,7 @@ pub(super) fn config_volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<
 /// `kubectl describe pod` looks for (they equal the config's): the model path on the weights
 /// volume, the served name, the resolved KV dtype and the engine limits.
 pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
-    let (dtype, _) = resolved_strings(spec, verdict);
+    let (dtype, _) = resolved(spec, verdict);
     let e = &spec.engine;
     let mut args = vec![
         "worker".to_string(),
@@ -98,7 +98,7 @@ pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Str
     }
     for (flag, value) in [
         ("--served-model-name", spec.model.name.clone()),
-        ("--kv-cache-dtype", dtype),
+        ("--kv-cache-dtype", dtype.as_str().to_string()),
         ("--max-model-len", e.max_model_len.to_string()),
         ("--max-num-seqs", e.max_num_seqs.to_string()),
         ("--max-num-batched-tokens", e.max_num_batched_tokens.to_string()),
@@ -115,14 +115,11 @@ pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Str
 /// has no inline geometry (the worker needs it; see docs/controller.md).
 pub fn worker_config(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Option<WorkerConfig> {
     let geometry = spec.model.geometry.clone()?;
-    let (dtype, backend) = resolved_strings(spec, verdict);
-    let resolved = match (dtype.parse::<KvCacheDtype>(), backend.parse::<AttentionBackend>()) {
-        (Ok(kv_cache_dtype), Ok(attention_backend)) => Some(ResolvedEngine {
-            kv_cache_dtype,
-            attention_backend,
-        }),
-        _ => None,
-    };
+    let (kv_cache_dtype, attention_backend) = resolved(spec, verdict);
+    let resolved = Some(ResolvedEngine {
+        kv_cache_dtype,
+        attention_backend,
+    });
     Some(WorkerConfig {
         model_name: Some(spec.model.name.clone()),
         model: Some(worker_model_source(spec)),

@@ -650,9 +650,9 @@ pub struct InferenceDeploymentStatus {
 #[serde(rename_all = "camelCase")]
 pub struct ResolvedConfig {
     /// KV-cache dtype that runs (the same on every allowed architecture).
-    pub kv_cache_dtype: String,
+    pub kv_cache_dtype: KvCacheDtype,
     /// Attention backend that runs (the same on every allowed architecture).
-    pub attention_backend: String,
+    pub attention_backend: AttentionBackend,
     /// Compute capabilities of the nodes pods may land on, e.g. `["9.0"]`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub compute_capabilities: Vec<String>,

@@ -1423,8 +1423,8 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
         .collect();
     let products: BTreeSet<&str> = compatible_sigs.iter().filter_map(|sig| sig.product).collect();
     verdict.resolved = Some(ResolvedConfig {
-        kv_cache_dtype: dtype.to_string(),
-        attention_backend: backend.to_string(),
+        kv_cache_dtype: dtype,
+        attention_backend: backend,
         compute_capabilities: chosen_ccs.iter().rev().map(|c| c.to_string()).collect(),
         products: products.into_iter().map(str::to_string).collect(),
     });

@@ -204,7 +204,10 @@ fn mixed_pool_admits_on_sm90_only_with_counts() {
     assert!(v.allowed(), "{v:#?}");
     assert_eq!(v.compatible_nodes, vec!["h100-0", "h100-1"]);
     assert_eq!(v.resolved.as_ref().unwrap().compute_capabilities, vec!["9.0"]);
-    assert_eq!(v.resolved.as_ref().unwrap().attention_backend, "FLASH_ATTN");
+    assert_eq!(
+        v.resolved.as_ref().unwrap().attention_backend,
+        AttentionBackend::FlashAttn
+    );
     assert_eq!(
         v.warnings[0],
         "2 of 5 selected GPU nodes can run this; the affinity excludes the others"
