@@ -1,13 +1,15 @@
 //! Model geometry: which layers hold a KV cache and how large one token's entry is.
 //!
-//! Read from an HF `config.json` ([`Geometry::from_hf_config`]) or from the CRD's inline
-//! geometry ([`Geometry::from_spec`]). Key names are the public `transformers` config keys.
+//! Read from an HF `config.json` ([`Geometry::from_hf_config`], through
+//! [`crate::hf_config`]) or from the CRD's inline geometry ([`Geometry::from_spec`]). Key names
+//! are the public `transformers` config keys.
 
 use serde::Serialize;
 use serde_json::Value;
 
 use super::PlanError;
 use crate::api::{LayerType, ModelGeometry};
+use crate::hf_config::{self, ConfigView, HEADS_KEYS, HEAD_DIM_KEYS, HIDDEN_KEYS, LAYERS_KEYS};
 
 /// Most layers (model plus draft) a geometry may hold: checked before any per-layer
 /// allocation, so a hostile config or spec cannot make the planner allocate gigabytes.
@@ -79,46 +81,26 @@ impl Geometry {
     /// Reads an HF `config.json`. A multimodal config's nested `text_config` describes
     /// the decoder and is used when present.
     pub fn from_hf_config(config: &Value) -> Result<Geometry, PlanError> {
-        let top = config.as_object().ok_or_else(|| PlanError::InvalidConfig {
-            key: "<root>".into(),
-            message: "config.json must be a JSON object".into(),
-        })?;
+        let decoder = hf_config::decoder(config)?;
         let mut notes = Vec::new();
-        let architecture = top
-            .get("architectures")
-            .and_then(|a| a.get(0))
-            .and_then(Value::as_str)
-            .or_else(|| top.get("model_type").and_then(Value::as_str))
-            .unwrap_or("unknown")
-            .to_string();
-        let text = match top.get("text_config") {
-            Some(t) if t.is_object() => {
-                notes.push("decoder geometry read from the nested text_config (multimodal model)".into());
-                t
-            }
-            _ => config,
-        };
-        let model_type = text
-            .get("model_type")
-            .and_then(Value::as_str)
-            .or_else(|| top.get("model_type").and_then(Value::as_str))
-            .unwrap_or("")
-            .to_string();
-        let c = Cfg(text);
+        if decoder.nested {
+            notes.push("decoder geometry read from the nested text_config (multimodal model)".into());
+        }
+        let architecture = decoder.architecture.to_string();
+        let model_type = decoder.model_type.to_string();
+        let c = decoder.keys;
 
-        let layers_key = ["num_hidden_layers", "num_layers", "n_layer", "n_layers"];
-        let heads_key = ["num_attention_heads", "n_head", "n_heads"];
-        let n_layers = c.first_u32(&layers_key)?;
-        let query_heads = c.first_u32(&heads_key)?;
+        let n_layers = c.first_u32(LAYERS_KEYS)?;
+        let query_heads = c.first_u32(HEADS_KEYS)?;
         let (n_layers, query_heads) = match (n_layers, query_heads) {
             (Some(l), Some(h)) => (l, h),
             (l, h) => {
                 let mut keys = Vec::new();
                 if l.is_none() {
-                    keys.push(layers_key.join(" | "));
+                    keys.push(LAYERS_KEYS.join(" | "));
                 }
                 if h.is_none() {
-                    keys.push(heads_key.join(" | "));
+                    keys.push(HEADS_KEYS.join(" | "));
                 }
                 return Err(PlanError::MissingKeys { architecture, keys });
             }
@@ -132,7 +114,7 @@ impl Geometry {
         if n_layers > MAX_LAYERS {
             return Err(too_many_layers("num_hidden_layers", n_layers.into()));
         }
-        let hidden_size = c.first_u32(&["hidden_size", "n_embd", "d_model"])?;
+        let hidden_size = c.first_u32(HIDDEN_KEYS)?;
 
         // MLA (DeepSeek V2/V3, Kimi K2, GLM-4.5-style MLA variants).
         if let (Some(rank), Some(rope)) = (c.u32("kv_lora_rank")?, c.u32("qk_rope_head_dim")?) {
@@ -181,7 +163,7 @@ impl Geometry {
             ));
             query_heads
         };
-        let head_dim = match c.first_u32(&["head_dim", "kv_channels"])? {
+        let head_dim = match c.first_u32(HEAD_DIM_KEYS)? {
             Some(d) => d,
             None => match hidden_size {
                 Some(h) if h % query_heads == 0 => {
@@ -448,7 +430,7 @@ impl Geometry {
 
 /// Per-layer attention kinds from `layer_types` or the model family's fixed pattern.
 fn layer_kinds(
-    c: &Cfg<'_>,
+    c: &ConfigView<'_>,
     model_type: &str,
     n_layers: u32,
     window: Option<u32>,
@@ -463,7 +445,7 @@ fn layer_kinds(
                 message: format!("{key} names sliding layers but sliding_window is missing or null"),
             })
     };
-    if let Some(types) = c.0.get("layer_types").filter(|v| !v.is_null()) {
+    if let Some(types) = c.get("layer_types").filter(|v| !v.is_null()) {
         let types = types.as_array().ok_or_else(|| PlanError::InvalidConfig {
             key: "layer_types".into(),
             message: "must be a list of strings".into(),
@@ -562,40 +544,4 @@ fn layer_kinds(
         "sliding_window {w} without layer_types: every layer slides (Mistral 7B v0.1 style)"
     ));
     Ok(vec![LayerKind::Sliding { window: w }; n])
-}
-
-/// Typed reads from a config object; a present key of the wrong type is an error.
-struct Cfg<'a>(&'a Value);
-
-impl Cfg<'_> {
-    fn has(&self, key: &str) -> bool {
-        self.0.get(key).is_some()
-    }
-    fn is_null(&self, key: &str) -> bool {
-        self.0.get(key).is_some_and(Value::is_null)
-    }
-    fn u32(&self, key: &str) -> Result<Option<u32>, PlanError> {
-        match self.0.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|v| u32::try_from(v).ok())
-                .map(Some)
-                .ok_or_else(|| PlanError::InvalidConfig {
-                    key: key.into(),
-                    message: format!("expected a non-negative integer, got {v}"),
-                }),
-        }
-    }
-    fn first_u32(&self, keys: &[&str]) -> Result<Option<u32>, PlanError> {
-        for k in keys {
-            if let Some(v) = self.u32(k)? {
-                return Ok(Some(v));
-            }
-        }
-        Ok(None)
-    }
-    fn bool(&self, key: &str) -> Option<bool> {
-        self.0.get(key).and_then(Value::as_bool)
-    }
 }

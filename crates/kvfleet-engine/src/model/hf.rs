@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use kvfleet_core::hf_config::HfConfigJson;
 use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::tensor::{Metadata, SafeTensorError};
@@ -124,32 +125,6 @@ fn config_path(path: &Path) -> PathBuf {
 
 // === impl config ===
 
-#[derive(Debug, Deserialize)]
-struct RawConfig {
-    architectures: Option<Vec<String>>,
-    model_type: Option<String>,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    rms_norm_eps: Option<f64>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<serde_json::Value>,
-    /// transformers v5 moves `rope_theta` and the scaling here.
-    rope_parameters: Option<serde_json::Value>,
-    max_position_embeddings: Option<usize>,
-    vocab_size: usize,
-    tie_word_embeddings: Option<bool>,
-    attention_bias: Option<bool>,
-    mlp_bias: Option<bool>,
-    hidden_act: Option<String>,
-    sliding_window: Option<usize>,
-    use_sliding_window: Option<bool>,
-    partial_rotary_factor: Option<f64>,
-}
-
 /// A checkpoint's geometry plus what [`LlamaConfig`] does not carry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HfConfig {
@@ -165,9 +140,10 @@ impl HfConfig {
         Self::parse(&path, &read(&path)?)
     }
 
-    /// Parses the text of a `config.json`; `path` only names it in errors.
+    /// Parses the text of a `config.json` (the keys [`HfConfigJson`] reads); `path` only names
+    /// it in errors.
     pub fn parse(path: &Path, text: &str) -> Result<Self, HfError> {
-        let raw: RawConfig = parse_json(path, text)?;
+        let raw: HfConfigJson = parse_json(path, text)?;
         let cfg_err = |msg: String| HfError::Config {
             path: path.into(),
             msg,
@@ -223,13 +199,9 @@ impl HfConfig {
                 return Err(cfg_err(format!("{key} {v} is above the maximum {max}")));
             }
         }
-        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        let params = raw.rope_parameters.as_ref();
-        let rope_theta = raw
-            .rope_theta
-            .or_else(|| params?.get("rope_theta")?.as_f64())
-            .unwrap_or(10000.0);
-        let mut context_len = raw.max_position_embeddings.unwrap_or(2048);
+        let head_dim = raw.head_dim();
+        let rope_theta = raw.rope_theta();
+        let mut context_len = raw.max_position_embeddings();
         // Attention within the window is full attention, so clamping the context to the
         // window keeps results exact.
         let windowed = match arch {
@@ -246,7 +218,7 @@ impl HfConfig {
             d_model: raw.hidden_size,
             d_ff: raw.intermediate_size,
             n_heads: raw.num_attention_heads,
-            n_kv_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
+            n_kv_heads: raw.kv_heads(),
             head_dim,
             vocab: raw.vocab_size,
             context_len,
@@ -254,14 +226,14 @@ impl HfConfig {
             rope_dims: head_dim,
             rope_linear_scale: 1.0,
             rope_neox: true,
-            rms_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rms_eps: raw.rms_norm_eps() as f32,
             // Qwen2 always has Q/K/V biases; the others only with `attention_bias`.
             attn_bias: arch == "qwen2" || raw.attention_bias == Some(true),
             qk_norm: arch == "qwen3",
             tied_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             gemma3: None,
         };
-        let scaling = raw.rope_scaling.as_ref().or(params).filter(|v| !v.is_null());
+        let scaling = raw.rope_scaling();
         let mut rope_freq_factors = None;
         if let Some(s) = scaling {
             let kind = s
