@@ -6,9 +6,9 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvfleet::worker::cuda::device::{Gpu, KvLayer};
-use kvfleet::worker::engine::quant;
 use kvfleet::worker::cuda::selftest;
 use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
+use kvfleet::worker::engine::quant;
 
 fn seed() -> u64 {
     let s = SystemTime::now()

@@ -422,7 +422,10 @@ mod tests {
             .zip(KvDtype::ALL)
         {
             let want = format!("constexpr int {code} = {};", dt.kernel_code());
-            assert!(ATTENTION_SOURCE.contains(&want), "{want} missing from the kernel source");
+            assert!(
+                ATTENTION_SOURCE.contains(&want),
+                "{want} missing from the kernel source"
+            );
         }
     }
 

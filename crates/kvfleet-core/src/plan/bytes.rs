@@ -11,7 +11,9 @@ pub fn head_vector_bytes(head_dim: u32, dtype: KvCacheDtype) -> Result<u64, Plan
     if !dtype.fits_head_dim(d) {
         return Err(PlanError::UnsupportedDtype {
             dtype,
-            reason: format!("nvfp4 packs 16 values per scale; head_dim {head_dim} is not a multiple of 16; use fp8"),
+            reason: format!(
+                "nvfp4 packs 16 values per scale; head_dim {head_dim} is not a multiple of 16; use fp8"
+            ),
         });
     }
     Ok((dtype.data_bytes(d) + dtype.scale_bytes(d)) as u64)

@@ -508,7 +508,10 @@ mod tests {
                 fnv(&mut row, &v.to_bits().to_le_bytes());
             }
         }
-        assert_eq!(row, 0x46bb_ae3f_a046_fcaf, "the kernels' head-vector codec changed");
+        assert_eq!(
+            row, 0x46bb_ae3f_a046_fcaf,
+            "the kernels' head-vector codec changed"
+        );
     }
 
     #[test]
