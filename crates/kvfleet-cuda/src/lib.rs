@@ -6,7 +6,7 @@
 //! - [`spec`]: the closed set of specialisations, their keys and generated preludes (pure).
 //! - [`nvrtc`]: finding NVRTC and the headers, PTX compile cache.
 //! - [`plan`]: turning a CSR batch into work items and merge jobs for one step (pure).
-//! - [`reference`]: random scenarios, the f64 CPU reference and the acceptance bound (pure).
+//! - [`scenarios`]: random scenarios, the f64 CPU reference and the acceptance bound (pure).
 //! - [`device`]: device buffers and launches; [`selftest`]: the preflight check on the real GPU.
 
 pub mod backend;
@@ -15,7 +15,7 @@ pub mod gpu;
 pub mod nvrtc;
 pub mod plan;
 pub mod profile;
-pub mod reference;
+pub mod scenarios;
 pub mod selftest;
 pub mod spec;
 

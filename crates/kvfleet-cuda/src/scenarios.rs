@@ -3,8 +3,8 @@
 //! hopper/test_util.py). Shared by the GPU tests, the benchmark and the worker's self-test. Pure.
 
 use half::bf16;
-use rand::rngs::StdRng;
 use kvfleet_engine::engine::quant;
+use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::plan::CsrBatch;
@@ -118,7 +118,13 @@ impl Scenario {
                         .map(|_| to_bf16(normal(&mut rng).clamp(-amax, amax)))
                         .collect();
                     let (r, s) = (row * rb..(row + 1) * rb, row * sb..(row + 1) * sb);
-                    quant::encode_vector_as_kernels(dtype, &kx, k_scale, &mut k[r.clone()], &mut ks[s.clone()]);
+                    quant::encode_vector_as_kernels(
+                        dtype,
+                        &kx,
+                        k_scale,
+                        &mut k[r.clone()],
+                        &mut ks[s.clone()],
+                    );
                     quant::encode_vector_as_kernels(dtype, &vx, v_scale, &mut v[r], &mut vs[s]);
                 }
             } else {
