@@ -410,9 +410,10 @@ mod tests {
     }
 
     // === impl the kernels' codec ===
-    // Until 0714ac5 the CUDA crate had its own host codec, bit-exact with `kvf_append`
-    // (crates/kvfleet-cuda/src/quant.rs). The digests below are of what it produced; the
-    // engine's element codecs and its `_as_kernels` head-vector codecs reproduce them.
+    // The CUDA crate used to carry its own host codec, bit-exact with `kvf_append`
+    // (crates/kvfleet-cuda/src/quant.rs, removed when the codecs got one home). The digests
+    // below are of what it produced; the engine's element codecs and its `_as_kernels`
+    // head-vector codecs reproduce them.
 
     /// Every bf16 value, every 4099th f32 bit pattern, and e2m1's range in steps of 1/1024.
     fn sweep() -> Vec<f32> {
