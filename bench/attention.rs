@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use cudarc::driver::sys::CUevent_flags;
 use kvfleet::worker::cuda::device::{Gpu, Kernels, KvLayer, StepBuffers};
 use kvfleet::worker::cuda::plan::plan_step;
-use kvfleet::worker::cuda::reference::{RequestShape, Scenario};
+use kvfleet::worker::cuda::scenarios::{RequestShape, Scenario};
 use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelDtype, KernelSpec, KvDtype, Mask, PageSize};
 
 struct Args {

@@ -6,9 +6,9 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvfleet::worker::cuda::device::{Gpu, KvLayer};
-use kvfleet::worker::cuda::quant;
 use kvfleet::worker::cuda::selftest;
 use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
+use kvfleet::worker::engine::quant;
 
 fn seed() -> u64 {
     let s = SystemTime::now()
@@ -142,7 +142,8 @@ fn gpu_append_quantizes_bit_exactly_like_the_host_encoder() {
                         (&k, &kbs, &kx[src..src + d], kv.k_scale),
                         (&v, &vbs, &vx[src..src + d], kv.v_scale),
                     ] {
-                        let (want, want_s) = quant::encode_row(dtype, x, scale);
+                        let (mut want, mut want_s) = (vec![0u8; rb], vec![0u8; sb]);
+                        quant::encode_vector_as_kernels(dtype, x, scale, &mut want, &mut want_s);
                         if pool[row * rb..(row + 1) * rb] != want[..] {
                             mismatches += 1;
                         }

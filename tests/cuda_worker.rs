@@ -1,7 +1,7 @@
 //! The CUDA backend driven by the engine (`run_step`) against the CPU backend on the same
 //! steps: a mixed config (bf16 full attention, fp8 sliding window, nvfp4 GQA 8 causal) over
 //! three steps (prefills, then decodes mixed with a new prefill and a multi-token decode).
-//! Bound as FlashAttention's tests (and `crates/kvfleet-cuda/src/reference.rs`):
+//! Bound as FlashAttention's tests (and `crates/kvfleet-cuda/src/scenarios.rs`):
 //! `max|gpu - ref| <= 2 * max|lowp_naive - ref| + atol`, where `ref` is the f64 attention over
 //! the keys the CPU backend holds and `lowp_naive` is naive bf16 attention over the same keys.
 //! Fresh random inputs each run (the seed is printed); GPU outputs are poisoned before a step.

@@ -9,7 +9,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::nvrtc::{self, PtxCache};
-use super::plan::{CsrBatch, StepPlan};
+use super::plan::{CsrBatch, LaunchPlan};
 use super::spec::{Arch, KernelSpec, KvDtype, THREADS};
 use super::{driver_err, CudaError};
 
@@ -280,7 +280,7 @@ impl StepBuffers {
         spec: &KernelSpec,
         kv: &KvLayer,
         batch: &CsrBatch,
-        plan: &StepPlan,
+        plan: &LaunchPlan,
     ) -> Result<Self, CudaError> {
         batch.validate(spec.page.get(), kv.num_blocks)?;
         let d = spec.head_dim.get();

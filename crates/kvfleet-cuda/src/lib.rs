@@ -8,8 +8,7 @@
 //! - [`spec`]: the closed set of specialisations, their keys and generated preludes (pure).
 //! - [`nvrtc`]: finding NVRTC and the headers, PTX compile cache.
 //! - [`plan`]: turning a CSR batch into work items and merge jobs for one step (pure).
-//! - [`quant`]: the fp8 / nvfp4 encodings on the host, bit-exact with the append kernel (pure).
-//! - [`reference`]: random scenarios, the f64 CPU reference and the acceptance bound (pure).
+//! - [`scenarios`]: random scenarios, the f64 CPU reference and the acceptance bound (pure).
 //! - [`device`]: device buffers and launches; [`selftest`]: the preflight check on the real GPU.
 
 pub mod backend;
@@ -18,8 +17,7 @@ pub mod gpu;
 pub mod nvrtc;
 pub mod plan;
 pub mod profile;
-pub mod quant;
-pub mod reference;
+pub mod scenarios;
 pub mod selftest;
 pub mod spec;
 

@@ -121,16 +121,17 @@ pub struct MergeJob {
     pub pad: i32,
 }
 
-/// The launch plan of one step: `items[..n_prefill]` are prefill CTAs, the rest decode CTAs.
+/// How one step's batch runs on the device (the engine's `StepPlan` is the step itself):
+/// `items[..n_prefill]` are prefill CTAs, the rest decode CTAs.
 #[derive(Clone, Debug, Default)]
-pub struct StepPlan {
+pub struct LaunchPlan {
     pub items: Vec<WorkItem>,
     pub n_prefill: usize,
     pub merges: Vec<MergeJob>,
     pub n_slots: usize,
 }
 
-impl StepPlan {
+impl LaunchPlan {
     pub fn items_as_i32(&self) -> Vec<i32> {
         self.items
             .iter()
@@ -149,7 +150,13 @@ impl StepPlan {
 /// Plans a step for kernels built for `arch` (prefill rows per item depend on it). `slots` is how many decode CTAs the GPU holds at once (SMs x the decode
 /// kernel's occupancy, [`super::device::Kernels::decode_slots`]); long decode requests are split
 /// into chunks of whole tiles, sized by [`decode_chunk_tiles`] so the CTAs fill whole waves.
-pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, arch: Arch, kv_heads: usize, slots: usize) -> StepPlan {
+pub fn plan_step(
+    batch: &CsrBatch,
+    spec: &KernelSpec,
+    arch: Arch,
+    kv_heads: usize,
+    slots: usize,
+) -> LaunchPlan {
     let g = spec.group.get();
     let page = spec.page.get();
     let tile = spec.tile_keys();
@@ -191,7 +198,7 @@ pub fn plan_step(batch: &CsrBatch, spec: &KernelSpec, arch: Arch, kv_heads: usiz
     }
     // heaviest first so the long causal tiles do not form the tail
     prefill.sort_by_key(|w| std::cmp::Reverse(w.0));
-    let mut plan = StepPlan {
+    let mut plan = LaunchPlan {
         n_prefill: prefill.len(),
         ..Default::default()
     };

@@ -3,7 +3,7 @@
 
 use super::device::{Gpu, KvLayer, StepBuffers};
 use super::plan::plan_step;
-use super::reference::{Comparison, RequestShape, Scenario};
+use super::scenarios::{Comparison, RequestShape, Scenario};
 use super::spec::KernelSpec;
 use super::{driver_err, CudaError};
 

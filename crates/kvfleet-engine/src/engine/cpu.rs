@@ -253,7 +253,7 @@ mod tests {
     use super::*;
     use crate::engine::backend::StepBuffers;
     use crate::engine::layout::{GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec};
-    use crate::engine::{backend, quant, reference};
+    use crate::engine::{backend, oracle, quant};
 
     /// One request of a test batch: positions `first_pos .. kv_before` already cached,
     /// `q_len` new tokens.
@@ -415,7 +415,7 @@ mod tests {
             backend::run_step(&mut be, &plan, &mut bufs).unwrap();
 
             let to64 = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
-            let oracle = |k: &[Vec<f32>], v: &[Vec<f32>]| {
+            let expected = |k: &[Vec<f32>], v: &[Vec<f32>]| {
                 let parts: Vec<_> = spans
                     .iter()
                     .map(|&(r, first, lo, hi)| {
@@ -430,7 +430,7 @@ mod tests {
                     .collect();
                 let refs: Vec<_> = parts
                     .iter()
-                    .map(|(q, k, v, lo, first)| reference::RefRequest {
+                    .map(|(q, k, v, lo, first)| oracle::RefRequest {
                         q,
                         q_pos0: *lo,
                         k,
@@ -438,9 +438,9 @@ mod tests {
                         first_pos: *first,
                     })
                     .collect();
-                reference::attention(&attn, &refs)
+                oracle::attention(&attn, &refs)
             };
-            let ref_deq = oracle(&kq, &vq);
+            let ref_deq = expected(&kq, &vq);
             // f32 dot products of <= 256 terms and sums of <= ~100 weighted values of
             // magnitude <= 2: rounding stays near 1e-6; 1e-4 leaves a wide margin.
             let atol = 1e-4;
@@ -465,7 +465,7 @@ mod tests {
             // Quantization error: the oracle on original K/V differs from the oracle on
             // stored K/V by at most (e^{2 delta} - 1) max|v_q| + max|v - v_q|, where delta
             // bounds the score change (softmax weights move by a factor within e^{+-2 delta}).
-            let ref_orig = oracle(&ks, &vs);
+            let ref_orig = expected(&ks, &vs);
             let scale = attn.scale() as f64;
             let mut delta = 0f64;
             let (mut vmax, mut dv) = (0f64, 0f64);

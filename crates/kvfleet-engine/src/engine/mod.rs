@@ -8,8 +8,8 @@ pub mod capacity;
 pub mod cpu;
 pub mod direct;
 pub mod layout;
+pub mod oracle;
 pub mod quant;
-pub mod reference;
 pub mod scheduler;
 
 pub use backend::{Backend, BackendError};

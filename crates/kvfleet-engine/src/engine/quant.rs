@@ -408,4 +408,139 @@ mod tests {
         assert_eq!(data[0] & 0xf, e2m1_encode(6.0));
         assert_eq!(data[0] >> 4, e2m1_encode(1.0));
     }
+
+    // === impl the kernels' codec ===
+    // The CUDA crate used to carry its own host codec, bit-exact with `kvf_append`
+    // (crates/kvfleet-cuda/src/quant.rs, removed when the codecs got one home). The digests
+    // below are of what it produced; the engine's element codecs and its `_as_kernels`
+    // head-vector codecs reproduce them.
+
+    /// Every bf16 value, every 4099th f32 bit pattern, and e2m1's range in steps of 1/1024.
+    fn sweep() -> Vec<f32> {
+        let mut v: Vec<f32> = (0u32..=0xffff).map(|h| f32::from_bits(h << 16)).collect();
+        v.extend((0..=u32::MAX).step_by(4099).map(f32::from_bits));
+        v.extend((-8192i32..=8192).map(|k| k as f32 / 1024.0));
+        v
+    }
+
+    fn fnv(h: &mut u64, bytes: &[u8]) {
+        for b in bytes {
+            *h ^= u64::from(*b);
+            *h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+    /// Rows for the head-vector codecs: bf16 values of several magnitudes with the scale
+    /// [`suggested_scale`] gives and a few off it, plus rows with zeros, infinities and NaN.
+    fn rows() -> Vec<(KvDtype, Vec<f32>, f32)> {
+        let mut st = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            st
+        };
+        let mut out = Vec::new();
+        for dtype in KvDtype::ALL {
+            for d in [64usize, 128] {
+                for amax in [1e-3f32, 0.7, 4.5, 300.0, 6e4] {
+                    for off in [1.0f32, 0.37, 3.1] {
+                        for _ in 0..8 {
+                            let x: Vec<f32> = (0..d)
+                                .map(|_| {
+                                    let u = (next() >> 40) as f32 / (1u64 << 24) as f32;
+                                    bf16::from_f32((u * 2.0 - 1.0) * amax).to_f32()
+                                })
+                                .collect();
+                            out.push((dtype, x, suggested_scale(dtype, amax) * off));
+                        }
+                    }
+                }
+                let mut special = vec![0f32; d];
+                special[1] = -0.0;
+                special[2] = f32::INFINITY;
+                special[5] = f32::NEG_INFINITY;
+                special[17] = f32::NAN;
+                special[18] = 1.5;
+                special[33] = -2.5;
+                out.push((dtype, special.clone(), 1.0));
+                out.push((dtype, special, 0.01));
+                out.push((dtype, vec![0f32; d], 1.0));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn element_codecs_reproduce_the_retired_cuda_host_codec() {
+        let mut dec = FNV_BASIS;
+        for b in 0u8..=255 {
+            fnv(&mut dec, &e4m3_decode(b).to_bits().to_le_bytes());
+            fnv(&mut dec, &e5m2_decode(b).to_bits().to_le_bytes());
+        }
+        for n in 0u8..16 {
+            fnv(&mut dec, &e2m1_decode(n).to_bits().to_le_bytes());
+        }
+        assert_eq!(dec, 0xa99c_e5eb_00fc_1805, "fp8 / e2m1 decoding changed");
+        let mut enc = FNV_BASIS;
+        for x in sweep() {
+            // e2m1 of NaN is the one element difference, pinned below
+            let e2m1 = if x.is_nan() { 0xff } else { e2m1_encode(x) };
+            fnv(&mut enc, &[e4m3_encode(x), e5m2_encode(x), e2m1]);
+        }
+        assert_eq!(enc, 0x68f6_7177_f9bb_edc6, "fp8 / e2m1 encoding changed");
+    }
+
+    #[test]
+    fn kernel_head_vector_codec_reproduces_the_retired_cuda_host_codec() {
+        let mut row = FNV_BASIS;
+        for (dtype, x, scale) in rows() {
+            let d = x.len();
+            let mut data = vec![0u8; dtype.data_bytes(d)];
+            let mut scales = vec![0u8; dtype.scale_bytes(d)];
+            encode_vector_as_kernels(dtype, &x, scale, &mut data, &mut scales);
+            fnv(&mut row, &data);
+            fnv(&mut row, &scales);
+            let mut back = vec![0f32; d];
+            decode_vector_as_kernels(dtype, &data, &scales, scale, &mut back);
+            for v in back {
+                fnv(&mut row, &v.to_bits().to_le_bytes());
+            }
+        }
+        assert_eq!(
+            row, 0x46bb_ae3f_a046_fcaf,
+            "the kernels' head-vector codec changed"
+        );
+    }
+
+    #[test]
+    fn the_cpu_backend_and_the_kernels_round_three_corners_differently() {
+        // fp8: x / scale (the append kernel) and x * (1 / scale) (the CPU backend) fall on
+        // either side of an e4m3 midpoint here.
+        let (x, scale) = (f32::from_bits(0x3eca_0000), f32::from_bits(0x3e2a_1af3));
+        let (mut cpu, mut kern) = ([0u8], [0u8]);
+        encode_vector(KvDtype::Fp8E4m3, &[x], scale, &mut cpu, &mut []);
+        encode_vector_as_kernels(KvDtype::Fp8E4m3, &[x], scale, &mut kern, &mut []);
+        assert_eq!((kern[0], cpu[0]), (0x42, 0x41));
+        // e2m1 of NaN: 0 on the CPU, the ladder's top code (6) in the kernel.
+        let mut x = [1f32; 16];
+        x[3] = f32::NAN;
+        let (mut cpu, mut kern, mut sc) = ([0u8; 8], [0u8; 8], [0u8]);
+        encode_vector(KvDtype::Nvfp4, &x, 1.0, &mut cpu, &mut sc);
+        encode_vector_as_kernels(KvDtype::Nvfp4, &x, 1.0, &mut kern, &mut sc);
+        assert_eq!((kern[1] >> 4, cpu[1] >> 4), (0x7, 0x0));
+        kern[1] &= 0xf;
+        cpu[1] &= 0xf;
+        assert_eq!(kern, cpu, "the other values agree");
+        // nvfp4 reads: (1.5 * bs) * gs rounds once, 1.5 * (bs * gs) twice.
+        let gs = f32::from_bits(0x3000_1eef);
+        let (data, scales) = ([0x03u8; 8], [0x03u8]);
+        let (mut cpu, mut kern) = ([0f32; 16], [0f32; 16]);
+        decode_vector(KvDtype::Nvfp4, &data, &scales, gs, &mut cpu);
+        decode_vector_as_kernels(KvDtype::Nvfp4, &data, &scales, gs, &mut kern);
+        assert_ne!(cpu[0].to_bits(), kern[0].to_bits());
+        assert!((cpu[0] - kern[0]).abs() <= f32::EPSILON * kern[0].abs());
+    }
 }

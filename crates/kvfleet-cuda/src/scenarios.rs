@@ -3,11 +3,11 @@
 //! hopper/test_util.py). Shared by the GPU tests, the benchmark and the worker's self-test. Pure.
 
 use half::bf16;
+use kvfleet_engine::engine::quant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::plan::CsrBatch;
-use super::quant;
 use super::spec::KernelSpec;
 
 /// One request of a scenario.
@@ -117,12 +117,15 @@ impl Scenario {
                     let vx: Vec<f32> = (0..d)
                         .map(|_| to_bf16(normal(&mut rng).clamp(-amax, amax)))
                         .collect();
-                    let (kb, kss) = quant::encode_row(dtype, &kx, k_scale);
-                    let (vb, vss) = quant::encode_row(dtype, &vx, v_scale);
-                    k[row * rb..(row + 1) * rb].copy_from_slice(&kb);
-                    v[row * rb..(row + 1) * rb].copy_from_slice(&vb);
-                    ks[row * sb..(row + 1) * sb].copy_from_slice(&kss);
-                    vs[row * sb..(row + 1) * sb].copy_from_slice(&vss);
+                    let (r, s) = (row * rb..(row + 1) * rb, row * sb..(row + 1) * sb);
+                    quant::encode_vector_as_kernels(
+                        dtype,
+                        &kx,
+                        k_scale,
+                        &mut k[r.clone()],
+                        &mut ks[s.clone()],
+                    );
+                    quant::encode_vector_as_kernels(dtype, &vx, v_scale, &mut v[r], &mut vs[s]);
                 }
             } else {
                 let src = p % distinct;
@@ -171,13 +174,15 @@ impl Scenario {
         } else {
             (&self.k, &self.k_block_scales, self.k_scale)
         };
-        quant::decode_row(
+        let mut out = vec![0f32; d];
+        quant::decode_vector_as_kernels(
             dt,
             &pool[row * rb..(row + 1) * rb],
             &scales[row * sb..(row + 1) * sb],
             scale,
-            d,
-        )
+            &mut out,
+        );
+        out
     }
 
     /// f64 reference and naive bf16 reference for the rows of `requests` (all when `None`).
