@@ -90,19 +90,7 @@ mod tests {
             .unwrap()
             .iter()
             .any(|m| m.mount_path == "/etc/kvfleet"));
-        let ann = d
-            .deployment
-            .as_ref()
-            .unwrap()
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .metadata
-            .clone()
-            .unwrap()
-            .annotations
-            .unwrap();
+        let ann = template(&d).metadata.clone().unwrap().annotations.unwrap();
         assert!(ann.contains_key(CONFIG_HASH_ANNOTATION));
         let rb = d.role_binding.unwrap();
         assert_eq!(rb.role_ref.name, WORKER_CLUSTER_ROLE);

@@ -3,6 +3,7 @@
 
 use k8s_openapi::api::core::v1::{
     Container, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
+    PodTemplateSpec,
 };
 
 use super::Desired;
@@ -83,31 +84,16 @@ pub fn verdict(dtype: &str, backend: &str, cc: &str, product: &str) -> Verdict {
     }
 }
 
+/// The pod template of the rendered Deployment.
+pub fn template(d: &Desired) -> &PodTemplateSpec {
+    &d.deployment.as_ref().unwrap().spec.as_ref().unwrap().template
+}
+
 pub fn container(d: &Desired) -> Container {
-    d.deployment
-        .as_ref()
-        .unwrap()
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap()
-        .containers[0]
-        .clone()
+    pod(d).containers[0].clone()
 }
 pub fn pod(d: &Desired) -> PodSpec {
-    d.deployment
-        .as_ref()
-        .unwrap()
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .clone()
-        .unwrap()
+    template(d).spec.clone().unwrap()
 }
 
 pub fn arg_after(args: &[String], flag: &str) -> Option<String> {

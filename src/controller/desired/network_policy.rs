@@ -66,22 +66,11 @@ mod tests {
     impl Desired {
         /// (name, port) of the serving container's ports.
         fn deployment_container_ports(&self) -> Vec<(String, i32)> {
-            let pod = self
-                .deployment
-                .as_ref()
-                .unwrap()
-                .spec
-                .as_ref()
-                .unwrap()
-                .template
-                .spec
-                .as_ref()
-                .unwrap();
-            pod.containers[0]
+            container(self)
                 .ports
-                .iter()
+                .into_iter()
                 .flatten()
-                .map(|p| (p.name.clone().unwrap_or_default(), p.container_port))
+                .map(|p| (p.name.unwrap_or_default(), p.container_port))
                 .collect()
         }
     }
