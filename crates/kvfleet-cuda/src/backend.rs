@@ -331,34 +331,22 @@ impl Backend for CudaBackend {
     }
 }
 
-/// The worker's CUDA preflight: opens GPU `ordinal` (checking first that cudarc's libraries
-/// load), compiles the specialisations `cfg` needs for the device's architecture, runs
-/// [`super::selftest::run`] on each against the CPU reference, then allocates the pools.
-/// Returns the backend and one summary line per specialisation.
-pub fn open_checked(
-    ordinal: usize,
-    cfg: BackendConfig,
-    seed: u64,
-) -> Result<(CudaBackend, Vec<String>), String> {
-    if !super::device::driver_present() {
-        return Err(CudaError::DriverMissing.to_string());
-    }
-    let gpu = Arc::new(Gpu::open(ordinal).map_err(|e| e.to_string())?);
-    let lines = self_test(&gpu, &cfg, seed)?;
-    let backend = CudaBackend::new(gpu, cfg).map_err(|e| e.to_string())?;
-    Ok((backend, lines))
-}
-
 /// Compiles the specialisations `cfg` needs for `gpu`'s architecture and runs
-/// [`super::selftest::run`] on each against the CPU reference. Returns one summary line per
-/// specialisation, or what failed.
-pub fn self_test(gpu: &Gpu, cfg: &BackendConfig, seed: u64) -> Result<Vec<String>, String> {
-    let specs = specs_for(cfg).map_err(|e| e.to_string())?;
+/// [`super::selftest::run`] on each against the CPU reference (the worker's preflight on the
+/// served geometry). Returns one summary line per specialisation, or what failed and where.
+pub fn self_test(gpu: &Gpu, cfg: &BackendConfig, seed: u64) -> Result<Vec<String>, CudaError> {
+    let specs = specs_for(cfg)?;
     let mut lines = Vec::new();
     for (i, (spec, kv_heads)) in specs.iter().enumerate() {
-        let k = gpu.kernels(spec).map_err(|e| e.to_string())?;
-        let c = super::selftest::run(gpu, spec, *kv_heads, seed.wrapping_add(i as u64))
-            .map_err(|e| format!("{} on {} ({}): {e}", spec.key(), gpu.name, gpu.arch))?;
+        let k = gpu.kernels(spec)?;
+        let c = super::selftest::run(gpu, spec, *kv_heads, seed.wrapping_add(i as u64)).map_err(|error| {
+            CudaError::SpecFailed {
+                key: spec.key(),
+                gpu: gpu.name.clone(),
+                arch: gpu.arch.to_string(),
+                error: Box::new(error),
+            }
+        })?;
         lines.push(format!(
             "{} for {}: compiled in {:.2} s, self-test max error {:.2e} (bound {:.2e})",
             spec.key(),

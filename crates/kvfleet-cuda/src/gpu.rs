@@ -132,7 +132,7 @@ pub enum GpuError {
     )]
     Memory(String),
     #[error("the attention kernels failed their self-test on the served geometry and KV dtype: {0}")]
-    SelfTest(String),
+    SelfTest(crate::CudaError),
     #[error("invalid GPU model: {0}")]
     Invalid(String),
 }

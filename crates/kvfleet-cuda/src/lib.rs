@@ -59,6 +59,14 @@ pub enum CudaError {
     UnsupportedShape { what: String, supported: &'static str },
     #[error("GPU self-test failed, the kernels disagree with the CPU reference: {0}")]
     SelfTest(String),
+    /// A specialisation that failed to compile or to pass its self-test, and where.
+    #[error("{key} on {gpu} ({arch}): {error}")]
+    SpecFailed {
+        key: String,
+        gpu: String,
+        arch: String,
+        error: Box<CudaError>,
+    },
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
     #[error("internal lock poisoned by an earlier panic; restart the worker")]
