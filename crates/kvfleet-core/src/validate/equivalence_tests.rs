@@ -14,8 +14,9 @@ use serde::Deserialize;
 use super::*;
 use crate::api::{GpuSelector, GpuSpec, PodOverrides};
 
+/// The workspace root, where `deploy/` and `tests/fixtures/` live.
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn files(dir: &Path, ext: &str) -> Vec<PathBuf> {
