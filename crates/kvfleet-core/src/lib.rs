@@ -1,7 +1,7 @@
 //! kvfleet's pure core: what an InferenceDeployment is ([`api`]), what runs where
-//! ([`compat`]), what fits ([`plan`]), whether a spec can run on a cluster ([`validate`]), the
-//! contract between the controller and the worker ([`contract`]), and what a Hugging Face
-//! `config.json` says ([`hf_config`]).
+//! ([`compat`]), what fits ([`plan`], which also reads Hugging Face `config.json` files for the
+//! planner and the model loader), whether a spec can run on a cluster ([`validate`]), and the
+//! contract between the controller and the worker ([`contract`]).
 //!
 //! No I/O beyond reading a file it is given, no Kubernetes client, no async runtime, no CUDA:
 //! the webhook, the controller, the worker and `kvfleet check`/`plan` all call the same code.
@@ -10,7 +10,6 @@
 pub mod api;
 pub mod compat;
 pub mod contract;
-pub mod hf_config;
 pub mod plan;
 pub mod validate;
 

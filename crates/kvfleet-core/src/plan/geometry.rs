@@ -1,15 +1,15 @@
 //! Model geometry: which layers hold a KV cache and how large one token's entry is.
 //!
 //! Read from an HF `config.json` ([`Geometry::from_hf_config`], through
-//! [`crate::hf_config`]) or from the CRD's inline geometry ([`Geometry::from_spec`]). Key names
+//! [`super::hf_config`]) or from the CRD's inline geometry ([`Geometry::from_spec`]). Key names
 //! are the public `transformers` config keys.
 
 use serde::Serialize;
 use serde_json::Value;
 
+use super::hf_config::{self, ConfigView, HEADS_KEYS, HEAD_DIM_KEYS, HIDDEN_KEYS, LAYERS_KEYS};
 use super::PlanError;
 use crate::api::{LayerType, ModelGeometry};
-use crate::hf_config::{self, ConfigView, HEADS_KEYS, HEAD_DIM_KEYS, HIDDEN_KEYS, LAYERS_KEYS};
 
 /// Most layers (model plus draft) a geometry may hold: checked before any per-layer
 /// allocation, so a hostile config or spec cannot make the planner allocate gigabytes.

@@ -10,6 +10,7 @@
 
 pub mod bytes;
 pub mod geometry;
+pub mod hf_config;
 pub mod kvfleet;
 pub mod memory;
 pub mod report;

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use kvfleet_core::hf_config::HfConfigJson;
+use kvfleet_core::plan::hf_config::HfConfigJson;
 use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::tensor::{Metadata, SafeTensorError};

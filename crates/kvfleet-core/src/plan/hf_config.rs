@@ -12,7 +12,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::plan::PlanError;
+use super::PlanError;
 
 /// Keys of the decoder's layer count, in the order they are tried.
 pub const LAYERS_KEYS: &[&str] = &["num_hidden_layers", "num_layers", "n_layer", "n_layers"];
