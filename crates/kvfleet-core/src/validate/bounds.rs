@@ -7,7 +7,7 @@
 
 use super::{denial, Denial};
 use crate::api::limits::*;
-use crate::api::InferenceDeploymentSpec;
+use crate::api::{GpuSpec, InferenceDeploymentSpec, ModelGeometry, PodOverrides};
 use crate::plan::PlanError;
 use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -61,47 +61,25 @@ impl Bounds {
 /// Denials for every value of `spec` above its bound (empty when all are within).
 pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
     let mut b = Bounds { denials: Vec::new() };
-    let copy = "copy it from the model's config.json";
+    model_bounds(&mut b, spec);
+    engine_bounds(&mut b, spec);
+    if let Some(gpu) = &spec.gpu {
+        gpu_bounds(&mut b, gpu);
+    }
+    if let Some(pod) = &spec.pod {
+        pod_bounds(&mut b, pod);
+    }
+    if let Some(net) = &spec.network {
+        network_peers(&mut b, &net.allow_from);
+    }
+    b.denials
+}
+
+/// `model`: its name, geometry, ConfigMap reference and weights.
+fn model_bounds(b: &mut Bounds, spec: &InferenceDeploymentSpec) {
     b.len("spec.model.name", Some(&spec.model.name), MODEL_NAME_LEN_MAX);
     if let Some(g) = &spec.model.geometry {
-        let f = |name: &str| format!("spec.model.geometry.{name}");
-        let i = |v: i32| Some(i64::from(v));
-        let o = |v: Option<i32>| v.map(i64::from);
-        b.int(&f("layers"), i(g.layers), LAYERS_MAX.into(), copy);
-        b.int(&f("queryHeads"), i(g.query_heads), HEADS_MAX.into(), copy);
-        b.int(&f("kvHeads"), i(g.kv_heads), HEADS_MAX.into(), copy);
-        b.int(&f("headDim"), i(g.head_dim), HEAD_DIM_MAX.into(), copy);
-        b.int(
-            &f("slidingWindow"),
-            o(g.sliding_window),
-            SLIDING_WINDOW_MAX.into(),
-            copy,
-        );
-        b.int(
-            &f("globalHeadDim"),
-            o(g.global_head_dim),
-            HEAD_DIM_MAX.into(),
-            copy,
-        );
-        b.int(&f("globalKvHeads"), o(g.global_kv_heads), HEADS_MAX.into(), copy);
-        b.int(&f("kvLoraRank"), o(g.kv_lora_rank), KV_LORA_RANK_MAX.into(), copy);
-        b.int(
-            &f("qkRopeHeadDim"),
-            o(g.qk_rope_head_dim),
-            QK_ROPE_HEAD_DIM_MAX.into(),
-            copy,
-        );
-        b.int(
-            &f("draftLayers"),
-            o(g.draft_layers),
-            DRAFT_LAYERS_MAX.into(),
-            "set it to the draft model's num_hidden_layers",
-        );
-        b.int(&f("hiddenSize"), o(g.hidden_size), HIDDEN_SIZE_MAX.into(), copy);
-        b.int(&f("vocabSize"), o(g.vocab_size), VOCAB_SIZE_MAX.into(), copy);
-        if let Some(types) = &g.layer_types {
-            b.count(&f("layerTypes"), types.len(), LAYERS_MAX as usize, "entries");
-        }
+        geometry_bounds(b, g);
     }
     if let Some(cfg) = &spec.model.config {
         b.len(
@@ -124,6 +102,53 @@ pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
         b.len("spec.model.weights.pvcName", w.pvc_name.as_deref(), NAME_LEN_MAX);
         b.len("spec.model.weights.path", w.path.as_deref(), PATH_LEN_MAX);
     }
+}
+
+/// `model.geometry`: every size as the model's config.json could have it.
+fn geometry_bounds(b: &mut Bounds, g: &ModelGeometry) {
+    let copy = "copy it from the model's config.json";
+    let f = |name: &str| format!("spec.model.geometry.{name}");
+    let i = |v: i32| Some(i64::from(v));
+    let o = |v: Option<i32>| v.map(i64::from);
+    b.int(&f("layers"), i(g.layers), LAYERS_MAX.into(), copy);
+    b.int(&f("queryHeads"), i(g.query_heads), HEADS_MAX.into(), copy);
+    b.int(&f("kvHeads"), i(g.kv_heads), HEADS_MAX.into(), copy);
+    b.int(&f("headDim"), i(g.head_dim), HEAD_DIM_MAX.into(), copy);
+    b.int(
+        &f("slidingWindow"),
+        o(g.sliding_window),
+        SLIDING_WINDOW_MAX.into(),
+        copy,
+    );
+    b.int(
+        &f("globalHeadDim"),
+        o(g.global_head_dim),
+        HEAD_DIM_MAX.into(),
+        copy,
+    );
+    b.int(&f("globalKvHeads"), o(g.global_kv_heads), HEADS_MAX.into(), copy);
+    b.int(&f("kvLoraRank"), o(g.kv_lora_rank), KV_LORA_RANK_MAX.into(), copy);
+    b.int(
+        &f("qkRopeHeadDim"),
+        o(g.qk_rope_head_dim),
+        QK_ROPE_HEAD_DIM_MAX.into(),
+        copy,
+    );
+    b.int(
+        &f("draftLayers"),
+        o(g.draft_layers),
+        DRAFT_LAYERS_MAX.into(),
+        "set it to the draft model's num_hidden_layers",
+    );
+    b.int(&f("hiddenSize"), o(g.hidden_size), HIDDEN_SIZE_MAX.into(), copy);
+    b.int(&f("vocabSize"), o(g.vocab_size), VOCAB_SIZE_MAX.into(), copy);
+    if let Some(types) = &g.layer_types {
+        b.count(&f("layerTypes"), types.len(), LAYERS_MAX as usize, "entries");
+    }
+}
+
+/// `engine`: lengths, parallelism (and the GPUs of a replica it makes) and extraArgs.
+fn engine_bounds(b: &mut Bounds, spec: &InferenceDeploymentSpec) {
     let e = &spec.engine;
     b.len("spec.engine.image", e.image.as_deref(), IMAGE_LEN_MAX);
     b.int(
@@ -181,60 +206,60 @@ pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
     {
         b.len(&format!("spec.engine.extraArgs[{i}]"), Some(a), EXTRA_ARG_LEN_MAX);
     }
-    if let Some(gpu) = &spec.gpu {
-        b.int(
-            "spec.gpu.count",
-            gpu.count.map(i64::from),
-            GPUS_PER_REPLICA_MAX.into(),
-            "set it to the GPUs of one replica",
+}
+
+/// `gpu`: count and selector.
+fn gpu_bounds(b: &mut Bounds, gpu: &GpuSpec) {
+    b.int(
+        "spec.gpu.count",
+        gpu.count.map(i64::from),
+        GPUS_PER_REPLICA_MAX.into(),
+        "set it to the GPUs of one replica",
+    );
+    if let Some(sel) = &gpu.selector {
+        b.count(
+            "spec.gpu.selector.products",
+            sel.products.len(),
+            PRODUCTS_MAX,
+            "entries",
         );
-        if let Some(sel) = &gpu.selector {
-            b.count(
-                "spec.gpu.selector.products",
-                sel.products.len(),
-                PRODUCTS_MAX,
-                "entries",
-            );
-            if let Some((i, p)) = sel
-                .products
-                .iter()
-                .enumerate()
-                .find(|(_, p)| p.len() > NAME_LEN_MAX)
-            {
-                b.len(&format!("spec.gpu.selector.products[{i}]"), Some(p), NAME_LEN_MAX);
-            }
-            b.len(
-                "spec.gpu.selector.minComputeCapability",
-                sel.min_compute_capability.as_deref(),
-                5,
-            );
+        if let Some((i, p)) = sel
+            .products
+            .iter()
+            .enumerate()
+            .find(|(_, p)| p.len() > NAME_LEN_MAX)
+        {
+            b.len(&format!("spec.gpu.selector.products[{i}]"), Some(p), NAME_LEN_MAX);
         }
-    }
-    if let Some(pod) = &spec.pod {
-        b.count(
-            "spec.pod.nodeSelector",
-            pod.node_selector.len(),
-            NODE_SELECTOR_MAX,
-            "entries",
-        );
-        b.count(
-            "spec.pod.tolerations",
-            pod.tolerations.len(),
-            TOLERATIONS_MAX,
-            "entries",
-        );
-        b.count("spec.pod.env", pod.env.len(), ENV_MAX, "entries");
-        b.count(
-            "spec.pod.annotations",
-            pod.annotations.len(),
-            ANNOTATIONS_MAX,
-            "entries",
+        b.len(
+            "spec.gpu.selector.minComputeCapability",
+            sel.min_compute_capability.as_deref(),
+            5,
         );
     }
-    if let Some(net) = &spec.network {
-        network_peers(&mut b, &net.allow_from);
-    }
-    b.denials
+}
+
+/// `pod`: the sizes of its maps and lists.
+fn pod_bounds(b: &mut Bounds, pod: &PodOverrides) {
+    b.count(
+        "spec.pod.nodeSelector",
+        pod.node_selector.len(),
+        NODE_SELECTOR_MAX,
+        "entries",
+    );
+    b.count(
+        "spec.pod.tolerations",
+        pod.tolerations.len(),
+        TOLERATIONS_MAX,
+        "entries",
+    );
+    b.count("spec.pod.env", pod.env.len(), ENV_MAX, "entries");
+    b.count(
+        "spec.pod.annotations",
+        pod.annotations.len(),
+        ANNOTATIONS_MAX,
+        "entries",
+    );
 }
 
 /// Reason of a `network.allowFrom` peer the API server would refuse in a NetworkPolicy.
