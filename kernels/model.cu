@@ -1,5 +1,5 @@
 // Kernels of the Llama-family forward pass on the GPU: everything except the GEMMs (cuBLAS)
-// and attention (kernels/attention.cu). One NVRTC program, compiled once per architecture by
+// and attention (kernels/attention/). One NVRTC program, compiled once per architecture by
 // crates/kvfleet-cuda/src/gpu.rs. Plain kernels over runtime shapes: they move activations, the GEMMs do
 // the work.
 //

@@ -287,7 +287,7 @@ fn explain_prints_both_rule_sets_with_sources() {
             "vllm.nvfp4-kv-needs-sm100",
             "vllm#43562, vllm#43669 (D)",
             "kvfleet.cuda-needs-sm80",
-            "kvfleet kernels/attention.cu",
+            "kvfleet kernels/attention/",
             "family 120: TRITON_ATTN > FLASH_ATTN > FLASHINFER",
             "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
         ],

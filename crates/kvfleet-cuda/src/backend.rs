@@ -1,6 +1,6 @@
 //! The engine's [`Backend`] on a GPU: KV pools of every layer on the device, activations in
 //! bf16 device buffers, and per layer one append launch and one attention launch sequence
-//! (attention, merge when split) of the kernels in `kernels/attention.cu`.
+//! (attention, merge when split) of the kernels in `kernels/attention/`.
 //!
 //! `prepare` turns the engine's step plan into each layer group's CSR batch, plans the work
 //! items once per (group, specialisation) and uploads them; every layer of the step reuses

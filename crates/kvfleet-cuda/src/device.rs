@@ -149,7 +149,7 @@ impl Gpu {
     }
 }
 
-/// One layer's KV pools on the device, in the layout of the contract (see `kernels/attention.cu`).
+/// One layer's KV pools on the device, in the layout of the contract (see `kernels/attention/common.cuh`).
 pub struct KvLayer {
     pub dtype: KvDtype,
     pub num_blocks: usize,
@@ -414,7 +414,7 @@ impl Kernels {
             .arg(&kv.v_scale)
             .arg(&window);
         // SAFETY: the argument list matches `kvf_attention`'s (and `kvf_decode`'s, the same)
-        // signature in kernels/attention.cu
+        // signature in kernels/attention/entry.cu
         // (pointers, then i32/f32 scalars, in order). Every pointer is a live device allocation
         // of this context; the batch was validated (page ids < num_blocks, lengths consistent),
         // Q/O sizes were checked above, and partial buffers were sized from the same plan.

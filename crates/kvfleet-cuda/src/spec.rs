@@ -1,12 +1,23 @@
 //! Kernel specialisations: one closed enum per axis, a key string per specialisation and the
-//! generated prelude of constexprs that `kernels/attention.cu` is compiled with.
+//! generated prelude of constexprs that the attention kernels (`kernels/attention/`) are compiled
+//! with.
 //!
 //! Pure: no CUDA calls here, so the planner, the key and the tiling can be tested anywhere.
 
 use std::fmt;
 
-/// The CUDA source, embedded at build time so a worker image needs no kernel files.
-pub const ATTENTION_SOURCE: &str = include_str!("../../../kernels/attention.cu");
+/// The CUDA source, embedded at build time so a worker image needs no kernel files: the files of
+/// `kernels/attention/` in dependency order (each may use what the ones before it define).
+pub const ATTENTION_SOURCE: &str = concat!(
+    include_str!("../../../kernels/attention/common.cuh"),
+    include_str!("../../../kernels/attention/quant.cuh"),
+    include_str!("../../../kernels/attention/pipeline.cuh"),
+    include_str!("../../../kernels/attention/prefill.cu"),
+    include_str!("../../../kernels/attention/prefill_wgmma.cu"),
+    include_str!("../../../kernels/attention/decode.cu"),
+    include_str!("../../../kernels/attention/entry.cu"),
+    include_str!("../../../kernels/attention/append.cu"),
+);
 
 /// The KV-cache storage dtype is the engine's: one enum for the layout, the CPU backend and
 /// the kernels.
@@ -285,7 +296,7 @@ impl KernelSpec {
     }
 
     /// Whether the prefill CTA runs on `wgmma` on `arch`: sm_90a with a 16-bit cache and
-    /// head_dim <= 128 (kernels/attention.cu `WGMMA_PREFILL`); elsewhere `mma.sync`.
+    /// head_dim <= 128 (`WGMMA_PREFILL` in kernels/attention/common.cuh); elsewhere `mma.sync`.
     pub fn wgmma_prefill(&self, arch: Arch) -> bool {
         arch == Arch::Sm90a
             && matches!(self.dtype, KvDtype::Bf16 | KvDtype::F16)

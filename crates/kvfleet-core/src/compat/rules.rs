@@ -148,7 +148,7 @@ const GEOMETRY: &str = "spec.model.geometry";
 const RUNTIME: &str = "spec.engine.runtime";
 
 /// Source tag of kvfleet's own rules: our kernels decide them.
-pub const KVFLEET_SOURCE: &str = "kvfleet kernels/attention.cu";
+pub const KVFLEET_SOURCE: &str = "kvfleet kernels/attention/";
 
 fn head_dims(c: &Case) -> String {
     c.features

@@ -5,7 +5,7 @@
 //! NaN inputs are stored as NaN where the format has one.
 //!
 //! The element codecs serve every backend. The head-vector codecs come in two flavours, because
-//! the CPU backend and the GPU kernels (kernels/attention.cu) round three corners differently
+//! the CPU backend and the GPU kernels (kernels/attention/quant.cuh) round three corners differently
 //! and each side's pools are checked bit for bit:
 //! - fp8 scaling: the CPU backend multiplies by `1 / scale`, `kvf_append` divides
 //!   (`__fdiv_rn`); the quotients differ by an f32 ulp now and then, which can cross an fp8

@@ -1,0 +1,103 @@
+// The attention entry points: kvf_attention (one launch for a mixed step), kvf_decode (steps
+// without prefill items) and kvf_merge (split-KV partials into O), with their shared-memory
+// checks. The launch contract of each is in its comment; crates/kvfleet-cuda/src/device.rs
+// mirrors the signatures.
+// Depends on common.cuh, pipeline.cuh, prefill.cu, prefill_wgmma.cu and decode.cu.
+
+template <int BYTES>
+__device__ __forceinline__ void check_smem() {
+  u32 dyn;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+  if (dyn < static_cast<u32>(BYTES)) __trap();
+}
+
+// The decode-only kernel's footprint: its own pipeline depth, the dump of four warps x 8 rows.
+constexpr int DECODE_SMEM_BYTES =
+    D <= 128 ? (DECODE_STAGES * STAGE_BYTES > 4 * 8 * DUMP_LD * 4 + 2 * 4 * 8 * 4 ? DECODE_STAGES * STAGE_BYTES
+                                                                                   : 4 * 8 * DUMP_LD * 4 + 2 * 4 * 8 * 4)
+             : SMEM_BYTES;
+static_assert(DECODE_SMEM_BYTES == DECODE_SMEM_BYTES_HOST, "host and device disagree on decode shared memory");
+
+// One launch for a whole step: blocks [0, n_prefill) run prefill items (64 * PREFILL_MT rows, 4
+// warps along rows; 64 rows on wgmma where WGMMA_PREFILL), the rest run decode items (DECODE_ROWS
+// rows, warps split the key tile).
+// grid = (n_prefill + n_decode, kv_heads), block = 128, dynamic smem = SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
+    const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const int* __restrict__ qo_indptr,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+    const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  extern __shared__ __align__(1024) char smem[];
+  check_smem<SMEM_BYTES>();
+  const WorkItem it = items[blockIdx.x];
+  const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
+  if (static_cast<int>(blockIdx.x) < n_prefill) {
+    if constexpr (WGMMA_PREFILL) {
+      prefill_cta_wgmma<TILE_KEYS>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr,
+                                   sm_scale, k_scale, v_scale, window);
+    } else {
+      attention_cta<4, 1, PREFILL_MT>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale,
+                                      csr, partial_o, partial_lse, sm_scale, k_scale, v_scale, window);
+    }
+  } else {
+    decode_cta<TILE_KEYS, STAGES>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr, partial_o,
+               partial_lse, sm_scale, k_scale, v_scale, window);
+  }
+}
+
+// Steps without prefill items: every block runs a decode item. Built apart from kvf_attention so
+// its register allocation is not the prefill path's, which lets more CTAs share an SM.
+extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_decode(
+    const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
+    __nv_bfloat16* __restrict__ o, const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,
+    const u8* __restrict__ k_bscale, const u8* __restrict__ v_bscale, const int* __restrict__ qo_indptr,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+    const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
+    float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
+    const float v_scale, const int window) {
+  extern __shared__ __align__(1024) char smem[];
+  check_smem<DECODE_SMEM_BYTES>();
+  const WorkItem it = items[blockIdx.x];
+  const Csr csr{qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos};
+  decode_cta<TILE_KEYS, DECODE_STAGES>(it, blockIdx.y, gridDim.y, smem, q, o, k_cache, v_cache, k_bscale, v_bscale, csr, partial_o,
+             partial_lse, sm_scale, k_scale, v_scale, window);
+}
+
+// Combines split-KV partials (log-sum-exp weighted). grid = (n_jobs, kv_heads), block = 128.
+extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_merge(
+    const MergeJob* __restrict__ jobs, const int* __restrict__ qo_indptr, const float* __restrict__ partial_o,
+    const float* __restrict__ partial_lse, __nv_bfloat16* __restrict__ o) {
+  const MergeJob job = jobs[blockIdx.x];
+  const int kvh = blockIdx.y, kv_heads = gridDim.y;
+  const int q_heads = kv_heads * GROUP;
+  const int qo0 = qo_indptr[job.request];
+  const int nrows = (qo_indptr[job.request + 1] - qo0) * GROUP;
+  for (int c = threadIdx.x; c < nrows * (D / 8); c += blockDim.x) {
+    const int row = c / (D / 8), col = (c % (D / 8)) * 8;
+    float mx = -INFINITY;
+    for (int s = 0; s < job.slot_count; ++s)
+      mx = fmaxf(mx, partial_lse[(static_cast<size_t>(job.slot_begin + s) * kv_heads + kvh) * DECODE_ROWS + row]);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    float out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float wsum = 0.f;
+    for (int s = 0; s < job.slot_count; ++s) {
+      const size_t base = (static_cast<size_t>(job.slot_begin + s) * kv_heads + kvh) * DECODE_ROWS + row;
+      const float w = exp2f(partial_lse[base] - m_use);
+      wsum += w;
+      const float4* po = reinterpret_cast<const float4*>(partial_o + base * D + col);
+      const float4 x0 = po[0], x1 = po[1];
+      out[0] += w * x0.x; out[1] += w * x0.y; out[2] += w * x0.z; out[3] += w * x0.w;
+      out[4] += w * x1.x; out[5] += w * x1.y; out[6] += w * x1.z; out[7] += w * x1.w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    const int tok = row / GROUP, g = row % GROUP;
+    __nv_bfloat162 packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) packed[e] = __floats2bfloat162_rn(out[2 * e] * inv, out[2 * e + 1] * inv);
+    *reinterpret_cast<uint4*>(o + (static_cast<size_t>(qo0 + tok) * q_heads + kvh * GROUP + g) * D + col) =
+        *reinterpret_cast<uint4*>(packed);
+  }
+}
