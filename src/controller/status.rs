@@ -602,16 +602,20 @@ mod tests {
         find(s, t).unwrap()
     }
 
+    /// What the controller saw: a verdict and the Deployment, nothing else.
+    fn seen<'a>(v: &'a Verdict, d: &'a Deployment) -> Observed<'a> {
+        Observed {
+            verdict: Some(v),
+            deployment: Some(d),
+            ..Observed::default()
+        }
+    }
+
     #[test]
     fn a_rolled_out_compatible_deployment_is_available_and_not_progressing() {
         let v = allowed();
         let d = dep(2, 2);
-        let seen = Observed {
-            verdict: Some(&v),
-            deployment: Some(&d),
-            ..Observed::default()
-        };
-        let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
+        let s = compute(&obj(1), &seen(&v, &d), Timestamp::UNIX_EPOCH);
         assert_eq!(get(&s, COMPATIBLE).reason, "CompatibleNodesFound");
         assert!(get(&s, COMPATIBLE).message.contains("2 node(s)"));
         assert!(get(&s, COMPATIBLE).message.contains("fp8_e5m2"));
@@ -627,12 +631,7 @@ mod tests {
     fn a_partial_rollout_is_progressing() {
         let v = allowed();
         let d = dep(1, 1);
-        let seen = Observed {
-            verdict: Some(&v),
-            deployment: Some(&d),
-            ..Observed::default()
-        };
-        let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
+        let s = compute(&obj(1), &seen(&v, &d), Timestamp::UNIX_EPOCH);
         assert_eq!(get(&s, PROGRESSING).reason, "RollingOut");
         assert_eq!(get(&s, AVAILABLE).status, "True");
     }
@@ -670,15 +669,10 @@ mod tests {
     fn transition_times_are_kept_while_a_condition_keeps_its_status() {
         let v = allowed();
         let d = dep(2, 2);
-        let seen = Observed {
-            verdict: Some(&v),
-            deployment: Some(&d),
-            ..Observed::default()
-        };
         let mut o = obj(1);
         let t0 = Timestamp::from_second(1_000).unwrap();
-        o.status = Some(compute(&o, &seen, t0));
-        let later = compute(&o, &seen, Timestamp::from_second(2_000).unwrap());
+        o.status = Some(compute(&o, &seen(&v, &d), t0));
+        let later = compute(&o, &seen(&v, &d), Timestamp::from_second(2_000).unwrap());
         assert!(later.conditions.iter().all(|c| c.last_transition_time.0 == t0));
         assert_eq!(
             Some(&later),
@@ -728,24 +722,14 @@ mod tests {
         let o = obj(1);
         let v = allowed();
         let d = dep(0, 2);
-        let before = compute(
-            &o,
-            &Observed {
-                verdict: Some(&v),
-                deployment: Some(&d),
-                ..Observed::default()
-            },
-            ts(),
-        );
+        let before = compute(&o, &seen(&v, &d), ts());
         assert_eq!(get(&before, DEGRADED).status, "False");
         let why = "worker pod m-0 exits with code 3 at start (the configuration cannot run on this GPU)";
         let after = compute(
             &o,
             &Observed {
-                verdict: Some(&v),
-                deployment: Some(&d),
                 preflight_failure: Some(why),
-                ..Observed::default()
+                ..seen(&v, &d)
             },
             ts(),
         );
@@ -766,15 +750,7 @@ mod tests {
         let mut o = obj(3);
         let v = allowed();
         let d = dep(2, 2);
-        let admitted = compute(
-            &o,
-            &Observed {
-                verdict: Some(&v),
-                deployment: Some(&d),
-                ..Observed::default()
-            },
-            ts(),
-        );
+        let admitted = compute(&o, &seen(&v, &d), ts());
         o.status = Some(admitted);
         // The node was relabelled from an RTX 3090 (8.6) to a T4 (7.5): same generation.
         let denied = Verdict {
@@ -793,12 +769,7 @@ mod tests {
             }],
             ..Verdict::default()
         };
-        let seen = Observed {
-            verdict: Some(&denied),
-            deployment: Some(&d),
-            ..Observed::default()
-        };
-        let st = compute(&o, &seen, ts());
+        let st = compute(&o, &seen(&denied, &d), ts());
         let c = get(&st, DEGRADED);
         assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "NodesChanged"));
         assert!(
@@ -809,11 +780,11 @@ mod tests {
         assert!(!c.message.contains("fix the spec"), "{}", c.message);
         // Stays NodesChanged on the next pass (Compatible is False by then).
         o.status = Some(st);
-        let again = compute(&o, &seen, ts());
+        let again = compute(&o, &seen(&denied, &d), ts());
         assert_eq!(get(&again, DEGRADED).reason, "NodesChanged");
         // A new generation that is denied is the spec's fault.
         o.metadata.generation = Some(4);
-        let next = compute(&o, &seen, ts());
+        let next = compute(&o, &seen(&denied, &d), ts());
         assert_eq!(get(&next, DEGRADED).reason, "SpecNotApplied");
     }
 

@@ -551,21 +551,8 @@ async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -
         .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
         Ok((ids, params, req.common))
     };
-    match run.await {
-        Ok((ids, params, common)) => {
-            respond(
-                rt,
-                Kind::Chat,
-                ids,
-                params,
-                common,
-                arrived + api.limits.request_timeout,
-                api.limits.request_timeout,
-            )
-            .await
-        }
-        Err(e) => e.into_response(),
-    }
+    let prepared = run.await;
+    answer(rt, Kind::Chat, prepared, arrived, &api.limits).await
 }
 
 async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
@@ -602,18 +589,22 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
         };
         Ok((ids, params, req.common))
     };
-    match run.await {
+    let prepared = run.await;
+    answer(rt, Kind::Completion, prepared, arrived, &api.limits).await
+}
+
+/// The response to a request that was parsed and tokenised (`Ok`), or the error that stopped it.
+async fn answer(
+    rt: Arc<ModelRuntime>,
+    kind: Kind,
+    prepared: Result<(Vec<u32>, SamplingParams, Common), ApiError>,
+    arrived: tokio::time::Instant,
+    limits: &ApiLimits,
+) -> Response {
+    match prepared {
         Ok((ids, params, common)) => {
-            respond(
-                rt,
-                Kind::Completion,
-                ids,
-                params,
-                common,
-                arrived + api.limits.request_timeout,
-                api.limits.request_timeout,
-            )
-            .await
+            let deadline = arrived + limits.request_timeout;
+            respond(rt, kind, ids, params, common, deadline, limits.request_timeout).await
         }
         Err(e) => e.into_response(),
     }

@@ -389,20 +389,16 @@ impl SelfManaged {
         let published = self.apply_ca_bundle(&material.ca_bundle()).await;
         if served.cert_pem.as_deref() != Some(material.serving.cert_pem.as_str()) {
             let ca_pem = material.ca.0.cert_pem.as_str();
-            if let Err(error) = published {
-                if !served.trusted_cas.iter().any(|c| c == ca_pem) {
+            let bundle_published = match published {
+                Ok(_) => true,
+                Err(error) if !served.trusted_cas.iter().any(|c| c == ca_pem) => {
                     return Err(CertError::CaNotPublished(Box::new(error)));
                 }
-                tracing::warn!(error = %crate::error_chain(&error), "cannot publish the CA bundle; serving the new certificate, whose CA was published before");
-                tls::install(
-                    rustls,
-                    material.serving.cert_pem.as_bytes(),
-                    material.serving.key_pem.as_bytes(),
-                    metrics,
-                )?;
-                served.cert_pem = Some(material.serving.cert_pem.clone());
-                return Ok(());
-            }
+                Err(error) => {
+                    tracing::warn!(error = %crate::error_chain(&error), "cannot publish the CA bundle; serving the new certificate, whose CA was published before");
+                    false
+                }
+            };
             tls::install(
                 rustls,
                 material.serving.cert_pem.as_bytes(),
@@ -410,6 +406,9 @@ impl SelfManaged {
                 metrics,
             )?;
             served.cert_pem = Some(material.serving.cert_pem.clone());
+            if !bundle_published {
+                return Ok(());
+            }
             tracing::info!(not_after = %material.serving.not_after, "serving certificate installed");
         } else if let Err(error) = published {
             // Keep serving the current certificate; the next round retries.

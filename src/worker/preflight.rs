@@ -433,16 +433,7 @@ mod tests {
     fn bf16_kv_on_an_h100_passes_the_kvfleet_compat_rules() {
         let mut c = hybrid();
         c.engine.kv_cache_dtype = KvCacheDtype::Bfloat16;
-        let gpu = GpuInfo {
-            index: 0,
-            name: "NVIDIA H100 80GB HBM3".into(),
-            product: "NVIDIA-H100-80GB-HBM3".into(),
-            compute_capability: (9, 0),
-            memory_total_bytes: 80 << 30,
-            memory_free_bytes: 79 << 30,
-            driver_version: "580".into(),
-        };
-        assert_eq!(compat_check(&c, &gpu), Ok(()));
+        assert_eq!(compat_check(&c, &h100()), Ok(()));
     }
 
     fn h100() -> GpuInfo {
