@@ -145,8 +145,12 @@ constexpr bool SM90A = true;
 constexpr bool SM90A = false;
 #endif
 // The prefill CTA of 16-bit caches up to head_dim 128 runs on wgmma where it can: 64 rows, one
-// m64 slab per instruction (the host plans 64-row prefill items for it, KernelSpec::prefill_rows_for).
+// m64 slab per instruction (the host plans 64-row prefill items for it, KernelSpec::prefill_rows_on).
 constexpr bool WGMMA_PREFILL = SM90A && KV16 && D <= 128;
+
+// cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy. Declared
+// for every target so the shared tile ring (pipeline.cuh) can name it; only the wgmma CTA emits it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // A shared-memory matrix descriptor, 128-byte swizzle (atoms 1 KiB-aligned, base offset 0).
@@ -160,8 +164,6 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // Pins a register the async MMA wrote so no read of it moves above the wait.
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-// cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // D[64 x 64] (+)= A[64 x 16] (registers) B[16 x 64] (K-major in shared memory): S = Q K^T.
 __device__ __forceinline__ void wgmma_s64(float (&d)[8][4], const u32 (&a)[4], unsigned long long b, int accumulate) {

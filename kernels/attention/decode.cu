@@ -56,9 +56,12 @@ __device__ __forceinline__ void decode_cta_t(
   for (int md = 0; md < MD; ++md) acc[md][0] = acc[md][1] = acc[md][2] = acc[md][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows 2 c4, 2 c4 + 1
   const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
-  const int n_tiles = v.ke > v.kb ? (v.ke - v.kb + TILE_KEYS - 1) / TILE_KEYS : 0;
+  const int n_tiles = tile_count(v);
 
-  // `pages` always holds the page ids of the next tile to load.
+  // The tile ring of pipeline.cuh with an issue step of its own: `pages` always holds the page ids
+  // of the next tile to load, fetched a tile ahead of load_tile. As an `issue` callback of
+  // tile_ring_start / tile_ring_next this step compiles to other code (NVVM optimises a lambda
+  // apart from its caller), so only the wait is shared here.
   TilePages pages;
   fetch_pages(pages, v.kb, v.ke, v.pg0, csr);
 #pragma unroll
@@ -76,9 +79,7 @@ __device__ __forceinline__ void decode_cta_t(
                 v_bscale);
       if (t + NST < n_tiles) fetch_pages(pages, v.kb + (t + NST) * TK, v.ke, v.pg0, csr);
     }
-    cp_async_commit();
-    cp_async_wait<NST - 1>();
-    __syncthreads();
+    tile_ring_wait<NST>();
     const char* kt_s = smem + (t % NST) * STAGE_BYTES;
     const char* vt_s = kt_s + (KV16 ? TILE16_BYTES : RAW_BYTES);
     const int key0 = warp * NKW;  // this warp's first key in the tile
@@ -165,7 +166,8 @@ __device__ __forceinline__ void decode_cta_t(
     }
 
     // Online softmax per row (the column of S^T): the max runs over this thread's keys, then
-    // over the eight lanes that share c4.
+    // over the eight lanes that share c4. softmax_rows transposed; inline because a shared
+    // template changes this kernel's register allocation.
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -1,6 +1,7 @@
 // The tile pipeline every attention CTA shares: what a CTA reads of its work item (ItemView), page
-// fetch and cp.async loading of K/V tiles, Q fragments, the output store (O or a split-KV partial),
-// masking and the online softmax over mma / wgmma C fragments.
+// fetch and cp.async loading of K/V tiles, the stage ring every key loop runs (tile_ring_*),
+// Q fragments, the output store (O or a split-KV partial), masking, the online softmax over mma /
+// wgmma C fragments and their repacking into P operands.
 // Depends on common.cuh (types, PTX helpers) and quant.cuh (q_col).
 
 struct ItemView {
@@ -125,6 +126,53 @@ __device__ __forceinline__ void load_tile(char* st, const TilePages& p, const in
   }
 }
 
+// Key tiles of the item: [kb, ke) in TILE_KEYS steps, the last one partial.
+__device__ __forceinline__ int tile_count(const ItemView& v) {
+  return v.ke > v.kb ? (v.ke - v.kb + TILE_KEYS - 1) / TILE_KEYS : 0;
+}
+
+// The cp.async ring every key loop runs: NST stages, NST - 1 tiles in flight ahead of the one
+// consumed, one commit group per tile (an empty one stands in for each tile past the end, so the
+// wait count is a constant). `issue(t)` starts the copies of tile t into stage t % NST.
+//
+//   tile_ring_start<NST>(n_tiles, issue);
+//   for (int t = 0; t < n_tiles; ++t) {
+//     tile_ring_next<NST>(t, n_tiles, issue);  // issues tile t + NST - 1; tile t is visible to all
+//     ... read stage t % NST ...
+//     __syncthreads();                         // before its stage is refilled
+//   }
+//   cp_async_wait<0>();
+//
+// The loop body, and the stage addresses, stay in the CTA: NVVM optimises a helper apart from its
+// caller before inlining it, and a callback or an address helper here changes the code it emits.
+template <int NST, typename Issue>
+__device__ __forceinline__ void tile_ring_start(const int n_tiles, Issue&& issue) {
+  static_assert(NST >= 2 && NST * STAGE_BYTES <= SMEM_BYTES, "tile ring");
+#pragma unroll
+  for (int t = 0; t < NST - 1; ++t) {
+    if (t < n_tiles) issue(t);
+    cp_async_commit();
+  }
+}
+
+// Closes the group of the tile just issued (an empty one past the end), waits for the oldest tile
+// in flight (NST - 1 groups stay pending) and makes it visible to every thread; with ASYNC_PROXY
+// also to the async proxy, through which wgmma reads shared memory.
+template <int NST, bool ASYNC_PROXY = false>
+__device__ __forceinline__ void tile_ring_wait() {
+  cp_async_commit();
+  cp_async_wait<NST - 1>();
+  if constexpr (ASYNC_PROXY) fence_proxy_async();
+  __syncthreads();
+}
+
+// The ring's step before tile t is read: issue tile t + NST - 1, then wait for tile t.
+template <int NST, bool ASYNC_PROXY = false, typename Issue>
+__device__ __forceinline__ void tile_ring_next(const int t, const int n_tiles, Issue&& issue) {
+  if (t + NST - 1 < n_tiles) issue(t + NST - 1);
+  tile_ring_wait<NST, ASYNC_PROXY>();
+}
+
 // The A fragments of Q for 16 rows from item row `row16` (zero past `nrows`): thread rows
 // lane / 4 and + 8, k pairs as q_col permutes them.
 __device__ __forceinline__ void load_q_frags(u32 (&qf)[D / 16][4], const int row16, const int row0, const int nrows,
@@ -233,4 +281,14 @@ __device__ __forceinline__ void softmax_rows(float (&s)[NT][4], float (&m_run)[2
       acc[i][3] *= alpha[1];
     }
   }
+}
+
+// The A fragment of P for keys 16 kk .. 16 kk + 15 from the C fragments of S (two m16n8 C
+// fragments side by side are an m16k16 A fragment).
+template <int NT>
+__device__ __forceinline__ void p_frag(const float (&s)[NT][4], const int kk, u32 (&a)[4]) {
+  a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }

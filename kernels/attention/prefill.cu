@@ -47,25 +47,16 @@ __device__ __forceinline__ void attention_cta(
   }
   const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
 
-  const int n_tiles = ke > kb ? (ke - kb + TILE_KEYS - 1) / TILE_KEYS : 0;
-
-  auto issue_tile = [&](int t) {
+  auto issue = [&](const int t) {
     TilePages pages;
     fetch_pages(pages, kb + t * TILE_KEYS, ke, v.pg0, csr);
     load_tile(smem + (t % STAGES) * STAGE_BYTES, pages, kvh, kv_heads, k_cache, v_cache, k_bscale, v_bscale);
   };
 
-#pragma unroll
-  for (int t = 0; t < STAGES - 1; ++t) {
-    if (t < n_tiles) issue_tile(t);
-    cp_async_commit();
-  }
-
+  const int n_tiles = tile_count(v);
+  tile_ring_start<STAGES>(n_tiles, issue);
   for (int t = 0; t < n_tiles; ++t) {
-    if (t + STAGES - 1 < n_tiles) issue_tile(t + STAGES - 1);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
+    tile_ring_next<STAGES>(t, n_tiles, issue);
     const char* st = smem + (t % STAGES) * STAGE_BYTES;
     const char* kt = st;
     const char* vt = st + (KV16 ? TILE16_BYTES : RAW_BYTES);
@@ -173,12 +164,7 @@ __device__ __forceinline__ void attention_cta(
       for (int kk = 0; kk < SUBK / 16; ++kk) {
         u32 a[MT][4];
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          a[m][0] = pack2(s[m][2 * kk][0], s[m][2 * kk][1]);
-          a[m][1] = pack2(s[m][2 * kk][2], s[m][2 * kk][3]);
-          a[m][2] = pack2(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
-          a[m][3] = pack2(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
-        }
+        for (int m = 0; m < MT; ++m) p_frag(s[m], kk, a[m]);
         const int key = key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;  // the row this lane addresses
         if constexpr (KV16) {
 #pragma unroll

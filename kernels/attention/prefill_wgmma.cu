@@ -31,25 +31,17 @@ __device__ __forceinline__ void prefill_cta_wgmma(
   for (int dt = 0; dt < DT; ++dt) acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g8, g8 + 8
   const float scale_log2 = sm_scale * k_scale * 1.4426950408889634f;
-  const int n_tiles = v.ke > v.kb ? (v.ke - v.kb + TK - 1) / TK : 0;
 
-  auto issue_tile = [&](int t) {
+  auto issue = [&](const int t) {
     TilePages pages;
     fetch_pages<true>(pages, v.kb + t * TK, v.ke, v.pg0, csr);
     load_tile<true>(smem + (t % STAGES) * STAGE_BYTES, pages, kvh, kv_heads, k_cache, v_cache, k_bscale, v_bscale);
   };
-#pragma unroll
-  for (int t = 0; t < STAGES - 1; ++t) {
-    if (t < n_tiles) issue_tile(t);
-    cp_async_commit();
-  }
 
+  const int n_tiles = tile_count(v);
+  tile_ring_start<STAGES>(n_tiles, issue);
   for (int t = 0; t < n_tiles; ++t) {
-    if (t + STAGES - 1 < n_tiles) issue_tile(t + STAGES - 1);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    fence_proxy_async();
-    __syncthreads();
+    tile_ring_next<STAGES, true>(t, n_tiles, issue);
     const u32 k_base = smem_addr(smem + (t % STAGES) * STAGE_BYTES);
     const u32 v_base = k_base + TILE16_BYTES;
     const int kstart = v.kb + t * TK;
@@ -82,12 +74,7 @@ __device__ __forceinline__ void prefill_cta_wgmma(
     // the 64-dim halves LBO = TK / 8 atoms apart.
     u32 pa[TK / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < TK / 16; ++kk) {
-      pa[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < TK / 16; ++kk) p_frag(s, kk, pa[kk]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < TK / 16; ++kk) wgmma_o<DT>(acc, pa[kk], wgmma_desc(v_base + kk * 2048, TK / 8 * 1024, 1024));
