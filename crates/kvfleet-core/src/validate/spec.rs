@@ -59,21 +59,28 @@ pub(super) fn spec_checks(
 
 /// tensorParallelSize and pipelineParallelSize are at least 1.
 fn parallelism_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>) {
-    let tp = i64::from(spec.engine.tensor_parallel_size);
-    if tp < 1 {
-        denials.push(denial(
-            "spec.engine.tensorParallelSize",
+    let sizes = [
+        (
+            "tensorParallelSize",
             "InvalidTensorParallelSize",
-            format!("tensorParallelSize {tp} must be at least 1; set it to the GPUs one replica shards the model over"),
-        ));
-    }
-    let pp = i64::from(spec.engine.pipeline_parallel_size);
-    if pp < 1 {
-        denials.push(denial(
-            "spec.engine.pipelineParallelSize",
+            spec.engine.tensor_parallel_size,
+            "the GPUs one replica shards the model over",
+        ),
+        (
+            "pipelineParallelSize",
             "InvalidPipelineParallelSize",
-            format!("pipelineParallelSize {pp} must be at least 1; set it to the pipeline stages of one replica (1 for none)"),
-        ));
+            spec.engine.pipeline_parallel_size,
+            "the pipeline stages of one replica (1 for none)",
+        ),
+    ];
+    for (field, reason, size, meaning) in sizes {
+        if size < 1 {
+            denials.push(denial(
+                &format!("spec.engine.{field}"),
+                reason,
+                format!("{field} {size} must be at least 1; set it to {meaning}"),
+            ));
+        }
     }
 }
 

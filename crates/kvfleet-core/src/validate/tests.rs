@@ -824,6 +824,32 @@ fn tensor_parallel_16_on_8_gpu_nodes_spans_two_nodes_of_8() {
 }
 
 #[test]
+fn parallel_sizes_under_one_are_denied_each_with_its_field_and_meaning() {
+    let v = validate(
+        &llama("{runtime: vllm, tensorParallelSize: 0, pipelineParallelSize: 0}"),
+        &h100s(1),
+    );
+    let of = |field: &str| {
+        v.denials
+            .iter()
+            .find(|d| d.field == field)
+            .unwrap_or_else(|| panic!("no denial of {field}: {v:#?}"))
+    };
+    let tp = of("spec.engine.tensorParallelSize");
+    assert_eq!(tp.reason, "InvalidTensorParallelSize");
+    assert_eq!(
+        tp.message,
+        "tensorParallelSize 0 must be at least 1; set it to the GPUs one replica shards the model over"
+    );
+    let pp = of("spec.engine.pipelineParallelSize");
+    assert_eq!(pp.reason, "InvalidPipelineParallelSize");
+    assert_eq!(
+        pp.message,
+        "pipelineParallelSize 0 must be at least 1; set it to the pipeline stages of one replica (1 for none)"
+    );
+}
+
+#[test]
 fn pipeline_stages_multiply_the_gpus_of_a_replica() {
     let s = llama("{runtime: vllm, tensorParallelSize: 8, pipelineParallelSize: 2}");
     assert_eq!(s.gpus_per_replica(), 16);
