@@ -2,11 +2,8 @@
 //! NVRTC and the CUDA headers (no GPU needed). NVRTC is a CI requirement: without it this test
 //! FAILS with the install hint (`.ci/install-tools` provides it from PyPI wheels).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
-
 use kvfleet::worker::cuda::nvrtc;
-use kvfleet::worker::cuda::spec::{Arch, KernelSpec};
+use kvfleet::worker::cuda::spec::Arch;
 
 #[test]
 fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
@@ -17,73 +14,55 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
              nvidia-cuda-runtime-cu12` and point those variables at the wheel's folders"
         );
     }
-    let jobs: Vec<(KernelSpec, Arch)> = KernelSpec::all()
-        .into_iter()
-        .flat_map(|s| Arch::ALL.into_iter().map(move |a| (s, a)))
-        .collect();
-    let next = AtomicUsize::new(0);
-    let failures = Mutex::new(Vec::new());
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(2)
-        .min(16);
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some((spec, arch)) = jobs.get(i) else { break };
-                match nvrtc::compile(spec, *arch) {
-                    Ok(c) => {
-                        let ptx = &c.ptx;
-                        let mut missing = Vec::new();
-                        for entry in ["kvf_attention", "kvf_decode", "kvf_merge", "kvf_append"] {
-                            if !ptx.contains(&format!(".entry {entry}")) {
-                                missing.push(entry);
-                            }
-                        }
-                        // tensor cores and async copies must be there, in the operand type we meant
-                        let mma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
-                            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-                        } else {
-                            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-                        };
-                        for want in [mma, "cp.async", "ldmatrix.sync.aligned.m8n8.x4.trans"] {
-                            if !ptx.contains(want) {
-                                missing.push(want);
-                            }
-                        }
-                        // the wgmma prefill CTA exactly where the planner expects its 64-row items
-                        let wgmma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
-                            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
-                        } else {
-                            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16"
-                        };
-                        if spec.wgmma_prefill(*arch) != ptx.contains(wgmma) {
-                            missing.push(if spec.wgmma_prefill(*arch) {
-                                "wgmma (the planner expects it)"
-                            } else {
-                                "no wgmma (the planner does not expect it)"
-                            });
-                        }
-                        if !missing.is_empty() {
-                            failures.lock().unwrap().push(format!(
-                                "{} {}: PTX check failed: {missing:?}",
-                                spec.key(),
-                                arch
-                            ));
-                        }
+    let results = nvrtc::compile_all();
+    let mut failures = Vec::new();
+    for (spec, arch, compiled) in &results {
+        let (spec, arch) = (*spec, *arch);
+        match compiled {
+            Ok(c) => {
+                let ptx = &c.ptx;
+                let mut missing = Vec::new();
+                for entry in ["kvf_attention", "kvf_decode", "kvf_merge", "kvf_append"] {
+                    if !ptx.contains(&format!(".entry {entry}")) {
+                        missing.push(entry);
                     }
-                    Err(e) => failures.lock().unwrap().push(e.to_string()),
                 }
-            });
+                // tensor cores and async copies must be there, in the operand type we meant
+                let mma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
+                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+                } else {
+                    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+                };
+                for want in [mma, "cp.async", "ldmatrix.sync.aligned.m8n8.x4.trans"] {
+                    if !ptx.contains(want) {
+                        missing.push(want);
+                    }
+                }
+                // the wgmma prefill CTA exactly where the planner expects its 64-row items
+                let wgmma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
+                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+                } else {
+                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16"
+                };
+                if spec.wgmma_prefill(arch) != ptx.contains(wgmma) {
+                    missing.push(if spec.wgmma_prefill(arch) {
+                        "wgmma (the planner expects it)"
+                    } else {
+                        "no wgmma (the planner does not expect it)"
+                    });
+                }
+                if !missing.is_empty() {
+                    failures.push(format!("{} {}: PTX check failed: {missing:?}", spec.key(), arch));
+                }
+            }
+            Err(e) => failures.push(e.to_string()),
         }
-    });
-    let failures = failures.into_inner().unwrap();
+    }
     assert!(
         failures.is_empty(),
         "{} of {} compiles failed:\n{}",
         failures.len(),
-        jobs.len(),
+        results.len(),
         failures.join("\n")
     );
 }

@@ -132,6 +132,21 @@ pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<CompiledPtx, CudaError> 
     })
 }
 
+/// Compiles every specialisation we claim ([`KernelSpec::all`]) for every architecture we claim
+/// ([`Arch::ALL`]), in parallel on the rayon pool: one entry per pair, in that order. For the
+/// check that all of them compile and for listings of their PTX; the worker compiles only what
+/// its model needs ([`PtxCache`]).
+pub fn compile_all() -> Vec<(KernelSpec, Arch, Result<CompiledPtx, CudaError>)> {
+    use rayon::prelude::*;
+    let jobs: Vec<(KernelSpec, Arch)> = KernelSpec::all()
+        .into_iter()
+        .flat_map(|s| Arch::ALL.into_iter().map(move |a| (s, a)))
+        .collect();
+    jobs.into_par_iter()
+        .map(|(spec, arch)| (spec, arch, compile(&spec, arch)))
+        .collect()
+}
+
 /// Compiles a complete CUDA source (e.g. `kernels/model.cu`) for `arch` with NVRTC and the
 /// same options as the attention kernels; `key` names it in errors. Returns PTX and how long
 /// NVRTC took.
