@@ -17,7 +17,8 @@
 //! the host (as the generation loop does); one warm-up run, then the median of 3. Prints the
 //! KV capacity (tokens) the GPU holds after weights and activations, and a table last.
 //! Env: `KVFLEET_BENCH_MODELS=smollm2,llama3-8b`, `KVFLEET_BENCH_BATCHES=1,32,256`,
-//! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`.
+//! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`,
+//! `KVFLEET_BENCH_GEMV=0` (single-token steps on cuBLAS GEMMs, not the fused GEMVs).
 //!
 //! `cargo bench --bench model` (release). The model is found through env
 //! `KVFLEET_SMOLLM2_GGUF`, else `.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf`.
@@ -198,6 +199,10 @@ mod gpu {
     }
 
     pub fn main() {
+        // `KVFLEET_PROFILE=1`: the per-part CUDA-event table of the steps, logged to stderr.
+        if std::env::var("KVFLEET_PROFILE").as_deref() == Ok("1") {
+            tracing_subscriber::fmt().with_writer(std::io::stderr).init();
+        }
         let models: Vec<String> = std::env::var("KVFLEET_BENCH_MODELS")
             .unwrap_or_else(|_| "smollm2,llama3-8b".into())
             .split(',')
@@ -220,6 +225,9 @@ mod gpu {
             // The margin the figures at 7b425e4 were taken with: max(1 GiB, 2%) of the device.
             gpu_memory_utilization: 0.98,
             max_model_len: Some(max_model_len),
+            // `KVFLEET_BENCH_GEMV=0`: single-token steps on cuBLAS too (the path before the
+            // fused GEMVs), to compare the two in one call.
+            single_token_gemv: std::env::var("KVFLEET_BENCH_GEMV").as_deref() != Ok("0"),
             ..GpuOptions::default()
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));

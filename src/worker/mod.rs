@@ -336,6 +336,7 @@ fn place(
                 memory_margin_bytes: None,
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
+                single_token_gemv: true,
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
                 crate::model::runtime::RuntimeError::Gpu(crate::model::gpu::GpuError::Memory(m)) => {

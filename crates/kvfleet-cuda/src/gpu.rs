@@ -13,6 +13,10 @@
 //!    `gu = h · Wguᵀ` (gate and up in one GEMM); `act = silu(gate) * up`; `x += act · Wdownᵀ`;
 //! 4. the last row of every chunk that wants logits: `rmsnorm`, `logits = h · headᵀ` (f32).
 //!
+//! A step of one token (one stream decoding) runs each projection as one fused GEMV instead
+//! ([`gemv`], `kernels/gemv.cu`): the norm inside the QKV, gate/up and LM-head launches, SwiGLU
+//! inside gate/up, the residual add inside O and down; four launches a layer fewer.
+//!
 //! GQA groups the attention kernels do not specialise for (SmolLM2's 9 query heads over 3
 //! KV heads) store each KV head `kv_rep` times, turning the group into one they do (3 -> 1).
 
@@ -32,6 +36,8 @@ use crate::device::{driver_present, Gpu};
 use crate::profile::{self, GpuSteps};
 use crate::spec::{Arch, GroupSize, HeadDim};
 use crate::{driver_err, nvrtc, CudaError};
+
+mod gemv;
 use kvfleet_engine::engine::layout::{BackendConfig, KvDtype, StepPlan};
 use kvfleet_engine::engine::Backend;
 use kvfleet_engine::model::forward::{check_plan, llama_backend_config, Forward, StepOutput};
@@ -39,15 +45,18 @@ use kvfleet_engine::model::kv::AttnGeometry;
 use kvfleet_engine::model::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
-/// `kernels/sampling.cu` follows `kernels/model.cu` in one program (it uses the latter's helpers).
+/// `kernels/sampling.cu` and `kernels/gemv.cu` follow `kernels/model.cu` in one program (they use
+/// its helpers).
 pub const MODEL_SOURCE: &str = concat!(
     include_str!("../../../kernels/model.cu"),
     "\n",
-    include_str!("../../../kernels/sampling.cu")
+    include_str!("../../../kernels/sampling.cu"),
+    "\n",
+    include_str!("../../../kernels/gemv.cu")
 );
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 10] = [
+pub const MODEL_KERNELS: [&str; 11] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
@@ -58,6 +67,7 @@ pub const MODEL_KERNELS: [&str; 10] = [
     "kvf_embed_scaled",
     "kvf_rms_norm_add",
     "kvf_gelu_tanh_mul",
+    "kvf_gemv",
 ];
 
 /// The parts of a step [`profile::GpuSteps`] times, in the order they run.
@@ -242,6 +252,9 @@ pub struct GpuOptions {
     /// layers splits the KV memory between its layer groups by what one such request needs
     /// from each. `None`: the model's context length.
     pub max_model_len: Option<usize>,
+    /// Steps of one token run their projections as fused GEMVs (`kernels/gemv.cu`) rather
+    /// than cuBLAS GEMMs with separate norm and SwiGLU kernels. Off only to compare the two.
+    pub single_token_gemv: bool,
 }
 
 impl Default for GpuOptions {
@@ -257,6 +270,7 @@ impl Default for GpuOptions {
             memory_margin_bytes: None,
             self_test: false,
             max_model_len: None,
+            single_token_gemv: true,
         }
     }
 }
@@ -341,6 +355,7 @@ struct ModelKernels {
     fill_uniform: CudaFunction,
     argmax_rows: CudaFunction,
     gemma: GemmaKernels,
+    gemv: gemv::Gemv,
 }
 
 /// The Gemma 3 section of `kernels/model.cu`.
@@ -402,6 +417,7 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
+            gemv: gemv::Gemv::load(&module, gpu.num_sms)?,
         })
     }
 
@@ -875,6 +891,8 @@ pub struct GpuLlama {
     spare_logits: Vec<f32>,
     /// CUDA-event timing of each part of a step, when `KVFLEET_PROFILE=1`.
     profile: Option<GpuSteps>,
+    /// Steps of one token take the fused GEMV path.
+    single_token_gemv: bool,
 }
 
 impl std::fmt::Debug for GpuLlama {
@@ -1028,6 +1046,7 @@ impl GpuLlama {
             backend,
             capacity,
             spare_logits: Vec::new(),
+            single_token_gemv: opts.single_token_gemv && gemv::Gemv::fits(dims.d, &[dims.qw, dims.ff]),
             profile: profile::enabled().then(|| GpuSteps::new(gpu_ctx, PROFILE_PARTS)),
         })
     }
@@ -1077,6 +1096,7 @@ impl GpuLlama {
             backend,
             spare_logits,
             profile,
+            single_token_gemv,
             ..
         } = self;
         let s = gpu.stream().clone();
@@ -1099,20 +1119,26 @@ impl GpuLlama {
         mark!(part::EMBED);
         let heads = (dm.n_heads + 2 * dm.n_kv) as u32;
         let rope_half = (c.rope_dims / 2) as i32;
+        // One token: each projection is one fused GEMV (norm before, residual add or SwiGLU
+        // after); otherwise cuBLAS GEMMs with the norm and SwiGLU kernels around them.
+        let fused = *single_token_gemv && t == 1;
+        let eps = c.rms_eps;
         for (li, l) in llama_layers.iter().enumerate() {
-            k.rms_norm(&s, &a.x, &l.attn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
-            mark!(part::NORM);
-            gemm(
-                blas,
-                &s,
-                &l.wqkv,
-                &a.h,
-                &mut a.qkv,
-                t,
-                dm.qw + 2 * dm.kw,
-                dm.d,
-                false,
-            )?;
+            if fused {
+                let input = gemv::Input::Normed {
+                    x: &a.x,
+                    w: &l.attn_norm,
+                    row: None,
+                    eps,
+                };
+                let out = gemv::Output::Store(&mut a.qkv);
+                k.gemv.run(&s, &l.wqkv, dm.qw + 2 * dm.kw, dm.d, input, out)?;
+            } else {
+                k.rms_norm(&s, &a.x, &l.attn_norm, t, dm.d, eps, &mut a.h)?;
+                mark!(part::NORM);
+                let n = dm.qw + 2 * dm.kw;
+                gemm(blas, &s, &l.wqkv, &a.h, &mut a.qkv, t, n, dm.d, false)?;
+            }
             mark!(part::QKV_GEMM);
             {
                 need("q", &a.q, t * dm.qw)?;
@@ -1164,15 +1190,32 @@ impl GpuLlama {
             mark!(part::KV_APPEND);
             backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
             mark!(part::ATTENTION);
-            gemm(blas, &s, &l.wo, &a.attn, &mut a.x, t, dm.d, dm.qw, true)?;
-            mark!(part::O_GEMM);
-            k.rms_norm(&s, &a.x, &l.ffn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
-            mark!(part::NORM);
-            gemm(blas, &s, &l.wgu, &a.h, &mut a.gu, t, 2 * dm.ff, dm.d, false)?;
-            mark!(part::FFN_GEMM);
-            k.silu_mul(&s, &a.gu, t, dm.ff, &mut a.act)?;
-            mark!(part::ACT);
-            gemm(blas, &s, &l.wdown, &a.act, &mut a.x, t, dm.d, dm.ff, true)?;
+            if fused {
+                let out = gemv::Output::Add(&mut a.x);
+                k.gemv.run(&s, &l.wo, dm.d, dm.qw, gemv::Input::Bf16(&a.attn), out)?;
+                mark!(part::O_GEMM);
+                let input = gemv::Input::Normed {
+                    x: &a.x,
+                    w: &l.ffn_norm,
+                    row: None,
+                    eps,
+                };
+                let out = gemv::Output::SwiGlu(&mut a.act);
+                k.gemv.run(&s, &l.wgu, 2 * dm.ff, dm.d, input, out)?;
+                mark!(part::FFN_GEMM);
+                let out = gemv::Output::Add(&mut a.x);
+                k.gemv.run(&s, &l.wdown, dm.d, dm.ff, gemv::Input::Bf16(&a.act), out)?;
+            } else {
+                gemm(blas, &s, &l.wo, &a.attn, &mut a.x, t, dm.d, dm.qw, true)?;
+                mark!(part::O_GEMM);
+                k.rms_norm(&s, &a.x, &l.ffn_norm, t, dm.d, eps, &mut a.h)?;
+                mark!(part::NORM);
+                gemm(blas, &s, &l.wgu, &a.h, &mut a.gu, t, 2 * dm.ff, dm.d, false)?;
+                mark!(part::FFN_GEMM);
+                k.silu_mul(&s, &a.gu, t, dm.ff, &mut a.act)?;
+                mark!(part::ACT);
+                gemm(blas, &s, &l.wdown, &a.act, &mut a.x, t, dm.d, dm.ff, true)?;
+            }
             mark!(part::DOWN_GEMM);
         }
         let n = last.len();
@@ -1180,9 +1223,20 @@ impl GpuLlama {
             gpu.synchronize()?;
             return Ok(StepOutput::default());
         }
-        k.rms_norm_rows(&s, &a.x, &a.last, n, &w.out_norm, dm.d, c.rms_eps, &mut a.hl)?;
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-        gemm(blas, &s, head, &a.hl, &mut a.logits, n, dm.vocab, dm.d, false)?;
+        if *single_token_gemv && n == 1 {
+            let input = gemv::Input::Normed {
+                x: &a.x,
+                w: &w.out_norm,
+                row: Some(&a.last),
+                eps: c.rms_eps,
+            };
+            let out = gemv::Output::Store(&mut a.logits);
+            k.gemv.run(&s, head, dm.vocab, dm.d, input, out)?;
+        } else {
+            k.rms_norm_rows(&s, &a.x, &a.last, n, &w.out_norm, dm.d, c.rms_eps, &mut a.hl)?;
+            gemm(blas, &s, head, &a.hl, &mut a.logits, n, dm.vocab, dm.d, false)?;
+        }
         mark!(part::LM_HEAD);
         let vocab = dm.vocab;
         // Rows whose logits come back: all, or those not picked on the device.

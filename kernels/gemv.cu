@@ -1,0 +1,122 @@
+// Single-token projections: the decode step's GEMMs when a step has one token (one stream).
+// There a projection is a stream over its weights (16 GB a token for an 8B model) and its cost
+// is the weight bytes over the copy bandwidth, so the kernel is built around keeping enough
+// 16-byte weight loads in flight, and around doing the small work beside it in the same launch:
+//   - the RMSNorm of the input (QKV, gate/up and the LM head): each block normalises the f32
+//     residual rows into shared memory with `rms_row`, the same arithmetic and block size as
+//     `kvf_rms_norm`, so the GEMV sees the bf16 input the separate kernel would have written;
+//   - the row gather of the LM head (the last token of each sequence);
+//   - the residual add of the O and down projections (`y += W x`, cuBLAS's beta = 1);
+//   - SwiGLU after gate/up: a warp owns gate row j and up row ff + j and writes
+//     `silu(gate) * up` as bf16, so the f32 gate/up rows never reach memory.
+// Appended to kernels/model.cu and kernels/sampling.cu in one NVRTC program (it uses their
+// helpers and typedefs).
+//
+// Work split: a warp owns a unit of two weight rows (rows 2u and 2u + 1, or gate row u and up
+// row half + u), reads both rows in 16-byte chunks, two chunks a row per iteration (four loads
+// in flight a lane), and dots them with the input row, accumulating in f32. Warps stride over
+// units, so any grid size covers the matrix.
+//
+// Measured on an H100 (bench/RESULTS.md) and not kept: a version for 2 to 8 tokens (at 2 as fast
+// as cuBLAS, slower from 4: the ALU work grows with the tokens), a tensor-core variant with the
+// tokens as the 8 columns of mma.m16n8k16 (slower at one token, slower than cuBLAS from 4), more
+// chunks in flight (4 or 8 a row: slower), an L2 prefetch of each warp's first rows before the
+// norm, and programmatic dependent launch (slower).
+
+namespace {
+
+// A 16-byte weight load that bypasses L1: each weight is read once per step.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+// acc + the dot product of 8 bf16 weights with 8 bf16 inputs, in f32.
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+    const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 a = __bfloat1622float2(wp[i]);
+        const float2 b = __bfloat1622float2(xp[i]);
+        acc = fmaf(a.x, b.x, acc);
+        acc = fmaf(a.y, b.y, acc);
+    }
+    return acc;
+}
+
+constexpr int GEMV_STORE = 0;   // y[n] = (W x)[n]
+constexpr int GEMV_ADD = 1;     // y[n] += (W x)[n]
+constexpr int GEMV_SWIGLU = 2;  // act[j] = silu((W x)[j]) * (W x)[half + j]
+
+// Chunks of a row each lane has in flight per iteration.
+constexpr int GEMV_UNROLL = 2;
+
+}  // namespace
+
+// y or act from one token: w bf16 [n_rows, k], k a multiple of 8. Input: the bf16 row xb [k],
+// or (norm_w set) RMSNorm(x[row ? *row : 0]) * norm_w of an f32 row of x, normalised into k
+// bf16 of dynamic shared memory. mode: GEMV_STORE / GEMV_ADD into f32 y [n_rows], or
+// GEMV_SWIGLU into bf16 act [half] with n_rows = 2 half. Block 256 threads (rms_row's block size
+// in kvf_rms_norm), any grid.
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restrict__ w, int n_rows, int k, int half,
+                                                           const bf16* __restrict__ xb, const float* __restrict__ x,
+                                                           const int* __restrict__ row,
+                                                           const float* __restrict__ norm_w, float eps, int mode,
+                                                           float* __restrict__ y, bf16* __restrict__ act) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    const bf16* in = xb;
+    if (norm_w != nullptr) {
+        bf16* sx = reinterpret_cast<bf16*>(gemv_smem);
+        rms_row(x + (size_t)(row != nullptr ? *row : 0) * k, norm_w, k, eps, sx);
+        __syncthreads();
+        in = sx;
+    }
+    const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
+    const int lane = threadIdx.x & 31;
+    const int warps = (int)((gridDim.x * blockDim.x) >> 5);
+    const int kc = k >> 3;  // 16-byte chunks a row
+    const uint4* xi = reinterpret_cast<const uint4*>(in);
+    for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
+        const int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
+        const int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        const bool has1 = r1 < n_rows;
+        const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
+        const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
+        float a0 = 0.f, a1 = 0.f;
+        for (int c0 = lane; c0 < kc; c0 += 32 * GEMV_UNROLL) {
+            uint4 p0[GEMV_UNROLL], p1[GEMV_UNROLL];
+#pragma unroll
+            for (int j = 0; j < GEMV_UNROLL; ++j) {
+                const int c = c0 + 32 * j;
+                p0[j] = c < kc ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
+                p1[j] = c < kc ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < GEMV_UNROLL; ++j) {
+                const int c = c0 + 32 * j;
+                if (c < kc) {
+                    const uint4 xa = xi[c];
+                    a0 = dot8(p0[j], xa, a0);
+                    a1 = dot8(p1[j], xa, a1);
+                }
+            }
+        }
+        const float s0 = warp_sum(a0);
+        const float s1 = warp_sum(a1);
+        if (lane == 0) {
+            if (mode == GEMV_SWIGLU) {
+                act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
+            } else if (mode == GEMV_ADD) {
+                y[r0] += s0;
+                if (has1) y[r1] += s1;
+            } else {
+                y[r0] = s0;
+                if (has1) y[r1] = s1;
+            }
+        }
+    }
+}
