@@ -426,7 +426,8 @@ fn gpu_fused_gemv_steps_match_the_cublas_steps_and_the_cpu() {
             single_token_gemv: fused,
             ..opts()
         };
-        let g = GpuLlama::from_llama(gpu(), &m, &o).unwrap_or_else(|e| panic!("cannot build the GPU model: {e}"));
+        let g =
+            GpuLlama::from_llama(gpu(), &m, &o).unwrap_or_else(|e| panic!("cannot build the GPU model: {e}"));
         let planner = DirectPlanner::new(g.kv_config().block_size, &g.kv_config().groups);
         Stepped {
             g,
@@ -441,8 +442,11 @@ fn gpu_fused_gemv_steps_match_the_cublas_steps_and_the_cpu() {
         .collect();
     // Prefill all eight sequences in one step (cuBLAS on both), decode steps of 1, 3, 1, 8 and
     // 1 sequences (the GEMVs on the single-token steps), then one of 2 prefill tokens.
-    let mut steps: Vec<Vec<(u64, usize, Vec<u32>)>> =
-        vec![prompts.iter().enumerate().map(|(s, p)| (s as u64, 0, p.clone())).collect()];
+    let mut steps: Vec<Vec<(u64, usize, Vec<u32>)>> = vec![prompts
+        .iter()
+        .enumerate()
+        .map(|(s, p)| (s as u64, 0, p.clone()))
+        .collect()];
     let mut len: Vec<usize> = prompts.iter().map(Vec::len).collect();
     for (n, tok) in [(1usize, 7u32), (3, 9), (1, 11), (8, 13), (1, 15)] {
         let step = (0..n)
@@ -461,8 +465,14 @@ fn gpu_fused_gemv_steps_match_the_cublas_steps_and_the_cpu() {
         let b = plain.forward(&batch).unwrap();
         let (d, s) = diff(&a, &b);
         eprintln!("step {i}: max|fused - cublas| = {d:.3e}, max|cublas| = {s:.3}");
-        assert!(a.iter().all(|x| x.is_finite()), "step {i}: fused logits not finite");
-        assert!(d <= 0.01 * s + 1e-5, "step {i}: the fused path is {d} from the cuBLAS path (max {s})");
+        assert!(
+            a.iter().all(|x| x.is_finite()),
+            "step {i}: fused logits not finite"
+        );
+        assert!(
+            d <= 0.01 * s + 1e-5,
+            "step {i}: the fused path is {d} from the cuBLAS path (max {s})"
+        );
         assert_close(&format!("fused step {i}"), &a, &cpu);
         assert_close(&format!("cublas step {i}"), &b, &cpu);
     }

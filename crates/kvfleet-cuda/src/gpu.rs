@@ -1192,7 +1192,8 @@ impl GpuLlama {
             mark!(part::ATTENTION);
             if fused {
                 let out = gemv::Output::Add(&mut a.x);
-                k.gemv.run(&s, &l.wo, dm.d, dm.qw, gemv::Input::Bf16(&a.attn), out)?;
+                k.gemv
+                    .run(&s, &l.wo, dm.d, dm.qw, gemv::Input::Bf16(&a.attn), out)?;
                 mark!(part::O_GEMM);
                 let input = gemv::Input::Normed {
                     x: &a.x,
@@ -1204,7 +1205,8 @@ impl GpuLlama {
                 k.gemv.run(&s, &l.wgu, 2 * dm.ff, dm.d, input, out)?;
                 mark!(part::FFN_GEMM);
                 let out = gemv::Output::Add(&mut a.x);
-                k.gemv.run(&s, &l.wdown, dm.d, dm.ff, gemv::Input::Bf16(&a.act), out)?;
+                k.gemv
+                    .run(&s, &l.wdown, dm.d, dm.ff, gemv::Input::Bf16(&a.act), out)?;
             } else {
                 gemm(blas, &s, &l.wo, &a.attn, &mut a.x, t, dm.d, dm.qw, true)?;
                 mark!(part::O_GEMM);

@@ -88,7 +88,9 @@ impl Gemv {
         }
         need("GEMV weight", w, n * k)?;
         let [Ok(n_i), Ok(k_i), Ok(half)] = [n, k, n / 2].map(i32::try_from) else {
-            return Err(GpuError::Invalid(format!("GEMV {n}x{k} exceeds 32-bit dimensions")));
+            return Err(GpuError::Invalid(format!(
+                "GEMV {n}x{k} exceeds 32-bit dimensions"
+            )));
         };
         // Device addresses of the pointer arguments (0: absent); the guards keep the buffers'
         // stream bookkeeping until the launch is queued.
