@@ -17,11 +17,17 @@
 // in flight a lane), and dots them with the input row, accumulating in f32. Warps stride over
 // units, so any grid size covers the matrix.
 //
+// On sm_90 and later the kernel is launched with programmatic dependent launch (PDL): the
+// driver may start it while the previous kernel drains (its blocks still exiting), which takes
+// the launch latency off the step (1.04x at one stream on an H100). The previous kernel does
+// not trigger early: with an early trigger (`griddepcontrol.launch_dependents` at the start)
+// the step was slower (0.97x).
+//
 // Measured on an H100 (bench/RESULTS.md) and not kept: a version for 2 to 8 tokens (at 2 as fast
 // as cuBLAS, slower from 4: the ALU work grows with the tokens), a tensor-core variant with the
 // tokens as the 8 columns of mma.m16n8k16 (slower at one token, slower than cuBLAS from 4), more
-// chunks in flight (4 or 8 a row: slower), an L2 prefetch of each warp's first rows before the
-// norm, and programmatic dependent launch (slower).
+// chunks in flight (4 or 8 a row: slower), and an L2 prefetch of each warp's first rows before
+// the norm (no change).
 
 namespace {
 
@@ -68,6 +74,12 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restric
                                                            const float* __restrict__ norm_w, float eps, int mode,
                                                            float* __restrict__ y, bf16* __restrict__ act) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Launched with programmatic dependent launch (PDL) on sm_90 and later: the block may start
+    // before the previous kernel in the stream has finished; wait for its results before
+    // reading or writing anything. (Without PDL the wait returns at once.)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const bf16* in = xb;
     if (norm_w != nullptr) {
         bf16* sx = reinterpret_cast<bf16*>(gemv_smem);

@@ -417,7 +417,11 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
-            gemv: gemv::Gemv::load(&module, gpu.num_sms)?,
+            gemv: gemv::Gemv::load(
+                &module,
+                gpu.num_sms,
+                matches!(gpu.arch, Arch::Sm90a | Arch::Sm100a | Arch::Sm120a),
+            )?,
         })
     }
 

@@ -1,15 +1,14 @@
 //! Single-token projections (`kernels/gemv.cu`): a step of one token (one stream decoding)
 //! streams every weight once, so its projections run as GEMVs that fuse the RMSNorm before them
 //! and the residual add or SwiGLU after them. Steps of more tokens keep cuBLAS, which is as fast
-//! from 2 tokens and faster from 4 on (bench/RESULTS.md).
+//! from 2 tokens and faster from 4 on (bench/RESULTS.md). On sm_90 and later each GEMV is
+//! launched with programmatic dependent launch, so its launch overlaps the previous kernel's
+//! last blocks; the kernel waits for that kernel's results before touching any activation.
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-    SyncOnDrop,
-};
+use cudarc::driver::sys::{self, CUfunction_attribute};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::{drv, need, GpuError};
 
@@ -49,10 +48,13 @@ pub enum Output<'a> {
 pub struct Gemv {
     kernel: CudaFunction,
     num_sms: usize,
+    /// Launch with programmatic stream serialisation (sm_90 and later).
+    pdl: bool,
 }
 
 impl Gemv {
-    pub fn load(module: &Arc<CudaModule>, num_sms: usize) -> Result<Self, GpuError> {
+    /// `pdl`: the device is sm_90 or later (programmatic dependent launch).
+    pub fn load(module: &Arc<CudaModule>, num_sms: usize, pdl: bool) -> Result<Self, GpuError> {
         let kernel = module
             .load_function("kvf_gemv")
             .map_err(drv("finding kvf_gemv"))?;
@@ -62,7 +64,7 @@ impl Gemv {
                 (MAX_NORMED_K * 2) as i32,
             )
             .map_err(drv("raising the GEMV shared-memory limit"))?;
-        Ok(Gemv { kernel, num_sms })
+        Ok(Gemv { kernel, num_sms, pdl })
     }
 
     /// Whether a model of width `d` (normed inputs) and projections of inner sizes `ks` can
@@ -148,25 +150,61 @@ impl Gemv {
         let blocks = units
             .div_ceil(warps_per_block)
             .clamp(1, self.num_sms.max(1) * BLOCKS_PER_SM);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
+        // The raw launch below does not bind the context as cudarc's launches do.
+        s.context().bind_to_thread().map_err(drv("binding the context"))?;
+        let mut args: [*mut std::ffi::c_void; 12] = [
+            &wp as *const u64 as *mut _,
+            &n_i as *const i32 as *mut _,
+            &k_i as *const i32 as *mut _,
+            &half as *const i32 as *mut _,
+            &xbp as *const u64 as *mut _,
+            &xp as *const u64 as *mut _,
+            &rowp as *const u64 as *mut _,
+            &nwp as *const u64 as *mut _,
+            &eps as *const f32 as *mut _,
+            &mode as *const i32 as *mut _,
+            &yp as *const u64 as *mut _,
+            &ap as *const u64 as *mut _,
+        ];
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
         };
-        let mut b = s.launch_builder(&self.kernel);
-        b.arg(&wp).arg(&n_i).arg(&k_i).arg(&half);
-        b.arg(&xbp).arg(&xp).arg(&rowp).arg(&nwp);
-        b.arg(&eps).arg(&mode).arg(&yp).arg(&ap);
-        // SAFETY: the arguments match `kvf_gemv` in kernels/gemv.cu in order and type (pointer,
-        // 3 ints, 4 pointers, float, int, 2 pointers; pointers as the u64 device addresses of
-        // buffers borrowed for this call). Absent pointers are 0 and the kernel reads them only
-        // under the mode and flags that say they are present. Sizes were checked above: `w`
-        // holds `n * k`, the input `k` (or the f32 rows and a row index of this step), the
-        // output `n` (`n / 2` for SwiGLU); the dynamic shared memory (`k` bf16,
-        // `k <= MAX_NORMED_K`) is within the limit raised at load; k is a multiple of 8, so
-        // every row starts 16-byte aligned (cudarc allocations are 256-byte aligned).
-        let r = unsafe { b.launch(cfg) };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: blocks as u32,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem as u32,
+            hStream: s.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: `args` points at one local per parameter of `kvf_gemv` in kernels/gemv.cu, in
+        // order and type (pointer, 3 ints, 4 pointers, float, int, 2 pointers; pointers as the
+        // u64 device addresses of buffers borrowed for this call), each outliving the call (the
+        // driver copies the values at launch); `attr` outlives it too. Absent pointers are 0 and
+        // the kernel reads them only under the mode and flags that say they are present. Sizes
+        // were checked above: `w` holds `n * k`, the input `k` (or the f32 rows and a row index
+        // of this step), the output `n` (`n / 2` for SwiGLU); the dynamic shared memory (`k`
+        // bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is a multiple of 8, so
+        // every row starts 16-byte aligned (cudarc allocations are 256-byte aligned). Under PDL
+        // the kernel reads and writes memory only after `griddepcontrol.wait`, so the previous
+        // kernel's results are complete and visible.
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.kernel.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
         drop(guards);
-        r.map(|_| ()).map_err(drv("launching kvf_gemv"))
+        r.result().map_err(drv("launching kvf_gemv"))
     }
 }
