@@ -1129,12 +1129,7 @@ impl GpuLlama {
         let eps = c.rms_eps;
         for (li, l) in llama_layers.iter().enumerate() {
             if fused {
-                let input = gemv::Input::Normed {
-                    x: &a.x,
-                    w: &l.attn_norm,
-                    row: None,
-                    eps,
-                };
+                let input = gemv::Input::normed(&a.x, &l.attn_norm, eps);
                 let out = gemv::Output::Store(&mut a.qkv);
                 k.gemv.run(&s, &l.wqkv, dm.qw + 2 * dm.kw, dm.d, input, out)?;
             } else {
@@ -1199,12 +1194,7 @@ impl GpuLlama {
                 k.gemv
                     .run(&s, &l.wo, dm.d, dm.qw, gemv::Input::Bf16(&a.attn), out)?;
                 mark!(part::O_GEMM);
-                let input = gemv::Input::Normed {
-                    x: &a.x,
-                    w: &l.ffn_norm,
-                    row: None,
-                    eps,
-                };
+                let input = gemv::Input::normed(&a.x, &l.ffn_norm, eps);
                 let out = gemv::Output::SwiGlu(&mut a.act);
                 k.gemv.run(&s, &l.wgu, 2 * dm.ff, dm.d, input, out)?;
                 mark!(part::FFN_GEMM);

@@ -34,6 +34,13 @@ pub enum Input<'a> {
     },
 }
 
+impl<'a> Input<'a> {
+    /// `RMSNorm(x[0]) * w`: the step's one token, normed.
+    pub fn normed(x: &'a CudaSlice<f32>, w: &'a CudaSlice<f32>, eps: f32) -> Self {
+        Input::Normed { x, w, row: None, eps }
+    }
+}
+
 /// What a GEMV does with `W · in`.
 pub enum Output<'a> {
     /// f32 `[n]`, overwritten.
