@@ -74,12 +74,8 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restric
                                                            const float* __restrict__ norm_w, float eps, int mode,
                                                            float* __restrict__ y, bf16* __restrict__ act) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Launched with programmatic dependent launch (PDL) on sm_90 and later: the block may start
-    // before the previous kernel in the stream has finished; wait for its results before
-    // reading or writing anything. (Without PDL the wait returns at once.)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    // Launched with PDL on sm_90 and later: wait for the previous kernel's results first.
+    kvf_wait_prior_grid();
     const bf16* in = xb;
     if (norm_w != nullptr) {
         bf16* sx = reinterpret_cast<bf16*>(gemv_smem);

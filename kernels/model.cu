@@ -16,6 +16,16 @@
 
 typedef __nv_bfloat16 bf16;
 
+// Programmatic dependent launch (crates/kvfleet-cuda/src/launch.rs): on sm_90 and later the
+// step's kernels are launched with PDL, so a block may start while the previous kernel in the
+// stream still runs. Every such kernel calls this first: it returns once that kernel has
+// completed and its writes are visible. Without PDL (or before sm_90) it returns at once.
+__device__ __forceinline__ void kvf_wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 namespace {
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -71,6 +81,7 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
 // x[t, :] = table[tokens[t], :] widened to f32. Grid (T), any block size.
 extern "C" __global__ void kvf_embed(const bf16* __restrict__ table, const int* __restrict__ tokens, int d,
                                      float* __restrict__ x) {
+    kvf_wait_prior_grid();
     const size_t t = blockIdx.x;
     const bf16* row = table + (size_t)tokens[t] * d;
     float* out = x + t * d;
@@ -80,6 +91,7 @@ extern "C" __global__ void kvf_embed(const bf16* __restrict__ table, const int* 
 // RMSNorm of every row: out[r] = norm(x[r]) * w. Grid (rows), block a multiple of 32.
 extern "C" __global__ void kvf_rms_norm(const float* __restrict__ x, const float* __restrict__ w, int d,
                                         float eps, bf16* __restrict__ out) {
+    kvf_wait_prior_grid();
     const size_t r = blockIdx.x;
     rms_row(x + r * d, w, d, eps, out + r * d);
 }
@@ -89,6 +101,7 @@ extern "C" __global__ void kvf_rms_norm(const float* __restrict__ x, const float
 extern "C" __global__ void kvf_rms_norm_rows(const float* __restrict__ x, const int* __restrict__ rows,
                                              const float* __restrict__ w, int d, float eps,
                                              bf16* __restrict__ out) {
+    kvf_wait_prior_grid();
     rms_row(x + (size_t)rows[blockIdx.x] * d, w, d, eps, out + (size_t)blockIdx.x * d);
 }
 
@@ -103,6 +116,7 @@ extern "C" __global__ void kvf_qkv_post(const float* __restrict__ qkv, const int
                                         int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half,
                                         int neox, int has_bias, int has_qk_norm, float pos_scale, float eps,
                                         bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v) {
+    kvf_wait_prior_grid();
     extern __shared__ float s[];
     const int t = blockIdx.x;
     const int h = blockIdx.y;
@@ -160,6 +174,7 @@ extern "C" __global__ void kvf_qkv_post(const float* __restrict__ qkv, const int
 // act[t, i] = silu(gate[t, i]) * up[t, i] from gate_up [T, 2 ff]; n = T * ff. Grid-stride.
 extern "C" __global__ void kvf_silu_mul(const float* __restrict__ gate_up, int ff, long long n,
                                         bf16* __restrict__ act) {
+    kvf_wait_prior_grid();
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {
         const long long t = idx / ff;
@@ -191,6 +206,7 @@ extern "C" __global__ void kvf_fill_uniform(bf16* __restrict__ out, long long n,
 // LM head reads the same table unscaled). Grid (T), any block size.
 extern "C" __global__ void kvf_embed_scaled(const bf16* __restrict__ table, const int* __restrict__ tokens, int d,
                                             float scale, float* __restrict__ x) {
+    kvf_wait_prior_grid();
     const size_t t = blockIdx.x;
     const bf16* row = table + (size_t)tokens[t] * d;
     float* out = x + t * d;
@@ -201,6 +217,7 @@ extern "C" __global__ void kvf_embed_scaled(const bf16* __restrict__ table, cons
 // Grid (rows), block a multiple of 32.
 extern "C" __global__ void kvf_rms_norm_add(const float* __restrict__ y, const float* __restrict__ w, int d,
                                             float eps, float* __restrict__ x) {
+    kvf_wait_prior_grid();
     const size_t r = blockIdx.x;
     const float* yr = y + r * d;
     float* xr = x + r * d;
@@ -218,6 +235,7 @@ extern "C" __global__ void kvf_rms_norm_add(const float* __restrict__ y, const f
 // Grid-stride.
 extern "C" __global__ void kvf_gelu_tanh_mul(const float* __restrict__ gate_up, int ff, long long n,
                                              bf16* __restrict__ act) {
+    kvf_wait_prior_grid();
     const float c = 0.7978845608f;  // sqrt(2 / pi)
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (long long)gridDim.x * blockDim.x) {

@@ -19,6 +19,7 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
 // out[r] = argmax over logits[r, :vocab] (first maximum). Grid (rows), block a multiple of 32
 // (<= 1024).
 extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
+    kvf_wait_prior_grid();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* row = logits + (size_t)blockIdx.x * vocab;

@@ -694,3 +694,38 @@ async fn openai_python_client_streams_a_chat_completion() {
         .unwrap();
     assert!(chunks > 2, "streamed in {chunks} chunks");
 }
+
+/// The worker's warm-up (run before the serving loop on a GPU) writes KV pages that the first
+/// requests then get: a greedy generation after it equals one on fresh pools, and the warm-up
+/// ran its prefill step and decode steps of two and of one sequence.
+#[test]
+fn warm_up_leaves_the_pools_serving_the_same_greedy_tokens() {
+    use kvfleet::model::forward::{llama_backend_config, CpuForward};
+    use kvfleet::model::runtime::{run_greedy, warm_up};
+    use kvfleet::worker::engine::cpu::CpuBackend;
+    use kvfleet::worker::engine::scheduler::SchedulerConfig;
+    let m = model_arc();
+    let tok = tokenizer();
+    let prompt = tok.encode("The capital of France is", false);
+    let sched = SchedulerConfig {
+        block_size: 16,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 256,
+        max_model_len: 512,
+        max_waiting: 8,
+    };
+    let fresh = || {
+        let pools = llama_backend_config(m.config.attn_geometry(), KvDtype::Bf16, 16, 16);
+        CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap()
+    };
+    let (_, want) = run_greedy(&mut fresh(), &sched, &[(prompt.clone(), 6)]).unwrap();
+    let mut warm = fresh();
+    let steps = warm_up(&mut warm, &sched).unwrap();
+    assert!(steps >= 4, "warm-up ran {steps} steps");
+    let (_, got) = run_greedy(&mut warm, &sched, &[(prompt, 6)]).unwrap();
+    assert_eq!(got[0].len(), 6);
+    assert_eq!(
+        got, want,
+        "greedy tokens after the warm-up differ from fresh pools"
+    );
+}

@@ -23,6 +23,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_append(
     const long long* __restrict__ slots, const int n_tokens, const int kv_heads, u8* __restrict__ k_cache,
     u8* __restrict__ v_cache, u8* __restrict__ k_bscale, u8* __restrict__ v_bscale, const float k_scale,
     const float v_scale) {
+  kvf_wait_prior_grid();
   constexpr int GPR = D / 16;  // 16-value groups per row
   const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long total = static_cast<long long>(n_tokens) * kv_heads * 2 * GPR;

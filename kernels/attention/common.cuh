@@ -31,6 +31,16 @@
 typedef unsigned char u8;
 typedef unsigned int u32;
 
+// Programmatic dependent launch (crates/kvfleet-cuda/src/launch.rs): on sm_90 and later the
+// step's kernels are launched with PDL, so a block may start while the previous kernel in the
+// stream still runs. Every such kernel calls this first: it returns once that kernel has
+// completed and its writes are visible. Without PDL (or before sm_90) it returns at once.
+__device__ __forceinline__ void kvf_wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 constexpr int DT_BF16 = 0;
 constexpr int DT_F16 = 1;
 constexpr int DT_E4M3 = 2;

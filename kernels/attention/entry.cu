@@ -30,6 +30,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_attention(
     const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
+  kvf_wait_prior_grid();
   extern __shared__ __align__(1024) char smem[];
   check_smem<SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];
@@ -58,6 +59,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_deco
     const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
     const float v_scale, const int window) {
+  kvf_wait_prior_grid();
   extern __shared__ __align__(1024) char smem[];
   check_smem<DECODE_SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];
@@ -70,6 +72,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_deco
 extern "C" __global__ void __launch_bounds__(NTHREADS) kvf_merge(
     const MergeJob* __restrict__ jobs, const int* __restrict__ qo_indptr, const float* __restrict__ partial_o,
     const float* __restrict__ partial_lse, __nv_bfloat16* __restrict__ o) {
+  kvf_wait_prior_grid();
   const MergeJob job = jobs[blockIdx.x];
   const int kvh = blockIdx.y, kv_heads = gridDim.y;
   const int q_heads = kv_heads * GROUP;

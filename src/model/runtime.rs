@@ -54,6 +54,8 @@ pub enum RuntimeError {
     Stopped,
     #[error(transparent)]
     Gpu(#[from] GpuError),
+    #[error("the warm-up generation failed on the {device}, so it cannot serve this model: {reason}")]
+    WarmUp { device: &'static str, reason: String },
 }
 
 /// Why a generation ended (OpenAI's `finish_reason`).
@@ -179,6 +181,19 @@ impl ModelRuntime {
                 kv.groups.iter().map(|g| g.num_blocks).sum::<usize>(),
                 kv.block_size
             )));
+        }
+        let mut model = model;
+        if model.device() == "cuda" && max_request_tokens > WARM_UP_TOKENS {
+            let t0 = Instant::now();
+            let steps = warm_up(model.as_mut(), &sched).map_err(|reason| RuntimeError::WarmUp {
+                device: "cuda",
+                reason,
+            })?;
+            tracing::info!(
+                steps,
+                ms = t0.elapsed().as_millis() as u64,
+                "warmed up: the device's kernels ran once before the first request"
+            );
         }
         let pool = PoolSummary {
             block_size: kv.block_size,
@@ -314,6 +329,92 @@ impl ModelRuntime {
 
 /// The longest prompt + output one request may have: maxModelLen, or less when a group's
 /// pool cannot hold that many pages.
+/// Tokens (prompt and output) of the longest warm-up request.
+const WARM_UP_TOKENS: usize = 20;
+
+/// Runs two short greedy requests through `model` before the serving loop starts, on a scratch
+/// scheduler: a prefill step of both prompts, decode steps of two sequences, then of one (the
+/// single-token path). On a GPU the first launch of each kernel loads it and cuBLAS picks its
+/// algorithms on first use; without this the first user request pays for that (its time to
+/// first token was 75-107 ms against 40 ms later on an H100, bench/RESULTS.md). Nothing of it
+/// is counted in the metrics, and the pools' pages it wrote are overwritten by the requests that
+/// get them later. Returns the steps run.
+pub fn warm_up(model: &mut dyn Forward, sched: &SchedulerConfig) -> Result<usize, String> {
+    let vocab = model.config().vocab as u32;
+    let prompt = |seed: u32| -> Vec<u32> { (0..16).map(|i| (seed + 7 * i) % vocab.max(1)).collect() };
+    let requests = [(prompt(1), 2), (prompt(2), WARM_UP_TOKENS - 16)];
+    run_greedy(model, sched, &requests).map(|(steps, _)| steps)
+}
+
+/// Runs `requests` (prompt, output tokens) to completion with greedy sampling on a scratch
+/// scheduler over `model`'s pools, outside any serving loop (no metrics, no streaming). Returns
+/// the steps run and each request's output tokens.
+pub fn run_greedy(
+    model: &mut dyn Forward,
+    sched: &SchedulerConfig,
+    requests: &[(Vec<u32>, usize)],
+) -> Result<(usize, Vec<Vec<u32>>), String> {
+    let kv = model.kv_config().clone();
+    let vocab = model.config().vocab;
+    let mut s = Scheduler::new(sched.clone(), &kv.groups);
+    let mut tokens: Vec<Vec<u32>> = requests.iter().map(|(p, _)| p.clone()).collect();
+    let mut outputs = vec![Vec::new(); requests.len()];
+    for (i, (p, n)) in requests.iter().enumerate() {
+        s.submit(i as RequestId, p.len(), *n)
+            .map_err(|e| format!("request {i}: {e}"))?;
+    }
+    // Every step computes at least one token of some request, so this bounds the steps.
+    let limit = requests.iter().map(|(p, n)| p.len() + n).sum::<usize>() + 1;
+    let (mut plan, mut events, mut steps) = (StepPlan::default(), Vec::new(), 0);
+    while !s.is_idle() {
+        if steps >= limit {
+            return Err(format!("the requests did not finish within {limit} steps"));
+        }
+        if s.schedule(&mut plan, &mut events) == 0 {
+            return Err("the scheduler could not place the requests in the KV pools".into());
+        }
+        let chunks: Vec<_> = s.scheduled().collect();
+        let batch: Vec<SeqChunk<'_>> = chunks
+            .iter()
+            .map(|c| SeqChunk {
+                seq: c.id,
+                start_pos: c.start,
+                tokens: &tokens[c.id as usize][c.start..c.start + c.len],
+                want_logits: c.samples,
+            })
+            .collect();
+        let rows: Vec<usize> = chunks
+            .iter()
+            .filter(|c| c.samples)
+            .map(|c| c.id as usize)
+            .collect();
+        let out = model
+            .forward_rows(&batch, &plan, &vec![true; rows.len()])
+            .map_err(|e| format!("step {steps}: {e}"))?;
+        for (r, &id) in rows.iter().enumerate() {
+            let token = match (
+                out.picked.get(r).copied().flatten(),
+                out.logits_row.get(r).copied().flatten(),
+            ) {
+                (Some(t), _) => t,
+                (None, Some(row)) => super::sampling::argmax(&out.logits[row * vocab..(row + 1) * vocab]),
+                (None, None) => return Err(format!("step {steps} returned no output for row {r}")),
+            };
+            tokens[id].push(token);
+            outputs[id].push(token);
+        }
+        model.recycle(out.logits);
+        s.complete(&mut events);
+        if let Some(Event::Failed { id, reason }) = events.iter().find(|e| matches!(e, Event::Failed { .. }))
+        {
+            return Err(format!("request {id} failed: {reason}"));
+        }
+        events.clear();
+        steps += 1;
+    }
+    Ok((steps, outputs))
+}
+
 fn largest_request(s: &Scheduler) -> usize {
     let (mut lo, mut hi) = (1usize, s.config().max_model_len);
     if s.check(hi - 1, 1).is_ok() {

@@ -6,7 +6,7 @@
 //! items once per (group, specialisation) and uploads them; every layer of the step reuses
 //! them. Nothing synchronises the host until [`Backend::synchronize`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
@@ -250,6 +250,9 @@ impl Backend for CudaBackend {
         plan.check(&self.cfg).map_err(BackendError::Plan)?;
         self.prepared = false;
         let qo_indptr = to_i32(&plan.qo_indptr)?;
+        // The groups of the last step keep their device buffers: this step refills them (one
+        // copy each for the slot mapping and for the step's indices), allocating only to grow.
+        let mut old = std::mem::take(&mut self.groups).into_iter();
         let mut groups = Vec::with_capacity(plan.groups.len());
         for (g, t) in plan.groups.iter().enumerate() {
             let batch = CsrBatch {
@@ -259,27 +262,53 @@ impl Backend for CudaBackend {
                 kv_last_page_len: to_i32(&t.kv_last_page_len)?,
                 kv_first_pos: to_i32(&t.kv_first_pos)?,
             };
-            let host_slots: Vec<i64> = t.slot_mapping.iter().map(|&s| s as i64).collect();
-            let slots = self.gpu.upload(&host_slots).map_err(dev)?;
-            let mut steps = HashMap::new();
+            let mut step = match old.next() {
+                Some(s) => s,
+                None => GroupStep {
+                    slots: self.gpu.upload(&[0i64]).map_err(dev)?,
+                    host_slots: Vec::new(),
+                    steps: HashMap::new(),
+                },
+            };
+            step.host_slots.clear();
+            step.host_slots.extend(t.slot_mapping.iter().map(|&s| s as i64));
+            let n = step.host_slots.len();
+            if step.slots.len() < n {
+                step.slots = self
+                    .gpu
+                    .stream()
+                    .alloc_zeros::<i64>(n + n / 2)
+                    .map_err(driver_err("allocating the slot mapping"))
+                    .map_err(dev)?;
+            }
+            if n > 0 {
+                self.gpu
+                    .stream()
+                    .memcpy_htod(&step.host_slots, &mut step.slots.slice_mut(..n))
+                    .map_err(driver_err("copying the slot mapping"))
+                    .map_err(dev)?;
+            }
+            // Several layers share a key; the first of them fills its buffers.
+            let mut filled = HashSet::new();
             for (i, l) in self.cfg.layers.iter().enumerate() {
-                if l.group != g {
-                    continue;
-                }
                 let layer = &self.layers[i];
                 let key = (layer.kernels.spec, layer.kv.kv_heads);
-                if steps.contains_key(&key) {
+                if l.group != g || !filled.insert(key) {
                     continue;
                 }
                 let wp = plan_step(&batch, &key.0, self.gpu.arch, key.1, layer.slots);
-                let sb = StepBuffers::upload(&self.gpu, &key.0, &layer.kv, &batch, &wp).map_err(dev)?;
-                steps.insert(key, sb);
+                match step.steps.get_mut(&key) {
+                    Some(sb) => sb
+                        .refill(&self.gpu, &key.0, &layer.kv, &batch, &wp)
+                        .map_err(dev)?,
+                    None => {
+                        let sb =
+                            StepBuffers::upload(&self.gpu, &key.0, &layer.kv, &batch, &wp).map_err(dev)?;
+                        step.steps.insert(key, sb);
+                    }
+                }
             }
-            groups.push(GroupStep {
-                slots,
-                host_slots,
-                steps,
-            });
+            groups.push(step);
         }
         self.groups = groups;
         self.prepared = true;

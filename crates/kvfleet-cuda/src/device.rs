@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 
+use super::launch::{self, Launch};
 use super::nvrtc::{self, PtxCache};
 use super::plan::{CsrBatch, LaunchPlan};
 use super::spec::{Arch, KernelSpec, KvDtype, THREADS};
@@ -39,6 +40,8 @@ pub struct Kernels {
     decode: CudaFunction,
     merge: CudaFunction,
     append: CudaFunction,
+    /// Launch with programmatic dependent launch (sm_90 and later, [`launch`]).
+    pdl: bool,
     /// Seconds NVRTC took for this specialisation.
     pub compile_seconds: f64,
 }
@@ -113,6 +116,7 @@ impl Gpu {
             decode,
             merge: f("kvf_merge")?,
             append: f("kvf_append")?,
+            pdl: launch::pdl(self.arch),
             compile_seconds: compiled.compile_time.as_secs_f64(),
         });
         self.loaded
@@ -257,14 +261,17 @@ impl KvLayer {
 }
 
 /// A planned step uploaded: CSR arrays, work items, merge jobs and split-KV scratch.
+/// The device side of one step's batch and plan. The index arrays (the CSR batch, the work
+/// items, the merge jobs) sit in one buffer and go up in one copy; [`StepBuffers::refill`]
+/// reuses the buffers of the previous step, so a decode step allocates nothing.
 pub struct StepBuffers {
-    qo_indptr: CudaSlice<i32>,
-    kv_indptr: CudaSlice<i32>,
-    kv_indices: CudaSlice<i32>,
-    kv_last_page_len: CudaSlice<i32>,
-    kv_first_pos: CudaSlice<i32>,
-    items: CudaSlice<i32>,
-    merges: CudaSlice<i32>,
+    /// qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_first_pos, items, merges; each
+    /// section starts at a multiple of [`SECTION_ALIGN`] values.
+    index: CudaSlice<i32>,
+    /// Where each section starts in `index` (i32 elements).
+    off: [usize; SECTIONS],
+    /// The host staging of `index`, kept to reuse its allocation.
+    host: Vec<i32>,
     partial_o: CudaSlice<f32>,
     partial_lse: CudaSlice<f32>,
     pub n_items: usize,
@@ -273,8 +280,20 @@ pub struct StepBuffers {
     pub total_q: usize,
 }
 
+const SECTIONS: usize = 7;
+// The sections of `StepBuffers::index`, in order.
+const QO: usize = 0;
+const KV_PTR: usize = 1;
+const KV_IDX: usize = 2;
+const KV_LAST: usize = 3;
+const KV_FIRST: usize = 4;
+const ITEMS: usize = 5;
+const MERGES: usize = 6;
+/// 64 bytes: the work items and merge jobs are read as 32- and 16-byte structs.
+const SECTION_ALIGN: usize = 16;
+
 impl StepBuffers {
-    /// Validates the batch, then uploads it with its plan.
+    /// Validates the batch, then uploads it with its plan into new buffers.
     pub fn upload(
         gpu: &Gpu,
         spec: &KernelSpec,
@@ -282,29 +301,96 @@ impl StepBuffers {
         batch: &CsrBatch,
         plan: &LaunchPlan,
     ) -> Result<Self, CudaError> {
+        let one = || {
+            gpu.stream
+                .alloc_zeros::<f32>(1)
+                .map_err(driver_err("allocating step buffers"))
+        };
+        let mut sb = Self {
+            index: gpu
+                .stream
+                .alloc_zeros::<i32>(1)
+                .map_err(driver_err("allocating step buffers"))?,
+            off: [0; SECTIONS],
+            host: Vec::new(),
+            partial_o: one()?,
+            partial_lse: one()?,
+            n_items: 0,
+            n_prefill: 0,
+            n_merges: 0,
+            total_q: 0,
+        };
+        sb.refill(gpu, spec, kv, batch, plan)?;
+        Ok(sb)
+    }
+
+    /// Validates the batch, then uploads it with its plan, reusing these buffers where they are
+    /// large enough (growing them otherwise): one host-to-device copy.
+    pub fn refill(
+        &mut self,
+        gpu: &Gpu,
+        spec: &KernelSpec,
+        kv: &KvLayer,
+        batch: &CsrBatch,
+        plan: &LaunchPlan,
+    ) -> Result<(), CudaError> {
         batch.validate(spec.page.get(), kv.num_blocks)?;
         let d = spec.head_dim.get();
-        let slots = plan.n_slots.max(1);
-        let z = |n| {
+        let items = plan.items_as_i32();
+        let merges = plan.merges_as_i32();
+        let sections: [&[i32]; SECTIONS] = [
+            &batch.qo_indptr,
+            &batch.kv_indptr,
+            &batch.kv_indices,
+            &batch.kv_last_page_len,
+            &batch.kv_first_pos,
+            &items,
+            &merges,
+        ];
+        self.host.clear();
+        for (i, sec) in sections.iter().enumerate() {
+            self.off[i] = self.host.len();
+            self.host.extend_from_slice(sec);
+            let padded = self.host.len().next_multiple_of(SECTION_ALIGN);
+            self.host.resize(padded, 0);
+        }
+        let n = self.host.len().max(1);
+        if self.index.len() < n {
+            // Room for growth: a decode batch's page list grows a page at a time.
+            self.index = gpu
+                .stream
+                .alloc_zeros::<i32>(n + n / 2)
+                .map_err(driver_err("allocating step indices"))?;
+        }
+        if !self.host.is_empty() {
             gpu.stream
-                .alloc_zeros::<f32>(n)
-                .map_err(driver_err("allocating split-KV scratch"))
-        };
-        Ok(Self {
-            qo_indptr: gpu.upload(&batch.qo_indptr)?,
-            kv_indptr: gpu.upload(&batch.kv_indptr)?,
-            kv_indices: gpu.upload(&batch.kv_indices)?,
-            kv_last_page_len: gpu.upload(&batch.kv_last_page_len)?,
-            kv_first_pos: gpu.upload(&batch.kv_first_pos)?,
-            items: gpu.upload(&plan.items_as_i32())?,
-            merges: gpu.upload(&plan.merges_as_i32())?,
-            partial_o: z(slots * kv.kv_heads * spec.decode_rows() * d)?,
-            partial_lse: z(slots * kv.kv_heads * spec.decode_rows())?,
-            n_items: plan.items.len(),
-            n_prefill: plan.n_prefill,
-            n_merges: plan.merges.len(),
-            total_q: batch.total_q(),
-        })
+                .memcpy_htod(&self.host, &mut self.index.slice_mut(..self.host.len()))
+                .map_err(driver_err("copying step indices to the device"))?;
+        }
+        let slots = plan.n_slots.max(1);
+        let (po, pl) = (
+            slots * kv.kv_heads * spec.decode_rows() * d,
+            slots * kv.kv_heads * spec.decode_rows(),
+        );
+        // Every slot a merge reads is written first by its item in the same step, so the
+        // scratch is zeroed only when (re)allocated.
+        if self.partial_o.len() < po {
+            self.partial_o = gpu
+                .stream
+                .alloc_zeros::<f32>(po)
+                .map_err(driver_err("allocating split-KV scratch"))?;
+        }
+        if self.partial_lse.len() < pl {
+            self.partial_lse = gpu
+                .stream
+                .alloc_zeros::<f32>(pl)
+                .map_err(driver_err("allocating split-KV scratch"))?;
+        }
+        self.n_items = plan.items.len();
+        self.n_prefill = plan.n_prefill;
+        self.n_merges = plan.merges.len();
+        self.total_q = batch.total_q();
+        Ok(())
     }
 }
 
@@ -393,46 +479,52 @@ impl Kernels {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut b = stream.launch_builder(kernel);
-        b.arg(&step.items)
-            .arg(&n_prefill)
-            .arg(q)
-            .arg(&mut *o)
-            .arg(&kv.k)
-            .arg(&kv.v)
-            .arg(&kv.k_block_scales)
-            .arg(&kv.v_block_scales)
-            .arg(&step.qo_indptr)
-            .arg(&step.kv_indptr)
-            .arg(&step.kv_indices)
-            .arg(&step.kv_last_page_len)
-            .arg(&step.kv_first_pos)
-            .arg(&mut step.partial_o)
-            .arg(&mut step.partial_lse)
-            .arg(&sm_scale)
-            .arg(&kv.k_scale)
-            .arg(&kv.v_scale)
-            .arg(&window);
+        let mut l = Launch::new(stream);
+        let idx = l.hold(&step.index);
+        let at = |sec: usize| idx + 4 * step.off[sec] as u64;
+        l.addr(at(ITEMS))
+            .i32(n_prefill)
+            .ptr(q)
+            .ptr_mut(&mut *o)
+            .ptr(&kv.k)
+            .ptr(&kv.v)
+            .ptr(&kv.k_block_scales)
+            .ptr(&kv.v_block_scales)
+            .addr(at(QO))
+            .addr(at(KV_PTR))
+            .addr(at(KV_IDX))
+            .addr(at(KV_LAST))
+            .addr(at(KV_FIRST))
+            .ptr_mut(&mut step.partial_o)
+            .ptr_mut(&mut step.partial_lse)
+            .f32(sm_scale)
+            .f32(kv.k_scale)
+            .f32(kv.v_scale)
+            .i32(window);
         // SAFETY: the argument list matches `kvf_attention`'s (and `kvf_decode`'s, the same)
-        // signature in kernels/attention/entry.cu
-        // (pointers, then i32/f32 scalars, in order). Every pointer is a live device allocation
-        // of this context; the batch was validated (page ids < num_blocks, lengths consistent),
-        // Q/O sizes were checked above, and partial buffers were sized from the same plan.
-        unsafe { b.launch(cfg) }.map_err(driver_err("launching kvf_attention"))?;
+        // signature in kernels/attention/entry.cu (pointers, then i32/f32 scalars, in order).
+        // Every pointer is a live device allocation of this context or a section of the step's
+        // index buffer (borrowed by `hold`); the batch was validated (page ids < num_blocks,
+        // lengths consistent), Q/O sizes were checked above, and partial buffers were sized
+        // from the same plan. Both entries wait for the previous kernel first (PDL).
+        unsafe { l.launch(kernel, cfg, self.pdl) }.map_err(driver_err("launching kvf_attention"))?;
         if step.n_merges > 0 {
             let cfg = LaunchConfig {
                 grid_dim: (step.n_merges as u32, kv.kv_heads as u32, 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = stream.launch_builder(&self.merge);
-            b.arg(&step.merges)
-                .arg(&step.qo_indptr)
-                .arg(&step.partial_o)
-                .arg(&step.partial_lse)
-                .arg(&mut *o);
-            // SAFETY: matches `kvf_merge`; merge jobs only name slots the plan allocated.
-            unsafe { b.launch(cfg) }.map_err(driver_err("launching kvf_merge"))?;
+            let mut l = Launch::new(stream);
+            let idx = l.hold(&step.index);
+            let at = |sec: usize| idx + 4 * step.off[sec] as u64;
+            l.addr(at(MERGES))
+                .addr(at(QO))
+                .ptr(&step.partial_o)
+                .ptr(&step.partial_lse)
+                .ptr_mut(&mut *o);
+            // SAFETY: matches `kvf_merge`; merge jobs only name slots the plan allocated; it
+            // waits for the attention kernel first (PDL).
+            unsafe { l.launch(&self.merge, cfg, self.pdl) }.map_err(driver_err("launching kvf_merge"))?;
         }
         Ok(())
     }
@@ -476,21 +568,22 @@ impl Kernels {
         };
         let n = n_tokens as i32;
         let heads = kv.kv_heads as i32;
-        let mut b = stream.launch_builder(&self.append);
-        b.arg(new_k)
-            .arg(new_v)
-            .arg(slots)
-            .arg(&n)
-            .arg(&heads)
-            .arg(&mut kv.k)
-            .arg(&mut kv.v)
-            .arg(&mut kv.k_block_scales)
-            .arg(&mut kv.v_block_scales)
-            .arg(&kv.k_scale)
-            .arg(&kv.v_scale);
+        let mut l = Launch::new(stream);
+        l.ptr(new_k)
+            .ptr(new_v)
+            .ptr(slots)
+            .i32(n)
+            .i32(heads)
+            .ptr_mut(&mut kv.k)
+            .ptr_mut(&mut kv.v)
+            .ptr_mut(&mut kv.k_block_scales)
+            .ptr_mut(&mut kv.v_block_scales)
+            .f32(kv.k_scale)
+            .f32(kv.v_scale);
         // SAFETY: matches `kvf_append`; slots were checked against the pool size above (the
-        // device copy is the same array), buffer sizes were checked against n_tokens.
-        unsafe { b.launch(cfg) }.map_err(driver_err("launching kvf_append"))?;
+        // device copy is the same array), buffer sizes were checked against n_tokens; it waits
+        // for the previous kernel first (PDL).
+        unsafe { l.launch(&self.append, cfg, self.pdl) }.map_err(driver_err("launching kvf_append"))?;
         Ok(())
     }
 }

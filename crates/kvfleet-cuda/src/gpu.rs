@@ -33,6 +33,7 @@ use rayon::prelude::*;
 
 use crate::backend::CudaBackend;
 use crate::device::{driver_present, Gpu};
+use crate::launch::{self, Launch};
 use crate::profile::{self, GpuSteps};
 use crate::spec::{Arch, GroupSize, HeadDim};
 use crate::{driver_err, nvrtc, CudaError};
@@ -356,6 +357,9 @@ struct ModelKernels {
     argmax_rows: CudaFunction,
     gemma: GemmaKernels,
     gemv: gemv::Gemv,
+    /// Launch the decode step's kernels with programmatic dependent launch (sm_90 and later):
+    /// the GEMVs, embedding, Q/K/V post-processing and argmax ([`crate::launch`]).
+    pdl: bool,
 }
 
 /// The Gemma 3 section of `kernels/model.cu`.
@@ -417,11 +421,8 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
-            gemv: gemv::Gemv::load(
-                &module,
-                gpu.num_sms,
-                matches!(gpu.arch, Arch::Sm90a | Arch::Sm100a | Arch::Sm120a),
-            )?,
+            gemv: gemv::Gemv::load(&module, gpu.num_sms, launch::pdl(gpu.arch))?,
+            pdl: launch::pdl(gpu.arch),
         })
     }
 
@@ -437,12 +438,13 @@ impl ModelKernels {
         need("token buffer", tokens, t)?;
         need("residual", x, t * d)?;
         let d_i = d as i32;
-        let mut b = s.launch_builder(&self.embed);
-        b.arg(table).arg(tokens).arg(&d_i).arg(x);
+        let mut l = Launch::new(s);
+        l.ptr(table).ptr(tokens).i32(d_i).ptr_mut(x);
         // SAFETY: matches `kvf_embed(const bf16*, const int*, int, float*)`; token ids were
         // checked against the vocabulary on the host (the table is `[vocab, d]`), `x` holds
-        // `t * d` values (checked above).
-        unsafe { b.launch(rows_cfg(t, NORM_THREADS, 0)) }.map_err(drv("launching kvf_embed"))?;
+        // `t * d` values (checked above); it waits for the previous kernel first (PDL).
+        unsafe { l.launch(&self.embed, rows_cfg(t, NORM_THREADS, 0), self.pdl) }
+            .map_err(drv("launching kvf_embed"))?;
         Ok(())
     }
 
@@ -504,12 +506,14 @@ impl ModelKernels {
         need("logits", logits, rows * vocab)?;
         need("argmax output", out, rows)?;
         let v = vocab as i32;
-        let mut b = s.launch_builder(&self.argmax_rows);
-        b.arg(logits).arg(&v).arg(out);
+        let mut l = Launch::new(s);
+        l.ptr(logits).i32(v).ptr_mut(out);
         // SAFETY: matches `kvf_argmax_rows` in kernels/sampling.cu (pointer, int, pointer);
         // `logits` holds `rows * vocab` f32 and `out` `rows` ints (checked above); one block of
-        // 1024 threads (a multiple of 32) per row, static shared memory only.
-        unsafe { b.launch(rows_cfg(rows, 1024, 0)) }.map_err(drv("launching kvf_argmax_rows"))?;
+        // 1024 threads (a multiple of 32) per row, static shared memory only; it waits for the
+        // previous kernel first (PDL).
+        unsafe { l.launch(&self.argmax_rows, rows_cfg(rows, 1024, 0), self.pdl) }
+            .map_err(drv("launching kvf_argmax_rows"))?;
         Ok(())
     }
 
@@ -1157,32 +1161,33 @@ impl GpuLlama {
                     block_dim: (HEAD_THREADS, 1, 1),
                     shared_mem_bytes: (dm.hd * 4) as u32,
                 };
-                let mut b = s.launch_builder(&k.qkv_post);
-                b.arg(&a.qkv)
-                    .arg(&a.pos)
-                    .arg(bias)
-                    .arg(qn)
-                    .arg(kn)
-                    .arg(&w.inv_freq)
-                    .arg(&nh)
-                    .arg(&nkv)
-                    .arg(&rep)
-                    .arg(&hd)
-                    .arg(&rope_half)
-                    .arg(&neox)
-                    .arg(&has_bias)
-                    .arg(&has_qk_norm)
-                    .arg(&c.rope_linear_scale)
-                    .arg(&c.rms_eps)
-                    .arg(&mut a.q)
-                    .arg(&mut a.k)
-                    .arg(&mut a.v);
+                let mut l = Launch::new(&s);
+                l.ptr(&a.qkv)
+                    .ptr(&a.pos)
+                    .ptr(bias)
+                    .ptr(qn)
+                    .ptr(kn)
+                    .ptr(&w.inv_freq)
+                    .i32(nh)
+                    .i32(nkv)
+                    .i32(rep)
+                    .i32(hd)
+                    .i32(rope_half)
+                    .i32(neox)
+                    .i32(has_bias)
+                    .i32(has_qk_norm)
+                    .f32(c.rope_linear_scale)
+                    .f32(c.rms_eps)
+                    .ptr_mut(&mut a.q)
+                    .ptr_mut(&mut a.k)
+                    .ptr_mut(&mut a.v);
                 // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (6 pointers, 8 ints, 2
                 // floats, 3 pointers in order). qkv holds `t * (qw + 2 kw)` f32 (written by
                 // the GEMM above), pos `t` positions, bias `qw + 2 kw` and the norms
                 // `head_dim` values when their flags are set, inv_freq `rope_dims / 2`; the
-                // outputs were checked above; dynamic shared memory holds one head in f32.
-                unsafe { b.launch(cfg) }.map_err(drv("launching kvf_qkv_post"))?;
+                // outputs were checked above; dynamic shared memory holds one head in f32. It
+                // waits for the previous kernel first (PDL).
+                unsafe { l.launch(&k.qkv_post, cfg, k.pdl) }.map_err(drv("launching kvf_qkv_post"))?;
             }
             mark!(part::QKV_POST);
             backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;

@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod device;
 pub mod gpu;
+pub mod launch;
 pub mod nvrtc;
 pub mod plan;
 pub mod profile;

@@ -7,8 +7,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUfunction_attribute};
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
+
+use crate::launch::Launch;
 
 use super::{drv, need, GpuError};
 
@@ -101,21 +103,15 @@ impl Gemv {
                 "GEMV {n}x{k} exceeds 32-bit dimensions"
             )));
         };
-        // Device addresses of the pointer arguments (0: absent); the guards keep the buffers'
-        // stream bookkeeping until the launch is queued.
-        let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(5);
-        macro_rules! ptr {
-            ($p:expr) => {{
-                let (p, g) = $p;
-                guards.push(g);
-                p
-            }};
-        }
-        let wp = ptr!(w.device_ptr(s));
-        let (xbp, xp, rowp, nwp, eps, smem) = match input {
+        // Parameters in order: w, n, k, half, x_bf16, x_f32, row, norm_w, eps, mode, y, act
+        // (absent pointers are 0).
+        let mut l = Launch::new(s);
+        l.ptr(w).i32(n_i).i32(k_i).i32(half);
+        let smem = match input {
             Input::Bf16(x) => {
                 need("GEMV input", x, k)?;
-                (ptr!(x.device_ptr(s)), 0, 0, 0, 0f32, 0)
+                l.ptr(x).addr(0).addr(0).addr(0).f32(0.0);
+                0
             }
             Input::Normed { x, w: nw, row, eps } => {
                 if k > MAX_NORMED_K {
@@ -125,93 +121,60 @@ impl Gemv {
                 }
                 need("norm weight", nw, k)?;
                 need("GEMV input", x, k)?;
+                l.addr(0).ptr(x);
                 // The row index is a row of this step, checked on the host.
-                let rp = match row {
+                match row {
                     Some(r) => {
                         need("row index buffer", r, 1)?;
-                        ptr!(r.device_ptr(s))
+                        l.ptr(r)
                     }
-                    None => 0,
+                    None => l.addr(0),
                 };
-                (0, ptr!(x.device_ptr(s)), rp, ptr!(nw.device_ptr(s)), eps, k * 2)
+                l.ptr(nw).f32(eps);
+                k * 2
             }
         };
-        let (mode, units, yp, ap) = match output {
+        let units = match output {
             Output::Store(y) | Output::Add(y) if y.len() < n => {
                 return Err(GpuError::Invalid(format!(
                     "GEMV output holds {} elements, the step needs {n}",
                     y.len()
                 )))
             }
-            Output::Store(y) => (MODE_STORE, n.div_ceil(2), ptr!(y.device_ptr_mut(s)), 0),
-            Output::Add(y) => (MODE_ADD, n.div_ceil(2), ptr!(y.device_ptr_mut(s)), 0),
+            Output::Store(y) => {
+                l.i32(MODE_STORE).ptr_mut(y).addr(0);
+                n.div_ceil(2)
+            }
+            Output::Add(y) => {
+                l.i32(MODE_ADD).ptr_mut(y).addr(0);
+                n.div_ceil(2)
+            }
             Output::SwiGlu(a) => {
                 if n % 2 != 0 {
                     return Err(GpuError::Invalid(format!("SwiGLU over an odd row count {n}")));
                 }
                 need("GEMV activation", a, n / 2)?;
-                (MODE_SWIGLU, n / 2, 0, ptr!(a.device_ptr_mut(s)))
+                l.i32(MODE_SWIGLU).addr(0).ptr_mut(a);
+                n / 2
             }
         };
         let warps_per_block = (THREADS / 32) as usize;
         let blocks = units
             .div_ceil(warps_per_block)
             .clamp(1, self.num_sms.max(1) * BLOCKS_PER_SM);
-        // The raw launch below does not bind the context as cudarc's launches do.
-        s.context().bind_to_thread().map_err(drv("binding the context"))?;
-        let mut args: [*mut std::ffi::c_void; 12] = [
-            &wp as *const u64 as *mut _,
-            &n_i as *const i32 as *mut _,
-            &k_i as *const i32 as *mut _,
-            &half as *const i32 as *mut _,
-            &xbp as *const u64 as *mut _,
-            &xp as *const u64 as *mut _,
-            &rowp as *const u64 as *mut _,
-            &nwp as *const u64 as *mut _,
-            &eps as *const f32 as *mut _,
-            &mode as *const i32 as *mut _,
-            &yp as *const u64 as *mut _,
-            &ap as *const u64 as *mut _,
-        ];
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
         };
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: blocks as u32,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: THREADS,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem as u32,
-            hStream: s.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(self.pdl),
-        };
-        // SAFETY: `args` points at one local per parameter of `kvf_gemv` in kernels/gemv.cu, in
-        // order and type (pointer, 3 ints, 4 pointers, float, int, 2 pointers; pointers as the
-        // u64 device addresses of buffers borrowed for this call), each outliving the call (the
-        // driver copies the values at launch); `attr` outlives it too. Absent pointers are 0 and
+        // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
+        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers). Absent pointers are 0 and
         // the kernel reads them only under the mode and flags that say they are present. Sizes
         // were checked above: `w` holds `n * k`, the input `k` (or the f32 rows and a row index
         // of this step), the output `n` (`n / 2` for SwiGLU); the dynamic shared memory (`k`
         // bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is a multiple of 8, so
-        // every row starts 16-byte aligned (cudarc allocations are 256-byte aligned). Under PDL
-        // the kernel reads and writes memory only after `griddepcontrol.wait`, so the previous
-        // kernel's results are complete and visible.
-        let r = unsafe {
-            sys::cuLaunchKernelEx(
-                &cfg,
-                self.kernel.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        drop(guards);
-        r.result().map_err(drv("launching kvf_gemv"))
+        // every row starts 16-byte aligned (cudarc allocations are 256-byte aligned). The kernel
+        // calls `kvf_wait_prior_grid()` before touching memory (the PDL contract).
+        unsafe { l.launch(&self.kernel, cfg, self.pdl) }.map_err(drv("launching kvf_gemv"))
     }
 }
