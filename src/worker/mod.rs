@@ -446,6 +446,10 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             rt.gpu_capacity = gpu_cap.clone();
             Arc::new(rt)
         }
+        // A warm-up that fails on the device says it cannot serve this model here.
+        Err(error @ crate::model::runtime::RuntimeError::WarmUp { .. }) => {
+            return fail(exit::INCOMPATIBLE, "cannot start the engine", &error)
+        }
         Err(error) => return fail(exit::CONFIG, "cannot start the engine", &error),
     };
 
