@@ -56,9 +56,37 @@ __device__ float block_sum(float v) {
     return r;
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * w over one row of d values, by the whole block.
+// out = x * rsqrt(mean(x^2) + eps) * w over one row of d values, by the whole block. Thread t
+// owns values t, t + blockDim.x, ...: when the row fits RMS_REGS of them (Llama-3-8B: 4,096 =
+// 16 x 256) it is read once, its loads issued together, and kept in registers for the second
+// pass (2,048-token prefill steps: norms 2.0 -> 1.3 ms on an H100; the GEMVs that normalise
+// their input the same way gained more). The sum runs in the same order either way: the GPU's
+// greedy tokens are checked against the CPU's, and a different order of the same sum moved a
+// near tie (tests/cuda_model.rs, bench/RESULTS.md).
+#define RMS_REGS 16
 __device__ void rms_row(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
                         bf16* __restrict__ out) {
+    if (d <= RMS_REGS * (int)blockDim.x) {
+        float r[RMS_REGS];
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < RMS_REGS; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            r[j] = i < d ? x[i] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < RMS_REGS; ++j) {
+            if (threadIdx.x + j * blockDim.x < d) ss += r[j] * r[j];
+        }
+        ss = block_sum(ss);
+        const float inv = 1.f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int j = 0; j < RMS_REGS; ++j) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < d) out[i] = __float2bfloat16(r[j] * inv * w[i]);
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const float v = x[i];
@@ -109,17 +137,32 @@ extern "C" __global__ void kvf_rms_norm_rows(const float* __restrict__ x, const 
 // (Qwen2), RMSNorm of each Q/K head (Qwen3), RoPE on Q/K (adjacent pairs, or the two halves of
 // the rotated dimensions when neox), then writes bf16 Q, and K/V repeated kv_rep times (so a
 // GQA group the attention kernels do not specialise for becomes one they do).
-// Grid (T, n_heads + 2 n_kv_heads), block a multiple of 32, dynamic shared head_dim floats.
-extern "C" __global__ void kvf_qkv_post(const float* __restrict__ qkv, const int* __restrict__ pos,
-                                        const float* __restrict__ bias, const float* __restrict__ q_norm,
-                                        const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
-                                        int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half,
-                                        int neox, int has_bias, int has_qk_norm, float pos_scale, float eps,
-                                        bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v) {
-    kvf_wait_prior_grid();
-    extern __shared__ float s[];
+// A group of QKV_POST_THREADS / HPB threads per head, HPB heads a block: with HPB 1 (a few
+// tokens: decode) every head gets a whole block and its four warps; with HPB 4 (prefill chunks:
+// 2,048 tokens of Llama-3-8B are ~98k heads, and a block each spent the time starting blocks) a
+// head gets one warp and syncs only that warp. Heads load with 16-byte loads when head_dim allows.
+// Grid (T, ceil((n_heads + 2 n_kv_heads) / HPB)), block QKV_POST_THREADS, dynamic shared
+// HPB * head_dim floats.
+#define QKV_POST_THREADS 128
+namespace {
+
+template <int HPB>
+__device__ __forceinline__ void qkv_post(const float* __restrict__ qkv, const int* __restrict__ pos,
+                                         const float* __restrict__ bias, const float* __restrict__ q_norm,
+                                         const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
+                                         int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half,
+                                         int neox, int has_bias, int has_qk_norm, float pos_scale, float eps,
+                                         bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v) {
+    constexpr int G = QKV_POST_THREADS / HPB;  // threads per head: 128 (a block) or 32 (a warp)
+    static_assert(G == QKV_POST_THREADS || G == 32, "a head takes the block or one warp");
+    extern __shared__ float smem[];
+    const int gl = threadIdx.x % G;
     const int t = blockIdx.x;
-    const int h = blockIdx.y;
+    const int h = blockIdx.y * HPB + threadIdx.x / G;
+    // With HPB > 1 whole warps leave together and nothing below syncs more than a warp; with
+    // HPB 1 the grid has exactly one block per head, so every thread stays.
+    if (h >= n_heads + 2 * n_kv_heads) return;
+    float* s = smem + (threadIdx.x / G) * head_dim;
     const int qw = n_heads * head_dim;
     const int kw = n_kv_heads * head_dim;
     // kind 0: a Q head, 1: a K head, 2: a V head; j its index among its kind.
@@ -127,20 +170,37 @@ extern "C" __global__ void kvf_qkv_post(const float* __restrict__ qkv, const int
     const int j = kind == 0 ? h : (kind == 1 ? h - n_heads : h - n_heads - n_kv_heads);
     const int col = (kind == 0 ? 0 : (kind == 1 ? qw : qw + kw)) + j * head_dim;
     const float* src = qkv + (size_t)t * (qw + 2 * kw) + col;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) s[i] = src[i] + (has_bias ? bias[col + i] : 0.f);
-    __syncthreads();
-    // kind and has_qk_norm are uniform over the block, so block_sum is reached by all threads.
+    if ((head_dim & 3) == 0) {
+        // Rows are (n_heads + 2 n_kv_heads) * head_dim floats: every head starts 16-byte aligned.
+        for (int i = 4 * gl; i < head_dim; i += 4 * G) {
+            float4 x = *reinterpret_cast<const float4*>(src + i);
+            if (has_bias) {
+                x.x += bias[col + i];
+                x.y += bias[col + i + 1];
+                x.z += bias[col + i + 2];
+                x.w += bias[col + i + 3];
+            }
+            s[i] = x.x;
+            s[i + 1] = x.y;
+            s[i + 2] = x.z;
+            s[i + 3] = x.w;
+        }
+    } else {
+        for (int i = gl; i < head_dim; i += G) s[i] = src[i] + (has_bias ? bias[col + i] : 0.f);
+    }
+    if (G == 32) __syncwarp(); else __syncthreads();
+    // kind and has_qk_norm are uniform over the group, so its sum is reached by all its threads.
     if (kind < 2 && has_qk_norm) {
         float ss = 0.f;
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) ss += s[i] * s[i];
-        ss = block_sum(ss);
+        for (int i = gl; i < head_dim; i += G) ss += s[i] * s[i];
+        ss = G == 32 ? warp_sum(ss) : block_sum(ss);
         const float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
         const float* w = kind == 0 ? q_norm : k_norm;
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) s[i] = s[i] * inv * w[i];
-        __syncthreads();
+        for (int i = gl; i < head_dim; i += G) s[i] = s[i] * inv * w[i];
+        if (G == 32) __syncwarp(); else __syncthreads();
     }
     const float p = (float)pos[t] / pos_scale;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+    for (int i = gl; i < head_dim; i += G) {
         float o = s[i];
         if (kind < 2 && i < 2 * rope_half) {
             int f, a, b;
@@ -171,18 +231,81 @@ extern "C" __global__ void kvf_qkv_post(const float* __restrict__ qkv, const int
     }
 }
 
-// act[t, i] = silu(gate[t, i]) * up[t, i] from gate_up [T, 2 ff]; n = T * ff. Grid-stride.
-extern "C" __global__ void kvf_silu_mul(const float* __restrict__ gate_up, int ff, long long n,
-                                        bf16* __restrict__ act) {
+}  // namespace
+
+#define KVF_QKV_POST_PARAMS                                                                            \
+    const float *__restrict__ qkv, const int *__restrict__ pos, const float *__restrict__ bias,         \
+        const float *__restrict__ q_norm, const float *__restrict__ k_norm,                             \
+        const float *__restrict__ inv_freq, int n_heads, int n_kv_heads, int kv_rep, int head_dim,       \
+        int rope_half, int neox, int has_bias, int has_qk_norm, float pos_scale, float eps,             \
+        bf16 *__restrict__ q, bf16 *__restrict__ k, bf16 *__restrict__ v
+#define KVF_QKV_POST_ARGS                                                                              \
+    qkv, pos, bias, q_norm, k_norm, inv_freq, n_heads, n_kv_heads, kv_rep, head_dim, rope_half, neox, \
+        has_bias, has_qk_norm, pos_scale, eps, q, k, v
+
+// A block per head (steps of a few tokens).
+extern "C" __global__ void kvf_qkv_post(KVF_QKV_POST_PARAMS) {
     kvf_wait_prior_grid();
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long t = idx / ff;
-        const long long i = idx - t * ff;
-        const float g = gate_up[t * 2 * ff + i];
-        const float u = gate_up[t * 2 * ff + ff + i];
-        act[idx] = __float2bfloat16(g / (1.f + expf(-g)) * u);
+    qkv_post<1>(KVF_QKV_POST_ARGS);
+}
+
+// A warp per head, four heads a block (prefill chunks).
+extern "C" __global__ void kvf_qkv_post_wide(KVF_QKV_POST_PARAMS) {
+    kvf_wait_prior_grid();
+    qkv_post<4>(KVF_QKV_POST_ARGS);
+}
+
+// The gated activations: act[t, i] = f(gate[t, i]) * up[t, i] from gate_up [T, 2 ff] (gate
+// columns, then up columns of each row). At a prefill chunk these rows are the largest
+// activation a step writes and reads (2,048 tokens of Llama-3-8B: 235 MB of f32 a layer), so
+// each thread moves four columns with 16-byte loads and 8-byte stores, and a row's index comes
+// from the grid, not from a division per element.
+// Grid (ceil(ff / 4 / blockDim.x), min(T, 65535)), any block size; rows stride by gridDim.y.
+namespace {
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+__device__ __forceinline__ float gelu_tanh(float g) {
+    const float c = 0.7978845608f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
+template <bool GELU>
+__device__ __forceinline__ float glu(float g, float u) {
+    return (GELU ? gelu_tanh(g) : silu(g)) * u;
+}
+
+template <bool GELU>
+__device__ void glu_rows(const float* __restrict__ gate_up, int ff, int t, bf16* __restrict__ act) {
+    const int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= ff) return;
+    // Vector accesses need every row to start 16-byte aligned in gate_up, 8-byte in act.
+    const bool vec = (ff & 3) == 0;
+    for (int r = blockIdx.y; r < t; r += gridDim.y) {
+        const float* g = gate_up + (size_t)r * 2 * ff;
+        const float* u = g + ff;
+        bf16* o = act + (size_t)r * ff;
+        if (vec) {
+            const float4 gv = *reinterpret_cast<const float4*>(g + i);
+            const float4 uv = *reinterpret_cast<const float4*>(u + i);
+            __nv_bfloat162 lo = __floats2bfloat162_rn(glu<GELU>(gv.x, uv.x), glu<GELU>(gv.y, uv.y));
+            __nv_bfloat162 hi = __floats2bfloat162_rn(glu<GELU>(gv.z, uv.z), glu<GELU>(gv.w, uv.w));
+            uint2 packed;
+            packed.x = *reinterpret_cast<unsigned int*>(&lo);
+            packed.y = *reinterpret_cast<unsigned int*>(&hi);
+            *reinterpret_cast<uint2*>(o + i) = packed;
+        } else {
+            for (int j = i; j < i + 4 && j < ff; ++j) o[j] = __float2bfloat16(glu<GELU>(g[j], u[j]));
+        }
     }
+}
+
+}  // namespace
+
+// SwiGLU: act = silu(gate) * up.
+extern "C" __global__ void kvf_silu_mul(const float* __restrict__ gate_up, int ff, int t, bf16* __restrict__ act) {
+    kvf_wait_prior_grid();
+    glu_rows<false>(gate_up, ff, t, act);
 }
 
 // out[i] = uniform(-a, a) from a hash of (seed, i): dummy weights made on the device.
@@ -231,18 +354,9 @@ extern "C" __global__ void kvf_rms_norm_add(const float* __restrict__ y, const f
     for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] += yr[i] * inv * w[i];
 }
 
-// act[t, i] = gelu_tanh(gate[t, i]) * up[t, i] (GeGLU) from gate_up [T, 2 ff]; n = T * ff.
-// Grid-stride.
-extern "C" __global__ void kvf_gelu_tanh_mul(const float* __restrict__ gate_up, int ff, long long n,
+// GeGLU with the tanh GELU: act = gelu_tanh(gate) * up. Same grid as kvf_silu_mul.
+extern "C" __global__ void kvf_gelu_tanh_mul(const float* __restrict__ gate_up, int ff, int t,
                                              bf16* __restrict__ act) {
     kvf_wait_prior_grid();
-    const float c = 0.7978845608f;  // sqrt(2 / pi)
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long t = idx / ff;
-        const long long i = idx - t * ff;
-        const float g = gate_up[t * 2 * ff + i];
-        const float u = gate_up[t * 2 * ff + ff + i];
-        act[idx] = __float2bfloat16(0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g))) * u);
-    }
+    glu_rows<true>(gate_up, ff, t, act);
 }

@@ -57,11 +57,12 @@ pub const MODEL_SOURCE: &str = concat!(
 );
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 11] = [
+pub const MODEL_KERNELS: [&str; 12] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
     "kvf_qkv_post",
+    "kvf_qkv_post_wide",
     "kvf_silu_mul",
     "kvf_fill_uniform",
     "kvf_argmax_rows",
@@ -109,7 +110,15 @@ mod part {
 pub const BLOCK_SIZE: usize = 16;
 
 const NORM_THREADS: u32 = 256;
-const HEAD_THREADS: u32 = 128;
+/// Threads of a `kvf_qkv_post` block (`QKV_POST_THREADS` in kernels/model.cu).
+const QKV_POST_THREADS: u32 = 128;
+/// Heads per block of `kvf_qkv_post_wide`: a warp each.
+const QKV_POST_WIDE_HEADS: u32 = 4;
+/// Tokens from which a step splits Q/K/V with a warp per head (`kvf_qkv_post_wide`) instead of
+/// a block per head (`kvf_qkv_post`). On an H100 (dummy Llama-3-8B, bench/RESULTS.md) a block
+/// per head took 0.19 ms a step at 2-16 tokens against 0.22 for a warp, and a warp per head
+/// 0.28 ms at ~144 tokens against 0.35 and 2.0 ms at 2,048 against 3.4.
+const QKV_POST_WIDE_FROM: usize = 32;
 const ELEMWISE_THREADS: u32 = 256;
 const ELEMWISE_MAX_BLOCKS: usize = 8192;
 
@@ -352,6 +361,7 @@ struct ModelKernels {
     rms_norm: CudaFunction,
     rms_norm_rows: CudaFunction,
     qkv_post: CudaFunction,
+    qkv_post_wide: CudaFunction,
     silu_mul: CudaFunction,
     fill_uniform: CudaFunction,
     argmax_rows: CudaFunction,
@@ -390,6 +400,43 @@ fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
     }
 }
 
+/// A gated activation (`kvf_silu_mul`, `kvf_gelu_tanh_mul`): `act[t, i] = f(gate) * up` from
+/// the gate/up GEMM's `[t, 2 ff]` rows; each thread writes four columns of a row.
+#[allow(clippy::too_many_arguments)]
+fn glu(
+    s: &Arc<CudaStream>,
+    f: &CudaFunction,
+    pdl: bool,
+    gu: &CudaSlice<f32>,
+    t: usize,
+    ff: usize,
+    act: &mut CudaSlice<u16>,
+    what: &'static str,
+) -> Result<(), GpuError> {
+    need("gate/up", gu, t * 2 * ff)?;
+    need("activation", act, t * ff)?;
+    if t == 0 || ff == 0 {
+        return Ok(());
+    }
+    let (ff_i, t_i) = (ff as i32, t as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            ff.div_ceil(4 * ELEMWISE_THREADS as usize) as u32,
+            t.min(u16::MAX as usize) as u32,
+            1,
+        ),
+        block_dim: (ELEMWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l = Launch::new(s);
+    l.ptr(gu).i32(ff_i).i32(t_i).ptr_mut(act);
+    // SAFETY: matches `kvf_silu_mul` / `kvf_gelu_tanh_mul(const float*, int, int, bf16*)`;
+    // `gu` holds `t * 2 ff` f32 and `act` `t * ff` bf16 (checked above); threads past `ff`
+    // return and rows stride by the grid's y; it waits for the previous kernel first (PDL).
+    unsafe { l.launch(f, cfg, pdl) }.map_err(drv(what))?;
+    Ok(())
+}
+
 fn need<T>(what: &'static str, buf: &CudaSlice<T>, n: usize) -> Result<(), GpuError> {
     if buf.len() < n {
         return Err(GpuError::Invalid(format!(
@@ -413,6 +460,7 @@ impl ModelKernels {
             rms_norm: f("kvf_rms_norm")?,
             rms_norm_rows: f("kvf_rms_norm_rows")?,
             qkv_post: f("kvf_qkv_post")?,
+            qkv_post_wide: f("kvf_qkv_post_wide")?,
             silu_mul: f("kvf_silu_mul")?,
             fill_uniform: f("kvf_fill_uniform")?,
             argmax_rows: f("kvf_argmax_rows")?,
@@ -424,6 +472,23 @@ impl ModelKernels {
             gemv: gemv::Gemv::load(&module, gpu.num_sms, launch::pdl(gpu.arch))?,
             pdl: launch::pdl(gpu.arch),
         })
+    }
+
+    /// The Q/K/V split for a step of `t` tokens and its launch: a block per (token, head), or
+    /// from [`QKV_POST_WIDE_FROM`] tokens a warp per head and [`QKV_POST_WIDE_HEADS`] heads a
+    /// block; dynamic shared memory holds each head in f32.
+    fn qkv_post_launch(&self, t: usize, heads: u32, head_dim: usize) -> (&CudaFunction, LaunchConfig) {
+        let (f, per_block) = if t >= QKV_POST_WIDE_FROM {
+            (&self.qkv_post_wide, QKV_POST_WIDE_HEADS)
+        } else {
+            (&self.qkv_post, 1)
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, heads.div_ceil(per_block), 1),
+            block_dim: (QKV_POST_THREADS, 1, 1),
+            shared_mem_bytes: (per_block as usize * head_dim * 4) as u32,
+        };
+        (f, cfg)
     }
 
     fn embed(
@@ -463,11 +528,13 @@ impl ModelKernels {
         need("norm weight", w, d)?;
         need("norm output", out, rows * d)?;
         let d_i = d as i32;
-        let mut b = s.launch_builder(&self.rms_norm);
-        b.arg(x).arg(w).arg(&d_i).arg(&eps).arg(out);
+        let mut l = Launch::new(s);
+        l.ptr(x).ptr(w).i32(d_i).f32(eps).ptr_mut(out);
         // SAFETY: matches `kvf_rms_norm(const float*, const float*, int, float, bf16*)`; sizes
-        // checked above; one block of NORM_THREADS (a multiple of 32) per row.
-        unsafe { b.launch(rows_cfg(rows, NORM_THREADS, 0)) }.map_err(drv("launching kvf_rms_norm"))?;
+        // checked above; one block of NORM_THREADS (a multiple of 32) per row; it waits for
+        // the previous kernel first (PDL).
+        unsafe { l.launch(&self.rms_norm, rows_cfg(rows, NORM_THREADS, 0), self.pdl) }
+            .map_err(drv("launching kvf_rms_norm"))?;
         Ok(())
     }
 
@@ -486,11 +553,13 @@ impl ModelKernels {
         need("row index buffer", rows, n)?;
         need("norm output", out, n * d)?;
         let d_i = d as i32;
-        let mut b = s.launch_builder(&self.rms_norm_rows);
-        b.arg(x).arg(rows).arg(w).arg(&d_i).arg(&eps).arg(out);
+        let mut l = Launch::new(s);
+        l.ptr(x).ptr(rows).ptr(w).i32(d_i).f32(eps).ptr_mut(out);
         // SAFETY: matches `kvf_rms_norm_rows(const float*, const int*, const float*, int,
-        // float, bf16*)`; row indices are rows of this step (built on the host, < tokens).
-        unsafe { b.launch(rows_cfg(n, NORM_THREADS, 0)) }.map_err(drv("launching kvf_rms_norm_rows"))?;
+        // float, bf16*)`; row indices are rows of this step (built on the host, < tokens); it
+        // waits for the previous kernel first (PDL).
+        unsafe { l.launch(&self.rms_norm_rows, rows_cfg(n, NORM_THREADS, 0), self.pdl) }
+            .map_err(drv("launching kvf_rms_norm_rows"))?;
         Ok(())
     }
 
@@ -525,14 +594,16 @@ impl ModelKernels {
         ff: usize,
         act: &mut CudaSlice<u16>,
     ) -> Result<(), GpuError> {
-        need("gate/up", gu, t * 2 * ff)?;
-        need("activation", act, t * ff)?;
-        let (ff_i, n) = (ff as i32, (t * ff) as i64);
-        let mut b = s.launch_builder(&self.silu_mul);
-        b.arg(gu).arg(&ff_i).arg(&n).arg(act);
-        // SAFETY: matches `kvf_silu_mul(const float*, int, long long, bf16*)`; sizes checked.
-        unsafe { b.launch(elemwise_cfg(t * ff)) }.map_err(drv("launching kvf_silu_mul"))?;
-        Ok(())
+        glu(
+            s,
+            &self.silu_mul,
+            self.pdl,
+            gu,
+            t,
+            ff,
+            act,
+            "launching kvf_silu_mul",
+        )
     }
 
     fn fill_uniform(
@@ -1156,11 +1227,7 @@ impl GpuLlama {
                 let has_qk_norm = (l.q_norm.is_some() && l.k_norm.is_some()) as i32;
                 let (nh, nkv, rep, hd) = (dm.n_heads as i32, dm.n_kv as i32, dm.kv_rep as i32, dm.hd as i32);
                 let neox = c.rope_neox as i32;
-                let cfg = LaunchConfig {
-                    grid_dim: (t as u32, heads, 1),
-                    block_dim: (HEAD_THREADS, 1, 1),
-                    shared_mem_bytes: (dm.hd * 4) as u32,
-                };
+                let (qkv_post, cfg) = k.qkv_post_launch(t, heads, dm.hd);
                 let mut l = Launch::new(&s);
                 l.ptr(&a.qkv)
                     .ptr(&a.pos)
@@ -1181,13 +1248,13 @@ impl GpuLlama {
                     .ptr_mut(&mut a.q)
                     .ptr_mut(&mut a.k)
                     .ptr_mut(&mut a.v);
-                // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (6 pointers, 8 ints, 2
+                // SAFETY: matches `kvf_qkv_post(_wide)` in kernels/model.cu (6 pointers, 8 ints, 2
                 // floats, 3 pointers in order). qkv holds `t * (qw + 2 kw)` f32 (written by
                 // the GEMM above), pos `t` positions, bias `qw + 2 kw` and the norms
                 // `head_dim` values when their flags are set, inv_freq `rope_dims / 2`; the
-                // outputs were checked above; dynamic shared memory holds one head in f32. It
-                // waits for the previous kernel first (PDL).
-                unsafe { l.launch(&k.qkv_post, cfg, k.pdl) }.map_err(drv("launching kvf_qkv_post"))?;
+                // outputs were checked above; `qkv_post_launch` sizes the dynamic shared memory
+                // for its heads a block. It waits for the previous kernel first (PDL).
+                unsafe { l.launch(qkv_post, cfg, k.pdl) }.map_err(drv("launching kvf_qkv_post"))?;
             }
             mark!(part::QKV_POST);
             backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
@@ -1459,6 +1526,7 @@ impl GemmaKernels {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn gelu_tanh_mul(
         &self,
         s: &Arc<CudaStream>,
@@ -1466,15 +1534,18 @@ impl GemmaKernels {
         t: usize,
         ff: usize,
         act: &mut CudaSlice<u16>,
+        pdl: bool,
     ) -> Result<(), GpuError> {
-        need("gate/up", gu, t * 2 * ff)?;
-        need("activation", act, t * ff)?;
-        let (ff_i, n) = (ff as i32, (t * ff) as i64);
-        let mut b = s.launch_builder(&self.gelu_tanh_mul);
-        b.arg(gu).arg(&ff_i).arg(&n).arg(act);
-        // SAFETY: matches `kvf_gelu_tanh_mul(const float*, int, long long, bf16*)`; sizes checked.
-        unsafe { b.launch(elemwise_cfg(t * ff)) }.map_err(drv("launching kvf_gelu_tanh_mul"))?;
-        Ok(())
+        glu(
+            s,
+            &self.gelu_tanh_mul,
+            pdl,
+            gu,
+            t,
+            ff,
+            act,
+            "launching kvf_gelu_tanh_mul",
+        )
     }
 }
 
@@ -1529,12 +1600,8 @@ fn gemma_layers(
             dm.d,
             false,
         )?;
-        let cfg = LaunchConfig {
-            grid_dim: (t as u32, heads, 1),
-            block_dim: (HEAD_THREADS, 1, 1),
-            shared_mem_bytes: (dm.hd * 4) as u32,
-        };
-        let mut b = s.launch_builder(&k.qkv_post);
+        let (qkv_post, cfg) = k.qkv_post_launch(t, heads, dm.hd);
+        let mut b = s.launch_builder(qkv_post);
         // No bias: `freq` stands in for the pointer the kernel never reads.
         b.arg(&a.qkv)
             .arg(&a.pos)
@@ -1555,11 +1622,11 @@ fn gemma_layers(
             .arg(&mut a.q)
             .arg(&mut a.k)
             .arg(&mut a.v);
-        // SAFETY: matches `kvf_qkv_post` in kernels/model.cu (6 pointers, 8 ints, 2 floats, 3
+        // SAFETY: matches `kvf_qkv_post(_wide)` in kernels/model.cu (6 pointers, 8 ints, 2 floats, 3
         // pointers in order). qkv holds `t * (qw + 2 kw)` f32 (the GEMM above), pos `t`
         // positions, the norms `head_dim` values, `freq` `rope_dims / 2`; with has_bias 0 the
-        // bias pointer is never read; outputs checked above; dynamic shared memory holds one
-        // head in f32.
+        // bias pointer is never read; outputs checked above; `qkv_post_launch` sizes the
+        // dynamic shared memory.
         unsafe { b.launch(cfg) }.map_err(drv("launching kvf_qkv_post"))?;
         backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
         backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
@@ -1568,7 +1635,7 @@ fn gemma_layers(
             .rms_norm_add(s, &a.proj, post_attn, t, dm.d, c.rms_eps, &mut a.x)?;
         k.rms_norm(s, &a.x, &l.ffn_norm, t, dm.d, c.rms_eps, &mut a.h)?;
         gemm(blas, s, &l.wgu, &a.h, &mut a.gu, t, 2 * dm.ff, dm.d, false)?;
-        k.gemma.gelu_tanh_mul(s, &a.gu, t, dm.ff, &mut a.act)?;
+        k.gemma.gelu_tanh_mul(s, &a.gu, t, dm.ff, &mut a.act, k.pdl)?;
         gemm(blas, s, &l.wdown, &a.act, &mut a.proj, t, dm.d, dm.ff, false)?;
         k.gemma
             .rms_norm_add(s, &a.proj, post_ffn, t, dm.d, c.rms_eps, &mut a.x)?;
