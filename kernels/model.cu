@@ -199,27 +199,8 @@ __device__ __forceinline__ void qkv_post(const float* __restrict__ qkv, const in
         for (int i = gl; i < head_dim; i += G) s[i] = s[i] * inv * w[i];
         if (G == 32) __syncwarp(); else __syncthreads();
     }
-    const float p = (float)pos[t] / pos_scale;
-    for (int i = gl; i < head_dim; i += G) {
-        float o = s[i];
-        if (kind < 2 && i < 2 * rope_half) {
-            int f, a, b;
-            bool second;
-            if (neox) {
-                second = i >= rope_half;
-                f = second ? i - rope_half : i;
-                a = f;
-                b = f + rope_half;
-            } else {
-                second = (i & 1) != 0;
-                f = i >> 1;
-                a = 2 * f;
-                b = a + 1;
-            }
-            float sn, cs;
-            sincosf(p * inv_freq[f], &sn, &cs);
-            o = second ? s[a] * sn + s[b] * cs : s[a] * cs - s[b] * sn;
-        }
+    // Writes element i of this head: Q, or K/V repeated kv_rep times.
+    auto put = [&](int i, float o) {
         const bf16 ob = __float2bfloat16(o);
         if (kind == 0) {
             q[(size_t)t * qw + (size_t)j * head_dim + i] = ob;
@@ -228,7 +209,21 @@ __device__ __forceinline__ void qkv_post(const float* __restrict__ qkv, const in
             const size_t base = ((size_t)t * n_kv_heads * kv_rep + (size_t)j * kv_rep) * head_dim + i;
             for (int r = 0; r < kv_rep; ++r) dst[base + (size_t)r * head_dim] = ob;
         }
+    };
+    // RoPE on Q and K: frequency f rotates the pair (a, b), adjacent or the two halves of the
+    // rotated dimensions (neox). The thread owning f writes both, so each angle's sincos is
+    // computed once a head; the rest of the head (and every V head) is copied.
+    const int rotated = kind < 2 ? 2 * rope_half : 0;
+    const float p = (float)pos[t] / pos_scale;
+    for (int f = gl; f < rotated / 2; f += G) {
+        const int a = neox ? f : 2 * f;
+        const int b = neox ? f + rope_half : 2 * f + 1;
+        float sn, cs;
+        sincosf(p * inv_freq[f], &sn, &cs);
+        put(a, s[a] * cs - s[b] * sn);
+        put(b, s[a] * sn + s[b] * cs);
     }
+    for (int i = rotated + gl; i < head_dim; i += G) put(i, s[i]);
 }
 
 }  // namespace
