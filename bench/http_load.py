@@ -2,8 +2,8 @@
 """HTTP load benchmark for a running `kvfleet worker` (or any OpenAI-compatible server).
 
 N concurrent streaming `/v1/completions` requests, each with a prompt of exactly P token ids
-and `max_tokens` O (greedy, with vLLM's `ignore_eos` so every request streams exactly O
-tokens). Reports output tok/s over the whole run, time to first token and
+and `max_tokens` O (greedy unless `--temperature`/`--top-p`/`--top-k` say otherwise, with
+vLLM's `ignore_eos` so every request streams exactly O tokens). Reports output tok/s over the whole run, time to first token and
 inter-token latency percentiles, errors and 429s; with `--metrics`, scrapes `/metrics` every
 0.2 s while the load runs and reports the peaks of the KV and request gauges.
 
@@ -37,8 +37,8 @@ def pct(xs, p):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one_request(host, port, prompt_ids, max_tokens, model):
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+async def one_request(host, port, prompt_ids, max_tokens, model, sampling):
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, **sampling}
     if model:
         body["model"] = model
     data = json.dumps(body).encode()
@@ -114,10 +114,16 @@ async def main_async(a):
     results = []
     queue = list(range(a.requests))
 
+    sampling = {"temperature": a.temperature}
+    if a.top_p is not None:
+        sampling["top_p"] = a.top_p
+    if a.top_k is not None:
+        sampling["top_k"] = a.top_k
+
     async def client():
         while queue:
             i = queue.pop()
-            results.append(await one_request(a.host, a.port, prompts[i], a.output_tokens, a.model))
+            results.append(await one_request(a.host, a.port, prompts[i], a.output_tokens, a.model, sampling))
 
     peaks = {}
     stop = asyncio.Event()
@@ -180,6 +186,9 @@ def main():
     p.add_argument("--vocab", type=int, default=30000, help="prompt token ids are drawn below this")
     p.add_argument("--min-token-id", type=int, default=100, help="and at or above this (skips special tokens)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--metrics", action="store_true", help="scrape /metrics every 0.2 s during the run")
     p.add_argument("--allow-errors", action="store_true", help="exit 0 even when requests failed")
     a = p.parse_args()

@@ -13,8 +13,10 @@
 //! `KVFLEET_BENCH_MAX_MODEL_LEN`-token requests, default 4096, is printed beside a full-layer
 //! budget's). Per batch size: each
 //! sequence prefills a 128-token prompt (untimed, chunks of up to 2048 tokens), then 128
-//! decode steps are timed, each step downloading the f32 logits and taking the greedy token on
-//! the host (as the generation loop does); one warm-up run, then the median of 3. Prints the
+//! decode steps are timed, each step picking its tokens on the device and copying the ids
+//! back (as the serving loop does; `KVFLEET_BENCH_SAMPLING=greedy|temperature|top-k|top-p`);
+//! one warm-up run, then the median of 3. `KVFLEET_BENCH_PICK=1` times the pick kernel
+//! alone against the host's picks instead. Prints the
 //! KV capacity (tokens) the GPU holds after weights and activations, and a table last.
 //! Env: `KVFLEET_BENCH_MODELS=smollm2,llama3-8b`, `KVFLEET_BENCH_BATCHES=1,32,256`,
 //! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`,
@@ -177,12 +179,90 @@ mod gpu {
     use kvfleet::model::gpu::{GpuLlama, GpuOptions};
     use kvfleet::model::kv::KvError;
     use kvfleet::model::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
-    use kvfleet::model::sampling::argmax;
+    use kvfleet::model::sampling::{argmax, Draw, RowPick};
     use kvfleet::worker::engine::direct::DirectPlanner;
     use kvfleet::worker::engine::KvDtype;
     use kvfleet::worker::engine::StepPlan;
 
     const CHUNK_TOKENS: usize = 2048;
+
+    /// How decode steps pick their tokens: `KVFLEET_BENCH_SAMPLING=greedy` (default),
+    /// `temperature` (1.0), `top-k` (1.0, 50) or `top-p` (1.0, 0.9).
+    fn sampling() -> RowPick {
+        let d = draw;
+        match std::env::var("KVFLEET_BENCH_SAMPLING").as_deref() {
+            Ok("greedy") | Err(_) => RowPick::Greedy,
+            Ok("temperature") => d(0, 1.0),
+            Ok("top-k") => d(50, 1.0),
+            Ok("top-p") => d(0, 0.9),
+            Ok(other) => fail(
+                "KVFLEET_BENCH_SAMPLING",
+                format!("{other:?}: expected greedy, temperature, top-k or top-p"),
+            ),
+        }
+    }
+
+    /// A draw at temperature 1 (its key set per row by [`with_key`]).
+    fn draw(top_k: u32, top_p: f32) -> RowPick {
+        RowPick::Draw(Draw {
+            temperature: 1.0,
+            top_k,
+            top_p,
+            key: 0,
+        })
+    }
+
+    fn with_key(p: RowPick, key: u64) -> RowPick {
+        match p {
+            RowPick::Draw(d) => RowPick::Draw(Draw { key, ..d }),
+            g => g,
+        }
+    }
+
+    /// `KVFLEET_BENCH_PICK=1`: the pick kernel alone on `[rows, 128256]` logits (Llama 3's
+    /// vocabulary, random values in [-8, 8)), rows 1 and 256, per kind of pick, against picking
+    /// the same rows on the host (the path before: logits copied back, then `RowPick::pick`;
+    /// the copy is not in the host figure). Mean of 20 launches after one.
+    fn pick_bench(gpu: &kvfleet::worker::cuda::device::Gpu) {
+        let v = 128_256;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 16.0 - 8.0
+        };
+        let logits: Vec<f32> = (0..256 * v).map(|_| next()).collect();
+        let kinds: [(&str, RowPick); 5] = [
+            ("greedy", RowPick::Greedy),
+            ("temperature 1", draw(0, 1.0)),
+            ("top-k 50", draw(50, 1.0)),
+            ("top-p 0.9", draw(0, 0.9)),
+            ("top-k 50 + top-p 0.9", draw(50, 0.9)),
+        ];
+        println!("pick                  rows  device_ms  host_ms");
+        for (name, kind) in kinds {
+            for rows in [1usize, 256] {
+                let picks: Vec<RowPick> = (0..rows as u64).map(|k| with_key(kind, k + 1)).collect();
+                let l = &logits[..rows * v];
+                let (got, each) = kvfleet::model::gpu::pick_rows_on_device(gpu, l, v, &picks, 20)
+                    .unwrap_or_else(|e| fail("pick kernel", e));
+                let t = Instant::now();
+                let want: Vec<u32> = picks
+                    .iter()
+                    .zip(l.chunks_exact(v))
+                    .map(|(p, row)| p.pick(row))
+                    .collect();
+                let host = t.elapsed();
+                let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+                println!(
+                    "{name:<21} {rows:>4}  {:>9.3}  {:>7.1}   ({same}/{rows} equal to the host's)",
+                    each.as_secs_f64() * 1e3,
+                    host.as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
 
     struct Row {
         model: &'static str,
@@ -231,6 +311,10 @@ mod gpu {
             ..GpuOptions::default()
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));
+        if std::env::var("KVFLEET_BENCH_PICK").as_deref() == Ok("1") {
+            pick_bench(&gpu);
+            return;
+        }
         println!(
             "device: {} ({}), {} SMs; kv dtype {}; prompt {prompt_len} tokens, {steps} decode steps, median of 3 after 1 warm-up",
             gpu.name,
@@ -390,7 +474,8 @@ mod gpu {
             }
         }
         let mut in_forward = Duration::ZERO;
-        let greedy = vec![true; b];
+        let kind = sampling();
+        let mut keys = 0u64;
         let t = Instant::now();
         for step in 0..steps {
             let toks: Vec<[u32; 1]> = last.iter().map(|&x| [x]).collect();
@@ -405,21 +490,26 @@ mod gpu {
                 })
                 .collect();
             let f0 = Instant::now();
-            // Greedy rows are picked on the GPU, as the serving loop does: token ids come back.
+            // Rows are picked on the GPU, as the serving loop does: token ids come back.
             let seqs: Vec<(u64, usize, usize)> = chunks.iter().map(|c| (c.seq, c.start_pos, 1)).collect();
             planner
                 .plan(&seqs, &mut plan)
                 .map_err(|e| ForwardError::Kv(KvError::Backend(e.to_string())))?;
-            let out = m.forward_rows(&chunks, &plan, &greedy)?;
+            let picks: Vec<RowPick> = (0..b)
+                .map(|_| {
+                    keys += 1;
+                    with_key(kind, keys)
+                })
+                .collect();
+            let out = m.forward_rows(&chunks, &plan, &picks)?;
             in_forward += f0.elapsed();
-            for (l, p) in last.iter_mut().zip(&out.picked) {
-                *l = p.ok_or_else(|| {
-                    ForwardError::Kv(KvError::Backend(
-                        "a greedy row came back without its token".into(),
-                    ))
-                })?;
+            if out.len() != b {
+                return Err(ForwardError::Kv(KvError::Backend(format!(
+                    "{} tokens for {b} rows",
+                    out.len()
+                ))));
             }
-            m.recycle(out.logits);
+            last.copy_from_slice(&out);
         }
         let secs = t.elapsed().as_secs_f64();
         let held = planner.held(base);

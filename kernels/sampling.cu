@@ -14,18 +14,11 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     }
 }
 
-}  // namespace
-
-// out[r] = argmax over logits[r, :vocab] (first maximum). Grid (rows), block a multiple of 32
-// (<= 1024).
-extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
-    kvf_wait_prior_grid();
+// The block's best (value, index), returned to every thread. Every thread of the block calls it.
+__device__ int block_best(float v, int idx) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    const float* row = logits + (size_t)blockIdx.x * vocab;
-    float v = __int_as_float(0xff800000);
-    int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(v, idx, row[i], i);
+    __shared__ int best;
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, v, o);
         const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
@@ -47,7 +40,144 @@ extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int
             const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
             better(v, idx, ov, oi);
         }
-        // A row of NaN or -inf only: token 0, as the host's argmax answers.
-        if (lane == 0) out[blockIdx.x] = idx < vocab ? idx : 0;
+        if (lane == 0) best = idx;
     }
+    __syncthreads();
+    const int r = best;
+    __syncthreads();
+    return r;
+}
+
+// Block reductions for the draw's threshold searches: every thread gets the result, and the
+// order of the sums is fixed by the block's shape, so a row draws the same token every run.
+__device__ unsigned block_max_u32(unsigned v) {
+    __shared__ unsigned part[32];
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    unsigned r = 0;
+    for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) r = max(r, part[w]);
+    __syncthreads();
+    return r;
+}
+
+__device__ int block_sum_int(int v) {
+    __shared__ int part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int r = 0;
+    for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) r += part[w];
+    __syncthreads();
+    return r;
+}
+
+// The order-preserving key of a scaled logit (NaN as -inf) and back: `order_key` and
+// `key_value` in crates/kvfleet-engine/src/model/sampling.rs.
+__device__ __forceinline__ unsigned order_key(float s) {
+    if (s != s) s = __int_as_float(0xff800000);
+    const unsigned b = __float_as_uint(s);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The Gumbel noise of token i under a row's key (`gumbel` in sampling.rs): u in (0, 1) from 23
+// bits of splitmix64(key + i * golden), exact in f32; -log(-log(u)) with the accurate logf.
+__device__ __forceinline__ float gumbel(unsigned long long key, int i) {
+    const unsigned long long z = splitmix64(key + (unsigned long long)i * 0x9E3779B97F4A7C15ull);
+    const float u = ((float)(z >> 41) + 0.5f) * (1.f / 8388608.f);
+    return -logf(-logf(u));
+}
+
+// Tokens of the row whose key is at least k (with the key of every element recomputed).
+__device__ int count_from(const float* __restrict__ row, int vocab, float t, unsigned k) {
+    int c = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) c += order_key(row[i] / t) >= k;
+    return block_sum_int(c);
+}
+
+// Softmax mass (relative to the row's maximum m) of the tokens whose key is at least k.
+__device__ float mass_from(const float* __restrict__ row, int vocab, float t, float m, unsigned k) {
+    float z = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float s = row[i] / t;
+        if (order_key(s) >= k) z += expf(s - m);
+    }
+    return block_sum(z);
+}
+
+}  // namespace
+
+// out[r] = argmax over logits[r, :vocab] (first maximum). Grid (rows), block a multiple of 32
+// (<= 1024).
+extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
+    kvf_wait_prior_grid();
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float v = __int_as_float(0xff800000);
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(v, idx, row[i], i);
+    idx = block_best(v, idx);
+    // A row of NaN or -inf only: token 0, as the host's argmax answers.
+    if (threadIdx.x == 0) out[blockIdx.x] = idx < vocab ? idx : 0;
+}
+
+// out[r] = the token row r's pick chooses (`RowPick` in crates/kvfleet-engine/src/model/
+// sampling.rs, which defines it and picks the same on the host). picks[r] is 6 words:
+// temperature (f32 bits; <= 0: the argmax), top_k (0: all), top_p (f32 bits; 1: all), the key's
+// low and high words, unused. Top-k and top-p find their smallest kept key by bisection over
+// the 32-bit key space, a pass over the row per step (at most 32 each); a draw with neither is
+// two passes. Grid (rows), block a multiple of 32 (<= 1024).
+extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int vocab,
+                                         const unsigned* __restrict__ picks, int* __restrict__ out) {
+    kvf_wait_prior_grid();
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    const unsigned* p = picks + 6 * (size_t)blockIdx.x;
+    const float t = __uint_as_float(p[0]);
+    const int top_k = (int)p[1];
+    const float top_p = __uint_as_float(p[2]);
+    const unsigned long long key = (unsigned long long)p[3] | ((unsigned long long)p[4] << 32);
+    float v = __int_as_float(0xff800000);
+    int idx = 0x7fffffff;
+    if (!(t > 0.f) || top_k == 1) {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(v, idx, row[i], i);
+    } else {
+        unsigned kmax = 0;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) kmax = max(kmax, order_key(row[i] / t));
+        kmax = block_max_u32(kmax);
+        // Keys at or above `floor` stay. Each search keeps the largest key where its predicate
+        // (monotone: true at `floor`) holds.
+        unsigned floor = 0;
+        if (top_k > 1 && top_k < vocab) {
+            unsigned lo = 0, hi = kmax;
+            while (lo < hi) {
+                const unsigned mid = lo + (unsigned)(((unsigned long long)hi - lo + 1) / 2);
+                if (count_from(row, vocab, t, mid) >= top_k) lo = mid; else hi = mid - 1;
+            }
+            floor = lo;
+        }
+        const float m = key_value(kmax);
+        if (top_p < 1.f && isfinite(m)) {
+            const float target = top_p * mass_from(row, vocab, t, m, floor);
+            unsigned lo = floor, hi = kmax;
+            while (lo < hi) {
+                const unsigned mid = lo + (unsigned)(((unsigned long long)hi - lo + 1) / 2);
+                if (mass_from(row, vocab, t, m, mid) >= target) lo = mid; else hi = mid - 1;
+            }
+            floor = lo;
+        }
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const unsigned k = order_key(row[i] / t);
+            if (k >= floor) better(v, idx, key_value(k) + gumbel(key, i), i);
+        }
+    }
+    idx = block_best(v, idx);
+    // Nothing above -inf: token 0, as the host answers.
+    if (threadIdx.x == 0) out[blockIdx.x] = idx < vocab ? idx : 0;
 }

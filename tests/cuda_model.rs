@@ -15,14 +15,17 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
 use kvfleet::model::forward::{step_direct, Forward};
 use kvfleet::model::gguf::Gguf;
-use kvfleet::model::gpu::{GpuLlama, GpuOptions};
+use kvfleet::model::gpu::{pick_rows_on_device, GpuLlama, GpuOptions};
 use kvfleet::model::kv::ContiguousKv;
 use kvfleet::model::llama::ForwardError;
 use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet::model::runtime::{GenEvent, ModelRuntime};
-use kvfleet::model::sampling::{argmax, SamplingParams};
+use kvfleet::model::sampling::{argmax, gumbel, Draw, RowPick, SamplingParams};
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
 use kvfleet::worker::cuda::device::Gpu;
 use kvfleet::worker::engine::direct::DirectPlanner;
@@ -541,9 +544,34 @@ fn gpu_runtime_generation_loop_answers_paris() {
     assert_eq!(replies[0], replies[1]);
 }
 
+/// Whether the device's token `got` for a row where the host picked `want` is the same, or a
+/// tie the two devices may break apart: both kept with Gumbel scores within `1e-5` of each
+/// other (the host and the GPU's `logf` may differ by an ulp).
+fn same_pick(row: &[f32], pick: RowPick, got: u32, want: u32) -> bool {
+    if got == want {
+        return true;
+    }
+    match pick {
+        RowPick::Greedy => row[got as usize] == row[want as usize],
+        RowPick::Draw(d) => {
+            let score = |i: u32| row[i as usize] / d.temperature + gumbel(d.key, i);
+            (score(got) - score(want)).abs() <= 1e-5 * score(want).abs().max(1.0)
+        }
+    }
+}
+
+fn draw(temperature: f32, top_k: u32, top_p: f32, key: u64) -> RowPick {
+    RowPick::Draw(Draw {
+        temperature,
+        top_k,
+        top_p,
+        key,
+    })
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
-fn gpu_greedy_rows_are_picked_on_the_device_as_the_host_argmax() {
+fn gpu_rows_are_picked_on_the_device_as_the_host_picks() {
     // A vocabulary that is no multiple of the kernel's 1024 threads.
     let mut cfg = LlamaConfig::llama(2, 256, 512, 4, 2, 5003);
     cfg.context_len = 256;
@@ -553,21 +581,22 @@ fn gpu_greedy_rows_are_picked_on_the_device_as_the_host_argmax() {
     let a: Vec<u32> = (0..19).map(|i| (i * 17 + 3) % v as u32).collect();
     let b: Vec<u32> = (0..5).map(|i| (i * 29 + 1) % v as u32).collect();
     let c: Vec<u32> = (0..33).map(|i| (i * 7 + 5) % v as u32).collect();
-    let steps: Vec<(Vec<SeqChunk<'_>>, Vec<bool>)> = vec![
+    let steps: Vec<(Vec<SeqChunk<'_>>, Vec<RowPick>)> = vec![
         (
             vec![chunk(1, 0, &a), chunk(2, 0, &b), chunk(3, 0, &c)],
-            vec![true, false, true],
+            vec![RowPick::Greedy, draw(0.7, 0, 1.0, 1), RowPick::Greedy],
         ),
         (
             vec![chunk(1, 19, &[4]), chunk(2, 5, &[9]), chunk(3, 33, &[2])],
-            vec![false, true, true],
+            vec![draw(1.0, 40, 1.0, 2), draw(1.3, 0, 0.9, 3), draw(0.5, 20, 0.5, 4)],
         ),
+        // Greedy rows only: the argmax kernel, no parameters uploaded.
         (
             vec![chunk(1, 20, &[8]), chunk(2, 6, &[1]), chunk(3, 34, &[6])],
-            vec![true, true, true],
+            vec![RowPick::Greedy; 3],
         ),
     ];
-    for (si, (batch, greedy)) in steps.iter().enumerate() {
+    for (si, (batch, picks)) in steps.iter().enumerate() {
         let want = host.forward(batch).expect("logits step");
         let seqs: Vec<(u64, usize, usize)> = batch
             .iter()
@@ -576,33 +605,74 @@ fn gpu_greedy_rows_are_picked_on_the_device_as_the_host_argmax() {
         device.planner.plan(&seqs, &mut device.plan).expect("plan");
         let got = device
             .g
-            .forward_rows(batch, &device.plan, greedy)
+            .forward_rows(batch, &device.plan, picks)
             .expect("sampling step");
-        let mut back = 0;
-        for (i, &g) in greedy.iter().enumerate() {
+        assert_eq!(got.len(), picks.len(), "step {si}: a token a row");
+        for (i, (&pick, &tok)) in picks.iter().zip(&got).enumerate() {
             let row = &want[i * v..(i + 1) * v];
-            if g {
-                assert_eq!(got.picked[i], Some(argmax(row)), "step {si} row {i}: device pick");
-                assert_eq!(
-                    got.logits_row[i], None,
-                    "step {si} row {i}: greedy rows stay on the device"
-                );
-            } else {
-                assert_eq!(got.picked[i], None, "step {si} row {i}");
-                let r = got.logits_row[i].expect("a sampled row's logits come back");
-                assert_eq!(r, back, "step {si} row {i}: rows come back in order");
-                let (d, scale) = diff(&got.logits[r * v..(r + 1) * v], row);
-                assert!(
-                    d <= 1e-5 * scale + 1e-6,
-                    "step {si} row {i}: logits differ by {d} (max {scale})"
-                );
-                back += 1;
-            }
+            let host_tok = pick.pick(row);
+            assert!(
+                same_pick(row, pick, tok, host_tok),
+                "step {si} row {i} ({pick:?}): device {tok}, host {host_tok}"
+            );
         }
-        assert_eq!(
-            got.logits.len(),
-            back * v,
-            "step {si}: only the sampled rows' logits come back"
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_draws_equal_the_host_draws_on_random_logits() {
+    // Rows of a 32,003-token vocabulary: smooth logits, logits rounded to 0.5 (ties at the
+    // top-k and top-p boundaries), and rows with masked (-inf) tokens, under every kind of pick.
+    let v = 32_003;
+    let mut rng = StdRng::seed_from_u64(7);
+    let kinds: Vec<RowPick> = vec![
+        RowPick::Greedy,
+        draw(1.0, 0, 1.0, 0),
+        draw(0.3, 0, 1.0, 0),
+        draw(1.5, 0, 1.0, 0),
+        draw(1.0, 1, 1.0, 0),
+        draw(0.8, 2, 1.0, 0),
+        draw(0.8, 50, 1.0, 0),
+        draw(1.0, 40_000, 1.0, 0),
+        draw(1.0, 0, 0.95, 0),
+        draw(0.7, 0, 0.5, 0),
+        draw(1.0, 0, 0.05, 0),
+        draw(0.9, 100, 0.9, 0),
+        draw(2.0, 1000, 0.99, 0),
+    ];
+    let rows = 3 * kinds.len() * 4;
+    let mut logits = Vec::with_capacity(rows * v);
+    let mut picks = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let shape = r % 3;
+        for _ in 0..v {
+            let x: f32 = rng.random_range(-8.0..8.0);
+            logits.push(match shape {
+                0 => x,
+                1 => (x * 2.0).round() / 2.0,
+                _ if rng.random_range(0..4) == 0 => f32::NEG_INFINITY,
+                _ => x,
+            });
+        }
+        picks.push(match kinds[(r / 3) % kinds.len()] {
+            RowPick::Draw(d) => RowPick::Draw(Draw {
+                key: rng.random(),
+                ..d
+            }),
+            g => g,
+        });
+    }
+    let (got, _) = pick_rows_on_device(&gpu(), &logits, v, &picks, 0).expect("picks on the GPU");
+    let mut exact = 0;
+    for (r, (&pick, &tok)) in picks.iter().zip(&got).enumerate() {
+        let row = &logits[r * v..(r + 1) * v];
+        let want = pick.pick(row);
+        exact += (tok == want) as usize;
+        assert!(
+            same_pick(row, pick, tok, want),
+            "row {r} ({pick:?}): device {tok}, host {want}"
         );
     }
+    println!("device picks equal to the host's: {exact} of {rows}");
 }

@@ -67,7 +67,8 @@ case "$mode" in
     # The served model through HTTP (issue 19): ceilings of this call, then each worker build
     # carried (kvfleet-base first, when present) with dummy Llama-3.1-8B weights, the same load
     # rows, and the profile tables (KVFLEET_PROFILE=1) the worker logs.
-    # KVFLEET_DEVICE_BUILDS picks the builds, KVFLEET_DEVICE_PROFILE=1 turns the profile on
+    # KVFLEET_DEVICE_BUILDS picks the builds, KVFLEET_DEVICE_HTTP_SAMPLING adds http_load.py
+    # sampling flags (e.g. "--temperature 1 --top-p 0.9"), KVFLEET_DEVICE_PROFILE=1 turns the profile on
     # (it costs launch time: time the figures without it), KVFLEET_DEVICE_TAG names the logs.
     if [ ! -s "$OUT/ceilings.json" ]; then
       step "ceilings (copy bandwidth, bf16 GEMM)"
@@ -87,7 +88,7 @@ case "$mode" in
         for row in ${KVFLEET_DEVICE_HTTP_ROWS:-1:130:512:1 64:130:512:64 256:130:512:256 256:1500:128:256 1:1500:16:5}; do
           IFS=: read -r c p o n <<< "$row"
           timeout 150 python3 $dev/http_load.py --port 8000 --concurrency "$c" --prompt-tokens "$p" \
-            --output-tokens "$o" --requests "$n" --vocab 128000 --metrics 2>&1 | tee -a "$log.http.log" | tail -1 \
+            --output-tokens "$o" --requests "$n" --vocab 128000 --metrics ${KVFLEET_DEVICE_HTTP_SAMPLING:-} 2>&1 | tee -a "$log.http.log" | tail -1 \
             | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print({k: r[k] for k in ("concurrency","prompt_tokens","output_tokens","errors","output_tok_per_s","ttft_p50_ms","ttft_p99_ms","itl_p50_ms","itl_p99_ms")})' 
         done
         kill $pid; wait $pid 2>/dev/null

@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::forward::{Forward, StepOutput};
+use super::forward::Forward;
 use super::gguf::GgufError;
 use super::gpu::{GpuCapacity, GpuError};
 use super::hf::HfError;
 use super::llama::{LoadError, SeqChunk};
 use super::metrics::Metrics;
 use super::profile::{self, Shape, Table};
-use super::sampling::{Sampler, SamplingParams, StopMatcher};
+use super::sampling::{RowPick, Sampler, SamplingParams, StopMatcher};
 use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 use kvfleet_engine::engine::scheduler::{
     Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError,
@@ -355,7 +355,6 @@ pub fn run_greedy(
     requests: &[(Vec<u32>, usize)],
 ) -> Result<(usize, Vec<Vec<u32>>), String> {
     let kv = model.kv_config().clone();
-    let vocab = model.config().vocab;
     let mut s = Scheduler::new(sched.clone(), &kv.groups);
     let mut tokens: Vec<Vec<u32>> = requests.iter().map(|(p, _)| p.clone()).collect();
     let mut outputs = vec![Vec::new(); requests.len()];
@@ -388,22 +387,20 @@ pub fn run_greedy(
             .filter(|c| c.samples)
             .map(|c| c.id as usize)
             .collect();
-        let out = model
-            .forward_rows(&batch, &plan, &vec![true; rows.len()])
+        let picked = model
+            .forward_rows(&batch, &plan, &vec![RowPick::Greedy; rows.len()])
             .map_err(|e| format!("step {steps}: {e}"))?;
-        for (r, &id) in rows.iter().enumerate() {
-            let token = match (
-                out.picked.get(r).copied().flatten(),
-                out.logits_row.get(r).copied().flatten(),
-            ) {
-                (Some(t), _) => t,
-                (None, Some(row)) => super::sampling::argmax(&out.logits[row * vocab..(row + 1) * vocab]),
-                (None, None) => return Err(format!("step {steps} returned no output for row {r}")),
-            };
+        if picked.len() != rows.len() {
+            return Err(format!(
+                "step {steps} returned {} tokens for {} rows",
+                picked.len(),
+                rows.len()
+            ));
+        }
+        for (&id, token) in rows.iter().zip(picked) {
             tokens[id].push(token);
             outputs[id].push(token);
         }
-        model.recycle(out.logits);
         s.complete(&mut events);
         if let Some(Event::Failed { id, reason }) = events.iter().find(|e| matches!(e, Event::Failed { .. }))
         {
@@ -620,6 +617,16 @@ impl Loop {
         let scheduled = scheduling.elapsed();
         let chunks: Vec<_> = self.sched.scheduled().collect();
         let rows: Vec<RequestId> = chunks.iter().filter(|c| c.samples).map(|c| c.id).collect();
+        // Each sampled row takes its request's next key before the step: the device draws with
+        // it (one u64 of the request's stream a token, on either device).
+        let picks: Vec<RowPick> = rows
+            .iter()
+            .map(|id| {
+                self.live
+                    .get_mut(id)
+                    .map_or(RowPick::Greedy, |l| l.sampler.next_pick())
+            })
+            .collect();
         let started = Instant::now();
         let result = {
             let mut batch = Vec::with_capacity(chunks.len());
@@ -637,15 +644,10 @@ impl Loop {
             }
             match bad {
                 Some(id) => Err(format!("request {id} was scheduled without its tokens")),
-                None => {
-                    let greedy: Vec<bool> = rows
-                        .iter()
-                        .map(|id| self.live.get(id).is_some_and(|l| l.sampler.is_greedy()))
-                        .collect();
-                    self.model
-                        .forward_rows(&batch, plan, &greedy)
-                        .map_err(|e| e.to_string())
-                }
+                None => self
+                    .model
+                    .forward_rows(&batch, plan, &picks)
+                    .map_err(|e| e.to_string()),
             }
         };
         let elapsed = started.elapsed();
@@ -661,7 +663,6 @@ impl Loop {
                 self.metrics.step_seconds.observe(elapsed.as_secs_f64());
                 let now = Instant::now();
                 self.handle(events, Some((&out, now)), &rows);
-                self.model.recycle(out.logits);
                 let ms = |d: Duration| d.as_secs_f64() * 1e3;
                 Some((
                     shape,
@@ -688,8 +689,7 @@ impl Loop {
 
     /// Applies scheduler events: samples the next token of every request the step yielded
     /// one for (row `i` of the step's output belongs to `rows[i]`), streams text, ends requests.
-    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&StepOutput, Instant)>, rows: &[RequestId]) {
-        let vocab = self.model.config().vocab;
+    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&[u32], Instant)>, rows: &[RequestId]) {
         let row_of: HashMap<RequestId, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut stopped = Vec::new();
         loop {
@@ -711,19 +711,9 @@ impl Loop {
                         if l.ended.is_some() {
                             continue;
                         }
-                        let next = match (out.picked.get(row).copied().flatten(), out.logits_row.get(row)) {
-                            (Some(tok), _) => tok,
-                            (None, Some(Some(r))) => {
-                                l.sampler.sample(&out.logits[r * vocab..(r + 1) * vocab])
-                            }
-                            (None, _) => {
-                                tracing::error!(
-                                    id,
-                                    row,
-                                    "the step returned neither a token nor logits for a row"
-                                );
-                                continue;
-                            }
+                        let Some(&next) = out.get(row) else {
+                            tracing::error!(id, row, "the step returned no token for a row");
+                            continue;
                         };
                         self.metrics.vllm_generation_tokens.inc();
                         match l.last_token_at {

@@ -41,9 +41,10 @@ use crate::{driver_err, nvrtc, CudaError};
 mod gemv;
 use kvfleet_engine::engine::layout::{BackendConfig, KvDtype, StepPlan};
 use kvfleet_engine::engine::Backend;
-use kvfleet_engine::model::forward::{check_plan, llama_backend_config, Forward, StepOutput};
+use kvfleet_engine::model::forward::{check_plan, llama_backend_config, Forward};
 use kvfleet_engine::model::kv::AttnGeometry;
 use kvfleet_engine::model::llama::{inv_freq, ForwardError, Llama, LlamaConfig, SeqChunk};
+use kvfleet_engine::model::sampling::RowPick;
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
 /// `kernels/sampling.cu` and `kernels/gemv.cu` follow `kernels/model.cu` in one program (they use
@@ -57,7 +58,7 @@ pub const MODEL_SOURCE: &str = concat!(
 );
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 12] = [
+pub const MODEL_KERNELS: [&str; 13] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
@@ -66,6 +67,7 @@ pub const MODEL_KERNELS: [&str; 12] = [
     "kvf_silu_mul",
     "kvf_fill_uniform",
     "kvf_argmax_rows",
+    "kvf_pick_rows",
     "kvf_embed_scaled",
     "kvf_rms_norm_add",
     "kvf_gelu_tanh_mul",
@@ -104,6 +106,28 @@ mod part {
     pub const LM_HEAD: usize = 11;
     pub const SAMPLE: usize = 12;
     pub const TO_HOST: usize = 13;
+}
+
+/// Words of one row's pick in `kvf_pick_rows`' input.
+const PICK_WORDS: usize = 6;
+
+/// The kernel's words for each pick: temperature (0 for the argmax), top-k clamped to `i32`,
+/// top-p, the key's low and high halves, and an unused word.
+fn pick_words(picks: &[RowPick]) -> Vec<u32> {
+    picks
+        .iter()
+        .flat_map(|p| match p {
+            RowPick::Greedy => [0; PICK_WORDS],
+            RowPick::Draw(d) => [
+                d.temperature.to_bits(),
+                d.top_k.min(i32::MAX as u32),
+                d.top_p.to_bits(),
+                d.key as u32,
+                (d.key >> 32) as u32,
+                0,
+            ],
+        })
+        .collect()
 }
 
 /// Tokens per KV page (the only page size the attention kernels build).
@@ -214,6 +238,45 @@ pub fn model_ptx(arch: Arch) -> Result<Arc<str>, CudaError> {
         .map_err(|_| CudaError::Poisoned)?
         .insert(arch, ptx.clone());
     Ok(ptx)
+}
+
+/// Picks a token from each row of `logits` (`[picks.len(), vocab]` f32) with `kvf_pick_rows`, as
+/// a step does after its LM head: for tests that hold the device to the host's
+/// [`RowPick::pick`], and for timing the kernel alone. Runs it `1 + reps` times and returns the
+/// tokens and the mean time of the last `reps` launches (the first loads the module).
+pub fn pick_rows_on_device(
+    gpu: &Gpu,
+    logits: &[f32],
+    vocab: usize,
+    picks: &[RowPick],
+    reps: usize,
+) -> Result<(Vec<u32>, std::time::Duration), GpuError> {
+    let rows = picks.len();
+    if vocab == 0 || logits.len() != rows * vocab {
+        return Err(GpuError::Invalid(format!(
+            "{} logits for {rows} rows of {vocab}",
+            logits.len()
+        )));
+    }
+    let k = ModelKernels::load(gpu)?;
+    let s = gpu.stream().clone();
+    let d_logits = s
+        .clone_htod(logits)
+        .map_err(drv("copying logits to the device"))?;
+    let mut words = s
+        .alloc_zeros::<u32>(rows * PICK_WORDS)
+        .map_err(drv("allocating pick words"))?;
+    let mut out = s.alloc_zeros::<i32>(rows).map_err(drv("allocating picks"))?;
+    k.pick_rows(&s, &d_logits, vocab, picks, &mut words, &mut out)?;
+    gpu.synchronize()?;
+    let start = std::time::Instant::now();
+    for _ in 0..reps {
+        k.pick_rows(&s, &d_logits, vocab, picks, &mut words, &mut out)?;
+    }
+    gpu.synchronize()?;
+    let each = start.elapsed() / reps.max(1) as u32;
+    let ids = s.clone_dtoh(&out).map_err(drv("copying picks to the host"))?;
+    Ok((ids.into_iter().map(|i| i as u32).collect(), each))
 }
 
 /// How many times each KV head is stored so that the attention kernels' GQA group sizes
@@ -365,6 +428,7 @@ struct ModelKernels {
     silu_mul: CudaFunction,
     fill_uniform: CudaFunction,
     argmax_rows: CudaFunction,
+    pick_rows: CudaFunction,
     gemma: GemmaKernels,
     gemv: gemv::Gemv,
     /// Launch the decode step's kernels with programmatic dependent launch (sm_90 and later):
@@ -464,6 +528,7 @@ impl ModelKernels {
             silu_mul: f("kvf_silu_mul")?,
             fill_uniform: f("kvf_fill_uniform")?,
             argmax_rows: f("kvf_argmax_rows")?,
+            pick_rows: f("kvf_pick_rows")?,
             gemma: GemmaKernels {
                 embed_scaled: f("kvf_embed_scaled")?,
                 rms_norm_add: f("kvf_rms_norm_add")?,
@@ -583,6 +648,38 @@ impl ModelKernels {
         // previous kernel first (PDL).
         unsafe { l.launch(&self.argmax_rows, rows_cfg(rows, 1024, 0), self.pdl) }
             .map_err(drv("launching kvf_argmax_rows"))?;
+        Ok(())
+    }
+
+    /// `out[r]` = the token `picks[r]` chooses from `logits[r, :vocab]` (`kvf_pick_rows`), with
+    /// the picks uploaded into `words` (6 a row).
+    #[allow(clippy::too_many_arguments)]
+    fn pick_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        picks: &[RowPick],
+        words: &mut CudaSlice<u32>,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), GpuError> {
+        let rows = picks.len();
+        need("logits", logits, rows * vocab)?;
+        need("pick output", out, rows)?;
+        need("pick words", words, rows * PICK_WORDS)?;
+        let host = pick_words(picks);
+        let mut view = words.slice_mut(..host.len());
+        s.memcpy_htod(&host, &mut view)
+            .map_err(drv("copying sampling parameters to the device"))?;
+        let v = vocab as i32;
+        let mut l = Launch::new(s);
+        l.ptr(logits).i32(v).ptr(words).ptr_mut(out);
+        // SAFETY: matches `kvf_pick_rows` in kernels/sampling.cu (pointer, int, pointer,
+        // pointer); `logits` holds `rows * vocab` f32, `words` 6 words a row, `out` `rows` ints
+        // (checked above); one block of 1024 threads (a multiple of 32) per row, static shared
+        // memory only; it waits for the previous kernel first (PDL).
+        unsafe { l.launch(&self.pick_rows, rows_cfg(rows, 1024, 0), self.pdl) }
+            .map_err(drv("launching kvf_pick_rows"))?;
         Ok(())
     }
 
@@ -903,8 +1000,10 @@ struct Acts {
     hl: CudaSlice<u16>,
     /// f32 `[R, vocab]`.
     logits: CudaSlice<f32>,
-    /// `[R]`: each row's argmax.
+    /// `[R]`: each row's token.
     picks: CudaSlice<i32>,
+    /// `[R, PICK_WORDS]`: each row's sampling parameters (`kvf_pick_rows`).
+    pick_words: CudaSlice<u32>,
     /// Gemma 3: f32 `[T, d]`, a sublayer's output before its post-norm (one element otherwise).
     proj: CudaSlice<f32>,
 }
@@ -914,7 +1013,7 @@ impl Acts {
         let f32s = t * dm.d + t * (dm.qw + 2 * dm.kw) + t * 2 * dm.ff + r * dm.vocab;
         let bf16s = t * dm.d + 2 * t * dm.qw + 2 * t * dm.kw_rep + t * dm.ff + r * dm.d;
         let proj = if dm.gemma { t * dm.d } else { 1 };
-        4 * (f32s + proj) + 2 * bf16s + 4 * (2 * t + 2 * r)
+        4 * (f32s + proj) + 2 * bf16s + 4 * (2 * t + 2 * r + PICK_WORDS * r)
     }
 
     fn alloc(s: &Arc<CudaStream>, dm: &Dims, t: usize, r: usize) -> Result<Self, GpuError> {
@@ -940,6 +1039,9 @@ impl Acts {
             hl: h(r * dm.d)?,
             logits: f(r * dm.vocab)?,
             picks: i(r)?,
+            pick_words: s
+                .alloc_zeros::<u32>(r * PICK_WORDS)
+                .map_err(drv("allocating activations"))?,
             proj: f(if dm.gemma { t * dm.d } else { 1 })?,
         })
     }
@@ -955,6 +1057,14 @@ fn upload_into(s: &Arc<CudaStream>, host: &[i32], dst: &mut CudaSlice<i32>) -> R
         .map_err(drv("copying step indices to the device"))
 }
 
+/// What a step brings back to the host.
+enum StepOut {
+    /// `[rows, vocab]` f32.
+    Logits(Vec<f32>),
+    /// A token a row, picked on the device.
+    Tokens(Vec<u32>),
+}
+
 /// A Llama-family model on one GPU with its paged KV cache.
 pub struct GpuLlama {
     config: LlamaConfig,
@@ -966,8 +1076,6 @@ pub struct GpuLlama {
     acts: Acts,
     backend: CudaBackend,
     capacity: GpuCapacity,
-    /// The last step's host logits, handed back by [`Forward::recycle`] for reuse.
-    spare_logits: Vec<f32>,
     /// CUDA-event timing of each part of a step, when `KVFLEET_PROFILE=1`.
     profile: Option<GpuSteps>,
     /// Steps of one token take the fused GEMV path.
@@ -1124,7 +1232,6 @@ impl GpuLlama {
             acts,
             backend,
             capacity,
-            spare_logits: Vec::new(),
             single_token_gemv: opts.single_token_gemv && gemv::Gemv::fits(dims.d, &[dims.qw, dims.ff]),
             profile: profile::enabled().then(|| GpuSteps::new(gpu_ctx, PROFILE_PARTS)),
         })
@@ -1160,10 +1267,10 @@ impl GpuLlama {
         Ok(())
     }
 
-    /// The step on the device; host-side checks were done by the caller. With `greedy`, row
-    /// `i` comes back as its argmax when `greedy[i]`, else as logits; without, every row as
-    /// logits.
-    fn run(&mut self, t: usize, last: &[i32], greedy: Option<&[bool]>) -> Result<StepOutput, GpuError> {
+    /// The step on the device; host-side checks were done by the caller. With `picks`, row
+    /// `i`'s token is picked on the device as `picks[i]` says and only token ids come back;
+    /// without, every row's logits.
+    fn run(&mut self, t: usize, last: &[i32], picks: Option<&[RowPick]>) -> Result<StepOut, GpuError> {
         let GpuLlama {
             config: c,
             dims: dm,
@@ -1173,7 +1280,6 @@ impl GpuLlama {
             weights: w,
             acts: a,
             backend,
-            spare_logits,
             profile,
             single_token_gemv,
             ..
@@ -1289,7 +1395,7 @@ impl GpuLlama {
         let n = last.len();
         if n == 0 {
             gpu.synchronize()?;
-            return Ok(StepOutput::default());
+            return Ok(StepOut::Logits(Vec::new()));
         }
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         if *single_token_gemv && n == 1 {
@@ -1307,56 +1413,33 @@ impl GpuLlama {
         }
         mark!(part::LM_HEAD);
         let vocab = dm.vocab;
-        // Rows whose logits come back: all, or those not picked on the device.
-        let full: Vec<usize> = match greedy {
-            Some(g) => (0..n).filter(|&i| !g.get(i).copied().unwrap_or(false)).collect(),
-            None => (0..n).collect(),
-        };
-        let mut picked = vec![None; n];
-        if full.len() < n {
-            k.argmax_rows(&s, &a.logits, n, vocab, &mut a.picks)?;
-            mark!(part::SAMPLE);
-            let mut ids = vec![0i32; n];
-            s.memcpy_dtoh(&a.picks.slice(..n), &mut ids)
-                .map_err(drv("copying sampled tokens to the host"))?;
-            for (i, id) in ids.into_iter().enumerate() {
-                if greedy.is_some_and(|g| g[i]) {
-                    picked[i] = Some(id as u32);
+        let out = match picks {
+            Some(picks) => {
+                // A step of greedy rows only skips the parameters' upload.
+                if picks.iter().all(|p| *p == RowPick::Greedy) {
+                    k.argmax_rows(&s, &a.logits, n, vocab, &mut a.picks)?;
+                } else {
+                    k.pick_rows(&s, &a.logits, vocab, picks, &mut a.pick_words, &mut a.picks)?;
                 }
+                mark!(part::SAMPLE);
+                let mut ids = vec![0i32; n];
+                s.memcpy_dtoh(&a.picks.slice(..n), &mut ids)
+                    .map_err(drv("copying sampled tokens to the host"))?;
+                StepOut::Tokens(ids.into_iter().map(|id| id as u32).collect())
             }
-        }
-        // Reuse the recycled buffer: only growth touches fresh pages; the copies overwrite it.
-        let mut host = std::mem::take(spare_logits);
-        host.resize(full.len() * vocab, 0.0);
-        let mut logits_row = vec![None; n];
-        // Runs of consecutive rows go in one copy.
-        let mut j = 0;
-        while j < full.len() {
-            let mut e = j + 1;
-            while e < full.len() && full[e] == full[e - 1] + 1 {
-                e += 1;
+            None => {
+                let mut host = vec![0.0f32; n * vocab];
+                s.memcpy_dtoh(&a.logits.slice(..n * vocab), &mut host)
+                    .map_err(drv("copying logits to the host"))?;
+                StepOut::Logits(host)
             }
-            let (r0, rows) = (full[j], e - j);
-            s.memcpy_dtoh(
-                &a.logits.slice(r0 * vocab..(r0 + rows) * vocab),
-                &mut host[j * vocab..e * vocab],
-            )
-            .map_err(drv("copying logits to the host"))?;
-            for (q, &r) in full[j..e].iter().enumerate() {
-                logits_row[r] = Some(j + q);
-            }
-            j = e;
-        }
+        };
         gpu.synchronize()?;
         mark!(part::TO_HOST);
         if let Some(p) = profile.as_mut() {
             p.finish(t, n).map_err(drv("reading profile events"))?;
         }
-        Ok(StepOutput {
-            picked,
-            logits_row,
-            logits: host,
-        })
+        Ok(out)
     }
 
     /// Host checks, uploads and the backend's plan for a step; returns the step's tokens and
@@ -1657,39 +1740,38 @@ impl Forward for GpuLlama {
         if t == 0 {
             return Ok(Vec::new());
         }
-        Ok(self.run(t, &last, None)?.logits)
+        match self.run(t, &last, None)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Tokens(_) => unreachable!("a step without picks returns logits"),
+        }
     }
 
     fn forward_rows(
         &mut self,
         batch: &[SeqChunk<'_>],
         plan: &StepPlan,
-        greedy: &[bool],
-    ) -> Result<StepOutput, ForwardError> {
+        picks: &[RowPick],
+    ) -> Result<Vec<u32>, ForwardError> {
         let (t, last) = self.begin(batch, plan)?;
         if t == 0 {
-            return Ok(StepOutput::default());
+            return Ok(Vec::new());
         }
-        if greedy.len() != last.len() {
-            return Err(ForwardError::Kv(kvfleet_engine::model::kv::KvError::Backend(
-                format!(
-                    "{} sampling choices for {} rows wanting logits",
-                    greedy.len(),
-                    last.len()
-                ),
-            )));
+        if picks.len() != last.len() {
+            return Err(GpuError::Invalid(format!(
+                "{} picks for {} rows wanting logits",
+                picks.len(),
+                last.len()
+            ))
+            .into());
         }
-        Ok(self.run(t, &last, Some(greedy))?)
+        match self.run(t, &last, Some(picks))? {
+            StepOut::Tokens(ids) => Ok(ids),
+            StepOut::Logits(_) => unreachable!("a step with picks returns tokens"),
+        }
     }
 
     fn device(&self) -> &'static str {
         "cuda"
-    }
-
-    fn recycle(&mut self, logits: Vec<f32>) {
-        if logits.capacity() > self.spare_logits.capacity() {
-            self.spare_logits = logits;
-        }
     }
 }
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
+use super::sampling::RowPick;
 use crate::engine::cpu::CpuBackend;
 use crate::engine::direct::DirectPlanner;
 use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
@@ -27,18 +28,30 @@ pub trait Forward: Send {
     /// `[chunks wanting logits, vocab]` f32 logits in chunk order.
     fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError>;
 
-    /// Runs the step like [`Forward::forward`] for a serving loop that samples: row `i` (the
-    /// `i`-th chunk wanting logits) asks for its argmax when `greedy[i]`, its logits otherwise.
-    /// A device that holds the logits picks the greedy rows' tokens itself, so that only token
-    /// ids cross to the host; the default returns every row's logits.
+    /// Runs the step like [`Forward::forward`] for a serving loop that samples, and returns
+    /// the next token of each row (the `i`-th chunk wanting logits), picked as `picks[i]`
+    /// says. A device that holds the logits picks there (the GPU: `kernels/sampling.cu`), so
+    /// only token ids cross to the host; the default picks on the host.
     fn forward_rows(
         &mut self,
         batch: &[SeqChunk<'_>],
         plan: &StepPlan,
-        greedy: &[bool],
-    ) -> Result<StepOutput, ForwardError> {
+        picks: &[RowPick],
+    ) -> Result<Vec<u32>, ForwardError> {
         let logits = self.forward(batch, plan)?;
-        Ok(StepOutput::all_logits(logits, greedy.len()))
+        let vocab = self.config().vocab;
+        let rows = logits.len() / vocab.max(1);
+        if rows != picks.len() {
+            return Err(ForwardError::Kv(KvError::Backend(format!(
+                "{} picks for {rows} rows wanting logits",
+                picks.len()
+            ))));
+        }
+        Ok(picks
+            .iter()
+            .zip(logits.chunks_exact(vocab))
+            .map(|(p, row)| p.pick(row))
+            .collect())
     }
 
     /// Where it runs, for logs and `/v1/capacity` (`cpu`, `cuda`).
@@ -48,35 +61,6 @@ pub trait Forward: Send {
     /// can tell without a synchronisation (the CPU).
     fn last_attention_time(&self) -> Option<Duration> {
         None
-    }
-
-    /// Hands a logits buffer back once sampled, so the next step can reuse its memory (a GPU
-    /// step copies `[rows, vocab]` f32 to the host: 131 MB for 256 rows of a 128k vocabulary,
-    /// whose fresh allocation and page faults cost more than the copy).
-    fn recycle(&mut self, logits: Vec<f32>) {
-        drop(logits);
-    }
-}
-
-/// What a step returns for its sampling rows (the chunks wanting logits, in chunk order).
-#[derive(Debug, Default)]
-pub struct StepOutput {
-    /// Per row: the token the device picked (the argmax), for greedy rows.
-    pub picked: Vec<Option<u32>>,
-    /// Per row: its row in `logits`, for rows whose logits came back.
-    pub logits_row: Vec<Option<usize>>,
-    /// `[rows that came back, vocab]` f32.
-    pub logits: Vec<f32>,
-}
-
-impl StepOutput {
-    /// Every one of `rows` rows as logits (a device that samples on the host).
-    pub fn all_logits(logits: Vec<f32>, rows: usize) -> Self {
-        StepOutput {
-            picked: vec![None; rows],
-            logits_row: (0..rows).map(Some).collect(),
-            logits,
-        }
     }
 }
 

@@ -52,12 +52,14 @@ impl SamplingParams {
     }
 }
 
-/// Draws tokens from logits for one request.
+/// Draws tokens from logits for one request: each token takes one `u64` from the request's
+/// random stream (seeded when `seed` is set) as the [`Draw::key`] of its row, whether the draw
+/// then runs on the host ([`RowPick::pick`]) or on a GPU (`kernels/sampling.cu`), so a seeded
+/// request gives the same tokens on either device for the same logits.
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: rand::rngs::StdRng,
-    scratch: Vec<(f32, u32)>,
 }
 
 impl Sampler {
@@ -66,75 +68,172 @@ impl Sampler {
             Some(s) => rand::rngs::StdRng::seed_from_u64(s),
             None => rand::rngs::StdRng::from_os_rng(),
         };
-        Sampler {
-            params,
-            rng,
-            scratch: Vec::new(),
-        }
+        Sampler { params, rng }
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
 
-    /// Whether the next token is the argmax of the logits (temperature 0 or top-k 1), which a
-    /// device can pick without the logits leaving it.
+    /// Whether the next token is the argmax of the logits (temperature 0 or top-k 1).
     pub fn is_greedy(&self) -> bool {
         self.params.temperature <= 0.0 || self.params.top_k == 1
     }
 
-    /// The next token for `logits` (one row over the vocabulary).
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// How the next token is to be picked, for the device that holds the logits; a draw takes
+    /// the next key of the request's random stream.
+    pub fn next_pick(&mut self) -> RowPick {
         if self.is_greedy() {
-            return argmax(logits);
+            return RowPick::Greedy;
         }
         let p = &self.params;
-        let c = &mut self.scratch;
-        c.clear();
-        c.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (l / p.temperature, i as u32)),
-        );
-        let k = if p.top_k == 0 {
-            c.len()
-        } else {
-            p.top_k.min(c.len())
-        };
-        if k < c.len() {
-            c.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
-            c.truncate(k);
+        RowPick::Draw(Draw {
+            temperature: p.temperature,
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            key: self.rng.random(),
+        })
+    }
+
+    /// The next token for `logits` (one row over the vocabulary), picked on the host.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.next_pick().pick(logits)
+    }
+}
+
+/// How a step picks one row's next token. The host ([`RowPick::pick`]) and the GPU's
+/// `kvf_pick_rows` (`kernels/sampling.cu`) implement the same definition, so only token ids
+/// leave a GPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowPick {
+    /// The argmax, the first maximum on ties.
+    Greedy,
+    /// A draw from the softmax of `logits / temperature`, restricted by top-k, then top-p.
+    Draw(Draw),
+}
+
+/// One draw: with `s = logits / temperature`,
+/// 1. top-k (`0 < top_k < vocab`): keep the tokens whose `s` is at least the `top_k`-th
+///    largest (ties with it stay);
+/// 2. top-p (`top_p < 1`): of those, keep the tokens whose `s` is at least the largest value
+///    `t` such that the kept tokens with `s >= t` hold `top_p` of the kept softmax mass (the
+///    smallest set of most likely tokens reaching `top_p`, ties with its last one stay);
+/// 3. the token is the kept one with the largest `s + gumbel(key, i)` (the Gumbel-max trick:
+///    a draw from the softmax over the kept tokens), the lowest index on ties.
+///
+/// Every step works on an order-preserving integer key of `s` (NaN counts as -inf), so the
+/// host and the GPU keep the same sets: a boundary can differ only where the two devices'
+/// float sums of the softmax mass differ, and the winner only where two scores are within
+/// an ulp of `logf`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Draw {
+    pub temperature: f32,
+    /// 0: every token.
+    pub top_k: u32,
+    /// 1: every token.
+    pub top_p: f32,
+    /// The row's random key: the Gumbel noise of token `i` is a function of `(key, i)`.
+    pub key: u64,
+}
+
+impl RowPick {
+    /// The token this pick chooses from one row of logits, on the host.
+    pub fn pick(&self, logits: &[f32]) -> u32 {
+        match self {
+            RowPick::Greedy => argmax(logits),
+            RowPick::Draw(d) => d.pick(logits),
         }
-        c.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
-        let max = c[0].0;
-        let mut sum = 0.0;
-        for e in c.iter_mut() {
-            e.0 = (e.0 - max).exp();
-            sum += e.0;
+    }
+}
+
+impl Draw {
+    /// The token this draw chooses from one row of logits, on the host.
+    pub fn pick(&self, logits: &[f32]) -> u32 {
+        if logits.is_empty() {
+            return 0;
         }
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = c.len();
-            for (i, e) in c.iter().enumerate() {
-                acc += e.0 / sum;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
+        let t = self.temperature;
+        let keys: Vec<u32> = logits.iter().map(|&x| order_key(x / t)).collect();
+        let floor = self.kept_from(&keys);
+        // `>`: the first of equal scores stays; a row of -inf only gives token 0, as the GPU's.
+        let mut best = (f32::NEG_INFINITY, 0);
+        for (i, &k) in keys.iter().enumerate() {
+            let score = key_value(k) + gumbel(self.key, i as u32);
+            if k >= floor && score > best.0 {
+                best = (score, i as u32);
+            }
+        }
+        best.1
+    }
+
+    /// The smallest key the draw keeps after top-k and top-p (0: every token).
+    fn kept_from(&self, keys: &[u32]) -> u32 {
+        let v = keys.len();
+        let mut floor = 0;
+        let k = self.top_k as usize;
+        if k > 0 && k < v {
+            let mut sorted = keys.to_vec();
+            let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+            floor = *kth;
+        }
+        if self.top_p < 1.0 {
+            let mut kept: Vec<u32> = keys.iter().copied().filter(|&k| k >= floor).collect();
+            kept.sort_unstable_by(|a, b| b.cmp(a));
+            let max = key_value(kept[0]);
+            if max.is_finite() {
+                let mass = |k: u32| ((key_value(k) - max) as f64).exp();
+                let z: f64 = kept.iter().map(|&k| mass(k)).sum();
+                let target = self.top_p as f64 * z;
+                let mut acc = 0.0;
+                let mut i = 0;
+                while i < kept.len() {
+                    // A run of equal keys is kept or dropped together.
+                    let key = kept[i];
+                    while i < kept.len() && kept[i] == key {
+                        acc += mass(key);
+                        i += 1;
+                    }
+                    if acc >= target {
+                        floor = key;
+                        break;
+                    }
                 }
             }
-            c.truncate(keep);
-            sum = c.iter().map(|e| e.0).sum();
         }
-        let mut r = self.rng.random::<f32>() * sum;
-        for e in c.iter() {
-            r -= e.0;
-            if r <= 0.0 {
-                return e.1;
-            }
-        }
-        c.last().map_or(0, |e| e.1)
+        floor
     }
+}
+
+/// An order-preserving `u32` of a scaled logit: `a < b` iff `order_key(a) < order_key(b)`;
+/// NaN maps as -inf.
+pub fn order_key(s: f32) -> u32 {
+    let s = if s.is_nan() { f32::NEG_INFINITY } else { s };
+    let b = s.to_bits();
+    if b >> 31 == 1 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
+}
+
+/// The scaled logit of an [`order_key`].
+pub fn key_value(k: u32) -> f32 {
+    f32::from_bits(if k >> 31 == 1 { k & 0x7fff_ffff } else { !k })
+}
+
+/// The Gumbel noise of token `i` under a row's `key`: `-ln(-ln(u))` with `u` in (0, 1) from the
+/// splitmix64 finaliser of `key + i * 0x9E3779B97F4A7C15` (23 bits, exact in f32), as
+/// `kernels/sampling.cu` computes it.
+pub fn gumbel(key: u64, i: u32) -> f32 {
+    const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut z = key
+        .wrapping_add((i as u64).wrapping_mul(GOLDEN))
+        .wrapping_add(GOLDEN);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let u = ((z >> 41) as f32 + 0.5) * (1.0 / 8_388_608.0);
+    -(-u.ln()).ln()
 }
 
 pub fn argmax(xs: &[f32]) -> u32 {
@@ -239,6 +338,132 @@ mod tests {
         assert_ne!(draw(5), draw(6));
         let distinct: std::collections::HashSet<_> = draw(5).into_iter().collect();
         assert!(distinct.len() > 5);
+    }
+
+    /// Draws with keys 0..n: how often each token came up.
+    fn counts(d: Draw, logits: &[f32], n: u64) -> Vec<u64> {
+        let mut c = vec![0u64; logits.len()];
+        for key in 0..n {
+            c[Draw { key, ..d }.pick(logits) as usize] += 1;
+        }
+        c
+    }
+
+    /// The softmax of `logits / t` over `kept` (others 0).
+    fn softmax(logits: &[f32], t: f32, kept: &[usize]) -> Vec<f64> {
+        let m = kept
+            .iter()
+            .map(|&i| logits[i] as f64 / t as f64)
+            .fold(f64::MIN, f64::max);
+        let mut p = vec![0.0; logits.len()];
+        for &i in kept {
+            p[i] = (logits[i] as f64 / t as f64 - m).exp();
+        }
+        let z: f64 = p.iter().sum();
+        p.iter().map(|x| x / z).collect()
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_of_the_kept_tokens() {
+        let logits = [1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 1.5, -3.0];
+        let n = 200_000;
+        let cases: [(f32, u32, f32, &[usize]); 4] = [
+            (1.0, 0, 1.0, &[0, 1, 2, 3, 4, 5, 6, 7]),
+            (0.5, 0, 1.0, &[0, 1, 2, 3, 4, 5, 6, 7]),
+            // The three largest: 2.0, 1.5, 1.0.
+            (1.0, 3, 1.0, &[5, 6, 0]),
+            // At t = 1 the largest probabilities are 0.405, 0.245, 0.149, 0.090, ...:
+            // 0.405 + 0.245 < 0.7 <= 0.405 + 0.245 + 0.149, so three tokens stay.
+            (1.0, 0, 0.7, &[5, 6, 0]),
+        ];
+        for (t, top_k, top_p, kept) in cases {
+            let d = Draw {
+                temperature: t,
+                top_k,
+                top_p,
+                key: 0,
+            };
+            let got = counts(d, &logits, n);
+            let want = softmax(&logits, t, kept);
+            for (i, (&c, &p)) in got.iter().zip(&want).enumerate() {
+                let f = c as f64 / n as f64;
+                // Five standard deviations of a binomial frequency.
+                let tol = 5.0 * (p * (1.0 - p) / n as f64).sqrt() + 1e-9;
+                assert!(
+                    (f - p).abs() <= tol,
+                    "t {t} top_k {top_k} top_p {top_p}: token {i} drawn {f:.4}, softmax {p:.4}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ties_at_the_top_k_and_top_p_boundaries_stay() {
+        let logits = [1.0, 1.0, 1.0, 0.0, 1.0];
+        let d = Draw {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            key: 0,
+        };
+        let c = counts(d, &logits, 4_000);
+        assert_eq!(c[3], 0, "{c:?}");
+        assert!([0, 1, 2, 4].iter().all(|&i| c[i] > 800), "{c:?}");
+        // Token 0 alone holds under 30%: the four equal ones stay together.
+        let d = Draw {
+            top_k: 0,
+            top_p: 0.3,
+            ..d
+        };
+        let c = counts(d, &logits, 4_000);
+        assert_eq!(c[3], 0, "{c:?}");
+        assert!([0, 1, 2, 4].iter().all(|&i| c[i] > 800), "{c:?}");
+    }
+
+    #[test]
+    fn order_keys_sort_as_the_floats_and_invert() {
+        let xs = [
+            f32::NEG_INFINITY,
+            -3.0e38,
+            -2.0,
+            -1e-30,
+            -0.0,
+            0.0,
+            1e-30,
+            0.5,
+            7.0,
+            3.0e38,
+            f32::INFINITY,
+        ];
+        for w in xs.windows(2) {
+            assert!(order_key(w[0]) <= order_key(w[1]), "{} {}", w[0], w[1]);
+            assert_eq!(
+                order_key(w[0]) < order_key(w[1]),
+                w[0].to_bits() != w[1].to_bits()
+            );
+        }
+        for x in xs {
+            assert_eq!(key_value(order_key(x)).to_bits(), x.to_bits());
+        }
+        assert_eq!(order_key(f32::NAN), order_key(f32::NEG_INFINITY));
+    }
+
+    #[test]
+    fn a_draw_is_a_function_of_its_key_and_a_row_of_minus_inf_gives_token_0() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32 * 0.05).cos()).collect();
+        let d = Draw {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.9,
+            key: 0xdead_beef,
+        };
+        assert_eq!(d.pick(&logits), d.pick(&logits));
+        let distinct: std::collections::HashSet<_> =
+            (0..200).map(|key| Draw { key, ..d }.pick(&logits)).collect();
+        assert!(distinct.len() > 10, "{distinct:?}");
+        assert!(distinct.len() <= 40);
+        assert_eq!(d.pick(&[f32::NEG_INFINITY; 5]), 0);
+        assert_eq!(d.pick(&[f32::NAN, f32::NEG_INFINITY]), 0);
     }
 
     #[test]
