@@ -4,7 +4,8 @@
 # wheel and its tvm-ffi dependency (bench/peers.py), and, for the model calls, one half of the
 # SmolLM2 GGUF each (the device tool carries at most 64 MiB per call).
 #   bench/device/pack.sh attention   # peers + attention bench + cuda_attention/cuda_worker tests
-#   bench/device/pack.sh serve       # the worker (and BASE=PATH, an earlier one) for the HTTP benchmark
+#   bench/device/pack.sh serve       # the worker (and BASE=PATH, an earlier one) for the HTTP benchmark;
+#                                    # KVFLEET_PACK_GPU_BINS=1 adds the GPU tests and model bench (sampling.sh)
 #   bench/device/pack.sh model-a     # model binaries + the GGUF's first half
 #   bench/device/pack.sh model-b     # the GGUF's second half
 set -euo pipefail
@@ -58,6 +59,10 @@ case "$mode" in
     # in the same call (bench/RESULTS.md, issue 19).
     strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
     if [ -n "${BASE:-}" ]; then strip -o "$out/bin/kvfleet-base" "$BASE" && xz -T2 -6 "$out/bin/kvfleet-base"; fi
+    # KVFLEET_PACK_GPU_BINS=1: the cuda_model tests and the model benchmark too (sampling.sh).
+    if [ -n "${KVFLEET_PACK_GPU_BINS:-}" ]; then
+      { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins
+    fi
     cp bench/http_load.py bench/peers.py bench/device/llama-3.1-8b.json "$out/"
     ;;
   model-a)
