@@ -63,19 +63,6 @@ __device__ unsigned block_max_u32(unsigned v) {
     return r;
 }
 
-__device__ int block_sum_int(int v) {
-    __shared__ int part[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    int r = 0;
-    for (int w = 0; w < (int)((blockDim.x + 31) >> 5); ++w) r += part[w];
-    __syncthreads();
-    return r;
-}
-
 // The order-preserving key of a scaled logit (NaN as -inf) and back: `order_key` and
 // `key_value` in crates/kvfleet-engine/src/model/sampling.rs.
 __device__ __forceinline__ unsigned order_key(float s) {
@@ -96,21 +83,76 @@ __device__ __forceinline__ float gumbel(unsigned long long key, int i) {
     return -logf(-logf(u));
 }
 
-// Tokens of the row whose key is at least k (with the key of every element recomputed).
-__device__ int count_from(const float* __restrict__ row, int vocab, float t, unsigned k) {
-    int c = 0;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) c += order_key(row[i] / t) >= k;
-    return block_sum_int(c);
-}
-
-// Softmax mass (relative to the row's maximum m) of the tokens whose key is at least k.
-__device__ float mass_from(const float* __restrict__ row, int vocab, float t, float m, unsigned k) {
-    float z = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float s = row[i] / t;
-        if (order_key(s) >= k) z += expf(s - m);
+// The largest key t in [lo, hi] whose weight (the tokens with keys in [t, hi], plus `above`
+// for those above hi) reaches the target: `goal`, or with `relative` `goal` times the weight
+// of [lo, hi] (the first pass measures it). A token weighs 1 (top-k: counts) or, with MASS,
+// its softmax mass exp(s - m) (top-p). Requires the weight at lo to reach the target. Each pass
+// splits [lo, hi] into PICK_BUCKETS buckets of 2^shift keys and keeps the one holding t, so
+// 32-bit keys take at most 8 passes over the row (bisection took 32). Sums run in a fixed order
+// (per thread, then per warp, then warps in order), so a row gives the same key every run.
+#define PICK_BUCKETS 16
+template <bool MASS>
+__device__ unsigned largest_key_reaching(const float* __restrict__ row, int vocab, float t, float m,
+                                         unsigned lo, unsigned hi, float goal, bool relative) {
+    __shared__ float part[32][PICK_BUCKETS];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = (blockDim.x + 31) >> 5;
+    float above = 0.f;
+    float target = goal;
+    while (lo < hi) {
+        const unsigned long long span = (unsigned long long)hi - lo;
+        int shift = 0;
+        while ((span >> shift) >= PICK_BUCKETS) ++shift;
+        float w[PICK_BUCKETS];
+#pragma unroll
+        for (int j = 0; j < PICK_BUCKETS; ++j) w[j] = 0.f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float s = row[i] / t;
+            const unsigned k = order_key(s);
+            if (k >= lo && k <= hi) {
+                const unsigned b = (k - lo) >> shift;
+                const float x = MASS ? expf(s - m) : 1.f;
+#pragma unroll
+                for (int j = 0; j < PICK_BUCKETS; ++j) w[j] += b == (unsigned)j ? x : 0.f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PICK_BUCKETS; ++j) {
+            w[j] = warp_sum(w[j]);
+            if (lane == 0) part[warp][j] = w[j];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < PICK_BUCKETS; ++j) {
+            float sum = 0.f;
+            for (int q = 0; q < nw; ++q) sum += part[q][j];
+            w[j] = sum;
+        }
+        __syncthreads();
+        if (relative) {
+            float z = 0.f;
+            for (int j = PICK_BUCKETS - 1; j >= 0; --j) z += w[j];
+            target = goal * z;
+            relative = false;
+        }
+        // The highest bucket whose weight with everything above it reaches the target.
+        int b = 0;
+        float acc = above;
+        for (int j = PICK_BUCKETS - 1; j > 0; --j) {
+            if (acc + w[j] >= target) {
+                b = j;
+                break;
+            }
+            acc += w[j];
+        }
+        above = acc;
+        const unsigned long long start = (unsigned long long)lo + ((unsigned long long)b << shift);
+        const unsigned long long end = start + (1ull << shift) - 1;
+        lo = (unsigned)start;
+        hi = end < hi ? (unsigned)end : hi;
     }
-    return block_sum(z);
+    return lo;
 }
 
 }  // namespace
@@ -131,9 +173,9 @@ extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int
 // out[r] = the token row r's pick chooses (`RowPick` in crates/kvfleet-engine/src/model/
 // sampling.rs, which defines it and picks the same on the host). picks[r] is 6 words:
 // temperature (f32 bits; <= 0: the argmax), top_k (0: all), top_p (f32 bits; 1: all), the key's
-// low and high words, unused. Top-k and top-p find their smallest kept key by bisection over
-// the 32-bit key space, a pass over the row per step (at most 32 each); a draw with neither is
-// two passes. Grid (rows), block a multiple of 32 (<= 1024).
+// low and high words, unused. Top-k and top-p each find their smallest kept key in at most 8
+// passes over the row (`largest_key_reaching`); a draw with neither is two passes. Grid (rows),
+// block a multiple of 32 (<= 1024).
 extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int vocab,
                                          const unsigned* __restrict__ picks, int* __restrict__ out) {
     kvf_wait_prior_grid();
@@ -154,24 +196,9 @@ extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int v
         // Keys at or above `floor` stay. Each search keeps the largest key where its predicate
         // (monotone: true at `floor`) holds.
         unsigned floor = 0;
-        if (top_k > 1 && top_k < vocab) {
-            unsigned lo = 0, hi = kmax;
-            while (lo < hi) {
-                const unsigned mid = lo + (unsigned)(((unsigned long long)hi - lo + 1) / 2);
-                if (count_from(row, vocab, t, mid) >= top_k) lo = mid; else hi = mid - 1;
-            }
-            floor = lo;
-        }
         const float m = key_value(kmax);
-        if (top_p < 1.f && isfinite(m)) {
-            const float target = top_p * mass_from(row, vocab, t, m, floor);
-            unsigned lo = floor, hi = kmax;
-            while (lo < hi) {
-                const unsigned mid = lo + (unsigned)(((unsigned long long)hi - lo + 1) / 2);
-                if (mass_from(row, vocab, t, m, mid) >= target) lo = mid; else hi = mid - 1;
-            }
-            floor = lo;
-        }
+        if (top_k > 1 && top_k < vocab) floor = largest_key_reaching<false>(row, vocab, t, m, 0, kmax, (float)top_k, false);
+        if (top_p < 1.f && isfinite(m)) floor = largest_key_reaching<true>(row, vocab, t, m, floor, kmax, top_p, true);
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
             const unsigned k = order_key(row[i] / t);
             if (k >= floor) better(v, idx, key_value(k) + gumbel(key, i), i);

@@ -112,7 +112,8 @@ pub enum RowPick {
     Draw(Draw),
 }
 
-/// One draw: with `s = logits / temperature`,
+/// One draw (temperature 0 or top-k 1: the argmax, as [`RowPick::Greedy`]): with
+/// `s = logits / temperature`,
 /// 1. top-k (`0 < top_k < vocab`): keep the tokens whose `s` is at least the `top_k`-th
 ///    largest (ties with it stay);
 /// 2. top-p (`top_p < 1`): of those, keep the tokens whose `s` is at least the largest value
@@ -149,8 +150,8 @@ impl RowPick {
 impl Draw {
     /// The token this draw chooses from one row of logits, on the host.
     pub fn pick(&self, logits: &[f32]) -> u32 {
-        if logits.is_empty() {
-            return 0;
+        if logits.is_empty() || self.temperature <= 0.0 || self.top_k == 1 || self.temperature.is_nan() {
+            return argmax(logits);
         }
         let t = self.temperature;
         let keys: Vec<u32> = logits.iter().map(|&x| order_key(x / t)).collect();
