@@ -83,6 +83,26 @@ __device__ __forceinline__ float gumbel(unsigned long long key, int i) {
     return -logf(-logf(u));
 }
 
+// Calls f(i, row[i]) for this thread's share of the row: four consecutive values a 16-byte
+// load when every row starts 16-byte aligned (vocab a multiple of 4, as Llama 3's 128,256), one
+// at a time otherwise. A pass over a row is a few hundred loads a thread, so at one row a step
+// (one stream) the wide loads are what keep the pick kernel short.
+template <typename F>
+__device__ __forceinline__ void for_row(const float* __restrict__ row, int vocab, F f) {
+    if ((vocab & 3) == 0) {
+        const float4* r4 = reinterpret_cast<const float4*>(row);
+        for (int i = threadIdx.x; i < vocab / 4; i += blockDim.x) {
+            const float4 x = r4[i];
+            f(4 * i, x.x);
+            f(4 * i + 1, x.y);
+            f(4 * i + 2, x.z);
+            f(4 * i + 3, x.w);
+        }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) f(i, row[i]);
+    }
+}
+
 // The largest key t in [lo, hi] whose weight (the tokens with keys in [t, hi], plus `above`
 // for those above hi) reaches the target: `goal`, or with `relative` `goal` times the weight
 // of [lo, hi] (the first pass measures it). A token weighs 1 (top-k: counts) or, with MASS,
@@ -107,8 +127,8 @@ __device__ unsigned largest_key_reaching(const float* __restrict__ row, int voca
         float w[PICK_BUCKETS];
 #pragma unroll
         for (int j = 0; j < PICK_BUCKETS; ++j) w[j] = 0.f;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float s = row[i] / t;
+        for_row(row, vocab, [&](int, float l) {
+            const float s = l / t;
             const unsigned k = order_key(s);
             if (k >= lo && k <= hi) {
                 const unsigned b = (k - lo) >> shift;
@@ -116,7 +136,7 @@ __device__ unsigned largest_key_reaching(const float* __restrict__ row, int voca
 #pragma unroll
                 for (int j = 0; j < PICK_BUCKETS; ++j) w[j] += b == (unsigned)j ? x : 0.f;
             }
-        }
+        });
 #pragma unroll
         for (int j = 0; j < PICK_BUCKETS; ++j) {
             w[j] = warp_sum(w[j]);
@@ -188,10 +208,10 @@ extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int v
     float v = __int_as_float(0xff800000);
     int idx = 0x7fffffff;
     if (!(t > 0.f) || top_k == 1) {
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(v, idx, row[i], i);
+        for_row(row, vocab, [&](int i, float l) { better(v, idx, l, i); });
     } else {
         unsigned kmax = 0;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) kmax = max(kmax, order_key(row[i] / t));
+        for_row(row, vocab, [&](int, float l) { kmax = max(kmax, order_key(l / t)); });
         kmax = block_max_u32(kmax);
         // Keys at or above `floor` stay. Each search keeps the largest key where its predicate
         // (monotone: true at `floor`) holds.
@@ -199,10 +219,10 @@ extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int v
         const float m = key_value(kmax);
         if (top_k > 1 && top_k < vocab) floor = largest_key_reaching<false>(row, vocab, t, m, 0, kmax, (float)top_k, false);
         if (top_p < 1.f && isfinite(m)) floor = largest_key_reaching<true>(row, vocab, t, m, floor, kmax, top_p, true);
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const unsigned k = order_key(row[i] / t);
+        for_row(row, vocab, [&](int i, float l) {
+            const unsigned k = order_key(l / t);
             if (k >= floor) better(v, idx, key_value(k) + gumbel(key, i), i);
-        }
+        });
     }
     idx = block_best(v, idx);
     // Nothing above -inf: token 0, as the host answers.
