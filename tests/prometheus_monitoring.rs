@@ -434,7 +434,9 @@ fn free_port() -> u16 {
 /// One HTTP/1.1 exchange over loopback: (status, body).
 fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, String)> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    // The completions queue behind each other on a CPU worker of a debug build: on a loaded
+    // 2-core machine one waited more than 30 s for its first byte.
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
     let body = body.unwrap_or("");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\
