@@ -687,8 +687,9 @@ impl Loop {
         }
     }
 
-    /// Applies scheduler events: samples the next token of every request the step yielded
-    /// one for (row `i` of the step's output belongs to `rows[i]`), streams text, ends requests.
+    /// Applies scheduler events: takes the token the step picked for every request it yielded
+    /// one for (token `i` of the step's output belongs to `rows[i]`), streams text, ends
+    /// requests.
     fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&[u32], Instant)>, rows: &[RequestId]) {
         let row_of: HashMap<RequestId, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut stopped = Vec::new();
