@@ -1057,12 +1057,12 @@ fn upload_into(s: &Arc<CudaStream>, host: &[i32], dst: &mut CudaSlice<i32>) -> R
         .map_err(drv("copying step indices to the device"))
 }
 
-/// What a step brings back to the host.
-enum StepOut {
+/// What a step brings back to the host, and where.
+enum StepOut<'a> {
     /// `[rows, vocab]` f32.
-    Logits(Vec<f32>),
-    /// A token a row, picked on the device.
-    Tokens(Vec<u32>),
+    Logits(&'a mut Vec<f32>),
+    /// A token a row, picked on the device as each row's pick says.
+    Tokens(&'a [RowPick], &'a mut Vec<u32>),
 }
 
 /// A Llama-family model on one GPU with its paged KV cache.
@@ -1267,10 +1267,9 @@ impl GpuLlama {
         Ok(())
     }
 
-    /// The step on the device; host-side checks were done by the caller. With `picks`, row
-    /// `i`'s token is picked on the device as `picks[i]` says and only token ids come back;
-    /// without, every row's logits.
-    fn run(&mut self, t: usize, last: &[i32], picks: Option<&[RowPick]>) -> Result<StepOut, GpuError> {
+    /// The step on the device; host-side checks were done by the caller. Writes every row's
+    /// logits, or with picks only each row's token, into `out`.
+    fn run(&mut self, t: usize, last: &[i32], out: StepOut<'_>) -> Result<(), GpuError> {
         let GpuLlama {
             config: c,
             dims: dm,
@@ -1395,7 +1394,7 @@ impl GpuLlama {
         let n = last.len();
         if n == 0 {
             gpu.synchronize()?;
-            return Ok(StepOut::Logits(Vec::new()));
+            return Ok(());
         }
         let head = w.lm_head.as_ref().unwrap_or(&w.embed);
         if *single_token_gemv && n == 1 {
@@ -1413,8 +1412,8 @@ impl GpuLlama {
         }
         mark!(part::LM_HEAD);
         let vocab = dm.vocab;
-        let out = match picks {
-            Some(picks) => {
+        match out {
+            StepOut::Tokens(picks, tokens) => {
                 // A step of greedy rows only skips the parameters' upload.
                 if picks.iter().all(|p| *p == RowPick::Greedy) {
                     k.argmax_rows(&s, &a.logits, n, vocab, &mut a.picks)?;
@@ -1425,21 +1424,21 @@ impl GpuLlama {
                 let mut ids = vec![0i32; n];
                 s.memcpy_dtoh(&a.picks.slice(..n), &mut ids)
                     .map_err(drv("copying sampled tokens to the host"))?;
-                StepOut::Tokens(ids.into_iter().map(|id| id as u32).collect())
+                tokens.clear();
+                tokens.extend(ids.into_iter().map(|id| id as u32));
             }
-            None => {
-                let mut host = vec![0.0f32; n * vocab];
-                s.memcpy_dtoh(&a.logits.slice(..n * vocab), &mut host)
+            StepOut::Logits(host) => {
+                host.resize(n * vocab, 0.0);
+                s.memcpy_dtoh(&a.logits.slice(..n * vocab), host.as_mut_slice())
                     .map_err(drv("copying logits to the host"))?;
-                StepOut::Logits(host)
             }
-        };
+        }
         gpu.synchronize()?;
         mark!(part::TO_HOST);
         if let Some(p) = profile.as_mut() {
             p.finish(t, n).map_err(drv("reading profile events"))?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Host checks, uploads and the backend's plan for a step; returns the step's tokens and
@@ -1740,10 +1739,9 @@ impl Forward for GpuLlama {
         if t == 0 {
             return Ok(Vec::new());
         }
-        match self.run(t, &last, None)? {
-            StepOut::Logits(l) => Ok(l),
-            StepOut::Tokens(_) => unreachable!("a step without picks returns logits"),
-        }
+        let mut logits = Vec::new();
+        self.run(t, &last, StepOut::Logits(&mut logits))?;
+        Ok(logits)
     }
 
     fn forward_rows(
@@ -1764,10 +1762,9 @@ impl Forward for GpuLlama {
             ))
             .into());
         }
-        match self.run(t, &last, Some(picks))? {
-            StepOut::Tokens(ids) => Ok(ids),
-            StepOut::Logits(_) => unreachable!("a step with picks returns tokens"),
-        }
+        let mut tokens = Vec::with_capacity(picks.len());
+        self.run(t, &last, StepOut::Tokens(picks, &mut tokens))?;
+        Ok(tokens)
     }
 
     fn device(&self) -> &'static str {
