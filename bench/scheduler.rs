@@ -22,6 +22,7 @@ fn run(case: &Case, running: usize, steps: usize) -> (f64, f64, f64, usize) {
         max_num_batched_tokens: 8192,
         max_model_len: 32768,
         max_waiting: 100_000,
+        prefix_caching: true,
     };
     let mut s = Scheduler::new(cfg, &case.groups);
     for id in 0..running as u64 {

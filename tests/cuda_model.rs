@@ -501,6 +501,7 @@ fn gpu_runtime_generation_loop_answers_paris() {
         max_num_batched_tokens: 256,
         max_model_len: 4096,
         max_waiting: 64,
+        prefix_caching: true,
     };
     let metrics = Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
     let rt = match ModelRuntime::start(forward, tok, "smol".into(), sched, metrics) {

@@ -713,6 +713,7 @@ fn warm_up_leaves_the_pools_serving_the_same_greedy_tokens() {
         max_num_batched_tokens: 256,
         max_model_len: 512,
         max_waiting: 8,
+        prefix_caching: true,
     };
     let fresh = || {
         let pools = llama_backend_config(m.config.attn_geometry(), KvDtype::Bf16, 16, 16);

@@ -288,6 +288,8 @@ pub struct CpuLimits {
     pub block_size: usize,
     pub kv_dtype: KvDtype,
     pub max_waiting: usize,
+    /// Automatic prefix caching (on by default, as in the worker).
+    pub prefix_caching: bool,
 }
 
 impl Default for CpuLimits {
@@ -300,6 +302,7 @@ impl Default for CpuLimits {
             block_size: 16,
             kv_dtype: KvDtype::Bf16,
             max_waiting: crate::contract::config::DEFAULT_MAX_WAITING,
+            prefix_caching: true,
         }
     }
 }
@@ -333,6 +336,7 @@ pub fn start_cpu(
         max_num_batched_tokens: limits.max_num_batched_tokens,
         max_model_len,
         max_waiting: limits.max_waiting,
+        prefix_caching: limits.prefix_caching,
     };
     Ok(ModelRuntime::start(forward, tokenizer, name, sched, metrics)?)
 }

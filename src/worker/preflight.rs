@@ -221,6 +221,7 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
         max_num_batched_tokens: positive("engine.maxNumBatchedTokens", e.max_num_batched_tokens.into())?,
         max_model_len: positive("engine.maxModelLen", e.max_model_len)?,
         max_waiting: cfg.max_waiting.unwrap_or(DEFAULT_MAX_WAITING),
+        prefix_caching: e.prefix_caching,
     };
     scheduler.check().map_err(PreflightError::Config)?;
     let params = PoolParams {

@@ -497,6 +497,15 @@ pub struct EngineSpec {
     /// Attention without a causal mask (drafter blocks, encoders).
     #[serde(default)]
     pub non_causal: bool,
+    /// Automatic prefix caching: a request reuses the KV blocks of earlier requests that shared
+    /// its prefix (vLLM's `--enable-prefix-caching`). On by default; set false to give every
+    /// request a cold cache (docs/security.md: the timing side channel between tenants).
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub prefix_caching: bool,
+    /// Publish KV-cache events (blocks stored and removed, vLLM's ZMQ wire format) for
+    /// KV-aware routers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsSpec>,
     /// Extra command-line arguments appended to the engine's command.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = EXTRA_ARGS_MAX), inner(length(max = EXTRA_ARG_LEN_MAX)))]
@@ -556,10 +565,41 @@ impl Default for EngineSpec {
             tensor_parallel_size: default_tensor_parallel_size(),
             pipeline_parallel_size: default_pipeline_parallel_size(),
             non_causal: false,
+            prefix_caching: true,
+            kv_events: None,
             extra_args: Vec::new(),
             vllm: None,
         }
     }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+/// KV-cache events: a ZMQ PUB socket in each replica publishes vLLM's `KVEventBatch`
+/// (msgpack: `BlockStored`, `BlockRemoved`, `AllBlocksCleared`) for routers to subscribe to.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KvEventsSpec {
+    /// Publish the events (the container gets a port named `kv-events`).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Port of the PUB socket (vLLM's default endpoint is `tcp://*:5557`).
+    #[serde(default = "default_kv_events_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+    /// Topic of every message (vLLM's default: empty).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub topic: String,
+}
+
+fn default_kv_events_port() -> i32 {
+    5557
 }
 
 /// Which GPUs a replica may use.

@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod direct;
 pub mod layout;
 pub mod oracle;
+pub mod prefix;
 pub mod quant;
 pub mod scheduler;
 

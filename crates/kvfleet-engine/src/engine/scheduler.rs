@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 
 use super::block::{BlockError, BlockTable, KvManager};
 use super::layout::{GroupSpec, StepPlan};
+use super::prefix::{CacheKey, KvEvent, TokenBlocks};
 
 /// Request id chosen by the caller.
 pub type RequestId = u64;
@@ -25,6 +26,9 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// Requests queued beyond this are refused (back-pressure instead of unbounded memory).
     pub max_waiting: usize,
+    /// Automatic prefix caching: a request starts from the longest prefix of full blocks an
+    /// earlier request computed (vLLM's `--enable-prefix-caching`, on by default there too).
+    pub prefix_caching: bool,
 }
 
 impl SchedulerConfig {
@@ -61,8 +65,9 @@ pub enum SubmitError {
 /// What happened to a request during a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// Left the queue and got its first pages.
-    Started { id: RequestId },
+    /// Left the queue and got its first pages; `cached` prompt tokens came from the prefix
+    /// cache (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+    Started { id: RequestId, cached: usize },
     /// Produced output token number `generated` (1-based) after computing `computed` positions.
     Token { id: RequestId, generated: usize },
     /// Lost its pages; it will recompute from the head of the queue.
@@ -98,6 +103,10 @@ struct Request {
     tables: Vec<BlockTable>,
     preemptions: u32,
     started: bool,
+    /// Token ids and block addresses (absent: the caller gave lengths only; no caching).
+    blocks: Option<TokenBlocks>,
+    /// Leading blocks already offered to the prefix cache.
+    registered: usize,
 }
 
 impl Request {
@@ -122,6 +131,10 @@ pub struct ScheduledChunk {
 /// Counters since start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
+    /// Prompt tokens looked up in the prefix cache at admission (vLLM's
+    /// `prefix_cache_queries`) and those found (`prefix_cache_hits`).
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
     pub preemptions: u64,
     pub finished: u64,
     pub failed: u64,
@@ -141,7 +154,8 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig, groups: &[GroupSpec]) -> Self {
-        let kv = KvManager::new(cfg.block_size, groups);
+        let mut kv = KvManager::new(cfg.block_size, groups);
+        kv.set_caching(cfg.prefix_caching);
         Self {
             cfg,
             kv,
@@ -158,6 +172,21 @@ impl Scheduler {
 
     pub fn kv(&self) -> &KvManager {
         &self.kv
+    }
+
+    /// Records prefix-cache changes for [`Scheduler::take_kv_events`] (KV events).
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.kv.record_events(on);
+    }
+
+    /// Prefix-cache changes since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.kv.take_events()
+    }
+
+    /// Forgets every cached block (`AllCleared`); blocks in use stay.
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.clear_cache();
     }
 
     pub fn num_running(&self) -> usize {
@@ -203,8 +232,50 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Queues a request (FCFS).
+    /// Queues a request of `prompt` tokens whose ids the caller keeps (FCFS); it computes its
+    /// whole prompt (no prefix cache without token ids).
     pub fn submit(&mut self, id: RequestId, prompt: usize, output: usize) -> Result<(), SubmitError> {
+        self.enqueue(id, prompt, output, None)
+    }
+
+    /// Queues a request with its prompt's token ids: it starts from the longest cached prefix
+    /// when prefix caching is on, and its full blocks are cached for later requests with the
+    /// same `key`. Feed it each generated token with [`Scheduler::append_token`].
+    pub fn submit_tokens(
+        &mut self,
+        id: RequestId,
+        prompt: &[u32],
+        output: usize,
+        key: CacheKey,
+    ) -> Result<(), SubmitError> {
+        let blocks = self
+            .cfg
+            .prefix_caching
+            .then(|| TokenBlocks::new(key, prompt, self.cfg.block_size));
+        self.enqueue(id, prompt.len(), output, blocks)
+    }
+
+    /// The token request `id` generated (its blocks become cacheable once computed).
+    pub fn append_token(&mut self, id: RequestId, token: u32) {
+        let bs = self.cfg.block_size;
+        if let Some(b) = self
+            .running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|r| r.id == id)
+            .and_then(|r| r.blocks.as_mut())
+        {
+            b.extend(&[token], bs);
+        }
+    }
+
+    fn enqueue(
+        &mut self,
+        id: RequestId,
+        prompt: usize,
+        output: usize,
+        blocks: Option<TokenBlocks>,
+    ) -> Result<(), SubmitError> {
         self.check(prompt, output)?;
         if self.waiting.len() >= self.cfg.max_waiting {
             return Err(SubmitError::QueueFull {
@@ -225,6 +296,8 @@ impl Scheduler {
             tables: self.kv.new_tables(),
             preemptions: 0,
             started: false,
+            blocks,
+            registered: 0,
         });
         Ok(())
     }
@@ -278,6 +351,7 @@ impl Scheduler {
         }
         r.computed = 0;
         r.scheduled = 0;
+        r.registered = 0;
         r.preemptions += 1;
         self.counters.preemptions += 1;
         events.push(Event::Preempted { id: r.id });
@@ -340,18 +414,44 @@ impl Scheduler {
             let Some(front) = self.waiting.front_mut() else {
                 break;
             };
-            let n = chunk_len(front.known(), budget, self.cfg.block_size);
-            if n == 0 || !self.kv.allocate(&mut front.tables, n) {
+            let bs = self.cfg.block_size;
+            // The longest cached prefix, short of the last known token (its logits are needed).
+            let hit = match &front.blocks {
+                Some(b) => self.kv.cached_prefix(&b.hashes, (front.known() - 1) / bs),
+                None => 0,
+            };
+            if hit > 0 {
+                let hashes: &[_] = front.blocks.as_ref().map_or(&[], |b| &b.hashes[..hit]);
+                if let Err(e) = self.kv.take_prefix(&mut front.tables, hashes) {
+                    let Some(r) = self.waiting.pop_front() else { break };
+                    self.fail(r, e, events);
+                    continue;
+                }
+            }
+            let start = hit * bs;
+            let n = chunk_len(front.known() - start, budget, bs);
+            if n == 0 || !self.kv.allocate(&mut front.tables, start + n) {
+                // Give the prefix back: it stays cached, and is looked up again next step.
+                let _ = self.kv.free_all(&mut front.tables);
                 break;
             }
             let Some(mut r) = self.waiting.pop_front() else {
                 break;
             };
+            r.computed = start;
+            r.registered = hit;
             r.scheduled = n;
             budget -= n;
+            if r.blocks.is_some() {
+                self.counters.prefix_queries += r.known() as u64;
+                self.counters.prefix_hits += start as u64;
+            }
             if !r.started {
                 r.started = true;
-                events.push(Event::Started { id: r.id });
+                events.push(Event::Started {
+                    id: r.id,
+                    cached: start.min(r.prompt),
+                });
             }
             self.running.push(r);
         }
@@ -384,6 +484,11 @@ impl Scheduler {
                 r.computed += r.scheduled;
                 self.counters.tokens += r.scheduled as u64;
                 r.scheduled = 0;
+                if let Some(b) = &r.blocks {
+                    let upto = r.computed / self.cfg.block_size;
+                    self.kv
+                        .register(&r.tables, &b.hashes, &b.tokens, upto, &mut r.registered);
+                }
                 if r.computed == r.known() {
                     r.generated += 1;
                     events.push(Event::Token {
@@ -498,6 +603,7 @@ mod tests {
 
     use super::*;
     use crate::engine::layout::BackendConfig;
+    use crate::engine::prefix::TokenBlocks;
 
     fn sched(
         bs: usize,
@@ -517,6 +623,7 @@ mod tests {
                 max_num_batched_tokens: budget,
                 max_model_len: max_len,
                 max_waiting: 1000,
+                prefix_caching: true,
             },
             &groups,
         )
@@ -538,17 +645,21 @@ mod tests {
         }
     }
 
-    /// Every held page is held once, by one request, and the pools agree.
+    /// Every page's reference count equals its holders, and the pools agree.
     fn check_accounting(s: &Scheduler) {
         for (g, group) in s.kv.groups.iter().enumerate() {
-            let mut seen = BTreeSet::new();
+            let mut holders: BTreeMap<u32, u32> = BTreeMap::new();
             for r in s.running.iter().chain(&s.waiting) {
+                let mut own = BTreeSet::new();
                 for &id in r.tables[g].live() {
-                    assert!(seen.insert(id), "page {id} of group {g} held twice");
-                    assert_eq!(group.pool.refcount(id), 1);
+                    assert!(own.insert(id), "page {id} of group {g} twice in one table");
+                    *holders.entry(id).or_default() += 1;
                 }
             }
-            assert_eq!(seen.len(), group.pool.num_used(), "group {g} leaks pages");
+            for (&id, &n) in &holders {
+                assert_eq!(group.pool.refcount(id), n, "page {id} of group {g}");
+            }
+            assert_eq!(holders.len(), group.pool.num_used(), "group {g} leaks pages");
         }
     }
 
@@ -641,6 +752,344 @@ mod tests {
             s.complete(&mut ev);
         }
         assert!(ev.contains(&Event::Finished { id: 1 }));
+    }
+
+    fn run_to_end(s: &mut Scheduler, ev: &mut Vec<Event>) {
+        let mut plan = StepPlan::default();
+        let mut guard = 0;
+        while !s.is_idle() {
+            s.schedule(&mut plan, ev);
+            check_accounting(s);
+            s.complete(ev);
+            guard += 1;
+            assert!(guard < 10_000, "no progress");
+        }
+    }
+
+    fn started(ev: &[Event], id: RequestId) -> usize {
+        ev.iter()
+            .find_map(|e| match e {
+                Event::Started { id: i, cached } if *i == id => Some(*cached),
+                _ => None,
+            })
+            .expect("started")
+    }
+
+    #[test]
+    fn a_second_request_starts_from_the_blocks_the_first_one_computed() {
+        let mut s = sched(4, &[(None, 64)], 4, 64, 256);
+        let prompt: Vec<u32> = (0..40).collect();
+        let mut ev = Vec::new();
+        s.submit_tokens(1, &prompt, 3, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        assert_eq!(started(&ev, 1), 0);
+        assert_eq!(s.kv().used_blocks(), 0);
+        assert_eq!(s.kv().cached_blocks(), 10, "40 prompt tokens = 10 full blocks, cached");
+        // Same prompt: 9 blocks come from the cache (the last prompt token is computed for
+        // its logits), so the first step computes 4 tokens, not 40.
+        s.submit_tokens(2, &prompt, 3, CacheKey::default()).unwrap();
+        let mut plan = StepPlan::default();
+        assert_eq!(s.schedule(&mut plan, &mut ev), 4);
+        assert_eq!(started(&ev, 2), 36);
+        plan.check(&plan_cfg(&s)).unwrap();
+        assert_eq!(plan.groups[0].kv_len(0, 4), 40);
+        s.complete(&mut ev);
+        run_to_end(&mut s, &mut ev);
+        let c = s.counters();
+        assert_eq!((c.prefix_queries, c.prefix_hits), (80, 36));
+        // A prompt that differs in block 5 hits blocks 0..5 only.
+        let mut other = prompt.clone();
+        other[22] = 999;
+        s.submit_tokens(3, &other, 1, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        assert_eq!(started(&ev, 3), 20);
+    }
+
+    #[test]
+    fn requests_with_different_salts_never_share_a_block() {
+        let mut s = sched(4, &[(None, 64)], 4, 64, 256);
+        let prompt: Vec<u32> = (0..32).collect();
+        let salt = |x: &str| CacheKey {
+            salt: Some(x.into()),
+            adapter: None,
+        };
+        let mut ev = Vec::new();
+        s.submit_tokens(1, &prompt, 1, salt("a")).unwrap();
+        run_to_end(&mut s, &mut ev);
+        for (id, key) in [(2, salt("b")), (3, CacheKey::default())] {
+            s.submit_tokens(id, &prompt, 1, key).unwrap();
+            run_to_end(&mut s, &mut ev);
+            assert_eq!(started(&ev, id), 0, "request {id} hit another salt's blocks");
+        }
+        s.submit_tokens(4, &prompt, 1, salt("a")).unwrap();
+        s.submit_tokens(5, &prompt, 1, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        assert_eq!(started(&ev, 4), 28, "same salt shares");
+        assert_eq!(started(&ev, 5), 28, "unsalted requests share with each other");
+    }
+
+    #[test]
+    fn a_sliding_group_needs_only_the_window_of_a_cached_prefix() {
+        // Full group + window of 8 tokens (2 blocks of 4). The sliding group frees the
+        // blocks that left the window while the first request runs; they stay cached
+        // until evicted, and a hit needs only the last window's blocks there.
+        let mut s = sched(4, &[(None, 64), (Some(8), 16)], 4, 64, 256);
+        let prompt: Vec<u32> = (100..140).collect();
+        let mut ev = Vec::new();
+        s.submit_tokens(1, &prompt, 2, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        // Evict the sliding group's early blocks: another request takes the 6 plain free
+        // pages and the 6 least recently released cached ones (blocks 0..6 of the prompt).
+        let filler: Vec<u32> = (500..548).collect();
+        s.submit_tokens(2, &filler, 1, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        let g1 = &s.kv().groups[1].pool;
+        let early = TokenBlocks::new(CacheKey::default(), &prompt, 4);
+        assert!(g1.lookup(early.hashes[0]).is_none(), "block 0 evicted in the sliding group");
+        assert!(s.kv().groups[0].pool.lookup(early.hashes[0]).is_some());
+        s.submit_tokens(3, &prompt, 2, CacheKey::default()).unwrap();
+        let mut plan = StepPlan::default();
+        s.schedule(&mut plan, &mut ev);
+        assert_eq!(started(&ev, 3), 36, "the window's blocks are enough");
+        let held = s.held_pages();
+        assert_eq!(held[0].1, vec![10, 3], "full: 9 hit + 1 new; sliding: blocks 7, 8 + 1 new");
+        plan.check(&plan_cfg(&s)).unwrap();
+        s.complete(&mut ev);
+        run_to_end(&mut s, &mut ev);
+        // A prefix whose window block was evicted in the sliding group hits less.
+        let mut s = sched(4, &[(None, 64), (Some(8), 16)], 4, 64, 256);
+        s.submit_tokens(1, &prompt, 2, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        s.submit_tokens(2, &filler, 1, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        // Prompt of 30 tokens: 7 full blocks wanted; the sliding group lost blocks 0..6.
+        let short = &prompt[..30];
+        let k = s.kv().cached_prefix(&TokenBlocks::new(CacheKey::default(), short, 4).hashes, 29 / 4);
+        let g1 = &s.kv().groups[1].pool;
+        let present: Vec<bool> = early.hashes[..7].iter().map(|h| g1.lookup(*h).is_some()).collect();
+        // k is the largest prefix whose window blocks are all present.
+        let ok = |k: usize| {
+            let first = (k * 4 + 1).saturating_sub(8) / 4;
+            (first..k).all(|i| present[i])
+        };
+        assert!(ok(k));
+        assert!(((k + 1)..=7).all(|j| !ok(j)), "k={k} present={present:?}");
+    }
+
+    #[test]
+    fn allocation_evicts_cached_blocks_before_it_preempts_anyone() {
+        // 16 pages: request 1 leaves 10 cached; requests 2 and 3 need 8 each.
+        let mut s = sched(4, &[(None, 16)], 4, 64, 64);
+        let mut ev = Vec::new();
+        s.submit_tokens(1, &(0..40).collect::<Vec<u32>>(), 1, CacheKey::default())
+            .unwrap();
+        run_to_end(&mut s, &mut ev);
+        assert_eq!(s.kv().cached_blocks(), 10);
+        s.submit_tokens(2, &(1000..1028).collect::<Vec<u32>>(), 4, CacheKey::default())
+            .unwrap();
+        s.submit_tokens(3, &(2000..2028).collect::<Vec<u32>>(), 4, CacheKey::default())
+            .unwrap();
+        run_to_end(&mut s, &mut ev);
+        assert_eq!(s.counters().preemptions, 0);
+        assert!(s.kv().cached_blocks() <= 16);
+        let removed = s.take_kv_events().iter().any(|e| matches!(e, KvEvent::Removed { .. }));
+        assert!(!removed, "events are off unless asked for");
+    }
+
+    #[test]
+    fn kv_events_describe_the_cache_of_the_full_group() {
+        let mut s = sched(4, &[(Some(8), 16), (None, 12)], 4, 64, 64);
+        s.record_kv_events(true);
+        let mut ev = Vec::new();
+        let prompt: Vec<u32> = (0..20).collect();
+        s.submit_tokens(1, &prompt, 1, CacheKey::default()).unwrap();
+        run_to_end(&mut s, &mut ev);
+        let events = s.take_kv_events();
+        let hashes = TokenBlocks::new(CacheKey::default(), &prompt, 4).hashes;
+        assert_eq!(
+            events,
+            vec![KvEvent::Stored {
+                block_hashes: hashes.iter().map(|h| h.external()).collect(),
+                parent_block_hash: None,
+                token_ids: prompt.clone(),
+                block_size: 4,
+            }]
+        );
+        s.submit_tokens(2, &(100..148).collect::<Vec<u32>>(), 1, CacheKey::default())
+            .unwrap();
+        run_to_end(&mut s, &mut ev);
+        let events = s.take_kv_events();
+        assert!(matches!(&events[0], KvEvent::Removed { block_hashes } if !block_hashes.is_empty()));
+        s.reset_prefix_cache();
+        assert_eq!(s.take_kv_events(), vec![KvEvent::AllCleared]);
+        assert_eq!(s.kv().cached_blocks(), 0);
+    }
+
+    /// A fingerprint of `(key, tokens[..=p])`: what the K/V written at position `p` depends on.
+    fn fingerprints(salt: u64, tokens: &[u32]) -> Vec<u64> {
+        let mut h = 0xcbf2_9ce4_8422_2325u64 ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        tokens
+            .iter()
+            .map(|&t| {
+                h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(17);
+                h
+            })
+            .collect()
+    }
+
+    /// Random operations on a scheduler with a prefix cache over a full and a sliding group,
+    /// checked after each one against a model: reference counts equal holders, free pages are
+    /// referenced by nobody, cached + free + used = the pool, the cache's addresses resolve to
+    /// pages that carry them (an evicted one resolves no more), the KV events replay to the
+    /// cache's content, and every page a request reads holds what its own tokens would write.
+    fn random_operations(seed: u64, ops: usize) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let bs = [1usize, 2, 4, 16][rng.random_range(0..4)];
+        let window = rng.random_range(2u32..40);
+        let (full_blocks, sliding_blocks) = (rng.random_range(24..120), rng.random_range(16..80));
+        let budget = rng.random_range(bs.max(16)..96);
+        let mut s = sched(bs, &[(None, full_blocks), (Some(window), sliding_blocks)], 8, budget, 160);
+        s.record_kv_events(true);
+        // Prompts come from a few stems so that prefixes repeat.
+        let stems: Vec<Vec<u32>> = (0..4)
+            .map(|_| (0..rng.random_range(8..100)).map(|_| rng.random_range(0..6)).collect())
+            .collect();
+        struct Req {
+            salt: u64,
+            tokens: Vec<u32>,
+            output: usize,
+        }
+        let mut live: BTreeMap<RequestId, Req> = BTreeMap::new();
+        let mut content: Vec<Vec<Option<u64>>> = vec![vec![None; full_blocks * bs], vec![None; sliding_blocks * bs]];
+        let mut published: BTreeSet<u64> = BTreeSet::new();
+        let (mut ev, mut plan, mut next) = (Vec::new(), StepPlan::default(), 0u64);
+        let (mut hits, mut steps) = (0u64, 0u64);
+        for _ in 0..ops {
+            match rng.random_range(0..20) {
+                0..=4 => {
+                    let stem = &stems[rng.random_range(0..stems.len())];
+                    let cut = rng.random_range(1..=stem.len());
+                    let mut tokens = stem[..cut].to_vec();
+                    for _ in 0..rng.random_range(0..8) {
+                        tokens.push(rng.random_range(0..6));
+                    }
+                    let salt = rng.random_range(0..3u64);
+                    let key = CacheKey {
+                        salt: (salt > 0).then(|| salt.to_string()),
+                        adapter: None,
+                    };
+                    let output = rng.random_range(1..24);
+                    if s.submit_tokens(next, &tokens, output, key).is_ok() {
+                        live.insert(next, Req { salt, tokens, output });
+                    }
+                    next += 1;
+                }
+                5..=15 => {
+                    steps += 1;
+                    s.schedule(&mut plan, &mut ev);
+                    for c in s.scheduled().collect::<Vec<_>>() {
+                        let r = &live[&c.id];
+                        let fp = fingerprints(r.salt, &r.tokens);
+                        let held = s.running.iter().find(|x| x.id == c.id).unwrap();
+                        for (g, t) in held.tables.iter().enumerate() {
+                            // What is already held reads as this request's own prefix.
+                            for p in t.freed * bs..c.start {
+                                let slot = t.blocks[p / bs] as usize * bs + p % bs;
+                                assert_eq!(content[g][slot], Some(fp[p]), "seed {seed}: group {g} pos {p}");
+                            }
+                            for p in c.start..c.start + c.len {
+                                let slot = t.blocks[p / bs] as usize * bs + p % bs;
+                                content[g][slot] = Some(fp[p]);
+                            }
+                        }
+                    }
+                    check_accounting(&s);
+                    s.complete(&mut ev);
+                    for e in &ev {
+                        match e {
+                            Event::Token { id, generated } => {
+                                let r = live.get_mut(id).unwrap();
+                                if *generated < r.output {
+                                    let t = rng.random_range(0..6);
+                                    r.tokens.push(t);
+                                    s.append_token(*id, t);
+                                }
+                            }
+                            Event::Started { cached, .. } => hits += *cached as u64,
+                            Event::Finished { id } | Event::Failed { id, .. } => {
+                                live.remove(id);
+                            }
+                            _ => {}
+                        }
+                    }
+                    ev.clear();
+                }
+                16 | 17 => {
+                    let id = rng.random_range(next.saturating_sub(12)..=next);
+                    s.cancel(id, &mut ev);
+                    if rng.random_bool(0.5) {
+                        s.finish(id.wrapping_add(1), &mut ev);
+                    }
+                    for e in ev.drain(..) {
+                        if let Event::Finished { id } | Event::Failed { id, .. } = e {
+                            live.remove(&id);
+                        }
+                    }
+                }
+                18 => {
+                    if rng.random_bool(0.02) {
+                        s.reset_prefix_cache();
+                    }
+                }
+                _ => {
+                    // A cached page is overwritten only after eviction: forget what evicted
+                    // pages held is not needed, their addresses no longer resolve.
+                }
+            }
+            check_accounting(&s);
+            for (g, group) in s.kv.groups.iter().enumerate() {
+                let pool = &group.pool;
+                let queue = pool.free_queue();
+                assert_eq!(queue.len(), pool.num_free(), "group {g}");
+                let mut seen = BTreeSet::new();
+                let mut cached_free = 0;
+                for &id in &queue {
+                    assert!(seen.insert(id), "page {id} twice in the free queue");
+                    assert_eq!(pool.refcount(id), 0, "page {id} free and referenced");
+                    cached_free += pool.hash_of(id).is_some() as usize;
+                }
+                assert_eq!(cached_free, pool.num_cached());
+                assert_eq!(pool.num_used() + pool.num_free(), pool.total());
+                for (h, id) in pool.cached_blocks() {
+                    assert_eq!(pool.hash_of(id), Some(h), "address resolves to a page without it");
+                }
+                let addressed = (0..pool.total() as u32).filter(|&i| pool.hash_of(i).is_some()).count();
+                assert_eq!(addressed, pool.cached_blocks().count());
+            }
+            for e in s.take_kv_events() {
+                match e {
+                    KvEvent::Stored { block_hashes, .. } => published.extend(block_hashes),
+                    KvEvent::Removed { block_hashes } => {
+                        for h in block_hashes {
+                            assert!(published.remove(&h), "removed {h} that was never stored");
+                        }
+                    }
+                    KvEvent::AllCleared => published.clear(),
+                }
+            }
+            let anchor = &s.kv.groups[s.kv.anchor_group()].pool;
+            let actual: BTreeSet<u64> = anchor.cached_blocks().map(|(h, _)| h.external()).collect();
+            assert_eq!(published, actual, "seed {seed}: the events' view differs from the cache");
+        }
+        assert!(steps > 0 && hits > 0, "seed {seed}: the workload never hit the cache");
+    }
+
+    #[test]
+    fn a_million_random_block_manager_operations_keep_every_invariant() {
+        for seed in 0..8 {
+            random_operations(seed, 125_000);
+        }
     }
 
     #[derive(Clone, Debug)]

@@ -315,6 +315,7 @@ mod tests {
                 max_num_batched_tokens: 8,
                 max_model_len: 64,
                 max_waiting: 16,
+                prefix_caching: true,
             },
             &f.kv_config().groups,
         );
