@@ -574,3 +574,75 @@ fn gemma3_worker_capacity_metrics_and_plan_agree_window_aware_and_full_layer() {
     );
     assert_eq!(cap["predictedCapacityTokens"], k["capacity_tokens"]);
 }
+
+/// Issue 29 on a sliding-window model: a completion whose prompt is longer than Gemma 3's
+/// 512-token window starts from the cache on its second request (the local layers take only
+/// the window's blocks of the cached prefix, the global layers all of them), reports the cached
+/// tokens in `usage.prompt_tokens_details`, and generates the greedy text of a cold cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemma3_prefix_cache_over_the_window_keeps_the_greedy_text() {
+    let start = |prefix_caching: bool| {
+        let limits = CpuLimits {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 256,
+            kv_tokens: 4096,
+            kv_dtype: KvDtype::F16,
+            prefix_caching,
+            ..CpuLimits::default()
+        };
+        let rt = start_cpu(
+            loaded(model(), Tokenizer::from_gguf(gguf()).unwrap(), "gemma-3-270m"),
+            limits,
+            Arc::new(Metrics::new().unwrap()),
+        )
+        .unwrap();
+        openai::router(Arc::new(rt))
+    };
+    let serve = |app: axum::Router| async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        addr
+    };
+    let cold = serve(start(false)).await;
+    let warm = serve(start(true)).await;
+    let story = "The lighthouse keeper climbed the stairs each evening, counted the ships on the \
+        horizon, wrote their names in a worn blue book and lit the lamp before the fog came in. ";
+    let long = story.repeat(18);
+    let prompts = [
+        format!("{long}On the last night of the year he wrote"),
+        format!("{long}The ship that never came back was called"),
+        format!("{long}On the last night of the year he wrote"),
+    ];
+    let ask = |addr, prompt: String| async move {
+        let body = serde_json::json!({"model": "gemma-3-270m", "prompt": prompt, "max_tokens": 8,
+            "temperature": 0, "ignore_eos": true});
+        let (status, text) = http(addr, "POST", "/v1/completions", &body.to_string()).await;
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+        let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap() as usize;
+        (text, prompt_tokens, cached)
+    };
+    let mut cached = Vec::new();
+    for p in &prompts {
+        let (want, n, none) = ask(cold, p.clone()).await;
+        assert_eq!(none, 0);
+        assert!(
+            n > 600,
+            "the prompt ({n} tokens) must be longer than the 512-token window"
+        );
+        let (got, _, hit) = ask(warm, p.clone()).await;
+        assert_eq!(got, want, "text with the cache differs from a cold cache");
+        cached.push((hit, n));
+    }
+    assert_eq!(cached[0].0, 0);
+    assert!(
+        cached[1].0 > 512,
+        "the shared story spans more than the window: {cached:?}"
+    );
+    assert_eq!(cached[2].0, (cached[2].1 - 1) / 16 * 16, "{cached:?}");
+}

@@ -730,3 +730,83 @@ fn warm_up_leaves_the_pools_serving_the_same_greedy_tokens() {
         "greedy tokens after the warm-up differ from fresh pools"
     );
 }
+
+/// Greedy text of `ids` through the serving loop and the prompt tokens it found cached.
+fn greedy_with_cache(rt: &ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> (String, usize) {
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut rx = rt.generate(ids, params).unwrap();
+    let mut out = String::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            GenEvent::Text(s) => out.push_str(&s),
+            GenEvent::Done { cached_tokens, .. } => return (out, cached_tokens),
+            GenEvent::Error(e) => panic!("{e}"),
+        }
+    }
+    panic!("the loop ended without Done")
+}
+
+/// Issue 29: a request that starts from cached KV blocks generates exactly the greedy text it
+/// generates on a cold cache, for a repeated prompt and for one that shares only a preamble,
+/// on bf16 and fp8 KV (a cached block is the bytes its first request's prefill wrote).
+#[test]
+fn smollm2_prefix_cache_hits_keep_the_greedy_text_of_a_cold_cache() {
+    let preamble = "You are a careful assistant. Answer in one short sentence. Examples: \
+        Q: What colour is the sky on a clear day? A: Blue. Q: How many legs does a spider have? \
+        A: Eight. Q: What is the boiling point of water at sea level in Celsius? A: 100 degrees. \
+        Q: Which planet is closest to the sun? A: Mercury. Now the question. Q: ";
+    let prompts: Vec<Vec<u32>> = [
+        "What is the capital of France?",
+        "What is the largest ocean?",
+        "What is the capital of France?",
+    ]
+    .iter()
+    .map(|q| chat_ids(&format!("{preamble}{q}")))
+    .collect();
+    assert!(prompts[0].len() > 100, "{} tokens", prompts[0].len());
+    for dtype in [KvDtype::Bf16, KvDtype::Fp8E4m3] {
+        let cold = {
+            let limits = CpuLimits {
+                max_num_seqs: 4,
+                max_num_batched_tokens: 256,
+                kv_tokens: 4096,
+                kv_dtype: dtype,
+                prefix_caching: false,
+                ..CpuLimits::default()
+            };
+            let tok = Tokenizer::from_gguf(gguf()).unwrap();
+            start_cpu(
+                loaded(model_arc(), tok, "SmolLM2-135M-Instruct"),
+                limits,
+                Arc::new(Metrics::new().unwrap()),
+            )
+            .unwrap()
+        };
+        let warm = engine(dtype, 4096, 4);
+        let mut cached = Vec::new();
+        for p in &prompts {
+            let (want, none) = greedy_with_cache(&cold, p.clone(), 12);
+            assert_eq!(none, 0, "the cache is off");
+            let (got, hit) = greedy_with_cache(&warm, p.clone(), 12);
+            assert_eq!(got, want, "{dtype}: text with the cache differs");
+            cached.push(hit);
+        }
+        assert_eq!(cached[0], 0, "{dtype}: nothing cached before the first request");
+        // The second request shares the preamble's whole blocks.
+        assert!(cached[1] >= 64, "{dtype}: {cached:?}");
+        assert!(cached[1] < prompts[1].len());
+        // The repeat finds every whole block short of its last token.
+        assert_eq!(cached[2], (prompts[2].len() - 1) / 16 * 16, "{dtype}: {cached:?}");
+        let live = warm.metrics.live();
+        assert!(
+            live.prefix_cache_hits >= (cached[1] + cached[2]) as u64,
+            "{live:?}"
+        );
+        assert!(live.cached_blocks > 0, "{live:?}");
+    }
+}

@@ -694,3 +694,24 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         failures.join("\n")
     );
 }
+
+/// Issue 29: the deployment dashboard shows each pod's prefix-cache hit rate, from the
+/// counters vLLM's dashboards read (tokens found over tokens looked up).
+#[test]
+fn the_deployment_dashboard_shows_the_prefix_cache_hit_rate() {
+    let (_, dashboard) = dashboards()
+        .into_iter()
+        .find(|(f, _)| f == "kvfleet-deployment.json")
+        .expect("deployment dashboard");
+    let panel = panels(&dashboard)
+        .into_iter()
+        .find(|p| p["title"].as_str().is_some_and(|t| t.contains("hit rate")))
+        .expect("a hit-rate panel");
+    let expr = panel["targets"][0]["expr"].as_str().expect("expr");
+    let names = metric_names(expr);
+    assert!(names.contains("vllm:prefix_cache_hits_total"), "{expr}");
+    assert!(names.contains("vllm:prefix_cache_queries_total"), "{expr}");
+    let (hits, queries) = expr.split_once(" / ").expect("a ratio");
+    assert!(hits.contains("hits") && queries.contains("queries"), "{expr}");
+    assert_eq!(panel["fieldConfig"]["defaults"]["unit"], "percentunit");
+}

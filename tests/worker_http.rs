@@ -689,3 +689,102 @@ fn an_api_key_guards_the_openai_api_and_never_reaches_the_log() {
     assert_eq!(http(w.port, "GET", "/metrics", "").0, 200);
     assert!(!w.log().contains("s3cret"), "the key is in the log:\n{}", w.log());
 }
+
+/// Issue 29: the real worker publishes its prefix cache as KV events in vLLM's wire format; a
+/// pyzmq + msgpack subscriber written like vLLM's example (tests/tools_support) decodes the
+/// stored and removed blocks, and the cache its events describe equals the worker's cache
+/// (`/v1/capacity`'s cached blocks once every request has ended). A pool of 16 blocks and five
+/// prompts of 6 full blocks force evictions.
+#[test]
+fn a_kv_event_subscriber_sees_the_cache_the_worker_holds() {
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/tools_support/kv_events_subscriber.py");
+    let python = std::env::var("KVFLEET_PYTHON").unwrap_or_else(|_| "python3".into());
+    // The subscriber connects first (ZMQ retries until the worker binds), so it misses nothing.
+    let mut sub = Command::new(&python)
+        .arg(&script)
+        .args(["--endpoint", &endpoint, "--batches", "100000", "--timeout", "300"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let lines = Arc::new(Mutex::new(Vec::<serde_json::Value>::new()));
+    let out = sub.stdout.take().unwrap();
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(serde_json::from_str(&line).unwrap());
+        }
+    });
+    let mut w = start(
+        "kv-events",
+        &["--max-kv-tokens", "256", "--kv-events-endpoint", &endpoint],
+        &[],
+    );
+    wait_ready(&mut w, Duration::from_secs(180));
+    std::thread::sleep(Duration::from_secs(1));
+    let prompt = |seed: u32| -> Vec<u32> { (0..100).map(|i| 200 + (seed * 131 + i * 17) % 5000).collect() };
+    for seed in [1, 2, 3, 4, 5, 1] {
+        let body = serde_json::json!({"model": "SmolLM2-135M-Instruct", "prompt": prompt(seed),
+            "max_tokens": 2, "temperature": 0});
+        let (st, _, b) = http(w.port, "POST", "/v1/completions", &body.to_string());
+        assert_eq!(st, 200, "{b}");
+    }
+    let t0 = Instant::now();
+    loop {
+        let (_, _, cap) = http(w.port, "GET", "/v1/capacity", "");
+        let cap: serde_json::Value = serde_json::from_str(&cap).unwrap();
+        let cached = cap["live"]["cachedBlocks"].as_u64().unwrap();
+        let events = lines.lock().unwrap().clone();
+        let mut view = std::collections::BTreeSet::new();
+        let (mut stored, mut removed) = (0, 0);
+        for e in &events {
+            match e["type"].as_str().unwrap() {
+                "BlockStored" => {
+                    stored += 1;
+                    assert_eq!(e["block_size"], 16, "{e}");
+                    assert_eq!(e["medium"], "CPU", "{e}");
+                    let hashes = e["block_hashes"].as_array().unwrap();
+                    assert_eq!(e["token_ids"].as_array().unwrap().len(), 16 * hashes.len(), "{e}");
+                    view.extend(hashes.iter().map(|h| h.as_u64().unwrap()));
+                }
+                "BlockRemoved" => {
+                    removed += 1;
+                    for h in e["block_hashes"].as_array().unwrap() {
+                        assert!(
+                            view.remove(&h.as_u64().unwrap()),
+                            "removed a block never stored: {e}"
+                        );
+                    }
+                }
+                "AllBlocksCleared" => view.clear(),
+                other => panic!("unknown event {other}"),
+            }
+        }
+        if stored > 0 && removed > 0 && view.len() as u64 == cached {
+            // The first stored run of the first prompt: its tokens and no parent.
+            let first = events.iter().find(|e| e["type"] == "BlockStored").unwrap();
+            assert!(first["parent_block_hash"].is_null(), "{first}");
+            let want: Vec<u32> = prompt(1)[..16].to_vec();
+            let got: Vec<u32> = first["token_ids"].as_array().unwrap()[..16]
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(got, want);
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the events' view ({} blocks, {stored} stored, {removed} removed events) never equalled the worker's {cached} cached blocks\n{}",
+            view.len(),
+            w.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = sub.kill();
+    let _ = sub.wait();
+    let mut err = String::new();
+    let _ = sub.stderr.take().unwrap().read_to_string(&mut err);
+    assert!(!err.contains("Error"), "{err}");
+}

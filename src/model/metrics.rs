@@ -13,8 +13,17 @@ use serde::Serialize;
 #[serde(rename_all = "camelCase")]
 pub struct LiveStats {
     pub used_blocks: usize,
+    /// Free blocks, cached ones included (they are evicted on demand).
     pub free_blocks: usize,
+    /// Free blocks that still hold a cached prefix (a later request may start from them).
+    pub cached_blocks: usize,
     pub usage_ratio: f64,
+    pub prefix_caching: bool,
+    /// Prompt tokens looked up in the prefix cache and found there since start, and their
+    /// ratio (0 before the first lookup).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_hit_rate: f64,
     pub running: usize,
     pub waiting: usize,
     pub preemptions: u64,
@@ -51,6 +60,8 @@ pub struct Metrics {
     pub vllm_tpot: Histogram,
     pub vllm_e2e_latency: Histogram,
     pub vllm_cache_config: GaugeVec,
+    pub vllm_prefix_queries: IntCounter,
+    pub vllm_prefix_hits: IntCounter,
     live: Mutex<LiveStats>,
 }
 
@@ -69,7 +80,7 @@ impl Metrics {
             blocks: IntGaugeVec::new(
                 Opts::new(
                     "kvfleet_kv_cache_blocks",
-                    "KV-cache blocks by state, over all layer groups",
+                    "KV-cache blocks by state, over all layer groups: used (held by requests), free (cached included), cached (free blocks holding a cached prefix)",
                 ),
                 &["state"],
             )?,
@@ -166,6 +177,14 @@ impl Metrics {
                 ),
                 &["block_size", "num_gpu_blocks", "cache_dtype"],
             )?,
+            vllm_prefix_queries: IntCounter::new(
+                "vllm:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache when requests were scheduled (vLLM's name)",
+            )?,
+            vllm_prefix_hits: IntCounter::new(
+                "vllm:prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache when requests were scheduled (vLLM's name)",
+            )?,
             live: Mutex::new(LiveStats::default()),
             registry,
         };
@@ -194,8 +213,10 @@ impl Metrics {
         r.register(Box::new(m.vllm_tpot.clone()))?;
         r.register(Box::new(m.vllm_e2e_latency.clone()))?;
         r.register(Box::new(m.vllm_cache_config.clone()))?;
+        r.register(Box::new(m.vllm_prefix_queries.clone()))?;
+        r.register(Box::new(m.vllm_prefix_hits.clone()))?;
         // Present from the first scrape, before the engine runs.
-        for s in ["free", "used"] {
+        for s in ["free", "used", "cached"] {
             m.blocks.with_label_values(&[s]).set(0);
         }
         for s in ["running", "waiting"] {

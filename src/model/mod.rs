@@ -6,6 +6,7 @@
 pub use kvfleet_cuda::{gpu, profile};
 pub use kvfleet_engine::model::{forward, gguf, hf, hf_tokenizer, kv, llama, sampling, tokenizer};
 
+pub mod kv_events;
 pub mod metrics;
 pub mod openai;
 pub mod runtime;

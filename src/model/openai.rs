@@ -29,6 +29,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use super::runtime::{FinishReason, GenEvent, ModelRuntime, RuntimeError};
 use super::sampling::SamplingParams;
 use super::tokenizer::ChatMessage;
+use kvfleet_engine::engine::prefix::CacheKey;
 
 /// Output tokens of a chat completion that names no `max_tokens`.
 pub const DEFAULT_CHAT_MAX_TOKENS: usize = 1024;
@@ -288,6 +289,9 @@ struct Common {
     n: Option<usize>,
     #[serde(default)]
     ignore_eos: bool,
+    /// vLLM's prefix-cache partition: requests share cached KV blocks only with requests of
+    /// the same salt (docs/security.md).
+    cache_salt: Option<String>,
     // Parameters clients send that this server does not implement: refused when they ask
     // for something (a default value is accepted), never silently ignored.
     logprobs: Option<Value>,
@@ -392,7 +396,22 @@ impl Common {
         Ok(())
     }
 
+    /// The prefix-cache partition of the request (`cache_salt`).
+    fn cache_key(&self) -> Result<CacheKey, ApiError> {
+        match &self.cache_salt {
+            Some(s) if s.is_empty() => Err(ApiError::bad(
+                "`cache_salt` must be a non-empty string when given; omit it to share the cache with other unsalted requests",
+                Some("cache_salt"),
+            )),
+            salt => Ok(CacheKey {
+                salt: salt.clone(),
+                adapter: None,
+            }),
+        }
+    }
+
     fn params(&self, default_max: usize) -> Result<SamplingParams, ApiError> {
+        self.cache_key()?;
         self.check_supported()?;
         let top_k = match self.top_k {
             None | Some(-1) | Some(0) => 0,
@@ -623,7 +642,8 @@ async fn respond(
         Kind::Chat => "messages",
         Kind::Completion => "prompt",
     };
-    let rx = match rt.generate(ids, params) {
+    let key = common.cache_key().unwrap_or_default();
+    let rx = match rt.generate_with(ids, params, key) {
         Ok(rx) => rx,
         Err(e) => return ApiError::from_runtime(e, param).into_response(),
     };
@@ -674,8 +694,15 @@ fn timed_out(timeout: Duration) -> ApiError {
     )
 }
 
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object; `prompt_tokens_details.cached_tokens` are the prompt tokens whose KV
+/// came from the prefix cache (as OpenAI and vLLM report them).
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 fn server_error(message: String) -> ApiError {
@@ -698,6 +725,7 @@ async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
                 reason,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
             } => {
                 let choice = match meta.kind {
                     Kind::Chat => json!({
@@ -719,7 +747,7 @@ async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
                     "created": meta.created,
                     "model": meta.model,
                     "choices": [choice],
-                    "usage": usage(prompt_tokens, completion_tokens),
+                    "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
                 }))
                 .into_response();
             }
@@ -770,12 +798,11 @@ fn sse_stream(
     }
     let data = |v: Value| Event::default().data(v.to_string());
     futures::stream::unfold((rx, St::Start, meta), move |(mut rx, st, meta)| async move {
+        // A chat stream's `role` goes with its first token, as vLLM sends it: clients that stamp
+        // the time to first token on the first chunk (vllm bench serve) measure the prefill.
+        let first = matches!(st, St::Start) && meta.kind == Kind::Chat;
         let events: Vec<Event> = match st {
             St::Done => return None,
-            St::Start if meta.kind == Kind::Chat => {
-                let ev = data(chunk(&meta, Some(""), true, None));
-                return Some((vec![ev], (rx, St::Running, meta)));
-            }
             _ => match tokio::time::timeout_at(meta.deadline, rx.recv()).await {
                 Err(_) => {
                     // Past the deadline: an explicit error chunk, then the end; dropping the
@@ -787,17 +814,22 @@ fn sse_stream(
                     return Some((v, (rx, St::Done, meta)));
                 }
                 Ok(next) => match next {
-                    Some(GenEvent::Text(t)) => vec![data(chunk(&meta, Some(&t), false, None))],
+                    Some(GenEvent::Text(t)) => vec![data(chunk(&meta, Some(&t), first, None))],
                     Some(GenEvent::Done {
                         reason,
                         prompt_tokens,
                         completion_tokens,
+                        cached_tokens,
                     }) => {
-                        let mut v = vec![data(chunk(&meta, None, false, Some(reason)))];
+                        let mut v = Vec::new();
+                        if first {
+                            v.push(data(chunk(&meta, Some(""), true, None)));
+                        }
+                        v.push(data(chunk(&meta, None, false, Some(reason))));
                         if include_usage {
                             let mut u = chunk(&meta, None, false, None);
                             u["choices"] = json!([]);
-                            u["usage"] = usage(prompt_tokens, completion_tokens);
+                            u["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens);
                             v.push(data(u));
                         }
                         v.push(Event::default().data("[DONE]"));

@@ -22,6 +22,7 @@ use super::metrics::Metrics;
 use super::profile::{self, Shape, Table};
 use super::sampling::{RowPick, Sampler, SamplingParams, StopMatcher};
 use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+use kvfleet_engine::engine::prefix::{CacheKey, KvEvent};
 use kvfleet_engine::engine::scheduler::{
     Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError,
 };
@@ -84,6 +85,8 @@ pub enum GenEvent {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
     },
     Error(String),
 }
@@ -92,6 +95,7 @@ enum Command {
     Submit {
         prompt: Vec<u32>,
         params: SamplingParams,
+        key: CacheKey,
         events: UnboundedSender<GenEvent>,
         arrived: Instant,
     },
@@ -149,6 +153,18 @@ impl ModelRuntime {
         sched: SchedulerConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Self, RuntimeError> {
+        Self::start_with(model, tokenizer, name, sched, metrics, RuntimeHooks::default())
+    }
+
+    /// [`ModelRuntime::start`] with optional parts (KV events).
+    pub fn start_with(
+        model: Box<dyn Forward>,
+        tokenizer: Tokenizer,
+        name: String,
+        sched: SchedulerConfig,
+        metrics: Arc<Metrics>,
+        hooks: RuntimeHooks,
+    ) -> Result<Self, RuntimeError> {
         sched.check().map_err(RuntimeError::Config)?;
         let ctx = model.config().context_len;
         if sched.max_model_len > ctx {
@@ -167,13 +183,14 @@ impl ModelRuntime {
         // The bound on waiting requests is kept here, at submission (`generate`), where a
         // refusal is still a 429; the scheduler's own queue also holds preempted requests,
         // so it gets room for every running one on top and never refuses inside the loop.
-        let scheduler = Scheduler::new(
+        let mut scheduler = Scheduler::new(
             SchedulerConfig {
                 max_waiting: sched.max_waiting.saturating_add(sched.max_num_seqs),
                 ..sched.clone()
             },
             &kv.groups,
         );
+        scheduler.record_kv_events(hooks.kv_events.is_some());
         let max_request_tokens = largest_request(&scheduler);
         if max_request_tokens < 2 {
             return Err(RuntimeError::Config(format!(
@@ -234,6 +251,7 @@ impl ModelRuntime {
             queued: queued.clone(),
             last: Counters::default(),
             profile: profile::enabled().then(|| Table::new("serving loop (host)", HOST_PARTS)),
+            kv_events: hooks.kv_events,
         };
         std::thread::Builder::new()
             .name("kvfleet-engine".into())
@@ -263,7 +281,18 @@ impl ModelRuntime {
     pub fn generate(
         &self,
         prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<UnboundedReceiver<GenEvent>, RuntimeError> {
+        self.generate_with(prompt, params, CacheKey::default())
+    }
+
+    /// [`ModelRuntime::generate`] in the prefix-cache partition `key` (a request shares cached
+    /// blocks only with requests of an equal key: vLLM's `cache_salt`).
+    pub fn generate_with(
+        &self,
+        prompt: Vec<u32>,
         mut params: SamplingParams,
+        key: CacheKey,
     ) -> Result<UnboundedReceiver<GenEvent>, RuntimeError> {
         if prompt.is_empty() {
             return Err(RuntimeError::EmptyPrompt);
@@ -302,6 +331,7 @@ impl ModelRuntime {
             .send(Command::Submit {
                 prompt,
                 params,
+                key,
                 events: tx,
                 arrived: Instant::now(),
             })
@@ -440,6 +470,8 @@ struct Live {
     arrived: Instant,
     last_token_at: Option<Instant>,
     started: bool,
+    /// Prompt tokens the prefix cache held when the request started.
+    cached: usize,
     /// Set once the end was reported to the client.
     ended: Option<FinishReason>,
 }
@@ -461,6 +493,18 @@ struct Loop {
     last: Counters,
     /// Host time per step part, when `KVFLEET_PROFILE=1`.
     profile: Option<Table>,
+    /// Where prefix-cache changes go (KV events), when someone subscribes.
+    kv_events: Option<KvEventSink>,
+}
+
+/// Receives each batch of prefix-cache changes (on the serving thread: queue, never block).
+pub type KvEventSink = Box<dyn FnMut(Vec<KvEvent>) + Send>;
+
+/// Optional parts of a runtime.
+#[derive(Default)]
+pub struct RuntimeHooks {
+    /// Publishes prefix-cache changes (`--kv-events-endpoint`).
+    pub kv_events: Option<KvEventSink>,
 }
 
 /// The serving loop's parts a profile times: commands and cancellations, scheduling, the
@@ -496,6 +540,7 @@ impl Loop {
                     Command::Submit {
                         prompt,
                         params,
+                        key,
                         events: tx,
                         arrived,
                     } => {
@@ -504,7 +549,7 @@ impl Loop {
                             let _ = tx.send(GenEvent::Error(RuntimeError::ShuttingDown.to_string()));
                             continue;
                         }
-                        self.submit(prompt, params, tx, arrived);
+                        self.submit(prompt, params, key, tx, arrived);
                     }
                     Command::Shutdown { drain } => {
                         drain_until = Some(Instant::now() + drain);
@@ -555,12 +600,13 @@ impl Loop {
         &mut self,
         prompt: Vec<u32>,
         params: SamplingParams,
+        key: CacheKey,
         tx: UnboundedSender<GenEvent>,
         arrived: Instant,
     ) {
         let id = self.next_id;
         self.next_id += 1;
-        if let Err(e) = self.sched.submit(id, prompt.len(), params.max_tokens) {
+        if let Err(e) = self.sched.submit_tokens(id, &prompt, params.max_tokens, key) {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             let msg = match e {
                 SubmitError::QueueFull { .. } => RuntimeError::QueueFull {
@@ -585,6 +631,7 @@ impl Loop {
                 arrived,
                 last_token_at: None,
                 started: false,
+                cached: 0,
                 ended: None,
             },
         );
@@ -696,10 +743,11 @@ impl Loop {
         loop {
             for e in events.drain(..) {
                 match e {
-                    Event::Started { id } => {
+                    Event::Started { id, cached } => {
                         if let Some(l) = self.live.get_mut(&id) {
                             if !l.started {
                                 l.started = true;
+                                l.cached = cached;
                                 self.queued.fetch_sub(1, Ordering::SeqCst);
                             }
                         }
@@ -725,9 +773,13 @@ impl Loop {
                             Some(t) => self.metrics.vllm_tpot.observe((now - t).as_secs_f64()),
                         }
                         l.last_token_at = Some(now);
+                        let pushed = l.tokens.len();
                         if let Some(reason) = push_token(&self.tok, l, next, &self.metrics) {
                             l.ended = Some(reason);
                             stopped.push(id);
+                        } else if l.tokens.len() > pushed {
+                            // Its blocks become cacheable once computed.
+                            self.sched.append_token(id, next);
                         }
                     }
                     Event::Preempted { id } => {
@@ -766,10 +818,12 @@ impl Loop {
     fn publish(&mut self) {
         let kv = self.sched.kv();
         let m = &self.metrics;
-        let (used, total) = (kv.used_blocks(), kv.total_blocks());
+        let (used, total, cached) = (kv.used_blocks(), kv.total_blocks(), kv.cached_blocks());
+        let prefix_caching = kv.caching();
         let usage = kv.usage();
         m.blocks.with_label_values(&["used"]).set(used as i64);
         m.blocks.with_label_values(&["free"]).set((total - used) as i64);
+        m.blocks.with_label_values(&["cached"]).set(cached as i64);
         m.usage_ratio.set(usage);
         m.vllm_usage.set(usage);
         let (running, waiting) = (self.sched.num_running(), self.sched.num_waiting());
@@ -783,10 +837,28 @@ impl Loop {
         m.finished.inc_by(c.finished - self.last.finished);
         m.failed.inc_by(c.failed - self.last.failed);
         m.tokens.inc_by(c.tokens - self.last.tokens);
+        m.vllm_prefix_queries
+            .inc_by(c.prefix_queries - self.last.prefix_queries);
+        m.vllm_prefix_hits.inc_by(c.prefix_hits - self.last.prefix_hits);
         self.last = c;
+        if let Some(sink) = self.kv_events.as_mut() {
+            let events = self.sched.take_kv_events();
+            if !events.is_empty() {
+                sink(events);
+            }
+        }
         m.set_live(super::metrics::LiveStats {
             used_blocks: used,
             free_blocks: total - used,
+            cached_blocks: cached,
+            prefix_caching,
+            prefix_cache_queries: c.prefix_queries,
+            prefix_cache_hits: c.prefix_hits,
+            prefix_cache_hit_rate: if c.prefix_queries == 0 {
+                0.0
+            } else {
+                c.prefix_hits as f64 / c.prefix_queries as f64
+            },
             usage_ratio: usage,
             running,
             waiting,
@@ -846,6 +918,7 @@ fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
         reason,
         prompt_tokens: l.prompt_len,
         completion_tokens: l.output_len(),
+        cached_tokens: l.cached,
     });
     l.ended = Some(reason);
 }

@@ -89,6 +89,21 @@ pub struct WorkerArgs {
     /// Requests queued beyond this are answered 429 with Retry-After.
     #[arg(long)]
     pub max_waiting: Option<usize>,
+    /// Automatic prefix caching (on unless the config's engine.prefixCaching is false): a
+    /// request reuses the KV blocks earlier requests computed for its prefix.
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turns automatic prefix caching off: every request computes its whole prompt.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// Publish KV-cache events (vLLM's ZMQ wire format: BlockStored, BlockRemoved,
+    /// AllBlocksCleared) on this endpoint, e.g. `tcp://*:5557` (default: the config's
+    /// engine.kvEvents, else off).
+    #[arg(long, env = "KVFLEET_KV_EVENTS_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// Topic of every KV-event message (vLLM's default: empty).
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
     /// On SIGTERM/ctrl-c, let running requests finish for this long, then fail the rest.
     #[arg(long, default_value_t = 20)]
     pub drain_seconds: u64,
@@ -165,6 +180,20 @@ impl WorkerArgs {
         }
         if let Some(v) = self.max_waiting {
             c.max_waiting = Some(v);
+        }
+        if self.enable_prefix_caching {
+            c.engine.prefix_caching = true;
+        }
+        if self.no_enable_prefix_caching {
+            c.engine.prefix_caching = false;
+        }
+        if let Some(ep) = &self.kv_events_endpoint {
+            c.engine.kv_events = Some(crate::api::KvEventsSpec {
+                enabled: true,
+                port: 0,
+                topic: self.kv_events_topic.clone(),
+            });
+            c.kv_events_endpoint = Some(ep.clone());
         }
         Ok(c)
     }
@@ -435,12 +464,24 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let device = forward.device();
     let mut sched_cfg = pf.scheduler.clone();
     sched_cfg.block_size = forward.kv_config().block_size;
-    let runtime = match ModelRuntime::start(
+    let mut hooks = crate::model::runtime::RuntimeHooks::default();
+    if let Some((endpoint, topic)) = cfg.kv_events() {
+        let medium = if device == "cuda" { "GPU" } else { "CPU" };
+        match crate::model::kv_events::KvEventPublisher::start(&endpoint, topic, medium) {
+            Ok(publisher) => {
+                tracing::info!(endpoint = %publisher.local_addr(), "publishing KV events");
+                hooks.kv_events = Some(Box::new(move |events| publisher.publish(events)));
+            }
+            Err(error) => return fail(exit::CONFIG, "cannot publish KV events", &error),
+        }
+    }
+    let runtime = match ModelRuntime::start_with(
         forward,
         tokenizer,
         served_name.clone(),
         sched_cfg,
         metrics.clone(),
+        hooks,
     ) {
         Ok(mut rt) => {
             rt.gpu_capacity = gpu_cap.clone();

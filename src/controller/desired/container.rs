@@ -36,6 +36,25 @@ pub(super) struct ServingProcess {
     pub live_path: &'static str,
 }
 
+/// The API port, and the KV-event publisher's when `engine.kvEvents` is on.
+fn serving_ports(spec: &InferenceDeploymentSpec) -> Vec<ContainerPort> {
+    let mut ports = vec![ContainerPort {
+        name: Some("http".into()),
+        container_port: HTTP_PORT,
+        protocol: Some("TCP".into()),
+        ..ContainerPort::default()
+    }];
+    if let Some(k) = spec.engine.kv_events.as_ref().filter(|k| k.enabled) {
+        ports.push(ContainerPort {
+            name: Some(super::network_policy::KV_EVENTS_PORT_NAME.into()),
+            container_port: k.port,
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        });
+    }
+    ports
+}
+
 /// The container that serves the API, mounting `mounts`; with `cpu_only` it asks for no GPU.
 pub(super) fn serving_container(
     spec: &InferenceDeploymentSpec,
@@ -49,12 +68,7 @@ pub(super) fn serving_container(
         image: Some(process.image),
         command: Some(process.command),
         args: Some(process.args),
-        ports: Some(vec![ContainerPort {
-            name: Some("http".into()),
-            container_port: HTTP_PORT,
-            protocol: Some("TCP".into()),
-            ..ContainerPort::default()
-        }]),
+        ports: Some(serving_ports(spec)),
         env: Some(serving_env(spec, process.env, overrides)),
         resources: Some(serving_resources(spec, overrides, cpu_only)),
         volume_mounts: Some(mounts),

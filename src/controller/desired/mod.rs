@@ -272,10 +272,10 @@ pub fn desired(
         service,
         pdb: pod_disruption_budget::pod_disruption_budget(&owner, spec.replicas),
         monitor: monitor.map(|m| monitor::monitor(&owner, m)),
-        network_policy: spec
-            .network
-            .as_ref()
-            .map(|net| network_policy::network_policy(&owner, net, settings)),
+        network_policy: spec.network.as_ref().map(|net| {
+            let kv_events = spec.engine.kv_events.as_ref().is_some_and(|k| k.enabled);
+            network_policy::network_policy(&owner, net, settings, kv_events)
+        }),
     })
 }
 

@@ -9,16 +9,31 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::{selector_labels, worker_network_policy_name, Owner, Settings};
 use crate::api::NetworkSpec;
 
-pub(super) fn network_policy(owner: &Owner, net: &NetworkSpec, settings: &Settings) -> NetworkPolicy {
+pub(super) fn network_policy(
+    owner: &Owner,
+    net: &NetworkSpec,
+    settings: &Settings,
+    kv_events: bool,
+) -> NetworkPolicy {
+    let mut spec = worker_network_policy(&owner.name, &net.allow_from, &settings.worker_metrics_from);
+    // KV-event subscribers (routers) are API clients: they reach the `kv-events` port too.
+    if kv_events && !net.allow_from.is_empty() {
+        if let Some(rule) = spec.ingress.as_mut().and_then(|r| r.first_mut()) {
+            rule.ports.get_or_insert_with(Vec::new).push(NetworkPolicyPort {
+                port: Some(IntOrString::String(KV_EVENTS_PORT_NAME.into())),
+                protocol: Some("TCP".into()),
+                ..NetworkPolicyPort::default()
+            });
+        }
+    }
     NetworkPolicy {
         metadata: owner.meta(worker_network_policy_name(&owner.name)),
-        spec: Some(worker_network_policy(
-            &owner.name,
-            &net.allow_from,
-            &settings.worker_metrics_from,
-        )),
+        spec: Some(spec),
     }
 }
+
+/// The serving container's port of the KV-event publisher (`spec.engine.kvEvents`).
+pub const KV_EVENTS_PORT_NAME: &str = "kv-events";
 
 /// Ingress to the pods of `name` (worker or vLLM) on the serving port only, from `allow_from`
 /// and from `metrics_from`. The port serves the API, the probes and `/metrics` alike, so a

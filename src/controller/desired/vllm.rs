@@ -179,6 +179,21 @@ pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: 
         args.push("--load-format".into());
         args.push("dummy".into());
     }
+    if !e.prefix_caching {
+        args.push("--no-enable-prefix-caching".into());
+    }
+    if let Some(k) = e.kv_events.as_ref().filter(|k| k.enabled) {
+        args.push("--kv-events-config".into());
+        args.push(
+            serde_json::json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": format!("tcp://*:{}", k.port),
+                "topic": k.topic,
+            })
+            .to_string(),
+        );
+    }
     args.extend(e.extra_args.iter().cloned());
     args
 }

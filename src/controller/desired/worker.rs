@@ -136,6 +136,7 @@ pub fn worker_config(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Optio
         cpu_memory_bytes: None,
         max_kv_tokens: None,
         max_waiting: None,
+        kv_events_endpoint: None,
         seed: 0,
     })
 }

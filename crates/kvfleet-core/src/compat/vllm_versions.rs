@@ -276,6 +276,25 @@ pub static FLAGS: &[Flag] = &[
             source: ENGINE_ARGS,
         },
     },
+    // Prefix caching is on by default in the V1 engine, the only engine of every release in this
+    // table; kvfleet renders only the `--no-` form, when the spec turns it off.
+    Flag {
+        flag: "--no-enable-prefix-caching",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: "vllm engine arguments: --enable-prefix-caching, --no-enable-prefix-caching (argparse BooleanOptionalAction) (D)",
+        },
+    },
+    // KV events (vllm/distributed/kv_events.py, KVEventsConfig), in releases since 0.9.
+    Flag {
+        flag: "--kv-events-config",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: "vllm engine arguments: --kv-events-config (KVEventsConfig: enable_kv_cache_events, publisher, endpoint, topic) (D)",
+        },
+    },
     Flag {
         flag: "--load-format",
         availability: Availability {

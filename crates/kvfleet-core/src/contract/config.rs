@@ -63,6 +63,10 @@ pub struct WorkerConfig {
     pub max_kv_tokens: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_waiting: Option<usize>,
+    /// Where KV events are published (`--kv-events-endpoint`); absent: `tcp://*:<port>` of
+    /// `engine.kvEvents` when it is enabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_endpoint: Option<String>,
     #[serde(default)]
     pub seed: u64,
 }
@@ -134,8 +138,19 @@ impl WorkerConfig {
             cpu_memory_bytes: Some(DEFAULT_CPU_MEMORY_BYTES),
             max_kv_tokens: None,
             max_waiting: None,
+            kv_events_endpoint: None,
             seed: 0,
         }
+    }
+
+    /// The KV-events endpoint and topic, when events are on.
+    pub fn kv_events(&self) -> Option<(String, String)> {
+        let spec = self.engine.kv_events.as_ref().filter(|k| k.enabled)?;
+        let endpoint = self
+            .kv_events_endpoint
+            .clone()
+            .unwrap_or_else(|| format!("tcp://*:{}", spec.port));
+        Some((endpoint, spec.topic.clone()))
     }
 
     /// KV dtype after the controller's resolution.

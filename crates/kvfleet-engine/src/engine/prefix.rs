@@ -88,7 +88,11 @@ impl TokenBlocks {
         while (self.hashes.len() + 1) * block_size <= self.tokens.len() {
             let i = self.hashes.len();
             let parent = i.checked_sub(1).map(|p| self.hashes[p]);
-            let h = hash_block(parent, &self.key, &self.tokens[i * block_size..(i + 1) * block_size]);
+            let h = hash_block(
+                parent,
+                &self.key,
+                &self.tokens[i * block_size..(i + 1) * block_size],
+            );
             self.hashes.push(h);
         }
     }

@@ -784,7 +784,11 @@ mod tests {
         run_to_end(&mut s, &mut ev);
         assert_eq!(started(&ev, 1), 0);
         assert_eq!(s.kv().used_blocks(), 0);
-        assert_eq!(s.kv().cached_blocks(), 10, "40 prompt tokens = 10 full blocks, cached");
+        assert_eq!(
+            s.kv().cached_blocks(),
+            10,
+            "40 prompt tokens = 10 full blocks, cached"
+        );
         // Same prompt: 9 blocks come from the cache (the last prompt token is computed for
         // its logits), so the first step computes 4 tokens, not 40.
         s.submit_tokens(2, &prompt, 3, CacheKey::default()).unwrap();
@@ -845,14 +849,21 @@ mod tests {
         run_to_end(&mut s, &mut ev);
         let g1 = &s.kv().groups[1].pool;
         let early = TokenBlocks::new(CacheKey::default(), &prompt, 4);
-        assert!(g1.lookup(early.hashes[0]).is_none(), "block 0 evicted in the sliding group");
+        assert!(
+            g1.lookup(early.hashes[0]).is_none(),
+            "block 0 evicted in the sliding group"
+        );
         assert!(s.kv().groups[0].pool.lookup(early.hashes[0]).is_some());
         s.submit_tokens(3, &prompt, 2, CacheKey::default()).unwrap();
         let mut plan = StepPlan::default();
         s.schedule(&mut plan, &mut ev);
         assert_eq!(started(&ev, 3), 36, "the window's blocks are enough");
         let held = s.held_pages();
-        assert_eq!(held[0].1, vec![10, 3], "full: 9 hit + 1 new; sliding: blocks 7, 8 + 1 new");
+        assert_eq!(
+            held[0].1,
+            vec![10, 3],
+            "full: 9 hit + 1 new; sliding: blocks 7, 8 + 1 new"
+        );
         plan.check(&plan_cfg(&s)).unwrap();
         s.complete(&mut ev);
         run_to_end(&mut s, &mut ev);
@@ -864,9 +875,14 @@ mod tests {
         run_to_end(&mut s, &mut ev);
         // Prompt of 30 tokens: 7 full blocks wanted; the sliding group lost blocks 0..6.
         let short = &prompt[..30];
-        let k = s.kv().cached_prefix(&TokenBlocks::new(CacheKey::default(), short, 4).hashes, 29 / 4);
+        let k = s
+            .kv()
+            .cached_prefix(&TokenBlocks::new(CacheKey::default(), short, 4).hashes, 29 / 4);
         let g1 = &s.kv().groups[1].pool;
-        let present: Vec<bool> = early.hashes[..7].iter().map(|h| g1.lookup(*h).is_some()).collect();
+        let present: Vec<bool> = early.hashes[..7]
+            .iter()
+            .map(|h| g1.lookup(*h).is_some())
+            .collect();
         // k is the largest prefix whose window blocks are all present.
         let ok = |k: usize| {
             let first = (k * 4 + 1).saturating_sub(8) / 4;
@@ -892,7 +908,10 @@ mod tests {
         run_to_end(&mut s, &mut ev);
         assert_eq!(s.counters().preemptions, 0);
         assert!(s.kv().cached_blocks() <= 16);
-        let removed = s.take_kv_events().iter().any(|e| matches!(e, KvEvent::Removed { .. }));
+        let removed = s
+            .take_kv_events()
+            .iter()
+            .any(|e| matches!(e, KvEvent::Removed { .. }));
         assert!(!removed, "events are off unless asked for");
     }
 
@@ -949,11 +968,21 @@ mod tests {
         let window = rng.random_range(2u32..40);
         let (full_blocks, sliding_blocks) = (rng.random_range(24..120), rng.random_range(16..80));
         let budget = rng.random_range(bs.max(16)..96);
-        let mut s = sched(bs, &[(None, full_blocks), (Some(window), sliding_blocks)], 8, budget, 160);
+        let mut s = sched(
+            bs,
+            &[(None, full_blocks), (Some(window), sliding_blocks)],
+            8,
+            budget,
+            160,
+        );
         s.record_kv_events(true);
         // Prompts come from a few stems so that prefixes repeat.
         let stems: Vec<Vec<u32>> = (0..4)
-            .map(|_| (0..rng.random_range(8..100)).map(|_| rng.random_range(0..6)).collect())
+            .map(|_| {
+                (0..rng.random_range(8..100))
+                    .map(|_| rng.random_range(0..6))
+                    .collect()
+            })
             .collect();
         struct Req {
             salt: u64,
@@ -961,7 +990,8 @@ mod tests {
             output: usize,
         }
         let mut live: BTreeMap<RequestId, Req> = BTreeMap::new();
-        let mut content: Vec<Vec<Option<u64>>> = vec![vec![None; full_blocks * bs], vec![None; sliding_blocks * bs]];
+        let mut content: Vec<Vec<Option<u64>>> =
+            vec![vec![None; full_blocks * bs], vec![None; sliding_blocks * bs]];
         let mut published: BTreeSet<u64> = BTreeSet::new();
         let (mut ev, mut plan, mut next) = (Vec::new(), StepPlan::default(), 0u64);
         let (mut hits, mut steps) = (0u64, 0u64);
@@ -994,13 +1024,12 @@ mod tests {
                         let held = s.running.iter().find(|x| x.id == c.id).unwrap();
                         for (g, t) in held.tables.iter().enumerate() {
                             // What is already held reads as this request's own prefix.
-                            for p in t.freed * bs..c.start {
-                                let slot = t.blocks[p / bs] as usize * bs + p % bs;
-                                assert_eq!(content[g][slot], Some(fp[p]), "seed {seed}: group {g} pos {p}");
+                            let slot = |p: usize| t.blocks[p / bs] as usize * bs + p % bs;
+                            for (p, f) in fp.iter().enumerate().take(c.start).skip(t.freed * bs) {
+                                assert_eq!(content[g][slot(p)], Some(*f), "seed {seed}: group {g} pos {p}");
                             }
-                            for p in c.start..c.start + c.len {
-                                let slot = t.blocks[p / bs] as usize * bs + p % bs;
-                                content[g][slot] = Some(fp[p]);
+                            for (p, f) in fp.iter().enumerate().take(c.start + c.len).skip(c.start) {
+                                content[g][slot(p)] = Some(*f);
                             }
                         }
                     }
@@ -1037,15 +1066,8 @@ mod tests {
                         }
                     }
                 }
-                18 => {
-                    if rng.random_bool(0.02) {
-                        s.reset_prefix_cache();
-                    }
-                }
-                _ => {
-                    // A cached page is overwritten only after eviction: forget what evicted
-                    // pages held is not needed, their addresses no longer resolve.
-                }
+                18 if rng.random_bool(0.02) => s.reset_prefix_cache(),
+                _ => {}
             }
             check_accounting(&s);
             for (g, group) in s.kv.groups.iter().enumerate() {
@@ -1064,7 +1086,9 @@ mod tests {
                 for (h, id) in pool.cached_blocks() {
                     assert_eq!(pool.hash_of(id), Some(h), "address resolves to a page without it");
                 }
-                let addressed = (0..pool.total() as u32).filter(|&i| pool.hash_of(i).is_some()).count();
+                let addressed = (0..pool.total() as u32)
+                    .filter(|&i| pool.hash_of(i).is_some())
+                    .count();
                 assert_eq!(addressed, pool.cached_blocks().count());
             }
             for e in s.take_kv_events() {
@@ -1080,9 +1104,15 @@ mod tests {
             }
             let anchor = &s.kv.groups[s.kv.anchor_group()].pool;
             let actual: BTreeSet<u64> = anchor.cached_blocks().map(|(h, _)| h.external()).collect();
-            assert_eq!(published, actual, "seed {seed}: the events' view differs from the cache");
+            assert_eq!(
+                published, actual,
+                "seed {seed}: the events' view differs from the cache"
+            );
         }
-        assert!(steps > 0 && hits > 0, "seed {seed}: the workload never hit the cache");
+        assert!(
+            steps > 0 && hits > 0,
+            "seed {seed}: the workload never hit the cache"
+        );
     }
 
     #[test]
