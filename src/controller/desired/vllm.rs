@@ -292,6 +292,40 @@ mod tests {
         assert_eq!(arg_after(&args, "--kv-cache-dtype").as_deref(), Some("fp8"));
     }
 
+    #[test]
+    fn prefix_caching_off_and_kv_events_render_as_vllm_flags_and_a_named_port() {
+        let mut obj = fixture(VLLM_RTX5090);
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let args = vllm_args(&obj.spec, &v);
+        assert!(
+            !args.iter().any(|a| a.contains("prefix-caching") || a == "--kv-events-config"),
+            "defaults render nothing (vLLM caches prefixes by default): {args:?}"
+        );
+        obj.spec.engine.prefix_caching = false;
+        obj.spec.engine.kv_events = Some(crate::api::KvEventsSpec {
+            enabled: true,
+            port: 5557,
+            topic: "kv".into(),
+        });
+        let args = vllm_args(&obj.spec, &v);
+        assert!(args.contains(&"--no-enable-prefix-caching".to_string()), "{args:?}");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&arg_after(&args, "--kv-events-config").expect("--kv-events-config")).unwrap();
+        assert_eq!(
+            cfg,
+            serde_json::json!({"enable_kv_cache_events": true, "publisher": "zmq",
+                "endpoint": "tcp://*:5557", "topic": "kv"})
+        );
+        for flag in ["--no-enable-prefix-caching", "--kv-events-config"] {
+            let version = vllm_versions::DEFAULT_VERSION;
+            assert_eq!(vllm_versions::flag_at(flag, version), Some(true), "{flag}");
+        }
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let ports = container(&d).ports.unwrap();
+        let kv = ports.iter().find(|p| p.name.as_deref() == Some("kv-events")).expect("kv-events port");
+        assert_eq!(kv.container_port, 5557);
+    }
+
     fn env_value(c: &Container, name: &str) -> Option<EnvVar> {
         c.env
             .clone()

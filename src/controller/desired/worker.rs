@@ -202,6 +202,28 @@ spec:
 "#;
 
     #[test]
+    fn the_worker_config_carries_prefix_caching_and_kv_events_to_the_worker() {
+        let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
+        let plain = desired(&fixture(KVFLEET_H100_PVC), &v, &Settings::default(), None).unwrap();
+        let yaml = &plain.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
+        assert!(!yaml.contains("prefixCaching") && !yaml.contains("kvEvents"), "defaults stay out: {yaml}");
+        let cfg = WorkerConfig::parse(yaml).unwrap();
+        assert!(cfg.engine.prefix_caching, "on by default");
+        assert_eq!(cfg.kv_events(), None);
+        let spec = KVFLEET_H100_PVC.replace(
+            "    gpuMemoryUtilization: 0.92\n",
+            "    gpuMemoryUtilization: 0.92\n    prefixCaching: false\n    kvEvents: {port: 5600, topic: kv}\n",
+        );
+        let d = desired(&fixture(&spec), &v, &Settings::default(), None).unwrap();
+        let yaml = &d.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
+        let cfg = WorkerConfig::parse(yaml).unwrap();
+        assert!(!cfg.engine.prefix_caching, "{yaml}");
+        assert_eq!(cfg.kv_events(), Some(("tcp://*:5600".to_string(), "kv".to_string())));
+        let ports = container(&d).ports.unwrap();
+        assert!(ports.iter().any(|p| p.name.as_deref() == Some("kv-events") && p.container_port == 5600));
+    }
+
+    #[test]
     fn kvfleet_pod_args_name_the_model_on_the_mounted_weights_volume_with_dtype_and_limits() {
         let obj = fixture(KVFLEET_H100_PVC);
         let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
