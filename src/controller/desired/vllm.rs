@@ -298,7 +298,9 @@ mod tests {
         let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
         let args = vllm_args(&obj.spec, &v);
         assert!(
-            !args.iter().any(|a| a.contains("prefix-caching") || a == "--kv-events-config"),
+            !args
+                .iter()
+                .any(|a| a.contains("prefix-caching") || a == "--kv-events-config"),
             "defaults render nothing (vLLM caches prefixes by default): {args:?}"
         );
         obj.spec.engine.prefix_caching = false;
@@ -308,9 +310,13 @@ mod tests {
             topic: "kv".into(),
         });
         let args = vllm_args(&obj.spec, &v);
-        assert!(args.contains(&"--no-enable-prefix-caching".to_string()), "{args:?}");
+        assert!(
+            args.contains(&"--no-enable-prefix-caching".to_string()),
+            "{args:?}"
+        );
         let cfg: serde_json::Value =
-            serde_json::from_str(&arg_after(&args, "--kv-events-config").expect("--kv-events-config")).unwrap();
+            serde_json::from_str(&arg_after(&args, "--kv-events-config").expect("--kv-events-config"))
+                .unwrap();
         assert_eq!(
             cfg,
             serde_json::json!({"enable_kv_cache_events": true, "publisher": "zmq",
@@ -322,7 +328,10 @@ mod tests {
         }
         let d = desired(&obj, &v, &Settings::default(), None).unwrap();
         let ports = container(&d).ports.unwrap();
-        let kv = ports.iter().find(|p| p.name.as_deref() == Some("kv-events")).expect("kv-events port");
+        let kv = ports
+            .iter()
+            .find(|p| p.name.as_deref() == Some("kv-events"))
+            .expect("kv-events port");
         assert_eq!(kv.container_port, 5557);
     }
 

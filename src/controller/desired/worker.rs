@@ -206,7 +206,10 @@ spec:
         let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
         let plain = desired(&fixture(KVFLEET_H100_PVC), &v, &Settings::default(), None).unwrap();
         let yaml = &plain.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
-        assert!(!yaml.contains("prefixCaching") && !yaml.contains("kvEvents"), "defaults stay out: {yaml}");
+        assert!(
+            !yaml.contains("prefixCaching") && !yaml.contains("kvEvents"),
+            "defaults stay out: {yaml}"
+        );
         let cfg = WorkerConfig::parse(yaml).unwrap();
         assert!(cfg.engine.prefix_caching, "on by default");
         assert_eq!(cfg.kv_events(), None);
@@ -218,9 +221,14 @@ spec:
         let yaml = &d.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
         let cfg = WorkerConfig::parse(yaml).unwrap();
         assert!(!cfg.engine.prefix_caching, "{yaml}");
-        assert_eq!(cfg.kv_events(), Some(("tcp://*:5600".to_string(), "kv".to_string())));
+        assert_eq!(
+            cfg.kv_events(),
+            Some(("tcp://*:5600".to_string(), "kv".to_string()))
+        );
         let ports = container(&d).ports.unwrap();
-        assert!(ports.iter().any(|p| p.name.as_deref() == Some("kv-events") && p.container_port == 5600));
+        assert!(ports
+            .iter()
+            .any(|p| p.name.as_deref() == Some("kv-events") && p.container_port == 5600));
     }
 
     #[test]
