@@ -14,7 +14,7 @@ use super::llama::{Llama, LlamaConfig};
 use super::metrics::Metrics;
 use super::runtime::{ModelRuntime, RuntimeError};
 use super::tokenizer::Tokenizer;
-use crate::api::{LayerType, ModelGeometry};
+use crate::api::ModelGeometry;
 pub use crate::contract::model::{
     embedded_model_path, ModelSource, Weights, EMBEDDED_MODEL_ENV, EMBEDDED_MODEL_PATHS,
 };
@@ -65,33 +65,7 @@ impl LoadedModel {
 
     /// The attention geometry in the CRD's terms (what preflight and the planner check).
     pub fn geometry(&self) -> ModelGeometry {
-        let c = self.config();
-        let i = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
-        ModelGeometry {
-            layers: i(c.n_layers),
-            query_heads: i(c.n_heads),
-            kv_heads: i(c.n_kv_heads),
-            head_dim: i(c.head_dim),
-            sliding_window: c
-                .gemma3
-                .as_ref()
-                .map(|g| i32::try_from(g.sliding_window).unwrap_or(i32::MAX)),
-            layer_types: c.gemma3.as_ref().map(|_| {
-                (0..c.n_layers)
-                    .map(|l| match c.layer_window(l) {
-                        Some(_) => LayerType::SlidingAttention,
-                        None => LayerType::FullAttention,
-                    })
-                    .collect()
-            }),
-            global_head_dim: None,
-            global_kv_heads: None,
-            kv_lora_rank: None,
-            qk_rope_head_dim: None,
-            draft_layers: None,
-            hidden_size: Some(i(c.d_model)),
-            vocab_size: Some(i(c.vocab)),
-        }
+        self.config().model_geometry()
     }
 
     /// Bytes of the weights on a GPU (bf16 matrices), for the planner's prediction.
@@ -349,16 +323,10 @@ fn windowed_pools(
     limits: &CpuLimits,
     max_model_len: usize,
 ) -> Result<BackendConfig, MountError> {
-    use kvfleet_engine::engine::capacity::{size_pools, ModelLayer, PoolParams};
-    use kvfleet_engine::engine::layout::{KvScales, PoolShape};
-    let layers: Vec<ModelLayer> = (0..cfg.n_layers)
-        .map(|i| ModelLayer {
-            q_heads: cfg.n_heads,
-            kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
-            window: cfg.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)),
-        })
-        .collect();
+    use kvfleet_engine::engine::capacity::{pools_in_bytes, PoolParams};
+    use kvfleet_engine::engine::layout::PoolShape;
+    let bad = |e: String| MountError::from(RuntimeError::Config(format!("cannot size the KV pools: {e}")));
+    let layers = cfg.kv_layers(cfg.n_kv_heads).map_err(bad)?;
     let params = PoolParams {
         block_size: limits.block_size,
         max_model_len,
@@ -366,7 +334,6 @@ fn windowed_pools(
         dtype: limits.kv_dtype,
         causal: true,
     };
-    let bad = |e: String| MountError::from(RuntimeError::Config(format!("cannot size the KV pools: {e}")));
     let page = PoolShape::new(
         0,
         cfg.n_kv_heads,
@@ -378,8 +345,7 @@ fn windowed_pools(
     .page_bytes() as u64;
     let blocks = limits.kv_tokens.div_ceil(limits.block_size) as u64;
     let bytes = blocks * 2 * page * cfg.n_layers as u64;
-    let plan = size_pools(&layers, &params, bytes).map_err(|e| bad(e.to_string()))?;
-    Ok(plan.backend_config(&layers, &params, KvScales::default()))
+    pools_in_bytes(&layers, &params, bytes).map_err(bad)
 }
 
 /// A model already in memory, for [`start_cpu`].

@@ -6,11 +6,11 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use super::config::{WorkerConfig, GIB};
-use super::engine::capacity::{size_pools, CapacityError, ModelLayer, PoolParams, PoolPlan};
+use super::engine::capacity::{size_pools, CapacityError, KvListError, ModelLayer, PoolParams, PoolPlan};
 use super::engine::layout::{BackendConfig, KvDtype, KvScales};
 use super::engine::scheduler::SchedulerConfig;
 use super::nvml::{GpuInfo, Probe};
-use crate::api::{LayerType, Runtime};
+use crate::api::Runtime;
 use crate::compat::{AttentionBackend, ComputeCapability};
 use crate::plan::{pool_layout, EngineParams, Geometry};
 
@@ -73,76 +73,27 @@ fn positive(what: &str, v: i64) -> Result<usize, PreflightError> {
     Ok(v as usize)
 }
 
-/// The model's layers as the engine runs them.
-pub fn model_layers(cfg: &WorkerConfig) -> Result<Vec<ModelLayer>, PreflightError> {
+/// The model's geometry as the planner reads it ([`Geometry::from_spec`]): the source of the
+/// per-layer KV list the engine allocates and of the planner's prediction alike.
+pub fn model_geometry(cfg: &WorkerConfig) -> Result<Geometry, PreflightError> {
     let Some(g) = cfg.geometry.as_ref() else {
         return Err(PreflightError::Config(
             "no model geometry: the worker checks the loaded model's geometry, and none was given".into(),
         ));
     };
     if g.kv_lora_rank.is_some() {
-        return Err(PreflightError::Incompatible(
-            "MLA models (kvLoraRank) are not supported by the kvfleet engine; use engine.runtime vllm".into(),
-        ));
+        return Err(PreflightError::Incompatible(KvListError::Mla.to_string()));
     }
-    let n = positive("geometry.layers", g.layers.into())? + g.draft_layers.unwrap_or(0).max(0) as usize;
-    let q_heads = positive("geometry.queryHeads", g.query_heads.into())?;
-    let kv_heads = positive("geometry.kvHeads", g.kv_heads.into())?;
-    let head_dim = positive("geometry.headDim", g.head_dim.into())?;
-    let window = match g.sliding_window {
-        Some(w) if w < 1 => {
-            return Err(PreflightError::Config(
-                "geometry.slidingWindow must be at least 1".into(),
-            ))
-        }
-        Some(w) => Some(w as u32),
-        None => None,
-    };
-    if let Some(t) = &g.layer_types {
-        if t.len() != g.layers as usize {
-            return Err(PreflightError::Config(format!(
-                "geometry.layerTypes lists {} layers, geometry.layers is {}",
-                t.len(),
-                g.layers
-            )));
-        }
-    }
-    let mut layers = Vec::with_capacity(n);
-    for i in 0..n {
-        // Draft layers (after the model's) attend fully, like the model's full layers.
-        let kind = g.layer_types.as_ref().and_then(|t| t.get(i).copied());
-        let sliding = match kind {
-            Some(LayerType::SlidingAttention) => true,
-            Some(LayerType::FullAttention) => false,
-            // No layerTypes: all sliding when only slidingWindow is set (Mistral 7B v0.1).
-            None => g.layer_types.is_none() && window.is_some() && i < g.layers as usize,
-        };
-        if sliding && window.is_none() {
-            return Err(PreflightError::Config(
-                "sliding_attention layers need geometry.slidingWindow".into(),
-            ));
-        }
-        let (kvh, hd) = if sliding {
-            (kv_heads, head_dim)
-        } else {
-            (
-                g.global_kv_heads.map_or(kv_heads, |v| v.max(1) as usize),
-                g.global_head_dim.map_or(head_dim, |v| v.max(1) as usize),
-            )
-        };
-        if q_heads % kvh != 0 {
-            return Err(PreflightError::Config(format!(
-                "queryHeads {q_heads} is not a multiple of kvHeads {kvh}"
-            )));
-        }
-        layers.push(ModelLayer {
-            q_heads,
-            kv_heads: kvh,
-            head_dim: hd,
-            window: if sliding { window } else { None },
-        });
-    }
-    Ok(layers)
+    Geometry::from_spec(g).map_err(|e| PreflightError::Config(e.to_string()))
+}
+
+/// The model's layers as the engine runs them: the one per-layer KV list
+/// ([`ModelLayer::from_geometry`]).
+fn kv_list(geometry: &Geometry) -> Result<Vec<ModelLayer>, PreflightError> {
+    ModelLayer::from_geometry(geometry).map_err(|e| match e {
+        KvListError::Mla => PreflightError::Incompatible(e.to_string()),
+        KvListError::Gqa { .. } => PreflightError::Config(e.to_string()),
+    })
 }
 
 /// Decides backend, dtype and pool sizes for `cfg` on the probed machine.
@@ -206,7 +157,8 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
         }
     };
     let dtype = KvDtype::resolve(cfg.kv_cache_dtype(), KvDtype::Bf16);
-    let layers = model_layers(cfg)?;
+    let geometry = model_geometry(cfg)?;
+    let layers = kv_list(&geometry)?;
     for l in &layers {
         if !dtype.supports_head_dim(l.head_dim) {
             return Err(PreflightError::Incompatible(format!(
@@ -262,7 +214,7 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
         CapacityError::NoLayers => PreflightError::Config(err.to_string()),
         CapacityError::Layout(l) => PreflightError::Incompatible(l.to_string()),
     })?;
-    let pools = planner_sized(cfg, &params, available, pools, &mut warnings);
+    let pools = planner_sized(&geometry, &params, available, pools, &mut warnings);
     if pools.max_concurrency < 1.0 {
         return Err(PreflightError::NoMemory(format!(
             "{:.3} GiB left for the KV cache ({:.3} GiB x {} - {:.3} GiB weights - {:.3} GiB reserve) hold {} tokens, less than one maxModelLen {} request; lower maxModelLen, use kvCacheDtype fp8, or raise gpuMemoryUtilization",
@@ -325,28 +277,23 @@ pub fn compat_check(cfg: &WorkerConfig, gpu: &GpuInfo) -> Result<(), PreflightEr
 /// Pool sizes from the planner (`plan::pool_layout`), so that the measured capacity is the
 /// predicted one; the local sizing stays when the planner groups layers differently.
 fn planner_sized(
-    cfg: &WorkerConfig,
+    geometry: &Geometry,
     params: &PoolParams,
     available: u64,
     mut pools: PoolPlan,
     warnings: &mut Vec<String>,
 ) -> PoolPlan {
-    let Some(geometry) = cfg.geometry.as_ref() else {
-        return pools;
-    };
-    let planned = Geometry::from_spec(geometry).and_then(|g| {
-        pool_layout(
-            &g,
-            &EngineParams {
-                tp: 1,
-                dtype: params.dtype.spec(),
-                block_size: params.block_size as u32,
-                max_model_len: params.max_model_len as u64,
-                max_num_batched_tokens: params.max_num_batched_tokens as u64,
-            },
-            available,
-        )
-    });
+    let planned = pool_layout(
+        geometry,
+        &EngineParams {
+            tp: 1,
+            dtype: params.dtype.spec(),
+            block_size: params.block_size as u32,
+            max_model_len: params.max_model_len as u64,
+            max_num_batched_tokens: params.max_num_batched_tokens as u64,
+        },
+        available,
+    );
     match planned {
         Ok(p)
             if p.groups.len() == pools.groups.len()
@@ -376,6 +323,7 @@ fn planner_sized(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::LayerType;
     use crate::compat::KvCacheDtype;
 
     /// A small hybrid geometry (2 sliding + 2 full layers, GQA 4, head_dim 64) with the

@@ -1525,23 +1525,15 @@ fn gemma_inv_freq_local(c: &LlamaConfig) -> Option<Vec<f32>> {
 
 /// The KV pools of a model with sliding-window layers in `bytes`: one group per window (and
 /// one of the full layers), memory split by what one maxModelLen request needs from each
-/// (`capacity::size_pools`, as the CPU engine and preflight size them).
+/// (`capacity::pools_in_bytes`, as the CPU engine and preflight size them).
 fn windowed_pools(
     c: &LlamaConfig,
     geo: AttnGeometry,
     opts: &GpuOptions,
     bytes: usize,
 ) -> Result<BackendConfig, GpuError> {
-    use kvfleet_engine::engine::capacity::{size_pools, ModelLayer, PoolParams};
-    use kvfleet_engine::engine::layout::KvScales;
-    let layers: Vec<ModelLayer> = (0..c.n_layers)
-        .map(|i| ModelLayer {
-            q_heads: geo.n_heads,
-            kv_heads: geo.n_kv_heads,
-            head_dim: geo.head_dim,
-            window: c.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)),
-        })
-        .collect();
+    use kvfleet_engine::engine::capacity::{pools_in_bytes, PoolParams};
+    let layers = c.kv_layers(geo.n_kv_heads).map_err(GpuError::Invalid)?;
     let params = PoolParams {
         block_size: opts.block_size,
         max_model_len: opts.max_model_len.unwrap_or(c.context_len).max(1),
@@ -1549,16 +1541,7 @@ fn windowed_pools(
         dtype: opts.kv_dtype,
         causal: true,
     };
-    let plan = size_pools(&layers, &params, bytes as u64)
-        .map_err(|e| GpuError::Invalid(format!("cannot size the KV pools: {e}")))?;
-    if let Some(g) = plan.groups.iter().find(|g| g.num_blocks == 0) {
-        return Err(GpuError::Memory(format!(
-            "{} MiB of KV memory leave no page for the layers of window {:?}",
-            bytes >> 20,
-            g.window
-        )));
-    }
-    Ok(plan.backend_config(&layers, &params, KvScales::default()))
+    pools_in_bytes(&layers, &params, bytes as u64).map_err(GpuError::Memory)
 }
 
 impl GemmaKernels {

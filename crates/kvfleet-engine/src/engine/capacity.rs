@@ -9,13 +9,68 @@ use kvfleet_core::plan::{self, LayerKind};
 
 use super::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec, PoolShape};
 
-/// One layer of the synthetic model.
+/// One layer's KV as the engine stores it (vLLM's per-layer `KVCacheSpec`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelLayer {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub window: Option<u32>,
+}
+
+impl ModelLayer {
+    /// The per-layer KV list of a model: the one producer the planner's geometry, preflight,
+    /// the CPU and GPU placement and the engine's pools share. `geometry` is
+    /// [`plan::Geometry::from_spec`] of the CRD's geometry (or of a loaded model's, see
+    /// `LlamaConfig::model_geometry`), so the planner and the engine read the same layers.
+    pub fn from_geometry(geometry: &plan::Geometry) -> Result<Vec<ModelLayer>, KvListError> {
+        let q_heads = geometry.query_heads as usize;
+        geometry
+            .layers
+            .iter()
+            .map(|l| {
+                let window = match l.kind {
+                    LayerKind::Full => None,
+                    LayerKind::Sliding { window } => Some(window),
+                    LayerKind::Mla => return Err(KvListError::Mla),
+                };
+                let kv_heads = l.kv_heads as usize;
+                if kv_heads == 0 || q_heads % kv_heads != 0 {
+                    return Err(KvListError::Gqa { q_heads, kv_heads });
+                }
+                Ok(ModelLayer {
+                    q_heads,
+                    kv_heads,
+                    head_dim: l.head_dim as usize,
+                    window,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A per-layer KV list the engine cannot build.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KvListError {
+    #[error("MLA models (kvLoraRank) are not supported by the kvfleet engine; use engine.runtime vllm")]
+    Mla,
+    #[error("queryHeads {q_heads} is not a multiple of kvHeads {kv_heads}")]
+    Gqa { q_heads: usize, kv_heads: usize },
+}
+
+/// Pools of `layers` in `bytes` (one group per window and one of the full layers, memory split
+/// by what one maxModelLen request needs from each), as the backend allocates them; an error
+/// when a group would get no block.
+pub fn pools_in_bytes(layers: &[ModelLayer], p: &PoolParams, bytes: u64) -> Result<BackendConfig, String> {
+    let plan = size_pools(layers, p, bytes).map_err(|e| format!("cannot size the KV pools: {e}"))?;
+    if let Some(g) = plan.groups.iter().find(|g| g.num_blocks == 0) {
+        return Err(format!(
+            "{} MiB of KV memory leave no page for the layers of window {:?}",
+            bytes >> 20,
+            g.window
+        ));
+    }
+    Ok(plan.backend_config(layers, p, KvScales::default()))
 }
 
 /// Engine limits that decide pool sizes.

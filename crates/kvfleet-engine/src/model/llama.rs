@@ -110,12 +110,17 @@ pub struct Gemma3 {
     pub query_scale: f32,
 }
 
+/// Gemma 3's published layer pattern: five local layers, then a global one (transformers'
+/// `sliding_window_pattern = 6`, llama.cpp's `set_swa_pattern(6)`). GGUF files of Gemma 3 do not
+/// carry it; a file that does (`gemma3.attention.sliding_window_pattern`) wins.
+pub const GEMMA3_SLIDING_WINDOW_PATTERN: usize = 6;
+
 impl Gemma3 {
     /// Gemma 3's fixed choices around a window read from the file.
     pub fn new(sliding_window: usize) -> Self {
         Gemma3 {
             sliding_window,
-            global_every: 6,
+            global_every: GEMMA3_SLIDING_WINDOW_PATTERN,
             rope_theta_local: 10_000.0,
             query_scale: 1.0 / 256f32.sqrt(),
         }
@@ -128,6 +133,45 @@ impl Gemma3 {
 }
 
 impl LlamaConfig {
+    /// The attention geometry in the CRD's terms: what preflight and the planner check, and
+    /// the source of the per-layer KV list ([`LlamaConfig::kv_layers`]).
+    pub fn model_geometry(&self) -> kvfleet_core::api::ModelGeometry {
+        use kvfleet_core::api::LayerType;
+        let i = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
+        kvfleet_core::api::ModelGeometry {
+            layers: i(self.n_layers),
+            query_heads: i(self.n_heads),
+            kv_heads: i(self.n_kv_heads),
+            head_dim: i(self.head_dim),
+            sliding_window: self.gemma3.as_ref().map(|g| i(g.sliding_window)),
+            layer_types: self.gemma3.as_ref().map(|_| {
+                (0..self.n_layers)
+                    .map(|l| match self.layer_window(l) {
+                        Some(_) => LayerType::SlidingAttention,
+                        None => LayerType::FullAttention,
+                    })
+                    .collect()
+            }),
+            global_head_dim: None,
+            global_kv_heads: None,
+            kv_lora_rank: None,
+            qk_rope_head_dim: None,
+            draft_layers: None,
+            hidden_size: Some(i(self.d_model)),
+            vocab_size: Some(i(self.vocab)),
+        }
+    }
+
+    /// The per-layer KV list of this model with `kv_heads` KV heads stored a layer (more than
+    /// the model's where the GPU replicates heads), through the one producer
+    /// ([`crate::engine::capacity::ModelLayer::from_geometry`]).
+    pub fn kv_layers(&self, kv_heads: usize) -> Result<Vec<crate::engine::capacity::ModelLayer>, String> {
+        let mut g = self.model_geometry();
+        g.kv_heads = i32::try_from(kv_heads).unwrap_or(i32::MAX);
+        let geometry = kvfleet_core::plan::Geometry::from_spec(&g).map_err(|e| e.to_string())?;
+        crate::engine::capacity::ModelLayer::from_geometry(&geometry).map_err(|e| e.to_string())
+    }
+
     /// The sliding window of layer `i`, `None` for full attention.
     pub fn layer_window(&self, i: usize) -> Option<usize> {
         self.gemma3
@@ -230,7 +274,11 @@ impl LlamaConfig {
             qk_norm,
             tied_embeddings: g.tensor_info("output.weight").is_none(),
             gemma3: match arch.as_str() {
-                "gemma3" => Some(Gemma3::new(u("attention.sliding_window")?)),
+                "gemma3" => Some(Gemma3 {
+                    global_every: u("attention.sliding_window_pattern")
+                        .unwrap_or(GEMMA3_SLIDING_WINDOW_PATTERN),
+                    ..Gemma3::new(u("attention.sliding_window")?)
+                }),
                 _ => None,
             },
             arch,
@@ -903,6 +951,33 @@ pub fn matmul_t(x: &[f32], t: usize, k: usize, w: &[f32], n: usize, out: &mut [f
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_kv_list_of_gemma3_reads_its_window_pattern_and_matches_the_planner() {
+        let c = LlamaConfig::gemma3(18, 640, 2048, 1000, 512);
+        let layers = c.kv_layers(1).unwrap();
+        assert_eq!(layers.len(), 18);
+        for (i, l) in layers.iter().enumerate() {
+            let global = (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0;
+            assert_eq!(l.window, (!global).then_some(512), "layer {i}");
+            assert_eq!((l.q_heads, l.kv_heads, l.head_dim), (4, 1, 256));
+        }
+        // The planner reads the same layers from the same geometry.
+        let g = kvfleet_core::plan::Geometry::from_spec(&c.model_geometry()).unwrap();
+        let planned: Vec<Option<u32>> = g
+            .layers
+            .iter()
+            .map(|l| match l.kind {
+                kvfleet_core::plan::LayerKind::Sliding { window } => Some(window),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(planned, layers.iter().map(|l| l.window).collect::<Vec<_>>());
+        // Stored heads (the GPU may replicate KV heads) change the list, not the pattern.
+        assert!(c.kv_layers(4).unwrap().iter().all(|l| l.kv_heads == 4));
+        assert!(c.kv_layers(3).is_err(), "4 query heads over 3 KV heads");
+    }
+
     use super::*;
     use crate::model::kv::{ContiguousKv, KvAttention};
 
