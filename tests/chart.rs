@@ -219,10 +219,12 @@ fn grants(list: &[(&str, &[&str], &[&str], &str)]) -> BTreeSet<(String, String, 
 }
 
 const MANAGE: &[&str] = &["get", "list", "watch", "create", "patch", "delete"];
+/// An owned kind that is not watched: read, applied, listed by the sweep and deleted by it.
+const SWEPT: &[&str] = &["get", "list", "create", "patch", "delete"];
 
 /// What src/controller/ calls: watches (list, watch), reads (get), server-side apply (create,
-/// patch), the PDB it removes on scale-down and the worker NetworkPolicy it removes with
-/// `spec.network` (delete), status patches, owner references with
+/// patch), the orphan sweep over every kind it creates (list by labels, delete what the spec
+/// no longer wants), status patches, owner references with
 /// blockOwnerDeletion (finalizers update), Events, its Lease, and binding worker accounts.
 fn controller_grants() -> BTreeSet<(String, String, String, String)> {
     let list: Vec<(&str, &[&str], &[&str], &str)> = vec![
@@ -245,14 +247,10 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         ("networking.k8s.io", &["networkpolicies"], MANAGE, "*"),
         ("", &["nodes", "pods"], &["get", "list", "watch"], "*"),
         ("events.k8s.io", &["events"], &["create", "patch"], "*"),
-        // `get`: ownership is read before every apply (issue 22).
-        ("", &["serviceaccounts"], &["get", "create", "patch"], "*"),
-        (
-            "rbac.authorization.k8s.io",
-            &["rolebindings"],
-            &["get", "create", "patch"],
-            "*",
-        ),
+        // `get`: ownership is read before every apply (issue 22); `list`, `delete`: the
+        // orphan sweep (issue 33).
+        ("", &["serviceaccounts"], SWEPT, "*"),
+        ("rbac.authorization.k8s.io", &["rolebindings"], SWEPT, "*"),
         (
             "rbac.authorization.k8s.io",
             &["clusterroles"],
@@ -262,16 +260,11 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         (
             "monitoring.coreos.com",
             &["servicemonitors", "podmonitors"],
-            &["get", "create", "patch"],
+            SWEPT,
             "*",
         ),
         // Multi-node replicas (issue 18): applied after a read, like every owned object.
-        (
-            "leaderworkerset.x-k8s.io",
-            &["leaderworkersets"],
-            &["get", "create", "patch"],
-            "*",
-        ),
+        ("leaderworkerset.x-k8s.io", &["leaderworkersets"], SWEPT, "*"),
         (
             "coordination.k8s.io",
             &["kvfleet-system/leases"],

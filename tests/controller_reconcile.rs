@@ -402,11 +402,15 @@ fn not_found() -> Reply {
     status_failure(404, "NotFound")
 }
 
-/// The ownership reads before any apply (none of the objects exists yet); the
-/// PodDisruptionBudget and the worker NetworkPolicy are read whether they are to be applied
-/// or removed.
-const LOOKUPS: usize = 7;
+/// The ownership reads before any apply (none of the objects exists yet): one per object
+/// the default spec (2 replicas, kvfleet, no `network`) wants.
+const LOOKUPS: usize = 6;
+/// The orphan sweep: one LIST per managed kind.
+const SWEEP: usize = 8;
+/// Requests of [`children_apply_calls`]`(true)`: the reads, the applies and the sweep.
+const CHILDREN: usize = LOOKUPS + 6 + SWEEP;
 
+/// The objects the default spec wants, in apply order.
 fn child_paths() -> Vec<String> {
     vec![
         ns_path("v1", "configmaps", "llama-config"),
@@ -415,30 +419,100 @@ fn child_paths() -> Vec<String> {
         ns_path("apps/v1", "deployments", "llama"),
         ns_path("v1", "services", "llama"),
         ns_path("policy/v1", "poddisruptionbudgets", "llama"),
-        ns_path("networking.k8s.io/v1", "networkpolicies", "llama-worker"),
     ]
 }
 
-fn children_apply_calls(replicas_pdb: bool) -> Vec<Call> {
-    let mut v: Vec<Call> = child_paths()
-        .into_iter()
-        .map(|p| call("GET", p, not_found()))
+/// Ownership reads, then applies, of `paths` (none exists yet), then the sweep finding nothing.
+fn reads_applies_and_sweep(paths: &[String]) -> Vec<Call> {
+    let mut v: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
         .collect();
-    v.extend([
-        apply_call(&ns_path("v1", "configmaps", "llama-config")),
-        apply_call(&ns_path("v1", "serviceaccounts", "llama-worker")),
-        apply_call(&ns_path(
-            "rbac.authorization.k8s.io/v1",
-            "rolebindings",
-            "llama-worker",
-        )),
-        apply_call(&ns_path("apps/v1", "deployments", "llama")),
-        apply_call(&ns_path("v1", "services", "llama")),
-    ]);
-    if replicas_pdb {
-        v.push(apply_call(&ns_path("policy/v1", "poddisruptionbudgets", "llama")));
+    v.extend(paths.iter().map(|p| apply_call(p)));
+    v.extend(sweep(&[], &[]));
+    v
+}
+
+fn children_apply_calls(replicas_pdb: bool) -> Vec<Call> {
+    let mut paths = child_paths();
+    if !replicas_pdb {
+        paths.pop();
+    }
+    reads_applies_and_sweep(&paths)
+}
+
+/// Every kind the controller manages, in the order the sweep lists them.
+const SWEPT: [(&str, &str); SWEEP] = [
+    ("v1", "configmaps"),
+    ("v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    ("networking.k8s.io/v1", "networkpolicies"),
+    ("apps/v1", "deployments"),
+    ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    ("v1", "services"),
+    ("policy/v1", "poddisruptionbudgets"),
+];
+
+/// The label selector of the sweep, as the request's query carries it.
+const OWNED_SELECTOR: &str =
+    "app.kubernetes.io%2Fmanaged-by%3Dkvfleet%2Capp.kubernetes.io%2Finstance%3Dllama";
+
+fn list_path(group_version: &str, plural: &str) -> String {
+    let p = ns_path(group_version, plural, "");
+    p.trim_end_matches('/').to_string()
+}
+
+fn object_list(items: Vec<Value>) -> Value {
+    json!({"apiVersion": "v1", "kind": "List", "metadata": {}, "items": items})
+}
+
+fn deleted() -> Reply {
+    Reply::Json(
+        200,
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}),
+    )
+}
+
+/// The sweep: one LIST per managed kind answering `found` (plural, objects); the
+/// LeaderWorkerSet API is not installed (404) unless `found` names it. After a kind's LIST,
+/// a DELETE of each (plural, name) in `deletes`.
+fn sweep(found: &[(&str, Vec<Value>)], deletes: &[(&str, &str)]) -> Vec<Call> {
+    let mut v = Vec::new();
+    for (gv, plural) in SWEPT {
+        let items = found
+            .iter()
+            .find(|(p, _)| *p == plural)
+            .map(|(_, items)| items.clone());
+        let reply = match items {
+            Some(items) => Reply::Json(200, object_list(items)),
+            None if plural == "leaderworkersets" => not_found(),
+            None => Reply::Json(200, object_list(vec![])),
+        };
+        v.push(call("GET", list_path(gv, plural), reply));
+        for (_, name) in deletes.iter().filter(|(p, _)| *p == plural) {
+            v.push(call("DELETE", ns_path(gv, plural, name), deleted()));
+        }
     }
     v
+}
+
+/// The labels kvfleet puts on what it creates for `llama` (runtime `runtime`).
+fn our_labels(runtime: &str) -> Value {
+    json!({"kvfleet.io/inference-deployment": "llama", "app.kubernetes.io/name": runtime,
+           "app.kubernetes.io/instance": "llama", "app.kubernetes.io/component": "inference",
+           "app.kubernetes.io/managed-by": "kvfleet"})
+}
+
+/// An object as the sweep finds it: our labels, with `owners` as its owner references.
+fn labelled(api_version: &str, kind: &str, name: &str, owners: Value) -> Value {
+    json!({"apiVersion": api_version, "kind": kind,
+           "metadata": {"name": name, "namespace": NS, "uid": format!("uid-{kind}-{name}"),
+                        "labels": our_labels("kvfleet"), "ownerReferences": owners}})
+}
+
+/// An object kvfleet created for `llama`: our labels and our owner reference.
+fn ours(api_version: &str, kind: &str, name: &str) -> Value {
+    labelled(api_version, kind, name, json!([owner_ref()]))
 }
 
 // === scenarios ===
@@ -463,10 +537,20 @@ async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event
         "Deployment",
         "Service",
         "PodDisruptionBudget",
-        "InferenceDeployment",
     ]) {
         assert_applied(s, kind);
     }
+    // Then every managed kind is listed by our labels (the LeaderWorkerSet API, not
+    // installed here, answers 404 and is skipped); nothing is left to delete.
+    for s in &seen[LOOKUPS + 6..CHILDREN] {
+        assert_eq!(s.method, "GET", "{s:?}");
+        assert_eq!(
+            s.query.get("labelSelector").map(String::as_str),
+            Some(OWNED_SELECTOR),
+            "{s:?}"
+        );
+    }
+    assert_applied(&seen[CHILDREN], "InferenceDeployment");
     let dep = &seen[LOOKUPS + 3].body;
     assert_eq!(dep["spec"]["replicas"], 2);
     let pod = &dep["spec"]["template"]["spec"];
@@ -476,7 +560,7 @@ async fn create_applies_every_owned_object_then_status_then_a_spec_applied_event
             ["nodeSelectorTerms"][0]["matchExpressions"][0]["values"][0],
         PRODUCT
     );
-    let status = &seen[LOOKUPS + 6].body;
+    let status = &seen[CHILDREN].body;
     assert_eq!(status["status"]["observedGeneration"], 1);
     assert_eq!(
         status["status"]["selector"],
@@ -533,12 +617,12 @@ async fn update_rolls_out_the_new_config_and_reports_measured_capacity_from_pod_
 
     let worker_yaml = seen[LOOKUPS].body["data"]["worker.yaml"].as_str().unwrap();
     assert!(worker_yaml.contains("maxNumSeqs: 128"), "{worker_yaml}");
-    let list = &seen[LOOKUPS + 6];
+    let list = &seen[CHILDREN];
     assert_eq!(
         list.query.get("labelSelector").map(String::as_str),
         Some("kvfleet.io%2Finference-deployment%3Dllama")
     );
-    let status = &seen[LOOKUPS + 7].body;
+    let status = &seen[CHILDREN + 1].body;
     assert_eq!(status["status"]["observedGeneration"], 2);
     assert_eq!(
         status["status"]["capacity"]["measuredTokensPerReplica"], 24800,
@@ -559,25 +643,41 @@ async fn update_rolls_out_the_new_config_and_reports_measured_capacity_from_pod_
 async fn scale_to_one_replica_sets_deployment_replicas_and_removes_the_pdb() {
     let mut h = harness(&[gpu_node("gpu-1")]);
     let obj = settled(inference_deployment(3, 1), 2);
-    let mut calls = children_apply_calls(false);
-    // The PodDisruptionBudget of the 2-replica generation, ours: it is removed.
-    calls[5].reply = Reply::Json(200, owned("policy/v1", "PodDisruptionBudget", "llama"));
-    calls.push(call(
-        "DELETE",
-        ns_path("policy/v1", "poddisruptionbudgets", "llama"),
-        Reply::Json(
-            200,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}),
-        ),
+    let mut paths = child_paths();
+    paths.pop();
+    let mut calls: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
+        .collect();
+    calls.extend(paths.iter().map(|p| apply_call(p)));
+    // The PodDisruptionBudget of the 2-replica generation, ours, is found by the sweep and
+    // removed: a PDB over one pod would block every drain.
+    calls.extend(sweep(
+        &[(
+            "poddisruptionbudgets",
+            vec![ours("policy/v1", "PodDisruptionBudget", "llama")],
+        )],
+        &[("poddisruptionbudgets", "llama")],
     ));
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     result.unwrap();
-    assert_eq!(seen[LOOKUPS + 3].body["spec"]["replicas"], 1);
-    assert_eq!(seen[LOOKUPS + 5].method, "DELETE");
-    assert_eq!(seen[LOOKUPS + 6].body["status"]["observedGeneration"], 3);
+    assert_eq!(seen[5 + 3].body["spec"]["replicas"], 1);
+    let delete = &seen[5 + 5 + SWEEP];
+    assert_eq!(
+        (delete.method.as_str(), delete.path.as_str()),
+        (
+            "DELETE",
+            ns_path("policy/v1", "poddisruptionbudgets", "llama").as_str()
+        )
+    );
+    assert_eq!(
+        delete.body["preconditions"]["uid"], "uid-PodDisruptionBudget-llama",
+        "only the object that was listed"
+    );
+    assert_eq!(seen[5 + 5 + SWEEP + 1].body["status"]["observedGeneration"], 3);
     assert_eq!(
         event_reasons(&seen),
         vec![
@@ -697,7 +797,7 @@ async fn node_pool_change_flips_compatible_within_one_reconcile_each_way() {
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(after), calls).await;
     result.unwrap();
-    let status = &seen[LOOKUPS + 6].body;
+    let status = &seen[CHILDREN].body;
     assert_eq!(condition(status, "Compatible")["status"], "True");
     assert!(condition(status, "Compatible")["message"]
         .as_str()
@@ -719,8 +819,8 @@ async fn a_conflict_on_the_status_update_is_retried_in_the_same_pass() {
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
     result.unwrap();
     assert_eq!(
-        seen[LOOKUPS + 6].body,
-        seen[LOOKUPS + 7].body,
+        seen[CHILDREN].body,
+        seen[CHILDREN + 1].body,
         "the same status is sent again"
     );
 }
@@ -789,6 +889,56 @@ async fn deletion_touches_nothing_and_leaves_cleanup_to_owner_references() {
 }
 
 #[tokio::test]
+async fn what_is_remembered_of_an_object_goes_with_it_whichever_way_it_goes() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let create = || {
+        let mut calls = children_apply_calls(true);
+        calls.push(apply_call(STATUS));
+        calls.push(call("POST", EVENTS, Reply::Echo));
+        calls
+    };
+    let (result, _) = run_pass(&mut h, guard(inference_deployment(1, 2)), create()).await;
+    result.unwrap();
+    assert!(h.ctx.remembers("ml/llama"));
+    assert!(metrics_text(&h).contains(PREFLIGHT_FAILURES_ZERO));
+
+    // Deleted without this controller seeing a deletion timestamp (no finalizer): the watch
+    // no longer holds it, and another object is left alone.
+    h.ctx.forget_absent(|key| key != "ml/llama");
+    assert!(!h.ctx.remembers("ml/llama"));
+    assert!(
+        !metrics_text(&h).contains(r#"inferencedeployment="llama""#),
+        "{}",
+        metrics_text(&h)
+    );
+
+    // Seen while being deleted (a foreground deletion): forgotten at once. (A fresh
+    // controller: the Event recorder would patch the same Event as a series.)
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let (result, _) = run_pass(&mut h, guard(inference_deployment(1, 2)), create()).await;
+    result.unwrap();
+    assert!(h.ctx.remembers("ml/llama"));
+    let mut deleting = settled(inference_deployment(1, 2), 1);
+    deleting.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+    let (result, _) = run_pass(&mut h, guard(deleting), vec![]).await;
+    result.unwrap();
+    assert!(!h.ctx.remembers("ml/llama"));
+    assert!(!metrics_text(&h).contains(r#"inferencedeployment="llama""#));
+
+    // A pass that failed for an object that is gone since: its backoff count goes too.
+    let obj = Arc::new(guard(inference_deployment(1, 2)));
+    let calls = vec![call(
+        "GET",
+        ns_path("v1", "configmaps", "llama-config"),
+        status_failure(503, "ServiceUnavailable"),
+    )];
+    let (result, _) = run_pass(&mut h, (*obj).clone(), calls).await;
+    error_policy(obj, &result.unwrap_err(), h.ctx.clone());
+    h.ctx.forget("ml/llama");
+    assert!(!h.ctx.remembers("ml/llama"));
+}
+
+#[tokio::test]
 async fn a_malformed_object_gets_a_warning_event_and_waits_for_a_change() {
     let mut h = harness(&[gpu_node("gpu-1")]);
     let bad: DeserializeGuard<InferenceDeployment> = serde_json::from_value(json!({
@@ -819,16 +969,33 @@ async fn a_service_monitor_is_applied_only_when_discovery_found_the_crd() {
         },
         kind: "ServiceMonitor".into(),
     });
-    let mut calls = children_apply_calls(true);
     let monitor_path = ns_path("monitoring.coreos.com/v1", "servicemonitors", "llama");
-    calls.insert(LOOKUPS, call("GET", monitor_path.clone(), not_found()));
-    calls.push(apply_call(&monitor_path));
+    let mut paths = child_paths();
+    paths.push(monitor_path.clone());
+    let mut calls = reads_applies_and_sweep(&paths);
+    // Where discovery found the monitoring API, both monitor kinds are swept too: our
+    // ServiceMonitor is wanted and kept; the PodMonitor API is not installed here (404).
+    calls.push(call(
+        "GET",
+        list_path("monitoring.coreos.com/v1", "servicemonitors"),
+        Reply::Json(
+            200,
+            object_list(vec![ours("monitoring.coreos.com/v1", "ServiceMonitor", "llama")]),
+        ),
+    ));
+    calls.push(call(
+        "GET",
+        list_path("monitoring.coreos.com/v1", "podmonitors"),
+        not_found(),
+    ));
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
-    result.unwrap();
-    assert_applied(&seen[LOOKUPS + 7], "ServiceMonitor");
-    assert_eq!(seen[LOOKUPS + 7].body["spec"]["endpoints"][0]["path"], "/metrics");
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    let monitor = &seen[paths.len() + paths.len() - 1];
+    assert_applied(monitor, "ServiceMonitor");
+    assert_eq!(monitor.body["spec"]["endpoints"][0]["path"], "/metrics");
+    assert!(seen.iter().all(|s| s.method != "DELETE"), "{seen:?}");
 }
 
 #[tokio::test]
@@ -887,7 +1054,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
     let (result, seen) = run_pass(&mut h, guard(obj.clone()), script(true)).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
     // Not only a counter: Degraded with the worker's reason, and a Warning Event.
-    let degraded = condition(&seen[LOOKUPS + 7].body, "Degraded");
+    let degraded = condition(&seen[CHILDREN + 1].body, "Degraded");
     assert_eq!(
         (degraded["status"].as_str(), degraded["reason"].as_str()),
         (Some("True"), Some("PreflightFailed"))
@@ -904,7 +1071,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
         event_reasons(&seen)
     );
     assert_eq!(
-        seen[LOOKUPS + 6].query.get("labelSelector").map(String::as_str),
+        seen[CHILDREN].query.get("labelSelector").map(String::as_str),
         Some("kvfleet.io%2Finference-deployment%3Dllama"),
         "the one LIST of the pass"
     );
@@ -913,7 +1080,7 @@ async fn workers_that_fail_preflight_are_counted_once_across_passes() {
 
     // The next pass sees the same terminations: nothing new is counted.
     let mut again = obj;
-    again.status = Some(serde_json::from_value(seen[LOOKUPS + 7].body["status"].clone()).unwrap());
+    again.status = Some(serde_json::from_value(seen[CHILDREN + 1].body["status"].clone()).unwrap());
     let (result, _) = run_pass(&mut h, guard(again), script(false)).await;
     result.unwrap();
     assert!(metrics_text(&h).contains(counted), "{}", metrics_text(&h));
@@ -937,7 +1104,7 @@ async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reac
     obj.spec.engine.tensor_parallel_size = 1;
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     result.unwrap();
-    let status = &seen[LOOKUPS + 6].body;
+    let status = &seen[CHILDREN].body;
     assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
     assert_eq!(
         condition(status, "CapacityPlanned")["reason"],
@@ -1040,7 +1207,7 @@ async fn objects_this_inference_deployment_owns_are_applied_as_before() {
     assert_applied(&seen[LOOKUPS + 3], "Deployment");
     assert_applied(&seen[LOOKUPS + 4], "Service");
     assert_ne!(
-        condition(&seen[LOOKUPS + 6].body, "Degraded")["reason"],
+        condition(&seen[CHILDREN].body, "Degraded")["reason"],
         "OwnershipConflict"
     );
 }
@@ -1049,14 +1216,22 @@ async fn objects_this_inference_deployment_owns_are_applied_as_before() {
 async fn a_pdb_kvfleet_did_not_create_is_not_deleted_on_scale_down() {
     let mut h = harness(&[gpu_node("gpu-1")]);
     let obj = settled(inference_deployment(3, 1), 2);
-    let mut calls = children_apply_calls(false);
-    // A PodDisruptionBudget of that name that someone else made: not wanted at one replica,
-    // and not ours to delete; the rest is applied.
-    calls[5].reply = Reply::Json(
-        200,
-        json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-               "metadata": {"name": "llama", "namespace": NS}}),
-    );
+    let mut paths = child_paths();
+    paths.pop();
+    let mut calls: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
+        .collect();
+    calls.extend(paths.iter().map(|p| apply_call(p)));
+    // A PodDisruptionBudget of that name that someone else made, even with our labels: not
+    // wanted at one replica, and not ours to delete; the rest is applied.
+    calls.extend(sweep(
+        &[(
+            "poddisruptionbudgets",
+            vec![labelled("policy/v1", "PodDisruptionBudget", "llama", json!(null))],
+        )],
+        &[],
+    ));
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     calls.push(call("POST", EVENTS, Reply::Echo));
@@ -1064,7 +1239,7 @@ async fn a_pdb_kvfleet_did_not_create_is_not_deleted_on_scale_down() {
     result.unwrap();
     assert!(seen.iter().all(|s| s.method != "DELETE"), "{seen:?}");
     assert_ne!(
-        condition(&seen[LOOKUPS + 5].body, "Degraded")["reason"],
+        condition(&seen[5 + 5 + SWEEP].body, "Degraded")["reason"],
         "OwnershipConflict"
     );
 }
@@ -1148,53 +1323,47 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
                        "namespaced": true, "kind": "LeaderWorkerSet",
                        "verbs": ["get", "list", "watch", "create", "patch"]}]});
     let lws_path = ns_path("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "llama");
-    let calls = vec![
-        call("GET", LWS_DISCOVERY, Reply::Json(200, resources)),
-        call(
-            "GET",
-            ns_path("v1", "serviceaccounts", "llama-worker"),
-            not_found(),
-        ),
-        call(
-            "GET",
-            ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
-            not_found(),
-        ),
-        call("GET", lws_path.clone(), not_found()),
-        // A Deployment of ours from a single-node generation would be removed.
-        call("GET", ns_path("apps/v1", "deployments", "llama"), not_found()),
-        call("GET", ns_path("v1", "services", "llama"), not_found()),
-        call(
-            "GET",
-            ns_path("policy/v1", "poddisruptionbudgets", "llama"),
-            not_found(),
-        ),
-        // No spec.network: a NetworkPolicy of that name is only looked at (ours would go).
-        call(
-            "GET",
-            ns_path("networking.k8s.io/v1", "networkpolicies", "llama-worker"),
-            not_found(),
-        ),
-        apply_call(&ns_path("v1", "serviceaccounts", "llama-worker")),
-        apply_call(&ns_path(
-            "rbac.authorization.k8s.io/v1",
-            "rolebindings",
-            "llama-worker",
-        )),
-        call(
-            "PATCH",
-            lws_path,
-            Reply::EchoWithStatus(json!({"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1})),
-        ),
-        apply_call(&ns_path("v1", "services", "llama")),
+    // What the set wants, in apply order: worker identity, the LeaderWorkerSet, the Service.
+    let wanted = [
+        ns_path("v1", "serviceaccounts", "llama-worker"),
+        ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
+        lws_path.clone(),
+        ns_path("v1", "services", "llama"),
+    ];
+    let mut calls = vec![call("GET", LWS_DISCOVERY, Reply::Json(200, resources))];
+    calls.extend(wanted.iter().map(|p| call("GET", p.clone(), not_found())));
+    for p in &wanted {
+        calls.push(if *p == lws_path {
+            call(
+                "PATCH",
+                p.clone(),
+                Reply::EchoWithStatus(json!({"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1})),
+            )
+        } else {
+            apply_call(p)
+        });
+    }
+    // The Deployment of the single-node generation before, ours: deleted once the
+    // LeaderWorkerSet is applied.
+    calls.extend(sweep(
+        &[
+            ("deployments", vec![ours("apps/v1", "Deployment", "llama")]),
+            (
+                "leaderworkersets",
+                vec![ours("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama")],
+            ),
+        ],
+        &[("deployments", "llama")],
+    ));
+    calls.extend([
         call("GET", PODS, Reply::Json(200, pod_list(vec![]))),
         apply_call(STATUS),
         call("POST", EVENTS, Reply::Echo),
         call("POST", EVENTS, Reply::Echo),
-    ];
+    ]);
     let (result, seen) = run_pass(&mut h, guard(tp16(1)), calls).await;
     result.unwrap();
-    let lws = &seen[10];
+    let lws = &seen[1 + 4 + 2];
     assert_applied(lws, "LeaderWorkerSet");
     let lwt = &lws.body["spec"]["leaderWorkerTemplate"];
     assert_eq!(lwt["size"], 2);
@@ -1204,10 +1373,16 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
     );
     assert!(
         seen.iter()
-            .all(|s| !s.path.contains("/deployments/") || s.method == "GET"),
+            .all(|s| !s.path.contains("/deployments") || s.method != "PATCH"),
         "no Deployment is applied"
     );
-    let status = &seen[13].body;
+    let deletes: Vec<&str> = seen
+        .iter()
+        .filter(|s| s.method == "DELETE")
+        .map(|s| s.path.as_str())
+        .collect();
+    assert_eq!(deletes, [ns_path("apps/v1", "deployments", "llama").as_str()]);
+    let status = &seen[seen.len() - 3].body;
     assert_eq!(condition(status, "Compatible")["status"], "True", "{status}");
     assert_eq!(condition(status, "Available")["status"], "True", "{status}");
     assert_eq!(status["status"]["readyReplicas"], 1);
@@ -1220,12 +1395,236 @@ async fn with_the_crd_a_tp16_spec_on_8_gpu_nodes_applies_a_leader_worker_set_and
     );
 }
 
+#[tokio::test]
+async fn a_switch_from_a_leader_worker_set_back_to_one_node_deletes_the_leader_worker_set() {
+    let mut h = multi_node_harness();
+    // tensorParallelSize 8 fits one 8-GPU node again: a Deployment, no discovery call.
+    let mut obj = settled(tp16(2), 1);
+    obj.spec.engine.tensor_parallel_size = 8;
+    let wanted = [
+        ns_path("v1", "serviceaccounts", "llama-worker"),
+        ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
+        ns_path("apps/v1", "deployments", "llama"),
+        ns_path("v1", "services", "llama"),
+    ];
+    let mut calls: Vec<Call> = vec![
+        call(
+            "GET",
+            wanted[0].clone(),
+            Reply::Json(200, ours("v1", "ServiceAccount", "llama-worker")),
+        ),
+        call(
+            "GET",
+            wanted[1].clone(),
+            Reply::Json(
+                200,
+                ours("rbac.authorization.k8s.io/v1", "RoleBinding", "llama-worker"),
+            ),
+        ),
+        call("GET", wanted[2].clone(), not_found()),
+        call(
+            "GET",
+            wanted[3].clone(),
+            Reply::Json(200, ours("v1", "Service", "llama")),
+        ),
+    ];
+    calls.extend(wanted.iter().map(|p| apply_call(p)));
+    calls.extend(sweep(
+        &[
+            (
+                "serviceaccounts",
+                vec![ours("v1", "ServiceAccount", "llama-worker")],
+            ),
+            (
+                "rolebindings",
+                vec![ours(
+                    "rbac.authorization.k8s.io/v1",
+                    "RoleBinding",
+                    "llama-worker",
+                )],
+            ),
+            ("deployments", vec![ours("apps/v1", "Deployment", "llama")]),
+            (
+                "leaderworkersets",
+                vec![ours("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama")],
+            ),
+            ("services", vec![ours("v1", "Service", "llama")]),
+        ],
+        &[("leaderworkersets", "llama")],
+    ));
+    calls.extend([
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+    ]);
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    assert_applied(&seen[4 + 2], "Deployment");
+    let deletes: Vec<&Seen> = seen.iter().filter(|s| s.method == "DELETE").collect();
+    assert_eq!(deletes.len(), 1, "{seen:?}");
+    assert_eq!(
+        deletes[0].path,
+        ns_path("leaderworkerset.x-k8s.io/v1", "leaderworkersets", "llama"),
+        "the LeaderWorkerSet does not outlive the switch back to one node"
+    );
+    assert_eq!(
+        deletes[0].body["preconditions"]["uid"],
+        "uid-LeaderWorkerSet-llama"
+    );
+    assert_eq!(deletes[0].body["propagationPolicy"], "Background");
+}
+
+// === the owned set: a switch of runtime leaves nothing behind (issue 33) ===
+
+/// `llama` on `runtime: vllm` (2 replicas on the RTX 3090 node).
+fn vllm_llama(generation: i64) -> InferenceDeployment {
+    let mut o = settled(inference_deployment(generation, 2), generation - 1);
+    o.spec.engine.runtime = kvfleet::api::Runtime::Vllm;
+    o
+}
+
+#[tokio::test]
+async fn a_switch_from_kvfleet_to_vllm_deletes_the_config_map_and_keeps_what_vllm_still_wants() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    // vLLM's capacity sidecar annotates its pod too: the worker ServiceAccount and RoleBinding
+    // stay wanted; only the worker config goes.
+    let mut paths = child_paths();
+    paths.remove(0);
+    let mut calls: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
+        .collect();
+    calls.extend(paths.iter().map(|p| apply_call(p)));
+    calls.extend(sweep(
+        &[
+            ("configmaps", vec![ours("v1", "ConfigMap", "llama-config")]),
+            (
+                "serviceaccounts",
+                vec![ours("v1", "ServiceAccount", "llama-worker")],
+            ),
+            (
+                "rolebindings",
+                vec![ours(
+                    "rbac.authorization.k8s.io/v1",
+                    "RoleBinding",
+                    "llama-worker",
+                )],
+            ),
+            ("deployments", vec![ours("apps/v1", "Deployment", "llama")]),
+            ("services", vec![ours("v1", "Service", "llama")]),
+            (
+                "poddisruptionbudgets",
+                vec![ours("policy/v1", "PodDisruptionBudget", "llama")],
+            ),
+        ],
+        &[("configmaps", "llama-config")],
+    ));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(vllm_llama(2)), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    let applied: Vec<&str> = seen
+        .iter()
+        .filter(|s| s.method == "PATCH" && s.path != STATUS)
+        .map(|s| s.body["kind"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        applied,
+        [
+            "ServiceAccount",
+            "RoleBinding",
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget"
+        ]
+    );
+    let deletes: Vec<&str> = seen
+        .iter()
+        .filter(|s| s.method == "DELETE")
+        .map(|s| s.path.as_str())
+        .collect();
+    assert_eq!(deletes, [ns_path("v1", "configmaps", "llama-config").as_str()]);
+}
+
+#[tokio::test]
+async fn an_object_with_our_labels_and_another_owner_or_none_is_never_deleted() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut paths = child_paths();
+    paths.remove(0);
+    let mut calls: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
+        .collect();
+    calls.extend(paths.iter().map(|p| apply_call(p)));
+    let billing = json!([{"apiVersion": "apps/v1", "kind": "Deployment", "name": "billing",
+                          "uid": "0000-billing", "controller": true}]);
+    // A ConfigMap of the name kvfleet used, now someone else's; one with our labels and no
+    // owner (copied by hand); a RoleBinding owned by an InferenceDeployment of the same name
+    // that was deleted and created again (another uid). None is this object's.
+    let mut earlier = owner_ref();
+    earlier["uid"] = json!("6d1c1b8e-0000-4c5e-8a2e-00000000dead");
+    calls.extend(sweep(
+        &[
+            (
+                "configmaps",
+                vec![
+                    labelled("v1", "ConfigMap", "llama-config", billing),
+                    labelled("v1", "ConfigMap", "llama-notes", json!(null)),
+                ],
+            ),
+            (
+                "rolebindings",
+                vec![labelled(
+                    "rbac.authorization.k8s.io/v1",
+                    "RoleBinding",
+                    "llama-old",
+                    json!([earlier]),
+                )],
+            ),
+        ],
+        &[],
+    ));
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(vllm_llama(2)), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    assert!(seen.iter().all(|s| s.method != "DELETE"), "{seen:?}");
+}
+
+#[tokio::test]
+async fn a_sweep_that_cannot_list_a_kind_fails_the_pass_and_deletes_nothing_after_it() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let mut calls = children_apply_calls(true);
+    // Forbidden (RBAC without `list`): unlike 404, not a kind that is not installed.
+    calls[LOOKUPS + 6 + 1].reply = status_failure(403, "Forbidden");
+    calls.truncate(LOOKUPS + 6 + 2);
+    let obj = Arc::new(guard(inference_deployment(1, 2)));
+    let (result, _) = run_pass(&mut h, (*obj).clone(), calls).await;
+    let err = result.unwrap_err();
+    assert_eq!(err.metric_label(), "forbidden");
+    assert!(
+        kvfleet::error_chain(&err).contains("list ServiceAccounts"),
+        "{}",
+        kvfleet::error_chain(&err)
+    );
+}
+
 // === worker NetworkPolicy (issue 22, item 7) ===
 
 const POLICY: &str = "llama-worker";
 
 fn policy_path() -> String {
     ns_path("networking.k8s.io/v1", "networkpolicies", POLICY)
+}
+
+/// The objects of the default spec with `network`: the NetworkPolicy after the worker
+/// identity, before the Deployment.
+fn child_paths_with_policy() -> Vec<String> {
+    let mut paths = child_paths();
+    paths.insert(3, policy_path());
+    paths
 }
 
 fn with_network(mut o: InferenceDeployment, allow_from: Value) -> InferenceDeployment {
@@ -1244,14 +1643,14 @@ async fn spec_network_applies_a_worker_network_policy_before_the_deployment() {
     let mut h = harness_with(&[gpu_node("gpu-1")], settings);
     let clients = json!([{"podSelector": {"matchLabels": {"app": "gateway"}}}]);
     let obj = with_network(inference_deployment(1, 2), clients.clone());
-    let mut calls = children_apply_calls(true);
-    // After the ConfigMap, ServiceAccount and RoleBinding; before the Deployment.
-    calls.insert(LOOKUPS + 3, apply_call(&policy_path()));
+    let paths = child_paths_with_policy();
+    let mut calls = reads_applies_and_sweep(&paths);
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
-    let np = &seen[LOOKUPS + 3];
+    // After the ConfigMap, ServiceAccount and RoleBinding; before the Deployment.
+    let np = &seen[paths.len() + 3];
     assert_applied(np, "NetworkPolicy");
     assert_eq!(np.body["metadata"]["name"], POLICY);
     assert_eq!(
@@ -1266,7 +1665,7 @@ async fn spec_network_applies_a_worker_network_policy_before_the_deployment() {
     for r in rules {
         assert_eq!(r["ports"], json!([{"port": "http", "protocol": "TCP"}]));
     }
-    assert_applied(&seen[LOOKUPS + 4], "Deployment");
+    assert_applied(&seen[paths.len() + 4], "Deployment");
 }
 
 #[tokio::test]
@@ -1275,11 +1674,11 @@ async fn a_network_policy_kvfleet_did_not_create_blocks_the_apply_and_is_named()
     let obj = with_network(inference_deployment(1, 2), json!([{"podSelector": {}}]));
     let theirs = json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": POLICY, "namespace": NS}, "spec": {"podSelector": {}}});
-    let mut calls: Vec<Call> = child_paths()
+    let mut calls: Vec<Call> = child_paths_with_policy()
         .into_iter()
         .map(|p| call("GET", p, not_found()))
         .collect();
-    calls[6].reply = Reply::Json(200, theirs);
+    calls[3].reply = Reply::Json(200, theirs);
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
@@ -1292,7 +1691,7 @@ async fn a_network_policy_kvfleet_did_not_create_blocks_the_apply_and_is_named()
             .all(|s| s.method == "GET" || s.path == STATUS || s.path == EVENTS),
         "nothing applied: {seen:?}"
     );
-    let degraded = condition(&seen[LOOKUPS].body, "Degraded");
+    let degraded = condition(&seen[LOOKUPS + 1].body, "Degraded");
     assert_eq!(degraded["reason"], "OwnershipConflict");
     let message = degraded["message"].as_str().unwrap();
     assert!(message.contains("NetworkPolicy ml/llama-worker"), "{message}");
@@ -1306,42 +1705,57 @@ async fn a_network_policy_kvfleet_did_not_create_blocks_the_apply_and_is_named()
 async fn removing_spec_network_deletes_our_policy_and_never_someone_elses() {
     // Ours (from the generation that had spec.network): deleted.
     let mut h = harness(&[gpu_node("gpu-1")]);
-    let mut calls = children_apply_calls(true);
-    calls[6].reply = Reply::Json(200, owned("networking.k8s.io/v1", "NetworkPolicy", POLICY));
-    calls.insert(
-        LOOKUPS + 3,
-        call(
-            "DELETE",
-            policy_path(),
-            Reply::Json(
-                200,
-                json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}),
-            ),
-        ),
-    );
+    let paths = child_paths();
+    let mut calls: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
+        .collect();
+    calls.extend(paths.iter().map(|p| apply_call(p)));
+    calls.extend(sweep(
+        &[(
+            "networkpolicies",
+            vec![ours("networking.k8s.io/v1", "NetworkPolicy", POLICY)],
+        )],
+        &[("networkpolicies", POLICY)],
+    ));
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
-    result.unwrap();
-    assert_eq!(seen[LOOKUPS + 3].method, "DELETE");
-    assert_eq!(seen[LOOKUPS + 3].path, policy_path());
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    let deletes: Vec<&str> = seen
+        .iter()
+        .filter(|s| s.method == "DELETE")
+        .map(|s| s.path.as_str())
+        .collect();
+    assert_eq!(deletes, [policy_path().as_str()]);
 
-    // Someone else's of that name, with no spec.network: not ours to delete, and no conflict
-    // either, since kvfleet wants no object of that name.
+    // Someone else's of that name, with our labels, and no spec.network: not ours to delete,
+    // and no conflict either, since kvfleet wants no object of that name.
     let mut h = harness(&[gpu_node("gpu-1")]);
-    let mut calls = children_apply_calls(true);
-    calls[6].reply = Reply::Json(
-        200,
-        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-               "metadata": {"name": POLICY, "namespace": NS}, "spec": {"podSelector": {}}}),
-    );
+    let mut calls: Vec<Call> = paths
+        .iter()
+        .map(|p| call("GET", p.clone(), not_found()))
+        .collect();
+    calls.extend(paths.iter().map(|p| apply_call(p)));
+    calls.extend(sweep(
+        &[(
+            "networkpolicies",
+            vec![labelled(
+                "networking.k8s.io/v1",
+                "NetworkPolicy",
+                POLICY,
+                json!(null),
+            )],
+        )],
+        &[],
+    ));
     calls.push(apply_call(STATUS));
     calls.push(call("POST", EVENTS, Reply::Echo));
     let (result, seen) = run_pass(&mut h, guard(inference_deployment(1, 2)), calls).await;
     assert_eq!(result.unwrap(), Action::requeue(RESYNC));
     assert!(seen.iter().all(|s| s.method != "DELETE"), "{seen:?}");
     assert_ne!(
-        condition(&seen[LOOKUPS + 6].body, "Degraded")["reason"],
+        condition(&seen[CHILDREN].body, "Degraded")["reason"],
         "OwnershipConflict"
     );
 }

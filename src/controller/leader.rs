@@ -17,6 +17,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use tokio::sync::watch;
 
+use super::error::is_conflict;
+
 /// Timing of the election (client-go's defaults).
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
@@ -267,10 +269,6 @@ impl Elector {
             }
         }
     }
-}
-
-fn is_conflict(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
 #[cfg(test)]

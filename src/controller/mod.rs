@@ -30,12 +30,16 @@ use crate::api::InferenceDeployment;
 use crate::validate::NodeFacts;
 
 pub mod desired;
+mod error;
 pub mod leader;
 pub mod metrics;
+pub mod owned;
 pub mod reconcile;
 pub mod status;
 
-pub use reconcile::{error_policy, reconcile, Context, FIELD_MANAGER};
+pub use error::Error;
+pub use owned::FIELD_MANAGER;
+pub use reconcile::{error_policy, reconcile, Context};
 
 /// Options of `kvfleet controller`.
 #[derive(clap::Args, Debug, Clone)]
@@ -85,63 +89,6 @@ fn parse_peers(s: &str) -> Result<Peers, String> {
             "{e}; give a JSON list of NetworkPolicy peers, e.g. [{{\"namespaceSelector\": {{\"matchLabels\": {{\"kubernetes.io/metadata.name\": \"monitoring\"}}}}}}]"
         )
     })
-}
-
-/// Errors of the controller.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("cannot build a Kubernetes client; set KUBECONFIG or run in a pod with a service account")]
-    Client(#[source] kube::Error),
-    #[error("cannot list InferenceDeployments; install the CRD (`kvfleet crd | kubectl apply -f -`) and grant the RBAC in deploy/rbac")]
-    CrdMissing(#[source] kube::Error),
-    #[error("cannot serve HTTP on {addr}; pick a free port with --http-addr")]
-    Http {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot register metrics")]
-    Metrics(#[source] prometheus::Error),
-    #[error("lost the leader Lease; exiting so the pod restarts and campaigns again")]
-    LeadershipLost,
-    #[error("{action} failed")]
-    Kube {
-        action: String,
-        #[source]
-        source: kube::Error,
-    },
-    #[error("cannot build the desired objects")]
-    Desired(#[from] desired::DesiredError),
-}
-
-impl Error {
-    pub(crate) fn kube(action: impl Into<String>, source: kube::Error) -> Self {
-        Error::Kube {
-            action: action.into(),
-            source,
-        }
-    }
-
-    /// True for HTTP 409 from the API server.
-    pub fn is_conflict(&self) -> bool {
-        matches!(self, Error::Kube { source, .. } if reconcile::is_conflict(source))
-    }
-
-    /// Bounded category for the failure metric.
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            Error::Kube { source, .. } => match source {
-                kube::Error::Api(s) if s.code == 409 => "conflict",
-                kube::Error::Api(s) if s.code == 401 || s.code == 403 => "forbidden",
-                kube::Error::Api(s) if s.code == 422 || s.code == 400 => "rejected",
-                kube::Error::Api(_) => "api",
-                _ => "transport",
-            },
-            Error::Desired(_) => "desired",
-            Error::Client(_) | Error::CrdMissing(_) | Error::Http { .. } | Error::Metrics(_) => "startup",
-            Error::LeadershipLost => "leadership",
-        }
-    }
 }
 
 /// Runs the controller until SIGTERM/SIGINT (exit 0) or until leadership is lost (error).
@@ -245,7 +192,8 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
     *ctx.monitor.write().unwrap_or_else(|p| p.into_inner()) = discover_monitor(&client).await;
     tokio::spawn(refresh_monitor(ctx.clone(), stop_rx.clone()));
 
-    let owned = watcher::Config::default().labels("app.kubernetes.io/managed-by=kvfleet");
+    let owned =
+        watcher::Config::default().labels(&format!("{}={}", desired::MANAGED_BY_LABEL, desired::MANAGED_BY));
     let mut stop = stop_rx.clone();
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
@@ -261,6 +209,8 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         Controller::new(ids, watcher::Config::default()).trigger_backoff(WatchBackoff::default());
     let conditions = metrics::ConditionCollector::new(controller.store()).map_err(Error::Metrics)?;
     registry.register(Box::new(conditions)).map_err(Error::Metrics)?;
+    tokio::spawn(forget_absent(ctx.clone(), controller.store(), stop_rx.clone()));
+    let forgetting = ctx.clone();
     let run = controller
         .with_config(ControllerConfig::default().concurrency(args.concurrency))
         .owns(Api::<Deployment>::all(client.clone()), owned.clone())
@@ -271,10 +221,20 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         .reconcile_all_on(node_rx)
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
-        .for_each(|r| async move {
-            if let Err(error) = r {
-                tracing::debug!(error = %crate::error_chain(&error), "controller stream");
+        .for_each(move |r| {
+            if let Err(error) = &r {
+                // A pass scheduled for an object that is gone (its owned objects' deletion
+                // triggered it): what the controller remembers of it goes too.
+                if let kube::runtime::controller::Error::ObjectNotFound(gone) = error {
+                    forgetting.forget(&format!(
+                        "{}/{}",
+                        gone.namespace.as_deref().unwrap_or_default(),
+                        gone.name
+                    ));
+                }
+                tracing::debug!(error = %crate::error_chain(error), "controller stream");
             }
+            futures::future::ready(())
         });
     tokio::select! {
         _ = run => {}
@@ -417,6 +377,32 @@ async fn refresh_monitor(ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
             tracing::info!(monitor = ?found.as_ref().map(|f| &f.kind), "Prometheus Operator CRDs changed");
             *m = found;
         }
+    }
+}
+
+/// How often what the controller remembers is compared with the InferenceDeployments that
+/// exist.
+const FORGET_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Forgets, every [`FORGET_INTERVAL`], the objects the watch no longer holds: a deletion that
+/// no reconcile saw (no owned object to trigger one) still drops its state and metric series.
+async fn forget_absent(
+    ctx: Arc<Context>,
+    store: Store<DeserializeGuard<InferenceDeployment>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    if store.wait_until_ready().await.is_err() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(FORGET_INTERVAL) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        ctx.forget_absent(|key| {
+            let (ns, name) = key.split_once('/').unwrap_or(("", key));
+            store.get(&reflector::ObjectRef::new(name).within(ns)).is_some()
+        });
     }
 }
 

@@ -1,28 +1,21 @@
-//! One reconcile pass: fetch -> validate (pure) -> desired objects (pure) -> server-side
-//! apply -> status and Events; plus the error policy.
+//! One reconcile pass: fetch -> validate (pure) -> desired objects (pure) -> the owned set
+//! (ownership check, server-side apply, orphan sweep) -> status and Events; plus the error
+//! policy and what the controller remembers per object.
 
 use std::collections::HashMap;
-use std::fmt::Debug;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{
-    ConfigMap, ContainerStateTerminated, Node, ObjectReference, Pod, Service, ServiceAccount,
-};
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::RoleBinding;
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Node, ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::error_boundary::InvalidObject;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use serde_json::json;
 
 use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
@@ -30,12 +23,11 @@ use crate::contract::exit;
 use crate::validate::{ClusterFacts, NodeFacts, Verdict};
 
 use super::desired::{self, MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
+use super::error::{is_conflict, Error};
 use super::metrics::Metrics;
+use super::owned::{self, is_owned_by, OwnedSet, FIELD_MANAGER};
 use super::status::{self, CapacityPrediction, Observed};
-use super::Error;
 
-/// The one field manager of every server-side apply.
-pub const FIELD_MANAGER: &str = "kvfleet-controller";
 /// How often a settled object is looked at again without any watch event.
 pub const RESYNC: Duration = Duration::from_secs(300);
 /// How often an object whose workers have not yet reported capacity is looked at again.
@@ -66,6 +58,16 @@ pub fn verdict_capacity(_spec: &InferenceDeploymentSpec, verdict: &Verdict) -> O
     })
 }
 
+/// What the controller remembers about one InferenceDeployment between passes; dropped, with
+/// its metric series, when the object goes (see [`Context::forget`]).
+#[derive(Debug, Default)]
+struct ObjectState {
+    /// Consecutive failed passes, for backoff.
+    failures: u32,
+    /// Worker terminations already counted, so that each is counted once.
+    terminations: SeenTerminations,
+}
+
 /// Shared by every reconcile pass.
 pub struct Context {
     pub client: Client,
@@ -78,10 +80,8 @@ pub struct Context {
     pub metrics: Metrics,
     pub validate: ValidateFn,
     pub predict: PredictFn,
-    /// Consecutive failures per object, for backoff.
-    failures: Mutex<HashMap<String, u32>>,
-    /// Worker terminations already counted, per object, so each is counted once.
-    terminations: Mutex<HashMap<String, SeenTerminations>>,
+    /// Per InferenceDeployment (`namespace/name`).
+    objects: Mutex<HashMap<String, ObjectState>>,
     /// Terminations that finished before this process started are not counted: they were
     /// counted (or missed) by the previous controller, and would alert again after a restart.
     counting_since: Timestamp,
@@ -108,8 +108,7 @@ impl Context {
             metrics,
             validate: crate::validate::validate,
             predict: verdict_capacity,
-            failures: Mutex::new(HashMap::new()),
-            terminations: Mutex::new(HashMap::new()),
+            objects: Mutex::new(HashMap::new()),
             counting_since: Timestamp::now(),
         }
     }
@@ -133,20 +132,39 @@ impl Context {
             .unwrap_or_else(|p| p.into_inner().clone())
     }
 
-    fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
-        self.failures.lock().unwrap_or_else(|p| p.into_inner())
+    fn objects(&self) -> std::sync::MutexGuard<'_, HashMap<String, ObjectState>> {
+        self.objects.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn terminations(&self) -> std::sync::MutexGuard<'_, HashMap<String, SeenTerminations>> {
-        self.terminations.lock().unwrap_or_else(|p| p.into_inner())
+    /// Whether anything is remembered about the object `key` (`namespace/name`).
+    pub fn remembers(&self, key: &str) -> bool {
+        self.objects().contains_key(key)
+    }
+
+    /// Drops what is remembered about the object `key` (`namespace/name`) and its metric
+    /// series: called whichever way the object goes (a deletion timestamp seen, a reconcile
+    /// that finds it gone, or [`Context::forget_absent`]).
+    pub fn forget(&self, key: &str) {
+        self.objects().remove(key);
+        let (ns, name) = key.split_once('/').unwrap_or(("", key));
+        let _ = self.metrics.preflight_failures.remove_label_values(&[ns, name]);
+    }
+
+    /// Forgets every remembered object for which `exists` (asked with `namespace/name`) is
+    /// false: a deletion that triggered no reconcile is caught here.
+    pub fn forget_absent(&self, exists: impl Fn(&str) -> bool) {
+        let gone: Vec<String> = self.objects().keys().filter(|k| !exists(k)).cloned().collect();
+        for key in gone {
+            self.forget(&key);
+        }
     }
 
     /// Preflight failures among `pods` not counted before for the object `key`.
     fn new_preflight_failures(&self, key: &str, pods: &[Pod]) -> u64 {
-        let mut seen = self.terminations();
-        let previous = seen.remove(key).unwrap_or_default();
-        let (n, next) = count_preflight_failures(pods, &previous, self.counting_since);
-        seen.insert(key.to_string(), next);
+        let mut objects = self.objects();
+        let state = objects.entry(key.to_string()).or_default();
+        let (n, next) = count_preflight_failures(pods, &state.terminations, self.counting_since);
+        state.terminations = next;
         n
     }
 
@@ -196,7 +214,9 @@ pub async fn reconcile(
     };
     match &result {
         Ok(_) => {
-            ctx.failures().remove(&key(&obj));
+            if let Some(s) = ctx.objects().get_mut(&key(&obj)) {
+                s.failures = 0;
+            }
             timer.finish("success");
         }
         Err(_) => timer.finish("failure"),
@@ -227,10 +247,10 @@ pub fn error_policy(
     ctx.metrics.failures.with_label_values(&[category]).inc();
     let k = key(&obj);
     let n = {
-        let mut f = ctx.failures();
-        let n = f.entry(k.clone()).or_insert(0);
-        *n = n.saturating_add(1);
-        *n
+        let mut objects = ctx.objects();
+        let s = objects.entry(k.clone()).or_default();
+        s.failures = s.failures.saturating_add(1);
+        s.failures
     };
     let delay = backoff(error, n);
     tracing::warn!(object = %k, %category, attempt = n, retry_in_s = delay.as_secs_f64(),
@@ -274,14 +294,10 @@ async fn report_malformed(invalid: &InvalidObject, ctx: &Context) {
 }
 
 async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Action, Error> {
-    let object_key = format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any());
+    let object_key = desired::object_key(obj);
     if obj.metadata.deletion_timestamp.is_some() {
         // Everything we create carries an owner reference: the garbage collector removes it.
-        ctx.terminations().remove(&object_key);
-        let _ = ctx
-            .metrics
-            .preflight_failures
-            .remove_label_values(&[&obj.namespace().unwrap_or_default(), &obj.name_any()]);
+        ctx.forget(&object_key);
         return Ok(Action::await_change());
     }
     let ns = obj
@@ -290,174 +306,48 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
             "namespace",
         )))?;
     let name = obj.name_any();
+    ctx.objects().entry(object_key.clone()).or_default();
     // Exported from the first pass on, so that `increase()` sees the first failure.
     let preflight_failures = ctx.metrics.preflight_failures.with_label_values(&[&ns, &name]);
-    let facts = ctx.cluster_facts();
     // validate:: denies what the worker cannot run (runtime kvfleet without model.geometry,
     // or with tensor parallelism), as the webhook does: nothing admitted is stranded here.
-    let mut verdict = (ctx.validate)(&obj.spec, &facts);
+    let mut verdict = (ctx.validate)(&obj.spec, &ctx.cluster_facts());
     // Replicas that span nodes run as a LeaderWorkerSet: without its CRD, deny with the fix.
     if verdict.allowed() && verdict.multi_node.is_some() && !leader_worker_set_installed(&ctx.client).await? {
         deny_without_leader_worker_set(&obj.spec, &mut verdict);
     }
 
-    let mut prediction = None;
-    let mut measured = None;
-    let uid = obj.metadata.uid.clone().unwrap_or_default();
-    // Objects of our names that this InferenceDeployment does not own (issue 22).
-    let mut foreign: Vec<String> = Vec::new();
-    let deployment = if verdict.allowed() {
-        prediction = (ctx.predict)(&obj.spec, &verdict);
-        let monitor = ctx.monitor_kind();
-        let want = desired::desired(obj, &verdict, &ctx.settings, monitor.as_ref())?;
-        let c = &ctx.client;
-        // Ownership first: a forced apply over an object someone else created would take it
-        // over (and garbage collection would later delete it), so nothing is applied while
-        // any object of our names belongs to someone else.
-        let mut check = Ownership::new(&uid, &ns);
-        if let Some(cm) = &want.config_map {
-            check
-                .look(&Api::<ConfigMap>::namespaced(c.clone(), &ns), cm)
-                .await?;
-        }
-        if let Some(sa) = &want.service_account {
-            check
-                .look(&Api::<ServiceAccount>::namespaced(c.clone(), &ns), sa)
-                .await?;
-        }
-        if let Some(rb) = &want.role_binding {
-            check
-                .look(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb)
-                .await?;
-        }
-        let deployments = Api::<Deployment>::namespaced(c.clone(), &ns);
-        let current = match &want.deployment {
-            Some(dep) => check.look(&deployments, dep).await?,
-            None => None,
-        };
-        let lws_api =
-            Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &desired::leader_worker_set_resource());
-        let current_lws = match &want.leader_worker_set {
-            Some(lws) => check.look(&lws_api, lws).await?,
-            None => None,
-        };
-        // A replica that outgrew one node: the Deployment of the single-node shape goes (ours only).
-        let old_deployment_is_ours = want.deployment.is_none()
-            && deployments
-                .get_opt(&name)
-                .await
-                .map_err(|source| Error::kube(format!("read Deployment {name}"), source))?
-                .is_some_and(|d| is_owned_by(&d, &uid));
-        let current = current.or_else(|| current_lws.as_ref().map(leader_worker_set_as_deployment));
-        check
-            .look(&Api::<Service>::namespaced(c.clone(), &ns), &want.service)
-            .await?;
-        let pdbs = Api::<PodDisruptionBudget>::namespaced(c.clone(), &ns);
-        let pdb_is_ours = match &want.pdb {
-            Some(pdb) => check.look(&pdbs, pdb).await?.is_some(),
-            // Not wanted: only removed when ours; someone else's is left alone.
-            None => pdbs
-                .get_opt(&name)
-                .await
-                .map_err(|source| Error::kube(format!("read PodDisruptionBudget {name}"), source))?
-                .is_some_and(|p| is_owned_by(&p, &uid)),
-        };
-        let policies = Api::<NetworkPolicy>::namespaced(c.clone(), &ns);
-        let policy_name = desired::worker_network_policy_name(&name);
-        let policy_is_ours = match &want.network_policy {
-            Some(np) => check.look(&policies, np).await?.is_some(),
-            // Not wanted (no spec.network): only ours is removed, as for the PDB.
-            None => policies
-                .get_opt(&policy_name)
-                .await
-                .map_err(|source| Error::kube(format!("read NetworkPolicy {policy_name}"), source))?
-                .is_some_and(|p| is_owned_by(&p, &uid)),
-        };
-        let monitors = monitor
-            .as_ref()
-            .map(|kind| Api::<DynamicObject>::namespaced_with(c.clone(), &ns, &kind.resource));
-        if let (Some(mon), Some(api)) = (&want.monitor, &monitors) {
-            check.look(api, mon).await?;
-        }
-        foreign = check.foreign;
-        if !foreign.is_empty() {
-            tracing::warn!(objects = %foreign.join("; "), "not applying: objects of kvfleet's names exist that this InferenceDeployment does not own");
-            current
-        } else {
-            if let Some(cm) = &want.config_map {
-                apply(&Api::<ConfigMap>::namespaced(c.clone(), &ns), cm).await?;
-            }
-            if let Some(sa) = &want.service_account {
-                apply(&Api::<ServiceAccount>::namespaced(c.clone(), &ns), sa).await?;
-            }
-            if let Some(rb) = &want.role_binding {
-                apply(&Api::<RoleBinding>::namespaced(c.clone(), &ns), rb).await?;
-            }
-            // The worker NetworkPolicy before the Deployment: no pod runs unguarded.
-            match &want.network_policy {
-                Some(np) => {
-                    apply(&policies, np).await?;
-                }
-                None if policy_is_ours => delete_if_present(&policies, &policy_name).await?,
-                None => {}
-            }
-            let dep = match (&want.deployment, &want.leader_worker_set) {
-                (Some(dep), _) => Some(apply(&deployments, dep).await?),
-                (None, Some(lws)) => {
-                    let applied = apply(&lws_api, lws).await?;
-                    if old_deployment_is_ours {
-                        delete_if_present(&deployments, &name).await?;
-                    }
-                    Some(leader_worker_set_as_deployment(&applied))
-                }
-                (None, None) => None,
-            };
-            apply(&Api::<Service>::namespaced(c.clone(), &ns), &want.service).await?;
-            match &want.pdb {
-                Some(pdb) => {
-                    apply(&pdbs, pdb).await?;
-                }
-                // One replica with a PDB would block every node drain: remove ours when
-                // scaling down (never one we did not create).
-                None if pdb_is_ours => delete_if_present(&pdbs, &name).await?,
-                None => {}
-            }
-            if let (Some(mon), Some(api)) = (&want.monitor, &monitors) {
-                apply(api, mon).await?;
-            }
-            dep
-        }
+    let (prediction, outcome) = if verdict.allowed() {
+        (
+            (ctx.predict)(&obj.spec, &verdict),
+            apply_owned(obj, &verdict, ctx).await?,
+        )
     } else {
         // Leave what runs alone; just report on it (only a Deployment this object owns).
-        Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
+        let running = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
             .get_opt(&name)
             .await
             .map_err(|source| Error::kube("read Deployment", source))?
-            .filter(|d| is_owned_by(d, &uid))
+            .filter(|d| is_owned_by(d, obj.uid().as_deref().unwrap_or_default()));
+        (
+            None,
+            Outcome {
+                workload: running,
+                foreign: Vec::new(),
+            },
+        )
     };
+    let deployment = outcome.workload;
+    let foreign = outcome.foreign;
 
-    // One LIST of the worker pods serves both the measured capacity and the preflight
-    // failures; vLLM exit codes mean something else, and without pods there is nothing to read.
-    let mut preflight = None;
-    let dep_status = deployment.as_ref().and_then(|d| d.status.as_ref());
-    // vLLM pods report their measured capacity through the capacity sidecar's annotation.
-    if dep_status.and_then(|s| s.replicas).unwrap_or(0) > 0 {
-        let pods = list_pods(ctx, &ns, &name).await?;
-        if verdict.allowed() && dep_status.and_then(|s| s.ready_replicas).unwrap_or(0) > 0 {
-            measured = min_measured_tokens(&pods);
-        }
-        if obj.spec.engine.runtime == Runtime::Kvfleet {
-            preflight = preflight_failure(&pods);
-            let failed = ctx.new_preflight_failures(&object_key, &pods);
-            if failed > 0 {
-                preflight_failures.inc_by(failed);
-                tracing::warn!(
-                    failed,
-                    "worker pods failed preflight; their logs and termination messages say what to change"
-                );
-            }
-        }
-    }
+    let (measured, preflight) = observe_pods(
+        obj,
+        ctx,
+        deployment.as_ref(),
+        verdict.allowed(),
+        &preflight_failures,
+    )
+    .await?;
 
     let seen = Observed {
         verdict: Some(&verdict),
@@ -499,6 +389,72 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         Action::requeue(CAPACITY_POLL)
     } else {
         Action::requeue(RESYNC)
+    })
+}
+
+/// What the worker pods say: the smallest measured capacity over ready pods (both runtimes;
+/// vLLM's through the capacity sidecar's annotation) and, for the kvfleet worker, why pods exit
+/// at start, each new failure counted once on `failures`. One LIST serves both; vLLM exit codes
+/// mean something else, and without pods there is nothing to read.
+async fn observe_pods(
+    obj: &InferenceDeployment,
+    ctx: &Context,
+    workload: Option<&Deployment>,
+    allowed: bool,
+    failures: &prometheus::IntCounter,
+) -> Result<(Option<i64>, Option<String>), Error> {
+    let st = workload.and_then(|d| d.status.as_ref());
+    if st.and_then(|s| s.replicas).unwrap_or(0) == 0 {
+        return Ok((None, None));
+    }
+    let pods = list_pods(ctx, &obj.namespace().unwrap_or_default(), &obj.name_any()).await?;
+    let measured = if allowed && st.and_then(|s| s.ready_replicas).unwrap_or(0) > 0 {
+        min_measured_tokens(&pods)
+    } else {
+        None
+    };
+    if obj.spec.engine.runtime != Runtime::Kvfleet {
+        return Ok((measured, None));
+    }
+    let failed = ctx.new_preflight_failures(&desired::object_key(obj), &pods);
+    if failed > 0 {
+        failures.inc_by(failed);
+        tracing::warn!(
+            failed,
+            "worker pods failed preflight; their logs and termination messages say what to change"
+        );
+    }
+    Ok((measured, preflight_failure(&pods)))
+}
+
+/// What applying the owned set left to report on.
+struct Outcome {
+    /// The Deployment (or the LeaderWorkerSet in its shape) as the API server has it.
+    workload: Option<Deployment>,
+    /// Objects of our names that this InferenceDeployment does not own: nothing was applied.
+    foreign: Vec<String>,
+}
+
+/// The owned set of an admitted spec: ownership checked once, applied in one loop, then the
+/// objects the spec no longer wants deleted (only ours).
+async fn apply_owned(obj: &InferenceDeployment, verdict: &Verdict, ctx: &Context) -> Result<Outcome, Error> {
+    let monitor = ctx.monitor_kind();
+    let want = desired::desired(obj, verdict, &ctx.settings, monitor.as_ref())?;
+    let set = OwnedSet::of(obj, &want, monitor.as_ref())?;
+    let looked = set.look(&ctx.client).await?;
+    if !looked.foreign.is_empty() {
+        tracing::warn!(objects = %looked.foreign.join("; "), "not applying: objects of kvfleet's names exist that this InferenceDeployment does not own");
+        return Ok(Outcome {
+            workload: owned::workload(&looked.ours)?,
+            foreign: looked.foreign,
+        });
+    }
+    let applied = set.apply(&ctx.client).await?;
+    set.delete_orphans(&ctx.client, &owned::managed_kinds(monitor.as_ref()))
+        .await?;
+    Ok(Outcome {
+        workload: owned::workload(&applied)?,
+        foreign: Vec::new(),
     })
 }
 
@@ -546,91 +502,7 @@ pub fn deny_without_leader_worker_set(spec: &InferenceDeploymentSpec, verdict: &
     verdict.capacity_basis = None;
 }
 
-/// A LeaderWorkerSet's progress in the shape status reads from a Deployment: its replicas are
-/// groups, ready when every pod of the group is. LWS status has no observedGeneration, so the
-/// object's own generation stands in for it.
-pub fn leader_worker_set_as_deployment(lws: &DynamicObject) -> Deployment {
-    use k8s_openapi::api::apps::v1::DeploymentStatus;
-    let st = &lws.data["status"];
-    let int = |k: &str| {
-        st.get(k)
-            .and_then(|v| v.as_i64())
-            .and_then(|v| i32::try_from(v).ok())
-    };
-    Deployment {
-        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-            name: lws.metadata.name.clone(),
-            generation: lws.metadata.generation,
-            ..Default::default()
-        },
-        spec: None,
-        status: Some(DeploymentStatus {
-            replicas: int("replicas"),
-            ready_replicas: int("readyReplicas"),
-            updated_replicas: int("updatedReplicas"),
-            observed_generation: lws.metadata.generation,
-            ..DeploymentStatus::default()
-        }),
-    }
-}
-
 // === impl ownership ===
-
-/// True when `obj` carries an owner reference to the object of `uid`.
-pub fn is_owned_by<K: Resource>(obj: &K, uid: &str) -> bool {
-    !uid.is_empty() && obj.owner_references().iter().any(|r| r.uid == uid)
-}
-
-/// Who owns `obj`, for messages: "owned by Deployment other" or "no owner reference: ...".
-fn describe_owners<K: Resource>(obj: &K) -> String {
-    let refs = obj.owner_references();
-    if refs.is_empty() {
-        return "no owner reference: created outside kvfleet".into();
-    }
-    let owners: Vec<String> = refs.iter().map(|r| format!("{} {}", r.kind, r.name)).collect();
-    format!("owned by {}", owners.join(", "))
-}
-
-/// The existing objects of the names kvfleet applies, and those it must not touch.
-struct Ownership<'a> {
-    uid: &'a str,
-    ns: &'a str,
-    /// "Service ml/llama (owned by ...)" per object that exists and is not ours.
-    foreign: Vec<String>,
-}
-
-impl<'a> Ownership<'a> {
-    fn new(uid: &'a str, ns: &'a str) -> Self {
-        Ownership {
-            uid,
-            ns,
-            foreign: Vec::new(),
-        }
-    }
-
-    /// The existing object of `want`'s name when this InferenceDeployment owns it; records
-    /// it as foreign when someone else does.
-    async fn look<K>(&mut self, api: &Api<K>, want: &K) -> Result<Option<K>, Error>
-    where
-        K: Resource + Serialize + DeserializeOwned + Clone + Debug,
-    {
-        let name = want.meta().name.clone().unwrap_or_default();
-        let kind = kind_of(want);
-        let existing = api
-            .get_opt(&name)
-            .await
-            .map_err(|source| Error::kube(format!("read {kind} {name}"), source))?;
-        match existing {
-            Some(o) if is_owned_by(&o, self.uid) => Ok(Some(o)),
-            Some(o) => {
-                self.foreign
-                    .push(format!("{kind} {}/{name} ({})", self.ns, describe_owners(&o)));
-                Ok(None)
-            }
-            None => Ok(None),
-        }
-    }
-}
 
 /// Degraded=True with [`OWNERSHIP_CONFLICT`], naming the objects (the Event follows from it).
 fn mark_ownership_conflict(
@@ -663,41 +535,6 @@ fn mark_ownership_conflict(
     match st.conditions.iter_mut().find(|c| c.type_ == status::DEGRADED) {
         Some(c) => *c = cond,
         None => st.conditions.push(cond),
-    }
-}
-
-/// Server-side apply with the controller's field manager, retried on conflicts.
-pub async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K, Error>
-where
-    K: Resource + Serialize + DeserializeOwned + Clone + Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
-    let mut attempt = 0;
-    loop {
-        match api.patch(&name, &pp, &Patch::Apply(obj)).await {
-            Ok(o) => return Ok(o),
-            Err(e) if is_conflict(&e) && attempt + 1 < CONFLICT_RETRIES => attempt += 1,
-            Err(source) => return Err(Error::kube(format!("apply {} {name}", kind_of(obj)), source)),
-        }
-    }
-}
-
-fn kind_of<K: Resource + Serialize>(obj: &K) -> String {
-    serde_json::to_value(obj)
-        .ok()
-        .and_then(|v| v.get("kind").and_then(|k| k.as_str()).map(str::to_string))
-        .unwrap_or_else(|| "object".into())
-}
-
-async fn delete_if_present<K>(api: &Api<K>, name: &str) -> Result<(), Error>
-where
-    K: Resource + DeserializeOwned + Clone + Debug,
-{
-    match api.delete(name, &DeleteParams::background()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(source) => Err(Error::kube(format!("delete {name}"), source)),
     }
 }
 
@@ -879,10 +716,6 @@ fn termination_id(t: &ContainerStateTerminated, restart_count: i32, which: &str)
         return format!("finished:{}", f.0);
     }
     format!("restart:{restart_count}:{which}")
-}
-
-pub(crate) fn is_conflict(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
 #[cfg(test)]

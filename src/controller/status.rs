@@ -1,6 +1,6 @@
 //! Observed state -> `status` and the Events worth telling an operator (pure).
 
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
@@ -145,11 +145,113 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
     let generation = obj.metadata.generation;
     let name = obj.metadata.name.clone().unwrap_or_default();
     let old = obj.status.clone().unwrap_or_default();
-    let desired = obj.spec.replicas;
     let compatible = seen.verdict.is_some_and(|v| v.allowed());
+    let rollout = seen.deployment.map(Rollout::of);
 
-    let mut conds = Vec::with_capacity(5);
-    conds.push(match seen.verdict {
+    let mut conds = vec![
+        compatible_condition(obj, seen.verdict),
+        capacity_planned_condition(obj, compatible, seen.prediction),
+        available_condition(obj, compatible, rollout.as_ref()),
+        progressing_condition(obj, compatible, rollout.as_ref()),
+        degraded_condition(obj, &old, seen, compatible, rollout.as_ref()),
+    ];
+    if compatible {
+        conds.extend(capacity_match(obj, seen));
+    }
+    let (current, ready, updated) = rollout
+        .as_ref()
+        .map_or((0, 0, 0), |r| (r.current, r.ready, r.updated));
+
+    InferenceDeploymentStatus {
+        observed_generation: generation,
+        conditions: stamped(conds, &old, generation, now),
+        resolved: resolved_config(obj, seen.verdict, &old),
+        capacity: capacity_status(seen, compatible, &old),
+        replicas: Some(current),
+        ready_replicas: Some(ready),
+        updated_replicas: Some(updated),
+        selector: Some(selector_string(&name)),
+    }
+}
+
+/// The conditions as written: `observedGeneration` of this pass, and `lastTransitionTime`
+/// kept from `old` while a condition keeps its status.
+fn stamped(
+    conds: Vec<Cond>,
+    old: &InferenceDeploymentStatus,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    let now_time = Time(now);
+    conds
+        .into_iter()
+        .map(|c| {
+            let status = if c.ok { "True" } else { "False" }.to_string();
+            let last = old
+                .conditions
+                .iter()
+                .find(|o| o.type_ == c.type_ && o.status == status)
+                .map(|o| o.last_transition_time.clone())
+                .unwrap_or_else(|| now_time.clone());
+            Condition {
+                type_: c.type_.into(),
+                status,
+                reason: c.reason,
+                message: c.message,
+                observed_generation: generation,
+                last_transition_time: last,
+            }
+        })
+        .collect()
+}
+
+/// What status reads from the Deployment (or a LeaderWorkerSet in its shape).
+struct Rollout {
+    ready: i32,
+    updated: i32,
+    current: i32,
+    deadline_exceeded: bool,
+    replica_failure: Option<DeploymentCondition>,
+    /// The Deployment controller has seen the Deployment's current generation.
+    current_generation: bool,
+}
+
+impl Rollout {
+    fn of(d: &Deployment) -> Rollout {
+        let st = d.status.clone().unwrap_or_default();
+        let cond = |t: &str| {
+            st.conditions
+                .as_ref()
+                .and_then(|cs| cs.iter().find(|c| c.type_ == t).cloned())
+        };
+        Rollout {
+            ready: st.ready_replicas.unwrap_or(0),
+            updated: st.updated_replicas.unwrap_or(0),
+            current: st.replicas.unwrap_or(0),
+            deadline_exceeded: cond("Progressing")
+                .is_some_and(|c| c.reason.as_deref() == Some("ProgressDeadlineExceeded")),
+            replica_failure: cond("ReplicaFailure").filter(|c| c.status == "True"),
+            current_generation: st.observed_generation.is_some()
+                && st.observed_generation >= d.metadata.generation,
+        }
+    }
+
+    fn ready_message(&self, desired: i32) -> String {
+        format!("{}/{desired} replicas ready", self.ready)
+    }
+}
+
+/// The reason of Available and Progressing while no Deployment runs.
+fn no_workload_reason(compatible: bool) -> &'static str {
+    if compatible {
+        "DeploymentPending"
+    } else {
+        "NotCompatible"
+    }
+}
+
+fn compatible_condition(obj: &InferenceDeployment, verdict: Option<&Verdict>) -> Cond {
+    match verdict {
         Some(v) if v.allowed() => {
             let (dtype, backend) = resolved(&obj.spec, v);
             let ccs = v
@@ -180,9 +282,15 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
             "NotValidated",
             "the object could not be validated",
         ),
-    });
+    }
+}
 
-    conds.push(match (compatible, seen.prediction) {
+fn capacity_planned_condition(
+    obj: &InferenceDeployment,
+    compatible: bool,
+    prediction: Option<&CapacityPrediction>,
+) -> Cond {
+    match (compatible, prediction) {
         (false, _) => cond(
             CAPACITY_PLANNED,
             false,
@@ -204,124 +312,114 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
             "PlannerUnavailable",
             "this build has no KV-capacity planner for this model; capacity is reported once workers measure it",
         ),
-    });
+    }
+}
 
-    let dep_status = seen.deployment.and_then(|d| d.status.clone()).unwrap_or_default();
-    let ready = dep_status.ready_replicas.unwrap_or(0);
-    let updated = dep_status.updated_replicas.unwrap_or(0);
-    let current = dep_status.replicas.unwrap_or(0);
-    let dep_cond = |t: &str| {
-        dep_status
-            .conditions
-            .as_ref()
-            .and_then(|cs| cs.iter().find(|c| c.type_ == t).cloned())
+fn available_condition(obj: &InferenceDeployment, compatible: bool, rollout: Option<&Rollout>) -> Cond {
+    let desired = obj.spec.replicas;
+    let Some(r) = rollout else {
+        return cond(
+            AVAILABLE,
+            false,
+            no_workload_reason(compatible),
+            "no Deployment runs this spec yet",
+        );
     };
-    let deadline_exceeded =
-        dep_cond("Progressing").is_some_and(|c| c.reason.as_deref() == Some("ProgressDeadlineExceeded"));
-    let replica_failure = dep_cond("ReplicaFailure").filter(|c| c.status == "True");
-    let dep_current_gen = seen.deployment.is_some_and(|d| {
-        dep_status.observed_generation.is_some() && dep_status.observed_generation >= d.metadata.generation
-    });
-
-    match seen.deployment {
-        None => {
-            let why = if compatible {
-                "DeploymentPending"
-            } else {
-                "NotCompatible"
-            };
-            conds.push(cond(AVAILABLE, false, why, "no Deployment runs this spec yet"));
-            conds.push(cond(PROGRESSING, false, why, "nothing to roll out"));
-            conds.push(cond(DEGRADED, false, "NoWorkload", "no pods to be degraded"));
-        }
-        Some(_) => {
-            let ready_msg = format!("{ready}/{desired} replicas ready");
-            conds.push(if desired == 0 {
-                cond(AVAILABLE, false, "ScaledToZero", "spec.replicas is 0")
-            } else if ready >= 1 {
-                cond(AVAILABLE, true, "MinimumReplicasAvailable", ready_msg.clone())
-            } else {
-                cond(AVAILABLE, false, "NoReplicasReady", ready_msg.clone())
-            });
-            conds.push(if deadline_exceeded {
-                cond(
-                    PROGRESSING,
-                    false,
-                    "ProgressDeadlineExceeded",
-                    "the rollout stalled; see `kubectl describe deployment` and the pods' events",
-                )
-            } else if !dep_current_gen || updated < desired || current > desired {
-                cond(
-                    PROGRESSING,
-                    true,
-                    "RollingOut",
-                    format!("{updated}/{desired} replicas run the current spec"),
-                )
-            } else if ready < desired {
-                cond(PROGRESSING, true, "WaitingForReplicas", ready_msg.clone())
-            } else {
-                cond(PROGRESSING, false, "RolloutComplete", ready_msg.clone())
-            });
-            conds.push(if let Some(p) = seen.preflight_failure.filter(|_| compatible) {
-                // The most specific reason first: the worker said why it will not start.
-                cond(DEGRADED, true, PREFLIGHT_FAILED, p.to_string())
-            } else if deadline_exceeded {
-                cond(
-                    DEGRADED,
-                    true,
-                    "ProgressDeadlineExceeded",
-                    "pods did not become ready in time (GPU capacity, image pull or worker preflight)",
-                )
-            } else if let Some(f) = replica_failure {
-                cond(
-                    DEGRADED,
-                    true,
-                    "ReplicaFailure",
-                    f.message.unwrap_or_else(|| "pods could not be created".into()),
-                )
-            } else if !compatible {
-                match nodes_changed(obj, &old, seen.verdict) {
-                    Some(what) => cond(DEGRADED, true, "NodesChanged", what),
-                    None => cond(
-                        DEGRADED,
-                        true,
-                        "SpecNotApplied",
-                        "the running pods keep the last compatible configuration; fix the spec to roll out",
-                    ),
-                }
-            } else {
-                cond(DEGRADED, false, "AsExpected", ready_msg)
-            });
-        }
+    if desired == 0 {
+        cond(AVAILABLE, false, "ScaledToZero", "spec.replicas is 0")
+    } else if r.ready >= 1 {
+        cond(
+            AVAILABLE,
+            true,
+            "MinimumReplicasAvailable",
+            r.ready_message(desired),
+        )
+    } else {
+        cond(AVAILABLE, false, "NoReplicasReady", r.ready_message(desired))
     }
+}
 
-    if compatible {
-        conds.extend(capacity_match(obj, seen));
+fn progressing_condition(obj: &InferenceDeployment, compatible: bool, rollout: Option<&Rollout>) -> Cond {
+    let desired = obj.spec.replicas;
+    let Some(r) = rollout else {
+        return cond(
+            PROGRESSING,
+            false,
+            no_workload_reason(compatible),
+            "nothing to roll out",
+        );
+    };
+    if r.deadline_exceeded {
+        cond(
+            PROGRESSING,
+            false,
+            "ProgressDeadlineExceeded",
+            "the rollout stalled; see `kubectl describe deployment` and the pods' events",
+        )
+    } else if !r.current_generation || r.updated < desired || r.current > desired {
+        cond(
+            PROGRESSING,
+            true,
+            "RollingOut",
+            format!("{}/{desired} replicas run the current spec", r.updated),
+        )
+    } else if r.ready < desired {
+        cond(PROGRESSING, true, "WaitingForReplicas", r.ready_message(desired))
+    } else {
+        cond(PROGRESSING, false, "RolloutComplete", r.ready_message(desired))
     }
+}
 
-    let now_time = Time(now);
-    let conditions = conds
-        .into_iter()
-        .map(|c| {
-            let status = if c.ok { "True" } else { "False" }.to_string();
-            let last = old
-                .conditions
-                .iter()
-                .find(|o| o.type_ == c.type_ && o.status == status)
-                .map(|o| o.last_transition_time.clone())
-                .unwrap_or_else(|| now_time.clone());
-            Condition {
-                type_: c.type_.into(),
-                status,
-                reason: c.reason,
-                message: c.message,
-                observed_generation: generation,
-                last_transition_time: last,
-            }
-        })
-        .collect();
+fn degraded_condition(
+    obj: &InferenceDeployment,
+    old: &InferenceDeploymentStatus,
+    seen: &Observed<'_>,
+    compatible: bool,
+    rollout: Option<&Rollout>,
+) -> Cond {
+    let Some(r) = rollout else {
+        return cond(DEGRADED, false, "NoWorkload", "no pods to be degraded");
+    };
+    if let Some(p) = seen.preflight_failure.filter(|_| compatible) {
+        // The most specific reason first: the worker said why it will not start.
+        cond(DEGRADED, true, PREFLIGHT_FAILED, p.to_string())
+    } else if r.deadline_exceeded {
+        cond(
+            DEGRADED,
+            true,
+            "ProgressDeadlineExceeded",
+            "pods did not become ready in time (GPU capacity, image pull or worker preflight)",
+        )
+    } else if let Some(f) = r.replica_failure.clone() {
+        cond(
+            DEGRADED,
+            true,
+            "ReplicaFailure",
+            f.message.unwrap_or_else(|| "pods could not be created".into()),
+        )
+    } else if !compatible {
+        match nodes_changed(obj, old, seen.verdict) {
+            Some(what) => cond(DEGRADED, true, "NodesChanged", what),
+            None => cond(
+                DEGRADED,
+                true,
+                "SpecNotApplied",
+                "the running pods keep the last compatible configuration; fix the spec to roll out",
+            ),
+        }
+    } else {
+        cond(DEGRADED, false, "AsExpected", r.ready_message(obj.spec.replicas))
+    }
+}
 
-    let resolved = match seen.verdict {
+/// `status.resolved`: the verdict's resolution; an incompatible spec keeps describing what
+/// still runs.
+fn resolved_config(
+    obj: &InferenceDeployment,
+    verdict: Option<&Verdict>,
+    old: &InferenceDeploymentStatus,
+) -> Option<ResolvedConfig> {
+    match verdict {
         Some(v) if v.allowed() => Some(v.resolved.clone().unwrap_or_else(|| {
             let (kv_cache_dtype, attention_backend) = resolved(&obj.spec, v);
             ResolvedConfig {
@@ -330,36 +428,31 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
                 ..ResolvedConfig::default()
             }
         })),
-        // An incompatible spec keeps describing what still runs.
         _ => old.resolved.clone(),
-    };
-    let capacity = {
-        let mut c = if compatible {
-            CapacityStatus::default()
-        } else {
-            old.capacity.clone().unwrap_or_default()
-        };
-        if let Some(p) = seen.prediction.filter(|_| compatible) {
-            c.tokens_per_replica = Some(p.tokens_per_replica);
-            c.max_concurrency = Some(p.max_concurrency);
-            c.vllm_tokens_per_replica = p.vllm_tokens_per_replica;
-        }
-        c.measured_tokens_per_replica = seen
-            .measured_tokens
-            .or(c.measured_tokens_per_replica.filter(|_| !compatible));
-        (c != CapacityStatus::default()).then_some(c)
-    };
-
-    InferenceDeploymentStatus {
-        observed_generation: generation,
-        conditions,
-        resolved,
-        capacity,
-        replicas: Some(current),
-        ready_replicas: Some(ready),
-        updated_replicas: Some(updated),
-        selector: Some(selector_string(&name)),
     }
+}
+
+/// `status.capacity`: the prediction of a compatible spec and the measurement; an
+/// incompatible spec keeps the figures of what still runs.
+fn capacity_status(
+    seen: &Observed<'_>,
+    compatible: bool,
+    old: &InferenceDeploymentStatus,
+) -> Option<CapacityStatus> {
+    let mut c = if compatible {
+        CapacityStatus::default()
+    } else {
+        old.capacity.clone().unwrap_or_default()
+    };
+    if let Some(p) = seen.prediction.filter(|_| compatible) {
+        c.tokens_per_replica = Some(p.tokens_per_replica);
+        c.max_concurrency = Some(p.max_concurrency);
+        c.vllm_tokens_per_replica = p.vllm_tokens_per_replica;
+    }
+    c.measured_tokens_per_replica = seen
+        .measured_tokens
+        .or(c.measured_tokens_per_replica.filter(|_| !compatible));
+    (c != CapacityStatus::default()).then_some(c)
 }
 
 /// Reason of the Degraded condition while worker pods exit with a preflight code.

@@ -480,3 +480,23 @@ pub fn delete_crd_if_created(created: bool) {
         panic!("{CRD} is still there after its deletion: {}", crd_owners(&left));
     }
 }
+
+// === HTTP ===
+
+/// `GET path` on 127.0.0.1:`port` (plain HTTP/1.1, the connection closed after it): the
+/// status code and the body, or `None` while nothing answers.
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
+}

@@ -48,7 +48,7 @@ mod vllm;
 mod worker;
 
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
 
 pub use config_map::{CONFIG_HASH_ANNOTATION, WORKER_CONFIG_KEY};
 pub use container::{startup_probe_failures, CAPACITY_SIDECAR, STARTUP_PROBE_PERIOD_S};
@@ -130,6 +130,8 @@ pub enum DesiredError {
     WorkerConfig(#[source] serde_yaml::Error),
     #[error("runtime kvfleet needs spec.model.geometry inline; spec.model.config is read only by the vllm runtime")]
     GeometryRequired,
+    #[error("cannot encode {0} as JSON for server-side apply")]
+    Encode(String, #[source] serde_json::Error),
 }
 
 // === names and labels ===
@@ -155,12 +157,24 @@ pub fn selector_string(name: &str) -> String {
     format!("{INSTANCE_LABEL}={name}")
 }
 
+/// Label on every object kvfleet creates, with [`MANAGED_BY`] as its value.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY: &str = "kvfleet";
+/// Label naming the InferenceDeployment an object was created for.
+pub const APP_INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
+
+/// Selects every object kvfleet created for the InferenceDeployment `name` (the orphan sweep's
+/// list; ownership is still checked on each object found).
+pub fn owned_selector(name: &str) -> String {
+    format!("{MANAGED_BY_LABEL}={MANAGED_BY},{APP_INSTANCE_LABEL}={name}")
+}
+
 fn common_labels(name: &str, runtime: Runtime) -> BTreeMap<String, String> {
     let mut l = selector_labels(name);
     l.insert("app.kubernetes.io/name".into(), runtime.as_str().into());
-    l.insert("app.kubernetes.io/instance".into(), name.into());
+    l.insert(APP_INSTANCE_LABEL.into(), name.into());
     l.insert("app.kubernetes.io/component".into(), "inference".into());
-    l.insert("app.kubernetes.io/managed-by".into(), "kvfleet".into());
+    l.insert(MANAGED_BY_LABEL.into(), MANAGED_BY.into());
     l
 }
 
