@@ -149,7 +149,8 @@ async def scrape(host, port, stop, peaks):
             writer.close()
             for line in text.splitlines():
                 for n in names:
-                    if line.startswith(n + " "):
+                    # vLLM's series carry labels (model_name, engine): `name{...} value`.
+                    if line.startswith(n + " ") or line.startswith(n + "{"):
                         val = float(line.split()[-1])
                         peaks[n] = max(peaks.get(n, float("-inf")), val)
         except OSError:

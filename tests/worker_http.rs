@@ -140,11 +140,25 @@ fn sample(metrics: &str, name: &str) -> f64 {
 }
 
 fn try_sample(metrics: &str, name: &str) -> Option<f64> {
+    let name = vllm_labels(name);
     metrics
         .lines()
         .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .find_map(|l| l.strip_prefix(name.as_str()).and_then(|r| r.strip_prefix(' ')))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// A `vllm:*` sample's name as the worker prints it: vLLM's `model_name` and `engine` labels
+/// first, then the sample's own.
+fn vllm_labels(name: &str) -> String {
+    const SERVED: &str = r#"model_name="SmolLM2-135M-Instruct",engine="0""#;
+    if !name.starts_with("vllm:") {
+        return name.to_string();
+    }
+    match name.split_once('{') {
+        Some((base, rest)) => format!("{base}{{{SERVED},{rest}"),
+        None => format!("{name}{{{SERVED}}}"),
+    }
 }
 
 /// `/metrics` once the serving loop has published the end of the last request: a request's end
@@ -232,7 +246,7 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
     assert_eq!(sample(&m, "kvfleet_kv_cache_blocks{state=\"free\"}"), 327.0);
     assert!(
         m.contains(
-            r#"vllm:cache_config_info{block_size="16",cache_dtype="bfloat16",num_gpu_blocks="327"} 1"#
+            r#"vllm:cache_config_info{model_name="SmolLM2-135M-Instruct",engine="0",block_size="16",cache_dtype="bfloat16",num_gpu_blocks="327"} 1"#
         ),
         "{m}"
     );
@@ -787,4 +801,180 @@ fn a_kv_event_subscriber_sees_the_cache_the_worker_holds() {
     let mut err = String::new();
     let _ = sub.stderr.take().unwrap().read_to_string(&mut err);
     assert!(!err.contains("Error"), "{err}");
+}
+
+// === issue 34: admission, vLLM's routes, request identity ===
+
+/// A burst to an idle worker is admitted while running slots are free: `--max-num-seqs 8
+/// --max-waiting 2` takes 10 simultaneous requests without a 429, and of 14 refuses at most
+/// the 4 it holds no place for.
+#[test]
+fn a_burst_no_larger_than_running_plus_waiting_slots_is_never_refused() {
+    let mut w = start("burst", &["--max-num-seqs", "8", "--max-waiting", "2"], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+    let burst = |n: usize| -> Vec<(u16, String)> {
+        let gate = Arc::new(std::sync::Barrier::new(n));
+        let clients: Vec<_> = (0..n)
+            .map(|i| {
+                let gate = gate.clone();
+                std::thread::spawn(move || {
+                    let body = serde_json::json!({"prompt": format!("Count from {i} to twenty:"),
+                        "max_tokens": 8, "temperature": 0});
+                    gate.wait();
+                    let (st, _, b) = http(port, "POST", "/v1/completions", &body.to_string());
+                    (st, b)
+                })
+            })
+            .collect();
+        clients.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let answers = burst(10);
+    assert!(answers.iter().all(|a| a.0 == 200), "{answers:?}");
+    metrics_once_idle(port);
+    let answers = burst(14);
+    let refused = answers.iter().filter(|a| a.0 == 429).count();
+    assert!(refused <= 4, "{refused} refused of 14: {answers:?}");
+    assert_eq!(
+        answers.iter().filter(|a| a.0 == 200).count() + refused,
+        14,
+        "{answers:?}"
+    );
+}
+
+/// (status, head, body) of one exchange with extra request headers.
+fn http_with(port: u16, method: &str, path: &str, headers: &str, body: &str) -> (u16, String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_string(), rest.to_string())
+}
+
+/// The value of a response header (names are case-insensitive).
+fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+    })
+}
+
+fn openai_error(body: &str) -> serde_json::Value {
+    let v: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    e.clone()
+}
+
+/// vLLM's `/health`, `/version` and `/v1/models/{id}`; every 4xx in OpenAI's error shape,
+/// unknown paths and wrong methods included; the worker's own routes unchanged; and every
+/// request's id: the client's `x-request-id` or a made one, returned, logged, and ending the
+/// response's `id`.
+#[test]
+fn vllms_routes_and_openai_errors_answer_and_every_request_has_an_id() {
+    let mut w = start("routes", &[], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+
+    let (st, head, body) = http(port, "GET", "/health", "");
+    assert_eq!((st, body.as_str()), (200, ""), "{head}");
+    let (st, _, body) = http(port, "GET", "/version", "");
+    assert_eq!(st, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    let (st, _, body) = http(port, "GET", "/v1/models/SmolLM2-135M-Instruct", "");
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (v["id"].as_str(), v["object"].as_str()),
+        (Some("SmolLM2-135M-Instruct"), Some("model"))
+    );
+    let (st, _, body) = http(port, "GET", "/v1/models/gpt-4", "");
+    assert_eq!(st, 404);
+    assert_eq!(openai_error(&body)["code"], "model_not_found");
+    for path in ["/nope", "/v1/embeddings", "/v1/models/"] {
+        let (st, _, body) = http(port, "POST", path, "{}");
+        assert_eq!(st, 404, "{path}: {body}");
+        assert_eq!(openai_error(&body)["type"], "invalid_request_error");
+    }
+    for (method, path, allow) in [
+        ("DELETE", "/v1/models", "GET"),
+        ("GET", "/v1/completions", "POST"),
+        ("PUT", "/v1/chat/completions", "POST"),
+        ("POST", "/metrics", "GET"),
+        ("POST", "/health", "GET"),
+    ] {
+        let (st, head, body) = http(port, method, path, "");
+        assert_eq!(st, 405, "{method} {path}: {body}");
+        assert_eq!(openai_error(&body)["code"], "method_not_allowed");
+        assert!(
+            header(&head, "allow").is_some_and(|a| a.contains(allow)),
+            "{head}"
+        );
+    }
+    for path in ["/healthz", "/readyz", "/metrics", "/v1/capacity", "/v1/models"] {
+        assert_eq!(http(port, "GET", path, "").0, 200, "{path}");
+    }
+
+    // Identity.
+    let body = r#"{"prompt":"Hello","max_tokens":2,"temperature":0}"#;
+    let (st, head, b) = http_with(
+        port,
+        "POST",
+        "/v1/completions",
+        "X-Request-Id: client-id-34\r\n",
+        body,
+    );
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(header(&head, "x-request-id").as_deref(), Some("client-id-34"));
+    let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(v["id"], "cmpl-client-id-34");
+    let made: Vec<String> = (0..2)
+        .map(|_| {
+            let (st, head, b) = http(port, "POST", "/v1/completions", body);
+            assert_eq!(st, 200, "{b}");
+            let id = header(&head, "x-request-id").unwrap();
+            assert!(
+                id.len() == 32 && id.bytes().all(|c| c.is_ascii_hexdigit()),
+                "{id}"
+            );
+            let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+            assert_eq!(v["id"], format!("cmpl-{id}"));
+            id
+        })
+        .collect();
+    assert_ne!(made[0], made[1]);
+    // vLLM's body field when no header names one; errors carry the id too.
+    let (_, head, b) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"request_id":"from-body"}"#,
+    );
+    assert_eq!(header(&head, "x-request-id").as_deref(), Some("from-body"), "{b}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&b).unwrap()["id"],
+        "chatcmpl-from-body"
+    );
+    let (st, head, _) = http(port, "GET", "/nope", "");
+    assert_eq!(st, 404);
+    assert!(header(&head, "x-request-id").is_some(), "{head}");
+    // The log line of each request carries its id.
+    let t0 = Instant::now();
+    while !(w.log().contains("client-id-34") && w.log().contains(&made[1])) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "{}", w.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

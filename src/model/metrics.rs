@@ -1,10 +1,17 @@
 //! Prometheus metrics of the worker (names carry units; labels stay bounded).
+//!
+//! The `vllm:*` series carry vLLM's names, bucket boundaries (vllm/v1/metrics/loggers.py) and
+//! labels: every one of them is exported with `model_name` (the served model) and `engine`
+//! (`"0"`: one engine per worker), added at scrape time, so that readers that filter on them
+//! (inference-perf, vLLM's dashboards, the endpoint picker) find the worker's numbers.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use prometheus::proto::LabelPair;
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 use serde::Serialize;
 
@@ -62,8 +69,45 @@ pub struct Metrics {
     pub vllm_cache_config: GaugeVec,
     pub vllm_prefix_queries: IntCounter,
     pub vllm_prefix_hits: IntCounter,
+    pub vllm_itl: Histogram,
+    pub vllm_request_tpot: Histogram,
+    pub vllm_request_success: IntCounterVec,
+    pub vllm_queue_time: Histogram,
+    pub vllm_prefill_time: Histogram,
+    pub vllm_decode_time: Histogram,
+    pub vllm_inference_time: Histogram,
+    pub vllm_iteration_tokens: Histogram,
+    pub vllm_lora_info: GaugeVec,
+    /// Per request, bucketed up to maxModelLen (registered once the served model is known).
+    vllm_request_prompt_tokens: OnceLock<Histogram>,
+    vllm_request_generation_tokens: OnceLock<Histogram>,
+    /// The served model's name, the `model_name` of every `vllm:*` series.
+    model_name: RwLock<String>,
     live: Mutex<LiveStats>,
 }
+
+/// A request that produced its last token: what vLLM's per-request series observe.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished<'a> {
+    /// OpenAI's `finish_reason` (`stop`, `length`).
+    pub reason: &'a str,
+    /// Arrival to the last token.
+    pub e2e: Duration,
+    /// Arrival to first scheduled (waiting).
+    pub queue: Duration,
+    /// First scheduled to the first token.
+    pub prefill: Duration,
+    /// First token to the last.
+    pub decode: Duration,
+    pub prompt_tokens: usize,
+    pub generation_tokens: usize,
+}
+
+/// The labels vLLM puts on its series, in its order; `vllm:lora_requests_info` has its own.
+const ENGINE: &str = "0";
+const LORA_INFO: &str = "vllm:lora_requests_info";
+/// vLLM's finish reasons, present from the first scrape.
+const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
@@ -154,21 +198,21 @@ impl Metrics {
                     "vllm:time_to_first_token_seconds",
                     "Time from a request's arrival to its first output token (vLLM's name)",
                 )
-                .buckets(latency_buckets()),
+                .buckets(TTFT_BUCKETS.to_vec()),
             )?,
             vllm_tpot: Histogram::with_opts(
                 HistogramOpts::new(
                     "vllm:time_per_output_token_seconds",
-                    "Time between consecutive output tokens of a request (vLLM's name)",
+                    "Time between consecutive output tokens of a request (vLLM's deprecated name of vllm:inter_token_latency_seconds)",
                 )
-                .buckets(latency_buckets()),
+                .buckets(TOKEN_LATENCY_BUCKETS.to_vec()),
             )?,
             vllm_e2e_latency: Histogram::with_opts(
                 HistogramOpts::new(
                     "vllm:e2e_request_latency_seconds",
                     "Time from a request's arrival to its end (vLLM's name)",
                 )
-                .buckets(latency_buckets()),
+                .buckets(REQUEST_LATENCY_BUCKETS.to_vec()),
             )?,
             vllm_cache_config: GaugeVec::new(
                 Opts::new(
@@ -185,6 +229,62 @@ impl Metrics {
                 "vllm:prefix_cache_hits_total",
                 "Prompt tokens found in the prefix cache when requests were scheduled (vLLM's name)",
             )?,
+            vllm_itl: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:inter_token_latency_seconds",
+                    "Time between consecutive output tokens of a request (vLLM's name)",
+                )
+                .buckets(TOKEN_LATENCY_BUCKETS.to_vec()),
+            )?,
+            vllm_request_tpot: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:request_time_per_output_token_seconds",
+                    "Per finished request: its decode time over its output tokens after the first (vLLM's name)",
+                )
+                .buckets(TOKEN_LATENCY_BUCKETS.to_vec()),
+            )?,
+            vllm_request_success: IntCounterVec::new(
+                Opts::new(
+                    "vllm:request_success_total",
+                    "Requests that ended, by finish reason: stop, length, abort (cancelled, failed or cut by shutdown) (vLLM's name)",
+                ),
+                &["finished_reason"],
+            )?,
+            vllm_queue_time: request_latency(
+                "vllm:request_queue_time_seconds",
+                "Per finished request: time from arrival to first scheduled, waiting (vLLM's name)",
+            )?,
+            vllm_prefill_time: request_latency(
+                "vllm:request_prefill_time_seconds",
+                "Per finished request: time from first scheduled to its first token (vLLM's name)",
+            )?,
+            vllm_decode_time: request_latency(
+                "vllm:request_decode_time_seconds",
+                "Per finished request: time from its first token to its last (vLLM's name)",
+            )?,
+            vllm_inference_time: request_latency(
+                "vllm:request_inference_time_seconds",
+                "Per finished request: time from first scheduled to its last token, prefill and decode (vLLM's name)",
+            )?,
+            vllm_iteration_tokens: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:iteration_tokens_total",
+                    "Tokens computed by one engine step, prefill and decode (vLLM's name)",
+                )
+                .buckets(vec![
+                    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+                ]),
+            )?,
+            vllm_lora_info: GaugeVec::new(
+                Opts::new(
+                    LORA_INFO,
+                    "LoRA adapters: the most that can run, and those running and waiting (none: this worker serves none); the value is the time of the scrape, as vLLM sets it (vLLM's name)",
+                ),
+                &["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )?,
+            vllm_request_prompt_tokens: OnceLock::new(),
+            vllm_request_generation_tokens: OnceLock::new(),
+            model_name: RwLock::new(String::new()),
             live: Mutex::new(LiveStats::default()),
             registry,
         };
@@ -215,6 +315,18 @@ impl Metrics {
         r.register(Box::new(m.vllm_cache_config.clone()))?;
         r.register(Box::new(m.vllm_prefix_queries.clone()))?;
         r.register(Box::new(m.vllm_prefix_hits.clone()))?;
+        r.register(Box::new(m.vllm_itl.clone()))?;
+        r.register(Box::new(m.vllm_request_tpot.clone()))?;
+        r.register(Box::new(m.vllm_request_success.clone()))?;
+        r.register(Box::new(m.vllm_queue_time.clone()))?;
+        r.register(Box::new(m.vllm_prefill_time.clone()))?;
+        r.register(Box::new(m.vllm_decode_time.clone()))?;
+        r.register(Box::new(m.vllm_inference_time.clone()))?;
+        r.register(Box::new(m.vllm_iteration_tokens.clone()))?;
+        r.register(Box::new(m.vllm_lora_info.clone()))?;
+        for reason in FINISH_REASONS {
+            m.vllm_request_success.with_label_values(&[reason]).inc_by(0);
+        }
         // Present from the first scrape, before the engine runs.
         for s in ["free", "used", "cached"] {
             m.blocks.with_label_values(&[s]).set(0);
@@ -223,6 +335,69 @@ impl Metrics {
             m.requests.with_label_values(&[s]).set(0);
         }
         Ok(m)
+    }
+
+    /// Names the served model (the `model_name` of the `vllm:*` series) and registers the
+    /// per-request token histograms, bucketed 1-2-5 up to its maxModelLen as vLLM does. Later
+    /// calls rename; the buckets stay those of the first.
+    pub fn set_served(&self, model_name: &str, max_model_len: usize) {
+        if let Ok(mut n) = self.model_name.write() {
+            *n = model_name.to_owned();
+        }
+        let tokens = |name: &str, help: &str, cell: &OnceLock<Histogram>| {
+            let buckets = buckets_1_2_5(max_model_len.max(1));
+            let Ok(h) = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)) else {
+                return;
+            };
+            if cell.set(h.clone()).is_ok() {
+                if let Err(error) = self.registry.register(Box::new(h)) {
+                    tracing::warn!(%error, name, "cannot register a metric");
+                }
+            }
+        };
+        tokens(
+            "vllm:request_prompt_tokens",
+            "Per finished request: its prompt tokens (vLLM's name)",
+            &self.vllm_request_prompt_tokens,
+        );
+        tokens(
+            "vllm:request_generation_tokens",
+            "Per finished request: its output tokens (vLLM's name)",
+            &self.vllm_request_generation_tokens,
+        );
+    }
+
+    /// The gap between two consecutive output tokens of a request.
+    pub fn observe_inter_token(&self, seconds: f64) {
+        self.vllm_itl.observe(seconds);
+        self.vllm_tpot.observe(seconds);
+    }
+
+    /// A request that produced its last token.
+    pub fn observe_finished(&self, r: &Finished<'_>) {
+        self.vllm_e2e_latency.observe(r.e2e.as_secs_f64());
+        self.vllm_request_success.with_label_values(&[r.reason]).inc();
+        self.vllm_queue_time.observe(r.queue.as_secs_f64());
+        self.vllm_prefill_time.observe(r.prefill.as_secs_f64());
+        self.vllm_decode_time.observe(r.decode.as_secs_f64());
+        self.vllm_inference_time
+            .observe((r.prefill + r.decode).as_secs_f64());
+        let per_token = match r.generation_tokens {
+            0 | 1 => 0.0,
+            n => r.decode.as_secs_f64() / (n - 1) as f64,
+        };
+        self.vllm_request_tpot.observe(per_token);
+        if let Some(h) = self.vllm_request_prompt_tokens.get() {
+            h.observe(r.prompt_tokens as f64);
+        }
+        if let Some(h) = self.vllm_request_generation_tokens.get() {
+            h.observe(r.generation_tokens as f64);
+        }
+    }
+
+    /// A request that ended without its last token (cancelled, failed, cut by shutdown).
+    pub fn observe_aborted(&self) {
+        self.vllm_request_success.with_label_values(&["abort"]).inc();
     }
 
     /// Labels `vllm:cache_config_info` with the pools the served model allocated.
@@ -247,21 +422,143 @@ impl Metrics {
         self.live.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
-    /// The text exposition format.
+    /// The text exposition format, with vLLM's labels on the `vllm:*` series.
     pub fn encode(&self) -> String {
+        // No LoRA adapters here; vLLM sets the value to the time of its last update.
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.vllm_lora_info.with_label_values(&["0", "", ""]).set(now);
+        let mut families = self.registry.gather();
+        let model = self.model_name.read().map(|n| n.clone()).unwrap_or_default();
+        let pair = |name: &str, value: &str| {
+            let mut p = LabelPair::default();
+            p.set_name(name.to_owned());
+            p.set_value(value.to_owned());
+            p
+        };
+        for family in &mut families {
+            if !family.name().starts_with("vllm:") || family.name() == LORA_INFO {
+                continue;
+            }
+            for metric in family.mut_metric() {
+                let mut labels = vec![pair("model_name", &model), pair("engine", ENGINE)];
+                labels.extend(metric.take_label());
+                metric.set_label(labels);
+            }
+        }
         let mut buf = Vec::new();
         let enc = TextEncoder::new();
-        if let Err(error) = enc.encode(&self.registry.gather(), &mut buf) {
+        if let Err(error) = enc.encode(&families, &mut buf) {
             tracing::warn!(%error, "cannot encode metrics");
         }
         String::from_utf8(buf).unwrap_or_default()
     }
 }
 
-/// Request latency buckets (seconds): 5 ms to 2 minutes.
-fn latency_buckets() -> Vec<f64> {
-    vec![
-        0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-        80.0, 120.0,
-    ]
+/// vLLM's bucket boundaries (seconds). Time to first token: 1 ms to 2,560 s.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+];
+
+/// Between tokens (inter-token latency, time per output token): 10 ms to 80 s.
+const TOKEN_LATENCY_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+
+/// Whole requests and their phases: 0.3 s to 7,680 s, past the 600 s request timeout.
+const REQUEST_LATENCY_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+];
+
+fn request_latency(name: &str, help: &str) -> Result<Histogram, prometheus::Error> {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(REQUEST_LATENCY_BUCKETS.to_vec()))
+}
+
+/// 1, 2, 5, 10, 20, 50, ... up to `max` (vLLM's buckets for token counts).
+fn buckets_1_2_5(max: usize) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut scale = 1usize;
+    loop {
+        for m in [1usize, 2, 5] {
+            match m.checked_mul(scale) {
+                Some(v) if v <= max => out.push(v as f64),
+                _ => return out,
+            }
+        }
+        scale = match scale.checked_mul(10) {
+            Some(s) => s,
+            None => return out,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_buckets_are_vllms_1_2_5_up_to_max_model_len() {
+        assert_eq!(buckets_1_2_5(100), [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]);
+        assert_eq!(buckets_1_2_5(2048).last(), Some(&2000.0));
+        assert_eq!(buckets_1_2_5(1), [1.0]);
+    }
+
+    #[test]
+    fn every_vllm_series_carries_the_served_model_and_engine() {
+        let m = Metrics::new().unwrap();
+        m.set_served("org/model", 2048);
+        m.vllm_running.set(3);
+        m.observe_finished(&Finished {
+            reason: "length",
+            e2e: Duration::from_secs(2),
+            queue: Duration::from_millis(100),
+            prefill: Duration::from_millis(400),
+            decode: Duration::from_secs(1),
+            prompt_tokens: 30,
+            generation_tokens: 11,
+        });
+        let text = m.encode();
+        let labels = r#"{model_name="org/model",engine="0""#;
+        assert!(
+            text.contains(&format!("vllm:num_requests_running{labels}}} 3")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                r#"vllm:request_success_total{labels},finished_reason="length"}} 1"#
+            )),
+            "{text}"
+        );
+        assert!(text.contains(&format!(
+            r#"vllm:request_success_total{labels},finished_reason="abort"}} 0"#
+        )));
+        assert!(text.contains(&format!(
+            "vllm:request_time_per_output_token_seconds_sum{labels}}} 0.1"
+        )));
+        assert!(text.contains(&format!("vllm:request_inference_time_seconds_sum{labels}}} 1.4")));
+        assert!(text.contains(&format!(
+            r#"vllm:request_prompt_tokens_bucket{labels},le="50"}} 1"#
+        )));
+        assert!(text.contains(&format!(
+            r#"vllm:e2e_request_latency_seconds_bucket{labels},le="7680"}} 1"#
+        )));
+        assert!(
+            text.contains(
+                r#"vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}"#
+            ),
+            "{text}"
+        );
+        // Every vllm sample but the LoRA gauge carries both labels; kvfleet's carry neither.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            if line.starts_with("vllm:") && !line.starts_with(LORA_INFO) {
+                assert!(line.contains(labels), "{line}");
+            }
+            if line.starts_with("kvfleet_") {
+                assert!(!line.contains("model_name"), "{line}");
+            }
+        }
+    }
 }

@@ -47,7 +47,7 @@ pub enum RuntimeError {
     PromptOverCapacity { prompt: usize, capacity: usize },
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("{queued} requests are already queued (limit {limit}); retry later")]
+    #[error("the worker already holds {queued} requests, as many as it runs and queues at once (maxNumSeqs + maxWaiting = {limit}); retry later")]
     QueueFull { queued: usize, limit: usize },
     #[error("the worker is shutting down; retry on another replica")]
     ShuttingDown,
@@ -130,9 +130,10 @@ pub struct ModelRuntime {
     /// The GPU's memory split when the model runs on CUDA.
     pub gpu_capacity: Option<GpuCapacity>,
     pub metrics: Arc<Metrics>,
-    max_waiting: usize,
-    /// Submitted and not yet started (the admission queue, for 429).
-    queued: Arc<AtomicUsize>,
+    /// Requests the worker holds at most: maxNumSeqs running and maxWaiting that cannot run now.
+    max_admitted: usize,
+    /// Submitted and not yet ended (running, or waiting to run), for 429.
+    admitted: Arc<AtomicUsize>,
     submit: std::sync::Mutex<Option<mpsc::Sender<Command>>>,
     done: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
@@ -180,9 +181,9 @@ impl ModelRuntime {
                 kv.block_size, sched.block_size
             )));
         }
-        // The bound on waiting requests is kept here, at submission (`generate`), where a
-        // refusal is still a 429; the scheduler's own queue also holds preempted requests,
-        // so it gets room for every running one on top and never refuses inside the loop.
+        // The bound on requests held is kept here, at submission (`generate`), where a refusal
+        // is still a 429: at most maxNumSeqs + maxWaiting, so the scheduler's own queue (which
+        // also holds preempted requests) gets that much room and never refuses inside the loop.
         let mut scheduler = Scheduler::new(
             SchedulerConfig {
                 max_waiting: sched.max_waiting.saturating_add(sched.max_num_seqs),
@@ -228,6 +229,7 @@ impl ModelRuntime {
             .full_layer_max_concurrency
             .set(pool.admission.full_layer_max_concurrency);
         metrics.set_cache_config(pool.block_size, pool.total_blocks, pool.kv_cache_dtype);
+        metrics.set_served(&name, sched.max_model_len);
         // The empty pool, published before the first request can arrive (the loop thread
         // publishes from its first iteration on).
         metrics.blocks.with_label_values(&["used"]).set(0);
@@ -240,7 +242,7 @@ impl ModelRuntime {
         let (done_tx, done_rx) = mpsc::channel();
         let device = model.device();
         let vocab_size = model.config().vocab;
-        let queued = Arc::new(AtomicUsize::new(0));
+        let admitted = Arc::new(AtomicUsize::new(0));
         let lp = Loop {
             model,
             tok: tokenizer.clone(),
@@ -248,7 +250,7 @@ impl ModelRuntime {
             metrics: metrics.clone(),
             live: HashMap::new(),
             next_id: 1,
-            queued: queued.clone(),
+            admitted: admitted.clone(),
             last: Counters::default(),
             profile: profile::enabled().then(|| Table::new("serving loop (host)", HOST_PARTS)),
             kv_events: hooks.kv_events,
@@ -269,8 +271,8 @@ impl ModelRuntime {
             pool,
             gpu_capacity: None,
             metrics,
-            max_waiting: sched.max_waiting,
-            queued,
+            max_admitted: sched.max_num_seqs.saturating_add(sched.max_waiting),
+            admitted,
             submit: std::sync::Mutex::new(Some(tx)),
             done: std::sync::Mutex::new(Some(done_rx)),
         })
@@ -318,14 +320,18 @@ impl ModelRuntime {
         let Some(submit) = submit.as_ref() else {
             return Err(RuntimeError::ShuttingDown);
         };
-        // Check and count in one step, so that concurrent submissions never overshoot.
-        self.queued
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
-                (q < self.max_waiting).then_some(q + 1)
+        // A request is counted from submission to its end, so the bound holds however far the
+        // loop is behind: a burst of up to maxNumSeqs + maxWaiting is never refused (the first
+        // maxNumSeqs run as soon as the loop takes them), and the waiting ones never exceed
+        // maxWaiting while maxNumSeqs run. Checked and counted in one step, so that concurrent
+        // submissions never overshoot.
+        self.admitted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < self.max_admitted).then_some(n + 1)
             })
             .map_err(|queued| RuntimeError::QueueFull {
                 queued,
-                limit: self.max_waiting,
+                limit: self.max_admitted,
             })?;
         submit
             .send(Command::Submit {
@@ -336,7 +342,7 @@ impl ModelRuntime {
                 arrived: Instant::now(),
             })
             .map_err(|_| {
-                self.queued.fetch_sub(1, Ordering::SeqCst);
+                self.admitted.fetch_sub(1, Ordering::SeqCst);
                 RuntimeError::Stopped
             })?;
         Ok(rx)
@@ -468,6 +474,10 @@ struct Live {
     stops: StopMatcher,
     events: UnboundedSender<GenEvent>,
     arrived: Instant,
+    /// When the request was first scheduled, and when its first token came (vLLM's queue,
+    /// prefill and decode phases).
+    started_at: Option<Instant>,
+    first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
     started: bool,
     /// Prompt tokens the prefix cache held when the request started.
@@ -489,7 +499,8 @@ struct Loop {
     metrics: Arc<Metrics>,
     live: HashMap<RequestId, Live>,
     next_id: RequestId,
-    queued: Arc<AtomicUsize>,
+    /// [`ModelRuntime`]'s count of requests held: the loop ends them.
+    admitted: Arc<AtomicUsize>,
     last: Counters,
     /// Host time per step part, when `KVFLEET_PROFILE=1`.
     profile: Option<Table>,
@@ -545,7 +556,7 @@ impl Loop {
                         arrived,
                     } => {
                         if drain_until.is_some() {
-                            self.queued.fetch_sub(1, Ordering::SeqCst);
+                            self.admitted.fetch_sub(1, Ordering::SeqCst);
                             let _ = tx.send(GenEvent::Error(RuntimeError::ShuttingDown.to_string()));
                             continue;
                         }
@@ -607,7 +618,7 @@ impl Loop {
         let id = self.next_id;
         self.next_id += 1;
         if let Err(e) = self.sched.submit_tokens(id, &prompt, params.max_tokens, key) {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.admitted.fetch_sub(1, Ordering::SeqCst);
             let msg = match e {
                 SubmitError::QueueFull { .. } => RuntimeError::QueueFull {
                     queued: self.sched.num_waiting(),
@@ -629,6 +640,8 @@ impl Loop {
                 decoder: StreamDecoder::new(),
                 events: tx,
                 arrived,
+                started_at: None,
+                first_token_at: None,
                 last_token_at: None,
                 started: false,
                 cached: 0,
@@ -708,6 +721,7 @@ impl Loop {
                     self.metrics.attention_seconds.observe(t.as_secs_f64());
                 }
                 self.metrics.step_seconds.observe(elapsed.as_secs_f64());
+                self.metrics.vllm_iteration_tokens.observe(tokens as f64);
                 let now = Instant::now();
                 self.handle(events, Some((&out, now)), &rows);
                 let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -747,8 +761,8 @@ impl Loop {
                         if let Some(l) = self.live.get_mut(&id) {
                             if !l.started {
                                 l.started = true;
+                                l.started_at = Some(Instant::now());
                                 l.cached = cached;
-                                self.queued.fetch_sub(1, Ordering::SeqCst);
                             }
                         }
                     }
@@ -769,8 +783,9 @@ impl Loop {
                             None => {
                                 self.metrics.vllm_ttft.observe((now - l.arrived).as_secs_f64());
                                 self.metrics.vllm_prompt_tokens.inc_by(l.prompt_len as u64);
+                                l.first_token_at = Some(now);
                             }
-                            Some(t) => self.metrics.vllm_tpot.observe((now - t).as_secs_f64()),
+                            Some(t) => self.metrics.observe_inter_token((now - t).as_secs_f64()),
                         }
                         l.last_token_at = Some(now);
                         let pushed = l.tokens.len();
@@ -787,6 +802,7 @@ impl Loop {
                     }
                     Event::Finished { id } => {
                         if let Some(mut l) = self.live.remove(&id) {
+                            self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {
                                 // The scheduler's output budget (max_tokens) ran out.
                                 flush(&mut l, FinishReason::Length, &self.metrics);
@@ -795,10 +811,10 @@ impl Loop {
                     }
                     Event::Failed { id, reason } => {
                         if let Some(l) = self.live.remove(&id) {
-                            if !l.started {
-                                self.queued.fetch_sub(1, Ordering::SeqCst);
-                            }
+                            self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {
+                                // Cancelled (the client left), failed or aborted at shutdown.
+                                self.metrics.observe_aborted();
                                 let _ = l.events.send(GenEvent::Error(reason));
                             }
                         }
@@ -911,9 +927,19 @@ fn flush(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
 /// Ends a request for its client. The end-to-end latency is observed before the client can
 /// see the end, so a client that reads `/metrics` after its answer always finds it counted.
 fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
-    metrics
-        .vllm_e2e_latency
-        .observe(l.arrived.elapsed().as_secs_f64());
+    let now = Instant::now();
+    let started = l.started_at.unwrap_or(now);
+    let first = l.first_token_at.unwrap_or(now);
+    let last = l.last_token_at.unwrap_or(now);
+    metrics.observe_finished(&super::metrics::Finished {
+        reason: reason.as_str(),
+        e2e: now.saturating_duration_since(l.arrived),
+        queue: started.saturating_duration_since(l.arrived),
+        prefill: first.saturating_duration_since(started),
+        decode: last.saturating_duration_since(first),
+        prompt_tokens: l.prompt_len,
+        generation_tokens: l.output_len(),
+    });
     let _ = l.events.send(GenEvent::Done {
         reason,
         prompt_tokens: l.prompt_len,

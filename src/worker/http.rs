@@ -1,5 +1,7 @@
 //! The worker's own HTTP endpoints beside the OpenAI API: `GET /v1/capacity`, `/metrics`,
-//! `/healthz`, `/readyz`.
+//! `/healthz`, `/readyz`, and vLLM's `/health` and `/version` (benchmark clients such as
+//! guidellm check `/health` before they start). Errors are in OpenAI's shape, a wrong method
+//! included; unknown paths fall to the OpenAI router's fallback.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
@@ -81,11 +83,26 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        // vLLM's: 200 with an empty body while the server runs.
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/version", get(version))
+        .method_not_allowed_fallback(crate::model::openai::method_not_allowed)
         .with_state(state)
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, Json(json!({ "error": message.into() }))).into_response()
+async fn version() -> Json<serde_json::Value> {
+    Json(json!({ "version": env!("CARGO_PKG_VERSION") }))
+}
+
+/// An error in OpenAI's shape, as the API beside these routes answers.
+fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {
+        "message": message.into(),
+        "type": "server_error",
+        "param": null,
+        "code": code,
+    }});
+    (status, Json(body)).into_response()
 }
 
 async fn readyz(State(s): State<Arc<AppState>>) -> Response {
@@ -109,6 +126,7 @@ async fn capacity(State(s): State<Arc<AppState>>) -> Response {
     let Some(info) = info else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
             "preflight has not finished; retry when /readyz is 200",
         );
     };
