@@ -13,6 +13,7 @@ pub mod cli;
 pub mod controller;
 pub mod model;
 pub mod publish;
+pub mod router;
 pub mod serving;
 pub mod sidecar;
 pub mod telemetry;

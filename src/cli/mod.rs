@@ -42,6 +42,9 @@ pub enum Command {
     Check(check::CheckArgs),
     /// Print the InferenceDeployment CustomResourceDefinition as YAML.
     Crd(crd::CrdArgs),
+    /// Route an InferenceDeployment's requests: each goes to the worker that already holds its
+    /// prompt's prefix (from the workers' KV events) and has KV room, OpenAI API unchanged.
+    Router(crate::router::RouterArgs),
     /// Run beside a vLLM server: read the KV pool vLLM allocated from its /metrics and
     /// annotate the own pod with it, for the controller's measured capacity.
     CapacitySidecar(crate::sidecar::SidecarArgs),
@@ -62,6 +65,7 @@ pub fn main() -> ExitCode {
         Command::Controller(args) => serve(crate::controller::run(args)),
         Command::Webhook(args) => serve(crate::webhook::run(args)),
         Command::Worker(args) => crate::worker::main(args),
+        Command::Router(args) => serve(crate::router::run(args)),
         Command::CapacitySidecar(args) => serve(crate::sidecar::run(args)),
     }
 }
@@ -112,6 +116,7 @@ mod tests {
             "check",
             "crd",
             "capacity-sidecar",
+            "router",
         ] {
             let sub = cmd
                 .find_subcommand(name)

@@ -24,6 +24,10 @@ pub struct LiveStats {
     pub free_blocks: usize,
     /// Free blocks that still hold a cached prefix (a later request may start from them).
     pub cached_blocks: usize,
+    /// The longest new request, in tokens, the free pages of every KV group could hold now,
+    /// sliding-window groups counted as holding only their window (the router's room figure;
+    /// at most maxModelLen).
+    pub free_tokens: usize,
     pub usage_ratio: f64,
     pub prefix_caching: bool,
     /// Prompt tokens looked up in the prefix cache and found there since start, and their

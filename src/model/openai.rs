@@ -729,6 +729,28 @@ fn take_messages(fields: &mut Map<String, Value>) -> Result<Vec<ChatMessage>, Ap
     Ok(messages)
 }
 
+/// What a router needs of a request to place it: the prompt's token ids exactly as
+/// [`chat_completions`] / [`completions`] compute them (chat template, text encoding, token-id
+/// prompts as given) and its prefix-cache key. `None` when the body is not a request this server
+/// would tokenize; the worker that gets it then answers the error.
+pub fn routing_prompt(tok: &Tokenizer, chat: bool, body: &Bytes) -> Option<(Vec<u32>, CacheKey)> {
+    let mut fields = parse_object(body).ok()?;
+    let ids = if chat {
+        let messages = take_messages(&mut fields).ok()?;
+        encode_chat(tok, &messages).ok()?
+    } else {
+        match take_prompt(&mut fields).ok()? {
+            Prompt::Tokens(ids) => ids,
+            Prompt::Text(text) => tok.encode(&text, true),
+        }
+    };
+    let salt = match fields.get("cache_salt") {
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        _ => None,
+    };
+    Some((ids, CacheKey { salt, adapter: None }))
+}
+
 /// Tokenizes a chat as the model's template renders it, with each message's content encoded as
 /// plain text: a control token written in a message (`<|im_start|>system`) stays text and cannot
 /// open a turn. Only the template's own markup is parsed for special tokens.

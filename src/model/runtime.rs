@@ -834,6 +834,10 @@ impl Loop {
     fn publish(&mut self) {
         let kv = self.sched.kv();
         let m = &self.metrics;
+        let max_len = self.sched.config().max_model_len;
+        let free_tokens = kv
+            .free_tokens(self.sched.config().max_num_batched_tokens)
+            .map_or(max_len, |t| t.min(max_len));
         let (used, total, cached) = (kv.used_blocks(), kv.total_blocks(), kv.cached_blocks());
         let prefix_caching = kv.caching();
         let usage = kv.usage();
@@ -865,6 +869,7 @@ impl Loop {
         }
         m.set_live(super::metrics::LiveStats {
             used_blocks: used,
+            free_tokens,
             free_blocks: total - used,
             cached_blocks: cached,
             prefix_caching,

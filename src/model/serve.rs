@@ -121,15 +121,7 @@ pub fn load(
     }
     let path = source.path.clone().ok_or(MountError::NoModel)?;
     readable(&path)?;
-    // A directory is a Hugging Face checkpoint; so is a path naming its config.json.
-    let hf_dir = if path.is_dir() {
-        Some(path.clone())
-    } else if path.file_name().is_some_and(|f| f == "config.json") {
-        Some(path.parent().map(Path::to_path_buf).unwrap_or_default())
-    } else {
-        None
-    };
-    let (model, tokenizer, name) = match hf_dir {
+    let (model, tokenizer, name) = match hf_dir(&path) {
         Some(dir) => {
             let tokenizer = hf::load_tokenizer(&dir).map_err(RuntimeError::from)?;
             let model = hf::load_model(&dir).map_err(RuntimeError::from)?;
@@ -149,6 +141,40 @@ pub fn load(
         name: served_name.map(str::to_string).unwrap_or(name),
         path,
     })
+}
+
+/// A directory is a Hugging Face checkpoint; so is a path naming its config.json.
+fn hf_dir(path: &Path) -> Option<PathBuf> {
+    if path.is_dir() {
+        Some(path.to_path_buf())
+    } else if path.file_name().is_some_and(|f| f == "config.json") {
+        Some(path.parent().map(Path::to_path_buf).unwrap_or_default())
+    } else {
+        None
+    }
+}
+
+/// The tokenizer of the model `source` names, read as [`load`] reads it but without the
+/// weights: a router tokenizes requests exactly as the workers behind it do.
+pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer, MountError> {
+    if source.weights == Weights::Dummy {
+        return match source.config.clone().or_else(|| source.path.clone()) {
+            Some(config) => {
+                readable(&config)?;
+                Ok(hf::load_dummy_config(&config).map_err(RuntimeError::from)?.1)
+            }
+            None => Ok(Tokenizer::bytes_only()),
+        };
+    }
+    let path = source.path.clone().ok_or(MountError::NoModel)?;
+    readable(&path)?;
+    match hf_dir(&path) {
+        Some(dir) => Ok(hf::load_tokenizer(&dir).map_err(RuntimeError::from)?),
+        None => {
+            let g = Gguf::open(&path).map_err(RuntimeError::from)?;
+            Ok(Tokenizer::from_gguf(&g).map_err(RuntimeError::from)?)
+        }
+    }
 }
 
 /// A Llama-family config for dummy weights of a spec geometry: its attention exactly, hidden

@@ -560,6 +560,27 @@ impl KvManager {
         }
     }
 
+    /// The longest new request, in tokens, that the free pages (cached ones included) of every
+    /// group could hold now, window-aware: a full-attention group holds a page per
+    /// `block_size` tokens of the request, a sliding group never more than
+    /// [`KvManager::max_pages_per_request`] with prefill chunks of `chunk` tokens, so a sliding
+    /// group with that many free pages limits nothing (`None` when no group limits the length).
+    /// This is the figure a router compares a request against; counting every layer as full
+    /// attention would understate it by the sliding layers' share.
+    pub fn free_tokens(&self, chunk: usize) -> Option<usize> {
+        let b = self.block_size;
+        self.groups
+            .iter()
+            .filter_map(|g| {
+                let free = g.pool.num_free();
+                match g.window {
+                    Some(w) if free >= self.max_pages_per_request(Some(w), usize::MAX / 2, chunk) => None,
+                    _ => Some(free * b),
+                }
+            })
+            .min()
+    }
+
     /// Pages held by some request (cached free pages are not used).
     pub fn used_blocks(&self) -> usize {
         self.groups.iter().map(|g| g.pool.num_used()).sum()
@@ -597,6 +618,22 @@ fn droppable(block_size: usize, window: Option<u32>, start: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_tokens_count_a_sliding_group_only_while_it_is_short_of_a_window() {
+        let spec = |window, blocks| GroupSpec { window, num_blocks: blocks };
+        // 16-token pages, a global group of 100 pages and a 128-token-window group of 20.
+        let mut kv = KvManager::new(16, &[spec(None, 100), spec(Some(128), 20)]);
+        // A window of 128 with 64-token chunks needs at most 8 + 4 = 12 pages: 20 free limit nothing.
+        assert_eq!(kv.free_tokens(64), Some(1600));
+        let mut tables = kv.new_tables();
+        assert!(kv.allocate(&mut tables, 16 * 10));
+        // 90 global pages left; the sliding group has 10 < 12 free and limits the length.
+        assert_eq!(kv.free_tokens(64), Some(160));
+        // Only sliding groups with room: no limit from the pool.
+        let only_local = KvManager::new(16, &[spec(Some(128), 20)]);
+        assert_eq!(only_local.free_tokens(64), None);
+    }
 
     #[test]
     fn double_free_is_reported_not_panicked() {

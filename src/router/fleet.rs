@@ -1,0 +1,361 @@
+//! The replicas behind the router: who they are (EndpointSlices, or a static list), what their
+//! prefix caches hold (a KV-event subscription each) and how loaded they are (a `/v1/capacity`
+//! scrape each at a short interval).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use zeromq::{Socket, SocketRecv};
+
+use super::index::{decode_batch, PodIndex};
+use super::metrics::RouterMetrics;
+use super::HttpClient;
+
+/// Where one replica answers.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Endpoint {
+    /// Pod name (its URL outside Kubernetes).
+    pub name: String,
+    /// Base URL of its API, e.g. `http://10.0.0.7:8000`.
+    pub url: String,
+    /// Its KV-event publisher, e.g. `tcp://10.0.0.7:5557` (`None`: route on load only).
+    pub kv_events: Option<String>,
+}
+
+/// What the last scrape of a replica's `/v1/capacity` said.
+#[derive(Clone, Debug, Default)]
+pub struct Load {
+    pub running: usize,
+    pub waiting: usize,
+    pub free_tokens: usize,
+    pub max_num_seqs: usize,
+    pub block_size: usize,
+    pub at: Option<Instant>,
+}
+
+/// One replica and what the router knows of it.
+pub struct Upstream {
+    pub endpoint: Endpoint,
+    pub index: Mutex<PodIndex>,
+    pub load: Mutex<Load>,
+    /// Requests sent and not finished.
+    pub inflight: AtomicUsize,
+    /// Prompt tokens sent since the last scrape (taken off its free tokens until the next).
+    pub sent_tokens: AtomicUsize,
+    pub subscribed: AtomicBool,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        if let Ok(tasks) = self.tasks.get_mut() {
+            for t in tasks.drain(..) {
+                t.abort();
+            }
+        }
+    }
+}
+
+/// Every replica the router may send to, by name.
+pub struct Fleet {
+    replicas: RwLock<BTreeMap<String, Arc<Upstream>>>,
+    client: HttpClient,
+    metrics: Arc<RouterMetrics>,
+    scrape_every: Duration,
+}
+
+impl Fleet {
+    pub fn new(client: HttpClient, metrics: Arc<RouterMetrics>, scrape_every: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            replicas: RwLock::new(BTreeMap::new()),
+            client,
+            metrics,
+            scrape_every,
+        })
+    }
+
+    /// The ready replicas now.
+    pub fn ready(&self) -> Vec<Arc<Upstream>> {
+        self.replicas.read().map(|r| r.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Makes the set of replicas `wanted`: new ones get a subscription and a scraper, gone ones
+    /// lose theirs (their in-flight requests finish on their own connections).
+    pub fn sync(self: &Arc<Self>, wanted: Vec<Endpoint>) {
+        let Ok(mut replicas) = self.replicas.write() else { return };
+        let keep: BTreeMap<String, Endpoint> = wanted.into_iter().map(|e| (e.name.clone(), e)).collect();
+        replicas.retain(|name, u| keep.get(name).is_some_and(|e| e == &u.endpoint));
+        for (name, endpoint) in keep {
+            if replicas.contains_key(&name) {
+                continue;
+            }
+            tracing::info!(replica = %name, url = %endpoint.url, kv_events = ?endpoint.kv_events, "replica added");
+            let u = Arc::new(Upstream {
+                endpoint: endpoint.clone(),
+                index: Mutex::new(PodIndex::default()),
+                load: Mutex::new(Load::default()),
+                inflight: AtomicUsize::new(0),
+                sent_tokens: AtomicUsize::new(0),
+                subscribed: AtomicBool::new(false),
+                tasks: Mutex::new(Vec::new()),
+            });
+            let weak = Arc::downgrade(&u);
+            let mut tasks = vec![tokio::spawn(scrape(weak.clone(), self.client.clone(), self.scrape_every))];
+            if let Some(ep) = endpoint.kv_events {
+                tasks.push(tokio::spawn(subscribe(weak, ep, self.metrics.clone())));
+            }
+            if let Ok(mut t) = u.tasks.lock() {
+                *t = tasks;
+            }
+            replicas.insert(name, u);
+        }
+        self.metrics.replicas.with_label_values(&["ready"]).set(replicas.len() as i64);
+    }
+
+    /// Refreshes the per-state replica gauges.
+    pub fn observe(&self) {
+        let all = self.ready();
+        let subscribed = all.iter().filter(|u| u.subscribed.load(Ordering::Relaxed)).count();
+        let scraped = all
+            .iter()
+            .filter(|u| u.load.lock().is_ok_and(|l| l.at.is_some()))
+            .count();
+        self.metrics.replicas.with_label_values(&["ready"]).set(all.len() as i64);
+        self.metrics.replicas.with_label_values(&["subscribed"]).set(subscribed as i64);
+        self.metrics.replicas.with_label_values(&["scraped"]).set(scraped as i64);
+    }
+}
+
+/// Follows one replica's KV events until the replica goes; a lost subscription clears its
+/// index (the worker may have restarted empty) and reconnects.
+async fn subscribe(u: std::sync::Weak<Upstream>, endpoint: String, metrics: Arc<RouterMetrics>) {
+    loop {
+        let mut socket = zeromq::SubSocket::new();
+        let connected = async {
+            socket.connect(&endpoint).await?;
+            socket.subscribe("").await
+        }
+        .await;
+        if let Err(error) = connected {
+            tracing::debug!(%endpoint, %error, "KV events: cannot subscribe yet");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if u.upgrade().is_none() {
+                return;
+            }
+            continue;
+        }
+        match u.upgrade() {
+            Some(u) => u.subscribed.store(true, Ordering::Relaxed),
+            None => return,
+        }
+        loop {
+            match socket.recv().await {
+                Ok(msg) => {
+                    let Some(u) = u.upgrade() else { return };
+                    let frames = msg.into_vec();
+                    // topic, sequence (8 bytes, big-endian), payload
+                    let [_, seq, payload] = frames.as_slice() else { continue };
+                    let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
+                        continue;
+                    };
+                    match decode_batch(payload) {
+                        Ok(events) => {
+                            if let Ok(mut idx) = u.index.lock() {
+                                let before = idx.gaps;
+                                idx.apply(seq, events);
+                                metrics.kv_event_gaps.inc_by(idx.gaps - before);
+                            }
+                            metrics.kv_event_batches.inc();
+                        }
+                        Err(error) => tracing::warn!(replica = %u.endpoint.name, %error, "KV events: undecodable batch"),
+                    }
+                }
+                Err(error) => {
+                    tracing::info!(%endpoint, %error, "KV events: subscription lost; reconnecting");
+                    if let Some(u) = u.upgrade() {
+                        u.subscribed.store(false, Ordering::Relaxed);
+                        if let Ok(mut idx) = u.index.lock() {
+                            idx.clear();
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Reads one replica's `/v1/capacity` every `every` until the replica goes.
+async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(url) = u.upgrade().map(|u| format!("{}/v1/capacity", u.endpoint.url)) else {
+            return;
+        };
+        let load = match fetch_load(&client, &url).await {
+            Ok(l) => l,
+            Err(error) => {
+                tracing::debug!(%url, %error, "capacity scrape failed");
+                continue;
+            }
+        };
+        let Some(u) = u.upgrade() else { return };
+        u.sent_tokens.store(0, Ordering::Relaxed);
+        *u.load.lock().unwrap_or_else(|e| e.into_inner()) = load;
+    }
+}
+
+async fn fetch_load(client: &HttpClient, url: &str) -> Result<Load, String> {
+    let req = http::Request::get(url)
+        .body(axum::body::Body::empty())
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(2), client.request(req))
+        .await
+        .map_err(|_| "timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("status {}", resp.status()));
+    }
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    let n = |v: Option<&Value>| v.and_then(Value::as_u64).unwrap_or(0) as usize;
+    let live = v.get("live");
+    Ok(Load {
+        running: n(live.and_then(|l| l.get("running"))),
+        waiting: n(live.and_then(|l| l.get("waiting"))),
+        free_tokens: n(live.and_then(|l| l.get("freeTokens"))),
+        max_num_seqs: n(v.get("maxNumSeqs")),
+        block_size: n(v.get("blockSize")),
+        at: Some(Instant::now()),
+    })
+}
+
+/// The ready endpoints of a Service's EndpointSlices: each ready endpoint's first address, the
+/// slice's port named `http` (else its first) and `kv-events`, its pod's name.
+pub fn endpoints_of(slices: &[Arc<EndpointSlice>]) -> Vec<Endpoint> {
+    let mut out = Vec::new();
+    for s in slices {
+        let ports = s.ports.as_deref().unwrap_or_default();
+        let port_named = |n: &str| ports.iter().find(|p| p.name.as_deref() == Some(n)).and_then(|p| p.port);
+        let Some(http_port) = port_named("http").or_else(|| ports.first().and_then(|p| p.port)) else {
+            continue;
+        };
+        let kv_port = port_named("kv-events");
+        let v6 = s.address_type == "IPv6";
+        for e in &s.endpoints {
+            // The API reads an absent `ready` as ready.
+            if e.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+                continue;
+            }
+            let Some(addr) = e.addresses.first() else { continue };
+            let host = if v6 { format!("[{addr}]") } else { addr.clone() };
+            let name = e
+                .target_ref
+                .as_ref()
+                .and_then(|r| r.name.clone())
+                .unwrap_or_else(|| addr.clone());
+            out.push(Endpoint {
+                name,
+                url: format!("http://{host}:{http_port}"),
+                kv_events: kv_port.map(|p| format!("tcp://{host}:{p}")),
+            });
+        }
+    }
+    out.sort();
+    out.dedup_by(|a, b| a.name == b.name);
+    out
+}
+
+/// Keeps `fleet` equal to the ready endpoints of Service `service` in `namespace`.
+pub async fn watch_endpoint_slices(fleet: Arc<Fleet>, client: kube::Client, namespace: String, service: String) {
+    use kube::runtime::{reflector, watcher, WatchStreamExt};
+    let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &namespace);
+    let cfg = watcher::Config::default().labels(&format!("kubernetes.io/service-name={service}"));
+    let (reader, writer) = reflector::store();
+    let mut stream = reflector(writer, watcher(api, cfg)).default_backoff().boxed();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(_) => fleet.sync(endpoints_of(&reader.state())),
+            Err(error) => tracing::warn!(%error, %service, "EndpointSlice watch error; retrying"),
+        }
+    }
+}
+
+/// A client for upstream HTTP/1.1 with pooled connections.
+pub fn http_client() -> HttpClient {
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    connector.set_nodelay(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(1024)
+        .build(connector)
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use k8s_openapi::api::discovery::v1::{Endpoint as SliceEndpoint, EndpointConditions, EndpointPort};
+
+    use super::*;
+
+    fn endpoint(addr: &str, pod: &str, ready: Option<bool>) -> SliceEndpoint {
+        SliceEndpoint {
+            addresses: vec![addr.into()],
+            conditions: Some(EndpointConditions {
+                ready,
+                ..Default::default()
+            }),
+            target_ref: Some(ObjectReference {
+                name: Some(pod.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn ready_endpoints_with_their_named_ports() {
+        let port = |name: &str, p: i32| EndpointPort {
+            name: Some(name.into()),
+            port: Some(p),
+            ..Default::default()
+        };
+        let slice = EndpointSlice {
+            address_type: "IPv4".into(),
+            endpoints: vec![
+                endpoint("10.0.0.2", "w-1", Some(true)),
+                endpoint("10.0.0.3", "w-2", Some(false)),
+                endpoint("10.0.0.1", "w-0", None),
+            ],
+            ports: Some(vec![port("kv-events", 5557), port("http", 8000)]),
+            ..Default::default()
+        };
+        let got = endpoints_of(&[Arc::new(slice)]);
+        let names: Vec<&str> = got.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["w-0", "w-1"], "the not-ready endpoint is left out");
+        assert_eq!(got[1].url, "http://10.0.0.2:8000");
+        assert_eq!(got[1].kv_events.as_deref(), Some("tcp://10.0.0.2:5557"));
+        // No kv-events port: routed on load only; IPv6 addresses bracketed.
+        let slice = EndpointSlice {
+            address_type: "IPv6".into(),
+            endpoints: vec![endpoint("fd00::5", "w-5", Some(true))],
+            ports: Some(vec![port("api", 9000)]),
+            ..Default::default()
+        };
+        let got = endpoints_of(&[Arc::new(slice)]);
+        assert_eq!(got[0].url, "http://[fd00::5]:9000");
+        assert_eq!(got[0].kv_events, None);
+    }
+}

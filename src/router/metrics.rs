@@ -1,0 +1,119 @@
+//! The router's own metrics: where requests went and why, how good its prefix predictions were
+//! against what the workers reported, how long a pick takes, what failed upstream.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+pub struct RouterMetrics {
+    pub registry: Registry,
+    /// Requests by the replica chosen and why (`prefix`, `load`, `affinity`, `only`,
+    /// `all_full`, `fallback`).
+    pub requests: IntCounterVec,
+    /// Prompt tokens the router predicted each worker would serve from its cache.
+    pub predicted_cached_tokens: IntCounter,
+    /// `usage.prompt_tokens_details.cached_tokens` the workers reported for the same requests.
+    pub reported_cached_tokens: IntCounter,
+    /// Requests whose report was seen, by whether the prediction was `exact`, `over` or `under`.
+    pub predictions: IntCounterVec,
+    /// From the request's arrival to its upstream request being sent: reading the body,
+    /// tokenizing, hashing, scoring (the latency the router adds before the worker starts).
+    pub pick_seconds: Histogram,
+    /// Upstream failures by replica and kind (`connect`: before any byte, the request went to
+    /// the next replica; `unavailable`: a 503 before any byte, likewise; `stream`: after the
+    /// response started, passed to the client as is).
+    pub upstream_errors: IntCounterVec,
+    /// Replicas known, by state (`ready`, `subscribed`: its KV events arrive, `scraped`).
+    pub replicas: IntGaugeVec,
+    /// KV-event batches applied, and batches known lost (sequence gaps).
+    pub kv_event_batches: IntCounter,
+    pub kv_event_gaps: IntCounter,
+    /// Time from the request's arrival to the first response byte, by whether the prediction hit.
+    pub ttfb_seconds: HistogramVec,
+}
+
+impl RouterMetrics {
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let m = Self {
+            requests: IntCounterVec::new(
+                Opts::new("kvfleet_router_requests_total", "Requests routed, by replica and reason"),
+                &["pod", "reason"],
+            )?,
+            predicted_cached_tokens: IntCounter::new(
+                "kvfleet_router_predicted_cached_tokens_total",
+                "Prompt tokens the router predicted the chosen worker would serve from its prefix cache",
+            )?,
+            reported_cached_tokens: IntCounter::new(
+                "kvfleet_router_reported_cached_tokens_total",
+                "cached_tokens the workers reported for routed requests whose usage the router saw",
+            )?,
+            predictions: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_router_prefix_predictions_total",
+                    "Routed requests with a reported cached_tokens, by prediction outcome",
+                ),
+                &["outcome"],
+            )?,
+            pick_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvfleet_router_pick_seconds",
+                    "Arrival to upstream send: body, tokenization, hashing and scoring",
+                )
+                .buckets(vec![
+                    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                ]),
+            )?,
+            upstream_errors: IntCounterVec::new(
+                Opts::new("kvfleet_router_upstream_errors_total", "Upstream failures by replica and kind"),
+                &["pod", "kind"],
+            )?,
+            replicas: IntGaugeVec::new(
+                Opts::new("kvfleet_router_replicas", "Replicas known to the router, by state"),
+                &["state"],
+            )?,
+            kv_event_batches: IntCounter::new("kvfleet_router_kv_event_batches_total", "KV-event batches applied")?,
+            kv_event_gaps: IntCounter::new(
+                "kvfleet_router_kv_event_gaps_total",
+                "KV-event batches lost (sequence gaps); the prefix index may be stale since",
+            )?,
+            ttfb_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "kvfleet_router_time_to_first_byte_seconds",
+                    "Arrival at the router to the first response byte from the worker",
+                )
+                .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
+                &["predicted"],
+            )?,
+            registry,
+        };
+        m.registry.register(Box::new(m.requests.clone()))?;
+        m.registry.register(Box::new(m.predicted_cached_tokens.clone()))?;
+        m.registry.register(Box::new(m.reported_cached_tokens.clone()))?;
+        m.registry.register(Box::new(m.predictions.clone()))?;
+        m.registry.register(Box::new(m.pick_seconds.clone()))?;
+        m.registry.register(Box::new(m.upstream_errors.clone()))?;
+        m.registry.register(Box::new(m.replicas.clone()))?;
+        m.registry.register(Box::new(m.kv_event_batches.clone()))?;
+        m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
+        m.registry.register(Box::new(m.ttfb_seconds.clone()))?;
+        Ok(m)
+    }
+
+    /// A worker reported `reported` cached tokens where the router predicted `predicted`.
+    pub fn observe_report(&self, predicted: usize, reported: usize) {
+        self.reported_cached_tokens.inc_by(reported as u64);
+        let outcome = match predicted.cmp(&reported) {
+            std::cmp::Ordering::Equal => "exact",
+            std::cmp::Ordering::Greater => "over",
+            std::cmp::Ordering::Less => "under",
+        };
+        self.predictions.with_label_values(&[outcome]).inc();
+    }
+
+    pub fn encode(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,182 @@
+//! `kvfleet router`: an OpenAI-compatible reverse proxy in front of one InferenceDeployment's
+//! workers that sends each request to the replica already holding its prompt's prefix, unless
+//! that replica has no KV room for the rest or is much busier (see [`score`]).
+//!
+//! - [`fleet`]: the replicas (EndpointSlices of the workers' Service, or `--worker` URLs), a
+//!   KV-event subscription and a `/v1/capacity` scrape for each;
+//! - [`index`]: what each replica's prefix cache holds, from its KV events;
+//! - [`score`]: the ranking;
+//! - [`proxy`]: the HTTP side: tokenize once (as the workers do), rank, forward, stream back,
+//!   fall back to the next replica on a connection failure before the first byte;
+//! - [`metrics`]: the router's own series.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+
+use crate::contract::config::{ConfigError, WorkerConfig};
+use crate::model::serve::{self, ModelSource, MountError, Weights};
+
+pub mod fleet;
+pub mod index;
+pub mod metrics;
+pub mod proxy;
+pub mod score;
+
+/// The upstream HTTP client.
+pub type HttpClient = Client<HttpConnector, axum::body::Body>;
+
+/// Options of `kvfleet router`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RouterArgs {
+    /// Address to serve the API, /health, /livez and /metrics on.
+    #[arg(long, default_value = "0.0.0.0:8000", env = "KVFLEET_ROUTER_LISTEN")]
+    pub listen: SocketAddr,
+    /// The workers' config (the ConfigMap the controller renders): the router reads the model
+    /// source to tokenize requests as the workers do. Absent: the embedded default (SmolLM2).
+    #[arg(long, env = "KVFLEET_WORKER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Model whose tokenizer to use, as the worker's --model (default: the config's).
+    #[arg(long = "model", env = "KVFLEET_MODEL")]
+    pub model: Option<PathBuf>,
+    /// `dummy`: the model is dummy weights of --model-config (its tokenizer, else raw bytes).
+    #[arg(long = "model-weights", value_parser = ["load", "dummy"])]
+    pub weights: Option<String>,
+    /// config.json (or a checkpoint directory) for --model-weights dummy.
+    #[arg(long = "model-config")]
+    pub model_config: Option<PathBuf>,
+    /// Service whose EndpointSlices list the worker pods (ports named `http` and `kv-events`).
+    #[arg(long, env = "KVFLEET_WORKERS_SERVICE", conflicts_with = "worker")]
+    pub workers_service: Option<String>,
+    /// Namespace of that Service.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    pub namespace: String,
+    /// A worker outside Kubernetes: `URL` or `URL,KV_EVENTS_ENDPOINT`, e.g.
+    /// `http://127.0.0.1:8001,tcp://127.0.0.1:5601` (repeat for each).
+    #[arg(long = "worker")]
+    pub worker: Vec<String>,
+    /// How often each worker's /v1/capacity is read, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub scrape_interval_ms: u64,
+    /// Largest request body accepted (413 above it).
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    pub max_request_bytes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("worker config: {0}")]
+    Config(#[from] ConfigError),
+    #[error("loading the model's tokenizer: {0}")]
+    Model(#[from] MountError),
+    #[error("no workers to route to: give --workers-service (in Kubernetes) or --worker URL")]
+    NoWorkers,
+    #[error("`--worker {0}`: expected URL or URL,KV_EVENTS_ENDPOINT with an http:// URL")]
+    BadWorker(String),
+    #[error("Kubernetes client: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("listening on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("serving: {0}")]
+    Serve(std::io::Error),
+}
+
+impl RouterArgs {
+    /// The model source whose tokenizer the router uses, and the workers' block size.
+    fn model(&self) -> Result<(ModelSource, usize), RouterError> {
+        let mut cfg = match &self.config {
+            Some(p) => WorkerConfig::load(p)?,
+            None => WorkerConfig::embedded_default(),
+        };
+        if self.model.is_some() || self.weights.is_some() || self.model_config.is_some() {
+            let m = cfg.model.get_or_insert_with(ModelSource::default);
+            if let Some(p) = &self.model {
+                m.path = Some(p.clone());
+            }
+            if let Some(w) = &self.weights {
+                m.weights = if w == "dummy" { Weights::Dummy } else { Weights::Load };
+            }
+            if let Some(p) = &self.model_config {
+                m.config = Some(p.clone());
+            }
+        }
+        let block_size = usize::try_from(cfg.engine.block_size).unwrap_or(16).max(1);
+        Ok((cfg.model.unwrap_or_else(ModelSource::embedded), block_size))
+    }
+
+    /// The static workers of `--worker`.
+    fn static_workers(&self) -> Result<Vec<fleet::Endpoint>, RouterError> {
+        self.worker
+            .iter()
+            .map(|w| {
+                let (url, kv) = match w.split_once(',') {
+                    Some((u, k)) => (u, Some(k.to_string())),
+                    None => (w.as_str(), None),
+                };
+                let url = url.trim_end_matches('/');
+                if !url.starts_with("http://") || kv.as_deref().is_some_and(|k| !k.starts_with("tcp://")) {
+                    return Err(RouterError::BadWorker(w.clone()));
+                }
+                Ok(fleet::Endpoint {
+                    name: url.to_string(),
+                    url: url.to_string(),
+                    kv_events: kv,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Runs the router until SIGTERM or ctrl-c.
+pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
+    let statics = args.static_workers()?;
+    if statics.is_empty() && args.workers_service.is_none() {
+        return Err(RouterError::NoWorkers);
+    }
+    let (source, block_size) = args.model()?;
+    let tokenizer = tokio::task::spawn_blocking(move || serve::load_tokenizer(&source))
+        .await
+        .map_err(|e| RouterError::Serve(std::io::Error::other(e.to_string())))??;
+    let metrics = Arc::new(metrics::RouterMetrics::new()?);
+    let client = fleet::http_client();
+    let fleet = fleet::Fleet::new(client.clone(), metrics.clone(), Duration::from_millis(args.scrape_interval_ms.max(10)));
+    if statics.is_empty() {
+        let kube = kube::Client::try_default().await?;
+        let service = args.workers_service.clone().unwrap_or_default();
+        tracing::info!(namespace = %args.namespace, %service, "following the workers' EndpointSlices");
+        tokio::spawn(fleet::watch_endpoint_slices(fleet.clone(), kube, args.namespace.clone(), service));
+    } else {
+        fleet.sync(statics);
+    }
+    {
+        let fleet = fleet.clone();
+        tokio::spawn(async move {
+            loop {
+                fleet.observe();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+    }
+    let state = Arc::new(proxy::State {
+        fleet,
+        client,
+        tokenizer: Arc::new(tokenizer),
+        block_size,
+        metrics,
+        max_body_bytes: args.max_request_bytes,
+        turn: Default::default(),
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| RouterError::Bind { addr: args.listen, source })?;
+    tracing::info!(listen = %args.listen, "router serving");
+    axum::serve(listener, proxy::app(state))
+        .with_graceful_shutdown(crate::serving::shutdown_signal())
+        .await
+        .map_err(RouterError::Serve)
+}

@@ -1,0 +1,436 @@
+//! The router's HTTP side. `POST /v1/chat/completions` and `/v1/completions` are tokenized
+//! once, exactly as the workers tokenize them ([`crate::model::openai::routing_prompt`]),
+//! ranked ([`super::score`]) and forwarded to the best replica with the body unchanged; its
+//! response (streamed or not) passes through chunk by chunk with two headers added:
+//! `x-kvfleet-replica` and `x-kvfleet-predicted-cached-tokens`. A replica that refuses the
+//! connection or answers 503 before any byte is skipped for the next one; once a response has
+//! started it is the client's, never retried. Every other path (`/v1/models`, `/tokenize`,
+//! ...) goes to the least busy replica. `/health` is 200 while a replica is ready, `/livez`
+//! always, `/metrics` the router's own series, `/v1/router/state` what it knows of each replica.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State as Extract;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use serde_json::json;
+
+use super::fleet::{Fleet, Upstream};
+use super::index::PromptBlocks;
+use super::metrics::RouterMetrics;
+use super::score::{rank, Candidate};
+use super::HttpClient;
+use crate::model::openai::routing_prompt;
+use kvfleet_engine::model::tokenizer::Tokenizer;
+
+/// Header a client sets to keep a conversation on one replica when nothing else decides.
+pub const SESSION_HEADER: &str = "x-session-id";
+/// Response header naming the replica that answered.
+pub const REPLICA_HEADER: &str = "x-kvfleet-replica";
+/// Response header with the prompt tokens the router expected that replica to serve from cache.
+pub const PREDICTED_HEADER: &str = "x-kvfleet-predicted-cached-tokens";
+
+/// Bodies above this are tokenized on a blocking thread.
+const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
+
+pub struct State {
+    pub fleet: Arc<Fleet>,
+    pub client: HttpClient,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The workers' block size (their events and scrapes say it too; this is the default).
+    pub block_size: usize,
+    pub metrics: Arc<RouterMetrics>,
+    pub max_body_bytes: usize,
+    /// Rotates exact ties.
+    pub turn: AtomicUsize,
+}
+
+pub fn app(state: Arc<State>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(health))
+        .route("/livez", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
+        .route("/v1/router/state", get(state_of))
+        .fallback(pass_through)
+        .with_state(state)
+}
+
+async fn chat(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Response {
+    routed(s, req, true).await
+}
+
+async fn completions(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Response {
+    routed(s, req, false).await
+}
+
+async fn health(Extract(s): Extract<Arc<State>>) -> Response {
+    let n = s.fleet.ready().len();
+    let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({ "replicas": n }))).into_response()
+}
+
+async fn metrics(Extract(s): Extract<Arc<State>>) -> Response {
+    s.fleet.observe();
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn state_of(Extract(s): Extract<Arc<State>>) -> Response {
+    let replicas: Vec<_> = s
+        .fleet
+        .ready()
+        .iter()
+        .map(|u| {
+            let load = u.load.lock().map(|l| l.clone()).unwrap_or_default();
+            let (blocks, gaps) = u.index.lock().map(|i| (i.len(), i.gaps)).unwrap_or_default();
+            json!({
+                "name": u.endpoint.name,
+                "url": u.endpoint.url,
+                "kvEvents": u.endpoint.kv_events,
+                "subscribed": u.subscribed.load(Ordering::Relaxed),
+                "cachedBlocks": blocks,
+                "eventGaps": gaps,
+                "inflight": u.inflight.load(Ordering::Relaxed),
+                "scraped": load.at.is_some(),
+                "running": load.running,
+                "waiting": load.waiting,
+                "freeTokens": load.free_tokens,
+            })
+        })
+        .collect();
+    Json(json!({ "replicas": replicas })).into_response()
+}
+
+/// An OpenAI-shaped error.
+fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request body exceeds {limit} bytes"),
+        )),
+        Err(e) => Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", format!("reading the body: {e}"))),
+    }
+}
+
+/// A generation request: tokenize, rank, forward.
+async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
+    let arrived = Instant::now();
+    let (parts, body) = req.into_parts();
+    let body = match read_body(body, s.max_body_bytes).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let ids = if body.len() > INLINE_TOKENIZE_BYTES {
+        let (tok, b) = (s.tokenizer.clone(), body.clone());
+        tokio::task::spawn_blocking(move || routing_prompt(&tok, chat, &b))
+            .await
+            .ok()
+            .flatten()
+    } else {
+        routing_prompt(&s.tokenizer, chat, &body)
+    };
+    let replicas = s.fleet.ready();
+    if replicas.is_empty() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no ready replica to route to; retry");
+    }
+    // One hashing per block size in use (normally one).
+    let mut prompts: Vec<PromptBlocks> = Vec::new();
+    let mut candidates = Vec::with_capacity(replicas.len());
+    for u in &replicas {
+        let load = u.load.lock().map(|l| l.clone()).unwrap_or_default();
+        let cached = match &ids {
+            Some((ids, key)) => {
+                let idx = u.index.lock();
+                match idx {
+                    Ok(idx) => {
+                        let bs = idx
+                            .block_size()
+                            .or((load.block_size > 0).then_some(load.block_size))
+                            .unwrap_or(s.block_size);
+                        let p = match prompts.iter().position(|p| p.block_size == bs) {
+                            Some(i) => &prompts[i],
+                            None => {
+                                prompts.push(PromptBlocks::new(ids, key.clone(), bs));
+                                prompts.last().expect("just pushed")
+                            }
+                        };
+                        p.cached_tokens(&idx)
+                    }
+                    Err(_) => 0,
+                }
+            }
+            None => 0,
+        };
+        let sent = u.sent_tokens.load(Ordering::Relaxed);
+        candidates.push(Candidate {
+            name: u.endpoint.name.clone(),
+            cached_tokens: cached,
+            inflight: u.inflight.load(Ordering::Relaxed),
+            reported_busy: load.at.map(|_| load.running + load.waiting),
+            free_tokens: load.at.map(|_| load.free_tokens.saturating_sub(sent)),
+            max_num_seqs: load.max_num_seqs,
+        });
+    }
+    let prompt_tokens = ids.as_ref().map_or(0, |(ids, _)| ids.len());
+    let session = parts.headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok());
+    let turn = s.turn.fetch_add(1, Ordering::Relaxed);
+    let (order, reason) = rank(prompt_tokens, &candidates, session, turn);
+    let mut first_try = true;
+    let mut last_error = String::new();
+    for i in order {
+        let (u, c) = (&replicas[i], &candidates[i]);
+        let flight = Flight::start(u.clone(), s.metrics.clone(), c.cached_tokens, arrived);
+        u.sent_tokens
+            .fetch_add(prompt_tokens.saturating_sub(c.cached_tokens), Ordering::Relaxed);
+        let upstream = match upstream_request(&parts, &u.endpoint.url, body.clone()) {
+            Ok(r) => r,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", e),
+        };
+        if first_try {
+            s.metrics.pick_seconds.observe(arrived.elapsed().as_secs_f64());
+        }
+        match s.client.request(upstream).await {
+            Ok(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                s.metrics
+                    .upstream_errors
+                    .with_label_values(&[&u.endpoint.name, "unavailable"])
+                    .inc();
+                last_error = format!("{} answered 503", u.endpoint.name);
+            }
+            Ok(resp) => {
+                let why = if first_try { reason.as_str() } else { "fallback" };
+                s.metrics.requests.with_label_values(&[&u.endpoint.name, why]).inc();
+                s.metrics.predicted_cached_tokens.inc_by(c.cached_tokens as u64);
+                return respond(resp, flight);
+            }
+            Err(e) => {
+                s.metrics
+                    .upstream_errors
+                    .with_label_values(&[&u.endpoint.name, "connect"])
+                    .inc();
+                tracing::info!(replica = %u.endpoint.name, error = %e, "upstream failed before the response; trying the next");
+                last_error = format!("{}: {e}", u.endpoint.name);
+            }
+        }
+        first_try = false;
+    }
+    error(
+        StatusCode::BAD_GATEWAY,
+        "upstream_error",
+        format!("no replica answered ({last_error}); retry"),
+    )
+}
+
+/// Anything else: to the least busy replica, unchanged.
+async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Response {
+    let (parts, body) = req.into_parts();
+    let body = match read_body(body, s.max_body_bytes).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let mut replicas = s.fleet.ready();
+    replicas.sort_by_key(|u| u.inflight.load(Ordering::Relaxed));
+    let mut last_error = "no ready replica".to_string();
+    for u in replicas {
+        let Ok(upstream) = upstream_request(&parts, &u.endpoint.url, body.clone()) else {
+            break;
+        };
+        match s.client.request(upstream).await {
+            Ok(resp) => {
+                let flight = Flight::start(u.clone(), s.metrics.clone(), 0, Instant::now());
+                return respond(resp, flight);
+            }
+            Err(e) => last_error = format!("{}: {e}", u.endpoint.name),
+        }
+    }
+    error(StatusCode::BAD_GATEWAY, "upstream_error", format!("no replica answered ({last_error}); retry"))
+}
+
+/// Hop-by-hop headers (RFC 9110 section 7.6.1) a proxy does not forward.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection" | "keep-alive" | "proxy-connection" | "proxy-authenticate" | "proxy-authorization" | "te" | "trailer"
+            | "transfer-encoding" | "upgrade" | "host"
+    )
+}
+
+fn upstream_request(parts: &axum::http::request::Parts, base: &str, body: Bytes) -> Result<Request<Body>, String> {
+    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut req = Request::builder()
+        .method(parts.method.clone())
+        .uri(format!("{base}{pq}"))
+        .body(Body::from(body))
+        .map_err(|e| format!("cannot forward: {e}"))?;
+    copy_headers(&parts.headers, req.headers_mut());
+    Ok(req)
+}
+
+fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (k, v) in from {
+        if !hop_by_hop(k) {
+            to.append(k.clone(), v.clone());
+        }
+    }
+}
+
+fn respond(resp: axum::http::Response<hyper::body::Incoming>, mut flight: Flight) -> Response {
+    let (parts, body) = resp.into_parts();
+    let mut out = Response::builder().status(parts.status);
+    if let Some(h) = out.headers_mut() {
+        copy_headers(&parts.headers, h);
+        if let Ok(v) = HeaderValue::from_str(&flight.upstream.endpoint.name) {
+            h.insert(REPLICA_HEADER, v);
+        }
+        h.insert(PREDICTED_HEADER, HeaderValue::from(flight.predicted));
+    }
+    let stream = body.into_data_stream().map(move |chunk| {
+        if let Ok(bytes) = &chunk {
+            flight.saw(bytes);
+        }
+        chunk
+    });
+    out.body(Body::from_stream(stream))
+        .unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, "upstream_error", e.to_string()))
+}
+
+/// One forwarded request: counted in flight on its replica until its response body ends or is
+/// dropped; reads the worker's `cached_tokens` as the body passes.
+struct Flight {
+    upstream: Arc<Upstream>,
+    metrics: Arc<RouterMetrics>,
+    predicted: usize,
+    arrived: Instant,
+    first_byte: bool,
+    reported: Option<usize>,
+    /// The end of the previous chunk, for a key split across chunks.
+    tail: Vec<u8>,
+}
+
+const CACHED_KEY: &[u8] = b"\"cached_tokens\":";
+
+impl Flight {
+    fn start(upstream: Arc<Upstream>, metrics: Arc<RouterMetrics>, predicted: usize, arrived: Instant) -> Self {
+        upstream.inflight.fetch_add(1, Ordering::Relaxed);
+        Self {
+            upstream,
+            metrics,
+            predicted,
+            arrived,
+            first_byte: false,
+            reported: None,
+            tail: Vec::new(),
+        }
+    }
+
+    fn saw(&mut self, bytes: &[u8]) {
+        if !self.first_byte {
+            self.first_byte = true;
+            let label = if self.predicted > 0 { "hit" } else { "miss" };
+            self.metrics
+                .ttfb_seconds
+                .with_label_values(&[label])
+                .observe(self.arrived.elapsed().as_secs_f64());
+        }
+        let mut window = std::mem::take(&mut self.tail);
+        window.extend_from_slice(bytes);
+        if let Some(v) = last_cached_tokens(&window) {
+            self.reported = Some(v);
+        }
+        let keep = window.len().saturating_sub(CACHED_KEY.len() + 24);
+        self.tail = window.split_off(keep);
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        self.upstream.inflight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(r) = self.reported {
+            self.metrics.observe_report(self.predicted, r);
+        }
+    }
+}
+
+/// The value of the last complete `"cached_tokens":N` in `text`.
+fn last_cached_tokens(text: &[u8]) -> Option<usize> {
+    let mut found = None;
+    let mut at = 0;
+    while let Some(p) = find(&text[at..], CACHED_KEY) {
+        let start = at + p + CACHED_KEY.len();
+        let rest = &text[start..];
+        let rest = &rest[rest.iter().take_while(|b| **b == b' ').count()..];
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        // Complete only when something follows the number.
+        if digits > 0 && digits < rest.len() {
+            found = std::str::from_utf8(&rest[..digits]).ok().and_then(|d| d.parse().ok());
+        }
+        at = start;
+    }
+    found
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_tokens_are_read_from_a_body_in_any_chunking() {
+        let body = br#"{"id":"x","usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32},"total_tokens":41}}"#;
+        assert_eq!(last_cached_tokens(body), Some(32));
+        assert_eq!(last_cached_tokens(br#"{"cached_tokens": 7}"#), Some(7));
+        assert_eq!(last_cached_tokens(br#"{"cached_tokens":12"#), None, "the number may go on");
+        assert_eq!(last_cached_tokens(b"data: {}"), None);
+        // Split anywhere, fed to a Flight-like scanner with a tail.
+        for cut in 1..body.len() {
+            let mut tail: Vec<u8> = Vec::new();
+            let mut seen = None;
+            for part in [&body[..cut], &body[cut..]] {
+                let mut w = std::mem::take(&mut tail);
+                w.extend_from_slice(part);
+                if let Some(v) = last_cached_tokens(&w) {
+                    seen = Some(v);
+                }
+                let keep = w.len().saturating_sub(CACHED_KEY.len() + 24);
+                tail = w.split_off(keep);
+            }
+            assert_eq!(seen, Some(32), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_stay_behind() {
+        let mut from = HeaderMap::new();
+        from.insert("connection", HeaderValue::from_static("keep-alive"));
+        from.insert("host", HeaderValue::from_static("router:8000"));
+        from.insert("authorization", HeaderValue::from_static("Bearer k"));
+        from.insert("x-request-id", HeaderValue::from_static("r1"));
+        let mut to = HeaderMap::new();
+        copy_headers(&from, &mut to);
+        let mut names: Vec<&str> = to.keys().map(|k| k.as_str()).collect();
+        names.sort();
+        assert_eq!(names, ["authorization", "x-request-id"]);
+    }
+}
