@@ -7,6 +7,9 @@ vLLM's `ignore_eos` so every request streams exactly O tokens). Reports output t
 inter-token latency percentiles, errors and 429s; with `--metrics`, scrapes `/metrics` every
 0.2 s while the load runs and reports the peaks of the KV and request gauges.
 
+`--port 8001,8002` sends request i to the i-th port round-robin (what a Service in front of the
+replicas does, the baseline a router is compared with); metrics are read from the first.
+
 Standard library only (asyncio streams), so it runs on a bare device machine:
 
     python3 bench/http_load.py --port 8000 --concurrency 64 --prompt-tokens 130 \\
@@ -175,7 +178,8 @@ async def main_async(a):
     async def client():
         while queue:
             i = queue.pop()
-            results.append(await one_request(a.host, a.port, prompts[i], a.output_tokens, a.model, sampling, extra))
+            port = a.ports[i % len(a.ports)]
+            results.append(await one_request(a.host, port, prompts[i], a.output_tokens, a.model, sampling, extra))
 
     peaks = {}
     stop = asyncio.Event()
@@ -462,8 +466,12 @@ async def cache_workload_async(a):
     reqs, convs = plan(a)
     results = []
 
+    sent = [0]
+
     async def send(q):
-        r = await one_request(a.host, a.port, q["prompt"], a.output_tokens, a.model, sampling, extra)
+        port = a.ports[sent[0] % len(a.ports)]
+        sent[0] += 1
+        r = await one_request(a.host, port, q["prompt"], a.output_tokens, a.model, sampling, extra)
         r["req"] = q
         results.append(r)
 
@@ -680,7 +688,9 @@ def check_args(p, a):
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", default="8000",
+                   help="server port; several, comma-separated, take the requests round-robin in the "
+                   "order sent (a Service spreading over replicas: the baseline of a router)")
     p.add_argument("--model", default=None, help="model id to send (default: none, the server's)")
     p.add_argument("--concurrency", type=int, default=None, help="concurrent clients (default: 64)")
     p.add_argument("--requests", "--num-requests", dest="requests", type=int, default=None,
@@ -718,6 +728,8 @@ def parser():
 def main():
     p = parser()
     a = p.parse_args()
+    a.ports = [int(x) for x in str(a.port).split(",") if x]
+    a.port = a.ports[0]
     check_args(p, a)
     if a.dry_run:
         sys.exit(dry_run(a))

@@ -63,7 +63,7 @@ case "$mode" in
     if [ -n "${KVFLEET_PACK_GPU_BINS:-}" ]; then
       { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins
     fi
-    cp bench/http_load.py bench/peers.py bench/device/llama-3.1-8b.json "$out/"
+    cp bench/http_load.py bench/peers.py bench/device/llama-3.1-8b.json bench/device/prefix.sh bench/device/fleet.sh "$out/"
     ;;
   model-a)
     { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins

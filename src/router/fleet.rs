@@ -84,13 +84,18 @@ impl Fleet {
 
     /// The ready replicas now.
     pub fn ready(&self) -> Vec<Arc<Upstream>> {
-        self.replicas.read().map(|r| r.values().cloned().collect()).unwrap_or_default()
+        self.replicas
+            .read()
+            .map(|r| r.values().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Makes the set of replicas `wanted`: new ones get a subscription and a scraper, gone ones
     /// lose theirs (their in-flight requests finish on their own connections).
     pub fn sync(self: &Arc<Self>, wanted: Vec<Endpoint>) {
-        let Ok(mut replicas) = self.replicas.write() else { return };
+        let Ok(mut replicas) = self.replicas.write() else {
+            return;
+        };
         let keep: BTreeMap<String, Endpoint> = wanted.into_iter().map(|e| (e.name.clone(), e)).collect();
         replicas.retain(|name, u| keep.get(name).is_some_and(|e| e == &u.endpoint));
         for (name, endpoint) in keep {
@@ -108,7 +113,11 @@ impl Fleet {
                 tasks: Mutex::new(Vec::new()),
             });
             let weak = Arc::downgrade(&u);
-            let mut tasks = vec![tokio::spawn(scrape(weak.clone(), self.client.clone(), self.scrape_every))];
+            let mut tasks = vec![tokio::spawn(scrape(
+                weak.clone(),
+                self.client.clone(),
+                self.scrape_every,
+            ))];
             if let Some(ep) = endpoint.kv_events {
                 tasks.push(tokio::spawn(subscribe(weak, ep, self.metrics.clone())));
             }
@@ -117,20 +126,35 @@ impl Fleet {
             }
             replicas.insert(name, u);
         }
-        self.metrics.replicas.with_label_values(&["ready"]).set(replicas.len() as i64);
+        self.metrics
+            .replicas
+            .with_label_values(&["ready"])
+            .set(replicas.len() as i64);
     }
 
     /// Refreshes the per-state replica gauges.
     pub fn observe(&self) {
         let all = self.ready();
-        let subscribed = all.iter().filter(|u| u.subscribed.load(Ordering::Relaxed)).count();
+        let subscribed = all
+            .iter()
+            .filter(|u| u.subscribed.load(Ordering::Relaxed))
+            .count();
         let scraped = all
             .iter()
             .filter(|u| u.load.lock().is_ok_and(|l| l.at.is_some()))
             .count();
-        self.metrics.replicas.with_label_values(&["ready"]).set(all.len() as i64);
-        self.metrics.replicas.with_label_values(&["subscribed"]).set(subscribed as i64);
-        self.metrics.replicas.with_label_values(&["scraped"]).set(scraped as i64);
+        self.metrics
+            .replicas
+            .with_label_values(&["ready"])
+            .set(all.len() as i64);
+        self.metrics
+            .replicas
+            .with_label_values(&["subscribed"])
+            .set(subscribed as i64);
+        self.metrics
+            .replicas
+            .with_label_values(&["scraped"])
+            .set(scraped as i64);
     }
 }
 
@@ -162,7 +186,9 @@ async fn subscribe(u: std::sync::Weak<Upstream>, endpoint: String, metrics: Arc<
                     let Some(u) = u.upgrade() else { return };
                     let frames = msg.into_vec();
                     // topic, sequence (8 bytes, big-endian), payload
-                    let [_, seq, payload] = frames.as_slice() else { continue };
+                    let [_, seq, payload] = frames.as_slice() else {
+                        continue;
+                    };
                     let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
                         continue;
                     };
@@ -175,7 +201,9 @@ async fn subscribe(u: std::sync::Weak<Upstream>, endpoint: String, metrics: Arc<
                             }
                             metrics.kv_event_batches.inc();
                         }
-                        Err(error) => tracing::warn!(replica = %u.endpoint.name, %error, "KV events: undecodable batch"),
+                        Err(error) => {
+                            tracing::warn!(replica = %u.endpoint.name, %error, "KV events: undecodable batch")
+                        }
                     }
                 }
                 Err(error) => {
@@ -227,7 +255,12 @@ async fn fetch_load(client: &HttpClient, url: &str) -> Result<Load, String> {
     if !resp.status().is_success() {
         return Err(format!("status {}", resp.status()));
     }
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
     let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
     let n = |v: Option<&Value>| v.and_then(Value::as_u64).unwrap_or(0) as usize;
     let live = v.get("live");
@@ -247,7 +280,12 @@ pub fn endpoints_of(slices: &[Arc<EndpointSlice>]) -> Vec<Endpoint> {
     let mut out = Vec::new();
     for s in slices {
         let ports = s.ports.as_deref().unwrap_or_default();
-        let port_named = |n: &str| ports.iter().find(|p| p.name.as_deref() == Some(n)).and_then(|p| p.port);
+        let port_named = |n: &str| {
+            ports
+                .iter()
+                .find(|p| p.name.as_deref() == Some(n))
+                .and_then(|p| p.port)
+        };
         let Some(http_port) = port_named("http").or_else(|| ports.first().and_then(|p| p.port)) else {
             continue;
         };
@@ -278,7 +316,12 @@ pub fn endpoints_of(slices: &[Arc<EndpointSlice>]) -> Vec<Endpoint> {
 }
 
 /// Keeps `fleet` equal to the ready endpoints of Service `service` in `namespace`.
-pub async fn watch_endpoint_slices(fleet: Arc<Fleet>, client: kube::Client, namespace: String, service: String) {
+pub async fn watch_endpoint_slices(
+    fleet: Arc<Fleet>,
+    client: kube::Client,
+    namespace: String,
+    service: String,
+) {
     use kube::runtime::{reflector, watcher, WatchStreamExt};
     let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &namespace);
     let cfg = watcher::Config::default().labels(&format!("kubernetes.io/service-name={service}"));

@@ -18,8 +18,13 @@ use rmpv::Value;
 /// One cache change a worker published.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheEvent {
-    Stored { block_hashes: Vec<u64>, block_size: usize },
-    Removed { block_hashes: Vec<u64> },
+    Stored {
+        block_hashes: Vec<u64>,
+        block_size: usize,
+    },
+    Removed {
+        block_hashes: Vec<u64>,
+    },
     AllCleared,
 }
 
@@ -75,12 +80,22 @@ pub fn decode_batch(payload: &[u8]) -> Result<Vec<CacheEvent>, DecodeError> {
 fn fields<'a>(e: &'a Value) -> Result<(String, Box<dyn Fn(&str, usize) -> Option<&'a Value> + 'a>), String> {
     match e {
         Value::Array(items) => {
-            let tag = items.first().and_then(Value::as_str).ok_or("an array event without a tag")?;
+            let tag = items
+                .first()
+                .and_then(Value::as_str)
+                .ok_or("an array event without a tag")?;
             Ok((tag.to_string(), Box::new(move |_, i| items.get(i))))
         }
         Value::Map(entries) => {
-            let get = move |name: &str| entries.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v);
-            let tag = get("type").and_then(Value::as_str).ok_or("a map event without `type`")?;
+            let get = move |name: &str| {
+                entries
+                    .iter()
+                    .find(|(k, _)| k.as_str() == Some(name))
+                    .map(|(_, v)| v)
+            };
+            let tag = get("type")
+                .and_then(Value::as_str)
+                .ok_or("a map event without `type`")?;
             Ok((tag.to_string(), Box::new(move |name, _| get(name))))
         }
         other => Err(format!("an event is an array or a map, not {}", kind(other))),
@@ -104,7 +119,10 @@ fn hashes(v: Option<&Value>) -> Result<Vec<u64>, String> {
                 w[..n].copy_from_slice(&b[..n]);
                 Ok(u64::from_be_bytes(w))
             }
-            other => Err(format!("a block hash is an integer or bytes, not {}", kind(other))),
+            other => Err(format!(
+                "a block hash is an integer or bytes, not {}",
+                kind(other)
+            )),
         })
         .collect()
 }
@@ -148,7 +166,10 @@ impl PodIndex {
         self.last_seq = Some(seq);
         for e in events {
             match e {
-                CacheEvent::Stored { block_hashes, block_size } => {
+                CacheEvent::Stored {
+                    block_hashes,
+                    block_size,
+                } => {
                     self.block_size = Some(block_size);
                     self.blocks.extend(block_hashes);
                 }
@@ -238,32 +259,52 @@ mod tests {
         let ids: Vec<u32> = (0..40).collect();
         let events = vec![
             stored(&ids, 16, CacheKey::default()),
-            KvEvent::Removed { block_hashes: vec![7, u64::MAX] },
+            KvEvent::Removed {
+                block_hashes: vec![7, u64::MAX],
+            },
             KvEvent::AllCleared,
         ];
         for format in [KvEventsFormat::Array, KvEventsFormat::Map] {
             let got = decode_batch(&encode_batch_as(1.5, &events, MEDIUM_GPU, format)).unwrap();
             assert_eq!(got.len(), 3, "{format:?}");
-            let CacheEvent::Stored { block_hashes, block_size } = &got[0] else {
+            let CacheEvent::Stored {
+                block_hashes,
+                block_size,
+            } = &got[0]
+            else {
                 panic!("{got:?}")
             };
             assert_eq!((block_hashes.len(), *block_size), (2, 16));
-            assert_eq!(got[1], CacheEvent::Removed { block_hashes: vec![7, u64::MAX] });
+            assert_eq!(
+                got[1],
+                CacheEvent::Removed {
+                    block_hashes: vec![7, u64::MAX]
+                }
+            );
             assert_eq!(got[2], CacheEvent::AllCleared);
         }
     }
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        assert!(matches!(decode_batch(b"\x93\x01"), Err(DecodeError::Msgpack(_))), "a truncated array");
+        assert!(
+            matches!(decode_batch(b"\x93\x01"), Err(DecodeError::Msgpack(_))),
+            "a truncated array"
+        );
         let mut buf = Vec::new();
         rmpv::encode::write_value(&mut buf, &Value::from(3)).unwrap();
         assert!(matches!(decode_batch(&buf), Err(DecodeError::Batch(_))));
         let mut buf = Vec::new();
         let ev = Value::Array(vec![Value::from("BlockStored"), Value::from("x")]);
-        rmpv::encode::write_value(&mut buf, &Value::Array(vec![Value::from(0.0), Value::Array(vec![ev])]))
-            .unwrap();
-        assert!(matches!(decode_batch(&buf), Err(DecodeError::Event { index: 0, .. })));
+        rmpv::encode::write_value(
+            &mut buf,
+            &Value::Array(vec![Value::from(0.0), Value::Array(vec![ev])]),
+        )
+        .unwrap();
+        assert!(matches!(
+            decode_batch(&buf),
+            Err(DecodeError::Event { index: 0, .. })
+        ));
     }
 
     #[test]
@@ -274,18 +315,35 @@ mod tests {
         let KvEvent::Stored { block_hashes, .. } = stored(&ids[..12], bs, CacheKey::default()) else {
             unreachable!()
         };
-        idx.apply(0, vec![CacheEvent::Stored { block_hashes: block_hashes.clone(), block_size: bs }]);
+        idx.apply(
+            0,
+            vec![CacheEvent::Stored {
+                block_hashes: block_hashes.clone(),
+                block_size: bs,
+            }],
+        );
         let p = PromptBlocks::new(&ids, CacheKey::default(), bs);
         assert_eq!(p.cached_tokens(&idx), 12);
         // A prompt of exactly the stored 12 tokens computes its last block: 8 cached.
         let exact = PromptBlocks::new(&ids[..12], CacheKey::default(), bs);
         assert_eq!(exact.cached_tokens(&idx), 8);
         // Another salt never matches; neither does another block size.
-        let salted = CacheKey { salt: Some("t1".into()), adapter: None };
+        let salted = CacheKey {
+            salt: Some("t1".into()),
+            adapter: None,
+        };
         assert_eq!(PromptBlocks::new(&ids, salted, bs).cached_tokens(&idx), 0);
-        assert_eq!(PromptBlocks::new(&ids, CacheKey::default(), 2).cached_tokens(&idx), 0);
+        assert_eq!(
+            PromptBlocks::new(&ids, CacheKey::default(), 2).cached_tokens(&idx),
+            0
+        );
         // The middle block removed: only the first block leads.
-        idx.apply(1, vec![CacheEvent::Removed { block_hashes: vec![block_hashes[1]] }]);
+        idx.apply(
+            1,
+            vec![CacheEvent::Removed {
+                block_hashes: vec![block_hashes[1]],
+            }],
+        );
         assert_eq!(p.cached_tokens(&idx), 4);
         idx.apply(5, vec![CacheEvent::AllCleared]);
         assert_eq!((p.cached_tokens(&idx), idx.gaps), (0, 3));

@@ -2,7 +2,8 @@
 //! against what the workers reported, how long a pick takes, what failed upstream.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct RouterMetrics {
@@ -37,7 +38,10 @@ impl RouterMetrics {
         let registry = Registry::new();
         let m = Self {
             requests: IntCounterVec::new(
-                Opts::new("kvfleet_router_requests_total", "Requests routed, by replica and reason"),
+                Opts::new(
+                    "kvfleet_router_requests_total",
+                    "Requests routed, by replica and reason",
+                ),
                 &["pod", "reason"],
             )?,
             predicted_cached_tokens: IntCounter::new(
@@ -65,14 +69,23 @@ impl RouterMetrics {
                 ]),
             )?,
             upstream_errors: IntCounterVec::new(
-                Opts::new("kvfleet_router_upstream_errors_total", "Upstream failures by replica and kind"),
+                Opts::new(
+                    "kvfleet_router_upstream_errors_total",
+                    "Upstream failures by replica and kind",
+                ),
                 &["pod", "kind"],
             )?,
             replicas: IntGaugeVec::new(
-                Opts::new("kvfleet_router_replicas", "Replicas known to the router, by state"),
+                Opts::new(
+                    "kvfleet_router_replicas",
+                    "Replicas known to the router, by state",
+                ),
                 &["state"],
             )?,
-            kv_event_batches: IntCounter::new("kvfleet_router_kv_event_batches_total", "KV-event batches applied")?,
+            kv_event_batches: IntCounter::new(
+                "kvfleet_router_kv_event_batches_total",
+                "KV-event batches applied",
+            )?,
             kv_event_gaps: IntCounter::new(
                 "kvfleet_router_kv_event_gaps_total",
                 "KV-event batches lost (sequence gaps); the prefix index may be stale since",
@@ -82,7 +95,9 @@ impl RouterMetrics {
                     "kvfleet_router_time_to_first_byte_seconds",
                     "Arrival at the router to the first response byte from the worker",
                 )
-                .buckets(vec![0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]),
+                .buckets(vec![
+                    0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+                ]),
                 &["predicted"],
             )?,
             registry,

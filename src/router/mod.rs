@@ -81,7 +81,10 @@ pub enum RouterError {
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error("listening on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("serving: {0}")]
     Serve(std::io::Error),
 }
@@ -99,7 +102,11 @@ impl RouterArgs {
                 m.path = Some(p.clone());
             }
             if let Some(w) = &self.weights {
-                m.weights = if w == "dummy" { Weights::Dummy } else { Weights::Load };
+                m.weights = if w == "dummy" {
+                    Weights::Dummy
+                } else {
+                    Weights::Load
+                };
             }
             if let Some(p) = &self.model_config {
                 m.config = Some(p.clone());
@@ -144,12 +151,21 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
         .map_err(|e| RouterError::Serve(std::io::Error::other(e.to_string())))??;
     let metrics = Arc::new(metrics::RouterMetrics::new()?);
     let client = fleet::http_client();
-    let fleet = fleet::Fleet::new(client.clone(), metrics.clone(), Duration::from_millis(args.scrape_interval_ms.max(10)));
+    let fleet = fleet::Fleet::new(
+        client.clone(),
+        metrics.clone(),
+        Duration::from_millis(args.scrape_interval_ms.max(10)),
+    );
     if statics.is_empty() {
         let kube = kube::Client::try_default().await?;
         let service = args.workers_service.clone().unwrap_or_default();
         tracing::info!(namespace = %args.namespace, %service, "following the workers' EndpointSlices");
-        tokio::spawn(fleet::watch_endpoint_slices(fleet.clone(), kube, args.namespace.clone(), service));
+        tokio::spawn(fleet::watch_endpoint_slices(
+            fleet.clone(),
+            kube,
+            args.namespace.clone(),
+            service,
+        ));
     } else {
         fleet.sync(statics);
     }
@@ -173,7 +189,10 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .map_err(|source| RouterError::Bind { addr: args.listen, source })?;
+        .map_err(|source| RouterError::Bind {
+            addr: args.listen,
+            source,
+        })?;
     tracing::info!(listen = %args.listen, "router serving");
     axum::serve(listener, proxy::app(state))
         .with_graceful_shutdown(crate::serving::shutdown_signal())

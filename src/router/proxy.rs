@@ -74,7 +74,11 @@ async fn completions(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Res
 
 async fn health(Extract(s): Extract<Arc<State>>) -> Response {
     let n = s.fleet.ready().len();
-    let status = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if n > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (status, Json(json!({ "replicas": n }))).into_response()
 }
 
@@ -115,7 +119,8 @@ async fn state_of(Extract(s): Extract<Arc<State>>) -> Response {
 
 /// An OpenAI-shaped error.
 fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
+    let body =
+        json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
     (status, Json(body)).into_response()
 }
 
@@ -127,7 +132,11 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
             "invalid_request_error",
             format!("the request body exceeds {limit} bytes"),
         )),
-        Err(e) => Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", format!("reading the body: {e}"))),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("reading the body: {e}"),
+        )),
     }
 }
 
@@ -150,7 +159,11 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     };
     let replicas = s.fleet.ready();
     if replicas.is_empty() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no ready replica to route to; retry");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            "no ready replica to route to; retry",
+        );
     }
     // One hashing per block size in use (normally one).
     let mut prompts: Vec<PromptBlocks> = Vec::new();
@@ -218,7 +231,10 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             }
             Ok(resp) => {
                 let why = if first_try { reason.as_str() } else { "fallback" };
-                s.metrics.requests.with_label_values(&[&u.endpoint.name, why]).inc();
+                s.metrics
+                    .requests
+                    .with_label_values(&[&u.endpoint.name, why])
+                    .inc();
                 s.metrics.predicted_cached_tokens.inc_by(c.cached_tokens as u64);
                 return respond(resp, flight);
             }
@@ -262,19 +278,35 @@ async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Re
             Err(e) => last_error = format!("{}: {e}", u.endpoint.name),
         }
     }
-    error(StatusCode::BAD_GATEWAY, "upstream_error", format!("no replica answered ({last_error}); retry"))
+    error(
+        StatusCode::BAD_GATEWAY,
+        "upstream_error",
+        format!("no replica answered ({last_error}); retry"),
+    )
 }
 
 /// Hop-by-hop headers (RFC 9110 section 7.6.1) a proxy does not forward.
 fn hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
-        "connection" | "keep-alive" | "proxy-connection" | "proxy-authenticate" | "proxy-authorization" | "te" | "trailer"
-            | "transfer-encoding" | "upgrade" | "host"
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
     )
 }
 
-fn upstream_request(parts: &axum::http::request::Parts, base: &str, body: Bytes) -> Result<Request<Body>, String> {
+fn upstream_request(
+    parts: &axum::http::request::Parts,
+    base: &str,
+    body: Bytes,
+) -> Result<Request<Body>, String> {
     let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let mut req = Request::builder()
         .method(parts.method.clone())
@@ -329,7 +361,12 @@ struct Flight {
 const CACHED_KEY: &[u8] = b"\"cached_tokens\":";
 
 impl Flight {
-    fn start(upstream: Arc<Upstream>, metrics: Arc<RouterMetrics>, predicted: usize, arrived: Instant) -> Self {
+    fn start(
+        upstream: Arc<Upstream>,
+        metrics: Arc<RouterMetrics>,
+        predicted: usize,
+        arrived: Instant,
+    ) -> Self {
         upstream.inflight.fetch_add(1, Ordering::Relaxed);
         Self {
             upstream,
@@ -381,7 +418,9 @@ fn last_cached_tokens(text: &[u8]) -> Option<usize> {
         let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
         // Complete only when something follows the number.
         if digits > 0 && digits < rest.len() {
-            found = std::str::from_utf8(&rest[..digits]).ok().and_then(|d| d.parse().ok());
+            found = std::str::from_utf8(&rest[..digits])
+                .ok()
+                .and_then(|d| d.parse().ok());
         }
         at = start;
     }
@@ -401,7 +440,11 @@ mod tests {
         let body = br#"{"id":"x","usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32},"total_tokens":41}}"#;
         assert_eq!(last_cached_tokens(body), Some(32));
         assert_eq!(last_cached_tokens(br#"{"cached_tokens": 7}"#), Some(7));
-        assert_eq!(last_cached_tokens(br#"{"cached_tokens":12"#), None, "the number may go on");
+        assert_eq!(
+            last_cached_tokens(br#"{"cached_tokens":12"#),
+            None,
+            "the number may go on"
+        );
         assert_eq!(last_cached_tokens(b"data: {}"), None);
         // Split anywhere, fed to a Flight-like scanner with a tail.
         for cut in 1..body.len() {

@@ -95,7 +95,12 @@ impl Candidate {
 /// Candidates in the order to try them (best first; the rest are fallbacks for a connection
 /// that fails before the first byte), and why the first won. `session` is the request's
 /// session id, `turn` a counter that rotates exact ties.
-pub fn rank(prompt_tokens: usize, candidates: &[Candidate], session: Option<&str>, turn: usize) -> (Vec<usize>, Reason) {
+pub fn rank(
+    prompt_tokens: usize,
+    candidates: &[Candidate],
+    session: Option<&str>,
+    turn: usize,
+) -> (Vec<usize>, Reason) {
     let n = candidates.len();
     if n <= 1 {
         return ((0..n).collect(), Reason::Only);
@@ -226,6 +231,9 @@ mod tests {
     #[test]
     fn one_or_no_replica() {
         assert_eq!(rank(10, &[], None, 0), (vec![], Reason::Only));
-        assert_eq!(rank(10, &[c("a", 0, 0, Some(0))], None, 3), (vec![0], Reason::Only));
+        assert_eq!(
+            rank(10, &[c("a", 0, 0, Some(0))], None, 3),
+            (vec![0], Reason::Only)
+        );
     }
 }
