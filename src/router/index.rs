@@ -10,7 +10,8 @@
 //! sliding-window layers a hit predicted here is an upper bound, the worker's hybrid rule may
 //! take fewer blocks when its window blocks were evicted first.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use kvfleet_engine::engine::prefix::{CacheKey, TokenBlocks};
 use rmpv::Value;
@@ -141,10 +142,18 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
+/// How long a block the router sent a request for counts as held before the worker's event
+/// says so (its prefill may take a few seconds under load).
+pub const PENDING_FOR: Duration = Duration::from_secs(10);
+
 /// The cached blocks of one worker, by the address its events name.
 #[derive(Debug, Default)]
 pub struct PodIndex {
     blocks: HashSet<u64>,
+    /// Blocks of prompts the router just sent here, until the worker announces them (or
+    /// [`PENDING_FOR`] passes): the requests of a cold prefix that arrive while its first
+    /// request is still in prefill follow it instead of splitting the prefix over replicas.
+    pending: HashMap<u64, Instant>,
     /// Tokens per block, from the worker's `BlockStored` events.
     block_size: Option<usize>,
     /// Sequence number of the last batch applied.
@@ -171,14 +180,21 @@ impl PodIndex {
                     block_size,
                 } => {
                     self.block_size = Some(block_size);
+                    for h in &block_hashes {
+                        self.pending.remove(h);
+                    }
                     self.blocks.extend(block_hashes);
                 }
                 CacheEvent::Removed { block_hashes } => {
                     for h in block_hashes {
                         self.blocks.remove(&h);
+                        self.pending.remove(&h);
                     }
                 }
-                CacheEvent::AllCleared => self.blocks.clear(),
+                CacheEvent::AllCleared => {
+                    self.blocks.clear();
+                    self.pending.clear();
+                }
             }
         }
     }
@@ -186,7 +202,20 @@ impl PodIndex {
     /// Forgets everything (the subscription was lost: the worker may have restarted empty).
     pub fn clear(&mut self) {
         self.blocks.clear();
+        self.pending.clear();
         self.last_seq = None;
+    }
+
+    /// Records that a prompt with these block addresses was just sent here.
+    pub fn expect(&mut self, addresses: &[u64], now: Instant) {
+        if self.pending.len() > 65_536 {
+            self.pending.retain(|_, at| now.duration_since(*at) < PENDING_FOR);
+        }
+        for h in addresses {
+            if !self.blocks.contains(h) {
+                self.pending.insert(*h, now);
+            }
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -201,9 +230,20 @@ impl PodIndex {
         self.block_size
     }
 
-    /// Leading blocks of `addresses` this worker holds.
+    /// Leading blocks of `addresses` this worker holds or is computing for a request the
+    /// router sent it less than [`PENDING_FOR`] ago.
     pub fn leading_hits(&self, addresses: &[u64]) -> usize {
-        addresses.iter().take_while(|h| self.blocks.contains(h)).count()
+        let now = Instant::now();
+        addresses
+            .iter()
+            .take_while(|h| {
+                self.blocks.contains(h)
+                    || self
+                        .pending
+                        .get(h)
+                        .is_some_and(|at| now.duration_since(*at) < PENDING_FOR)
+            })
+            .count()
     }
 }
 
@@ -225,15 +265,19 @@ impl PromptBlocks {
         }
     }
 
-    /// The prompt tokens a worker holding `index` would take from its cache, as its scheduler
-    /// counts them: whole blocks of the leading run, short of the last prompt token (whose
-    /// logits must be computed).
+    /// The blocks a worker could serve from cache: whole blocks short of the last prompt token
+    /// (whose logits must be computed), as its scheduler counts them.
+    pub fn cacheable(&self) -> &[u64] {
+        let max_blocks = self.prompt_tokens.saturating_sub(1) / self.block_size;
+        &self.addresses[..max_blocks.min(self.addresses.len())]
+    }
+
+    /// The prompt tokens a worker holding `index` would take from its cache.
     pub fn cached_tokens(&self, index: &PodIndex) -> usize {
         if index.block_size.is_some_and(|b| b != self.block_size) {
             return 0;
         }
-        let max_blocks = self.prompt_tokens.saturating_sub(1) / self.block_size;
-        index.leading_hits(&self.addresses[..max_blocks.min(self.addresses.len())]) * self.block_size
+        index.leading_hits(self.cacheable()) * self.block_size
     }
 }
 
@@ -347,5 +391,35 @@ mod tests {
         assert_eq!(p.cached_tokens(&idx), 4);
         idx.apply(5, vec![CacheEvent::AllCleared]);
         assert_eq!((p.cached_tokens(&idx), idx.gaps), (0, 3));
+    }
+
+    #[test]
+    fn a_prompt_just_sent_counts_as_held_until_announced_or_stale() {
+        let bs = 4;
+        let ids: Vec<u32> = (0..20).collect();
+        let p = PromptBlocks::new(&ids, CacheKey::default(), bs);
+        let mut idx = PodIndex::default();
+        let now = Instant::now();
+        idx.expect(p.cacheable(), now);
+        assert_eq!(p.cached_tokens(&idx), 16, "its 4 cacheable blocks are pending");
+        // The worker announces two and evicts one of them: the evicted one breaks the run.
+        idx.apply(
+            0,
+            vec![CacheEvent::Stored {
+                block_hashes: p.addresses[..2].to_vec(),
+                block_size: bs,
+            }],
+        );
+        idx.apply(
+            1,
+            vec![CacheEvent::Removed {
+                block_hashes: vec![p.addresses[1]],
+            }],
+        );
+        assert_eq!(p.cached_tokens(&idx), 4);
+        // Pending blocks expire.
+        let mut old = PodIndex::default();
+        old.expect(p.cacheable(), now - PENDING_FOR - Duration::from_millis(1));
+        assert_eq!(p.cached_tokens(&old), 0);
     }
 }

@@ -17,8 +17,9 @@ pub struct RouterMetrics {
     pub reported_cached_tokens: IntCounter,
     /// Requests whose report was seen, by whether the prediction was `exact`, `over` or `under`.
     pub predictions: IntCounterVec,
-    /// From the request's arrival to its upstream request being sent: reading the body,
-    /// tokenizing, hashing, scoring (the latency the router adds before the worker starts).
+    /// From the request's body read to its upstream request being sent: parsing, tokenizing,
+    /// hashing, scoring (the latency the router adds before the worker starts; the body's
+    /// arrival depends on the client and is read by a worker as well).
     pub pick_seconds: Histogram,
     /// Upstream failures by replica and kind (`connect`: before any byte, the request went to
     /// the next replica; `unavailable`: a 503 before any byte, likewise; `stream`: after the
@@ -62,7 +63,7 @@ impl RouterMetrics {
             pick_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "kvfleet_router_pick_seconds",
-                    "Arrival to upstream send: body, tokenization, hashing and scoring",
+                    "Body read to upstream send: parsing, tokenization, hashing and scoring",
                 )
                 .buckets(vec![
                     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,

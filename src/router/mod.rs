@@ -194,6 +194,13 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
             source,
         })?;
     tracing::info!(listen = %args.listen, "router serving");
+    // Streams pass through a token at a time: without TCP_NODELAY, Nagle's algorithm holds a
+    // small SSE chunk until the client's delayed ACK (tens of milliseconds).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, "TCP_NODELAY");
+        }
+    });
     axum::serve(listener, proxy::app(state))
         .with_graceful_shutdown(crate::serving::shutdown_signal())
         .await

@@ -148,6 +148,8 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         Ok(b) => b,
         Err(r) => return r,
     };
+    // The router's own latency starts once the client has sent the whole body.
+    let read = Instant::now();
     let ids = if body.len() > INLINE_TOKENIZE_BYTES {
         let (tok, b) = (s.tokenizer.clone(), body.clone());
         tokio::task::spawn_blocking(move || routing_prompt(&tok, chat, &b))
@@ -219,7 +221,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", e),
         };
         if first_try {
-            s.metrics.pick_seconds.observe(arrived.elapsed().as_secs_f64());
+            s.metrics.pick_seconds.observe(read.elapsed().as_secs_f64());
         }
         match s.client.request(upstream).await {
             Ok(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
@@ -230,6 +232,10 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
                 last_error = format!("{} answered 503", u.endpoint.name);
             }
             Ok(resp) => {
+                // Later requests of this prefix follow it while its blocks are computed here.
+                if let (Some(p), Ok(mut idx)) = (prompts.first(), u.index.lock()) {
+                    idx.expect(p.cacheable(), Instant::now());
+                }
                 let why = if first_try { reason.as_str() } else { "fallback" };
                 s.metrics
                     .requests
