@@ -25,6 +25,7 @@ use webhook_support::*;
 fn facts(nodes: &[Node]) -> ClusterFacts {
     ClusterFacts {
         nodes: nodes.iter().map(NodeFacts::from_node).collect(),
+        ..ClusterFacts::default()
     }
 }
 
