@@ -499,15 +499,85 @@ mod tests {
         }
     }
 
+    /// The kvfleet spec of [`everything`] behind kvfleet's router.
+    fn routed() -> (InferenceDeployment, Desired) {
+        let (mut obj, _) = everything();
+        obj.spec.routing = Some(serde_json::from_value(json!({"mode": "kvfleet"})).unwrap());
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let d = desired(&obj, &v, &Settings::default(), Some(&service_monitor())).unwrap();
+        (obj, d)
+    }
+
+    /// A vLLM spec in an InferencePool.
+    fn pooled() -> (InferenceDeployment, Desired) {
+        let mut obj = fixture(VLLM_RTX5090);
+        obj.spec.routing = Some(
+            serde_json::from_value(json!({"mode": "inferencePool",
+                                          "endpointPicker": {"name": "epp", "port": 9002}}))
+            .unwrap(),
+        );
+        let v = verdict("fp8", "FLASH_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        (obj, d)
+    }
+
+    #[test]
+    fn a_routed_set_adds_the_routers_identity_first_and_its_workload_after_the_workers() {
+        let (obj, d) = routed();
+        let set = OwnedSet::of(&obj, &d, Some(&service_monitor())).unwrap();
+        let described: Vec<String> = set.objects().iter().map(Owned::describe).collect();
+        assert_eq!(
+            described,
+            [
+                "ConfigMap llama-config",
+                "ServiceAccount llama-worker",
+                "RoleBinding llama-worker",
+                "ServiceAccount llama-router",
+                "Role llama-router",
+                "RoleBinding llama-router",
+                "NetworkPolicy llama-worker",
+                "NetworkPolicy llama-router",
+                "Deployment llama",
+                "Service llama-workers",
+                "Deployment llama-router",
+                "Service llama",
+                "PodDisruptionBudget llama",
+                "PodDisruptionBudget llama-router",
+                "ServiceMonitor llama",
+            ]
+        );
+        // Status reads the workers' Deployment, not the router's.
+        let mut objects = set.objects().to_vec();
+        objects.swap(8, 10);
+        let w = workload(&objects).unwrap().unwrap();
+        assert_eq!(w.metadata.name.as_deref(), Some("llama"));
+        let (obj, d) = pooled();
+        let set = OwnedSet::of(&obj, &d, None).unwrap();
+        assert_eq!(
+            kinds(&set),
+            [
+                "ServiceAccount",
+                "RoleBinding",
+                "Deployment",
+                "Service",
+                "InferencePool"
+            ]
+        );
+    }
+
     #[test]
     fn every_kind_a_set_can_hold_is_one_the_sweep_lists() {
         let monitor = service_monitor();
         let swept = managed_kinds(Some(&monitor), true);
         let (a, da) = everything();
         let (b, db) = multi_node();
+        let (c, dc) = routed();
+        let (e, de) = pooled();
         let sets = [
             OwnedSet::of(&a, &da, Some(&monitor)).unwrap(),
             OwnedSet::of(&b, &db, None).unwrap(),
+            OwnedSet::of(&c, &dc, Some(&monitor)).unwrap(),
+            OwnedSet::of(&e, &de, None).unwrap(),
         ];
         for o in sets.iter().flat_map(|s| s.objects()) {
             assert!(
@@ -531,6 +601,18 @@ mod tests {
         // Discovery may fail for a moment while ours exist: the set would hold none of them.
         let kinds: Vec<String> = managed_kinds(None, false).into_iter().map(|k| k.kind).collect();
         assert!(!kinds.iter().any(|k| k.ends_with("Monitor")), "{kinds:?}");
+    }
+
+    #[test]
+    fn inference_pools_are_swept_only_where_the_api_server_serves_them() {
+        let kinds =
+            |served| -> Vec<String> { managed_kinds(None, served).into_iter().map(|k| k.kind).collect() };
+        assert!(!kinds(false).contains(&"InferencePool".to_string()));
+        assert!(kinds(true).contains(&"InferencePool".to_string()));
+        assert!(
+            kinds(false).contains(&"Role".to_string()),
+            "the router's Role always"
+        );
     }
 
     #[test]
