@@ -253,6 +253,8 @@ pub mod inference_pool {
     pub const PLURAL: &str = "inferencepools";
     /// Name of its CustomResourceDefinition.
     pub const CRD: &str = "inferencepools.inference.networking.k8s.io";
+    /// The release whose CRD is vendored (crds/vendor/gateway-api-inference-extension).
+    pub const RELEASE: &str = "v1.6.0";
 }
 
 /// Ingress to the replicas' serving port (8000: the OpenAI API, probes and `/metrics`).

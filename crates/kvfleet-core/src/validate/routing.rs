@@ -47,7 +47,7 @@ fn router_runtime(spec: &InferenceDeploymentSpec) -> Option<Denial> {
 /// `mode: inferencePool` needs the Gateway API Inference Extension CRD.
 fn inference_pool_served(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Option<Denial> {
     (spec.routing_mode() == RoutingMode::InferencePool && facts.inference_pool_served == Some(false))
-        .then(|| inference_pool_missing())
+        .then(inference_pool_missing)
 }
 
 /// The denial of `mode: inferencePool` on an API server that serves no InferencePool.
@@ -56,12 +56,12 @@ pub fn inference_pool_missing() -> Denial {
         "spec.routing.mode",
         INFERENCE_POOL_MISSING,
         format!(
-            "routing mode inferencePool renders an InferencePool ({}/{}), but the API server does not serve {}/{}: the Gateway API Inference Extension CRD {} is not installed; install it (kubectl apply --server-side -f crds/vendor/gateway-api-inference-extension/, or the release's manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet",
-            inference_pool::KIND,
-            inference_pool::VERSION,
-            inference_pool::GROUP,
-            inference_pool::VERSION,
-            inference_pool::CRD,
+            "routing mode inferencePool renders an {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the Gateway API Inference Extension CRD {crd} is not installed; install it (kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/{release}/manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet",
+            kind = inference_pool::KIND,
+            group = inference_pool::GROUP,
+            version = inference_pool::VERSION,
+            crd = inference_pool::CRD,
+            release = inference_pool::RELEASE,
         ),
     )
 }
