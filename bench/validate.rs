@@ -79,7 +79,10 @@ fn main() {
     let mut node_facts: Vec<NodeFacts> = support::fleet(nodes).iter().map(NodeFacts::from_node).collect();
     // As the webhook's cache hands them out.
     node_facts.sort_by(|a, b| a.name.cmp(&b.name));
-    let facts = ClusterFacts { nodes: node_facts };
+    let facts = ClusterFacts {
+        nodes: node_facts,
+        ..ClusterFacts::default()
+    };
     let specs = specs();
     println!(
         "validate benchmark: {nodes} GPU nodes, {} specs, {calls} calls each",

@@ -265,6 +265,16 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
         ),
         // Multi-node replicas (issue 18): applied after a read, like every owned object.
         ("leaderworkerset.x-k8s.io", &["leaderworkersets"], SWEPT, "*"),
+        // Routing (issue 30): the router's Role, and what that Role grants (a Role can only
+        // be created by someone who holds its rules); the InferencePool where it is served.
+        ("rbac.authorization.k8s.io", &["roles"], SWEPT, "*"),
+        (
+            "discovery.k8s.io",
+            &["endpointslices"],
+            &["get", "list", "watch"],
+            "*",
+        ),
+        ("inference.networking.k8s.io", &["inferencepools"], SWEPT, "*"),
         (
             "coordination.k8s.io",
             &["kvfleet-system/leases"],

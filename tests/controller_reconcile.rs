@@ -406,7 +406,7 @@ fn not_found() -> Reply {
 /// the default spec (2 replicas, kvfleet, no `network`) wants.
 const LOOKUPS: usize = 6;
 /// The orphan sweep: one LIST per managed kind.
-const SWEEP: usize = 8;
+const SWEEP: usize = 9;
 /// Requests of [`children_apply_calls`]`(true)`: the reads, the applies and the sweep.
 const CHILDREN: usize = LOOKUPS + 6 + SWEEP;
 
@@ -445,6 +445,7 @@ fn children_apply_calls(replicas_pdb: bool) -> Vec<Call> {
 const SWEPT: [(&str, &str); SWEEP] = [
     ("v1", "configmaps"),
     ("v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "roles"),
     ("rbac.authorization.k8s.io/v1", "rolebindings"),
     ("networking.k8s.io/v1", "networkpolicies"),
     ("apps/v1", "deployments"),
@@ -1758,4 +1759,175 @@ async fn removing_spec_network_deletes_our_policy_and_never_someone_elses() {
         condition(&seen[CHILDREN].body, "Degraded")["reason"],
         "OwnershipConflict"
     );
+}
+
+// === routing (issue 30) ===
+
+const POOL_DISCOVERY: &str = "/apis/inference.networking.k8s.io/v1";
+
+/// `llama` behind the kvfleet router (the stand-in rules admit it on the RTX 3090 node).
+fn routed_llama(generation: i64) -> InferenceDeployment {
+    let mut o = inference_deployment(generation, 2);
+    o.spec.routing = Some(serde_json::from_value(json!({"mode": "kvfleet"})).unwrap());
+    o
+}
+
+#[tokio::test]
+async fn mode_kvfleet_applies_the_router_and_its_identity_and_points_the_service_at_it() {
+    let mut h = harness(&[gpu_node("gpu-1")]);
+    let rbac = "rbac.authorization.k8s.io/v1";
+    let paths = [
+        ns_path("v1", "configmaps", "llama-config"),
+        ns_path("v1", "serviceaccounts", "llama-worker"),
+        ns_path(rbac, "rolebindings", "llama-worker"),
+        ns_path("v1", "serviceaccounts", "llama-router"),
+        ns_path(rbac, "roles", "llama-router"),
+        ns_path(rbac, "rolebindings", "llama-router"),
+        ns_path("apps/v1", "deployments", "llama"),
+        ns_path("v1", "services", "llama-workers"),
+        ns_path("apps/v1", "deployments", "llama-router"),
+        ns_path("v1", "services", "llama"),
+        ns_path("policy/v1", "poddisruptionbudgets", "llama"),
+        ns_path("policy/v1", "poddisruptionbudgets", "llama-router"),
+    ];
+    let mut calls = reads_applies_and_sweep(&paths);
+    calls.push(apply_call(STATUS));
+    calls.push(call("POST", EVENTS, Reply::Echo));
+    let (result, seen) = run_pass(&mut h, guard(routed_llama(1)), calls).await;
+    assert_eq!(result.unwrap(), Action::requeue(RESYNC));
+    let applied = &seen[paths.len()..2 * paths.len()];
+    for (s, kind) in applied.iter().zip([
+        "ConfigMap",
+        "ServiceAccount",
+        "RoleBinding",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "Service",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
+    ]) {
+        assert_applied(s, kind);
+    }
+    assert_eq!(
+        applied[4].body["rules"][0]["resources"],
+        json!(["endpointslices"])
+    );
+    assert_eq!(applied[7].body["spec"]["clusterIP"], "None");
+    let router = &applied[8].body["spec"];
+    assert_eq!(router["replicas"], 2);
+    assert_eq!(router["template"]["spec"]["containers"][0]["args"][0], "router");
+    assert_eq!(
+        applied[9].body["spec"]["selector"],
+        json!({"kvfleet.io/router": "llama"}),
+        "the Service selects the router"
+    );
+    // Status still reads the workers' Deployment.
+    let status = &seen[2 * paths.len() + SWEEP].body;
+    assert_eq!(
+        status["status"]["selector"],
+        "kvfleet.io/inference-deployment=llama"
+    );
+    assert_eq!(condition(status, "Compatible")["status"], "True");
+}
+
+/// `llama` on vLLM in an InferencePool, judged by the real rules on two H100 nodes.
+fn pooled_llama(generation: i64) -> InferenceDeployment {
+    let mut o = inference_deployment(generation, 1);
+    o.spec = serde_json::from_value(json!({
+        "replicas": 1,
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct",
+                  "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128},
+                  "weights": {"format": "dummy"}},
+        "engine": {"runtime": "vllm"},
+        "routing": {"mode": "inferencePool", "endpointPicker": {"name": "llama-epp", "port": 9002}}
+    }))
+    .unwrap();
+    o
+}
+
+#[tokio::test]
+async fn without_the_inference_pool_crd_mode_inference_pool_is_denied_naming_the_crd_and_looked_at_again() {
+    let mut h = multi_node_harness();
+    let calls = vec![
+        // Discovery: the API server does not serve inference.networking.k8s.io/v1.
+        call("GET", POOL_DISCOVERY, not_found()),
+        call("GET", ns_path("apps/v1", "deployments", "llama"), not_found()),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(pooled_llama(1)), calls).await;
+    assert_eq!(
+        result.unwrap(),
+        Action::requeue(kvfleet::controller::reconcile::CRD_RETRY)
+    );
+    let status = &seen[2].body;
+    let c = condition(status, "Compatible");
+    assert_eq!(c["status"], "False", "{status}");
+    assert_eq!(c["reason"], "InferencePoolCrdMissing");
+    let msg = c["message"].as_str().unwrap();
+    assert!(
+        msg.contains("inferencepools.inference.networking.k8s.io") && msg.contains("routing mode service"),
+        "{msg}"
+    );
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Warning".into(), "InferencePoolCrdMissing".into())]
+    );
+    assert!(!h.ctx.inference_pool.load(std::sync::atomic::Ordering::Relaxed));
+}
+
+#[tokio::test]
+async fn with_the_crd_mode_inference_pool_applies_the_pool_and_sweeps_inference_pools() {
+    let mut h = multi_node_harness();
+    let resources = json!({"kind": "APIResourceList", "apiVersion": "v1",
+        "groupVersion": "inference.networking.k8s.io/v1",
+        "resources": [{"name": "inferencepools", "singularName": "inferencepool",
+                       "namespaced": true, "kind": "InferencePool",
+                       "verbs": ["get", "list", "watch", "create", "patch", "delete"]}]});
+    let pool = ns_path("inference.networking.k8s.io/v1", "inferencepools", "llama");
+    let wanted = [
+        ns_path("v1", "serviceaccounts", "llama-worker"),
+        ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
+        ns_path("apps/v1", "deployments", "llama"),
+        ns_path("v1", "services", "llama"),
+        pool.clone(),
+    ];
+    let mut calls = vec![call("GET", POOL_DISCOVERY, Reply::Json(200, resources))];
+    calls.extend(reads_applies_and_sweep(&wanted));
+    // Served: the sweep lists InferencePools after the other kinds; ours is wanted.
+    calls.push(call(
+        "GET",
+        list_path("inference.networking.k8s.io/v1", "inferencepools"),
+        Reply::Json(
+            200,
+            object_list(vec![ours(
+                "inference.networking.k8s.io/v1",
+                "InferencePool",
+                "llama",
+            )]),
+        ),
+    ));
+    calls.extend([apply_call(STATUS), call("POST", EVENTS, Reply::Echo)]);
+    let (result, seen) = run_pass(&mut h, guard(pooled_llama(1)), calls).await;
+    result.unwrap();
+    let applied = &seen[1 + wanted.len() + 4];
+    assert_applied(applied, "InferencePool");
+    assert_eq!(
+        applied.body["spec"],
+        json!({"selector": {"matchLabels": {"kvfleet.io/inference-deployment": "llama"}},
+               "targetPorts": [{"number": 8000}],
+               "endpointPickerRef": {"name": "llama-epp", "port": {"number": 9002}}})
+    );
+    // The workers publish KV events for the endpoint picker.
+    let dep = &seen[1 + wanted.len() + 2].body;
+    let args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap();
+    assert!(args.iter().any(|a| a == "--kv-events-config"), "{args:?}");
+    assert!(seen.iter().all(|s| s.method != "DELETE"));
+    assert!(h.ctx.inference_pool.load(std::sync::atomic::Ordering::Relaxed));
 }

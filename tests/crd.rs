@@ -456,3 +456,33 @@ fn weights_name_at_most_one_source() {
     });
     assert!(errs.is_empty(), "{errs:#?}");
 }
+
+#[test]
+fn routing_needs_an_endpoint_picker_for_an_inference_pool_and_its_port_when_it_is_a_service() {
+    let errs = errors_after(|v| v["spec"]["routing"] = json!({"mode": "inferencePool"}));
+    assert!(
+        errs.iter()
+            .any(|e| e.contains("routing.endpointPicker is required when routing.mode is inferencePool")),
+        "{errs:?}"
+    );
+    let errs = errors_after(|v| {
+        v["spec"]["routing"] = json!({"mode": "inferencePool", "endpointPicker": {"name": "epp"}});
+    });
+    assert!(
+        errs.iter().any(|e| e.contains("endpointPicker.port is required")),
+        "{errs:?}"
+    );
+    for ok in [
+        json!({"mode": "inferencePool", "endpointPicker": {"name": "epp", "port": 9002, "failureMode": "FailOpen"}}),
+        json!({"mode": "inferencePool", "endpointPicker": {"name": "epp", "kind": "Gateway", "group": "example.com"}}),
+        json!({"mode": "kvfleet", "router": {"replicas": 3, "resources": {"requests": {"cpu": "1"}}}}),
+        json!({"mode": "service"}),
+    ] {
+        let errs = errors_after(|v| v["spec"]["routing"] = ok.clone());
+        assert!(errs.is_empty(), "{ok}: {errs:?}");
+    }
+    let errs = errors_after(|v| v["spec"]["routing"] = json!({"mode": "gateway"}));
+    assert!(!errs.is_empty(), "an unknown mode is refused");
+    let errs = errors_after(|v| v["spec"]["routing"] = json!({"mode": "kvfleet", "router": {"replicas": 0}}));
+    assert!(!errs.is_empty(), "at least one router pod");
+}

@@ -170,6 +170,7 @@ fn cluster_facts() -> ClusterFacts {
             .iter()
             .map(|n| NodeFacts::from_node(&serde_json::from_value::<Node>(n.clone()).unwrap()))
             .collect(),
+        ..ClusterFacts::default()
     }
 }
 

@@ -170,7 +170,7 @@ fn every_step_is_admitted_and_wants_what_the_e2e_expects() {
 
 /// Every kind the controller creates (monitors aside: no monitoring API here).
 fn managed_kinds() -> Vec<ApiResource> {
-    kvfleet::controller::owned::managed_kinds(None)
+    kvfleet::controller::owned::managed_kinds(None, false)
 }
 
 /// "Kind name" of every object in NS with kvfleet's labels for NAME, and whether it carries

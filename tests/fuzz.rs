@@ -577,7 +577,13 @@ fn nodes_with_hostile_labels_do_not_break_validation() {
         "model": {"name": "m", "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128}}
     }))
     .unwrap();
-    let _ = validate::validate(&spec, &ClusterFacts { nodes });
+    let _ = validate::validate(
+        &spec,
+        &ClusterFacts {
+            nodes,
+            ..ClusterFacts::default()
+        },
+    );
 }
 
 // === tokenizer.json ===

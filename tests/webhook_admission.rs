@@ -25,6 +25,7 @@ use webhook_support::*;
 fn facts(nodes: &[Node]) -> ClusterFacts {
     ClusterFacts {
         nodes: nodes.iter().map(NodeFacts::from_node).collect(),
+        ..ClusterFacts::default()
     }
 }
 
@@ -1428,4 +1429,86 @@ fn every_bound_of_the_spec_is_denied_in_a_review_naming_the_field_and_the_bound(
         let text = json["response"]["status"]["message"].as_str().unwrap();
         assert!(text.contains(&message), "{path}: want {message:?} in {text}");
     }
+}
+
+// === routing (issue 30) ===
+
+/// The nvfp4 vLLM fixture (admitted on a B200) with `routing` set.
+fn routed_body(routing: Value) -> Vec<u8> {
+    let mut v: Value = serde_json::from_slice(&fixture("create-nvfp4-vllm.json")).unwrap();
+    v["request"]["object"]["spec"]["routing"] = routing;
+    serde_json::to_vec(&v).unwrap()
+}
+
+#[test]
+fn a_kvfleet_router_in_front_of_vllm_workers_is_denied_naming_the_object_field_reason_and_fix() {
+    let body = routed_body(serde_json::json!({"mode": "kvfleet"}));
+    let nodes = facts(&[gpu_node("b200-0", B200, 10, 0, 8)]);
+    let json = assert_well_formed(&review(&body, &nodes), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false, "{json}");
+    let status = &json["response"]["status"];
+    assert_eq!(status["code"], 422);
+    // kubectl: The InferenceDeployment "llama-nvfp4" is invalid: spec.routing.mode: ...
+    assert_eq!(status["details"]["name"], "llama-nvfp4");
+    assert_eq!(status["details"]["kind"], "InferenceDeployment");
+    let cause = &status["details"]["causes"][0];
+    assert_eq!(cause["field"], "spec.routing.mode");
+    assert_eq!(cause["reason"], "RouterNeedsKvfleetRuntime");
+    let message = status["message"].as_str().unwrap();
+    println!("denied the request: {message}");
+    assert!(message.starts_with("spec.routing.mode: "), "{message}");
+    for text in [
+        "runtime vllm",
+        "tokenizer",
+        "inferencePool",
+        "endpoint picker",
+        "runtime to kvfleet",
+    ] {
+        assert!(message.contains(text), "{text:?} not in {message}");
+    }
+    // The same workers in an InferencePool, or in the plain Service, are admitted.
+    for routing in [
+        serde_json::json!({"mode": "service"}),
+        serde_json::json!({"mode": "inferencePool", "endpointPicker": {"name": "epp", "port": 9002}}),
+    ] {
+        let body = routed_body(routing.clone());
+        let json = assert_well_formed(&review(&body, &nodes), Some(&uid_of(&body)));
+        assert_eq!(json["response"]["allowed"], true, "{routing}: {json}");
+    }
+}
+
+#[test]
+fn an_inference_pool_is_denied_naming_the_crd_while_discovery_says_it_is_not_served() {
+    let body = routed_body(
+        serde_json::json!({"mode": "inferencePool", "endpointPicker": {"name": "epp", "port": 9002}}),
+    );
+    let (cache, _writer) = synced_cache(vec![gpu_node("b200-0", B200, 10, 0, 8)]);
+    let allowed = |cache: &kvfleet::webhook::cache::NodeCache| {
+        let json = assert_well_formed(&review(&body, &cache.facts()), Some(&uid_of(&body)));
+        (json["response"]["allowed"] == true, json)
+    };
+    // Discovery has not answered yet: not judged (the controller judges again on its pass).
+    assert_eq!(cache.inference_pool_served(), None);
+    assert!(allowed(&cache).0);
+    cache.set_inference_pool_served(false);
+    let (ok, json) = allowed(&cache);
+    assert!(!ok, "{json}");
+    let status = &json["response"]["status"];
+    assert_eq!(status["details"]["name"], "llama-nvfp4");
+    let cause = &status["details"]["causes"][0];
+    assert_eq!(cause["field"], "spec.routing.mode");
+    assert_eq!(cause["reason"], "InferencePoolCrdMissing");
+    let message = status["message"].as_str().unwrap();
+    println!("denied the request: {message}");
+    for text in [
+        "inferencepools.inference.networking.k8s.io",
+        "inference.networking.k8s.io/v1",
+        "install it",
+        "routing mode service or kvfleet",
+    ] {
+        assert!(message.contains(text), "{text:?} not in {message}");
+    }
+    // The CRD installed: the next discovery answer rebuilds the facts and admits.
+    cache.set_inference_pool_served(true);
+    assert!(allowed(&cache).0);
 }

@@ -153,7 +153,10 @@ pub fn check(args: &CheckArgs) -> Result<Vec<Report>, CheckError> {
     let mut reports = Vec::new();
     for d in deployments {
         let facts = if given {
-            ClusterFacts { nodes: nodes.clone() }
+            ClusterFacts {
+                nodes: nodes.clone(),
+                ..ClusterFacts::default()
+            }
         } else {
             let selected: Vec<&str> = d
                 .spec

@@ -190,6 +190,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
         Some(identity),
     ));
     *ctx.monitor.write().unwrap_or_else(|p| p.into_inner()) = discover_monitor(&client).await;
+    discover_inference_pool(&ctx).await;
     tokio::spawn(refresh_monitor(ctx.clone(), stop_rx.clone()));
 
     let owned =
@@ -372,11 +373,30 @@ async fn refresh_monitor(ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
             _ = stop.wait_for(|s| *s) => return,
         }
         let found = discover_monitor(&ctx.client).await;
-        let mut m = ctx.monitor.write().unwrap_or_else(|p| p.into_inner());
-        if *m != found {
-            tracing::info!(monitor = ?found.as_ref().map(|f| &f.kind), "Prometheus Operator CRDs changed");
-            *m = found;
+        {
+            let mut m = ctx.monitor.write().unwrap_or_else(|p| p.into_inner());
+            if *m != found {
+                tracing::info!(monitor = ?found.as_ref().map(|f| &f.kind), "Prometheus Operator CRDs changed");
+                *m = found;
+            }
         }
+        discover_inference_pool(&ctx).await;
+    }
+}
+
+/// Whether the API server serves InferencePools, into the context (the sweep lists them only
+/// then); a failed discovery keeps what was known.
+async fn discover_inference_pool(ctx: &Context) {
+    match reconcile::inference_pool_served(&ctx.client).await {
+        Ok(served) => {
+            if ctx.inference_pool.swap(served, Ordering::Relaxed) != served {
+                tracing::info!(
+                    served,
+                    "InferencePool API (inference.networking.k8s.io/v1) changed"
+                );
+            }
+        }
+        Err(error) => tracing::debug!(error = %crate::error_chain(&error), "InferencePool discovery failed"),
     }
 }
 

@@ -13,7 +13,7 @@ use k8s_openapi::api::apps::v1::{Deployment, DeploymentStatus};
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::RoleBinding;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
@@ -105,6 +105,8 @@ impl OwnedSet {
             pdb,
             monitor: monitor_object,
             network_policy,
+            router,
+            inference_pool,
         } = want;
         let mut set = OwnedSet::new(obj)?;
         if let Some(o) = config_map {
@@ -116,7 +118,15 @@ impl OwnedSet {
         if let Some(o) = role_binding {
             set.add(o)?;
         }
+        if let Some(r) = router {
+            set.add(&r.service_account)?;
+            set.add(&r.role)?;
+            set.add(&r.role_binding)?;
+        }
         if let Some(o) = network_policy {
+            set.add(o)?;
+        }
+        if let Some(o) = router.as_ref().and_then(|r| r.network_policy.as_ref()) {
             set.add(o)?;
         }
         if let Some(o) = deployment {
@@ -125,9 +135,20 @@ impl OwnedSet {
         if let Some(o) = leader_worker_set {
             set.add_dynamic(desired::leader_worker_set_resource(), o.clone());
         }
+        // The router after the workers and the Service that lists them for it.
+        if let Some(r) = router {
+            set.add(&r.workers_service)?;
+            set.add(&r.deployment)?;
+        }
         set.add(service)?;
         if let Some(o) = pdb {
             set.add(o)?;
+        }
+        if let Some(r) = router {
+            set.add(&r.pdb)?;
+        }
+        if let Some(o) = inference_pool {
+            set.add_dynamic(desired::inference_pool_resource(), o.clone());
         }
         if let (Some(o), Some(kind)) = (monitor_object, monitor) {
             set.add_dynamic(kind.resource.clone(), o.clone());
@@ -270,12 +291,14 @@ impl OwnedSet {
 }
 
 /// Every kind the controller creates, in the order the orphan sweep lists them. The monitors
-/// only where discovery found the monitoring API: otherwise the set holds none even where
-/// ours might exist (discovery failed for a moment), and the sweep would delete them.
-pub fn managed_kinds(monitor: Option<&MonitorKind>) -> Vec<ApiResource> {
+/// only where discovery found the monitoring API, and InferencePools only where the API
+/// server serves them (`inference_pool`): otherwise the set holds none even where ours might
+/// exist (discovery failed for a moment), and the sweep would delete them.
+pub fn managed_kinds(monitor: Option<&MonitorKind>, inference_pool: bool) -> Vec<ApiResource> {
     let mut kinds = vec![
         ApiResource::erase::<ConfigMap>(&()),
         ApiResource::erase::<ServiceAccount>(&()),
+        ApiResource::erase::<Role>(&()),
         ApiResource::erase::<RoleBinding>(&()),
         ApiResource::erase::<NetworkPolicy>(&()),
         ApiResource::erase::<Deployment>(&()),
@@ -283,6 +306,9 @@ pub fn managed_kinds(monitor: Option<&MonitorKind>) -> Vec<ApiResource> {
         ApiResource::erase::<Service>(&()),
         ApiResource::erase::<PodDisruptionBudget>(&()),
     ];
+    if inference_pool {
+        kinds.push(desired::inference_pool_resource());
+    }
     if let Some(m) = monitor {
         for (kind, plural) in [
             ("ServiceMonitor", "servicemonitors"),
@@ -298,12 +324,21 @@ pub fn managed_kinds(monitor: Option<&MonitorKind>) -> Vec<ApiResource> {
     kinds
 }
 
-/// The workload among `objects` in the shape status reads: the Deployment, else the
-/// LeaderWorkerSet's groups as replicas.
+/// The workload among `objects` in the shape status reads: the workers' Deployment (never the
+/// router's), else the LeaderWorkerSet's groups as replicas.
 pub fn workload(objects: &[Owned]) -> Result<Option<Deployment>, Error> {
     let deployment = ApiResource::erase::<Deployment>(&());
     let lws = desired::leader_worker_set_resource();
-    if let Some(o) = objects.iter().find(|o| same_kind(&o.resource, &deployment)) {
+    let workers = |o: &&Owned| {
+        o.object.data["spec"]["selector"]["matchLabels"]
+            .get(desired::ROUTER_LABEL)
+            .is_none()
+    };
+    if let Some(o) = objects
+        .iter()
+        .filter(|o| same_kind(&o.resource, &deployment))
+        .find(workers)
+    {
         let d = serde_json::to_value(&o.object)
             .and_then(serde_json::from_value)
             .map_err(|e| Error::kube(format!("read {}", o.describe()), kube::Error::SerdeError(e)))?;
@@ -464,15 +499,85 @@ mod tests {
         }
     }
 
+    /// The kvfleet spec of [`everything`] behind kvfleet's router.
+    fn routed() -> (InferenceDeployment, Desired) {
+        let (mut obj, _) = everything();
+        obj.spec.routing = Some(serde_json::from_value(json!({"mode": "kvfleet"})).unwrap());
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let d = desired(&obj, &v, &Settings::default(), Some(&service_monitor())).unwrap();
+        (obj, d)
+    }
+
+    /// A vLLM spec in an InferencePool.
+    fn pooled() -> (InferenceDeployment, Desired) {
+        let mut obj = fixture(VLLM_RTX5090);
+        obj.spec.routing = Some(
+            serde_json::from_value(json!({"mode": "inferencePool",
+                                          "endpointPicker": {"name": "epp", "port": 9002}}))
+            .unwrap(),
+        );
+        let v = verdict("fp8", "FLASH_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        (obj, d)
+    }
+
+    #[test]
+    fn a_routed_set_adds_the_routers_identity_first_and_its_workload_after_the_workers() {
+        let (obj, d) = routed();
+        let set = OwnedSet::of(&obj, &d, Some(&service_monitor())).unwrap();
+        let described: Vec<String> = set.objects().iter().map(Owned::describe).collect();
+        assert_eq!(
+            described,
+            [
+                "ConfigMap llama-config",
+                "ServiceAccount llama-worker",
+                "RoleBinding llama-worker",
+                "ServiceAccount llama-router",
+                "Role llama-router",
+                "RoleBinding llama-router",
+                "NetworkPolicy llama-worker",
+                "NetworkPolicy llama-router",
+                "Deployment llama",
+                "Service llama-workers",
+                "Deployment llama-router",
+                "Service llama",
+                "PodDisruptionBudget llama",
+                "PodDisruptionBudget llama-router",
+                "ServiceMonitor llama",
+            ]
+        );
+        // Status reads the workers' Deployment, not the router's.
+        let mut objects = set.objects().to_vec();
+        objects.swap(8, 10);
+        let w = workload(&objects).unwrap().unwrap();
+        assert_eq!(w.metadata.name.as_deref(), Some("llama"));
+        let (obj, d) = pooled();
+        let set = OwnedSet::of(&obj, &d, None).unwrap();
+        assert_eq!(
+            kinds(&set),
+            [
+                "ServiceAccount",
+                "RoleBinding",
+                "Deployment",
+                "Service",
+                "InferencePool"
+            ]
+        );
+    }
+
     #[test]
     fn every_kind_a_set_can_hold_is_one_the_sweep_lists() {
         let monitor = service_monitor();
-        let swept = managed_kinds(Some(&monitor));
+        let swept = managed_kinds(Some(&monitor), true);
         let (a, da) = everything();
         let (b, db) = multi_node();
+        let (c, dc) = routed();
+        let (e, de) = pooled();
         let sets = [
             OwnedSet::of(&a, &da, Some(&monitor)).unwrap(),
             OwnedSet::of(&b, &db, None).unwrap(),
+            OwnedSet::of(&c, &dc, Some(&monitor)).unwrap(),
+            OwnedSet::of(&e, &de, None).unwrap(),
         ];
         for o in sets.iter().flat_map(|s| s.objects()) {
             assert!(
@@ -494,8 +599,20 @@ mod tests {
     #[test]
     fn without_the_monitoring_api_discovered_no_monitor_is_swept() {
         // Discovery may fail for a moment while ours exist: the set would hold none of them.
-        let kinds: Vec<String> = managed_kinds(None).into_iter().map(|k| k.kind).collect();
+        let kinds: Vec<String> = managed_kinds(None, false).into_iter().map(|k| k.kind).collect();
         assert!(!kinds.iter().any(|k| k.ends_with("Monitor")), "{kinds:?}");
+    }
+
+    #[test]
+    fn inference_pools_are_swept_only_where_the_api_server_serves_them() {
+        let kinds =
+            |served| -> Vec<String> { managed_kinds(None, served).into_iter().map(|k| k.kind).collect() };
+        assert!(!kinds(false).contains(&"InferencePool".to_string()));
+        assert!(kinds(true).contains(&"InferencePool".to_string()));
+        assert!(
+            kinds(false).contains(&"Role".to_string()),
+            "the router's Role always"
+        );
     }
 
     #[test]

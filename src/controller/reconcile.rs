@@ -3,6 +3,7 @@
 //! policy and what the controller remembers per object.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 
-use crate::api::{InferenceDeployment, InferenceDeploymentSpec, Runtime};
+use crate::api::{inference_pool, InferenceDeployment, InferenceDeploymentSpec, RoutingMode, Runtime};
 use crate::contract::exit;
 use crate::validate::{ClusterFacts, NodeFacts, Verdict};
 
@@ -36,7 +37,7 @@ const CONFLICT_RETRIES: usize = 3;
 /// How often an object blocked by an object kvfleet did not create is looked at again
 /// (deleting the blocking object wakes no watch of ours).
 pub const OWNERSHIP_RETRY: Duration = Duration::from_secs(60);
-/// How often an object waiting for the LeaderWorkerSet CRD is looked at again.
+/// How often an object waiting for a CRD (LeaderWorkerSet, InferencePool) is looked at again.
 pub const CRD_RETRY: Duration = Duration::from_secs(30);
 /// Degraded reason (and Event reason) when an object of a name kvfleet would create
 /// exists and is not owned by this InferenceDeployment.
@@ -76,6 +77,10 @@ pub struct Context {
     pub nodes: Store<Node>,
     /// ServiceMonitor or PodMonitor resource when the Prometheus Operator CRDs exist.
     pub monitor: RwLock<Option<MonitorKind>>,
+    /// Whether the API server served InferencePools when last asked (at start, every few
+    /// minutes, and on each pass of a spec that routes through one): the sweep lists them
+    /// only then.
+    pub inference_pool: AtomicBool,
     pub settings: Settings,
     pub metrics: Metrics,
     pub validate: ValidateFn,
@@ -104,6 +109,7 @@ impl Context {
             client,
             nodes,
             monitor: RwLock::new(None),
+            inference_pool: AtomicBool::new(false),
             settings,
             metrics,
             validate: crate::validate::validate,
@@ -122,7 +128,10 @@ impl Context {
             .map(|n| NodeFacts::from_node(n))
             .collect();
         nodes.sort_by(|a, b| a.name.cmp(&b.name));
-        ClusterFacts { nodes }
+        ClusterFacts {
+            nodes,
+            ..ClusterFacts::default()
+        }
     }
 
     fn monitor_kind(&self) -> Option<MonitorKind> {
@@ -311,7 +320,14 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     let preflight_failures = ctx.metrics.preflight_failures.with_label_values(&[&ns, &name]);
     // validate:: denies what the worker cannot run (runtime kvfleet without model.geometry,
     // or with tensor parallelism), as the webhook does: nothing admitted is stranded here.
-    let mut verdict = (ctx.validate)(&obj.spec, &ctx.cluster_facts());
+    let mut facts = ctx.cluster_facts();
+    if obj.spec.routing_mode() == RoutingMode::InferencePool {
+        // Asked on each such pass, so installing the CRD later lifts the denial on the next.
+        let served = inference_pool_served(&ctx.client).await?;
+        ctx.inference_pool.store(served, Ordering::Relaxed);
+        facts.inference_pool_served = Some(served);
+    }
+    let mut verdict = (ctx.validate)(&obj.spec, &facts);
     // Replicas that span nodes run as a LeaderWorkerSet: without its CRD, deny with the fix.
     if verdict.allowed() && verdict.multi_node.is_some() && !leader_worker_set_installed(&ctx.client).await? {
         deny_without_leader_worker_set(&obj.spec, &mut verdict);
@@ -376,7 +392,7 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     } else if verdict
         .denials
         .iter()
-        .any(|d| d.reason == LEADER_WORKER_SET_MISSING)
+        .any(|d| d.reason == LEADER_WORKER_SET_MISSING || d.reason == crate::validate::INFERENCE_POOL_MISSING)
     {
         // Installing a CRD wakes no watch of ours: look again for it.
         Action::requeue(CRD_RETRY)
@@ -450,8 +466,12 @@ async fn apply_owned(obj: &InferenceDeployment, verdict: &Verdict, ctx: &Context
         });
     }
     let applied = set.apply(&ctx.client).await?;
-    set.delete_orphans(&ctx.client, &owned::managed_kinds(monitor.as_ref()))
-        .await?;
+    let inference_pool = ctx.inference_pool.load(Ordering::Relaxed);
+    set.delete_orphans(
+        &ctx.client,
+        &owned::managed_kinds(monitor.as_ref(), inference_pool),
+    )
+    .await?;
     Ok(Outcome {
         workload: owned::workload(&applied)?,
         foreign: Vec::new(),
@@ -467,9 +487,31 @@ pub const LEADER_WORKER_SET_MISSING: &str = "LeaderWorkerSetCrdMissing";
 /// Whether the API server serves leaderworkersets (leaderworkerset.x-k8s.io/v1), asked on
 /// each pass that needs it, so installing the CRD later lifts the denial on the next pass.
 pub async fn leader_worker_set_installed(client: &Client) -> Result<bool, Error> {
-    let gv = format!("{}/{}", desired::LWS_GROUP, desired::LWS_VERSION);
+    served(
+        client,
+        desired::LWS_GROUP,
+        desired::LWS_VERSION,
+        desired::LWS_PLURAL,
+    )
+    .await
+}
+
+/// Whether the API server serves inferencepools (inference.networking.k8s.io/v1).
+pub async fn inference_pool_served(client: &Client) -> Result<bool, Error> {
+    served(
+        client,
+        inference_pool::GROUP,
+        inference_pool::VERSION,
+        inference_pool::PLURAL,
+    )
+    .await
+}
+
+/// Whether discovery lists `plural` in `group/version` (a 404: the group version is not served).
+async fn served(client: &Client, group: &str, version: &str, plural: &str) -> Result<bool, Error> {
+    let gv = format!("{group}/{version}");
     match client.list_api_group_resources(&gv).await {
-        Ok(list) => Ok(list.resources.iter().any(|r| r.name == desired::LWS_PLURAL)),
+        Ok(list) => Ok(list.resources.iter().any(|r| r.name == plural)),
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
         Err(source) => Err(Error::kube(format!("discover {gv}"), source)),
     }

@@ -1,8 +1,10 @@
-//! The webhook's view of the cluster: a reflector store of Nodes fed by a watch, and the
-//! [`ClusterFacts`] derived from it. No API call happens on the request path: a request
-//! reads an `Arc` snapshot that is rebuilt only after a node's GPU facts changed.
+//! The webhook's view of the cluster: a reflector store of Nodes fed by a watch, whether the
+//! API server serves InferencePools (asked by discovery every [`API_PROBE_INTERVAL`]), and
+//! the [`ClusterFacts`] derived from both. No API call happens on the request path: a request
+//! reads an `Arc` snapshot that is rebuilt only after a node's GPU facts or a served API
+//! changed.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,9 @@ use crate::validate::{ClusterFacts, NodeFacts};
 pub const STALE_AFTER: Duration = Duration::from_secs(90);
 /// How often the API server is asked for one node, so a quiet watch is told from a dead one.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(30);
+/// How often discovery is asked whether InferencePools are served: an InferenceDeployment of
+/// `routing.mode: inferencePool` is admitted at most this long after the CRD is installed.
+pub const API_PROBE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Read side of the node cache, shared by the request handlers.
 pub struct NodeCache {
@@ -32,6 +37,8 @@ pub struct NodeCache {
     last_ok_ms: AtomicU64,
     epoch: Instant,
     stale_after: Duration,
+    /// InferencePools served: 0 not known yet, 1 no, 2 yes.
+    inference_pool: AtomicU8,
 }
 
 /// Write side: applies watch events to the store and tells readers what changed.
@@ -56,6 +63,7 @@ pub fn node_cache_stale_after(stale_after: Duration) -> (Arc<NodeCache>, NodeCac
         last_ok_ms: AtomicU64::new(0),
         epoch: Instant::now(),
         stale_after,
+        inference_pool: AtomicU8::new(0),
     });
     (cache.clone(), NodeCacheWriter { writer, cache })
 }
@@ -99,6 +107,42 @@ impl NodeCache {
         }
     }
 
+    /// Records whether the API server serves InferencePools; a change rebuilds the facts.
+    pub fn set_inference_pool_served(&self, served: bool) {
+        let v = if served { 2 } else { 1 };
+        if self.inference_pool.swap(v, Ordering::AcqRel) != v {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Whether the API server serves InferencePools; `None` until discovery first answered.
+    pub fn inference_pool_served(&self) -> Option<bool> {
+        match self.inference_pool.load(Ordering::Acquire) {
+            0 => None,
+            v => Some(v == 2),
+        }
+    }
+
+    /// Asks discovery every `interval`, for ever, whether InferencePools
+    /// (inference.networking.k8s.io/v1) are served. A failed answer keeps what was known.
+    pub async fn probe_apis(self: Arc<Self>, client: kube::Client, interval: Duration) {
+        use crate::api::inference_pool;
+        let gv = format!("{}/{}", inference_pool::GROUP, inference_pool::VERSION);
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            match tokio::time::timeout(interval, client.list_api_group_resources(&gv)).await {
+                Ok(Ok(list)) => self.set_inference_pool_served(
+                    list.resources.iter().any(|r| r.name == inference_pool::PLURAL),
+                ),
+                Ok(Err(kube::Error::Api(s))) if s.code == 404 => self.set_inference_pool_served(false),
+                Ok(Err(error)) => tracing::warn!(%error, "discovery of {gv} failed; keeping what was known"),
+                Err(_) => tracing::warn!(timeout_s = interval.as_secs_f64(), "discovery of {gv} timed out"),
+            }
+        }
+    }
+
     /// Nodes in the cache.
     pub fn len(&self) -> usize {
         self.store.len()
@@ -124,7 +168,11 @@ impl NodeCache {
                 .map(|n| NodeFacts::from_node(n))
                 .collect();
             nodes.sort_by(|a, b| a.name.cmp(&b.name));
-            *snapshot = (generation, Arc::new(ClusterFacts { nodes }));
+            let facts = ClusterFacts {
+                nodes,
+                inference_pool_served: self.inference_pool_served(),
+            };
+            *snapshot = (generation, Arc::new(facts));
         }
         snapshot.1.clone()
     }

@@ -173,6 +173,12 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
             .clone()
             .probe(Api::<Node>::all(client.clone()), cache::PROBE_INTERVAL),
     );
+    tokio::spawn(
+        state
+            .cache
+            .clone()
+            .probe_apis(client.clone(), cache::API_PROBE_INTERVAL),
+    );
 
     let interval = Duration::from_secs(tls_args.tls_reload_seconds);
     let rustls = match tls_args.tls_mode {

@@ -137,7 +137,7 @@ pub(super) fn set_gpu_count(resources: &mut ResourceRequirements, gpus: Quantity
     }
 }
 
-fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
+pub(super) fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.into()),
@@ -175,7 +175,7 @@ pub fn startup_probe_failures(spec: &InferenceDeploymentSpec) -> i32 {
     failures as i32
 }
 
-fn pre_stop_sleep() -> Lifecycle {
+pub(super) fn pre_stop_sleep() -> Lifecycle {
     Lifecycle {
         pre_stop: Some(LifecycleHandler {
             sleep: Some(SleepAction {
@@ -189,7 +189,7 @@ fn pre_stop_sleep() -> Lifecycle {
 
 /// What the restricted Pod Security Standard asks of every container we render: no privilege
 /// escalation, no capabilities, non-root, and a read-only root filesystem.
-fn restricted_container() -> SecurityContext {
+pub(super) fn restricted_container() -> SecurityContext {
     SecurityContext {
         allow_privilege_escalation: Some(false),
         read_only_root_filesystem: Some(true),

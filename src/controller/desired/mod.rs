@@ -19,6 +19,8 @@
 //! | PodDisruptionBudget              | `pod_disruption_budget.rs` |
 //! | ServiceMonitor / PodMonitor      | `monitor.rs`               |
 //! | NetworkPolicy                    | `network_policy.rs`        |
+//! | the kvfleet router (routing)     | `router.rs`                |
+//! | InferencePool (routing)          | `inference_pool.rs`        |
 
 use std::collections::BTreeMap;
 
@@ -31,18 +33,22 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::api::{ApiResource, DynamicObject};
 use kube::{Resource, ResourceExt};
 
-use crate::api::{AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, Runtime};
+use crate::api::{
+    AttentionBackend, InferenceDeployment, InferenceDeploymentSpec, KvCacheDtype, RoutingMode, Runtime,
+};
 use crate::validate::Verdict;
 
 mod config_map;
 mod container;
 mod deployment;
+mod inference_pool;
 mod leader_worker_set;
 mod monitor;
 mod network_policy;
 mod pod;
 mod pod_disruption_budget;
 mod rbac;
+mod router;
 mod service;
 mod vllm;
 mod worker;
@@ -53,6 +59,7 @@ pub(crate) mod fixtures;
 pub use config_map::{CONFIG_HASH_ANNOTATION, WORKER_CONFIG_KEY};
 pub use container::{startup_probe_failures, CAPACITY_SIDECAR, STARTUP_PROBE_PERIOD_S};
 pub use deployment::rollout;
+pub use inference_pool::inference_pool_resource;
 pub use leader_worker_set::{
     leader_worker_set_resource, multi_node_args, LWS_GROUP, LWS_KIND, LWS_LEADER_ADDRESS_ENV, LWS_PLURAL,
     LWS_VERSION, LWS_WORKER_INDEX_LABEL, NODE_RANK_ENV,
@@ -61,6 +68,7 @@ pub use monitor::{monitor_relabelings, MONITOR_TARGET_LABEL};
 pub use network_policy::worker_network_policy;
 pub use pod::{PRE_STOP_SECONDS, RUN_AS_USER, TERMINATION_GRACE_SECONDS};
 pub use rbac::WORKER_CLUSTER_ROLE;
+pub use router::{routed_spec, router_args, router_selector_labels, Router, ROUTER_CONTAINER, ROUTER_LABEL};
 pub use vllm::{rendered_vllm_version, vllm_args, vllm_args_at, vllm_env, vllm_image, HF_CACHE_DIR};
 pub use worker::{worker_args, worker_config, worker_config_yaml, worker_model_source};
 
@@ -119,6 +127,11 @@ pub struct Desired {
     pub monitor: Option<DynamicObject>,
     /// Only when the spec sets `network`; otherwise an existing one of ours is removed.
     pub network_policy: Option<NetworkPolicy>,
+    /// Routing mode kvfleet: the router and what it needs.
+    pub router: Option<Router>,
+    /// Routing mode inferencePool: the InferencePool `<name>` (the controller applies it only
+    /// where the API server serves InferencePools; elsewhere the spec is denied).
+    pub inference_pool: Option<DynamicObject>,
 }
 
 /// The object lacks metadata the owned objects need.
@@ -145,6 +158,15 @@ pub fn worker_service_account_name(name: &str) -> String {
 }
 pub fn worker_network_policy_name(name: &str) -> String {
     format!("{name}-worker")
+}
+/// The router's Deployment, PodDisruptionBudget, ServiceAccount, Role, RoleBinding and
+/// NetworkPolicy (routing mode kvfleet).
+pub fn router_name(name: &str) -> String {
+    format!("{name}-router")
+}
+/// The headless Service whose EndpointSlices list the workers for the router.
+pub fn workers_service_name(name: &str) -> String {
+    format!("{name}-workers")
 }
 
 /// Labels selecting the pods of `name` (immutable once a Deployment exists).
@@ -253,8 +275,10 @@ pub fn desired(
     monitor: Option<&MonitorKind>,
 ) -> Result<Desired, DesiredError> {
     let owner = Owner::of(obj)?;
-    let spec = &obj.spec;
+    // Routed workers publish KV events whatever engine.kvEvents says.
+    let spec = &*router::routed_spec(&obj.spec);
     let runtime = spec.engine.runtime;
+    let mode = spec.routing_mode();
 
     let (config_map, config_hash) = match runtime {
         Runtime::Kvfleet => {
@@ -263,6 +287,8 @@ pub fn desired(
         }
         Runtime::Vllm => (None, None),
     };
+    let router =
+        (mode == RoutingMode::Kvfleet).then(|| router::router(&owner, spec, settings, config_hash.clone()));
     let template = pod::pod_template(&owner, spec, verdict, settings, config_hash);
     let (deployment, leader_worker_set) = match verdict.multi_node.filter(|_| runtime == Runtime::Vllm) {
         None => (Some(deployment::deployment(&owner, spec, template)), None),
@@ -273,7 +299,18 @@ pub fn desired(
             )),
         ),
     };
-    let service = service::service(&owner, leader_worker_set.is_some());
+    let service = service::service(&owner, leader_worker_set.is_some(), router.is_some());
+    let inference_pool = match (
+        mode,
+        spec.routing.as_ref().and_then(|r| r.endpoint_picker.as_ref()),
+    ) {
+        (RoutingMode::InferencePool, Some(picker)) => Some(inference_pool::inference_pool(
+            &owner,
+            picker,
+            leader_worker_set.is_some(),
+        )),
+        _ => None,
+    };
 
     Ok(Desired {
         config_map,
@@ -288,8 +325,13 @@ pub fn desired(
         monitor: monitor.map(|m| monitor::monitor(&owner, m)),
         network_policy: spec.network.as_ref().map(|net| {
             let kv_events = spec.engine.kv_events.as_ref().is_some_and(|k| k.enabled);
+            // Behind the router, the workers admit the router; the spec's peers reach the router.
+            let behind_router = router::workers_network(&owner.name);
+            let net = if router.is_some() { &behind_router } else { net };
             network_policy::network_policy(&owner, net, settings, kv_events)
         }),
+        router,
+        inference_pool,
     })
 }
 

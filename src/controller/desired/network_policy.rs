@@ -1,5 +1,7 @@
 //! The NetworkPolicy of the serving pods (only when the spec sets `network`).
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec,
 };
@@ -46,6 +48,15 @@ pub fn worker_network_policy(
     allow_from: &[NetworkPolicyPeer],
     metrics_from: &[NetworkPolicyPeer],
 ) -> NetworkPolicySpec {
+    ingress_policy(selector_labels(name), allow_from, metrics_from)
+}
+
+/// [`worker_network_policy`] of the pods `selector` selects (the router's too).
+pub(super) fn ingress_policy(
+    selector: BTreeMap<String, String>,
+    allow_from: &[NetworkPolicyPeer],
+    metrics_from: &[NetworkPolicyPeer],
+) -> NetworkPolicySpec {
     let rule = |from: &[NetworkPolicyPeer]| NetworkPolicyIngressRule {
         from: Some(from.to_vec()),
         ports: Some(vec![NetworkPolicyPort {
@@ -61,7 +72,7 @@ pub fn worker_network_policy(
         .collect();
     NetworkPolicySpec {
         pod_selector: Some(LabelSelector {
-            match_labels: Some(selector_labels(name)),
+            match_labels: Some(selector),
             ..LabelSelector::default()
         }),
         policy_types: Some(vec!["Ingress".into()]),

@@ -94,7 +94,7 @@ fn pod_metadata(
 
 /// Every volume of the pod of `name`, each with the serving container's mount of it: scratch
 /// space, the worker's configuration (kvfleet), the weights, the Hub cache (vLLM).
-fn volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<(Volume, VolumeMount)> {
+pub(super) fn volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<(Volume, VolumeMount)> {
     let runtime = spec.engine.runtime;
     let mut volumes = scratch_volumes();
     if runtime == Runtime::Kvfleet {
@@ -208,7 +208,7 @@ fn tolerations(overrides: &PodOverrides, cpu_only: bool) -> Option<Vec<Toleratio
 
 /// Non-root as [`RUN_AS_USER`] under the RuntimeDefault seccomp profile (the restricted Pod
 /// Security Standard).
-fn pod_security_context() -> PodSecurityContext {
+pub(super) fn pod_security_context() -> PodSecurityContext {
     PodSecurityContext {
         run_as_non_root: Some(true),
         run_as_user: Some(RUN_AS_USER),

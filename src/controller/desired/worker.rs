@@ -78,6 +78,11 @@ pub(super) fn config_volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<
     volumes
 }
 
+/// Where the worker (and the router) read `worker.yaml`.
+pub fn config_path() -> String {
+    format!("{CONFIG_DIR}/{WORKER_CONFIG_KEY}")
+}
+
 /// `kvfleet worker` arguments: the rendered config, and on top of it the values a reader of
 /// `kubectl describe pod` looks for (they equal the config's): the model path on the weights
 /// volume, the served name, the resolved KV dtype and the engine limits.

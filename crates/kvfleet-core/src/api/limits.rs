@@ -58,3 +58,5 @@ pub const ALLOW_FROM_MAX: usize = 32;
 /// Entries of one peer's label selector (matchLabels plus matchExpressions), values of one
 /// expression, and `ipBlock.except` entries.
 pub const PEER_TERMS_MAX: usize = 32;
+/// Pods of the kvfleet router (`routing.router.replicas`).
+pub const ROUTER_REPLICAS_MAX: i32 = 64;

@@ -72,7 +72,31 @@ pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
     if let Some(net) = &spec.network {
         network_peers(&mut b, &net.allow_from);
     }
+    if let Some(routing) = &spec.routing {
+        routing_bounds(&mut b, routing);
+    }
     b.denials
+}
+
+/// `routing`: router replicas and the endpoint picker's name.
+fn routing_bounds(b: &mut Bounds, routing: &crate::api::RoutingSpec) {
+    if let Some(r) = &routing.router {
+        b.int(
+            "spec.routing.router.replicas",
+            Some(i64::from(r.replicas)),
+            i64::from(ROUTER_REPLICAS_MAX),
+            "a few router pods serve a large fleet",
+        );
+    }
+    if let Some(p) = &routing.endpoint_picker {
+        b.len("spec.routing.endpointPicker.name", Some(&p.name), NAME_LEN_MAX);
+        b.len("spec.routing.endpointPicker.kind", p.kind.as_deref(), 63);
+        b.len(
+            "spec.routing.endpointPicker.group",
+            p.group.as_deref(),
+            NAME_LEN_MAX,
+        );
+    }
 }
 
 /// `model`: its name, geometry, ConfigMap reference and weights.

@@ -152,6 +152,11 @@ impl NodeFacts {
 #[serde(rename_all = "camelCase")]
 pub struct ClusterFacts {
     pub nodes: Vec<NodeFacts>,
+    /// Whether the API server serves InferencePools (inference.networking.k8s.io/v1, the
+    /// Gateway API Inference Extension CRD). `None`: not known (`kvfleet check`, or not asked
+    /// because the spec does not route through one), and then not judged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inference_pool_served: Option<bool>,
 }
 
 /// Errors of offline validation input.
@@ -181,5 +186,8 @@ pub fn synthetic_cluster(labels: &[&str]) -> Result<ClusterFacts, ValidateError>
             .insert(labels::PRODUCT.to_string(), label.trim().to_string());
         nodes.push(node);
     }
-    Ok(ClusterFacts { nodes })
+    Ok(ClusterFacts {
+        nodes,
+        ..ClusterFacts::default()
+    })
 }

@@ -19,6 +19,8 @@
 //!    it, so every replica runs the same configuration (`admit.rs`, `capacity.rs`).
 //! 5. Judges the declared products when no node matches (`scale_from_zero.rs`), and a
 //!    replica that needs more GPUs than a node has as spanning nodes (`multi_node.rs`).
+//! 6. Checks what the routing mode needs: the kvfleet runtime behind a kvfleet router, the
+//!    InferencePool CRD behind an InferencePool (`routing.rs`).
 
 use k8s_openapi::api::core::v1::NodeAffinity;
 use serde::Serialize;
@@ -32,6 +34,7 @@ mod capacity;
 mod facts;
 mod multi_node;
 mod nodes;
+mod routing;
 mod scale_from_zero;
 mod signatures;
 mod spec;
@@ -49,6 +52,7 @@ pub use facts::{
     SYNTHETIC_NODE_GPUS,
 };
 pub use multi_node::{multi_node_layout, MultiNode, INSUFFICIENT_NODES};
+pub use routing::{inference_pool_missing, INFERENCE_POOL_MISSING, ROUTER_NEEDS_KVFLEET_RUNTIME};
 pub use scale_from_zero::{declared_products, NO_MATCHING_NODES};
 pub use spec::{GPU_MEMORY_UTILIZATION_SAFE, GPU_MEMORY_UTILIZATION_WARN};
 
@@ -125,7 +129,8 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     }
     let on_nodes = validate_nodes(spec, facts);
     let judged = scale_from_zero::scale_from_zero(spec, on_nodes, validate_nodes);
-    multi_node::multi_node_checks(spec, facts, judged)
+    let judged = multi_node::multi_node_checks(spec, facts, judged);
+    routing::routing_checks(spec, facts, judged)
 }
 
 /// [`validate`] against the nodes only.

@@ -483,6 +483,7 @@ fn json(v: &Verdict) -> serde_json::Value {
 fn cluster(nodes: &[NodeFacts]) -> ClusterFacts {
     ClusterFacts {
         nodes: nodes.to_vec(),
+        ..ClusterFacts::default()
     }
 }
 

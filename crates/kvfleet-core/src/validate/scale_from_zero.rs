@@ -55,6 +55,7 @@ pub(super) fn scale_from_zero(
             .enumerate()
             .map(|(i, p)| NodeFacts::synthetic(format!("declared-{i}"), p, gpus))
             .collect(),
+        ..ClusterFacts::default()
     };
     // The declared nodes carry only GFD labels: pod.nodeSelector still applies to the pods.
     let mut declared_spec = spec.clone();

@@ -57,7 +57,10 @@ fn node(name: &str, product: &str, gpus: i64) -> NodeFacts {
 }
 
 fn cluster(nodes: Vec<NodeFacts>) -> ClusterFacts {
-    ClusterFacts { nodes }
+    ClusterFacts {
+        nodes,
+        ..ClusterFacts::default()
+    }
 }
 
 const LLAMA: &str = "

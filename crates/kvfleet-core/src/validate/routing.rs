@@ -1,0 +1,140 @@
+//! `spec.routing`: what each mode needs of the runtime and of the cluster.
+
+use super::{denial, ClusterFacts, Denial, Verdict};
+use crate::api::{inference_pool, InferenceDeploymentSpec, RoutingMode, Runtime};
+
+/// Reason of a kvfleet router in front of vLLM workers.
+pub const ROUTER_NEEDS_KVFLEET_RUNTIME: &str = "RouterNeedsKvfleetRuntime";
+/// Reason of `mode: inferencePool` where the API server serves no InferencePool.
+pub const INFERENCE_POOL_MISSING: &str = "InferencePoolCrdMissing";
+
+/// Adds the routing denials to `verdict`; a verdict they deny carries no resolution,
+/// affinity, nodes or capacity (see [`Verdict`]).
+pub(super) fn routing_checks(
+    spec: &InferenceDeploymentSpec,
+    facts: &ClusterFacts,
+    mut verdict: Verdict,
+) -> Verdict {
+    let denials: Vec<Denial> = [router_runtime(spec), inference_pool_served(spec, facts)]
+        .into_iter()
+        .flatten()
+        .collect();
+    if denials.is_empty() {
+        return verdict;
+    }
+    verdict.denials.extend(denials);
+    verdict.resolved = None;
+    verdict.node_affinity = None;
+    verdict.compatible_nodes.clear();
+    verdict.capacity = None;
+    verdict.capacity_basis = None;
+    verdict.multi_node = None;
+    verdict
+}
+
+/// The router loads the model's tokenizer from the kvfleet worker's config, which vLLM
+/// workers do not have.
+fn router_runtime(spec: &InferenceDeploymentSpec) -> Option<Denial> {
+    (spec.routing_mode() == RoutingMode::Kvfleet && spec.engine.runtime == Runtime::Vllm).then(|| {
+        denial(
+            "spec.routing.mode",
+            ROUTER_NEEDS_KVFLEET_RUNTIME,
+            "routing mode kvfleet runs kvfleet's router, which tokenizes each prompt with the model's tokenizer read from the kvfleet worker's configuration, and runtime vllm has none; for vLLM workers use routing mode inferencePool with llm-d's endpoint picker (routing.endpointPicker), or set engine.runtime to kvfleet".to_string(),
+        )
+    })
+}
+
+/// `mode: inferencePool` needs the Gateway API Inference Extension CRD.
+fn inference_pool_served(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Option<Denial> {
+    (spec.routing_mode() == RoutingMode::InferencePool && facts.inference_pool_served == Some(false))
+        .then(inference_pool_missing)
+}
+
+/// The denial of `mode: inferencePool` on an API server that serves no InferencePool.
+pub fn inference_pool_missing() -> Denial {
+    denial(
+        "spec.routing.mode",
+        INFERENCE_POOL_MISSING,
+        format!(
+            "routing mode inferencePool renders an {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the Gateway API Inference Extension CRD {crd} is not installed; install it (kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/{release}/manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet",
+            kind = inference_pool::KIND,
+            group = inference_pool::GROUP,
+            version = inference_pool::VERSION,
+            crd = inference_pool::CRD,
+            release = inference_pool::RELEASE,
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::{synthetic_cluster, validate};
+
+    fn spec(yaml: &str) -> InferenceDeploymentSpec {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    const KVFLEET: &str = "
+replicas: 2
+model:
+  name: m
+  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+  weights: {format: dummy}
+  weightBytes: 16Gi
+engine: {runtime: kvfleet}
+gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
+";
+
+    fn h100() -> ClusterFacts {
+        synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap()
+    }
+
+    #[test]
+    fn a_kvfleet_router_in_front_of_vllm_is_denied_with_both_fixes() {
+        let s = spec(&format!(
+            "{}routing: {{mode: kvfleet}}\n",
+            KVFLEET.replace("runtime: kvfleet", "runtime: vllm")
+        ));
+        let v = validate(&s, &h100());
+        let d = v
+            .denials
+            .iter()
+            .find(|d| d.reason == ROUTER_NEEDS_KVFLEET_RUNTIME)
+            .expect("denied");
+        assert_eq!(d.field, "spec.routing.mode");
+        assert!(
+            d.message.contains("inferencePool") && d.message.contains("runtime to kvfleet"),
+            "{}",
+            d.message
+        );
+        assert!(v.resolved.is_none() && v.node_affinity.is_none());
+        let ok = spec(&format!("{KVFLEET}routing: {{mode: kvfleet}}\n"));
+        assert!(validate(&ok, &h100()).allowed());
+    }
+
+    #[test]
+    fn an_inference_pool_is_denied_only_where_the_api_server_is_known_not_to_serve_it() {
+        let s = spec(&format!(
+            "{KVFLEET}routing: {{mode: inferencePool, endpointPicker: {{name: epp, port: 9002}}}}\n"
+        ));
+        let mut facts = h100();
+        assert!(validate(&s, &facts).allowed(), "not known: not judged");
+        facts.inference_pool_served = Some(true);
+        assert!(validate(&s, &facts).allowed());
+        facts.inference_pool_served = Some(false);
+        let v = validate(&s, &facts);
+        assert_eq!(v.denials.len(), 1, "{v:#?}");
+        assert_eq!(v.denials[0].reason, INFERENCE_POOL_MISSING);
+        assert!(
+            v.denials[0]
+                .message
+                .contains("inferencepools.inference.networking.k8s.io"),
+            "{}",
+            v.denials[0].message
+        );
+        // The service mode never asks for the CRD.
+        let plain = spec(KVFLEET);
+        assert!(validate(&plain, &facts).allowed());
+    }
+}
