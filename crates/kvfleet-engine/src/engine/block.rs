@@ -621,7 +621,10 @@ mod tests {
 
     #[test]
     fn free_tokens_count_a_sliding_group_only_while_it_is_short_of_a_window() {
-        let spec = |window, blocks| GroupSpec { window, num_blocks: blocks };
+        let spec = |window, blocks| GroupSpec {
+            window,
+            num_blocks: blocks,
+        };
         // 16-token pages, a global group of 100 pages and a 128-token-window group of 20.
         let mut kv = KvManager::new(16, &[spec(None, 100), spec(Some(128), 20)]);
         // A window of 128 with 64-token chunks needs at most 8 + 4 = 12 pages: 20 free limit nothing.
