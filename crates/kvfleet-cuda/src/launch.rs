@@ -2,13 +2,13 @@
 //! the device has it (sm_90 and later).
 //!
 //! A kernel launched with PDL may be started by the driver while the kernel before it in the
-//! stream is still draining its last blocks, which takes the launch latency (about 1.5 us on an
-//! H100) off every kernel boundary of a step. The contract, kept by every kernel launched here:
+//! stream is still draining its last blocks, which takes the launch latency off every kernel
+//! boundary of a step (bench/RESULTS.md). The contract, kept by every kernel launched here:
 //! its first statement is `kvf_wait_prior_grid()` (`griddepcontrol.wait`; in `kernels/model.cu`
 //! and `kernels/attention/common.cuh`), which returns once the previous kernel has completed and
 //! its writes are visible, so nothing is read or written early. Launched without the attribute
 //! (before sm_90) the wait is a no-op. No kernel here triggers its dependents early
-//! (`griddepcontrol.launch_dependents`): measured slower on an H100 (bench/RESULTS.md).
+//! (`griddepcontrol.launch_dependents`): measured slower (bench/RESULTS.md).
 //!
 //! cudarc's launch builder has no launch attributes, hence [`Launch`]: it collects the arguments
 //! the same way (device addresses of borrowed buffers, scalars) and launches raw.

@@ -232,10 +232,10 @@ impl KernelSpec {
         (self.tile_keys() / 16).min(4)
     }
 
-    /// Resident CTAs per SM that `kvf_decode`'s register budget must allow (its
-    /// `__launch_bounds__`). Measured on an H100 (bench/RESULTS.md): 3 helps fp8 and costs bf16
-    /// nothing; nvfp4 dequantizes in more registers and is faster unconstrained.
-    /// `__launch_bounds__` minimum CTAs per SM of `kvf_decode` (a register cap of 64K / (128 x n)).
+    /// Resident CTAs per SM that `kvf_decode`'s register budget must allow: the minimum CTAs
+    /// per SM of its `__launch_bounds__` (a register cap of 64K / (128 x n)). 3 helps fp8 and
+    /// costs bf16 nothing; nvfp4 dequantizes in more registers and is faster unconstrained
+    /// (bench/RESULTS.md).
     pub fn decode_min_ctas(&self) -> usize {
         match self.dtype {
             KvDtype::Bf16 | KvDtype::F16 => 3,

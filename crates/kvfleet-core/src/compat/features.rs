@@ -55,9 +55,4 @@ impl ModelFeatures {
             ..Self::default()
         }
     }
-
-    /// True when the head dimensions are known.
-    pub fn geometry_known(&self) -> bool {
-        !self.head_dims.is_empty()
-    }
 }

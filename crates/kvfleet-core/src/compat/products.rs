@@ -162,11 +162,6 @@ pub fn lookup(label: &str) -> Option<&'static Product> {
         .or_else(|| find(&format!("NVIDIA-{base}")))
 }
 
-/// Products of one compute capability, for messages ("B200/B300").
-pub fn with_cc(cc: ComputeCapability) -> impl Iterator<Item = &'static Product> {
-    PRODUCTS.iter().filter(move |p| p.cc == cc)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

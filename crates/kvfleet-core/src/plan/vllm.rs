@@ -21,7 +21,7 @@
 use serde::Serialize;
 
 use super::bytes::{kv_heads_per_rank, page_bytes};
-use super::geometry::{Geometry, LayerGeometry, LayerKind};
+use super::geometry::{Geometry, LayerKind};
 use super::{cdiv, PlanError};
 use crate::compat::KvCacheDtype;
 
@@ -385,16 +385,6 @@ impl VllmPlan {
     pub fn bytes_per_request(&self) -> u64 {
         self.blocks_per_request.saturating_mul(self.bytes_per_block)
     }
-}
-
-/// The distinct layer specs of a group list, for reports.
-pub fn describe_spec(spec: &LayerGeometry) -> String {
-    format!(
-        "{} x {} KV heads x head_dim {}",
-        spec.kind.label(),
-        spec.kv_heads,
-        spec.head_dim
-    )
 }
 
 #[cfg(test)]

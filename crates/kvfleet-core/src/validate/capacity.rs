@@ -1,4 +1,4 @@
-//! KV capacity of one replica on the compatible nodes (issue 4 item 6): nodes whose GPUs
+//! KV capacity of one replica on the compatible nodes: nodes whose GPUs
 //! cannot hold one maxModelLen request are left out; none left is a denial naming the fix.
 //! The planner runs once per distinct GPU memory, not per node.
 

@@ -10,7 +10,8 @@
 //!    `gpu.selector.minComputeCapability`, `pod.nodeSelector`; cordoned and GPU-less nodes
 //!    are left out) and reads their compute capability from the GFD labels
 //!    (`compute.major/minor` first, else the product table). Nodes without GFD labels are
-//!    never assumed compatible (`nodes.rs`, grouped by `signatures.rs`).
+//!    never assumed compatible (`nodes.rs`, grouped by `signatures.rs`, the selectors as
+//!    predicates in `selectors.rs`).
 //! 3. Runs the runtime's rules ([`crate::compat::rules`]) once per compute capability and
 //!    checks GPUs per node against GPUs per replica (`arch.rs`).
 //! 4. Admits when at least one node can run it. When architectures resolve `auto`
@@ -36,6 +37,7 @@ mod multi_node;
 mod nodes;
 mod routing;
 mod scale_from_zero;
+mod selectors;
 mod signatures;
 mod spec;
 mod weights;

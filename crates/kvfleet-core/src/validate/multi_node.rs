@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::nodes::{gpu_selector_matches, node_selector_matches};
+use super::selectors::{gpu_selector_matches, node_selector_matches};
 use super::{denial, ClusterFacts, Denial, Verdict};
 use crate::api::{InferenceDeploymentSpec, Runtime};
 use crate::compat::{vllm_versions, ComputeCapability};

@@ -1,8 +1,9 @@
 //! The nodes pods could land on: GPU nodes that pass `gpu.selector` and `pod.nodeSelector`,
 //! are not cordoned and have a known compute capability (the candidates).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
+use super::selectors::node_selector_matches;
 use super::signatures::{Signature, Signatures};
 use super::{denial, plural, ClusterFacts, Denial, NodeFacts, NO_MATCHING_NODES};
 use crate::api::{GpuSelector, InferenceDeploymentSpec};
@@ -171,44 +172,6 @@ fn candidates<'a>(
         ));
     }
     (candidates, candidates_of_sig)
-}
-
-/// `pod.nodeSelector`: exact label matches, looked at per node.
-pub(super) fn node_selector_matches(
-    node_selector: Option<&BTreeMap<String, String>>,
-    node: &NodeFacts,
-) -> bool {
-    node_selector.is_none_or(|sel| sel.iter().all(|(k, v)| node.labels.get(k) == Some(v)))
-}
-
-/// `gpu.selector`: products and minimum compute capability.
-pub(super) fn gpu_selector_matches(
-    selector: Option<&GpuSelector>,
-    product: Option<&str>,
-    cc: Option<ComputeCapability>,
-    min_cc: Option<ComputeCapability>,
-) -> bool {
-    if let Some(sel) = selector {
-        if !sel.products.is_empty() {
-            let Some(product) = product else {
-                return false;
-            };
-            let base = products::base_label(product);
-            let wanted = sel.products.iter().any(|p| {
-                let p = p.trim();
-                p == product || products::base_label(p) == base
-            });
-            if !wanted {
-                return false;
-            }
-        }
-    }
-    if let (Some(min), Some(cc)) = (min_cc, cc) {
-        if cc < min {
-            return false;
-        }
-    }
-    true
 }
 
 /// The selectors of `spec` in words, for messages.

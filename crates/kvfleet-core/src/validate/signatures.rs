@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::facts::labels;
-use super::nodes::gpu_selector_matches;
+use super::selectors::gpu_selector_matches;
 use super::{ClusterFacts, NodeFacts};
 use crate::api::GpuSelector;
 use crate::compat::ComputeCapability;

@@ -618,7 +618,7 @@ mod capacity {
     }
 }
 
-// === issue 16 ===
+// === denials that name the fix, offline and in the cluster ===
 
 #[test]
 fn kvfleet_runtime_with_tensor_parallelism_is_denied_naming_the_fix() {
@@ -795,7 +795,7 @@ fn with_no_matching_node_the_declared_products_are_judged_and_admitted_with_a_wa
     assert_eq!(none.denials[0].reason, NO_MATCHING_NODES);
 }
 
-// === multi-node (issue 18 item 4) ===
+// === multi-node replicas ===
 
 fn h100s(n: usize) -> ClusterFacts {
     cluster(

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConf
 
 use crate::launch::Launch;
 
-use super::{drv, need, GpuError};
+use super::error::{drv, need, GpuError};
 
 const THREADS: u32 = 256;
 /// Blocks per SM the grid is capped at (warps then stride over the matrix).
@@ -53,9 +53,10 @@ pub enum Output<'a> {
     SwiGlu(&'a mut CudaSlice<u16>),
 }
 
-/// `kvf_gemv` and the grid it runs on.
+/// `kvf_gemv`, the stream it runs on and its grid.
 pub struct Gemv {
     kernel: CudaFunction,
+    stream: Arc<CudaStream>,
     num_sms: usize,
     /// Launch with programmatic stream serialisation (sm_90 and later).
     pdl: bool,
@@ -63,7 +64,12 @@ pub struct Gemv {
 
 impl Gemv {
     /// `pdl`: the device is sm_90 or later (programmatic dependent launch).
-    pub fn load(module: &Arc<CudaModule>, num_sms: usize, pdl: bool) -> Result<Self, GpuError> {
+    pub fn load(
+        module: &Arc<CudaModule>,
+        stream: Arc<CudaStream>,
+        num_sms: usize,
+        pdl: bool,
+    ) -> Result<Self, GpuError> {
         let kernel = module
             .load_function("kvf_gemv")
             .map_err(drv("finding kvf_gemv"))?;
@@ -73,7 +79,12 @@ impl Gemv {
                 (MAX_NORMED_K * 2) as i32,
             )
             .map_err(drv("raising the GEMV shared-memory limit"))?;
-        Ok(Gemv { kernel, num_sms, pdl })
+        Ok(Gemv {
+            kernel,
+            stream,
+            num_sms,
+            pdl,
+        })
     }
 
     /// Whether a model of width `d` (normed inputs) and projections of inner sizes `ks` can
@@ -85,7 +96,6 @@ impl Gemv {
     /// `out <- W · in` for one token, `w` bf16 `[n, k]`.
     pub fn run(
         &self,
-        s: &Arc<CudaStream>,
         w: &CudaSlice<u16>,
         n: usize,
         k: usize,
@@ -105,59 +115,10 @@ impl Gemv {
         };
         // Parameters in order: w, n, k, half, x_bf16, x_f32, row, norm_w, eps, mode, y, act
         // (absent pointers are 0).
-        let mut l = Launch::new(s);
+        let mut l = Launch::new(&self.stream);
         l.ptr(w).i32(n_i).i32(k_i).i32(half);
-        let smem = match input {
-            Input::Bf16(x) => {
-                need("GEMV input", x, k)?;
-                l.ptr(x).addr(0).addr(0).addr(0).f32(0.0);
-                0
-            }
-            Input::Normed { x, w: nw, row, eps } => {
-                if k > MAX_NORMED_K {
-                    return Err(GpuError::Invalid(format!(
-                        "a normed GEMV input of width {k} (at most {MAX_NORMED_K})"
-                    )));
-                }
-                need("norm weight", nw, k)?;
-                need("GEMV input", x, k)?;
-                l.addr(0).ptr(x);
-                // The row index is a row of this step, checked on the host.
-                match row {
-                    Some(r) => {
-                        need("row index buffer", r, 1)?;
-                        l.ptr(r)
-                    }
-                    None => l.addr(0),
-                };
-                l.ptr(nw).f32(eps);
-                k * 2
-            }
-        };
-        let units = match output {
-            Output::Store(y) | Output::Add(y) if y.len() < n => {
-                return Err(GpuError::Invalid(format!(
-                    "GEMV output holds {} elements, the step needs {n}",
-                    y.len()
-                )))
-            }
-            Output::Store(y) => {
-                l.i32(MODE_STORE).ptr_mut(y).addr(0);
-                n.div_ceil(2)
-            }
-            Output::Add(y) => {
-                l.i32(MODE_ADD).ptr_mut(y).addr(0);
-                n.div_ceil(2)
-            }
-            Output::SwiGlu(a) => {
-                if n % 2 != 0 {
-                    return Err(GpuError::Invalid(format!("SwiGLU over an odd row count {n}")));
-                }
-                need("GEMV activation", a, n / 2)?;
-                l.i32(MODE_SWIGLU).addr(0).ptr_mut(a);
-                n / 2
-            }
-        };
+        let smem = push_input(&mut l, input, k)?;
+        let units = push_output(&mut l, output, n)?;
         let warps_per_block = (THREADS / 32) as usize;
         let blocks = units
             .div_ceil(warps_per_block)
@@ -176,5 +137,64 @@ impl Gemv {
         // every row starts 16-byte aligned (cudarc allocations are 256-byte aligned). The kernel
         // calls `kvf_wait_prior_grid()` before touching memory (the PDL contract).
         unsafe { l.launch(&self.kernel, cfg, self.pdl) }.map_err(drv("launching kvf_gemv"))
+    }
+}
+
+/// Pushes the input's arguments (x_bf16, x_f32, row, norm_w, eps); returns the dynamic shared
+/// memory the kernel needs for it.
+fn push_input<'a>(l: &mut Launch<'a>, input: Input<'a>, k: usize) -> Result<usize, GpuError> {
+    match input {
+        Input::Bf16(x) => {
+            need("GEMV input", x, k)?;
+            l.ptr(x).addr(0).addr(0).addr(0).f32(0.0);
+            Ok(0)
+        }
+        Input::Normed { x, w: nw, row, eps } => {
+            if k > MAX_NORMED_K {
+                return Err(GpuError::Invalid(format!(
+                    "a normed GEMV input of width {k} (at most {MAX_NORMED_K})"
+                )));
+            }
+            need("norm weight", nw, k)?;
+            need("GEMV input", x, k)?;
+            l.addr(0).ptr(x);
+            // The row index is a row of this step, checked on the host.
+            match row {
+                Some(r) => {
+                    need("row index buffer", r, 1)?;
+                    l.ptr(r)
+                }
+                None => l.addr(0),
+            };
+            l.ptr(nw).f32(eps);
+            Ok(k * 2)
+        }
+    }
+}
+
+/// Pushes the output's arguments (mode, y, act); returns the units of work (row pairs, or
+/// gate/up pairs for SwiGLU) the grid covers.
+fn push_output<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<usize, GpuError> {
+    match output {
+        Output::Store(y) | Output::Add(y) if y.len() < n => Err(GpuError::Invalid(format!(
+            "GEMV output holds {} elements, the step needs {n}",
+            y.len()
+        ))),
+        Output::Store(y) => {
+            l.i32(MODE_STORE).ptr_mut(y).addr(0);
+            Ok(n.div_ceil(2))
+        }
+        Output::Add(y) => {
+            l.i32(MODE_ADD).ptr_mut(y).addr(0);
+            Ok(n.div_ceil(2))
+        }
+        Output::SwiGlu(a) => {
+            if n % 2 != 0 {
+                return Err(GpuError::Invalid(format!("SwiGLU over an odd row count {n}")));
+            }
+            need("GEMV activation", a, n / 2)?;
+            l.i32(MODE_SWIGLU).addr(0).ptr_mut(a);
+            Ok(n / 2)
+        }
     }
 }

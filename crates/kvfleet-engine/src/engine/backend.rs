@@ -73,7 +73,8 @@ pub trait Backend {
     }
 }
 
-/// Activations of one step: every layer reads the same buffers (synthetic workload).
+/// Q, K, V and the output of a step shared by every layer: a backend driven without a model
+/// ([`run_step`], for tests and benchmarks).
 pub struct StepBuffers<B> {
     pub q: B,
     pub k: B,

@@ -385,12 +385,6 @@ impl KvManager {
         Ok(())
     }
 
-    /// Whether a request with no pages could start a step of `n` tokens at position 0.
-    pub fn fits_fresh(&self, n: usize) -> bool {
-        let need = n.div_ceil(self.block_size);
-        self.groups.iter().all(|g| g.pool.num_free() >= need)
-    }
-
     /// Extends `tables` to cover positions `0..new_len`, in every group or in none.
     pub fn allocate(&mut self, tables: &mut [BlockTable], new_len: usize) -> bool {
         let need = new_len.div_ceil(self.block_size);

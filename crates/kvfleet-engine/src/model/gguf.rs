@@ -196,7 +196,7 @@ impl TensorInfo {
 }
 
 /// Most values reserved up front for a header array or the tensor index: counts come from
-/// the file, so a large count grows the vector as elements really parse (issue 22).
+/// the file, so a large count grows the vector as elements really parse.
 const PREALLOCATE_MAX: usize = 4096;
 /// Largest `general.alignment` accepted (llama.cpp writes 32).
 const ALIGNMENT_MAX: u64 = 1 << 16;

@@ -183,7 +183,7 @@ impl HfConfig {
         if raw.num_attention_heads == 0 {
             return Err(cfg_err("num_attention_heads is 0".into()));
         }
-        // Bounds before anything is sized from them (issue 22): far above any real model.
+        // Bounds before anything is sized from them: far above any real model.
         for (key, value, max) in [
             ("hidden_size", Some(raw.hidden_size), 1usize << 17),
             ("intermediate_size", Some(raw.intermediate_size), 1 << 20),

@@ -1,0 +1,126 @@
+//! The GEMMs of the forward pass on cuBLAS: bf16 weights and activations, f32 output and
+//! accumulation.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+use super::error::{cublas_err, need, GpuError};
+
+/// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries `dlopen` on libcublas candidate names.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// The shape of `y[t, n] = x[t, k] · w[n, k]ᵀ`, and whether `y` is added to (`+=`, the residual
+/// stream) or overwritten.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Gemm {
+    pub t: usize,
+    pub n: usize,
+    pub k: usize,
+    pub accumulate: bool,
+}
+
+impl Gemm {
+    /// `y = x · wᵀ`.
+    pub fn store(t: usize, n: usize, k: usize) -> Self {
+        Gemm {
+            t,
+            n,
+            k,
+            accumulate: false,
+        }
+    }
+
+    /// `y += x · wᵀ`.
+    pub fn add(t: usize, n: usize, k: usize) -> Self {
+        Gemm {
+            t,
+            n,
+            k,
+            accumulate: true,
+        }
+    }
+}
+
+/// A cuBLAS handle on the GPU's stream.
+pub(super) struct Blas {
+    handle: CudaBlas,
+    stream: Arc<CudaStream>,
+}
+
+impl Blas {
+    pub fn new(stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+        let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
+        Ok(Blas { handle, stream })
+    }
+
+    /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`): bf16 `x` and `w`,
+    /// f32 `y`, f32 accumulation.
+    ///
+    /// cuBLAS is column-major: a row-major `[r, c]` buffer is the column-major `c × r` matrix
+    /// (its transpose) with leading dimension `c`. So `y` is column-major `yᵀ` (n × t, ld n),
+    /// `w` is `wᵀ` (k × n, ld k) and `x` is `xᵀ` (k × t, ld k). We want
+    /// `yᵀ = w · xᵀ = (wᵀ)ᵀ · xᵀ`: `C = op(A) · op(B)` with `A` = the `w` buffer, `op(A) = Aᵀ`
+    /// (transa T, lda k), `B` = the `x` buffer (transb N, ldb k), `C` = the `y` buffer (ldc n),
+    /// and m = n, n = t, k = k.
+    pub fn gemm(
+        &self,
+        w: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        g: Gemm,
+    ) -> Result<(), GpuError> {
+        let Gemm { t, n, k, accumulate } = g;
+        if t == 0 || n == 0 {
+            return Ok(());
+        }
+        need("GEMM weight", w, n * k)?;
+        need("GEMM input", x, t * k)?;
+        need("GEMM output", y, t * n)?;
+        let dims = [t, n, k].map(i32::try_from);
+        let [Ok(ti), Ok(ni), Ok(ki)] = dims else {
+            return Err(GpuError::Invalid(format!(
+                "GEMM {t}x{n}x{k} exceeds 32-bit dimensions"
+            )));
+        };
+        let alpha = 1f32;
+        let beta = if accumulate { 1f32 } else { 0f32 };
+        let s = &self.stream;
+        let (wp, _rw) = w.device_ptr(s);
+        let (xp, _rx) = x.device_ptr(s);
+        let (yp, _ry) = y.device_ptr_mut(s);
+        // SAFETY: the handle runs on stream `s` (the stream of every buffer here); the buffer
+        // sizes were checked above against the shapes described in this function's comment;
+        // alpha/beta are host f32 (pointer mode host, compute type 32F); A/B are bf16, C is f32,
+        // a combination cublasGemmEx supports.
+        unsafe {
+            blas_result::gemm_ex(
+                *self.handle.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                ni,
+                ti,
+                ki,
+                &alpha as *const f32 as *const c_void,
+                wp as *const c_void,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                ki,
+                xp as *const c_void,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                ki,
+                &beta as *const f32 as *const c_void,
+                yp as *mut c_void,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                ni,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cublas_err("a GEMM"))
+    }
+}

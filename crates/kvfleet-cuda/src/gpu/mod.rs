@@ -1,0 +1,43 @@
+//! The Llama-family forward pass on an NVIDIA GPU, the same math as the CPU's `Llama::forward`:
+//! GEMMs on cuBLAS (bf16 weights and activations, f32 accumulation), attention through the
+//! engine's [`CudaBackend`](crate::backend::CudaBackend) on a paged KV cache, and the rest in
+//! the small NVRTC kernels of `kernels/model.cu`. A step of one token (one stream decoding)
+//! runs each projection as one fused GEMV instead (`kernels/gemv.cu`).
+//!
+//! GQA groups the attention kernels do not specialise for (SmolLM2's 9 query heads over 3
+//! KV heads) store each KV head `kv_rep` times, turning the group into one they do (3 -> 1).
+//!
+//! The rooms, plumbing below the model:
+//! - `error`: [`GpuError`] and the wrappers of driver, cuBLAS and backend errors;
+//! - `kernels`: the model program, its PTX, one launcher per kernel; `gemv`: the single-token
+//!   projections; `blas`: the GEMMs; `sampling`: the picks on the device;
+//! - `shape`: the geometries the kernels cover; `options`: [`GpuOptions`], [`GpuCapacity`];
+//!   `weights`: upload and random weights; `arena`: the activation buffers; `pools`: KV pool
+//!   sizing;
+//! - `step`: what a family's layers run with and the [`Family`](step::Family) trait, one file
+//!   per family (`llama`, `gemma3`); `model`: [`GpuLlama`] and how it is built; `forward`: its
+//!   step and the engine's `Forward`.
+
+mod arena;
+mod blas;
+mod error;
+mod forward;
+mod gemma3;
+mod gemv;
+mod kernels;
+mod llama;
+mod model;
+mod options;
+mod pools;
+mod sampling;
+mod shape;
+mod step;
+mod weights;
+
+pub use blas::cublas_present;
+pub use error::GpuError;
+pub use kernels::{model_ptx, MODEL_KERNELS, MODEL_SOURCE};
+pub use model::{check_available, GpuLlama};
+pub use options::{GpuCapacity, GpuOptions, BLOCK_SIZE};
+pub use sampling::pick_rows_on_device;
+pub use shape::kv_replication;

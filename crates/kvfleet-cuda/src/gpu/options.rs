@@ -1,0 +1,114 @@
+//! What the GPU model is asked for ([`GpuOptions`]) and what it got ([`GpuCapacity`]).
+
+use kvfleet_engine::engine::layout::KvDtype;
+
+/// Tokens per KV page (the only page size the attention kernels build).
+pub const BLOCK_SIZE: usize = 16;
+
+/// Options of the GPU model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuOptions {
+    /// CUDA device ordinal.
+    pub ordinal: usize,
+    /// KV-cache dtype (any the attention kernels build: bf16, f16, fp8, nvfp4).
+    pub kv_dtype: KvDtype,
+    /// Tokens per forward pass the activation buffers are sized for (larger batches grow them).
+    pub max_batched_tokens: usize,
+    /// Logit rows per forward pass the buffers are sized for.
+    pub max_num_seqs: usize,
+    /// Cap on KV tokens; `None`: all free memory after weights, activations and the margin.
+    pub max_kv_tokens: Option<usize>,
+    /// Tokens per KV page.
+    pub block_size: usize,
+    /// Fraction of the device's memory kvfleet may use (vLLM's `gpu_memory_utilization`):
+    /// `(1 - it) x total` stays free after weights, activations and KV pools.
+    pub gpu_memory_utilization: f64,
+    /// Bytes left free after the KV pools; `None`: `(1 - gpu_memory_utilization) x total`,
+    /// at least 256 MiB (cuBLAS workspace, per-step plans).
+    pub memory_margin_bytes: Option<usize>,
+    /// Run the attention kernels' self-test on the served geometry and dtype before
+    /// allocating the pools (the worker's preflight).
+    pub self_test: bool,
+    /// Tokens of one request at most (the engine's maxModelLen): a model with sliding-window
+    /// layers splits the KV memory between its layer groups by what one such request needs
+    /// from each. `None`: the model's context length.
+    pub max_model_len: Option<usize>,
+    /// Steps of one token run their projections as fused GEMVs (`kernels/gemv.cu`) rather
+    /// than cuBLAS GEMMs with separate norm and SwiGLU kernels. Off only to compare the two.
+    pub single_token_gemv: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            ordinal: 0,
+            kv_dtype: KvDtype::Bf16,
+            max_batched_tokens: 1024,
+            max_num_seqs: 256,
+            max_kv_tokens: None,
+            block_size: BLOCK_SIZE,
+            gpu_memory_utilization: 0.9,
+            memory_margin_bytes: None,
+            self_test: false,
+            max_model_len: None,
+            single_token_gemv: true,
+        }
+    }
+}
+
+/// Where the GPU's memory went; the KV capacity in tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuCapacity {
+    pub device: String,
+    pub total_bytes: usize,
+    pub weight_bytes: usize,
+    pub activation_bytes: usize,
+    /// Free bytes after weights and activations, before the KV pools.
+    pub free_bytes: usize,
+    pub margin_bytes: usize,
+    /// KV bytes per token over all layers (K and V, replicated heads included).
+    pub kv_bytes_per_token: usize,
+    /// KV heads stored per layer (`n_kv_heads * kv_rep`).
+    pub kv_heads_stored: usize,
+    /// Pages of every layer the KV memory holds. A model with sliding-window layers (Gemma 3)
+    /// gets the same bytes split between its layer groups (the model's `kv_config` has each
+    /// group's pages), so these are the pages of a full-layer budget of the same memory.
+    pub blocks: usize,
+    pub block_size: usize,
+    /// `blocks * block_size`.
+    pub kv_tokens: usize,
+}
+
+impl GpuCapacity {
+    /// Tokens the generation loop may reserve: every running sequence may waste up to a
+    /// page minus one token in its last page.
+    pub fn admission_tokens(&self, max_num_seqs: usize) -> usize {
+        self.kv_tokens
+            .saturating_sub(max_num_seqs * (self.block_size - 1))
+            .max(self.block_size.min(self.kv_tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_leaves_one_partial_page_per_sequence() {
+        let cap = GpuCapacity {
+            device: "x".into(),
+            total_bytes: 0,
+            weight_bytes: 0,
+            activation_bytes: 0,
+            free_bytes: 0,
+            margin_bytes: 0,
+            kv_bytes_per_token: 1,
+            kv_heads_stored: 1,
+            blocks: 100,
+            block_size: 16,
+            kv_tokens: 1600,
+        };
+        assert_eq!(cap.admission_tokens(10), 1600 - 150);
+        assert_eq!(cap.admission_tokens(1000), 16, "never below one page");
+    }
+}

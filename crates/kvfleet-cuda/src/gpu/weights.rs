@@ -1,0 +1,221 @@
+//! The model's weights on the device: uploaded from the CPU model (bf16 matrices; norms,
+//! biases and RoPE frequencies f32, Q/K/V and gate/up fused), or random ones made on the device.
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use kvfleet_engine::model::llama::{inv_freq, Llama, LlamaConfig};
+use rayon::prelude::*;
+
+use crate::device::Gpu;
+
+use super::error::{drv, GpuError};
+use super::kernels::ModelKernels;
+
+/// One layer's tensors.
+pub(super) struct LayerW {
+    pub attn_norm: CudaSlice<f32>,
+    /// `[qw + 2 kw, d]`: Q rows, then K rows, then V rows.
+    pub wqkv: CudaSlice<u16>,
+    /// `[qw + 2 kw]` (zeros where the model has no bias for a projection).
+    pub bqkv: Option<CudaSlice<f32>>,
+    pub q_norm: Option<CudaSlice<f32>>,
+    pub k_norm: Option<CudaSlice<f32>>,
+    /// `[d, qw]`.
+    pub wo: CudaSlice<u16>,
+    pub ffn_norm: CudaSlice<f32>,
+    /// `[2 ff, d]`: gate rows, then up rows.
+    pub wgu: CudaSlice<u16>,
+    /// `[d, ff]`.
+    pub wdown: CudaSlice<u16>,
+    /// Gemma 3: RMSNorm weights of the attention and MLP outputs.
+    pub post_attn_norm: Option<CudaSlice<f32>>,
+    pub post_ffn_norm: Option<CudaSlice<f32>>,
+}
+
+impl LayerW {
+    /// The Q and K norms, when the layer has both.
+    pub fn qk_norm(&self) -> Option<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+        self.q_norm.as_ref().zip(self.k_norm.as_ref())
+    }
+}
+
+pub(super) struct Weights {
+    /// `[vocab, d]`.
+    pub embed: CudaSlice<u16>,
+    pub layers: Vec<LayerW>,
+    pub out_norm: CudaSlice<f32>,
+    /// `[vocab, d]`; `None` when tied to `embed`.
+    pub lm_head: Option<CudaSlice<u16>>,
+    /// `[rope_dims / 2]`.
+    pub inv_freq: CudaSlice<f32>,
+    /// Gemma 3: `[rope_dims / 2]` of the local layers (their own RoPE base).
+    pub inv_freq_local: Option<CudaSlice<f32>>,
+    pub bytes: usize,
+}
+
+/// The factor folded into the Q norm's weights so that the attention kernels' `1 / sqrt(head_dim)`
+/// becomes Gemma's `query_pre_attn_scalar ** -0.5` (1 when the two agree, as for 270M). RoPE is
+/// linear, so scaling Q before it equals scaling it after.
+fn gemma_q_scale(c: &LlamaConfig) -> f32 {
+    c.gemma3
+        .as_ref()
+        .map_or(1.0, |g| g.query_scale * (c.head_dim as f32).sqrt())
+}
+
+/// The local layers' inverse frequencies (Gemma 3's own RoPE base), `None` for other models.
+fn gemma_inv_freq_local(c: &LlamaConfig) -> Option<Vec<f32>> {
+    c.gemma3.as_ref().map(|g| {
+        let mut local = c.clone();
+        local.rope_theta = g.rope_theta_local;
+        inv_freq(&local, None)
+    })
+}
+
+fn to_bf16(parts: &[&[f32]]) -> Vec<u16> {
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        let start = out.len();
+        out.resize(start + p.len(), 0);
+        out[start..]
+            .par_iter_mut()
+            .zip(p.par_iter())
+            .for_each(|(o, x)| *o = bf16::from_f32(*x).to_bits());
+    }
+    out
+}
+
+fn upload_f32(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>, GpuError> {
+    Ok(gpu.upload(v)?)
+}
+
+impl Weights {
+    /// Converts the CPU model's f32 weights to bf16 (norms, biases and RoPE frequencies stay
+    /// f32) and uploads them, fusing Q/K/V and gate/up.
+    pub fn upload(gpu: &Gpu, m: &Llama) -> Result<Self, GpuError> {
+        let c = &m.config;
+        let t = m.tensors();
+        let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let mut bytes = 0usize;
+        let mut up16 = |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> {
+            let host = to_bf16(parts);
+            bytes += host.len() * 2;
+            Ok(gpu.upload(&host)?)
+        };
+        let embed = up16(&[t.embed])?;
+        let lm_head = t.lm_head.map(|h| up16(&[h])).transpose()?;
+        let mut layers = Vec::with_capacity(t.layers.len());
+        for l in &t.layers {
+            let bqkv = if l.bq.is_some() || l.bk.is_some() || l.bv.is_some() {
+                let mut b = vec![0f32; qw + 2 * kw];
+                for (src, off) in [(l.bq, 0), (l.bk, qw), (l.bv, qw + kw)] {
+                    if let Some(src) = src {
+                        b[off..off + src.len()].copy_from_slice(src);
+                    }
+                }
+                Some(upload_f32(gpu, &b)?)
+            } else {
+                None
+            };
+            let q_scale = gemma_q_scale(c);
+            layers.push(LayerW {
+                attn_norm: upload_f32(gpu, l.attn_norm)?,
+                wqkv: up16(&[l.wq, l.wk, l.wv])?,
+                bqkv,
+                q_norm: l
+                    .q_norm
+                    .map(|n| upload_f32(gpu, &n.iter().map(|w| w * q_scale).collect::<Vec<_>>()))
+                    .transpose()?,
+                k_norm: l.k_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+                wo: up16(&[l.wo])?,
+                ffn_norm: upload_f32(gpu, l.ffn_norm)?,
+                wgu: up16(&[l.w_gate, l.w_up])?,
+                wdown: up16(&[l.w_down])?,
+                post_attn_norm: l.post_attn_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+                post_ffn_norm: l.post_ffn_norm.map(|n| upload_f32(gpu, n)).transpose()?,
+            });
+        }
+        Ok(Weights {
+            embed,
+            layers,
+            out_norm: upload_f32(gpu, t.out_norm)?,
+            lm_head,
+            inv_freq: upload_f32(gpu, t.inv_freq)?,
+            inv_freq_local: gemma_inv_freq_local(c).map(|f| upload_f32(gpu, &f)).transpose()?,
+            bytes,
+        })
+    }
+
+    /// Random weights made on the device (uniform in ±1/sqrt(fan-in), like [`Llama::dummy`]
+    /// but a different stream of numbers): for capacity and throughput of large geometries
+    /// without building them on the host.
+    pub fn random(gpu: &Gpu, k: &ModelKernels, c: &LlamaConfig, seed: u64) -> Result<Self, GpuError> {
+        let s = gpu.stream();
+        let (d, ff) = (c.d_model, c.d_ff);
+        let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let mut bytes = 0usize;
+        let mut tensor = 0u64;
+        let mut rand = |rows: usize, cols: usize| -> Result<CudaSlice<u16>, GpuError> {
+            let mut buf = s
+                .alloc_zeros::<u16>(rows * cols)
+                .map_err(drv("allocating dummy weights"))?;
+            tensor += 1;
+            let a = 1.0 / (cols as f32).sqrt();
+            k.fill_uniform(&mut buf, seed.wrapping_mul(0x1000_0001).wrapping_add(tensor), a)?;
+            bytes += rows * cols * 2;
+            Ok(buf)
+        };
+        let embed = rand(c.vocab, d)?;
+        let lm_head = if c.tied_embeddings {
+            None
+        } else {
+            Some(rand(c.vocab, d)?)
+        };
+        let ones = |n: usize| upload_f32(gpu, &vec![1.0; n]);
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for _ in 0..c.n_layers {
+            layers.push(LayerW {
+                attn_norm: ones(d)?,
+                wqkv: rand(qw + 2 * kw, d)?,
+                bqkv: if c.attn_bias {
+                    Some(upload_f32(gpu, &vec![0.0; qw + 2 * kw])?)
+                } else {
+                    None
+                },
+                q_norm: c.qk_norm.then(|| ones(c.head_dim)).transpose()?,
+                k_norm: c.qk_norm.then(|| ones(c.head_dim)).transpose()?,
+                wo: rand(d, qw)?,
+                ffn_norm: ones(d)?,
+                wgu: rand(2 * ff, d)?,
+                wdown: rand(d, ff)?,
+                post_attn_norm: c.gemma3.as_ref().map(|_| ones(d)).transpose()?,
+                post_ffn_norm: c.gemma3.as_ref().map(|_| ones(d)).transpose()?,
+            });
+        }
+        Ok(Weights {
+            embed,
+            layers,
+            out_norm: ones(d)?,
+            lm_head,
+            inv_freq: upload_f32(gpu, &inv_freq(c, None))?,
+            inv_freq_local: gemma_inv_freq_local(c).map(|f| upload_f32(gpu, &f)).transpose()?,
+            bytes,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemma_query_scale_is_folded_only_where_it_differs_from_the_kernels() {
+        let mut c = LlamaConfig::gemma3(18, 640, 2048, 262_144, 512);
+        assert_eq!(gemma_q_scale(&c), 1.0, "270M: query_pre_attn_scalar = head_dim");
+        c.gemma3.as_mut().unwrap().query_scale = 1.0 / 144f32.sqrt();
+        assert!((gemma_q_scale(&c) - 16.0 / 12.0).abs() < 1e-6);
+        assert_eq!(gemma_q_scale(&LlamaConfig::llama(2, 64, 96, 4, 2, 40)), 1.0);
+        let local = gemma_inv_freq_local(&c).unwrap();
+        assert!((local[1] - 10_000f32.powf(-2.0 / 256.0)).abs() < 1e-9);
+        assert!(gemma_inv_freq_local(&LlamaConfig::llama(2, 64, 96, 4, 2, 40)).is_none());
+    }
+}
