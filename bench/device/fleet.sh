@@ -2,7 +2,8 @@
 # Fleet routing on GPUs (issue 30), on the device machine after `bench/device/pack.sh serve`
 # here (it packs this script and bench/http_load.py too). Two workers (dummy Llama-3.1-8B,
 # bf16 KV, KV events on): one per GPU when the machine has two, else both on GPU 0 with the
-# memory split. Each worker's KV pool is capped at KVFLEET_FLEET_KV_TOKENS (default 100,000)
+# memory split. Each worker's KV pool is capped at KVFLEET_FLEET_KV_TOKENS (default 100,000;
+# several, space-separated, run the comparison once per cap)
 # so that the workload's distinct prefixes (32 x 4,000 = 128,000 tokens) exceed one replica's
 # cache but not the fleet's, as in llm-d's published workload (150 tenants x 6,000 tokens over
 # 8 pods); with uncapped H100 pools (~465,000 tokens each) every replica would hold every prefix
@@ -23,54 +24,62 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 gpus=$(nvidia-smi -L | wc -l)
 t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
-cap=${KVFLEET_FLEET_KV_TOKENS:-100000}
+caps=${KVFLEET_FLEET_KV_TOKENS:-100000}
 groups=${KVFLEET_FLEET_GROUPS:-32}
 requests=${KVFLEET_FLEET_REQUESTS:-2048}
 conc=${KVFLEET_FLEET_CONCURRENCY:-128}
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
-trap cleanup EXIT
-for i in 0 1; do
-  gpu=$i; util=0.92
-  if [ "$gpus" -lt 2 ]; then gpu=0; util=0.45; fi
-  step "worker $i on GPU $gpu (utilisation $util, KV capped at $cap tokens)"
-  CUDA_VISIBLE_DEVICES=$gpu "$bin/kvfleet" worker --listen 127.0.0.1:800$((i + 1)) --model-weights dummy \
-    --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --kv-cache-dtype bfloat16 \
-    --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization $util \
-    --max-waiting 4096 --max-kv-tokens "$cap" --kv-events-endpoint tcp://127.0.0.1:560$((i + 1)) \
-    > "$OUT/worker$i.log" 2>&1 &
+stop_fleet() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; pids=(); }
+trap stop_fleet EXIT
+start_fleet() {
+  local cap=$1
+  for i in 0 1; do
+    gpu=$i; util=0.92
+    if [ "$gpus" -lt 2 ]; then gpu=0; util=0.45; fi
+    step "worker $i on GPU $gpu (utilisation $util, KV capped at $cap tokens)"
+    CUDA_VISIBLE_DEVICES=$gpu "$bin/kvfleet" worker --listen 127.0.0.1:800$((i + 1)) --model-weights dummy \
+      --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --kv-cache-dtype bfloat16 \
+      --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization $util \
+      --max-waiting 4096 --max-kv-tokens "$cap" --kv-events-endpoint tcp://127.0.0.1:560$((i + 1)) \
+      > "$OUT/worker${i}_$cap.log" 2>&1 &
+    pids+=($!)
+    # On one GPU the second worker sizes its pools after the first has taken its memory.
+    if [ "$gpus" -lt 2 ]; then for _ in $(seq 1 180); do curl -sf 127.0.0.1:800$((i + 1))/readyz >/dev/null && break; sleep 1; done; fi
+  done
+  for i in 1 2; do for _ in $(seq 1 180); do curl -sf 127.0.0.1:800$i/readyz >/dev/null && break; sleep 1; done; done
+  step "router"
+  "$bin/kvfleet" router --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
+    --worker http://127.0.0.1:8001,tcp://127.0.0.1:5601 --worker http://127.0.0.1:8002,tcp://127.0.0.1:5602 \
+    > "$OUT/router_$cap.log" 2>&1 &
   pids+=($!)
-  # On one GPU the second worker sizes its pools after the first has taken its memory.
-  if [ "$gpus" -lt 2 ]; then for _ in $(seq 1 180); do curl -sf 127.0.0.1:800$((i + 1))/readyz >/dev/null && break; sleep 1; done; fi
-done
-for i in 1 2; do for _ in $(seq 1 180); do curl -sf 127.0.0.1:800$i/readyz >/dev/null && break; sleep 1; done; done
-step "router"
-"$bin/kvfleet" router --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
-  --worker http://127.0.0.1:8001,tcp://127.0.0.1:5601 --worker http://127.0.0.1:8002,tcp://127.0.0.1:5602 \
-  > "$OUT/router.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 1 60); do
-  n=$(curl -sf 127.0.0.1:8000/v1/router/state | python3 -c 'import json,sys; print(sum(1 for r in json.load(sys.stdin)["replicas"] if r["subscribed"] and r["scraped"]))' 2>/dev/null)
-  [ "${n:-0}" = 2 ] && break; sleep 1
-done
-sleep 1
-curl -s 127.0.0.1:8000/v1/router/state > "$OUT/router_state_start.json"
-for i in 1 2; do curl -s 127.0.0.1:800$i/v1/capacity > "$OUT/capacity$i.json"; done
+  for _ in $(seq 1 60); do
+    n=$(curl -sf 127.0.0.1:8000/v1/router/state | python3 -c 'import json,sys; print(sum(1 for r in json.load(sys.stdin)["replicas"] if r["subscribed"] and r["scraped"]))' 2>/dev/null)
+    [ "${n:-0}" = 2 ] && break; sleep 1
+  done
+  sleep 1
+}
 summary() { python3 -c 'import json,sys
 r=json.loads(sys.stdin.read())
 keys=("mode","concurrency","errors","output_tok_per_s","ttft_p50_ms","ttft_p90_ms","ttft_p99_ms","itl_p50_ms","hit_rate","ideal_hit_rate")
 print({k: r[k] for k in keys if k in r})'; }
 load() { timeout "${2:-420}" python3 $dev/http_load.py --vocab 128000 $1 2>&1 | tee -a "$OUT/http.log" | tail -1; }
-work="--shared-prefix-groups $groups --shared-prefix-tokens 4000 --unique-tokens 200 --output-tokens 128 --num-requests $requests --concurrency $conc --group-order random --seed 30"
-for how in ${KVFLEET_FLEET_ORDER:-rr router}; do
-  case "$how" in
-    rr) port=8001,8002 ;;
-    router) port=8000 ;;
-  esac
-  step "shared prefix through $how: $groups groups x 4,000 + 200 unique, 128 out, $requests requests, $conc clients"
-  load "--port $port $work --cache-salt $how-$RANDOM" 540 | tee "$OUT/shared_$how.json" | summary
+first_cap=${caps%% *}
+for cap in $caps; do
+  start_fleet "$cap"
+  work="--shared-prefix-groups $groups --shared-prefix-tokens 4000 --unique-tokens 200 --output-tokens 128 --num-requests $requests --concurrency $conc --group-order random --seed 30"
+  for how in ${KVFLEET_FLEET_ORDER:-rr router}; do
+    case "$how" in
+      rr) port=8001,8002 ;;
+      router) port=8000 ;;
+    esac
+    step "cap $cap: shared prefix through $how: $groups groups x 4,000 + 200 unique, 128 out, $requests requests, $conc clients"
+    load "--port $port $work --cache-salt $how-$RANDOM" 540 | tee "$OUT/shared_${how}_$cap.json" | summary
+  done
+  curl -s 127.0.0.1:8000/metrics > "$OUT/router_metrics_shared_$cap.txt"
+  grep -E "^kvfleet_router_(requests_total|prefix_predictions_total)" "$OUT/router_metrics_shared_$cap.txt"
+  [ "$cap" = "$(echo $caps | awk '{print $NF}')" ] || stop_fleet
 done
-curl -s 127.0.0.1:8000/metrics > "$OUT/router_metrics_after_shared.txt"
+
 step "router latency: 256 streams through the router (pick-latency histogram before/after)"
 curl -s 127.0.0.1:8000/metrics > "$OUT/router_metrics_a.txt"
 load "--port 8000 --shared-prefix-groups $groups --shared-prefix-tokens 4000 --unique-tokens 200 --output-tokens 64 --num-requests 1024 --concurrency 256 --group-order random --seed 31" 300 | summary

@@ -61,7 +61,7 @@ case "$mode" in
     if [ -n "${BASE:-}" ]; then strip -o "$out/bin/kvfleet-base" "$BASE" && xz -T2 -6 "$out/bin/kvfleet-base"; fi
     # KVFLEET_PACK_GPU_BINS=1: the cuda_model tests and the model benchmark too (sampling.sh).
     if [ -n "${KVFLEET_PACK_GPU_BINS:-}" ]; then
-      { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins
+      { exe_of test --release --test cuda_model --test cuda_gemma3 --test cuda_worker; exe_of bench --bench model; } | pack_bins
     fi
     cp bench/http_load.py bench/peers.py bench/device/llama-3.1-8b.json bench/device/prefix.sh bench/device/fleet.sh "$out/"
     ;;

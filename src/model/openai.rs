@@ -729,26 +729,60 @@ fn take_messages(fields: &mut Map<String, Value>) -> Result<Vec<ChatMessage>, Ap
     Ok(messages)
 }
 
-/// What a router needs of a request to place it: the prompt's token ids exactly as
-/// [`chat_completions`] / [`completions`] compute them (chat template, text encoding, token-id
-/// prompts as given) and its prefix-cache key. `None` when the body is not a request this server
-/// would tokenize; the worker that gets it then answers the error.
-pub fn routing_prompt(tok: &Tokenizer, chat: bool, body: &Bytes) -> Option<(Vec<u32>, CacheKey)> {
-    let mut fields = parse_object(body).ok()?;
-    let ids = if chat {
-        let messages = take_messages(&mut fields).ok()?;
-        encode_chat(tok, &messages).ok()?
-    } else {
-        match take_prompt(&mut fields).ok()? {
-            Prompt::Tokens(ids) => ids,
-            Prompt::Text(text) => tok.encode(&text, true),
+/// What a router needs of a request to place it, parsed: the prompt (token ids as given, or
+/// text and chats still to tokenize) and its prefix-cache key. [`RoutingPrompt::parse`] is cheap
+/// (JSON only); [`RoutingPrompt::into_ids`] tokenizes exactly as [`chat_completions`] /
+/// [`completions`] do. `None` from either when the body is not a request this server would
+/// tokenize; the worker that gets it then answers the error.
+pub struct RoutingPrompt {
+    prompt: RoutedPrompt,
+    pub key: CacheKey,
+}
+
+enum RoutedPrompt {
+    Ids(Vec<u32>),
+    Text(String),
+    Chat(Vec<ChatMessage>),
+}
+
+impl RoutingPrompt {
+    pub fn parse(chat: bool, body: &Bytes) -> Option<Self> {
+        let mut fields = parse_object(body).ok()?;
+        let prompt = if chat {
+            RoutedPrompt::Chat(take_messages(&mut fields).ok()?)
+        } else {
+            match take_prompt(&mut fields).ok()? {
+                Prompt::Tokens(ids) => RoutedPrompt::Ids(ids),
+                Prompt::Text(text) => RoutedPrompt::Text(text),
+            }
+        };
+        let salt = match fields.get("cache_salt") {
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            _ => None,
+        };
+        Some(Self {
+            prompt,
+            key: CacheKey { salt, adapter: None },
+        })
+    }
+
+    /// Bytes of text still to tokenize (0 for a token-id prompt).
+    pub fn text_bytes(&self) -> usize {
+        match &self.prompt {
+            RoutedPrompt::Ids(_) => 0,
+            RoutedPrompt::Text(t) => t.len(),
+            RoutedPrompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
         }
-    };
-    let salt = match fields.get("cache_salt") {
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        _ => None,
-    };
-    Some((ids, CacheKey { salt, adapter: None }))
+    }
+
+    pub fn into_ids(self, tok: &Tokenizer) -> Option<(Vec<u32>, CacheKey)> {
+        let ids = match self.prompt {
+            RoutedPrompt::Ids(ids) => ids,
+            RoutedPrompt::Text(text) => tok.encode(&text, true),
+            RoutedPrompt::Chat(messages) => encode_chat(tok, &messages).ok()?,
+        };
+        Some((ids, self.key))
+    }
 }
 
 /// Tokenizes a chat as the model's template renders it, with each message's content encoded as

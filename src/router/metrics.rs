@@ -66,7 +66,8 @@ impl RouterMetrics {
                     "Body read to upstream send: parsing, tokenization, hashing and scoring",
                 )
                 .buckets(vec![
-                    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+                    0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+                    0.1,
                 ]),
             )?,
             upstream_errors: IntCounterVec::new(

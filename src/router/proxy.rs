@@ -1,5 +1,5 @@
 //! The router's HTTP side. `POST /v1/chat/completions` and `/v1/completions` are tokenized
-//! once, exactly as the workers tokenize them ([`crate::model::openai::routing_prompt`]),
+//! once, exactly as the workers tokenize them ([`crate::model::openai::RoutingPrompt`]),
 //! ranked ([`super::score`]) and forwarded to the best replica with the body unchanged; its
 //! response (streamed or not) passes through chunk by chunk with two headers added:
 //! `x-kvfleet-replica` and `x-kvfleet-predicted-cached-tokens`. A replica that refuses the
@@ -27,7 +27,7 @@ use super::index::PromptBlocks;
 use super::metrics::RouterMetrics;
 use super::score::{rank, Candidate};
 use super::HttpClient;
-use crate::model::openai::routing_prompt;
+use crate::model::openai::RoutingPrompt;
 use kvfleet_engine::model::tokenizer::Tokenizer;
 
 /// Header a client sets to keep a conversation on one replica when nothing else decides.
@@ -37,7 +37,7 @@ pub const REPLICA_HEADER: &str = "x-kvfleet-replica";
 /// Response header with the prompt tokens the router expected that replica to serve from cache.
 pub const PREDICTED_HEADER: &str = "x-kvfleet-predicted-cached-tokens";
 
-/// Bodies above this are tokenized on a blocking thread.
+/// Prompts with more text than this are tokenized on a blocking thread.
 const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
 pub struct State {
@@ -150,14 +150,18 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     };
     // The router's own latency starts once the client has sent the whole body.
     let read = Instant::now();
-    let ids = if body.len() > INLINE_TOKENIZE_BYTES {
-        let (tok, b) = (s.tokenizer.clone(), body.clone());
-        tokio::task::spawn_blocking(move || routing_prompt(&tok, chat, &b))
-            .await
-            .ok()
-            .flatten()
-    } else {
-        routing_prompt(&s.tokenizer, chat, &body)
+    // JSON and token-id prompts inline (a 4,000-token prompt parses and hashes in well under a
+    // millisecond); long texts are tokenized on a blocking thread.
+    let ids = match RoutingPrompt::parse(chat, &body) {
+        Some(p) if p.text_bytes() > INLINE_TOKENIZE_BYTES => {
+            let tok = s.tokenizer.clone();
+            tokio::task::spawn_blocking(move || p.into_ids(&tok))
+                .await
+                .ok()
+                .flatten()
+        }
+        Some(p) => p.into_ids(&s.tokenizer),
+        None => None,
     };
     let replicas = s.fleet.ready();
     if replicas.is_empty() {

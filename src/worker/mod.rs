@@ -580,7 +580,11 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         let handle = handle.clone();
         tokio::spawn(async move {
             listener.set_nonblocking(true)?;
-            let mut server = axum_server::from_tcp(listener)?;
+            // Streams go out a token at a time: without TCP_NODELAY, Nagle's algorithm holds a
+            // chunk until the peer's delayed ACK (tens of milliseconds) on a reused connection,
+            // such as a router's pooled one.
+            let mut server =
+                axum_server::from_tcp(listener)?.acceptor(axum_server::accept::NoDelayAcceptor::new());
             crate::serving::limit_header_read(&mut server, crate::serving::HEADER_READ_TIMEOUT);
             server.handle(handle).serve(app.into_make_service()).await
         })
