@@ -213,7 +213,12 @@ fn the_edge_modes_do_not_import_each_other() {
             ("webhook", &[]),
             ("sidecar", &["publish"]),
             ("worker", &["model", "publish"]),
-            ("cli", &["controller", "webhook", "worker", "sidecar", "model"]),
+            // The router tokenizes as the worker does: it reads the model's prompt code.
+            ("router", &["model"]),
+            (
+                "cli",
+                &["controller", "webhook", "worker", "sidecar", "router", "model"],
+            ),
         ],
         shared,
     );
