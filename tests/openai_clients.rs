@@ -7,10 +7,13 @@
 //! Needs the embedded model (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`).
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod worker_support;
+use worker_support::{free_port, smollm2};
 
 use serde_json::{json, Value};
 
@@ -18,26 +21,6 @@ const MODEL: &str = "SmolLM2-135M-Instruct";
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn smollm2() -> PathBuf {
-    let p = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(
-        p.exists(),
-        "the embedded SmolLM2 is not installed at {} (run .ci/install-tools)",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 struct Worker {

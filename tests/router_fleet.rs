@@ -7,121 +7,15 @@
 //!
 //! Needs the embedded model (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`).
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-fn smollm2() -> PathBuf {
-    let p = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "the embedded SmolLM2 is not installed at {} (run .ci/install-tools)",
-        p.display()
-    );
-    p
-}
+mod worker_support;
+use worker_support::{free_port, http, Spawned};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Proc {
-    child: Child,
-    port: u16,
-    log: PathBuf,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn spawn(mode: &str, name: &str, args: &[&str]) -> Proc {
-        let port = free_port();
-        let log =
-            std::env::temp_dir().join(format!("kvfleet-router-fleet-{}-{name}.log", std::process::id()));
-        let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
-            .arg(mode)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(args)
-            .env("KVFLEET_SMOLLM2_GGUF", smollm2())
-            .env("RUST_LOG", "info,kvfleet=debug")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        Proc { child, port, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn wait_http(&mut self, path: &str, within: Duration) {
-        let t0 = Instant::now();
-        while t0.elapsed() < within {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("exited during start-up: {status}\n{}", self.log());
-            }
-            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
-                && http(self.port, "GET", path, "", &[]).0 == 200
-            {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        panic!("{path} not 200 within {within:?}\n{}", self.log());
-    }
-}
-
-/// (status, lower-cased head, body) of one HTTP/1.1 exchange; decodes chunked bodies.
-fn http(port: u16, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let head = head.to_ascii_lowercase();
-    let body = if head.contains("transfer-encoding: chunked") {
-        let mut out = String::new();
-        let mut rest = rest;
-        while let Some((size, after)) = rest.split_once("\r\n") {
-            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            if n == 0 || after.len() < n {
-                break;
-            }
-            out.push_str(&after[..n]);
-            rest = &after[n + 2..];
-        }
-        out
-    } else {
-        rest.to_string()
-    };
-    (status, head, body)
+fn spawn(mode: &str, name: &str, args: &[&str]) -> Spawned {
+    Spawned::start("router-fleet", mode, name, args)
 }
 
 fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
@@ -208,10 +102,10 @@ fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_o
     let kv: Vec<String> = (0..3)
         .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
         .collect();
-    let mut workers: Vec<Proc> = (0..3)
+    let mut workers: Vec<Spawned> = (0..3)
         .map(|i| {
             let a = worker_args(&kv[i]);
-            Proc::spawn(
+            spawn(
                 "worker",
                 &format!("w{i}"),
                 &a.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -230,7 +124,7 @@ fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_o
     for s in &specs {
         args.extend(["--worker", s.as_str()]);
     }
-    let mut router = Proc::spawn("router", "router", &args);
+    let mut router = spawn("router", "router", &args);
     router.wait_http("/health", Duration::from_secs(60));
     let r = router.port;
     let name_of = |i: usize| format!("http://127.0.0.1:{}", workers[i].port);

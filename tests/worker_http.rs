@@ -7,34 +7,15 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-fn smollm2() -> PathBuf {
-    let p = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        p.exists(),
-        "the embedded SmolLM2 is not installed at {} (run .ci/install-tools)",
-        p.display()
-    );
-    p
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+mod worker_support;
+use worker_support::{free_port, smollm2};
 
 fn temp(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kvfleet-worker-http-{}-{name}", std::process::id()))

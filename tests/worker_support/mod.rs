@@ -1,0 +1,132 @@
+//! Running the real `kvfleet` binary on loopback for the worker and router suites: the embedded
+//! model's path, free ports, a spawned mode killed on drop with its log, and a plain HTTP/1.1
+//! exchange (chunked bodies decoded) that shows exactly what a client receives.
+
+#![allow(dead_code)] // each suite uses its own subset
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The embedded SmolLM2 (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`); panics with how to
+/// install it.
+pub fn smollm2() -> PathBuf {
+    let p = std::env::var_os("KVFLEET_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        p.exists(),
+        "the embedded SmolLM2 is not installed at {} (run .ci/install-tools)",
+        p.display()
+    );
+    p
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `kvfleet` mode listening on a free loopback port, killed when dropped.
+pub struct Spawned {
+    pub child: Child,
+    pub port: u16,
+    pub log: PathBuf,
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Spawned {
+    /// `kvfleet MODE --listen 127.0.0.1:PORT ARGS...`, stderr to a log named after `suite` and
+    /// `name`, the embedded model's path in the environment.
+    pub fn start(suite: &str, mode: &str, name: &str, args: &[&str]) -> Spawned {
+        let port = free_port();
+        let log = std::env::temp_dir().join(format!("kvfleet-{suite}-{}-{name}.log", std::process::id()));
+        let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+            .arg(mode)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(args)
+            .env("KVFLEET_SMOLLM2_GGUF", smollm2())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Spawned { child, port, log }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until `GET path` answers 200; panics with the log if the process exits first or
+    /// `within` passes.
+    pub fn wait_http(&mut self, path: &str, within: Duration) {
+        let t0 = Instant::now();
+        while t0.elapsed() < within {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("exited during start-up: {status}\n{}", self.log());
+            }
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && http(self.port, "GET", path, "", &[]).0 == 200
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("{path} not 200 within {within:?}\n{}", self.log());
+    }
+}
+
+/// (status, lower-cased head, body) of one HTTP/1.1 exchange with `Connection: close`; decodes
+/// chunked bodies.
+pub fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let head = head.to_ascii_lowercase();
+    let body = if head.contains("transfer-encoding: chunked") {
+        let mut out = String::new();
+        let mut rest = rest;
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 || after.len() < n {
+                break;
+            }
+            out.push_str(&after[..n]);
+            rest = &after[n + 2..];
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, head, body)
+}
