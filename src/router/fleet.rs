@@ -368,6 +368,57 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn a_replica_that_goes_mid_request_leaves_the_set_and_its_request_finishes_on_it() {
+        let metrics = Arc::new(RouterMetrics::new().unwrap());
+        let fleet = Fleet::new(http_client(), metrics, Duration::from_secs(3600));
+        let ep = |n: &str| Endpoint {
+            name: n.into(),
+            url: format!("http://127.0.0.1:9/{n}"),
+            kv_events: None,
+        };
+        fleet.sync(vec![ep("a"), ep("b")]);
+        let a = fleet
+            .ready()
+            .into_iter()
+            .find(|u| u.endpoint.name == "a")
+            .unwrap();
+        a.inflight.fetch_add(1, Ordering::Relaxed); // a request in flight on `a`
+        a.index.lock().unwrap().expect(&[1, 2, 3], Instant::now());
+        fleet.sync(vec![ep("b")]);
+        let names: Vec<String> = fleet.ready().iter().map(|u| u.endpoint.name.clone()).collect();
+        assert_eq!(names, ["b"], "new requests no longer see `a`");
+        // The request still holds `a` and ends on it; nothing else refers to it.
+        assert_eq!(a.index.lock().unwrap().leading_hits(&[1, 2, 3]), 3);
+        a.inflight.fetch_sub(1, Ordering::Relaxed);
+        assert_eq!(Arc::strong_count(&a), 1);
+        // A replica that comes back is a new one: its index starts empty.
+        fleet.sync(vec![ep("a"), ep("b")]);
+        let again = fleet
+            .ready()
+            .into_iter()
+            .find(|u| u.endpoint.name == "a")
+            .unwrap();
+        assert!(!Arc::ptr_eq(&a, &again));
+        assert!(again.index.lock().unwrap().is_empty());
+        // Its address changed: replaced, not kept.
+        let mut moved = ep("b");
+        moved.url = "http://127.0.0.1:10/b".into();
+        let b = fleet
+            .ready()
+            .into_iter()
+            .find(|u| u.endpoint.name == "b")
+            .unwrap();
+        fleet.sync(vec![ep("a"), moved]);
+        let b2 = fleet
+            .ready()
+            .into_iter()
+            .find(|u| u.endpoint.name == "b")
+            .unwrap();
+        assert!(!Arc::ptr_eq(&b, &b2));
+        assert_eq!(b2.endpoint.url, "http://127.0.0.1:10/b");
+    }
+
     #[test]
     fn ready_endpoints_with_their_named_ports() {
         let port = |name: &str, p: i32| EndpointPort {
