@@ -23,10 +23,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use e2e_support::{get_json, kubectl, kubectl_ok, kubectl_stdin, ok, wait_for, Namespace, Nodes, H100};
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::Client;
 use kvfleet::api::InferenceDeployment;
-use serde::Deserialize;
 use serde_json::{json, Value};
 
 const NS: &str = "kvfleet-e2e-routing";
@@ -253,72 +252,16 @@ fn the_rendered_inference_pool_fits_the_vendored_v1_schema() {
 
 // === the cluster ===
 
-/// "Kind name" of every object in NS with kvfleet's labels for NAME, and whether it carries
-/// an owner reference to the InferenceDeployment of `uid`. A kind whose API is not served
-/// (the InferencePool before its CRD) has none.
+/// Every object of a managed kind in NS labelled for NAME, with whether `uid` owns it.
 async fn labelled(client: &Client, uid: &str) -> Result<BTreeSet<(String, bool)>, String> {
-    let mut out = BTreeSet::new();
-    for kind in kvfleet::controller::owned::managed_kinds(None, true) {
-        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &kind);
-        let items = match api.list(&ListParams::default().labels(SELECTOR)).await {
-            Ok(l) => l.items,
-            Err(kube::Error::Api(s)) if s.code == 404 => continue,
-            Err(e) => return Err(format!("list {}: {e}", kind.plural)),
-        };
-        for o in items {
-            let ours = o.metadata.owner_references.iter().flatten().any(|r| r.uid == uid);
-            let name = o.metadata.name.unwrap_or_default();
-            out.insert((format!("{} {name}", kind.kind), ours));
-        }
-    }
-    Ok(out)
-}
-
-/// The ClusterRole of deploy/rbac/controller.yaml under another name, bound to a
-/// ServiceAccount of NS; the cluster-scoped objects are deleted on drop.
-struct ControllerIdentity;
-
-impl ControllerIdentity {
-    fn create() -> ControllerIdentity {
-        let path = format!("{}/deploy/rbac/controller.yaml", env!("CARGO_MANIFEST_DIR"));
-        let text = std::fs::read_to_string(&path).expect("deploy/rbac/controller.yaml");
-        let rules = serde_yaml::Deserializer::from_str(&text)
-            .map(|d| Value::deserialize(d).expect("a YAML document"))
-            .find(|o| o["kind"] == "ClusterRole")
-            .expect("a ClusterRole in deploy/rbac/controller.yaml")["rules"]
-            .clone();
-        let objects = json!({"apiVersion": "v1", "kind": "List", "items": [
-            {"apiVersion": "v1", "kind": "ServiceAccount",
-             "metadata": {"name": CONTROLLER, "namespace": NS}},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-             "metadata": {"name": CONTROLLER}, "rules": rules},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-             "metadata": {"name": CONTROLLER},
-             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": CONTROLLER},
-             "subjects": [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": NS}]},
-        ]});
-        ok(
-            "the controller's identity",
-            kubectl_stdin(&["apply", "-f", "-"], &objects.to_string()),
-        );
-        ControllerIdentity
-    }
-
-    fn kubeconfig(&self, dir: &std::path::Path) -> std::path::PathBuf {
-        let token = kubectl_ok(&["create", "token", CONTROLLER, "-n", NS, "--duration=1h"]);
-        e2e_support::token_kubeconfig(CONTROLLER, token.trim(), dir)
-    }
-}
-
-impl Drop for ControllerIdentity {
-    fn drop(&mut self) {
-        let _ = kubectl(&[
-            "delete",
-            "clusterrolebinding,clusterrole",
-            CONTROLLER,
-            "--ignore-not-found",
-        ]);
-    }
+    e2e_support::labelled(
+        client,
+        NS,
+        &kvfleet::controller::owned::managed_kinds(None, true),
+        SELECTOR,
+        uid,
+    )
+    .await
 }
 
 /// Deletes the InferencePool CRD on drop when this suite installed it.
@@ -458,7 +401,7 @@ async fn e2e_routing_switches_kvfleet_inference_pool_service_and_leaves_nothing_
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();
     nodes.gpu(NODE, H100);
-    let identity = ControllerIdentity::create();
+    let identity = e2e_support::ControllerIdentity::create(CONTROLLER, NS);
     let scratch = std::env::temp_dir().join(format!("kvfleet-e2e-routing-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("scratch dir");
     let port = e2e_support::free_port();

@@ -500,3 +500,94 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let code = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((code, body.to_string()))
 }
+
+/// "Kind name" of every object of `kinds` in `namespace` matching the label `selector`, and
+/// whether it carries an owner reference to the object of `uid` (the owned-set suites: what the
+/// controller left behind). A kind whose API is not served has none.
+pub async fn labelled(
+    client: &kube::Client,
+    namespace: &str,
+    kinds: &[kube::api::ApiResource],
+    selector: &str,
+    uid: &str,
+) -> Result<std::collections::BTreeSet<(String, bool)>, String> {
+    use kube::api::{Api, DynamicObject, ListParams};
+    let mut out = std::collections::BTreeSet::new();
+    for kind in kinds {
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, kind);
+        let items = match api.list(&ListParams::default().labels(selector)).await {
+            Ok(l) => l.items,
+            Err(kube::Error::Api(s)) if s.code == 404 => continue,
+            Err(e) => return Err(format!("list {}: {e}", kind.plural)),
+        };
+        for o in items {
+            let ours = o.metadata.owner_references.iter().flatten().any(|r| r.uid == uid);
+            let name = o.metadata.name.unwrap_or_default();
+            out.insert((format!("{} {name}", kind.kind), ours));
+        }
+    }
+    Ok(out)
+}
+
+/// The ClusterRole of deploy/rbac/controller.yaml under the name `name`, bound to a
+/// ServiceAccount `name` of `namespace`, so that a suite runs the controller with exactly the
+/// rights a user installs; the cluster-scoped objects are deleted on drop.
+pub struct ControllerIdentity {
+    name: String,
+    namespace: String,
+}
+
+impl ControllerIdentity {
+    pub fn create(name: &str, namespace: &str) -> ControllerIdentity {
+        use serde::Deserialize;
+        let path = format!("{}/deploy/rbac/controller.yaml", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("deploy/rbac/controller.yaml");
+        let rules = serde_yaml::Deserializer::from_str(&text)
+            .map(|d| serde_json::Value::deserialize(d).expect("a YAML document"))
+            .find(|o| o["kind"] == "ClusterRole")
+            .expect("a ClusterRole in deploy/rbac/controller.yaml")["rules"]
+            .clone();
+        let objects = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": name, "namespace": namespace}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": name}, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": name},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        ]});
+        ok(
+            "the controller's identity",
+            kubectl_stdin(&["apply", "-f", "-"], &objects.to_string()),
+        );
+        ControllerIdentity {
+            name: name.into(),
+            namespace: namespace.into(),
+        }
+    }
+
+    /// A kubeconfig for the identity's ServiceAccount token, written under `dir`.
+    pub fn kubeconfig(&self, dir: &std::path::Path) -> PathBuf {
+        let token = kubectl_ok(&[
+            "create",
+            "token",
+            &self.name,
+            "-n",
+            &self.namespace,
+            "--duration=1h",
+        ]);
+        token_kubeconfig(&self.name, token.trim(), dir)
+    }
+}
+
+impl Drop for ControllerIdentity {
+    fn drop(&mut self) {
+        let _ = kubectl(&[
+            "delete",
+            "clusterrolebinding,clusterrole",
+            &self.name,
+            "--ignore-not-found",
+        ]);
+    }
+}
