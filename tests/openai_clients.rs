@@ -6,7 +6,6 @@
 //!
 //! Needs the embedded model (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`).
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -80,34 +79,7 @@ impl Worker {
 /// (status, body) of one HTTP/1.1 exchange; decodes chunked bodies.
 fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
     let body = body.map(Value::to_string).unwrap_or_default();
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        let mut out = String::new();
-        let mut rest = rest;
-        while let Some((size, after)) = rest.split_once("\r\n") {
-            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            if n == 0 || after.len() < n {
-                break;
-            }
-            out.push_str(&after[..n]);
-            rest = &after[n + 2..];
-        }
-        out
-    } else {
-        rest.to_string()
-    };
+    let (status, _, body) = worker_support::http(port, method, path, &body, &[]);
     (status, body)
 }
 

@@ -12,15 +12,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod worker_support;
-use worker_support::{free_port, http, Spawned};
+use worker_support::{free_port, header, http, Spawned};
 
 fn spawn(mode: &str, name: &str, args: &[&str]) -> Spawned {
     Spawned::start("router-fleet", mode, name, args)
-}
-
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name}: ")).map(str::trim))
 }
 
 /// One routed request: (replica, predicted cached tokens, reported cached tokens).

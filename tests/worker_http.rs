@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod worker_support;
-use worker_support::{free_port, smollm2};
+use worker_support::{free_port, header, smollm2};
 
 fn temp(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("kvfleet-worker-http-{}-{name}", std::process::id()))
@@ -57,37 +57,9 @@ fn start(name: &str, args: &[&str], env: &[(&str, &str)]) -> Worker {
     Worker { child, port, log }
 }
 
-/// (status, headers, body) of one HTTP/1.1 exchange; decodes chunked bodies.
+/// (status, head, body) of one HTTP/1.1 exchange; decodes chunked bodies.
 fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        let mut out = String::new();
-        let mut rest = rest;
-        while let Some((size, after)) = rest.split_once("\r\n") {
-            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            if n == 0 || after.len() < n {
-                break;
-            }
-            out.push_str(&after[..n]);
-            rest = &after[n + 2..];
-        }
-        out
-    } else {
-        rest.to_string()
-    };
-    (status, head.to_string(), body)
+    worker_support::http(port, method, path, body, &[])
 }
 
 fn wait_ready(w: &mut Worker, within: Duration) {
@@ -839,14 +811,6 @@ fn http_with(port: u16, method: &str, path: &str, headers: &str, body: &str) -> 
     let (head, rest) = text.split_once("\r\n\r\n").unwrap();
     let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, head.to_string(), rest.to_string())
-}
-
-/// The value of a response header (names are case-insensitive).
-fn header(head: &str, name: &str) -> Option<String> {
-    head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-    })
 }
 
 fn openai_error(body: &str) -> serde_json::Value {

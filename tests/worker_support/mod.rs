@@ -89,8 +89,8 @@ impl Spawned {
     }
 }
 
-/// (status, lower-cased head, body) of one HTTP/1.1 exchange with `Connection: close`; decodes
-/// chunked bodies.
+/// (status, head, body) of one HTTP/1.1 exchange with `Connection: close`; decodes chunked
+/// bodies.
 pub fn http(
     port: u16,
     method: &str,
@@ -112,8 +112,7 @@ pub fn http(
     let text = String::from_utf8_lossy(&raw).to_string();
     let (head, rest) = text.split_once("\r\n\r\n").unwrap();
     let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let head = head.to_ascii_lowercase();
-    let body = if head.contains("transfer-encoding: chunked") {
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
         let mut out = String::new();
         let mut rest = rest;
         while let Some((size, after)) = rest.split_once("\r\n") {
@@ -128,5 +127,13 @@ pub fn http(
     } else {
         rest.to_string()
     };
-    (status, head, body)
+    (status, head.to_string(), body)
+}
+
+/// The value of a response header (names are case-insensitive).
+pub fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+    })
 }
