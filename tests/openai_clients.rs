@@ -83,17 +83,15 @@ fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> (u16, Stri
     (status, body)
 }
 
-/// The official SDK, as a user drives it: every check of openai_sdk_check.py passes.
-#[test]
-fn the_official_openai_sdk_works_unchanged_against_the_worker() {
-    let w = Worker::start("sdk");
+/// Runs openai_sdk_check.py against `port`; panics with its output and `log` on failure.
+fn sdk_check(port: u16, log: &str) {
     let python = std::env::var("KVFLEET_PYTHON").unwrap_or_else(|_| "python3".into());
     let t0 = Instant::now();
     let out = Command::new(&python)
         .arg(repo().join("tests/tools_support/openai_sdk_check.py"))
         .args([
             "--base-url",
-            &format!("http://127.0.0.1:{}/v1", w.port),
+            &format!("http://127.0.0.1:{port}/v1"),
             "--model",
             MODEL,
         ])
@@ -107,13 +105,30 @@ fn the_official_openai_sdk_works_unchanged_against_the_worker() {
     assert!(
         out.status.success(),
         "openai_sdk_check.py failed ({}) after {:?} (exit 2: the SDK is missing: run .ci/install-tools and \
-         `source .tools/env`)\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- worker log (tail)\n{}",
+         `source .tools/env`)\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- log (tail)\n{log}",
         out.status,
         t0.elapsed(),
-        w.log().lines().rev().take(40).collect::<Vec<_>>().join("\n")
     );
     assert!(stdout.contains("PASS"), "{stdout}");
     eprintln!("{stdout}");
+}
+
+/// The official SDK, as a user drives it: every check of openai_sdk_check.py passes against the
+/// worker, and again through `kvfleet router` in front of it (errors, streams, ids and refused
+/// parameters pass through unchanged).
+#[test]
+fn the_official_openai_sdk_works_unchanged_against_the_worker_and_through_the_router() {
+    let w = Worker::start("sdk");
+    let tail = |log: String| log.lines().rev().take(40).collect::<Vec<_>>().join("\n");
+    sdk_check(w.port, &tail(w.log()));
+    let upstream = format!("http://127.0.0.1:{}", w.port);
+    let mut router =
+        worker_support::Spawned::start("openai-clients", "router", "sdk-router", &["--worker", &upstream]);
+    router.wait_http("/health", Duration::from_secs(60));
+    sdk_check(
+        router.port,
+        &format!("{}\n--- worker\n{}", tail(router.log()), tail(w.log())),
+    );
 }
 
 /// guidellm's OpenAI HTTP backend (vllm-project/guidellm, backends/openai/http.py and
