@@ -1,13 +1,15 @@
 //! kvfleet's pure core: what an InferenceDeployment is ([`api`]), what runs where
 //! ([`compat`]), what fits ([`plan`], which also reads Hugging Face `config.json` files for the
 //! planner and the model loader), whether a spec can run on a cluster ([`validate`]), and the
-//! contract between the controller and the worker ([`contract`]).
+//! contract between the controller and the worker ([`contract`]), and how many replicas a
+//! deployment needs from its KV demand ([`autoscale`]).
 //!
 //! No I/O beyond reading a file it is given, no Kubernetes client, no async runtime, no CUDA:
 //! the webhook, the controller, the worker and `kvfleet check`/`plan` all call the same code.
 //! `tests/architecture.rs` at the workspace root keeps it that way.
 
 pub mod api;
+pub mod autoscale;
 pub mod compat;
 pub mod contract;
 pub mod plan;
