@@ -11,7 +11,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Reconcile metrics, registered on one registry.
@@ -23,6 +24,11 @@ pub struct Metrics {
     pub leader: IntGauge,
     /// Worker containers seen terminated by a failed preflight, per InferenceDeployment.
     pub preflight_failures: IntCounterVec,
+    /// The autoscaler's view per InferenceDeployment (`spec.autoscaling`, engine kvfleet):
+    /// replicas by kind (desired, recommended, observed) and KV tokens by kind (demand,
+    /// capacity).
+    pub autoscaling_replicas: IntGaugeVec,
+    pub autoscaling_tokens: IntGaugeVec,
 }
 
 impl Metrics {
@@ -60,6 +66,22 @@ impl Metrics {
             ),
             &["namespace", "inferencedeployment"],
         )?;
+        let autoscaling_replicas = IntGaugeVec::new(
+            Opts::new(
+                "kvfleet_autoscaling_replicas",
+                "Replicas as the KV-demand autoscaler sees them: desired (what it set), recommended (before stabilization and step limits), observed (workers whose gauges it read)",
+            ),
+            &["namespace", "inferencedeployment", "kind"],
+        )?;
+        let autoscaling_tokens = IntGaugeVec::new(
+            Opts::new(
+                "kvfleet_autoscaling_tokens",
+                "KV tokens the autoscaler last read, summed over the workers (and the router's held requests): demand and capacity",
+            ),
+            &["namespace", "inferencedeployment", "kind"],
+        )?;
+        registry.register(Box::new(autoscaling_replicas.clone()))?;
+        registry.register(Box::new(autoscaling_tokens.clone()))?;
         registry.register(Box::new(runs.clone()))?;
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(duration.clone()))?;
@@ -71,6 +93,8 @@ impl Metrics {
             duration,
             leader,
             preflight_failures,
+            autoscaling_replicas,
+            autoscaling_tokens,
         })
     }
 

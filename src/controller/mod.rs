@@ -29,6 +29,7 @@ use tokio::sync::watch;
 use crate::api::InferenceDeployment;
 use crate::validate::NodeFacts;
 
+pub mod autoscale;
 pub mod desired;
 mod error;
 pub mod leader;
@@ -73,6 +74,10 @@ pub struct ControllerArgs {
     /// InferenceDeployments reconciled at once.
     #[arg(long, default_value_t = 16)]
     pub concurrency: u16,
+    /// Seconds between two readings of the autoscaled deployments' workers (the HPA's
+    /// sync period is 15 s).
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub autoscale_interval_seconds: u64,
 }
 
 /// A list of NetworkPolicy peers given on the command line.
@@ -211,6 +216,12 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
     let conditions = metrics::ConditionCollector::new(controller.store()).map_err(Error::Metrics)?;
     registry.register(Box::new(conditions)).map_err(Error::Metrics)?;
     tokio::spawn(forget_absent(ctx.clone(), controller.store(), stop_rx.clone()));
+    tokio::spawn(autoscale::run(
+        ctx.clone(),
+        controller.store(),
+        Duration::from_secs(args.autoscale_interval_seconds),
+        stop_rx.clone(),
+    ));
     let forgetting = ctx.clone();
     let run = controller
         .with_config(ControllerConfig::default().concurrency(args.concurrency))

@@ -177,7 +177,7 @@ impl Context {
         n
     }
 
-    async fn publish(&self, regarding: &ObjectReference, n: &status::Notice) {
+    pub(crate) async fn publish(&self, regarding: &ObjectReference, n: &status::Notice) {
         let ev = Event {
             type_: if n.warning {
                 EventType::Warning

@@ -32,6 +32,7 @@ pub fn owned_part(status: &InferenceDeploymentStatus) -> InferenceDeploymentStat
     let mut s = status.clone();
     s.conditions
         .retain(|c| OWNED_CONDITIONS.contains(&c.type_.as_str()));
+    s.autoscaling = None;
     s
 }
 
@@ -171,6 +172,8 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
         ready_replicas: Some(ready),
         updated_replicas: Some(updated),
         selector: Some(selector_string(&name)),
+        // status.autoscaling is the autoscaler's (controller::autoscale), written by it alone.
+        autoscaling: None,
     }
 }
 

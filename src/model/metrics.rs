@@ -28,6 +28,11 @@ pub struct LiveStats {
     /// sliding-window groups counted as holding only their window (the router's room figure;
     /// at most maxModelLen).
     pub free_tokens: usize,
+    /// The autoscaling signal (`kvfleet_kv_demand_tokens`, `kvfleet_kv_capacity_tokens`,
+    /// `kvfleet_kv_free_tokens`): in tokens of maxModelLen requests, window-aware.
+    pub kv_demand_tokens: u64,
+    pub kv_capacity_tokens: u64,
+    pub kv_free_tokens: u64,
     pub usage_ratio: f64,
     pub prefix_caching: bool,
     /// Prompt tokens looked up in the prefix cache and found there since start, and their
@@ -49,6 +54,11 @@ pub struct Metrics {
     pub registry: Registry,
     pub capacity_tokens: IntGauge,
     pub predicted_capacity_tokens: IntGauge,
+    /// The autoscaling signal (engine::demand): demand, capacity and room in tokens of
+    /// maxModelLen requests, window-aware.
+    pub kv_demand_tokens: IntGauge,
+    pub kv_capacity_tokens: IntGauge,
+    pub kv_free_tokens: IntGauge,
     pub blocks: IntGaugeVec,
     pub usage_ratio: Gauge,
     pub max_concurrency: Gauge,
@@ -124,6 +134,18 @@ impl Metrics {
             predicted_capacity_tokens: IntGauge::new(
                 "kvfleet_kv_cache_predicted_capacity_tokens",
                 "Tokens the planner predicts for this configuration and memory",
+            )?,
+            kv_demand_tokens: IntGauge::new(
+                "kvfleet_kv_demand_tokens",
+                "KV the running and waiting requests need to finish (prompt plus output budget), as the share of the most loaded layer group times kvfleet_kv_capacity_tokens: window-aware, in tokens of maxModelLen requests, so replicas add up",
+            )?,
+            kv_capacity_tokens: IntGauge::new(
+                "kvfleet_kv_capacity_tokens",
+                "KV the pool holds, in tokens of maxModelLen requests (the smallest layer group's pages over one request's pages, times maxModelLen)",
+            )?,
+            kv_free_tokens: IntGauge::new(
+                "kvfleet_kv_free_tokens",
+                "KV the free pages hold (cached ones included: evicted on demand), in the unit of kvfleet_kv_capacity_tokens",
             )?,
             blocks: IntGaugeVec::new(
                 Opts::new(
@@ -295,6 +317,9 @@ impl Metrics {
         let r = &m.registry;
         r.register(Box::new(m.capacity_tokens.clone()))?;
         r.register(Box::new(m.predicted_capacity_tokens.clone()))?;
+        r.register(Box::new(m.kv_demand_tokens.clone()))?;
+        r.register(Box::new(m.kv_capacity_tokens.clone()))?;
+        r.register(Box::new(m.kv_free_tokens.clone()))?;
         r.register(Box::new(m.blocks.clone()))?;
         r.register(Box::new(m.usage_ratio.clone()))?;
         r.register(Box::new(m.max_concurrency.clone()))?;

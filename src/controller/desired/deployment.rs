@@ -11,17 +11,19 @@ use crate::api::InferenceDeploymentSpec;
 pub(super) fn deployment(
     owner: &Owner,
     spec: &InferenceDeploymentSpec,
+    replicas: Option<i32>,
     template: PodTemplateSpec,
 ) -> Deployment {
     Deployment {
         metadata: owner.meta(owner.name.clone()),
         spec: Some(DeploymentSpec {
-            replicas: Some(spec.replicas),
+            // None: an autoscaler owns the count (super::applied_replicas).
+            replicas,
             selector: LabelSelector {
                 match_labels: Some(selector_labels(&owner.name)),
                 ..LabelSelector::default()
             },
-            strategy: Some(rollout(spec.replicas)),
+            strategy: Some(rollout(replicas.unwrap_or(spec.replicas))),
             template,
             ..DeploymentSpec::default()
         }),

@@ -267,6 +267,41 @@ impl Owner {
 
 // === impl desired ===
 
+/// Replicas the workers' Deployment is applied with. `None` once an autoscaler owns the count
+/// (`spec.autoscaling`): the kvfleet autoscaler after its first decision (it applies the
+/// scale subresource under its own field manager, so leaving the field out of this apply
+/// keeps its value), KEDA's HorizontalPodAutoscaler always. Before that, `spec.replicas`
+/// clamped to the autoscaling bounds.
+pub fn applied_replicas(obj: &InferenceDeployment) -> Option<i32> {
+    let Some(a) = &obj.spec.autoscaling else {
+        return Some(obj.spec.replicas);
+    };
+    let decided = obj
+        .status
+        .as_ref()
+        .and_then(|s| s.autoscaling.as_ref())
+        .and_then(|s| s.desired_replicas)
+        .is_some();
+    match a.engine {
+        crate::api::AutoscalingEngine::Keda => None,
+        crate::api::AutoscalingEngine::Kvfleet if decided => None,
+        crate::api::AutoscalingEngine::Kvfleet => Some(
+            obj.spec
+                .replicas
+                .clamp(a.min_replicas, a.max_replicas.max(a.min_replicas)),
+        ),
+    }
+}
+
+/// The replica count as the autoscaler last set it, else `spec.replicas`.
+fn current_replicas(obj: &InferenceDeployment) -> i32 {
+    obj.status
+        .as_ref()
+        .and_then(|s| s.autoscaling.as_ref())
+        .and_then(|s| s.desired_replicas)
+        .unwrap_or(obj.spec.replicas)
+}
+
 /// Builds every object `obj` should own, given an admitting verdict.
 pub fn desired(
     obj: &InferenceDeployment,
@@ -290,8 +325,12 @@ pub fn desired(
     let router =
         (mode == RoutingMode::Kvfleet).then(|| router::router(&owner, spec, settings, config_hash.clone()));
     let template = pod::pod_template(&owner, spec, verdict, settings, config_hash);
+    let replicas = applied_replicas(obj);
     let (deployment, leader_worker_set) = match verdict.multi_node.filter(|_| runtime == Runtime::Vllm) {
-        None => (Some(deployment::deployment(&owner, spec, template)), None),
+        None => (
+            Some(deployment::deployment(&owner, spec, replicas, template)),
+            None,
+        ),
         Some(layout) => (
             None,
             Some(leader_worker_set::leader_worker_set(
@@ -321,7 +360,10 @@ pub fn desired(
         deployment,
         leader_worker_set,
         service,
-        pdb: pod_disruption_budget::pod_disruption_budget(&owner, spec.replicas),
+        pdb: pod_disruption_budget::pod_disruption_budget(
+            &owner,
+            replicas.unwrap_or_else(|| current_replicas(obj)),
+        ),
         monitor: monitor.map(|m| monitor::monitor(&owner, m)),
         network_policy: spec.network.as_ref().map(|net| {
             let kv_events = spec.engine.kv_events.as_ref().is_some_and(|k| k.enabled);

@@ -60,3 +60,10 @@ pub const ALLOW_FROM_MAX: usize = 32;
 pub const PEER_TERMS_MAX: usize = 32;
 /// Pods of the kvfleet router (`routing.router.replicas`).
 pub const ROUTER_REPLICAS_MAX: i32 = 64;
+/// Replicas of one InferenceDeployment (`autoscaling.minReplicas` / `maxReplicas`); a fleet of
+/// one model past a thousand replicas is several deployments.
+pub const REPLICAS_MAX: i32 = 1000;
+/// Policies per scaling direction (the HPA's field takes a handful in practice).
+pub const AUTOSCALING_POLICIES_MAX: usize = 8;
+/// Stabilization window in seconds (the HPA's own bound: one hour).
+pub const STABILIZATION_WINDOW_MAX: i32 = 3600;

@@ -18,8 +18,10 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime};
 
+mod autoscaling;
 mod features;
 pub mod limits;
+pub use autoscaling::*;
 use limits::*;
 
 pub const GROUP: &str = "kvfleet.io";
@@ -121,6 +123,11 @@ pub struct InferenceDeploymentSpec {
     /// of the worker pods, connections spread by kube-proxy (docs/routing.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing: Option<RoutingSpec>,
+
+    /// Replicas follow the KV demand of the requests (docs/autoscaling.md). Absent: the
+    /// replica count is `replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
 }
 
 /// How requests reach the replicas (docs/routing.md).
@@ -822,6 +829,9 @@ pub struct InferenceDeploymentStatus {
     /// Label selector of the pods, for the scale subresource and HPAs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<String>,
+    /// The autoscaler's last reading and decision (`spec.autoscaling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingStatus>,
 }
 
 /// The configuration after resolving `auto`.

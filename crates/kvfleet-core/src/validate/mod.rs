@@ -22,6 +22,8 @@
 //!    replica that needs more GPUs than a node has as spanning nodes (`multi_node.rs`).
 //! 6. Checks what the routing mode needs: the kvfleet runtime behind a kvfleet router, the
 //!    InferencePool CRD behind an InferencePool (`routing.rs`).
+//! 7. Checks what autoscaling needs: bounds that hold together, a router behind
+//!    `minReplicas: 0`, workers that export the demand gauges (`autoscaling.rs`).
 
 use k8s_openapi::api::core::v1::NodeAffinity;
 use serde::Serialize;
@@ -30,6 +32,7 @@ use crate::api::{CapacityStatus, InferenceDeploymentSpec, ResolvedConfig};
 
 mod admit;
 mod arch;
+mod autoscaling;
 pub mod bounds;
 mod capacity;
 mod facts;
@@ -48,6 +51,7 @@ mod properties;
 mod tests;
 
 pub use arch::ArchReport;
+pub use autoscaling::{AUTOSCALING_NEEDS_KVFLEET_RUNTIME, INVALID_AUTOSCALING, SCALE_TO_ZERO_NEEDS_ROUTER};
 pub use capacity::CapacityBasis;
 pub use facts::{
     labels, product_memory_mib, synthetic_cluster, ClusterFacts, NodeFacts, ValidateError,
@@ -132,7 +136,8 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     let on_nodes = validate_nodes(spec, facts);
     let judged = scale_from_zero::scale_from_zero(spec, on_nodes, validate_nodes);
     let judged = multi_node::multi_node_checks(spec, facts, judged);
-    routing::routing_checks(spec, facts, judged)
+    let judged = routing::routing_checks(spec, facts, judged);
+    autoscaling::autoscaling_checks(spec, judged)
 }
 
 /// [`validate`] against the nodes only.

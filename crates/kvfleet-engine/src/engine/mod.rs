@@ -6,6 +6,7 @@ pub mod backend;
 pub mod block;
 pub mod capacity;
 pub mod cpu;
+pub mod demand;
 pub mod direct;
 pub mod layout;
 pub mod oracle;

@@ -201,6 +201,19 @@ impl Scheduler {
         self.counters
     }
 
+    /// KV the running and waiting requests need to finish (prompt plus output budget each),
+    /// with the pool's capacity and room, in tokens of maxModelLen requests
+    /// ([`super::demand`]).
+    pub fn kv_demand(&self) -> super::demand::KvDemand {
+        let lengths = self
+            .running
+            .iter()
+            .chain(self.waiting.iter())
+            .map(|r| r.prompt + r.output);
+        self.kv
+            .demand(lengths, self.cfg.max_model_len, self.cfg.max_num_batched_tokens)
+    }
+
     pub fn is_idle(&self) -> bool {
         self.running.is_empty() && self.waiting.is_empty()
     }
