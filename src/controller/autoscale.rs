@@ -95,9 +95,8 @@ pub async fn run(
     every: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    if store.wait_until_ready().await.is_err() {
-        return;
-    }
+    // The store fills with the controller's first list; until then a tick reads nothing.
+    tracing::info!(every = ?every, "KV-demand autoscaler running");
     let http: Http = HttpClient::builder(TokioExecutor::new()).build_http();
     let started = Instant::now();
     let mut scalers: HashMap<String, Autoscaler> = HashMap::new();
@@ -190,6 +189,7 @@ async fn step(
         capacity_hint_tokens: hint,
     };
     let decision = scaler.decide(&policy_of(a), &observation);
+    tracing::debug!(object = %name, current, ready = ready.len(), pending, ?decision, "autoscaling decision");
     let old = status.and_then(|s| s.autoscaling.clone()).unwrap_or_default();
     let first = old.desired_replicas.is_none();
     let changed = decision.desired != current;
