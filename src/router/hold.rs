@@ -323,9 +323,9 @@ mod tests {
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for i in 0..4usize {
-            let (h, rx, ready, order) = (h.clone(), rx.clone(), ready.clone(), order.clone());
+            let (h2, rx, ready, order) = (h.clone(), rx.clone(), ready.clone(), order.clone());
             tasks.push(tokio::spawn(async move {
-                let t = h
+                let t = h2
                     .wait(demand(10 + i), rx, move || ready.load(Ordering::SeqCst))
                     .await
                     .unwrap();
