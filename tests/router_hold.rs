@@ -97,7 +97,10 @@ fn serve(mut conn: TcpStream, log: &Mutex<Vec<(String, String)>>) {
         }
         raw.extend_from_slice(&buf[..n]);
         if let Some(i) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
-            break (String::from_utf8_lossy(&raw[..i]).to_string(), raw[i + 4..].to_vec());
+            break (
+                String::from_utf8_lossy(&raw[..i]).to_string(),
+                raw[i + 4..].to_vec(),
+            );
         }
     };
     let len: usize = header(&head, "content-length").map_or(0, |v| v.parse().unwrap());
@@ -115,7 +118,10 @@ fn serve(mut conn: TcpStream, log: &Mutex<Vec<(String, String)>>) {
             json!({"maxNumSeqs": 8, "blockSize": 16, "maxModelLen": 4096,
                    "live": {"running": 0, "waiting": 0, "freeTokens": 100_000}}),
         ),
-        "/v1/models" => (200, json!({"object": "list", "data": [{"id": "stub", "object": "model"}]})),
+        "/v1/models" => (
+            200,
+            json!({"object": "list", "data": [{"id": "stub", "object": "model"}]}),
+        ),
         "/v1/completions" | "/v1/chat/completions" => {
             let mut seen = log.lock().unwrap();
             seen.push((path.clone(), String::from_utf8_lossy(&body).to_string()));
@@ -138,11 +144,7 @@ fn serve(mut conn: TcpStream, log: &Mutex<Vec<(String, String)>>) {
 }
 
 /// A request sent on its own thread: (status, head, body, seconds it took).
-fn send(
-    router: u16,
-    path: &'static str,
-    body: Value,
-) -> std::thread::JoinHandle<(u16, String, String, f64)> {
+fn send(router: u16, path: &'static str, body: Value) -> std::thread::JoinHandle<(u16, String, String, f64)> {
     std::thread::spawn(move || {
         let t0 = Instant::now();
         let (st, head, b) = http(router, "POST", path, &body.to_string(), &[]);
@@ -158,7 +160,10 @@ fn completion(n: u32, max_tokens: u32) -> Value {
 fn requests_held_with_no_replica_go_to_the_first_one_that_answers_in_arrival_order() {
     let port = free_port(); // nothing listens there yet
     let upstream = format!("http://127.0.0.1:{port}");
-    let router = router("from-zero", &["--worker", &upstream, "--hold-timeout-seconds", "120"]);
+    let router = router(
+        "from-zero",
+        &["--worker", &upstream, "--hold-timeout-seconds", "120"],
+    );
     let r = router.port;
 
     // No replica ready: the router is up, says so, and answers the model list itself.
@@ -174,6 +179,12 @@ fn requests_held_with_no_replica_go_to_the_first_one_that_answers_in_arrival_ord
     assert_eq!(http(r, "GET", &format!("/v1/models/{MODEL}"), "", &[]).0, 200);
     let (st, _, b) = http(r, "GET", "/v1/models/another", "", &[]);
     assert_eq!(st, 404, "{b}");
+    let (st, head, b) = http(r, "GET", "/version", "", &[]);
+    assert_eq!(
+        (st, header(&head, "retry-after").is_some()),
+        (503, true),
+        "{head}\n{b}"
+    );
 
     // Held: a completion by token ids (40 prompt tokens + 8), then a chat (its prompt tokenized
     // by the router + 7).
@@ -202,12 +213,22 @@ fn requests_held_with_no_replica_go_to_the_first_one_that_answers_in_arrival_ord
     for (name, h) in [("first", first), ("second", second)] {
         let (st, head, b, _) = h.join().unwrap();
         assert_eq!(st, 200, "{name}: {head}\n{b}");
-        assert_eq!(header(&head, "x-kvfleet-replica").as_deref(), Some(upstream.as_str()));
+        assert_eq!(
+            header(&head, "x-kvfleet-replica").as_deref(),
+            Some(upstream.as_str())
+        );
     }
     let got = stub.generations();
     let paths: Vec<&str> = got.iter().map(|(p, _)| p.as_str()).collect();
-    assert_eq!(paths, ["/v1/completions", "/v1/chat/completions"], "arrival order");
-    let bodies: Vec<Value> = got.iter().map(|(_, b)| serde_json::from_str(b).unwrap()).collect();
+    assert_eq!(
+        paths,
+        ["/v1/completions", "/v1/chat/completions"],
+        "arrival order"
+    );
+    let bodies: Vec<Value> = got
+        .iter()
+        .map(|(_, b)| serde_json::from_str(b).unwrap())
+        .collect();
     assert_eq!(bodies, [first_body, chat], "forwarded unchanged");
     let s = state(r);
     assert_eq!(s["readyReplicas"], 1, "{s}");
@@ -227,7 +248,10 @@ fn requests_held_with_no_replica_go_to_the_first_one_that_answers_in_arrival_ord
     assert_eq!(stub.generations().len(), 3);
     assert_eq!(metric(&metrics(r), "kvfleet_router_hold_seconds_count"), 2.0);
     let (_, _, b) = http(r, "GET", "/v1/models", "", &[]);
-    assert_eq!(serde_json::from_str::<Value>(&b).unwrap()["data"][0]["id"], "stub");
+    assert_eq!(
+        serde_json::from_str::<Value>(&b).unwrap()["data"][0]["id"],
+        "stub"
+    );
 }
 
 /// The error a held request got: (Retry-After, error object).
@@ -247,7 +271,14 @@ fn a_held_request_times_out_and_one_past_a_full_queue_is_refused_both_503_with_r
     let dead = format!("http://127.0.0.1:{}", free_port());
     let router = router(
         "refusals",
-        &["--worker", &dead, "--hold-max-requests", "1", "--hold-timeout-seconds", "2"],
+        &[
+            "--worker",
+            &dead,
+            "--hold-max-requests",
+            "1",
+            "--hold-timeout-seconds",
+            "2",
+        ],
     );
     let r = router.port;
     let held = send(r, "/v1/completions", completion(10, 4));
@@ -257,19 +288,31 @@ fn a_held_request_times_out_and_one_past_a_full_queue_is_refused_both_503_with_r
     let (retry, e) = refusal(st, &head, &b);
     assert!(retry.parse::<u64>().unwrap() >= 1, "{retry}");
     assert_eq!(e["code"], "hold_queue_full", "{e}");
-    assert!(e["message"].as_str().unwrap().contains("--hold-max-requests"), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("--hold-max-requests"),
+        "{e}"
+    );
 
     let (st, head, b, took) = held.join().unwrap();
     let (_, e) = refusal(st, &head, &b);
     assert_eq!(e["code"], "hold_timeout", "{e}");
-    assert!(e["message"].as_str().unwrap().contains("--hold-timeout-seconds"), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("--hold-timeout-seconds"),
+        "{e}"
+    );
     assert!((2.0..60.0).contains(&took), "held {took} s for a 2 s timeout");
 
     let s = state(r);
     assert_eq!(s["held"]["requests"], 0, "{s}");
     let m = metrics(r);
-    assert_eq!(metric(&m, "kvfleet_router_hold_rejected_total{reason=\"timeout\"}"), 1.0);
-    assert_eq!(metric(&m, "kvfleet_router_hold_rejected_total{reason=\"queue_full\"}"), 1.0);
+    assert_eq!(
+        metric(&m, "kvfleet_router_hold_rejected_total{reason=\"timeout\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&m, "kvfleet_router_hold_rejected_total{reason=\"queue_full\"}"),
+        1.0
+    );
     assert_eq!(metric(&m, "kvfleet_router_held_requests"), 0.0);
     assert_eq!(metric(&m, "kvfleet_router_hold_seconds_count"), 0.0);
 
@@ -312,7 +355,10 @@ fn a_client_that_leaves_while_held_is_dropped_from_the_queue_and_never_forwarded
     let m = metrics(r);
     assert_eq!(metric(&m, "kvfleet_router_held_requests"), 0.0);
     assert_eq!(metric(&m, "kvfleet_router_held_demand_tokens"), 0.0);
-    assert_eq!(metric(&m, "kvfleet_router_hold_rejected_total{reason=\"timeout\"}"), 0.0);
+    assert_eq!(
+        metric(&m, "kvfleet_router_hold_rejected_total{reason=\"timeout\"}"),
+        0.0
+    );
 
     // A replica that comes up later gets only what is asked after.
     let stub = Stub::listen(port);
@@ -321,5 +367,11 @@ fn a_client_that_leaves_while_held_is_dropped_from_the_queue_and_never_forwarded
     assert_eq!(st, 200, "{b}");
     let got = stub.generations();
     assert_eq!(got.len(), 1, "the dropped request was forwarded: {got:?}");
-    assert_eq!(serde_json::from_str::<Value>(&got[0].1).unwrap()["prompt"].as_array().unwrap().len(), 5);
+    assert_eq!(
+        serde_json::from_str::<Value>(&got[0].1).unwrap()["prompt"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
 }

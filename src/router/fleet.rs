@@ -97,11 +97,7 @@ impl Fleet {
     pub fn answering(&self) -> usize {
         self.replicas
             .read()
-            .map(|r| {
-                r.values()
-                    .filter(|u| u.answering.load(Ordering::Relaxed))
-                    .count()
-            })
+            .map(|r| r.values().filter(|u| u.answering.load(Ordering::Relaxed)).count())
             .unwrap_or(0)
     }
 
@@ -170,10 +166,7 @@ impl Fleet {
             .iter()
             .filter(|u| u.load.lock().is_ok_and(|l| l.at.is_some()))
             .count();
-        let answering = all
-            .iter()
-            .filter(|u| u.answering.load(Ordering::Relaxed))
-            .count();
+        let answering = all.iter().filter(|u| u.answering.load(Ordering::Relaxed)).count();
         self.metrics
             .replicas
             .with_label_values(&["ready"])

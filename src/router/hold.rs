@@ -295,7 +295,8 @@ mod tests {
 
     #[test]
     fn demand_is_prompt_plus_the_output_limit_capped_at_max_model_len() {
-        let d = |body: &str, chat: bool, cap: usize| Demand::of(body.as_bytes(), chat, 100, cap).demand_tokens;
+        let d =
+            |body: &str, chat: bool, cap: usize| Demand::of(body.as_bytes(), chat, 100, cap).demand_tokens;
         assert_eq!(d(r#"{"max_tokens": 20}"#, false, 4096), 120);
         assert_eq!(
             d(r#"{"max_tokens": 20, "max_completion_tokens": 30}"#, true, 4096),
@@ -344,7 +345,10 @@ mod tests {
         assert_eq!(h.metrics.held_demand_tokens.get(), 92);
         tokio::time::sleep(Duration::from_secs(3)).await;
         assert!(h.snapshot().oldest_seconds >= 3.0);
-        assert!(order.lock().unwrap().is_empty(), "nothing leaves while no replica is ready");
+        assert!(
+            order.lock().unwrap().is_empty(),
+            "nothing leaves while no replica is ready"
+        );
         ready.store(true, Ordering::SeqCst);
         tx.send_modify(|v| *v += 1);
         for t in tasks {

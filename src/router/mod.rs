@@ -280,10 +280,7 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
     let state = Arc::new(proxy::State {
         fleet,
         hold,
-        model: proxy::ServedModel {
-            name,
-            max_model_len,
-        },
+        model: proxy::ServedModel { name, max_model_len },
         client,
         tokenizer: Arc::new(tokenizer),
         block_size,

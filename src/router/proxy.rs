@@ -165,8 +165,10 @@ fn unavailable(code: &str, message: impl Into<String>) -> Response {
         "code": code,
     }});
     let mut r = (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
-    r.headers_mut()
-        .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+    r.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        HeaderValue::from(RETRY_AFTER_SECONDS),
+    );
     r
 }
 
@@ -343,14 +345,10 @@ async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Re
         Err(r) => return r,
     };
     if s.fleet.answering() == 0 {
-        if let Some(r) = answer_while_cold(&s.model, &parts) {
-            return r;
-        }
+        return answer_while_cold(&s.model, &parts)
+            .unwrap_or_else(|| unavailable("no_replica", "no replica is ready yet; retry"));
     }
     let mut replicas = s.fleet.ready();
-    if replicas.is_empty() {
-        return unavailable("no_replica", "no replica is ready yet; retry");
-    }
     replicas.sort_by_key(|u| u.inflight.load(Ordering::Relaxed));
     let mut last_error = "no ready replica".to_string();
     for u in replicas {
