@@ -208,7 +208,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         Err(r) => return r,
     };
     // The router's own latency starts once the client has sent the whole body.
-    let read = Instant::now();
+    let mut read = Instant::now();
     // JSON and token-id prompts inline (a 4,000-token prompt parses and hashes in well under a
     // millisecond); long texts are tokenized on a blocking thread.
     let ids = match RoutingPrompt::parse(chat, &body) {
@@ -228,6 +228,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     if s.fleet.answering() == 0 || !s.hold.is_empty() {
         let demand = Demand::of(&body, chat, prompt_tokens, s.model.max_model_len);
         let fleet = s.fleet.clone();
+        let held = Instant::now();
         match s
             .hold
             .wait(demand, s.fleet.subscribe(), move || fleet.answering() > 0)
@@ -236,6 +237,8 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             Ok(t) => ticket = Some(t),
             Err(r) => return rejected(r),
         }
+        // The router's pick latency leaves the wait out (kvfleet_router_hold_seconds has it).
+        read += held.elapsed();
     }
     let replicas = s.fleet.ready();
     if replicas.is_empty() {
