@@ -12,6 +12,7 @@ use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::Value;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv};
 
@@ -51,6 +52,8 @@ pub struct Upstream {
     /// Prompt tokens sent since the last scrape (taken off its free tokens until the next).
     pub sent_tokens: AtomicUsize,
     pub subscribed: AtomicBool,
+    /// Its last `/v1/capacity` scrape succeeded: it is ready (held requests wait for one).
+    pub answering: AtomicBool,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -70,6 +73,8 @@ pub struct Fleet {
     client: HttpClient,
     metrics: Arc<RouterMetrics>,
     scrape_every: Duration,
+    /// Bumped whenever the set of replicas or one's readiness changes (wakes held requests).
+    changes: watch::Sender<u64>,
 }
 
 impl Fleet {
@@ -79,7 +84,21 @@ impl Fleet {
             client,
             metrics,
             scrape_every,
+            changes: watch::Sender::new(0),
         })
+    }
+
+    /// Changes whenever a replica comes, goes, or starts or stops answering its scrape.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Replicas whose last capacity scrape succeeded.
+    pub fn answering(&self) -> usize {
+        self.replicas
+            .read()
+            .map(|r| r.values().filter(|u| u.answering.load(Ordering::Relaxed)).count())
+            .unwrap_or(0)
     }
 
     /// The ready replicas now.
@@ -110,6 +129,7 @@ impl Fleet {
                 inflight: AtomicUsize::new(0),
                 sent_tokens: AtomicUsize::new(0),
                 subscribed: AtomicBool::new(false),
+                answering: AtomicBool::new(false),
                 tasks: Mutex::new(Vec::new()),
             });
             let weak = Arc::downgrade(&u);
@@ -117,6 +137,7 @@ impl Fleet {
                 weak.clone(),
                 self.client.clone(),
                 self.scrape_every,
+                self.changes.clone(),
             ))];
             if let Some(ep) = endpoint.kv_events {
                 tasks.push(tokio::spawn(subscribe(weak, ep, self.metrics.clone())));
@@ -130,6 +151,8 @@ impl Fleet {
             .replicas
             .with_label_values(&["ready"])
             .set(replicas.len() as i64);
+        drop(replicas);
+        self.changes.send_modify(|c| *c = c.wrapping_add(1));
     }
 
     /// Refreshes the per-state replica gauges.
@@ -143,6 +166,7 @@ impl Fleet {
             .iter()
             .filter(|u| u.load.lock().is_ok_and(|l| l.at.is_some()))
             .count();
+        let answering = all.iter().filter(|u| u.answering.load(Ordering::Relaxed)).count();
         self.metrics
             .replicas
             .with_label_values(&["ready"])
@@ -155,6 +179,10 @@ impl Fleet {
             .replicas
             .with_label_values(&["scraped"])
             .set(scraped as i64);
+        self.metrics
+            .replicas
+            .with_label_values(&["answering"])
+            .set(answering as i64);
     }
 }
 
@@ -222,8 +250,20 @@ async fn subscribe(u: std::sync::Weak<Upstream>, endpoint: String, metrics: Arc<
     }
 }
 
-/// Reads one replica's `/v1/capacity` every `every` until the replica goes.
-async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, every: Duration) {
+/// Reads one replica's `/v1/capacity` every `every` until the replica goes; `changes` hears
+/// when it starts or stops answering.
+async fn scrape(
+    u: std::sync::Weak<Upstream>,
+    client: HttpClient,
+    every: Duration,
+    changes: watch::Sender<u64>,
+) {
+    let flip = |u: &Upstream, now: bool| {
+        if u.answering.swap(now, Ordering::Relaxed) != now {
+            tracing::info!(replica = %u.endpoint.name, answering = now, "capacity scrape");
+            changes.send_modify(|c| *c = c.wrapping_add(1));
+        }
+    };
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -235,12 +275,17 @@ async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, every: Duratio
             Ok(l) => l,
             Err(error) => {
                 tracing::debug!(%url, %error, "capacity scrape failed");
+                match u.upgrade() {
+                    Some(u) => flip(&u, false),
+                    None => return,
+                }
                 continue;
             }
         };
         let Some(u) = u.upgrade() else { return };
         u.sent_tokens.store(0, Ordering::Relaxed);
         *u.load.lock().unwrap_or_else(|e| e.into_inner()) = load;
+        flip(&u, true);
     }
 }
 

@@ -2,8 +2,8 @@
 //! against what the workers reported, how long a pick takes, what failed upstream.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 pub struct RouterMetrics {
@@ -32,6 +32,14 @@ pub struct RouterMetrics {
     pub kv_event_gaps: IntCounter,
     /// Time from the request's arrival to the first response byte, by whether the prediction hit.
     pub ttfb_seconds: HistogramVec,
+    /// Generation requests held while no replica is ready (scale from zero), and the KV tokens
+    /// they need to finish (prompt + output limit, each capped at maxModelLen).
+    pub held_requests: IntGauge,
+    pub held_demand_tokens: IntGauge,
+    /// How long each held request waited before it was forwarded.
+    pub hold_seconds: Histogram,
+    /// Held requests answered 503, by reason (`timeout`, `queue_full`).
+    pub hold_rejected: IntCounterVec,
 }
 
 impl RouterMetrics {
@@ -102,6 +110,30 @@ impl RouterMetrics {
                 ]),
                 &["predicted"],
             )?,
+            held_requests: IntGauge::new(
+                "kvfleet_router_held_requests",
+                "Generation requests held until a replica is ready (scale from zero)",
+            )?,
+            held_demand_tokens: IntGauge::new(
+                "kvfleet_router_held_demand_tokens",
+                "KV tokens the held requests need to finish: prompt + output limit, each capped at maxModelLen",
+            )?,
+            hold_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvfleet_router_hold_seconds",
+                    "Time a held request waited for a ready replica before it was forwarded",
+                )
+                .buckets(vec![
+                    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                ]),
+            )?,
+            hold_rejected: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_router_hold_rejected_total",
+                    "Requests answered 503 instead of held or after holding, by reason (timeout, queue_full)",
+                ),
+                &["reason"],
+            )?,
             registry,
         };
         m.registry.register(Box::new(m.requests.clone()))?;
@@ -114,6 +146,14 @@ impl RouterMetrics {
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
         m.registry.register(Box::new(m.ttfb_seconds.clone()))?;
+        m.registry.register(Box::new(m.held_requests.clone()))?;
+        m.registry.register(Box::new(m.held_demand_tokens.clone()))?;
+        m.registry.register(Box::new(m.hold_seconds.clone()))?;
+        m.registry.register(Box::new(m.hold_rejected.clone()))?;
+        // Both reasons exist from the start, so a rate() over them is defined at zero.
+        for reason in ["timeout", "queue_full"] {
+            m.hold_rejected.with_label_values(&[reason]);
+        }
         Ok(m)
     }
 

@@ -8,19 +8,23 @@
 //! - [`score`]: the ranking;
 //! - [`proxy`]: the HTTP side: tokenize once (as the workers do), rank, forward, stream back,
 //!   fall back to the next replica on a connection failure before the first byte;
+//! - [`hold`]: while no replica is ready (scale from zero), requests wait in a bounded queue
+//!   and their KV demand is published for the autoscaler;
 //! - [`metrics`]: the router's own series.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 
 use crate::contract::config::{ConfigError, WorkerConfig};
+use crate::model::gguf::Gguf;
 use crate::model::serve::{self, ModelSource, MountError, Weights};
 
 pub mod fleet;
+pub mod hold;
 pub mod index;
 pub mod metrics;
 pub mod proxy;
@@ -64,6 +68,33 @@ pub struct RouterArgs {
     /// Largest request body accepted (413 above it).
     #[arg(long, default_value_t = 32 * 1024 * 1024)]
     pub max_request_bytes: usize,
+    /// Model id in the OpenAI API, as the workers' --served-model-name (default: the config's
+    /// modelName, else from the model file, as the worker derives it). The router answers
+    /// /v1/models with it while no replica is ready.
+    #[arg(long, env = "KVFLEET_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// The workers' maxModelLen (default: the config's engine.maxModelLen): caps the KV demand
+    /// of a held request.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_model_len: Option<u64>,
+    /// While no replica is ready, hold at most this many generation requests until one is;
+    /// more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(hold::MAX_REQUESTS_RANGE))]
+    pub hold_max_requests: u64,
+    /// A request held this long without a ready replica is answered 503 with Retry-After.
+    #[arg(long, default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(hold::TIMEOUT_SECONDS_RANGE))]
+    pub hold_timeout_seconds: u64,
+}
+
+/// What the router needs of the model the workers serve.
+struct ModelInfo {
+    source: ModelSource,
+    block_size: usize,
+    /// The config's modelName (or --served-model-name).
+    name: Option<String>,
+    max_model_len: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -90,8 +121,9 @@ pub enum RouterError {
 }
 
 impl RouterArgs {
-    /// The model source whose tokenizer the router uses, and the workers' block size.
-    fn model(&self) -> Result<(ModelSource, usize), RouterError> {
+    /// The model source whose tokenizer the router uses, the workers' block size, served name
+    /// and maxModelLen.
+    fn model(&self) -> Result<ModelInfo, RouterError> {
         let mut cfg = match &self.config {
             Some(p) => WorkerConfig::load(p)?,
             None => WorkerConfig::embedded_default(),
@@ -113,7 +145,15 @@ impl RouterArgs {
             }
         }
         let block_size = usize::try_from(cfg.engine.block_size).unwrap_or(16).max(1);
-        Ok((cfg.model.unwrap_or_else(ModelSource::embedded), block_size))
+        let max_model_len = self
+            .max_model_len
+            .map_or(cfg.engine.max_model_len, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        Ok(ModelInfo {
+            source: cfg.model.unwrap_or_else(ModelSource::embedded),
+            block_size,
+            name: self.served_model_name.clone().or(cfg.model_name),
+            max_model_len: usize::try_from(max_model_len).unwrap_or(0),
+        })
     }
 
     /// The static workers of `--worker`.
@@ -139,16 +179,68 @@ impl RouterArgs {
     }
 }
 
+/// The id a worker serves `source` under when no name is given (`serve::load`'s rule): a
+/// Hugging Face checkpoint's directory name, a GGUF's `general.name` for the embedded SmolLM2
+/// else its file stem, `dummy-<dir>` for dummy weights of a config.
+fn served_name_of(source: &ModelSource) -> String {
+    let dir_name = |dir: &Path| {
+        std::fs::canonicalize(dir)
+            .ok()
+            .and_then(|d| d.file_name().map(|s| s.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into())
+    };
+    let hf_dir = |p: &Path| {
+        if p.is_dir() {
+            Some(p.to_path_buf())
+        } else if p.file_name().is_some_and(|f| f == "config.json") {
+            p.parent().map(Path::to_path_buf)
+        } else {
+            None
+        }
+    };
+    if source.weights == Weights::Dummy {
+        return match source.config.as_ref().or(source.path.as_ref()) {
+            Some(c) if c.is_dir() => format!("dummy-{}", dir_name(c)),
+            Some(c) => format!("dummy-{}", dir_name(c.parent().unwrap_or(Path::new(".")))),
+            None => "dummy".into(),
+        };
+    }
+    let Some(path) = &source.path else {
+        return "model".into();
+    };
+    if let Some(dir) = hf_dir(path) {
+        return dir_name(&dir);
+    }
+    let smollm2 = Gguf::open(path).ok().is_some_and(|g| {
+        g.get_str("general.name")
+            .is_ok_and(|n| n.to_ascii_lowercase().starts_with("smollm2 135m"))
+    });
+    if smollm2 {
+        return "SmolLM2-135M-Instruct".into();
+    }
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
 /// Runs the router until SIGTERM or ctrl-c.
 pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
     let statics = args.static_workers()?;
     if statics.is_empty() && args.workers_service.is_none() {
         return Err(RouterError::NoWorkers);
     }
-    let (source, block_size) = args.model()?;
-    let tokenizer = tokio::task::spawn_blocking(move || serve::load_tokenizer(&source))
-        .await
-        .map_err(|e| RouterError::Serve(std::io::Error::other(e.to_string())))??;
+    let ModelInfo {
+        source,
+        block_size,
+        name,
+        max_model_len,
+    } = args.model()?;
+    let (tokenizer, name) = tokio::task::spawn_blocking(move || {
+        serve::load_tokenizer(&source).map(|t| (t, name.unwrap_or_else(|| served_name_of(&source))))
+    })
+    .await
+    .map_err(|e| RouterError::Serve(std::io::Error::other(e.to_string())))??;
+    tracing::info!(model = %name, max_model_len, "serving as");
     let metrics = Arc::new(metrics::RouterMetrics::new()?);
     let client = fleet::http_client();
     let fleet = fleet::Fleet::new(
@@ -178,8 +270,17 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
             }
         });
     }
+    let hold = hold::Hold::new(
+        hold::HoldLimits {
+            max_requests: usize::try_from(args.hold_max_requests).unwrap_or(usize::MAX),
+            timeout: Duration::from_secs(args.hold_timeout_seconds),
+        },
+        metrics.clone(),
+    );
     let state = Arc::new(proxy::State {
         fleet,
+        hold,
+        model: proxy::ServedModel { name, max_model_len },
         client,
         tokenizer: Arc::new(tokenizer),
         block_size,

@@ -5,8 +5,12 @@
 //! `x-kvfleet-replica` and `x-kvfleet-predicted-cached-tokens`. A replica that refuses the
 //! connection or answers 503 before any byte is skipped for the next one; once a response has
 //! started it is the client's, never retried. Every other path (`/v1/models`, `/tokenize`,
-//! ...) goes to the least busy replica. `/health` is 200 while a replica is ready, `/livez`
-//! always, `/metrics` the router's own series, `/v1/router/state` what it knows of each replica.
+//! ...) goes to the least busy replica. `/health` and `/livez` are 200 while the router runs,
+//! `/metrics` has the router's own series, `/v1/router/state` what it knows of each replica.
+//!
+//! While no replica is ready (none discovered, or none answering its capacity scrape), the
+//! router answers `/v1/models` itself and holds generation requests ([`super::hold`]) until one
+//! is: scale from zero.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,6 +27,7 @@ use http_body_util::BodyExt;
 use serde_json::json;
 
 use super::fleet::{Fleet, Upstream};
+use super::hold::{Demand, Hold, Rejection, RETRY_AFTER_SECONDS};
 use super::index::PromptBlocks;
 use super::metrics::RouterMetrics;
 use super::score::{rank, Candidate};
@@ -40,8 +45,18 @@ pub const PREDICTED_HEADER: &str = "x-kvfleet-predicted-cached-tokens";
 /// Prompts with more text than this are tokenized on a blocking thread.
 const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
+/// The model the workers serve, as the router answers for it while none is ready.
+pub struct ServedModel {
+    /// The id in the OpenAI API (the workers').
+    pub name: String,
+    /// The workers' maxModelLen (0: unknown).
+    pub max_model_len: usize,
+}
+
 pub struct State {
     pub fleet: Arc<Fleet>,
+    pub hold: Arc<Hold>,
+    pub model: ServedModel,
     pub client: HttpClient,
     pub tokenizer: Arc<Tokenizer>,
     /// The workers' block size (their events and scrapes say it too; this is the default).
@@ -72,14 +87,10 @@ async fn completions(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Res
     routed(s, req, false).await
 }
 
+/// 200 while the router runs, with no replica ready too: it is what holds requests then.
 async fn health(Extract(s): Extract<Arc<State>>) -> Response {
-    let n = s.fleet.ready().len();
-    let status = if n > 0 {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, Json(json!({ "replicas": n }))).into_response()
+    let body = json!({ "replicas": s.fleet.ready().len(), "readyReplicas": s.fleet.answering() });
+    (StatusCode::OK, Json(body)).into_response()
 }
 
 async fn metrics(Extract(s): Extract<Arc<State>>) -> Response {
@@ -108,13 +119,61 @@ async fn state_of(Extract(s): Extract<Arc<State>>) -> Response {
                 "eventGaps": gaps,
                 "inflight": u.inflight.load(Ordering::Relaxed),
                 "scraped": load.at.is_some(),
+                "answering": u.answering.load(Ordering::Relaxed),
                 "running": load.running,
                 "waiting": load.waiting,
                 "freeTokens": load.free_tokens,
             })
         })
         .collect();
-    Json(json!({ "replicas": replicas })).into_response()
+    let held = s.hold.snapshot();
+    Json(json!({
+        "replicas": replicas,
+        "readyReplicas": s.fleet.answering(),
+        "held": {
+            "requests": held.requests,
+            "promptTokens": held.prompt_tokens,
+            "demandTokens": held.demand_tokens,
+            "oldestSeconds": held.oldest_seconds,
+        },
+    }))
+    .into_response()
+}
+
+/// The served model as a worker describes it (`GET /v1/models`).
+fn model_card(m: &ServedModel) -> serde_json::Value {
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    json!({
+        "id": m.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvfleet",
+        "root": m.name,
+        "parent": null,
+        "max_model_len": m.max_model_len,
+    })
+}
+
+/// A 503 that tells the client when to come back.
+fn unavailable(code: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {
+        "message": message.into(),
+        "type": "service_unavailable",
+        "param": null,
+        "code": code,
+    }});
+    let mut r = (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    r.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        HeaderValue::from(RETRY_AFTER_SECONDS),
+    );
+    r
+}
+
+fn rejected(r: Rejection) -> Response {
+    unavailable(r.code(), r.message())
 }
 
 /// An OpenAI-shaped error.
@@ -149,7 +208,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         Err(r) => return r,
     };
     // The router's own latency starts once the client has sent the whole body.
-    let read = Instant::now();
+    let mut read = Instant::now();
     // JSON and token-id prompts inline (a 4,000-token prompt parses and hashes in well under a
     // millisecond); long texts are tokenized on a blocking thread.
     let ids = match RoutingPrompt::parse(chat, &body) {
@@ -163,13 +222,27 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         Some(p) => p.into_ids(&s.tokenizer),
         None => None,
     };
+    let prompt_tokens = ids.as_ref().map_or(0, |(ids, _)| ids.len());
+    // Held while no replica is ready, and behind the requests already held (arrival order).
+    let mut ticket = None;
+    if s.fleet.answering() == 0 || !s.hold.is_empty() {
+        let demand = Demand::of(&body, chat, prompt_tokens, s.model.max_model_len);
+        let fleet = s.fleet.clone();
+        let held = Instant::now();
+        match s
+            .hold
+            .wait(demand, s.fleet.subscribe(), move || fleet.answering() > 0)
+            .await
+        {
+            Ok(t) => ticket = Some(t),
+            Err(r) => return rejected(r),
+        }
+        // The router's pick latency leaves the wait out (kvfleet_router_hold_seconds has it).
+        read += held.elapsed();
+    }
     let replicas = s.fleet.ready();
     if replicas.is_empty() {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "service_unavailable",
-            "no ready replica to route to; retry",
-        );
+        return unavailable("no_replica", "no ready replica to route to; retry");
     }
     // One hashing per block size in use (normally one).
     let mut prompts: Vec<PromptBlocks> = Vec::new();
@@ -209,10 +282,11 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             max_num_seqs: load.max_num_seqs,
         });
     }
-    let prompt_tokens = ids.as_ref().map_or(0, |(ids, _)| ids.len());
     let session = parts.headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok());
     let turn = s.turn.fetch_add(1, Ordering::Relaxed);
     let (order, reason) = rank(prompt_tokens, &candidates, session, turn);
+    // Placed: the next held request may go.
+    drop(ticket);
     let mut first_try = true;
     let mut last_error = String::new();
     for i in order {
@@ -273,6 +347,10 @@ async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Re
         Ok(b) => b,
         Err(r) => return r,
     };
+    if s.fleet.answering() == 0 {
+        return answer_while_cold(&s.model, &parts)
+            .unwrap_or_else(|| unavailable("no_replica", "no replica is ready yet; retry"));
+    }
     let mut replicas = s.fleet.ready();
     replicas.sort_by_key(|u| u.inflight.load(Ordering::Relaxed));
     let mut last_error = "no ready replica".to_string();
@@ -293,6 +371,30 @@ async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Re
         "upstream_error",
         format!("no replica answered ({last_error}); retry"),
     )
+}
+
+/// What the router answers itself while no replica is ready: the model list and card, so
+/// clients that look the model up first reach the hold.
+fn answer_while_cold(m: &ServedModel, parts: &axum::http::request::Parts) -> Option<Response> {
+    if parts.method != axum::http::Method::GET {
+        return None;
+    }
+    let path = parts.uri.path();
+    if path == "/v1/models" {
+        return Some(Json(json!({"object": "list", "data": [model_card(m)]})).into_response());
+    }
+    let id = path.strip_prefix("/v1/models/")?;
+    Some(if id == m.name {
+        Json(model_card(m)).into_response()
+    } else {
+        let body = json!({"error": {
+            "message": format!("the model `{id}` does not exist; this deployment serves `{}`", m.name),
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }});
+        (StatusCode::NOT_FOUND, Json(body)).into_response()
+    })
 }
 
 /// Hop-by-hop headers (RFC 9110 section 7.6.1) a proxy does not forward.
