@@ -14,10 +14,10 @@
 use std::collections::VecDeque;
 
 use kvfleet_core::autoscale::{Autoscaler, Observation, Policy, Rules, Sample};
+use kvfleet_core::plan::KvCacheDtype;
 use kvfleet_core::plan::{
     self, blocks_per_request, EngineParams, Geometry, LayerKind, MemoryInput, PlanInputs, ReportingEra,
 };
-use kvfleet_core::plan::KvCacheDtype;
 
 /// Simulation tick (s).
 const DT: f64 = 0.1;
@@ -410,7 +410,8 @@ fn simulate(m: &Model, trace: &[Arrival], duration: f64, kind: Kind, schedule: &
             // The router holds a request while the least-loaded replica cannot take its demand
             // (AUTOSCALE_FORWARD_ALWAYS=1 forwards anyway: worker queues, no migration).
             let best = best.filter(|&i| {
-                forward_always || kv_demand_tokens(m, &fleet[i]) + req_demand_tokens(m, &r) <= m.capacity_tokens
+                forward_always
+                    || kv_demand_tokens(m, &fleet[i]) + req_demand_tokens(m, &r) <= m.capacity_tokens
             });
             match best {
                 Some(i) => {
@@ -431,11 +432,14 @@ fn simulate(m: &Model, trace: &[Arrival], duration: f64, kind: Kind, schedule: &
                 let Some(head) = rep.waiting.front() else { break };
                 // The whole prompt is prefilled within the tick here, so all of it must fit
                 // (the engine checks the first chunk; prompts past 8,192 tokens are rare here).
-                let fits = (0..m.groups.len()).all(|g| rep.used[g] + blocks(m, g, head.held()) <= m.groups[g].num_blocks);
+                let fits = (0..m.groups.len())
+                    .all(|g| rep.used[g] + blocks(m, g, head.held()) <= m.groups[g].num_blocks);
                 if !fits {
                     break;
                 }
-                let Some(mut r) = rep.waiting.pop_front() else { break };
+                let Some(mut r) = rep.waiting.pop_front() else {
+                    break;
+                };
                 prefill += r.held();
                 for g in 0..m.groups.len() {
                     rep.used[g] += blocks(m, g, r.held());
@@ -493,7 +497,10 @@ fn simulate(m: &Model, trace: &[Arrival], duration: f64, kind: Kind, schedule: &
         if preempted {
             out.preempt_seconds += DT;
         }
-        let late = router.iter().chain(fleet.iter().flat_map(|x| x.waiting.iter())).any(|r| t - r.arrival > SLO_TTFT);
+        let late = router
+            .iter()
+            .chain(fleet.iter().flat_map(|x| x.waiting.iter()))
+            .any(|r| t - r.arrival > SLO_TTFT);
         if late {
             out.slo_seconds += DT;
         }
@@ -530,6 +537,8 @@ fn simulate(m: &Model, trace: &[Arrival], duration: f64, kind: Kind, schedule: &
                     let pending = match kind {
                         // The queue the router holds counts as waiting (EPP flow control's queue).
                         Kind::Keda => router.len() as u64 * 1000,
+                        // In its own units: the queued requests' tokens.
+                        Kind::TokenUtil => router.iter().map(|r| r.prompt + r.output).sum(),
                         _ => router.iter().map(|r| req_demand_tokens(m, r)).sum(),
                     };
                     let obs = Observation {
@@ -610,13 +619,23 @@ fn oracle_schedule(m: &Model, demand: &[u64], trace: &[Arrival], periods: usize)
         .collect();
     let lead = ((m.cold_start + PERIOD) / PERIOD).ceil() as usize;
     (0..periods)
-        .map(|i| need[i..(i + lead + 1).min(periods)].iter().copied().max().unwrap_or(1))
+        .map(|i| {
+            need[i..(i + lead + 1).min(periods)]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(1)
+        })
         .collect()
 }
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let variants: &[(f64, u32)] = if quick { &[(0.8, 300)] } else { &[(0.8, 300), (0.9, 300), (0.8, 120), (0.9, 120)] };
+    let variants: &[(f64, u32)] = if quick {
+        &[(0.8, 300)]
+    } else {
+        &[(0.8, 300), (0.9, 300), (0.8, 120), (0.9, 120)]
+    };
     println!("| model | trace | policy | replica-s | vs oracle | preempt s | SLO s (TTFT > {SLO_TTFT} s) | scale events | peak | TTFT p99 (s) |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for m in [llama_8b(), gemma3_27b()] {

@@ -323,7 +323,11 @@ impl Autoscaler {
 
         let Some(capacity) = capacity else {
             // Without a capacity no ratio can be formed: only the floors apply.
-            let desired = if current == 0 && total > 0 { min.max(1) } else { current.max(min) };
+            let desired = if current == 0 && total > 0 {
+                min.max(1)
+            } else {
+                current.max(min)
+            };
             self.record(policy, now, desired, current);
             let reason = if current == 0 && desired > 0 && total > 0 {
                 Reason::ScaleFromZero
@@ -357,10 +361,14 @@ impl Autoscaler {
 
         let per_replica = policy.target_demand_ratio * capacity;
         let wanted = (total as f64 / per_replica).ceil();
-        let raw = if wanted >= f64::from(u32::MAX) { u32::MAX } else { wanted as u32 };
+        let raw = if wanted >= f64::from(u32::MAX) {
+            u32::MAX
+        } else {
+            wanted as u32
+        };
         let demand_ratio = (current > 0).then(|| total as f64 / (f64::from(current) * capacity));
-        let within_tolerance = demand_ratio
-            .is_some_and(|r| (r / policy.target_demand_ratio - 1.0).abs() <= policy.tolerance);
+        let within_tolerance =
+            demand_ratio.is_some_and(|r| (r / policy.target_demand_ratio - 1.0).abs() <= policy.tolerance);
         let recommendation = if within_tolerance { current } else { raw }.clamp(min, max);
 
         // Stabilization over the windows, the recommendation of now included.
@@ -379,7 +387,10 @@ impl Autoscaler {
         let mut stabilized = current.max(up_rec).min(down_rec);
         let mut zero_held = false;
         if stabilized == 0 && current > 0 {
-            let quiet_since = self.last_demand.unwrap_or(f64::NEG_INFINITY).max(self.first_seen.unwrap_or(now));
+            let quiet_since = self
+                .last_demand
+                .unwrap_or(f64::NEG_INFINITY)
+                .max(self.first_seen.unwrap_or(now));
             if now - quiet_since < f64::from(policy.scale_down.stabilization_window_seconds) {
                 stabilized = 1;
                 zero_held = true;
@@ -518,7 +529,11 @@ impl Autoscaler {
                 .stabilization_window_seconds
                 .max(policy.scale_down.stabilization_window_seconds),
         );
-        while self.recommendations.front().is_some_and(|&(t, _)| t <= now - keep) {
+        while self
+            .recommendations
+            .front()
+            .is_some_and(|&(t, _)| t <= now - keep)
+        {
             self.recommendations.pop_front();
         }
         let up = f64::from(policy.scale_up.longest_period());

@@ -93,10 +93,7 @@ fn within_tolerance_the_current_count_is_kept() {
     let d = Autoscaler::default().decide(&p, &obs(0.0, 2, &[90_000, 90_000]));
     assert_eq!((d.recommendation, d.desired, d.reason), (3, 3, Reason::ScaleUp));
     // A tolerance of 0.2 keeps 2 there too.
-    let wide = Policy {
-        tolerance: 0.2,
-        ..p
-    };
+    let wide = Policy { tolerance: 0.2, ..p };
     let d = Autoscaler::default().decide(&wide, &obs(0.0, 2, &[90_000, 90_000]));
     assert_eq!(d.desired, 2);
 }
@@ -105,10 +102,16 @@ fn within_tolerance_the_current_count_is_kept() {
 fn the_recommendation_is_clamped_to_max_and_min() {
     let p = Policy::with_bounds(2, 4);
     let d = Autoscaler::default().decide(&p, &obs(0.0, 4, &[900_000; 4]));
-    assert_eq!((d.recommendation, d.desired, d.reason), (4, 4, Reason::AtMaxReplicas));
+    assert_eq!(
+        (d.recommendation, d.desired, d.reason),
+        (4, 4, Reason::AtMaxReplicas)
+    );
     assert!(d.message.contains("capped at maxReplicas"), "{}", d.message);
     let d = Autoscaler::default().decide(&p, &obs(0.0, 2, &[1_000, 1_000]));
-    assert_eq!((d.recommendation, d.desired, d.reason), (2, 2, Reason::AtMinReplicas));
+    assert_eq!(
+        (d.recommendation, d.desired, d.reason),
+        (2, 2, Reason::AtMinReplicas)
+    );
 }
 
 #[test]
@@ -130,7 +133,12 @@ fn scale_down_waits_for_the_highest_recommendation_of_its_window() {
     assert_eq!(ds[0].desired, 4);
     // t = 15 .. 285: the t = 0 recommendation is inside the 300 s window.
     for d in &ds[1..=19] {
-        assert_eq!((d.desired, d.reason), (4, Reason::HeldByStabilization), "{}", d.message);
+        assert_eq!(
+            (d.desired, d.reason),
+            (4, Reason::HeldByStabilization),
+            "{}",
+            d.message
+        );
     }
     // t = 300: the window (now - 300 s, now] no longer holds t = 0 (the HPA's strict cutoff).
     assert_eq!(ds[20].desired, 1);
@@ -207,7 +215,10 @@ fn select_max_takes_the_larger_step_and_min_the_smaller() {
     let o = obs(0.0, 4, &[320_000; 4]);
     assert_eq!(Autoscaler::default().decide(&with(Select::Max), &o).desired, 8);
     assert_eq!(Autoscaler::default().decide(&with(Select::Min), &o).desired, 5);
-    assert_eq!(Autoscaler::default().decide(&with(Select::Disabled), &o).desired, 4);
+    assert_eq!(
+        Autoscaler::default().decide(&with(Select::Disabled), &o).desired,
+        4
+    );
 }
 
 #[test]
@@ -261,7 +272,11 @@ fn scale_to_zero_needs_zero_demand_for_the_whole_scale_down_window() {
         assert_eq!(d.desired, 1, "{}", d.message);
     }
     assert_eq!(ds[19].reason, Reason::HeldByStabilization);
-    assert_eq!((ds[20].desired, ds[20].reason), (0, Reason::ScaleToZero), "t = 300");
+    assert_eq!(
+        (ds[20].desired, ds[20].reason),
+        (0, Reason::ScaleToZero),
+        "t = 300"
+    );
 }
 
 #[test]
@@ -316,7 +331,10 @@ fn a_large_queue_at_zero_starts_as_many_replicas_as_the_steps_allow() {
     o.capacity_hint_tokens = Some(CAP);
     let d = Autoscaler::default().decide(&p, &o);
     // 800k / 80k = 10 recommended; 100% of 0 is 0 but 4 pods per 15 s allow 4.
-    assert_eq!((d.recommendation, d.desired, d.reason), (10, 4, Reason::ScaleFromZero));
+    assert_eq!(
+        (d.recommendation, d.desired, d.reason),
+        (10, 4, Reason::ScaleFromZero)
+    );
 }
 
 #[test]
@@ -340,7 +358,10 @@ fn a_steady_load_near_the_target_never_flaps() {
     let mut changes = 0;
     for i in 0..400 {
         let wobble = if i % 2 == 0 { 76_000 } else { 84_000 };
-        let d = a.decide(&p, &obs(f64::from(i) * 15.0, current, &vec![wobble; current as usize]));
+        let d = a.decide(
+            &p,
+            &obs(f64::from(i) * 15.0, current, &vec![wobble; current as usize]),
+        );
         changes += u32::from(d.desired != current);
         current = d.desired;
     }
@@ -408,9 +429,14 @@ fn invalid_policies_are_refused_with_what_to_change() {
         p.check().unwrap_err()
     };
     assert_eq!(bad(|p| p.max_replicas = 0), PolicyError::MaxZero);
-    assert_eq!(bad(|p| p.min_replicas = 5), PolicyError::MaxBelowMin { min: 5, max: 4 });
+    assert_eq!(
+        bad(|p| p.min_replicas = 5),
+        PolicyError::MaxBelowMin { min: 5, max: 4 }
+    );
     assert_eq!(bad(|p| p.target_demand_ratio = 1.5), PolicyError::Target(1.5));
-    assert_eq!(bad(|p| p.target_demand_ratio = f64::NAN).to_string().contains("(0, 1]"), true);
+    assert!(bad(|p| p.target_demand_ratio = f64::NAN)
+        .to_string()
+        .contains("(0, 1]"));
     assert_eq!(bad(|p| p.tolerance = 1.0), PolicyError::Tolerance(1.0));
     assert_eq!(
         bad(|p| p.scale_down.steps[0].period_seconds = 0),
@@ -426,5 +452,8 @@ fn invalid_policies_are_refused_with_what_to_change() {
             seconds: 4000
         }
     );
-    assert!(matches!(bad(|p| p.scale_up.steps.clear()), PolicyError::NoSteps { .. }));
+    assert!(matches!(
+        bad(|p| p.scale_up.steps.clear()),
+        PolicyError::NoSteps { .. }
+    ));
 }
