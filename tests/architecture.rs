@@ -174,6 +174,7 @@ fn the_core_modules_import_only_the_layers_below_them() {
         &root().join("crates/kvfleet-core/src"),
         &[
             ("compat", &[]),
+            ("autoscale", &[]),
             ("api", &["compat"]),
             ("plan", &["api", "compat"]),
             ("contract", &["api", "compat"]),
