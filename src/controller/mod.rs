@@ -34,6 +34,7 @@ mod error;
 pub mod leader;
 pub mod metrics;
 pub mod owned;
+pub mod placement;
 pub mod reconcile;
 pub mod status;
 
