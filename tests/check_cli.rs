@@ -423,14 +423,24 @@ fn a_megabyte_of_open_flow_mappings_exits_2_at_the_depth_limit_naming_the_file()
     let path = temp_file("deep.yaml", &"{a: ".repeat(256 * 1024));
     let p = path.to_str().unwrap();
     let started = std::time::Instant::now();
-    let out = check(&["-f", p], 2, &[&format!("error: {p}: document 1, line 1 column "), "nested deeper than 64 levels"]);
+    let out = check(
+        &["-f", p],
+        2,
+        &[
+            &format!("error: {p}: document 1, line 1 column "),
+            "nested deeper than 64 levels",
+        ],
+    );
     let elapsed = started.elapsed();
     assert!(elapsed < std::time::Duration::from_secs(10), "{elapsed:?}: {out}");
     // The same file as the node list.
     check(
         &["-f", "deploy/examples/nvfp4-b200.yaml", "--nodes", p],
         2,
-        &[&format!("{p}: document 1, line 1 column "), "nested deeper than 64 levels"],
+        &[
+            &format!("{p}: document 1, line 1 column "),
+            "nested deeper than 64 levels",
+        ],
     );
     let _ = std::fs::remove_file(&path);
 }
@@ -442,7 +452,9 @@ fn an_input_over_16_mib_exits_2_naming_the_file_and_the_limit() {
     check(
         &["-f", p],
         2,
-        &[&format!("error: {p}: larger than 16777216 bytes, the most `kvfleet check` reads from one input")],
+        &[&format!(
+            "error: {p}: larger than 16777216 bytes, the most `kvfleet check` reads from one input"
+        )],
     );
     let _ = std::fs::remove_file(&path);
 }

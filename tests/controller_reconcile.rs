@@ -1980,7 +1980,10 @@ async fn a_pod_on_a_relabelled_node_is_named_in_a_condition_and_once_in_a_warnin
     assert_eq!(result.unwrap(), Action::requeue(CAPACITY_POLL));
     let status = &seen[CHILDREN + 1].body;
     let c = condition(status, "PodsOnIncompatibleNodes");
-    assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("True"), Some("NodeNoLongerCompatible")));
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("True"), Some("NodeNoLongerCompatible"))
+    );
     let msg = c["message"].as_str().unwrap();
     assert!(
         msg.starts_with("1 of 2 bound worker pod(s) run on a node that can no longer run kvCacheDtype bfloat16 with attentionBackend KVFLEET_CUDA")
@@ -2013,7 +2016,12 @@ async fn a_pod_on_a_relabelled_node_is_named_in_a_condition_and_once_in_a_warnin
     // The next pass finds the same: no status write, no second Event.
     let mut again = obj.clone();
     again.status = Some(serde_json::from_value(status["status"].clone()).unwrap());
-    let (result, seen) = run_pass(&mut h, guard(again.clone()), pass_with_pods(pods.clone(), false, 0)).await;
+    let (result, seen) = run_pass(
+        &mut h,
+        guard(again.clone()),
+        pass_with_pods(pods.clone(), false, 0),
+    )
+    .await;
     result.unwrap();
     assert!(event_reasons(&seen).is_empty());
 
@@ -2021,7 +2029,10 @@ async fn a_pod_on_a_relabelled_node_is_named_in_a_condition_and_once_in_a_warnin
     let healed = vec![bound_pod("llama-a", "gpu-1"), bound_pod("llama-c", "gpu-1")];
     let (_, seen) = run_pass(&mut h, guard(again), pass_with_pods(healed, true, 0)).await;
     let c = condition(&seen[CHILDREN + 1].body, "PodsOnIncompatibleNodes");
-    assert_eq!((c["status"].as_str(), c["reason"].as_str()), (Some("False"), Some("AllPodsOnCompatibleNodes")));
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("False"), Some("AllPodsOnCompatibleNodes"))
+    );
 }
 
 #[tokio::test]
@@ -2035,8 +2046,16 @@ async fn with_no_node_left_for_a_denied_generation_the_pods_of_the_admitted_one_
         "spec": {"selector": {}, "template": {}},
         "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}});
     let calls = vec![
-        call("GET", ns_path("apps/v1", "deployments", "llama"), Reply::Json(200, running)),
-        call("GET", PODS, Reply::Json(200, pod_list(vec![bound_pod("llama-a", "gpu-1")]))),
+        call(
+            "GET",
+            ns_path("apps/v1", "deployments", "llama"),
+            Reply::Json(200, running),
+        ),
+        call(
+            "GET",
+            PODS,
+            Reply::Json(200, pod_list(vec![bound_pod("llama-a", "gpu-1")])),
+        ),
         apply_call(STATUS),
         call("POST", EVENTS, Reply::Echo),
         call("POST", EVENTS, Reply::Echo),
@@ -2048,7 +2067,13 @@ async fn with_no_node_left_for_a_denied_generation_the_pods_of_the_admitted_one_
     assert_eq!(condition(status, "Compatible")["status"], "False");
     let c = condition(status, "PodsOnIncompatibleNodes");
     assert_eq!(c["status"], "True", "{c}");
-    assert!(c["message"].as_str().unwrap().contains("pod llama-a on node gpu-1 (Tesla-T4"), "{c}");
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .contains("pod llama-a on node gpu-1 (Tesla-T4"),
+        "{c}"
+    );
     assert_eq!(
         event_reasons(&seen),
         vec![

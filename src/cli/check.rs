@@ -432,11 +432,7 @@ pub fn parse_deployments(text: &str, file: &str) -> Result<Vec<ParsedDeployment>
     Ok(out)
 }
 
-fn parse_deployment(
-    value: Value,
-    file: &str,
-    document: usize,
-) -> Result<ParsedDeployment, CheckError> {
+fn parse_deployment(value: Value, file: &str, document: usize) -> Result<ParsedDeployment, CheckError> {
     let doc_err = |message: String| CheckError::Document {
         file: file.to_string(),
         document,
@@ -821,7 +817,13 @@ spec:
         let list = "apiVersion: v1\nkind: NodeList\nitems:\n- metadata: {name: a, labels: {a: y, b: on, c: '1', d: 0755, e: 1_0}}\n";
         let labels = &parse_nodes(list, "n").unwrap()[0].labels;
         assert_eq!(
-            [&labels["a"], &labels["b"], &labels["c"], &labels["d"], &labels["e"]],
+            [
+                &labels["a"],
+                &labels["b"],
+                &labels["c"],
+                &labels["d"],
+                &labels["e"]
+            ],
             ["y", "on", "1", "0755", "1_0"]
         );
         let bad = "apiVersion: v1\nkind: List\nitems:\n- metadata: {name: a, labels: [1]}\n";
@@ -875,7 +877,10 @@ spec:
         );
         assert!(elapsed < std::time::Duration::from_secs(10), "{elapsed:?}");
         // The nodes parser reads the same way.
-        assert!(matches!(parse_nodes(&text, "n.yaml"), Err(CheckError::TooDeep { .. })));
+        assert!(matches!(
+            parse_nodes(&text, "n.yaml"),
+            Err(CheckError::TooDeep { .. })
+        ));
     }
 
     #[test]
@@ -913,7 +918,13 @@ spec:
         let mut text = format!("{GOOD}# ");
         text.push_str(&"x".repeat(limit - text.len()));
         assert_eq!(text.len(), limit);
-        assert_eq!(documents_within(&text, "big.yaml", small(limit as u64, 100)).unwrap().len(), 1, "at the limit");
+        assert_eq!(
+            documents_within(&text, "big.yaml", small(limit as u64, 100))
+                .unwrap()
+                .len(),
+            1,
+            "at the limit"
+        );
         text.push('x');
         let err = documents_within(&text, "big.yaml", small(limit as u64, 100)).unwrap_err();
         assert_eq!(
@@ -944,8 +955,7 @@ spec:
         let err = documents_within(&format!("[{}]", "a,".repeat(1000)), "n.yaml", limits).unwrap_err();
         assert!(matches!(err, CheckError::OverBudget { .. }), "{err:?}");
         assert!(
-            err.to_string()
-                .starts_with("n.yaml: document 1, line 1 column "),
+            err.to_string().starts_with("n.yaml: document 1, line 1 column "),
             "{err}"
         );
         assert!(err.to_string().contains("more than 1000 YAML nodes"), "{err}");

@@ -52,7 +52,10 @@ pub fn check(
     facts: &ClusterFacts,
     validate: impl Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict,
 ) -> Placement {
-    let bound: Vec<(&Pod, &str)> = pods.iter().filter_map(|p| bound_node(p).map(|n| (p, n))).collect();
+    let bound: Vec<(&Pod, &str)> = pods
+        .iter()
+        .filter_map(|p| bound_node(p).map(|n| (p, n)))
+        .collect();
     if bound.is_empty() {
         return Placement::NoPods;
     }
@@ -72,7 +75,14 @@ pub fn check(
         }
         let (gpu, why) = explained
             .entry(node)
-            .or_insert_with(|| explain(&pinned, cluster.nodes.iter().find(|n| n.name == *node), &cluster, &validate))
+            .or_insert_with(|| {
+                explain(
+                    &pinned,
+                    cluster.nodes.iter().find(|n| n.name == *node),
+                    &cluster,
+                    &validate,
+                )
+            })
             .clone();
         misplaced.push(Misplaced {
             pod: pod.metadata.name.clone().unwrap_or_default(),
@@ -106,7 +116,10 @@ fn bound_node(p: &Pod) -> Option<&str> {
 }
 
 /// `spec` with the resolution the pods run in place of `auto`.
-fn pinned(spec: &InferenceDeploymentSpec, (dtype, backend): (KvCacheDtype, AttentionBackend)) -> InferenceDeploymentSpec {
+fn pinned(
+    spec: &InferenceDeploymentSpec,
+    (dtype, backend): (KvCacheDtype, AttentionBackend),
+) -> InferenceDeploymentSpec {
     let mut s = spec.clone();
     s.engine.kv_cache_dtype = dtype;
     s.engine.attention_backend = backend;
@@ -122,10 +135,7 @@ fn explain(
     validate: &impl Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict,
 ) -> (String, String) {
     let Some(node) = node else {
-        return (
-            "gone".into(),
-            "the node no longer exists".into(),
-        );
+        return ("gone".into(), "the node no longer exists".into());
     };
     let gpu = match (node.product(), node.compute_capability()) {
         (Some(p), Some(cc)) => format!("{p}, compute capability {cc}"),
@@ -152,7 +162,8 @@ fn explain(
         .map(|d| format!("{}: {}", d.field, d.message))
         .collect();
     let why = if denials.is_empty() {
-        "it no longer matches the spec's node selection (spec.gpu.selector, spec.pod.nodeSelector)".to_string()
+        "it no longer matches the spec's node selection (spec.gpu.selector, spec.pod.nodeSelector)"
+            .to_string()
     } else {
         denials.join("; ")
     };
@@ -222,14 +233,20 @@ mod tests {
         let before = facts(vec![node("gpu-a", "NVIDIA-B200"), node("gpu-b", "NVIDIA-B200")]);
         let config = running(&s, &before);
         assert_eq!(config.0, KvCacheDtype::Nvfp4);
-        let pods = [pod("m-1", Some("gpu-a"), "Running"), pod("m-2", Some("gpu-b"), "Running")];
+        let pods = [
+            pod("m-1", Some("gpu-a"), "Running"),
+            pod("m-2", Some("gpu-b"), "Running"),
+        ];
         let ok = check(&s, config, &pods, &before, crate::validate::validate);
         assert!(
             matches!(&ok, Placement::Checked { bound: 2, misplaced, .. } if misplaced.is_empty()),
             "{ok:?}"
         );
 
-        let after = facts(vec![node("gpu-a", "NVIDIA-H100-80GB-HBM3"), node("gpu-b", "NVIDIA-B200")]);
+        let after = facts(vec![
+            node("gpu-a", "NVIDIA-H100-80GB-HBM3"),
+            node("gpu-b", "NVIDIA-B200"),
+        ]);
         let Placement::Checked { bound, misplaced, .. } =
             check(&s, config, &pods, &after, crate::validate::validate)
         else {
@@ -254,15 +271,24 @@ mod tests {
     }
 
     #[test]
-    fn with_every_node_relabelled_the_pods_are_misplaced_though_the_spec_is_admitted_on_its_declared_products() {
+    fn with_every_node_relabelled_the_pods_are_misplaced_though_the_spec_is_admitted_on_its_declared_products(
+    ) {
         let s = nvfp4_on_b200();
         let config = running(&s, &facts(vec![node("gpu-a", "NVIDIA-B200")]));
         let after = facts(vec![node("gpu-a", "NVIDIA-H100-80GB-HBM3")]);
         // Scale from zero: no node matches, the declared B200 admits it.
         let v = crate::validate::validate(&s, &after);
         assert!(v.allowed() && v.compatible_nodes.is_empty(), "{v:#?}");
-        let p = check(&s, config, &[pod("m-1", Some("gpu-a"), "Running")], &after, crate::validate::validate);
-        let Placement::Checked { misplaced, .. } = p else { panic!("{p:?}") };
+        let p = check(
+            &s,
+            config,
+            &[pod("m-1", Some("gpu-a"), "Running")],
+            &after,
+            crate::validate::validate,
+        );
+        let Placement::Checked { misplaced, .. } = p else {
+            panic!("{p:?}")
+        };
         assert_eq!(misplaced.len(), 1);
     }
 
@@ -282,9 +308,21 @@ mod tests {
             terminating,
         ];
         let f = facts(vec![b200]);
-        assert_eq!(check(&s, config, &pods, &f, crate::validate::validate), Placement::NoPods);
-        let p = check(&s, config, &[pod("m-4", Some("gpu-a"), "Running")], &f, crate::validate::validate);
-        assert!(matches!(&p, Placement::Checked { misplaced, .. } if misplaced.is_empty()), "{p:?}");
+        assert_eq!(
+            check(&s, config, &pods, &f, crate::validate::validate),
+            Placement::NoPods
+        );
+        let p = check(
+            &s,
+            config,
+            &[pod("m-4", Some("gpu-a"), "Running")],
+            &f,
+            crate::validate::validate,
+        );
+        assert!(
+            matches!(&p, Placement::Checked { misplaced, .. } if misplaced.is_empty()),
+            "{p:?}"
+        );
     }
 
     #[test]
@@ -292,8 +330,16 @@ mod tests {
         let s = nvfp4_on_b200();
         let f = facts(vec![node("gpu-a", "NVIDIA-B200")]);
         let config = running(&s, &f);
-        let p = check(&s, config, &[pod("m-1", Some("gpu-old"), "Running")], &f, crate::validate::validate);
-        let Placement::Checked { misplaced, .. } = p else { panic!("{p:?}") };
+        let p = check(
+            &s,
+            config,
+            &[pod("m-1", Some("gpu-old"), "Running")],
+            &f,
+            crate::validate::validate,
+        );
+        let Placement::Checked { misplaced, .. } = p else {
+            panic!("{p:?}")
+        };
         assert_eq!(misplaced[0].why, "the node no longer exists");
     }
 
@@ -305,10 +351,21 @@ mod tests {
              engine: {runtime: vllm, kvCacheDtype: fp8, maxModelLen: 4096}\n\
              gpu: {selector: {products: [NVIDIA-B200]}}\n",
         );
-        let f = facts(vec![node("gpu-a", "NVIDIA-B200"), node("gpu-b", "NVIDIA-H100-80GB-HBM3")]);
+        let f = facts(vec![
+            node("gpu-a", "NVIDIA-B200"),
+            node("gpu-b", "NVIDIA-H100-80GB-HBM3"),
+        ]);
         let config = running(&s, &f);
-        let p = check(&s, config, &[pod("m-1", Some("gpu-b"), "Running")], &f, crate::validate::validate);
-        let Placement::Checked { misplaced, .. } = p else { panic!("{p:?}") };
+        let p = check(
+            &s,
+            config,
+            &[pod("m-1", Some("gpu-b"), "Running")],
+            &f,
+            crate::validate::validate,
+        );
+        let Placement::Checked { misplaced, .. } = p else {
+            panic!("{p:?}")
+        };
         assert!(misplaced[0].why.contains("node selection"), "{:?}", misplaced[0]);
     }
 }

@@ -173,7 +173,11 @@ impl Context {
 
     /// Of `misplaced`, the pods not told in an Event before for the object `key`; forgets
     /// those no longer misplaced, so that a pod that drifts again is told again.
-    fn misplaced_untold<'m>(&self, key: &str, misplaced: &'m [placement::Misplaced]) -> Vec<&'m placement::Misplaced> {
+    fn misplaced_untold<'m>(
+        &self,
+        key: &str,
+        misplaced: &'m [placement::Misplaced],
+    ) -> Vec<&'m placement::Misplaced> {
         let mut objects = self.objects();
         let state = objects.entry(key.to_string()).or_default();
         let id = |m: &placement::Misplaced| (m.uid.clone().unwrap_or_else(|| m.pod.clone()), m.node.clone());
@@ -199,7 +203,12 @@ impl Context {
     }
 
     /// Publishes `n` about `regarding`, naming `related` (a pod) as the object it concerns.
-    async fn publish_related(&self, regarding: &ObjectReference, related: Option<ObjectReference>, n: &status::Notice) {
+    async fn publish_related(
+        &self,
+        regarding: &ObjectReference,
+        related: Option<ObjectReference>,
+        n: &status::Notice,
+    ) {
         let ev = Event {
             type_: if n.warning {
                 EventType::Warning

@@ -661,7 +661,10 @@ pub fn notices(
                     reason: c.reason.clone(),
                     note: c.message.clone(),
                 });
-            } else if no_nodes && was(COMPATIBLE) == Some("True") && was_reason != Some(DECLARED_PRODUCTS_NO_NODES) {
+            } else if no_nodes
+                && was(COMPATIBLE) == Some("True")
+                && was_reason != Some(DECLARED_PRODUCTS_NO_NODES)
+            {
                 // The nodes that could run it went (relabelled, deleted, cordoned).
                 out.push(Notice {
                     warning: true,
@@ -1029,7 +1032,10 @@ mod tests {
         let v = admitted_on_declared_products();
         let s = compute(&o, &seen(&v, &dep(2, 2)), ts());
         let c = get(&s, COMPATIBLE);
-        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", DECLARED_PRODUCTS_NO_NODES));
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", DECLARED_PRODUCTS_NO_NODES)
+        );
         assert!(
             c.message.starts_with("no node in the cluster can run it now; it is admitted on the GPU products its selector declares (NVIDIA-B200), where it runs with kvCacheDtype fp8_e5m2"),
             "{}",
@@ -1053,14 +1059,18 @@ mod tests {
         let after = compute(&o, &seen(&none, &dep(2, 2)), ts());
         let n = notices(Some(&before), &after, Some(&none));
         assert_eq!(
-            n.iter().map(|n| (n.warning, n.reason.as_str())).collect::<Vec<_>>(),
+            n.iter()
+                .map(|n| (n.warning, n.reason.as_str()))
+                .collect::<Vec<_>>(),
             vec![(true, DECLARED_PRODUCTS_NO_NODES)]
         );
         o.status = Some(after.clone());
         let back = compute(&o, &seen(&on_nodes, &dep(2, 2)), ts());
         let n = notices(Some(&after), &back, Some(&on_nodes));
         assert_eq!(
-            n.iter().map(|n| (n.warning, n.reason.as_str())).collect::<Vec<_>>(),
+            n.iter()
+                .map(|n| (n.warning, n.reason.as_str()))
+                .collect::<Vec<_>>(),
             vec![(false, COMPATIBLE_NODES_FOUND)]
         );
     }
@@ -1098,7 +1108,10 @@ mod tests {
         };
         let s = with(&checked(vec![misplaced("m-1")]));
         let c = get(&s, PODS_ON_INCOMPATIBLE_NODES);
-        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", NODE_NO_LONGER_COMPATIBLE));
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", NODE_NO_LONGER_COMPATIBLE)
+        );
         assert!(
             c.message.starts_with("1 of 7 bound worker pod(s) run on a node that can no longer run kvCacheDtype nvfp4 with attentionBackend FLASHINFER (the node changed after the pod was scheduled): pod m-1 on node gpu-a (NVIDIA-H100-80GB-HBM3, compute capability 9.0): spec.engine.kvCacheDtype: nvfp4 needs compute capability 10.0. Delete each such pod")
                 && c.message.contains("kubectl delete pod m-1 -n ns"),
@@ -1108,15 +1121,29 @@ mod tests {
         // Many: five named, the rest counted.
         let many: Vec<_> = (0..7).map(|i| misplaced(&format!("m-{i}"))).collect();
         let c = get(&with(&checked(many)), PODS_ON_INCOMPATIBLE_NODES).clone();
-        assert!(c.message.contains("pod m-4 on") && !c.message.contains("pod m-5 on"), "{}", c.message);
+        assert!(
+            c.message.contains("pod m-4 on") && !c.message.contains("pod m-5 on"),
+            "{}",
+            c.message
+        );
         assert!(c.message.contains(" and 2 more."), "{}", c.message);
         // All well, no pods, not checked: False, each with its reason.
         let ok = get(&with(&checked(vec![])), PODS_ON_INCOMPATIBLE_NODES).clone();
-        assert_eq!((ok.status.as_str(), ok.reason.as_str()), ("False", "AllPodsOnCompatibleNodes"));
+        assert_eq!(
+            (ok.status.as_str(), ok.reason.as_str()),
+            ("False", "AllPodsOnCompatibleNodes")
+        );
         let none = get(&with(&Placement::NoPods), PODS_ON_INCOMPATIBLE_NODES).clone();
         assert_eq!(none.reason, "NoBoundPods");
-        let unknown = get(&with(&Placement::NotChecked("why".into())), PODS_ON_INCOMPATIBLE_NODES).clone();
-        assert_eq!((unknown.reason.as_str(), unknown.message.as_str()), ("NotChecked", "why"));
+        let unknown = get(
+            &with(&Placement::NotChecked("why".into())),
+            PODS_ON_INCOMPATIBLE_NODES,
+        )
+        .clone();
+        assert_eq!(
+            (unknown.reason.as_str(), unknown.message.as_str()),
+            ("NotChecked", "why")
+        );
     }
 
     fn planned(available_kv_bytes: u64) -> Verdict {
