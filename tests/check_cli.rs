@@ -404,3 +404,57 @@ fn network_peers_over_the_bound_or_invalid_are_denied_by_check() {
     }
     let _ = std::fs::remove_file(base);
 }
+
+// === YAML limits (issue 35) ===
+
+/// A file of `text` in a directory of this test's own.
+fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvfleet-check-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_megabyte_of_open_flow_mappings_exits_2_at_the_depth_limit_naming_the_file() {
+    // With serde_yaml 0.9 (libyaml) this input took 192 s in a release build; 10 s here is
+    // only a guard for a debug build on a busy machine (it takes some 20 ms).
+    let path = temp_file("deep.yaml", &"{a: ".repeat(256 * 1024));
+    let p = path.to_str().unwrap();
+    let started = std::time::Instant::now();
+    let out = check(
+        &["-f", p],
+        2,
+        &[
+            &format!("error: {p}: document 1, line 1 column "),
+            "nested deeper than 64 levels",
+        ],
+    );
+    let elapsed = started.elapsed();
+    assert!(elapsed < std::time::Duration::from_secs(10), "{elapsed:?}: {out}");
+    // The same file as the node list.
+    check(
+        &["-f", "deploy/examples/nvfp4-b200.yaml", "--nodes", p],
+        2,
+        &[
+            &format!("{p}: document 1, line 1 column "),
+            "nested deeper than 64 levels",
+        ],
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn an_input_over_16_mib_exits_2_naming_the_file_and_the_limit() {
+    let path = temp_file("big.yaml", &"#".repeat((16 << 20) + 1));
+    let p = path.to_str().unwrap();
+    check(
+        &["-f", p],
+        2,
+        &[&format!(
+            "error: {p}: larger than 16777216 bytes, the most `kvfleet check` reads from one input"
+        )],
+    );
+    let _ = std::fs::remove_file(&path);
+}

@@ -1931,3 +1931,155 @@ async fn with_the_crd_mode_inference_pool_applies_the_pool_and_sweeps_inference_
     assert!(seen.iter().all(|s| s.method != "DELETE"));
     assert!(h.ctx.inference_pool.load(std::sync::atomic::Ordering::Relaxed));
 }
+
+// === pods on nodes that can no longer run them (issue 35) ===
+
+/// A node GPU Feature Discovery relabelled as a Tesla T4 (7.5), which the spec does not select.
+fn relabelled_node(name: &str) -> Node {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            labels::PRODUCT: "Tesla-T4", labels::COMPUTE_MAJOR: "7", labels::COMPUTE_MINOR: "5"}},
+        "status": {"allocatable": {"nvidia.com/gpu": "2"}}
+    }))
+    .unwrap()
+}
+
+/// A running worker pod of `llama` bound to `node`.
+fn bound_pod(name: &str, node: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": NS, "uid": format!("uid-{name}"),
+                        "labels": {"kvfleet.io/inference-deployment": "llama"}},
+           "spec": {"containers": [], "nodeName": node},
+           "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
+}
+
+/// One pass over a settled `llama` whose Deployment has 2 ready replicas and whose pods are
+/// `pods`: a status write when `writes`, then `events` Events.
+fn pass_with_pods(pods: Vec<Value>, writes: bool, events: usize) -> Vec<Call> {
+    let ready = json!({"observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2});
+    let mut calls = children_apply_calls(true);
+    calls[LOOKUPS + 3] = call(
+        "PATCH",
+        ns_path("apps/v1", "deployments", "llama"),
+        Reply::EchoWithStatus(ready),
+    );
+    calls.push(call("GET", PODS, Reply::Json(200, pod_list(pods))));
+    if writes {
+        calls.push(apply_call(STATUS));
+    }
+    calls.extend((0..events).map(|_| call("POST", EVENTS, Reply::Echo)));
+    calls
+}
+
+#[tokio::test]
+async fn a_pod_on_a_relabelled_node_is_named_in_a_condition_and_once_in_a_warning_event() {
+    let mut h = harness(&[gpu_node("gpu-1"), relabelled_node("gpu-2")]);
+    let obj = settled(inference_deployment(1, 2), 1);
+    let pods = vec![bound_pod("llama-a", "gpu-1"), bound_pod("llama-b", "gpu-2")];
+    let (result, seen) = run_pass(&mut h, guard(obj.clone()), pass_with_pods(pods.clone(), true, 1)).await;
+    assert_eq!(result.unwrap(), Action::requeue(CAPACITY_POLL));
+    let status = &seen[CHILDREN + 1].body;
+    let c = condition(status, "PodsOnIncompatibleNodes");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("True"), Some("NodeNoLongerCompatible"))
+    );
+    let msg = c["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("1 of 2 bound worker pod(s) run on a node that can no longer run kvCacheDtype bfloat16 with attentionBackend KVFLEET_CUDA")
+            && msg.contains("pod llama-b on node gpu-2 (Tesla-T4, compute capability 7.5)")
+            && !msg.contains("llama-a")
+            && msg.contains("kubectl delete pod llama-b -n ml"),
+        "{msg}"
+    );
+    // The Compatible condition still counts the one node that can run it.
+    assert!(condition(status, "Compatible")["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("1 node(s) can run it"));
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Warning".into(), "PodOnIncompatibleNode".into())]
+    );
+    let ev = &seen.iter().find(|s| s.path == EVENTS).unwrap().body;
+    assert_eq!(ev["related"]["kind"], "Pod");
+    assert_eq!(ev["related"]["name"], "llama-b");
+    assert_eq!(ev["regarding"]["name"], "llama");
+    assert!(
+        ev["note"]
+            .as_str()
+            .unwrap()
+            .starts_with("pod llama-b runs on node gpu-2 (Tesla-T4, compute capability 7.5), which can no longer run kvCacheDtype bfloat16"),
+        "{ev}"
+    );
+
+    // The next pass finds the same: no status write, no second Event.
+    let mut again = obj.clone();
+    again.status = Some(serde_json::from_value(status["status"].clone()).unwrap());
+    let (result, seen) = run_pass(
+        &mut h,
+        guard(again.clone()),
+        pass_with_pods(pods.clone(), false, 0),
+    )
+    .await;
+    result.unwrap();
+    assert!(event_reasons(&seen).is_empty());
+
+    // The pod is deleted and rescheduled on gpu-1: False again.
+    let healed = vec![bound_pod("llama-a", "gpu-1"), bound_pod("llama-c", "gpu-1")];
+    let (_, seen) = run_pass(&mut h, guard(again), pass_with_pods(healed, true, 0)).await;
+    let c = condition(&seen[CHILDREN + 1].body, "PodsOnIncompatibleNodes");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("False"), Some("AllPodsOnCompatibleNodes"))
+    );
+}
+
+#[tokio::test]
+async fn with_no_node_left_for_a_denied_generation_the_pods_of_the_admitted_one_are_still_checked() {
+    // The only node that ran it is relabelled: the stand-in rules deny (no selected product),
+    // the generation was admitted before, so its pods are checked against what they run.
+    let mut h = harness(&[relabelled_node("gpu-1")]);
+    let obj = settled(inference_deployment(1, 2), 1);
+    let running = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "llama", "namespace": NS, "ownerReferences": [owner_ref()], "generation": 1},
+        "spec": {"selector": {}, "template": {}},
+        "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}});
+    let calls = vec![
+        call(
+            "GET",
+            ns_path("apps/v1", "deployments", "llama"),
+            Reply::Json(200, running),
+        ),
+        call(
+            "GET",
+            PODS,
+            Reply::Json(200, pod_list(vec![bound_pod("llama-a", "gpu-1")])),
+        ),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let status = &seen[2].body;
+    assert_eq!(condition(status, "Compatible")["status"], "False");
+    let c = condition(status, "PodsOnIncompatibleNodes");
+    assert_eq!(c["status"], "True", "{c}");
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .contains("pod llama-a on node gpu-1 (Tesla-T4"),
+        "{c}"
+    );
+    assert_eq!(
+        event_reasons(&seen),
+        vec![
+            ("Warning".into(), "NoCompatibleNodes".into()),
+            ("Warning".into(), "NodesChanged".into()),
+            ("Warning".into(), "PodOnIncompatibleNode".into())
+        ]
+    );
+}

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use k8s_openapi::api::core::v1::Node;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
+use serde_json::Value;
 
 use crate::api::{InferenceDeploymentSpec, GROUP, KIND, VERSION};
 use crate::compat::rules::{self, Rule, Severity, KVFLEET_RULES, PRIORITIES, VLLM_RULES};
@@ -54,12 +55,30 @@ pub enum CheckError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{file}: document {document}: not valid YAML: {source}")]
+    // The parser's message is part of this one (it names the line and column), not a
+    // `source`: `error_chain` would print it twice.
+    #[error("{file}: document {document}: not valid YAML: {error}")]
     Yaml {
         file: String,
         document: usize,
-        #[source]
-        source: serde_yaml::Error,
+        error: Box<serde_saphyr::Error>,
+    },
+    #[error("{file}: larger than {limit} bytes, the most `kvfleet check` reads from one input; split it into smaller files (one per deployment, or nodes in batches)")]
+    TooLarge { file: String, limit: u64 },
+    #[error("{file}: document {document}{at}: nested deeper than {limit} levels of mappings and sequences, the most `kvfleet check` reads; an InferenceDeployment or a Node is nested about 10 deep, so this is not one")]
+    TooDeep {
+        file: String,
+        document: usize,
+        /// ", line L column C" where the parser knows it.
+        at: String,
+        limit: usize,
+    },
+    #[error("{file}: document {document}{at}: {what}, beyond what `kvfleet check` reads from one input; split the file")]
+    OverBudget {
+        file: String,
+        document: usize,
+        at: String,
+        what: String,
     },
     #[error("{file}: document {document}: field {field}: {message}")]
     Field {
@@ -184,42 +203,188 @@ pub fn check(args: &CheckArgs) -> Result<Vec<Report>, CheckError> {
 
 fn read_input(path: &Path) -> Result<(String, String), CheckError> {
     let file = path.display().to_string();
-    let mut text = String::new();
-    let result = if file == "-" {
-        std::io::stdin().read_to_string(&mut text).map(|_| ())
-    } else {
-        std::fs::read_to_string(path).map(|t| text = t)
-    };
-    result.map_err(|source| CheckError::Read {
+    let read_err = |source| CheckError::Read {
         file: file.clone(),
         source,
-    })?;
+    };
+    let mut text = String::new();
+    // One byte past the limit tells a file at the limit from a larger one, without reading
+    // (or holding) more of it.
+    if file == "-" {
+        std::io::stdin()
+            .take(MAX_INPUT_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(read_err)?;
+    } else {
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_INPUT_BYTES + 1).read_to_string(&mut text))
+            .map_err(read_err)?;
+    }
+    check_size(&text, &file, MAX_INPUT_BYTES)?;
     Ok((file, text))
 }
 
-/// The non-empty YAML documents of a file.
-fn documents(text: &str, file: &str) -> Result<Vec<serde_yaml::Value>, CheckError> {
-    let mut out = Vec::new();
-    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let value = serde_yaml::Value::deserialize(doc).map_err(|source| CheckError::Yaml {
+// === YAML ===
+
+/// The most bytes `check` reads from one input (a file or stdin): `kubectl get nodes -o
+/// yaml` prints some 5 to 15 KiB per node (most of it the image list), so 16 MiB holds a
+/// thousand nodes or more; the parser is linear, and this also bounds the memory of the
+/// documents it builds.
+pub const MAX_INPUT_BYTES: u64 = 16 << 20;
+/// The deepest nesting of mappings and sequences `check` reads: an InferenceDeployment
+/// is at most 8 deep, a Node (with `managedFields`) about 12.
+pub const MAX_DEPTH: usize = 64;
+/// YAML nodes (scalars, mappings, sequences) in one input: one per 16 bytes of the size
+/// limit (a Node as kubectl prints it averages 30 to 40 bytes per YAML node), so that short
+/// flow items (`[a,a,...]`, 2 bytes each) cannot build documents many times larger in
+/// memory than the text.
+pub const MAX_YAML_NODES: usize = (MAX_INPUT_BYTES / 16) as usize;
+
+/// What `check` reads of one input: [`Limits::CHECK`] (tests use smaller ones).
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    bytes: u64,
+    depth: usize,
+    nodes: usize,
+}
+
+impl Limits {
+    const CHECK: Limits = Limits {
+        bytes: MAX_INPUT_BYTES,
+        depth: MAX_DEPTH,
+        nodes: MAX_YAML_NODES,
+    };
+
+    /// Every node is one event, plus the end of each collection and of the document.
+    fn events(&self) -> usize {
+        2 * self.nodes + 2
+    }
+}
+
+fn check_size(text: &str, file: &str, limit: u64) -> Result<(), CheckError> {
+    if text.len() as u64 > limit {
+        return Err(CheckError::TooLarge {
             file: file.to_string(),
-            document: i + 1,
-            source,
-        })?;
-        if !value.is_null() {
-            out.push(value);
+            limit,
+        });
+    }
+    Ok(())
+}
+
+fn yaml_options(limits: Limits) -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_depth = limits.depth;
+    // The parser's own cap on flow nesting stays above the depth budget, so that deep flow
+    // collections (`{a: {a: ...`) meet the same limit and message as deep blocks.
+    budget.flow_nesting_limit = limits.depth + 1;
+    budget.max_nodes = limits.nodes;
+    budget.max_events = limits.events();
+    budget.max_reader_input_bytes = Some(usize::try_from(limits.bytes).unwrap_or(usize::MAX));
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    // Scalars as YAML 1.2's core schema reads them (as serde_yaml did before): `y`, `on`,
+    // `0755` and `1_000` stay strings, e.g. as label values.
+    options.strict_booleans = true;
+    options.leading_zero_numbers_as_strings = true;
+    options.underscored_numbers_as_strings = true;
+    // The message is one line with the line and column; the file and document are ours.
+    options.with_snippet = false;
+    options
+}
+
+fn yaml_error(file: &str, document: usize, limits: Limits, error: serde_saphyr::Error) -> CheckError {
+    let inner = error.without_snippet();
+    let at = inner
+        .location()
+        .filter(|l| l.line() > 0)
+        .map(|l| format!(", line {} column {}", l.line(), l.column()))
+        .unwrap_or_default();
+    let file = file.to_string();
+    match inner {
+        serde_saphyr::Error::Budget {
+            breach: serde_saphyr::budget::BudgetBreach::Depth { .. },
+            ..
+        } => CheckError::TooDeep {
+            file,
+            document,
+            at,
+            limit: limits.depth,
+        },
+        // The scanner runs ahead of the events: an unclosed run of flow collections meets
+        // its nesting cap (MAX_DEPTH + 1) before the depth budget sees the event.
+        serde_saphyr::Error::ExternalMessage { source, .. } if flow_nesting_exceeded(source) => {
+            CheckError::TooDeep {
+                file,
+                document,
+                at,
+                limit: limits.depth,
+            }
+        }
+        serde_saphyr::Error::IOError { cause } if cause.kind() == std::io::ErrorKind::FileTooLarge => {
+            CheckError::TooLarge {
+                file,
+                limit: limits.bytes,
+            }
+        }
+        serde_saphyr::Error::Budget { breach, .. } => CheckError::OverBudget {
+            file,
+            document,
+            at,
+            what: budget_breach(breach, limits),
+        },
+        _ => CheckError::Yaml {
+            file,
+            document,
+            error: Box::new(error),
+        },
+    }
+}
+
+fn flow_nesting_exceeded(source: &serde_saphyr::ExternalMessageSource) -> bool {
+    matches!(
+        source,
+        serde_saphyr::ExternalMessageSource::Parser(e)
+            if matches!(e.kind(), serde_saphyr::granit_parser::ErrorKind::RecursionLimitExceeded)
+    )
+}
+
+fn budget_breach(breach: &serde_saphyr::budget::BudgetBreach, limits: Limits) -> String {
+    use serde_saphyr::budget::BudgetBreach as B;
+    match breach {
+        B::Nodes { .. } => format!("more than {} YAML nodes", limits.nodes),
+        B::Events { .. } => format!("more than {} YAML parser events", limits.events()),
+        other => format!("the YAML parser's budget is exceeded ({other:?})"),
+    }
+}
+
+/// The non-empty YAML documents of a file, as JSON values (what the API server stores):
+/// parsed in time linear in the text, within [`MAX_INPUT_BYTES`], [`MAX_DEPTH`] and
+/// [`MAX_YAML_NODES`].
+fn documents(text: &str, file: &str) -> Result<Vec<Value>, CheckError> {
+    documents_within(text, file, Limits::CHECK)
+}
+
+fn documents_within(text: &str, file: &str, limits: Limits) -> Result<Vec<Value>, CheckError> {
+    check_size(text, file, limits.bytes)?;
+    let mut reader = text.as_bytes();
+    let mut out = Vec::new();
+    for doc in serde_saphyr::read_with_options::<_, Value>(&mut reader, yaml_options(limits)) {
+        match doc {
+            Ok(Value::Null) => {}
+            Ok(value) => out.push(value),
+            Err(e) => return Err(yaml_error(file, out.len() + 1, limits, e)),
         }
     }
     Ok(out)
 }
 
-fn str_field<'a>(v: &'a serde_yaml::Value, key: &str) -> Option<&'a str> {
+fn str_field<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
     v.get(key).and_then(|k| k.as_str())
 }
 
 /// Deserializes `value` as `T`, reporting the failing field as a path under `prefix`.
 fn typed<T: serde::de::DeserializeOwned>(
-    value: serde_yaml::Value,
+    value: Value,
     file: &str,
     document: usize,
     prefix: &str,
@@ -249,7 +414,7 @@ pub fn parse_deployments(text: &str, file: &str) -> Result<Vec<ParsedDeployment>
     for value in documents(text, file)? {
         let items = match str_field(&value, "kind") {
             Some("List") | Some("InferenceDeploymentList") => match value.get("items") {
-                Some(serde_yaml::Value::Sequence(items)) => items.clone(),
+                Some(Value::Array(items)) => items.clone(),
                 _ => Vec::new(),
             },
             _ => vec![value],
@@ -267,17 +432,13 @@ pub fn parse_deployments(text: &str, file: &str) -> Result<Vec<ParsedDeployment>
     Ok(out)
 }
 
-fn parse_deployment(
-    value: serde_yaml::Value,
-    file: &str,
-    document: usize,
-) -> Result<ParsedDeployment, CheckError> {
+fn parse_deployment(value: Value, file: &str, document: usize) -> Result<ParsedDeployment, CheckError> {
     let doc_err = |message: String| CheckError::Document {
         file: file.to_string(),
         document,
         message,
     };
-    if !value.is_mapping() {
+    if !value.is_object() {
         return Err(doc_err(format!("expected an {KIND} object (a YAML mapping)")));
     }
     let api_version = format!("{GROUP}/{VERSION}");
@@ -320,8 +481,8 @@ pub fn parse_nodes(text: &str, file: &str) -> Result<Vec<NodeFacts>, CheckError>
         match str_field(&value, "kind") {
             Some("List") | Some("NodeList") => {
                 let items = match value.get("items") {
-                    Some(serde_yaml::Value::Sequence(items)) => items.clone(),
-                    None | Some(serde_yaml::Value::Null) => Vec::new(),
+                    Some(Value::Array(items)) => items.clone(),
+                    None | Some(Value::Null) => Vec::new(),
                     Some(_) => {
                         return Err(CheckError::Field {
                             file: file.to_string(),
@@ -652,6 +813,19 @@ spec:
         assert_eq!(nodes[0].allocatable_gpus, Some(2));
         let list = "apiVersion: v1\nkind: NodeList\nitems:\n- metadata: {name: a}\n- metadata: {name: b, labels: {x: y}}\n";
         assert_eq!(parse_nodes(list, "n").unwrap().len(), 2);
+        // YAML 1.2 scalars: these label values are strings, not a boolean and numbers.
+        let list = "apiVersion: v1\nkind: NodeList\nitems:\n- metadata: {name: a, labels: {a: y, b: on, c: '1', d: 0755, e: 1_0}}\n";
+        let labels = &parse_nodes(list, "n").unwrap()[0].labels;
+        assert_eq!(
+            [
+                &labels["a"],
+                &labels["b"],
+                &labels["c"],
+                &labels["d"],
+                &labels["e"]
+            ],
+            ["y", "on", "1", "0755", "1_0"]
+        );
         let bad = "apiVersion: v1\nkind: List\nitems:\n- metadata: {name: a, labels: [1]}\n";
         let err = parse_nodes(bad, "n").unwrap_err().to_string();
         assert!(err.contains("field items[0].metadata.labels"), "{err}");
@@ -668,6 +842,133 @@ spec:
         assert_eq!(
             json["rules"].as_array().unwrap().len(),
             VLLM_RULES.len() + KVFLEET_RULES.len()
+        );
+    }
+
+    // === YAML limits (issue 35) ===
+
+    /// `depth` mappings nested as flow (`{a: {a: 1}}`) or as block YAML.
+    fn nested(depth: usize, flow: bool) -> String {
+        if flow {
+            format!("{}1{}", "{a: ".repeat(depth), "}".repeat(depth))
+        } else {
+            let mut s: String = (0..depth).map(|i| format!("{}a:\n", "  ".repeat(i))).collect();
+            s.push_str(&format!("{}1\n", "  ".repeat(depth)));
+            s
+        }
+    }
+
+    #[test]
+    fn a_megabyte_of_open_flow_mappings_is_refused_at_the_depth_limit_at_once() {
+        // serde_yaml 0.9 (libyaml) took 192 s on this in a release build (64 KiB: 0.5 s,
+        // 256 KiB: 11 s): its simple-key scan is quadratic. The bound is only a guard; the
+        // parser stops at the 65th level, after some 260 bytes.
+        let text = "{a: ".repeat(256 * 1024);
+        assert_eq!(text.len(), 1 << 20);
+        let started = std::time::Instant::now();
+        let err = parse_deployments(&text, "deep.yaml").unwrap_err();
+        let elapsed = started.elapsed();
+        assert!(matches!(err, CheckError::TooDeep { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with("deep.yaml: document 1, line 1 column ")
+                && msg.contains("nested deeper than 64 levels"),
+            "{msg}"
+        );
+        assert!(elapsed < std::time::Duration::from_secs(10), "{elapsed:?}");
+        // The nodes parser reads the same way.
+        assert!(matches!(
+            parse_nodes(&text, "n.yaml"),
+            Err(CheckError::TooDeep { .. })
+        ));
+    }
+
+    #[test]
+    fn nesting_up_to_the_depth_limit_is_read_and_one_level_more_is_refused_naming_file_and_limit() {
+        for flow in [true, false] {
+            assert!(documents(&nested(MAX_DEPTH, flow), "x").is_ok(), "flow {flow}");
+            let err = documents(&nested(MAX_DEPTH + 1, flow), "x.yaml").unwrap_err();
+            assert!(matches!(err, CheckError::TooDeep { .. }), "flow {flow}: {err:?}");
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with("x.yaml: document 1, line ") && msg.contains("deeper than 64 levels"),
+                "{msg}"
+            );
+        }
+        // A deep second document is named as the second.
+        let err = documents(&format!("a: 1\n---\n{}", nested(MAX_DEPTH + 1, false)), "x.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("x.yaml: document 2, line "), "{err}");
+    }
+
+    /// The limits of `check` with `bytes` and `nodes` scaled down: the parser's dependencies
+    /// are unoptimised in test builds, where a full 16 MiB input takes some 10 s.
+    fn small(bytes: u64, nodes: usize) -> Limits {
+        Limits {
+            bytes,
+            nodes,
+            ..Limits::CHECK
+        }
+    }
+
+    #[test]
+    fn input_over_the_size_limit_is_refused_naming_file_and_limit() {
+        let limit = 4096;
+        let mut text = format!("{GOOD}# ");
+        text.push_str(&"x".repeat(limit - text.len()));
+        assert_eq!(text.len(), limit);
+        assert_eq!(
+            documents_within(&text, "big.yaml", small(limit as u64, 100))
+                .unwrap()
+                .len(),
+            1,
+            "at the limit"
+        );
+        text.push('x');
+        let err = documents_within(&text, "big.yaml", small(limit as u64, 100)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "big.yaml: larger than 4096 bytes, the most `kvfleet check` reads from one input; split it into smaller files (one per deployment, or nodes in batches)"
+        );
+        // A file one byte over the real limit is refused as read (reading stops there),
+        // before any parsing.
+        let dir = std::env::temp_dir().join(format!("kvfleet-check-size-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("big.yaml");
+        let mut big = GOOD.to_string();
+        big.push_str(&"#".repeat(MAX_INPUT_BYTES as usize + 1 - big.len()));
+        std::fs::write(&path, &big).unwrap();
+        let err = read_input(&path).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            matches!(err, CheckError::TooLarge { ref file, limit } if file.ends_with("big.yaml") && limit == 16 << 20),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("larger than 16777216 bytes"), "{err}");
+    }
+
+    #[test]
+    fn many_tiny_yaml_nodes_meet_the_node_budget_not_the_memory() {
+        let limits = small(MAX_INPUT_BYTES, 1000);
+        assert!(documents_within(&format!("[{}]", "a,".repeat(999)), "n.yaml", limits).is_ok());
+        let err = documents_within(&format!("[{}]", "a,".repeat(1000)), "n.yaml", limits).unwrap_err();
+        assert!(matches!(err, CheckError::OverBudget { .. }), "{err:?}");
+        assert!(
+            err.to_string().starts_with("n.yaml: document 1, line 1 column "),
+            "{err}"
+        );
+        assert!(err.to_string().contains("more than 1000 YAML nodes"), "{err}");
+        // The real budget: one YAML node per 16 bytes of the size limit.
+        assert_eq!(Limits::CHECK.nodes as u64 * 16, MAX_INPUT_BYTES);
+    }
+
+    #[test]
+    fn yaml_errors_name_the_line_and_column_once() {
+        let err = parse_deployments("a: 1\n---\nb: [\n", "x.yaml").unwrap_err();
+        assert_eq!(
+            crate::error_chain(&err),
+            "x.yaml: document 2: not valid YAML: unclosed bracket '[' at line 3, column 4"
         );
     }
 

@@ -35,6 +35,7 @@ mod error;
 pub mod leader;
 pub mod metrics;
 pub mod owned;
+pub mod placement;
 pub mod reconcile;
 pub mod status;
 

@@ -2,7 +2,7 @@
 //! (ownership check, server-side apply, orphan sweep) -> status and Events; plus the error
 //! policy and what the controller remembers per object.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -27,6 +27,7 @@ use super::desired::{self, MonitorKind, Settings, MEASURED_TOKENS_ANNOTATION};
 use super::error::{is_conflict, Error};
 use super::metrics::Metrics;
 use super::owned::{self, is_owned_by, OwnedSet, FIELD_MANAGER};
+use super::placement::{self, Placement};
 use super::status::{self, CapacityPrediction, Observed};
 
 /// How often a settled object is looked at again without any watch event.
@@ -67,6 +68,8 @@ struct ObjectState {
     failures: u32,
     /// Worker terminations already counted, so that each is counted once.
     terminations: SeenTerminations,
+    /// (pod uid or name, node) of pods on incompatible nodes already told in an Event.
+    misplaced_told: BTreeSet<(String, String)>,
 }
 
 /// Shared by every reconcile pass.
@@ -168,6 +171,24 @@ impl Context {
         }
     }
 
+    /// Of `misplaced`, the pods not told in an Event before for the object `key`; forgets
+    /// those no longer misplaced, so that a pod that drifts again is told again.
+    fn misplaced_untold<'m>(
+        &self,
+        key: &str,
+        misplaced: &'m [placement::Misplaced],
+    ) -> Vec<&'m placement::Misplaced> {
+        let mut objects = self.objects();
+        let state = objects.entry(key.to_string()).or_default();
+        let id = |m: &placement::Misplaced| (m.uid.clone().unwrap_or_else(|| m.pod.clone()), m.node.clone());
+        let untold = misplaced
+            .iter()
+            .filter(|m| !state.misplaced_told.contains(&id(m)))
+            .collect();
+        state.misplaced_told = misplaced.iter().map(id).collect();
+        untold
+    }
+
     /// Preflight failures among `pods` not counted before for the object `key`.
     fn new_preflight_failures(&self, key: &str, pods: &[Pod]) -> u64 {
         let mut objects = self.objects();
@@ -178,6 +199,16 @@ impl Context {
     }
 
     pub(crate) async fn publish(&self, regarding: &ObjectReference, n: &status::Notice) {
+        self.publish_related(regarding, None, n).await
+    }
+
+    /// Publishes `n` about `regarding`, naming `related` (a pod) as the object it concerns.
+    async fn publish_related(
+        &self,
+        regarding: &ObjectReference,
+        related: Option<ObjectReference>,
+        n: &status::Notice,
+    ) {
         let ev = Event {
             type_: if n.warning {
                 EventType::Warning
@@ -187,7 +218,7 @@ impl Context {
             reason: n.reason.clone(),
             note: Some(truncate(&n.note, 1000)),
             action: "Reconcile".into(),
-            secondary: None,
+            secondary: related,
         };
         // Events are best effort: a lost Event must not fail the pass that caused it.
         if let Err(error) = self.recorder.publish(&ev, regarding).await {
@@ -356,21 +387,15 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     let deployment = outcome.workload;
     let foreign = outcome.foreign;
 
-    let (measured, preflight) = observe_pods(
-        obj,
-        ctx,
-        deployment.as_ref(),
-        verdict.allowed(),
-        &preflight_failures,
-    )
-    .await?;
+    let pods = observe_pods(obj, ctx, deployment.as_ref(), &verdict, &preflight_failures).await?;
 
     let seen = Observed {
         verdict: Some(&verdict),
         prediction: prediction.as_ref(),
         deployment: deployment.as_ref(),
-        measured_tokens: measured,
-        preflight_failure: preflight.as_deref(),
+        measured_tokens: pods.measured,
+        preflight_failure: pods.preflight.as_deref(),
+        placement: pods.placement.as_ref(),
     };
     let mut new_status = status::compute(obj, &seen, Timestamp::now());
     if !foreign.is_empty() {
@@ -386,6 +411,8 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         }
         ctx.publish(&regarding, &n).await;
     }
+    tell_misplaced(obj, ctx, &regarding, pods.placement.as_ref()).await;
+    let measured = pods.measured;
 
     Ok(if !foreign.is_empty() {
         Action::requeue(OWNERSHIP_RETRY)
@@ -408,20 +435,31 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     })
 }
 
+/// What the worker pods said in one pass.
+#[derive(Default)]
+struct PodsSeen {
+    measured: Option<i64>,
+    preflight: Option<String>,
+    /// `None` when no pods were listed.
+    placement: Option<Placement>,
+}
+
 /// What the worker pods say: the smallest measured capacity over ready pods (both runtimes;
-/// vLLM's through the capacity sidecar's annotation) and, for the kvfleet worker, why pods exit
-/// at start, each new failure counted once on `failures`. One LIST serves both; vLLM exit codes
-/// mean something else, and without pods there is nothing to read.
+/// vLLM's through the capacity sidecar's annotation), whether their nodes can still run them,
+/// and, for the kvfleet worker, why pods exit at start, each new failure counted once on
+/// `failures`. One LIST serves all three; vLLM exit codes mean something else, and without
+/// pods there is nothing to read.
 async fn observe_pods(
     obj: &InferenceDeployment,
     ctx: &Context,
     workload: Option<&Deployment>,
-    allowed: bool,
+    verdict: &Verdict,
     failures: &prometheus::IntCounter,
-) -> Result<(Option<i64>, Option<String>), Error> {
+) -> Result<PodsSeen, Error> {
+    let allowed = verdict.allowed();
     let st = workload.and_then(|d| d.status.as_ref());
     if st.and_then(|s| s.replicas).unwrap_or(0) == 0 {
-        return Ok((None, None));
+        return Ok(PodsSeen::default());
     }
     let pods = list_pods(ctx, &obj.namespace().unwrap_or_default(), &obj.name_any()).await?;
     let measured = if allowed && st.and_then(|s| s.ready_replicas).unwrap_or(0) > 0 {
@@ -429,8 +467,13 @@ async fn observe_pods(
     } else {
         None
     };
+    let placement = Some(check_placement(obj, ctx, verdict, &pods));
     if obj.spec.engine.runtime != Runtime::Kvfleet {
-        return Ok((measured, None));
+        return Ok(PodsSeen {
+            measured,
+            preflight: None,
+            placement,
+        });
     }
     let failed = ctx.new_preflight_failures(&desired::object_key(obj), &pods);
     if failed > 0 {
@@ -440,7 +483,70 @@ async fn observe_pods(
             "worker pods failed preflight; their logs and termination messages say what to change"
         );
     }
-    Ok((measured, preflight_failure(&pods)))
+    Ok(PodsSeen {
+        measured,
+        preflight: preflight_failure(&pods),
+        placement,
+    })
+}
+
+/// The placement of `pods` against the nodes now, for the configuration they run: this
+/// verdict's resolution when admitted; when denied, the last one admitted for this
+/// generation (the nodes changed, not the spec); not checked when an earlier generation's
+/// pods run and this one is denied (its configuration is not known here).
+fn check_placement(obj: &InferenceDeployment, ctx: &Context, verdict: &Verdict, pods: &[Pod]) -> Placement {
+    let running = if verdict.allowed() {
+        Some(desired::resolved(&obj.spec, verdict))
+    } else {
+        let old = obj.status.clone().unwrap_or_default();
+        status::generation_was_admitted(obj, &old)
+            .then(|| old.resolved.map(|r| (r.kv_cache_dtype, r.attention_backend)))
+            .flatten()
+    };
+    match running {
+        Some(running) => placement::check(&obj.spec, running, pods, &ctx.cluster_facts(), ctx.validate),
+        None => Placement::NotChecked(
+            "the pods run an earlier generation's configuration; they are checked against the nodes once a compatible spec is applied".into(),
+        ),
+    }
+}
+
+/// A Warning Event for each pod newly found on a node that can no longer run it, naming the
+/// pod (as the related object) and the fix; once per pod and node.
+async fn tell_misplaced(
+    obj: &InferenceDeployment,
+    ctx: &Context,
+    regarding: &ObjectReference,
+    placement: Option<&Placement>,
+) {
+    let Some(Placement::Checked {
+        kv_cache_dtype,
+        attention_backend,
+        misplaced,
+        ..
+    }) = placement
+    else {
+        ctx.misplaced_untold(&desired::object_key(obj), &[]);
+        return;
+    };
+    let ns = obj.namespace().unwrap_or_default();
+    for m in ctx.misplaced_untold(&desired::object_key(obj), misplaced) {
+        tracing::warn!(pod = %m.pod, node = %m.node, why = %m.why, "worker pod on a node that can no longer run it");
+        let pod = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(m.pod.clone()),
+            namespace: Some(ns.clone()),
+            uid: m.uid.clone(),
+            ..ObjectReference::default()
+        };
+        let notice = status::Notice {
+            warning: true,
+            reason: status::POD_ON_INCOMPATIBLE_NODE.into(),
+            note: m.note(&ns, *kv_cache_dtype, *attention_backend),
+        };
+        ctx.publish_related(regarding, Some(pod), &notice).await;
+    }
 }
 
 /// What applying the owned set left to report on.

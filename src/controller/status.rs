@@ -8,6 +8,7 @@ use crate::api::{CapacityStatus, InferenceDeployment, InferenceDeploymentStatus,
 use crate::validate::Verdict;
 
 use super::desired::{resolved, selector_string};
+use super::placement::Placement;
 
 pub const COMPATIBLE: &str = "Compatible";
 pub const CAPACITY_PLANNED: &str = "CapacityPlanned";
@@ -22,8 +23,30 @@ pub const KV_CAPACITY_MATCHES_PLAN: &str = "KvCapacityMatchesPlan";
 /// +-0.005 GiB, the bound below which measured and predicted cannot be told apart.
 pub const LOGGED_GIB_ROUNDING_BYTES: f64 = 0.005 * (1u64 << 30) as f64;
 
+/// Whether running worker pods sit on nodes that can no longer run their configuration
+/// (True names them; see [`super::placement`]).
+pub const PODS_ON_INCOMPATIBLE_NODES: &str = "PodsOnIncompatibleNodes";
+/// Compatible=True: nodes in the cluster can run the spec (the message counts them).
+pub const COMPATIBLE_NODES_FOUND: &str = "CompatibleNodesFound";
+/// Compatible=True with no node that can run it now: admitted on the GPU products its selector
+/// declares (scale from zero); new pods stay Pending until such a node joins.
+pub const DECLARED_PRODUCTS_NO_NODES: &str = "DeclaredProductsNoNodes";
+/// PodsOnIncompatibleNodes=True; also the reason of the Warning Event for each such pod.
+pub const NODE_NO_LONGER_COMPATIBLE: &str = "NodeNoLongerCompatible";
+/// The Event reason for one pod on a node that can no longer run it.
+pub const POD_ON_INCOMPATIBLE_NODE: &str = "PodOnIncompatibleNode";
+/// Pods listed in the PodsOnIncompatibleNodes message; the rest are counted.
+const MISPLACED_LISTED: usize = 5;
+
 /// The condition types this controller writes; other writers' conditions are theirs.
-pub const OWNED_CONDITIONS: [&str; 5] = [COMPATIBLE, CAPACITY_PLANNED, AVAILABLE, PROGRESSING, DEGRADED];
+pub const OWNED_CONDITIONS: [&str; 6] = [
+    COMPATIBLE,
+    CAPACITY_PLANNED,
+    AVAILABLE,
+    PROGRESSING,
+    DEGRADED,
+    PODS_ON_INCOMPATIBLE_NODES,
+];
 
 /// `status` as far as the controller writes it: without other writers' conditions. Its
 /// server-side apply leaves those alone (`conditions` is a list-map keyed by type), so only
@@ -115,6 +138,9 @@ pub struct Observed<'a> {
     pub measured_tokens: Option<i64>,
     /// Why worker pods exit at start (a preflight exit code and their message), if they do.
     pub preflight_failure: Option<&'a str>,
+    /// Whether the bound worker pods' nodes can still run them; `None` when no pods were
+    /// listed (no workload, or no replicas).
+    pub placement: Option<&'a Placement>,
 }
 
 /// An Event to publish: severity, PascalCase reason, human note.
@@ -155,6 +181,7 @@ pub fn compute(obj: &InferenceDeployment, seen: &Observed<'_>, now: Timestamp) -
         available_condition(obj, compatible, rollout.as_ref()),
         progressing_condition(obj, compatible, rollout.as_ref()),
         degraded_condition(obj, &old, seen, compatible, rollout.as_ref()),
+        placement_condition(obj, seen.placement),
     ];
     if compatible {
         conds.extend(capacity_match(obj, seen));
@@ -255,6 +282,32 @@ fn no_workload_reason(compatible: bool) -> &'static str {
 
 fn compatible_condition(obj: &InferenceDeployment, verdict: Option<&Verdict>) -> Cond {
     match verdict {
+        // Admitted with no node to count: judged on the products the selector declares.
+        Some(v) if v.allowed() && v.compatible_nodes.is_empty() => {
+            let (dtype, backend) = resolved(&obj.spec, v);
+            let declared: Vec<&str> = crate::validate::declared_products(&obj.spec)
+                .iter()
+                .map(|p| p.label)
+                .collect();
+            let ccs = v
+                .resolved
+                .as_ref()
+                .map(|r| r.compute_capabilities.join(", "))
+                .unwrap_or_default();
+            let mut msg = format!(
+                "no node in the cluster can run it now; it is admitted on the GPU products its selector declares ({}), where it runs with kvCacheDtype {dtype} and attentionBackend {backend}",
+                declared.join(", ")
+            );
+            if !ccs.is_empty() {
+                msg.push_str(&format!(" (compute capability {ccs})"));
+            }
+            msg.push_str("; new pods stay Pending until such a node joins");
+            if !v.warnings.is_empty() {
+                msg.push_str("; warnings: ");
+                msg.push_str(&v.warnings.join("; "));
+            }
+            cond(COMPATIBLE, true, DECLARED_PRODUCTS_NO_NODES, msg)
+        }
         Some(v) if v.allowed() => {
             let (dtype, backend) = resolved(&obj.spec, v);
             let ccs = v
@@ -273,7 +326,7 @@ fn compatible_condition(obj: &InferenceDeployment, verdict: Option<&Verdict>) ->
                 msg.push_str("; warnings: ");
                 msg.push_str(&v.warnings.join("; "));
             }
-            cond(COMPATIBLE, true, "CompatibleNodesFound", msg)
+            cond(COMPATIBLE, true, COMPATIBLE_NODES_FOUND, msg)
         }
         Some(v) => {
             let reason = v.denials.first().map(|d| d.reason.clone()).unwrap_or_default();
@@ -415,6 +468,69 @@ fn degraded_condition(
     }
 }
 
+fn placement_condition(obj: &InferenceDeployment, placement: Option<&Placement>) -> Cond {
+    let ns = obj.metadata.namespace.as_deref().unwrap_or_default();
+    match placement {
+        None | Some(Placement::NoPods) => cond(
+            PODS_ON_INCOMPATIBLE_NODES,
+            false,
+            "NoBoundPods",
+            "no worker pod is bound to a node",
+        ),
+        Some(Placement::NotChecked(why)) => cond(PODS_ON_INCOMPATIBLE_NODES, false, "NotChecked", why.clone()),
+        Some(Placement::Checked {
+            bound,
+            kv_cache_dtype,
+            attention_backend,
+            misplaced,
+        }) if misplaced.is_empty() => cond(
+            PODS_ON_INCOMPATIBLE_NODES,
+            false,
+            "AllPodsOnCompatibleNodes",
+            format!("{bound} bound worker pod(s) run on nodes that can run kvCacheDtype {kv_cache_dtype} with attentionBackend {attention_backend}"),
+        ),
+        Some(Placement::Checked {
+            bound,
+            kv_cache_dtype,
+            attention_backend,
+            misplaced,
+        }) => {
+            let listed: Vec<String> = misplaced
+                .iter()
+                .take(MISPLACED_LISTED)
+                .map(|m| format!("pod {} on node {} ({}): {}", m.pod, m.node, m.gpu, m.why))
+                .collect();
+            let more = match misplaced.len().saturating_sub(MISPLACED_LISTED) {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
+            let first = &misplaced[0].pod;
+            cond(
+                PODS_ON_INCOMPATIBLE_NODES,
+                true,
+                NODE_NO_LONGER_COMPATIBLE,
+                format!(
+                    "{} of {bound} bound worker pod(s) run on a node that can no longer run kvCacheDtype {kv_cache_dtype} with attentionBackend {attention_backend} (the node changed after the pod was scheduled): {}{more}. Delete each such pod so that it is rescheduled on a compatible node (e.g. kubectl delete pod {first} -n {ns}), or correct the node's labels if they are wrong",
+                    misplaced.len(),
+                    listed.join("; ")
+                ),
+            )
+        }
+    }
+}
+
+/// Whether the generation of `obj` was admitted before (Compatible=True, or Degraded
+/// NodesChanged, at this generation): then what its pods run is this spec's resolution in
+/// `old.resolved`, whatever the nodes say now.
+pub fn generation_was_admitted(obj: &InferenceDeployment, old: &InferenceDeploymentStatus) -> bool {
+    let Some(generation) = obj.metadata.generation else {
+        return false;
+    };
+    find(old, COMPATIBLE).is_some_and(|c| c.status == "True" && c.observed_generation == Some(generation))
+        || find(old, DEGRADED)
+            .is_some_and(|c| c.reason == "NodesChanged" && c.observed_generation == Some(generation))
+}
+
 /// `status.resolved`: the verdict's resolution; an incompatible spec keeps describing what
 /// still runs.
 fn resolved_config(
@@ -469,12 +585,7 @@ fn nodes_changed(
     verdict: Option<&Verdict>,
 ) -> Option<String> {
     let generation = obj.metadata.generation?;
-    let was_admitted = find(old, COMPATIBLE)
-        .is_some_and(|c| c.status == "True" && c.observed_generation == Some(generation));
-    let was_admitted = was_admitted
-        || (find(old, DEGRADED)
-            .is_some_and(|c| c.reason == "NodesChanged" && c.observed_generation == Some(generation)));
-    if !was_admitted {
+    if !generation_was_admitted(obj, old) {
         return None;
     }
     let v = verdict?;
@@ -545,10 +656,28 @@ pub fn notices(
                 });
             }
         } else {
+            let no_nodes = c.reason == DECLARED_PRODUCTS_NO_NODES;
+            let was_reason = find(old, COMPATIBLE).map(|o| o.reason.as_str());
             if was(COMPATIBLE) == Some("False") {
                 out.push(Notice {
+                    warning: no_nodes,
+                    reason: c.reason.clone(),
+                    note: c.message.clone(),
+                });
+            } else if no_nodes
+                && was(COMPATIBLE) == Some("True")
+                && was_reason != Some(DECLARED_PRODUCTS_NO_NODES)
+            {
+                // The nodes that could run it went (relabelled, deleted, cordoned).
+                out.push(Notice {
+                    warning: true,
+                    reason: c.reason.clone(),
+                    note: c.message.clone(),
+                });
+            } else if was_reason == Some(DECLARED_PRODUCTS_NO_NODES) && !no_nodes {
+                out.push(Notice {
                     warning: false,
-                    reason: "CompatibleNodesFound".into(),
+                    reason: c.reason.clone(),
                     note: c.message.clone(),
                 });
             }
@@ -796,6 +925,7 @@ mod tests {
             deployment: Some(&d),
             measured_tokens: Some(25_100),
             preflight_failure: None,
+            placement: None,
         };
         let s = compute(&obj(1), &seen, Timestamp::UNIX_EPOCH);
         let c = s.capacity.clone().unwrap();
@@ -884,6 +1014,141 @@ mod tests {
         assert_eq!(get(&next, DEGRADED).reason, "SpecNotApplied");
     }
 
+    /// What `validate::` returns when no node matches and the declared products admit it.
+    fn admitted_on_declared_products() -> Verdict {
+        Verdict {
+            compatible_nodes: vec![],
+            warnings: vec!["no schedulable GPU node matches the selectors (gpu.selector.products [NVIDIA-B200]) right now, so this was judged against the products they declare (NVIDIA-B200): pods stay Pending until such a node joins".into()],
+            ..allowed()
+        }
+    }
+
+    fn b200_obj(generation: i64) -> InferenceDeployment {
+        let mut o = obj(generation);
+        o.spec.gpu = Some(serde_yaml::from_str("{selector: {products: [NVIDIA-B200]}}").unwrap());
+        o
+    }
+
+    #[test]
+    fn admitted_on_declared_products_with_no_node_the_reason_and_message_say_no_node_can_run_it() {
+        let o = b200_obj(1);
+        let v = admitted_on_declared_products();
+        let s = compute(&o, &seen(&v, &dep(2, 2)), ts());
+        let c = get(&s, COMPATIBLE);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", DECLARED_PRODUCTS_NO_NODES)
+        );
+        assert!(
+            c.message.starts_with("no node in the cluster can run it now; it is admitted on the GPU products its selector declares (NVIDIA-B200), where it runs with kvCacheDtype fp8_e5m2"),
+            "{}",
+            c.message
+        );
+        assert!(!c.message.contains("0 node(s)"), "{}", c.message);
+        // A new spec admitted this way (scale from zero) is told by SpecApplied and its
+        // warnings, as before; no extra Event.
+        let n = notices(None, &s, Some(&v));
+        assert!(n.iter().all(|n| n.reason != DECLARED_PRODUCTS_NO_NODES), "{n:?}");
+    }
+
+    #[test]
+    fn the_nodes_that_ran_it_going_away_is_a_warning_event_and_their_return_a_normal_one() {
+        let mut o = b200_obj(1);
+        let on_nodes = allowed();
+        let before = compute(&o, &seen(&on_nodes, &dep(2, 2)), ts());
+        assert_eq!(get(&before, COMPATIBLE).reason, COMPATIBLE_NODES_FOUND);
+        o.status = Some(before.clone());
+        let none = admitted_on_declared_products();
+        let after = compute(&o, &seen(&none, &dep(2, 2)), ts());
+        let n = notices(Some(&before), &after, Some(&none));
+        assert_eq!(
+            n.iter()
+                .map(|n| (n.warning, n.reason.as_str()))
+                .collect::<Vec<_>>(),
+            vec![(true, DECLARED_PRODUCTS_NO_NODES)]
+        );
+        o.status = Some(after.clone());
+        let back = compute(&o, &seen(&on_nodes, &dep(2, 2)), ts());
+        let n = notices(Some(&after), &back, Some(&on_nodes));
+        assert_eq!(
+            n.iter()
+                .map(|n| (n.warning, n.reason.as_str()))
+                .collect::<Vec<_>>(),
+            vec![(false, COMPATIBLE_NODES_FOUND)]
+        );
+    }
+
+    fn misplaced(pod: &str) -> crate::controller::placement::Misplaced {
+        crate::controller::placement::Misplaced {
+            pod: pod.into(),
+            uid: None,
+            node: "gpu-a".into(),
+            gpu: "NVIDIA-H100-80GB-HBM3, compute capability 9.0".into(),
+            why: "spec.engine.kvCacheDtype: nvfp4 needs compute capability 10.0".into(),
+        }
+    }
+
+    #[test]
+    fn pods_on_incompatible_nodes_are_named_with_their_node_and_the_fix() {
+        let o = b200_obj(1);
+        let v = allowed();
+        let d = dep(2, 2);
+        let with = |p: &Placement| {
+            compute(
+                &o,
+                &Observed {
+                    placement: Some(p),
+                    ..seen(&v, &d)
+                },
+                ts(),
+            )
+        };
+        let checked = |m: Vec<crate::controller::placement::Misplaced>| Placement::Checked {
+            bound: 7,
+            kv_cache_dtype: crate::api::KvCacheDtype::Nvfp4,
+            attention_backend: crate::api::AttentionBackend::FlashInfer,
+            misplaced: m,
+        };
+        let s = with(&checked(vec![misplaced("m-1")]));
+        let c = get(&s, PODS_ON_INCOMPATIBLE_NODES);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", NODE_NO_LONGER_COMPATIBLE)
+        );
+        assert!(
+            c.message.starts_with("1 of 7 bound worker pod(s) run on a node that can no longer run kvCacheDtype nvfp4 with attentionBackend FLASHINFER (the node changed after the pod was scheduled): pod m-1 on node gpu-a (NVIDIA-H100-80GB-HBM3, compute capability 9.0): spec.engine.kvCacheDtype: nvfp4 needs compute capability 10.0. Delete each such pod")
+                && c.message.contains("kubectl delete pod m-1 -n ns"),
+            "{}",
+            c.message
+        );
+        // Many: five named, the rest counted.
+        let many: Vec<_> = (0..7).map(|i| misplaced(&format!("m-{i}"))).collect();
+        let c = get(&with(&checked(many)), PODS_ON_INCOMPATIBLE_NODES).clone();
+        assert!(
+            c.message.contains("pod m-4 on") && !c.message.contains("pod m-5 on"),
+            "{}",
+            c.message
+        );
+        assert!(c.message.contains(" and 2 more."), "{}", c.message);
+        // All well, no pods, not checked: False, each with its reason.
+        let ok = get(&with(&checked(vec![])), PODS_ON_INCOMPATIBLE_NODES).clone();
+        assert_eq!(
+            (ok.status.as_str(), ok.reason.as_str()),
+            ("False", "AllPodsOnCompatibleNodes")
+        );
+        let none = get(&with(&Placement::NoPods), PODS_ON_INCOMPATIBLE_NODES).clone();
+        assert_eq!(none.reason, "NoBoundPods");
+        let unknown = get(
+            &with(&Placement::NotChecked("why".into())),
+            PODS_ON_INCOMPATIBLE_NODES,
+        )
+        .clone();
+        assert_eq!(
+            (unknown.reason.as_str(), unknown.message.as_str()),
+            ("NotChecked", "why")
+        );
+    }
+
     fn planned(available_kv_bytes: u64) -> Verdict {
         Verdict {
             capacity_basis: Some(crate::validate::CapacityBasis {
@@ -922,6 +1187,7 @@ mod tests {
                 deployment: Some(&d),
                 measured_tokens: measured,
                 preflight_failure: None,
+                placement: None,
             };
             compute(&obj(1), &seen, Timestamp::UNIX_EPOCH)
         };
