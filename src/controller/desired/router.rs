@@ -36,7 +36,8 @@ pub const ROUTER_LABEL: &str = "kvfleet.io/router";
 pub const ROUTER_CONTAINER: &str = "router";
 /// Port of the KV-event publisher when the spec names none (vLLM's default endpoint).
 const DEFAULT_KV_EVENTS_PORT: i32 = 5557;
-/// Readiness (200 once the router knows a ready worker) and liveness paths of the router.
+/// Readiness (200 while the router runs, ready workers or not: at zero replicas it holds requests
+/// and must stay in the Service, see docs/routing.md) and liveness paths of the router.
 const ROUTER_READY_PATH: &str = "/health";
 const ROUTER_LIVE_PATH: &str = "/livez";
 
