@@ -62,7 +62,12 @@ pub struct RouterArgs {
     #[arg(long, default_value_t = 100)]
     pub scrape_interval_ms: u64,
     /// Largest request body accepted (413 above it).
-    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    #[arg(
+        long,
+        default_value_t = 32 * 1024 * 1024,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+            .range(crate::model::openai::MIN_BODY_BYTES as u64..=crate::model::openai::MAX_BODY_BYTES as u64)
+    )]
     pub max_request_bytes: usize,
 }
 
@@ -113,7 +118,11 @@ impl RouterArgs {
             }
         }
         let block_size = usize::try_from(cfg.engine.block_size).unwrap_or(16).max(1);
-        Ok((cfg.model.unwrap_or_else(ModelSource::embedded), block_size))
+        let source = match cfg.model {
+            Some(source) => source,
+            None => serve::embedded_source()?,
+        };
+        Ok((source, block_size))
     }
 
     /// The static workers of `--worker`.
