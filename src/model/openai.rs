@@ -1047,7 +1047,10 @@ async fn read_body(req: axum::extract::Request, limits: &ApiLimits) -> Result<By
 /// Runs tokenisation on the blocking pool, off the threads that serve other requests and
 /// health probes, at most one per core at a time (waiting for a permit costs no memory beyond
 /// the request already read).
-async fn tokenize<T: Send + 'static>(api: &Api, f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+async fn tokenize<T: Send + 'static>(
+    api: &Api,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
     let _permit = api
         .tokenizing
         .acquire()

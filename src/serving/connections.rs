@@ -156,7 +156,16 @@ impl Shared {
     /// told to close to make room. `None` when every held connection has a request in flight.
     fn admit(self: &Arc<Self>) -> Option<Registration> {
         let mut conns = self.conns.lock().ok()?;
-        let open = conns.values().filter(|c| !c.close.load(Ordering::Acquire)).count();
+        // Connections told to close keep their descriptor until their task notices; they may
+        // use half the reserve, past which new connections are refused until they are gone.
+        if conns.len() >= self.policy.max_connections + RESERVED_DESCRIPTORS / 2 {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let open = conns
+            .values()
+            .filter(|c| !c.close.load(Ordering::Acquire))
+            .count();
         if open >= self.policy.max_connections {
             let victim = conns
                 .values()
@@ -236,7 +245,9 @@ where
         Box::pin(async move {
             // Refused: dropping the inner future closes the socket at once.
             let Some(registration) = registration else {
-                return Err(io::Error::other("every connection the server may hold has a request in flight"));
+                return Err(io::Error::other(
+                    "every connection the server may hold has a request in flight",
+                ));
             };
             let (stream, service) = accepted.await?;
             let conn = registration.conn.clone();
@@ -304,7 +315,11 @@ impl<T> Guarded<T> {
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Guarded<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         if let Some(e) = self.due(cx) {
             return Poll::Ready(Err(e));
         }

@@ -50,7 +50,9 @@ impl AppState {
             metrics,
             tls_ready: AtomicBool::new(false),
             header_read_timeout: timeout,
-            connections: crate::serving::connections::Connections::new(crate::serving::connection_policy(timeout)),
+            connections: crate::serving::connections::Connections::new(crate::serving::connection_policy(
+                timeout,
+            )),
         })
     }
 
@@ -158,8 +160,11 @@ pub async fn serve_https(
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     state.tls_ready.store(true, Ordering::Release);
-    let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(tls)
-        .acceptor(state.connections.acceptor(axum_server::accept::DefaultAcceptor::new()));
+    let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(tls).acceptor(
+        state
+            .connections
+            .acceptor(axum_server::accept::DefaultAcceptor::new()),
+    );
     let mut server = axum_server::from_tcp(listener)?.acceptor(acceptor);
     crate::serving::limit_header_read(&mut server, state.header_read_timeout);
     server
@@ -175,8 +180,11 @@ pub async fn serve_health(
     handle: Handle<SocketAddr>,
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
-    let mut server = axum_server::from_tcp(listener)?
-        .acceptor(state.connections.acceptor(axum_server::accept::DefaultAcceptor::new()));
+    let mut server = axum_server::from_tcp(listener)?.acceptor(
+        state
+            .connections
+            .acceptor(axum_server::accept::DefaultAcceptor::new()),
+    );
     crate::serving::limit_header_read(&mut server, state.header_read_timeout);
     server
         .handle(handle)

@@ -438,7 +438,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             return ExitCode::from(exit::RUNTIME);
         }
     };
-    let listener = match std::net::TcpListener::bind(args.listen) {
+    let listener = match crate::serving::bind(args.listen) {
         Ok(l) => l,
         Err(error) => {
             tracing::error!(%error, listen = %args.listen, "cannot listen; pass a free address to --listen");
@@ -638,9 +638,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             // such as a router's pooled one.
             // Idle connections are closed and their number held under the file limit, so
             // that probes always get in (crate::serving::connections).
-            let connections = crate::serving::connections::Connections::new(crate::serving::connection_policy(
-                crate::serving::FIRST_REQUEST_TIMEOUT,
-            ));
+            let connections = crate::serving::connections::Connections::new(
+                crate::serving::connection_policy(crate::serving::FIRST_REQUEST_TIMEOUT),
+            );
             let policy = connections.policy();
             tracing::info!(
                 max_connections = policy.max_connections,

@@ -541,7 +541,6 @@ mod tests {
         assert_eq!(d.pick(&[f32::NAN, f32::NEG_INFINITY]), 0);
     }
 
-    #[test]
     /// What [`StopMatcher::push`] must answer after `text` arrived as the stream `seen`
     /// (everything pushed so far) of which `emitted` bytes went out, computed from scratch.
     fn reference(stops: &[&str], seen: &str, emitted: usize) -> (String, bool) {
@@ -565,7 +564,9 @@ mod tests {
         let alphabet = ["a", "b", "ab", "é", "\n"];
         for _ in 0..400 {
             let word = |rng: &mut rand::rngs::StdRng, n: usize| -> String {
-                (0..n).map(|_| alphabet[rng.random_range(0..alphabet.len())]).collect()
+                (0..n)
+                    .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                    .collect()
             };
             let stops: Vec<String> = (0..rng.random_range(1..=4))
                 .map(|_| {
