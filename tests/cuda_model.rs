@@ -535,7 +535,7 @@ fn gpu_runtime_generation_loop_answers_paris() {
             match ev {
                 GenEvent::Text(t) => text.push_str(&t),
                 GenEvent::Done { .. } => break,
-                GenEvent::Error(e) => panic!("generation failed: {e}"),
+                GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("generation failed: {e}"),
             }
         }
         replies.push(text);

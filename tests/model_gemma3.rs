@@ -287,7 +287,7 @@ fn engine_text(rt: &kvfleet::model::runtime::ModelRuntime, ids: Vec<u32>, max_to
         match ev {
             GenEvent::Text(s) => out.push_str(&s),
             GenEvent::Done { .. } => break,
-            GenEvent::Error(e) => panic!("{e}"),
+            GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }
     out

@@ -974,7 +974,7 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
         match ev {
             GenEvent::Text(t) => text.push_str(&t),
             GenEvent::Done { .. } => break,
-            GenEvent::Error(e) => panic!("{e}"),
+            GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }
     let stop = want

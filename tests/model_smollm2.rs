@@ -404,7 +404,7 @@ fn engine_greedy_text(rt: &ModelRuntime, prompt: &str, max_tokens: usize) -> Str
         match ev {
             GenEvent::Text(s) => out.push_str(&s),
             GenEvent::Done { .. } => break,
-            GenEvent::Error(e) => panic!("{e}"),
+            GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }
     out
@@ -745,7 +745,7 @@ fn greedy_with_cache(rt: &ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> (St
         match ev {
             GenEvent::Text(s) => out.push_str(&s),
             GenEvent::Done { cached_tokens, .. } => return (out, cached_tokens),
-            GenEvent::Error(e) => panic!("{e}"),
+            GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }
     panic!("the loop ended without Done")

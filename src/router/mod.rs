@@ -66,7 +66,12 @@ pub struct RouterArgs {
     #[arg(long, default_value_t = 100)]
     pub scrape_interval_ms: u64,
     /// Largest request body accepted (413 above it).
-    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    #[arg(
+        long,
+        default_value_t = 32 * 1024 * 1024,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+            .range(crate::model::openai::MIN_BODY_BYTES as u64..=crate::model::openai::MAX_BODY_BYTES as u64)
+    )]
     pub max_request_bytes: usize,
     /// Model id in the OpenAI API, as the workers' --served-model-name (default: the config's
     /// modelName, else from the model file, as the worker derives it). The router answers
@@ -148,8 +153,12 @@ impl RouterArgs {
         let max_model_len = self
             .max_model_len
             .map_or(cfg.engine.max_model_len, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        let source = match cfg.model {
+            Some(source) => source,
+            None => serve::embedded_source()?,
+        };
         Ok(ModelInfo {
-            source: cfg.model.unwrap_or_else(ModelSource::embedded),
+            source,
             block_size,
             name: self.served_model_name.clone().or(cfg.model_name),
             max_model_len: usize::try_from(max_model_len).unwrap_or(0),

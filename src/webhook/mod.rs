@@ -153,8 +153,7 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
     let (cache, writer) = cache::node_cache();
     let state = server::AppState::new(cache, metrics.clone());
 
-    let bind =
-        |addr: SocketAddr| std::net::TcpListener::bind(addr).map_err(|source| Error::Listen { addr, source });
+    let bind = |addr: SocketAddr| crate::serving::bind(addr).map_err(|source| Error::Listen { addr, source });
     let health_listener = bind(args.health_listen)?;
     let https_listener = bind(args.listen)?;
     let health_handle = Handle::new();

@@ -33,6 +33,10 @@ pub struct AppState {
     pub tls_ready: AtomicBool,
     /// See [`HEADER_READ_TIMEOUT`].
     pub header_read_timeout: Duration,
+    /// Both servers' connections, under one file limit: idle ones are closed (a connection
+    /// must start a request within the header read timeout of its accept, TLS handshake
+    /// included) and the longest idle makes room for a new one (a probe).
+    pub connections: crate::serving::connections::Connections,
 }
 
 impl AppState {
@@ -46,6 +50,9 @@ impl AppState {
             metrics,
             tls_ready: AtomicBool::new(false),
             header_read_timeout: timeout,
+            connections: crate::serving::connections::Connections::new(crate::serving::connection_policy(
+                timeout,
+            )),
         })
     }
 
@@ -153,7 +160,12 @@ pub async fn serve_https(
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
     state.tls_ready.store(true, Ordering::Release);
-    let mut server = axum_server::from_tcp_rustls(listener, tls)?;
+    let acceptor = axum_server::tls_rustls::RustlsAcceptor::new(tls).acceptor(
+        state
+            .connections
+            .acceptor(axum_server::accept::DefaultAcceptor::new()),
+    );
+    let mut server = axum_server::from_tcp(listener)?.acceptor(acceptor);
     crate::serving::limit_header_read(&mut server, state.header_read_timeout);
     server
         .handle(handle)
@@ -168,7 +180,11 @@ pub async fn serve_health(
     handle: Handle<SocketAddr>,
 ) -> std::io::Result<()> {
     listener.set_nonblocking(true)?;
-    let mut server = axum_server::from_tcp(listener)?;
+    let mut server = axum_server::from_tcp(listener)?.acceptor(
+        state
+            .connections
+            .acceptor(axum_server::accept::DefaultAcceptor::new()),
+    );
     crate::serving::limit_header_read(&mut server, state.header_read_timeout);
     server
         .handle(handle)

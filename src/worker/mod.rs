@@ -30,6 +30,16 @@ pub mod preflight;
 use config::WorkerConfig;
 use preflight::{exit, PreflightError};
 
+/// The longest time a flag may give (`--request-timeout-seconds`, `--drain-seconds`): one year.
+/// Deadlines are `Instant + Duration` (which panics past the clock's range) on tokio's timer,
+/// whose wheel reaches 2^36 ms (about 2.2 years); a year keeps every deadline inside both.
+pub const MAX_SECONDS: u64 = 365 * 24 * 3600;
+
+/// The most requests `--max-waiting` may queue: the scheduler's queue (maxNumSeqs + maxWaiting
+/// entries) is searched linearly on cancellation, and 2^20 waiting requests of the smallest
+/// prompt (16 tokens) already exceed any pool's KV; more only delays the 429 that should come.
+pub const MAX_WAITING: u64 = 1 << 20;
+
 /// Options of `kvfleet worker`. Flags override the config file.
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -86,8 +96,9 @@ pub struct WorkerArgs {
     /// Caps the KV pools at this many tokens (tests, benchmarks, sharing a GPU).
     #[arg(long, env = "KVFLEET_MAX_KV_TOKENS")]
     pub max_kv_tokens: Option<u64>,
-    /// Requests queued beyond this are answered 429 with Retry-After.
-    #[arg(long)]
+    /// Requests queued beyond this are answered 429 with Retry-After (at least 1: with no
+    /// queue, a request that arrives while the serving loop takes the previous one is refused).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_WAITING))]
     pub max_waiting: Option<usize>,
     /// Automatic prefix caching (on unless the config's engine.prefixCaching is false): a
     /// request reuses the KV blocks earlier requests computed for its prefix.
@@ -105,14 +116,23 @@ pub struct WorkerArgs {
     #[arg(long, default_value = "")]
     pub kv_events_topic: String,
     /// On SIGTERM/ctrl-c, let running requests finish for this long, then fail the rest.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS))]
     pub drain_seconds: u64,
     /// Largest request body accepted (413 above it).
-    #[arg(long, default_value_t = crate::model::openai::ApiLimits::default().max_body_bytes)]
+    #[arg(
+        long,
+        default_value_t = crate::model::openai::ApiLimits::default().max_body_bytes,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+            .range(crate::model::openai::MIN_BODY_BYTES as u64..=crate::model::openai::MAX_BODY_BYTES as u64)
+    )]
     pub max_request_bytes: usize,
     /// A request still generating this long after it arrived is ended (504, or an error
     /// chunk on a stream) and its KV freed.
-    #[arg(long, default_value_t = crate::model::openai::ApiLimits::default().request_timeout.as_secs())]
+    #[arg(
+        long,
+        default_value_t = crate::model::openai::ApiLimits::default().request_timeout.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS)
+    )]
     pub request_timeout_seconds: u64,
     /// Require `Authorization: Bearer <key>` on the OpenAI API (the controller sets it from
     /// the Secret in spec.apiKey). Probes, /metrics and /v1/capacity stay open.
@@ -199,6 +219,30 @@ impl WorkerArgs {
     }
 }
 
+/// Limits the config file and flags share, checked before anything is loaded: a value the
+/// engine would round or that would refuse every request is an error naming it.
+fn check_limits(cfg: &WorkerConfig) -> Result<(), String> {
+    if let Some(w) = cfg.max_waiting {
+        if w == 0 || w as u64 > MAX_WAITING {
+            return Err(format!(
+                "maxWaiting (--max-waiting) is {w}; it must be in 1..={MAX_WAITING}"
+            ));
+        }
+    }
+    if let Some(t) = cfg.max_kv_tokens {
+        // The pools are allocated in whole blocks: any other value would be rounded up.
+        let block = u64::try_from(cfg.engine.block_size).unwrap_or(0).max(1);
+        if t == 0 || t % block != 0 {
+            let up = t.div_ceil(block).max(1) * block;
+            return Err(format!(
+                "--max-kv-tokens (maxKvTokens) is {t}; KV pools are allocated in blocks of {block} tokens \
+                 (blockSize), so it must be a positive multiple of {block}: pass {up}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Where a failed start-up writes its reason, so `kubectl describe pod` shows it (the
 /// container's `terminationMessagePath`).
 pub const TERMINATION_LOG: &str = "/dev/termination-log";
@@ -236,6 +280,9 @@ pub fn main(args: WorkerArgs) -> ExitCode {
             )
         }
     };
+    if let Err(error) = check_limits(&cfg) {
+        return fail(exit::CONFIG, "worker config unusable", &error);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -391,7 +438,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             return ExitCode::from(exit::RUNTIME);
         }
     };
-    let listener = match std::net::TcpListener::bind(args.listen) {
+    let listener = match crate::serving::bind(args.listen) {
         Ok(l) => l,
         Err(error) => {
             tracing::error!(%error, listen = %args.listen, "cannot listen; pass a free address to --listen");
@@ -403,7 +450,13 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
 
     // The model, as the spec names it.
     // No config and no --model: the embedded SmolLM2. A config without weights is an error.
-    let source = cfg.model.clone().unwrap_or_else(ModelSource::embedded);
+    let source = match cfg.model.clone() {
+        Some(source) => source,
+        None => match serve::embedded_source() {
+            Ok(source) => source,
+            Err(error) => return fail(exit::CONFIG, "cannot load the model", &error),
+        },
+    };
     let name = cfg.model_name.clone();
     let geometry = cfg.geometry.clone();
     let max_len = usize::try_from(cfg.engine.max_model_len).unwrap_or(0);
@@ -583,8 +636,20 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             // Streams go out a token at a time: without TCP_NODELAY, Nagle's algorithm holds a
             // chunk until the peer's delayed ACK (tens of milliseconds) on a reused connection,
             // such as a router's pooled one.
-            let mut server =
-                axum_server::from_tcp(listener)?.acceptor(axum_server::accept::NoDelayAcceptor::new());
+            // Idle connections are closed and their number held under the file limit, so
+            // that probes always get in (crate::serving::connections).
+            let connections = crate::serving::connections::Connections::new(
+                crate::serving::connection_policy(crate::serving::FIRST_REQUEST_TIMEOUT),
+            );
+            let policy = connections.policy();
+            tracing::info!(
+                max_connections = policy.max_connections,
+                first_request_s = policy.first_request.as_secs(),
+                idle_s = policy.idle.as_secs(),
+                "connection limits"
+            );
+            let mut server = axum_server::from_tcp(listener)?
+                .acceptor(connections.acceptor(axum_server::accept::NoDelayAcceptor::new()));
             crate::serving::limit_header_read(&mut server, crate::serving::HEADER_READ_TIMEOUT);
             server.handle(handle).serve(app.into_make_service()).await
         })

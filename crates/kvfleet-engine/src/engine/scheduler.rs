@@ -138,6 +138,9 @@ pub struct Counters {
     pub preemptions: u64,
     pub finished: u64,
     pub failed: u64,
+    /// Requests dropped because their client went away ([`Scheduler::cancel`]): no failure of
+    /// the server, so not in `failed`.
+    pub cancelled: u64,
     pub steps: u64,
     pub tokens: u64,
 }
@@ -335,10 +338,25 @@ impl Scheduler {
             return false;
         };
         let _ = self.kv.free_all(&mut r.tables);
-        self.counters.failed += 1;
+        self.counters.cancelled += 1;
         events.push(Event::Failed {
             id,
             reason: "cancelled".into(),
+        });
+        true
+    }
+
+    /// Fails one request for `reason` (counted in `failed`, as [`Scheduler::abort_all`] counts
+    /// each); `false` when unknown or its tokens are in flight.
+    pub fn abort(&mut self, id: RequestId, reason: &str, events: &mut Vec<Event>) -> bool {
+        let Some(mut r) = self.take(id) else {
+            return false;
+        };
+        let _ = self.kv.free_all(&mut r.tables);
+        self.counters.failed += 1;
+        events.push(Event::Failed {
+            id,
+            reason: reason.to_string(),
         });
         true
     }

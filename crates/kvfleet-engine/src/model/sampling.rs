@@ -248,40 +248,109 @@ pub fn argmax(xs: &[f32]) -> u32 {
 }
 
 /// Applies stop strings to streamed text: text that might begin a stop string is held back
-/// until it is known not to.
+/// until it is known not to. Each stop string runs a Knuth-Morris-Pratt automaton over the text
+/// as it arrives, so a byte is examined a bounded number of times (amortised: at most twice per
+/// stop string) however long the stop strings are, and the text held back is only the longest
+/// tail that is still a prefix of one of them.
 #[derive(Debug, Default)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    stops: Vec<StopAutomaton>,
     held: String,
+    /// Byte comparisons made so far (the linear bound is tested on it).
+    examined: u64,
+}
+
+/// One stop string's automaton: `state` bytes of it match the end of the text so far.
+#[derive(Debug)]
+struct StopAutomaton {
+    text: Vec<u8>,
+    /// `fail[i]`: the longest proper prefix of `text[..=i]` that is also its suffix.
+    fail: Vec<u32>,
+    state: usize,
+}
+
+impl StopAutomaton {
+    fn new(text: &str) -> Self {
+        let text = text.as_bytes().to_vec();
+        let mut fail = vec![0u32; text.len()];
+        let mut k = 0usize;
+        for i in 1..text.len() {
+            while k > 0 && text[i] != text[k] {
+                k = fail[k - 1] as usize;
+            }
+            if text[i] == text[k] {
+                k += 1;
+            }
+            fail[i] = k as u32;
+        }
+        StopAutomaton { text, fail, state: 0 }
+    }
+
+    /// Feeds one byte; true when the whole stop string now ends the text.
+    fn step(&mut self, b: u8, examined: &mut u64) -> bool {
+        let mut q = self.state;
+        loop {
+            *examined += 1;
+            if self.text[q] == b {
+                q += 1;
+                break;
+            }
+            if q == 0 {
+                break;
+            }
+            q = self.fail[q - 1] as usize;
+        }
+        if q == self.text.len() {
+            self.state = self.fail[q - 1] as usize;
+            return true;
+        }
+        self.state = q;
+        false
+    }
 }
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> Self {
         StopMatcher {
-            stops,
+            stops: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| StopAutomaton::new(s))
+                .collect(),
             held: String::new(),
+            examined: 0,
         }
     }
 
     /// Adds text; returns the text safe to emit and whether a stop string was reached (the
-    /// stop string itself and everything after it are dropped).
+    /// stop string itself and everything after it are dropped). Of stop strings completed by
+    /// the same text, the one that starts first wins.
     pub fn push(&mut self, text: &str) -> (String, bool) {
+        let base = self.held.len();
         self.held.push_str(text);
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(at) = first {
-            let out = self.held[..at].to_string();
-            self.held.clear();
-            return (out, true);
-        }
-        // Hold back the longest suffix that is a prefix of some stop string.
-        let mut keep = 0;
-        for s in &self.stops {
-            for (i, _) in s.char_indices().skip(1) {
-                if i > keep && self.held.ends_with(&s[..i]) {
-                    keep = i;
+        let mut first: Option<usize> = None;
+        for stop in &mut self.stops {
+            for (i, &b) in text.as_bytes().iter().enumerate() {
+                if stop.step(b, &mut self.examined) {
+                    // A match starts inside the held tail: the automaton's state before this
+                    // text was at most that tail's length.
+                    let start = base + i + 1 - stop.text.len();
+                    first = Some(first.map_or(start, |f| f.min(start)));
+                    break;
                 }
             }
         }
+        if let Some(at) = first {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            for stop in &mut self.stops {
+                stop.state = 0;
+            }
+            return (out, true);
+        }
+        // Hold back the longest tail that is a prefix of some stop string; it starts with a
+        // stop string's first byte, so on a character boundary.
+        let keep = self.stops.iter().map(|s| s.state).max().unwrap_or(0);
         let cut = self.held.len() - keep;
         let out = self.held[..cut].to_string();
         self.held.drain(..cut);
@@ -291,6 +360,11 @@ impl StopMatcher {
     /// The held-back text at the end of a generation that stopped for another reason.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.held)
+    }
+
+    /// Byte comparisons made so far: at most twice the bytes pushed per stop string.
+    pub fn examined(&self) -> u64 {
+        self.examined
     }
 }
 
@@ -465,6 +539,83 @@ mod tests {
         assert!(distinct.len() <= 40);
         assert_eq!(d.pick(&[f32::NEG_INFINITY; 5]), 0);
         assert_eq!(d.pick(&[f32::NAN, f32::NEG_INFINITY]), 0);
+    }
+
+    /// What [`StopMatcher::push`] must answer after `text` arrived as the stream `seen`
+    /// (everything pushed so far) of which `emitted` bytes went out, computed from scratch.
+    fn reference(stops: &[&str], seen: &str, emitted: usize) -> (String, bool) {
+        let hit = stops.iter().filter_map(|s| seen.find(s)).min();
+        if let Some(at) = hit {
+            return (seen[emitted..at].to_string(), true);
+        }
+        let keep = stops
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&k| s.is_char_boundary(k) && seen.ends_with(&s[..k])))
+            .max()
+            .unwrap_or(0);
+        (seen[emitted..seen.len() - keep].to_string(), false)
+    }
+
+    #[test]
+    fn stop_matching_agrees_with_a_search_from_scratch_on_random_streams() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        // A small alphabet makes overlaps and near misses frequent; `é` checks boundaries.
+        let alphabet = ["a", "b", "ab", "é", "\n"];
+        for _ in 0..400 {
+            let word = |rng: &mut rand::rngs::StdRng, n: usize| -> String {
+                (0..n)
+                    .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                    .collect()
+            };
+            let stops: Vec<String> = (0..rng.random_range(1..=4))
+                .map(|_| {
+                    let n = rng.random_range(1..6);
+                    word(&mut rng, n)
+                })
+                .collect();
+            let refs: Vec<&str> = stops.iter().map(String::as_str).collect();
+            let mut m = StopMatcher::new(stops.clone());
+            let (mut seen, mut emitted) = (String::new(), 0);
+            for _ in 0..40 {
+                let n = rng.random_range(0..4);
+                let piece = word(&mut rng, n);
+                seen.push_str(&piece);
+                let want = reference(&refs, &seen, emitted);
+                let got = m.push(&piece);
+                assert_eq!(got, want, "stops {stops:?}, stream {seen:?}");
+                if got.1 {
+                    break;
+                }
+                emitted += got.0.len();
+            }
+        }
+    }
+
+    /// Issue 35: three 1.3 MB stop strings made every token's check quadratic in their length
+    /// (on the serving loop, slowing every other request). The automata examine each byte of
+    /// text a bounded number of times, whatever the stop strings' length.
+    #[test]
+    fn stop_matching_examines_each_byte_a_bounded_number_of_times_whatever_the_stop_length() {
+        // The worst case of a naive matcher: text that keeps matching a long prefix.
+        let long = format!("{}b", "a".repeat(200_000));
+        let stops = vec![long.clone(), long.clone(), format!("{}c", "a".repeat(100_000))];
+        let mut m = StopMatcher::new(stops.clone());
+        let mut emitted = 0;
+        let bytes = 300_000;
+        for _ in 0..bytes {
+            emitted += m.push("a").0.len();
+        }
+        assert!(
+            m.examined() <= 2 * bytes as u64 * stops.len() as u64,
+            "{} comparisons for {bytes} bytes",
+            m.examined()
+        );
+        // Held back: the longest tail that can still start a stop string.
+        assert_eq!(emitted, bytes - 200_000);
+        let (out, hit) = m.push("b");
+        assert!(hit);
+        assert_eq!(out, "a".repeat(bytes - 200_000 - emitted));
     }
 
     #[test]

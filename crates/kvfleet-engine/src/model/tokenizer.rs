@@ -495,6 +495,14 @@ impl Tokenizer {
         self.tokens.len()
     }
 
+    /// Bytes of input text one token covers at most: its decoded bytes, or for a control or
+    /// user-defined token its literal text. No normaliser shortens text before the merges (a
+    /// SentencePiece `▁` stands for one space byte), so encoding `n` bytes of text gives at
+    /// least `n / max_token_bytes` tokens (a byte missing from the vocabulary becomes one).
+    pub fn max_token_bytes(&self) -> usize {
+        self.token_bytes.iter().map(Vec::len).max().unwrap_or(1).max(1)
+    }
+
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.token_to_id.get(token).copied()
     }
