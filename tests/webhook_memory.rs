@@ -66,7 +66,13 @@ struct ChildWebhook {
 impl ChildWebhook {
     fn start() -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", CHILD_TEST, "--nocapture", "--test-threads=1"])
+            .args([
+                "--ignored",
+                "--exact",
+                CHILD_TEST,
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env(CHILD_ENV, "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -376,6 +376,25 @@ prop_compose! {
     }
 }
 
+/// `s` with the values [`arb_spec`] draws below their schema minimum raised to it (or, for
+/// gpuMemoryUtilization, to a safe value), so that a test of specs within bounds keeps most
+/// draws.
+fn within_minimums(mut s: InferenceDeploymentSpec) -> InferenceDeploymentSpec {
+    let e = &mut s.engine;
+    e.tensor_parallel_size = e.tensor_parallel_size.max(1);
+    e.pipeline_parallel_size = e.pipeline_parallel_size.max(1);
+    if !(e.gpu_memory_utilization > 0.0 && e.gpu_memory_utilization <= 1.0) {
+        e.gpu_memory_utilization = 0.85;
+    }
+    if let Some(g) = s.model.geometry.as_mut() {
+        g.kv_heads = g.kv_heads.max(1);
+        g.head_dim = g.head_dim.max(8);
+        g.sliding_window = g.sliding_window.map(|w| w.max(1));
+        g.global_kv_heads = g.global_kv_heads.map(|k| k.max(1));
+    }
+    s
+}
+
 prop_compose! {
     /// Any spec, valid or not, values over their bounds included.
     fn arb_spec()(g in prop::option::of(arb_geometry()),
@@ -1117,7 +1136,7 @@ proptest! {
         s in arb_spec(),
         product in proptest::sample::select(products::PRODUCTS),
     ) {
-        let mut s = s;
+        let mut s = within_minimums(s);
         s.gpu = None;
         s.pod = None;
         prop_assume!(s.gpus_per_replica() <= SYNTHETIC_NODE_GPUS as i32 && bounds::check(&s).is_empty());

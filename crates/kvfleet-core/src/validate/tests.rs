@@ -838,17 +838,18 @@ fn parallel_sizes_under_one_are_denied_each_with_its_field_and_meaning() {
             .find(|d| d.field == field)
             .unwrap_or_else(|| panic!("no denial of {field}: {v:#?}"))
     };
+    // The schema's minimum, checked as the API server would.
     let tp = of("spec.engine.tensorParallelSize");
-    assert_eq!(tp.reason, "InvalidTensorParallelSize");
+    assert_eq!(tp.reason, "ValueOutOfBounds");
     assert_eq!(
         tp.message,
-        "tensorParallelSize 0 must be at least 1; set it to the GPUs one replica shards the model over"
+        "spec.engine.tensorParallelSize 0 is below the minimum 1; set it to the GPUs one replica shards the model over"
     );
     let pp = of("spec.engine.pipelineParallelSize");
-    assert_eq!(pp.reason, "InvalidPipelineParallelSize");
+    assert_eq!(pp.reason, "ValueOutOfBounds");
     assert_eq!(
         pp.message,
-        "pipelineParallelSize 0 must be at least 1; set it to the pipeline stages of one replica (1 for none)"
+        "spec.engine.pipelineParallelSize 0 is below the minimum 1; set it to the pipeline stages of one replica (1 for none; often its nodes)"
     );
 }
 
