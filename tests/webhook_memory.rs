@@ -59,6 +59,8 @@ fn child_serves_the_webhook_until_stdin_closes() {
 /// A webhook in a child process.
 struct ChildWebhook {
     child: Child,
+    /// Kept open, so that the child's test harness can still print its result.
+    _stdout: BufReader<ChildStdout>,
     addr: SocketAddr,
     ca_pem: String,
 }
@@ -80,10 +82,15 @@ impl ChildWebhook {
             .spawn()
             .unwrap();
         let stdout: ChildStdout = child.stdout.take().unwrap();
+        let mut stdout = BufReader::new(stdout);
         let mut addr = None;
         let mut ca_pem = String::new();
-        for line in BufReader::new(stdout).lines() {
-            let line = line.unwrap();
+        loop {
+            let mut line = String::new();
+            if stdout.read_line(&mut line).unwrap() == 0 {
+                break;
+            }
+            let line = line.trim_end();
             if let Some(a) = line.strip_prefix("ADDR ") {
                 addr = Some(a.parse().unwrap());
             } else if let Some(p) = line.strip_prefix("PEM ") {
@@ -96,6 +103,7 @@ impl ChildWebhook {
         ChildWebhook {
             addr: addr.expect("the child printed its address"),
             child,
+            _stdout: stdout,
             ca_pem,
         }
     }
@@ -219,4 +227,75 @@ fn a_review_of_32_peers_with_huge_label_selectors_is_denied_within_the_memory_bo
         peak as f64 / MIB,
         PEAK_RSS_MAX as f64 / MIB
     );
+}
+
+/// A spec with every list and map a user writes at its bound, each string at its length.
+fn spec_at_every_bound(base: &Value) -> Value {
+    use kvfleet::api::limits::*;
+    let mut spec = base.clone();
+    let value = |i: usize| format!("{i:0>width$}", width = LABEL_VALUE_LEN_MAX);
+    let selector = || {
+        let half = PEER_TERMS_MAX / 2;
+        let labels: serde_json::Map<String, Value> = (0..half)
+            .map(|i| (format!("example.com/label-{i}"), json!(value(i))))
+            .collect();
+        let exprs: Vec<Value> = (0..PEER_TERMS_MAX - half)
+            .map(|i| {
+                json!({"key": format!("example.com/expr-{i}"), "operator": "In",
+                       "values": (0..PEER_TERMS_MAX).map(value).collect::<Vec<_>>()})
+            })
+            .collect();
+        json!({"matchLabels": labels, "matchExpressions": exprs})
+    };
+    let peer = json!({"podSelector": selector(), "namespaceSelector": selector()});
+    spec["network"] = json!({"allowFrom": vec![peer; ALLOW_FROM_MAX]});
+    let annotations: serde_json::Map<String, Value> = (0..ANNOTATIONS_MAX)
+        .map(|i| (format!("example.com/a-{i}"), json!(value(i))))
+        .collect();
+    let env: Vec<Value> = (0..ENV_MAX)
+        .map(|i| json!({"name": format!("E{i}"), "value": value(i)}))
+        .collect();
+    let tolerations: Vec<Value> = (0..TOLERATIONS_MAX)
+        .map(|i| json!({"key": format!("example.com/t-{i}"), "operator": "Exists"}))
+        .collect();
+    spec["pod"] = json!({"annotations": annotations, "env": env, "tolerations": tolerations});
+    spec
+}
+
+#[test]
+fn the_largest_review_the_webhook_accepts_is_judged_within_the_memory_bound() {
+    let max = kvfleet::webhook::server::MAX_BODY_BYTES;
+    let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+    let spec = spec_at_every_bound(&v["request"]["object"]["spec"]);
+    // An UPDATE whose object and old object both hold such a spec (the old one with another
+    // replica count, so the new one is judged), the rest of the body filled with an
+    // annotation the webhook does not read.
+    v["request"]["operation"] = json!("UPDATE");
+    v["request"]["object"]["spec"] = spec.clone();
+    let mut old = v["request"]["object"].clone();
+    old["spec"]["replicas"] = json!(2);
+    v["request"]["oldObject"] = old;
+    let without_filler = serde_json::to_vec(&v).unwrap().len();
+    let filler = max - without_filler - 1024;
+    v["request"]["object"]["metadata"]["annotations"]["example.com/filler"] = json!("f".repeat(filler));
+    let body = serde_json::to_vec(&v).unwrap();
+    assert!(body.len() <= max && body.len() > max - 2048, "{}", body.len());
+    let (response, peak) = peak_rss_answering("the largest accepted review", body);
+    assert_eq!(response["allowed"], true, "{response}");
+    assert!(
+        peak < PEAK_RSS_MAX,
+        "peak RSS {:.1} MiB is above {:.0} MiB",
+        peak as f64 / MIB,
+        PEAK_RSS_MAX as f64 / MIB
+    );
+}
+
+#[test]
+fn a_review_over_the_body_bound_is_refused_before_it_is_read() {
+    let max = kvfleet::webhook::server::MAX_BODY_BYTES;
+    let (mut body, _) = hostile_peers_review();
+    body.resize(max + 1, b' ');
+    let webhook = ChildWebhook::start();
+    let (status, _) = webhook.post(body);
+    assert_eq!(status, 413);
 }
