@@ -377,14 +377,26 @@ fn values_the_crd_schema_forbids_are_denied_naming_the_field_and_the_minimum() {
     let base = std::fs::read_to_string(&base_path).unwrap();
     let _ = std::fs::remove_file(base_path);
     let cases = [
-        ("replicas", "  replicas: -1\n", "spec.replicas -1 is below the minimum 0"),
+        (
+            "replicas",
+            "  replicas: -1\n",
+            "spec.replicas -1 is below the minimum 0",
+        ),
         (
             "seqs",
             "  engine: {runtime: vllm, maxNumSeqs: 0}\n",
             "spec.engine.maxNumSeqs 0 is below the minimum 1",
         ),
-        ("draft", "", "spec.model.geometry.draftLayers -3 is below the minimum 0"),
-        ("vocab", "", "spec.model.geometry.vocabSize 0 is below the minimum 1"),
+        (
+            "draft",
+            "",
+            "spec.model.geometry.draftLayers -3 is below the minimum 0",
+        ),
+        (
+            "vocab",
+            "",
+            "spec.model.geometry.vocabSize 0 is below the minimum 1",
+        ),
     ];
     for (name, extra, message) in cases {
         let mut yaml = base.replace("  engine: {runtime: vllm}\n", "");
@@ -395,7 +407,11 @@ fn values_the_crd_schema_forbids_are_denied_naming_the_field_and_the_minimum() {
         };
         yaml.push_str(extra);
         let path = yaml_file(name, &yaml);
-        check(&["-f", path.to_str().unwrap()], 1, &["denied", "[ValueOutOfBounds]", message]);
+        check(
+            &["-f", path.to_str().unwrap()],
+            1,
+            &["denied", "[ValueOutOfBounds]", message],
+        );
         let _ = std::fs::remove_file(path);
     }
 }
@@ -440,7 +456,7 @@ fn network_peers_over_the_bound_or_invalid_are_denied_by_check() {
             "empty-peer",
             "[{}]".to_string(),
             "[InvalidNetworkPeer]",
-            "spec.network.allowFrom[0]: a peer needs a podSelector and/or namespaceSelector, or an ipBlock",
+            "spec.network.allowFrom[0] [InvalidNetworkPeer]: a peer needs a podSelector and/or namespaceSelector, or an ipBlock",
         ),
     ] {
         let path = std::env::temp_dir().join(format!(

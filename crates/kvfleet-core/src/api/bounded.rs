@@ -118,10 +118,14 @@ pub enum Breach {
     Entries { found: usize, max: usize },
     /// A string was `found` characters long, more than `max`.
     Length { found: usize, max: usize },
-    /// A number was below the minimum (`exclusive`: at or below it).
-    BelowMinimum { value: f64, min: f64, exclusive: bool },
-    /// A number was above the maximum.
-    AboveMaximum { value: f64, max: f64 },
+    /// A number (as written) was below the minimum (`exclusive`: at or below it).
+    BelowMinimum {
+        value: String,
+        min: f64,
+        exclusive: bool,
+    },
+    /// A number (as written) was above the maximum.
+    AboveMaximum { value: String, max: f64 },
 }
 
 /// One value over its bound: the field (`spec.network.allowFrom`) and the bound.
@@ -234,17 +238,21 @@ impl<'s, 'r> At<'s, 'r> {
         });
     }
 
-    fn number(&self, value: f64) {
+    /// Checks a number against the range; `exact` writes it (an i64 is not exact as f64).
+    fn number(&self, value: f64, exact: &dyn fmt::Display) {
         let s = self.shape;
         match (s.min, s.max) {
             (Some(min), _) if value < min || (s.exclusive_min && value <= min) => {
                 self.breach(Breach::BelowMinimum {
-                    value,
+                    value: exact.to_string(),
                     min,
                     exclusive: s.exclusive_min,
                 })
             }
-            (_, Some(max)) if value > max => self.breach(Breach::AboveMaximum { value, max }),
+            (_, Some(max)) if value > max => self.breach(Breach::AboveMaximum {
+                value: exact.to_string(),
+                max,
+            }),
             _ => {}
         }
     }
@@ -418,23 +426,23 @@ impl<'de, V: Visitor<'de>> Visitor<'de> for Wrap<'_, '_, V> {
         self.inner.visit_bool(v)
     }
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<V::Value, E> {
-        self.at.number(v as f64);
+        self.at.number(v as f64, &v);
         self.inner.visit_i64(v)
     }
     fn visit_i128<E: de::Error>(self, v: i128) -> Result<V::Value, E> {
-        self.at.number(v as f64);
+        self.at.number(v as f64, &v);
         self.inner.visit_i128(v)
     }
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<V::Value, E> {
-        self.at.number(v as f64);
+        self.at.number(v as f64, &v);
         self.inner.visit_u64(v)
     }
     fn visit_u128<E: de::Error>(self, v: u128) -> Result<V::Value, E> {
-        self.at.number(v as f64);
+        self.at.number(v as f64, &v);
         self.inner.visit_u128(v)
     }
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<V::Value, E> {
-        self.at.number(v);
+        self.at.number(v, &v);
         self.inner.visit_f64(v)
     }
     fn visit_char<E: de::Error>(self, v: char) -> Result<V::Value, E> {
@@ -650,10 +658,52 @@ mod tests {
         assert_eq!(
             excess[1].breach,
             Breach::BelowMinimum {
-                value: 0.0,
+                value: "0".into(),
                 min: 1.0,
                 exclusive: false
             }
+        );
+    }
+
+    /// Every list and map of the spec's schema, with its bound (`None`: unbounded).
+    fn containers(schema: &Value, path: String, out: &mut Vec<(String, Option<u64>)>) {
+        let bound = |key: &str| schema.get(key).and_then(Value::as_u64);
+        if let Some(items) = schema.get("items") {
+            out.push((path.clone(), bound("maxItems")));
+            containers(items, format!("{path}[]"), out);
+        }
+        if let Some(values) = schema.get("additionalProperties").filter(|v| v.is_object()) {
+            out.push((path.clone(), bound("maxProperties")));
+            containers(values, format!("{path}{{}}"), out);
+        }
+        for (key, property) in schema
+            .get("properties")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+        {
+            containers(property, format!("{path}.{key}"), out);
+        }
+    }
+
+    #[test]
+    fn every_list_and_map_of_the_spec_has_a_bound() {
+        let crd = serde_json::to_value(InferenceDeployment::crd()).unwrap();
+        let spec = crd
+            .pointer("/spec/versions/0/schema/openAPIV3Schema/properties/spec")
+            .unwrap();
+        let mut all = Vec::new();
+        containers(spec, "spec".into(), &mut all);
+        assert!(all.len() > 20, "{all:?}");
+        let unbounded: Vec<&String> = all.iter().filter(|(_, b)| b.is_none()).map(|(p, _)| p).collect();
+        assert!(
+            unbounded.is_empty(),
+            "lists or maps without maxItems/maxProperties: {unbounded:?}"
+        );
+        // And the reader holds the same bounds.
+        assert_eq!(
+            Shape::spec().properties["network"].properties["allowFrom"].max_items,
+            Some(ALLOW_FROM_MAX)
         );
     }
 

@@ -74,19 +74,17 @@ pub fn excess_denial(e: &Excess) -> Denial {
         Breach::Length { found, max } => {
             format!("{field} is {found} characters long, more than the maximum {max}; shorten it")
         }
-        Breach::AboveMaximum { value, max } => format!(
-            "{field} {} is above the maximum {}; {}",
-            number(value),
+        Breach::AboveMaximum { ref value, max } => format!(
+            "{field} {value} is above the maximum {}; {}",
             number(max),
             hint(field).unwrap_or("lower it")
         ),
         Breach::BelowMinimum {
-            value,
+            ref value,
             min,
             exclusive,
         } => format!(
-            "{field} {} is {} {}; {}",
-            number(value),
+            "{field} {value} is {} {}; {}",
             if exclusive {
                 "not above"
             } else {
