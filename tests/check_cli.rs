@@ -363,14 +363,79 @@ fn hostile_sizes_are_denied_quickly_naming_the_field_and_the_bound() {
     }
 }
 
+/// Writes `yaml` (an InferenceDeployment) into a temporary file and returns its path.
+fn yaml_file(name: &str, yaml: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("kvfleet-check-{name}-{}.yaml", std::process::id()));
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
 #[test]
-fn a_capacity_the_planner_cannot_compute_is_denied_not_warned() {
-    // Negative draft layers pass serde (i32) but no planner can size them.
-    let path = spec_file("negative", "runtime: vllm", ", draftLayers: -3");
-    check(
+fn values_the_crd_schema_forbids_are_denied_naming_the_field_and_the_minimum() {
+    // Each passes serde (the types are signed) and was admitted before issue 35.
+    let base_path = spec_file("below", "runtime: vllm", "");
+    let base = std::fs::read_to_string(&base_path).unwrap();
+    let _ = std::fs::remove_file(base_path);
+    let cases = [
+        (
+            "replicas",
+            "  replicas: -1\n",
+            "spec.replicas -1 is below the minimum 0",
+        ),
+        (
+            "seqs",
+            "  engine: {runtime: vllm, maxNumSeqs: 0}\n",
+            "spec.engine.maxNumSeqs 0 is below the minimum 1",
+        ),
+        (
+            "draft",
+            "",
+            "spec.model.geometry.draftLayers -3 is below the minimum 0",
+        ),
+        (
+            "vocab",
+            "",
+            "spec.model.geometry.vocabSize 0 is below the minimum 1",
+        ),
+    ];
+    for (name, extra, message) in cases {
+        let mut yaml = base.replace("  engine: {runtime: vllm}\n", "");
+        yaml = match name {
+            "draft" => yaml.replace("headDim: 128}", "headDim: 128, draftLayers: -3}"),
+            "vocab" => yaml.replace("headDim: 128}", "headDim: 128, vocabSize: 0}"),
+            _ => yaml,
+        };
+        yaml.push_str(extra);
+        let path = yaml_file(name, &yaml);
+        check(
+            &["-f", path.to_str().unwrap()],
+            1,
+            &["denied", "[ValueOutOfBounds]", message],
+        );
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+#[test]
+fn every_problem_of_a_spec_is_printed_at_once_most_important_first() {
+    // nvfp4 KV on sm_120 and a maxModelLen no RTX PRO 6000 holds: the second was printed
+    // only once the first was fixed (issue 35).
+    let path = yaml_file(
+        "two-problems",
+        "apiVersion: kvfleet.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: two}\nspec:\n  model:\n    name: m\n    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}\n    weights: {format: dummy}\n  engine: {runtime: vllm, kvCacheDtype: nvfp4, maxModelLen: 33554432}\n  gpu: {selector: {products: [NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition]}}\n",
+    );
+    let out = check(
         &["-f", path.to_str().unwrap()],
         1,
-        &["denied", "[CapacityNotComputable]", "draftLayers"],
+        &[
+            "denied: spec.engine.kvCacheDtype [UnsupportedKvCacheDtype]",
+            "denied: spec.engine.maxModelLen [KvCacheTooSmall]",
+            "judged with kvCacheDtype nvfp4 as requested",
+        ],
+    );
+    assert!(
+        out.find("[UnsupportedKvCacheDtype]") < out.find("[KvCacheTooSmall]"),
+        "{out}"
     );
     let _ = std::fs::remove_file(path);
 }
@@ -391,7 +456,7 @@ fn network_peers_over_the_bound_or_invalid_are_denied_by_check() {
             "empty-peer",
             "[{}]".to_string(),
             "[InvalidNetworkPeer]",
-            "spec.network.allowFrom[0]: a peer needs a podSelector and/or namespaceSelector, or an ipBlock",
+            "spec.network.allowFrom[0] [InvalidNetworkPeer]: a peer needs a podSelector and/or namespaceSelector, or an ipBlock",
         ),
     ] {
         let path = std::env::temp_dir().join(format!(

@@ -1430,7 +1430,20 @@ fn every_bound_of_the_spec_is_denied_in_a_review_naming_the_field_and_the_bound(
             format!("{field} has {n} {what}, more than the maximum {max}"),
         )
     };
+    // The schema's minimums too (issue 35: these were admitted).
+    let below = |path: &str, value: i64, min: i64| {
+        let field = format!("spec.{}", path.replace('/', "."));
+        (
+            path.to_string(),
+            json!(value),
+            format!("{field} {value} is below the minimum {min}"),
+        )
+    };
     let cases = vec![
+        below("replicas", -1, 0),
+        below("engine/maxNumSeqs", 0, 1),
+        below("model/geometry/vocabSize", 0, 1),
+        below("model/geometry/headDim", 4, 8),
         int("model/geometry/layers", LAYERS_MAX.into()),
         int("model/geometry/queryHeads", HEADS_MAX.into()),
         int("model/geometry/kvHeads", HEADS_MAX.into()),
@@ -1501,7 +1514,7 @@ fn every_bound_of_the_spec_is_denied_in_a_review_naming_the_field_and_the_bound(
             "engine/image".to_string(),
             json!("i".repeat(IMAGE_LEN_MAX + 1)),
             format!(
-                "spec.engine.image is {} bytes long, more than the maximum {IMAGE_LEN_MAX}",
+                "spec.engine.image is {} characters long, more than the maximum {IMAGE_LEN_MAX}",
                 IMAGE_LEN_MAX + 1
             ),
         ),
@@ -1514,6 +1527,59 @@ fn every_bound_of_the_spec_is_denied_in_a_review_naming_the_field_and_the_bound(
         assert_eq!(json["response"]["allowed"], false, "{path}");
         let text = json["response"]["status"]["message"].as_str().unwrap();
         assert!(text.contains(&message), "{path}: want {message:?} in {text}");
+    }
+}
+
+#[test]
+fn a_review_with_several_problems_is_denied_for_all_of_them_at_once() {
+    // nvfp4 KV on sm_120 and a maxModelLen no RTX PRO 6000 holds (issue 35).
+    let facts = facts(&[gpu_node("pro-0", RTX_PRO_6000, 12, 0, 4)]);
+    let mut v: Value = serde_json::from_slice(&fixture("create-nvfp4-vllm.json")).unwrap();
+    set_in_spec(&mut v, "engine/maxModelLen", serde_json::json!(33_554_432));
+    let body = serde_json::to_vec(&v).unwrap();
+    let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false);
+    let status = &json["response"]["status"];
+    let fields: Vec<&str> = status["details"]["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        ["spec.engine.kvCacheDtype", "spec.engine.maxModelLen"],
+        "{json}"
+    );
+    let message = status["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("2 problems: (1) spec.engine.kvCacheDtype: ")
+            && message.contains(" (2) spec.engine.maxModelLen: "),
+        "{message}"
+    );
+}
+
+#[test]
+fn lists_over_their_bound_are_denied_naming_each_with_its_count() {
+    // Read as it is sent: each list stops at its bound, and every one over it is named.
+    let facts = facts(&[gpu_node("h100-0", H100, 9, 0, 8)]);
+    let mut v: Value = serde_json::from_slice(&fixture("create-fp8e4m3-vllm.json")).unwrap();
+    let values: Vec<String> = (0..40).map(|i| format!("v{i}")).collect();
+    let peer = serde_json::json!({"podSelector": {"matchExpressions": [{"key": "k", "operator": "In", "values": values}]}});
+    set_in_spec(&mut v, "network/allowFrom", serde_json::json!(vec![peer; 40]));
+    set_in_spec(&mut v, "engine/extraArgs", serde_json::json!(vec!["--x"; 300]));
+    let body = serde_json::to_vec(&v).unwrap();
+    let json = assert_well_formed(&review(&body, &facts), Some(&uid_of(&body)));
+    assert_eq!(json["response"]["allowed"], false);
+    assert_eq!(json["response"]["status"]["code"], 422);
+    let message = json["response"]["status"]["message"].as_str().unwrap();
+    for part in [
+        "spec.engine.extraArgs has 300 entries, more than the maximum 256",
+        "spec.network.allowFrom[0].podSelector.matchExpressions[0].values has 40 entries, more than the maximum 32",
+        "spec.network.allowFrom[31].podSelector.matchExpressions[0].values has 40 entries",
+        "spec.network.allowFrom has 40 peers, more than the maximum 32",
+    ] {
+        assert!(message.contains(part), "{part:?} missing from {message}");
     }
 }
 

@@ -3,16 +3,27 @@
 //!
 //! The HTTP handler only measures and serialises; everything a test wants to check about
 //! an answer is decided here.
+//!
+//! A review is read straight into the few typed fields the decision needs, never into a
+//! `serde_json::Value` or a `DynamicObject` of the whole body: the envelope and the request
+//! keep `object` and `oldObject` as borrowed slices of the body (no copy), and an object
+//! that is ours is read into its spec through [`crate::api::bounded`], which stops every
+//! list and map at the CRD schema's bound as it reads (the rest is skipped, counted, and
+//! named in the denial). What a review costs in memory is thus the body plus a spec within
+//! the schema's bounds, whatever the body claims (docs/webhook.md).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::admission::{AdmissionResponse, AdmissionReview, Operation};
 use kube::core::response::{StatusCause, StatusDetails};
 use kube::core::{DynamicObject, Status};
-use serde_json::Value;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 
+use crate::api::bounded::{self, Excess, Shape};
 use crate::api::{InferenceDeploymentSpec, GROUP, KIND};
-use crate::validate::{self, ClusterFacts, Verdict};
+use crate::validate::{self, bounds, ClusterFacts, Verdict};
 
 /// `admission.k8s.io/v1`, the only AdmissionReview version we register for.
 pub const REVIEW_API_VERSION: &str = "admission.k8s.io/v1";
@@ -109,27 +120,98 @@ pub fn not_ready(body: &[u8]) -> Reviewed {
 
 type ParseError = (String, String);
 
-fn parse_request(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, ParseError> {
-    let value: Value = serde_json::from_slice(body).map_err(|error| {
-        (
-            scan_uid(body),
-            format!(
-                "the request body is not JSON ({error}); expected an admission.k8s.io/v1 AdmissionReview"
-            ),
-        )
+/// The review around the request.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Envelope<'a> {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default, borrow)]
+    request: Option<&'a RawValue>,
+}
+
+/// What the decision needs of an AdmissionRequest; the object and the old object stay
+/// unread until the kind says they are ours.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Request<'a> {
+    uid: String,
+    kind: RequestKind,
+    #[serde(default)]
+    sub_resource: Option<String>,
+    #[serde(default)]
+    name: String,
+    operation: Operation,
+    #[serde(default, borrow)]
+    object: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    old_object: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct RequestKind {
+    #[serde(default)]
+    group: String,
+    kind: String,
+}
+
+/// An InferenceDeployment as the decision reads it.
+#[derive(Deserialize)]
+struct Object {
+    #[serde(default)]
+    metadata: Metadata,
+    #[serde(default)]
+    spec: Option<InferenceDeploymentSpec>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Metadata {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    generate_name: Option<String>,
+    #[serde(default)]
+    deletion_timestamp: Option<IgnoredAny>,
+}
+
+/// Just the uid, to echo it when the rest of a request cannot be read.
+#[derive(Deserialize)]
+struct UidOnly {
+    #[serde(default)]
+    uid: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RequestUidOnly {
+    #[serde(default)]
+    request: Option<UidOnly>,
+}
+
+fn parse_request(body: &[u8]) -> Result<Request<'_>, ParseError> {
+    let envelope: Envelope = serde_json::from_slice(body).map_err(|error| {
+        let uid = serde_json::from_slice::<RequestUidOnly>(body)
+            .ok()
+            .and_then(|r| r.request?.uid)
+            .unwrap_or_else(|| scan_uid(body));
+        let message = if error.is_data() {
+            format!("malformed AdmissionReview: {error}")
+        } else {
+            format!("the request body is not JSON ({error}); expected an admission.k8s.io/v1 AdmissionReview")
+        };
+        (uid, message)
     })?;
-    let uid = value
-        .pointer("/request/uid")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
-    let types = (
-        value.get("apiVersion").and_then(Value::as_str),
-        value.get("kind").and_then(Value::as_str),
-    );
+    let uid_of = |raw: Option<&RawValue>| {
+        raw.and_then(|r| serde_json::from_str::<UidOnly>(r.get()).ok())
+            .and_then(|r| r.uid)
+            .unwrap_or_default()
+    };
+    let types = (envelope.api_version.as_deref(), envelope.kind.as_deref());
     if types != (Some(REVIEW_API_VERSION), Some("AdmissionReview")) {
         return Err((
-            uid,
+            uid_of(envelope.request),
             format!(
                 "expected apiVersion {REVIEW_API_VERSION} and kind AdmissionReview, got {} {}; \
                  register the webhook with admissionReviewVersions: [v1]",
@@ -138,20 +220,44 @@ fn parse_request(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, ParseEr
             ),
         ));
     }
-    let review: AdmissionReview<DynamicObject> =
-        serde_path_to_error::deserialize(value).map_err(|error| {
-            (
-                uid.clone(),
-                format!("malformed AdmissionReview at {}: {}", error.path(), error.inner()),
-            )
-        })?;
-    let request: AdmissionRequest<DynamicObject> = review
-        .try_into()
-        .map_err(|_| (uid.clone(), "the AdmissionReview has no request".to_string()))?;
+    let Some(raw) = envelope.request else {
+        return Err((String::new(), "the AdmissionReview has no request".to_string()));
+    };
+    let request: Request = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(
+        raw.get(),
+    ))
+    .map_err(|error| {
+        (
+            uid_of(Some(raw)),
+            format!(
+                "malformed AdmissionReview at request.{}: {}",
+                error.path(),
+                error.inner()
+            ),
+        )
+    })?;
     if request.uid.is_empty() {
-        return Err((uid, "the AdmissionReview request has no uid".to_string()));
+        return Err((
+            String::new(),
+            "the AdmissionReview request has no uid".to_string(),
+        ));
     }
     Ok(request)
+}
+
+/// Reads an object within the schema's bounds: the object, and every bound it broke.
+fn read_object(raw: &RawValue) -> Result<(Object, Vec<Excess>), String> {
+    let mut json = serde_json::Deserializer::from_str(raw.get());
+    let mut track = serde_path_to_error::Track::new();
+    let tracked = serde_path_to_error::Deserializer::new(&mut json, &mut track);
+    bounded::read::<Object, _>(tracked, Shape::object(), "").map_err(|error| {
+        let path = track.path().to_string();
+        if path.is_empty() || path == "." {
+            format!("the object cannot be read: {error}")
+        } else {
+            format!("{path}: {error}")
+        }
+    })
 }
 
 /// Finds `"uid":"..."` in a body that is not valid JSON (truncated, say), so that the
@@ -196,15 +302,14 @@ fn operation_label(operation: &Operation) -> &'static str {
 
 // === deciding ===
 
-fn decide<V>(
-    request: &AdmissionRequest<DynamicObject>,
-    facts: &ClusterFacts,
-    validator: &V,
-) -> (AdmissionResponse, Outcome)
+fn decide<V>(request: &Request, facts: &ClusterFacts, validator: &V) -> (AdmissionResponse, Outcome)
 where
     V: Fn(&InferenceDeploymentSpec, &ClusterFacts) -> Verdict,
 {
-    let allow = AdmissionResponse::from(request);
+    let mut allow = AdmissionResponse::invalid("");
+    allow.uid = request.uid.clone();
+    allow.allowed = true;
+    allow.result = Status::default();
     let ours = request.kind.group == GROUP && request.kind.kind == KIND;
     // Subresources (status, scale) carry no spec change we judge; DELETE and CONNECT
     // must never be blocked by compatibility (a deployment must always be removable).
@@ -214,12 +319,25 @@ where
     {
         return (allow, Outcome::Skipped);
     }
-    let Some(object) = request.object.as_ref() else {
+    let Some(raw) = request.object else {
         return deny_invalid(allow, "the request has no object to validate");
     };
-    let spec = match read_spec(object) {
-        Ok(spec) => spec,
+    let (object, excess) = match read_object(raw) {
+        Ok(read) => read,
         Err(message) => return deny_invalid(allow, &message),
+    };
+    let name = object_name(request, &object);
+    if !excess.is_empty() {
+        // Lists over their bound were cut while reading: the spec read is not the one sent,
+        // so only its bounds are judged, every one of them.
+        let verdict = Verdict {
+            denials: out_of_bounds(object.spec.as_ref(), &excess),
+            ..Verdict::default()
+        };
+        return answer(allow, &verdict, &name);
+    }
+    let Some(spec) = object.spec else {
+        return deny_invalid(allow, "the InferenceDeployment has no spec");
     };
     if request.operation == Operation::Update {
         // A deployment being deleted, or an update that leaves the spec as it was
@@ -228,8 +346,8 @@ where
         if object.metadata.deletion_timestamp.is_some() {
             return (allow, Outcome::Skipped);
         }
-        if let Some(old) = request.old_object.as_ref() {
-            if matches!(read_spec(old), Ok(old_spec) if old_spec == spec) {
+        if let Some(Ok((old, old_excess))) = request.old_object.map(read_object) {
+            if old_excess.is_empty() && old.spec.as_ref() == Some(&spec) {
                 return (allow, Outcome::Skipped);
             }
         }
@@ -247,13 +365,27 @@ where
             return (response, Outcome::Invalid);
         }
     };
-    answer(allow, &verdict, &object_name(request, object))
+    answer(allow, &verdict, &name)
+}
+
+/// The denials of an object read over its bounds: what the reader cut, then what the
+/// bounds of the spec as read (lists at their bound) still find.
+fn out_of_bounds(spec: Option<&InferenceDeploymentSpec>, excess: &[Excess]) -> Vec<validate::Denial> {
+    let mut denials: Vec<validate::Denial> = excess.iter().map(bounds::excess_denial).collect();
+    if let Some(spec) = spec {
+        for d in bounds::check(spec) {
+            if !denials.iter().any(|e| e.field == d.field) {
+                denials.push(d);
+            }
+        }
+    }
+    denials
 }
 
 /// The name kubectl prints in "The InferenceDeployment \"NAME\" is invalid": the request's
 /// (set on UPDATE and on a CREATE that names the object), else the object's, else its
 /// `generateName` prefix (the API server names such objects only after admission).
-fn object_name(request: &AdmissionRequest<DynamicObject>, object: &DynamicObject) -> String {
+fn object_name(request: &Request, object: &Object) -> String {
     [
         Some(request.name.as_str()),
         object.metadata.name.as_deref(),
@@ -264,14 +396,6 @@ fn object_name(request: &AdmissionRequest<DynamicObject>, object: &DynamicObject
     .find(|n| !n.is_empty())
     .unwrap_or_default()
     .to_string()
-}
-
-fn read_spec(object: &DynamicObject) -> Result<InferenceDeploymentSpec, String> {
-    let Some(spec) = object.data.get("spec") else {
-        return Err("the InferenceDeployment has no spec".to_string());
-    };
-    serde_path_to_error::deserialize::<_, InferenceDeploymentSpec>(spec)
-        .map_err(|error| format!("spec.{}: {}", error.path(), error.inner()))
 }
 
 fn deny_invalid(allow: AdmissionResponse, message: &str) -> (AdmissionResponse, Outcome) {
@@ -380,6 +504,8 @@ mod tests {
             "2 problems: (1) spec.engine.kvCacheDtype: use fp8 (2) spec.engine.tensorParallelSize: use 2"
         );
     }
+
+    use serde_json::Value;
 
     fn nvfp4_create() -> Value {
         let path = concat!(

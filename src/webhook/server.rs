@@ -19,7 +19,11 @@ use super::cache::NodeCache;
 use super::metrics::Metrics;
 use super::review::{self, Reviewed};
 
-/// Largest AdmissionReview body accepted (object and oldObject of a large resource).
+/// Largest AdmissionReview body accepted. The API server takes request bodies of up to
+/// 3 MiB, so a review of an UPDATE (object and oldObject, plus the envelope) stays under
+/// 7 MiB. The webhook's memory for one review is this body (held once more while it is
+/// collected) plus one spec within the schema's bounds (`api::bounded`), so the peak stays
+/// under 64 MiB (tests/webhook_memory.rs; docs/webhook.md).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 
 /// A client must send a request's headers within this time (slowloris), on both servers.

@@ -1,10 +1,13 @@
-//! Upper bounds of every size, count and length of an InferenceDeployment spec.
+//! Bounds of every size, count and length of an InferenceDeployment spec.
 //!
-//! The CRD schema carries them as `maximum` / `maxItems` / `maxLength` / `maxProperties`
-//! (schemars attributes in [`super`]), and [`crate::validate`] checks them again before
-//! anything is planned, so an object that bypassed the schema (a namespace the webhook
-//! skips, `kvfleet check`, a direct AdmissionReview) is denied, never allocated for.
-//! Each bound is far above what any published model or engine configuration uses.
+//! The CRD schema carries them as `minimum` / `maximum` / `maxItems` / `maxLength` /
+//! `maxProperties` (schemars attributes in [`super`]); that schema is the one source of
+//! truth: the webhook reads reviews within it ([`super::bounded`]) and [`crate::validate`]
+//! checks every spec against it before anything is planned, so an object that bypassed the
+//! API server's own schema check (a namespace the webhook skips, `kvfleet check`, an
+//! AdmissionReview sent directly) is denied, never allocated for. Each upper bound is far
+//! above what any published model or engine configuration uses; each list a person writes
+//! by hand is bounded well above what a person maintains.
 
 /// Decoder layers (the largest published models have fewer than 200).
 pub const LAYERS_MAX: i32 = 1024;
@@ -53,11 +56,27 @@ pub const TOLERATIONS_MAX: usize = 64;
 /// Entries of `pod.env`, `pod.annotations`.
 pub const ENV_MAX: usize = 256;
 pub const ANNOTATIONS_MAX: usize = 256;
-/// Peers of `network.allowFrom`.
+/// Peers of `network.allowFrom`: a NetworkPolicy rule's `from` list that a person maintains
+/// by hand (a gateway, a namespace or two, a few CIDRs); 32 is several times what such
+/// lists hold, and keeps the NetworkPolicy the controller renders small.
 pub const ALLOW_FROM_MAX: usize = 32;
-/// Entries of one peer's label selector (matchLabels plus matchExpressions), values of one
-/// expression, and `ipBlock.except` entries.
+/// Entries of one peer's label selector (`matchLabels`, `matchExpressions`, and the two
+/// together), values of one expression, and `ipBlock.except` entries: label selectors
+/// written by hand name a few labels and values.
 pub const PEER_TERMS_MAX: usize = 32;
+/// A label key (`prefix/name`: a DNS subdomain of 253, `/`, a name of 63) and a label value
+/// (63), as the API server validates them.
+pub const LABEL_KEY_LEN_MAX: usize = 317;
+pub const LABEL_VALUE_LEN_MAX: usize = 63;
+/// A label selector operator (`DoesNotExist` is the longest).
+pub const OPERATOR_LEN_MAX: usize = 12;
+/// A CIDR (`ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff/128`).
+pub const CIDR_LEN_MAX: usize = 43;
+/// Resource names of a container's `limits` or `requests` (cpu, memory,
+/// ephemeral-storage, nvidia.com/gpu, a few hugepages and devices) and its DRA `claims`.
+pub const RESOURCES_MAX: usize = 16;
+/// A short free-form value (a vLLM release, a KV-events topic).
+pub const SHORT_STRING_LEN_MAX: usize = 253;
 /// Pods of the kvfleet router (`routing.router.replicas`).
 pub const ROUTER_REPLICAS_MAX: i32 = 64;
 /// Replicas of one InferenceDeployment (`autoscaling.minReplicas` / `maxReplicas`); a fleet of

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime};
 
 mod autoscaling;
+pub mod bounded;
 mod features;
 pub mod limits;
 pub use autoscaling::*;
@@ -192,6 +193,7 @@ pub struct RouterSpec {
     pub replicas: i32,
     /// Resources of the router container; absent: requests of 100m CPU and 256Mi memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = bound_resources)]
     pub resources: Option<ResourceRequirements>,
 }
 
@@ -273,8 +275,63 @@ pub struct NetworkSpec {
     /// `podSelector` and/or `namespaceSelector`, or an `ipBlock`. A `podSelector` alone means
     /// pods of this namespace. Empty: no client is admitted (only the metrics peers).
     #[serde(default)]
-    #[schemars(length(max = ALLOW_FROM_MAX))]
+    #[schemars(length(max = ALLOW_FROM_MAX), transform = bound_peers)]
     pub allow_from: Vec<NetworkPolicyPeer>,
+}
+
+/// Sets `key` to `value` in the object at `pointer` of `schema`, when there is one.
+fn bound_at(schema: &mut schemars::Schema, pointer: &str, key: &str, value: usize) {
+    if let Some(object) = schema.pointer_mut(pointer).and_then(|v| v.as_object_mut()) {
+        object.insert(key.to_string(), value.into());
+    }
+}
+
+/// k8s-openapi's NetworkPolicyPeer schema bounds none of its lists, maps and strings: bound
+/// them as [`limits`] derives (label selectors and CIDR lists written by hand).
+fn bound_peers(schema: &mut schemars::Schema) {
+    let peer = "/items/properties";
+    for selector in ["podSelector", "namespaceSelector"] {
+        let at = format!("{peer}/{selector}/properties");
+        bound_at(
+            schema,
+            &format!("{at}/matchLabels"),
+            "maxProperties",
+            PEER_TERMS_MAX,
+        );
+        bound_at(
+            schema,
+            &format!("{at}/matchLabels/additionalProperties"),
+            "maxLength",
+            LABEL_VALUE_LEN_MAX,
+        );
+        bound_at(
+            schema,
+            &format!("{at}/matchExpressions"),
+            "maxItems",
+            PEER_TERMS_MAX,
+        );
+        let expr = format!("{at}/matchExpressions/items/properties");
+        bound_at(schema, &format!("{expr}/key"), "maxLength", LABEL_KEY_LEN_MAX);
+        bound_at(schema, &format!("{expr}/operator"), "maxLength", OPERATOR_LEN_MAX);
+        bound_at(schema, &format!("{expr}/values"), "maxItems", PEER_TERMS_MAX);
+        bound_at(
+            schema,
+            &format!("{expr}/values/items"),
+            "maxLength",
+            LABEL_VALUE_LEN_MAX,
+        );
+    }
+    let ip = format!("{peer}/ipBlock/properties");
+    bound_at(schema, &format!("{ip}/cidr"), "maxLength", CIDR_LEN_MAX);
+    bound_at(schema, &format!("{ip}/except"), "maxItems", PEER_TERMS_MAX);
+    bound_at(schema, &format!("{ip}/except/items"), "maxLength", CIDR_LEN_MAX);
+}
+
+/// k8s-openapi's ResourceRequirements schema bounds neither its maps nor its claims.
+fn bound_resources(schema: &mut schemars::Schema) {
+    bound_at(schema, "/properties/limits", "maxProperties", RESOURCES_MAX);
+    bound_at(schema, "/properties/requests", "maxProperties", RESOURCES_MAX);
+    bound_at(schema, "/properties/claims", "maxItems", RESOURCES_MAX);
 }
 
 /// Where the API key of the replicas is: a key of a Secret in the InferenceDeployment's
@@ -325,6 +382,7 @@ pub struct ModelSpec {
     /// Bytes the weights occupy in total (all tensor-parallel ranks together), e.g. `16Gi`.
     /// Used to predict how much GPU memory is left for the KV cache.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxLength" = 64))]
     pub weight_bytes: Option<Quantity>,
 
     /// The checkpoint's weight quantization; some KV dtypes are refused with quantized
@@ -670,7 +728,10 @@ pub struct VllmEngineSpec {
     /// arithmetic follow it; without it they follow the image tag, or kvfleet's default
     /// image when no image is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^v?[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?([a-z0-9.+-]*)$"))]
+    #[schemars(
+        length(max = SHORT_STRING_LEN_MAX),
+        regex(pattern = r"^v?[0-9]{1,3}\.[0-9]{1,3}(\.[0-9]{1,3})?([a-z0-9.+-]*)$")
+    )]
     pub version: Option<String>,
 }
 
@@ -741,6 +802,7 @@ pub struct KvEventsSpec {
     pub port: i32,
     /// Topic of every message (vLLM's default: empty).
     #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[schemars(length(max = SHORT_STRING_LEN_MAX))]
     pub topic: String,
 }
 
@@ -771,7 +833,7 @@ pub struct GpuSelector {
     pub products: Vec<String>,
     /// Lowest compute capability allowed, as `major.minor` (e.g. `8.0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(regex(pattern = r"^[0-9]{1,2}\.[0-9]{1,2}$"))]
+    #[schemars(length(max = 5), regex(pattern = r"^[0-9]{1,2}\.[0-9]{1,2}$"))]
     pub min_compute_capability: Option<String>,
 }
 
@@ -781,6 +843,7 @@ pub struct GpuSelector {
 pub struct PodOverrides {
     /// Container resources; `nvidia.com/gpu` is always set to the GPUs per replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = bound_resources)]
     pub resources: Option<ResourceRequirements>,
     /// Tolerations, e.g. for tainted GPU nodes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

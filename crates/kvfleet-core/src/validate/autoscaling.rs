@@ -149,19 +149,21 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
 
     #[test]
     fn bounds_that_cannot_hold_together_are_denied_each_by_field() {
-        let v = verdict(
-            "autoscaling: {minReplicas: 5, maxReplicas: 2, targetDemandRatio: 1.5, scaleDown: {stabilizationWindowSeconds: 7200, policies: [{type: Pods, value: 0, periodSeconds: 15}]}}\n",
-        );
-        let fields: Vec<&str> = v.denials.iter().map(|d| d.field.as_str()).collect();
-        assert_eq!(
-            fields,
-            [
-                "spec.autoscaling.minReplicas",
-                "spec.autoscaling.targetDemandRatio",
+        let v = verdict("autoscaling: {minReplicas: 5, maxReplicas: 2}\n");
+        assert_eq!(reasons(&v), [INVALID_AUTOSCALING]);
+        assert_eq!(v.denials[0].field, "spec.autoscaling.minReplicas");
+        assert!(v.denials[0].message.contains("exceeds maxReplicas 2"), "{:?}", v.denials);
+        // Outside the schema's range: denied naming the field, by the bounds or by this check.
+        for (yaml, field) in [
+            ("autoscaling: {maxReplicas: 2, targetDemandRatio: 1.5}\n", "spec.autoscaling.targetDemandRatio"),
+            (
+                "autoscaling: {maxReplicas: 2, scaleDown: {stabilizationWindowSeconds: 7200}}\n",
                 "spec.autoscaling.scaleDown.stabilizationWindowSeconds",
-                "spec.autoscaling.scaleDown.policies[0]",
-            ]
-        );
+            ),
+        ] {
+            let v = verdict(yaml);
+            assert!(v.denials.iter().any(|d| d.field == field), "{yaml}: {:?}", v.denials);
+        }
     }
 
     #[test]

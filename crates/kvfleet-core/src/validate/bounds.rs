@@ -1,13 +1,18 @@
-//! Upper bounds of a spec's sizes, counts and lengths ([`crate::api::limits`]), checked
-//! before anything is planned or allocated, and the denial for a planner that cannot
-//! compute a capacity.
+//! The bounds of a spec's numbers, sizes, counts and lengths, checked before anything is
+//! planned or allocated, and the denial for a planner that cannot compute a capacity.
 //!
-//! The CRD schema holds the same bounds; these checks are for what did not pass through
-//! it (a namespace the webhook skips, `kvfleet check`, an AdmissionReview sent directly).
+//! The bounds are the CRD schema's own (`minimum`, `maximum`, `maxItems`, `maxProperties`,
+//! `maxLength`; [`crate::api::limits`]), read from it by [`crate::api::bounded`]: one source
+//! of truth for the API server, the webhook's reader and these checks, which are for what
+//! did not pass through the API server's schema check (a namespace the webhook skips,
+//! `kvfleet check`, an AdmissionReview sent directly). Only what a schema cannot say is
+//! written out here: tensorParallelSize x pipelineParallelSize, and NetworkPolicy peers the
+//! API server would refuse.
 
 use super::{denial, Denial};
+use crate::api::bounded::{self, Breach, Excess, Shape, Walk};
 use crate::api::limits::*;
-use crate::api::{GpuSpec, InferenceDeploymentSpec, ModelGeometry, PodOverrides};
+use crate::api::InferenceDeploymentSpec;
 use crate::plan::PlanError;
 use k8s_openapi::api::networking::v1::NetworkPolicyPeer;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -17,197 +22,13 @@ pub const REASON: &str = "ValueOutOfBounds";
 /// Reason of a capacity the planner cannot compute.
 pub const PLANNER_REASON: &str = "CapacityNotComputable";
 
-/// Bytes of a `weightBytes` quantity string (`16Gi`, `17179869184`, `1.5e10`).
-const QUANTITY_LEN_MAX: usize = 64;
-/// Bytes of `model.name` (the CRD's maxLength).
-const MODEL_NAME_LEN_MAX: usize = 253;
-
-struct Bounds {
-    denials: Vec<Denial>,
-}
-
-impl Bounds {
-    fn int(&mut self, field: &str, value: Option<i64>, max: i64, hint: &str) {
-        if let Some(v) = value.filter(|v| *v > max) {
-            self.denials.push(denial(
-                field,
-                REASON,
-                format!("{field} {v} is above the maximum {max}; {hint}"),
-            ));
-        }
-    }
-
-    fn count(&mut self, field: &str, n: usize, max: usize, what: &str) {
-        if n > max {
-            self.denials.push(denial(
-                field,
-                REASON,
-                format!("{field} has {n} {what}, more than the maximum {max}; remove some"),
-            ));
-        }
-    }
-
-    fn len(&mut self, field: &str, s: Option<&str>, max: usize) {
-        if let Some(n) = s.map(str::len).filter(|n| *n > max) {
-            self.denials.push(denial(
-                field,
-                REASON,
-                format!("{field} is {n} bytes long, more than the maximum {max}; shorten it"),
-            ));
-        }
-    }
-}
-
-/// Denials for every value of `spec` above its bound (empty when all are within).
+/// Denials for every value of `spec` outside its bound (empty when all are within).
 pub fn check(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
-    let mut b = Bounds { denials: Vec::new() };
-    model_bounds(&mut b, spec);
-    engine_bounds(&mut b, spec);
-    if let Some(gpu) = &spec.gpu {
-        gpu_bounds(&mut b, gpu);
-    }
-    if let Some(pod) = &spec.pod {
-        pod_bounds(&mut b, pod);
-    }
-    if let Some(net) = &spec.network {
-        network_peers(&mut b, &net.allow_from);
-    }
-    if let Some(routing) = &spec.routing {
-        routing_bounds(&mut b, routing);
-    }
-    b.denials
-}
-
-/// `routing`: router replicas and the endpoint picker's name.
-fn routing_bounds(b: &mut Bounds, routing: &crate::api::RoutingSpec) {
-    if let Some(r) = &routing.router {
-        b.int(
-            "spec.routing.router.replicas",
-            Some(i64::from(r.replicas)),
-            i64::from(ROUTER_REPLICAS_MAX),
-            "a few router pods serve a large fleet",
-        );
-    }
-    if let Some(p) = &routing.endpoint_picker {
-        b.len("spec.routing.endpointPicker.name", Some(&p.name), NAME_LEN_MAX);
-        b.len("spec.routing.endpointPicker.kind", p.kind.as_deref(), 63);
-        b.len(
-            "spec.routing.endpointPicker.group",
-            p.group.as_deref(),
-            NAME_LEN_MAX,
-        );
-    }
-}
-
-/// `model`: its name, geometry, ConfigMap reference and weights.
-fn model_bounds(b: &mut Bounds, spec: &InferenceDeploymentSpec) {
-    b.len("spec.model.name", Some(&spec.model.name), MODEL_NAME_LEN_MAX);
-    if let Some(g) = &spec.model.geometry {
-        geometry_bounds(b, g);
-    }
-    if let Some(cfg) = &spec.model.config {
-        b.len(
-            "spec.model.config.configMapRef.name",
-            Some(&cfg.config_map_ref.name),
-            NAME_LEN_MAX,
-        );
-        b.len(
-            "spec.model.config.configMapRef.key",
-            Some(&cfg.config_map_ref.key),
-            NAME_LEN_MAX,
-        );
-    }
-    b.len(
-        "spec.model.weightBytes",
-        spec.model.weight_bytes.as_ref().map(|q| q.0.as_str()),
-        QUANTITY_LEN_MAX,
-    );
-    if let Some(w) = &spec.model.weights {
-        b.len("spec.model.weights.pvcName", w.pvc_name.as_deref(), NAME_LEN_MAX);
-        b.len("spec.model.weights.path", w.path.as_deref(), PATH_LEN_MAX);
-    }
-}
-
-/// `model.geometry`: every size as the model's config.json could have it.
-fn geometry_bounds(b: &mut Bounds, g: &ModelGeometry) {
-    let copy = "copy it from the model's config.json";
-    let f = |name: &str| format!("spec.model.geometry.{name}");
-    let i = |v: i32| Some(i64::from(v));
-    let o = |v: Option<i32>| v.map(i64::from);
-    b.int(&f("layers"), i(g.layers), LAYERS_MAX.into(), copy);
-    b.int(&f("queryHeads"), i(g.query_heads), HEADS_MAX.into(), copy);
-    b.int(&f("kvHeads"), i(g.kv_heads), HEADS_MAX.into(), copy);
-    b.int(&f("headDim"), i(g.head_dim), HEAD_DIM_MAX.into(), copy);
-    b.int(
-        &f("slidingWindow"),
-        o(g.sliding_window),
-        SLIDING_WINDOW_MAX.into(),
-        copy,
-    );
-    b.int(
-        &f("globalHeadDim"),
-        o(g.global_head_dim),
-        HEAD_DIM_MAX.into(),
-        copy,
-    );
-    b.int(&f("globalKvHeads"), o(g.global_kv_heads), HEADS_MAX.into(), copy);
-    b.int(&f("kvLoraRank"), o(g.kv_lora_rank), KV_LORA_RANK_MAX.into(), copy);
-    b.int(
-        &f("qkRopeHeadDim"),
-        o(g.qk_rope_head_dim),
-        QK_ROPE_HEAD_DIM_MAX.into(),
-        copy,
-    );
-    b.int(
-        &f("draftLayers"),
-        o(g.draft_layers),
-        DRAFT_LAYERS_MAX.into(),
-        "set it to the draft model's num_hidden_layers",
-    );
-    b.int(&f("hiddenSize"), o(g.hidden_size), HIDDEN_SIZE_MAX.into(), copy);
-    b.int(&f("vocabSize"), o(g.vocab_size), VOCAB_SIZE_MAX.into(), copy);
-    if let Some(types) = &g.layer_types {
-        b.count(&f("layerTypes"), types.len(), LAYERS_MAX as usize, "entries");
-    }
-}
-
-/// `engine`: lengths, parallelism (and the GPUs of a replica it makes) and extraArgs.
-fn engine_bounds(b: &mut Bounds, spec: &InferenceDeploymentSpec) {
+    let mut denials: Vec<Denial> = schema_excess(spec).iter().map(excess_denial).collect();
     let e = &spec.engine;
-    b.len("spec.engine.image", e.image.as_deref(), IMAGE_LEN_MAX);
-    b.int(
-        "spec.engine.maxModelLen",
-        Some(e.max_model_len),
-        MAX_MODEL_LEN_MAX,
-        "lower it to the context length the model supports",
-    );
-    b.int(
-        "spec.engine.maxNumSeqs",
-        Some(e.max_num_seqs.into()),
-        MAX_NUM_SEQS_MAX.into(),
-        "lower it (vLLM's default is 256)",
-    );
-    b.int(
-        "spec.engine.maxNumBatchedTokens",
-        Some(e.max_num_batched_tokens.into()),
-        MAX_NUM_BATCHED_TOKENS_MAX.into(),
-        "lower it (8192 is the default)",
-    );
-    b.int(
-        "spec.engine.tensorParallelSize",
-        Some(e.tensor_parallel_size.into()),
-        GPUS_PER_REPLICA_MAX.into(),
-        "set it to the GPUs one replica shards the model over",
-    );
-    b.int(
-        "spec.engine.pipelineParallelSize",
-        Some(e.pipeline_parallel_size.into()),
-        PIPELINE_STAGES_MAX.into(),
-        "set it to the pipeline stages of one replica (often its nodes)",
-    );
     let gpus = i64::from(e.tensor_parallel_size) * i64::from(e.pipeline_parallel_size);
-    if b.denials.is_empty() && gpus > i64::from(GPUS_PER_REPLICA_MAX) {
-        b.denials.push(denial(
+    if denials.is_empty() && gpus > i64::from(GPUS_PER_REPLICA_MAX) {
+        denials.push(denial(
             "spec.engine.pipelineParallelSize",
             REASON,
             format!(
@@ -216,93 +37,112 @@ fn engine_bounds(b: &mut Bounds, spec: &InferenceDeploymentSpec) {
             ),
         ));
     }
-    b.count(
-        "spec.engine.extraArgs",
-        e.extra_args.len(),
-        EXTRA_ARGS_MAX,
-        "entries",
-    );
-    if let Some((i, a)) = e
-        .extra_args
-        .iter()
-        .enumerate()
-        .find(|(_, a)| a.len() > EXTRA_ARG_LEN_MAX)
-    {
-        b.len(&format!("spec.engine.extraArgs[{i}]"), Some(a), EXTRA_ARG_LEN_MAX);
+    if let Some(net) = &spec.network {
+        denials.extend(network_peers(&net.allow_from));
     }
+    denials
 }
 
-/// `gpu`: count and selector.
-fn gpu_bounds(b: &mut Bounds, gpu: &GpuSpec) {
-    b.int(
-        "spec.gpu.count",
-        gpu.count.map(i64::from),
-        GPUS_PER_REPLICA_MAX.into(),
-        "set it to the GPUs of one replica",
-    );
-    if let Some(sel) = &gpu.selector {
-        b.count(
-            "spec.gpu.selector.products",
-            sel.products.len(),
-            PRODUCTS_MAX,
-            "entries",
-        );
-        if let Some((i, p)) = sel
-            .products
-            .iter()
-            .enumerate()
-            .find(|(_, p)| p.len() > NAME_LEN_MAX)
-        {
-            b.len(&format!("spec.gpu.selector.products[{i}]"), Some(p), NAME_LEN_MAX);
+/// Every value of `spec` outside the schema's bounds, in the order of the spec's fields.
+fn schema_excess(spec: &InferenceDeploymentSpec) -> Vec<Excess> {
+    // Serialising a spec cannot fail (string keys, finite numbers or null). Bytes rather than
+    // a `Value`, whose maps would list the fields in alphabetical order.
+    let Ok(json) = serde_json::to_vec(spec) else {
+        return Vec::new();
+    };
+    bounded::read::<Walk, _>(
+        &mut serde_json::Deserializer::from_slice(&json),
+        Shape::spec(),
+        "spec",
+    )
+    .map(|(_, excess)| excess)
+    .unwrap_or_default()
+}
+
+/// The denial of one value outside its bound, naming the field, the bound and the fix.
+pub fn excess_denial(e: &Excess) -> Denial {
+    let field = e.field.as_str();
+    let message = match e.breach {
+        Breach::Entries { found, max } => {
+            let what = if field.ends_with(".allowFrom") {
+                "peers"
+            } else {
+                "entries"
+            };
+            format!("{field} has {found} {what}, more than the maximum {max}; remove some")
         }
-        b.len(
-            "spec.gpu.selector.minComputeCapability",
-            sel.min_compute_capability.as_deref(),
-            5,
-        );
+        Breach::Length { found, max } => {
+            format!("{field} is {found} characters long, more than the maximum {max}; shorten it")
+        }
+        Breach::AboveMaximum { ref value, max } => format!(
+            "{field} {value} is above the maximum {}; {}",
+            number(max),
+            hint(field).unwrap_or("lower it")
+        ),
+        Breach::BelowMinimum {
+            ref value,
+            min,
+            exclusive,
+        } => format!(
+            "{field} {value} is {} {}; {}",
+            if exclusive {
+                "not above"
+            } else {
+                "below the minimum"
+            },
+            number(min),
+            hint(field).unwrap_or("raise it")
+        ),
+    };
+    denial(field, REASON, message)
+}
+
+fn number(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e18 {
+        format!("{}", v as i64)
+    } else {
+        format!("{v}")
     }
 }
 
-/// `pod`: the sizes of its maps and lists.
-fn pod_bounds(b: &mut Bounds, pod: &PodOverrides) {
-    b.count(
-        "spec.pod.nodeSelector",
-        pod.node_selector.len(),
-        NODE_SELECTOR_MAX,
-        "entries",
-    );
-    b.count(
-        "spec.pod.tolerations",
-        pod.tolerations.len(),
-        TOLERATIONS_MAX,
-        "entries",
-    );
-    b.count("spec.pod.env", pod.env.len(), ENV_MAX, "entries");
-    b.count(
-        "spec.pod.annotations",
-        pod.annotations.len(),
-        ANNOTATIONS_MAX,
-        "entries",
-    );
+/// What to set a numeric field to, where more can be said than "lower it" / "raise it".
+fn hint(field: &str) -> Option<&'static str> {
+    let name = field.rsplit('.').next().unwrap_or(field);
+    Some(match name {
+        "replicas" if field == "spec.replicas" => {
+            "set it to the pods that serve the model (0 scales to zero)"
+        }
+        "replicas" => "a few router pods serve a large fleet",
+        "maxModelLen" => "set it to the context length the model supports",
+        "maxNumSeqs" => "set it to the sequences one replica runs at once (vLLM's default is 256)",
+        "maxNumBatchedTokens" => "set it to the tokens one step schedules (8192 is the default)",
+        "tensorParallelSize" => "set it to the GPUs one replica shards the model over",
+        "pipelineParallelSize" => {
+            "set it to the pipeline stages of one replica (1 for none; often its nodes)"
+        }
+        "count" => "set it to the GPUs of one replica",
+        "gpuMemoryUtilization" => "0.85 is a safe value",
+        "draftLayers" => "set it to the draft model's num_hidden_layers",
+        "port" => "use a port between 1 and 65535",
+        _ if field.starts_with("spec.model.geometry.") => "copy it from the model's config.json",
+        _ => return None,
+    })
 }
 
 /// Reason of a `network.allowFrom` peer the API server would refuse in a NetworkPolicy.
 pub const PEER_REASON: &str = "InvalidNetworkPeer";
 
-/// `network.allowFrom`: bounded, and each peer one the NetworkPolicy API accepts, so an
-/// admitted spec never fails at apply time.
-fn network_peers(b: &mut Bounds, peers: &[NetworkPolicyPeer]) {
-    let field = "spec.network.allowFrom";
-    b.count(field, peers.len(), ALLOW_FROM_MAX, "peers");
+/// `network.allowFrom`: each peer one the NetworkPolicy API accepts, so an admitted spec
+/// never fails at apply time (the counts are the schema's; a list over its bound is not
+/// judged peer by peer).
+fn network_peers(peers: &[NetworkPolicyPeer]) -> Vec<Denial> {
+    let mut denials = Vec::new();
     if peers.len() > ALLOW_FROM_MAX {
-        return;
+        return denials;
     }
     for (i, p) in peers.iter().enumerate() {
-        let at = format!("{field}[{i}]");
-        let mut deny = |message: String| {
-            b.denials
-                .push(denial(&at, PEER_REASON, format!("{at}: {message}")))
-        };
+        let at = format!("spec.network.allowFrom[{i}]");
+        let mut deny = |message: String| denials.push(denial(&at, PEER_REASON, message));
         let selectors = p.pod_selector.is_some() || p.namespace_selector.is_some();
         match (&p.ip_block, selectors) {
             (None, false) => deny(
@@ -318,12 +158,7 @@ fn network_peers(b: &mut Bounds, peers: &[NetworkPolicyPeer]) {
                 )),
                 Some(net) => {
                     let except = ip.except.as_deref().unwrap_or_default();
-                    if except.len() > PEER_TERMS_MAX {
-                        deny(format!(
-                            "ipBlock.except has {} entries, more than the maximum {PEER_TERMS_MAX}; remove some",
-                            except.len()
-                        ));
-                    } else if let Some(e) = except
+                    if let Some(e) = except
                         .iter()
                         .find(|e| !parse_cidr(e).is_some_and(|x| net.strictly_contains(&x)))
                     {
@@ -347,6 +182,7 @@ fn network_peers(b: &mut Bounds, peers: &[NetworkPolicyPeer]) {
             }
         }
     }
+    denials
 }
 
 fn truncated(s: &str) -> &str {
@@ -357,7 +193,8 @@ fn truncated(s: &str) -> &str {
     &s[..end]
 }
 
-/// What the API server would refuse in a label selector, bounded first.
+/// What the API server would refuse in a label selector (matchLabels and matchExpressions
+/// together are bounded here: the schema bounds each alone).
 fn selector_problem(sel: &LabelSelector) -> Option<String> {
     let labels = sel.match_labels.as_ref().map_or(0, |m| m.len());
     let exprs = sel.match_expressions.as_deref().unwrap_or_default();
@@ -369,13 +206,6 @@ fn selector_problem(sel: &LabelSelector) -> Option<String> {
     }
     for e in exprs {
         let values = e.values.as_deref().unwrap_or_default();
-        if values.len() > PEER_TERMS_MAX {
-            return Some(format!(
-                "matchExpressions key {:?} has {} values, more than the maximum {PEER_TERMS_MAX}; remove some",
-                truncated(&e.key),
-                values.len()
-            ));
-        }
         match (e.operator.as_str(), values.is_empty()) {
             ("In" | "NotIn", false) | ("Exists" | "DoesNotExist", true) => {}
             ("In" | "NotIn", true) => {

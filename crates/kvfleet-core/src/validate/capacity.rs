@@ -6,9 +6,10 @@ use std::collections::HashSet;
 
 use serde::Serialize;
 
-use super::nodes::Candidate;
+use super::facts::GPU_MEMORY_MIB_MAX;
+use super::nodes::{Candidate, Pool};
 use super::signatures::Signature;
-use super::{bounds, denial, plural, Denial, Verdict};
+use super::{bounds, denial, labels, plural, Denial, Verdict};
 use crate::api::{CapacityStatus, InferenceDeploymentSpec, Runtime};
 use crate::compat::KvCacheDtype;
 use crate::plan::{Geometry, SpecCapacity};
@@ -156,6 +157,7 @@ fn plan<'a>(
         group_of_node,
         unknown,
     } = memory_groups(compatible, sigs);
+    mislabelled_memory_warning(compatible, warnings);
     if !unknown.is_empty() {
         warnings.push(format!(
             "KV capacity not checked on {} ({}): no nvidia.com/gpu.memory label and an unknown product",
@@ -213,6 +215,65 @@ fn plan<'a>(
     Outcome::Denied(too_small(&not_fitting, max_gpus))
 }
 
+/// Where no architecture runs the spec: the denial when not one selected GPU holds one
+/// request of maxModelLen even with the requested kvCacheDtype (a dtype a rule's fix names
+/// instead may need more), so that it comes in the same answer as the rules' denials.
+pub(super) fn too_small_anywhere(spec: &InferenceDeploymentSpec, pool: &Pool) -> Option<Denial> {
+    let candidates: Vec<&Candidate> = pool.candidates.iter().collect();
+    if candidates.is_empty() {
+        return None;
+    }
+    let dtype = spec.engine.kv_cache_dtype;
+    match plan(spec, dtype, &candidates, &pool.sigs.sigs, &mut Vec::new()) {
+        Outcome::Denied(mut d) if d.reason == TOO_SMALL => {
+            d.message.push_str(&format!(
+                " (judged with kvCacheDtype {dtype} as requested; a KV dtype of more bytes needs more)"
+            ));
+            Some(d)
+        }
+        _ => None,
+    }
+}
+
+/// Reason of a maxModelLen that no compatible GPU holds.
+const TOO_SMALL: &str = "KvCacheTooSmall";
+
+/// One warning naming every compatible node whose `nvidia.com/gpu.memory` label is not a
+/// GPU memory in MiB, and the label's value: it is ignored (the product's memory is used).
+fn mislabelled_memory_warning(compatible: &[&Candidate], warnings: &mut Vec<String>) {
+    let bad: Vec<String> = compatible
+        .iter()
+        .filter_map(|c| {
+            let value = c.node.unreadable_gpu_memory()?;
+            Some(format!("{} ({:?})", c.node.name, bounds_truncated(value)))
+        })
+        .collect();
+    if bad.is_empty() {
+        return;
+    }
+    warnings.push(format!(
+        "label {} of {}: not a GPU memory in MiB (1 to {GPU_MEMORY_MIB_MAX}), so it is ignored and the product's memory is used; fix the label (GPU Feature Discovery writes it) or remove it",
+        labels::MEMORY_MIB,
+        plural_list(&bad)
+    ));
+}
+
+fn bounds_truncated(s: &str) -> &str {
+    let mut end = s.len().min(32);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn plural_list(items: &[String]) -> String {
+    if items.len() == 1 {
+        format!("node {}", items[0])
+    } else {
+        format!("nodes {}", items.join(", "))
+    }
+}
+
 /// The capacity of one replica on the smallest GPU that fits (`product`), in the runtime's
 /// own count, and its arithmetic.
 fn capacity(
@@ -258,7 +319,7 @@ fn too_small(not_fitting: &[(SpecCapacity, String, usize)], max_gpus: Option<i64
     let hint = largest.fix_hint_on(max_gpus).unwrap_or_default();
     denial(
         "spec.engine.maxModelLen",
-        "KvCacheTooSmall",
+        TOO_SMALL,
         format!("{hint}; the selected nodes have {}", have.join(", ")),
     )
 }

@@ -21,6 +21,11 @@ pub mod labels {
     pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 }
 
+/// The most memory one GPU can have in MiB, as GFD's `nvidia.com/gpu.memory` label gives
+/// it: 4 TiB, fourteen times the largest GPU sold (B300, 288 GB). A larger value is a
+/// mislabel, and its bytes could overflow (17592186044416 MiB is 2^64 bytes).
+pub const GPU_MEMORY_MIB_MAX: u64 = 4 << 20;
+
 /// GPUs of a node made up by [`super::validate_offline`] / `kvfleet check --gpu`.
 pub const SYNTHETIC_NODE_GPUS: i64 = 8;
 
@@ -119,16 +124,30 @@ impl NodeFacts {
         })
     }
 
-    /// Memory of one GPU in bytes: the GFD `nvidia.com/gpu.memory` label (MiB), else the
-    /// planner's or the product table's figure for the product.
+    /// Memory of one GPU in bytes: the GFD `nvidia.com/gpu.memory` label (MiB), else (the
+    /// label absent or not a memory, see [`Self::unreadable_gpu_memory`]) the planner's or the
+    /// product table's figure for the product.
     pub fn gpu_memory_bytes(&self) -> Option<u64> {
         const MIB: u64 = 1024 * 1024;
+        self.labelled_gpu_memory_mib()
+            .or_else(|| product_memory_mib(self.product()?))
+            .and_then(|m| m.checked_mul(MIB))
+    }
+
+    /// The `nvidia.com/gpu.memory` label as MiB of one GPU, when it is one (1 to
+    /// [`GPU_MEMORY_MIB_MAX`]).
+    fn labelled_gpu_memory_mib(&self) -> Option<u64> {
         self.labels
             .get(labels::MEMORY_MIB)
             .and_then(|m| m.trim().parse::<u64>().ok())
-            .filter(|m| *m > 0)
-            .map(|m| m * MIB)
-            .or_else(|| product_memory_mib(self.product()?).map(|m| m * MIB))
+            .filter(|m| (1..=GPU_MEMORY_MIB_MAX).contains(m))
+    }
+
+    /// The `nvidia.com/gpu.memory` value, when the node has one that is not a GPU memory in
+    /// MiB (it is then ignored).
+    pub fn unreadable_gpu_memory(&self) -> Option<&str> {
+        let value = self.labels.get(labels::MEMORY_MIB)?;
+        self.labelled_gpu_memory_mib().is_none().then_some(value.as_str())
     }
 
     /// Whether any `nvidia.com/gpu.*` label is set.

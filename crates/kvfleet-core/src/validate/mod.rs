@@ -24,6 +24,23 @@
 //!    InferencePool CRD behind an InferencePool (`routing.rs`).
 //! 7. Checks what autoscaling needs: bounds that hold together, a router behind
 //!    `minReplicas: 0`, workers that export the demand gauges (`autoscaling.rs`).
+//!
+//! # Order of denials
+//!
+//! A denied verdict lists every problem found, in one answer, most important first: a fix
+//! to an earlier problem can change what a later one says (another KV dtype changes the
+//! capacity, other nodes change both), never the reverse.
+//! 1. Values outside the CRD schema's bounds (`ValueOutOfBounds`) and NetworkPolicy peers
+//!    the API server would refuse (`InvalidNetworkPeer`): reported alone, since every other
+//!    check assumes them (the API server refuses such an object before the webhook sees it).
+//! 2. The spec on its own: the runtime's limits, weights, gpu.count, heads against
+//!    tensorParallelSize, gpuMemoryUtilization, the vLLM release, minComputeCapability.
+//! 3. Where it can run: no node matching the selectors, each rule an architecture breaks
+//!    (KV dtype, attention backend, model features), GPUs per node.
+//! 4. Whether it fits: a maxModelLen that no selected GPU holds (`KvCacheTooSmall`), judged
+//!    with the requested kvCacheDtype even where (3) denied it.
+//! 5. How it spreads and is reached: multi-node replicas, then routing.
+//! 6. How it scales: `spec.autoscaling` (`autoscaling.rs`).
 
 use k8s_openapi::api::core::v1::NodeAffinity;
 use serde::Serialize;
@@ -55,7 +72,7 @@ pub use autoscaling::{AUTOSCALING_NEEDS_KVFLEET_RUNTIME, INVALID_AUTOSCALING, SC
 pub use capacity::CapacityBasis;
 pub use facts::{
     labels, product_memory_mib, synthetic_cluster, ClusterFacts, NodeFacts, ValidateError,
-    SYNTHETIC_NODE_GPUS,
+    GPU_MEMORY_MIB_MAX, SYNTHETIC_NODE_GPUS,
 };
 pub use multi_node::{multi_node_layout, MultiNode, INSUFFICIENT_NODES};
 pub use routing::{inference_pool_missing, INFERENCE_POOL_MISSING, ROUTER_NEEDS_KVFLEET_RUNTIME};
@@ -117,7 +134,8 @@ pub fn validate_offline(spec: &InferenceDeploymentSpec, products: &[&str]) -> Re
     Ok(validate(spec, &synthetic_cluster(products)?))
 }
 
-/// Decides whether `spec` can run on `facts`.
+/// Decides whether `spec` can run on `facts`, with every problem found (see the module's
+/// "Order of denials").
 ///
 /// When no node matches the selectors right now (a GPU pool scaled to zero by Karpenter or
 /// the cluster-autoscaler), the spec is judged against what its selector declares: one
@@ -167,8 +185,11 @@ fn validate_nodes(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdi
         ..Verdict::default()
     };
     // Spec checks that denied do not stop the capacity check: a spec with two problems
-    // gets one denial naming both.
+    // gets one denial naming both. Where nothing runs, a maxModelLen that no selected GPU
+    // holds is still a problem of its own.
     if runnable.is_empty() {
+        let mut verdict = verdict;
+        verdict.denials.extend(capacity::too_small_anywhere(spec, &pool));
         return verdict;
     }
     admit::admit(spec, verdict, &archs, &runnable, &pool, gpus_per_pod)

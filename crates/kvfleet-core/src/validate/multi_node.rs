@@ -84,9 +84,6 @@ pub(super) fn multi_node_checks(
     let Some(layout) = multi_node_layout(spec, facts) else {
         return verdict;
     };
-    if !verdict.allowed() {
-        return verdict;
-    }
     let tp = spec.engine.tensor_parallel_size;
     let pp = spec.engine.pipeline_parallel_size;
     let gpus = spec.gpus_per_replica();
@@ -94,15 +91,21 @@ pub(super) fn multi_node_checks(
         "one replica (tensorParallelSize {tp} x pipelineParallelSize {pp} = {gpus} GPUs) needs more GPUs than a selected node has (at most {}), so it spans {} nodes of {} GPUs each",
         layout.most_gpus_on_a_node, layout.nodes_per_replica, layout.gpus_per_node
     );
+    // The release is judged whatever else denied; the nodes only when some can run it.
+    let admitted = verdict.allowed();
     let denials: Vec<Denial> = [
         release_without_multi_node(spec, &shape),
-        too_few_nodes(spec, &layout, verdict.compatible_nodes.len(), &shape),
+        admitted
+            .then(|| too_few_nodes(spec, &layout, verdict.compatible_nodes.len(), &shape))
+            .flatten(),
     ]
     .into_iter()
     .flatten()
     .collect();
     if denials.is_empty() {
-        verdict.multi_node = Some(layout);
+        if admitted {
+            verdict.multi_node = Some(layout);
+        }
     } else {
         // A denied verdict carries no resolution, affinity or nodes (see [`Verdict`]).
         verdict.denials.extend(denials);

@@ -49,39 +49,11 @@ pub(super) fn spec_checks(
     denials: &mut Vec<Denial>,
     warnings: &mut Vec<String>,
 ) {
-    parallelism_checks(spec, denials);
     kvfleet_checks(spec, denials);
     weights_checks(spec, denials);
     gpu_count_check(spec, denials);
     heads_check(spec, denials);
     gpu_memory_utilization_check(spec, denials, warnings);
-}
-
-/// tensorParallelSize and pipelineParallelSize are at least 1.
-fn parallelism_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>) {
-    let sizes = [
-        (
-            "tensorParallelSize",
-            "InvalidTensorParallelSize",
-            spec.engine.tensor_parallel_size,
-            "the GPUs one replica shards the model over",
-        ),
-        (
-            "pipelineParallelSize",
-            "InvalidPipelineParallelSize",
-            spec.engine.pipeline_parallel_size,
-            "the pipeline stages of one replica (1 for none)",
-        ),
-    ];
-    for (field, reason, size, meaning) in sizes {
-        if size < 1 {
-            denials.push(denial(
-                &format!("spec.engine.{field}"),
-                reason,
-                format!("{field} {size} must be at least 1; set it to {meaning}"),
-            ));
-        }
-    }
 }
 
 /// Runtime kvfleet runs one GPU per replica and sizes its cache from model.geometry: the

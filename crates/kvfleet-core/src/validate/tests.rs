@@ -838,17 +838,18 @@ fn parallel_sizes_under_one_are_denied_each_with_its_field_and_meaning() {
             .find(|d| d.field == field)
             .unwrap_or_else(|| panic!("no denial of {field}: {v:#?}"))
     };
+    // The schema's minimum, checked as the API server would.
     let tp = of("spec.engine.tensorParallelSize");
-    assert_eq!(tp.reason, "InvalidTensorParallelSize");
+    assert_eq!(tp.reason, "ValueOutOfBounds");
     assert_eq!(
         tp.message,
-        "tensorParallelSize 0 must be at least 1; set it to the GPUs one replica shards the model over"
+        "spec.engine.tensorParallelSize 0 is below the minimum 1; set it to the GPUs one replica shards the model over"
     );
     let pp = of("spec.engine.pipelineParallelSize");
-    assert_eq!(pp.reason, "InvalidPipelineParallelSize");
+    assert_eq!(pp.reason, "ValueOutOfBounds");
     assert_eq!(
         pp.message,
-        "pipelineParallelSize 0 must be at least 1; set it to the pipeline stages of one replica (1 for none)"
+        "spec.engine.pipelineParallelSize 0 is below the minimum 1; set it to the pipeline stages of one replica (1 for none; often its nodes)"
     );
 }
 
@@ -963,4 +964,78 @@ fn pipeline_stages_split_the_layers_so_a_replica_holds_about_twice_the_tokens() 
     let (a, b) = (tokens(&one), tokens(&two));
     // 16 of 32 layers per GPU: twice the tokens, less the pages lost to rounding.
     assert!(b > a * 19 / 10 && b <= a * 2 + 64, "pp1 {a}, pp2 {b}");
+}
+
+#[test]
+fn a_gpu_memory_label_that_would_overflow_is_ignored_with_a_warning_naming_node_and_label() {
+    // 17592186044416 MiB is 2^64 bytes: unchecked, it wrapped to a GPU of 0 bytes.
+    let mut bad = node("h100-bad", "NVIDIA-H100-80GB-HBM3", 8);
+    bad.labels
+        .insert(labels::MEMORY_MIB.into(), "17592186044416".into());
+    assert_eq!(bad.unreadable_gpu_memory(), Some("17592186044416"));
+    let good = node("h100-good", "NVIDIA-H100-80GB-HBM3", 8);
+    assert_eq!(bad.gpu_memory_bytes(), good.gpu_memory_bytes());
+    let s = llama("{runtime: vllm}");
+    let v = validate(&s, &cluster(vec![bad]));
+    assert!(v.allowed(), "{v:#?}");
+    assert_eq!(v.capacity, validate(&s, &cluster(vec![good])).capacity);
+    let warning = v
+        .warnings
+        .iter()
+        .find(|w| w.contains(labels::MEMORY_MIB))
+        .unwrap_or_else(|| panic!("{:#?}", v.warnings));
+    assert!(
+        warning.contains("h100-bad (\"17592186044416\")") && warning.contains("fix the label"),
+        "{warning}"
+    );
+    // The largest memory a label may give is read, without overflow.
+    let mut big = node("big", "NVIDIA-H100-80GB-HBM3", 8);
+    big.labels
+        .insert(labels::MEMORY_MIB.into(), GPU_MEMORY_MIB_MAX.to_string());
+    assert_eq!(big.gpu_memory_bytes(), Some(GPU_MEMORY_MIB_MAX << 20));
+}
+
+#[test]
+fn every_problem_of_a_spec_is_denied_at_once_most_important_first() {
+    // nvfp4 KV on sm_120 and a maxModelLen no RTX PRO 6000 holds (issue 35: the second was
+    // reported only once the first was fixed).
+    let pro = || {
+        cluster(vec![node(
+            "pro-0",
+            "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+            4,
+        )])
+    };
+    let two = llama("{runtime: vllm, kvCacheDtype: nvfp4, maxModelLen: 33554432}");
+    let v = validate(&two, &pro());
+    let fields: Vec<(&str, &str)> = v
+        .denials
+        .iter()
+        .map(|d| (d.field.as_str(), d.reason.as_str()))
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            ("spec.engine.kvCacheDtype", "UnsupportedKvCacheDtype"),
+            ("spec.engine.maxModelLen", "KvCacheTooSmall"),
+        ],
+        "{v:#?}"
+    );
+    assert!(
+        v.denials[1]
+            .message
+            .contains("judged with kvCacheDtype nvfp4 as requested"),
+        "{}",
+        v.denials[1].message
+    );
+    // A spec problem comes before where it runs: kvfleet's single GPU first.
+    let three = llama("{runtime: kvfleet, tensorParallelSize: 2, kvCacheDtype: fp8_e4m3, attentionBackend: FLASHINFER, maxModelLen: 33554432}");
+    let v = validate(&three, &pro());
+    let reasons: Vec<&str> = v.denials.iter().map(|d| d.reason.as_str()).collect();
+    assert_eq!(reasons.first(), Some(&"KvfleetSingleGpu"), "{v:#?}");
+    assert_eq!(reasons.last(), Some(&"KvCacheTooSmall"), "{v:#?}");
+    // A maxModelLen that fits is not denied where nothing runs.
+    let one = llama("{runtime: vllm, kvCacheDtype: nvfp4}");
+    let v = validate(&one, &pro());
+    assert_eq!(v.denials.len(), 1, "{v:#?}");
 }
