@@ -257,7 +257,13 @@ async fn labelled(client: &Client, uid: &str) -> Result<BTreeSet<(String, bool)>
     e2e_support::labelled(
         client,
         NS,
-        &kvfleet::controller::owned::managed_kinds(None, true),
+        &kvfleet::controller::owned::managed_kinds(
+            None,
+            kvfleet::controller::owned::Served {
+                inference_pool: true,
+                ..Default::default()
+            },
+        ),
         SELECTOR,
         uid,
     )
@@ -577,7 +583,13 @@ async fn e2e_routing_switches_kvfleet_inference_pool_service_and_leaves_nothing_
             Err(format!("{left:?}"))
         }
     });
-    let kinds: Vec<ApiResource> = kvfleet::controller::owned::managed_kinds(None, true);
+    let kinds: Vec<ApiResource> = kvfleet::controller::owned::managed_kinds(
+            None,
+            kvfleet::controller::owned::Served {
+                inference_pool: true,
+                ..Default::default()
+            },
+        );
     eprintln!(
         "deleted: none of {} kinds holds an object labelled for {NAME}",
         kinds.len()

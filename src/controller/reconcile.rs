@@ -19,7 +19,10 @@ use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 
-use crate::api::{inference_pool, InferenceDeployment, InferenceDeploymentSpec, RoutingMode, Runtime};
+use crate::api::{
+    inference_pool, scaled_object, AutoscalingEngine, InferenceDeployment, InferenceDeploymentSpec, RoutingMode,
+    Runtime,
+};
 use crate::contract::exit;
 use crate::validate::{ClusterFacts, NodeFacts, Verdict};
 
@@ -81,6 +84,8 @@ pub struct Context {
     /// minutes, and on each pass of a spec that routes through one): the sweep lists them
     /// only then.
     pub inference_pool: AtomicBool,
+    /// Whether the API server serves KEDA's ScaledObjects (the sweep lists them only then).
+    pub scaled_object: AtomicBool,
     pub settings: Settings,
     pub metrics: Metrics,
     pub validate: ValidateFn,
@@ -110,6 +115,7 @@ impl Context {
             nodes,
             monitor: RwLock::new(None),
             inference_pool: AtomicBool::new(false),
+            scaled_object: AtomicBool::new(false),
             settings,
             metrics,
             validate: crate::validate::validate,
@@ -327,10 +333,24 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         ctx.inference_pool.store(served, Ordering::Relaxed);
         facts.inference_pool_served = Some(served);
     }
+    let keda = obj
+        .spec
+        .autoscaling
+        .as_ref()
+        .is_some_and(|a| a.engine == AutoscalingEngine::Keda);
+    if keda {
+        let served = scaled_object_served(&ctx.client).await?;
+        ctx.scaled_object.store(served, Ordering::Relaxed);
+        facts.scaled_object_served = Some(served);
+    }
     let mut verdict = (ctx.validate)(&obj.spec, &facts);
     // Replicas that span nodes run as a LeaderWorkerSet: without its CRD, deny with the fix.
     if verdict.allowed() && verdict.multi_node.is_some() && !leader_worker_set_installed(&ctx.client).await? {
         deny_without_leader_worker_set(&obj.spec, &mut verdict);
+    }
+    // KEDA's trigger needs the Prometheus to query, an operator-wide setting.
+    if keda && ctx.settings.keda_prometheus_address.is_none() {
+        verdict.denials.push(keda_prometheus_address_missing());
     }
 
     let (prediction, outcome) = if verdict.allowed() {
@@ -466,12 +486,12 @@ async fn apply_owned(obj: &InferenceDeployment, verdict: &Verdict, ctx: &Context
         });
     }
     let applied = set.apply(&ctx.client).await?;
-    let inference_pool = ctx.inference_pool.load(Ordering::Relaxed);
-    set.delete_orphans(
-        &ctx.client,
-        &owned::managed_kinds(monitor.as_ref(), inference_pool),
-    )
-    .await?;
+    let served = owned::Served {
+        inference_pool: ctx.inference_pool.load(Ordering::Relaxed),
+        scaled_object: ctx.scaled_object.load(Ordering::Relaxed),
+    };
+    set.delete_orphans(&ctx.client, &owned::managed_kinds(monitor.as_ref(), served))
+        .await?;
     Ok(Outcome {
         workload: owned::workload(&applied)?,
         foreign: Vec::new(),
@@ -505,6 +525,30 @@ pub async fn inference_pool_served(client: &Client) -> Result<bool, Error> {
         inference_pool::PLURAL,
     )
     .await
+}
+
+/// Whether the API server serves scaledobjects (keda.sh/v1alpha1).
+pub async fn scaled_object_served(client: &Client) -> Result<bool, Error> {
+    served(
+        client,
+        scaled_object::GROUP,
+        scaled_object::VERSION,
+        scaled_object::PLURAL,
+    )
+    .await
+}
+
+/// Reason (Compatible=False, Warning Event) of `autoscaling.engine: keda` while the
+/// controller was started without `--keda-prometheus-address`.
+pub const KEDA_PROMETHEUS_ADDRESS_MISSING: &str = "KedaPrometheusAddressMissing";
+
+/// The denial of `engine: keda` by a controller that knows no Prometheus for KEDA to query.
+pub fn keda_prometheus_address_missing() -> crate::validate::Denial {
+    crate::validate::Denial {
+        field: "spec.autoscaling.engine".into(),
+        reason: KEDA_PROMETHEUS_ADDRESS_MISSING.into(),
+        message: "autoscaling engine keda renders a KEDA ScaledObject whose Prometheus trigger queries the workers' kvfleet_kv_demand_tokens and kvfleet_kv_capacity_tokens, but the controller was started without a Prometheus address; set the chart's autoscaling.keda.prometheusAddress (the controller's --keda-prometheus-address, e.g. http://prometheus-operated.monitoring.svc:9090), or set spec.autoscaling.engine to kvfleet (no Prometheus needed)".into(),
+    }
 }
 
 /// Whether discovery lists `plural` in `group/version` (a 404: the group version is not served).
