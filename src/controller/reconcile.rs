@@ -412,7 +412,11 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
     } else if verdict
         .denials
         .iter()
-        .any(|d| d.reason == LEADER_WORKER_SET_MISSING || d.reason == crate::validate::INFERENCE_POOL_MISSING)
+        .any(|d| {
+            d.reason == LEADER_WORKER_SET_MISSING
+                || d.reason == crate::validate::INFERENCE_POOL_MISSING
+                || d.reason == crate::validate::SCALED_OBJECT_MISSING
+        })
     {
         // Installing a CRD wakes no watch of ours: look again for it.
         Action::requeue(CRD_RETRY)
