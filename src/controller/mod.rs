@@ -31,6 +31,7 @@ use crate::validate::NodeFacts;
 
 pub mod autoscale;
 pub mod desired;
+mod discovery;
 mod error;
 pub mod leader;
 pub mod metrics;
