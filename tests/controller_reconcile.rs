@@ -2058,10 +2058,7 @@ async fn with_the_crd_engine_keda_applies_a_scaled_object_after_the_deployment_a
         .iter()
         .filter(|s| s.method == "PATCH" && s.path != STATUS)
         .collect();
-    let kinds: Vec<&str> = applies
-        .iter()
-        .map(|s| s.body["kind"].as_str().unwrap())
-        .collect();
+    let kinds: Vec<&str> = applies.iter().map(|s| s.body["kind"].as_str().unwrap()).collect();
     assert_eq!(
         kinds,
         [
@@ -2085,10 +2082,14 @@ async fn with_the_crd_engine_keda_applies_a_scaled_object_after_the_deployment_a
     let spec = &applied.body["spec"];
     assert_eq!(spec["scaleTargetRef"]["name"], "llama");
     assert_eq!(spec["scaleTargetRef"]["kind"], "Deployment");
-    assert_eq!((spec["minReplicaCount"].as_i64(), spec["maxReplicaCount"].as_i64()), (Some(1), Some(4)));
+    assert_eq!(
+        (spec["minReplicaCount"].as_i64(), spec["maxReplicaCount"].as_i64()),
+        (Some(1), Some(4))
+    );
     assert_eq!(spec["cooldownPeriod"], 60);
     assert_eq!(
-        spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"],
+        spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+            ["stabilizationWindowSeconds"],
         60
     );
     let trigger = &spec["triggers"][0];
@@ -2103,7 +2104,8 @@ async fn with_the_crd_engine_keda_applies_a_scaled_object_after_the_deployment_a
 }
 
 #[tokio::test]
-async fn switching_to_the_kvfleet_engine_or_dropping_autoscaling_deletes_our_scaled_object_and_never_another() {
+async fn switching_to_the_kvfleet_engine_or_dropping_autoscaling_deletes_our_scaled_object_and_never_another()
+{
     for (what, obj) in [
         ("engine kvfleet", autoscaled_llama(2, "kvfleet")),
         ("no autoscaling", {
@@ -2140,8 +2142,7 @@ async fn switching_to_the_kvfleet_engine_or_dropping_autoscaling_deletes_our_sca
         assert_eq!(deletes.len(), 1, "{what}");
         // Only the object the list returned: the uid precondition.
         assert_eq!(
-            deletes[0].body["preconditions"]["uid"],
-            "uid-ScaledObject-llama",
+            deletes[0].body["preconditions"]["uid"], "uid-ScaledObject-llama",
             "{what}"
         );
         assert!(

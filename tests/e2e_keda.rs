@@ -167,11 +167,15 @@ fn compatible(o: &InferenceDeployment, generation: Option<i64>) -> Option<(Strin
 async fn apply(ids: &Api<InferenceDeployment>, engine: &str) -> Option<i64> {
     let body = json!({"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
                       "metadata": {"name": NAME}, "spec": spec(engine)});
-    ids.patch(NAME, &PatchParams::apply("e2e-keda").force(), &Patch::Apply(&body))
-        .await
-        .unwrap_or_else(|e| panic!("apply engine {engine}: {e}"))
-        .metadata
-        .generation
+    ids.patch(
+        NAME,
+        &PatchParams::apply("e2e-keda").force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("apply engine {engine}: {e}"))
+    .metadata
+    .generation
 }
 
 /// Polls `f` every 250 ms until it returns `Some`, failing after [`STEP`] with `log`.
@@ -337,8 +341,11 @@ async fn e2e_keda_renders_a_scaled_object_the_api_server_accepts_and_sweeps_it_o
                "threshold": "1", "activationThreshold": "0"})
     );
     // KEDA's HPA owns the count: the controller's apply does not hold spec.replicas.
-    let dep = get_json(&["deployment", NAME, "-n", NS, "--show-managed-fields"]).expect("the workers' Deployment");
-    let managed = dep["metadata"]["managedFields"].as_array().expect("managedFields");
+    let dep =
+        get_json(&["deployment", NAME, "-n", NS, "--show-managed-fields"]).expect("the workers' Deployment");
+    let managed = dep["metadata"]["managedFields"]
+        .as_array()
+        .expect("managedFields");
     let ours = managed
         .iter()
         .find(|m| m["manager"] == kvfleet::controller::FIELD_MANAGER)
@@ -372,12 +379,14 @@ async fn e2e_keda_renders_a_scaled_object_the_api_server_accepts_and_sweeps_it_o
         .await
         .expect("delete the InferenceDeployment");
     let rt = tokio::runtime::Handle::current();
-    wait_for("the InferenceDeployment gone", STEP, || {
-        match tokio::task::block_in_place(|| rt.block_on(ids.get_opt(NAME))) {
+    wait_for(
+        "the InferenceDeployment gone",
+        STEP,
+        || match tokio::task::block_in_place(|| rt.block_on(ids.get_opt(NAME))) {
             Ok(None) => Ok(()),
             other => Err(format!("{other:?}")),
-        }
-    });
+        },
+    );
 
     drop(controller);
     drop(identity);

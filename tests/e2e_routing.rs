@@ -527,12 +527,12 @@ async fn e2e_routing_switches_kvfleet_inference_pool_service_and_leaves_nothing_
         }
     });
     let kinds: Vec<ApiResource> = kvfleet::controller::owned::managed_kinds(
-            None,
-            kvfleet::controller::owned::Served {
-                inference_pool: true,
-                ..Default::default()
-            },
-        );
+        None,
+        kvfleet::controller::owned::Served {
+            inference_pool: true,
+            ..Default::default()
+        },
+    );
     eprintln!(
         "deleted: none of {} kinds holds an object labelled for {NAME}",
         kinds.len()

@@ -731,10 +731,7 @@ fn the_fleet_dashboard_has_an_autoscaling_row_with_demand_capacity_and_replicas_
         .iter()
         .position(|p| p["type"] == "row" && p["title"] == "Autoscaling")
         .expect("a row Autoscaling");
-    let under: Vec<&Value> = top[row + 1..]
-        .iter()
-        .take_while(|p| p["type"] != "row")
-        .collect();
+    let under: Vec<&Value> = top[row + 1..].iter().take_while(|p| p["type"] != "row").collect();
     let read: BTreeSet<String> = under
         .iter()
         .flat_map(|p| p["targets"].as_array().into_iter().flatten())
@@ -746,7 +743,10 @@ fn the_fleet_dashboard_has_an_autoscaling_row_with_demand_capacity_and_replicas_
         "kvfleet_autoscaling_replicas",
         "kvfleet_autoscaling_tokens",
     ] {
-        assert!(read.contains(metric), "the Autoscaling row does not read {metric}: {read:?}");
+        assert!(
+            read.contains(metric),
+            "the Autoscaling row does not read {metric}: {read:?}"
+        );
     }
     for p in &under {
         assert_eq!(p["type"], "timeseries", "{}: over time", p["title"]);
@@ -762,10 +762,16 @@ fn the_fleet_dashboard_has_an_autoscaling_row_with_demand_capacity_and_replicas_
     let replicas = under
         .iter()
         .flat_map(|p| p["targets"].as_array().into_iter().flatten())
-        .find(|t| t["expr"].as_str().is_some_and(|e| e.contains("kvfleet_autoscaling_replicas")))
+        .find(|t| {
+            t["expr"]
+                .as_str()
+                .is_some_and(|e| e.contains("kvfleet_autoscaling_replicas"))
+        })
         .expect("a replicas query");
     assert!(
-        replicas["legendFormat"].as_str().is_some_and(|l| l.contains("{{kind}}")),
+        replicas["legendFormat"]
+            .as_str()
+            .is_some_and(|l| l.contains("{{kind}}")),
         "desired, max, ... told apart: {replicas}"
     );
 }

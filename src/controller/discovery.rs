@@ -64,4 +64,3 @@ async fn served(client: &Client, group: &str, version: &str, plural: &str) -> Re
         Err(source) => Err(Error::kube(format!("discover {gv}"), source)),
     }
 }
-

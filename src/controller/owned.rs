@@ -551,8 +551,9 @@ mod tests {
     /// The kvfleet spec of [`everything`] scaled by KEDA.
     fn keda_scaled() -> (InferenceDeployment, Desired) {
         let (mut obj, _) = everything();
-        obj.spec.autoscaling =
-            Some(serde_json::from_value(json!({"engine": "keda", "minReplicas": 1, "maxReplicas": 4})).unwrap());
+        obj.spec.autoscaling = Some(
+            serde_json::from_value(json!({"engine": "keda", "minReplicas": 1, "maxReplicas": 4})).unwrap(),
+        );
         let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
         let settings = Settings {
             keda_prometheus_address: Some("http://prometheus:9090".into()),
@@ -567,7 +568,11 @@ mod tests {
         let (obj, d) = keda_scaled();
         let set = OwnedSet::of(&obj, &d, Some(&service_monitor())).unwrap();
         let k = kinds(&set);
-        let at = |kind: &str| k.iter().position(|x| x == kind).unwrap_or_else(|| panic!("{kind} in {k:?}"));
+        let at = |kind: &str| {
+            k.iter()
+                .position(|x| x == kind)
+                .unwrap_or_else(|| panic!("{kind} in {k:?}"))
+        };
         assert!(at("Deployment") < at("ScaledObject"), "{k:?}");
         assert!(set.contains(&desired::scaled_object_resource(), "llama"));
         let (obj, d) = everything();
@@ -674,7 +679,10 @@ mod tests {
     #[test]
     fn without_the_monitoring_api_discovered_no_monitor_is_swept() {
         // Discovery may fail for a moment while ours exist: the set would hold none of them.
-        let kinds: Vec<String> = managed_kinds(None, Served::default()).into_iter().map(|k| k.kind).collect();
+        let kinds: Vec<String> = managed_kinds(None, Served::default())
+            .into_iter()
+            .map(|k| k.kind)
+            .collect();
         assert!(!kinds.iter().any(|k| k.ends_with("Monitor")), "{kinds:?}");
     }
 

@@ -406,15 +406,11 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
 
     Ok(if !foreign.is_empty() {
         Action::requeue(OWNERSHIP_RETRY)
-    } else if verdict
-        .denials
-        .iter()
-        .any(|d| {
-            d.reason == LEADER_WORKER_SET_MISSING
-                || d.reason == crate::validate::INFERENCE_POOL_MISSING
-                || d.reason == crate::validate::SCALED_OBJECT_MISSING
-        })
-    {
+    } else if verdict.denials.iter().any(|d| {
+        d.reason == LEADER_WORKER_SET_MISSING
+            || d.reason == crate::validate::INFERENCE_POOL_MISSING
+            || d.reason == crate::validate::SCALED_OBJECT_MISSING
+    }) {
         // Installing a CRD wakes no watch of ours: look again for it.
         Action::requeue(CRD_RETRY)
     } else if !verdict.allowed() {
@@ -506,8 +502,8 @@ async fn apply_owned(obj: &InferenceDeployment, verdict: &Verdict, ctx: &Context
 pub const LEADER_WORKER_SET_MISSING: &str = "LeaderWorkerSetCrdMissing";
 
 pub use super::discovery::{
-    inference_pool_served, keda_prometheus_address_missing, leader_worker_set_installed, scaled_object_served,
-    KEDA_PROMETHEUS_ADDRESS_MISSING,
+    inference_pool_served, keda_prometheus_address_missing, leader_worker_set_installed,
+    scaled_object_served, KEDA_PROMETHEUS_ADDRESS_MISSING,
 };
 
 /// Turns an admitting multi-node verdict into a denial naming the CRD and how to install it.

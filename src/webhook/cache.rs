@@ -171,8 +171,12 @@ impl NodeCache {
                 match tokio::time::timeout(interval, client.list_api_group_resources(gv)).await {
                     Ok(Ok(list)) => set(&self, list.resources.iter().any(|r| r.name == *plural)),
                     Ok(Err(kube::Error::Api(s))) if s.code == 404 => set(&self, false),
-                    Ok(Err(error)) => tracing::warn!(%error, "discovery of {gv} failed; keeping what was known"),
-                    Err(_) => tracing::warn!(timeout_s = interval.as_secs_f64(), "discovery of {gv} timed out"),
+                    Ok(Err(error)) => {
+                        tracing::warn!(%error, "discovery of {gv} failed; keeping what was known")
+                    }
+                    Err(_) => {
+                        tracing::warn!(timeout_s = interval.as_secs_f64(), "discovery of {gv} timed out")
+                    }
                 }
             }
         }

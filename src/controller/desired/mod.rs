@@ -70,8 +70,8 @@ pub use monitor::{monitor_relabelings, MONITOR_TARGET_LABEL};
 pub use network_policy::worker_network_policy;
 pub use pod::{PRE_STOP_SECONDS, RUN_AS_USER, TERMINATION_GRACE_SECONDS};
 pub use rbac::WORKER_CLUSTER_ROLE;
-pub use scaled_object::{demand_query, scaled_object_resource, TRIGGER_NAME};
 pub use router::{routed_spec, router_args, router_selector_labels, Router, ROUTER_CONTAINER, ROUTER_LABEL};
+pub use scaled_object::{demand_query, scaled_object_resource, TRIGGER_NAME};
 pub use vllm::{rendered_vllm_version, vllm_args, vllm_args_at, vllm_env, vllm_image, HF_CACHE_DIR};
 pub use worker::{worker_args, worker_config, worker_config_yaml, worker_model_source};
 
@@ -364,7 +364,9 @@ pub fn desired(
         spec.autoscaling.as_ref(),
         settings.keda_prometheus_address.as_deref(),
     ) {
-        (Some(a), Some(prometheus)) if a.engine == crate::api::AutoscalingEngine::Keda && deployment.is_some() => {
+        (Some(a), Some(prometheus))
+            if a.engine == crate::api::AutoscalingEngine::Keda && deployment.is_some() =>
+        {
             Some(scaled_object::scaled_object(&owner, a, prometheus))
         }
         _ => None,

@@ -159,7 +159,10 @@ spec:
             Some("llama"),
             "the target is the workers' Deployment"
         );
-        assert_eq!((spec["minReplicaCount"].clone(), spec["maxReplicaCount"].clone()), (json!(0), json!(6)));
+        assert_eq!(
+            (spec["minReplicaCount"].clone(), spec["maxReplicaCount"].clone()),
+            (json!(0), json!(6))
+        );
         assert_eq!(spec["cooldownPeriod"], 120);
         assert_eq!(
             spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
@@ -242,7 +245,11 @@ spec:
                 capacity_hint_tokens: None,
             };
             let decision = Autoscaler::default().decide(&policy, &obs);
-            assert_eq!(decision.recommendation, hpa.clamp(1, 12), "{demands:?} / {capacities:?}");
+            assert_eq!(
+                decision.recommendation,
+                hpa.clamp(1, 12),
+                "{demands:?} / {capacities:?}"
+            );
         }
     }
 }

@@ -2,7 +2,9 @@
 
 use super::{denial, ClusterFacts, Denial, Verdict};
 use crate::api::limits::{REPLICAS_MAX, STABILIZATION_WINDOW_MAX};
-use crate::api::{scaled_object, AutoscalingEngine, InferenceDeploymentSpec, RoutingMode, Runtime, ScalingRules};
+use crate::api::{
+    scaled_object, AutoscalingEngine, InferenceDeploymentSpec, RoutingMode, Runtime, ScalingRules,
+};
 
 /// Reason of `minReplicas: 0` without a kvfleet router to hold requests.
 pub const SCALE_TO_ZERO_NEEDS_ROUTER: &str = "ScaleToZeroNeedsRouter";
@@ -218,10 +220,8 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
 
     #[test]
     fn keda_is_denied_naming_the_crd_only_where_the_api_server_is_known_not_to_serve_it() {
-        let spec: InferenceDeploymentSpec = serde_yaml::from_str(&format!(
-            "{BASE}autoscaling: {{engine: keda, maxReplicas: 3}}\n"
-        ))
-        .unwrap();
+        let spec: InferenceDeploymentSpec =
+            serde_yaml::from_str(&format!("{BASE}autoscaling: {{engine: keda, maxReplicas: 3}}\n")).unwrap();
         let mut facts = synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap();
         assert!(validate(&spec, &facts).allowed(), "not known: not judged");
         facts.scaled_object_served = Some(true);
