@@ -45,6 +45,9 @@ pub struct NodeCache {
     scaled_object: AtomicU8,
 }
 
+/// Records whether one API is served (a setter of [`NodeCache`]).
+type SetServed = fn(&NodeCache, bool);
+
 /// Write side: applies watch events to the store and tells readers what changed.
 pub struct NodeCacheWriter {
     writer: reflector::store::Writer<Node>,
@@ -151,7 +154,7 @@ impl NodeCache {
     /// failed answer keeps what was known.
     pub async fn probe_apis(self: Arc<Self>, client: kube::Client, interval: Duration) {
         use crate::api::{inference_pool, scaled_object};
-        let apis: [(String, &str, fn(&Self, bool)); 2] = [
+        let apis: [(String, &str, SetServed); 2] = [
             (
                 format!("{}/{}", inference_pool::GROUP, inference_pool::VERSION),
                 inference_pool::PLURAL,
