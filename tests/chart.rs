@@ -275,6 +275,8 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
             "*",
         ),
         ("inference.networking.k8s.io", &["inferencepools"], SWEPT, "*"),
+        // Autoscaling (issue 31): the KEDA ScaledObject of `engine: keda` where it is served.
+        ("keda.sh", &["scaledobjects"], SWEPT, "*"),
         (
             "coordination.k8s.io",
             &["kvfleet-system/leases"],
@@ -1190,5 +1192,22 @@ fn the_controller_gets_the_metrics_peers_for_worker_network_policies() {
     assert_eq!(
         peers(&objs),
         serde_json::json!([{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}])
+    );
+}
+
+#[test]
+fn the_controller_gets_the_prometheus_address_for_keda_scaled_objects_only_when_set() {
+    let controller = |objs: &[Value]| {
+        one_of(objs, "Deployment", "kvfleet-controller")["spec"]["template"]["spec"]["containers"][0].clone()
+    };
+    assert_eq!(
+        env_value(&controller(&render(&[])), "KVFLEET_KEDA_PROMETHEUS_ADDRESS"),
+        None,
+        "unset: engine keda is denied with a condition"
+    );
+    let objs = render(&["autoscaling.keda.prometheusAddress=http://prometheus-operated.monitoring.svc:9090"]);
+    assert_eq!(
+        env_value(&controller(&objs), "KVFLEET_KEDA_PROMETHEUS_ADDRESS").as_deref(),
+        Some("http://prometheus-operated.monitoring.svc:9090")
     );
 }

@@ -2067,6 +2067,99 @@ async fn with_no_node_left_for_a_denied_generation_the_pods_of_the_admitted_one_
     assert_eq!(condition(status, "Compatible")["status"], "False");
     let c = condition(status, "PodsOnIncompatibleNodes");
     assert_eq!(c["status"], "True", "{c}");
+
+// === autoscaling engine keda (issue 31) ===
+
+const KEDA_DISCOVERY: &str = "/apis/keda.sh/v1alpha1";
+const PROMETHEUS: &str = "http://prometheus-operated.monitoring.svc:9090";
+
+/// A kvfleet spec on H100s scaled by `engine`.
+fn autoscaled_llama(generation: i64, engine: &str) -> InferenceDeployment {
+    let mut o = inference_deployment(generation, 1);
+    o.spec = serde_json::from_value(json!({
+        "replicas": 1,
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct",
+                  "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128},
+                  "weights": {"format": "dummy"}},
+        "engine": {"runtime": "kvfleet", "maxModelLen": 8192},
+        "gpu": {"selector": {"products": ["NVIDIA-H100-80GB-HBM3"]}},
+        "autoscaling": {"engine": engine, "minReplicas": 1, "maxReplicas": 4,
+                        "scaleDown": {"stabilizationWindowSeconds": 60}}
+    }))
+    .unwrap();
+    o
+}
+
+/// Real validation on two H100 nodes; KEDA's trigger queries `prometheus` when given.
+fn keda_harness(prometheus: Option<&str>) -> Harness {
+    let settings = Settings {
+        keda_prometheus_address: prometheus.map(str::to_string),
+        ..Settings::default()
+    };
+    let mut h = harness_with(&[h100_node("h100-0"), h100_node("h100-1")], settings);
+    Arc::get_mut(&mut h.ctx).unwrap().validate = kvfleet::validate::validate;
+    h
+}
+
+fn keda_resources() -> Value {
+    json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "keda.sh/v1alpha1",
+           "resources": [{"name": "scaledobjects", "singularName": "scaledobject", "namespaced": true,
+                          "kind": "ScaledObject", "verbs": ["get", "list", "watch", "create", "patch", "delete"]}]})
+}
+
+/// What an autoscaled kvfleet spec of one replica wants besides a ScaledObject.
+fn autoscaled_paths() -> Vec<String> {
+    vec![
+        ns_path("v1", "configmaps", "llama-config"),
+        ns_path("v1", "serviceaccounts", "llama-worker"),
+        ns_path("rbac.authorization.k8s.io/v1", "rolebindings", "llama-worker"),
+        ns_path("apps/v1", "deployments", "llama"),
+        ns_path("v1", "services", "llama"),
+    ]
+}
+
+#[tokio::test]
+async fn without_the_scaled_object_crd_engine_keda_is_denied_naming_the_crd_and_looked_at_again() {
+    let mut h = keda_harness(Some(PROMETHEUS));
+    let calls = vec![
+        call("GET", KEDA_DISCOVERY, not_found()),
+        call("GET", ns_path("apps/v1", "deployments", "llama"), not_found()),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(autoscaled_llama(1, "keda")), calls).await;
+    assert_eq!(
+        result.unwrap(),
+        Action::requeue(kvfleet::controller::reconcile::CRD_RETRY)
+    );
+    let c = condition(&seen[2].body, "Compatible");
+    assert_eq!(c["status"], "False", "{}", seen[2].body);
+    assert_eq!(c["reason"], "KedaScaledObjectCrdMissing");
+    let msg = c["message"].as_str().unwrap();
+    assert!(
+        msg.contains("scaledobjects.keda.sh") && msg.contains("engine to kvfleet"),
+        "{msg}"
+    );
+    assert_eq!(
+        event_reasons(&seen),
+        vec![("Warning".into(), "KedaScaledObjectCrdMissing".into())]
+    );
+    assert!(!h.ctx.scaled_object.load(std::sync::atomic::Ordering::Relaxed));
+}
+
+#[tokio::test]
+async fn without_a_prometheus_address_engine_keda_is_denied_and_nothing_is_applied() {
+    let mut h = keda_harness(None);
+    let calls = vec![
+        call("GET", KEDA_DISCOVERY, Reply::Json(200, keda_resources())),
+        call("GET", ns_path("apps/v1", "deployments", "llama"), not_found()),
+        apply_call(STATUS),
+        call("POST", EVENTS, Reply::Echo),
+    ];
+    let (result, seen) = run_pass(&mut h, guard(autoscaled_llama(1, "keda")), calls).await;
+    assert_eq!(result.unwrap(), Action::await_change());
+    let c = condition(&seen[2].body, "Compatible");
+    assert_eq!(c["reason"], "KedaPrometheusAddressMissing", "{}", seen[2].body);
     assert!(
         c["message"]
             .as_str()
@@ -2082,4 +2175,131 @@ async fn with_no_node_left_for_a_denied_generation_the_pods_of_the_admitted_one_
             ("Warning".into(), "PodOnIncompatibleNode".into())
         ]
     );
+
+            .contains("autoscaling.keda.prometheusAddress"),
+        "{c}"
+    );
+    assert!(seen.iter().all(|s| s.method != "PATCH" || s.path == STATUS));
+}
+
+#[tokio::test]
+async fn with_the_crd_engine_keda_applies_a_scaled_object_after_the_deployment_and_leaves_replicas_to_it() {
+    let mut h = keda_harness(Some(PROMETHEUS));
+    let so = ns_path("keda.sh/v1alpha1", "scaledobjects", "llama");
+    let mut wanted = autoscaled_paths();
+    wanted.push(so.clone());
+    let mut calls = vec![call("GET", KEDA_DISCOVERY, Reply::Json(200, keda_resources()))];
+    calls.extend(reads_applies_and_sweep(&wanted));
+    // Served: the sweep lists ScaledObjects after the other kinds; ours is wanted.
+    calls.push(call(
+        "GET",
+        list_path("keda.sh/v1alpha1", "scaledobjects"),
+        Reply::Json(
+            200,
+            object_list(vec![ours("keda.sh/v1alpha1", "ScaledObject", "llama")]),
+        ),
+    ));
+    calls.extend([apply_call(STATUS), call("POST", EVENTS, Reply::Echo)]);
+    let (result, seen) = run_pass(&mut h, guard(autoscaled_llama(1, "keda")), calls).await;
+    result.unwrap();
+    let applies: Vec<&Seen> = seen
+        .iter()
+        .filter(|s| s.method == "PATCH" && s.path != STATUS)
+        .collect();
+    let kinds: Vec<&str> = applies.iter().map(|s| s.body["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "ConfigMap",
+            "ServiceAccount",
+            "RoleBinding",
+            "Deployment",
+            "Service",
+            "ScaledObject"
+        ]
+    );
+    let dep = applies[3];
+    assert!(
+        dep.body["spec"].get("replicas").is_none(),
+        "KEDA's HPA owns the count: {}",
+        dep.body["spec"]
+    );
+    let applied = applies[5];
+    assert_applied(applied, "ScaledObject");
+    assert_eq!(applied.path, so);
+    let spec = &applied.body["spec"];
+    assert_eq!(spec["scaleTargetRef"]["name"], "llama");
+    assert_eq!(spec["scaleTargetRef"]["kind"], "Deployment");
+    assert_eq!(
+        (spec["minReplicaCount"].as_i64(), spec["maxReplicaCount"].as_i64()),
+        (Some(1), Some(4))
+    );
+    assert_eq!(spec["cooldownPeriod"], 60);
+    assert_eq!(
+        spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+            ["stabilizationWindowSeconds"],
+        60
+    );
+    let trigger = &spec["triggers"][0];
+    assert_eq!(trigger["type"], "prometheus");
+    assert_eq!(trigger["metadata"]["serverAddress"], PROMETHEUS);
+    assert_eq!(
+        trigger["metadata"]["query"],
+        r#"sum(kvfleet_kv_demand_tokens{namespace="ml",inferencedeployment="llama"}) / (0.8 * avg(kvfleet_kv_capacity_tokens{namespace="ml",inferencedeployment="llama"} > 0))"#
+    );
+    assert!(seen.iter().all(|s| s.method != "DELETE"));
+    assert!(h.ctx.scaled_object.load(std::sync::atomic::Ordering::Relaxed));
+}
+
+#[tokio::test]
+async fn switching_to_the_kvfleet_engine_or_dropping_autoscaling_deletes_our_scaled_object_and_never_another()
+{
+    for (what, obj) in [
+        ("engine kvfleet", autoscaled_llama(2, "kvfleet")),
+        ("no autoscaling", {
+            let mut o = autoscaled_llama(2, "kvfleet");
+            o.spec.autoscaling = None;
+            o
+        }),
+    ] {
+        let mut h = keda_harness(Some(PROMETHEUS));
+        // Discovery found the CRD earlier (a pass of engine keda, or the periodic look).
+        h.ctx
+            .scaled_object
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let foreign = labelled(
+            "keda.sh/v1alpha1",
+            "ScaledObject",
+            "llama-extra",
+            json!([{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "someone-else"}]),
+        );
+        let mut calls = reads_applies_and_sweep(&autoscaled_paths());
+        calls.push(call(
+            "GET",
+            list_path("keda.sh/v1alpha1", "scaledobjects"),
+            Reply::Json(
+                200,
+                object_list(vec![ours("keda.sh/v1alpha1", "ScaledObject", "llama"), foreign]),
+            ),
+        ));
+        calls.push(call("DELETE", so_path(), deleted()));
+        calls.extend([apply_call(STATUS), call("POST", EVENTS, Reply::Echo)]);
+        let (result, seen) = run_pass(&mut h, guard(obj), calls).await;
+        result.unwrap_or_else(|e| panic!("{what}: {e}"));
+        let deletes: Vec<&Seen> = seen.iter().filter(|s| s.method == "DELETE").collect();
+        assert_eq!(deletes.len(), 1, "{what}");
+        // Only the object the list returned: the uid precondition.
+        assert_eq!(
+            deletes[0].body["preconditions"]["uid"], "uid-ScaledObject-llama",
+            "{what}"
+        );
+        assert!(
+            seen.iter().all(|s| s.path != KEDA_DISCOVERY),
+            "{what}: discovery is asked only for engine keda"
+        );
+    }
+}
+
+fn so_path() -> String {
+    ns_path("keda.sh/v1alpha1", "scaledobjects", "llama")
 }

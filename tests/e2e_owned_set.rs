@@ -169,7 +169,7 @@ fn every_step_is_admitted_and_wants_what_the_e2e_expects() {
 
 /// Every kind the controller creates (monitors aside: no monitoring API here).
 fn managed_kinds() -> Vec<ApiResource> {
-    kvfleet::controller::owned::managed_kinds(None, false)
+    kvfleet::controller::owned::managed_kinds(None, Default::default())
 }
 
 /// Every object of a managed kind in NS labelled for NAME, with whether `uid` owns it.

@@ -141,63 +141,6 @@ fn pool_crd() -> Value {
     serde_yaml::from_str(&std::fs::read_to_string(&path).expect(POOL_CRD_FILE)).expect("YAML")
 }
 
-/// Checks `v` against an OpenAPI v3 schema of a CRD: every field is a property of its object
-/// (or of `additionalProperties`), of the schema's type and enum, within its bounds, and every
-/// required field is present. Returns the problems found.
-fn schema_problems(v: &Value, schema: &Value, at: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let ty = schema["type"].as_str().unwrap_or("");
-    let type_ok = match ty {
-        "object" => v.is_object(),
-        "array" => v.is_array(),
-        "string" => v.is_string(),
-        "integer" => v.is_i64(),
-        "boolean" => v.is_boolean(),
-        _ => true,
-    };
-    if !type_ok {
-        return vec![format!("{at}: {v} is not of type {ty}")];
-    }
-    if let Some(allowed) = schema["enum"].as_array() {
-        if !allowed.contains(v) {
-            out.push(format!("{at}: {v} is not one of {allowed:?}"));
-        }
-    }
-    if let (Some(n), Some(min)) = (v.as_i64(), schema["minimum"].as_f64()) {
-        if (n as f64) < min {
-            out.push(format!("{at}: {n} below {min}"));
-        }
-    }
-    if let (Some(n), Some(max)) = (v.as_i64(), schema["maximum"].as_f64()) {
-        if (n as f64) > max {
-            out.push(format!("{at}: {n} above {max}"));
-        }
-    }
-    if let Some(obj) = v.as_object() {
-        for req in schema["required"].as_array().into_iter().flatten() {
-            if !obj.contains_key(req.as_str().unwrap_or_default()) {
-                out.push(format!("{at}: required {req} missing"));
-            }
-        }
-        for (k, child) in obj {
-            let sub = schema["properties"]
-                .get(k)
-                .or_else(|| schema.get("additionalProperties"));
-            match sub {
-                Some(sub) => out.extend(schema_problems(child, sub, &format!("{at}.{k}"))),
-                None if schema.get("x-kubernetes-preserve-unknown-fields").is_some() => {}
-                None => out.push(format!("{at}.{k}: not in the schema")),
-            }
-        }
-    }
-    if let Some(items) = v.as_array() {
-        for (i, item) in items.iter().enumerate() {
-            out.extend(schema_problems(item, &schema["items"], &format!("{at}[{i}]")));
-        }
-    }
-    out
-}
-
 #[test]
 fn the_rendered_inference_pool_fits_the_vendored_v1_schema() {
     use kvfleet::api::inference_pool;
@@ -241,13 +184,13 @@ fn the_rendered_inference_pool_fits_the_vendored_v1_schema() {
             pool["apiVersion"],
             format!("{}/{}", inference_pool::GROUP, inference_pool::VERSION)
         );
-        let problems = schema_problems(&pool["spec"], schema, "spec");
+        let problems = e2e_support::schema_problems(&pool["spec"], schema, "spec");
         assert!(problems.is_empty(), "{problems:#?}\n{pool:#}");
     }
     // The checker does catch what the schema forbids.
     let bad = json!({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 0}],
                      "endpointPickerRef": {"name": "e", "failureMode": "Sometimes", "extra": 1}});
-    assert_eq!(schema_problems(&bad, schema, "spec").len(), 3);
+    assert_eq!(e2e_support::schema_problems(&bad, schema, "spec").len(), 3);
 }
 
 // === the cluster ===
@@ -257,7 +200,13 @@ async fn labelled(client: &Client, uid: &str) -> Result<BTreeSet<(String, bool)>
     e2e_support::labelled(
         client,
         NS,
-        &kvfleet::controller::owned::managed_kinds(None, true),
+        &kvfleet::controller::owned::managed_kinds(
+            None,
+            kvfleet::controller::owned::Served {
+                inference_pool: true,
+                ..Default::default()
+            },
+        ),
         SELECTOR,
         uid,
     )
@@ -577,7 +526,13 @@ async fn e2e_routing_switches_kvfleet_inference_pool_service_and_leaves_nothing_
             Err(format!("{left:?}"))
         }
     });
-    let kinds: Vec<ApiResource> = kvfleet::controller::owned::managed_kinds(None, true);
+    let kinds: Vec<ApiResource> = kvfleet::controller::owned::managed_kinds(
+        None,
+        kvfleet::controller::owned::Served {
+            inference_pool: true,
+            ..Default::default()
+        },
+    );
     eprintln!(
         "deleted: none of {} kinds holds an object labelled for {NAME}",
         kinds.len()

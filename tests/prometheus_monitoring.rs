@@ -298,6 +298,8 @@ fn is_worker_metric(name: &str) -> bool {
         || [
             "kvfleet_kv_cache_capacity_tokens",
             "kvfleet_kv_cache_predicted_capacity_tokens",
+            "kvfleet_kv_demand_tokens",
+            "kvfleet_kv_capacity_tokens",
             "kvfleet_kv_cache_blocks",
             "kvfleet_kv_cache_usage_ratio",
             "kvfleet_kv_cache_max_concurrency",
@@ -714,4 +716,62 @@ fn the_deployment_dashboard_shows_the_prefix_cache_hit_rate() {
     let (hits, queries) = expr.split_once(" / ").expect("a ratio");
     assert!(hits.contains("hits") && queries.contains("queries"), "{expr}");
     assert_eq!(panel["fieldConfig"]["defaults"]["unit"], "percentunit");
+}
+
+/// Issue 31: the fleet dashboard's Autoscaling row shows demand, capacity and replicas over
+/// time per InferenceDeployment, from the workers' gauges and the autoscaler's series.
+#[test]
+fn the_fleet_dashboard_has_an_autoscaling_row_with_demand_capacity_and_replicas_per_deployment() {
+    let (_, dashboard) = dashboards()
+        .into_iter()
+        .find(|(f, _)| f == "kvfleet-fleet.json")
+        .expect("fleet dashboard");
+    let top = dashboard["panels"].as_array().expect("panels");
+    let row = top
+        .iter()
+        .position(|p| p["type"] == "row" && p["title"] == "Autoscaling")
+        .expect("a row Autoscaling");
+    let under: Vec<&Value> = top[row + 1..].iter().take_while(|p| p["type"] != "row").collect();
+    let read: BTreeSet<String> = under
+        .iter()
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .flat_map(|t| metric_names(t["expr"].as_str().expect("expr")))
+        .collect();
+    for metric in [
+        "kvfleet_kv_demand_tokens",
+        "kvfleet_kv_capacity_tokens",
+        "kvfleet_autoscaling_replicas",
+        "kvfleet_autoscaling_tokens",
+    ] {
+        assert!(
+            read.contains(metric),
+            "the Autoscaling row does not read {metric}: {read:?}"
+        );
+    }
+    for p in &under {
+        assert_eq!(p["type"], "timeseries", "{}: over time", p["title"]);
+        for t in p["targets"].as_array().expect("targets") {
+            let expr = t["expr"].as_str().expect("expr");
+            assert!(
+                expr.contains("by (namespace, inferencedeployment"),
+                "{}: not per InferenceDeployment: {expr}",
+                p["title"]
+            );
+        }
+    }
+    let replicas = under
+        .iter()
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .find(|t| {
+            t["expr"]
+                .as_str()
+                .is_some_and(|e| e.contains("kvfleet_autoscaling_replicas"))
+        })
+        .expect("a replicas query");
+    assert!(
+        replicas["legendFormat"]
+            .as_str()
+            .is_some_and(|l| l.contains("{{kind}}")),
+        "desired, max, ... told apart: {replicas}"
+    );
 }

@@ -1664,3 +1664,37 @@ fn an_inference_pool_is_denied_naming_the_crd_while_discovery_says_it_is_not_ser
     cache.set_inference_pool_served(true);
     assert!(allowed(&cache).0);
 }
+
+/// Issue 31: `autoscaling.engine: keda` is denied naming KEDA's CRD while discovery says
+/// scaledobjects.keda.sh is not served, admitted once it is.
+#[test]
+fn keda_autoscaling_is_denied_naming_the_crd_while_discovery_says_it_is_not_served() {
+    let mut v: Value = serde_json::from_slice(&fixture("create-nvfp4-vllm.json")).unwrap();
+    let spec = &mut v["request"]["object"]["spec"];
+    spec["engine"] = serde_json::json!({"runtime": "kvfleet", "maxModelLen": 8192});
+    spec["autoscaling"] = serde_json::json!({"engine": "keda", "minReplicas": 1, "maxReplicas": 4});
+    let body = serde_json::to_vec(&v).unwrap();
+    let (cache, _writer) = synced_cache(vec![gpu_node("h100-0", "NVIDIA-H100-80GB-HBM3", 9, 0, 8)]);
+    let allowed = |cache: &kvfleet::webhook::cache::NodeCache| {
+        let json = assert_well_formed(&review(&body, &cache.facts()), Some(&uid_of(&body)));
+        (json["response"]["allowed"] == true, json)
+    };
+    assert_eq!(cache.scaled_object_served(), None);
+    let (ok, json) = allowed(&cache);
+    assert!(ok, "not known: not judged: {json}");
+    cache.set_scaled_object_served(false);
+    let (ok, json) = allowed(&cache);
+    assert!(!ok, "{json}");
+    let cause = &json["response"]["status"]["details"]["causes"][0];
+    assert_eq!(cause["field"], "spec.autoscaling.engine");
+    assert_eq!(cause["reason"], "KedaScaledObjectCrdMissing");
+    let message = json["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("scaledobjects.keda.sh") && message.contains("keda.sh/v1alpha1"),
+        "{message}"
+    );
+    // The InferencePool's flag is another one.
+    cache.set_inference_pool_served(false);
+    cache.set_scaled_object_served(true);
+    assert!(allowed(&cache).0);
+}

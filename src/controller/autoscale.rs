@@ -41,6 +41,9 @@ use crate::api::{
     ScalingPolicyType, ScalingRules, SelectPolicy,
 };
 
+/// The `kind` label values of `kvfleet_autoscaling_replicas`.
+const REPLICA_KINDS: [&str; 5] = ["desired", "recommended", "observed", "min", "max"];
+
 /// Field manager of the autoscaler's writes (the Deployment's scale, `status.autoscaling`).
 pub const FIELD_MANAGER: &str = "kvfleet-autoscaler";
 /// How long one pod may take to answer a reading.
@@ -210,7 +213,7 @@ async fn step(
             old.last_scale_time.clone()
         },
     };
-    record(ctx, &ns, &name, &new);
+    record(ctx, &ns, &name, &new, a);
     // Status first: a reconcile woken by it leaves the count to us from then on.
     if new != old {
         write_status(ctx, &ns, &name, &new).await?;
@@ -389,12 +392,16 @@ async fn publish(ctx: &Context, obj: &InferenceDeployment, d: &Decision, from: u
     ctx.publish(&obj.object_ref(&()), &n).await;
 }
 
-fn record(ctx: &Context, ns: &str, name: &str, st: &AutoscalingStatus) {
+/// The bounds go out too (kind `min`, `max`), so that a rule can tell a fleet held at
+/// maxReplicas (KvfleetDemandAboveCapacityAtMaxReplicas).
+fn record(ctx: &Context, ns: &str, name: &str, st: &AutoscalingStatus, a: &AutoscalingSpec) {
     let m = &ctx.metrics;
     for (kind, v) in [
         ("desired", st.desired_replicas),
         ("recommended", st.recommended_replicas),
         ("observed", st.observed_replicas),
+        ("min", Some(a.min_replicas)),
+        ("max", Some(a.max_replicas)),
     ] {
         m.autoscaling_replicas
             .with_label_values(&[ns, name, kind])
@@ -428,7 +435,7 @@ fn forget_series(ctx: &Context, keep: &[String]) {
     }
     gone.dedup();
     for (ns, name) in gone {
-        for kind in ["desired", "recommended", "observed"] {
+        for kind in REPLICA_KINDS {
             let _ = m.autoscaling_replicas.remove_label_values(&[&ns, &name, kind]);
         }
         for kind in ["demand", "capacity"] {

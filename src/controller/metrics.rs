@@ -69,7 +69,7 @@ impl Metrics {
         let autoscaling_replicas = IntGaugeVec::new(
             Opts::new(
                 "kvfleet_autoscaling_replicas",
-                "Replicas as the KV-demand autoscaler sees them: desired (what it set), recommended (before stabilization and step limits), observed (workers whose gauges it read)",
+                "Replicas as the KV-demand autoscaler sees them: desired (what it set), recommended (before stabilization and step limits), observed (workers whose gauges it read), min and max (spec.autoscaling bounds)",
             ),
             &["namespace", "inferencedeployment", "kind"],
         )?;

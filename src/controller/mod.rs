@@ -31,6 +31,7 @@ use crate::validate::NodeFacts;
 
 pub mod autoscale;
 pub mod desired;
+mod discovery;
 mod error;
 pub mod leader;
 pub mod metrics;
@@ -79,6 +80,21 @@ pub struct ControllerArgs {
     /// sync period is 15 s).
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=600))]
     pub autoscale_interval_seconds: u64,
+    /// Prometheus (base URL) that the KEDA ScaledObjects of `autoscaling.engine: keda` query,
+    /// e.g. http://prometheus-operated.monitoring.svc:9090 (the chart's
+    /// `autoscaling.keda.prometheusAddress`). Unset: such specs are denied with a condition.
+    #[arg(long, env = "KVFLEET_KEDA_PROMETHEUS_ADDRESS", value_parser = parse_prometheus_address)]
+    pub keda_prometheus_address: Option<String>,
+}
+
+fn parse_prometheus_address(s: &str) -> Result<String, String> {
+    let s = s.trim().trim_end_matches('/');
+    match s.parse::<http::Uri>() {
+        Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() => Ok(s.to_string()),
+        _ => Err(format!(
+            "{s:?} is not an http(s) URL; give Prometheus' base URL, e.g. http://prometheus-operated.monitoring.svc:9090"
+        )),
+    }
 }
 
 /// A list of NetworkPolicy peers given on the command line.
@@ -186,6 +202,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
             s.vllm_image = i;
         }
         s.worker_metrics_from = args.worker_metrics_from.0.clone();
+        s.keda_prometheus_address = args.keda_prometheus_address.clone();
         s
     };
     let ctx = Arc::new(Context::new(
@@ -197,6 +214,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), Error> {
     ));
     *ctx.monitor.write().unwrap_or_else(|p| p.into_inner()) = discover_monitor(&client).await;
     discover_inference_pool(&ctx).await;
+    discover_scaled_object(&ctx).await;
     tokio::spawn(refresh_monitor(ctx.clone(), stop_rx.clone()));
 
     let owned =
@@ -393,6 +411,20 @@ async fn refresh_monitor(ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
             }
         }
         discover_inference_pool(&ctx).await;
+        discover_scaled_object(&ctx).await;
+    }
+}
+
+/// Whether the API server serves KEDA's ScaledObjects, into the context (the sweep lists them
+/// only then); a failed discovery keeps what was known.
+async fn discover_scaled_object(ctx: &Context) {
+    match reconcile::scaled_object_served(&ctx.client).await {
+        Ok(served) => {
+            if ctx.scaled_object.swap(served, Ordering::Relaxed) != served {
+                tracing::info!(served, "KEDA ScaledObject API (keda.sh/v1alpha1) changed");
+            }
+        }
+        Err(error) => tracing::debug!(error = %crate::error_chain(&error), "ScaledObject discovery failed"),
     }
 }
 

@@ -107,6 +107,7 @@ impl OwnedSet {
             network_policy,
             router,
             inference_pool,
+            scaled_object,
         } = want;
         let mut set = OwnedSet::new(obj)?;
         if let Some(o) = config_map {
@@ -149,6 +150,10 @@ impl OwnedSet {
         }
         if let Some(o) = inference_pool {
             set.add_dynamic(desired::inference_pool_resource(), o.clone());
+        }
+        // After the Deployment it scales.
+        if let Some(o) = scaled_object {
+            set.add_dynamic(desired::scaled_object_resource(), o.clone());
         }
         if let (Some(o), Some(kind)) = (monitor_object, monitor) {
             set.add_dynamic(kind.resource.clone(), o.clone());
@@ -290,11 +295,30 @@ impl OwnedSet {
     }
 }
 
+/// The optional CRDs the API server serves, as discovery last found them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Served {
+    /// InferencePools (inference.networking.k8s.io/v1).
+    pub inference_pool: bool,
+    /// KEDA's ScaledObjects (keda.sh/v1alpha1).
+    pub scaled_object: bool,
+}
+
+impl Served {
+    /// Every optional CRD served.
+    pub fn all() -> Self {
+        Served {
+            inference_pool: true,
+            scaled_object: true,
+        }
+    }
+}
+
 /// Every kind the controller creates, in the order the orphan sweep lists them. The monitors
-/// only where discovery found the monitoring API, and InferencePools only where the API
-/// server serves them (`inference_pool`): otherwise the set holds none even where ours might
-/// exist (discovery failed for a moment), and the sweep would delete them.
-pub fn managed_kinds(monitor: Option<&MonitorKind>, inference_pool: bool) -> Vec<ApiResource> {
+/// only where discovery found the monitoring API, and InferencePools and ScaledObjects only
+/// where the API server serves them (`served`): otherwise the set holds none even where ours
+/// might exist (discovery failed for a moment), and the sweep would delete them.
+pub fn managed_kinds(monitor: Option<&MonitorKind>, served: Served) -> Vec<ApiResource> {
     let mut kinds = vec![
         ApiResource::erase::<ConfigMap>(&()),
         ApiResource::erase::<ServiceAccount>(&()),
@@ -306,8 +330,11 @@ pub fn managed_kinds(monitor: Option<&MonitorKind>, inference_pool: bool) -> Vec
         ApiResource::erase::<Service>(&()),
         ApiResource::erase::<PodDisruptionBudget>(&()),
     ];
-    if inference_pool {
+    if served.inference_pool {
         kinds.push(desired::inference_pool_resource());
+    }
+    if served.scaled_object {
+        kinds.push(desired::scaled_object_resource());
     }
     if let Some(m) = monitor {
         for (kind, plural) in [
@@ -521,6 +548,57 @@ mod tests {
         (obj, d)
     }
 
+    /// The kvfleet spec of [`everything`] scaled by KEDA.
+    fn keda_scaled() -> (InferenceDeployment, Desired) {
+        let (mut obj, _) = everything();
+        obj.spec.autoscaling = Some(
+            serde_json::from_value(json!({"engine": "keda", "minReplicas": 1, "maxReplicas": 4})).unwrap(),
+        );
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let settings = Settings {
+            keda_prometheus_address: Some("http://prometheus:9090".into()),
+            ..Settings::default()
+        };
+        let d = desired(&obj, &v, &settings, Some(&service_monitor())).unwrap();
+        (obj, d)
+    }
+
+    #[test]
+    fn a_keda_set_applies_the_scaled_object_after_the_deployment_it_scales() {
+        let (obj, d) = keda_scaled();
+        let set = OwnedSet::of(&obj, &d, Some(&service_monitor())).unwrap();
+        let k = kinds(&set);
+        let at = |kind: &str| {
+            k.iter()
+                .position(|x| x == kind)
+                .unwrap_or_else(|| panic!("{kind} in {k:?}"))
+        };
+        assert!(at("Deployment") < at("ScaledObject"), "{k:?}");
+        assert!(set.contains(&desired::scaled_object_resource(), "llama"));
+        let (obj, d) = everything();
+        let set = OwnedSet::of(&obj, &d, Some(&service_monitor())).unwrap();
+        assert!(!set.contains(&desired::scaled_object_resource(), "llama"));
+    }
+
+    #[test]
+    fn scaled_objects_are_swept_only_where_the_api_server_serves_them() {
+        let kinds = |scaled_object| -> Vec<String> {
+            managed_kinds(
+                None,
+                Served {
+                    inference_pool: false,
+                    scaled_object,
+                },
+            )
+            .into_iter()
+            .map(|k| k.kind)
+            .collect()
+        };
+        assert!(!kinds(false).contains(&"ScaledObject".to_string()));
+        assert!(kinds(true).contains(&"ScaledObject".to_string()));
+        assert!(!kinds(true).contains(&"InferencePool".to_string()));
+    }
+
     #[test]
     fn a_routed_set_adds_the_routers_identity_first_and_its_workload_after_the_workers() {
         let (obj, d) = routed();
@@ -568,12 +646,14 @@ mod tests {
     #[test]
     fn every_kind_a_set_can_hold_is_one_the_sweep_lists() {
         let monitor = service_monitor();
-        let swept = managed_kinds(Some(&monitor), true);
+        let swept = managed_kinds(Some(&monitor), Served::all());
         let (a, da) = everything();
         let (b, db) = multi_node();
         let (c, dc) = routed();
         let (e, de) = pooled();
+        let (f, df) = keda_scaled();
         let sets = [
+            OwnedSet::of(&f, &df, Some(&monitor)).unwrap(),
             OwnedSet::of(&a, &da, Some(&monitor)).unwrap(),
             OwnedSet::of(&b, &db, None).unwrap(),
             OwnedSet::of(&c, &dc, Some(&monitor)).unwrap(),
@@ -599,14 +679,27 @@ mod tests {
     #[test]
     fn without_the_monitoring_api_discovered_no_monitor_is_swept() {
         // Discovery may fail for a moment while ours exist: the set would hold none of them.
-        let kinds: Vec<String> = managed_kinds(None, false).into_iter().map(|k| k.kind).collect();
+        let kinds: Vec<String> = managed_kinds(None, Served::default())
+            .into_iter()
+            .map(|k| k.kind)
+            .collect();
         assert!(!kinds.iter().any(|k| k.ends_with("Monitor")), "{kinds:?}");
     }
 
     #[test]
     fn inference_pools_are_swept_only_where_the_api_server_serves_them() {
-        let kinds =
-            |served| -> Vec<String> { managed_kinds(None, served).into_iter().map(|k| k.kind).collect() };
+        let kinds = |served| -> Vec<String> {
+            managed_kinds(
+                None,
+                Served {
+                    inference_pool: served,
+                    scaled_object: false,
+                },
+            )
+            .into_iter()
+            .map(|k| k.kind)
+            .collect()
+        };
         assert!(!kinds(false).contains(&"InferencePool".to_string()));
         assert!(kinds(true).contains(&"InferencePool".to_string()));
         assert!(

@@ -19,7 +19,7 @@ use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 
-use crate::api::{inference_pool, InferenceDeployment, InferenceDeploymentSpec, RoutingMode, Runtime};
+use crate::api::{AutoscalingEngine, InferenceDeployment, InferenceDeploymentSpec, RoutingMode, Runtime};
 use crate::contract::exit;
 use crate::validate::{ClusterFacts, NodeFacts, Verdict};
 
@@ -84,6 +84,8 @@ pub struct Context {
     /// minutes, and on each pass of a spec that routes through one): the sweep lists them
     /// only then.
     pub inference_pool: AtomicBool,
+    /// Whether the API server serves KEDA's ScaledObjects (the sweep lists them only then).
+    pub scaled_object: AtomicBool,
     pub settings: Settings,
     pub metrics: Metrics,
     pub validate: ValidateFn,
@@ -113,6 +115,7 @@ impl Context {
             nodes,
             monitor: RwLock::new(None),
             inference_pool: AtomicBool::new(false),
+            scaled_object: AtomicBool::new(false),
             settings,
             metrics,
             validate: crate::validate::validate,
@@ -358,10 +361,24 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
         ctx.inference_pool.store(served, Ordering::Relaxed);
         facts.inference_pool_served = Some(served);
     }
+    let keda = obj
+        .spec
+        .autoscaling
+        .as_ref()
+        .is_some_and(|a| a.engine == AutoscalingEngine::Keda);
+    if keda {
+        let served = scaled_object_served(&ctx.client).await?;
+        ctx.scaled_object.store(served, Ordering::Relaxed);
+        facts.scaled_object_served = Some(served);
+    }
     let mut verdict = (ctx.validate)(&obj.spec, &facts);
     // Replicas that span nodes run as a LeaderWorkerSet: without its CRD, deny with the fix.
     if verdict.allowed() && verdict.multi_node.is_some() && !leader_worker_set_installed(&ctx.client).await? {
         deny_without_leader_worker_set(&obj.spec, &mut verdict);
+    }
+    // KEDA's trigger needs the Prometheus to query, an operator-wide setting.
+    if keda && ctx.settings.keda_prometheus_address.is_none() {
+        verdict.denials.push(keda_prometheus_address_missing());
     }
 
     let (prediction, outcome) = if verdict.allowed() {
@@ -416,11 +433,11 @@ async fn reconcile_valid(obj: &InferenceDeployment, ctx: &Context) -> Result<Act
 
     Ok(if !foreign.is_empty() {
         Action::requeue(OWNERSHIP_RETRY)
-    } else if verdict
-        .denials
-        .iter()
-        .any(|d| d.reason == LEADER_WORKER_SET_MISSING || d.reason == crate::validate::INFERENCE_POOL_MISSING)
-    {
+    } else if verdict.denials.iter().any(|d| {
+        d.reason == LEADER_WORKER_SET_MISSING
+            || d.reason == crate::validate::INFERENCE_POOL_MISSING
+            || d.reason == crate::validate::SCALED_OBJECT_MISSING
+    }) {
         // Installing a CRD wakes no watch of ours: look again for it.
         Action::requeue(CRD_RETRY)
     } else if !verdict.allowed() {
@@ -572,12 +589,12 @@ async fn apply_owned(obj: &InferenceDeployment, verdict: &Verdict, ctx: &Context
         });
     }
     let applied = set.apply(&ctx.client).await?;
-    let inference_pool = ctx.inference_pool.load(Ordering::Relaxed);
-    set.delete_orphans(
-        &ctx.client,
-        &owned::managed_kinds(monitor.as_ref(), inference_pool),
-    )
-    .await?;
+    let served = owned::Served {
+        inference_pool: ctx.inference_pool.load(Ordering::Relaxed),
+        scaled_object: ctx.scaled_object.load(Ordering::Relaxed),
+    };
+    set.delete_orphans(&ctx.client, &owned::managed_kinds(monitor.as_ref(), served))
+        .await?;
     Ok(Outcome {
         workload: owned::workload(&applied)?,
         foreign: Vec::new(),
@@ -590,38 +607,10 @@ async fn apply_owned(obj: &InferenceDeployment, verdict: &Verdict, ctx: &Context
 /// CRD is not installed.
 pub const LEADER_WORKER_SET_MISSING: &str = "LeaderWorkerSetCrdMissing";
 
-/// Whether the API server serves leaderworkersets (leaderworkerset.x-k8s.io/v1), asked on
-/// each pass that needs it, so installing the CRD later lifts the denial on the next pass.
-pub async fn leader_worker_set_installed(client: &Client) -> Result<bool, Error> {
-    served(
-        client,
-        desired::LWS_GROUP,
-        desired::LWS_VERSION,
-        desired::LWS_PLURAL,
-    )
-    .await
-}
-
-/// Whether the API server serves inferencepools (inference.networking.k8s.io/v1).
-pub async fn inference_pool_served(client: &Client) -> Result<bool, Error> {
-    served(
-        client,
-        inference_pool::GROUP,
-        inference_pool::VERSION,
-        inference_pool::PLURAL,
-    )
-    .await
-}
-
-/// Whether discovery lists `plural` in `group/version` (a 404: the group version is not served).
-async fn served(client: &Client, group: &str, version: &str, plural: &str) -> Result<bool, Error> {
-    let gv = format!("{group}/{version}");
-    match client.list_api_group_resources(&gv).await {
-        Ok(list) => Ok(list.resources.iter().any(|r| r.name == plural)),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
-        Err(source) => Err(Error::kube(format!("discover {gv}"), source)),
-    }
-}
+pub use super::discovery::{
+    inference_pool_served, keda_prometheus_address_missing, leader_worker_set_installed,
+    scaled_object_served, KEDA_PROMETHEUS_ADDRESS_MISSING,
+};
 
 /// Turns an admitting multi-node verdict into a denial naming the CRD and how to install it.
 pub fn deny_without_leader_worker_set(spec: &InferenceDeploymentSpec, verdict: &mut Verdict) {

@@ -1,5 +1,6 @@
 //! The webhook's view of the cluster: a reflector store of Nodes fed by a watch, whether the
-//! API server serves InferencePools (asked by discovery every [`API_PROBE_INTERVAL`]), and
+//! API server serves InferencePools and KEDA ScaledObjects (asked by discovery every
+//! [`API_PROBE_INTERVAL`]), and
 //! the [`ClusterFacts`] derived from both. No API call happens on the request path: a request
 //! reads an `Arc` snapshot that is rebuilt only after a node's GPU facts or a served API
 //! changed.
@@ -22,8 +23,9 @@ use crate::validate::{ClusterFacts, NodeFacts};
 pub const STALE_AFTER: Duration = Duration::from_secs(90);
 /// How often the API server is asked for one node, so a quiet watch is told from a dead one.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(30);
-/// How often discovery is asked whether InferencePools are served: an InferenceDeployment of
-/// `routing.mode: inferencePool` is admitted at most this long after the CRD is installed.
+/// How often discovery is asked whether InferencePools and ScaledObjects are served: an
+/// InferenceDeployment of `routing.mode: inferencePool` or `autoscaling.engine: keda` is
+/// admitted at most this long after the CRD is installed.
 pub const API_PROBE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Read side of the node cache, shared by the request handlers.
@@ -39,7 +41,12 @@ pub struct NodeCache {
     stale_after: Duration,
     /// InferencePools served: 0 not known yet, 1 no, 2 yes.
     inference_pool: AtomicU8,
+    /// KEDA ScaledObjects served, as [`NodeCache::inference_pool`].
+    scaled_object: AtomicU8,
 }
+
+/// Records whether one API is served (a setter of [`NodeCache`]).
+type SetServed = fn(&NodeCache, bool);
 
 /// Write side: applies watch events to the store and tells readers what changed.
 pub struct NodeCacheWriter {
@@ -64,6 +71,7 @@ pub fn node_cache_stale_after(stale_after: Duration) -> (Arc<NodeCache>, NodeCac
         epoch: Instant::now(),
         stale_after,
         inference_pool: AtomicU8::new(0),
+        scaled_object: AtomicU8::new(0),
     });
     (cache.clone(), NodeCacheWriter { writer, cache })
 }
@@ -109,36 +117,70 @@ impl NodeCache {
 
     /// Records whether the API server serves InferencePools; a change rebuilds the facts.
     pub fn set_inference_pool_served(&self, served: bool) {
-        let v = if served { 2 } else { 1 };
-        if self.inference_pool.swap(v, Ordering::AcqRel) != v {
-            self.generation.fetch_add(1, Ordering::AcqRel);
-        }
+        self.set_served(&self.inference_pool, served);
     }
 
     /// Whether the API server serves InferencePools; `None` until discovery first answered.
     pub fn inference_pool_served(&self) -> Option<bool> {
-        match self.inference_pool.load(Ordering::Acquire) {
+        Self::served(&self.inference_pool)
+    }
+
+    /// Records whether the API server serves KEDA ScaledObjects; a change rebuilds the facts.
+    pub fn set_scaled_object_served(&self, served: bool) {
+        self.set_served(&self.scaled_object, served);
+    }
+
+    /// Whether the API server serves KEDA ScaledObjects; `None` until discovery first answered.
+    pub fn scaled_object_served(&self) -> Option<bool> {
+        Self::served(&self.scaled_object)
+    }
+
+    fn set_served(&self, flag: &AtomicU8, served: bool) {
+        let v = if served { 2 } else { 1 };
+        if flag.swap(v, Ordering::AcqRel) != v {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    fn served(flag: &AtomicU8) -> Option<bool> {
+        match flag.load(Ordering::Acquire) {
             0 => None,
             v => Some(v == 2),
         }
     }
 
     /// Asks discovery every `interval`, for ever, whether InferencePools
-    /// (inference.networking.k8s.io/v1) are served. A failed answer keeps what was known.
+    /// (inference.networking.k8s.io/v1) and ScaledObjects (keda.sh/v1alpha1) are served. A
+    /// failed answer keeps what was known.
     pub async fn probe_apis(self: Arc<Self>, client: kube::Client, interval: Duration) {
-        use crate::api::inference_pool;
-        let gv = format!("{}/{}", inference_pool::GROUP, inference_pool::VERSION);
+        use crate::api::{inference_pool, scaled_object};
+        let apis: [(String, &str, SetServed); 2] = [
+            (
+                format!("{}/{}", inference_pool::GROUP, inference_pool::VERSION),
+                inference_pool::PLURAL,
+                Self::set_inference_pool_served,
+            ),
+            (
+                format!("{}/{}", scaled_object::GROUP, scaled_object::VERSION),
+                scaled_object::PLURAL,
+                Self::set_scaled_object_served,
+            ),
+        ];
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            match tokio::time::timeout(interval, client.list_api_group_resources(&gv)).await {
-                Ok(Ok(list)) => self.set_inference_pool_served(
-                    list.resources.iter().any(|r| r.name == inference_pool::PLURAL),
-                ),
-                Ok(Err(kube::Error::Api(s))) if s.code == 404 => self.set_inference_pool_served(false),
-                Ok(Err(error)) => tracing::warn!(%error, "discovery of {gv} failed; keeping what was known"),
-                Err(_) => tracing::warn!(timeout_s = interval.as_secs_f64(), "discovery of {gv} timed out"),
+            for (gv, plural, set) in &apis {
+                match tokio::time::timeout(interval, client.list_api_group_resources(gv)).await {
+                    Ok(Ok(list)) => set(&self, list.resources.iter().any(|r| r.name == *plural)),
+                    Ok(Err(kube::Error::Api(s))) if s.code == 404 => set(&self, false),
+                    Ok(Err(error)) => {
+                        tracing::warn!(%error, "discovery of {gv} failed; keeping what was known")
+                    }
+                    Err(_) => {
+                        tracing::warn!(timeout_s = interval.as_secs_f64(), "discovery of {gv} timed out")
+                    }
+                }
             }
         }
     }
@@ -171,6 +213,7 @@ impl NodeCache {
             let facts = ClusterFacts {
                 nodes,
                 inference_pool_served: self.inference_pool_served(),
+                scaled_object_served: self.scaled_object_served(),
             };
             *snapshot = (generation, Arc::new(facts));
         }

@@ -591,3 +591,62 @@ impl Drop for ControllerIdentity {
         ]);
     }
 }
+
+// === CRD schemas ===
+
+/// Checks `v` against an OpenAPI v3 schema of a CRD: every field is a property of its object
+/// (or of `additionalProperties`), of the schema's type and enum, within its bounds, and every
+/// required field is present. Returns the problems found.
+pub fn schema_problems(v: &serde_json::Value, schema: &serde_json::Value, at: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let ty = schema["type"].as_str().unwrap_or("");
+    let type_ok = match ty {
+        "object" => v.is_object(),
+        "array" => v.is_array(),
+        "string" => v.is_string(),
+        "integer" => v.is_i64(),
+        "boolean" => v.is_boolean(),
+        _ => true,
+    };
+    if !type_ok {
+        return vec![format!("{at}: {v} is not of type {ty}")];
+    }
+    if let Some(allowed) = schema["enum"].as_array() {
+        if !allowed.contains(v) {
+            out.push(format!("{at}: {v} is not one of {allowed:?}"));
+        }
+    }
+    if let (Some(n), Some(min)) = (v.as_i64(), schema["minimum"].as_f64()) {
+        if (n as f64) < min {
+            out.push(format!("{at}: {n} below {min}"));
+        }
+    }
+    if let (Some(n), Some(max)) = (v.as_i64(), schema["maximum"].as_f64()) {
+        if (n as f64) > max {
+            out.push(format!("{at}: {n} above {max}"));
+        }
+    }
+    if let Some(obj) = v.as_object() {
+        for req in schema["required"].as_array().into_iter().flatten() {
+            if !obj.contains_key(req.as_str().unwrap_or_default()) {
+                out.push(format!("{at}: required {req} missing"));
+            }
+        }
+        for (k, child) in obj {
+            let sub = schema["properties"]
+                .get(k)
+                .or_else(|| schema.get("additionalProperties"));
+            match sub {
+                Some(sub) => out.extend(schema_problems(child, sub, &format!("{at}.{k}"))),
+                None if schema.get("x-kubernetes-preserve-unknown-fields").is_some() => {}
+                None => out.push(format!("{at}.{k}: not in the schema")),
+            }
+        }
+    }
+    if let Some(items) = v.as_array() {
+        for (i, item) in items.iter().enumerate() {
+            out.extend(schema_problems(item, &schema["items"], &format!("{at}[{i}]")));
+        }
+    }
+    out
+}

@@ -21,6 +21,7 @@
 //! | NetworkPolicy                    | `network_policy.rs`        |
 //! | the kvfleet router (routing)     | `router.rs`                |
 //! | InferencePool (routing)          | `inference_pool.rs`        |
+//! | KEDA ScaledObject (autoscaling)  | `scaled_object.rs`         |
 
 use std::collections::BTreeMap;
 
@@ -49,6 +50,7 @@ mod pod;
 mod pod_disruption_budget;
 mod rbac;
 mod router;
+mod scaled_object;
 mod service;
 mod vllm;
 mod worker;
@@ -69,6 +71,7 @@ pub use network_policy::worker_network_policy;
 pub use pod::{PRE_STOP_SECONDS, RUN_AS_USER, TERMINATION_GRACE_SECONDS};
 pub use rbac::WORKER_CLUSTER_ROLE;
 pub use router::{routed_spec, router_args, router_selector_labels, Router, ROUTER_CONTAINER, ROUTER_LABEL};
+pub use scaled_object::{demand_query, scaled_object_resource, TRIGGER_NAME};
 pub use vllm::{rendered_vllm_version, vllm_args, vllm_args_at, vllm_env, vllm_image, HF_CACHE_DIR};
 pub use worker::{worker_args, worker_config, worker_config_yaml, worker_model_source};
 
@@ -84,6 +87,9 @@ pub struct Settings {
     /// Peers that scrape `/metrics` (the chart's `networkPolicy.metricsFrom`): admitted by every
     /// worker NetworkPolicy besides the spec's `network.allowFrom`. Empty: none besides those.
     pub worker_metrics_from: Vec<NetworkPolicyPeer>,
+    /// Prometheus that KEDA's trigger queries for `autoscaling.engine: keda` (the chart's
+    /// `autoscaling.keda.prometheusAddress`). `None`: such a spec is denied by the controller.
+    pub keda_prometheus_address: Option<String>,
 }
 
 impl Default for Settings {
@@ -94,6 +100,7 @@ impl Default for Settings {
             // A release whose every flag kvfleet renders exists (compat/vllm_versions.rs).
             vllm_image: crate::compat::vllm_versions::default_image(),
             worker_metrics_from: Vec::new(),
+            keda_prometheus_address: None,
         }
     }
 }
@@ -132,6 +139,9 @@ pub struct Desired {
     /// Routing mode inferencePool: the InferencePool `<name>` (the controller applies it only
     /// where the API server serves InferencePools; elsewhere the spec is denied).
     pub inference_pool: Option<DynamicObject>,
+    /// `autoscaling.engine: keda`: the KEDA ScaledObject `<name>` on the workers' Deployment
+    /// (applied only where the API server serves ScaledObjects; elsewhere the spec is denied).
+    pub scaled_object: Option<DynamicObject>,
 }
 
 /// The object lacks metadata the owned objects need.
@@ -350,6 +360,17 @@ pub fn desired(
         )),
         _ => None,
     };
+    let scaled_object = match (
+        spec.autoscaling.as_ref(),
+        settings.keda_prometheus_address.as_deref(),
+    ) {
+        (Some(a), Some(prometheus))
+            if a.engine == crate::api::AutoscalingEngine::Keda && deployment.is_some() =>
+        {
+            Some(scaled_object::scaled_object(&owner, a, prometheus))
+        }
+        _ => None,
+    };
 
     Ok(Desired {
         config_map,
@@ -374,6 +395,7 @@ pub fn desired(
         }),
         router,
         inference_pool,
+        scaled_object,
     })
 }
 

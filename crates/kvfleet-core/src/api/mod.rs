@@ -266,6 +266,18 @@ pub mod inference_pool {
     pub const RELEASE: &str = "v1.6.0";
 }
 
+/// KEDA's ScaledObject (crds/vendor/keda), rendered for `spec.autoscaling.engine: keda`.
+pub mod scaled_object {
+    pub const GROUP: &str = "keda.sh";
+    pub const VERSION: &str = "v1alpha1";
+    pub const KIND: &str = "ScaledObject";
+    pub const PLURAL: &str = "scaledobjects";
+    /// Name of its CustomResourceDefinition.
+    pub const CRD: &str = "scaledobjects.keda.sh";
+    /// The KEDA release whose CRD is vendored (crds/vendor/keda).
+    pub const RELEASE: &str = "v2.20.2";
+}
+
 /// Ingress to the replicas' serving port (8000: the OpenAI API, probes and `/metrics`).
 /// Takes effect where the cluster's network plugin enforces NetworkPolicy.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -434,9 +434,8 @@ fn invalid_policies_are_refused_with_what_to_change() {
         PolicyError::MaxBelowMin { min: 5, max: 4 }
     );
     assert_eq!(bad(|p| p.target_demand_ratio = 1.5), PolicyError::Target(1.5));
-    assert!(bad(|p| p.target_demand_ratio = f64::NAN)
-        .to_string()
-        .contains("(0, 1]"));
+    let nan = bad(|p| p.target_demand_ratio = f64::NAN).to_string();
+    assert!(nan.contains("(0, 1]"), "{nan}");
     assert_eq!(bad(|p| p.tolerance = 1.0), PolicyError::Tolerance(1.0));
     assert_eq!(
         bad(|p| p.scale_down.steps[0].period_seconds = 0),

@@ -1,8 +1,10 @@
 //! `spec.autoscaling`: what scaling on KV demand needs of the spec.
 
-use super::{denial, Denial, Verdict};
+use super::{denial, ClusterFacts, Denial, Verdict};
 use crate::api::limits::{REPLICAS_MAX, STABILIZATION_WINDOW_MAX};
-use crate::api::{AutoscalingEngine, InferenceDeploymentSpec, RoutingMode, Runtime, ScalingRules};
+use crate::api::{
+    scaled_object, AutoscalingEngine, InferenceDeploymentSpec, RoutingMode, Runtime, ScalingRules,
+};
 
 /// Reason of `minReplicas: 0` without a kvfleet router to hold requests.
 pub const SCALE_TO_ZERO_NEEDS_ROUTER: &str = "ScaleToZeroNeedsRouter";
@@ -10,12 +12,41 @@ pub const SCALE_TO_ZERO_NEEDS_ROUTER: &str = "ScaleToZeroNeedsRouter";
 pub const AUTOSCALING_NEEDS_KVFLEET_RUNTIME: &str = "AutoscalingNeedsKvfleetRuntime";
 /// Reason of autoscaling bounds that cannot hold together.
 pub const INVALID_AUTOSCALING: &str = "InvalidAutoscaling";
+/// Reason of `engine: keda` where the API server serves no ScaledObject.
+pub const SCALED_OBJECT_MISSING: &str = "KedaScaledObjectCrdMissing";
 
 /// Adds the autoscaling denials to `verdict` (a denied verdict keeps what it resolved: these
 /// problems are about scaling, not about whether a replica runs).
-pub(super) fn autoscaling_checks(spec: &InferenceDeploymentSpec, mut verdict: Verdict) -> Verdict {
+pub(super) fn autoscaling_checks(
+    spec: &InferenceDeploymentSpec,
+    facts: &ClusterFacts,
+    mut verdict: Verdict,
+) -> Verdict {
     verdict.denials.extend(denials(spec));
+    let keda = spec
+        .autoscaling
+        .as_ref()
+        .is_some_and(|a| a.engine == AutoscalingEngine::Keda);
+    if keda && facts.scaled_object_served == Some(false) {
+        verdict.denials.push(scaled_object_missing());
+    }
     verdict
+}
+
+/// The denial of `engine: keda` on an API server that serves no ScaledObject.
+pub fn scaled_object_missing() -> Denial {
+    denial(
+        "spec.autoscaling.engine",
+        SCALED_OBJECT_MISSING,
+        format!(
+            "autoscaling engine keda renders a KEDA {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the CRD {crd} is not installed; install KEDA (helm install keda kedacore/keda --namespace keda --create-namespace, {release} or later), or set spec.autoscaling.engine to kvfleet (the controller scales on the same gauges itself, no KEDA or Prometheus needed)",
+            kind = scaled_object::KIND,
+            group = scaled_object::GROUP,
+            version = scaled_object::VERSION,
+            crd = scaled_object::CRD,
+            release = scaled_object::RELEASE,
+        ),
+    )
 }
 
 fn denials(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
@@ -187,5 +218,29 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
         assert_eq!((a.min_replicas, a.max_replicas), (1, 3));
         assert_eq!(a.target_demand_ratio, 0.8);
         assert_eq!(a.engine, AutoscalingEngine::Kvfleet);
+    }
+
+    #[test]
+    fn keda_is_denied_naming_the_crd_only_where_the_api_server_is_known_not_to_serve_it() {
+        let spec: InferenceDeploymentSpec =
+            serde_yaml::from_str(&format!("{BASE}autoscaling: {{engine: keda, maxReplicas: 3}}\n")).unwrap();
+        let mut facts = synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap();
+        assert!(validate(&spec, &facts).allowed(), "not known: not judged");
+        facts.scaled_object_served = Some(true);
+        assert!(validate(&spec, &facts).allowed());
+        facts.scaled_object_served = Some(false);
+        let v = validate(&spec, &facts);
+        assert_eq!(reasons(&v), [SCALED_OBJECT_MISSING]);
+        assert_eq!(v.denials[0].field, "spec.autoscaling.engine");
+        assert!(
+            v.denials[0].message.contains("scaledobjects.keda.sh")
+                && v.denials[0].message.contains("engine to kvfleet"),
+            "{}",
+            v.denials[0].message
+        );
+        // The kvfleet engine never asks for the CRD.
+        let own: InferenceDeploymentSpec =
+            serde_yaml::from_str(&format!("{BASE}autoscaling: {{maxReplicas: 3}}\n")).unwrap();
+        assert!(validate(&own, &facts).allowed());
     }
 }

@@ -176,6 +176,10 @@ pub struct ClusterFacts {
     /// because the spec does not route through one), and then not judged.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inference_pool_served: Option<bool>,
+    /// Whether the API server serves KEDA's ScaledObjects (keda.sh/v1alpha1). `None`: not
+    /// known (or not asked because the spec does not scale through KEDA), and then not judged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scaled_object_served: Option<bool>,
 }
 
 /// Errors of offline validation input.

@@ -23,7 +23,8 @@
 //! 6. Checks what the routing mode needs: the kvfleet runtime behind a kvfleet router, the
 //!    InferencePool CRD behind an InferencePool (`routing.rs`).
 //! 7. Checks what autoscaling needs: bounds that hold together, a router behind
-//!    `minReplicas: 0`, workers that export the demand gauges (`autoscaling.rs`).
+//!    `minReplicas: 0`, workers that export the demand gauges, KEDA's ScaledObject CRD behind
+//!    `engine: keda` (`autoscaling.rs`).
 //!
 //! # Order of denials
 //!
@@ -68,7 +69,10 @@ mod properties;
 mod tests;
 
 pub use arch::ArchReport;
-pub use autoscaling::{AUTOSCALING_NEEDS_KVFLEET_RUNTIME, INVALID_AUTOSCALING, SCALE_TO_ZERO_NEEDS_ROUTER};
+pub use autoscaling::{
+    scaled_object_missing, AUTOSCALING_NEEDS_KVFLEET_RUNTIME, INVALID_AUTOSCALING, SCALED_OBJECT_MISSING,
+    SCALE_TO_ZERO_NEEDS_ROUTER,
+};
 pub use capacity::CapacityBasis;
 pub use facts::{
     labels, product_memory_mib, synthetic_cluster, ClusterFacts, NodeFacts, ValidateError,
@@ -155,7 +159,7 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     let judged = scale_from_zero::scale_from_zero(spec, on_nodes, validate_nodes);
     let judged = multi_node::multi_node_checks(spec, facts, judged);
     let judged = routing::routing_checks(spec, facts, judged);
-    autoscaling::autoscaling_checks(spec, judged)
+    autoscaling::autoscaling_checks(spec, facts, judged)
 }
 
 /// [`validate`] against the nodes only.
