@@ -183,17 +183,28 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
         let v = verdict("autoscaling: {minReplicas: 5, maxReplicas: 2}\n");
         assert_eq!(reasons(&v), [INVALID_AUTOSCALING]);
         assert_eq!(v.denials[0].field, "spec.autoscaling.minReplicas");
-        assert!(v.denials[0].message.contains("exceeds maxReplicas 2"), "{:?}", v.denials);
+        assert!(
+            v.denials[0].message.contains("exceeds maxReplicas 2"),
+            "{:?}",
+            v.denials
+        );
         // Outside the schema's range: denied naming the field, by the bounds or by this check.
         for (yaml, field) in [
-            ("autoscaling: {maxReplicas: 2, targetDemandRatio: 1.5}\n", "spec.autoscaling.targetDemandRatio"),
+            (
+                "autoscaling: {maxReplicas: 2, targetDemandRatio: 1.5}\n",
+                "spec.autoscaling.targetDemandRatio",
+            ),
             (
                 "autoscaling: {maxReplicas: 2, scaleDown: {stabilizationWindowSeconds: 7200}}\n",
                 "spec.autoscaling.scaleDown.stabilizationWindowSeconds",
             ),
         ] {
             let v = verdict(yaml);
-            assert!(v.denials.iter().any(|d| d.field == field), "{yaml}: {:?}", v.denials);
+            assert!(
+                v.denials.iter().any(|d| d.field == field),
+                "{yaml}: {:?}",
+                v.denials
+            );
         }
     }
 
