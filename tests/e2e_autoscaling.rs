@@ -235,22 +235,7 @@ async fn e2e_autoscaling_follows_kv_demand_1_3_1_and_to_zero_and_back() {
         stub(ip, signals.clone()).await;
     }
 
-    let crd_created = !e2e_support::crd_exists();
-    let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
-    assert!(crd.status.success(), "kvfleet crd failed");
-    ok(
-        "apply CRD",
-        kubectl_stdin(
-            &["apply", "--server-side", "-f", "-"],
-            &String::from_utf8_lossy(&crd.stdout),
-        ),
-    );
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        &format!("crd/{}", e2e_support::CRD),
-        "--timeout=60s",
-    ]);
+    let crd_created = e2e_support::install_crd(bin);
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();
     nodes.gpu(NODE, H100);

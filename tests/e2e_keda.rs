@@ -18,7 +18,7 @@ mod e2e_support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use e2e_support::{get_json, kubectl, kubectl_ok, kubectl_stdin, ok, wait_for, Namespace, Nodes, H100};
+use e2e_support::{get_json, kubectl, kubectl_ok, ok, wait_for, Namespace, Nodes, H100};
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::Client;
 use kvfleet::api::{scaled_object, InferenceDeployment};
@@ -211,22 +211,7 @@ async fn e2e_keda_renders_a_scaled_object_the_api_server_accepts_and_sweeps_it_o
     let keda_present = get_json(&["crd", scaled_object::CRD]).is_some();
     let mut keda_crd = KedaCrd { installed: false };
 
-    let crd_created = !e2e_support::crd_exists();
-    let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
-    assert!(crd.status.success(), "kvfleet crd failed");
-    ok(
-        "apply CRD",
-        kubectl_stdin(
-            &["apply", "--server-side", "-f", "-"],
-            &String::from_utf8_lossy(&crd.stdout),
-        ),
-    );
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        &format!("crd/{}", e2e_support::CRD),
-        "--timeout=60s",
-    ]);
+    let crd_created = e2e_support::install_crd(bin);
 
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();

@@ -213,22 +213,7 @@ async fn e2e_owned_set_leaves_nothing_behind_across_runtime_and_shape_switches()
         .is_empty();
     let mut lws_crd = LwsCrd { installed: false };
 
-    let crd_created = !e2e_support::crd_exists();
-    let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
-    assert!(crd.status.success(), "kvfleet crd failed");
-    ok(
-        "apply CRD",
-        kubectl_stdin(
-            &["apply", "--server-side", "-f", "-"],
-            &String::from_utf8_lossy(&crd.stdout),
-        ),
-    );
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        &format!("crd/{}", e2e_support::CRD),
-        "--timeout=60s",
-    ]);
+    let crd_created = e2e_support::install_crd(bin);
 
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();

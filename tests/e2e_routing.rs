@@ -22,7 +22,7 @@ use std::collections::BTreeSet;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use e2e_support::{get_json, kubectl, kubectl_ok, kubectl_stdin, ok, wait_for, Namespace, Nodes, H100};
+use e2e_support::{get_json, kubectl, kubectl_ok, ok, wait_for, Namespace, Nodes, H100};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::Client;
 use kvfleet::api::InferenceDeployment;
@@ -330,22 +330,7 @@ async fn e2e_routing_switches_kvfleet_inference_pool_service_and_leaves_nothing_
         .is_empty();
     let mut pool_crd = PoolCrd { installed: false };
 
-    let crd_created = !e2e_support::crd_exists();
-    let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
-    assert!(crd.status.success(), "kvfleet crd failed");
-    ok(
-        "apply CRD",
-        kubectl_stdin(
-            &["apply", "--server-side", "-f", "-"],
-            &String::from_utf8_lossy(&crd.stdout),
-        ),
-    );
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        &format!("crd/{}", e2e_support::CRD),
-        "--timeout=60s",
-    ]);
+    let crd_created = e2e_support::install_crd(bin);
 
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();

@@ -411,6 +411,29 @@ pub fn route_webhook_to_host(namespace: &str, service: &str, configuration: &str
 }
 
 /// Whether the CRD exists now (a suite deletes it at the end only if it created it).
+/// Applies kvfleet's CRD as this build prints it (`kvfleet crd`, server-side) and waits until
+/// it is Established; true when it was absent before (then delete it at the end:
+/// [`delete_crd_if_created`]).
+pub fn install_crd(bin: &str) -> bool {
+    let created = !crd_exists();
+    let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
+    assert!(crd.status.success(), "kvfleet crd failed");
+    ok(
+        "apply CRD",
+        kubectl_stdin(
+            &["apply", "--server-side", "-f", "-"],
+            &String::from_utf8_lossy(&crd.stdout),
+        ),
+    );
+    kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        &format!("crd/{CRD}"),
+        "--timeout=60s",
+    ]);
+    created
+}
+
 pub fn crd_exists() -> bool {
     get_json(&["crd", CRD]).is_some()
 }
