@@ -126,6 +126,19 @@ const LORA_INFO: &str = "vllm:lora_requests_info";
 const FINISH_REASONS: [&str; 3] = ["stop", "length", "abort"];
 
 impl Metrics {
+    /// Sets the autoscaling gauges; returns demand, capacity and free tokens as exported.
+    pub fn set_kv_demand(&self, d: &kvfleet_engine::engine::demand::KvDemand) -> (u64, u64, u64) {
+        let out = (
+            d.demand_tokens.round() as u64,
+            d.capacity_tokens.floor() as u64,
+            d.free_tokens.floor() as u64,
+        );
+        self.kv_demand_tokens.set(out.0 as i64);
+        self.kv_capacity_tokens.set(out.1 as i64);
+        self.kv_free_tokens.set(out.2 as i64);
+        out
+    }
+
     pub fn new() -> Result<Self, prometheus::Error> {
         let registry = Registry::new();
         let m = Metrics {

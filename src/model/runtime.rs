@@ -877,15 +877,7 @@ impl Loop {
         let (used, total, cached) = (kv.used_blocks(), kv.total_blocks(), kv.cached_blocks());
         let prefix_caching = kv.caching();
         let usage = kv.usage();
-        let demand = self.sched.kv_demand();
-        let (demand_tokens, capacity_tokens, kv_free) = (
-            demand.demand_tokens.round() as u64,
-            demand.capacity_tokens.floor() as u64,
-            demand.free_tokens.floor() as u64,
-        );
-        m.kv_demand_tokens.set(demand_tokens as i64);
-        m.kv_capacity_tokens.set(capacity_tokens as i64);
-        m.kv_free_tokens.set(kv_free as i64);
+        let (demand_tokens, capacity_tokens, kv_free) = m.set_kv_demand(&self.sched.kv_demand());
         m.blocks.with_label_values(&["used"]).set(used as i64);
         m.blocks.with_label_values(&["free"]).set((total - used) as i64);
         m.blocks.with_label_values(&["cached"]).set(cached as i64);
