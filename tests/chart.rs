@@ -242,6 +242,8 @@ fn controller_grants() -> BTreeSet<(String, String, String, String)> {
             "*",
         ),
         ("apps", &["deployments"], MANAGE, "*"),
+        // Autoscaling (issue 31): the count applied through the scale subresource.
+        ("apps", &["deployments/scale"], &["patch"], "*"),
         ("", &["services", "configmaps"], MANAGE, "*"),
         ("policy", &["poddisruptionbudgets"], MANAGE, "*"),
         ("networking.k8s.io", &["networkpolicies"], MANAGE, "*"),

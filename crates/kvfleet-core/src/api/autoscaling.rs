@@ -110,10 +110,13 @@ pub enum SelectPolicy {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ScalingPolicy {
+    /// `Pods` (a number of pods) or `Percent` (a share of the current count).
     #[serde(rename = "type")]
     pub type_: ScalingPolicyType,
+    /// Most pods, or percent of the current count, added or removed per period.
     #[schemars(range(min = 1, max = 100_000))]
     pub value: i32,
+    /// Length of the period the change is counted over, in seconds (at most 1800, as the HPA).
     #[schemars(range(min = 1, max = 1800))]
     pub period_seconds: i32,
 }
