@@ -19,7 +19,6 @@ mod e2e_support;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -242,21 +241,11 @@ async fn e2e_autoscaling_follows_kv_demand_1_3_1_and_to_zero_and_back() {
     let identity = e2e_support::ControllerIdentity::create(CONTROLLER, NS);
     let scratch = std::env::temp_dir().join(format!("kvfleet-e2e-autoscaling-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("scratch dir");
-    let port = e2e_support::free_port();
-    let controller = e2e_support::Proc::spawn(
-        "kvfleet controller",
-        Command::new(bin)
-            .env("KUBECONFIG", identity.kubeconfig(&scratch))
-            .env("RUST_LOG", "info,kvfleet::controller::autoscale=debug")
-            .args([
-                "controller",
-                "--leader-elect=false",
-                "--autoscale-interval-seconds",
-                "1",
-                "--http-addr",
-                &format!("127.0.0.1:{port}"),
-            ]),
-        scratch.join("controller.log"),
+    let controller = identity.spawn_controller(
+        bin,
+        &scratch,
+        "info,kvfleet::controller::autoscale=debug",
+        &["--autoscale-interval-seconds", "1"],
     );
     let log = || controller.log_tail();
     let mut assigned = BTreeMap::new();

@@ -15,7 +15,6 @@
 
 mod e2e_support;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use e2e_support::{get_json, kubectl, kubectl_ok, ok, wait_for, Namespace, Nodes, H100};
@@ -219,22 +218,8 @@ async fn e2e_keda_renders_a_scaled_object_the_api_server_accepts_and_sweeps_it_o
     let identity = e2e_support::ControllerIdentity::create(CONTROLLER, NS);
     let scratch = std::env::temp_dir().join(format!("kvfleet-e2e-keda-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("scratch dir");
-    let port = e2e_support::free_port();
-    let controller = e2e_support::Proc::spawn(
-        "kvfleet controller",
-        Command::new(bin)
-            .env("KUBECONFIG", identity.kubeconfig(&scratch))
-            .env("RUST_LOG", "info")
-            .args([
-                "controller",
-                "--leader-elect=false",
-                "--http-addr",
-                &format!("127.0.0.1:{port}"),
-                "--keda-prometheus-address",
-                PROMETHEUS,
-            ]),
-        scratch.join("controller.log"),
-    );
+    let controller =
+        identity.spawn_controller(bin, &scratch, "info", &["--keda-prometheus-address", PROMETHEUS]);
     let log = || controller.log_tail();
     let ids: Api<InferenceDeployment> = Api::namespaced(client.clone(), NS);
     let scaled: Api<DynamicObject> = Api::namespaced_with(

@@ -19,7 +19,6 @@
 mod e2e_support;
 
 use std::collections::BTreeSet;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use e2e_support::{get_json, kubectl, kubectl_ok, ok, wait_for, Namespace, Nodes, H100};
@@ -338,20 +337,7 @@ async fn e2e_routing_switches_kvfleet_inference_pool_service_and_leaves_nothing_
     let identity = e2e_support::ControllerIdentity::create(CONTROLLER, NS);
     let scratch = std::env::temp_dir().join(format!("kvfleet-e2e-routing-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("scratch dir");
-    let port = e2e_support::free_port();
-    let controller = e2e_support::Proc::spawn(
-        "kvfleet controller",
-        Command::new(bin)
-            .env("KUBECONFIG", identity.kubeconfig(&scratch))
-            .env("RUST_LOG", "info")
-            .args([
-                "controller",
-                "--leader-elect=false",
-                "--http-addr",
-                &format!("127.0.0.1:{port}"),
-            ]),
-        scratch.join("controller.log"),
-    );
+    let controller = identity.spawn_controller(bin, &scratch, "info", &[]);
     let log = || controller.log_tail();
     let ids: Api<InferenceDeployment> = Api::namespaced(client.clone(), NS);
 

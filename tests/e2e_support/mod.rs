@@ -590,6 +590,29 @@ impl ControllerIdentity {
         }
     }
 
+    /// `kvfleet controller` of this build on the host as this identity (its kubeconfig written
+    /// under `scratch`, its log `scratch/controller.log`), without leader election, its
+    /// metrics on a free loopback port, with `extra` arguments and `RUST_LOG=rust_log`.
+    pub fn spawn_controller(
+        &self,
+        bin: &str,
+        scratch: &std::path::Path,
+        rust_log: &str,
+        extra: &[&str],
+    ) -> Proc {
+        let http = format!("127.0.0.1:{}", free_port());
+        let mut args = vec!["controller", "--leader-elect=false", "--http-addr", &http];
+        args.extend_from_slice(extra);
+        Proc::spawn(
+            "kvfleet controller",
+            Command::new(bin)
+                .env("KUBECONFIG", self.kubeconfig(scratch))
+                .env("RUST_LOG", rust_log)
+                .args(&args),
+            scratch.join("controller.log"),
+        )
+    }
+
     /// A kubeconfig for the identity's ServiceAccount token, written under `dir`.
     pub fn kubeconfig(&self, dir: &std::path::Path) -> PathBuf {
         let token = kubectl_ok(&[
