@@ -80,15 +80,7 @@ async fn e2e_controller_creates_scales_and_garbage_collects_an_inference_deploym
     let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
     assert!(crd.status.success(), "kvfleet crd failed");
     kubectl(&["apply", "--server-side", "-f", "-"], Some(&crd.stdout));
-    kubectl(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/inferencedeployments.kvfleet.io",
-            "--timeout=60s",
-        ],
-        None,
-    );
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
 
     let ns = Namespace::create(NS);
     // Every pod kvfleet renders meets the restricted Pod Security Standard: the namespace

@@ -369,12 +369,7 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
             },
         ]),
     );
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
     if !foreign_crd {
         let crd = get_json(&["crd", "inferencedeployments.kvfleet.io"]).unwrap();
         assert_eq!(
@@ -573,7 +568,8 @@ fn helm_installed_kvfleet_on_a_mixed_fleet_admits_schedules_heals_and_uninstalls
         warnings.contains("pods stay Pending until such a node joins"),
         "{warnings}"
     );
-    wait_condition("b300-pool", "Compatible", "True", "CompatibleNodesFound");
+    let declared = wait_condition("b300-pool", "Compatible", "True", "DeclaredProductsNoNodes");
+    assert!(declared.contains("NVIDIA-B300-SXM6-AC"), "{declared}");
     step(&mut t, "scale from zero");
 
     // --- webhook down: failurePolicy Fail refuses; back up: admitted

@@ -128,12 +128,7 @@ impl KedaCrd {
             ]),
         );
         self.installed = true;
-        kubectl_ok(&[
-            "wait",
-            "--for=condition=Established",
-            &format!("crd/{}", scaled_object::CRD),
-            "--timeout=30s",
-        ]);
+        e2e_support::wait_established(scaled_object::CRD);
     }
 }
 

@@ -140,12 +140,7 @@ async fn e2e_multinode_tp16_on_8_gpu_nodes_is_denied_without_the_lws_crd_then_ru
             &String::from_utf8_lossy(&crd.stdout),
         ),
     );
-    e2e_support::kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
 
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();
@@ -225,12 +220,7 @@ async fn e2e_multinode_tp16_on_8_gpu_nodes_is_denied_without_the_lws_crd_then_ru
         e2e_support::kubectl(&["apply", "--server-side", "-f", &fixture_path()]),
     );
     lws_crd.installed = true;
-    e2e_support::kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        &format!("crd/{LWS_CRD}"),
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established(LWS_CRD);
     let installed = Instant::now();
     let lws = e2e_support::wait_for("the LeaderWorkerSet", Duration::from_secs(90), || {
         e2e_support::get_json(&["leaderworkersets.leaderworkerset.x-k8s.io", NAME, "-n", NS])

@@ -67,12 +67,7 @@ async fn spec_network_becomes_a_worker_network_policy_that_goes_away_with_the_fi
             &String::from_utf8_lossy(&crd.stdout),
         ),
     );
-    e2e_support::kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();
     nodes.gpu(NODE, L4);

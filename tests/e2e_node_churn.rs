@@ -49,12 +49,7 @@ async fn e2e_node_churn_a_b200_relabelled_as_an_h100_under_an_nvfp4_pod_is_repor
             &String::from_utf8_lossy(&crd.stdout),
         ),
     );
-    e2e_support::kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
 
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();

@@ -266,12 +266,7 @@ async fn e2e_owned_set_leaves_nothing_behind_across_runtime_and_shape_switches()
                 ]),
             );
             lws_crd.installed = true;
-            kubectl_ok(&[
-                "wait",
-                "--for=condition=Established",
-                &format!("crd/{LWS_CRD}"),
-                "--timeout=60s",
-            ]);
+            e2e_support::wait_established(LWS_CRD);
         }
         let body = json!({"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
                           "metadata": {"name": NAME}, "spec": step.spec});

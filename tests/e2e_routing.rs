@@ -229,12 +229,7 @@ impl PoolCrd {
             ]),
         );
         self.installed = true;
-        kubectl_ok(&[
-            "wait",
-            "--for=condition=Established",
-            &format!("crd/{POOL_CRD}"),
-            "--timeout=60s",
-        ]);
+        e2e_support::wait_established(POOL_CRD);
     }
 }
 

@@ -93,12 +93,7 @@ async fn e2e_vllm_measured_capacity_from_the_sidecar_reaches_status() {
             &String::from_utf8_lossy(&crd.stdout),
         ),
     );
-    e2e_support::kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
 
     let ns = Namespace::create(NS);
     let mut nodes = Nodes::default();

@@ -82,12 +82,7 @@ async fn kubectl_apply_of_nvfp4_on_an_rtx_pro_6000_node_is_rejected_with_the_fix
         "/crds/inferencedeployments.kvfleet.io.yaml"
     );
     kubectl_ok(&["apply", "--server-side", "-f", crd]);
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
     let ns = Namespace::create(NAMESPACE);
     e2e_support::route_webhook_to_host(NAMESPACE, SERVICE, CONFIGURATION, port);
 

@@ -62,12 +62,7 @@ async fn certificates_rotate_under_traffic_without_a_failed_admission() {
         "-f",
         crd,
     ]);
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        "crd/inferencedeployments.kvfleet.io",
-        "--timeout=60s",
-    ]);
+    e2e_support::wait_established("inferencedeployments.kvfleet.io");
     let ns = Namespace::create(NAMESPACE);
     e2e_support::route_webhook_to_host(NAMESPACE, SERVICE, CONFIGURATION, port);
     let mut nodes = Nodes::default();

@@ -415,7 +415,7 @@ pub fn route_webhook_to_host(namespace: &str, service: &str, configuration: &str
 /// it is Established; true when it was absent before (then delete it at the end:
 /// [`delete_crd_if_created`]).
 pub fn install_crd(bin: &str) -> bool {
-    let created = !crd_exists();
+    let created = crd_settled().is_none();
     let crd = Command::new(bin).arg("crd").output().expect("kvfleet crd");
     assert!(crd.status.success(), "kvfleet crd failed");
     ok(
@@ -425,13 +425,31 @@ pub fn install_crd(bin: &str) -> bool {
             &String::from_utf8_lossy(&crd.stdout),
         ),
     );
-    kubectl_ok(&[
-        "wait",
-        "--for=condition=Established",
-        &format!("crd/{CRD}"),
-        "--timeout=60s",
-    ]);
+    wait_established(CRD);
     created
+}
+
+/// Waits (up to 60 s) until CRD `name` is Established. Polled rather than `kubectl wait
+/// --for=condition=Established`, which fails at once on a CRD the API server has created but
+/// not yet given a status (`.status.conditions accessor error: <nil>`).
+pub fn wait_established(name: &str) {
+    wait_for(
+        &format!("crd/{name} Established"),
+        Duration::from_secs(60),
+        || {
+            let crd = get_json(&["crd", name]).ok_or_else(|| format!("no crd/{name}"))?;
+            let established = crd["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Established" && c["status"] == "True");
+            if established {
+                Ok(())
+            } else {
+                Err(crd["status"].to_string())
+            }
+        },
+    );
 }
 
 pub fn crd_exists() -> bool {
