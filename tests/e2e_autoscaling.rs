@@ -13,19 +13,29 @@
 //! the engine's and the worker's tests). The router pod gets a loopback IP too, where a stub
 //! answers `/v1/router/state` with held demand.
 //!
+//! The second test is the cold start with real parts: a real `kvfleet router` (hold on, one
+//! static worker URL) at the router pod's loopback IP and, once the autoscaler has scaled the
+//! Deployment from zero and the scheduler has bound the pod, a real `kvfleet worker` serving
+//! the embedded SmolLM2 on the CPU, started by the test where a kubelet would start the
+//! container (weights on the node, no image pull). It measures a streamed request's wait from
+//! the moment it reaches the router to its first token, and each part of that wait.
+//! `KVFLEET_E2E_BIN` runs another build of the binary (a release build for the figure in
+//! `bench/RESULTS.md`).
+//!
 //! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_autoscaling -- --ignored --nocapture`
 
 mod e2e_support;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::routing::get;
 use axum::Json;
-use e2e_support::{get_json, kubectl, kubectl_ok, kubectl_stdin, ok, wait_for, Namespace, Nodes, H100};
+use e2e_support::{get_json, kubectl, kubectl_ok, kubectl_stdin, ok, wait_for, Namespace, Nodes, Proc, H100};
 use serde_json::{json, Value};
 
 const NS: &str = "kvfleet-e2e-autoscaling";
@@ -38,6 +48,16 @@ const ROUTER_IP: &str = "127.0.0.39";
 /// One stub worker's KV capacity (tokens of maxModelLen requests).
 const CAPACITY: u64 = 100_000;
 const SCALE: Duration = Duration::from_secs(45);
+/// The cold-start test's namespace, addresses and controller identity.
+const COLD_NS: &str = "kvfleet-e2e-cold-start";
+const COLD_WORKER_IP: &str = "127.0.0.41";
+const COLD_ROUTER_IP: &str = "127.0.0.49";
+const COLD_CONTROLLER: &str = "kvfleet-e2e-cold-start-controller";
+/// The embedded model's id, which the router and the worker serve.
+const SMOLLM2: &str = "SmolLM2-135M-Instruct";
+
+/// Each test runs its own controller, which acts on every namespace: one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// What the stubs answer: demand per worker IP, and the router's held demand.
 #[derive(Default)]
@@ -74,8 +94,12 @@ async fn stub(ip: &str, signals: Shared) {
 }
 
 fn spec(min: i32, routing: &str) -> Value {
+    spec_named(min, routing, "meta-llama/Llama-3.1-8B-Instruct")
+}
+
+fn spec_named(min: i32, routing: &str, model: &str) -> Value {
     json!({"replicas": 1,
-           "model": {"name": "meta-llama/Llama-3.1-8B-Instruct",
+           "model": {"name": model,
                      "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128},
                      "weights": {"format": "dummy"}},
            "engine": {"runtime": "kvfleet", "maxModelLen": 8192},
@@ -88,8 +112,12 @@ fn spec(min: i32, routing: &str) -> Value {
 }
 
 fn apply(spec: Value) {
+    apply_in(NS, spec);
+}
+
+fn apply_in(ns: &str, spec: Value) {
     let obj = json!({"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceDeployment",
-                     "metadata": {"name": NAME, "namespace": NS}, "spec": spec});
+                     "metadata": {"name": NAME, "namespace": ns}, "spec": spec});
     ok(
         "apply the InferenceDeployment",
         kubectl_stdin(&["apply", "--server-side", "-f", "-"], &obj.to_string()),
@@ -98,7 +126,11 @@ fn apply(spec: Value) {
 
 /// Reports the pods of `selector` Ready with loopback IPs from `ips` (kept per pod name).
 fn make_ready(selector: &str, ips: &[&str], assigned: &mut BTreeMap<String, String>) {
-    let Some(list) = get_json(&["pods", "-n", NS, "-l", selector]) else {
+    make_ready_in(NS, selector, ips, assigned);
+}
+
+fn make_ready_in(ns: &str, selector: &str, ips: &[&str], assigned: &mut BTreeMap<String, String>) {
+    let Some(list) = get_json(&["pods", "-n", ns, "-l", selector]) else {
         return;
     };
     let pods: Vec<Value> = list["items"].as_array().cloned().unwrap_or_default();
@@ -125,7 +157,7 @@ fn make_ready(selector: &str, ips: &[&str], assigned: &mut BTreeMap<String, Stri
             "pod",
             pod,
             "-n",
-            NS,
+            ns,
             "--subresource=status",
             "--type=merge",
             "-p",
@@ -138,7 +170,11 @@ fn make_ready(selector: &str, ips: &[&str], assigned: &mut BTreeMap<String, Stri
 }
 
 fn deployment_replicas(name: &str) -> Option<i64> {
-    get_json(&["deployment", name, "-n", NS])?["spec"]["replicas"].as_i64()
+    deployment_replicas_in(NS, name)
+}
+
+fn deployment_replicas_in(ns: &str, name: &str) -> Option<i64> {
+    get_json(&["deployment", name, "-n", ns])?["spec"]["replicas"].as_i64()
 }
 
 fn autoscaling_status() -> Value {
@@ -201,10 +237,14 @@ fn set_demand(signals: &Shared, assigned: &BTreeMap<String, String>, per_replica
 }
 
 fn scale_events() -> Vec<String> {
+    scale_events_in(NS)
+}
+
+fn scale_events_in(ns: &str) -> Vec<String> {
     let list = get_json(&[
         "events",
         "-n",
-        NS,
+        ns,
         "--field-selector",
         &format!("involvedObject.name={NAME},involvedObject.kind=InferenceDeployment"),
     ])
@@ -228,6 +268,7 @@ fn scale_events() -> Vec<String> {
 #[ignore = "needs a Kubernetes cluster (KUBECONFIG): ../shared/k8s/up, as make test does"]
 async fn e2e_autoscaling_follows_kv_demand_1_3_1_and_to_zero_and_back() {
     e2e_support::require_cluster("e2e_autoscaling");
+    let _serial = SERIAL.lock().await;
     let bin = env!("CARGO_BIN_EXE_kvfleet");
     let signals: Shared = Arc::default();
     for ip in WORKER_IPS.iter().chain([&ROUTER_IP]) {
@@ -328,6 +369,291 @@ async fn e2e_autoscaling_follows_kv_demand_1_3_1_and_to_zero_and_back() {
     println!("scale up 1 -> 3: {up:?}; scale down 3 -> 1: {down:?}; held demand -> 1 replica: {back:?}");
 
     kubectl_ok(&["delete", "inferencedeployment", NAME, "-n", NS, "--wait=true"]);
+    drop(controller);
+    drop(identity);
+    drop(ns);
+    drop(nodes);
+    e2e_support::delete_crd_if_created(crd_created);
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// The embedded SmolLM2 (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`).
+fn smollm2() -> String {
+    let p = std::env::var("KVFLEET_SMOLLM2_GGUF").unwrap_or_else(|_| {
+        format!(
+            "{}/.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    });
+    assert!(
+        std::path::Path::new(&p).exists(),
+        "the embedded SmolLM2 is not installed at {p} (run .ci/install-tools)"
+    );
+    p
+}
+
+/// Reports the (one) pod of `selector` in the cold-start namespace Ready at `ip`, and again
+/// until the API shows it there twice in a row (the kubelet stand-in may write its own address
+/// over the first patch).
+fn pin_ip(selector: &str, ip: &str) {
+    let mut seen = 0;
+    wait_for(&format!("a pod of {selector} ready at {ip}"), SCALE, || {
+        let pods = get_json(&["pods", "-n", COLD_NS, "-l", selector])
+            .and_then(|l| l["items"].as_array().cloned())
+            .unwrap_or_default();
+        let Some(pod) = pods.first() else {
+            return Err("no pod yet".into());
+        };
+        if pod["status"]["podIP"] == ip {
+            seen += 1;
+        } else {
+            seen = 0;
+            let mut fresh = BTreeMap::new();
+            make_ready_in(COLD_NS, selector, &[ip], &mut fresh);
+        }
+        (seen >= 2)
+            .then_some(())
+            .ok_or_else(|| format!("podIP {}", pod["status"]["podIP"]))
+    });
+}
+
+/// `kvfleet MODE --listen IP:8000 ARGS...` of `bin`, the embedded model in the environment.
+fn spawn_mode(bin: &str, mode: &str, ip: &str, args: &[&str], log: std::path::PathBuf) -> Proc {
+    Proc::spawn(
+        &format!("kvfleet {mode}"),
+        std::process::Command::new(bin)
+            .arg(mode)
+            .args(["--listen", &format!("{ip}:8000")])
+            .args(args)
+            .env("KVFLEET_SMOLLM2_GGUF", smollm2())
+            .env("RUST_LOG", "info"),
+        log,
+    )
+}
+
+/// `GET path` on `ip:8000`: (status, body), `None` while nothing answers.
+fn http_get_at(ip: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect((ip, 8000)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let status = head.split(' ').nth(1)?.parse().ok()?;
+    Some((status, body.to_string()))
+}
+
+/// What the client of the cold start saw: HTTP status, the wait for its first streamed token
+/// (from the request's last byte sent), and the whole stream.
+struct ClientSaw {
+    status: u16,
+    first_token: Option<Duration>,
+    stream: String,
+}
+
+/// Sends one streamed completion to the router and reads its answer, stamping the first
+/// `data:` event (a completion stream's first event carries the first token).
+fn stream_one(ip: &str, sent: std::sync::mpsc::Sender<Instant>) -> ClientSaw {
+    let body = json!({"model": SMOLLM2, "prompt": "The capital of France is", "max_tokens": 8,
+                      "temperature": 0, "stream": true})
+    .to_string();
+    let mut s = TcpStream::connect((ip, 8000)).expect("the router listens");
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    sent.send(t0).unwrap();
+    let mut raw = Vec::new();
+    let mut first_token = None;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = s.read(&mut buf).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        if first_token.is_none() && String::from_utf8_lossy(&raw).contains("data: {") {
+            first_token = Some(t0.elapsed());
+        }
+    }
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    ClientSaw {
+        status,
+        first_token,
+        stream: text,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Kubernetes cluster (KUBECONFIG): ../shared/k8s/up, as make test does"]
+async fn e2e_cold_start_a_request_through_the_real_router_wakes_a_real_worker_from_zero() {
+    e2e_support::require_cluster("e2e_autoscaling");
+    let _serial = SERIAL.lock().await;
+    let bin = std::env::var("KVFLEET_E2E_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").to_string());
+    let crd_created = e2e_support::install_crd(env!("CARGO_BIN_EXE_kvfleet"));
+    let ns = Namespace::create(COLD_NS);
+    let mut nodes = Nodes::default();
+    nodes.gpu("kvfleet-e2e-cold-start-h100-0", H100);
+    let identity = e2e_support::ControllerIdentity::create(COLD_CONTROLLER, COLD_NS);
+    let scratch = std::env::temp_dir().join(format!("kvfleet-e2e-cold-start-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).expect("scratch dir");
+    let controller = identity.spawn_controller(
+        &bin,
+        &scratch,
+        "info,kvfleet::controller::autoscale=debug",
+        &["--autoscale-interval-seconds", "1"],
+    );
+
+    // The router, as its pod would run it: hold on, its replica the worker pod's address.
+    let router = spawn_mode(
+        &bin,
+        "router",
+        COLD_ROUTER_IP,
+        &[
+            "--worker",
+            &format!("http://{COLD_WORKER_IP}:8000"),
+            "--hold-timeout-seconds",
+            "120",
+        ],
+        scratch.join("router.log"),
+    );
+    wait_for("the router's /health", SCALE, || {
+        http_get_at(COLD_ROUTER_IP, "/health")
+            .filter(|(st, _)| *st == 200)
+            .ok_or_else(|| router.log_tail())
+    });
+    let log = || {
+        format!(
+            "controller:\n{}\nrouter:\n{}",
+            controller.log_tail(),
+            router.log_tail()
+        )
+    };
+
+    // minReplicas 0 behind the router. A first worker runs until the autoscaler takes the
+    // idle deployment to zero (its real gauges say no demand), then stops with its pod.
+    apply_in(COLD_NS, spec_named(0, "kvfleet", SMOLLM2));
+    pin_ip(&format!("kvfleet.io/router={NAME}"), COLD_ROUTER_IP);
+    let selector = format!("kvfleet.io/inference-deployment={NAME}");
+    let mut first = spawn_mode(&bin, "worker", COLD_WORKER_IP, &[], scratch.join("worker-0.log"));
+    wait_for("the first worker's /readyz", SCALE, || {
+        http_get_at(COLD_WORKER_IP, "/readyz")
+            .filter(|(st, _)| *st == 200)
+            .ok_or_else(|| first.log_tail())
+    });
+    pin_ip(&selector, COLD_WORKER_IP);
+    wait_for("zero replicas", SCALE, || {
+        let got = deployment_replicas_in(COLD_NS, NAME);
+        (got == Some(0))
+            .then_some(())
+            .ok_or_else(|| format!("{got:?}\n{}", log()))
+    });
+    first.kill();
+    wait_for("the worker pod gone", SCALE, || {
+        let n = get_json(&["pods", "-n", COLD_NS, "-l", &selector])
+            .and_then(|l| l["items"].as_array().map(Vec::len))
+            .unwrap_or(0);
+        (n == 0).then_some(()).ok_or(format!("{n} pods"))
+    });
+
+    // The first request: held by the router, its demand read by the autoscaler.
+    let (sent_tx, sent_rx) = std::sync::mpsc::channel();
+    let client = std::thread::spawn(move || stream_one(COLD_ROUTER_IP, sent_tx));
+    let t0 = sent_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the request sent");
+    let fast = Duration::from_millis(20);
+    let poll = |what: &str, f: &mut dyn FnMut() -> bool| {
+        let end = Instant::now() + SCALE;
+        while !f() {
+            assert!(Instant::now() < end, "timed out waiting for {what}\n{}", log());
+            std::thread::sleep(fast);
+        }
+        t0.elapsed()
+    };
+    let held = poll("the router to hold it", &mut || {
+        http_get_at(COLD_ROUTER_IP, "/v1/router/state")
+            .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
+            .is_some_and(|s| s["held"]["requests"] == 1)
+    });
+    let scaled = poll("the Deployment at 1", &mut || {
+        deployment_replicas_in(COLD_NS, NAME) == Some(1)
+    });
+    let bound = poll("a bound worker pod", &mut || {
+        get_json(&[
+            "pods",
+            "-n",
+            COLD_NS,
+            "-l",
+            &format!("kvfleet.io/inference-deployment={NAME}"),
+        ])
+        .and_then(|l| l["items"].as_array().cloned())
+        .is_some_and(|items| items.iter().any(|p| p["spec"]["nodeName"].is_string()))
+    });
+
+    // Where a kubelet would start the container: the real worker, weights on the node.
+    let worker = spawn_mode(&bin, "worker", COLD_WORKER_IP, &[], scratch.join("worker.log"));
+    let started = t0.elapsed();
+    let ready = poll("the worker's /readyz", &mut || {
+        http_get_at(COLD_WORKER_IP, "/readyz").is_some_and(|(st, _)| st == 200)
+    });
+    pin_ip(&selector, COLD_WORKER_IP);
+    let saw = client.join().expect("the client thread");
+    let worker_log = worker.log_tail();
+
+    assert_eq!(
+        saw.status,
+        200,
+        "{}\n{}\nworker:\n{worker_log}",
+        saw.stream,
+        log()
+    );
+    assert!(saw.stream.contains("[DONE]"), "{}", saw.stream);
+    let first = saw.first_token.expect("a first token");
+    assert!(
+        first > ready,
+        "the first token came before the worker was ready: {first:?} <= {ready:?}"
+    );
+    let events = scale_events_in(COLD_NS);
+    assert!(
+        events
+            .iter()
+            .any(|e| e.starts_with("ScaleFromZero") && e.contains("0 -> 1")),
+        "{events:#?}"
+    );
+    let held_after = http_get_at(COLD_ROUTER_IP, "/v1/router/state")
+        .map(|(_, b)| b)
+        .unwrap_or_default();
+    let st: Value = serde_json::from_str(&held_after).unwrap_or(Value::Null);
+    assert_eq!(st["held"]["requests"], 0, "{held_after}");
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "cold start (binary {bin}): request -> held {:.0} ms; -> Deployment at 1 {:.0} ms; -> pod bound {:.0} ms; \
+         worker started at {:.0} ms, ready {:.0} ms later; first token at {:.0} ms ({:.0} ms after ready)",
+        ms(held),
+        ms(scaled),
+        ms(bound),
+        ms(started),
+        ms(ready - started),
+        ms(first),
+        ms(first - ready)
+    );
+
+    drop(worker);
+    kubectl_ok(&[
+        "delete",
+        "inferencedeployment",
+        NAME,
+        "-n",
+        COLD_NS,
+        "--wait=true",
+    ]);
+    drop(router);
     drop(controller);
     drop(identity);
     drop(ns);

@@ -67,10 +67,18 @@ fn chatml_bytes() -> Tokenizer {
 }
 
 /// The worker's router on a dummy 2-layer model (the byte tokens and ChatML's), served on a
-/// port of its own runtime for the whole test binary.
+/// port of its own runtime for the whole test binary; or, with `KVFLEET_FUZZ_PORT` set, a
+/// `kvfleet worker` already listening on that loopback port (the GPU run in
+/// `bench/RESULTS.md`: start it with `--served-model-name fuzz`, or every case is a 404).
 fn port() -> u16 {
     static PORT: OnceLock<u16> = OnceLock::new();
     *PORT.get_or_init(|| {
+        if let Some(p) = std::env::var("KVFLEET_FUZZ_PORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+        {
+            return p;
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_multi_thread()

@@ -6,11 +6,12 @@
 #   bench/device/pack.sh attention   # peers + attention bench + cuda_attention/cuda_worker tests
 #   bench/device/pack.sh serve       # the worker (and BASE=PATH, an earlier one) for the HTTP benchmark;
 #                                    # KVFLEET_PACK_GPU_BINS=1 adds the GPU tests and model bench (sampling.sh)
+#   bench/device/pack.sh harden      # the worker + fuzz_openai: overload, hostile bodies, cold start on a GPU
 #   bench/device/pack.sh model-a     # model binaries + the GGUF's first half
 #   bench/device/pack.sh model-b     # the GGUF's second half
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|serve|model-a|model-b}
+mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -64,6 +65,15 @@ case "$mode" in
       { exe_of test --release --test cuda_model --test cuda_gemma3 --test cuda_worker; exe_of bench --bench model; } | pack_bins
     fi
     cp bench/http_load.py bench/peers.py bench/device/llama-3.1-8b.json bench/device/prefix.sh bench/device/fleet.sh "$out/"
+    ;;
+  harden)
+    # Overload, hostile bodies and cold start against a GPU worker (bench/device/harden.sh;
+    # issues 35 and 31). KVFLEET_PACK_GPU_BINS=1 adds the GPU model tests (cuda_model, cuda_worker).
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    { exe_of test --release --test fuzz_openai;
+      if [ -n "${KVFLEET_PACK_GPU_BINS:-}" ]; then exe_of test --release --test cuda_model --test cuda_worker; fi; } | pack_bins
+    cp bench/overload.py bench/cold_start.py bench/device/llama-3.1-8b.json bench/device/smollm2-135m.json \
+      bench/device/harden.sh "$out/"
     ;;
   model-a)
     { exe_of test --release --test cuda_model; exe_of bench --bench model; } | pack_bins
