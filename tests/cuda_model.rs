@@ -534,7 +534,10 @@ fn gpu_runtime_generation_loop_answers_paris() {
         while let Some(ev) = r.blocking_recv() {
             match ev {
                 GenEvent::Text(t) => text.push_str(&t),
-                GenEvent::Done { .. } => break,
+                GenEvent::Done { text: tail, .. } => {
+                    text.push_str(&tail);
+                    break;
+                }
                 GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("generation failed: {e}"),
             }
         }

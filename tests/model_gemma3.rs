@@ -286,7 +286,10 @@ fn engine_text(rt: &kvfleet::model::runtime::ModelRuntime, ids: Vec<u32>, max_to
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             GenEvent::Text(s) => out.push_str(&s),
-            GenEvent::Done { .. } => break,
+            GenEvent::Done { text: tail, .. } => {
+                out.push_str(&tail);
+                break;
+            }
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }

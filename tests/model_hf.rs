@@ -973,7 +973,10 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             GenEvent::Text(t) => text.push_str(&t),
-            GenEvent::Done { .. } => break,
+            GenEvent::Done { text: tail, .. } => {
+                text.push_str(&tail);
+                break;
+            }
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }

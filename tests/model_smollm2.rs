@@ -403,7 +403,10 @@ fn engine_greedy_text(rt: &ModelRuntime, prompt: &str, max_tokens: usize) -> Str
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             GenEvent::Text(s) => out.push_str(&s),
-            GenEvent::Done { .. } => break,
+            GenEvent::Done { text: tail, .. } => {
+                out.push_str(&tail);
+                break;
+            }
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }
@@ -744,7 +747,11 @@ fn greedy_with_cache(rt: &ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> (St
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             GenEvent::Text(s) => out.push_str(&s),
-            GenEvent::Done { cached_tokens, .. } => return (out, cached_tokens),
+            GenEvent::Done {
+                text: tail,
+                cached_tokens,
+                ..
+            } => return (out + &tail, cached_tokens),
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
         }
     }

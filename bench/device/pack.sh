@@ -72,7 +72,7 @@ case "$mode" in
     strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
     { exe_of test --release --test fuzz_openai;
       if [ -n "${KVFLEET_PACK_GPU_BINS:-}" ]; then exe_of test --release --test cuda_model --test cuda_worker; fi; } | pack_bins
-    cp bench/overload.py bench/cold_start.py bench/device/llama-3.1-8b.json bench/device/smollm2-135m.json \
+    cp bench/overload.py bench/http_load.py bench/cold_start.py bench/device/llama-3.1-8b.json bench/device/smollm2-135m.json \
       bench/device/harden.sh "$out/"
     ;;
   model-a)

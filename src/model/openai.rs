@@ -1346,10 +1346,12 @@ async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
             GenEvent::Unavailable(m) => return unavailable(m).into_response(),
             GenEvent::Done {
                 reason,
+                text: tail,
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
             } => {
+                text.push_str(&tail);
                 let choice = match meta.kind {
                     Kind::Chat => json!({
                         "index": 0,
@@ -1435,7 +1437,6 @@ fn sse_stream(
         rx: UnboundedReceiver<GenEvent>,
         st: St,
         meta: Meta,
-        ahead: Option<GenEvent>,
         tokens: usize,
     }
     let data = |v: Value| Event::default().data(v.to_string());
@@ -1443,7 +1444,6 @@ fn sse_stream(
         rx,
         st: St::Start,
         meta,
-        ahead: None,
         tokens: 0,
     };
     futures::stream::unfold(start, move |mut c| async move {
@@ -1453,43 +1453,32 @@ fn sse_stream(
         // A chat stream's `role` goes with its first token, as vLLM sends it: clients that stamp
         // the time to first token on the first chunk (vllm bench serve) measure the prefill.
         let first = c.st == St::Start && c.meta.kind == Kind::Chat;
-        let next = match c.ahead.take() {
-            Some(ev) => Some(ev),
-            None => match tokio::time::timeout_at(c.meta.deadline, c.rx.recv()).await {
-                Ok(next) => next,
-                Err(_) => {
-                    // Past the deadline: an explicit error chunk, then the end; dropping the
-                    // receiver cancels the sequence.
-                    let v = vec![
-                        data(timed_out(c.meta.timeout).body()),
-                        Event::default().data("[DONE]"),
-                    ];
-                    c.st = St::Done;
-                    return Some((v, c));
-                }
-            },
+        let next = match tokio::time::timeout_at(c.meta.deadline, c.rx.recv()).await {
+            Ok(next) => next,
+            Err(_) => {
+                // Past the deadline: an explicit error chunk, then the end; dropping the
+                // receiver cancels the sequence.
+                let v = vec![
+                    data(timed_out(c.meta.timeout).body()),
+                    Event::default().data("[DONE]"),
+                ];
+                c.st = St::Done;
+                return Some((v, c));
+            }
         };
         let events = match next {
             Some(GenEvent::Text(t)) => {
                 let mut v = chunk(&c.meta, Some(&t), first, None);
                 if want.every {
-                    // One text event per token, and at the end possibly one more with text held
-                    // back (a stop string's prefix, a split character) that is no token: read
-                    // ahead what is already there, so that the end's exact count caps it.
+                    // One text event per token (text held back to the end rides on the finish).
                     c.tokens += 1;
-                    c.ahead = c.rx.try_recv().ok();
-                    if let Some(GenEvent::Done {
-                        completion_tokens, ..
-                    }) = &c.ahead
-                    {
-                        c.tokens = c.tokens.min(*completion_tokens);
-                    }
                     v["usage"] = running_usage(c.meta.prompt_tokens, c.tokens);
                 }
                 vec![data(v)]
             }
             Some(GenEvent::Done {
                 reason,
+                text,
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
@@ -1503,7 +1492,9 @@ fn sse_stream(
                     }
                     v.push(data(role));
                 }
-                let mut end = chunk(&c.meta, None, false, Some(reason));
+                // The held-back tail, if any, goes with the finish: one chunk per token.
+                let tail = (!text.is_empty()).then_some(text.as_str());
+                let mut end = chunk(&c.meta, tail, false, Some(reason));
                 if want.every {
                     end["usage"] = total.clone();
                 }

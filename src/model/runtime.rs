@@ -83,6 +83,10 @@ pub enum GenEvent {
     Text(String),
     Done {
         reason: FinishReason,
+        /// Text held back until the end (a stop string's prefix that never completed, the
+        /// bytes of a character the last token left split): no token of its own, so it goes
+        /// with the finish, as vLLM's last delta does; usually empty.
+        text: String,
         prompt_tokens: usize,
         completion_tokens: usize,
         /// Prompt tokens whose KV came from the prefix cache.
@@ -957,22 +961,24 @@ fn push_token(tok: &Tokenizer, l: &mut Live, next: u32, metrics: &Metrics) -> Op
     None
 }
 
-/// Sends held-back text (unless it completes a stop string) and the end of the request.
+/// Ends the request with the text still held back (unless it completes a stop string).
 fn flush(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
     let tail = l.decoder.finish();
     let (mut text, hit) = l.stops.push(&tail);
     if !hit {
         text.push_str(&l.stops.finish());
     }
-    if !text.is_empty() {
-        let _ = l.events.send(GenEvent::Text(text));
-    }
-    done(l, reason, metrics);
+    done_with(l, reason, metrics, text);
 }
 
 /// Ends a request for its client. The end-to-end latency is observed before the client can
 /// see the end, so a client that reads `/metrics` after its answer always finds it counted.
 fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
+    done_with(l, reason, metrics, String::new());
+}
+
+/// [`done`], the finish carrying `text` (held back until the end).
+fn done_with(l: &mut Live, reason: FinishReason, metrics: &Metrics, text: String) {
     let now = Instant::now();
     let started = l.started_at.unwrap_or(now);
     let first = l.first_token_at.unwrap_or(now);
@@ -988,6 +994,7 @@ fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
     });
     let _ = l.events.send(GenEvent::Done {
         reason,
+        text,
         prompt_tokens: l.prompt_len,
         completion_tokens: l.output_len(),
         cached_tokens: l.cached,
