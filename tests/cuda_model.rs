@@ -538,6 +538,7 @@ fn gpu_runtime_generation_loop_answers_paris() {
                 GenEvent::Text(t) => text.push_str(&t),
                 GenEvent::Done { .. } => break,
                 GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("generation failed: {e}"),
+                GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
             }
         }
         replies.push(text);

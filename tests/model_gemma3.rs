@@ -288,6 +288,7 @@ fn engine_text(rt: &kvfleet::model::runtime::ModelRuntime, ids: Vec<u32>, max_to
             GenEvent::Text(s) => out.push_str(&s),
             GenEvent::Done { .. } => break,
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     out

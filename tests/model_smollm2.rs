@@ -405,6 +405,7 @@ fn engine_greedy_text(rt: &ModelRuntime, prompt: &str, max_tokens: usize) -> Str
             GenEvent::Text(s) => out.push_str(&s),
             GenEvent::Done { .. } => break,
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     out
@@ -746,6 +747,7 @@ fn greedy_with_cache(rt: &ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> (St
             GenEvent::Text(s) => out.push_str(&s),
             GenEvent::Done { cached_tokens, .. } => return (out, cached_tokens),
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     panic!("the loop ended without Done")

@@ -2062,7 +2062,7 @@ mod tests {
     #[test]
     fn the_sampling_extras_are_range_checked_naming_their_field() {
         let params = |v: Value, kind: Kind| {
-            let c = parse_common(fields(v)).map_err(|e| e)?;
+            let c = parse_common(fields(v))?;
             let mut p = c.params(16)?;
             c.output_options(kind, &mut p, true)?;
             check_token_ids(&p, 100)?;
