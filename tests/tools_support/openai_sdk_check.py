@@ -81,7 +81,8 @@ REFUSED_COMPLETIONS = {
 
 passed = 0
 # Largest |worker - reference| of a log-probability: the worker runs the same dequantised weights
-# in f32 (the reference in f64) over 30 layers; measured 0.0 (see the test), bound with room.
+# in f32 (the reference in f64) over 30 layers, the generated token through the bf16 KV pool;
+# measured 0.0106 on the four prompts (issue 34), bound with room for other CPUs.
 fixture_bound = 0.05
 
 
