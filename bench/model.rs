@@ -208,6 +208,7 @@ mod gpu {
             temperature: 1.0,
             top_k,
             top_p,
+            min_p: 0.0,
             key: 0,
         })
     }

@@ -190,12 +190,35 @@ extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int
     if (threadIdx.x == 0) out[blockIdx.x] = idx < vocab ? idx : 0;
 }
 
+// Applies each row's sparse logit adjustments in place, before the pick (`Adjust` in
+// crates/kvfleet-engine/src/model/sampling.rs): adj holds rows + 1 offsets (in entries), then
+// the entries, 4 words each: token, bias, factor, add (f32 bits); a row's entries name distinct
+// tokens. l' = r(l + bias) + add with r(x) = x / factor for x > 0, else x * factor, each
+// operation rounded on its own (no FMA contraction), as the host computes it. Grid (rows),
+// block any size.
+extern "C" __global__ void kvf_adjust_rows(float* __restrict__ logits, int vocab, const unsigned* __restrict__ adj) {
+    kvf_wait_prior_grid();
+    float* row = logits + (size_t)blockIdx.x * vocab;
+    const unsigned* e = adj + gridDim.x + 1;
+    for (unsigned j = adj[blockIdx.x] + threadIdx.x; j < adj[blockIdx.x + 1]; j += blockDim.x) {
+        const unsigned tok = e[4 * j];
+        if (tok >= (unsigned)vocab) continue;
+        const float bias = __uint_as_float(e[4 * j + 1]);
+        const float factor = __uint_as_float(e[4 * j + 2]);
+        const float add = __uint_as_float(e[4 * j + 3]);
+        float x = __fadd_rn(row[tok], bias);
+        x = x > 0.f ? __fdiv_rn(x, factor) : __fmul_rn(x, factor);
+        row[tok] = __fadd_rn(x, add);
+    }
+}
+
 // out[r] = the token row r's pick chooses (`RowPick` in crates/kvfleet-engine/src/model/
 // sampling.rs, which defines it and picks the same on the host). picks[r] is 6 words:
 // temperature (f32 bits; <= 0: the argmax), top_k (0: all), top_p (f32 bits; 1: all), the key's
-// low and high words, unused. Top-k and top-p each find their smallest kept key in at most 8
-// passes over the row (`largest_key_reaching`); a draw with neither is two passes. Grid (rows),
-// block a multiple of 32 (<= 1024).
+// low and high words, min_p (f32 bits; 0: all). Min-p is a floor at m + logf(min_p); top-k and
+// top-p each find their smallest kept key in at most 8 passes over the row
+// (`largest_key_reaching`); a draw with neither is two passes. Grid (rows), block a multiple of
+// 32 (<= 1024).
 extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int vocab,
                                          const unsigned* __restrict__ picks, int* __restrict__ out) {
     kvf_wait_prior_grid();
@@ -205,6 +228,7 @@ extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int v
     const int top_k = (int)p[1];
     const float top_p = __uint_as_float(p[2]);
     const unsigned long long key = (unsigned long long)p[3] | ((unsigned long long)p[4] << 32);
+    const float min_p = __uint_as_float(p[5]);
     float v = __int_as_float(0xff800000);
     int idx = 0x7fffffff;
     if (!(t > 0.f) || top_k == 1) {
@@ -217,7 +241,9 @@ extern "C" __global__ void kvf_pick_rows(const float* __restrict__ logits, int v
         // (monotone: true at `floor`) holds.
         unsigned floor = 0;
         const float m = key_value(kmax);
-        if (top_k > 1 && top_k < vocab) floor = largest_key_reaching<false>(row, vocab, t, m, 0, kmax, (float)top_k, false);
+        if (min_p > 0.f && isfinite(m)) floor = order_key(__fadd_rn(m, logf(min_p)));
+        if (top_k > 1 && top_k < vocab)
+            floor = max(floor, largest_key_reaching<false>(row, vocab, t, m, 0, kmax, (float)top_k, false));
         if (top_p < 1.f && isfinite(m)) floor = largest_key_reaching<true>(row, vocab, t, m, floor, kmax, top_p, true);
         for_row(row, vocab, [&](int i, float l) {
             const unsigned k = order_key(l / t);

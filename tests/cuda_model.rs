@@ -20,12 +20,14 @@ use rand::{Rng, SeedableRng};
 
 use kvfleet::model::forward::{step_direct, Forward};
 use kvfleet::model::gguf::Gguf;
-use kvfleet::model::gpu::{pick_rows_on_device, GpuLlama, GpuOptions};
+use kvfleet::model::gpu::{pick_rows_on_device, sample_rows_on_device, GpuLlama, GpuOptions};
 use kvfleet::model::kv::ContiguousKv;
 use kvfleet::model::llama::ForwardError;
 use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet::model::runtime::{GenEvent, ModelRuntime};
-use kvfleet::model::sampling::{argmax, gumbel, Draw, RowPick, SamplingParams};
+use kvfleet::model::sampling::{
+    apply_adjustments, argmax, gumbel, Adjust, Draw, RowPick, RowSample, SamplingParams,
+};
 use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
 use kvfleet::worker::cuda::device::Gpu;
 use kvfleet::worker::engine::direct::DirectPlanner;
@@ -539,6 +541,7 @@ fn gpu_runtime_generation_loop_answers_paris() {
                     break;
                 }
                 GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("generation failed: {e}"),
+                GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
             }
         }
         replies.push(text);
@@ -569,8 +572,193 @@ fn draw(temperature: f32, top_k: u32, top_p: f32, key: u64) -> RowPick {
         temperature,
         top_k,
         top_p,
+        min_p: 0.0,
         key,
     })
+}
+
+/// A row's adjustments: a bias, a repetition factor, a penalty and a ban on tokens spread over
+/// the row (distinct ids), the first of them on the row's argmax so that it moves.
+fn adjustments(row: &[f32], rng: &mut StdRng) -> Vec<Adjust> {
+    let v = row.len() as u32;
+    let top = argmax(row);
+    let mut ids: Vec<u32> = vec![top];
+    while ids.len() < 40 {
+        let t = rng.random_range(0..v);
+        if !ids.contains(&t) {
+            ids.push(t);
+        }
+    }
+    ids.sort_unstable();
+    ids.iter()
+        .map(|&token| match rng.random_range(0..4) {
+            _ if token == top => Adjust {
+                add: f32::NEG_INFINITY,
+                ..Adjust::none(token)
+            },
+            0 => Adjust {
+                bias: rng.random_range(-100.0..100.0),
+                ..Adjust::none(token)
+            },
+            1 => Adjust {
+                factor: rng.random_range(0.5..2.0),
+                ..Adjust::none(token)
+            },
+            2 => Adjust {
+                factor: 1.3,
+                add: -rng.random_range(0.0..4.0),
+                ..Adjust::none(token)
+            },
+            _ => Adjust {
+                bias: 8.0,
+                factor: 1.7,
+                add: -0.75,
+                ..Adjust::none(token)
+            },
+        })
+        .collect()
+}
+
+fn min_p_draw(temperature: f32, top_k: u32, top_p: f32, min_p: f32) -> RowPick {
+    RowPick::Draw(Draw {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        key: 0,
+    })
+}
+
+/// Issue 34: the logit adjustments (penalties, `logit_bias`, `min_tokens` bans) run on the
+/// device in `kvf_adjust_rows` and min-p in `kvf_pick_rows`; the device's picks equal the
+/// host's [`RowSample::pick`] on the same logits, greedy rows with adjustments included.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_adjusted_and_min_p_rows_are_picked_on_the_device_as_the_host_picks() {
+    for v in [32_003, 32_000] {
+        let mut rng = StdRng::seed_from_u64(34);
+        let kinds = [
+            RowPick::Greedy,
+            min_p_draw(1.0, 0, 1.0, 0.05),
+            min_p_draw(0.7, 0, 1.0, 0.3),
+            min_p_draw(1.0, 50, 1.0, 0.01),
+            min_p_draw(1.2, 0, 0.9, 0.1),
+            min_p_draw(1.0, 0, 1.0, 1.0),
+            draw(0.8, 0, 1.0, 0),
+        ];
+        let rows = kinds.len() * 6;
+        let mut logits = Vec::with_capacity(rows * v);
+        let mut samples = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let row: Vec<f32> = (0..v)
+                .map(|_| {
+                    let x: f32 = rng.random_range(-8.0..8.0);
+                    if r % 2 == 1 {
+                        (x * 2.0).round() / 2.0
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            let pick = match kinds[r % kinds.len()] {
+                RowPick::Draw(d) => RowPick::Draw(Draw {
+                    key: rng.random(),
+                    ..d
+                }),
+                g => g,
+            };
+            // Every third row has no adjustments: a batch mixes both.
+            let adjust = if r % 3 == 2 {
+                Vec::new()
+            } else {
+                adjustments(&row, &mut rng)
+            };
+            logits.extend_from_slice(&row);
+            samples.push(RowSample {
+                pick,
+                adjust,
+                keep_logits: false,
+            });
+        }
+        let got = sample_rows_on_device(&gpu(), &logits, v, &samples).expect("picks on the GPU");
+        let mut moved = 0;
+        for (r, (s, &tok)) in samples.iter().zip(&got).enumerate() {
+            let raw = &logits[r * v..(r + 1) * v];
+            let mut row = raw.to_vec();
+            apply_adjustments(&mut row, &s.adjust);
+            let want = s.pick(raw);
+            moved += (!s.adjust.is_empty() && s.pick == RowPick::Greedy && want != argmax(raw)) as usize;
+            assert!(
+                same_pick(&row, s.pick, tok, want),
+                "vocab {v} row {r} ({:?}, {} adjustments): device {tok}, host {want}",
+                s.pick,
+                s.adjust.len()
+            );
+        }
+        assert!(moved > 0, "no greedy row was moved by its adjustments");
+    }
+}
+
+/// A step through the model with rows that keep their logits and carry adjustments: the
+/// device returns each such row's raw logits (equal to the host model's within bf16 rounding)
+/// and picks from them as the host's [`RowSample::pick`] picks from the same row.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_steps_return_raw_logits_rows_and_pick_after_the_adjustments() {
+    let mut cfg = LlamaConfig::llama(2, 256, 512, 4, 2, 5003);
+    cfg.context_len = 256;
+    let m = Llama::dummy(cfg, 11).expect("dummy model");
+    let (mut host, mut device) = (on_gpu(&m), on_gpu(&m));
+    let v = m.config.vocab;
+    let a: Vec<u32> = (0..19).map(|i| (i * 17 + 3) % v as u32).collect();
+    let b: Vec<u32> = (0..5).map(|i| (i * 29 + 1) % v as u32).collect();
+    let batch = vec![chunk(1, 0, &a), chunk(2, 0, &b)];
+    let want = host.forward(&batch).expect("logits step");
+    let mut rng = StdRng::seed_from_u64(5);
+    let rows = vec![
+        RowSample {
+            pick: RowPick::Greedy,
+            adjust: adjustments(&want[..v], &mut rng),
+            keep_logits: true,
+        },
+        RowSample {
+            pick: min_p_draw(0.9, 0, 0.95, 0.05),
+            adjust: adjustments(&want[v..], &mut rng),
+            keep_logits: true,
+        },
+    ];
+    let seqs: Vec<(u64, usize, usize)> = batch
+        .iter()
+        .map(|c| (c.seq, c.start_pos, c.tokens.len()))
+        .collect();
+    device.planner.plan(&seqs, &mut device.plan).expect("plan");
+    let got = device
+        .g
+        .forward_samples(&batch, &device.plan, &rows)
+        .expect("sampling step");
+    assert_eq!(got.len(), 2);
+    for (i, (r, p)) in rows.iter().zip(&got).enumerate() {
+        let raw = p.logits.as_ref().expect("the row kept its logits");
+        let host_row = &want[i * v..(i + 1) * v];
+        let err = raw
+            .iter()
+            .zip(host_row)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        let scale = host_row.iter().map(|x| x.abs()).fold(0.0, f32::max);
+        assert!(
+            err <= 0.05 * scale + 1e-2,
+            "row {i}: max |device - host| {err} (scale {scale})"
+        );
+        let mut adjusted = raw.clone();
+        apply_adjustments(&mut adjusted, &r.adjust);
+        let host_tok = r.pick(raw);
+        assert!(
+            same_pick(&adjusted, r.pick, p.token, host_tok),
+            "row {i}: device {}, host {host_tok}",
+            p.token
+        );
+    }
 }
 
 #[test]

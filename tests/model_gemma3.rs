@@ -291,6 +291,7 @@ fn engine_text(rt: &kvfleet::model::runtime::ModelRuntime, ids: Vec<u32>, max_to
                 break;
             }
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     out

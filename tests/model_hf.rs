@@ -978,6 +978,7 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
                 break;
             }
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     let stop = want

@@ -408,6 +408,7 @@ fn engine_greedy_text(rt: &ModelRuntime, prompt: &str, max_tokens: usize) -> Str
                 break;
             }
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     out
@@ -753,6 +754,7 @@ fn greedy_with_cache(rt: &ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> (St
                 ..
             } => return (out + &tail, cached_tokens),
             GenEvent::Error(e) | GenEvent::Unavailable(e) => panic!("{e}"),
+            GenEvent::Logprobs(_) | GenEvent::PromptLogprobs(_) => {}
         }
     }
     panic!("the loop ended without Done")

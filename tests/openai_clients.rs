@@ -94,7 +94,9 @@ fn sdk_check(port: u16, log: &str) {
             &format!("http://127.0.0.1:{port}/v1"),
             "--model",
             MODEL,
+            "--fixture",
         ])
+        .arg(repo().join("tests/fixtures/smollm2_logprobs_reference.json"))
         // The SDK must not go through a proxy to reach loopback.
         .env("NO_PROXY", "127.0.0.1,localhost")
         .env("no_proxy", "127.0.0.1,localhost")

@@ -33,7 +33,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
 use super::runtime::{FinishReason, GenEvent, ModelRuntime, RuntimeError};
-use super::sampling::SamplingParams;
+use super::sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
 use super::tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
 use kvfleet_engine::engine::prefix::CacheKey;
 
@@ -466,7 +466,27 @@ fn field_rule(name: &str, kind: Kind) -> Option<Rule> {
         | "stream_options"
         | "ignore_eos"
         | "cache_salt"
-        | "request_id" => Some(Rule::Implemented),
+        | "request_id"
+        | "min_tokens"
+        | "stop_token_ids"
+        | "include_stop_str_in_output"
+        | "skip_special_tokens"
+        | "repetition_penalty"
+        | "presence_penalty"
+        | "frequency_penalty"
+        | "min_p"
+        | "logit_bias"
+        | "logprobs" => Some(Rule::Implemented),
+        // Chat's alternatives per token; completions name them in `logprobs`. Echo of the
+        // prompt: completions only.
+        "top_logprobs" => match kind {
+            Kind::Chat => Some(Rule::Implemented),
+            Kind::Completion => only(is_zero, "0 or null (completions take the count in `logprobs`)"),
+        },
+        "echo" => match kind {
+            Kind::Completion => Some(Rule::Implemented),
+            Kind::Chat => only(is_false, "false"),
+        },
         // Bookkeeping for the client or a provider, and options of features refused on their own
         // (tools, guided decoding): they change nothing here.
         // Prompt-cache hints (the prefix cache here is automatic and changes no output) too.
@@ -482,23 +502,16 @@ fn field_rule(name: &str, kind: Kind) -> Option<Rule> {
         | "guided_whitespace_pattern" => Some(Rule::Inert),
         // Sampling and output options not implemented.
         "n" | "best_of" => only(is_one, "1"),
-        "logprobs" => only(is_false, "false or null"),
-        "top_logprobs" => only(is_zero, "0 or null"),
-        "echo" => only(is_false, "false"),
         "suffix" => only(is_empty, "empty"),
-        "logit_bias" => only(is_empty, "{}"),
-        "presence_penalty" | "frequency_penalty" | "min_p" | "min_tokens" | "priority" => only(is_zero, "0"),
-        "repetition_penalty" | "length_penalty" => only(is_one, "1"),
-        "stop_token_ids" | "bad_words" | "allowed_token_ids" | "logits_processors" => only(is_empty, "[]"),
-        "include_stop_str_in_output"
-        | "use_beam_search"
+        "priority" => only(is_zero, "0"),
+        "length_penalty" => only(is_one, "1"),
+        "bad_words" | "allowed_token_ids" | "logits_processors" => only(is_empty, "[]"),
+        "use_beam_search"
         | "return_tokens_as_token_ids"
         | "return_token_ids"
         | "continue_final_message"
         | "store" => only(is_false, "false"),
-        "skip_special_tokens" | "spaces_between_special_tokens" | "add_generation_prompt" => {
-            only(is_true, "true")
-        }
+        "spaces_between_special_tokens" | "add_generation_prompt" => only(is_true, "true"),
         "add_special_tokens" => match kind {
             Kind::Completion => only(is_true, "true"),
             Kind::Chat => only(is_false, "false"),
@@ -592,6 +605,20 @@ struct Common {
     cache_salt: Option<String>,
     /// vLLM's request id in the body; the `x-request-id` header wins over it.
     request_id: Option<String>,
+    min_tokens: Option<i64>,
+    stop_token_ids: Option<Vec<i64>>,
+    include_stop_str_in_output: Option<bool>,
+    skip_special_tokens: Option<bool>,
+    repetition_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    min_p: Option<f32>,
+    /// Token id (a decimal string) -> bias.
+    logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Chat: a bool; completions: the count of alternatives (0 to 5).
+    logprobs: Option<Value>,
+    top_logprobs: Option<i64>,
+    echo: Option<bool>,
 }
 
 /// The request body as a JSON object.
@@ -917,6 +944,8 @@ impl Common {
         };
         let max_tokens = match max_tokens {
             None => default_max,
+            // Only with `echo` and `logprobs`: [`Common::output_options`] decides.
+            Some(0) => 1,
             Some(n) if n >= 1 => usize::try_from(n).unwrap_or(usize::MAX),
             Some(n) => {
                 return Err(ApiError::bad(
@@ -956,6 +985,46 @@ impl Common {
                 ))
             }
         };
+        let min_tokens = match self.min_tokens {
+            None => 0,
+            Some(n) if n >= 0 => usize::try_from(n).unwrap_or(usize::MAX),
+            Some(n) => {
+                return Err(ApiError::bad(
+                    format!("`min_tokens` is {n}; it must be 0 or more"),
+                    Some("min_tokens"),
+                ))
+            }
+        };
+        let ids = |v: &Option<Vec<i64>>| -> Result<Vec<u32>, ApiError> {
+            v.iter()
+                .flatten()
+                .map(|&t| {
+                    u32::try_from(t).map_err(|_| {
+                        ApiError::bad(
+                            format!("`stop_token_ids` holds {t}; token ids are 0 to the vocabulary size - 1"),
+                            Some("stop_token_ids"),
+                        )
+                    })
+                })
+                .collect()
+        };
+        let mut logit_bias = Vec::new();
+        for (k, &b) in self.logit_bias.iter().flatten() {
+            let id = k.trim().parse::<u32>().map_err(|_| {
+                ApiError::bad(
+                    format!("`logit_bias` key {k:?} is not a token id (a decimal integer string)"),
+                    Some("logit_bias"),
+                )
+            })?;
+            logit_bias.push((id, b));
+        }
+        logit_bias.sort_unstable_by_key(|&(id, _)| id);
+        if logit_bias.windows(2).any(|w| w[0].0 == w[1].0) {
+            return Err(ApiError::bad(
+                "`logit_bias` names a token id twice",
+                Some("logit_bias"),
+            ));
+        }
         let p = SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
@@ -964,15 +1033,158 @@ impl Common {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             max_tokens,
             stop,
+            min_tokens,
+            stop_token_ids: ids(&self.stop_token_ids)?,
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            min_p: self.min_p.unwrap_or(0.0),
+            logit_bias,
+            logprobs: None,
+            prompt_logprobs: None,
         };
-        p.check().map_err(|m| {
-            let field = ["temperature", "top_p", "max_tokens", "stop"]
-                .into_iter()
-                .find(|f| m.contains(f));
-            ApiError::bad(m, field)
-        })?;
+        check_params(&p)?;
         Ok(p)
     }
+
+    /// The request's log-probability options into `p`: chat's `logprobs` (bool) with
+    /// `top_logprobs` (0 to 20), completions' `logprobs` (0 to 5 alternatives) and `echo` (the
+    /// prompt's log-probabilities too, which needs a model that scores prompts; `max_tokens: 0`
+    /// then only scores). Returns whether the prompt is echoed.
+    fn output_options(
+        &self,
+        kind: Kind,
+        p: &mut SamplingParams,
+        scores_prompts: bool,
+    ) -> Result<bool, ApiError> {
+        let echo = self.echo.unwrap_or(false);
+        match kind {
+            Kind::Chat => {
+                let on = match &self.logprobs {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => {
+                        return Err(ApiError::bad(
+                            format!("`logprobs` is {v}; on chat completions it is true or false"),
+                            Some("logprobs"),
+                        ))
+                    }
+                };
+                let top = match self.top_logprobs {
+                    None => 0,
+                    Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => n as usize,
+                    Some(n) => {
+                        return Err(ApiError::bad(
+                            format!("`top_logprobs` is {n}; it must be 0 to {MAX_TOP_LOGPROBS}"),
+                            Some("top_logprobs"),
+                        ))
+                    }
+                };
+                if top > 0 && !on {
+                    return Err(ApiError::bad(
+                        "`top_logprobs` needs `logprobs: true`",
+                        Some("top_logprobs"),
+                    ));
+                }
+                p.logprobs = on.then_some(top);
+            }
+            Kind::Completion => {
+                let n = match &self.logprobs {
+                    None | Some(Value::Null) => None,
+                    Some(v) => match v.as_i64() {
+                        Some(n) if (0..=MAX_COMPLETION_LOGPROBS as i64).contains(&n) => Some(n as usize),
+                        _ => {
+                            return Err(ApiError::bad(
+                                format!(
+                                    "`logprobs` is {v}; on completions it is the count of alternatives, 0 to \
+                                     {MAX_COMPLETION_LOGPROBS}"
+                                ),
+                                Some("logprobs"),
+                            ))
+                        }
+                    },
+                };
+                p.logprobs = n;
+                if echo && n.is_some() {
+                    if !scores_prompts {
+                        return Err(ApiError::bad(
+                            "`echo` with `logprobs` (prompt log-probabilities) is implemented on the CPU worker \
+                             only for models without sliding-window layers; send `echo: false`",
+                            Some("echo"),
+                        ));
+                    }
+                    p.prompt_logprobs = n;
+                }
+            }
+        }
+        if self.stream == Some(true) && echo {
+            return Err(ApiError::bad(
+                "`echo` is implemented for non-streamed completions; send `stream: false` or `echo: false`",
+                Some("echo"),
+            ));
+        }
+        // max_tokens 0: vLLM's way to score a prompt without generating.
+        if matches!(self.max_completion_tokens.or(self.max_tokens), Some(0)) {
+            if p.prompt_logprobs.is_none() {
+                let field = if self.max_completion_tokens.is_some() {
+                    "max_completion_tokens"
+                } else {
+                    "max_tokens"
+                };
+                return Err(ApiError::bad(
+                    format!("`{field}` is 0; it must be at least 1 (0 only with `echo` and `logprobs`)"),
+                    Some(field),
+                ));
+            }
+            p.max_tokens = 0;
+        }
+        check_params(p)?;
+        Ok(echo)
+    }
+}
+
+/// The most alternatives a completions token lists (OpenAI's limit for `logprobs`).
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
+
+/// [`SamplingParams::check`], its message naming the field as a 400's `param`.
+fn check_params(p: &SamplingParams) -> Result<(), ApiError> {
+    p.check().map_err(|m| {
+        let field = [
+            "temperature",
+            "top_p",
+            "min_tokens",
+            "max_tokens",
+            "stop",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+            "logit_bias",
+            "logprobs",
+        ]
+        .into_iter()
+        .find(|f| m.contains(f));
+        ApiError::bad(m, field)
+    })
+}
+
+/// Token ids in `stop_token_ids` and `logit_bias` must be in the vocabulary.
+fn check_token_ids(p: &SamplingParams, vocab: usize) -> Result<(), ApiError> {
+    if let Some(t) = p.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad(
+            format!("`stop_token_ids` holds {t}, outside the vocabulary of {vocab}"),
+            Some("stop_token_ids"),
+        ));
+    }
+    if let Some((t, _)) = p.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+        return Err(ApiError::bad(
+            format!("`logit_bias` names token {t}, outside the vocabulary of {vocab}"),
+            Some("logit_bias"),
+        ));
+    }
+    Ok(())
 }
 
 fn now_secs() -> u64 {
@@ -1135,6 +1347,8 @@ struct Prepared {
     params: SamplingParams,
     common: Common,
     request_id: Arc<str>,
+    /// The prompt's text, when the response starts with it (completions' `echo`).
+    echo: Option<String>,
 }
 
 async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
@@ -1148,7 +1362,9 @@ async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -
         check_fields(&fields, Kind::Chat)?;
         let common = parse_common(fields)?;
         common.check_model(&rt)?;
-        let params = common.params(DEFAULT_CHAT_MAX_TOKENS)?;
+        let mut params = common.params(DEFAULT_CHAT_MAX_TOKENS)?;
+        common.output_options(Kind::Chat, &mut params, rt.scores_prompts)?;
+        check_token_ids(&params, rt.vocab_size)?;
         check_stop_lengths(&params, &rt)?;
         let request_id = final_request_id(rid, &common)?;
         check_prompt_bytes(chat_text_bytes(&rt.tokenizer, &messages), &rt, "messages")?;
@@ -1161,6 +1377,7 @@ async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -
             params,
             common,
             request_id,
+            echo: None,
         })
     };
     let prepared = run.await;
@@ -1178,7 +1395,9 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
         check_fields(&fields, Kind::Completion)?;
         let common = parse_common(fields)?;
         common.check_model(&rt)?;
-        let params = common.params(DEFAULT_COMPLETION_MAX_TOKENS)?;
+        let mut params = common.params(DEFAULT_COMPLETION_MAX_TOKENS)?;
+        let echo = common.output_options(Kind::Completion, &mut params, rt.scores_prompts)?;
+        check_token_ids(&params, rt.vocab_size)?;
         check_stop_lengths(&params, &rt)?;
         let request_id = final_request_id(rid, &common)?;
         let ids = match prompt {
@@ -1190,19 +1409,25 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
                         Some("prompt"),
                     ));
                 }
-                ids
+                (echo.then(|| rt.tokenizer.decode(&ids, true)), ids)
             }
             Prompt::Text(prompt) => {
                 check_prompt_bytes(prompt.len(), &rt, "prompt")?;
                 let tokenizer = rt.tokenizer.clone();
-                tokenize(&api, move || tokenizer.encode(&prompt, true)).await?
+                let text = echo.then(|| prompt.clone());
+                (
+                    text,
+                    tokenize(&api, move || tokenizer.encode(&prompt, true)).await?,
+                )
             }
         };
+        let (echo, ids) = ids;
         Ok(Prepared {
             ids,
             params,
             common,
             request_id,
+            echo,
         })
     };
     let prepared = run.await;
@@ -1244,12 +1469,22 @@ async fn respond(
     };
     let key = p.common.cache_key().unwrap_or_default();
     let prompt_tokens = p.ids.len();
+    let prompt_ids = if p.params.prompt_logprobs.is_some() {
+        p.ids.clone()
+    } else {
+        Vec::new()
+    };
+    let logprobs = p.params.logprobs;
     let rx = match rt.generate_with(p.ids, p.params, key) {
         Ok(rx) => rx,
         Err(e) => return ApiError::from_runtime(e, param).into_response(),
     };
     let meta = Meta {
         prompt_tokens,
+        tok: rt.tokenizer.clone(),
+        logprobs,
+        prompt_ids,
+        echo: p.echo,
         id: match kind {
             Kind::Chat => format!("chatcmpl-{}", p.request_id),
             Kind::Completion => format!("cmpl-{}", p.request_id),
@@ -1275,6 +1510,13 @@ async fn respond(
 struct Meta {
     id: String,
     prompt_tokens: usize,
+    tok: Arc<Tokenizer>,
+    /// Alternatives a generated token lists, when the request asked for log-probabilities.
+    logprobs: Option<usize>,
+    /// The prompt's ids when its log-probabilities come back (`echo` with `logprobs`).
+    prompt_ids: Vec<u32>,
+    /// The prompt's text that starts the response (`echo`).
+    echo: Option<String>,
     created: u64,
     model: String,
     kind: Kind,
@@ -1338,10 +1580,14 @@ fn server_error(message: String) -> ApiError {
 }
 
 async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
-    let mut text = String::new();
+    let mut text = meta.echo.clone().unwrap_or_default();
+    let mut prompt_lps: Option<Vec<TokenLogprobs>> = None;
+    let mut lps: Vec<TokenLogprobs> = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             GenEvent::Text(t) => text.push_str(&t),
+            GenEvent::Logprobs(lp) => lps.push(lp),
+            GenEvent::PromptLogprobs(v) => prompt_lps = Some(v),
             GenEvent::Error(m) => return server_error(m).into_response(),
             GenEvent::Unavailable(m) => return unavailable(m).into_response(),
             GenEvent::Done {
@@ -1352,17 +1598,32 @@ async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
                 cached_tokens,
             } => {
                 text.push_str(&tail);
+                let logprobs = match (meta.logprobs, meta.kind) {
+                    (None, _) => Value::Null,
+                    (Some(top), Kind::Chat) => json!({"content": chat_logprobs(&meta.tok, &lps, top)}),
+                    (Some(top), Kind::Completion) => {
+                        let mut entries: Vec<(u32, Option<&TokenLogprobs>)> = Vec::new();
+                        if let Some(prompt) = &prompt_lps {
+                            if let Some(&first) = meta.prompt_ids.first() {
+                                entries.push((first, None));
+                            }
+                            entries.extend(prompt.iter().map(|lp| (lp.token, Some(lp))));
+                        }
+                        entries.extend(lps.iter().map(|lp| (lp.token, Some(lp))));
+                        completion_logprobs(&meta.tok, &entries, top, &mut 0)
+                    }
+                };
                 let choice = match meta.kind {
                     Kind::Chat => json!({
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": reason.as_str(),
                     }),
                     Kind::Completion => json!({
                         "index": 0,
                         "text": text,
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": reason.as_str(),
                     }),
                 };
@@ -1379,6 +1640,70 @@ async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
         }
     }
     server_error("the generation loop stopped before the request finished".into()).into_response()
+}
+
+/// A token's text as log-probabilities show it (control tokens included; bytes that are not
+/// UTF-8 on their own as U+FFFD, the exact bytes in chat's `bytes`).
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    String::from_utf8_lossy(tok.token_bytes(id, true)).into_owned()
+}
+
+/// Chat's `logprobs.content`: one entry a generated token, OpenAI's shape.
+fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs], top: usize) -> Vec<Value> {
+    let entry = |id: u32, lp: f32| {
+        json!({
+            "token": token_text(tok, id),
+            "logprob": finite(lp),
+            "bytes": tok.token_bytes(id, true),
+        })
+    };
+    lps.iter()
+        .map(|lp| {
+            let mut e = entry(lp.token, lp.logprob);
+            e["top_logprobs"] = lp.top.iter().take(top).map(|&(t, l)| entry(t, l)).collect();
+            e
+        })
+        .collect()
+}
+
+/// Completions' `logprobs` (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) of
+/// `entries` (a token and its log-probabilities; none for the prompt's first token), the
+/// offsets counted in characters from `offset`, which is advanced past them. Each
+/// `top_logprobs` map holds the `top` most likely tokens and the chosen one (as vLLM's).
+fn completion_logprobs(
+    tok: &Tokenizer,
+    entries: &[(u32, Option<&TokenLogprobs>)],
+    top: usize,
+    offset: &mut usize,
+) -> Value {
+    let (mut tokens, mut token_lps, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for &(id, lp) in entries {
+        let text = token_text(tok, id);
+        offsets.push(json!(*offset));
+        *offset += text.chars().count();
+        tokens.push(json!(text));
+        match lp {
+            None => {
+                token_lps.push(Value::Null);
+                tops.push(Value::Null);
+            }
+            Some(lp) => {
+                token_lps.push(finite(lp.logprob));
+                let mut m = Map::new();
+                for &(t, l) in lp.top.iter().take(top) {
+                    m.entry(token_text(tok, t)).or_insert(finite(l));
+                }
+                m.entry(token_text(tok, id)).or_insert(finite(lp.logprob));
+                tops.push(Value::Object(m));
+            }
+        }
+    }
+    json!({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// A log-probability as JSON: -inf (a banned or impossible token) as vLLM writes it, -9999.0.
+fn finite(lp: f32) -> Value {
+    json!(if lp.is_finite() { lp } else { -9999.0 })
 }
 
 fn chunk(meta: &Meta, text: Option<&str>, first: bool, finish: Option<FinishReason>) -> Value {
@@ -1431,13 +1756,16 @@ fn sse_stream(
         Running,
         Done,
     }
-    /// The stream between events: the next event when it was read ahead, and the output
-    /// tokens seen so far.
+    /// The stream between events: the output tokens seen so far.
     struct Cursor {
         rx: UnboundedReceiver<GenEvent>,
         st: St,
         meta: Meta,
         tokens: usize,
+        /// The log-probabilities of the token whose text comes next.
+        lp: Option<TokenLogprobs>,
+        /// Characters streamed so far (completions' `text_offset`).
+        offset: usize,
     }
     let data = |v: Value| Event::default().data(v.to_string());
     let start = Cursor {
@@ -1445,6 +1773,8 @@ fn sse_stream(
         st: St::Start,
         meta,
         tokens: 0,
+        lp: None,
+        offset: 0,
     };
     futures::stream::unfold(start, move |mut c| async move {
         if c.st == St::Done {
@@ -1467,8 +1797,21 @@ fn sse_stream(
             }
         };
         let events = match next {
+            Some(GenEvent::Logprobs(lp)) => {
+                c.lp = Some(lp);
+                return Some((Vec::new(), c));
+            }
+            Some(GenEvent::PromptLogprobs(_)) => return Some((Vec::new(), c)),
             Some(GenEvent::Text(t)) => {
                 let mut v = chunk(&c.meta, Some(&t), first, None);
+                if let (Some(top), Some(lp)) = (c.meta.logprobs, c.lp.take()) {
+                    v["choices"][0]["logprobs"] = match c.meta.kind {
+                        Kind::Chat => json!({"content": chat_logprobs(&c.meta.tok, &[lp], top)}),
+                        Kind::Completion => {
+                            completion_logprobs(&c.meta.tok, &[(lp.token, Some(&lp))], top, &mut c.offset)
+                        }
+                    };
+                }
                 if want.every {
                     // One text event per token (text held back to the end rides on the finish).
                     c.tokens += 1;
@@ -1624,13 +1967,32 @@ mod tests {
         )
         .unwrap();
         check_fields(&fields(ok), Kind::Chat).unwrap();
+        // Implemented (issue 34): any value passes the field check; ranges are checked later.
         for (name, value) in [
             ("min_tokens", json!(20)),
             ("stop_token_ids", json!([2])),
             ("include_stop_str_in_output", json!(true)),
             ("repetition_penalty", json!(1.2)),
+            ("presence_penalty", json!(0.5)),
+            ("frequency_penalty", json!(-0.5)),
             ("min_p", json!(0.1)),
             ("skip_special_tokens", json!(false)),
+            ("logit_bias", json!({"42": 5})),
+            ("logprobs", json!(2)),
+            ("echo", json!(true)),
+        ] {
+            check_fields(&fields(json!({ name: value })), Kind::Completion)
+                .unwrap_or_else(|e| panic!("{name}: {}", e.message));
+        }
+        check_fields(&fields(json!({"logprobs": true, "top_logprobs": 3})), Kind::Chat).unwrap();
+        for (name, value, kind) in [
+            ("echo", json!(true), Kind::Chat),
+            ("top_logprobs", json!(2), Kind::Completion),
+        ] {
+            let e = check_fields(&fields(json!({ name: value })), kind).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(name), "{}", e.message);
+        }
+        for (name, value) in [
             ("bad_words", json!(["x"])),
             ("allowed_token_ids", json!([1, 2])),
             ("truncate_prompt_tokens", json!(10)),
@@ -1645,7 +2007,6 @@ mod tests {
             ("functions", json!([{"name": "f"}])),
             ("function_call", json!("auto")),
             ("tool_choice", json!("auto")),
-            ("logprobs", json!(0)),
             ("n", json!(2)),
             ("store", json!(true)),
             ("priority", json!(5)),
@@ -1686,6 +2047,72 @@ mod tests {
         assert_eq!(c.params(16).unwrap().seed, None);
         let c = parse_common(fields(json!({"seed": -2}))).unwrap();
         assert_eq!(c.params(16).unwrap().seed, Some(u64::MAX - 1));
+    }
+
+    #[test]
+    fn the_sampling_extras_are_range_checked_naming_their_field() {
+        let params = |v: Value, kind: Kind| {
+            let c = parse_common(fields(v))?;
+            let mut p = c.params(16)?;
+            c.output_options(kind, &mut p, true)?;
+            check_token_ids(&p, 100)?;
+            Ok::<_, ApiError>(p)
+        };
+        for (body, kind, param) in [
+            (json!({"repetition_penalty": 0}), Kind::Chat, "repetition_penalty"),
+            (json!({"presence_penalty": 2.5}), Kind::Chat, "presence_penalty"),
+            (
+                json!({"frequency_penalty": -2.1}),
+                Kind::Chat,
+                "frequency_penalty",
+            ),
+            (json!({"min_p": 1.1}), Kind::Chat, "min_p"),
+            (json!({"min_tokens": 17}), Kind::Chat, "min_tokens"),
+            (json!({"min_tokens": -1}), Kind::Chat, "min_tokens"),
+            (json!({"logit_bias": {"5": 101}}), Kind::Chat, "logit_bias"),
+            (json!({"logit_bias": {"100": 1}}), Kind::Chat, "logit_bias"),
+            (json!({"logit_bias": {"x": 1}}), Kind::Chat, "logit_bias"),
+            (json!({"stop_token_ids": [100]}), Kind::Chat, "stop_token_ids"),
+            (json!({"stop_token_ids": [-1]}), Kind::Chat, "stop_token_ids"),
+            (json!({"logprobs": 1}), Kind::Chat, "logprobs"),
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                Kind::Chat,
+                "top_logprobs",
+            ),
+            (json!({"top_logprobs": 2}), Kind::Chat, "top_logprobs"),
+            (json!({"logprobs": 6}), Kind::Completion, "logprobs"),
+            (json!({"logprobs": true}), Kind::Completion, "logprobs"),
+            (json!({"max_tokens": 0}), Kind::Completion, "max_tokens"),
+            (
+                json!({"max_tokens": 0, "echo": true}),
+                Kind::Completion,
+                "max_tokens",
+            ),
+            (json!({"echo": true, "stream": true}), Kind::Completion, "echo"),
+        ] {
+            let e = params(body.clone(), kind)
+                .err()
+                .unwrap_or_else(|| panic!("{body} accepted"));
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        let p = params(
+            json!({"max_tokens": 0, "echo": true, "logprobs": 2, "logit_bias": {"7": -100, "3": 2.5}}),
+            Kind::Completion,
+        )
+        .unwrap();
+        assert_eq!(
+            (p.max_tokens, p.logprobs, p.prompt_logprobs),
+            (0, Some(2), Some(2))
+        );
+        assert_eq!(p.logit_bias, [(3, 2.5), (7, -100.0)]);
+        let p = params(json!({"logprobs": true, "top_logprobs": 20}), Kind::Chat).unwrap();
+        assert_eq!((p.logprobs, p.prompt_logprobs), (Some(20), None));
+        // Prompt scoring where the model cannot: refused naming `echo`.
+        let c = parse_common(fields(json!({"echo": true, "logprobs": 1}))).unwrap();
+        let mut p = c.params(16).unwrap();
+        let e = c.output_options(Kind::Completion, &mut p, false).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
     }
 
     #[test]

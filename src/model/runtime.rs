@@ -13,14 +13,16 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::forward::Forward;
+use super::forward::{Forward, Picked};
 use super::gguf::GgufError;
 use super::gpu::{GpuCapacity, GpuError};
 use super::hf::HfError;
 use super::llama::{LoadError, SeqChunk};
 use super::metrics::Metrics;
 use super::profile::{self, Shape, Table};
-use super::sampling::{RowPick, Sampler, SamplingParams, StopMatcher};
+use super::sampling::{
+    token_logprobs, RowPick, RowSample, Sampler, SamplingParams, StopMatcher, TokenLogprobs,
+};
 use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 use kvfleet_engine::engine::prefix::{CacheKey, KvEvent};
 use kvfleet_engine::engine::scheduler::{
@@ -81,6 +83,11 @@ pub enum GenEvent {
     /// New text of one sampled token (always complete UTF-8, never part of a stop string;
     /// empty while bytes are held back).
     Text(String),
+    /// The log-probabilities of the token whose `Text` comes next (requests with `logprobs`).
+    Logprobs(TokenLogprobs),
+    /// Every prompt token's log-probability after the first, before any generated token
+    /// (requests with `prompt_logprobs`).
+    PromptLogprobs(Vec<TokenLogprobs>),
     Done {
         reason: FinishReason,
         /// Text held back until the end (a stop string's prefix that never completed, the
@@ -101,7 +108,8 @@ pub enum GenEvent {
 enum Command {
     Submit {
         prompt: Vec<u32>,
-        params: SamplingParams,
+        /// Boxed: the sampling settings (logit bias, stop lists) dwarf the other commands.
+        params: Box<SamplingParams>,
         key: CacheKey,
         events: UnboundedSender<GenEvent>,
         arrived: Instant,
@@ -135,6 +143,8 @@ pub struct ModelRuntime {
     pub max_token_bytes: usize,
     /// Where the forward pass runs (`cpu`, `cuda`).
     pub device: &'static str,
+    /// Whether the model scores prompts (`prompt_logprobs`: completions' `echo` + `logprobs`).
+    pub scores_prompts: bool,
     pub pool: PoolSummary,
     /// The GPU's memory split when the model runs on CUDA.
     pub gpu_capacity: Option<GpuCapacity>,
@@ -251,6 +261,7 @@ impl ModelRuntime {
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
         let device = model.device();
+        let scores_prompts = model.can_score_prompts();
         let vocab_size = model.config().vocab;
         let admitted = Arc::new(AtomicUsize::new(0));
         let lp = Loop {
@@ -279,6 +290,7 @@ impl ModelRuntime {
             vocab_size,
             max_token_bytes,
             device,
+            scores_prompts,
             pool,
             gpu_capacity: None,
             metrics,
@@ -322,10 +334,12 @@ impl ModelRuntime {
                 capacity: self.pool.max_request_tokens - 1,
             });
         }
+        // 0 only scores the prompt (`echo` with `logprobs`); checked by the caller.
+        let least = usize::from(params.prompt_logprobs.is_none() || params.max_tokens > 0);
         params.max_tokens = params
             .max_tokens
             .min(self.pool.max_request_tokens - prompt.len())
-            .max(1);
+            .max(least);
         let (tx, rx) = unbounded_channel();
         let submit = self.submit.lock().map_err(|_| RuntimeError::Stopped)?;
         let Some(submit) = submit.as_ref() else {
@@ -347,7 +361,7 @@ impl ModelRuntime {
         submit
             .send(Command::Submit {
                 prompt,
-                params,
+                params: Box::new(params),
                 key,
                 events: tx,
                 arrived: Instant::now(),
@@ -573,7 +587,7 @@ impl Loop {
                             let _ = tx.send(GenEvent::Unavailable(RuntimeError::ShuttingDown.to_string()));
                             continue;
                         }
-                        self.submit(prompt, params, key, tx, arrived);
+                        self.submit(prompt, *params, key, tx, arrived);
                     }
                     Command::Shutdown { drain } => {
                         drain_until = Some(Instant::now() + drain);
@@ -650,6 +664,37 @@ impl Loop {
         tx: UnboundedSender<GenEvent>,
         arrived: Instant,
     ) {
+        if let Some(top) = params.prompt_logprobs {
+            match self.model.score_prompt(&prompt, top) {
+                Some(Ok(scored)) => {
+                    let _ = tx.send(GenEvent::PromptLogprobs(scored));
+                }
+                Some(Err(e)) => {
+                    self.admitted.fetch_sub(1, Ordering::SeqCst);
+                    let _ = tx.send(GenEvent::Error(format!("scoring the prompt failed: {e}")));
+                    return;
+                }
+                None => {
+                    self.admitted.fetch_sub(1, Ordering::SeqCst);
+                    let _ = tx.send(GenEvent::Error(
+                        "this device does not score prompts (prompt log-probabilities)".into(),
+                    ));
+                    return;
+                }
+            }
+            if params.max_tokens == 0 {
+                // Scoring only: nothing to generate (vLLM's `echo` with `max_tokens: 0`).
+                self.admitted.fetch_sub(1, Ordering::SeqCst);
+                let _ = tx.send(GenEvent::Done {
+                    reason: FinishReason::Length,
+                    text: String::new(),
+                    prompt_tokens: prompt.len(),
+                    completion_tokens: 0,
+                    cached_tokens: 0,
+                });
+                return;
+            }
+        }
         let id = self.next_id;
         self.next_id += 1;
         if let Err(e) = self.sched.submit_tokens(id, &prompt, params.max_tokens, key) {
@@ -669,9 +714,18 @@ impl Loop {
             id,
             Live {
                 prompt_len: prompt.len(),
+                sampler: Sampler::for_request(
+                    params.clone(),
+                    &prompt,
+                    if params.ignore_eos {
+                        &[]
+                    } else {
+                        &self.tok.stop_tokens
+                    },
+                ),
                 tokens: prompt,
-                sampler: Sampler::new(params.clone()),
-                stops: StopMatcher::new(params.stop.clone()),
+                stops: StopMatcher::new(params.stop.clone())
+                    .including_stop(params.include_stop_str_in_output),
                 decoder: StreamDecoder::new(),
                 events: tx,
                 arrived,
@@ -714,13 +768,14 @@ impl Loop {
         let chunks: Vec<_> = self.sched.scheduled().collect();
         let rows: Vec<RequestId> = chunks.iter().filter(|c| c.samples).map(|c| c.id).collect();
         // Each sampled row takes its request's next key before the step: the device draws with
-        // it (one u64 of the request's stream a token, on either device).
-        let picks: Vec<RowPick> = rows
+        // it (one u64 of the request's stream a token, on either device), after the row's
+        // adjustments (penalties, bias, min_tokens) from the request's token counts.
+        let picks: Vec<RowSample> = rows
             .iter()
             .map(|id| {
                 self.live
                     .get_mut(id)
-                    .map_or(RowPick::Greedy, |l| l.sampler.next_pick())
+                    .map_or(RowSample::from(RowPick::Greedy), |l| l.sampler.next_row())
             })
             .collect();
         let started = Instant::now();
@@ -742,7 +797,7 @@ impl Loop {
                 Some(id) => Err(format!("request {id} was scheduled without its tokens")),
                 None => self
                     .model
-                    .forward_rows(&batch, plan, &picks)
+                    .forward_samples(&batch, plan, &picks)
                     .map_err(|e| e.to_string()),
             }
         };
@@ -787,7 +842,7 @@ impl Loop {
     /// Applies scheduler events: takes the token the step picked for every request it yielded
     /// one for (token `i` of the step's output belongs to `rows[i]`), streams text, ends
     /// requests.
-    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&[u32], Instant)>, rows: &[RequestId]) {
+    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&[Picked], Instant)>, rows: &[RequestId]) {
         let row_of: HashMap<RequestId, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
         let mut stopped = Vec::new();
         loop {
@@ -810,9 +865,14 @@ impl Loop {
                         if l.ended.is_some() {
                             continue;
                         }
-                        let Some(&next) = out.get(row) else {
+                        let Some(picked) = out.get(row) else {
                             tracing::error!(id, row, "the step returned no token for a row");
                             continue;
+                        };
+                        let next = picked.token;
+                        let logprobs = match (l.sampler.params().logprobs, &picked.logits) {
+                            (Some(top), Some(row)) => Some(token_logprobs(row, next, top)),
+                            _ => None,
                         };
                         self.metrics.vllm_generation_tokens.inc();
                         match l.last_token_at {
@@ -825,7 +885,7 @@ impl Loop {
                         }
                         l.last_token_at = Some(now);
                         let pushed = l.tokens.len();
-                        if let Some(reason) = push_token(&self.tok, l, next, &self.metrics) {
+                        if let Some(reason) = push_token(&self.tok, l, next, logprobs, &self.metrics) {
                             l.ended = Some(reason);
                             stopped.push(id);
                         } else if l.tokens.len() > pushed {
@@ -938,15 +998,44 @@ impl Loop {
 }
 
 /// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
-/// finish reason when the request ends with it.
-fn push_token(tok: &Tokenizer, l: &mut Live, next: u32, metrics: &Metrics) -> Option<FinishReason> {
-    if !l.sampler.params().ignore_eos && tok.stop_tokens.contains(&next) {
+/// finish reason when the request ends with it. Before `min_tokens` tokens were generated no
+/// stop token or stop string ends it (vLLM).
+fn push_token(
+    tok: &Tokenizer,
+    l: &mut Live,
+    next: u32,
+    logprobs: Option<TokenLogprobs>,
+    metrics: &Metrics,
+) -> Option<FinishReason> {
+    let p = l.sampler.params();
+    let (with_special, include_stop) = (!p.skip_special_tokens, p.include_stop_str_in_output);
+    let armed = l.output_len() >= p.min_tokens;
+    let stop_token = (!p.ignore_eos && tok.stop_tokens.contains(&next)) || p.stop_token_ids.contains(&next);
+    if stop_token && armed {
+        if include_stop {
+            // The stop token's text stays (a control token's only with skip_special_tokens off);
+            // it is no output token, as an end-of-sequence token never is.
+            let piece = l.decoder.push_with(tok, next, with_special);
+            let (text, _) = l.stops.push(&piece);
+            if !text.is_empty() {
+                let _ = l.events.send(GenEvent::Text(text));
+            }
+        }
         flush(l, FinishReason::Stop, metrics);
         return Some(FinishReason::Stop);
     }
     l.tokens.push(next);
-    let piece = l.decoder.push(tok, next);
-    let (text, hit) = l.stops.push(&piece);
+    l.sampler.accept(next);
+    let piece = l.decoder.push_with(tok, next, with_special);
+    // Stop strings are looked for from the min_tokens-th token on.
+    let (text, hit) = if l.output_len() >= l.sampler.params().min_tokens {
+        l.stops.push(&piece)
+    } else {
+        (piece, false)
+    };
+    if let Some(lp) = logprobs {
+        let _ = l.events.send(GenEvent::Logprobs(lp));
+    }
     // One event per token even when its text is held back or empty (a partial UTF-8
     // sequence, a byte-less dummy token): streams show every token's arrival.
     let _ = l.events.send(GenEvent::Text(text));

@@ -41,6 +41,8 @@ pub(super) struct Acts {
     pub picks: CudaSlice<i32>,
     /// `[R, PICK_WORDS]`: each row's sampling parameters (`kvf_pick_rows`).
     pub pick_words: CudaSlice<u32>,
+    /// The rows' logit adjustments (`kvf_adjust_rows`), grown by [`Acts::ensure_adjust`].
+    pub adjust: CudaSlice<u32>,
     /// Gemma 3: f32 `[T, d]`, a sublayer's output before its post-norm (one element otherwise).
     pub proj: CudaSlice<f32>,
 }
@@ -80,6 +82,7 @@ impl Acts {
             pick_words: s
                 .alloc_zeros::<u32>(r * PICK_WORDS)
                 .map_err(drv("allocating activations"))?,
+            adjust: s.alloc_zeros::<u32>(1).map_err(drv("allocating activations"))?,
             proj: f(if dm.gemma { t * dm.d } else { 1 })?,
         })
     }
@@ -105,6 +108,19 @@ impl Acts {
                 Acts::bytes(dm, t, r) >> 20
             ))
         })?;
+        Ok(())
+    }
+}
+
+impl Acts {
+    /// Grows the adjustment buffer (to a power of two) to hold `words` words.
+    pub fn ensure_adjust(&mut self, s: &Arc<CudaStream>, words: usize) -> Result<(), GpuError> {
+        if self.adjust.len() < words {
+            let n = words.next_power_of_two();
+            self.adjust = s
+                .alloc_zeros::<u32>(n)
+                .map_err(drv("allocating logit adjustments"))?;
+        }
         Ok(())
     }
 }

@@ -5,12 +5,14 @@
 //! 2. the family's layers ([`super::step::Family`]): from the token ids to the residual stream;
 //! 3. the last row of every chunk that wants logits: `rmsnorm`, `logits = h · headᵀ` (f32),
 //!    as one fused GEMV when there is one such row;
-//! 4. the logits back to the host, or each row's token picked on the device.
+//! 4. the logits back to the host, or each row's token picked on the device: the raw logits
+//!    rows that ask for them (log-probabilities) copied back first, then the rows' logit
+//!    adjustments applied in place (`kvf_adjust_rows`, when any row has some), then the pick.
 
 use kvfleet_engine::engine::layout::{BackendConfig, StepPlan};
-use kvfleet_engine::model::forward::{check_plan, Forward};
+use kvfleet_engine::model::forward::{check_plan, Forward, Picked};
 use kvfleet_engine::model::llama::{ForwardError, LlamaConfig, SeqChunk};
-use kvfleet_engine::model::sampling::RowPick;
+use kvfleet_engine::model::sampling::{RowPick, RowSample};
 
 use kvfleet_engine::engine::Backend;
 
@@ -20,14 +22,16 @@ use super::error::{backend_err, drv, GpuError};
 use super::gemv::{Input, Output};
 use super::kernels::Norm;
 use super::model::GpuLlama;
+use super::sampling::adjust_words;
 use super::step::{part, Marks, Step};
 
 /// What a step brings back to the host, and where.
 enum StepOut<'a> {
     /// `[rows, vocab]` f32.
     Logits(&'a mut Vec<f32>),
-    /// A token a row, picked on the device as each row's pick says.
-    Tokens(&'a [RowPick], &'a mut Vec<u32>),
+    /// A token a row, picked on the device as each row says (and the raw logits of the rows
+    /// that keep them).
+    Tokens(&'a [RowSample], &'a mut Vec<Picked>),
 }
 
 /// A step's tokens and positions, and the rows that want logits, as the kernels read them.
@@ -154,24 +158,44 @@ fn lm_head(st: &mut Step<'_>, n: usize, gemv: bool) -> Result<(), GpuError> {
 }
 
 /// The step's result to the host: the logits, or each row's token picked on the device (a step
-/// of greedy rows only skips the upload of the picks' parameters).
+/// of greedy rows only skips the upload of the picks' parameters and runs the argmax, on the
+/// adjusted logits when a row has adjustments).
 fn to_host(st: &mut Step<'_>, n: usize, out: StepOut<'_>) -> Result<(), GpuError> {
     let (k, vocab) = (st.k, st.dm.vocab);
     let s = k.stream();
     let a = &mut *st.a;
     match out {
-        StepOut::Tokens(picks, tokens) => {
+        StepOut::Tokens(rows, out) => {
+            // Rows that report log-probabilities take their raw logits (before adjustments, as
+            // vLLM's default `raw_logprobs`): rare evaluation traffic, a row of vocab floats each.
+            let mut kept: Vec<Option<Vec<f32>>> = vec![None; n];
+            for (r, row) in rows.iter().enumerate() {
+                if row.keep_logits {
+                    let mut h = vec![0f32; vocab];
+                    s.memcpy_dtoh(&a.logits.slice(r * vocab..(r + 1) * vocab), h.as_mut_slice())
+                        .map_err(drv("copying a logits row to the host"))?;
+                    kept[r] = Some(h);
+                }
+            }
+            if let Some(words) = adjust_words(rows) {
+                a.ensure_adjust(s, words.len())?;
+                k.adjust_rows(&mut a.logits, n, vocab, &words, &mut a.adjust)?;
+            }
+            let picks: Vec<RowPick> = rows.iter().map(|r| r.pick).collect();
             if picks.iter().all(|p| *p == RowPick::Greedy) {
                 k.argmax_rows(&a.logits, n, vocab, &mut a.picks)?;
             } else {
-                k.pick_rows(&a.logits, vocab, picks, &mut a.pick_words, &mut a.picks)?;
+                k.pick_rows(&a.logits, vocab, &picks, &mut a.pick_words, &mut a.picks)?;
             }
             st.marks.mark(part::SAMPLE)?;
             let mut ids = vec![0i32; n];
             s.memcpy_dtoh(&a.picks.slice(..n), &mut ids)
                 .map_err(drv("copying sampled tokens to the host"))?;
-            tokens.clear();
-            tokens.extend(ids.into_iter().map(|id| id as u32));
+            out.clear();
+            out.extend(ids.into_iter().zip(kept).map(|(id, logits)| Picked {
+                token: id as u32,
+                logits,
+            }));
         }
         StepOut::Logits(host) => {
             host.resize(n * vocab, 0.0);
@@ -201,27 +225,27 @@ impl Forward for GpuLlama {
         Ok(logits)
     }
 
-    fn forward_rows(
+    fn forward_samples(
         &mut self,
         batch: &[SeqChunk<'_>],
         plan: &StepPlan,
-        picks: &[RowPick],
-    ) -> Result<Vec<u32>, ForwardError> {
+        rows: &[RowSample],
+    ) -> Result<Vec<Picked>, ForwardError> {
         let (t, last) = self.begin(batch, plan)?;
         if t == 0 {
             return Ok(Vec::new());
         }
-        if picks.len() != last.len() {
+        if rows.len() != last.len() {
             return Err(GpuError::Invalid(format!(
                 "{} picks for {} rows wanting logits",
-                picks.len(),
+                rows.len(),
                 last.len()
             ))
             .into());
         }
-        let mut tokens = Vec::with_capacity(picks.len());
-        self.run(t, &last, StepOut::Tokens(picks, &mut tokens))?;
-        Ok(tokens)
+        let mut out = Vec::with_capacity(rows.len());
+        self.run(t, &last, StepOut::Tokens(rows, &mut out))?;
+        Ok(out)
     }
 
     fn device(&self) -> &'static str {

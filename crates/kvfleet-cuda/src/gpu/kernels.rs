@@ -33,7 +33,7 @@ pub const MODEL_SOURCE: &str = concat!(
 );
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 13] = [
+pub const MODEL_KERNELS: [&str; 14] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
@@ -43,6 +43,7 @@ pub const MODEL_KERNELS: [&str; 13] = [
     "kvf_fill_uniform",
     "kvf_argmax_rows",
     "kvf_pick_rows",
+    "kvf_adjust_rows",
     "kvf_embed_scaled",
     "kvf_rms_norm_add",
     "kvf_gelu_tanh_mul",
@@ -89,6 +90,7 @@ pub(super) struct ModelKernels {
     fill_uniform: CudaFunction,
     pub(super) argmax_rows: CudaFunction,
     pub(super) pick_rows: CudaFunction,
+    pub(super) adjust_rows: CudaFunction,
     gemma: GemmaKernels,
     pub gemv: Gemv,
     /// Launch the decode step's kernels with programmatic dependent launch (sm_90 and later):
@@ -207,6 +209,7 @@ impl ModelKernels {
             fill_uniform: f("kvf_fill_uniform")?,
             argmax_rows: f("kvf_argmax_rows")?,
             pick_rows: f("kvf_pick_rows")?,
+            adjust_rows: f("kvf_adjust_rows")?,
             gemma: GemmaKernels {
                 embed_scaled: f("kvf_embed_scaled")?,
                 rms_norm_add: f("kvf_rms_norm_add")?,

@@ -39,5 +39,5 @@ pub use error::GpuError;
 pub use kernels::{model_ptx, MODEL_KERNELS, MODEL_SOURCE};
 pub use model::{check_available, GpuLlama};
 pub use options::{GpuCapacity, GpuOptions, BLOCK_SIZE};
-pub use sampling::pick_rows_on_device;
+pub use sampling::{pick_rows_on_device, sample_rows_on_device};
 pub use shape::kv_replication;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
-use super::sampling::RowPick;
+use super::sampling::{token_logprobs, RowPick, RowSample, TokenLogprobs};
 use crate::engine::cpu::CpuBackend;
 use crate::engine::direct::DirectPlanner;
 use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
@@ -30,28 +30,64 @@ pub trait Forward: Send {
 
     /// Runs the step like [`Forward::forward`] for a serving loop that samples, and returns
     /// the next token of each row (the `i`-th chunk wanting logits), picked as `picks[i]`
-    /// says. A device that holds the logits picks there (the GPU: `kernels/sampling.cu`), so
-    /// only token ids cross to the host; the default picks on the host.
+    /// says, with no adjustments: [`Forward::forward_samples`] of plain picks.
     fn forward_rows(
         &mut self,
         batch: &[SeqChunk<'_>],
         plan: &StepPlan,
         picks: &[RowPick],
     ) -> Result<Vec<u32>, ForwardError> {
+        let rows: Vec<RowSample> = picks.iter().map(|&p| RowSample::from(p)).collect();
+        Ok(self
+            .forward_samples(batch, plan, &rows)?
+            .into_iter()
+            .map(|p| p.token)
+            .collect())
+    }
+
+    /// Runs the step and returns each row's token, picked as `rows[i]` says (its adjustments
+    /// applied first), and the raw logits of the rows that keep them. A device that holds the
+    /// logits picks there (the GPU: `kernels/sampling.cu`), so only token ids cross to the host,
+    /// and the logits rows asked for; the default picks on the host.
+    fn forward_samples(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        plan: &StepPlan,
+        rows: &[RowSample],
+    ) -> Result<Vec<Picked>, ForwardError> {
         let logits = self.forward(batch, plan)?;
         let vocab = self.config().vocab;
-        let rows = logits.len() / vocab.max(1);
-        if rows != picks.len() {
+        let n = logits.len() / vocab.max(1);
+        if n != rows.len() {
             return Err(ForwardError::Kv(KvError::Backend(format!(
-                "{} picks for {rows} rows wanting logits",
-                picks.len()
+                "{} picks for {n} rows wanting logits",
+                rows.len()
             ))));
         }
-        Ok(picks
+        Ok(rows
             .iter()
             .zip(logits.chunks_exact(vocab))
-            .map(|(p, row)| p.pick(row))
+            .map(|(r, row)| Picked {
+                token: r.pick(row),
+                logits: r.keep_logits.then(|| row.to_vec()),
+            })
             .collect())
+    }
+
+    /// The log-probability of every prompt token after the first under the model (with `top`
+    /// alternatives each), computed over the whole prompt apart from the serving pools (no
+    /// prefix cache: every position is computed). `None` where the device does not implement it.
+    fn score_prompt(
+        &mut self,
+        _tokens: &[u32],
+        _top: usize,
+    ) -> Option<Result<Vec<TokenLogprobs>, ForwardError>> {
+        None
+    }
+
+    /// Whether [`Forward::score_prompt`] is implemented for this model on this device.
+    fn can_score_prompts(&self) -> bool {
+        false
     }
 
     /// Where it runs, for logs and `/v1/capacity` (`cpu`, `cuda`).
@@ -62,6 +98,14 @@ pub trait Forward: Send {
     fn last_attention_time(&self) -> Option<Duration> {
         None
     }
+}
+
+/// One row's result of [`Forward::forward_samples`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Picked {
+    pub token: u32,
+    /// The raw logits row, when the row asked to keep it.
+    pub logits: Option<Vec<f32>>,
 }
 
 /// Checks that `plan` was written for `batch`: one `qo_indptr` entry per chunk, each the
@@ -285,6 +329,22 @@ impl Forward for CpuForward {
 
     fn device(&self) -> &'static str {
         "cpu"
+    }
+
+    fn score_prompt(
+        &mut self,
+        tokens: &[u32],
+        top: usize,
+    ) -> Option<Result<Vec<TokenLogprobs>, ForwardError>> {
+        Some(
+            self.model
+                .prompt_logits(tokens, |i, row| token_logprobs(row, tokens[i + 1], top)),
+        )
+    }
+
+    fn can_score_prompts(&self) -> bool {
+        let c = &self.model.config;
+        (0..c.n_layers).all(|i| c.layer_window(i).is_none())
     }
 
     fn last_attention_time(&self) -> Option<Duration> {

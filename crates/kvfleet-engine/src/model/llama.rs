@@ -597,6 +597,73 @@ impl Llama {
         kv: &mut dyn KvAttention,
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<f32>, ForwardError> {
+        let d = self.config.d_model;
+        let x = self.hidden(kv, batch)?;
+        // Only the last row of chunks that want logits goes through the LM head.
+        let mut last = Vec::new();
+        let mut row = 0;
+        for s in batch {
+            row += s.tokens.len();
+            if s.want_logits && !s.tokens.is_empty() {
+                last.extend_from_slice(&x[(row - 1) * d..row * d]);
+            }
+        }
+        Ok(self.head(&last))
+    }
+
+    /// `[rows, vocab]` logits of `[rows, d_model]` final hidden states.
+    fn head(&self, x: &[f32]) -> Vec<f32> {
+        let c = &self.config;
+        let d = c.d_model;
+        let n = x.len() / d;
+        let mut normed = vec![0f32; n * d];
+        rms_norm(x, &self.out_norm, c.rms_eps, &mut normed);
+        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; n * c.vocab];
+        matmul_t(&normed, n, d, head, c.vocab, &mut logits);
+        logits
+    }
+
+    /// Runs a whole prompt on a scratch f32 cache of its own (no pages, nothing cached or kept)
+    /// and calls `f(i, logits of position i)` for every position `i` but the last, in order:
+    /// what scoring a prompt needs (the logits at `i` give token `i + 1`'s log-probability).
+    /// The LM head runs 64 positions at a time, so memory stays `64 x vocab` floats. Models with
+    /// sliding-window layers are refused (the scratch cache keeps every position).
+    pub fn prompt_logits<T>(
+        &self,
+        tokens: &[u32],
+        mut f: impl FnMut(usize, &[f32]) -> T,
+    ) -> Result<Vec<T>, ForwardError> {
+        let c = &self.config;
+        if (0..c.n_layers).any(|i| c.layer_window(i).is_some()) {
+            return Err(ForwardError::Kv(KvError::Backend(
+                "prompt scoring is not implemented for models with sliding-window layers".into(),
+            )));
+        }
+        let mut kv = super::kv::ContiguousKv::new(c.attn_geometry(), tokens.len().max(1));
+        let chunk = SeqChunk {
+            seq: 0,
+            start_pos: 0,
+            tokens,
+            want_logits: false,
+        };
+        let x = self.hidden(&mut kv, &[chunk])?;
+        let d = c.d_model;
+        let scored = tokens.len().saturating_sub(1);
+        let mut out = Vec::with_capacity(scored);
+        for start in (0..scored).step_by(64) {
+            let end = (start + 64).min(scored);
+            let logits = self.head(&x[start * d..end * d]);
+            for (j, row) in logits.chunks_exact(c.vocab).enumerate() {
+                out.push(f(start + j, row));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The final hidden states `[tokens, d_model]` of every chunk's new tokens (before the
+    /// output norm), their K/V stored in `kv`.
+    fn hidden(&self, kv: &mut dyn KvAttention, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let (d, hd, ff) = (c.d_model, c.head_dim, c.d_ff);
         let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
@@ -706,22 +773,7 @@ impl Llama {
             }
             add_in_place(&mut x, &proj);
         }
-        // Only the last row of chunks that want logits goes through the LM head.
-        let mut last = Vec::new();
-        let mut row = 0;
-        for s in batch {
-            row += s.tokens.len();
-            if s.want_logits && !s.tokens.is_empty() {
-                last.extend_from_slice(&x[(row - 1) * d..row * d]);
-            }
-        }
-        let n = last.len() / d;
-        let mut normed = vec![0f32; n * d];
-        rms_norm(&last, &self.out_norm, c.rms_eps, &mut normed);
-        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-        let mut logits = vec![0f32; n * c.vocab];
-        matmul_t(&normed, n, d, head, c.vocab, &mut logits);
-        Ok(logits)
+        Ok(x)
     }
 
     #[cfg(test)]

@@ -788,7 +788,12 @@ impl StreamDecoder {
 
     /// Adds one token and returns the text that became complete (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> String {
-        self.pending.extend_from_slice(tok.token_bytes(id, false));
+        self.push_with(tok, id, false)
+    }
+
+    /// [`StreamDecoder::push`], keeping control tokens' text when `with_special`.
+    pub fn push_with(&mut self, tok: &Tokenizer, id: u32, with_special: bool) -> String {
+        self.pending.extend_from_slice(tok.token_bytes(id, with_special));
         self.drain(false)
     }
 
