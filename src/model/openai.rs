@@ -1244,7 +1244,7 @@ async fn respond(
     };
     let key = p.common.cache_key().unwrap_or_default();
     let prompt_tokens = p.ids.len();
-    let rx = match rt.generate_with(p.ids, p.params, key) {
+    let rx = match rt.generate_with(p.ids, p.params, key, Some(deadline.into_std())) {
         Ok(rx) => rx,
         Err(e) => return ApiError::from_runtime(e, param).into_response(),
     };

@@ -28,6 +28,9 @@ use kvfleet_engine::engine::scheduler::{
 };
 use kvfleet_engine::engine::StepPlan;
 
+mod output;
+use output::{flush, push_token};
+
 /// Errors of starting the runtime or submitting to it.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -101,6 +104,7 @@ enum Command {
         key: CacheKey,
         events: UnboundedSender<GenEvent>,
         arrived: Instant,
+        deadline: Option<Instant>,
     },
     /// Stop taking requests, finish what runs until `drain` elapses, fail the rest, exit.
     Shutdown { drain: Duration },
@@ -292,16 +296,18 @@ impl ModelRuntime {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<UnboundedReceiver<GenEvent>, RuntimeError> {
-        self.generate_with(prompt, params, CacheKey::default())
+        self.generate_with(prompt, params, CacheKey::default(), None)
     }
 
     /// [`ModelRuntime::generate`] in the prefix-cache partition `key` (a request shares cached
-    /// blocks only with requests of an equal key: vLLM's `cache_salt`).
+    /// blocks only with requests of an equal key: vLLM's `cache_salt`). A receiver dropped at
+    /// or past `deadline` (the request timeout) counts as timed out, not as a client that left.
     pub fn generate_with(
         &self,
         prompt: Vec<u32>,
         mut params: SamplingParams,
         key: CacheKey,
+        deadline: Option<Instant>,
     ) -> Result<UnboundedReceiver<GenEvent>, RuntimeError> {
         if prompt.is_empty() {
             return Err(RuntimeError::EmptyPrompt);
@@ -347,6 +353,7 @@ impl ModelRuntime {
                 key,
                 events: tx,
                 arrived: Instant::now(),
+                deadline,
             })
             .map_err(|_| {
                 self.admitted.fetch_sub(1, Ordering::SeqCst);
@@ -493,6 +500,8 @@ struct Live {
     ended: Option<FinishReason>,
     /// Ended by the shutdown (never started, or cut when the drain ran out): retryable.
     cut_by_shutdown: bool,
+    /// When the request timeout ends it ([`ModelRuntime::generate_with`]).
+    deadline: Option<Instant>,
 }
 
 impl Live {
@@ -563,13 +572,14 @@ impl Loop {
                         key,
                         events: tx,
                         arrived,
+                        deadline,
                     } => {
                         if drain_until.is_some() {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             let _ = tx.send(GenEvent::Unavailable(RuntimeError::ShuttingDown.to_string()));
                             continue;
                         }
-                        self.submit(prompt, params, key, tx, arrived);
+                        self.submit(prompt, params, key, tx, arrived, deadline);
                     }
                     Command::Shutdown { drain } => {
                         drain_until = Some(Instant::now() + drain);
@@ -645,6 +655,7 @@ impl Loop {
         key: CacheKey,
         tx: UnboundedSender<GenEvent>,
         arrived: Instant,
+        deadline: Option<Instant>,
     ) {
         let id = self.next_id;
         self.next_id += 1;
@@ -678,20 +689,27 @@ impl Loop {
                 cached: 0,
                 ended: None,
                 cut_by_shutdown: false,
+                deadline,
             },
         );
     }
 
-    /// Requests whose client went away leave the scheduler (their pages free at once).
+    /// Requests whose client went away leave the scheduler (their pages free at once): timed
+    /// out when their receiver was dropped at their deadline (the handler's 504), else cancelled.
     fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
-        let gone: Vec<RequestId> = self
+        let now = Instant::now();
+        let gone: Vec<(RequestId, bool)> = self
             .live
             .iter()
             .filter(|(_, l)| l.events.is_closed())
-            .map(|(id, _)| *id)
+            .map(|(id, l)| (*id, l.deadline.is_some_and(|d| now >= d)))
             .collect();
-        for id in gone {
-            self.sched.cancel(id, events);
+        for (id, timed_out) in gone {
+            if timed_out {
+                self.sched.time_out(id, events);
+            } else {
+                self.sched.cancel(id, events);
+            }
         }
         self.handle(events, None, &[]);
     }
@@ -845,7 +863,7 @@ impl Loop {
                         if let Some(l) = self.live.remove(&id) {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {
-                                // Cancelled (the client left), failed or aborted at shutdown.
+                                // Cancelled (the client left), timed out, failed or cut at shutdown.
                                 self.metrics.observe_aborted();
                                 let _ = l.events.send(if l.cut_by_shutdown {
                                     GenEvent::Unavailable(reason)
@@ -894,6 +912,7 @@ impl Loop {
         m.finished.inc_by(c.finished - self.last.finished);
         m.failed.inc_by(c.failed - self.last.failed);
         m.cancelled.inc_by(c.cancelled - self.last.cancelled);
+        m.timed_out.inc_by(c.timed_out - self.last.timed_out);
         m.tokens.inc_by(c.tokens - self.last.tokens);
         m.vllm_prefix_queries
             .inc_by(c.prefix_queries - self.last.prefix_queries);
@@ -931,66 +950,4 @@ impl Loop {
             tokens: c.tokens,
         });
     }
-}
-
-/// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
-/// finish reason when the request ends with it.
-fn push_token(tok: &Tokenizer, l: &mut Live, next: u32, metrics: &Metrics) -> Option<FinishReason> {
-    if !l.sampler.params().ignore_eos && tok.stop_tokens.contains(&next) {
-        flush(l, FinishReason::Stop, metrics);
-        return Some(FinishReason::Stop);
-    }
-    l.tokens.push(next);
-    let piece = l.decoder.push(tok, next);
-    let (text, hit) = l.stops.push(&piece);
-    // One event per token even when its text is held back or empty (a partial UTF-8
-    // sequence, a byte-less dummy token): streams show every token's arrival.
-    let _ = l.events.send(GenEvent::Text(text));
-    if hit {
-        done(l, FinishReason::Stop, metrics);
-        return Some(FinishReason::Stop);
-    }
-    if l.output_len() >= l.sampler.params().max_tokens {
-        flush(l, FinishReason::Length, metrics);
-        return Some(FinishReason::Length);
-    }
-    None
-}
-
-/// Sends held-back text (unless it completes a stop string) and the end of the request.
-fn flush(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
-    let tail = l.decoder.finish();
-    let (mut text, hit) = l.stops.push(&tail);
-    if !hit {
-        text.push_str(&l.stops.finish());
-    }
-    if !text.is_empty() {
-        let _ = l.events.send(GenEvent::Text(text));
-    }
-    done(l, reason, metrics);
-}
-
-/// Ends a request for its client. The end-to-end latency is observed before the client can
-/// see the end, so a client that reads `/metrics` after its answer always finds it counted.
-fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
-    let now = Instant::now();
-    let started = l.started_at.unwrap_or(now);
-    let first = l.first_token_at.unwrap_or(now);
-    let last = l.last_token_at.unwrap_or(now);
-    metrics.observe_finished(&super::metrics::Finished {
-        reason: reason.as_str(),
-        e2e: now.saturating_duration_since(l.arrived),
-        queue: started.saturating_duration_since(l.arrived),
-        prefill: first.saturating_duration_since(started),
-        decode: last.saturating_duration_since(first),
-        prompt_tokens: l.prompt_len,
-        generation_tokens: l.output_len(),
-    });
-    let _ = l.events.send(GenEvent::Done {
-        reason,
-        prompt_tokens: l.prompt_len,
-        completion_tokens: l.output_len(),
-        cached_tokens: l.cached,
-    });
-    l.ended = Some(reason);
 }
