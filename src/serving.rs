@@ -1,6 +1,7 @@
 //! What the long-lived modes share: shutdown on SIGTERM, and HTTP serving for the webhook and
-//! the worker, where every HTTP/1 connection must send its request headers within a time limit,
-//! so that a client that opens connections and trickles bytes (slowloris) cannot hold them, nor
+//! the worker, where every HTTP/1 connection must send its request headers within a time limit
+//! and every HTTP/2 connection must answer keep-alive PINGs, so that neither a client that
+//! opens connections and trickles bytes (slowloris) nor a peer that vanished can hold them, nor
 //! the server's file descriptors, for long.
 
 use std::time::Duration;
@@ -20,6 +21,33 @@ pub const FIRST_REQUEST_TIMEOUT: Duration = HEADER_READ_TIMEOUT;
 /// never sends a request on one the worker is closing. Idle connections past the connection
 /// limit are closed sooner, longest-idle first.
 pub const KEEP_ALIVE_IDLE: Duration = Duration::from_secs(75);
+
+/// HTTP/2 keep-alive: the server PINGs a connection from which it has read nothing for
+/// `interval`, and closes it when the PING is not acknowledged within `timeout` (hyper's
+/// `http2::Builder::keep_alive_interval` / `keep_alive_timeout`; a server pings idle
+/// connections too). This closes what the idle policy cannot see: a connection with a request
+/// in flight whose peer vanished without a FIN (a dead node, a dropped NAT or load-balancer
+/// mapping), which TCP alone would hold until its retransmissions give up (about 15 minutes),
+/// or, with nothing to send, forever. A connection without a stream is closed by the idle
+/// policy ([`connection_policy`]) whether or not it answers PINGs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Http2KeepAlive {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+/// Both servers' HTTP/2 keep-alive: a dead peer is closed within 40 s of its last frame.
+/// - Interval 20 s: below the shortest idle timeout of the load balancers and NAT gateways a
+///   client may sit behind (AWS ALB 60 s, Azure LB 4 min, AWS NAT gateway and NLB 350 s), so a live
+///   but quiet connection keeps its mapping; a PING is 17 bytes each way.
+/// - Timeout 20 s: hyper's default and gRPC's keep-alive timeout; a live peer answers a PING
+///   in a round trip, so 20 s covers a congested link or a paused client without closing it.
+///
+/// Kubelet probes use HTTP/1.1 (no PINGs); the router's pooled connections are HTTP/1.1 too.
+pub const HTTP2_KEEP_ALIVE: Http2KeepAlive = Http2KeepAlive {
+    interval: Duration::from_secs(20),
+    timeout: Duration::from_secs(20),
+};
 
 /// The policy of a server's connections: the timeouts above and a connection limit below the
 /// process's file limit ([`connections::connection_budget`]).
@@ -50,17 +78,26 @@ pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener
     socket.listen(LISTEN_BACKLOG)?.into_std()
 }
 
-/// HTTP/1 connections of `server` must send their headers within `timeout` (hyper needs a
-/// timer for it).
-pub fn limit_header_read<A, Acc>(server: &mut axum_server::Server<A, Acc>, timeout: Duration)
-where
+/// The timeouts hyper enforces on `server`'s connections: HTTP/1 connections must send their
+/// headers within `header_read`, HTTP/2 connections answer keep-alive PINGs ([`Http2KeepAlive`]).
+/// Both need hyper's timer.
+pub fn limit_connection_time<A, Acc>(
+    server: &mut axum_server::Server<A, Acc>,
+    header_read: Duration,
+    keep_alive: Http2KeepAlive,
+) where
     A: axum_server::Address,
 {
-    server
-        .http_builder()
+    let builder = server.http_builder();
+    builder
         .http1()
         .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(timeout);
+        .header_read_timeout(header_read);
+    builder
+        .http2()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(keep_alive.interval)
+        .keep_alive_timeout(keep_alive.timeout);
 }
 
 /// Resolves on SIGTERM (what the kubelet sends) or ctrl-c; shared by every long-lived mode.

@@ -1992,6 +1992,12 @@ async fn a_pod_on_a_relabelled_node_is_named_in_a_condition_and_once_in_a_warnin
             && msg.contains("kubectl delete pod llama-b -n ml"),
         "{msg}"
     );
+    // Degraded for it, with the same message (issue 35); the Event below is the only one.
+    let d = condition(status, "Degraded");
+    assert_eq!(
+        (d["status"].as_str(), d["reason"].as_str(), d["message"].as_str()),
+        (Some("True"), Some("PodsOnIncompatibleNodes"), Some(msg))
+    );
     // The Compatible condition still counts the one node that can run it.
     assert!(condition(status, "Compatible")["message"]
         .as_str()
@@ -2032,6 +2038,11 @@ async fn a_pod_on_a_relabelled_node_is_named_in_a_condition_and_once_in_a_warnin
     assert_eq!(
         (c["status"].as_str(), c["reason"].as_str()),
         (Some("False"), Some("AllPodsOnCompatibleNodes"))
+    );
+    let d = condition(&seen[CHILDREN + 1].body, "Degraded");
+    assert_eq!(
+        (d["status"].as_str(), d["reason"].as_str()),
+        (Some("False"), Some("AsExpected"))
     );
 }
 

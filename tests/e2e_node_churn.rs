@@ -5,7 +5,8 @@
 //! (9.0). Within 60 s the status must not claim compatible nodes that are not there
 //! (Compatible says `DeclaredProductsNoNodes`, not `CompatibleNodesFound` with "0 node(s)"),
 //! and the pod on the mismatched node is named, with the fix, in the `PodsOnIncompatibleNodes`
-//! condition and in a `PodOnIncompatibleNode` Warning Event.
+//! condition, in `Degraded` (reason `PodsOnIncompatibleNodes`) and in a `PodOnIncompatibleNode`
+//! Warning Event. Labelled a B200 again, the node runs the pod and `Degraded` is False again.
 //!
 //! Run: `eval "$(../shared/k8s/up)"; cargo test --test e2e_node_churn -- --ignored --nocapture`
 
@@ -178,6 +179,14 @@ async fn e2e_node_churn_a_b200_relabelled_as_an_h100_under_an_nvfp4_pod_is_repor
             && msg.contains(&format!("kubectl delete pod {pod} -n {NS}")),
         "{msg}"
     );
+    // The deployment is Degraded for it, with the same pod, node and fix (it was AsExpected).
+    let degraded = conds.iter().find(|c| c["type"] == "Degraded").unwrap();
+    assert_eq!(
+        (&degraded["status"], &degraded["reason"]),
+        (&json!("True"), &json!("PodsOnIncompatibleNodes")),
+        "{degraded}"
+    );
+    assert_eq!(degraded["message"], drift["message"], "{degraded}");
     let event = e2e_support::wait_for("the PodOnIncompatibleNode Event", Duration::from_secs(30), || {
         let evs = e2e_support::get_json(&["events.events.k8s.io", "-n", NS]).ok_or("no events")?;
         evs["items"]
@@ -199,6 +208,24 @@ async fn e2e_node_churn_a_b200_relabelled_as_an_h100_under_an_nvfp4_pod_is_repor
             .starts_with(&format!("pod {pod} runs on node {NODE} (NVIDIA-H100-80GB-HBM3, compute capability 9.0), which can no longer run kvCacheDtype nvfp4")),
         "{event}"
     );
+
+    // 3. GFD labels it a B200 again: the pod runs where it can, Degraded is False again.
+    nodes.gpu(NODE, B200);
+    let resolved = e2e_support::wait_for(
+        "Degraded=False after the node is a B200 again",
+        Duration::from_secs(60),
+        || {
+            let o = e2e_support::get_json(&["inferencedeployment", NAME, "-n", NS]).ok_or("absent")?;
+            let d = condition(&o, "Degraded").ok_or_else(|| o["status"].to_string())?;
+            let drift = condition(&o, "PodsOnIncompatibleNodes").ok_or_else(|| o["status"].to_string())?;
+            if d["status"] == "False" && drift["status"] == "False" {
+                Ok(d)
+            } else {
+                Err(format!("{d} {drift}"))
+            }
+        },
+    );
+    assert_ne!(resolved["reason"], "PodsOnIncompatibleNodes", "{resolved}");
 
     ids.delete(NAME, &DeleteParams::foreground())
         .await

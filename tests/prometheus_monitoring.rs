@@ -307,6 +307,7 @@ fn is_worker_metric(name: &str) -> bool {
             "kvfleet_preemptions_total",
             "kvfleet_requests_finished_total",
             "kvfleet_requests_failed_total",
+            "kvfleet_requests_timed_out_total",
             "kvfleet_tokens_total",
             "kvfleet_attention_seconds",
             "kvfleet_gpu_info",

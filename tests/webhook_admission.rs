@@ -2,6 +2,7 @@
 //! pure `review` function (including 10,000 random and truncated bodies), the node
 //! cache, self-managed certificates, and the real HTTPS server on loopback.
 
+mod h2_support;
 mod webhook_support;
 
 use std::sync::Arc;
@@ -1118,6 +1119,122 @@ async fn connections_idle_after_the_tls_handshake_or_before_it_are_closed_after_
     );
     let (reaped, _, _) = state.connections.closed();
     assert_eq!(reaped, 3, "{:?}", state.connections.closed());
+    // Probes still answer.
+    assert_eq!(http_get(health_addr, "/healthz").await.0, 200);
+    handle.shutdown();
+}
+
+/// Issue 35 (residual): the HTTPS port speaks HTTP/2 (ALPN h2). A peer that vanished (no FIN)
+/// with a review in flight (its body never ends: the admission handler has no body timeout) was
+/// held forever; now the server PINGs it after the keep-alive interval and closes it when the
+/// PING goes unanswered (here both lowered to 1 s; the defaults are 20 s and 20 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_peer_with_a_review_in_flight_that_never_answers_pings_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let keep_alive = kvfleet::serving::Http2KeepAlive {
+        interval: Duration::from_secs(1),
+        timeout: Duration::from_secs(1),
+    };
+    let (ca, serving) = loopback_pki();
+    let (cache, _writer) = synced_cache(vec![]);
+    let state = kvfleet::webhook::server::AppState::with_timeouts(
+        cache,
+        kvfleet::webhook::metrics::Metrics::new().unwrap(),
+        Duration::from_secs(10),
+        keep_alive,
+    );
+    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
+        tls::server_config(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes()).unwrap(),
+    );
+    let (https, health) = (
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+    );
+    let (https_addr, health_addr) = (https.local_addr().unwrap(), health.local_addr().unwrap());
+    let handle = axum_server::Handle::new();
+    tokio::spawn(kvfleet::webhook::server::serve_https(
+        https,
+        state.clone(),
+        rustls,
+        handle.clone(),
+    ));
+    tokio::spawn(kvfleet::webhook::server::serve_health(
+        health,
+        state.clone(),
+        handle.clone(),
+    ));
+    let tcp = loop {
+        match tokio::net::TcpStream::connect(https_addr).await {
+            Ok(tcp) => break tcp,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    // A client that offers h2 only, as the API server's does when the server supports it.
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(ca.0.cert_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    tls.write_all(&h2_support::preface()).await.unwrap();
+    let (mut buf, mut chunk) = (Vec::new(), [0u8; 4096]);
+    while !h2_support::take_frames(&mut buf)
+        .iter()
+        .any(h2_support::is_settings)
+    {
+        let n = tls.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed before its SETTINGS");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    tls.write_all(&h2_support::settings_ack()).await.unwrap();
+    tls.write_all(&h2_support::post_headers(1, "/validate"))
+        .await
+        .unwrap();
+    tls.write_all(&h2_support::data(1, br#"{"apiVersion":"#, false))
+        .await
+        .unwrap();
+    tls.flush().await.unwrap();
+    let silent_from = std::time::Instant::now();
+    // Read, never answer a PING, until the server closes the connection.
+    let mut pings = 0;
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match tls.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    buf.extend_from_slice(&chunk[..n]);
+                    pings += h2_support::take_frames(&mut buf)
+                        .iter()
+                        .filter(|f| h2_support::is_ping(f))
+                        .count();
+                }
+            }
+        }
+    })
+    .await;
+    let held = silent_from.elapsed();
+    assert!(
+        closed.is_ok(),
+        "an h2 connection that answered no PING ({pings} sent) was open 10 s after its last frame"
+    );
+    assert!(pings >= 1, "closed after {held:?} without a PING");
+    assert!(
+        held >= keep_alive.interval + keep_alive.timeout - Duration::from_millis(500)
+            && held < Duration::from_secs(5),
+        "closed after {held:?}: the keep-alive interval and timeout are {:?}",
+        keep_alive.interval + keep_alive.timeout
+    );
     // Probes still answer.
     assert_eq!(http_get(health_addr, "/healthz").await.0, 200);
     handle.shutdown();

@@ -5,6 +5,8 @@
 //! Needs the embedded model (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`) and `prlimit`
 //! (util-linux).
 
+mod h2_support;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -14,6 +16,51 @@ use std::time::{Duration, Instant};
 
 mod worker_support;
 use worker_support::{free_port, http, smollm2};
+
+/// Starts the worker (under `prlimit --nofile=N:N` when `nofile` is given) and waits until it
+/// is ready; returns it and a reader of its log.
+fn start_worker(name: &str, nofile: Option<usize>) -> (Worker, u16, std::path::PathBuf) {
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!(
+        "kvfleet-worker-connections-{}-{name}.log",
+        std::process::id()
+    ));
+    let mut cmd = match nofile {
+        Some(n) => {
+            let mut c = Command::new("prlimit");
+            c.arg(format!("--nofile={n}:{n}")).arg(kvfleet_bin());
+            c
+        }
+        None => Command::new(kvfleet_bin()),
+    };
+    let child = cmd
+        .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+        .env("KVFLEET_SMOLLM2_GGUF", smollm2())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut w = Worker(child);
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = w.0.try_wait().unwrap() {
+            panic!(
+                "worker exited during start-up: {status}\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() && http(port, "GET", "/readyz", "", &[]).0 == 200 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "not ready\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    (w, port, log)
+}
 
 /// The binary under test: this build's, or `KVFLEET_TEST_BIN` (to measure another build).
 fn kvfleet_bin() -> String {
@@ -57,34 +104,8 @@ fn idle_connections_past_the_file_limit_never_keep_a_health_probe_out() {
     const IDLE: usize = 1100;
     const NOFILE: usize = 256;
     raise_file_limit(4 * IDLE as u64);
-    let port = free_port();
-    let log = std::env::temp_dir().join(format!("kvfleet-worker-connections-{}.log", std::process::id()));
-    let child = Command::new("prlimit")
-        .arg(format!("--nofile={NOFILE}:{NOFILE}"))
-        .arg(kvfleet_bin())
-        .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
-        .env("KVFLEET_SMOLLM2_GGUF", smollm2())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut w = Worker(child);
+    let (w, port, log) = start_worker("idle", Some(NOFILE));
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let t0 = Instant::now();
-    loop {
-        if let Some(status) = w.0.try_wait().unwrap() {
-            panic!("worker exited during start-up: {status}\n{}", read_log());
-        }
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() && http(port, "GET", "/readyz", "", &[]).0 == 200 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(180),
-            "not ready\n{}",
-            read_log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
     let pid = w.0.id();
     let fds = move || std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
 
@@ -184,4 +205,128 @@ fn idle_connections_past_the_file_limit_never_keep_a_health_probe_out() {
     );
     assert_eq!(st, 200, "{b}");
     drop(kept_alive);
+}
+
+/// An h2c client's connection, read until the server closes it or `until` passes: (when it
+/// closed, PINGs the server sent, whether a GOAWAY came). Never answers a PING.
+fn read_until_closed(s: &mut TcpStream, until: Instant) -> (Option<Instant>, usize, bool) {
+    s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let (mut buf, mut pings, mut goaway) = (Vec::new(), 0, false);
+    let mut chunk = [0u8; 4096];
+    while Instant::now() < until {
+        match s.read(&mut chunk) {
+            Ok(0) => return (Some(Instant::now()), pings, goaway),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                for f in h2_support::take_frames(&mut buf) {
+                    pings += usize::from(h2_support::is_ping(&f));
+                    goaway |= f.0 == h2_support::GOAWAY;
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return (Some(Instant::now()), pings, goaway),
+        }
+    }
+    (None, pings, goaway)
+}
+
+/// An h2c client past the preface: the server's SETTINGS read and acknowledged.
+fn h2c_connect(port: u16) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(&h2_support::preface()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !h2_support::take_frames(&mut buf)
+        .iter()
+        .any(h2_support::is_settings)
+    {
+        let n = s.read(&mut chunk).expect("the server's SETTINGS");
+        assert!(n > 0, "closed before its SETTINGS");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    s.write_all(&h2_support::settings_ack()).unwrap();
+    s
+}
+
+/// Issue 35 (residual): an HTTP/2 peer that vanished without a FIN (a dead node) while its
+/// request is in flight (here a body that never ends, which the body timeout answers with 408
+/// at 30 s) stops answering PINGs: the worker pings it after the keep-alive interval (20 s of
+/// silence) and closes it when the PING goes unanswered (20 s more). Before, nothing pinged it:
+/// the connection was held through the body timeout and then the 75 s idle time (105 s), and
+/// with a stream kept busy, for as long as the stream ran. A peer that opens no stream is closed
+/// by the first-request timeout (10 s). `/healthz` answers throughout.
+#[test]
+fn an_h2c_peer_that_never_answers_pings_is_closed_within_the_keep_alive_bound() {
+    let ka = kvfleet::serving::HTTP2_KEEP_ALIVE;
+    let bound = ka.interval + ka.timeout + Duration::from_secs(10);
+    let (w, port, log) = start_worker("h2-keep-alive", None);
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    let done = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut failures = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                let t0 = Instant::now();
+                let probe = std::panic::catch_unwind(|| http(port, "GET", "/healthz", "", &[]).0);
+                if probe.as_ref().ok() != Some(&200) || t0.elapsed() > Duration::from_secs(1) {
+                    failures.push((probe.ok(), t0.elapsed()));
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            failures
+        })
+    };
+
+    // A stream in flight: a completion whose body never ends.
+    let mut in_flight = h2c_connect(port);
+    in_flight
+        .write_all(&h2_support::post_headers(1, "/v1/completions"))
+        .unwrap();
+    in_flight
+        .write_all(&h2_support::data(1, br#"{"prompt":"#, false))
+        .unwrap();
+    let silent_from = Instant::now();
+    // No stream at all.
+    let no_stream = std::thread::spawn(move || {
+        let mut s = h2c_connect(port);
+        let opened = Instant::now();
+        let (closed, _, _) = read_until_closed(&mut s, opened + bound);
+        closed.map(|t| t - opened)
+    });
+
+    let (closed, pings, goaway) = read_until_closed(&mut in_flight, silent_from + bound);
+    done.store(true, Ordering::SeqCst);
+    let failures = prober.join().unwrap();
+    let no_stream = no_stream.join().unwrap();
+    let held = closed.map(|t| t - silent_from);
+    eprintln!("in flight: closed after {held:?}, {pings} PING(s), GOAWAY {goaway}; no stream: closed after {no_stream:?}");
+    let Some(held) = held else {
+        panic!(
+            "an h2c connection that answered no PING ({pings} sent) was open {bound:?} after its last frame\n{}",
+            read_log()
+        );
+    };
+    assert!(pings >= 1, "closed after {held:?} without a PING");
+    assert!(
+        held >= ka.interval + ka.timeout - Duration::from_secs(2),
+        "closed after {held:?}, before the keep-alive interval and timeout ({:?})",
+        ka.interval + ka.timeout
+    );
+    assert!(
+        no_stream.is_some_and(|t| t < kvfleet::serving::FIRST_REQUEST_TIMEOUT + Duration::from_secs(5)),
+        "an h2c connection with no stream was closed after {no_stream:?}"
+    );
+    assert!(
+        failures.is_empty(),
+        "probes failed or slow: {failures:?}\n{}",
+        read_log()
+    );
+    drop(w);
 }

@@ -1260,3 +1260,74 @@ fn the_drain_answers_503_retryable_at_once_for_queued_requests_and_disconnects_a
     );
     assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(0), "{}", w.log());
 }
+
+/// Issue 35: a request stopped by `--request-timeout-seconds` (504, or a stream's error chunk)
+/// counts in `kvfleet_requests_timed_out_total`, not as a client disconnect in
+/// `kvfleet_requests_cancelled_total` (nor as failed); vLLM's series count it as `abort`, as
+/// vLLM counts a request its caller stopped. A client that leaves is still a cancellation.
+#[test]
+fn a_request_past_its_timeout_counts_as_timed_out_not_as_a_client_disconnect() {
+    // 20 s: the disconnect below must get its first chunk before the timeout on a busy machine.
+    let mut w = start("timed-out", &["--request-timeout-seconds", "20"], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    let port = w.port;
+    let counts = |m: &str| {
+        (
+            try_sample(m, "kvfleet_requests_timed_out_total"),
+            try_sample(m, "kvfleet_requests_cancelled_total"),
+            try_sample(m, "kvfleet_requests_failed_total"),
+            try_sample(m, "vllm:request_success_total{finished_reason=\"abort\"}"),
+        )
+    };
+    let wait_for = |want: (Option<f64>, Option<f64>, Option<f64>, Option<f64>)| {
+        let t0 = Instant::now();
+        loop {
+            let m = metrics_once_idle(port);
+            if counts(&m) == want || t0.elapsed() > Duration::from_secs(20) {
+                return m;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+
+    let long = serde_json::json!({
+        "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true, "temperature": 0
+    });
+    let plain = std::thread::spawn(move || http(port, "POST", "/v1/completions", &long.to_string()));
+    let err =
+        stream_completion(port, "Once upon a time", 3000).expect_err("a 3000-token stream ended within 20 s");
+    assert!(err.contains("request_timeout"), "{err}");
+    let (st, _, b) = plain.join().unwrap();
+    assert_eq!(st, 504, "{b}");
+    let m = wait_for((Some(2.0), Some(0.0), Some(0.0), Some(2.0)));
+    assert_eq!(
+        counts(&m),
+        (Some(2.0), Some(0.0), Some(0.0), Some(2.0)),
+        "(timed out, cancelled, failed, vLLM abort) after two timeouts:\n{m}"
+    );
+
+    // A client that leaves a stream after its first chunk: a cancellation, not a timeout.
+    {
+        let body = r#"{"prompt":"Once upon a time","max_tokens":400,"ignore_eos":true,"stream":true}"#;
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut r = BufReader::new(s);
+        let mut line = String::new();
+        while !line.starts_with("data: ") {
+            line.clear();
+            r.read_line(&mut line).unwrap();
+        }
+    }
+    let m = wait_for((Some(2.0), Some(1.0), Some(0.0), Some(3.0)));
+    assert_eq!(
+        counts(&m),
+        (Some(2.0), Some(1.0), Some(0.0), Some(3.0)),
+        "(timed out, cancelled, failed, vLLM abort) after a disconnect:\n{m}"
+    );
+    drop(w);
+}

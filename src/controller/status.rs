@@ -24,7 +24,9 @@ pub const KV_CAPACITY_MATCHES_PLAN: &str = "KvCapacityMatchesPlan";
 pub const LOGGED_GIB_ROUNDING_BYTES: f64 = 0.005 * (1u64 << 30) as f64;
 
 /// Whether running worker pods sit on nodes that can no longer run their configuration
-/// (True names them; see [`super::placement`]).
+/// (True names them; see [`super::placement`]). Also the reason of Degraded=True while they
+/// do: the deployment runs, but not where it can (with no Event of its own: each pod gets a
+/// [`POD_ON_INCOMPATIBLE_NODE`] Event).
 pub const PODS_ON_INCOMPATIBLE_NODES: &str = "PodsOnIncompatibleNodes";
 /// Compatible=True: nodes in the cluster can run the spec (the message counts them).
 pub const COMPATIBLE_NODES_FOUND: &str = "CompatibleNodesFound";
@@ -463,13 +465,15 @@ fn degraded_condition(
                 "the running pods keep the last compatible configuration; fix the spec to roll out",
             ),
         }
+    } else if let Some(what) = misplaced_message(obj, seen.placement) {
+        // After NodesChanged: `generation_was_admitted` reads that reason on the next pass.
+        cond(DEGRADED, true, PODS_ON_INCOMPATIBLE_NODES, what)
     } else {
         cond(DEGRADED, false, "AsExpected", r.ready_message(obj.spec.replicas))
     }
 }
 
 fn placement_condition(obj: &InferenceDeployment, placement: Option<&Placement>) -> Cond {
-    let ns = obj.metadata.namespace.as_deref().unwrap_or_default();
     match placement {
         None | Some(Placement::NoPods) => cond(
             PODS_ON_INCOMPATIBLE_NODES,
@@ -489,34 +493,44 @@ fn placement_condition(obj: &InferenceDeployment, placement: Option<&Placement>)
             "AllPodsOnCompatibleNodes",
             format!("{bound} bound worker pod(s) run on nodes that can run kvCacheDtype {kv_cache_dtype} with attentionBackend {attention_backend}"),
         ),
-        Some(Placement::Checked {
-            bound,
-            kv_cache_dtype,
-            attention_backend,
-            misplaced,
-        }) => {
-            let listed: Vec<String> = misplaced
-                .iter()
-                .take(MISPLACED_LISTED)
-                .map(|m| format!("pod {} on node {} ({}): {}", m.pod, m.node, m.gpu, m.why))
-                .collect();
-            let more = match misplaced.len().saturating_sub(MISPLACED_LISTED) {
-                0 => String::new(),
-                n => format!(" and {n} more"),
-            };
-            let first = &misplaced[0].pod;
-            cond(
-                PODS_ON_INCOMPATIBLE_NODES,
-                true,
-                NODE_NO_LONGER_COMPATIBLE,
-                format!(
-                    "{} of {bound} bound worker pod(s) run on a node that can no longer run kvCacheDtype {kv_cache_dtype} with attentionBackend {attention_backend} (the node changed after the pod was scheduled): {}{more}. Delete each such pod so that it is rescheduled on a compatible node (e.g. kubectl delete pod {first} -n {ns}), or correct the node's labels if they are wrong",
-                    misplaced.len(),
-                    listed.join("; ")
-                ),
-            )
-        }
+        Some(Placement::Checked { .. }) => cond(
+            PODS_ON_INCOMPATIBLE_NODES,
+            true,
+            NODE_NO_LONGER_COMPATIBLE,
+            misplaced_message(obj, placement).unwrap_or_default(),
+        ),
     }
+}
+
+/// The pods on nodes that can no longer run them: each with its node, what the node cannot run
+/// and the fix (the message of PodsOnIncompatibleNodes=True and of Degraded with that reason);
+/// `None` when no pod is misplaced or placement was not checked.
+fn misplaced_message(obj: &InferenceDeployment, placement: Option<&Placement>) -> Option<String> {
+    let Some(Placement::Checked {
+        bound,
+        kv_cache_dtype,
+        attention_backend,
+        misplaced,
+    }) = placement
+    else {
+        return None;
+    };
+    let first = &misplaced.first()?.pod;
+    let ns = obj.metadata.namespace.as_deref().unwrap_or_default();
+    let listed: Vec<String> = misplaced
+        .iter()
+        .take(MISPLACED_LISTED)
+        .map(|m| format!("pod {} on node {} ({}): {}", m.pod, m.node, m.gpu, m.why))
+        .collect();
+    let more = match misplaced.len().saturating_sub(MISPLACED_LISTED) {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    Some(format!(
+        "{} of {bound} bound worker pod(s) run on a node that can no longer run kvCacheDtype {kv_cache_dtype} with attentionBackend {attention_backend} (the node changed after the pod was scheduled): {}{more}. Delete each such pod so that it is rescheduled on a compatible node (e.g. kubectl delete pod {first} -n {ns}), or correct the node's labels if they are wrong",
+        misplaced.len(),
+        listed.join("; ")
+    ))
 }
 
 /// Whether the generation of `obj` was admitted before (Compatible=True, or Degraded
@@ -719,7 +733,10 @@ pub fn notices(
         }
     }
     if let Some(c) = is(DEGRADED) {
+        // Pods on incompatible nodes get an Event each (PodOnIncompatibleNode, naming the pod
+        // and the fix): a second one for the deployment would say it twice.
         if c.status == "True"
+            && c.reason != PODS_ON_INCOMPATIBLE_NODES
             && (was(DEGRADED) != Some("True") || find(old, DEGRADED).is_some_and(|o| o.reason != c.reason))
         {
             out.push(Notice {

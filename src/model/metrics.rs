@@ -69,6 +69,8 @@ pub struct Metrics {
     pub failed: IntCounter,
     /// Requests whose client went away before their end (not failures: apart from `failed`).
     pub cancelled: IntCounter,
+    /// Requests stopped at the request timeout (504, or a stream's error chunk).
+    pub timed_out: IntCounter,
     pub tokens: IntCounter,
     pub attention_seconds: Histogram,
     pub step_seconds: Histogram,
@@ -192,11 +194,15 @@ impl Metrics {
             )?,
             failed: IntCounter::new(
                 "kvfleet_requests_failed_total",
-                "Requests that ended without finishing for the server's reasons (a failed step, the end of a shutdown drain); client disconnects are in kvfleet_requests_cancelled_total",
+                "Requests that ended without finishing for the server's reasons (a failed step, the end of a shutdown drain); client disconnects are in kvfleet_requests_cancelled_total, request timeouts in kvfleet_requests_timed_out_total",
             )?,
             cancelled: IntCounter::new(
                 "kvfleet_requests_cancelled_total",
-                "Requests whose client disconnected before their end (not counted as failed)",
+                "Requests whose client disconnected before their end (not counted as failed or timed out)",
+            )?,
+            timed_out: IntCounter::new(
+                "kvfleet_requests_timed_out_total",
+                "Requests the worker stopped at its request timeout (--request-timeout-seconds: a 504, or a stream's request_timeout error), not counted as cancelled or failed",
             )?,
             tokens: IntCounter::new("kvfleet_tokens_total", "Tokens computed (prefill and decode)")?,
             attention_seconds: Histogram::with_opts(
@@ -291,7 +297,7 @@ impl Metrics {
             vllm_request_success: IntCounterVec::new(
                 Opts::new(
                     "vllm:request_success_total",
-                    "Requests that ended, by finish reason: stop, length, abort (cancelled, failed or cut by shutdown) (vLLM's name)",
+                    "Requests that ended, by finish reason: stop, length, abort (cancelled, timed out, failed or cut by shutdown) (vLLM's name)",
                 ),
                 &["finished_reason"],
             )?,
@@ -348,6 +354,7 @@ impl Metrics {
         r.register(Box::new(m.finished.clone()))?;
         r.register(Box::new(m.failed.clone()))?;
         r.register(Box::new(m.cancelled.clone()))?;
+        r.register(Box::new(m.timed_out.clone()))?;
         r.register(Box::new(m.tokens.clone()))?;
         r.register(Box::new(m.attention_seconds.clone()))?;
         r.register(Box::new(m.gpu_info.clone()))?;
@@ -444,7 +451,8 @@ impl Metrics {
         }
     }
 
-    /// A request that ended without its last token (cancelled, failed, cut by shutdown).
+    /// A request that ended without its last token (cancelled, timed out, failed, cut by
+    /// shutdown): vLLM's `abort`, which vLLM counts for a request its caller stopped.
     pub fn observe_aborted(&self) {
         self.vllm_request_success.with_label_values(&["abort"]).inc();
     }

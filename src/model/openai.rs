@@ -1475,7 +1475,7 @@ async fn respond(
         Vec::new()
     };
     let logprobs = p.params.logprobs;
-    let rx = match rt.generate_with(p.ids, p.params, key) {
+    let rx = match rt.generate_with(p.ids, p.params, key, Some(deadline.into_std())) {
         Ok(rx) => rx,
         Err(e) => return ApiError::from_runtime(e, param).into_response(),
     };

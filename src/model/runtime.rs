@@ -30,6 +30,10 @@ use kvfleet_engine::engine::scheduler::{
 };
 use kvfleet_engine::engine::StepPlan;
 
+mod output;
+mod scoring;
+use output::{flush, push_token};
+
 /// Errors of starting the runtime or submitting to it.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -113,6 +117,7 @@ enum Command {
         key: CacheKey,
         events: UnboundedSender<GenEvent>,
         arrived: Instant,
+        deadline: Option<Instant>,
     },
     /// Stop taking requests, finish what runs until `drain` elapses, fail the rest, exit.
     Shutdown { drain: Duration },
@@ -308,16 +313,18 @@ impl ModelRuntime {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<UnboundedReceiver<GenEvent>, RuntimeError> {
-        self.generate_with(prompt, params, CacheKey::default())
+        self.generate_with(prompt, params, CacheKey::default(), None)
     }
 
     /// [`ModelRuntime::generate`] in the prefix-cache partition `key` (a request shares cached
-    /// blocks only with requests of an equal key: vLLM's `cache_salt`).
+    /// blocks only with requests of an equal key: vLLM's `cache_salt`). A receiver dropped at
+    /// or past `deadline` (the request timeout) counts as timed out, not as a client that left.
     pub fn generate_with(
         &self,
         prompt: Vec<u32>,
         mut params: SamplingParams,
         key: CacheKey,
+        deadline: Option<Instant>,
     ) -> Result<UnboundedReceiver<GenEvent>, RuntimeError> {
         if prompt.is_empty() {
             return Err(RuntimeError::EmptyPrompt);
@@ -365,6 +372,7 @@ impl ModelRuntime {
                 key,
                 events: tx,
                 arrived: Instant::now(),
+                deadline,
             })
             .map_err(|_| {
                 self.admitted.fetch_sub(1, Ordering::SeqCst);
@@ -511,6 +519,8 @@ struct Live {
     ended: Option<FinishReason>,
     /// Ended by the shutdown (never started, or cut when the drain ran out): retryable.
     cut_by_shutdown: bool,
+    /// When the request timeout ends it ([`ModelRuntime::generate_with`]).
+    deadline: Option<Instant>,
 }
 
 impl Live {
@@ -581,13 +591,14 @@ impl Loop {
                         key,
                         events: tx,
                         arrived,
+                        deadline,
                     } => {
                         if drain_until.is_some() {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             let _ = tx.send(GenEvent::Unavailable(RuntimeError::ShuttingDown.to_string()));
                             continue;
                         }
-                        self.submit(prompt, *params, key, tx, arrived);
+                        self.submit(prompt, *params, key, tx, arrived, deadline);
                     }
                     Command::Shutdown { drain } => {
                         drain_until = Some(Instant::now() + drain);
@@ -663,35 +674,10 @@ impl Loop {
         key: CacheKey,
         tx: UnboundedSender<GenEvent>,
         arrived: Instant,
+        deadline: Option<Instant>,
     ) {
         if let Some(top) = params.prompt_logprobs {
-            match self.model.score_prompt(&prompt, top) {
-                Some(Ok(scored)) => {
-                    let _ = tx.send(GenEvent::PromptLogprobs(scored));
-                }
-                Some(Err(e)) => {
-                    self.admitted.fetch_sub(1, Ordering::SeqCst);
-                    let _ = tx.send(GenEvent::Error(format!("scoring the prompt failed: {e}")));
-                    return;
-                }
-                None => {
-                    self.admitted.fetch_sub(1, Ordering::SeqCst);
-                    let _ = tx.send(GenEvent::Error(
-                        "this device does not score prompts (prompt log-probabilities)".into(),
-                    ));
-                    return;
-                }
-            }
-            if params.max_tokens == 0 {
-                // Scoring only: nothing to generate (vLLM's `echo` with `max_tokens: 0`).
-                self.admitted.fetch_sub(1, Ordering::SeqCst);
-                let _ = tx.send(GenEvent::Done {
-                    reason: FinishReason::Length,
-                    text: String::new(),
-                    prompt_tokens: prompt.len(),
-                    completion_tokens: 0,
-                    cached_tokens: 0,
-                });
+            if !self.score_prompt(&prompt, top, params.max_tokens, &tx) {
                 return;
             }
         }
@@ -736,20 +722,27 @@ impl Loop {
                 cached: 0,
                 ended: None,
                 cut_by_shutdown: false,
+                deadline,
             },
         );
     }
 
-    /// Requests whose client went away leave the scheduler (their pages free at once).
+    /// Requests whose client went away leave the scheduler (their pages free at once): timed
+    /// out when their receiver was dropped at their deadline (the handler's 504), else cancelled.
     fn drop_cancelled(&mut self, events: &mut Vec<Event>) {
-        let gone: Vec<RequestId> = self
+        let now = Instant::now();
+        let gone: Vec<(RequestId, bool)> = self
             .live
             .iter()
             .filter(|(_, l)| l.events.is_closed())
-            .map(|(id, _)| *id)
+            .map(|(id, l)| (*id, l.deadline.is_some_and(|d| now >= d)))
             .collect();
-        for id in gone {
-            self.sched.cancel(id, events);
+        for (id, timed_out) in gone {
+            if timed_out {
+                self.sched.time_out(id, events);
+            } else {
+                self.sched.cancel(id, events);
+            }
         }
         self.handle(events, None, &[]);
     }
@@ -909,7 +902,7 @@ impl Loop {
                         if let Some(l) = self.live.remove(&id) {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {
-                                // Cancelled (the client left), failed or aborted at shutdown.
+                                // Cancelled (the client left), timed out, failed or cut at shutdown.
                                 self.metrics.observe_aborted();
                                 let _ = l.events.send(if l.cut_by_shutdown {
                                     GenEvent::Unavailable(reason)
@@ -958,6 +951,7 @@ impl Loop {
         m.finished.inc_by(c.finished - self.last.finished);
         m.failed.inc_by(c.failed - self.last.failed);
         m.cancelled.inc_by(c.cancelled - self.last.cancelled);
+        m.timed_out.inc_by(c.timed_out - self.last.timed_out);
         m.tokens.inc_by(c.tokens - self.last.tokens);
         m.vllm_prefix_queries
             .inc_by(c.prefix_queries - self.last.prefix_queries);
@@ -995,98 +989,4 @@ impl Loop {
             tokens: c.tokens,
         });
     }
-}
-
-/// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
-/// finish reason when the request ends with it. Before `min_tokens` tokens were generated no
-/// stop token or stop string ends it (vLLM).
-fn push_token(
-    tok: &Tokenizer,
-    l: &mut Live,
-    next: u32,
-    logprobs: Option<TokenLogprobs>,
-    metrics: &Metrics,
-) -> Option<FinishReason> {
-    let p = l.sampler.params();
-    let (with_special, include_stop) = (!p.skip_special_tokens, p.include_stop_str_in_output);
-    let armed = l.output_len() >= p.min_tokens;
-    let stop_token = (!p.ignore_eos && tok.stop_tokens.contains(&next)) || p.stop_token_ids.contains(&next);
-    if stop_token && armed {
-        if include_stop {
-            // The stop token's text stays (a control token's only with skip_special_tokens off);
-            // it is no output token, as an end-of-sequence token never is.
-            let piece = l.decoder.push_with(tok, next, with_special);
-            let (text, _) = l.stops.push(&piece);
-            if !text.is_empty() {
-                let _ = l.events.send(GenEvent::Text(text));
-            }
-        }
-        flush(l, FinishReason::Stop, metrics);
-        return Some(FinishReason::Stop);
-    }
-    l.tokens.push(next);
-    l.sampler.accept(next);
-    let piece = l.decoder.push_with(tok, next, with_special);
-    // Stop strings are looked for from the min_tokens-th token on.
-    let (text, hit) = if l.output_len() >= l.sampler.params().min_tokens {
-        l.stops.push(&piece)
-    } else {
-        (piece, false)
-    };
-    if let Some(lp) = logprobs {
-        let _ = l.events.send(GenEvent::Logprobs(lp));
-    }
-    // One event per token even when its text is held back or empty (a partial UTF-8
-    // sequence, a byte-less dummy token): streams show every token's arrival.
-    let _ = l.events.send(GenEvent::Text(text));
-    if hit {
-        done(l, FinishReason::Stop, metrics);
-        return Some(FinishReason::Stop);
-    }
-    if l.output_len() >= l.sampler.params().max_tokens {
-        flush(l, FinishReason::Length, metrics);
-        return Some(FinishReason::Length);
-    }
-    None
-}
-
-/// Ends the request with the text still held back (unless it completes a stop string).
-fn flush(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
-    let tail = l.decoder.finish();
-    let (mut text, hit) = l.stops.push(&tail);
-    if !hit {
-        text.push_str(&l.stops.finish());
-    }
-    done_with(l, reason, metrics, text);
-}
-
-/// Ends a request for its client. The end-to-end latency is observed before the client can
-/// see the end, so a client that reads `/metrics` after its answer always finds it counted.
-fn done(l: &mut Live, reason: FinishReason, metrics: &Metrics) {
-    done_with(l, reason, metrics, String::new());
-}
-
-/// [`done`], the finish carrying `text` (held back until the end).
-fn done_with(l: &mut Live, reason: FinishReason, metrics: &Metrics, text: String) {
-    let now = Instant::now();
-    let started = l.started_at.unwrap_or(now);
-    let first = l.first_token_at.unwrap_or(now);
-    let last = l.last_token_at.unwrap_or(now);
-    metrics.observe_finished(&super::metrics::Finished {
-        reason: reason.as_str(),
-        e2e: now.saturating_duration_since(l.arrived),
-        queue: started.saturating_duration_since(l.arrived),
-        prefill: first.saturating_duration_since(started),
-        decode: last.saturating_duration_since(first),
-        prompt_tokens: l.prompt_len,
-        generation_tokens: l.output_len(),
-    });
-    let _ = l.events.send(GenEvent::Done {
-        reason,
-        text,
-        prompt_tokens: l.prompt_len,
-        completion_tokens: l.output_len(),
-        cached_tokens: l.cached,
-    });
-    l.ended = Some(reason);
 }

@@ -37,6 +37,9 @@ pub struct AppState {
     pub tls_ready: AtomicBool,
     /// See [`HEADER_READ_TIMEOUT`].
     pub header_read_timeout: Duration,
+    /// The HTTPS port speaks HTTP/2 (ALPN h2) and the health port h2c: see
+    /// [`crate::serving::HTTP2_KEEP_ALIVE`].
+    pub http2_keep_alive: crate::serving::Http2KeepAlive,
     /// Both servers' connections, under one file limit: idle ones are closed (a connection
     /// must start a request within the header read timeout of its accept, TLS handshake
     /// included) and the longest idle makes room for a new one (a probe).
@@ -49,11 +52,22 @@ impl AppState {
     }
 
     pub fn with_header_read_timeout(cache: Arc<NodeCache>, metrics: Metrics, timeout: Duration) -> Arc<Self> {
+        Self::with_timeouts(cache, metrics, timeout, crate::serving::HTTP2_KEEP_ALIVE)
+    }
+
+    /// With a header read timeout and an HTTP/2 keep-alive of its own (tests lower both).
+    pub fn with_timeouts(
+        cache: Arc<NodeCache>,
+        metrics: Metrics,
+        timeout: Duration,
+        http2_keep_alive: crate::serving::Http2KeepAlive,
+    ) -> Arc<Self> {
         Arc::new(AppState {
             cache,
             metrics,
             tls_ready: AtomicBool::new(false),
             header_read_timeout: timeout,
+            http2_keep_alive,
             connections: crate::serving::connections::Connections::new(crate::serving::connection_policy(
                 timeout,
             )),
@@ -170,7 +184,7 @@ pub async fn serve_https(
             .acceptor(axum_server::accept::DefaultAcceptor::new()),
     );
     let mut server = axum_server::from_tcp(listener)?.acceptor(acceptor);
-    crate::serving::limit_header_read(&mut server, state.header_read_timeout);
+    crate::serving::limit_connection_time(&mut server, state.header_read_timeout, state.http2_keep_alive);
     server
         .handle(handle)
         .serve(admission_router(state).into_make_service())
@@ -189,7 +203,7 @@ pub async fn serve_health(
             .connections
             .acceptor(axum_server::accept::DefaultAcceptor::new()),
     );
-    crate::serving::limit_header_read(&mut server, state.header_read_timeout);
+    crate::serving::limit_connection_time(&mut server, state.header_read_timeout, state.http2_keep_alive);
     server
         .handle(handle)
         .serve(health_router(state).into_make_service())

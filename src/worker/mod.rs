@@ -650,7 +650,11 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             );
             let mut server = axum_server::from_tcp(listener)?
                 .acceptor(connections.acceptor(axum_server::accept::NoDelayAcceptor::new()));
-            crate::serving::limit_header_read(&mut server, crate::serving::HEADER_READ_TIMEOUT);
+            crate::serving::limit_connection_time(
+                &mut server,
+                crate::serving::HEADER_READ_TIMEOUT,
+                crate::serving::HTTP2_KEEP_ALIVE,
+            );
             server.handle(handle).serve(app.into_make_service()).await
         })
     };

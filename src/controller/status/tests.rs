@@ -391,6 +391,62 @@ fn pods_on_incompatible_nodes_are_named_with_their_node_and_the_fix() {
     );
 }
 
+/// Issue 35: a running pod on a node that can no longer run it makes the deployment Degraded
+/// (it was AsExpected while PodsOnIncompatibleNodes was True), naming the pod, its node, what
+/// the node cannot run and the fix; resolved, Degraded is False again.
+#[test]
+fn pods_on_incompatible_nodes_make_the_deployment_degraded_until_they_are_gone() {
+    let mut o = b200_obj(1);
+    let v = allowed();
+    let d = dep(2, 2);
+    let checked = |m: Vec<crate::controller::placement::Misplaced>| Placement::Checked {
+        bound: 2,
+        kv_cache_dtype: crate::api::KvCacheDtype::Nvfp4,
+        attention_backend: crate::api::AttentionBackend::FlashInfer,
+        misplaced: m,
+    };
+    let with = |o: &InferenceDeployment, p: &Placement| {
+        compute(
+            o,
+            &Observed {
+                placement: Some(p),
+                ..seen(&v, &d)
+            },
+            ts(),
+        )
+    };
+    let well = with(&o, &checked(vec![]));
+    assert_eq!(get(&well, DEGRADED).status, "False");
+    o.status = Some(well.clone());
+
+    let bad = with(&o, &checked(vec![misplaced("m-1")]));
+    let c = get(&bad, DEGRADED);
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", PODS_ON_INCOMPATIBLE_NODES),
+        "{}",
+        c.message
+    );
+    assert!(
+        c.message.contains("pod m-1 on node gpu-a (NVIDIA-H100-80GB-HBM3, compute capability 9.0): spec.engine.kvCacheDtype: nvfp4 needs compute capability 10.0")
+            && c.message.contains("kubectl delete pod m-1 -n ns"),
+        "{}",
+        c.message
+    );
+    assert_eq!(c.message, get(&bad, PODS_ON_INCOMPATIBLE_NODES).message);
+    // No Event for the deployment: the reconcile publishes one per pod (PodOnIncompatibleNode).
+    let events = notices(Some(&well), &bad, Some(&v));
+    assert!(events.is_empty(), "{events:?}");
+    o.status = Some(bad);
+
+    // The pod rescheduled on a compatible node (or the node's labels corrected).
+    let back = with(&o, &checked(vec![]));
+    let c = get(&back, DEGRADED);
+    assert_eq!((c.status.as_str(), c.reason.as_str()), ("False", "AsExpected"));
+    let gone = with(&o, &Placement::NoPods);
+    assert_eq!(get(&gone, DEGRADED).status, "False");
+}
+
 fn planned(available_kv_bytes: u64) -> Verdict {
     Verdict {
         capacity_basis: Some(crate::validate::CapacityBasis {

@@ -141,6 +141,9 @@ pub struct Counters {
     /// Requests dropped because their client went away ([`Scheduler::cancel`]): no failure of
     /// the server, so not in `failed`.
     pub cancelled: u64,
+    /// Requests stopped at the server's request timeout ([`Scheduler::time_out`]): neither the
+    /// client's choice nor a failed step, so in neither `cancelled` nor `failed`.
+    pub timed_out: u64,
     pub steps: u64,
     pub tokens: u64,
 }
@@ -334,26 +337,35 @@ impl Scheduler {
 
     /// Drops a request (client gone); `false` when unknown or already done.
     pub fn cancel(&mut self, id: RequestId, events: &mut Vec<Event>) -> bool {
-        let Some(mut r) = self.take(id) else {
-            return false;
-        };
-        let _ = self.kv.free_all(&mut r.tables);
-        self.counters.cancelled += 1;
-        events.push(Event::Failed {
-            id,
-            reason: "cancelled".into(),
-        });
-        true
+        self.drop_request(id, "cancelled", events, |c| &mut c.cancelled)
+    }
+
+    /// Drops a request that ran past the server's request timeout (counted in `timed_out`);
+    /// `false` when unknown or already done.
+    pub fn time_out(&mut self, id: RequestId, events: &mut Vec<Event>) -> bool {
+        self.drop_request(id, "timed out", events, |c| &mut c.timed_out)
     }
 
     /// Fails one request for `reason` (counted in `failed`, as [`Scheduler::abort_all`] counts
     /// each); `false` when unknown or its tokens are in flight.
     pub fn abort(&mut self, id: RequestId, reason: &str, events: &mut Vec<Event>) -> bool {
+        self.drop_request(id, reason, events, |c| &mut c.failed)
+    }
+
+    /// Removes request `id`, frees its pages and counts it in `counter`; `false` when unknown
+    /// or its tokens are in flight.
+    fn drop_request(
+        &mut self,
+        id: RequestId,
+        reason: &str,
+        events: &mut Vec<Event>,
+        counter: fn(&mut Counters) -> &mut u64,
+    ) -> bool {
         let Some(mut r) = self.take(id) else {
             return false;
         };
         let _ = self.kv.free_all(&mut r.tables);
-        self.counters.failed += 1;
+        *counter(&mut self.counters) += 1;
         events.push(Event::Failed {
             id,
             reason: reason.to_string(),
