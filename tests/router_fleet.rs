@@ -3,9 +3,12 @@
 //! and the router's predicted hit equals the `cached_tokens` the worker reports (completions
 //! by token ids and chats tokenized by the router as the worker does); a replica without KV room
 //! for a request's uncached tokens is skipped although it holds the prefix; a killed replica's
-//! requests go to the others before any byte, none lost.
+//! requests go to the others before any byte, none lost. And the fleet benchmark's comparison at
+//! CI scale: two Gemma 3 270M workers, shared prefixes past its sliding window, the router
+//! against round-robin in prompt tokens computed.
 //!
-//! Needs the embedded model (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`).
+//! Needs the embedded models (`.ci/install-tools`; env `KVFLEET_SMOLLM2_GGUF`,
+//! `KVFLEET_GEMMA3_GGUF`).
 
 use std::time::{Duration, Instant};
 
@@ -244,5 +247,318 @@ fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_o
         ),
         0.0,
         "{m}"
+    );
+}
+
+/// splitmix64: the workload's seeded draws, the same on every platform.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `n` ordinary Gemma 3 token ids (no control tokens) drawn from `stream`.
+fn gemma_ids(stream: u64, n: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| 1_000 + (mix(stream.wrapping_mul(1_000_003).wrapping_add(i)) % 100_000) as u32)
+        .collect()
+}
+
+/// CPU seconds `pids` have used (user + system; Linux's /proc counts in 1/100 s): with the
+/// time, it tells a busy box from a slow engine.
+fn cpu_seconds(pids: &[u32]) -> f64 {
+    pids.iter()
+        .map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // Fields after the command's closing parenthesis; utime and stime are the 14th and 15th.
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let f: Vec<u64> = rest
+                .split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|v| v.parse().ok())
+                .collect();
+            f.iter().sum::<u64>() as f64 / 100.0
+        })
+        .sum()
+}
+
+/// Sends requests `0..n` two at a time (both cores busy, each worker still sees its requests
+/// in order), `before` each pair; the answers in request order and the time the pairs took.
+fn in_pairs<R: Send>(
+    n: usize,
+    mut before: impl FnMut(),
+    send: impl Fn(usize) -> R + Sync,
+) -> (Vec<(usize, R)>, Duration) {
+    let (mut out, mut busy) = (Vec::with_capacity(n), Duration::ZERO);
+    for k in (0..n).step_by(2) {
+        before();
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            let sent: Vec<_> = (k..n.min(k + 2))
+                .map(|i| {
+                    (
+                        i,
+                        s.spawn({
+                            let send = &send;
+                            move || send(i)
+                        }),
+                    )
+                })
+                .collect();
+            out.extend(sent.into_iter().map(|(i, h)| (i, h.join().unwrap())));
+        });
+        busy += t.elapsed();
+    }
+    (out, busy)
+}
+
+/// One run of the workload: every request's figures, summed.
+#[derive(Debug, Default)]
+struct Run {
+    prompt: u64,
+    cached: u64,
+    predicted: u64,
+    output: u64,
+    /// First send to last byte of each pair, summed over the pairs.
+    busy: Duration,
+}
+
+impl Run {
+    fn computed(&self) -> u64 {
+        self.prompt - self.cached
+    }
+    fn hit(&self) -> f64 {
+        self.cached as f64 / self.prompt as f64
+    }
+    fn tok_s(&self) -> f64 {
+        self.output as f64 / self.busy.as_secs_f64()
+    }
+    /// Adds one 200 response; returns the replica that answered (router runs).
+    fn add(&mut self, st: u16, head: &str, body: &str) -> Option<String> {
+        assert_eq!(st, 200, "{head}\n{body}");
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        let u = &v["usage"];
+        self.prompt += u["prompt_tokens"].as_u64().unwrap();
+        self.cached += u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        self.output += u["completion_tokens"].as_u64().unwrap();
+        if let Some(p) = header(head, "x-kvfleet-predicted-cached-tokens") {
+            self.predicted += p.parse::<u64>().unwrap();
+        }
+        header(head, "x-kvfleet-replica")
+    }
+}
+
+/// The fleet benchmark's comparison (bench/RESULTS.md, "Fleet routing") at CI scale on Gemma 3
+/// 270M: two CPU workers whose KV pools hold one of the two distinct prefixes each, the same
+/// shared-prefix requests once through `kvfleet router` and once round-robin (request i to
+/// worker i mod 2, as a Service does), each run under its own `cache_salt` so neither finds
+/// the other's blocks.
+///
+/// The prefixes are longer than Gemma 3's 512-token window, so a hit takes the hybrid rule: the
+/// full-attention layers' blocks of the whole prefix and the sliding layers' blocks of its last
+/// window. Requests go in pairs, the next pair when both answered: each worker sees its
+/// requests in order, and before each routed pair the router has scraped both workers idle
+/// and holds the last pair's KV events, so every figure but the time is deterministic.
+///
+/// Workload: G = 2 groups of a P = 528-token prefix (33 blocks of 16), U = 16 own tokens and
+/// O = 1 output token a request, N = 8 requests, groups in seeded random order (seed 1:
+/// 0 1 1 0 1 1 0 1). Small because the debug build's CPU engine is slow: ~2 s a step plus
+/// ~40 ms a prompt token on a busy core, so a cold prefix costs a prefill of 544 tokens and an
+/// output token a step. Pools of 768 tokens (48 blocks, each group of layers) hold the running
+/// request (34 blocks) and not a second prefix. Ideal (each group's prefix computed once): the
+/// router computes g*P + N*U = 2*528 + 8*16 = 1,184 of 4,352 prompt tokens (hit 72.8%).
+/// Round-robin sends both groups to both workers, which then recompute a prefix whenever the
+/// group changes: 2,864 computed (hit 34.2%) by a model of the engine's pools (the sliding
+/// group's partial hits included), so the expected ratio is 2.42x. The groups' first requests
+/// are requests 0 and 1, which the router's round-robin of cold ties places one on each
+/// replica; the test checks that placement.
+#[test]
+fn gemma3_fleet_router_vs_round_robin_on_shared_prefixes_past_the_window() {
+    const G: u64 = 2;
+    const P: usize = 528;
+    const U: usize = 16;
+    const O: u64 = 1;
+    const N: u64 = 8;
+    const SEED: u64 = 1;
+    const EXPECTED_RATIO: f64 = 2.42;
+    let t_test = Instant::now();
+    let gguf = worker_support::gemma3();
+    let gguf = gguf.to_str().unwrap();
+    let kv: Vec<String> = (0..2)
+        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
+        .collect();
+    let mut workers: Vec<Spawned> = (0..2)
+        .map(|i| {
+            let args = [
+                "--model",
+                gguf,
+                "--attention-backend",
+                "KVFLEET_CPU",
+                "--max-kv-tokens",
+                "768",
+                "--max-model-len",
+                "576",
+                "--max-num-seqs",
+                "4",
+                "--max-num-batched-tokens",
+                "576",
+                "--kv-events-endpoint",
+                kv[i].as_str(),
+            ];
+            spawn("worker", &format!("gemma-w{i}"), &args)
+        })
+        .collect();
+    for w in &mut workers {
+        w.wait_http("/readyz", Duration::from_secs(180));
+    }
+    let (_, _, models) = http(workers[0].port, "GET", "/v1/models", "", &[]);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let model = models["data"][0]["id"].as_str().unwrap().to_string();
+    let specs: Vec<String> = workers
+        .iter()
+        .zip(&kv)
+        .map(|(w, k)| format!("http://127.0.0.1:{},{k}", w.port))
+        .collect();
+    let mut args = vec!["--model", gguf, "--scrape-interval-ms", "50"];
+    for s in &specs {
+        args.extend(["--worker", s.as_str()]);
+    }
+    let mut router = spawn("router", "gemma-router", &args);
+    router.wait_http("/health", Duration::from_secs(60));
+    let r = router.port;
+    for w in &workers {
+        wait_state(
+            r,
+            &format!("http://127.0.0.1:{}", w.port),
+            "a subscription and a scrape",
+            |s| s["subscribed"] == true && s["scraped"] == true,
+        );
+    }
+    // ZeroMQ delivers to a subscriber only once its subscription reached the publisher.
+    std::thread::sleep(Duration::from_millis(500));
+    let started = t_test.elapsed();
+
+    let prefixes: Vec<Vec<u32>> = (0..G).map(|g| gemma_ids((SEED << 32) | g, P)).collect();
+    let groups: Vec<usize> = (0..N).map(|i| (mix(SEED * 1_000_003 + i) % G) as usize).collect();
+    let body = |i: usize, salt: &str| {
+        let prompt: Vec<u32> = prefixes[groups[i]]
+            .iter()
+            .copied()
+            .chain(gemma_ids((1 << 40) | (SEED << 32) | i as u64, U))
+            .collect();
+        json!({"model": model, "prompt": prompt, "max_tokens": O, "temperature": 0,
+            "ignore_eos": true, "cache_salt": salt})
+        .to_string()
+    };
+
+    let pids: Vec<u32> = workers.iter().map(|w| w.child.id()).collect();
+    let cpu0 = cpu_seconds(&pids);
+    // Round-robin: straight to worker i mod 2, no proxy hop.
+    let mut rr = Run::default();
+    let (answers, busy) = in_pairs(
+        N as usize,
+        || {},
+        |i| {
+            http(
+                workers[i % 2].port,
+                "POST",
+                "/v1/completions",
+                &body(i, "rr"),
+                &[],
+            )
+        },
+    );
+    for (_, (st, head, b)) in answers {
+        rr.add(st, &head, &b);
+    }
+    rr.busy = busy;
+
+    let cpu_rr = cpu_seconds(&pids) - cpu0;
+    // Router: before each pair both replicas were scraped idle (no stale load) and the last
+    // responses' KV events had time to arrive.
+    let idle = || {
+        let t0 = Instant::now();
+        while !state(r)
+            .iter()
+            .all(|s| s["inflight"] == 0 && s["running"] == 0 && s["waiting"] == 0)
+        {
+            assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", state(r));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut routed_run = Run::default();
+    let (answers, busy) = in_pairs(N as usize, idle, |i| {
+        http(r, "POST", "/v1/completions", &body(i, "router"), &[])
+    });
+    let mut homes: std::collections::BTreeMap<usize, String> = Default::default();
+    for (i, (st, head, b)) in answers {
+        let replica = routed_run.add(st, &head, &b).expect("replica header");
+        let home = homes.entry(groups[i]).or_insert_with(|| replica.clone());
+        assert_eq!(
+            *home, replica,
+            "request {i} of group {} left its prefix's replica",
+            groups[i]
+        );
+    }
+    routed_run.busy = busy;
+    let cpu_router = cpu_seconds(&pids) - cpu0 - cpu_rr;
+    let per_replica = |name: &String| homes.values().filter(|h| *h == name).count();
+    assert!(
+        homes.values().all(|h| per_replica(h) == 1),
+        "the cold prefixes landed {homes:?}, not one on each replica: the router's placement of \
+         cold ties changed; pick a seed that alternates them again"
+    );
+
+    let used = homes.len();
+    let prompt = N * (P + U) as u64;
+    let ideal_computed = used as u64 * P as u64 + N * U as u64;
+    let ideal_hit = 1.0 - ideal_computed as f64 / prompt as f64;
+    let ratio = rr.computed() as f64 / routed_run.computed() as f64;
+    let time_ratio = rr.busy.as_secs_f64() / routed_run.busy.as_secs_f64();
+    eprintln!(
+        "gemma3 fleet, {N} requests of {P}+{U} tokens in {used} groups, {O} output tokens:\n  \
+         round-robin: computed {} of {} prompt tokens, hit {:.1}%, {:.2} s ({cpu_rr:.1} CPU s), {:.2} output tok/s\n  \
+         router:      computed {} of {} prompt tokens, hit {:.1}% (ideal {:.1}%), predicted {} cached {}, {:.2} s ({cpu_router:.1} CPU s), {:.2} output tok/s\n  \
+         computed ratio rr/router {ratio:.2}x (expected {EXPECTED_RATIO}x), time ratio rr/router {time_ratio:.2}x, \
+         tok/s ratio router/rr {:.2}x; start-up {:.1} s, test {:.1} s",
+        rr.computed(),
+        rr.prompt,
+        100.0 * rr.hit(),
+        rr.busy.as_secs_f64(),
+        rr.tok_s(),
+        routed_run.computed(),
+        routed_run.prompt,
+        100.0 * routed_run.hit(),
+        100.0 * ideal_hit,
+        routed_run.predicted,
+        routed_run.cached,
+        routed_run.busy.as_secs_f64(),
+        routed_run.tok_s(),
+        routed_run.tok_s() / rr.tok_s(),
+        started.as_secs_f64(),
+        t_test.elapsed().as_secs_f64(),
+    );
+    assert_eq!((rr.prompt, routed_run.prompt), (prompt, prompt));
+    assert_eq!((rr.output, routed_run.output), (N * O, N * O));
+    assert!(
+        (routed_run.hit() - ideal_hit).abs() <= 0.03,
+        "router hit {:.3} vs ideal {ideal_hit:.3}",
+        routed_run.hit()
+    );
+    assert!(
+        ratio >= 1.8,
+        "the router computed {} prompt tokens, round-robin {}: {ratio:.2}x, want >= 1.8x (expected {EXPECTED_RATIO}x)",
+        routed_run.computed(),
+        rr.computed()
+    );
+    assert!(
+        (ratio - EXPECTED_RATIO).abs() <= 0.25,
+        "computed-token ratio {ratio:.2}x, the workload's expected {EXPECTED_RATIO}x"
+    );
+    assert!(
+        routed_run.predicted >= routed_run.cached,
+        "the router's index is an upper bound for a sliding-window model"
     );
 }

@@ -26,6 +26,22 @@ pub fn smollm2() -> PathBuf {
     p
 }
 
+/// The embedded Gemma 3 270M (`.ci/install-tools`; env `KVFLEET_GEMMA3_GGUF`); panics with how
+/// to install it.
+pub fn gemma3() -> PathBuf {
+    let p = std::env::var_os("KVFLEET_GEMMA3_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/gemma-3-270m-q4_k_m.gguf")
+        });
+    assert!(
+        p.exists(),
+        "Gemma 3 270M is not installed at {} (run .ci/install-tools, or set KVFLEET_GEMMA3_GGUF)",
+        p.display()
+    );
+    p
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
