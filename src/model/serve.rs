@@ -210,8 +210,8 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<Tokenizer, MountError> {
 }
 
 /// A Llama-family config for dummy weights of a spec geometry: its attention exactly, hidden
-/// size `hiddenSize` (else heads x head_dim), an MLP of 8/3 x hidden rounded to 256, vocabulary
-/// `vocabSize` (else 32000).
+/// size `hiddenSize` (else heads x head_dim), MLP `intermediateSize` (else 8/3 x hidden rounded
+/// up to 256), vocabulary `vocabSize` (else 32000).
 fn dummy_config(g: &ModelGeometry, max_model_len: usize) -> Result<LlamaConfig, MountError> {
     let u = |v: i32| usize::try_from(v).unwrap_or(0);
     if g.sliding_window.is_some() || g.layer_types.is_some() || g.kv_lora_rank.is_some() {
@@ -220,17 +220,15 @@ fn dummy_config(g: &ModelGeometry, max_model_len: usize) -> Result<LlamaConfig, 
                 .into(),
         )));
     }
-    let (heads, hd) = (u(g.query_heads), u(g.head_dim));
-    let d = g.hidden_size.map_or(heads * hd, u);
-    let ff = (d * 8 / 3).div_ceil(256) * 256;
-    let mut c = LlamaConfig::llama(
-        u(g.layers),
-        d,
-        ff,
-        heads,
-        u(g.kv_heads),
-        g.vocab_size.map_or(32000, u),
-    );
+    // The shape the planner predicts this model's memory from (`EngineShape::for_spec`).
+    let s = kvfleet_core::plan::EngineShape::for_spec(g).ok_or_else(|| {
+        MountError::Runtime(RuntimeError::Config(format!(
+            "model.geometry {g:?} has a non-positive size or queryHeads not a multiple of kvHeads"
+        )))
+    })?;
+    let n = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    let (hd, d, ff, vocab) = (u(g.head_dim), n(s.d_model), n(s.d_ff), n(s.vocab));
+    let mut c = LlamaConfig::llama(u(g.layers), d, ff, u(g.query_heads), u(g.kv_heads), vocab);
     c.head_dim = hd;
     c.rope_dims = hd;
     c.context_len = max_model_len;

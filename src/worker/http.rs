@@ -67,6 +67,12 @@ pub struct GpuMemory {
     pub activation_bytes: u64,
     pub free_before_kv_bytes: u64,
     pub margin_bytes: u64,
+    /// `floor(total x gpuMemoryUtilization) - weights - activations - context reserve`: what
+    /// `kvfleet check` predicts for the KV cache.
+    pub kv_budget_bytes: u64,
+    /// What the pools were given: the budget, or less when less was free (the prediction was
+    /// not met; the worker logs a warning with both numbers).
+    pub kv_bytes: u64,
     pub kv_bytes_per_token: u64,
 }
 

@@ -585,6 +585,8 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             activation_bytes: g.activation_bytes as u64,
             free_before_kv_bytes: g.free_bytes as u64,
             margin_bytes: g.margin_bytes as u64,
+            kv_budget_bytes: g.kv_budget_bytes as u64,
+            kv_bytes: g.kv_bytes as u64,
             kv_bytes_per_token: g.kv_bytes_per_token as u64,
         }),
     };

@@ -349,6 +349,7 @@ mod tests {
             draft_layers: None,
             hidden_size: None,
             vocab_size: None,
+            intermediate_size: None,
         });
         c
     }

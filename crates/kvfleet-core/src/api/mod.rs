@@ -510,6 +510,12 @@ pub struct ModelGeometry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = VOCAB_SIZE_MAX))]
     pub vocab_size: Option<i32>,
+    /// MLP width (`intermediate_size`). Optional: with hiddenSize and vocabSize it makes the
+    /// kvfleet runtime's memory prediction exact; without it dummy weights take 8/3 x
+    /// hiddenSize rounded up to 256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = HIDDEN_SIZE_MAX))]
+    pub intermediate_size: Option<i32>,
 }
 
 /// Where to read an HF `config.json`.

@@ -141,45 +141,15 @@ pub fn pool_layout(
         .iter()
         .map(|g| g.blocks_per_request.saturating_mul(g.block_bytes))
         .fold(0u64, u64::saturating_add);
-    // Pools for the largest concurrency c with sum(ceil(c x blocks_per_request) x
-    // block_bytes) <= available (bisection; c x bytes_per_request <= available bounds it),
-    // then the remainder block by block to the group that limits concurrency.
-    let need = |c: f64, gs: &[KvfleetGroup]| -> u128 {
-        gs.iter()
-            .map(|g| u128::from((c * g.blocks_per_request as f64).ceil() as u64) * u128::from(g.block_bytes))
-            .sum()
-    };
-    let (mut lo, mut hi) = (0.0f64, available_kv_bytes as f64 / bytes_per_request as f64 + 1.0);
-    for _ in 0..200 {
-        let mid = (lo + hi) / 2.0;
-        if need(mid, &groups) <= u128::from(available_kv_bytes) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    for g in &mut groups {
-        g.num_blocks = (lo * g.blocks_per_request as f64).ceil() as u64;
-    }
-    let mut left = available_kv_bytes.saturating_sub(
-        groups
+    let split = split_blocks(
+        &groups
             .iter()
-            .map(|g| g.num_blocks.saturating_mul(g.block_bytes))
-            .fold(0u64, u64::saturating_add),
+            .map(|g| (g.block_bytes, g.blocks_per_request))
+            .collect::<Vec<_>>(),
+        available_kv_bytes,
     );
-    loop {
-        let ratio = |g: &KvfleetGroup| g.num_blocks as f64 / g.blocks_per_request as f64;
-        let next = groups
-            .iter_mut()
-            .filter(|g| g.block_bytes <= left)
-            .min_by(|a, b| ratio(a).total_cmp(&ratio(b)));
-        match next {
-            Some(g) => {
-                g.num_blocks += 1;
-                left -= g.block_bytes;
-            }
-            None => break,
-        }
+    for (g, n) in groups.iter_mut().zip(split) {
+        g.num_blocks = n;
     }
     let max_concurrency = groups
         .iter()
@@ -205,6 +175,58 @@ pub fn pool_layout(
         fits_one_request: bytes_per_request <= available_kv_bytes,
         groups,
     })
+}
+
+/// Blocks of each group, given as `(block_bytes, blocks_per_request)`, in `available` bytes:
+/// the largest concurrency `c` with `sum(ceil(c x blocks_per_request) x block_bytes) <=
+/// available` (bisection; `c x bytes_per_request <= available` bounds it), then the remainder
+/// block by block to the group that limits concurrency. The planner and the engine's pools
+/// (`kvfleet-engine` `capacity::size_pools`) both split this way.
+pub fn split_blocks(groups: &[(u64, u64)], available: u64) -> Vec<u64> {
+    let bytes_per_request: u64 = groups
+        .iter()
+        .map(|(bytes, blocks)| blocks.saturating_mul(*bytes))
+        .fold(0u64, u64::saturating_add);
+    let need = |c: f64| -> u128 {
+        groups
+            .iter()
+            .map(|(bytes, blocks)| u128::from((c * *blocks as f64).ceil() as u64) * u128::from(*bytes))
+            .sum()
+    };
+    let (mut lo, mut hi) = (0.0f64, available as f64 / bytes_per_request.max(1) as f64 + 1.0);
+    for _ in 0..200 {
+        let mid = (lo + hi) / 2.0;
+        if need(mid) <= u128::from(available) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let mut num: Vec<u64> = groups
+        .iter()
+        .map(|(_, blocks)| (lo * *blocks as f64).ceil() as u64)
+        .collect();
+    let mut left = available.saturating_sub(
+        groups
+            .iter()
+            .zip(&num)
+            .map(|((bytes, _), n)| n.saturating_mul(*bytes))
+            .fold(0u64, u64::saturating_add),
+    );
+    loop {
+        let ratio = |i: usize| num[i] as f64 / groups[i].1 as f64;
+        let next = (0..groups.len())
+            .filter(|i| groups[*i].0 <= left)
+            .min_by(|a, b| ratio(*a).total_cmp(&ratio(*b)));
+        match next {
+            Some(i) => {
+                num[i] += 1;
+                left -= groups[i].0;
+            }
+            None => break,
+        }
+    }
+    num
 }
 
 impl KvfleetPlan {

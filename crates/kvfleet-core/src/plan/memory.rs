@@ -7,18 +7,22 @@
 //! non-torch memory (CUDA context, NCCL buffers, CUDA graphs). The remainder is the KV
 //! cache ("Available KV cache memory: X GiB" in the log).
 //!
-//! kvfleet cannot profile offline, so activations plus non-torch memory are one
-//! parameter, the activation reserve, defaulting to [`DEFAULT_ACTIVATION_RESERVE_BYTES`].
+//! kvfleet cannot profile vLLM offline, so for `runtime: vllm` activations plus non-torch
+//! memory are one parameter, the activation reserve, defaulting to
+//! [`DEFAULT_ACTIVATION_RESERVE_BYTES`]. kvfleet's own engine needs no such guess: its terms
+//! are in [`super::engine_memory`] ([`MemoryBudget::engine`]).
 
 use serde::Serialize;
 
+use super::engine_memory::EngineMemory;
 use super::PlanError;
 use crate::compat::products::{Product, PRODUCTS};
 
 pub const GIB: u64 = 1 << 30;
 pub const MIB: u64 = 1 << 20;
 
-/// Default per-GPU reserve for activations, CUDA context and CUDA graphs: 1 GiB.
+/// Default per-GPU reserve for activations, CUDA context and CUDA graphs under vLLM (and
+/// under kvfleet's engine when the geometry lacks the sizes its terms need): 1 GiB.
 ///
 /// Derived from the Gemma 4 31B AWQ case on 2 x 24 GiB GPUs (tests/fixtures/plan/
 /// kv_capacity_public.json): 24 GiB x 0.90 - 9.5 GiB weights per GPU - 11.54 GiB KV =
@@ -116,6 +120,12 @@ pub struct MemoryBudget {
     /// weight_bytes_total / tp.
     pub weight_bytes_per_gpu: Option<u64>,
     pub activation_reserve_bytes: Option<u64>,
+    /// kvfleet's engine: the activation workspace, part of `activation_reserve_bytes`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_bytes: Option<u64>,
+    /// kvfleet's engine: the CUDA context reserve, the rest of `activation_reserve_bytes`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_reserve_bytes: Option<u64>,
     pub available_kv_bytes: u64,
     pub notes: Vec<String>,
 }
@@ -131,9 +141,45 @@ impl MemoryBudget {
             weight_bytes_total: None,
             weight_bytes_per_gpu: None,
             activation_reserve_bytes: None,
+            activation_bytes: None,
+            context_reserve_bytes: None,
             available_kv_bytes,
             notes: Vec::new(),
         }
+    }
+
+    /// kvfleet's engine on one GPU ([`EngineMemory`]): its weights and activation workspace
+    /// to the byte, and the context reserve.
+    pub fn engine(m: &EngineMemory) -> Result<MemoryBudget, PlanError> {
+        if m.total_bytes == 0 {
+            return Err(PlanError::InvalidInput(
+                "GPU memory is zero: pass --gpu PRODUCT or --gpu-memory-gib with the memory of one GPU"
+                    .into(),
+            ));
+        }
+        let mut notes = Vec::new();
+        if m.kv_budget_bytes == 0 {
+            notes.push(format!(
+                "nothing is left for the KV cache: {} GiB budget - {} GiB weights - {} GiB activations - {} GiB context reserve",
+                fmt_gib(m.requested_bytes),
+                fmt_gib(m.weight_bytes),
+                fmt_gib(m.activation_bytes),
+                fmt_gib(m.context_reserve_bytes)
+            ));
+        }
+        Ok(MemoryBudget {
+            source: "predicted",
+            gpu_memory_bytes: Some(m.total_bytes),
+            gpu_memory_utilization: Some(m.gpu_memory_utilization),
+            engine_budget_bytes: Some(m.requested_bytes),
+            weight_bytes_total: Some(m.weight_bytes),
+            weight_bytes_per_gpu: Some(m.weight_bytes),
+            activation_reserve_bytes: Some(m.activation_bytes + m.context_reserve_bytes),
+            activation_bytes: Some(m.activation_bytes),
+            context_reserve_bytes: Some(m.context_reserve_bytes),
+            available_kv_bytes: m.kv_budget_bytes,
+            notes,
+        })
     }
 
     /// Predicts available KV memory on one of `tp` GPUs. `weight_bytes_total = None`
@@ -192,6 +238,8 @@ impl MemoryBudget {
             weight_bytes_total: Some(weights_total),
             weight_bytes_per_gpu: Some(per_gpu),
             activation_reserve_bytes: Some(activation_reserve_bytes),
+            activation_bytes: None,
+            context_reserve_bytes: None,
             available_kv_bytes: available,
             notes,
         })

@@ -3,12 +3,15 @@
 //! - [`geometry`]: which layers hold a KV cache, from an HF `config.json` or the CRD.
 //! - [`bytes`]: KV bytes per token per layer, dtype and tensor-parallel rank.
 //! - [`memory`]: how much of a GPU is left for the KV cache.
+//! - [`engine_memory`]: the same for kvfleet's own engine, term by term (weights, activation
+//!   workspace, context reserve), as its GPU worker sizes its pools.
 //! - [`vllm`]: vLLM's exact model (pages, hybrid groups, blocks, logged tokens, concurrency).
 //! - [`kvfleet`]: kvfleet's sliding-window-aware model and the pool layout of its engine.
 //! - [`report`]: a [`Plan`] with every number derivable, printed step by step.
 //! - [`spec`]: capacity of an `InferenceDeployment` spec, for the validator and controller.
 
 pub mod bytes;
+pub mod engine_memory;
 pub mod geometry;
 pub mod hf_config;
 pub mod kvfleet;
@@ -20,6 +23,7 @@ pub mod vllm;
 pub use bytes::{
     check_tensor_parallel, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank, page_bytes,
 };
+pub use engine_memory::{EngineMemory, EngineShape, CONTEXT_RESERVE_BYTES};
 pub use geometry::{Geometry, LayerGeometry, LayerKind};
 pub use kvfleet::{blocks_per_request, full_layer_concurrency, pool_layout, KvfleetGroup, KvfleetPlan};
 pub use memory::{

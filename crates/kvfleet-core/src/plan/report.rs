@@ -7,6 +7,7 @@ use serde::Serialize;
 use super::bytes::{
     check_tensor_parallel, dtype_label, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank,
 };
+use super::engine_memory::{stored_geometry, EngineMemory, EngineShape};
 use super::geometry::{Geometry, LayerGeometry, LayerKind};
 use super::kvfleet::{blocks_per_request, pool_layout, KvfleetPlan};
 use super::memory::{fmt_gib, MemoryBudget};
@@ -31,6 +32,15 @@ pub enum MemoryInput {
         /// All ranks together; `None` assumes 0.
         weight_bytes_total: Option<u64>,
         activation_reserve_bytes: u64,
+    },
+    /// kvfleet's own engine on one GPU (`engine_memory`): weights and the activation workspace
+    /// of maxNumBatchedTokens tokens and `max_num_seqs` rows from the model's shape, and the
+    /// context reserve; what its worker gives the KV pools.
+    KvfleetEngine {
+        gpu_memory_bytes: u64,
+        gpu_memory_utilization: f64,
+        shape: EngineShape,
+        max_num_seqs: u64,
     },
 }
 
@@ -136,6 +146,30 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
             p.tp,
             *activation_reserve_bytes,
         )?,
+        MemoryInput::KvfleetEngine {
+            gpu_memory_bytes,
+            gpu_memory_utilization,
+            shape,
+            max_num_seqs,
+        } => {
+            if !(*gpu_memory_utilization > 0.0 && *gpu_memory_utilization <= 1.0) {
+                return Err(PlanError::InvalidInput(format!(
+                    "gpu memory utilization {gpu_memory_utilization} must be in (0, 1], e.g. 0.9"
+                )));
+            }
+            if p.tp != 1 {
+                return Err(PlanError::InvalidInput(
+                    "kvfleet's engine runs one GPU per replica: tensor parallel size 1".into(),
+                ));
+            }
+            MemoryBudget::engine(&EngineMemory::for_shape(
+                *gpu_memory_bytes,
+                *gpu_memory_utilization,
+                shape,
+                p.max_num_batched_tokens,
+                *max_num_seqs,
+            ))?
+        }
     };
     let avail = memory.available_kv_bytes;
     if avail > MAX_KV_BYTES {
@@ -145,7 +179,13 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
         )));
     }
     let vllm = vllm_plan(geometry, p, avail, inputs.era)?;
-    let kvfleet = pool_layout(geometry, p, avail)?;
+    // kvfleet's GPU engine stores replicated KV heads where the kernels need them.
+    let stored = match &inputs.memory {
+        MemoryInput::KvfleetEngine { shape, .. } => Some(stored_geometry(geometry, shape.kv_rep)?),
+        _ => None,
+    };
+    let kv_geometry = stored.as_ref().unwrap_or(geometry);
+    let kvfleet = pool_layout(kv_geometry, p, avail)?;
     let at_request_len = match inputs.request_len {
         None => None,
         Some(0) => {
@@ -174,7 +214,7 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
             let capped = blocks(SlidingAdmission::StartupBound);
             let uncapped = blocks(SlidingAdmission::Uncapped);
             let sized = pool_layout(
-                geometry,
+                kv_geometry,
                 &EngineParams {
                     max_model_len: r,
                     ..*p
@@ -329,12 +369,27 @@ impl Plan {
                 t(wg),
                 fmt_gib(wg)
             );
-            let _ = writeln!(
-                o,
-                "   activation + non-torch reserve = {} bytes ({} GiB)",
-                t(r),
-                fmt_gib(r)
-            );
+            match (m.activation_bytes, m.context_reserve_bytes) {
+                (Some(a), Some(c)) => {
+                    let _ = writeln!(
+                        o,
+                        "   activation workspace ({} tokens, as kvfleet's engine allocates it) + context reserve = {} + {} = {} bytes ({} GiB)",
+                        t(p.max_num_batched_tokens),
+                        t(a),
+                        t(c),
+                        t(r),
+                        fmt_gib(r)
+                    );
+                }
+                _ => {
+                    let _ = writeln!(
+                        o,
+                        "   activation + non-torch reserve = {} bytes ({} GiB)",
+                        t(r),
+                        fmt_gib(r)
+                    );
+                }
+            }
             let _ = writeln!(
                 o,
                 "   available = {} - {} - {} = {} bytes ({} GiB)",

@@ -4,13 +4,14 @@
 use serde::Serialize;
 
 use super::bytes::check_tensor_parallel;
+use super::engine_memory::EngineShape;
 use super::geometry::Geometry;
 use super::kvfleet::pool_layout;
 use super::memory::{fmt_gib, parse_quantity_bytes, DEFAULT_ACTIVATION_RESERVE_BYTES};
 use super::report::{plan, MemoryInput, Plan, PlanInputs};
 use super::vllm::{vllm_plan, EngineParams, ReportingEra};
 use super::PlanError;
-use crate::api::{InferenceDeploymentSpec, Runtime};
+use crate::api::{InferenceDeploymentSpec, Runtime, WeightsFormat};
 use crate::compat::KvCacheDtype;
 
 /// What would make a spec that does not fit fit.
@@ -169,11 +170,23 @@ pub fn spec_capacity_with(
         .transpose()?
         .map(|w| w.div_ceil(stages));
     let util = spec.engine.gpu_memory_utilization;
-    let memory = MemoryInput::Predict {
-        gpu_memory_bytes,
-        gpu_memory_utilization: util,
-        weight_bytes_total: weights,
-        activation_reserve_bytes,
+    let shape = match spec.engine.runtime {
+        Runtime::Kvfleet if stages == 1 && engine.tp == 1 => kvfleet_shape(spec),
+        _ => None,
+    };
+    let memory = match shape {
+        Some(shape) => MemoryInput::KvfleetEngine {
+            gpu_memory_bytes,
+            gpu_memory_utilization: util,
+            shape,
+            max_num_seqs: u64::try_from(spec.engine.max_num_seqs).unwrap_or(1).max(1),
+        },
+        None => MemoryInput::Predict {
+            gpu_memory_bytes,
+            gpu_memory_utilization: util,
+            weight_bytes_total: weights,
+            activation_reserve_bytes,
+        },
     };
     let inputs = PlanInputs {
         engine,
@@ -184,10 +197,23 @@ pub fn spec_capacity_with(
     let plan = plan(geometry, &inputs)?;
     let runtime = spec.engine.runtime;
     let mut explanation = plan.memory.notes.clone();
-    explanation.push(format!(
-        "activation and non-torch reserve {} GiB per GPU (kvfleet default; vLLM profiles it at startup)",
-        fmt_gib(activation_reserve_bytes)
-    ));
+    let m = &plan.memory;
+    match (m.weight_bytes_per_gpu, m.activation_bytes, m.context_reserve_bytes) {
+        (Some(w), Some(a), Some(c)) => explanation.push(format!(
+            "kvfleet engine: weights {} GiB (bf16, from the geometry), activation workspace {} GiB (maxNumBatchedTokens x maxNumSeqs), context reserve {} GiB: the KV pools the worker allocates",
+            fmt_gib(w),
+            fmt_gib(a),
+            fmt_gib(c)
+        )),
+        _ if runtime == Runtime::Kvfleet => explanation.push(format!(
+            "activation and context reserve {} GiB per GPU (an estimate: give model.geometry hiddenSize, intermediateSize and vocabSize, or dummy weights, for the kvfleet engine's exact terms)",
+            fmt_gib(activation_reserve_bytes)
+        )),
+        _ => explanation.push(format!(
+            "activation and non-torch reserve {} GiB per GPU (kvfleet default; vLLM profiles it at startup)",
+            fmt_gib(activation_reserve_bytes)
+        )),
+    }
     let avail = plan.memory.available_kv_bytes;
     let fits_at = |p: &EngineParams, avail: u64| -> bool {
         match runtime {
@@ -270,6 +296,23 @@ pub fn spec_capacity_with(
     })
 }
 
+/// What kvfleet's engine allocates for the spec's model, when the spec says it all: dummy
+/// weights of the geometry (the worker makes them from it), or a geometry with hiddenSize,
+/// intermediateSize and vocabSize. `None` otherwise (the planner then uses a reserve).
+fn kvfleet_shape(spec: &InferenceDeploymentSpec) -> Option<EngineShape> {
+    let g = spec.model.geometry.as_ref()?;
+    let dummy = spec
+        .model
+        .weights
+        .as_ref()
+        .is_some_and(|w| w.format == WeightsFormat::Dummy && !w.has_source());
+    let sized = g.hidden_size.is_some() && g.intermediate_size.is_some() && g.vocab_size.is_some();
+    if !(dummy || sized) {
+        return None;
+    }
+    EngineShape::for_spec(g)
+}
+
 /// The largest stage of `geometry` split into `stages` pipeline stages: the first
 /// `ceil(main layers / stages)` layers (vLLM splits layers evenly; the remainder makes some
 /// stages one layer longer), plus the draft layers, counted on it to stay on the safe side.
@@ -292,6 +335,8 @@ pub fn pipeline_stage(geometry: &Geometry, stages: u64) -> Geometry {
 fn plan_memory(m: MemoryInput, tp: u32) -> Result<u64, PlanError> {
     match m {
         MemoryInput::AvailableKv { bytes } => Ok(bytes),
+        // One GPU a replica: a larger tp is never the fix.
+        MemoryInput::KvfleetEngine { .. } => Ok(0),
         MemoryInput::Predict {
             gpu_memory_bytes,
             gpu_memory_utilization,

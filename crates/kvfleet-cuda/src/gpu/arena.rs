@@ -47,43 +47,97 @@ pub(super) struct Acts {
     pub proj: CudaSlice<f32>,
 }
 
+/// Elements of each activation buffer for `t` tokens and `r` rows: what [`Acts::alloc`]
+/// allocates, kept apart so that a test holds it to the planner's formula.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lens {
+    /// i32: tokens, positions (`T`), last rows and picks (`R`).
+    tokens: usize,
+    rows: usize,
+    /// f32.
+    x: usize,
+    qkv: usize,
+    gu: usize,
+    logits: usize,
+    proj: usize,
+    /// bf16.
+    h: usize,
+    q: usize,
+    kv: usize,
+    act: usize,
+    hl: usize,
+    /// u32.
+    pick_words: usize,
+}
+
+impl Lens {
+    fn new(dm: &Dims, t: usize, r: usize) -> Self {
+        Lens {
+            tokens: t,
+            rows: r,
+            x: t * dm.d,
+            qkv: t * (dm.qw + 2 * dm.kw),
+            gu: t * 2 * dm.ff,
+            logits: r * dm.vocab,
+            proj: if dm.gemma { t * dm.d } else { 1 },
+            h: t * dm.d,
+            q: t * dm.qw,
+            kv: t * dm.kw_rep,
+            act: t * dm.ff,
+            hl: r * dm.d,
+            pick_words: r * PICK_WORDS,
+        }
+    }
+
+    /// Bytes of the buffers `alloc` makes of these lengths (`q` twice: Q and the attention
+    /// output; `kv` twice: K and V).
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        let i32s = 2 * self.tokens + 2 * self.rows + self.pick_words;
+        let f32s = self.x + self.qkv + self.gu + self.logits + self.proj;
+        let bf16s = self.h + 2 * self.q + 2 * self.kv + self.act + self.hl;
+        4 * i32s + 4 * f32s + 2 * bf16s
+    }
+}
+
 impl Acts {
-    /// Bytes of the buffers for `t` tokens and `r` rows.
+    /// Bytes of the buffers for `t` tokens and `r` rows (at least 1 each): the planner's
+    /// `EngineShape::activation_bytes`, which the worker's KV budget subtracts.
     pub fn bytes(dm: &Dims, t: usize, r: usize) -> usize {
-        let f32s = t * dm.d + t * (dm.qw + 2 * dm.kw) + t * 2 * dm.ff + r * dm.vocab;
-        let bf16s = t * dm.d + 2 * t * dm.qw + 2 * t * dm.kw_rep + t * dm.ff + r * dm.d;
-        let proj = if dm.gemma { t * dm.d } else { 1 };
-        4 * (f32s + proj) + 2 * bf16s + 4 * (2 * t + 2 * r + PICK_WORDS * r)
+        dm.shape.activation_bytes(t as u64, r as u64) as usize
     }
 
     pub fn alloc(s: &Arc<CudaStream>, dm: &Dims, t: usize, r: usize) -> Result<Self, GpuError> {
         let (t, r) = (t.max(1), r.max(1));
+        let n = Lens::new(dm, t, r);
         let f = |n: usize| s.alloc_zeros::<f32>(n).map_err(drv("allocating activations"));
         let h = |n: usize| s.alloc_zeros::<u16>(n).map_err(drv("allocating activations"));
         let i = |n: usize| s.alloc_zeros::<i32>(n).map_err(drv("allocating activations"));
         Ok(Acts {
             tokens: t,
             rows: r,
-            tok: i(t)?,
-            pos: i(t)?,
-            last: i(r)?,
-            x: f(t * dm.d)?,
-            h: h(t * dm.d)?,
-            qkv: f(t * (dm.qw + 2 * dm.kw))?,
-            q: h(t * dm.qw)?,
-            k: h(t * dm.kw_rep)?,
-            v: h(t * dm.kw_rep)?,
-            attn: h(t * dm.qw)?,
-            gu: f(t * 2 * dm.ff)?,
-            act: h(t * dm.ff)?,
-            hl: h(r * dm.d)?,
-            logits: f(r * dm.vocab)?,
-            picks: i(r)?,
+            tok: i(n.tokens)?,
+            pos: i(n.tokens)?,
+            last: i(n.rows)?,
+            x: f(n.x)?,
+            h: h(n.h)?,
+            qkv: f(n.qkv)?,
+            q: h(n.q)?,
+            k: h(n.kv)?,
+            v: h(n.kv)?,
+            attn: h(n.q)?,
+            gu: f(n.gu)?,
+            act: h(n.act)?,
+            hl: h(n.hl)?,
+            logits: f(n.logits)?,
+            picks: i(n.rows)?,
             pick_words: s
-                .alloc_zeros::<u32>(r * PICK_WORDS)
+                .alloc_zeros::<u32>(n.pick_words)
                 .map_err(drv("allocating activations"))?,
+            // Logit adjustments grow with the requests that use them (a few words a row, see
+            // ensure_adjust): outside the fixed workspace the planner counts.
             adjust: s.alloc_zeros::<u32>(1).map_err(drv("allocating activations"))?,
-            proj: f(if dm.gemma { t * dm.d } else { 1 })?,
+            proj: f(n.proj)?,
         })
     }
 
@@ -138,4 +192,41 @@ pub(super) fn upload_into(
     let mut view = dst.slice_mut(..host.len());
     s.memcpy_htod(host, &mut view)
         .map_err(drv("copying step indices to the device"))
+}
+
+#[cfg(test)]
+mod tests {
+    use kvfleet_engine::model::llama::LlamaConfig;
+
+    use super::*;
+    use crate::gpu::shape::kv_replication;
+
+    #[test]
+    fn the_arena_allocates_exactly_the_planners_activation_bytes() {
+        let mut qwen = LlamaConfig::llama(28, 3584, 18944, 28, 4, 152_064);
+        qwen.attn_bias = true;
+        let geometries = [
+            (
+                "Llama-3.1-8B",
+                LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256),
+            ),
+            (
+                "SmolLM2-135M (KV heads stored 3 times)",
+                LlamaConfig::llama(30, 576, 1536, 9, 3, 49_152),
+            ),
+            ("Qwen2-7B (group 7)", qwen),
+            ("Gemma 3 270M", LlamaConfig::gemma3(18, 640, 2048, 262_144, 512)),
+        ];
+        for (name, c) in geometries {
+            let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+            let dm = Dims::new(&c, rep);
+            for (t, r) in [(1, 1), (2048, 256), (8192, 1), (513, 77)] {
+                assert_eq!(
+                    Lens::new(&dm, t, r).bytes(),
+                    Acts::bytes(&dm, t, r),
+                    "{name}, {t} tokens, {r} rows"
+                );
+            }
+        }
+    }
 }

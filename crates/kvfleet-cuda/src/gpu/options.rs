@@ -16,15 +16,15 @@ pub struct GpuOptions {
     pub max_batched_tokens: usize,
     /// Logit rows per forward pass the buffers are sized for.
     pub max_num_seqs: usize,
-    /// Cap on KV tokens; `None`: all free memory after weights, activations and the margin.
+    /// Cap on KV tokens; `None`: the whole KV budget.
     pub max_kv_tokens: Option<usize>,
     /// Tokens per KV page.
     pub block_size: usize,
-    /// Fraction of the device's memory kvfleet may use (vLLM's `gpu_memory_utilization`):
-    /// `(1 - it) x total` stays free after weights, activations and KV pools.
+    /// Fraction of the device's memory kvfleet may use (vLLM's `gpu_memory_utilization`): the
+    /// KV pools get `floor(it x total)` less the weights, the activations and the context
+    /// reserve (`plan::engine_memory`), or less when less is free.
     pub gpu_memory_utilization: f64,
-    /// Bytes left free after the KV pools; `None`: `(1 - gpu_memory_utilization) x total`,
-    /// at least 256 MiB (cuBLAS workspace, per-step plans).
+    /// Bytes left free after the KV pools instead: the pools get `free - it` (no prediction).
     pub memory_margin_bytes: Option<usize>,
     /// Run the attention kernels' self-test on the served geometry and dtype before
     /// allocating the pools (the worker's preflight).
@@ -65,7 +65,13 @@ pub struct GpuCapacity {
     pub activation_bytes: usize,
     /// Free bytes after weights and activations, before the KV pools.
     pub free_bytes: usize,
+    /// Bytes left free after the KV pools' memory (`free_bytes - kv_bytes`).
     pub margin_bytes: usize,
+    /// The KV budget (`plan::engine_memory`: what `kvfleet check` predicts), or `free - margin`
+    /// under an explicit `memory_margin_bytes`.
+    pub kv_budget_bytes: usize,
+    /// Bytes the pools were given: the budget, or less when less was free.
+    pub kv_bytes: usize,
     /// KV bytes per token over all layers (K and V, replicated heads included).
     pub kv_bytes_per_token: usize,
     /// KV heads stored per layer (`n_kv_heads * kv_rep`).
@@ -102,6 +108,8 @@ mod tests {
             activation_bytes: 0,
             free_bytes: 0,
             margin_bytes: 0,
+            kv_budget_bytes: 0,
+            kv_bytes: 0,
             kv_bytes_per_token: 1,
             kv_heads_stored: 1,
             blocks: 100,

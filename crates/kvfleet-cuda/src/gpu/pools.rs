@@ -7,13 +7,15 @@ use kvfleet_engine::model::forward::llama_backend_config;
 use kvfleet_engine::model::kv::AttnGeometry;
 use kvfleet_engine::model::llama::LlamaConfig;
 
+use kvfleet_core::plan::engine_memory::{EngineMemory, CONTEXT_RESERVE_BYTES, MIN_FREE_BYTES};
+
 use super::error::GpuError;
 use super::options::{GpuCapacity, GpuOptions, BLOCK_SIZE};
 use super::shape::Dims;
 
 /// The device's memory before the KV pools are allocated.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Memory {
+pub struct Memory {
     pub device: String,
     pub total: usize,
     /// Free bytes, weights and activations allocated.
@@ -24,16 +26,47 @@ pub(super) struct Memory {
 
 /// The KV pools that fit `mem` for `c` (stored with `dims.kv_rep` copies of each KV head), and
 /// where the memory went.
+///
+/// The pools get the KV budget of `plan::engine_memory` (`floor(total x utilisation) - weights
+/// - activations - context reserve`, what `kvfleet check` predicts), or what is measured free
+/// less 256 MiB when that is less: then the driver holds more than the reserve, and the
+/// shortfall is logged and reported. `opts.memory_margin_bytes` replaces the budget by
+/// `free - margin` (no prediction).
 pub(super) fn size_pools(
     c: &LlamaConfig,
     dims: &Dims,
     opts: &GpuOptions,
     mem: &Memory,
 ) -> Result<(BackendConfig, GpuCapacity), GpuError> {
-    let util = opts.gpu_memory_utilization.clamp(0.0, 1.0);
-    let margin = opts
-        .memory_margin_bytes
-        .unwrap_or_else(|| (((1.0 - util) * mem.total as f64) as usize).max(256 << 20));
+    let budget = EngineMemory::new(
+        mem.total as u64,
+        opts.gpu_memory_utilization,
+        mem.weights as u64,
+        mem.activations as u64,
+    );
+    let (budget_bytes, kv_bytes) = match opts.memory_margin_bytes {
+        Some(margin) => {
+            let b = mem.free.saturating_sub(margin);
+            (b, b)
+        }
+        None => (
+            budget.kv_budget_bytes as usize,
+            budget.kv_bytes(mem.free as u64) as usize,
+        ),
+    };
+    if kv_bytes < budget_bytes {
+        tracing::warn!(
+            kv_budget_bytes = budget_bytes,
+            kv_bytes,
+            free_bytes = mem.free,
+            context_reserve_bytes = CONTEXT_RESERVE_BYTES,
+            "less memory is free than the KV budget leaves: the pools take what is free less {} MiB, \
+             {} MiB short of the budget `kvfleet check` predicts (the driver holds more than the \
+             context reserve, or another process uses the GPU)",
+            MIN_FREE_BYTES >> 20,
+            (budget_bytes - kv_bytes) >> 20
+        );
+    }
     let geo = AttnGeometry {
         n_layers: dims.layers,
         n_heads: dims.n_heads,
@@ -49,23 +82,32 @@ pub(super) fn size_pools(
             "blockSize {bs} (the attention kernels build pages of {BLOCK_SIZE} tokens)"
         )));
     }
-    let mut blocks = mem.free.saturating_sub(margin) / (kv_bytes_per_token * bs).max(1);
+    let mut blocks = kv_bytes / (kv_bytes_per_token * bs).max(1);
     if let Some(cap) = opts.max_kv_tokens {
         blocks = blocks.min(cap.div_ceil(bs));
     }
     if blocks == 0 {
         return Err(GpuError::Memory(format!(
-            "{} MiB free after {} MiB of weights and {} MiB of activations, {} MiB margin: no room for one \
-             KV page of {} KiB",
+            "{} MiB for the KV cache ({} MiB free after {} MiB of weights and {} MiB of activations; \
+             budget {} MiB at gpuMemoryUtilization {} with a {} MiB context reserve): no room for \
+             one KV page of {} KiB",
+            kv_bytes >> 20,
             mem.free >> 20,
             mem.weights >> 20,
             mem.activations >> 20,
-            margin >> 20,
+            budget_bytes >> 20,
+            opts.gpu_memory_utilization,
+            CONTEXT_RESERVE_BYTES >> 20,
             (kv_bytes_per_token * bs) >> 10
         )));
     }
     let pools = if c.gemma3.is_some() {
-        windowed_pools(c, geo, opts, blocks * bs * kv_bytes_per_token)?
+        // The bytes the planner splits; `max_kv_tokens` caps them at as many full-layer pages.
+        let bytes = match opts.max_kv_tokens {
+            Some(_) => kv_bytes.min(blocks * bs * kv_bytes_per_token),
+            None => kv_bytes,
+        };
+        windowed_pools(c, geo, opts, bytes)?
     } else {
         llama_backend_config(geo, dt, bs, blocks)
     };
@@ -75,7 +117,9 @@ pub(super) fn size_pools(
         weight_bytes: mem.weights,
         activation_bytes: mem.activations,
         free_bytes: mem.free,
-        margin_bytes: margin,
+        margin_bytes: mem.free.saturating_sub(kv_bytes),
+        kv_budget_bytes: budget_bytes,
+        kv_bytes,
         kv_bytes_per_token,
         kv_heads_stored: geo.n_kv_heads,
         blocks,
@@ -211,5 +255,168 @@ mod tests {
         let c = gemma_270m();
         let e = windowed_pools(&c, c.attn_geometry(), &GpuOptions::default(), 16 * 1024).unwrap_err();
         assert!(matches!(e, GpuError::Memory(_)), "{e}");
+    }
+
+    // === The planner's prediction = the worker's pools ===
+
+    use crate::gpu::arena::Acts;
+    use kvfleet_core::api::InferenceDeploymentSpec;
+    use kvfleet_core::plan::{self, EngineParams, MemoryInput, PlanInputs, ReportingEra};
+    use kvfleet_engine::engine::capacity::admitted;
+    use kvfleet_engine::engine::layout::KvDtype;
+
+    const H100: &str = "NVIDIA-H100-80GB-HBM3";
+
+    /// The worker's pools for `c` on `total` bytes when the driver holds exactly the context
+    /// reserve: what `GpuLlama::assemble` gives `size_pools`, less the device.
+    fn worker(c: &LlamaConfig, opts: &GpuOptions, total: u64) -> (BackendConfig, GpuCapacity) {
+        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+        let dims = Dims::new(c, rep);
+        let weights = dims.shape.weight_bytes() as usize;
+        let activations = Acts::bytes(&dims, opts.max_batched_tokens, opts.max_num_seqs);
+        let total = total as usize;
+        let free = total - weights - activations - CONTEXT_RESERVE_BYTES as usize;
+        let mem = Memory {
+            device: H100.into(),
+            total,
+            free,
+            weights,
+            activations,
+        };
+        size_pools(c, &dims, opts, &mem).unwrap()
+    }
+
+    fn opts(dtype: KvDtype) -> GpuOptions {
+        GpuOptions {
+            kv_dtype: dtype,
+            max_batched_tokens: 2048,
+            max_num_seqs: 256,
+            gpu_memory_utilization: 0.92,
+            max_model_len: Some(8192),
+            ..GpuOptions::default()
+        }
+    }
+
+    /// Tokens the worker's pools hold for requests of `max_model_len` (the planner's
+    /// `capacity_tokens`).
+    fn worker_tokens(pools: &BackendConfig, o: &GpuOptions) -> u64 {
+        let mml = o.max_model_len.unwrap();
+        (admitted(pools, mml, o.max_batched_tokens).max_concurrency * mml as f64) as u64
+    }
+
+    #[test]
+    fn kvfleet_check_predicts_the_pools_the_worker_allocates_for_dummy_llama_3_1_8b() {
+        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
+        let total = plan::gpu_memory_bytes(H100).unwrap();
+        for (dtype, name) in [(KvDtype::Bf16, "bfloat16"), (KvDtype::Fp8E4m3, "fp8_e4m3")] {
+            // What `kvfleet check` reads: the spec, through the planner the webhook runs.
+            let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
+                "model": {
+                    "name": "llama",
+                    "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+                                 "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
+                    "weights": {"format": "dummy"}
+                },
+                "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": 8192,
+                           "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
+            }))
+            .unwrap();
+            let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
+            let check = plan::spec_capacity(&spec, &geometry, total, dtype.spec()).unwrap();
+            let o = opts(dtype);
+            let (pools, cap) = worker(&c, &o, total);
+            eprintln!(
+                "Llama-3.1-8B {name}: check {} tokens ({} pages), worker {} tokens ({} pages)",
+                check.kvfleet_tokens, check.plan.kvfleet.groups[0].num_blocks, cap.kv_tokens, cap.blocks
+            );
+            assert_eq!(
+                check.plan.memory.weight_bytes_per_gpu,
+                Some(cap.weight_bytes as u64)
+            );
+            assert_eq!(
+                check.plan.memory.activation_bytes,
+                Some(cap.activation_bytes as u64)
+            );
+            assert_eq!(check.available_kv_bytes, cap.kv_budget_bytes as u64, "{name}");
+            assert_eq!(cap.kv_bytes, cap.kv_budget_bytes, "{name}: the budget was free");
+            assert_eq!(
+                check.plan.kvfleet.groups[0].num_blocks, cap.blocks as u64,
+                "{name}"
+            );
+            assert_eq!(check.kvfleet_tokens, cap.kv_tokens as u64, "{name}");
+            assert_eq!(check.kvfleet_tokens, worker_tokens(&pools, &o), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_planner_predicts_the_pools_the_worker_allocates_for_gemma_3() {
+        let total = plan::gpu_memory_bytes(H100).unwrap();
+        let models = [
+            ("Gemma 3 270M", LlamaConfig::gemma3(18, 640, 2048, 262_144, 512)),
+            ("Gemma 3 1B", LlamaConfig::gemma3(26, 1152, 6912, 262_144, 512)),
+        ];
+        for (model, c) in models {
+            for dtype in [KvDtype::Bf16, KvDtype::Fp8E4m3] {
+                let o = opts(dtype);
+                // The planner on the loaded model's geometry and shape (the worker's own
+                // prediction; `kvfleet plan`).
+                let geometry = plan::Geometry::from_spec(&c.model_geometry()).unwrap();
+                let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+                let inputs = PlanInputs {
+                    engine: EngineParams {
+                        tp: 1,
+                        dtype: dtype.spec(),
+                        block_size: 16,
+                        max_model_len: 8192,
+                        max_num_batched_tokens: 2048,
+                    },
+                    era: ReportingEra::V0_21On,
+                    memory: MemoryInput::KvfleetEngine {
+                        gpu_memory_bytes: total,
+                        gpu_memory_utilization: 0.92,
+                        shape: c.engine_shape(rep as u64),
+                        max_num_seqs: 256,
+                    },
+                    request_len: None,
+                };
+                let planned = plan::plan(&geometry, &inputs).unwrap();
+                let (pools, cap) = worker(&c, &o, total);
+                let want: Vec<u64> = planned.kvfleet.groups.iter().map(|g| g.num_blocks).collect();
+                let got: Vec<u64> = pools.groups.iter().map(|g| g.num_blocks as u64).collect();
+                eprintln!(
+                    "{model} {dtype:?}: planner pages {want:?}, {} tokens; worker pages {got:?}, {} tokens",
+                    planned.kvfleet.capacity_tokens,
+                    worker_tokens(&pools, &o)
+                );
+                assert_eq!(
+                    planned.memory.available_kv_bytes, cap.kv_bytes as u64,
+                    "{model} {dtype:?}"
+                );
+                assert_eq!(want, got, "{model} {dtype:?}");
+                assert_eq!(
+                    planned.kvfleet.capacity_tokens,
+                    worker_tokens(&pools, &o),
+                    "{model} {dtype:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_driver_holding_more_than_the_reserve_gets_the_free_memory_and_reports_the_shortfall() {
+        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
+        let dims = Dims::new(&c, 1);
+        let o = opts(KvDtype::Bf16);
+        let mem = Memory {
+            device: H100.into(),
+            total: 80 << 30,
+            free: 20 << 30,
+            weights: 16 << 30,
+            activations: 1 << 30,
+        };
+        let (_, cap) = size_pools(&c, &dims, &o, &mem).unwrap();
+        assert_eq!(cap.kv_bytes, (20 << 30) - MIN_FREE_BYTES as usize);
+        assert!(cap.kv_budget_bytes > cap.kv_bytes, "{cap:?}");
+        assert_eq!(cap.blocks, cap.kv_bytes / (2 << 20));
     }
 }

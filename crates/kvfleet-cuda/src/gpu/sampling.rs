@@ -14,7 +14,7 @@ use super::error::{drv, need, GpuError};
 use super::kernels::{rows_cfg, ModelKernels};
 
 /// Words of one row's pick in `kvf_pick_rows`' input.
-pub(super) const PICK_WORDS: usize = 6;
+pub(super) const PICK_WORDS: usize = kvfleet_core::plan::engine_memory::PICK_WORDS as usize;
 
 /// The kernel's words for each pick: temperature (0 for the argmax), top-k clamped to `i32`,
 /// top-p, the key's low and high halves, and min-p.

@@ -1,5 +1,6 @@
 //! Which geometries the GPU kernels cover, and the widths a step's buffers are cut to.
 
+use kvfleet_core::plan::{engine_memory, EngineShape};
 use kvfleet_engine::model::llama::LlamaConfig;
 
 use crate::spec::{GroupSize, HeadDim};
@@ -8,20 +9,15 @@ use super::error::GpuError;
 
 /// How many times each KV head is stored so that the attention kernels' GQA group sizes
 /// (1, 2, 4, 8) cover the model: returns `(kv_rep, stored group)`.
+/// The planner's rule (`plan::engine_memory::kv_replication`) over the kernels' [`GroupSize`]s.
 pub fn kv_replication(n_heads: usize, n_kv_heads: usize) -> Result<(usize, usize), GpuError> {
-    if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
-        return Err(GpuError::Unsupported(format!(
-            "{n_heads} query heads over {n_kv_heads} KV heads"
-        )));
-    }
-    let group = n_heads / n_kv_heads;
-    let stored = GroupSize::ALL
+    debug_assert!(GroupSize::ALL
         .iter()
-        .map(|g| g.get())
-        .filter(|g| group % g == 0)
-        .max()
-        .unwrap_or(1);
-    Ok((group / stored, stored))
+        .map(|g| g.get() as u64)
+        .eq(engine_memory::KERNEL_GQA_GROUPS));
+    engine_memory::kv_replication(n_heads as u64, n_kv_heads as u64)
+        .map(|(rep, group)| (rep as usize, group as usize))
+        .ok_or_else(|| GpuError::Unsupported(format!("{n_heads} query heads over {n_kv_heads} KV heads")))
 }
 
 /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
@@ -58,6 +54,8 @@ pub(super) struct Dims {
     pub vocab: usize,
     /// Gemma 3's block (post-norms, GeGLU, scaled embedding, local RoPE).
     pub gemma: bool,
+    /// What the weights and the activation workspace cost (the planner's terms).
+    pub shape: EngineShape,
 }
 
 impl Dims {
@@ -76,6 +74,7 @@ impl Dims {
             ff: c.d_ff,
             vocab: c.vocab,
             gemma: c.gemma3.is_some(),
+            shape: c.engine_shape(kv_rep as u64),
         }
     }
 

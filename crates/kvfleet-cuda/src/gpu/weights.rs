@@ -50,6 +50,7 @@ pub(super) struct Weights {
     pub inv_freq: CudaSlice<f32>,
     /// Gemma 3: `[rope_dims / 2]` of the local layers (their own RoPE base).
     pub inv_freq_local: Option<CudaSlice<f32>>,
+    /// Bytes of every tensor above ([`Weights::allocated`]).
     pub bytes: usize,
 }
 
@@ -95,12 +96,8 @@ impl Weights {
         let c = &m.config;
         let t = m.tensors();
         let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let mut bytes = 0usize;
-        let mut up16 = |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> {
-            let host = to_bf16(parts);
-            bytes += host.len() * 2;
-            Ok(gpu.upload(&host)?)
-        };
+        let up16 =
+            |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> { Ok(gpu.upload(&to_bf16(parts))?) };
         let embed = up16(&[t.embed])?;
         let lm_head = t.lm_head.map(|h| up16(&[h])).transpose()?;
         let mut layers = Vec::with_capacity(t.layers.len());
@@ -141,8 +138,9 @@ impl Weights {
             lm_head,
             inv_freq: upload_f32(gpu, t.inv_freq)?,
             inv_freq_local: gemma_inv_freq_local(c).map(|f| upload_f32(gpu, &f)).transpose()?,
-            bytes,
-        })
+            bytes: 0,
+        }
+        .counted())
     }
 
     /// Random weights made on the device (uniform in ±1/sqrt(fan-in), like [`Llama::dummy`]
@@ -152,7 +150,6 @@ impl Weights {
         let s = gpu.stream();
         let (d, ff) = (c.d_model, c.d_ff);
         let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let mut bytes = 0usize;
         let mut tensor = 0u64;
         let mut rand = |rows: usize, cols: usize| -> Result<CudaSlice<u16>, GpuError> {
             let mut buf = s
@@ -161,7 +158,6 @@ impl Weights {
             tensor += 1;
             let a = 1.0 / (cols as f32).sqrt();
             k.fill_uniform(&mut buf, seed.wrapping_mul(0x1000_0001).wrapping_add(tensor), a)?;
-            bytes += rows * cols * 2;
             Ok(buf)
         };
         let embed = rand(c.vocab, d)?;
@@ -198,8 +194,44 @@ impl Weights {
             lm_head,
             inv_freq: upload_f32(gpu, &inv_freq(c, None))?,
             inv_freq_local: gemma_inv_freq_local(c).map(|f| upload_f32(gpu, &f)).transpose()?,
-            bytes,
-        })
+            bytes: 0,
+        }
+        .counted())
+    }
+
+    /// `self` with [`Weights::bytes`] set to the bytes of every tensor it holds.
+    fn counted(mut self) -> Self {
+        fn f(t: &CudaSlice<f32>) -> usize {
+            4 * t.len()
+        }
+        fn h(t: &CudaSlice<u16>) -> usize {
+            2 * t.len()
+        }
+        let of = |t: &Option<CudaSlice<f32>>| t.as_ref().map_or(0, f);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                h(&l.wqkv)
+                    + h(&l.wo)
+                    + h(&l.wgu)
+                    + h(&l.wdown)
+                    + f(&l.attn_norm)
+                    + f(&l.ffn_norm)
+                    + of(&l.bqkv)
+                    + of(&l.q_norm)
+                    + of(&l.k_norm)
+                    + of(&l.post_attn_norm)
+                    + of(&l.post_ffn_norm)
+            })
+            .sum();
+        self.bytes = layers
+            + h(&self.embed)
+            + self.lm_head.as_ref().map_or(0, h)
+            + f(&self.out_norm)
+            + f(&self.inv_freq)
+            + of(&self.inv_freq_local);
+        self
     }
 }
 

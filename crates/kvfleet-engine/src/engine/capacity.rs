@@ -255,25 +255,16 @@ pub fn size_pools(
             }),
         }
     }
-    let per_request: u64 = groups.iter().map(|g| g.blocks_per_request * g.block_bytes).sum();
-    // Whole requests first, then the remainder block by block to the group that limits
-    // concurrency most.
-    let c = available_kv_bytes / per_request.max(1);
-    for g in &mut groups {
-        g.num_blocks = c * g.blocks_per_request;
-    }
-    let mut left = available_kv_bytes - c * per_request;
-    loop {
-        let ratio = |g: &GroupPool| g.num_blocks as f64 / g.blocks_per_request as f64;
-        let Some(g) = groups
-            .iter_mut()
-            .filter(|g| g.block_bytes <= left)
-            .min_by(|a, b| ratio(a).total_cmp(&ratio(b)))
-        else {
-            break;
-        };
-        g.num_blocks += 1;
-        left -= g.block_bytes;
+    // The planner's split, so that its prediction is these pools.
+    let split = plan::kvfleet::split_blocks(
+        &groups
+            .iter()
+            .map(|g| (g.block_bytes, g.blocks_per_request))
+            .collect::<Vec<_>>(),
+        available_kv_bytes,
+    );
+    for (g, n) in groups.iter_mut().zip(split) {
+        g.num_blocks = n;
     }
     let max_concurrency = groups
         .iter()

@@ -135,6 +135,27 @@ impl Gemma3 {
 impl LlamaConfig {
     /// The attention geometry in the CRD's terms: what preflight and the planner check, and
     /// the source of the per-layer KV list ([`LlamaConfig::kv_layers`]).
+    /// What the GPU engine's weights and activation workspace cost for this model with each
+    /// KV head stored `kv_rep` times (`plan::engine_memory`).
+    pub fn engine_shape(&self, kv_rep: u64) -> kvfleet_core::plan::EngineShape {
+        let u = |v: usize| v as u64;
+        kvfleet_core::plan::EngineShape {
+            layers: u(self.n_layers),
+            d_model: u(self.d_model),
+            d_ff: u(self.d_ff),
+            vocab: u(self.vocab),
+            n_heads: u(self.n_heads),
+            n_kv_heads: u(self.n_kv_heads),
+            head_dim: u(self.head_dim),
+            kv_rep,
+            rope_dims: u(self.rope_dims),
+            tied_embeddings: self.tied_embeddings,
+            attn_bias: self.attn_bias,
+            qk_norm: self.qk_norm,
+            gemma3: self.gemma3.is_some(),
+        }
+    }
+
     pub fn model_geometry(&self) -> kvfleet_core::api::ModelGeometry {
         use kvfleet_core::api::LayerType;
         let i = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
@@ -159,6 +180,7 @@ impl LlamaConfig {
             draft_layers: None,
             hidden_size: Some(i(self.d_model)),
             vocab_size: Some(i(self.vocab)),
+            intermediate_size: Some(i(self.d_ff)),
         }
     }
 
