@@ -31,7 +31,8 @@ use crate::api::ModelGeometry;
 /// `total - free - weights - activations` between 1,049.4 and 1,050.4 MiB. The reserve is that
 /// figure plus about 10% for drivers and devices that hold more; where one holds more still,
 /// the worker takes what is free and reports the shortfall (`kvBudgetBytes` against
-/// `kvBytes` in `/v1/capacity`).
+/// `kvBytes` in `/v1/capacity`). An H200 (driver 580) holds more: 1,504 MiB
+/// (`tests/cuda_capacity.rs`, bench/RESULTS.md), so this is not yet a per-device figure.
 pub const CONTEXT_RESERVE_BYTES: u64 = 1152 << 20;
 
 /// What the worker leaves free in any case for the cuBLAS workspace and per-step buffers.
