@@ -2,7 +2,9 @@
 //! (`plan::engine_memory`, docs/plan.md "Memory prediction"): dummy Llama-3.1-8B and Gemma 3
 //! at bf16 and fp8_e4m3, utilisation 0.92, 2,048 batched tokens, 256 rows, maxModelLen 8,192.
 //! The planner gets the GPU's memory from the product table when it knows the device (what
-//! `kvfleet check` uses), else the total the driver reports.
+//! `kvfleet check` uses), else the total NVML reports; the worker's budget is a share of NVML's
+//! total, as `kvfleet worker` sets it. The tests take the GPU one at a time: a model another
+//! test is loading would hold memory this one measures as free.
 //!
 //! Every test needs an NVIDIA GPU: `cargo test --test cuda_capacity -- --ignored --nocapture`
 //! on the device (with `LD_LIBRARY_PATH=/usr/local/cuda/lib64` for cuBLAS and NVRTC).
@@ -14,11 +16,26 @@ use kvfleet_engine::engine::capacity::admitted;
 use kvfleet_engine::engine::layout::KvDtype;
 use kvfleet_engine::model::forward::Forward;
 use kvfleet_engine::model::llama::LlamaConfig;
+use std::sync::Mutex;
+
+use kvfleet::worker::nvml::Probe;
 
 const MAX_MODEL_LEN: usize = 8192;
 
+/// One test on the GPU at a time.
+static GPU: Mutex<()> = Mutex::new(());
+
+/// Device 0's total memory as NVML reports it (what the worker passes the GPU model).
+fn nvml_total() -> usize {
+    match kvfleet::worker::nvml::probe() {
+        Probe::Gpus(g) => g[0].memory_total_bytes as usize,
+        Probe::NoGpu { reason } => panic!("NVML: {reason}"),
+    }
+}
+
 fn opts(dtype: KvDtype) -> GpuOptions {
     GpuOptions {
+        reported_total_bytes: Some(nvml_total()),
         kv_dtype: dtype,
         max_batched_tokens: 2048,
         max_num_seqs: 256,
@@ -31,6 +48,7 @@ fn opts(dtype: KvDtype) -> GpuOptions {
 /// The worker's pools for `c` at `dtype`: pages per group, tokens held for maxModelLen
 /// requests, the device's name and total memory.
 fn allocated(c: &LlamaConfig, dtype: KvDtype) -> (Vec<u64>, u64, String, u64) {
+    let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
     let gpu = GpuLlama::open_gpu(0).expect("an NVIDIA GPU with cuBLAS and NVRTC");
     let o = opts(dtype);
     let m = GpuLlama::dummy(gpu, c.clone(), 1, &o).expect("dummy model on the GPU");
@@ -49,10 +67,17 @@ fn allocated(c: &LlamaConfig, dtype: KvDtype) -> (Vec<u64>, u64, String, u64) {
     (pages, tokens, cap.device, cap.total_bytes as u64)
 }
 
-/// The GPU's memory as `kvfleet check` knows it: the product table, else what the driver says.
+/// The GPU's memory as `kvfleet check` knows it: the product table, else what NVML says. A
+/// product whose table entry is not NVML's total is a table error, not a prediction error.
 fn planner_memory(device: &str, measured: u64) -> u64 {
     let table = plan::gpu_memory_bytes(device);
-    eprintln!("{device}: {measured} bytes measured, product table {table:?}");
+    eprintln!("{device}: NVML total {measured} bytes, product table {table:?}");
+    if let Some(t) = table {
+        assert_eq!(
+            t, measured,
+            "{device}: the product table's memory is not NVML's total"
+        );
+    }
     table.unwrap_or(measured)
 }
 

@@ -410,6 +410,7 @@ fn place(
                 block_size: pf.scheduler.block_size,
                 gpu_memory_utilization: cfg.engine.gpu_memory_utilization,
                 memory_margin_bytes: None,
+                reported_total_bytes: pf.gpu.as_ref().map(|g| g.memory_total_bytes as usize),
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,

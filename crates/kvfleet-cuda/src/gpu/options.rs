@@ -26,6 +26,11 @@ pub struct GpuOptions {
     pub gpu_memory_utilization: f64,
     /// Bytes left free after the KV pools instead: the pools get `free - it` (no prediction).
     pub memory_margin_bytes: Option<usize>,
+    /// The device's memory as NVML reports it (and GPU Feature Discovery labels it,
+    /// `nvidia.com/gpu.memory`): the total the KV budget is a share of, so that `kvfleet check`,
+    /// which knows only that figure, predicts the pools. CUDA reports less (an H200: 150,109,880,320
+    /// bytes against NVML's 150,754,820,096). `None`: CUDA's total.
+    pub reported_total_bytes: Option<usize>,
     /// Run the attention kernels' self-test on the served geometry and dtype before
     /// allocating the pools (the worker's preflight).
     pub self_test: bool,
@@ -49,6 +54,7 @@ impl Default for GpuOptions {
             block_size: BLOCK_SIZE,
             gpu_memory_utilization: 0.9,
             memory_margin_bytes: None,
+            reported_total_bytes: None,
             self_test: false,
             max_model_len: None,
             single_token_gemv: true,
@@ -60,6 +66,7 @@ impl Default for GpuOptions {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuCapacity {
     pub device: String,
+    /// The total the KV budget is a share of: NVML's when the worker knows it, else CUDA's.
     pub total_bytes: usize,
     pub weight_bytes: usize,
     pub activation_bytes: usize,

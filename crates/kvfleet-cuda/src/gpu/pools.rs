@@ -38,8 +38,9 @@ pub(super) fn size_pools(
     opts: &GpuOptions,
     mem: &Memory,
 ) -> Result<(BackendConfig, GpuCapacity), GpuError> {
+    let total = opts.reported_total_bytes.unwrap_or(mem.total);
     let budget = EngineMemory::new(
-        mem.total as u64,
+        total as u64,
         opts.gpu_memory_utilization,
         mem.weights as u64,
         mem.activations as u64,
@@ -113,7 +114,7 @@ pub(super) fn size_pools(
     };
     let capacity = GpuCapacity {
         device: mem.device.clone(),
-        total_bytes: mem.total,
+        total_bytes: total,
         weight_bytes: mem.weights,
         activation_bytes: mem.activations,
         free_bytes: mem.free,
@@ -267,14 +268,18 @@ mod tests {
 
     const H100: &str = "NVIDIA-H100-80GB-HBM3";
 
-    /// The worker's pools for `c` on `total` bytes when the driver holds exactly the context
-    /// reserve: what `GpuLlama::assemble` gives `size_pools`, less the device.
-    fn worker(c: &LlamaConfig, opts: &GpuOptions, total: u64) -> (BackendConfig, GpuCapacity) {
+    /// What CUDA's total lacks of NVML's (615 MiB on an H200).
+    const CUDA_SHORT: usize = 615 << 20;
+
+    /// The worker's pools for `c` on a GPU of `nvml_total` bytes (CUDA reporting
+    /// [`CUDA_SHORT`] less) when the driver holds exactly the context reserve: what
+    /// `GpuLlama::assemble` gives `size_pools` with the worker's options, less the device.
+    fn worker(c: &LlamaConfig, opts: &GpuOptions, nvml_total: u64) -> (BackendConfig, GpuCapacity) {
         let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
         let dims = Dims::new(c, rep);
         let weights = dims.shape.weight_bytes() as usize;
         let activations = Acts::bytes(&dims, opts.max_batched_tokens, opts.max_num_seqs);
-        let total = total as usize;
+        let total = nvml_total as usize - CUDA_SHORT;
         let free = total - weights - activations - CONTEXT_RESERVE_BYTES as usize;
         let mem = Memory {
             device: H100.into(),
@@ -283,7 +288,35 @@ mod tests {
             weights,
             activations,
         };
-        size_pools(c, &dims, opts, &mem).unwrap()
+        let opts = GpuOptions {
+            reported_total_bytes: Some(nvml_total as usize),
+            ..opts.clone()
+        };
+        size_pools(c, &dims, &opts, &mem).unwrap()
+    }
+
+    #[test]
+    fn the_budget_is_a_share_of_nvmls_total_when_the_worker_knows_it() {
+        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
+        let nvml = plan::gpu_memory_bytes(H100).unwrap();
+        let o = opts(KvDtype::Bf16);
+        let (_, with_nvml) = worker(&c, &o, nvml);
+        assert_eq!(with_nvml.total_bytes, nvml as usize);
+        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+        let dims = Dims::new(&c, rep);
+        let mem = Memory {
+            device: H100.into(),
+            total: nvml as usize - CUDA_SHORT,
+            free: 60 << 30,
+            weights: with_nvml.weight_bytes,
+            activations: with_nvml.activation_bytes,
+        };
+        let (_, cuda_only) = size_pools(&c, &dims, &o, &mem).unwrap();
+        assert_eq!(cuda_only.total_bytes, nvml as usize - CUDA_SHORT);
+        // 0.92 of the 615 MiB CUDA does not report: 565.8 MiB, 282 or 283 whole pages of 2 MiB
+        // (the H200's shortfall in tests/cuda_capacity.rs before the worker knew NVML's total).
+        let gap = with_nvml.blocks - cuda_only.blocks;
+        assert!((282..=283).contains(&gap), "{gap}: {with_nvml:?} {cuda_only:?}");
     }
 
     fn opts(dtype: KvDtype) -> GpuOptions {
