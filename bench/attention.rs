@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use cudarc::driver::sys::CUevent_flags;
-use kvfleet::worker::cuda::device::{Gpu, Kernels, KvLayer, StepBuffers};
-use kvfleet::worker::cuda::plan::plan_step;
-use kvfleet::worker::cuda::scenarios::{RequestShape, Scenario};
-use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelDtype, KernelSpec, KvDtype, Mask, PageSize};
+use kvfleet_cuda::device::{Gpu, Kernels, KvLayer, StepBuffers};
+use kvfleet_cuda::plan::plan_step;
+use kvfleet_cuda::scenarios::{RequestShape, Scenario};
+use kvfleet_cuda::spec::{GroupSize, HeadDim, KernelDtype, KernelSpec, KvDtype, Mask, PageSize};
 
 struct Args {
     iters: usize,
@@ -296,7 +296,7 @@ fn main() {
         // the two parts alone, same caches: decode-only and prefill-only batches
         let split = |range: std::ops::Range<usize>| {
             let b = &p.sc.batch;
-            let mut sub = kvfleet::worker::cuda::plan::CsrBatch {
+            let mut sub = kvfleet_cuda::plan::CsrBatch {
                 qo_indptr: vec![0],
                 kv_indptr: vec![0],
                 ..Default::default()

@@ -31,14 +31,14 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
-use kvfleet::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
-use kvfleet::model::gguf::Gguf;
-use kvfleet::model::llama::{Llama, SeqChunk};
-use kvfleet::model::sampling::argmax;
-use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
-use kvfleet::worker::engine::cpu::CpuBackend;
-use kvfleet::worker::engine::direct::DirectPlanner;
-use kvfleet::worker::engine::{KvDtype, StepPlan};
+use kvfleet_engine::engine::cpu::CpuBackend;
+use kvfleet_engine::engine::direct::DirectPlanner;
+use kvfleet_engine::engine::{KvDtype, StepPlan};
+use kvfleet_engine::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::gguf::Gguf;
+use kvfleet_engine::model::llama::{Llama, SeqChunk};
+use kvfleet_engine::model::sampling::argmax;
+use kvfleet_engine::model::tokenizer::{ChatMessage, Tokenizer};
 
 fn main() {
     match std::env::var("KVFLEET_BENCH_DEVICE").as_deref() {
@@ -174,15 +174,15 @@ mod gpu {
     use std::time::{Duration, Instant};
 
     use kvfleet::compat::KvCacheDtype;
-    use kvfleet::model::forward::{step_direct, Forward};
-    use kvfleet::model::gguf::Gguf;
-    use kvfleet::model::gpu::{GpuLlama, GpuOptions};
-    use kvfleet::model::kv::KvError;
-    use kvfleet::model::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
-    use kvfleet::model::sampling::{argmax, Draw, RowPick};
-    use kvfleet::worker::engine::direct::DirectPlanner;
-    use kvfleet::worker::engine::KvDtype;
-    use kvfleet::worker::engine::StepPlan;
+    use kvfleet_cuda::gpu::{GpuLlama, GpuOptions};
+    use kvfleet_engine::engine::direct::DirectPlanner;
+    use kvfleet_engine::engine::KvDtype;
+    use kvfleet_engine::engine::StepPlan;
+    use kvfleet_engine::model::forward::{step_direct, Forward};
+    use kvfleet_engine::model::gguf::Gguf;
+    use kvfleet_engine::model::kv::KvError;
+    use kvfleet_engine::model::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
+    use kvfleet_engine::model::sampling::{argmax, Draw, RowPick};
 
     const CHUNK_TOKENS: usize = 2048;
 
@@ -224,7 +224,7 @@ mod gpu {
     /// vocabulary, random values in [-8, 8)), rows 1 and 256, per kind of pick, against picking
     /// the same rows on the host (the path before: logits copied back, then `RowPick::pick`;
     /// the copy is not in the host figure). Mean of 20 launches after one.
-    fn pick_bench(gpu: &kvfleet::worker::cuda::device::Gpu) {
+    fn pick_bench(gpu: &kvfleet_cuda::device::Gpu) {
         let v = 128_256;
         let mut x = 0x2545_f491_4f6c_dd1du64;
         let mut next = || {
@@ -246,7 +246,7 @@ mod gpu {
             for rows in [1usize, 256] {
                 let picks: Vec<RowPick> = (0..rows as u64).map(|k| with_key(kind, k + 1)).collect();
                 let l = &logits[..rows * v];
-                let (got, each) = kvfleet::model::gpu::pick_rows_on_device(gpu, l, v, &picks, 20)
+                let (got, each) = kvfleet_cuda::gpu::pick_rows_on_device(gpu, l, v, &picks, 20)
                     .unwrap_or_else(|e| fail("pick kernel", e));
                 let t = Instant::now();
                 let want: Vec<u32> = picks
@@ -370,7 +370,7 @@ mod gpu {
             );
             // What the pools admit for max_model_len requests, each layer group by its window and
             // under a full-layer budget of the same bytes (as /v1/capacity reports them).
-            let a = kvfleet::worker::engine::capacity::admitted(
+            let a = kvfleet_engine::engine::capacity::admitted(
                 m.kv_config(),
                 max_model_len,
                 opts.max_batched_tokens,

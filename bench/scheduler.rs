@@ -6,8 +6,8 @@
 
 use std::time::Instant;
 
-use kvfleet::worker::engine::layout::{GroupSpec, StepPlan};
-use kvfleet::worker::engine::scheduler::{Scheduler, SchedulerConfig};
+use kvfleet_engine::engine::layout::{GroupSpec, StepPlan};
+use kvfleet_engine::engine::scheduler::{Scheduler, SchedulerConfig};
 
 struct Case {
     name: &'static str,

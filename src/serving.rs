@@ -1,5 +1,12 @@
-//! What the long-lived modes share: shutdown on SIGTERM, and HTTP serving for the webhook and
-//! the worker, where every HTTP/1 connection must send its request headers within a time limit
+//! Serving a model, and what the long-lived modes share.
+//!
+//! The model: the serving loop over the engine ([`runtime`]), the OpenAI-compatible API
+//! ([`openai`]), the worker's metrics ([`metrics`]), KV events ([`kv_events`]) and putting a
+//! loaded model on its device ([`serve`]). The pure parts (weights, tokenizers, the CPU forward
+//! pass, sampling) are `kvfleet_engine::model`'s; the GPU model is `kvfleet_cuda::gpu`'s.
+//!
+//! Shared by the webhook, the worker and the router: shutdown on SIGTERM, and HTTP serving
+//! where every HTTP/1 connection must send its request headers within a time limit
 //! and every HTTP/2 connection must answer keep-alive PINGs, so that neither a client that
 //! opens connections and trickles bytes (slowloris) nor a peer that vanished can hold them, nor
 //! the server's file descriptors, for long.
@@ -7,6 +14,11 @@
 use std::time::Duration;
 
 pub mod connections;
+pub mod kv_events;
+pub mod metrics;
+pub mod openai;
+pub mod runtime;
+pub mod serve;
 
 /// What a client gets to send its request headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);

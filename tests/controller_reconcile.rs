@@ -1115,7 +1115,7 @@ async fn with_the_real_rules_a_3090_pool_admits_and_the_planners_prediction_reac
     assert!(status["status"]["capacity"]["tokensPerReplica"].as_i64().unwrap() > 0);
     let affinity = &seen[LOOKUPS + 3].body["spec"]["template"]["spec"]["affinity"]["nodeAffinity"];
     assert!(!affinity.is_null(), "pods are kept on compatible nodes");
-    let cfg = kvfleet::worker::config::WorkerConfig::parse(
+    let cfg = kvfleet::contract::config::WorkerConfig::parse(
         seen[LOOKUPS].body["data"]["worker.yaml"].as_str().unwrap(),
     )
     .expect("the worker accepts the rendered config");

@@ -5,10 +5,10 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvfleet::worker::cuda::device::{Gpu, KvLayer};
-use kvfleet::worker::cuda::selftest;
-use kvfleet::worker::cuda::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
-use kvfleet::worker::engine::quant;
+use kvfleet_cuda::device::{Gpu, KvLayer};
+use kvfleet_cuda::selftest;
+use kvfleet_cuda::spec::{GroupSize, HeadDim, KernelSpec, KvDtype, Mask, PageSize};
+use kvfleet_engine::engine::quant;
 
 fn seed() -> u64 {
     let s = SystemTime::now()

@@ -16,16 +16,16 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use kvfleet::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
-use kvfleet::model::gguf::Gguf;
-use kvfleet::model::gpu::{GpuLlama, GpuOptions};
-use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
-use kvfleet::model::sampling::argmax;
-use kvfleet::worker::cuda::backend::CudaBackend;
-use kvfleet::worker::cuda::device::Gpu;
-use kvfleet::worker::engine::cpu::CpuBackend;
-use kvfleet::worker::engine::direct::DirectPlanner;
-use kvfleet::worker::engine::{Backend, KvDtype, StepPlan};
+use kvfleet_cuda::backend::CudaBackend;
+use kvfleet_cuda::device::Gpu;
+use kvfleet_cuda::gpu::{GpuLlama, GpuOptions};
+use kvfleet_engine::engine::cpu::CpuBackend;
+use kvfleet_engine::engine::direct::DirectPlanner;
+use kvfleet_engine::engine::{Backend, KvDtype, StepPlan};
+use kvfleet_engine::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::gguf::Gguf;
+use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
+use kvfleet_engine::model::sampling::argmax;
 use rand::{Rng, SeedableRng};
 
 const REL_BOUND: f32 = 0.05;

@@ -18,21 +18,21 @@ use std::sync::{Arc, OnceLock};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use kvfleet::model::forward::{step_direct, Forward};
-use kvfleet::model::gguf::Gguf;
-use kvfleet::model::gpu::{pick_rows_on_device, sample_rows_on_device, GpuLlama, GpuOptions};
-use kvfleet::model::kv::ContiguousKv;
-use kvfleet::model::llama::ForwardError;
-use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
-use kvfleet::model::runtime::{GenEvent, ModelRuntime};
-use kvfleet::model::sampling::{
+use kvfleet::serving::runtime::{GenEvent, ModelRuntime};
+use kvfleet_cuda::device::Gpu;
+use kvfleet_cuda::gpu::{pick_rows_on_device, sample_rows_on_device, GpuLlama, GpuOptions};
+use kvfleet_engine::engine::direct::DirectPlanner;
+use kvfleet_engine::engine::scheduler::SchedulerConfig;
+use kvfleet_engine::engine::{KvDtype, StepPlan};
+use kvfleet_engine::model::forward::{step_direct, Forward};
+use kvfleet_engine::model::gguf::Gguf;
+use kvfleet_engine::model::kv::ContiguousKv;
+use kvfleet_engine::model::llama::ForwardError;
+use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
+use kvfleet_engine::model::sampling::{
     apply_adjustments, argmax, gumbel, Adjust, Draw, RowPick, RowSample, SamplingParams,
 };
-use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
-use kvfleet::worker::cuda::device::Gpu;
-use kvfleet::worker::engine::direct::DirectPlanner;
-use kvfleet::worker::engine::scheduler::SchedulerConfig;
-use kvfleet::worker::engine::{KvDtype, StepPlan};
+use kvfleet_engine::model::tokenizer::{ChatMessage, Tokenizer};
 
 /// Relative logit bound (see the module comment).
 const REL_BOUND: f32 = 0.05;
@@ -280,8 +280,8 @@ fn gpu_smollm2_prefill_and_decode_logits_match_the_cpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
 fn gpu_fp8_and_nvfp4_kv_logits_stay_within_twice_the_formats_own_error() {
-    use kvfleet::model::forward::{llama_backend_config, CpuForward};
-    use kvfleet::worker::engine::cpu::CpuBackend;
+    use kvfleet_engine::engine::cpu::CpuBackend;
+    use kvfleet_engine::model::forward::{llama_backend_config, CpuForward};
     let m = smollm2();
     let arc = Arc::new(Llama::from_gguf(gguf()).expect("load SmolLM2 weights"));
     let ids = chat_ids("What is the capital of France?");
@@ -492,8 +492,8 @@ fn gpu_runtime_generation_loop_answers_paris() {
         self_test: true,
         ..opts()
     };
-    let weights = kvfleet::model::serve::LoadedWeights::Host(m);
-    let (forward, cap) = match kvfleet::model::serve::on_gpu(weights, &o, 0) {
+    let weights = kvfleet::serving::serve::LoadedWeights::Host(m);
+    let (forward, cap) = match kvfleet::serving::serve::on_gpu(weights, &o, 0) {
         Ok(f) => f,
         Err(e) => panic!("cannot put the model on the GPU: {e}"),
     };
@@ -505,7 +505,7 @@ fn gpu_runtime_generation_loop_answers_paris() {
         max_waiting: 64,
         prefix_caching: true,
     };
-    let metrics = Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
+    let metrics = Arc::new(kvfleet::serving::metrics::Metrics::new().unwrap());
     let rt = match ModelRuntime::start(forward, tok, "smol".into(), sched, metrics) {
         Ok(rt) => rt,
         Err(e) => panic!("cannot start the GPU runtime: {e}"),

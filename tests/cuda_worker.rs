@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use half::bf16;
-use kvfleet::worker::cuda::backend::CudaBackend;
-use kvfleet::worker::cuda::device::Gpu;
-use kvfleet::worker::engine::backend::{run_step, Backend, StepBuffers};
-use kvfleet::worker::engine::cpu::{CpuBackend, LayerPools};
-use kvfleet::worker::engine::layout::{
+use kvfleet_cuda::backend::CudaBackend;
+use kvfleet_cuda::device::Gpu;
+use kvfleet_engine::engine::backend::{run_step, Backend, StepBuffers};
+use kvfleet_engine::engine::cpu::{CpuBackend, LayerPools};
+use kvfleet_engine::engine::layout::{
     BackendConfig, GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec, StepPlan,
 };
-use kvfleet::worker::engine::quant::decode_vector;
+use kvfleet_engine::engine::quant::decode_vector;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

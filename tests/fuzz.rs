@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Node;
 use kvfleet::api::limits;
 use kvfleet::api::InferenceDeploymentSpec;
-use kvfleet::model::gguf::Gguf;
-use kvfleet::model::tokenizer::Tokenizer;
 use kvfleet::validate::{self, ClusterFacts, NodeFacts};
+use kvfleet_engine::model::gguf::Gguf;
+use kvfleet_engine::model::tokenizer::Tokenizer;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -485,7 +485,7 @@ proptest! {
         });
         let text = config.to_string();
         let start = Instant::now();
-        if let Ok(cfg) = kvfleet::model::hf::HfConfig::parse(std::path::Path::new("config.json"), &text) {
+        if let Ok(cfg) = kvfleet_engine::model::hf::HfConfig::parse(std::path::Path::new("config.json"), &text) {
             prop_assert!(cfg.llama.head_dim <= 16_384 && cfg.llama.n_layers <= 4096);
             let _ = cfg.llama.parameters();
         }
@@ -624,7 +624,7 @@ proptest! {
         text in prop::collection::vec(any::<u8>(), 0..64),
     ) {
         let start = Instant::now();
-        if let Ok(tok) = kvfleet::model::tokenizer::Tokenizer::from_hf_json(&json, None) {
+        if let Ok(tok) = kvfleet_engine::model::tokenizer::Tokenizer::from_hf_json(&json, None) {
             prop_assert!(tok.vocab_size() <= 1 << 24, "a vocabulary of {} entries from {json}", tok.vocab_size());
             let ids = tok.encode(&String::from_utf8_lossy(&text), true);
             let _ = tok.decode(&ids, true);

@@ -16,11 +16,11 @@ use std::net::TcpStream;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvfleet::model::llama::{Llama, LlamaConfig};
-use kvfleet::model::metrics::Metrics;
-use kvfleet::model::openai;
-use kvfleet::model::serve::{loaded, start_cpu, CpuLimits};
-use kvfleet::model::tokenizer::Tokenizer;
+use kvfleet::serving::metrics::Metrics;
+use kvfleet::serving::openai;
+use kvfleet::serving::serve::{loaded, start_cpu, CpuLimits};
+use kvfleet_engine::model::llama::{Llama, LlamaConfig};
+use kvfleet_engine::model::tokenizer::Tokenizer;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 

@@ -12,16 +12,16 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use kvfleet::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
-use kvfleet::model::gguf::{GgmlType, Gguf};
-use kvfleet::model::llama::{Llama, SeqChunk};
-use kvfleet::model::metrics::Metrics;
-use kvfleet::model::openai;
-use kvfleet::model::serve::{loaded, start_cpu, CpuLimits};
-use kvfleet::model::tokenizer::Tokenizer;
-use kvfleet::worker::engine::cpu::CpuBackend;
-use kvfleet::worker::engine::direct::DirectPlanner;
-use kvfleet::worker::engine::{KvDtype, StepPlan};
+use kvfleet::serving::metrics::Metrics;
+use kvfleet::serving::openai;
+use kvfleet::serving::serve::{loaded, start_cpu, CpuLimits};
+use kvfleet_engine::engine::cpu::CpuBackend;
+use kvfleet_engine::engine::direct::DirectPlanner;
+use kvfleet_engine::engine::{KvDtype, StepPlan};
+use kvfleet_engine::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::gguf::{GgmlType, Gguf};
+use kvfleet_engine::model::llama::{Llama, SeqChunk};
+use kvfleet_engine::model::tokenizer::Tokenizer;
 
 fn gguf_path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVFLEET_GEMMA3_GGUF") {
@@ -153,7 +153,7 @@ fn engine_greedy(
     }
     let mut out = Vec::new();
     for _ in 0..n {
-        let next = kvfleet::model::sampling::argmax(&logits) as u32;
+        let next = kvfleet_engine::model::sampling::argmax(&logits) as u32;
         out.push(next);
         toks.push(next);
         let c = [SeqChunk {
@@ -272,9 +272,9 @@ async fn gemma3_completions_api_serves_the_reference_text() {
 }
 
 /// Greedy text of `ids` through the serving loop.
-fn engine_text(rt: &kvfleet::model::runtime::ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> String {
-    use kvfleet::model::runtime::GenEvent;
-    use kvfleet::model::sampling::SamplingParams;
+fn engine_text(rt: &kvfleet::serving::runtime::ModelRuntime, ids: Vec<u32>, max_tokens: usize) -> String {
+    use kvfleet::serving::runtime::GenEvent;
+    use kvfleet_engine::model::sampling::SamplingParams;
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens,
@@ -306,7 +306,7 @@ fn more_than_k_at_once(
     model: Arc<Llama>,
     tok: Tokenizer,
     prompts: impl Fn(usize) -> Vec<u32>,
-) -> (kvfleet::worker::engine::capacity::Admission, usize, usize) {
+) -> (kvfleet_engine::engine::capacity::Admission, usize, usize) {
     const LEN: usize = 1024; // maxModelLen
     const K: usize = 2; // requests a full-layer budget of the pool admits
     const GEN: usize = 70;
@@ -407,7 +407,7 @@ fn more_than_k_at_once(
 /// minutes on two busy cores). The pool figures depend on the geometry alone.
 #[test]
 fn gemma3_geometry_window_aware_pool_runs_more_long_requests_at_once_than_a_full_layer_budget() {
-    let cfg = kvfleet::model::llama::LlamaConfig::gemma3(18, 64, 64, 256, 512);
+    let cfg = kvfleet_engine::model::llama::LlamaConfig::gemma3(18, 64, 64, 256, 512);
     let m = Arc::new(Llama::dummy(cfg, 20).unwrap());
     let (a, peak, _) = more_than_k_at_once(m, Tokenizer::bytes_only(), |j| {
         (0..1024).map(|i| ((i * 31 + j * 7) % 251) as u32).collect()

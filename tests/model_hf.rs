@@ -13,13 +13,13 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 
-use kvfleet::model::gguf::{Gguf, Value};
-use kvfleet::model::hf::{self, HfConfig, HfError};
-use kvfleet::model::kv::ContiguousKv;
-use kvfleet::model::llama::{Llama, LlamaConfig, SeqChunk};
-use kvfleet::model::runtime::GenEvent;
-use kvfleet::model::sampling::{argmax, SamplingParams};
-use kvfleet::model::tokenizer::{ChatMessage, Tokenizer};
+use kvfleet::serving::runtime::GenEvent;
+use kvfleet_engine::model::gguf::{Gguf, Value};
+use kvfleet_engine::model::hf::{self, HfConfig, HfError};
+use kvfleet_engine::model::kv::ContiguousKv;
+use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
+use kvfleet_engine::model::sampling::{argmax, SamplingParams};
+use kvfleet_engine::model::tokenizer::{ChatMessage, Tokenizer};
 
 /// A directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
@@ -946,7 +946,7 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
     drop(hf_model);
 
     // The serving path: the runtime loads the directory and answers through the loop.
-    use kvfleet::model::serve::{load, start_cpu, CpuLimits, ModelSource};
+    use kvfleet::serving::serve::{load, start_cpu, CpuLimits, ModelSource};
     let source = ModelSource {
         path: Some(dir.0.clone()),
         ..ModelSource::default()
@@ -956,7 +956,7 @@ fn smollm2_as_hf_checkpoint_gives_the_gguf_paths_greedy_tokens() {
         kv_tokens: 4096,
         ..CpuLimits::default()
     };
-    let metrics = std::sync::Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
+    let metrics = std::sync::Arc::new(kvfleet::serving::metrics::Metrics::new().unwrap());
     let rt = start_cpu(loaded, limits, metrics).unwrap();
     assert!(
         rt.name.starts_with("kvfleet-hf-"),
@@ -1012,7 +1012,7 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
     assert_eq!(logits.len(), g.vocab);
     assert!(logits.iter().all(|v| v.is_finite()));
     // Through the worker's model source: --model-weights dummy --model-config DIR.
-    use kvfleet::model::serve::{load, start_cpu, CpuLimits, ModelSource, Weights};
+    use kvfleet::serving::serve::{load, start_cpu, CpuLimits, ModelSource, Weights};
     let source = ModelSource {
         weights: Weights::Dummy,
         config: Some(dir.0.clone()),
@@ -1020,7 +1020,7 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
     };
     let loaded = load(&source, None, None, 0).unwrap();
     assert!(loaded.name.starts_with("dummy-"), "{}", loaded.name);
-    let metrics = std::sync::Arc::new(kvfleet::model::metrics::Metrics::new().unwrap());
+    let metrics = std::sync::Arc::new(kvfleet::serving::metrics::Metrics::new().unwrap());
     let limits = CpuLimits {
         kv_tokens: 1024,
         ..CpuLimits::default()

@@ -8,16 +8,16 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use kvfleet::model::gguf::{GgmlType, Gguf};
-use kvfleet::model::kv::{ContiguousKv, KvAttention};
-use kvfleet::model::llama::{Llama, SeqChunk};
-use kvfleet::model::metrics::Metrics;
-use kvfleet::model::openai;
-use kvfleet::model::runtime::{GenEvent, ModelRuntime};
-use kvfleet::model::sampling::{argmax, SamplingParams};
-use kvfleet::model::serve::{loaded, start_cpu, CpuLimits};
-use kvfleet::model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
-use kvfleet::worker::engine::KvDtype;
+use kvfleet::serving::metrics::Metrics;
+use kvfleet::serving::openai;
+use kvfleet::serving::runtime::{GenEvent, ModelRuntime};
+use kvfleet::serving::serve::{loaded, start_cpu, CpuLimits};
+use kvfleet_engine::engine::KvDtype;
+use kvfleet_engine::model::gguf::{GgmlType, Gguf};
+use kvfleet_engine::model::kv::{ContiguousKv, KvAttention};
+use kvfleet_engine::model::llama::{Llama, SeqChunk};
+use kvfleet_engine::model::sampling::{argmax, SamplingParams};
+use kvfleet_engine::model::tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 
 fn gguf_path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVFLEET_SMOLLM2_GGUF") {
@@ -333,10 +333,10 @@ const NEAR_TIE: f32 = 0.25;
 /// exactly is printed.
 #[test]
 fn smollm2_greedy_outputs_on_the_engine_equal_the_recorded_cpu_outputs() {
-    use kvfleet::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
-    use kvfleet::worker::engine::cpu::CpuBackend;
-    use kvfleet::worker::engine::direct::DirectPlanner;
-    use kvfleet::worker::engine::StepPlan;
+    use kvfleet_engine::engine::cpu::CpuBackend;
+    use kvfleet_engine::engine::direct::DirectPlanner;
+    use kvfleet_engine::engine::StepPlan;
+    use kvfleet_engine::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(fixture("smollm2-greedy.json")).unwrap()).unwrap();
     assert_eq!(rows.len(), FIXTURE_PROMPTS.len());
@@ -704,10 +704,10 @@ async fn openai_python_client_streams_a_chat_completion() {
 /// ran its prefill step and decode steps of two and of one sequence.
 #[test]
 fn warm_up_leaves_the_pools_serving_the_same_greedy_tokens() {
-    use kvfleet::model::forward::{llama_backend_config, CpuForward};
-    use kvfleet::model::runtime::{run_greedy, warm_up};
-    use kvfleet::worker::engine::cpu::CpuBackend;
-    use kvfleet::worker::engine::scheduler::SchedulerConfig;
+    use kvfleet::serving::runtime::{run_greedy, warm_up};
+    use kvfleet_engine::engine::cpu::CpuBackend;
+    use kvfleet_engine::engine::scheduler::SchedulerConfig;
+    use kvfleet_engine::model::forward::{llama_backend_config, CpuForward};
     let m = model_arc();
     let tok = tokenizer();
     let prompt = tok.encode("The capital of France is", false);

@@ -2,8 +2,8 @@
 //! NVRTC and the CUDA headers (no GPU needed). NVRTC is a CI requirement: without it this test
 //! FAILS with the install hint (`.ci/install-tools` provides it from PyPI wheels).
 
-use kvfleet::worker::cuda::nvrtc;
-use kvfleet::worker::cuda::spec::Arch;
+use kvfleet_cuda::nvrtc;
+use kvfleet_cuda::spec::Arch;
 
 #[test]
 fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
@@ -28,7 +28,7 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
                     }
                 }
                 // tensor cores and async copies must be there, in the operand type we meant
-                let mma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
+                let mma = if spec.dtype == kvfleet_cuda::spec::KvDtype::Bf16 {
                     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
                 } else {
                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -39,7 +39,7 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
                     }
                 }
                 // the wgmma prefill CTA exactly where the planner expects its 64-row items
-                let wgmma = if spec.dtype == kvfleet::worker::cuda::spec::KvDtype::Bf16 {
+                let wgmma = if spec.dtype == kvfleet_cuda::spec::KvDtype::Bf16 {
                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
                 } else {
                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16"
@@ -69,7 +69,7 @@ fn every_specialisation_compiles_to_ptx_for_every_claimed_arch() {
 
 #[test]
 fn model_kernels_compile_to_ptx_for_every_claimed_arch() {
-    use kvfleet::model::gpu::{MODEL_KERNELS, MODEL_SOURCE};
+    use kvfleet_cuda::gpu::{MODEL_KERNELS, MODEL_SOURCE};
     if let Err(e) = nvrtc::toolchain() {
         panic!("{e}\nhint: run `.ci/install-tools` and eval its output (see the test above)");
     }

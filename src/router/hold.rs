@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::metrics::RouterMetrics;
-use crate::model::openai::{DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS};
+use crate::serving::openai::{DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS};
 
 /// `Retry-After` of a 503 from the hold: a replica starting from zero takes seconds.
 pub const RETRY_AFTER_SECONDS: u64 = 5;

@@ -286,7 +286,7 @@ mod tests {
     use kvfleet_engine::engine::prefix::KvEvent;
 
     use super::*;
-    use crate::model::kv_events::{encode_batch_as, KvEventsFormat, MEDIUM_GPU};
+    use crate::serving::kv_events::{encode_batch_as, KvEventsFormat, MEDIUM_GPU};
 
     fn stored(ids: &[u32], bs: usize, key: CacheKey) -> KvEvent {
         let tb = TokenBlocks::new(key, ids, bs);

@@ -20,8 +20,8 @@ use std::time::Duration;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 
 use crate::contract::config::{ConfigError, WorkerConfig};
-use crate::model::gguf::Gguf;
-use crate::model::serve::{self, ModelSource, MountError, Weights};
+use crate::serving::serve::{self, ModelSource, MountError, Weights};
+use kvfleet_engine::model::gguf::Gguf;
 
 pub mod fleet;
 pub mod hold;
@@ -70,7 +70,7 @@ pub struct RouterArgs {
         long,
         default_value_t = 32 * 1024 * 1024,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
-            .range(crate::model::openai::MIN_BODY_BYTES as u64..=crate::model::openai::MAX_BODY_BYTES as u64)
+            .range(crate::serving::openai::MIN_BODY_BYTES as u64..=crate::serving::openai::MAX_BODY_BYTES as u64)
     )]
     pub max_request_bytes: usize,
     /// Model id in the OpenAI API, as the workers' --served-model-name (default: the config's

@@ -1,5 +1,5 @@
 //! The router's HTTP side. `POST /v1/chat/completions` and `/v1/completions` are tokenized
-//! once, exactly as the workers tokenize them ([`crate::model::openai::RoutingPrompt`]),
+//! once, exactly as the workers tokenize them ([`crate::serving::openai::RoutingPrompt`]),
 //! ranked ([`super::score`]) and forwarded to the best replica with the body unchanged; its
 //! response (streamed or not) passes through chunk by chunk with two headers added:
 //! `x-kvfleet-replica` and `x-kvfleet-predicted-cached-tokens`. A replica that refuses the
@@ -32,7 +32,7 @@ use super::index::PromptBlocks;
 use super::metrics::RouterMetrics;
 use super::score::{rank, Candidate};
 use super::HttpClient;
-use crate::model::openai::RoutingPrompt;
+use crate::serving::openai::RoutingPrompt;
 use kvfleet_engine::model::tokenizer::Tokenizer;
 
 /// Header a client sets to keep a conversation on one replica when nothing else decides.

@@ -14,9 +14,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use serde_json::json;
 
-use super::engine::capacity::PoolPlan;
 use super::nvml::GpuInfo;
-use crate::model::metrics::Metrics;
+use crate::serving::metrics::Metrics;
+use kvfleet_engine::engine::capacity::PoolPlan;
 
 /// What `/v1/capacity` reports besides the live numbers (fixed after preflight).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -50,7 +50,7 @@ pub struct CapacityInfo {
     pub full_layer_capacity_tokens: u64,
     /// Per layer group: window, layers, blocks, and the block tokens one maxModelLen request
     /// holds there (window-aware and full-layer).
-    pub tokens_per_request: Vec<super::engine::capacity::GroupTokens>,
+    pub tokens_per_request: Vec<kvfleet_engine::engine::capacity::GroupTokens>,
     pub pools: PoolPlan,
     /// On a GPU: the memory measured around model load (total, weights, activations, free
     /// before the KV pools, margin kept free).
@@ -92,7 +92,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // vLLM's: 200 with an empty body while the server runs.
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/version", get(version))
-        .method_not_allowed_fallback(crate::model::openai::method_not_allowed)
+        .method_not_allowed_fallback(crate::serving::openai::method_not_allowed)
         .with_state(state)
 }
 

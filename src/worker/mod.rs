@@ -17,12 +17,10 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::compat::{AttentionBackend, KvCacheDtype};
-use crate::model::runtime::ModelRuntime;
-use crate::model::serve::{self, LoadedModel, ModelSource, Weights};
+use crate::serving::runtime::ModelRuntime;
+use crate::serving::serve::{self, LoadedModel, ModelSource, Weights};
 
-pub use crate::contract::config;
-pub use kvfleet_cuda as cuda;
-pub use kvfleet_engine::engine;
+use crate::contract::config;
 pub mod http;
 pub mod nvml;
 pub mod preflight;
@@ -121,23 +119,23 @@ pub struct WorkerArgs {
     /// Largest request body accepted (413 above it).
     #[arg(
         long,
-        default_value_t = crate::model::openai::ApiLimits::default().max_body_bytes,
+        default_value_t = crate::serving::openai::ApiLimits::default().max_body_bytes,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
-            .range(crate::model::openai::MIN_BODY_BYTES as u64..=crate::model::openai::MAX_BODY_BYTES as u64)
+            .range(crate::serving::openai::MIN_BODY_BYTES as u64..=crate::serving::openai::MAX_BODY_BYTES as u64)
     )]
     pub max_request_bytes: usize,
     /// A request still generating this long after it arrived is ended (504, or an error
     /// chunk on a stream) and its KV freed.
     #[arg(
         long,
-        default_value_t = crate::model::openai::ApiLimits::default().request_timeout.as_secs(),
+        default_value_t = crate::serving::openai::ApiLimits::default().request_timeout.as_secs(),
         value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS)
     )]
     pub request_timeout_seconds: u64,
     /// Require `Authorization: Bearer <key>` on the OpenAI API (the controller sets it from
     /// the Secret in spec.apiKey). Probes, /metrics and /v1/capacity stay open.
     #[arg(long, env = "KVFLEET_API_KEY", hide_env_values = true)]
-    pub api_key: Option<crate::model::openai::ApiKey>,
+    pub api_key: Option<crate::serving::openai::ApiKey>,
 }
 
 impl WorkerArgs {
@@ -331,8 +329,8 @@ fn check_geometry(
 /// The loaded model on its device: the GPU (weights, activations, then KV pools in the memory
 /// measured free, after the kernels' self-test) or the CPU (pools sized by preflight).
 struct Placed {
-    forward: Box<dyn crate::model::forward::Forward>,
-    gpu: Option<crate::model::gpu::GpuCapacity>,
+    forward: Box<dyn kvfleet_engine::model::forward::Forward>,
+    gpu: Option<kvfleet_cuda::gpu::GpuCapacity>,
     pf: preflight::Preflight,
 }
 
@@ -340,14 +338,14 @@ fn place(
     model: LoadedModel,
     cfg: &mut WorkerConfig,
     probe: &nvml::Probe,
-) -> Result<(Placed, crate::model::tokenizer::Tokenizer), PreflightError> {
+) -> Result<(Placed, kvfleet_engine::model::tokenizer::Tokenizer), PreflightError> {
     // On a GPU the model stores each KV head `kv_rep` times where its GQA group is not one the
     // kernels build (SmolLM2: 9 over 3 is stored as 9 over 9); preflight checks what is stored.
     let real = model.geometry();
     let stored = {
         let c = model.config();
         let mut g = real.clone();
-        if let Ok((rep, _)) = crate::model::gpu::kv_replication(c.n_heads, c.n_kv_heads) {
+        if let Ok((rep, _)) = kvfleet_cuda::gpu::kv_replication(c.n_heads, c.n_kv_heads) {
             g.kv_heads = i32::try_from(c.n_kv_heads * rep).unwrap_or(g.kv_heads);
         }
         g
@@ -364,7 +362,7 @@ fn place(
     }
     let mut pf = preflight::run(cfg, probe)?;
     if pf.backend == preflight::BackendKind::Cuda {
-        if let Err(e) = crate::model::gpu::check_available() {
+        if let Err(e) = kvfleet_cuda::gpu::check_available() {
             if cfg.attention_backend() == AttentionBackend::KvfleetCuda {
                 return Err(PreflightError::Incompatible(format!(
                     "attentionBackend KVFLEET_CUDA, but the GPU path cannot start: {e}"
@@ -380,7 +378,7 @@ fn place(
         cfg.geometry = Some(real);
         pf = preflight::run(cfg, probe)?;
     }
-    let crate::model::serve::LoadedModel {
+    let crate::serving::serve::LoadedModel {
         weights, tokenizer, ..
     } = model;
     let placed = match pf.backend {
@@ -401,7 +399,7 @@ fn place(
             }
         }
         preflight::BackendKind::Cuda => {
-            let opts = crate::model::gpu::GpuOptions {
+            let opts = kvfleet_cuda::gpu::GpuOptions {
                 ordinal: pf.gpu.as_ref().map_or(0, |g| g.index as usize),
                 kv_dtype: pf.dtype,
                 max_batched_tokens: pf.scheduler.max_num_batched_tokens,
@@ -416,7 +414,7 @@ fn place(
                 single_token_gemv: true,
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
-                crate::model::runtime::RuntimeError::Gpu(crate::model::gpu::GpuError::Memory(m)) => {
+                crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {
                     PreflightError::NoMemory(m)
                 }
                 other => PreflightError::Incompatible(other.to_string()),
@@ -432,7 +430,7 @@ fn place(
 }
 
 async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
-    let metrics = match crate::model::metrics::Metrics::new() {
+    let metrics = match crate::serving::metrics::Metrics::new() {
         Ok(m) => Arc::new(m),
         Err(error) => {
             tracing::error!(%error, "cannot register metrics");
@@ -518,10 +516,10 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let device = forward.device();
     let mut sched_cfg = pf.scheduler.clone();
     sched_cfg.block_size = forward.kv_config().block_size;
-    let mut hooks = crate::model::runtime::RuntimeHooks::default();
+    let mut hooks = crate::serving::runtime::RuntimeHooks::default();
     if let Some((endpoint, topic)) = cfg.kv_events() {
         let medium = if device == "cuda" { "GPU" } else { "CPU" };
-        match crate::model::kv_events::KvEventPublisher::start(&endpoint, topic, medium) {
+        match crate::serving::kv_events::KvEventPublisher::start(&endpoint, topic, medium) {
             Ok(publisher) => {
                 tracing::info!(endpoint = %publisher.local_addr(), "publishing KV events");
                 hooks.kv_events = Some(Box::new(move |events| publisher.publish(events)));
@@ -542,7 +540,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             Arc::new(rt)
         }
         // A warm-up that fails on the device says it cannot serve this model here.
-        Err(error @ crate::model::runtime::RuntimeError::WarmUp { .. }) => {
+        Err(error @ crate::serving::runtime::RuntimeError::WarmUp { .. }) => {
             return fail(exit::INCOMPATIBLE, "cannot start the engine", &error)
         }
         Err(error) => return fail(exit::CONFIG, "cannot start the engine", &error),
@@ -621,7 +619,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         capacity: RwLock::new(Some(info)),
         metrics: metrics.clone(),
     });
-    let limits = crate::model::openai::ApiLimits {
+    let limits = crate::serving::openai::ApiLimits {
         max_body_bytes: args.max_request_bytes,
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
         ..Default::default()
@@ -629,7 +627,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     if args.api_key.is_some() {
         tracing::info!("the OpenAI API requires an API key");
     }
-    let app = crate::model::openai::router_with(runtime.clone(), limits, args.api_key.clone())
+    let app = crate::serving::openai::router_with(runtime.clone(), limits, args.api_key.clone())
         .merge(http::router(state.clone()));
     let handle = axum_server::Handle::new();
     let server = {

@@ -5,14 +5,16 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use super::config::{WorkerConfig, GIB};
-use super::engine::capacity::{size_pools, CapacityError, KvListError, ModelLayer, PoolParams, PoolPlan};
-use super::engine::layout::{BackendConfig, KvDtype, KvScales};
-use super::engine::scheduler::SchedulerConfig;
 use super::nvml::{GpuInfo, Probe};
 use crate::api::Runtime;
 use crate::compat::{AttentionBackend, ComputeCapability};
+use crate::contract::config::{WorkerConfig, GIB};
 use crate::plan::{pool_layout, EngineParams, Geometry};
+use kvfleet_engine::engine::capacity::{
+    size_pools, CapacityError, KvListError, ModelLayer, PoolParams, PoolPlan,
+};
+use kvfleet_engine::engine::layout::{BackendConfig, KvDtype, KvScales};
+use kvfleet_engine::engine::scheduler::SchedulerConfig;
 
 /// Exit codes of `kvfleet worker` (documented in docs/worker.md).
 pub use crate::contract::exit;
@@ -191,7 +193,7 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
         ),
         BackendKind::Cpu => (
             cfg.cpu_memory_bytes
-                .unwrap_or(super::config::DEFAULT_CPU_MEMORY_BYTES),
+                .unwrap_or(crate::contract::config::DEFAULT_CPU_MEMORY_BYTES),
             cfg.activation_reserve_bytes.unwrap_or(0),
         ),
     };

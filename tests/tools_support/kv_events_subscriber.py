@@ -8,7 +8,7 @@ msgspec array_like=True) and as maps with the tag under "type" (vLLM from PR #42
 e.g. v0.26).
 
 It prints one JSON line per event and exits 0 after --batches batches, or 2 on --timeout.
-Used by the tests in src/model/kv_events.rs; needs pyzmq and msgpack (.ci/install-tools).
+Used by the tests in src/serving/kv_events.rs; needs pyzmq and msgpack (.ci/install-tools).
 """
 
 import argparse

@@ -33,9 +33,9 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
 use super::runtime::{FinishReason, GenEvent, ModelRuntime, RuntimeError};
-use super::sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
-use super::tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
 use kvfleet_engine::engine::prefix::CacheKey;
+use kvfleet_engine::model::sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
+use kvfleet_engine::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
 
 /// Output tokens of a chat completion that names no `max_tokens`.
 pub const DEFAULT_CHAT_MAX_TOKENS: usize = 1024;

@@ -6,21 +6,21 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::forward::{model_backend_config, CpuForward, Forward};
-use super::gguf::Gguf;
-use super::gpu::{GpuCapacity, GpuLlama, GpuOptions};
-use super::hf;
-use super::llama::{Llama, LlamaConfig};
 use super::metrics::Metrics;
 use super::runtime::{ModelRuntime, RuntimeError};
-use super::tokenizer::Tokenizer;
 use crate::api::ModelGeometry;
 pub use crate::contract::model::{
     embedded_model_path, ModelSource, Weights, EMBEDDED_MODEL_ENV, EMBEDDED_MODEL_PATHS,
 };
+use kvfleet_cuda::gpu::{GpuCapacity, GpuLlama, GpuOptions};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::layout::{BackendConfig, KvDtype};
 use kvfleet_engine::engine::scheduler::SchedulerConfig;
+use kvfleet_engine::model::forward::{model_backend_config, CpuForward, Forward};
+use kvfleet_engine::model::gguf::Gguf;
+use kvfleet_engine::model::hf;
+use kvfleet_engine::model::llama::{Llama, LlamaConfig};
+use kvfleet_engine::model::tokenizer::Tokenizer;
 
 /// Errors of finding and loading the model.
 #[derive(Debug, thiserror::Error)]

@@ -13,22 +13,22 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::forward::{Forward, Picked};
-use super::gguf::GgufError;
-use super::gpu::{GpuCapacity, GpuError};
-use super::hf::HfError;
-use super::llama::{LoadError, SeqChunk};
 use super::metrics::Metrics;
-use super::profile::{self, Shape, Table};
-use super::sampling::{
-    token_logprobs, RowPick, RowSample, Sampler, SamplingParams, StopMatcher, TokenLogprobs,
-};
-use super::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+use kvfleet_cuda::gpu::{GpuCapacity, GpuError};
+use kvfleet_cuda::profile::{self, Shape, Table};
 use kvfleet_engine::engine::prefix::{CacheKey, KvEvent};
 use kvfleet_engine::engine::scheduler::{
     Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError,
 };
 use kvfleet_engine::engine::StepPlan;
+use kvfleet_engine::model::forward::{Forward, Picked};
+use kvfleet_engine::model::gguf::GgufError;
+use kvfleet_engine::model::hf::HfError;
+use kvfleet_engine::model::llama::{LoadError, SeqChunk};
+use kvfleet_engine::model::sampling::{
+    token_logprobs, RowPick, RowSample, Sampler, SamplingParams, StopMatcher, TokenLogprobs,
+};
+use kvfleet_engine::model::tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
 mod output;
 mod scoring;

@@ -5,9 +5,9 @@
 use std::time::Instant;
 
 use super::{FinishReason, GenEvent, Live};
-use crate::model::metrics::{Finished, Metrics};
-use crate::model::sampling::TokenLogprobs;
-use crate::model::tokenizer::Tokenizer;
+use crate::serving::metrics::{Finished, Metrics};
+use kvfleet_engine::model::sampling::TokenLogprobs;
+use kvfleet_engine::model::tokenizer::Tokenizer;
 
 /// Appends a sampled token: text out, stop tokens and strings, the length limit. Returns the
 /// finish reason when the request ends with it. Before `min_tokens` tokens were generated no
