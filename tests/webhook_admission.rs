@@ -1038,6 +1038,70 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_head
     handle.shutdown();
 }
 
+/// A client that sends its headers and then trickles the body (or stops) gets 408 after the
+/// body read timeout (here the lowered header timeout), not a connection held for as long as
+/// it keeps sending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_trickles_its_body_gets_408_after_the_body_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (ca, serving) = loopback_pki();
+    let (cache, _writer) = synced_cache(vec![]);
+    let state = kvfleet::webhook::server::AppState::with_header_read_timeout(
+        cache,
+        kvfleet::webhook::metrics::Metrics::new().unwrap(),
+        Duration::from_millis(300),
+    );
+    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
+        tls::server_config(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes()).unwrap(),
+    );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handle = axum_server::Handle::new();
+    tokio::spawn(kvfleet::webhook::server::serve_https(
+        listener,
+        state,
+        rustls,
+        handle.clone(),
+    ));
+    let tcp = loop {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(tcp) => break tcp,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector(&ca.0.cert_pem).connect(name, tcp).await.unwrap();
+    tls.write_all(
+        b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"kind\"",
+    )
+    .await
+    .unwrap();
+    let start = std::time::Instant::now();
+    // A byte every 100 ms: each read finds data, so only a timeout on the whole body ends it.
+    let trickle = async {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if tls.write_all(b" ").await.is_err() {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(3), trickle).await;
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(2), tls.read(&mut buf))
+        .await
+        .expect("an answer to the trickled request")
+        .unwrap_or(0);
+    let answer = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(
+        answer.starts_with("HTTP/1.1 408"),
+        "after {:?}: {answer:?}",
+        start.elapsed()
+    );
+    assert!(answer.contains("did not arrive within"), "{answer}");
+    handle.shutdown();
+}
+
 /// Issue 35, item 2: connections that finish the TLS handshake (or not even that) and then send
 /// nothing were held forever: the header timeout starts at the first byte of a request. Now a
 /// connection must start a request within the header read timeout of its accept, on both ports.

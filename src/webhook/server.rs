@@ -29,6 +29,11 @@ pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// A client must send a request's headers within this time (slowloris), on both servers.
 pub const HEADER_READ_TIMEOUT: Duration = crate::serving::HEADER_READ_TIMEOUT;
 
+/// A client must send a request's body within this time of its headers. The API server gives a
+/// webhook call 10 s by default (`timeoutSeconds`, at most 30): a body still arriving after
+/// that is not an API server's, and a trickled one would hold the connection and its buffer.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// What the handlers share.
 pub struct AppState {
     pub cache: Arc<NodeCache>,
@@ -37,6 +42,8 @@ pub struct AppState {
     pub tls_ready: AtomicBool,
     /// See [`HEADER_READ_TIMEOUT`].
     pub header_read_timeout: Duration,
+    /// See [`BODY_READ_TIMEOUT`]; tests lower it with the header read timeout.
+    pub body_read_timeout: Duration,
     /// The HTTPS port speaks HTTP/2 (ALPN h2) and the health port h2c: see
     /// [`crate::serving::HTTP2_KEEP_ALIVE`].
     pub http2_keep_alive: crate::serving::Http2KeepAlive,
@@ -67,6 +74,7 @@ impl AppState {
             metrics,
             tls_ready: AtomicBool::new(false),
             header_read_timeout: timeout,
+            body_read_timeout: timeout.min(BODY_READ_TIMEOUT),
             http2_keep_alive,
             connections: crate::serving::connections::Connections::new(crate::serving::connection_policy(
                 timeout,
@@ -99,8 +107,44 @@ pub fn health_router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn admit(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+/// The request body, within [`MAX_BODY_BYTES`] and the body read timeout.
+async fn read_body(state: &AppState, req: axum::extract::Request) -> Result<Bytes, Response> {
+    let read = axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES);
+    match tokio::time::timeout(state.body_read_timeout, read).await {
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(error)) if format!("{error:?}").contains("LengthLimit") => Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the AdmissionReview is over the webhook's limit of {MAX_BODY_BYTES} bytes\n"),
+        )
+            .into_response()),
+        Ok(Err(error)) => Err((
+            StatusCode::BAD_REQUEST,
+            format!("cannot read the request body: {error}\n"),
+        )
+            .into_response()),
+        Err(_) => Err((
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {:?} of its headers\n",
+                state.body_read_timeout
+            ),
+        )
+            .into_response()),
+    }
+}
+
+async fn admit(State(state): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
     let start = Instant::now();
+    let body = match read_body(&state, req).await {
+        Ok(body) => body,
+        Err(response) => {
+            tracing::warn!(
+                status = response.status().as_u16(),
+                "an admission request's body could not be read"
+            );
+            return response;
+        }
+    };
     let Reviewed {
         review,
         operation,
