@@ -6,17 +6,19 @@
 //! `.tools/bin/`. A missing tool fails the test with the way to install it.
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde_json::Value;
 
 // === tools ===
 
+mod prom_support;
 mod tools_support;
+use prom_support::{
+    check_alive, first_value, free_port, http, metric_names, prom_query, start_prometheus, wait_for, Proc,
+};
 use tools_support::find_tool;
 
 fn repo() -> &'static Path {
@@ -205,88 +207,6 @@ fn queries() -> Vec<Query> {
     out
 }
 
-/// Metric names a PromQL expression reads: identifiers outside strings, label matchers,
-/// range brackets and grouping lists, that are not function calls or keywords.
-fn metric_names(expr: &str) -> BTreeSet<String> {
-    const KEYWORDS: &[&str] = &[
-        "and",
-        "or",
-        "unless",
-        "bool",
-        "offset",
-        "sum",
-        "avg",
-        "min",
-        "max",
-        "count",
-        "group",
-        "stddev",
-        "stdvar",
-        "topk",
-        "bottomk",
-        "quantile",
-        "count_values",
-    ];
-    const GROUPING: &[&str] = &["by", "without", "on", "ignoring", "group_left", "group_right"];
-    let bytes = expr.as_bytes();
-    let is_ident = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b':';
-    let mut out = BTreeSet::new();
-    let mut i = 0;
-    let mut skip_group = false;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'"' => {
-                i += 1;
-                while i < bytes.len() && bytes[i] != b'"' {
-                    i += if bytes[i] == b'\\' { 2 } else { 1 };
-                }
-                i += 1;
-            }
-            b'{' | b'[' => {
-                let close = if bytes[i] == b'{' { b'}' } else { b']' };
-                while i < bytes.len() && bytes[i] != close {
-                    if bytes[i] == b'"' {
-                        i += 1;
-                        while i < bytes.len() && bytes[i] != b'"' {
-                            i += 1;
-                        }
-                    }
-                    i += 1;
-                }
-                i += 1;
-            }
-            b'(' if skip_group => {
-                while i < bytes.len() && bytes[i] != b')' {
-                    i += 1;
-                }
-                i += 1;
-                skip_group = false;
-            }
-            b if b.is_ascii_alphabetic() || b == b'_' => {
-                let start = i;
-                while i < bytes.len() && is_ident(bytes[i]) {
-                    i += 1;
-                }
-                let word = &expr[start..i];
-                let call = expr[i..].trim_start().starts_with('(');
-                if GROUPING.contains(&word) {
-                    skip_group = true;
-                } else if !call && !KEYWORDS.contains(&word) {
-                    out.insert(word.to_owned());
-                }
-            }
-            b if b.is_ascii_digit() => {
-                // A number (0.99, 1e3) is not a name.
-                while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'.') {
-                    i += 1;
-                }
-            }
-            _ => i += 1,
-        }
-    }
-    out
-}
-
 /// Worker metrics: a query reading only these must return data from a running worker.
 fn is_worker_metric(name: &str) -> bool {
     let base = name
@@ -417,91 +337,6 @@ fn metric_names_finds_selectors_not_functions_or_labels() {
 
 // === a real Prometheus scraping a real worker ===
 
-/// Kills the child on drop, so a failing test leaves no process behind.
-struct Proc(Child, &'static str);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free loopback port")
-}
-
-/// One HTTP/1.1 exchange over loopback: (status, body).
-fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
-    // The completions queue behind each other on a CPU worker of a debug build: on a loaded
-    // 2-core machine one waited more than 30 s for its first byte.
-    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-    let body = body.unwrap_or("");
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes())?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    Ok((status, if chunked { dechunk(rest) } else { rest.to_owned() }))
-}
-
-fn dechunk(mut rest: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if size == 0 || tail.len() < size {
-            break;
-        }
-        out.push_str(&tail[..size]);
-        rest = tail[size..].trim_start_matches("\r\n");
-    }
-    out
-}
-
-fn percent_encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-fn wait_for(what: &str, timeout: Duration, mut ready: impl FnMut() -> Result<(), String>) {
-    let start = Instant::now();
-    loop {
-        match ready() {
-            Ok(()) => return,
-            Err(why) if start.elapsed() > timeout => panic!("{what} not ready after {timeout:?}: {why}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(250)),
-        }
-    }
-}
-
-fn check_alive(proc: &mut Proc) -> Result<(), String> {
-    match proc.0.try_wait() {
-        Ok(Some(status)) => panic!("{} exited early with {status}", proc.1),
-        _ => Ok(()),
-    }
-}
-
 /// Grafana's variables, as the dashboards would send them with "All" selected.
 fn substitute_variables(expr: &str) -> String {
     expr.replace("$__rate_interval", "15s")
@@ -510,17 +345,6 @@ fn substitute_variables(expr: &str) -> String {
         .replace("$namespace", ".*")
         .replace("$deployment", ".*")
         .replace("$pod", ".*")
-}
-
-fn prom_query(port: u16, expr: &str) -> Result<Vec<Value>, String> {
-    let path = format!("/api/v1/query?query={}", percent_encode(expr));
-    let (status, body) = http(port, "GET", &path, None).map_err(|e| e.to_string())?;
-    let json: Value =
-        serde_json::from_str(&body).map_err(|e| format!("HTTP {status}, not JSON: {e}: {body}"))?;
-    if json["status"] != "success" {
-        return Err(format!("HTTP {status}: {} {}", json["errorType"], json["error"]));
-    }
-    Ok(json["data"]["result"].as_array().cloned().unwrap_or_default())
 }
 
 /// Starts `kvfleet worker` on loopback, a real Prometheus scraping it every second with the
@@ -532,7 +356,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     let prometheus_bin = prometheus();
     let scratch = std::env::temp_dir().join(format!("kvfleet-prometheus-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(scratch.join("data")).expect("scratch directory");
+    std::fs::create_dir_all(&scratch).expect("scratch directory");
 
     // The worker, serving the embedded SmolLM2 on the CPU engine.
     let worker_port = free_port();
@@ -556,7 +380,6 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     // Prometheus, with the relabelings of the controller's ServiceMonitor/PodMonitor: the
     // target carries the pod label as service discovery would, and `inferencedeployment`
     // must come out of the relabeling (namespace and pod the operator sets itself).
-    let prom_port = free_port();
     let relabel: Vec<serde_json::Value> = kvfleet::controller::desired::monitor_relabelings()
         .as_array()
         .expect("relabelings")
@@ -575,26 +398,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         rules = rules_file().display(),
         relabel = serde_json::Value::Array(relabel),
     );
-    let config_path = scratch.join("prometheus.yml");
-    std::fs::write(&config_path, config).expect("prometheus.yml");
-    let mut prom = Proc(
-        Command::new(prometheus_bin)
-            .arg(format!("--config.file={}", config_path.display()))
-            .arg(format!("--storage.tsdb.path={}", scratch.join("data").display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("cannot start prometheus"),
-        "prometheus",
-    );
-    wait_for("prometheus /-/ready", Duration::from_secs(60), || {
-        check_alive(&mut prom)?;
-        match http(prom_port, "GET", "/-/ready", None) {
-            Ok((200, _)) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    });
+    let (mut prom, prom_port) = start_prometheus(&prometheus_bin, &scratch, &config);
 
     // Real traffic to the served model so that usage, requests and latencies move: 8
     // completions in the background while Prometheus scrapes.
@@ -617,11 +421,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
             return Err("target not up".into());
         }
         let samples = prom_query(prom_port, "count_over_time(kvfleet_kv_cache_capacity_tokens[1m])")?;
-        match samples
-            .first()
-            .and_then(|s| s["value"][1].as_str())
-            .and_then(|v| v.parse::<f64>().ok())
-        {
+        match first_value(&samples) {
             Some(n) if n >= 8.0 => Ok(()),
             other => Err(format!("{other:?} samples")),
         }
@@ -662,11 +462,7 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     }
     // The load reached the engine: tokens were computed.
     let tokens = prom_query(prom_port, "max(kvfleet_tokens_total)").unwrap_or_default();
-    let computed = tokens
-        .first()
-        .and_then(|s| s["value"][1].as_str())
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0);
+    let computed = first_value(&tokens).unwrap_or(0.0);
     if computed <= 0.0 {
         failures.push("kvfleet_tokens_total stayed 0 after the completions".to_owned());
     }

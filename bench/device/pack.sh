@@ -9,9 +9,11 @@
 #   bench/device/pack.sh harden      # the worker + fuzz_openai: overload, hostile bodies, cold start on a GPU
 #   bench/device/pack.sh model-a     # model binaries + the GGUF's first half
 #   bench/device/pack.sh model-b     # the GGUF's second half
+#   bench/device/pack.sh clients     # the worker, prometheus and the wheels of bench/device/clients.sh
+#                                    # (inference-perf, the transformers log-probabilities); no GGUF
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b}
+mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -85,6 +87,23 @@ case "$mode" in
     tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
     sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
     cp bench/http_load.py "$out/"
+    ;;
+  clients)
+    # inference-perf and its server-side report through Prometheus, and transformers'
+    # log-probabilities (bench/device/clients.sh; issue 34). The device has torch,
+    # transformers, numpy, aiohttp, pyyaml, rich, tqdm, jinja2, prometheus-client, uvloop, pillow,
+    # tiktoken; these wheels are the rest (accelerate: transformers loads a GGUF only with it) (the pydantic and requests families may be there too:
+    # pip --upgrade --target puts ours first). Debian's prometheus links only libc.
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    xz -T2 -6 -c "${PROMETHEUS:-/usr/bin/prometheus}" > "$out/bin/prometheus.xz"
+    whl=.whl/clients; mkdir -p "$whl" "$out/whl"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux1_x86_64 -d "$whl" inference-perf==0.7.0 gguf==0.19.0 jmespath==1.1.0 \
+      aiofiles==25.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+      typing-extensions==4.16.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 charset-normalizer==3.5.3 \
+      certifi==2026.10.19.post1 accelerate==1.15.0 psutil==7.2.2
+    cp "$whl"/*.whl "$out/whl/"
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
