@@ -224,6 +224,14 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
     );
     assert_eq!(sample(&m, "vllm:time_to_first_token_seconds_count"), 1.0);
     assert_eq!(sample(&m, "vllm:e2e_request_latency_seconds_count"), 1.0);
+    // vLLM's phases: on an idle worker the request waits only for the loop to pick it up, and
+    // its prefill (37 tokens through the model) takes longer. The queue ends when the request
+    // is first scheduled, not when its first step has run (which put the prefill in the queue).
+    let queue = sample(&m, "vllm:request_queue_time_seconds_sum");
+    let prefill = sample(&m, "vllm:request_prefill_time_seconds_sum");
+    let ttft = sample(&m, "vllm:time_to_first_token_seconds_sum");
+    assert!(prefill > queue, "queue {queue} s, prefill {prefill} s");
+    assert!(queue + prefill <= ttft + 1e-3, "queue {queue} + prefill {prefill} > TTFT {ttft}");
 }
 
 /// 64 concurrent streaming requests against a pool of 48 pages (768 tokens): a request needs

@@ -759,6 +759,13 @@ impl Loop {
         }
         let scheduled = scheduling.elapsed();
         let chunks: Vec<_> = self.sched.scheduled().collect();
+        // vLLM's queue time ends when the request is first scheduled, before its prefill runs;
+        // the `Started` event comes only after this step, with the step's time in it.
+        for c in &chunks {
+            if let Some(l) = self.live.get_mut(&c.id) {
+                l.started_at.get_or_insert(scheduling);
+            }
+        }
         let rows: Vec<RequestId> = chunks.iter().filter(|c| c.samples).map(|c| c.id).collect();
         // Each sampled row takes its request's next key before the step: the device draws with
         // it (one u64 of the request's stream a token, on either device), after the row's
@@ -845,7 +852,7 @@ impl Loop {
                         if let Some(l) = self.live.get_mut(&id) {
                             if !l.started {
                                 l.started = true;
-                                l.started_at = Some(Instant::now());
+                                l.started_at.get_or_insert_with(Instant::now);
                                 l.cached = cached;
                             }
                         }
