@@ -179,7 +179,12 @@ fn fp8_at_load_on_a10_is_admitted_for_vllm_with_the_marlin_warning() {
 #[test]
 fn fp8_checkpoint_on_a10_is_denied_for_kvfleet_naming_the_gpus_that_can() {
     check(
-        &["-f", "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml", "--gpu", "NVIDIA-A10"],
+        &[
+            "-f",
+            "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
+            "--gpu",
+            "NVIDIA-A10",
+        ],
         1,
         &[
             "spec.gpu.selector.minComputeCapability [UnsupportedWeightQuantization]",
@@ -188,9 +193,17 @@ fn fp8_checkpoint_on_a10_is_denied_for_kvfleet_naming_the_gpus_that_can() {
         ],
     );
     check(
-        &["-f", "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml", "--gpu", "NVIDIA-H100-80GB-HBM3"],
+        &[
+            "-f",
+            "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
+            "--gpu",
+            "NVIDIA-H100-80GB-HBM3",
+        ],
         1,
-        &["not implemented yet in the kvfleet runtime on the GPU", "use runtime vllm"],
+        &[
+            "not implemented yet in the kvfleet runtime on the GPU",
+            "use runtime vllm",
+        ],
     );
 }
 

@@ -6,7 +6,9 @@ use k8s_openapi::api::core::v1::{EnvVar, PersistentVolumeClaimVolumeSource, Volu
 use super::container::{plain_env, secret_env, ServingProcess};
 use super::pod::{mount, WEIGHTS_DIR};
 use super::{resolved, Settings, HTTP_PORT};
-use crate::api::{AttentionBackend, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat};
+use crate::api::{
+    AttentionBackend, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat,
+};
 use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::validate::Verdict;
 
@@ -292,7 +294,11 @@ mod tests {
         assert!(!vllm_args(&obj.spec, &v).contains(&"--quantization".to_string()));
         obj.spec.engine.quantization = EngineQuantization::Fp8;
         let args = vllm_args(&obj.spec, &v);
-        assert_eq!(arg_after(&args, "--quantization").as_deref(), Some("fp8"), "{args:?}");
+        assert_eq!(
+            arg_after(&args, "--quantization").as_deref(),
+            Some("fp8"),
+            "{args:?}"
+        );
     }
 
     #[test]

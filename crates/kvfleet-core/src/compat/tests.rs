@@ -304,7 +304,9 @@ fn fp8_weights_below_sm89_warn_of_marlin_in_vllm_and_nowhere_else() {
         let ev = evaluate(V, cc(arch), &features(LlamaFp8), D::Auto, B::Auto);
         assert!(ev.runs(), "{arch}: {ev:?}");
         assert!(
-            ev.warnings.iter().all(|w| w.rule != "vllm.fp8-weights-marlin-below-sm89"),
+            ev.warnings
+                .iter()
+                .all(|w| w.rule != "vllm.fp8-weights-marlin-below-sm89"),
             "{arch}: {ev:?}"
         );
     }

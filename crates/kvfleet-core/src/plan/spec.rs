@@ -10,8 +10,8 @@ use super::kvfleet::pool_layout;
 use super::memory::{fmt_gib, parse_quantity_bytes, DEFAULT_ACTIVATION_RESERVE_BYTES};
 use super::report::{plan, MemoryInput, Plan, PlanInputs};
 use super::vllm::{vllm_plan, EngineParams, ReportingEra};
-use super::PlanError;
 use super::weights::LinearLayers;
+use super::PlanError;
 use crate::api::{EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, WeightsFormat};
 use crate::compat::KvCacheDtype;
 
@@ -305,7 +305,12 @@ pub fn spec_capacity_with(
 /// weight plus scales (vLLM's fp8 method; [`LinearLayers`]); the geometry must give
 /// hiddenSize and intermediateSize, else the bf16 size is kept (safe: less KV predicted) and
 /// a note says so. An FP8 checkpoint's `weightBytes` is already its FP8 size.
-fn fp8_at_load(spec: &InferenceDeploymentSpec, stage_bytes: u64, stages: u64, notes: &mut Vec<String>) -> u64 {
+fn fp8_at_load(
+    spec: &InferenceDeploymentSpec,
+    stage_bytes: u64,
+    stages: u64,
+    notes: &mut Vec<String>,
+) -> u64 {
     if spec.engine.quantization != EngineQuantization::Fp8 || spec.model.quantization != Quantization::None {
         return stage_bytes;
     }

@@ -32,7 +32,10 @@ impl LinearLayers {
         }
         let u = |v: i32| u64::try_from(v).ok().filter(|v| *v > 0);
         let (layers, d, ff) = (u(g.layers)?, u(g.hidden_size?)?, u(g.intermediate_size?)?);
-        let (q, kv) = (u(g.query_heads)? * u(g.head_dim)?, u(g.kv_heads)? * u(g.head_dim)?);
+        let (q, kv) = (
+            u(g.query_heads)? * u(g.head_dim)?,
+            u(g.kv_heads)? * u(g.head_dim)?,
+        );
         // Q/K/V and O; gate and up (d -> ff) and down (ff -> d).
         let params = (q + 2 * kv) * d + q * d + 3 * ff * d;
         let channels = (q + 2 * kv) + d + 2 * ff + d;
