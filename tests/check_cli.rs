@@ -152,6 +152,62 @@ fn llama_h100_example_is_admitted_by_gpu_flag() {
 }
 
 #[test]
+fn fp8_checkpoint_on_l4_and_h100_is_admitted_for_vllm_without_the_marlin_warning() {
+    for gpu in ["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3"] {
+        let out = check(
+            &["-f", "deploy/examples/fp8-checkpoint-l4-vllm.yaml", "--gpu", gpu],
+            0,
+            &["capacity: "],
+        );
+        assert!(!out.contains("Marlin"), "{gpu}: {out}");
+    }
+}
+
+#[test]
+fn fp8_at_load_on_a10_is_admitted_for_vllm_with_the_marlin_warning() {
+    check(
+        &["-f", "deploy/examples/fp8-at-load-a10-vllm.yaml", "--gpu", "NVIDIA-A10"],
+        0,
+        &[
+            "FP8 weights (engine.quantization fp8) on compute capability 8.6 runs in vLLM as weight-only FP8 through the Marlin kernels",
+            "vllm.fp8-weights-marlin-below-sm89",
+            "engine.quantization fp8: weights 16.00 GiB in bf16 become",
+        ],
+    );
+}
+
+#[test]
+fn fp8_checkpoint_on_a10_is_denied_for_kvfleet_naming_the_gpus_that_can() {
+    check(
+        &[
+            "-f",
+            "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
+            "--gpu",
+            "NVIDIA-A10",
+        ],
+        1,
+        &[
+            "spec.gpu.selector.minComputeCapability [UnsupportedWeightQuantization]",
+            "needs FP8 tensor cores (compute capability 8.9 or newer)",
+            "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)",
+        ],
+    );
+    check(
+        &[
+            "-f",
+            "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
+            "--gpu",
+            "NVIDIA-H100-80GB-HBM3",
+        ],
+        1,
+        &[
+            "not implemented yet in the kvfleet runtime on the GPU",
+            "use runtime vllm",
+        ],
+    );
+}
+
+#[test]
 fn every_example_documents_a_verdict_that_check_reproduces() {
     // Each example names its command and expected exit code in its header comment.
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/examples");

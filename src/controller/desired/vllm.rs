@@ -6,7 +6,9 @@ use k8s_openapi::api::core::v1::{EnvVar, PersistentVolumeClaimVolumeSource, Volu
 use super::container::{plain_env, secret_env, ServingProcess};
 use super::pod::{mount, WEIGHTS_DIR};
 use super::{resolved, Settings, HTTP_PORT};
-use crate::api::{AttentionBackend, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat};
+use crate::api::{
+    AttentionBackend, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat,
+};
 use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::validate::Verdict;
 
@@ -166,6 +168,11 @@ pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: 
         args.push(flag.into());
         args.push(value);
     }
+    // An FP8 checkpoint needs no flag: vLLM reads its quantization_config.
+    if e.quantization != EngineQuantization::None {
+        args.push("--quantization".into());
+        args.push(e.quantization.as_str().into());
+    }
     if e.pipeline_parallel_size > 1 {
         args.push("--pipeline-parallel-size".into());
         args.push(e.pipeline_parallel_size.to_string());
@@ -278,6 +285,20 @@ mod tests {
             .unwrap()
             .get("nvidia.com/gpu")
             .is_none());
+    }
+
+    #[test]
+    fn engine_quantization_fp8_renders_as_vllms_quantization_flag_and_only_then() {
+        let mut obj = fixture(VLLM_RTX5090);
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        assert!(!vllm_args(&obj.spec, &v).contains(&"--quantization".to_string()));
+        obj.spec.engine.quantization = EngineQuantization::Fp8;
+        let args = vllm_args(&obj.spec, &v);
+        assert_eq!(
+            arg_after(&args, "--quantization").as_deref(),
+            Some("fp8"),
+            "{args:?}"
+        );
     }
 
     #[test]

@@ -65,6 +65,8 @@ impl ModelGeometry {
             sliding_windows,
             non_causal,
             quantized_checkpoint: quantized,
+            fp8_weights: false,
+            fp8_at_load: false,
             mla,
             model_dtype: KvCacheDtype::Bfloat16,
         }

@@ -397,8 +397,14 @@ pub struct ModelSpec {
     #[schemars(extend("maxLength" = 64))]
     pub weight_bytes: Option<Quantity>,
 
-    /// The checkpoint's weight quantization; some KV dtypes are refused with quantized
-    /// checkpoints (vLLM: fp8_e5m2 KV with any quantized checkpoint).
+    /// The checkpoint's weight quantization, as its config.json declares it
+    /// (`quantization_config`). `fp8` is an FP8 (e4m3) checkpoint in either format vLLM reads:
+    /// its own `fp8` method (`quant_method: fp8`) or compressed-tensors `float-quantized`
+    /// with 8-bit float weights (llm-compressor's FP8 schemes). It decides which GPUs can run
+    /// the model (docs/compat.md, "FP8 weights") and how `weightBytes` is read. Some KV dtypes
+    /// are refused with quantized checkpoints (vLLM: fp8_e5m2 KV with any quantized
+    /// checkpoint). To quantize an unquantized checkpoint at load, use
+    /// `engine.quantization` instead.
     #[serde(default)]
     pub quantization: Quantization,
 
@@ -428,6 +434,43 @@ impl Quantization {
     pub fn is_quantized(self) -> bool {
         self != Quantization::None
     }
+}
+
+/// Quantization applied by the engine at load time (`engine.quantization`).
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineQuantization {
+    /// The weights stay as the checkpoint stores them.
+    #[default]
+    None,
+    /// Linear-layer weights quantized to FP8 e4m3 at load (vLLM `--quantization fp8`).
+    Fp8,
+}
+
+impl EngineQuantization {
+    pub fn is_none(&self) -> bool {
+        *self == EngineQuantization::None
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineQuantization::None => "none",
+            EngineQuantization::Fp8 => "fp8",
+        }
+    }
+}
+
+/// The dtype the linear-layer weights have in GPU memory: what decides which GPUs can run
+/// them and how many bytes they take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    /// bf16/fp16 (an unquantized checkpoint, not quantized at load).
+    Bf16,
+    /// FP8 e4m3: an FP8 checkpoint, or quantized at load with `engine.quantization: fp8`.
+    Fp8,
+    /// Another quantization (AWQ, GPTQ, INT8, NVFP4, GGUF): `weightBytes` is taken as is.
+    Other,
 }
 
 /// Per-layer attention type, as in HF `layer_types`.
@@ -682,6 +725,13 @@ pub struct EngineSpec {
     /// KV-cache dtype; `auto` keeps the model dtype.
     #[serde(default)]
     pub kv_cache_dtype: KvCacheDtype,
+    /// Quantize the weights when loading them (vLLM's `--quantization`). `fp8`: an unquantized
+    /// bf16/fp16 checkpoint's linear layers become FP8 e4m3 with a per-tensor scale (vLLM's
+    /// `fp8` method); embeddings and the LM head stay bf16. Halves most of the weights' memory,
+    /// which goes to the KV cache. Only for unquantized checkpoints (`model.quantization:
+    /// none`); an FP8 checkpoint needs nothing here. Absent: `none`.
+    #[serde(default, skip_serializing_if = "EngineQuantization::is_none")]
+    pub quantization: EngineQuantization,
     /// Attention backend; `auto` picks the best that runs on each selected architecture.
     #[serde(default)]
     pub attention_backend: AttentionBackend,
@@ -781,6 +831,7 @@ impl Default for EngineSpec {
             runtime: Runtime::default(),
             image: None,
             kv_cache_dtype: KvCacheDtype::default(),
+            quantization: EngineQuantization::None,
             attention_backend: AttentionBackend::default(),
             max_model_len: default_max_model_len(),
             max_num_seqs: default_max_num_seqs(),
@@ -965,6 +1016,16 @@ impl InferenceDeploymentSpec {
     /// The routing mode: `routing.mode`, `service` when `routing` is absent.
     pub fn routing_mode(&self) -> RoutingMode {
         self.routing.as_ref().map(|r| r.mode).unwrap_or_default()
+    }
+
+    /// The dtype of the linear-layer weights in GPU memory: FP8 for an FP8 checkpoint or
+    /// `engine.quantization: fp8`.
+    pub fn weight_dtype(&self) -> WeightDtype {
+        match (self.model.quantization, self.engine.quantization) {
+            (Quantization::Fp8, _) | (Quantization::None, EngineQuantization::Fp8) => WeightDtype::Fp8,
+            (Quantization::None, EngineQuantization::None) => WeightDtype::Bf16,
+            _ => WeightDtype::Other,
+        }
     }
 
     /// GPUs per replica: gpu.count, else tensorParallelSize x pipelineParallelSize.

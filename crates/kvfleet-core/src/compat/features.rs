@@ -20,6 +20,12 @@ pub struct ModelFeatures {
     pub non_causal: bool,
     /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
     pub quantized_checkpoint: bool,
+    /// The linear-layer weights are FP8 e4m3 in GPU memory: an FP8 checkpoint
+    /// (`model.quantization: fp8`) or quantized at load (`engine.quantization: fp8`).
+    pub fp8_weights: bool,
+    /// The FP8 weights are made at load from an unquantized checkpoint
+    /// (`engine.quantization: fp8`).
+    pub fp8_at_load: bool,
     /// Multi-head latent attention (DeepSeek-style `kv_lora_rank`).
     pub mla: bool,
     /// The model's activation dtype: `bfloat16` or `float16`; what `auto` KV resolves to.
@@ -38,6 +44,8 @@ impl Default for ModelFeatures {
             per_layer_windows: false,
             non_causal: false,
             quantized_checkpoint: false,
+            fp8_weights: false,
+            fp8_at_load: false,
             mla: false,
             model_dtype: KvCacheDtype::Bfloat16,
             gqa_groups: Vec::new(),

@@ -146,6 +146,25 @@ const KV: &str = "spec.engine.kvCacheDtype";
 const BACKEND: &str = "spec.engine.attentionBackend";
 const GEOMETRY: &str = "spec.model.geometry";
 const RUNTIME: &str = "spec.engine.runtime";
+const MIN_CC: &str = "spec.gpu.selector.minComputeCapability";
+
+/// GPUs with FP8 tensor cores (W8A8 FP8), for fixes.
+const FP8_GPUS: &str = "L4, L40S, RTX 4090 (8.9), H100, H200 (9.0), B200, B300 (10.x), RTX PRO 6000 Blackwell, RTX 5090 (12.0); gpu.selector.minComputeCapability \"8.9\"";
+
+/// W8A8 FP8 GEMMs (FP8 tensor cores) from 8.9: vLLM's `cutlass_fp8_supported` and the
+/// Marlin switch in its `fp8` method test the same capability.
+fn fp8_tensor_cores(cc: ComputeCapability) -> bool {
+    cc >= ComputeCapability::new(8, 9)
+}
+
+/// Where the FP8 weights come from, for messages.
+fn fp8_weights_name(c: &Case) -> &'static str {
+    if c.features.fp8_at_load {
+        "FP8 weights (engine.quantization fp8)"
+    } else {
+        "an FP8 checkpoint (model.quantization fp8)"
+    }
+}
 
 /// Source tag of kvfleet's own rules: our kernels decide them.
 pub const KVFLEET_SOURCE: &str = "kvfleet kernels/attention/";
@@ -455,6 +474,36 @@ pub static VLLM_RULES: &[Rule] = &[
         fix: |_| "use attentionBackend auto, FLASH_ATTN, FLASHINFER or TRITON_ATTN, or runtime kvfleet".to_string(),
     },
     Rule {
+        id: "vllm.fp8-weights-need-sm80",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Deny,
+        field: MIN_CC,
+        reason: "UnsupportedWeightQuantization",
+        summary: "FP8 weights (fp8 checkpoints, compressed-tensors float8, --quantization fp8) need compute capability 8.0 (\"Minimum capability: 80\")",
+        source: "vllm model_executor/layers/quantization/fp8.py Fp8Config.get_min_capability; compressed_tensors/schemes/compressed_tensors_w8a16_fp8.py get_min_capability (D)",
+        fires: |c| c.features.fp8_weights && c.cc < ComputeCapability::new(8, 0),
+        cause: |c| format!("{} needs compute capability 8.0 or newer in vLLM (its FP8 kernels: Marlin weight-only from 8.0, W8A8 from 8.9)", fp8_weights_name(c)),
+        fix: |_| format!("select GPUs of compute capability 8.0 or newer; for W8A8 FP8: {FP8_GPUS}"),
+    },
+    Rule {
+        id: "vllm.fp8-weights-marlin-below-sm89",
+        runtime: Runtime::Vllm,
+        backends: &[],
+        severity: Severity::Warn,
+        field: MIN_CC,
+        reason: "SlowerWeightQuantization",
+        summary: "FP8 weights on 8.0/8.6/8.7 run weight-only through Marlin (W8A16: FP8 weights dequantized in the GEMM, bf16 activations); W8A8 FP8 needs 8.9",
+        source: "vllm fp8.py Fp8LinearMethod use_marlin = not has_device_capability(89); compressed_tensors.py _get_scheme_from_parts (W8A8Fp8 else W8A16Fp8); utils/w8a8_utils.py cutlass_fp8_supported; docs/features/quantization/supported_hardware.md (D)",
+        fires: |c| c.features.fp8_weights && c.cc >= ComputeCapability::new(8, 0) && !fp8_tensor_cores(c.cc),
+        cause: |c| format!(
+            "{} on compute capability {} runs in vLLM as weight-only FP8 through the Marlin kernels (W8A16: weights dequantized to bf16 inside the GEMM, activations not quantized): the memory saving holds, but GEMMs are slower than W8A8 FP8 on FP8 tensor cores",
+            fp8_weights_name(c),
+            c.cc
+        ),
+        fix: |_| format!("for W8A8 FP8 select GPUs with FP8 tensor cores: {FP8_GPUS}"),
+    },
+    Rule {
         id: "vllm.flashinfer-cubins-air-gapped",
         runtime: Runtime::Vllm,
         backends: &[B::FlashInfer],
@@ -580,6 +629,46 @@ pub static KVFLEET_RULES: &[Rule] = &[
         fires: |c| c.features.mla,
         cause: |_| "kvfleet's engine does not implement multi-head latent attention (MLA) yet".to_string(),
         fix: |_| "use runtime vllm for this model".to_string(),
+    },
+    Rule {
+        id: "kvfleet.fp8-weights-need-sm89",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda],
+        severity: Severity::Deny,
+        field: MIN_CC,
+        reason: "UnsupportedWeightQuantization",
+        summary: "FP8 weights on the GPU need FP8 tensor cores (8.9, 9.0, 10.x, 12.x): the kvfleet engine has no weight-only fallback like vLLM's Marlin on 8.0/8.6",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.features.fp8_weights && !fp8_tensor_cores(c.cc),
+        cause: |c| format!(
+            "{} in the kvfleet runtime needs FP8 tensor cores (compute capability 8.9 or newer); {} has none and kvfleet has no weight-only FP8 path",
+            fp8_weights_name(c),
+            c.cc
+        ),
+        fix: |_| format!("select GPUs that can: {FP8_GPUS}; or use runtime vllm (weight-only FP8 through Marlin on this GPU)"),
+    },
+    Rule {
+        id: "kvfleet.fp8-weights-not-implemented",
+        runtime: Runtime::Kvfleet,
+        backends: &[B::KvfleetCuda, B::KvfleetCpu],
+        severity: Severity::Deny,
+        field: "spec.engine.runtime",
+        reason: "NotImplemented",
+        summary: "FP8 weights are not implemented yet in the kvfleet runtime's GPU engine (its loader and GEMMs take bf16); KVFLEET_CPU serves FP8 checkpoints dequantized to f32 at load, not engine.quantization fp8",
+        source: KVFLEET_SOURCE,
+        fires: |c| c.features.fp8_weights && (c.backend == B::KvfleetCuda || c.features.fp8_at_load),
+        cause: |c| match c.backend {
+            B::KvfleetCpu => "engine.quantization fp8 is not implemented yet in the kvfleet runtime's CPU engine".to_string(),
+            _ => format!(
+                "{} is not implemented yet in the kvfleet runtime on the GPU (its loader and GEMMs take bf16 weights; the FP8 GEMM kernels are still to come, issue 32)",
+                fp8_weights_name(c)
+            ),
+        },
+        fix: |c| if c.features.fp8_at_load {
+            "use runtime vllm (--quantization fp8), or leave engine.quantization out".to_string()
+        } else {
+            "use runtime vllm, which serves FP8 checkpoints today".to_string()
+        },
     },
 ];
 

@@ -32,6 +32,10 @@ enum Model {
     Gqa8Block16,
     /// A non-causal model with sliding-window layers.
     SlidingEncoder,
+    /// Llama from an FP8 checkpoint (GQA 8, 16-token pages).
+    LlamaFp8,
+    /// Llama quantized to FP8 at load (`engine.quantization: fp8`).
+    LlamaFp8AtLoad,
 }
 
 fn features(m: Model) -> ModelFeatures {
@@ -82,6 +86,20 @@ fn features(m: Model) -> ModelFeatures {
         Model::SlidingEncoder => ModelFeatures {
             sliding_windows: vec![512],
             non_causal: true,
+            ..base
+        },
+        Model::LlamaFp8 => ModelFeatures {
+            quantized_checkpoint: true,
+            fp8_weights: true,
+            gqa_groups: vec![8],
+            block_size: Some(16),
+            ..base
+        },
+        Model::LlamaFp8AtLoad => ModelFeatures {
+            fp8_weights: true,
+            fp8_at_load: true,
+            gqa_groups: vec![8],
+            block_size: Some(16),
             ..base
         },
     }
@@ -166,6 +184,18 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (V, "12.0", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonAttn)),
         (V, "12.1", Llama, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonAttn)),
         (V, "12.0", Llama, D::Fp8, B::Auto, Runs(D::Fp8, B::TritonAttn)),
+        // --- FP8 weights: W8A8 from 8.9, Marlin weight-only on 8.0-8.7 (a warning), none below
+        //     8.0 (vllm fp8.py, compressed_tensors.py, w8a8_utils.py cutlass_fp8_supported)
+        (V, "8.9", LlamaFp8, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "9.0", LlamaFp8, D::Fp8, B::Auto, Runs(D::Fp8, B::FlashAttn)),
+        (V, "9.0", LlamaFp8AtLoad, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "10.0", LlamaFp8, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashInfer)),
+        (V, "12.0", LlamaFp8AtLoad, D::Auto, B::Auto, Runs(D::Bfloat16, B::TritonAttn)),
+        (V, "8.6", LlamaFp8, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "8.0", LlamaFp8AtLoad, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "7.5", LlamaFp8, D::Auto, B::Auto, Denied("vllm.fp8-weights-need-sm80", "model.quantization fp8")),
+        (V, "7.5", LlamaFp8AtLoad, D::Float16, B::TritonAttn, Denied("vllm.fp8-weights-need-sm80", "L4, L40S")),
+        (V, "9.0", LlamaFp8, D::Fp8E5m2, B::Auto, Denied("vllm.fp8-e5m2-with-quantized-checkpoint", "use fp8")),
 
         // --- kvfleet: our engine (kernels/)
         (K, "9.0", Llama, D::Auto, B::FlashInfer, Denied("kvfleet.backend-is-ours", "use attentionBackend auto or KVFLEET_CUDA")),
@@ -178,6 +208,14 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", SlidingEncoder, D::Auto, B::Auto, Denied("kvfleet.cuda-masks", "causal mask")),
         (K, "9.0", Gemma4, D::Auto, B::Auto, Denied("kvfleet.head-dims", "this model has 256, 512")),
         (K, "9.0", Mla, D::Auto, B::Auto, Denied("kvfleet.no-mla", "use runtime vllm")),
+        // --- FP8 weights: no weight-only path below 8.9; not implemented on the GPU yet
+        (K, "8.6", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)")),
+        (K, "8.0", LlamaFp8AtLoad, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "minComputeCapability \"8.9\"")),
+        (K, "8.9", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-not-implemented", "not implemented yet in the kvfleet runtime on the GPU")),
+        (K, "9.0", LlamaFp8, D::Fp8, B::Auto, Denied("kvfleet.fp8-weights-not-implemented", "use runtime vllm, which serves FP8 checkpoints today")),
+        (K, "12.0", LlamaFp8AtLoad, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-not-implemented", "use runtime vllm (--quantization fp8)")),
+        (K, "9.0", LlamaFp8AtLoad, D::Auto, B::KvfleetCpu, Denied("kvfleet.fp8-weights-not-implemented", "CPU engine")),
+        (K, "8.6", LlamaFp8, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         // kvfleet auto on every architecture; software dequant makes fp8/nvfp4 run on sm_80+
         (K, "9.0", Block32, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         (K, "9.0", Gqa6, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
@@ -247,6 +285,33 @@ fn flashinfer_cubin_download_is_a_warning_on_sm100_only() {
     assert_eq!(ev.warnings[0].rule, "vllm.flashinfer-cubins-air-gapped");
     assert!(ev.warnings[0].message.contains("flashinfer-cubin"));
     let ev = evaluate(V, cc("9.0"), &features(Llama), D::Auto, B::FlashInfer);
+    assert!(ev.runs() && ev.warnings.is_empty(), "{ev:?}");
+}
+
+#[test]
+fn fp8_weights_below_sm89_warn_of_marlin_in_vllm_and_nowhere_else() {
+    for (arch, model) in [("8.0", LlamaFp8), ("8.6", LlamaFp8), ("8.7", LlamaFp8AtLoad)] {
+        let ev = evaluate(V, cc(arch), &features(model), D::Auto, B::Auto);
+        assert!(ev.runs(), "{arch}: {ev:?}");
+        let w: Vec<_> = ev.warnings.iter().map(|w| w.rule).collect();
+        assert_eq!(w, ["vllm.fp8-weights-marlin-below-sm89"], "{arch}");
+        let m = &ev.warnings[0].message;
+        assert!(m.contains("weight-only FP8 through the Marlin kernels"), "{m}");
+        assert!(m.contains(&format!("compute capability {arch}")), "{m}");
+        assert!(m.contains("H100"), "{m}");
+    }
+    for arch in ["8.9", "9.0", "10.0", "10.3", "12.0"] {
+        let ev = evaluate(V, cc(arch), &features(LlamaFp8), D::Auto, B::Auto);
+        assert!(ev.runs(), "{arch}: {ev:?}");
+        assert!(
+            ev.warnings
+                .iter()
+                .all(|w| w.rule != "vllm.fp8-weights-marlin-below-sm89"),
+            "{arch}: {ev:?}"
+        );
+    }
+    // Unquantized weights never warn about FP8 GEMMs.
+    let ev = evaluate(V, cc("8.6"), &features(Llama), D::Auto, B::Auto);
     assert!(ev.runs() && ev.warnings.is_empty(), "{ev:?}");
 }
 

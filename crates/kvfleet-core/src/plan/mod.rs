@@ -8,6 +8,7 @@
 //! - [`vllm`]: vLLM's exact model (pages, hybrid groups, blocks, logged tokens, concurrency).
 //! - [`kvfleet`]: kvfleet's sliding-window-aware model and the pool layout of its engine.
 //! - [`report`]: a [`Plan`] with every number derivable, printed step by step.
+//! - [`weights`]: weight bytes by dtype (`engine.quantization: fp8`).
 //! - [`spec`]: capacity of an `InferenceDeployment` spec, for the validator and controller.
 
 pub mod bytes;
@@ -19,6 +20,7 @@ pub mod memory;
 pub mod report;
 pub mod spec;
 pub mod vllm;
+pub mod weights;
 
 pub use bytes::{
     check_tensor_parallel, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank, page_bytes,

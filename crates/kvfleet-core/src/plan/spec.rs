@@ -10,8 +10,9 @@ use super::kvfleet::pool_layout;
 use super::memory::{fmt_gib, parse_quantity_bytes, DEFAULT_ACTIVATION_RESERVE_BYTES};
 use super::report::{plan, MemoryInput, Plan, PlanInputs};
 use super::vllm::{vllm_plan, EngineParams, ReportingEra};
+use super::weights::LinearLayers;
 use super::PlanError;
-use crate::api::{InferenceDeploymentSpec, Runtime, WeightsFormat};
+use crate::api::{EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, WeightsFormat};
 use crate::compat::KvCacheDtype;
 
 /// What would make a spec that does not fit fit.
@@ -169,6 +170,8 @@ pub fn spec_capacity_with(
         .map(|q| parse_quantity_bytes(&q.0))
         .transpose()?
         .map(|w| w.div_ceil(stages));
+    let mut weight_notes = Vec::new();
+    let weights = weights.map(|w| fp8_at_load(spec, w, stages, &mut weight_notes));
     let util = spec.engine.gpu_memory_utilization;
     let shape = match spec.engine.runtime {
         Runtime::Kvfleet if stages == 1 && engine.tp == 1 => kvfleet_shape(spec),
@@ -197,6 +200,7 @@ pub fn spec_capacity_with(
     let plan = plan(geometry, &inputs)?;
     let runtime = spec.engine.runtime;
     let mut explanation = plan.memory.notes.clone();
+    explanation.extend(weight_notes);
     let m = &plan.memory;
     match (m.weight_bytes_per_gpu, m.activation_bytes, m.context_reserve_bytes) {
         (Some(w), Some(a), Some(c)) => explanation.push(format!(
@@ -294,6 +298,48 @@ pub fn spec_capacity_with(
         fix,
         plan,
     })
+}
+
+/// The weights in memory of one pipeline stage whose checkpoint holds `stage_bytes`: with
+/// `engine.quantization: fp8` on an unquantized checkpoint, its linear layers take one byte a
+/// weight plus scales (vLLM's fp8 method; [`LinearLayers`]); the geometry must give
+/// hiddenSize and intermediateSize, else the bf16 size is kept (safe: less KV predicted) and
+/// a note says so. An FP8 checkpoint's `weightBytes` is already its FP8 size.
+fn fp8_at_load(
+    spec: &InferenceDeploymentSpec,
+    stage_bytes: u64,
+    stages: u64,
+    notes: &mut Vec<String>,
+) -> u64 {
+    if spec.engine.quantization != EngineQuantization::Fp8 || spec.model.quantization != Quantization::None {
+        return stage_bytes;
+    }
+    let linear = spec.model.geometry.as_ref().and_then(LinearLayers::of);
+    let Some(linear) = linear else {
+        notes.push("engine.quantization fp8: weights counted at their bf16 size (model.geometry needs hiddenSize and intermediateSize to count the FP8 linear layers)".to_string());
+        return stage_bytes;
+    };
+    let per_stage = LinearLayers {
+        params: linear.params.div_ceil(stages),
+        channels: linear.channels.div_ceil(stages),
+    };
+    match per_stage.fp8_bytes(stage_bytes) {
+        Some(fp8) => {
+            notes.push(format!(
+                "engine.quantization fp8: weights {} GiB in bf16 become {} GiB (linear layers 1 byte a weight plus f32 scales; embeddings, LM head and norms stay bf16, as in vLLM's fp8 method)",
+                fmt_gib(stage_bytes),
+                fmt_gib(fp8)
+            ));
+            fp8
+        }
+        None => {
+            notes.push(format!(
+                "engine.quantization fp8: weightBytes ({} GiB) is less than the bf16 linear layers of the geometry; weights counted as given",
+                fmt_gib(stage_bytes)
+            ));
+            stage_bytes
+        }
+    }
 }
 
 /// What kvfleet's engine allocates for the spec's model, when the spec says it all: dummy

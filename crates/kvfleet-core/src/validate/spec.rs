@@ -3,7 +3,7 @@
 
 use super::weights::weights_checks;
 use super::{denial, Denial};
-use crate::api::{InferenceDeploymentSpec, Runtime};
+use crate::api::{EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, WeightDtype};
 use crate::compat::ModelFeatures;
 
 /// Above this gpuMemoryUtilization, warn: at 0.90 the sampler warm-up (maxNumSeqs dummy
@@ -40,6 +40,8 @@ pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<
         }
     };
     f.block_size = u32::try_from(spec.engine.block_size).ok();
+    f.fp8_weights = spec.weight_dtype() == WeightDtype::Fp8;
+    f.fp8_at_load = spec.engine.quantization == EngineQuantization::Fp8;
     f
 }
 
@@ -51,6 +53,7 @@ pub(super) fn spec_checks(
 ) {
     kvfleet_checks(spec, denials);
     weights_checks(spec, denials);
+    quantization_check(spec, denials);
     gpu_count_check(spec, denials);
     heads_check(spec, denials);
     gpu_memory_utilization_check(spec, denials, warnings);
@@ -93,6 +96,33 @@ fn kvfleet_checks(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>) {
             format!("runtime kvfleet sizes its KV cache from model.geometry, and {source}; write model.geometry (layers, queryHeads, kvHeads, headDim from the model's config.json: num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim), or use runtime vllm"),
         ));
     }
+}
+
+/// `engine.quantization` quantizes an unquantized checkpoint at load. vLLM refuses a
+/// `--quantization` that differs from the method the checkpoint's config.json declares
+/// (vllm `config/model.py` `_verify_quantization`: "Quantization method specified in the
+/// model config (X) does not match the quantization method specified in the `quantization`
+/// argument (Y)", vllm#19050), and an FP8 checkpoint in compressed-tensors format declares
+/// `compressed-tensors`, so any quantized checkpoint with `engine.quantization` is denied.
+fn quantization_check(spec: &InferenceDeploymentSpec, denials: &mut Vec<Denial>) {
+    let q = spec.model.quantization;
+    if spec.engine.quantization == EngineQuantization::None || q == Quantization::None {
+        return;
+    }
+    let name = serde_json::to_value(q)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let fix = if q == Quantization::Fp8 {
+        "remove engine.quantization: the FP8 checkpoint is served as FP8 from its quantization_config"
+    } else {
+        "remove engine.quantization, or serve the unquantized checkpoint"
+    };
+    denials.push(denial(
+        "spec.engine.quantization",
+        "QuantizationConflict",
+        format!("engine.quantization fp8 quantizes an unquantized checkpoint at load, but model.quantization says the checkpoint is already {name}-quantized (vLLM refuses a --quantization that differs from the checkpoint's quantization_config); {fix}"),
+    ));
 }
 
 /// gpu.count, when given, holds the GPUs one replica shards the model over.

@@ -1,6 +1,8 @@
 //! Hugging Face checkpoints: a directory with `config.json`, `model.safetensors` (or shards
 //! listed by `model.safetensors.index.json`), `tokenizer.json` and `tokenizer_config.json`.
-//! Shards are memory-mapped; BF16/F16/F32 tensors become f32 at load.
+//! Shards are memory-mapped; BF16/F16/F32 tensors become f32 at load, and so do FP8 (e4m3fn)
+//! weights of vLLM `fp8` and compressed-tensors `float-quantized` checkpoints, dequantized
+//! with their scales ([`super::fp8`]; [`Safetensors::fp8_weight`] keeps them as stored).
 //!
 //! RoPE layout: Hugging Face Llama-family attention rotates the two halves of each head
 //! (`rotate_half`, huggingface/transformers `src/transformers/models/llama/modeling_llama.py`),
@@ -20,6 +22,7 @@ use safetensors::tensor::{Metadata, SafeTensorError};
 use safetensors::Dtype;
 use serde::Deserialize;
 
+use super::fp8::{Fp8Config, Fp8ConfigError, Fp8Strategy, Fp8Weight};
 use super::llama::{Llama, LlamaConfig, LoadError};
 use super::tokenizer::{Tokenizer, TokenizerError};
 
@@ -81,7 +84,7 @@ pub enum HfError {
         want: Vec<usize>,
     },
     #[error(
-        "{}: tensor `{tensor}` has dtype {dtype}; kvfleet loads BF16, F16 and F32 checkpoints (for quantised weights serve a GGUF file)",
+        "{}: tensor `{tensor}` has dtype {dtype}; kvfleet loads BF16, F16, F32 and FP8 (F8_E4M3 with a weight_scale) checkpoints (for other quantised weights serve a GGUF file)",
         path.display()
     )]
     Dtype {
@@ -94,6 +97,18 @@ pub enum HfError {
         path: PathBuf,
         #[source]
         source: TokenizerError,
+    },
+    #[error("{}: {source}", path.display())]
+    Quantization {
+        path: PathBuf,
+        #[source]
+        source: Fp8ConfigError,
+    },
+    #[error("{}: FP8 weight `{tensor}`: {msg}", path.display())]
+    Fp8Scale {
+        path: PathBuf,
+        tensor: String,
+        msg: String,
     },
     #[error(transparent)]
     Load(#[from] LoadError),
@@ -424,6 +439,9 @@ impl Safetensors {
                 want: shape.to_vec(),
             });
         }
+        if info.dtype == Dtype::F8_E4M3 {
+            return Ok(self.fp8_weight(name)?.dequantize());
+        }
         let (a, b) = info.data_offsets;
         // `read_metadata` checked the offsets against the file length and the shape.
         let bytes = &shard.mmap[shard.data_start + a..shard.data_start + b];
@@ -461,6 +479,77 @@ impl Safetensors {
     }
 }
 
+impl Safetensors {
+    /// The shape and dtype of tensor `name`, when held.
+    pub fn info(&self, name: &str) -> Option<(Vec<usize>, Dtype)> {
+        let shard = &self.shards[*self.index.get(name)?];
+        let info = shard.meta.info(name)?;
+        Some((info.shape.clone(), info.dtype))
+    }
+
+    /// FP8 matrix `name` (`<layer>.weight`, F8_E4M3, `[rows, cols]`) with its
+    /// `<layer>.weight_scale` and, when stored, `<layer>.input_scale`, as the checkpoint holds
+    /// them. The scale's shape gives the strategy: one element (`[]` or `[1]`) per tensor,
+    /// `[rows]` or `[rows, 1]` per output channel.
+    pub fn fp8_weight(&self, name: &str) -> Result<Fp8Weight, HfError> {
+        let missing = |tensor: &str| HfError::MissingTensor {
+            dir: self.dir.clone(),
+            tensor: tensor.into(),
+        };
+        let shard = &self.shards[*self.index.get(name).ok_or_else(|| missing(name))?];
+        let info = shard.meta.info(name).ok_or_else(|| missing(name))?;
+        let scale_err = |msg: String| HfError::Fp8Scale {
+            path: shard.path.clone(),
+            tensor: name.into(),
+            msg,
+        };
+        if info.dtype != Dtype::F8_E4M3 {
+            return Err(scale_err(format!("dtype {} is not F8_E4M3", info.dtype)));
+        }
+        let [rows, cols] = info.shape[..] else {
+            return Err(scale_err(format!("shape {:?} is not a matrix", info.shape)));
+        };
+        let (a, b) = info.data_offsets;
+        let data = shard.mmap[shard.data_start + a..shard.data_start + b].to_vec();
+        let stem = name.strip_suffix(".weight").unwrap_or(name);
+        let scale_name = format!("{stem}.weight_scale");
+        let (scale_shape, _) = self.info(&scale_name).ok_or_else(|| missing(&scale_name))?;
+        let n: usize = scale_shape.iter().product();
+        let strategy = match (n, scale_shape.as_slice()) {
+            (1, _) => Fp8Strategy::Tensor,
+            (n, [r] | [r, 1]) if n == rows && *r == rows => Fp8Strategy::Channel,
+            _ => {
+                return Err(scale_err(format!(
+                    "{scale_name} has shape {scale_shape:?}; kvfleet reads one scale per tensor or one per output channel ([{rows}] or [{rows}, 1]), not block-wise scales"
+                )))
+            }
+        };
+        let scale = self.tensor_f32(&scale_name, &scale_shape)?;
+        if let Some(bad) = scale.iter().find(|s| !s.is_finite() || **s <= 0.0) {
+            return Err(scale_err(format!(
+                "{scale_name} holds {bad}; scales must be finite and positive"
+            )));
+        }
+        let input_name = format!("{stem}.input_scale");
+        let input_scale = match self.info(&input_name) {
+            Some((shape, _)) => self
+                .tensor_f32(&input_name, &shape)?
+                .iter()
+                .copied()
+                .reduce(f32::max),
+            None => None,
+        };
+        Ok(Fp8Weight {
+            data,
+            scale,
+            strategy,
+            rows,
+            cols,
+            input_scale,
+        })
+    }
+}
+
 /// The Hugging Face name of a tensor [`Llama::from_tensors`] asks for by its GGUF name.
 pub fn hf_tensor_name(gguf: &str) -> String {
     match gguf {
@@ -495,10 +584,19 @@ pub fn hf_tensor_name(gguf: &str) -> String {
 /// Loads the model of a checkpoint directory.
 pub fn load_model(dir: &Path) -> Result<Llama, HfError> {
     let cfg = HfConfig::load(dir)?;
+    quantization(dir)?;
     let st = Safetensors::open(dir)?;
     Llama::from_tensors(cfg.llama, cfg.rope_freq_factors.as_deref(), |name, shape| {
         st.tensor_f32(&hf_tensor_name(name), shape)
     })
+}
+
+/// The checkpoint's FP8 `quantization_config`, validated: `None` for an unquantized one; an
+/// error naming the field for one kvfleet cannot read (block-wise, integer, other methods).
+pub fn quantization(dir: &Path) -> Result<Option<Fp8Config>, HfError> {
+    let path = config_path(dir);
+    let raw: serde_json::Value = parse_json(&path, &read(&path)?)?;
+    Fp8Config::from_config_json(&raw).map_err(|source| HfError::Quantization { path, source })
 }
 
 /// Loads `tokenizer.json` (and `tokenizer_config.json`, `generation_config.json` when present)
@@ -650,5 +748,126 @@ mod tests {
             "model.layers.12.post_attention_layernorm.weight"
         );
         assert_eq!(hf_tensor_name("output.weight"), "lm_head.weight");
+    }
+
+    // === FP8 checkpoints (tests/fixtures/fp8, written by generate.py) ===
+
+    fn fp8_fixture(name: &str) -> (PathBuf, serde_json::Value) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/fp8")
+            .join(name);
+        let expected =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+        (dir, expected)
+    }
+
+    fn floats(v: &serde_json::Value) -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    }
+
+    #[test]
+    fn fp8_checkpoints_of_both_formats_load_dequantized_with_their_scales() {
+        use super::super::fp8::{ActivationScheme, Fp8Format, Fp8Strategy};
+        for (name, format, strategy, activation) in [
+            (
+                "vllm-fp8",
+                Fp8Format::Vllm,
+                Fp8Strategy::Tensor,
+                ActivationScheme::Static,
+            ),
+            (
+                "ct-channel",
+                Fp8Format::CompressedTensors,
+                Fp8Strategy::Channel,
+                ActivationScheme::Dynamic,
+            ),
+            (
+                "ct-tensor",
+                Fp8Format::CompressedTensors,
+                Fp8Strategy::Tensor,
+                ActivationScheme::Dynamic,
+            ),
+        ] {
+            let (dir, want) = fp8_fixture(name);
+            let q = quantization(&dir).unwrap().unwrap();
+            assert_eq!((q.format, q.activation), (format, activation), "{name}");
+            assert_eq!(q.ignored, ["lm_head"], "{name}");
+            let st = Safetensors::open(&dir).unwrap();
+            let tensor = want["tensor"].as_str().unwrap();
+            let (rows, cols) = (
+                want["rows"].as_u64().unwrap() as usize,
+                want["cols"].as_u64().unwrap() as usize,
+            );
+            let w = st.fp8_weight(tensor).unwrap();
+            assert_eq!((w.strategy, w.rows, w.cols), (strategy, rows, cols), "{name}");
+            assert_eq!(w.scale, floats(&want["scales"]), "{name}");
+            let codes: Vec<u8> = want["codes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.as_u64().unwrap() as u8)
+                .collect();
+            assert_eq!(w.data, codes, "{name}: raw bytes kept for the GPU path");
+            assert_eq!(
+                w.input_scale,
+                want["input_scale"].as_f64().map(|s| s as f32),
+                "{name}"
+            );
+            // The f32 path (what the CPU engine loads) equals the generator's dequantization
+            // exactly, and the originals within e4m3's rounding: half a unit in the last place
+            // (2^-4 relative for normals; 2^-10 x scale absolute in the subnormal range).
+            let got = st.tensor_f32(tensor, &[rows, cols]).unwrap();
+            assert_eq!(got, floats(&want["dequantized"]), "{name}");
+            let scales = floats(&want["scales"]);
+            for (i, (g, o)) in got.iter().zip(floats(&want["original"])).enumerate() {
+                let s = if strategy == Fp8Strategy::Channel {
+                    scales[i / cols]
+                } else {
+                    scales[0]
+                };
+                let bound = (o.abs() / 16.0).max(s * 2f32.powi(-10)) * 1.0001;
+                assert!((g - o).abs() <= bound, "{name}[{i}]: {g} vs {o} (bound {bound})");
+            }
+            // Some values land in e4m3's subnormal range (row 1 is scaled down by 1e-3 in
+            // tensor scale fixtures), so the subnormal decode is exercised.
+            if strategy == Fp8Strategy::Tensor {
+                assert!(
+                    w.data.iter().any(|b| b & 0x78 == 0 && b & 0x07 != 0),
+                    "{name}: no subnormal code"
+                );
+            }
+            // The bf16 LM head loads as before.
+            assert_eq!(st.tensor_f32("lm_head.weight", &[2, cols]).unwrap()[3], 1.5);
+        }
+    }
+
+    #[test]
+    fn unsupported_quantization_configs_are_refused_naming_the_field() {
+        let tmp = std::env::temp_dir().join(format!("kvfleet-fp8-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        for (qc, field) in [
+            (
+                r#"{"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}"#,
+                "quantization_config.weight_block_size",
+            ),
+            (
+                r#"{"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}}}"#,
+                "quantization_config.config_groups.g.weights.type",
+            ),
+            (r#"{"quant_method": "gptq"}"#, "quantization_config.quant_method"),
+        ] {
+            std::fs::write(
+                tmp.join("config.json"),
+                format!(r#"{{"architectures": ["LlamaForCausalLM"], "quantization_config": {qc}}}"#),
+            )
+            .unwrap();
+            let e = quantization(&tmp).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }

@@ -2,6 +2,7 @@
 //! and Gemma 3 forward pass on the CPU, and sampling (see `docs/model.md`).
 
 pub mod forward;
+pub mod fp8;
 pub mod gguf;
 pub mod hf;
 pub mod hf_tokenizer;

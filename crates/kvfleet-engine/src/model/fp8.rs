@@ -1,0 +1,337 @@
+//! FP8 (e4m3fn) checkpoints as published, in the two formats vLLM reads:
+//!
+//! - vLLM's `fp8` method (`quantization_config: {quant_method: "fp8", activation_scheme:
+//!   "static" | "dynamic", ignored_layers?, weight_block_size?}`): each quantized linear
+//!   layer stores `weight` in float8_e4m3fn, `weight_scale` (f32, one per tensor; a column of
+//!   one per output channel is read too) and, with static activations, `input_scale`
+//!   (vllm `model_executor/layers/quantization/fp8.py` `Fp8Config.from_config`,
+//!   `Fp8LinearMethod.create_weights`).
+//! - compressed-tensors `float-quantized` (`quant_method: "compressed-tensors"`, `format:
+//!   "float-quantized"`, `config_groups.<g>.weights: {type: "float", num_bits: 8, strategy:
+//!   "channel" | "tensor"}`), as llm-compressor writes its FP8 schemes: the same three tensor
+//!   names, `weight_scale` of shape `[out, 1]` for channel and `[1]` for tensor
+//!   (vllm `compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py`,
+//!   neuralmagic/compressed-tensors `quantization/quant_args.py`).
+//!
+//! Block-wise scales (`weight_block_size`, strategy `block`/`group`), integer weights and
+//! other bit widths are refused with an error naming the field. Layers not quantized
+//! (`ignored_layers`, compressed-tensors `ignore`, the LM head and embeddings) are stored in
+//! bf16 and load as before.
+//!
+//! The CPU engine dequantizes at load ([`Fp8Weight::dequantize`]: f32 = e4m3 x scale); the raw
+//! bytes and scales stay available as [`Fp8Weight`] for the GPU path to upload as they are.
+
+use serde_json::Value;
+
+/// How a weight's scales are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Strategy {
+    /// One scale for the whole matrix.
+    Tensor,
+    /// One scale per output channel (row).
+    Channel,
+}
+
+/// Whether activations are quantized with a stored scale or per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationScheme {
+    /// `input_scale` is stored in the checkpoint.
+    Static,
+    /// Computed at run time; no `input_scale`.
+    Dynamic,
+}
+
+/// Which of the two formats a checkpoint uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Format {
+    /// vLLM's `fp8` quant_method.
+    Vllm,
+    /// compressed-tensors `float-quantized`.
+    CompressedTensors,
+}
+
+/// A checkpoint's FP8 `quantization_config`, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fp8Config {
+    pub format: Fp8Format,
+    /// What the config declares (compressed-tensors); vLLM's format reads it from each
+    /// `weight_scale`'s shape, so `None` there.
+    pub strategy: Option<Fp8Strategy>,
+    pub activation: ActivationScheme,
+    /// Layers left unquantized (`ignored_layers` / `ignore`).
+    pub ignored: Vec<String>,
+}
+
+/// An unusable `quantization_config`: the field and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("config.json field {field}: {message}")]
+pub struct Fp8ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> Fp8ConfigError {
+    Fp8ConfigError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+impl Fp8Config {
+    /// Reads `quantization_config` of a config.json; `Ok(None)` when there is none.
+    pub fn from_config_json(config: &Value) -> Result<Option<Fp8Config>, Fp8ConfigError> {
+        let Some(q) = config.get("quantization_config") else {
+            return Ok(None);
+        };
+        const QC: &str = "quantization_config";
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+        let strings = |v: Option<&Value>| -> Vec<String> {
+            v.and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
+                .unwrap_or_default()
+        };
+        match method {
+            "fp8" => {
+                if q.get("weight_block_size").is_some_and(|v| !v.is_null()) {
+                    return Err(err(
+                        format!("{QC}.weight_block_size"),
+                        "block-wise FP8 scales are not supported by kvfleet's loader; use a per-tensor or per-channel FP8 checkpoint",
+                    ));
+                }
+                let activation = match q.get("activation_scheme").and_then(Value::as_str) {
+                    Some("static") => ActivationScheme::Static,
+                    Some("dynamic") | None => ActivationScheme::Dynamic,
+                    Some(o) => {
+                        return Err(err(
+                            format!("{QC}.activation_scheme"),
+                            format!("`{o}` is neither static nor dynamic"),
+                        ))
+                    }
+                };
+                Ok(Some(Fp8Config {
+                    format: Fp8Format::Vllm,
+                    strategy: None,
+                    activation,
+                    ignored: strings(q.get("ignored_layers")),
+                }))
+            }
+            "compressed-tensors" => {
+                let groups = q
+                    .get("config_groups")
+                    .and_then(Value::as_object)
+                    .filter(|g| !g.is_empty())
+                    .ok_or_else(|| err(format!("{QC}.config_groups"), "missing or empty"))?;
+                let mut strategy = None;
+                let mut activation = ActivationScheme::Dynamic;
+                for (name, g) in groups {
+                    let field = format!("{QC}.config_groups.{name}.weights");
+                    let w = g.get("weights").ok_or_else(|| err(&field, "missing"))?;
+                    let ty = w.get("type").and_then(Value::as_str).unwrap_or("");
+                    if ty != "float" {
+                        return Err(err(
+                            format!("{field}.type"),
+                            format!("`{ty}` weights are not supported; kvfleet reads FP8 (type float, num_bits 8)"),
+                        ));
+                    }
+                    let bits = w.get("num_bits").and_then(Value::as_u64).unwrap_or(0);
+                    if bits != 8 {
+                        return Err(err(
+                            format!("{field}.num_bits"),
+                            format!("{bits}-bit float weights are not supported; kvfleet reads 8-bit (e4m3)"),
+                        ));
+                    }
+                    let s = match w.get("strategy").and_then(Value::as_str) {
+                        Some("channel") => Fp8Strategy::Channel,
+                        Some("tensor") => Fp8Strategy::Tensor,
+                        o => {
+                            return Err(err(
+                                format!("{field}.strategy"),
+                                format!("{o:?} is not supported; kvfleet reads channel and tensor scales"),
+                            ))
+                        }
+                    };
+                    if strategy.is_some_and(|prev| prev != s) {
+                        return Err(err(format!("{field}.strategy"), "groups with different strategies"));
+                    }
+                    strategy = Some(s);
+                    let dynamic = g
+                        .get("input_activations")
+                        .and_then(|a| a.get("dynamic"))
+                        .and_then(Value::as_bool);
+                    if dynamic == Some(false) {
+                        activation = ActivationScheme::Static;
+                    }
+                }
+                if let Some(f) = q.get("format").and_then(Value::as_str) {
+                    if f != "float-quantized" && f != "naive-quantized" {
+                        return Err(err(
+                            format!("{QC}.format"),
+                            format!("`{f}` is not supported; kvfleet reads float-quantized"),
+                        ));
+                    }
+                }
+                Ok(Some(Fp8Config {
+                    format: Fp8Format::CompressedTensors,
+                    strategy,
+                    activation,
+                    ignored: strings(q.get("ignore")),
+                }))
+            }
+            other => Err(err(
+                format!("{QC}.quant_method"),
+                format!("`{other}` is not supported by kvfleet's safetensors loader; it reads fp8 and compressed-tensors FP8 (for other quantizations serve a GGUF file)"),
+            )),
+        }
+    }
+}
+
+/// One e4m3fn byte as f32, exactly: 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+/// exponent 0 is subnormal (m/8 x 2^-6); `S.1111.111` is NaN; there is no infinity
+/// (the "fn" variant, max 448).
+pub fn e4m3fn_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((b >> 3) & 0x0f);
+    let man = f32::from(b & 0x07);
+    if exp == 0x0f && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    let magnitude = if exp == 0 {
+        man / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    };
+    sign * magnitude
+}
+
+/// An FP8 weight matrix as the checkpoint stores it, for the GPU path to upload unchanged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Weight {
+    /// e4m3fn bytes, row-major `[rows, cols]` (rows = output channels).
+    pub data: Vec<u8>,
+    /// One scale ([`Fp8Strategy::Tensor`]) or one per row ([`Fp8Strategy::Channel`]).
+    pub scale: Vec<f32>,
+    pub strategy: Fp8Strategy,
+    pub rows: usize,
+    pub cols: usize,
+    /// Static activation scale (`input_scale`), when stored.
+    pub input_scale: Option<f32>,
+}
+
+impl Fp8Weight {
+    /// f32 = e4m3 x scale of its row (the CPU path's weights).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let lut: Vec<f32> = (0..=255u8).map(e4m3fn_to_f32).collect();
+        self.data
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let s = match self.strategy {
+                    Fp8Strategy::Tensor => self.scale[0],
+                    Fp8Strategy::Channel => self.scale[i / self.cols.max(1)],
+                };
+                lut[usize::from(*b)] * s
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn e4m3fn_decodes_normals_subnormals_zero_max_and_nan() {
+        assert_eq!(e4m3fn_to_f32(0x00), 0.0);
+        assert!(e4m3fn_to_f32(0x80).is_sign_negative() && e4m3fn_to_f32(0x80) == 0.0);
+        assert_eq!(e4m3fn_to_f32(0x38), 1.0); // exponent 7 = bias
+        assert_eq!(e4m3fn_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
+        assert_eq!(e4m3fn_to_f32(0x07), 7.0 / 8.0 * 2f32.powi(-6)); // largest subnormal
+        assert_eq!(e4m3fn_to_f32(0x08), 2f32.powi(-6)); // smallest normal
+        assert_eq!(e4m3fn_to_f32(0x7e), 448.0); // max
+        assert_eq!(e4m3fn_to_f32(0xfe), -448.0);
+        assert_eq!(e4m3fn_to_f32(0x78), 256.0); // S.1111.000 is a number in fn
+        assert!(e4m3fn_to_f32(0x7f).is_nan() && e4m3fn_to_f32(0xff).is_nan());
+        // Every non-NaN code is distinct and ordered within a sign.
+        let pos: Vec<f32> = (0..0x7fu8).map(e4m3fn_to_f32).collect();
+        assert!(pos.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn channel_scales_apply_per_row() {
+        let w = Fp8Weight {
+            data: vec![0x38, 0x40, 0x38, 0x40],
+            scale: vec![0.5, 2.0],
+            strategy: Fp8Strategy::Channel,
+            rows: 2,
+            cols: 2,
+            input_scale: None,
+        };
+        assert_eq!(w.dequantize(), [0.5, 1.0, 2.0, 4.0]);
+    }
+
+    #[test]
+    fn both_formats_parse_and_unsupported_ones_name_the_field() {
+        let v = Fp8Config::from_config_json(&json!({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}})).unwrap().unwrap();
+        assert_eq!(
+            (v.format, v.activation, v.ignored.as_slice()),
+            (
+                Fp8Format::Vllm,
+                ActivationScheme::Static,
+                &["lm_head".to_string()][..]
+            )
+        );
+        let ct = |strategy: &str, ty: &str, bits: u64| {
+            json!({"quantization_config": {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                "weights": {"type": ty, "num_bits": bits, "strategy": strategy, "symmetric": true},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": true}}}}})
+        };
+        let c = Fp8Config::from_config_json(&ct("channel", "float", 8))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (c.format, c.strategy, c.activation),
+            (
+                Fp8Format::CompressedTensors,
+                Some(Fp8Strategy::Channel),
+                ActivationScheme::Dynamic
+            )
+        );
+        assert_eq!(
+            Fp8Config::from_config_json(&ct("tensor", "float", 8))
+                .unwrap()
+                .unwrap()
+                .strategy,
+            Some(Fp8Strategy::Tensor)
+        );
+        for (cfg, field) in [
+            (
+                ct("block", "float", 8),
+                "quantization_config.config_groups.group_0.weights.strategy",
+            ),
+            (
+                ct("channel", "int", 8),
+                "quantization_config.config_groups.group_0.weights.type",
+            ),
+            (
+                ct("channel", "float", 4),
+                "quantization_config.config_groups.group_0.weights.num_bits",
+            ),
+            (
+                json!({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}),
+                "quantization_config.weight_block_size",
+            ),
+            (
+                json!({"quantization_config": {"quant_method": "awq"}}),
+                "quantization_config.quant_method",
+            ),
+        ] {
+            let e = Fp8Config::from_config_json(&cfg).unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().contains(field), "{e}");
+        }
+        assert_eq!(Fp8Config::from_config_json(&json!({})).unwrap(), None);
+    }
+}
