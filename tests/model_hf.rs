@@ -499,7 +499,7 @@ fn int8_tensor_is_an_unsupported_dtype_error() {
     for part in [
         "I8",
         "o_proj.weight",
-        "BF16, F16 and F32",
+        "BF16, F16, F32 and FP8",
         "-of-00002.safetensors",
     ] {
         assert!(e.contains(part), "missing {part}: {e}");

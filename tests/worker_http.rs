@@ -231,7 +231,10 @@ fn worker_with_no_arguments_serves_the_embedded_smollm2_on_the_engine() {
     let prefill = sample(&m, "vllm:request_prefill_time_seconds_sum");
     let ttft = sample(&m, "vllm:time_to_first_token_seconds_sum");
     assert!(prefill > queue, "queue {queue} s, prefill {prefill} s");
-    assert!(queue + prefill <= ttft + 1e-3, "queue {queue} + prefill {prefill} > TTFT {ttft}");
+    assert!(
+        queue + prefill <= ttft + 1e-3,
+        "queue {queue} + prefill {prefill} > TTFT {ttft}"
+    );
 }
 
 /// 64 concurrent streaming requests against a pool of 48 pages (768 tokens): a request needs
