@@ -20,7 +20,10 @@
 //!   p50 and p99 interpolated within its buckets, mean, share under 1 ms.
 //!
 //! Client, fake workers and router share the machine: on a 2-core box they compete for it, so
-//! the figures are an upper bound for a router with cores of its own. Run:
+//! the figures are an upper bound for a router with cores of its own. To see the router's own
+//! work apart from the box's other load, put its threads on a real-time policy while it runs
+//! (`chrt -a -f -p 10 $(pgrep -f 'router --listen 127.0.0.1')`): a pick has no await inside,
+//! so what remains is its work and its locks. Run:
 //! `cargo bench --bench router_latency` (env: KVFLEET_BENCH_ROUNDS 3, _STREAMS 256,
 //! _REQUESTS 1024, _REPLICAS 2, _GROUPS 32, _PREFIX 4000, _UNIQUE 200, _OUTPUT 64, _ITL_MS 25;
 //! KVFLEET_ROUTER_BIN to measure another build of the router).
