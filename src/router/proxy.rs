@@ -249,26 +249,27 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     let mut candidates = Vec::with_capacity(replicas.len());
     for u in &replicas {
         let load = u.load.lock().map(|l| l.clone()).unwrap_or_default();
+        // The prompt's blocks are hashed outside the replica's lock: a 4,200-token prompt is
+        // some 260 sha256 blocks, and the KV-event subscriber and other requests' lookups wait
+        // on that lock.
+        let (index_bs, held) = u
+            .index
+            .lock()
+            .map(|i| (i.block_size(), i.held()))
+            .unwrap_or_default();
         let cached = match &ids {
             Some((ids, key)) => {
-                let idx = u.index.lock();
-                match idx {
-                    Ok(idx) => {
-                        let bs = idx
-                            .block_size()
-                            .or((load.block_size > 0).then_some(load.block_size))
-                            .unwrap_or(s.block_size);
-                        let p = match prompts.iter().position(|p| p.block_size == bs) {
-                            Some(i) => &prompts[i],
-                            None => {
-                                prompts.push(PromptBlocks::new(ids, key.clone(), bs));
-                                prompts.last().expect("just pushed")
-                            }
-                        };
-                        p.cached_tokens(&idx)
+                let bs = index_bs
+                    .or((load.block_size > 0).then_some(load.block_size))
+                    .unwrap_or(s.block_size);
+                let p = match prompts.iter().position(|p| p.block_size == bs) {
+                    Some(i) => &prompts[i],
+                    None => {
+                        prompts.push(PromptBlocks::new(ids, key.clone(), bs));
+                        prompts.last().expect("just pushed")
                     }
-                    Err(_) => 0,
-                }
+                };
+                u.index.lock().map_or(0, |idx| p.cached_tokens(&idx))
             }
             None => 0,
         };
@@ -280,6 +281,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             reported_busy: load.at.map(|_| load.running + load.waiting),
             free_tokens: load.at.map(|_| load.free_tokens.saturating_sub(sent)),
             max_num_seqs: load.max_num_seqs,
+            held_blocks: held,
         });
     }
     let session = parts.headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok());

@@ -17,7 +17,11 @@
 //! replicas' worth of queue), the way llm-d weighs its prefix scorer above its load scorers.
 //!
 //! Ties (equal score to 1e-9) go to the replica a session id (`x-session-id`) maps to by
-//! rendezvous hashing, then to the one with fewer requests in flight, then round-robin.
+//! rendezvous hashing, then to the one with fewer requests in flight, then to the one whose
+//! cache holds fewer blocks, then to the one with more free KV tokens, then round-robin. A new
+//! prefix (no replica holds any of it) therefore goes where the fewest prefixes are: the blocks
+//! of a prefix just sent count as held at once, so the next new prefix goes elsewhere rather
+//! than wherever the rotation stands.
 
 use std::hash::{Hash, Hasher};
 
@@ -42,6 +46,8 @@ pub struct Candidate {
     pub free_tokens: Option<usize>,
     /// Its maxNumSeqs (0: unknown).
     pub max_num_seqs: usize,
+    /// Blocks its prefix cache holds or is computing for requests this router just sent.
+    pub held_blocks: usize,
 }
 
 /// Why the first-ranked replica won.
@@ -126,6 +132,8 @@ pub fn rank(
             })
             .then_with(|| (affinity != Some(a)).cmp(&(affinity != Some(b))))
             .then_with(|| candidates[a].busy().cmp(&candidates[b].busy()))
+            .then_with(|| candidates[a].held_blocks.cmp(&candidates[b].held_blocks))
+            .then_with(|| candidates[b].free_tokens.cmp(&candidates[a].free_tokens))
             .then_with(|| ((a + n - turn % n) % n).cmp(&((b + n - turn % n) % n)))
     });
     let (first, second) = (order[0], order[1]);
@@ -162,7 +170,44 @@ mod tests {
             reported_busy: None,
             free_tokens: free,
             max_num_seqs: 64,
+            held_blocks: 0,
         }
+    }
+
+    #[test]
+    fn a_new_prefix_goes_to_the_replica_holding_fewest_blocks_then_most_room() {
+        // Nobody holds the prompt, all equally busy: b carries the least cache.
+        let mut cands = [
+            c("a", 0, 2, Some(50_000)),
+            c("b", 0, 2, Some(10_000)),
+            c("c", 0, 2, Some(90_000)),
+        ];
+        (cands[0].held_blocks, cands[1].held_blocks, cands[2].held_blocks) = (500, 250, 750);
+        for turn in 0..6 {
+            let (order, why) = rank(4_200, &cands, None, turn);
+            assert_eq!((order, why), (vec![1, 0, 2], Reason::Load), "turn {turn}");
+        }
+        // Equal holdings: the most free tokens, whatever the turn.
+        for c in &mut cands {
+            c.held_blocks = 250;
+        }
+        for turn in 0..6 {
+            assert_eq!(rank(4_200, &cands, None, turn).0, vec![2, 0, 1], "turn {turn}");
+        }
+        // Four new prefixes over two idle replicas at the same turn: each one's blocks count as
+        // held once sent (pending), so they alternate where the turn alone would stack them.
+        let mut two = [c("a", 0, 0, Some(100_000)), c("b", 0, 0, Some(100_000))];
+        let mut placed = Vec::new();
+        for turn in [0, 0, 0, 0] {
+            let first = rank(4_200, &two, None, turn).0[0];
+            two[first].held_blocks += 262;
+            placed.push(first);
+        }
+        assert_eq!(placed, vec![0, 1, 0, 1]);
+        // A prefix hit still beats holding less.
+        let mut hit = [c("a", 0, 0, Some(100_000)), c("b", 3_968, 0, Some(100_000))];
+        hit[1].held_blocks = 10_000;
+        assert_eq!(rank(4_200, &hit, None, 0), (vec![1, 0], Reason::Prefix));
     }
 
     #[test]
