@@ -42,7 +42,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use kvfleet::model::kv_events::{KvEventPublisher, MEDIUM_GPU};
+use kvfleet::serving::kv_events::{KvEventPublisher, MEDIUM_GPU};
 use kvfleet_engine::engine::prefix::{CacheKey, KvEvent, TokenBlocks};
 use serde_json::{json, Value};
 
