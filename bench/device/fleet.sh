@@ -15,6 +15,9 @@
 # then the router's own latency: its pick-latency histogram over a 256-stream run (p50 and p99
 # interpolated in its buckets, fine from 25 us to 10 ms), and one stream's TTFT direct and
 # through the router. `bench/router_latency.rs` measures the same without a GPU.
+# KVFLEET_FLEET_ROUTER_CPUS=0-3 runs the router on those cores alone (taskset) and the workers
+# and the client on the others, to tell the router's own cost from preemption by the workers'
+# threads; KVFLEET_FLEET_ORDER=skip runs only the latency steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -29,6 +32,12 @@ caps=${KVFLEET_FLEET_KV_TOKENS:-100000}
 groups=${KVFLEET_FLEET_GROUPS:-32}
 requests=${KVFLEET_FLEET_REQUESTS:-2048}
 conc=${KVFLEET_FLEET_CONCURRENCY:-128}
+rcpus=${KVFLEET_FLEET_ROUTER_CPUS:-}
+pin_router=(); pin_rest=()
+if [ -n "$rcpus" ]; then
+  pin_router=(taskset -c "$rcpus"); pin_rest=(taskset -c "$(( ${rcpus##*-} + 1 ))-$(( $(nproc) - 1 ))")
+  echo "router on cores $rcpus; workers and client on ${pin_rest[2]}"
+fi
 pids=()
 stop_fleet() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; pids=(); }
 trap stop_fleet EXIT
@@ -38,7 +47,7 @@ start_fleet() {
     gpu=$i; util=0.92
     if [ "$gpus" -lt 2 ]; then gpu=0; util=0.45; fi
     step "worker $i on GPU $gpu (utilisation $util, KV capped at $cap tokens)"
-    CUDA_VISIBLE_DEVICES=$gpu "$bin/kvfleet" worker --listen 127.0.0.1:800$((i + 1)) --model-weights dummy \
+    CUDA_VISIBLE_DEVICES=$gpu "${pin_rest[@]}" "$bin/kvfleet" worker --listen 127.0.0.1:800$((i + 1)) --model-weights dummy \
       --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --kv-cache-dtype bfloat16 \
       --max-model-len 8192 --max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization $util \
       --max-waiting 4096 --max-kv-tokens "$cap" --kv-events-endpoint tcp://127.0.0.1:560$((i + 1)) \
@@ -49,7 +58,7 @@ start_fleet() {
   done
   for i in 1 2; do for _ in $(seq 1 180); do curl -sf 127.0.0.1:800$i/readyz >/dev/null && break; sleep 1; done; done
   step "router"
-  "$bin/kvfleet" router --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
+  "${pin_router[@]}" "$bin/kvfleet" router --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
     --worker http://127.0.0.1:8001,tcp://127.0.0.1:5601 --worker http://127.0.0.1:8002,tcp://127.0.0.1:5602 \
     > "$OUT/router_$cap.log" 2>&1 &
   pids+=($!)
@@ -63,13 +72,14 @@ summary() { python3 -c 'import json,sys
 r=json.loads(sys.stdin.read())
 keys=("mode","concurrency","errors","output_tok_per_s","ttft_p50_ms","ttft_p90_ms","ttft_p99_ms","itl_p50_ms","hit_rate","ideal_hit_rate")
 print({k: r[k] for k in keys if k in r})'; }
-load() { timeout "${2:-420}" python3 $dev/http_load.py --vocab 128000 $1 2>&1 | tee -a "$OUT/http.log" | tail -1; }
+load() { timeout "${2:-420}" "${pin_rest[@]}" python3 $dev/http_load.py --vocab 128000 $1 2>&1 | tee -a "$OUT/http.log" | tail -1; }
 first_cap=${caps%% *}
 for cap in $caps; do
   start_fleet "$cap"
   work="--shared-prefix-groups $groups --shared-prefix-tokens 4000 --unique-tokens 200 --output-tokens 128 --num-requests $requests --concurrency $conc --group-order random --seed 30"
   for how in ${KVFLEET_FLEET_ORDER:-rr router}; do
     case "$how" in
+      skip) continue ;;
       rr) port=8001,8002 ;;
       router) port=8000 ;;
     esac
