@@ -42,23 +42,6 @@ const SCRAPE_INTERVAL_S: f64 = 1.0;
 /// started without the flag that enables one.
 const NOT_EXPORTED: &[(&str, &str)] = &[
     (
-        "vllm:request_params_n",
-        "the worker refuses n > 1, so every request would observe 1",
-    ),
-    ("vllm:request_params_max_tokens", "not recorded per request yet"),
-    (
-        "vllm:request_max_num_generation_tokens",
-        "not recorded per request yet",
-    ),
-    (
-        "vllm:prompt_tokens_cached",
-        "prefix-cache hits are counted in vllm:prefix_cache_hits",
-    ),
-    (
-        "vllm:request_prefill_kv_computed_tokens",
-        "not recorded per request yet",
-    ),
-    (
         "vllm:external_prefix_cache_hits",
         "no KV connector: there is no external cache",
     ),

@@ -80,6 +80,8 @@ pub struct Metrics {
     pub vllm_waiting: IntGauge,
     pub vllm_preemptions: IntCounter,
     pub vllm_prompt_tokens: IntCounter,
+    pub vllm_prompt_tokens_cached: IntCounter,
+    pub vllm_request_params_n: Histogram,
     pub vllm_generation_tokens: IntCounter,
     pub vllm_ttft: Histogram,
     pub vllm_tpot: Histogram,
@@ -99,6 +101,9 @@ pub struct Metrics {
     /// Per request, bucketed up to maxModelLen (registered once the served model is known).
     vllm_request_prompt_tokens: OnceLock<Histogram>,
     vllm_request_generation_tokens: OnceLock<Histogram>,
+    vllm_request_max_generation_tokens: OnceLock<Histogram>,
+    vllm_request_params_max_tokens: OnceLock<Histogram>,
+    vllm_request_prefill_computed_tokens: OnceLock<Histogram>,
     /// The served model's name, the `model_name` of every `vllm:*` series.
     model_name: RwLock<String>,
     live: Mutex<LiveStats>,
@@ -119,6 +124,10 @@ pub struct Finished<'a> {
     pub decode: Duration,
     pub prompt_tokens: usize,
     pub generation_tokens: usize,
+    /// Its `max_tokens` (given, or the default).
+    pub max_tokens: usize,
+    /// Prompt tokens the prefix cache held when it started.
+    pub cached_tokens: usize,
 }
 
 /// The labels vLLM puts on its series, in its order; `vllm:lora_requests_info` has its own.
@@ -240,6 +249,18 @@ impl Metrics {
                 "vllm:prompt_tokens_total",
                 "Prompt tokens of requests that produced their first token (vLLM's name)",
             )?,
+            vllm_prompt_tokens_cached: IntCounter::new(
+                "vllm:prompt_tokens_cached_total",
+                "Prompt tokens of requests that produced their first token which the prefix cache held, not computed (vLLM's name)",
+            )?,
+            // vLLM's buckets for `n`; the worker refuses n > 1, so every request observes 1.
+            vllm_request_params_n: Histogram::with_opts(
+                HistogramOpts::new(
+                    "vllm:request_params_n",
+                    "Per finished request: its n parameter (vLLM's name)",
+                )
+                .buckets(vec![1.0, 2.0, 5.0, 10.0, 20.0]),
+            )?,
             vllm_generation_tokens: IntCounter::new(
                 "vllm:generation_tokens_total",
                 "Output tokens sampled (vLLM's name)",
@@ -335,6 +356,9 @@ impl Metrics {
             )?,
             vllm_request_prompt_tokens: OnceLock::new(),
             vllm_request_generation_tokens: OnceLock::new(),
+            vllm_request_max_generation_tokens: OnceLock::new(),
+            vllm_request_params_max_tokens: OnceLock::new(),
+            vllm_request_prefill_computed_tokens: OnceLock::new(),
             model_name: RwLock::new(String::new()),
             live: Mutex::new(LiveStats::default()),
             registry,
@@ -364,6 +388,8 @@ impl Metrics {
         r.register(Box::new(m.step_seconds.clone()))?;
         r.register(Box::new(m.vllm_preemptions.clone()))?;
         r.register(Box::new(m.vllm_prompt_tokens.clone()))?;
+        r.register(Box::new(m.vllm_prompt_tokens_cached.clone()))?;
+        r.register(Box::new(m.vllm_request_params_n.clone()))?;
         r.register(Box::new(m.vllm_generation_tokens.clone()))?;
         r.register(Box::new(m.vllm_ttft.clone()))?;
         r.register(Box::new(m.vllm_tpot.clone()))?;
@@ -421,6 +447,21 @@ impl Metrics {
             "Per finished request: its output tokens (vLLM's name)",
             &self.vllm_request_generation_tokens,
         );
+        tokens(
+            "vllm:request_max_num_generation_tokens",
+            "Per finished request: the most output tokens of its sequences, its output tokens with n = 1 (vLLM's name)",
+            &self.vllm_request_max_generation_tokens,
+        );
+        tokens(
+            "vllm:request_params_max_tokens",
+            "Per finished request: its max_tokens parameter, or the default it got (vLLM's name)",
+            &self.vllm_request_params_max_tokens,
+        );
+        tokens(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Per finished request: prompt tokens its prefill computed, those the prefix cache held left out (vLLM's name)",
+            &self.vllm_request_prefill_computed_tokens,
+        );
     }
 
     /// The gap between two consecutive output tokens of a request.
@@ -449,6 +490,16 @@ impl Metrics {
         if let Some(h) = self.vllm_request_generation_tokens.get() {
             h.observe(r.generation_tokens as f64);
         }
+        if let Some(h) = self.vllm_request_max_generation_tokens.get() {
+            h.observe(r.generation_tokens as f64);
+        }
+        if let Some(h) = self.vllm_request_params_max_tokens.get() {
+            h.observe(r.max_tokens as f64);
+        }
+        if let Some(h) = self.vllm_request_prefill_computed_tokens.get() {
+            h.observe(r.prompt_tokens.saturating_sub(r.cached_tokens) as f64);
+        }
+        self.vllm_request_params_n.observe(1.0);
     }
 
     /// A request that ended without its last token (cancelled, timed out, failed, cut by
@@ -576,6 +627,8 @@ mod tests {
             decode: Duration::from_secs(1),
             prompt_tokens: 30,
             generation_tokens: 11,
+            max_tokens: 16,
+            cached_tokens: 16,
         });
         let text = m.encode();
         let labels = r#"{model_name="org/model",engine="0""#;
@@ -602,6 +655,18 @@ mod tests {
         assert!(text.contains(&format!(
             r#"vllm:e2e_request_latency_seconds_bucket{labels},le="7680"}} 1"#
         )));
+        // 30 prompt tokens, 16 of them cached: 14 computed; max_tokens 16; n 1.
+        for (series, want) in [
+            ("vllm:request_prefill_kv_computed_tokens_sum", "14"),
+            ("vllm:request_params_max_tokens_sum", "16"),
+            ("vllm:request_max_num_generation_tokens_sum", "11"),
+            ("vllm:request_params_n_sum", "1"),
+        ] {
+            assert!(
+                text.contains(&format!("{series}{labels}}} {want}")),
+                "{series}: {text}"
+            );
+        }
         assert!(
             text.contains(
                 r#"vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}"#

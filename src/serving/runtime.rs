@@ -879,6 +879,7 @@ impl Loop {
                             None => {
                                 self.metrics.vllm_ttft.observe((now - l.arrived).as_secs_f64());
                                 self.metrics.vllm_prompt_tokens.inc_by(l.prompt_len as u64);
+                                self.metrics.vllm_prompt_tokens_cached.inc_by(l.cached as u64);
                                 l.first_token_at = Some(now);
                             }
                             Some(t) => self.metrics.observe_inter_token((now - t).as_secs_f64()),

@@ -98,6 +98,8 @@ fn done_with(l: &mut Live, reason: FinishReason, metrics: &Metrics, text: String
         decode: last.saturating_duration_since(first),
         prompt_tokens: l.prompt_len,
         generation_tokens: l.output_len(),
+        max_tokens: l.sampler.params().max_tokens,
+        cached_tokens: l.cached,
     });
     let _ = l.events.send(GenEvent::Done {
         reason,
