@@ -434,19 +434,6 @@ mod tests {
     use super::*;
     use crate::validate::MultiNode;
 
-    fn service_monitor() -> MonitorKind {
-        MonitorKind {
-            resource: ApiResource {
-                group: "monitoring.coreos.com".into(),
-                version: "v1".into(),
-                api_version: "monitoring.coreos.com/v1".into(),
-                kind: "ServiceMonitor".into(),
-                plural: "servicemonitors".into(),
-            },
-            kind: "ServiceMonitor".into(),
-        }
-    }
-
     /// A kvfleet spec that wants every kind a single-node replica can own.
     fn everything() -> (InferenceDeployment, Desired) {
         let mut obj = fixture(KVFLEET_RTX3090_TP2);

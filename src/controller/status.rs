@@ -284,51 +284,47 @@ fn no_workload_reason(compatible: bool) -> &'static str {
 
 fn compatible_condition(obj: &InferenceDeployment, verdict: Option<&Verdict>) -> Cond {
     match verdict {
-        // Admitted with no node to count: judged on the products the selector declares.
-        Some(v) if v.allowed() && v.compatible_nodes.is_empty() => {
-            let (dtype, backend) = resolved(&obj.spec, v);
-            let declared: Vec<&str> = crate::validate::declared_products(&obj.spec)
-                .iter()
-                .map(|p| p.label)
-                .collect();
-            let ccs = v
-                .resolved
-                .as_ref()
-                .map(|r| r.compute_capabilities.join(", "))
-                .unwrap_or_default();
-            let mut msg = format!(
-                "no node in the cluster can run it now; it is admitted on the GPU products its selector declares ({}), where it runs with kvCacheDtype {dtype} and attentionBackend {backend}",
-                declared.join(", ")
-            );
-            if !ccs.is_empty() {
-                msg.push_str(&format!(" (compute capability {ccs})"));
-            }
-            msg.push_str("; new pods stay Pending until such a node joins");
-            if !v.warnings.is_empty() {
-                msg.push_str("; warnings: ");
-                msg.push_str(&v.warnings.join("; "));
-            }
-            cond(COMPATIBLE, true, DECLARED_PRODUCTS_NO_NODES, msg)
-        }
         Some(v) if v.allowed() => {
             let (dtype, backend) = resolved(&obj.spec, v);
+            // Admitted with no node to count: judged on the products the selector declares.
+            let declared_only = v.compatible_nodes.is_empty();
+            let (reason, mut msg) = if declared_only {
+                let declared: Vec<&str> = crate::validate::declared_products(&obj.spec)
+                    .iter()
+                    .map(|p| p.label)
+                    .collect();
+                (
+                    DECLARED_PRODUCTS_NO_NODES,
+                    format!(
+                        "no node in the cluster can run it now; it is admitted on the GPU products its selector declares ({}), where it runs with kvCacheDtype {dtype} and attentionBackend {backend}",
+                        declared.join(", ")
+                    ),
+                )
+            } else {
+                (
+                    COMPATIBLE_NODES_FOUND,
+                    format!(
+                        "{} node(s) can run it with kvCacheDtype {dtype} and attentionBackend {backend}",
+                        v.compatible_nodes.len()
+                    ),
+                )
+            };
             let ccs = v
                 .resolved
                 .as_ref()
                 .map(|r| r.compute_capabilities.join(", "))
                 .unwrap_or_default();
-            let mut msg = format!(
-                "{} node(s) can run it with kvCacheDtype {dtype} and attentionBackend {backend}",
-                v.compatible_nodes.len()
-            );
             if !ccs.is_empty() {
                 msg.push_str(&format!(" (compute capability {ccs})"));
+            }
+            if declared_only {
+                msg.push_str("; new pods stay Pending until such a node joins");
             }
             if !v.warnings.is_empty() {
                 msg.push_str("; warnings: ");
                 msg.push_str(&v.warnings.join("; "));
             }
-            cond(COMPATIBLE, true, COMPATIBLE_NODES_FOUND, msg)
+            cond(COMPATIBLE, true, reason, msg)
         }
         Some(v) => {
             let reason = v.denials.first().map(|d| d.reason.clone()).unwrap_or_default();

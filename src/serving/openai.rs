@@ -1385,34 +1385,74 @@ struct Prepared {
     echo: Option<String>,
 }
 
+/// What chat and completions read alike from a request beside its prompt.
+struct Options {
+    common: Common,
+    params: SamplingParams,
+    request_id: Arc<str>,
+    /// Whether the response starts with the prompt (completions' `echo`).
+    echo: bool,
+}
+
+impl Options {
+    /// The request ready to generate once its prompt is tokenised as `ids`.
+    fn prepared(self, ids: Vec<u32>, echo: Option<String>) -> Prepared {
+        Prepared {
+            ids,
+            params: self.params,
+            common: self.common,
+            request_id: self.request_id,
+            echo,
+        }
+    }
+}
+
+/// Reads the body of a `kind` request, takes its prompt out with `take`, and checks and reads
+/// the other fields into [`Options`], in the order that decides which error a request with
+/// several problems gets.
+async fn read_request<P>(
+    req: axum::extract::Request,
+    api: &Api,
+    kind: Kind,
+    take: fn(&mut Map<String, Value>) -> Result<P, ApiError>,
+) -> Result<(P, Options), ApiError> {
+    let rt = &api.rt;
+    let rid = req.extensions().get::<RequestId>().cloned();
+    let body = read_body(req, &api.limits).await?;
+    let mut fields = parse_object(&body)?;
+    let prompt = take(&mut fields)?;
+    check_fields(&fields, kind)?;
+    let common = parse_common(fields)?;
+    common.check_model(rt)?;
+    let default_max = match kind {
+        Kind::Chat => DEFAULT_CHAT_MAX_TOKENS,
+        Kind::Completion => DEFAULT_COMPLETION_MAX_TOKENS,
+    };
+    let mut params = common.params(default_max)?;
+    let echo = common.output_options(kind, &mut params, rt.scores_prompts)?;
+    check_token_ids(&params, rt.vocab_size)?;
+    check_stop_lengths(&params, rt)?;
+    let request_id = final_request_id(rid, &common)?;
+    let options = Options {
+        common,
+        params,
+        request_id,
+        echo,
+    };
+    Ok((prompt, options))
+}
+
 async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
     let arrived = tokio::time::Instant::now();
     let rt = api.rt.clone();
-    let rid = req.extensions().get::<RequestId>().cloned();
     let run = async {
-        let body = read_body(req, &api.limits).await?;
-        let mut fields = parse_object(&body)?;
-        let messages = take_messages(&mut fields)?;
-        check_fields(&fields, Kind::Chat)?;
-        let common = parse_common(fields)?;
-        common.check_model(&rt)?;
-        let mut params = common.params(DEFAULT_CHAT_MAX_TOKENS)?;
-        common.output_options(Kind::Chat, &mut params, rt.scores_prompts)?;
-        check_token_ids(&params, rt.vocab_size)?;
-        check_stop_lengths(&params, &rt)?;
-        let request_id = final_request_id(rid, &common)?;
+        let (messages, options) = read_request(req, &api, Kind::Chat, take_messages).await?;
         check_prompt_bytes(chat_text_bytes(&rt.tokenizer, &messages), &rt, "messages")?;
         let tokenizer = rt.tokenizer.clone();
         let ids = tokenize(&api, move || encode_chat(&tokenizer, &messages))
             .await?
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
-        Ok(Prepared {
-            ids,
-            params,
-            common,
-            request_id,
-            echo: None,
-        })
+        Ok(options.prepared(ids, None))
     };
     let prepared = run.await;
     answer(rt, Kind::Chat, prepared, arrived, &api.limits).await
@@ -1421,20 +1461,10 @@ async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -
 async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
     let arrived = tokio::time::Instant::now();
     let rt = api.rt.clone();
-    let rid = req.extensions().get::<RequestId>().cloned();
     let run = async {
-        let body = read_body(req, &api.limits).await?;
-        let mut fields = parse_object(&body)?;
-        let prompt = take_prompt(&mut fields)?;
-        check_fields(&fields, Kind::Completion)?;
-        let common = parse_common(fields)?;
-        common.check_model(&rt)?;
-        let mut params = common.params(DEFAULT_COMPLETION_MAX_TOKENS)?;
-        let echo = common.output_options(Kind::Completion, &mut params, rt.scores_prompts)?;
-        check_token_ids(&params, rt.vocab_size)?;
-        check_stop_lengths(&params, &rt)?;
-        let request_id = final_request_id(rid, &common)?;
-        let ids = match prompt {
+        let (prompt, options) = read_request(req, &api, Kind::Completion, take_prompt).await?;
+        let echo = options.echo;
+        let (echo, ids) = match prompt {
             Prompt::Tokens(ids) => {
                 let vocab = rt.vocab_size;
                 if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
@@ -1455,14 +1485,7 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
                 )
             }
         };
-        let (echo, ids) = ids;
-        Ok(Prepared {
-            ids,
-            params,
-            common,
-            request_id,
-            echo,
-        })
+        Ok(options.prepared(ids, echo))
     };
     let prepared = run.await;
     answer(rt, Kind::Completion, prepared, arrived, &api.limits).await

@@ -6,9 +6,40 @@ use k8s_openapi::api::core::v1::{
     PodTemplateSpec,
 };
 
-use super::Desired;
+use kube::api::ApiResource;
+
+use super::{Desired, MonitorKind};
 use crate::api::{InferenceDeployment, ResolvedConfig};
 use crate::validate::{labels as gfd, Verdict};
+
+/// An InferenceDeployment `llama` serving Llama 3.1 8B, as a `&'static str`: the spec goes
+/// on from `model.geometry` with the YAML lines given (the rest of `model`, then the other
+/// fields). A macro (`concat!`) so that the fixtures built with it stay `const`s.
+macro_rules! llama_8b {
+    ($rest:literal) => {
+        concat!(
+            "\napiVersion: kvfleet.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: llama}\nspec:\n",
+            "  model:\n    name: meta-llama/Llama-3.1-8B-Instruct\n",
+            "    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}",
+            $rest
+        )
+    };
+}
+pub(crate) use llama_8b;
+
+/// An InferenceDeployment `gemma` serving Gemma 3 12B on dummy weights, as [`llama_8b`] does.
+macro_rules! gemma_12b {
+    ($rest:literal) => {
+        concat!(
+            "\napiVersion: kvfleet.io/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: gemma}\nspec:\n",
+            "  model:\n    name: google/gemma-3-12b-it\n",
+            "    geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}\n",
+            "    weights: {format: dummy}",
+            $rest
+        )
+    };
+}
+pub(crate) use gemma_12b;
 
 pub fn fixture(yaml: &str) -> InferenceDeployment {
     let mut o: InferenceDeployment = serde_yaml::from_str(yaml).expect("fixture parses");
@@ -18,34 +49,22 @@ pub fn fixture(yaml: &str) -> InferenceDeployment {
     o
 }
 
-pub const KVFLEET_RTX3090_TP2: &str = r#"
-apiVersion: kvfleet.io/v1alpha1
-kind: InferenceDeployment
-metadata: {name: llama}
-spec:
-  replicas: 2
-  model:
-    name: meta-llama/Llama-3.1-8B-Instruct
-    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+pub const KVFLEET_RTX3090_TP2: &str = llama_8b!(
+    r#"
     weightBytes: 16Gi
+  replicas: 2
   engine:
     runtime: kvfleet
     kvCacheDtype: auto
     tensorParallelSize: 2
   gpu:
     selector: {products: [NVIDIA-GeForce-RTX-3090]}
-"#;
+"#
+);
 
-pub const VLLM_RTX5090: &str = r#"
-apiVersion: kvfleet.io/v1alpha1
-kind: InferenceDeployment
-metadata: {name: gemma}
-spec:
+pub const VLLM_RTX5090: &str = gemma_12b!(
+    r#"
   replicas: 1
-  model:
-    name: google/gemma-3-12b-it
-    geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}
-    weights: {format: dummy}
   engine:
     runtime: vllm
     kvCacheDtype: fp8
@@ -56,7 +75,22 @@ spec:
     blockSize: 32
     gpuMemoryUtilization: 0.85
     tensorParallelSize: 1
-"#;
+"#
+);
+
+/// The Prometheus operator's ServiceMonitor, as discovery finds it.
+pub fn service_monitor() -> MonitorKind {
+    MonitorKind {
+        resource: ApiResource {
+            group: "monitoring.coreos.com".into(),
+            version: "v1".into(),
+            api_version: "monitoring.coreos.com/v1".into(),
+            kind: "ServiceMonitor".into(),
+            plural: "servicemonitors".into(),
+        },
+        kind: "ServiceMonitor".into(),
+    }
+}
 
 pub fn verdict(dtype: &str, backend: &str, cc: &str, product: &str) -> Verdict {
     Verdict {
@@ -94,6 +128,17 @@ pub fn container(d: &Desired) -> Container {
 }
 pub fn pod(d: &Desired) -> PodSpec {
     template(d).spec.clone().unwrap()
+}
+
+/// Asserts that each flag is followed by its value in `args`.
+pub fn assert_flags(args: &[String], want: &[(&str, &str)]) {
+    for (flag, value) in want {
+        assert_eq!(
+            arg_after(args, flag).as_deref(),
+            Some(*value),
+            "{flag} in {args:?}"
+        );
+    }
 }
 
 pub fn arg_after(args: &[String], flag: &str) -> Option<String> {

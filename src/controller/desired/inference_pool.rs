@@ -66,21 +66,15 @@ mod tests {
     use super::*;
     use crate::validate::MultiNode;
 
-    const POOLED: &str = r#"
-apiVersion: kvfleet.io/v1alpha1
-kind: InferenceDeployment
-metadata: {name: gemma}
-spec:
+    const POOLED: &str = gemma_12b!(
+        r#"
   replicas: 3
-  model:
-    name: google/gemma-3-12b-it
-    geometry: {layers: 48, queryHeads: 16, kvHeads: 8, headDim: 256, slidingWindow: 1024}
-    weights: {format: dummy}
   engine: {runtime: vllm}
   routing:
     mode: inferencePool
     endpointPicker: {name: gemma-epp, port: 9002}
-"#;
+"#
+    );
 
     fn v() -> crate::validate::Verdict {
         verdict("fp8", "FLASH_ATTN", "9.0", "NVIDIA-H100-80GB-HBM3")

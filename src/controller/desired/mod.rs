@@ -410,16 +410,7 @@ mod tests {
     fn every_object_is_owned_by_the_inference_deployment_and_selected_by_its_label() {
         let obj = fixture(KVFLEET_RTX3090_TP2);
         let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
-        let m = MonitorKind {
-            resource: ApiResource {
-                group: "monitoring.coreos.com".into(),
-                version: "v1".into(),
-                api_version: "monitoring.coreos.com/v1".into(),
-                kind: "ServiceMonitor".into(),
-                plural: "servicemonitors".into(),
-            },
-            kind: "ServiceMonitor".into(),
-        };
+        let m = service_monitor();
         let d = desired(&obj, &v, &Settings::default(), Some(&m)).unwrap();
         let metas = [
             &d.config_map.as_ref().unwrap().metadata,

@@ -356,21 +356,16 @@ mod tests {
     use crate::contract::config::WorkerConfig;
 
     /// A kvfleet deployment of Llama 3.1 8B on a PVC, two workers.
-    const ROUTED: &str = r#"
-apiVersion: kvfleet.io/v1alpha1
-kind: InferenceDeployment
-metadata: {name: llama}
-spec:
-  replicas: 2
-  model:
-    name: meta-llama/Llama-3.1-8B-Instruct
-    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    const ROUTED: &str = llama_8b!(
+        r#"
     weights: {format: safetensors, pvcName: llama-weights, path: llama-3.1-8b/}
     weightBytes: 16Gi
+  replicas: 2
   engine: {runtime: kvfleet}
   gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
   routing: {mode: kvfleet}
-"#;
+"#
+    );
 
     fn h100() -> crate::validate::Verdict {
         verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3")
@@ -384,30 +379,21 @@ spec:
         d.router.as_ref().expect("routing mode kvfleet renders a router")
     }
 
+    fn router_template(d: &Desired) -> &PodTemplateSpec {
+        &router_of(d).deployment.spec.as_ref().unwrap().template
+    }
+
     fn router_container(d: &Desired) -> Container {
-        let r = router_of(d);
-        r.deployment
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .as_ref()
-            .unwrap()
-            .containers[0]
-            .clone()
+        router_pod(d).containers[0].clone()
     }
 
     fn router_pod(d: &Desired) -> PodSpec {
-        router_of(d)
-            .deployment
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .clone()
-            .unwrap()
+        router_template(d).spec.clone().unwrap()
+    }
+
+    /// The router pods' labels and annotations.
+    fn router_pod_meta(d: &Desired) -> &ObjectMeta {
+        router_template(d).metadata.as_ref().unwrap()
     }
 
     #[test]
@@ -536,18 +522,7 @@ spec:
             (Some("http"), HTTP_PORT)
         );
         // The router's pods are not the workers': nothing that selects workers selects them.
-        let labels = router_of(&d)
-            .deployment
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .metadata
-            .as_ref()
-            .unwrap()
-            .labels
-            .clone()
-            .unwrap();
+        let labels = router_pod_meta(&d).labels.clone().unwrap();
         assert!(!labels.contains_key(INSTANCE_LABEL), "{labels:?}");
         assert_eq!(labels[ROUTER_LABEL], "llama");
     }
@@ -575,19 +550,7 @@ spec:
         assert_eq!(config.config_map.as_ref().unwrap().name, "llama-config");
         // A new worker config (another model) rolls the router too.
         let hash = |d: &Desired| {
-            router_of(d)
-                .deployment
-                .spec
-                .as_ref()
-                .unwrap()
-                .template
-                .metadata
-                .as_ref()
-                .unwrap()
-                .annotations
-                .clone()
-                .unwrap()[super::super::CONFIG_HASH_ANNOTATION]
-                .clone()
+            router_pod_meta(d).annotations.clone().unwrap()[super::super::CONFIG_HASH_ANNOTATION].clone()
         };
         let other = routed(&ROUTED.replace("llama-3.1-8b/", "llama-3.1-8b-v2/"));
         assert_ne!(hash(&d), hash(&other));

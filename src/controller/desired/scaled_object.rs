@@ -98,16 +98,10 @@ mod tests {
     use super::super::{desired, Settings};
     use super::*;
 
-    const KEDA: &str = r#"
-apiVersion: kvfleet.io/v1alpha1
-kind: InferenceDeployment
-metadata: {name: llama}
-spec:
-  replicas: 2
-  model:
-    name: meta-llama/Llama-3.1-8B-Instruct
-    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    const KEDA: &str = llama_8b!(
+        r#"
     weightBytes: 16Gi
+  replicas: 2
   engine: {runtime: kvfleet}
   gpu: {selector: {products: [NVIDIA-GeForce-RTX-3090]}}
   autoscaling:
@@ -121,7 +115,8 @@ spec:
       stabilizationWindowSeconds: 120
       selectPolicy: Min
       policies: [{type: Percent, value: 50, periodSeconds: 60}]
-"#;
+"#
+    );
 
     const PROMETHEUS: &str = "http://prometheus-operated.monitoring.svc:9090";
 

@@ -236,25 +236,22 @@ mod tests {
         let d = desired(&obj, &v, &Settings::default(), None).unwrap();
         let c = container(&d);
         let args = c.args.clone().unwrap();
-        for (flag, value) in [
-            ("--kv-cache-dtype", "fp8"),
-            ("--attention-backend", "TRITON_ATTN"),
-            ("--max-model-len", "32768"),
-            ("--max-num-seqs", "32"),
-            ("--max-num-batched-tokens", "4096"),
-            ("--block-size", "32"),
-            ("--gpu-memory-utilization", "0.85"),
-            ("--tensor-parallel-size", "1"),
-            ("--port", "8000"),
-            ("--served-model-name", "google/gemma-3-12b-it"),
-            ("--load-format", "dummy"),
-        ] {
-            assert_eq!(
-                arg_after(&args, flag).as_deref(),
-                Some(value),
-                "{flag} in {args:?}"
-            );
-        }
+        assert_flags(
+            &args,
+            &[
+                ("--kv-cache-dtype", "fp8"),
+                ("--attention-backend", "TRITON_ATTN"),
+                ("--max-model-len", "32768"),
+                ("--max-num-seqs", "32"),
+                ("--max-num-batched-tokens", "4096"),
+                ("--block-size", "32"),
+                ("--gpu-memory-utilization", "0.85"),
+                ("--tensor-parallel-size", "1"),
+                ("--port", "8000"),
+                ("--served-model-name", "google/gemma-3-12b-it"),
+                ("--load-format", "dummy"),
+            ],
+        );
         assert_eq!(c.image.as_deref(), Some(Settings::default().vllm_image.as_str()));
         assert_eq!(
             c.resources.unwrap().limits.unwrap().get("nvidia.com/gpu"),

@@ -186,14 +186,8 @@ mod tests {
     use super::super::fixtures::*;
     use super::*;
 
-    const KVFLEET_H100_PVC: &str = r#"
-apiVersion: kvfleet.io/v1alpha1
-kind: InferenceDeployment
-metadata: {name: llama}
-spec:
-  model:
-    name: meta-llama/Llama-3.1-8B-Instruct
-    geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+    const KVFLEET_H100_PVC: &str = llama_8b!(
+        r#"
     weights: {format: safetensors, pvcName: llama-weights, path: /llama-3.1-8b-instruct/}
   engine:
     runtime: kvfleet
@@ -204,7 +198,8 @@ spec:
     gpuMemoryUtilization: 0.92
   gpu:
     selector: {products: [NVIDIA-H100-80GB-HBM3]}
-"#;
+"#
+    );
 
     #[test]
     fn the_worker_config_carries_prefix_caching_and_kv_events_to_the_worker() {
@@ -245,21 +240,18 @@ spec:
         let args = c.args.clone().unwrap();
         let model = arg_after(&args, "--model").expect("--model");
         assert_eq!(model, "/models/llama-3.1-8b-instruct");
-        for (flag, want) in [
-            ("--served-model-name", "meta-llama/Llama-3.1-8B-Instruct"),
-            ("--kv-cache-dtype", "fp8_e4m3"),
-            ("--max-model-len", "32768"),
-            ("--max-num-seqs", "48"),
-            ("--max-num-batched-tokens", "4096"),
-            ("--block-size", "16"),
-            ("--gpu-memory-utilization", "0.92"),
-        ] {
-            assert_eq!(
-                arg_after(&args, flag).as_deref(),
-                Some(want),
-                "{flag} in {args:?}"
-            );
-        }
+        assert_flags(
+            &args,
+            &[
+                ("--served-model-name", "meta-llama/Llama-3.1-8B-Instruct"),
+                ("--kv-cache-dtype", "fp8_e4m3"),
+                ("--max-model-len", "32768"),
+                ("--max-num-seqs", "48"),
+                ("--max-num-batched-tokens", "4096"),
+                ("--block-size", "16"),
+                ("--gpu-memory-utilization", "0.92"),
+            ],
+        );
         assert_eq!(arg_after(&args, "--model-weights"), None, "real weights");
         // The volume holding the weights is mounted, read-only, at the directory --model is in.
         let mount = c

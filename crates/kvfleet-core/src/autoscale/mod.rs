@@ -51,6 +51,26 @@ pub struct Step {
     pub period_seconds: u32,
 }
 
+impl Step {
+    /// At most `value` percent of the current pods per `period_seconds`.
+    pub const fn percent(value: u32, period_seconds: u32) -> Self {
+        Step::new(StepKind::Percent, value, period_seconds)
+    }
+
+    /// At most `value` pods per `period_seconds`.
+    pub const fn pods(value: u32, period_seconds: u32) -> Self {
+        Step::new(StepKind::Pods, value, period_seconds)
+    }
+
+    const fn new(kind: StepKind, value: u32, period_seconds: u32) -> Self {
+        Step {
+            kind,
+            value,
+            period_seconds,
+        }
+    }
+}
+
 /// Which step limit applies when there are several (`selectPolicy`): Max allows the largest
 /// change, Min the smallest, Disabled none in this direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,18 +95,7 @@ impl Rules {
         Rules {
             stabilization_window_seconds: 0,
             select: Select::Max,
-            steps: vec![
-                Step {
-                    kind: StepKind::Percent,
-                    value: 100,
-                    period_seconds: 15,
-                },
-                Step {
-                    kind: StepKind::Pods,
-                    value: 4,
-                    period_seconds: 15,
-                },
-            ],
+            steps: vec![Step::percent(100, 15), Step::pods(4, 15)],
         }
     }
 
@@ -96,11 +105,7 @@ impl Rules {
         Rules {
             stabilization_window_seconds: 300,
             select: Select::Max,
-            steps: vec![Step {
-                kind: StepKind::Percent,
-                value: 100,
-                period_seconds: 15,
-            }],
+            steps: vec![Step::percent(100, 15)],
         }
     }
 

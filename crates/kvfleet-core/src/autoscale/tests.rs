@@ -171,11 +171,7 @@ fn scale_up_steps_count_the_changes_already_made_in_their_period() {
         scale_up: Rules {
             stabilization_window_seconds: 0,
             select: Select::Max,
-            steps: vec![Step {
-                kind: StepKind::Pods,
-                value: 1,
-                period_seconds: 60,
-            }],
+            steps: vec![Step::pods(1, 60)],
         },
         ..Policy::with_bounds(1, 10)
     };
@@ -191,18 +187,7 @@ fn scale_up_steps_count_the_changes_already_made_in_their_period() {
 
 #[test]
 fn select_max_takes_the_larger_step_and_min_the_smaller() {
-    let steps = vec![
-        Step {
-            kind: StepKind::Percent,
-            value: 100,
-            period_seconds: 15,
-        },
-        Step {
-            kind: StepKind::Pods,
-            value: 1,
-            period_seconds: 15,
-        },
-    ];
+    let steps = vec![Step::percent(100, 15), Step::pods(1, 15)];
     let with = |select| Policy {
         scale_up: Rules {
             stabilization_window_seconds: 0,
@@ -227,11 +212,7 @@ fn percent_scale_down_truncates_as_the_hpa_does() {
         scale_down: Rules {
             stabilization_window_seconds: 0,
             select: Select::Max,
-            steps: vec![Step {
-                kind: StepKind::Percent,
-                value: 50,
-                period_seconds: 60,
-            }],
+            steps: vec![Step::percent(50, 60)],
         },
         ..Policy::with_bounds(1, 20)
     };
@@ -393,31 +374,10 @@ fn defaults_are_the_hpa_documented_behaviour() {
     let up = Rules::default_up();
     assert_eq!(up.stabilization_window_seconds, 0);
     assert_eq!(up.select, Select::Max);
-    assert_eq!(
-        up.steps,
-        vec![
-            Step {
-                kind: StepKind::Percent,
-                value: 100,
-                period_seconds: 15
-            },
-            Step {
-                kind: StepKind::Pods,
-                value: 4,
-                period_seconds: 15
-            }
-        ]
-    );
+    assert_eq!(up.steps, vec![Step::percent(100, 15), Step::pods(4, 15)]);
     let down = Rules::default_down();
     assert_eq!(down.stabilization_window_seconds, 300);
-    assert_eq!(
-        down.steps,
-        vec![Step {
-            kind: StepKind::Percent,
-            value: 100,
-            period_seconds: 15
-        }]
-    );
+    assert_eq!(down.steps, vec![Step::percent(100, 15)]);
     assert_eq!(Policy::with_bounds(1, 2).check(), Ok(()));
 }
 

@@ -141,20 +141,7 @@ pub fn pool_layout(
         .iter()
         .map(|g| g.blocks_per_request.saturating_mul(g.block_bytes))
         .fold(0u64, u64::saturating_add);
-    let split = split_blocks(
-        &groups
-            .iter()
-            .map(|g| (g.block_bytes, g.blocks_per_request))
-            .collect::<Vec<_>>(),
-        available_kv_bytes,
-    );
-    for (g, n) in groups.iter_mut().zip(split) {
-        g.num_blocks = n;
-    }
-    let max_concurrency = groups
-        .iter()
-        .map(|g| g.num_blocks as f64 / g.blocks_per_request as f64)
-        .fold(f64::INFINITY, f64::min);
+    let max_concurrency = fill_pools(&mut groups, available_kv_bytes);
     let pool_bytes: u64 = groups
         .iter()
         .map(|g| g.num_blocks.saturating_mul(g.block_bytes))
@@ -175,6 +162,39 @@ pub fn pool_layout(
         fits_one_request: bytes_per_request <= available_kv_bytes,
         groups,
     })
+}
+
+/// A group of layers with a pool of its own, as [`fill_pools`] sizes it: the planner's
+/// [`KvfleetGroup`] and the engine's pools (`kvfleet-engine` `capacity::GroupPool`).
+pub trait BlockGroup {
+    /// `(block_bytes, blocks_per_request)`, and the `num_blocks` to set.
+    fn pool_mut(&mut self) -> (u64, u64, &mut u64);
+}
+
+impl BlockGroup for KvfleetGroup {
+    fn pool_mut(&mut self) -> (u64, u64, &mut u64) {
+        (self.block_bytes, self.blocks_per_request, &mut self.num_blocks)
+    }
+}
+
+/// Sizes every group's pool in `available` bytes ([`split_blocks`]) and returns the requests
+/// of max_model_len that fit at once: the smallest `num_blocks / blocks_per_request`.
+pub fn fill_pools<G: BlockGroup>(groups: &mut [G], available: u64) -> f64 {
+    let sizes: Vec<(u64, u64)> = groups
+        .iter_mut()
+        .map(|g| {
+            let (block_bytes, blocks_per_request, _) = g.pool_mut();
+            (block_bytes, blocks_per_request)
+        })
+        .collect();
+    let mut max_concurrency = f64::INFINITY;
+    for ((g, n), (_, blocks_per_request)) in
+        groups.iter_mut().zip(split_blocks(&sizes, available)).zip(&sizes)
+    {
+        *g.pool_mut().2 = n;
+        max_concurrency = max_concurrency.min(n as f64 / *blocks_per_request as f64);
+    }
+    max_concurrency
 }
 
 /// Blocks of each group, given as `(block_bytes, blocks_per_request)`, in `available` bytes:

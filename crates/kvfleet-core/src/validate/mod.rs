@@ -131,6 +131,18 @@ impl Verdict {
     pub fn allowed(&self) -> bool {
         self.denials.is_empty()
     }
+
+    /// Adds `denials` and drops what only an admitted verdict carries: resolution, affinity,
+    /// nodes, capacity and the multi-node layout.
+    fn deny(&mut self, denials: Vec<Denial>) {
+        self.denials.extend(denials);
+        self.resolved = None;
+        self.node_affinity = None;
+        self.compatible_nodes.clear();
+        self.capacity = None;
+        self.capacity_basis = None;
+        self.multi_node = None;
+    }
 }
 
 /// Validates against one synthetic node per product (8 GPUs each), as `kvfleet check --gpu`.

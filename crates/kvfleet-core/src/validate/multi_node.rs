@@ -107,13 +107,9 @@ pub(super) fn multi_node_checks(
             verdict.multi_node = Some(layout);
         }
     } else {
-        // A denied verdict carries no resolution, affinity or nodes (see [`Verdict`]).
-        verdict.denials.extend(denials);
-        verdict.resolved = None;
-        verdict.node_affinity = None;
-        verdict.compatible_nodes.clear();
-        verdict.capacity = None;
-        verdict.capacity_basis = None;
+        // A denied verdict carries no resolution, affinity or nodes (see [`Verdict`]); its
+        // multi-node layout was never set.
+        verdict.deny(denials);
     }
     verdict
 }

@@ -22,13 +22,7 @@ pub(super) fn routing_checks(
     if denials.is_empty() {
         return verdict;
     }
-    verdict.denials.extend(denials);
-    verdict.resolved = None;
-    verdict.node_affinity = None;
-    verdict.compatible_nodes.clear();
-    verdict.capacity = None;
-    verdict.capacity_basis = None;
-    verdict.multi_node = None;
+    verdict.deny(denials);
     verdict
 }
 

@@ -51,17 +51,8 @@ impl HostStep {
             last: Vec::new(),
         };
         for s in batch {
-            for (i, &tok) in s.tokens.iter().enumerate() {
-                if tok as usize >= c.vocab {
-                    return Err(ForwardError::Token(tok));
-                }
-                let pos = s.start_pos + i;
-                if pos >= c.context_len {
-                    return Err(ForwardError::Context {
-                        pos,
-                        ctx: c.context_len,
-                    });
-                }
+            for token in s.checked_tokens(c) {
+                let (tok, pos) = token?;
                 step.tokens.push(tok as i32);
                 step.positions.push(pos as i32);
             }

@@ -98,6 +98,12 @@ pub struct GroupPool {
     pub num_blocks: u64,
 }
 
+impl plan::kvfleet::BlockGroup for GroupPool {
+    fn pool_mut(&mut self) -> (u64, u64, &mut u64) {
+        (self.block_bytes, self.blocks_per_request, &mut self.num_blocks)
+    }
+}
+
 /// The sized KV cache.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -256,20 +262,7 @@ pub fn size_pools(
         }
     }
     // The planner's split, so that its prediction is these pools.
-    let split = plan::kvfleet::split_blocks(
-        &groups
-            .iter()
-            .map(|g| (g.block_bytes, g.blocks_per_request))
-            .collect::<Vec<_>>(),
-        available_kv_bytes,
-    );
-    for (g, n) in groups.iter_mut().zip(split) {
-        g.num_blocks = n;
-    }
-    let max_concurrency = groups
-        .iter()
-        .map(|g| g.num_blocks as f64 / g.blocks_per_request as f64)
-        .fold(f64::INFINITY, f64::min);
+    let max_concurrency = plan::kvfleet::fill_pools(&mut groups, available_kv_bytes);
     let pool_bytes = groups.iter().map(|g| g.num_blocks * g.block_bytes).sum();
     Ok(PoolPlan {
         pool_bytes,

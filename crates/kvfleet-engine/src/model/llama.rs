@@ -411,6 +411,27 @@ pub struct SeqChunk<'a> {
     pub want_logits: bool,
 }
 
+impl SeqChunk<'_> {
+    /// Each new token with its position; an error for a token outside `c`'s vocabulary or a
+    /// position past its context (the CPU and GPU forward passes check alike).
+    pub fn checked_tokens<'s>(
+        &'s self,
+        c: &LlamaConfig,
+    ) -> impl Iterator<Item = Result<(u32, usize), ForwardError>> + 's {
+        let (vocab, ctx) = (c.vocab, c.context_len);
+        self.tokens.iter().enumerate().map(move |(i, &tok)| {
+            let pos = self.start_pos + i;
+            if tok as usize >= vocab {
+                Err(ForwardError::Token(tok))
+            } else if pos >= ctx {
+                Err(ForwardError::Context { pos, ctx })
+            } else {
+                Ok((tok, pos))
+            }
+        })
+    }
+}
+
 impl Llama {
     /// Loads and dequantises every tensor of a GGUF model.
     pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
@@ -694,17 +715,8 @@ impl Llama {
         let mut x = vec![0f32; t * d];
         let mut row = 0;
         for s in batch {
-            for (i, &tok) in s.tokens.iter().enumerate() {
-                if tok as usize >= c.vocab {
-                    return Err(ForwardError::Token(tok));
-                }
-                let pos = s.start_pos + i;
-                if pos >= c.context_len {
-                    return Err(ForwardError::Context {
-                        pos,
-                        ctx: c.context_len,
-                    });
-                }
+            for token in s.checked_tokens(c) {
+                let (tok, pos) = token?;
                 positions.push(pos);
                 let e = &self.embed[tok as usize * d..(tok as usize + 1) * d];
                 let xr = &mut x[row * d..(row + 1) * d];

@@ -134,6 +134,14 @@ impl std::fmt::Debug for Tokenizer {
 /// equal ranks, until no adjacent pair has a merge. A heap of candidate pairs over a linked
 /// list keeps this O(n log n) in the length of the piece (rescanning for the best pair after
 /// every merge is quadratic: an 80 KB word without spaces took 15 s).
+/// The ids of those of `names` the vocabulary has: the tokens that end a turn.
+fn stop_tokens(token_to_id: &HashMap<String, u32>, names: &[&str]) -> Vec<u32> {
+    names
+        .iter()
+        .filter_map(|s| token_to_id.get(*s).copied())
+        .collect()
+}
+
 fn merge_by_rank(syms: &mut Vec<u32>, merge: impl Fn(u32, u32) -> Option<(u32, u32)>) {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
@@ -321,10 +329,7 @@ impl Tokenizer {
         // leaves /v1/chat/completions refused, the raw completions API works.
         let _ = chat_template;
         let chat_template = ChatTemplate::None;
-        let stop_tokens = ["<end_of_turn>"]
-            .iter()
-            .filter_map(|s| token_to_id.get(*s).copied())
-            .collect();
+        let stop_tokens = stop_tokens(&token_to_id, &["<end_of_turn>"]);
         Ok(Tokenizer {
             tokens,
             token_bytes,
@@ -466,10 +471,10 @@ impl Tokenizer {
             Some(t) if t.contains("<|start_header_id|>") => ChatTemplate::Llama3,
             _ => ChatTemplate::None,
         };
-        let stop_tokens = ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>"]
-            .iter()
-            .filter_map(|s| token_to_id.get(*s).copied())
-            .collect();
+        let stop_tokens = stop_tokens(
+            &token_to_id,
+            &["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>"],
+        );
         Ok(Tokenizer {
             tokens,
             token_bytes,
