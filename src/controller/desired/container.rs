@@ -12,11 +12,27 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::pod::PRE_STOP_SECONDS;
 use super::{Settings, HTTP_PORT};
 use crate::api::{InferenceDeploymentSpec, PodOverrides, Runtime};
 use crate::plan::memory::parse_quantity_bytes;
 use crate::validate::labels as gfd;
+
+/// Seconds a terminating pod keeps serving before SIGTERM (its preStop sleep), so that the
+/// endpoint controllers and proxies stop routing to it first.
+pub const PRE_STOP_SECONDS: i64 = 5;
+
+/// Where the weights volume is mounted.
+pub(super) const WEIGHTS_DIR: &str = "/models";
+
+/// A volume mount of the serving pod.
+pub(super) fn mount(name: &str, path: &str, read_only: Option<bool>) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only,
+        ..VolumeMount::default()
+    }
+}
 
 /// Name of the container that publishes vLLM's measured KV capacity.
 pub const CAPACITY_SIDECAR: &str = "kv-capacity";

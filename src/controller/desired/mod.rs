@@ -59,6 +59,7 @@ mod worker;
 pub(crate) mod fixtures;
 
 pub use config_map::{CONFIG_HASH_ANNOTATION, WORKER_CONFIG_KEY};
+pub use container::PRE_STOP_SECONDS;
 pub use container::{startup_probe_failures, CAPACITY_SIDECAR, STARTUP_PROBE_PERIOD_S};
 pub use deployment::rollout;
 pub use inference_pool::inference_pool_resource;
@@ -68,7 +69,7 @@ pub use leader_worker_set::{
 };
 pub use monitor::{monitor_relabelings, MONITOR_TARGET_LABEL};
 pub use network_policy::worker_network_policy;
-pub use pod::{PRE_STOP_SECONDS, RUN_AS_USER, TERMINATION_GRACE_SECONDS};
+pub use pod::{RUN_AS_USER, TERMINATION_GRACE_SECONDS};
 pub use rbac::WORKER_CLUSTER_ROLE;
 pub use router::{routed_spec, router_args, router_selector_labels, Router, ROUTER_CONTAINER, ROUTER_LABEL};
 pub use scaled_object::{demand_query, scaled_object_resource, TRIGGER_NAME};

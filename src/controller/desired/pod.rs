@@ -11,22 +11,16 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::container::{capacity_sidecar, serving_container};
+use super::container::{capacity_sidecar, mount, serving_container, WEIGHTS_DIR};
 use super::{vllm, worker, worker_service_account_name, Owner, Settings, CONFIG_HASH_ANNOTATION};
 use crate::api::{AttentionBackend, InferenceDeploymentSpec, PodOverrides, Runtime};
 use crate::validate::{labels as gfd, Verdict};
 
 /// Non-root UID/GID the pods run as.
 pub const RUN_AS_USER: i64 = 65532;
-/// Seconds a terminating pod keeps serving before SIGTERM (its preStop sleep), so that the
-/// endpoint controllers and proxies stop routing to it first.
-pub const PRE_STOP_SECONDS: i64 = 5;
 /// Seconds from the preStop hook to SIGKILL: the preStop sleep, the worker's drain (20 s by
 /// default: running requests finish, the rest end with an error) and closing the server.
 pub const TERMINATION_GRACE_SECONDS: i64 = 60;
-
-/// Where the weights volume is mounted.
-pub(super) const WEIGHTS_DIR: &str = "/models";
 
 /// The serving pod: the serving container (and vLLM's capacity sidecar) on the volumes of
 /// [`volumes`], scheduled onto the nodes the verdict admitted. `config_hash` becomes the
@@ -170,15 +164,6 @@ fn weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount
         }
     };
     Some((volume, mount("weights", WEIGHTS_DIR, Some(true))))
-}
-
-pub(super) fn mount(name: &str, path: &str, read_only: Option<bool>) -> VolumeMount {
-    VolumeMount {
-        name: name.into(),
-        mount_path: path.into(),
-        read_only,
-        ..VolumeMount::default()
-    }
 }
 
 // === scheduling and security ===

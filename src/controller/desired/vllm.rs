@@ -3,8 +3,7 @@
 
 use k8s_openapi::api::core::v1::{EnvVar, PersistentVolumeClaimVolumeSource, Volume, VolumeMount};
 
-use super::container::{plain_env, secret_env, ServingProcess};
-use super::pod::{mount, WEIGHTS_DIR};
+use super::container::{mount, plain_env, secret_env, ServingProcess, WEIGHTS_DIR};
 use super::{resolved, Settings, HTTP_PORT};
 use crate::api::{
     AttentionBackend, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat,

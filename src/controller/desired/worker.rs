@@ -6,8 +6,7 @@ use std::path::PathBuf;
 
 use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, Volume, VolumeMount};
 
-use super::container::ServingProcess;
-use super::pod::{mount, WEIGHTS_DIR};
+use super::container::{mount, ServingProcess, WEIGHTS_DIR};
 use super::{config_map_name, resolved, DesiredError, Settings, WORKER_CONFIG_KEY};
 use crate::api::{InferenceDeploymentSpec, WeightsFormat};
 use crate::contract::config::{ResolvedEngine, WorkerConfig};
