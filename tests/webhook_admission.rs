@@ -992,9 +992,11 @@ async fn losing_a_write_race_adopts_the_other_replicas_certificate() {
 
 // === hostile clients, a vanished API server, unpublished CAs (issue 22) ===
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_header_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// The HTTPS server with header and body read timeouts of 300 ms, and a TLS connection to it.
+async fn https_with_300ms_timeouts() -> (
+    tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    axum_server::Handle<std::net::SocketAddr>,
+) {
     let (ca, serving) = loopback_pki();
     let (cache, _writer) = synced_cache(vec![]);
     let state = kvfleet::webhook::server::AppState::with_header_read_timeout(
@@ -1022,6 +1024,13 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_head
     };
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
     let mut tls = connector(&ca.0.cert_pem).connect(name, tcp).await.unwrap();
+    (tls, handle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut tls, handle) = https_with_300ms_timeouts().await;
     // Half a request: the headers never end.
     tls.write_all(b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
         .await
@@ -1044,33 +1053,7 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected_after_the_head
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_trickles_its_body_gets_408_after_the_body_timeout() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (ca, serving) = loopback_pki();
-    let (cache, _writer) = synced_cache(vec![]);
-    let state = kvfleet::webhook::server::AppState::with_header_read_timeout(
-        cache,
-        kvfleet::webhook::metrics::Metrics::new().unwrap(),
-        Duration::from_millis(300),
-    );
-    let rustls = axum_server::tls_rustls::RustlsConfig::from_config(
-        tls::server_config(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes()).unwrap(),
-    );
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let handle = axum_server::Handle::new();
-    tokio::spawn(kvfleet::webhook::server::serve_https(
-        listener,
-        state,
-        rustls,
-        handle.clone(),
-    ));
-    let tcp = loop {
-        match tokio::net::TcpStream::connect(addr).await {
-            Ok(tcp) => break tcp,
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    };
-    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
-    let mut tls = connector(&ca.0.cert_pem).connect(name, tcp).await.unwrap();
+    let (mut tls, handle) = https_with_300ms_timeouts().await;
     tls.write_all(
         b"POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"kind\"",
     )
