@@ -1023,7 +1023,7 @@ async fn https_with_300ms_timeouts() -> (
         }
     };
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
-    let mut tls = connector(&ca.0.cert_pem).connect(name, tcp).await.unwrap();
+    let tls = connector(&ca.0.cert_pem).connect(name, tcp).await.unwrap();
     (tls, handle)
 }
 
