@@ -276,6 +276,16 @@ pub static FLAGS: &[Flag] = &[
             source: ENGINE_ARGS,
         },
     },
+    // `spec.engine.quantization: fp8`: quantize an unquantized checkpoint at load (vLLM's
+    // `fp8` method, vllm/model_executor/layers/quantization/fp8.py).
+    Flag {
+        flag: "--quantization",
+        availability: Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source: ENGINE_ARGS,
+        },
+    },
     // Prefix caching is on by default in the V1 engine, the only engine of every release in this
     // table; kvfleet renders only the `--no-` form, when the spec turns it off.
     Flag {
