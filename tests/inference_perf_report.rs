@@ -231,6 +231,12 @@ fn inference_perfs_server_side_report_reads_rate_ttft_itl_and_kv_usage_from_prom
     // sends by default so every request decodes its max_tokens. Short, because a debug build on a
     // loaded 2-core machine decoded 4 streams at one token per 8 s.
     let start = now();
+    // Prometheus's rate() and increase() see only what changed between two samples inside the
+    // window, so a sample taken before the first request must fall in it: with the window starting
+    // at `start`, wait two scrape intervals before sending (a stage's own first seconds in a real
+    // run). Without this, a prefill finished before the window's first sample counted as no
+    // prompt tokens and no TTFT at all (CI, stop 40).
+    std::thread::sleep(Duration::from_secs_f64(2.0 * SCRAPE_INTERVAL_S));
     let clients: Vec<_> = (0..4)
         .map(|c| {
             let model = model.clone();
@@ -259,7 +265,9 @@ fn inference_perfs_server_side_report_reads_rate_ttft_itl_and_kv_usage_from_prom
     }
     let end = now();
     let eval = end + SCRAPE_INTERVAL_S + SCRAPE_BUFFER_S;
-    let window = format!("{:.0}s", eval - start);
+    // Rounded up: rounding down would cut the window's oldest second, the one holding the sample
+    // taken before the first request.
+    let window = format!("{}s", (eval - start).ceil() as u64);
     std::thread::sleep(Duration::from_secs_f64((eval - now()).max(0.0) + 0.5));
 
     // Every query, as inference-perf evaluates it: the first sample's value, 0 when empty.
