@@ -235,9 +235,111 @@ impl Fp8Weight {
     }
 }
 
+/// The largest finite e4m3fn value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// f32 to the nearest e4m3fn byte, ties to even, saturating to +-448 (CUDA's
+/// `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`, which the GPU's quantize kernel uses;
+/// the two agree on every input the GPU test draws). NaN becomes `0x7f`.
+pub fn f32_to_e4m3fn(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    // Subnormals and the smallest normal: multiples of 2^-9 (a code of 8 is 2^-6, the first
+    // normal, so the carry lands on the right code).
+    if a < 2f32.powi(-6) {
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let e = (a.to_bits() >> 23) as i32 - 127; // a >= 2^-6: a normal f32
+    let mut m = ((a / 2f32.powi(e) - 1.0) * 8.0).round_ties_even() as i32;
+    let mut e = e;
+    if m == 8 {
+        m = 0;
+        e += 1;
+    }
+    let code = ((e + 7) << 3 | m) as u8;
+    sign | code.min(0x7e)
+}
+
+/// Quantizes a row-major f32 matrix `[rows, cols]` to e4m3fn with one scale per row (output
+/// channel): `scale = amax / 448`, `q = e4m3(w / scale)` (vLLM's dynamic per-channel FP8, and
+/// the per-token activation quantization with rows = tokens). An all-zero row gets scale 1.
+pub fn quantize_rows(w: &[f32], rows: usize, cols: usize) -> Fp8Weight {
+    assert_eq!(w.len(), rows * cols, "a {rows}x{cols} matrix");
+    let mut data = vec![0u8; w.len()];
+    let mut scale = vec![1f32; rows];
+    for ((row, out), s) in w.chunks(cols.max(1)).zip(data.chunks_mut(cols.max(1))).zip(&mut scale) {
+        let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        if amax > 0.0 {
+            *s = amax / E4M3_MAX;
+        }
+        let inv = 1.0 / *s;
+        for (o, v) in out.iter_mut().zip(row) {
+            *o = f32_to_e4m3fn(v * inv);
+        }
+    }
+    Fp8Weight {
+        data,
+        scale,
+        strategy: Fp8Strategy::Channel,
+        rows,
+        cols,
+        input_scale: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e4m3fn_encoding_round_trips_every_code_rounds_ties_to_even_and_saturates() {
+        for b in 0..=255u8 {
+            let v = e4m3fn_to_f32(b);
+            if v.is_nan() {
+                assert_eq!(f32_to_e4m3fn(v) & 0x7f, 0x7f);
+            } else {
+                assert_eq!(f32_to_e4m3fn(v), b, "code {b:#04x} = {v}");
+            }
+        }
+        // Halfway between 1.0 (0x38) and 1.125 (0x39): to the even mantissa, 0x38; between
+        // 1.125 and 1.25 (0x3a): 0x3a.
+        assert_eq!(f32_to_e4m3fn(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3fn(1.1875), 0x3a);
+        // Subnormal ties: 1.5 x 2^-9 goes to 2 x 2^-9; 0.5 x 2^-9 to 0.
+        assert_eq!(f32_to_e4m3fn(1.5 * 2f32.powi(-9)), 0x02);
+        assert_eq!(f32_to_e4m3fn(0.5 * 2f32.powi(-9)), 0x00);
+        // The largest subnormal rounds up into the first normal.
+        assert_eq!(f32_to_e4m3fn(7.75 * 2f32.powi(-9)), 0x08);
+        assert_eq!(f32_to_e4m3fn(1e9), 0x7e);
+        assert_eq!(f32_to_e4m3fn(-460.0), 0xfe);
+        assert_eq!(f32_to_e4m3fn(f32::INFINITY), 0x7e);
+        // Every value is within half a step (relative 1/16) of its code.
+        for i in 0..10_000 {
+            let x = (i as f32 * 0.7311).sin() * 400.0;
+            let y = e4m3fn_to_f32(f32_to_e4m3fn(x));
+            assert!((x - y).abs() <= x.abs() / 16.0 + 2f32.powi(-10), "{x} -> {y}");
+        }
+    }
+
+    #[test]
+    fn per_row_quantization_maps_each_rows_amax_to_448() {
+        let w = [0.5f32, -2.0, 1.0, 0.0, 0.0, 0.0, 3.0, 1.5, -0.75];
+        let q = quantize_rows(&w, 3, 3);
+        assert_eq!(q.scale, vec![2.0 / 448.0, 1.0, 3.0 / 448.0]);
+        assert_eq!(q.data[1], 0xfe, "the row's amax is -448");
+        assert_eq!(q.data[6], 0x7e);
+        assert_eq!(&q.data[3..6], &[0, 0, 0]);
+        let back = q.dequantize();
+        for (a, b) in w.iter().zip(&back) {
+            assert!((a - b).abs() <= a.abs() / 16.0, "{a} -> {b}");
+        }
+    }
     use serde_json::json;
 
     #[test]
