@@ -412,6 +412,7 @@ fn place(
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,
+                fp8_weights: false,
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
                 crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {

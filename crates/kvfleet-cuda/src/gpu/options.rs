@@ -41,6 +41,11 @@ pub struct GpuOptions {
     /// Steps of one token run their projections as fused GEMVs (`kernels/gemv.cu`) rather
     /// than cuBLAS GEMMs with separate norm and SwiGLU kernels. Off only to compare the two.
     pub single_token_gemv: bool,
+    /// Linear-layer weights in FP8 e4m3 with one scale per output channel (`--quantization
+    /// fp8`): GEMVs stream one byte a weight, larger steps run cuBLASLt's FP8 GEMMs on
+    /// activations quantized per token. Embeddings, the LM head and norms stay bf16/f32.
+    /// Needs compute capability 8.9 or later.
+    pub fp8_weights: bool,
 }
 
 impl Default for GpuOptions {
@@ -58,6 +63,7 @@ impl Default for GpuOptions {
             self_test: false,
             max_model_len: None,
             single_token_gemv: true,
+            fp8_weights: false,
         }
     }
 }
