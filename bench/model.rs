@@ -20,7 +20,9 @@
 //! KV capacity (tokens) the GPU holds after weights and activations, and a table last.
 //! Env: `KVFLEET_BENCH_MODELS=smollm2,llama3-8b`, `KVFLEET_BENCH_BATCHES=1,32,256`,
 //! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`,
-//! `KVFLEET_BENCH_GEMV=0` (single-token steps on cuBLAS GEMMs, not the fused GEMVs).
+//! `KVFLEET_BENCH_GEMV=0` (single-token steps on cuBLAS GEMMs, not the fused GEMVs),
+//! `KVFLEET_BENCH_FP8=1` (FP8 linear weights). Each batch also prints its prefill's time (the
+//! prompt in chunks of up to 2,048 tokens) and the linear layers' TFLOP/s in it.
 //!
 //! `cargo bench --bench model` (release). The model is found through env
 //! `KVFLEET_SMOLLM2_GGUF`, else `.tools/models/SmolLM2-135M-Instruct.Q4_1.gguf`.
@@ -309,6 +311,8 @@ mod gpu {
             // `KVFLEET_BENCH_GEMV=0`: single-token steps on cuBLAS too (the path before the
             // fused GEMVs), to compare the two in one call.
             single_token_gemv: std::env::var("KVFLEET_BENCH_GEMV").as_deref() != Ok("0"),
+            // `KVFLEET_BENCH_FP8=1`: FP8 linear weights (issue 32).
+            fp8_weights: std::env::var("KVFLEET_BENCH_FP8").as_deref() == Ok("1"),
             ..GpuOptions::default()
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));
@@ -403,15 +407,30 @@ mod gpu {
                 }
                 let mut runs = Vec::new();
                 let mut fwd = Vec::new();
+                let mut prefill = Vec::new();
                 for r in 0..4 {
                     seq += b as u64;
-                    let (tps, f) = run(&mut m, &prompt, b, steps, seq * 1000)
+                    let (tps, f, p) = run(&mut m, &prompt, b, steps, seq * 1000)
                         .unwrap_or_else(|e| fail(&format!("{label} batch {b}"), e));
                     if r > 0 {
                         runs.push(tps);
                         fwd.push(f.as_secs_f64() * 1000.0 / steps as f64);
+                        prefill.push(p.as_secs_f64());
                     }
                 }
+                prefill.sort_by(f64::total_cmp);
+                // The linear layers' work in the prefill (2 FLOPs a weight a token; the LM head
+                // runs on the last rows only), against the GEMM ceilings peers.py measures.
+                let c = m.config();
+                let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                let per_layer = c.d_model * (qw + 2 * kw) + qw * c.d_model + 3 * c.d_model * c.d_ff;
+                let flops = 2.0 * (b * prompt_len) as f64 * (per_layer * c.n_layers) as f64;
+                println!(
+                    "{label} batch {b}: prefill of {} tokens {:.2} ms (median of 3), linear layers {:.0} TFLOP/s",
+                    b * prompt_len,
+                    prefill[1] * 1e3,
+                    flops / prefill[1] / 1e12
+                );
                 let shown = runs
                     .iter()
                     .map(|r| format!("{r:.1}"))
@@ -452,13 +471,14 @@ mod gpu {
         b: usize,
         steps: usize,
         base: u64,
-    ) -> Result<(f64, Duration), ForwardError> {
+    ) -> Result<(f64, Duration, Duration), ForwardError> {
         let v = m.config().vocab;
         let mut last = vec![0u32; b];
         // The scheduler's page tables and plan writer, with batches chosen here.
         let mut planner = DirectPlanner::new(m.kv_config().block_size, &m.kv_config().groups);
         let mut plan = StepPlan::default();
         let per = (CHUNK_TOKENS / prompt.len().max(1)).max(1);
+        let p0 = Instant::now();
         for start in (0..b).step_by(per) {
             let end = (start + per).min(b);
             let chunks: Vec<SeqChunk<'_>> = (start..end)
@@ -474,6 +494,7 @@ mod gpu {
                 last[s] = argmax(&logits[i * v..(i + 1) * v]);
             }
         }
+        let prefill = p0.elapsed();
         let mut in_forward = Duration::ZERO;
         let kind = sampling();
         let mut keys = 0u64;
@@ -518,6 +539,6 @@ mod gpu {
             planner.release(base + s as u64);
         }
         assert_eq!(held, prompt.len() + steps, "KV length after the run");
-        Ok(((b * steps) as f64 / secs, in_forward))
+        Ok(((b * steps) as f64 / secs, in_forward, prefill))
     }
 }

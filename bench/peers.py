@@ -1,5 +1,5 @@
 # Ceilings and peers for `bench/attention.rs`, measured in the same device call:
-#   device copy bandwidth (bytes read + written), bf16 GEMM 8192^3, PyTorch SDPA (flash) causal
+#   device copy bandwidth (bytes read + written), bf16 and FP8 (e4m3) GEMM 8192^3, PyTorch SDPA (flash) causal
 #   prefill 8 x 4096 x 32 heads x d128, FlashInfer batch decode with paged KV (HND, page 16) at
 #   batch 64, context 4096, 32/8 heads, d128 for bf16 and fp8 e4m3 KV, with and without tensor
 #   cores (the faster is the peer). Medians of CUDA-event timings after warm-up, random inputs.
@@ -40,6 +40,19 @@ t = median_ms(lambda: a @ b, iters=20)
 res["gemm_bf16_TFLOPs"] = 2 * n ** 3 / (t * 1e-3) / 1e12
 print(f"gemm bf16 {res['gemm_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
 del a, b
+
+# The FP8 GEMM ceiling (issue 32): e4m3 x e4m3 -> bf16 with per-tensor scales, the shape of
+# the bf16 one (torch._scaled_mm wants the second operand column-major).
+try:
+    a8 = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b8 = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    t = median_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), iters=20)
+    res["gemm_fp8_TFLOPs"] = 2 * n ** 3 / (t * 1e-3) / 1e12
+    print(f"gemm fp8 {res['gemm_fp8_TFLOPs']:.0f} TFLOP/s", flush=True)
+    del a8, b8
+except Exception as e:  # noqa: BLE001
+    print("gemm fp8 unavailable:", e)
 
 if os.environ.get("PEERS_CEILINGS_ONLY"):
     # The serving benchmark (bench/device/run.sh serve) needs only the two ceilings.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::error::{drv, need, GpuError};
+use super::fp8::Fp8Scratch;
 use super::sampling::PICK_WORDS;
 use super::shape::Dims;
 
@@ -45,6 +46,9 @@ pub(super) struct Acts {
     pub adjust: CudaSlice<u32>,
     /// Gemma 3: f32 `[T, d]`, a sublayer's output before its post-norm (one element otherwise).
     pub proj: CudaSlice<f32>,
+    /// FP8 weights: the GEMMs' quantized inputs and added outputs (one-element buffers
+    /// otherwise; outside the planner's activation terms, counted by `Dims::fp8_bytes`).
+    pub fp8: Fp8Scratch,
 }
 
 /// Elements of each activation buffer for `t` tokens and `r` rows: what [`Acts::alloc`]
@@ -138,6 +142,11 @@ impl Acts {
             // ensure_adjust): outside the fixed workspace the planner counts.
             adjust: s.alloc_zeros::<u32>(1).map_err(drv("allocating activations"))?,
             proj: f(n.proj)?,
+            fp8: if dm.fp8 {
+                Fp8Scratch::alloc(s, t, dm.fp8_k(), dm.d)?
+            } else {
+                Fp8Scratch::none(s)?
+            },
         })
     }
 
@@ -159,7 +168,7 @@ impl Acts {
         *self = Acts::alloc(s, dm, t, r).map_err(|e| {
             GpuError::Memory(format!(
                 "activations for {t} tokens and {r} logit rows ({} MiB): {e}",
-                Acts::bytes(dm, t, r) >> 20
+                (Acts::bytes(dm, t, r) + dm.fp8_bytes(t)) >> 20
             ))
         })?;
         Ok(())

@@ -1,5 +1,5 @@
 //! The GEMMs of the forward pass on cuBLAS: bf16 weights and activations, f32 output and
-//! accumulation.
+//! accumulation; FP8 weights through cuBLASLt ([`super::fp8`]).
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -8,6 +8,8 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::error::{cublas_err, need, GpuError};
+use super::fp8::{Fp8Scratch, Lt, Mat};
+use super::kernels::ModelKernels;
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {
@@ -47,16 +49,53 @@ impl Gemm {
     }
 }
 
-/// A cuBLAS handle on the GPU's stream.
+/// A cuBLAS handle on the GPU's stream, and a cuBLASLt one for FP8 weights.
 pub(super) struct Blas {
     handle: CudaBlas,
     stream: Arc<CudaStream>,
+    lt: Option<Lt>,
 }
 
 impl Blas {
-    pub fn new(stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too).
+    pub fn new(stream: Arc<CudaStream>, fp8: bool) -> Result<Self, GpuError> {
         let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
-        Ok(Blas { handle, stream })
+        let lt = fp8.then(|| Lt::new(stream.clone())).transpose()?;
+        Ok(Blas { handle, stream, lt })
+    }
+
+    /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`) for a weight of
+    /// either dtype, bf16 `x`: [`Blas::gemm`] for bf16; for FP8, `x` quantized per token into
+    /// `s`, cuBLASLt's FP8 GEMM into f32 (into `s.d` when accumulating) and the two scales
+    /// applied by `kvf_fp8_scale`.
+    pub fn project(
+        &self,
+        k: &ModelKernels,
+        w: &Mat,
+        x: &CudaSlice<u16>,
+        y: &mut CudaSlice<f32>,
+        g: Gemm,
+        s: &mut Fp8Scratch,
+    ) -> Result<(), GpuError> {
+        let (q, scale) = match w {
+            Mat::Bf16(w) => return self.gemm(w, x, y, g),
+            Mat::Fp8 { q, scale } => (q, scale),
+        };
+        let (Some(lt), Some(f)) = (self.lt.as_ref(), k.fp8.as_ref()) else {
+            return Err(GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into()));
+        };
+        let Gemm { t, n, k: kk, accumulate } = g;
+        if t == 0 || n == 0 {
+            return Ok(());
+        }
+        f.quantize_rows(x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        if accumulate {
+            lt.gemm(q, &s.xq, &mut s.d, (t, n, kk))?;
+            f.scale(Some(&s.d), t, n, &s.sx, scale, true, y)
+        } else {
+            lt.gemm(q, &s.xq, y, (t, n, kk))?;
+            f.scale(None, t, n, &s.sx, scale, false, y)
+        }
     }
 
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`): bf16 `x` and `w`,

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConf
 use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
+use super::fp8::MatRef;
 
 const THREADS: u32 = 256;
 /// Blocks per SM the grid is capped at (warps then stride over the matrix).
@@ -53,9 +54,10 @@ pub enum Output<'a> {
     SwiGlu(&'a mut CudaSlice<u16>),
 }
 
-/// `kvf_gemv`, the stream it runs on and its grid.
+/// `kvf_gemv` (and `kvf_gemv_fp8` for FP8 weights), the stream it runs on and its grid.
 pub struct Gemv {
     kernel: CudaFunction,
+    fp8: Option<CudaFunction>,
     stream: Arc<CudaStream>,
     num_sms: usize,
     /// Launch with programmatic stream serialisation (sm_90 and later).
@@ -63,24 +65,28 @@ pub struct Gemv {
 }
 
 impl Gemv {
-    /// `pdl`: the device is sm_90 or later (programmatic dependent launch).
+    /// `pdl`: the device is sm_90 or later (programmatic dependent launch); `fp8`: the module
+    /// holds `kvf_gemv_fp8` too (the FP8 program).
     pub fn load(
         module: &Arc<CudaModule>,
         stream: Arc<CudaStream>,
         num_sms: usize,
         pdl: bool,
+        fp8: bool,
     ) -> Result<Self, GpuError> {
-        let kernel = module
-            .load_function("kvf_gemv")
-            .map_err(drv("finding kvf_gemv"))?;
-        kernel
-            .set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                (MAX_NORMED_K * 2) as i32,
-            )
-            .map_err(drv("raising the GEMV shared-memory limit"))?;
+        let load = |name: &str| -> Result<CudaFunction, GpuError> {
+            let kernel = module.load_function(name).map_err(drv("finding a GEMV kernel"))?;
+            kernel
+                .set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    (MAX_NORMED_K * 2) as i32,
+                )
+                .map_err(drv("raising the GEMV shared-memory limit"))?;
+            Ok(kernel)
+        };
         Ok(Gemv {
-            kernel,
+            kernel: load("kvf_gemv")?,
+            fp8: fp8.then(|| load("kvf_gemv_fp8")).transpose()?,
             stream,
             num_sms,
             pdl,
@@ -88,35 +94,53 @@ impl Gemv {
     }
 
     /// Whether a model of width `d` (normed inputs) and projections of inner sizes `ks` can
-    /// take the GEMV path: rows of whole 16-byte chunks and a normed input within the limit.
-    pub fn fits(d: usize, ks: &[usize]) -> bool {
-        d <= MAX_NORMED_K && ks.iter().chain([&d]).all(|k| k % 8 == 0 && *k > 0)
+    /// take the GEMV path: rows of whole 16-byte chunks (8 bf16 weights, or 16 FP8 ones) and a
+    /// normed input within the limit.
+    pub fn fits(d: usize, ks: &[usize], fp8: bool) -> bool {
+        let chunk = if fp8 { 16 } else { 8 };
+        d <= MAX_NORMED_K && ks.iter().chain([&d]).all(|k| k % chunk == 0 && *k > 0)
     }
 
-    /// `out <- W · in` for one token, `w` bf16 `[n, k]`.
-    pub fn run(
+    /// `out <- W · in` for one token, `w` `[n, k]` bf16 or FP8 (a scale a row).
+    pub fn run<'w>(
         &self,
-        w: &CudaSlice<u16>,
+        w: impl Into<MatRef<'w>>,
         n: usize,
         k: usize,
         input: Input<'_>,
         output: Output<'_>,
     ) -> Result<(), GpuError> {
-        if k % 8 != 0 || n == 0 {
+        let w = w.into();
+        let chunk = if matches!(w, MatRef::Fp8 { .. }) { 16 } else { 8 };
+        if k % chunk != 0 || n == 0 {
             return Err(GpuError::Invalid(format!(
-                "GEMV over a {n}x{k} weight (rows must be a multiple of 8 long)"
+                "GEMV over a {n}x{k} weight (rows must be a multiple of {chunk} long)"
             )));
         }
-        need("GEMV weight", w, n * k)?;
         let [Ok(n_i), Ok(k_i), Ok(half)] = [n, k, n / 2].map(i32::try_from) else {
             return Err(GpuError::Invalid(format!(
                 "GEMV {n}x{k} exceeds 32-bit dimensions"
             )));
         };
-        // Parameters in order: w, n, k, half, x_bf16, x_f32, row, norm_w, eps, mode, y, act
-        // (absent pointers are 0).
+        // Parameters in order: w, [wscale,] n, k, half, x_bf16, x_f32, row, norm_w, eps, mode,
+        // y, act (absent pointers are 0).
         let mut l = Launch::new(&self.stream);
-        l.ptr(w).i32(n_i).i32(k_i).i32(half);
+        let kernel = match w {
+            MatRef::Bf16(w) => {
+                need("GEMV weight", w, n * k)?;
+                l.ptr(w);
+                &self.kernel
+            }
+            MatRef::Fp8 { q, scale } => {
+                need("GEMV weight", q, n * k)?;
+                need("GEMV weight scales", scale, n)?;
+                l.ptr(q).ptr(scale);
+                self.fp8
+                    .as_ref()
+                    .ok_or_else(|| GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into()))?
+            }
+        };
+        l.i32(n_i).i32(k_i).i32(half);
         let smem = push_input(&mut l, input, k)?;
         let units = push_output(&mut l, output, n)?;
         let warps_per_block = (THREADS / 32) as usize;
@@ -129,14 +153,16 @@ impl Gemv {
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
-        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers). Absent pointers are 0 and
-        // the kernel reads them only under the mode and flags that say they are present. Sizes
-        // were checked above: `w` holds `n * k`, the input `k` (or the f32 rows and a row index
-        // of this step), the output `n` (`n / 2` for SwiGLU); the dynamic shared memory (`k`
-        // bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is a multiple of 8, so
-        // every row starts 16-byte aligned (cudarc allocations are 256-byte aligned). The kernel
-        // calls `kvf_wait_prior_grid()` before touching memory (the PDL contract).
-        unsafe { l.launch(&self.kernel, cfg, self.pdl) }.map_err(drv("launching kvf_gemv"))
+        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers), or `kvf_gemv_fp8`'s in
+        // kernels/fp8.cu (the same with the scale pointer after the weight). Absent pointers are
+        // 0 and the kernel reads them only under the mode and flags that say they are present.
+        // Sizes were checked above: `w` holds `n * k` (and `n` scales), the input `k` (or the f32
+        // rows and a row index of this step), the output `n` (`n / 2` for SwiGLU); the dynamic
+        // shared memory (`k` bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is
+        // a multiple of 8 (bf16) or 16 (FP8), so every row starts 16-byte aligned (cudarc
+        // allocations are 256-byte aligned). The kernel calls `kvf_wait_prior_grid()` before
+        // touching memory (the PDL contract).
+        unsafe { l.launch(kernel, cfg, self.pdl) }.map_err(drv("launching kvf_gemv"))
     }
 }
 

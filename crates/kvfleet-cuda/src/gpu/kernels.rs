@@ -18,6 +18,7 @@ use crate::spec::Arch;
 use crate::{nvrtc, CudaError};
 
 use super::error::{drv, need, GpuError};
+use super::fp8::Fp8Kernels;
 use super::gemv::Gemv;
 use super::shape::Dims;
 
@@ -52,17 +53,43 @@ pub const MODEL_KERNELS: [&str; 14] = [
 
 /// PTX of [`MODEL_SOURCE`] for `arch`, compiled once per process and architecture.
 pub fn model_ptx(arch: Arch) -> Result<Arc<str>, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<Arch, Arc<str>>>> = OnceLock::new();
+    cached_ptx("model", MODEL_SOURCE, arch)
+}
+
+/// PTX of [`FP8_SOURCE`] for `arch` (models with FP8 weights), compiled once per process and
+/// architecture.
+pub fn fp8_ptx(arch: Arch) -> Result<Arc<str>, CudaError> {
+    cached_ptx("model+fp8", FP8_SOURCE, arch)
+}
+
+/// The model program [`MODEL_SOURCE`] with `kernels/fp8.cu` after it: the kernels of a model
+/// with FP8 weights. A program of its own so that the bf16 program's PTX does not change.
+pub const FP8_SOURCE: &str = concat!(
+    include_str!("../../../../kernels/model.cu"),
+    "\n",
+    include_str!("../../../../kernels/sampling.cu"),
+    "\n",
+    include_str!("../../../../kernels/gemv.cu"),
+    "\n",
+    include_str!("../../../../kernels/fp8.cu")
+);
+
+/// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
+pub const FP8_KERNELS: [&str; 3] = ["kvf_quantize_rows_fp8", "kvf_gemv_fp8", "kvf_fp8_scale"];
+
+/// PTX of one program for `arch`, compiled once per process, program and architecture.
+fn cached_ptx(name: &'static str, source: &'static str, arch: Arch) -> Result<Arc<str>, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<(&'static str, Arch), Arc<str>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    if let Some(p) = cache.lock().map_err(|_| CudaError::Poisoned)?.get(&arch) {
+    if let Some(p) = cache.lock().map_err(|_| CudaError::Poisoned)?.get(&(name, arch)) {
         return Ok(p.clone());
     }
-    let (ptx, took) = nvrtc::compile_source("model", MODEL_SOURCE, arch)?;
-    tracing::debug!(%arch, seconds = took.as_secs_f64(), "compiled kernels/model.cu");
+    let (ptx, took) = nvrtc::compile_source(name, source, arch)?;
+    tracing::debug!(%arch, program = name, seconds = took.as_secs_f64(), "compiled kernels");
     cache
         .lock()
         .map_err(|_| CudaError::Poisoned)?
-        .insert(arch, ptx.clone());
+        .insert((name, arch), ptx.clone());
     Ok(ptx)
 }
 
@@ -93,6 +120,8 @@ pub(super) struct ModelKernels {
     pub(super) adjust_rows: CudaFunction,
     gemma: GemmaKernels,
     pub gemv: Gemv,
+    /// The FP8 kernels (`kernels/fp8.cu`), when the model's weights are FP8.
+    pub fp8: Option<Fp8Kernels>,
     /// Launch the decode step's kernels with programmatic dependent launch (sm_90 and later):
     /// the GEMVs, embedding, Q/K/V post-processing and argmax ([`crate::launch`]).
     pub pdl: bool,
@@ -190,8 +219,10 @@ fn qkv_post_cfg(t: usize, heads: u32, head_dim: usize) -> (bool, LaunchConfig) {
 }
 
 impl ModelKernels {
-    pub fn load(gpu: &Gpu) -> Result<Self, GpuError> {
-        let ptx = model_ptx(gpu.arch)?;
+    /// The model program's kernels; with `fp8`, from the program with `kernels/fp8.cu` too
+    /// (the caller has checked that the device has FP8: [`super::fp8::check_device`]).
+    pub fn load(gpu: &Gpu, fp8: bool) -> Result<Self, GpuError> {
+        let ptx = if fp8 { fp8_ptx(gpu.arch)? } else { model_ptx(gpu.arch)? };
         let module = gpu
             .context()
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))
@@ -215,7 +246,10 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
-            gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl)?,
+            gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8)?,
+            fp8: fp8
+                .then(|| Fp8Kernels::load(&module, gpu.stream().clone()))
+                .transpose()?,
             pdl,
         })
     }

@@ -57,8 +57,8 @@ fn qkv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     } else {
         k.rms_norm(&a.x, t, dm.d, norm, &mut a.h)?;
         st.marks.mark(part::NORM)?;
-        st.blas
-            .gemm(&l.wqkv, &a.h, &mut a.qkv, Gemm::store(t, dm.qkv(), dm.d))?;
+        let g = Gemm::store(t, dm.qkv(), dm.d);
+        st.blas.project(k, &l.wqkv, &a.h, &mut a.qkv, g, &mut a.fp8)?;
     }
     st.marks.mark(part::QKV_GEMM)?;
     let post = QkvPost {
@@ -95,13 +95,13 @@ fn mlp_gemv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
 fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     let (dm, t, k, blas) = (st.dm, st.t, st.k, st.blas);
     let a = &mut *st.a;
-    blas.gemm(&l.wo, &a.attn, &mut a.x, Gemm::add(t, dm.d, dm.qw))?;
+    blas.project(k, &l.wo, &a.attn, &mut a.x, Gemm::add(t, dm.d, dm.qw), &mut a.fp8)?;
     st.marks.mark(part::O_GEMM)?;
     k.rms_norm(&a.x, t, dm.d, Norm::new(&l.ffn_norm, st.c.rms_eps), &mut a.h)?;
     st.marks.mark(part::NORM)?;
-    blas.gemm(&l.wgu, &a.h, &mut a.gu, Gemm::store(t, 2 * dm.ff, dm.d))?;
+    blas.project(k, &l.wgu, &a.h, &mut a.gu, Gemm::store(t, 2 * dm.ff, dm.d), &mut a.fp8)?;
     st.marks.mark(part::FFN_GEMM)?;
     k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
     st.marks.mark(part::ACT)?;
-    blas.gemm(&l.wdown, &a.act, &mut a.x, Gemm::add(t, dm.d, dm.ff))
+    blas.project(k, &l.wdown, &a.act, &mut a.x, Gemm::add(t, dm.d, dm.ff), &mut a.fp8)
 }

@@ -10,7 +10,8 @@
 //! The rooms, plumbing below the model:
 //! - `error`: [`GpuError`] and the wrappers of driver, cuBLAS and backend errors;
 //! - `kernels`: the model program, its PTX, one launcher per kernel; `gemv`: the single-token
-//!   projections; `blas`: the GEMMs; `sampling`: the picks on the device;
+//!   projections; `blas`: the GEMMs; `fp8`: FP8 weights (W8A8: their GEMM through cuBLASLt,
+//!   quantizing kernels); `sampling`: the picks on the device;
 //! - `shape`: the geometries the kernels cover; `options`: [`GpuOptions`], [`GpuCapacity`];
 //!   `weights`: upload and random weights; `arena`: the activation buffers; `pools`: KV pool
 //!   sizing;
@@ -22,6 +23,7 @@ mod arena;
 mod blas;
 mod error;
 mod forward;
+mod fp8;
 mod gemma3;
 mod gemv;
 mod kernels;
@@ -36,7 +38,8 @@ mod weights;
 
 pub use blas::cublas_present;
 pub use error::GpuError;
-pub use kernels::{model_ptx, MODEL_KERNELS, MODEL_SOURCE};
+pub use fp8::{check_device as check_fp8_device, cublaslt_present};
+pub use kernels::{fp8_ptx, model_ptx, FP8_KERNELS, FP8_SOURCE, MODEL_KERNELS, MODEL_SOURCE};
 pub use model::{check_available, GpuLlama};
 pub use options::{GpuCapacity, GpuOptions, BLOCK_SIZE};
 pub use sampling::{pick_rows_on_device, sample_rows_on_device};

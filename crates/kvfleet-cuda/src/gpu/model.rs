@@ -79,8 +79,9 @@ impl GpuLlama {
     /// allocates the KV cache in the free memory left.
     pub fn from_llama(gpu: Arc<Gpu>, model: &Llama, opts: &GpuOptions) -> Result<Self, GpuError> {
         Self::check_shapes(&model.config)?;
-        let kernels = ModelKernels::load(&gpu)?;
-        let weights = Weights::upload(&gpu, model)?;
+        Self::check_fp8(&gpu, &model.config, opts)?;
+        let kernels = ModelKernels::load(&gpu, opts.fp8_weights)?;
+        let weights = Weights::upload(&gpu, model, opts.fp8_weights)?;
         Self::assemble(gpu, kernels, weights, model.config.clone(), opts)
     }
 
@@ -89,9 +90,26 @@ impl GpuLlama {
     pub fn dummy(gpu: Arc<Gpu>, config: LlamaConfig, seed: u64, opts: &GpuOptions) -> Result<Self, GpuError> {
         config.check().map_err(|e| GpuError::Invalid(e.to_string()))?;
         Self::check_shapes(&config)?;
-        let kernels = ModelKernels::load(&gpu)?;
-        let weights = Weights::random(&gpu, &kernels, &config, seed)?;
+        Self::check_fp8(&gpu, &config, opts)?;
+        let kernels = ModelKernels::load(&gpu, opts.fp8_weights)?;
+        let weights = Weights::random(&gpu, &kernels, &config, seed, opts.fp8_weights)?;
         Self::assemble(gpu, kernels, weights, config, opts)
+    }
+
+    /// With FP8 weights: a device that has FP8, and inner sizes cuBLASLt's FP8 GEMMs take
+    /// (multiples of 16).
+    fn check_fp8(gpu: &Gpu, c: &LlamaConfig, opts: &GpuOptions) -> Result<(), GpuError> {
+        if !opts.fp8_weights {
+            return Ok(());
+        }
+        super::fp8::check_device(gpu)?;
+        let (qw, d, ff) = (c.n_heads * c.head_dim, c.d_model, c.d_ff);
+        if let Some(k) = [d, qw, ff].into_iter().find(|k| k % 16 != 0) {
+            return Err(GpuError::Invalid(format!(
+                "FP8 weights need layer widths that are multiples of 16; this model has one of {k}"
+            )));
+        }
+        Ok(())
     }
 
     /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
@@ -108,10 +126,11 @@ impl GpuLlama {
         opts: &GpuOptions,
     ) -> Result<Self, GpuError> {
         let (kv_rep, _) = kv_replication(config.n_heads, config.n_kv_heads)?;
-        let dims = Dims::new(&config, kv_rep);
+        let mut dims = Dims::new(&config, kv_rep);
+        dims.fp8 = opts.fp8_weights;
         let s = gpu.stream().clone();
         let acts = Acts::alloc(&s, &dims, opts.max_batched_tokens, opts.max_num_seqs)?;
-        let blas = Blas::new(s)?;
+        let blas = Blas::new(s, opts.fp8_weights)?;
         gpu.synchronize()?;
         gpu.context()
             .bind_to_thread()
@@ -122,7 +141,7 @@ impl GpuLlama {
             total,
             free,
             weights: weights.bytes,
-            activations: Acts::bytes(&dims, acts.tokens, acts.rows),
+            activations: Acts::bytes(&dims, acts.tokens, acts.rows) + dims.fp8_bytes(acts.tokens),
         };
         let (pools, capacity) = size_pools(&config, &dims, opts, &memory)?;
         if opts.self_test {
@@ -155,7 +174,7 @@ impl GpuLlama {
             backend,
             capacity,
             family,
-            single_token_gemv: opts.single_token_gemv && Gemv::fits(dims.d, &[dims.qw, dims.ff]),
+            single_token_gemv: opts.single_token_gemv && Gemv::fits(dims.d, &[dims.qw, dims.ff], dims.fp8),
             profile,
         })
     }

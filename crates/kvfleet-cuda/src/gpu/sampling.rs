@@ -161,7 +161,7 @@ pub fn sample_rows_on_device(
             logits.len()
         )));
     }
-    let k = ModelKernels::load(gpu)?;
+    let k = ModelKernels::load(gpu, false)?;
     let s = k.stream();
     let mut d_logits = s
         .clone_htod(logits)
@@ -201,7 +201,7 @@ pub fn pick_rows_on_device(
             logits.len()
         )));
     }
-    let k = ModelKernels::load(gpu)?;
+    let k = ModelKernels::load(gpu, false)?;
     let s = k.stream();
     let d_logits = s
         .clone_htod(logits)

@@ -54,6 +54,8 @@ pub(super) struct Dims {
     pub vocab: usize,
     /// Gemma 3's block (post-norms, GeGLU, scaled embedding, local RoPE).
     pub gemma: bool,
+    /// FP8 linear weights: the step also needs [`super::fp8::Fp8Scratch`].
+    pub fp8: bool,
     /// What the weights and the activation workspace cost (the planner's terms).
     pub shape: EngineShape,
 }
@@ -74,8 +76,24 @@ impl Dims {
             ff: c.d_ff,
             vocab: c.vocab,
             gemma: c.gemma3.is_some(),
+            fp8: false,
             shape: c.engine_shape(kv_rep as u64),
         }
+    }
+
+    /// Bytes of the FP8 GEMMs' buffers for `t` tokens (0 without FP8 weights): the widest
+    /// input quantized (d, qw or ff), its scales and an added output `[t, d]`, with cuBLASLt's
+    /// workspace.
+    pub fn fp8_bytes(&self, t: usize) -> usize {
+        if !self.fp8 {
+            return 0;
+        }
+        super::fp8::Fp8Scratch::bytes(t, self.fp8_k(), self.d) + super::fp8::Lt::bytes()
+    }
+
+    /// The widest input of an FP8 GEMM.
+    pub fn fp8_k(&self) -> usize {
+        self.d.max(self.qw).max(self.ff)
     }
 
     /// Width of the fused Q/K/V projection's output rows.

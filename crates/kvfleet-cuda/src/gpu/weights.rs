@@ -1,32 +1,37 @@
 //! The model's weights on the device: uploaded from the CPU model (bf16 matrices; norms,
 //! biases and RoPE frequencies f32, Q/K/V and gate/up fused), or random ones made on the device.
+//! With FP8 weights the four linear matrices of each layer are e4m3 with a scale a row
+//! ([`Mat::Fp8`]): quantized on the host from the CPU model's weights, or on the device from the
+//! random bf16 ones; the embeddings and the LM head stay bf16 ([`super::fp8`] says why).
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
+use kvfleet_engine::model::fp8::quantize_rows;
 use kvfleet_engine::model::llama::{inv_freq, Llama, LlamaConfig};
 use rayon::prelude::*;
 
 use crate::device::Gpu;
 
 use super::error::{drv, GpuError};
+use super::fp8::Mat;
 use super::kernels::ModelKernels;
 
 /// One layer's tensors.
 pub(super) struct LayerW {
     pub attn_norm: CudaSlice<f32>,
     /// `[qw + 2 kw, d]`: Q rows, then K rows, then V rows.
-    pub wqkv: CudaSlice<u16>,
+    pub wqkv: Mat,
     /// `[qw + 2 kw]` (zeros where the model has no bias for a projection).
     pub bqkv: Option<CudaSlice<f32>>,
     pub q_norm: Option<CudaSlice<f32>>,
     pub k_norm: Option<CudaSlice<f32>>,
     /// `[d, qw]`.
-    pub wo: CudaSlice<u16>,
+    pub wo: Mat,
     pub ffn_norm: CudaSlice<f32>,
     /// `[2 ff, d]`: gate rows, then up rows.
-    pub wgu: CudaSlice<u16>,
+    pub wgu: Mat,
     /// `[d, ff]`.
-    pub wdown: CudaSlice<u16>,
+    pub wdown: Mat,
     /// Gemma 3: RMSNorm weights of the attention and MLP outputs.
     pub post_attn_norm: Option<CudaSlice<f32>>,
     pub post_ffn_norm: Option<CudaSlice<f32>>,
@@ -89,15 +94,44 @@ fn upload_f32(gpu: &Gpu, v: &[f32]) -> Result<CudaSlice<f32>, GpuError> {
     Ok(gpu.upload(v)?)
 }
 
+/// Rows per task when quantizing on the host.
+const QUANTIZE_ROWS: usize = 64;
+
+/// The row-major matrix the parts make (rows of `cols`), uploaded as bf16 or, with `fp8`,
+/// quantized per row on the host (`quantize_rows`, in parallel over blocks of rows).
+fn upload_mat(gpu: &Gpu, parts: &[&[f32]], cols: usize, fp8: bool) -> Result<Mat, GpuError> {
+    if !fp8 {
+        return Ok(Mat::Bf16(gpu.upload(&to_bf16(parts))?));
+    }
+    let blocks: Vec<_> = parts
+        .iter()
+        .flat_map(|p| p.chunks(QUANTIZE_ROWS * cols))
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|b| quantize_rows(b, b.len() / cols, cols))
+        .collect();
+    let (mut q, mut scale) = (Vec::new(), Vec::new());
+    for b in blocks {
+        q.extend_from_slice(&b.data);
+        scale.extend_from_slice(&b.scale);
+    }
+    Ok(Mat::Fp8 {
+        q: gpu.upload(&q)?,
+        scale: gpu.upload(&scale)?,
+    })
+}
+
 impl Weights {
     /// Converts the CPU model's f32 weights to bf16 (norms, biases and RoPE frequencies stay
     /// f32) and uploads them, fusing Q/K/V and gate/up.
-    pub fn upload(gpu: &Gpu, m: &Llama) -> Result<Self, GpuError> {
+    /// With `fp8`, the linear layers' matrices are quantized per row to e4m3.
+    pub fn upload(gpu: &Gpu, m: &Llama, fp8: bool) -> Result<Self, GpuError> {
         let c = &m.config;
         let t = m.tensors();
         let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         let up16 =
             |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> { Ok(gpu.upload(&to_bf16(parts))?) };
+        let mat = |parts: &[&[f32]], cols: usize| upload_mat(gpu, parts, cols, fp8);
         let embed = up16(&[t.embed])?;
         let lm_head = t.lm_head.map(|h| up16(&[h])).transpose()?;
         let mut layers = Vec::with_capacity(t.layers.len());
@@ -116,17 +150,17 @@ impl Weights {
             let q_scale = gemma_q_scale(c);
             layers.push(LayerW {
                 attn_norm: upload_f32(gpu, l.attn_norm)?,
-                wqkv: up16(&[l.wq, l.wk, l.wv])?,
+                wqkv: mat(&[l.wq, l.wk, l.wv], c.d_model)?,
                 bqkv,
                 q_norm: l
                     .q_norm
                     .map(|n| upload_f32(gpu, &n.iter().map(|w| w * q_scale).collect::<Vec<_>>()))
                     .transpose()?,
                 k_norm: l.k_norm.map(|n| upload_f32(gpu, n)).transpose()?,
-                wo: up16(&[l.wo])?,
+                wo: mat(&[l.wo], qw)?,
                 ffn_norm: upload_f32(gpu, l.ffn_norm)?,
-                wgu: up16(&[l.w_gate, l.w_up])?,
-                wdown: up16(&[l.w_down])?,
+                wgu: mat(&[l.w_gate, l.w_up], c.d_model)?,
+                wdown: mat(&[l.w_down], c.d_ff)?,
                 post_attn_norm: l.post_attn_norm.map(|n| upload_f32(gpu, n)).transpose()?,
                 post_ffn_norm: l.post_ffn_norm.map(|n| upload_f32(gpu, n)).transpose()?,
             });
@@ -146,7 +180,8 @@ impl Weights {
     /// Random weights made on the device (uniform in ±1/sqrt(fan-in), like [`Llama::dummy`]
     /// but a different stream of numbers): for capacity and throughput of large geometries
     /// without building them on the host.
-    pub fn random(gpu: &Gpu, k: &ModelKernels, c: &LlamaConfig, seed: u64) -> Result<Self, GpuError> {
+    /// With `fp8`, the linear layers' matrices are quantized per row on the device.
+    pub fn random(gpu: &Gpu, k: &ModelKernels, c: &LlamaConfig, seed: u64, fp8: bool) -> Result<Self, GpuError> {
         let s = gpu.stream();
         let (d, ff) = (c.d_model, c.d_ff);
         let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
@@ -166,12 +201,22 @@ impl Weights {
         } else {
             Some(rand(c.vocab, d)?)
         };
+        let mut mat = |rows: usize, cols: usize| -> Result<Mat, GpuError> {
+            let w = rand(rows, cols)?;
+            let Some(f) = k.fp8.as_ref().filter(|_| fp8) else {
+                return Ok(Mat::Bf16(w));
+            };
+            let mut q = s.alloc_zeros::<u8>(rows * cols).map_err(drv("allocating dummy weights"))?;
+            let mut scale = s.alloc_zeros::<f32>(rows).map_err(drv("allocating dummy weights"))?;
+            f.quantize_rows(&w, rows, cols, cols, &mut q, &mut scale)?;
+            Ok(Mat::Fp8 { q, scale })
+        };
         let ones = |n: usize| upload_f32(gpu, &vec![1.0; n]);
         let mut layers = Vec::with_capacity(c.n_layers);
         for _ in 0..c.n_layers {
             layers.push(LayerW {
                 attn_norm: ones(d)?,
-                wqkv: rand(qw + 2 * kw, d)?,
+                wqkv: mat(qw + 2 * kw, d)?,
                 bqkv: if c.attn_bias {
                     Some(upload_f32(gpu, &vec![0.0; qw + 2 * kw])?)
                 } else {
@@ -179,10 +224,10 @@ impl Weights {
                 },
                 q_norm: c.qk_norm.then(|| ones(c.head_dim)).transpose()?,
                 k_norm: c.qk_norm.then(|| ones(c.head_dim)).transpose()?,
-                wo: rand(d, qw)?,
+                wo: mat(d, qw)?,
                 ffn_norm: ones(d)?,
-                wgu: rand(2 * ff, d)?,
-                wdown: rand(d, ff)?,
+                wgu: mat(2 * ff, d)?,
+                wdown: mat(d, ff)?,
                 post_attn_norm: c.gemma3.as_ref().map(|_| ones(d)).transpose()?,
                 post_ffn_norm: c.gemma3.as_ref().map(|_| ones(d)).transpose()?,
             });
@@ -212,10 +257,10 @@ impl Weights {
             .layers
             .iter()
             .map(|l| {
-                h(&l.wqkv)
-                    + h(&l.wo)
-                    + h(&l.wgu)
-                    + h(&l.wdown)
+                l.wqkv.bytes()
+                    + l.wo.bytes()
+                    + l.wgu.bytes()
+                    + l.wdown.bytes()
                     + f(&l.attn_norm)
                     + f(&l.ffn_norm)
                     + of(&l.bqkv)

@@ -1,0 +1,501 @@
+//! FP8 (e4m3) linear layers, W8A8 as vLLM's dynamic FP8 method runs them: weights with one
+//! scale per output channel, activations quantized per token on the fly (`kernels/fp8.cu`).
+//!
+//! - A step of one token streams the weights through `kvf_gemv_fp8` (one byte a weight, the
+//!   input kept bf16; [`super::gemv`]).
+//! - Larger steps quantize their input rows (`kvf_quantize_rows_fp8`), run cuBLASLt's FP8 GEMM
+//!   with unit scales into f32 ([`Lt`]), then apply both scales and store or add the result
+//!   (`kvf_fp8_scale`). cuBLAS 12.8, which the bindings target, takes one scale per matrix, not
+//!   one per row or column, hence the epilogue kernel.
+//!
+//! The embeddings, the LM head and the norms stay bf16 / f32, as in vLLM's `fp8` method (its
+//! `Fp8Config` quantizes `LinearBase` layers only): the LM head is where an error reaches the
+//! logits undamped, and at one stream it is 1 GB of the 8 GB an 8B model reads a token.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublaslt::{result as lt, sys as lt_sys};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+
+use crate::device::Gpu;
+use crate::launch::Launch;
+use crate::spec::Arch;
+
+use super::error::{drv, need, GpuError};
+
+/// Whether cuBLASLt can be loaded (cudarc panics on first use otherwise).
+pub fn cublaslt_present() -> bool {
+    // SAFETY: only tries `dlopen` on libcublasLt candidate names.
+    unsafe { lt_sys::is_culib_present() }
+}
+
+/// `Ok` when `gpu` can run FP8 weights: compute capability 8.9 or later (FP8 tensor cores and
+/// the `cvt` instructions between e4m3 and f16/f32), and cuBLASLt present.
+pub fn check_device(gpu: &Gpu) -> Result<(), GpuError> {
+    if matches!(gpu.arch, Arch::Sm80 | Arch::Sm86) {
+        return Err(GpuError::Invalid(format!(
+            "FP8 weights need compute capability 8.9 or later (L4, L40S, H100, H200, B200, RTX 50xx); {} is {}",
+            gpu.name, gpu.arch
+        )));
+    }
+    if !cublaslt_present() {
+        return Err(GpuError::Invalid(
+            "FP8 weights need cuBLASLt (libcublasLt.so.12, from the nvidia-cublas-cu12 wheel)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The weight of a linear layer, `[n, k]` row-major (rows = output channels).
+pub(super) enum Mat {
+    Bf16(CudaSlice<u16>),
+    /// e4m3 bytes and one f32 scale a row.
+    Fp8 { q: CudaSlice<u8>, scale: CudaSlice<f32> },
+}
+
+impl Mat {
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Mat::Bf16(w) => 2 * w.len(),
+            Mat::Fp8 { q, scale } => q.len() + 4 * scale.len(),
+        }
+    }
+}
+
+/// A borrowed [`Mat`], or a bf16 matrix held elsewhere (the LM head).
+#[derive(Clone, Copy)]
+pub(super) enum MatRef<'a> {
+    Bf16(&'a CudaSlice<u16>),
+    Fp8 { q: &'a CudaSlice<u8>, scale: &'a CudaSlice<f32> },
+}
+
+impl<'a> From<&'a Mat> for MatRef<'a> {
+    fn from(m: &'a Mat) -> Self {
+        match m {
+            Mat::Bf16(w) => MatRef::Bf16(w),
+            Mat::Fp8 { q, scale } => MatRef::Fp8 { q, scale },
+        }
+    }
+}
+
+impl<'a> From<&'a CudaSlice<u16>> for MatRef<'a> {
+    fn from(w: &'a CudaSlice<u16>) -> Self {
+        MatRef::Bf16(w)
+    }
+}
+
+const THREADS: u32 = 256;
+const SCALE_MAX_BLOCKS: usize = 4096;
+
+/// The two FP8 kernels besides the GEMV: quantizing rows and the GEMM epilogue.
+pub(crate) struct Fp8Kernels {
+    stream: Arc<CudaStream>,
+    quantize: CudaFunction,
+    scale: CudaFunction,
+}
+
+impl Fp8Kernels {
+    pub fn load(module: &Arc<CudaModule>, stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+        let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
+        Ok(Fp8Kernels {
+            stream,
+            quantize: f("kvf_quantize_rows_fp8")?,
+            scale: f("kvf_fp8_scale")?,
+        })
+    }
+
+    /// `q[r] = e4m3(x[r] / s[r])`, `s[r] = amax(x[r]) / 448` for `rows` bf16 rows of `k`
+    /// elements, `ld` apart in `x`; `q` dense `[rows, k]`.
+    pub fn quantize_rows(
+        &self,
+        x: &CudaSlice<u16>,
+        rows: usize,
+        k: usize,
+        ld: usize,
+        q: &mut CudaSlice<u8>,
+        s: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if ld < k {
+            return Err(GpuError::Invalid(format!("rows of {k} elements {ld} apart")));
+        }
+        need("FP8 quantize input", x, (rows - 1) * ld + k)?;
+        need("FP8 quantize output", q, rows * k)?;
+        need("FP8 row scales", s, rows)?;
+        let [Ok(k_i), Ok(ld_i)] = [k, ld].map(i32::try_from) else {
+            return Err(GpuError::Invalid(format!("FP8 rows of {k} elements exceed 32 bits")));
+        };
+        let mut l = Launch::new(&self.stream);
+        l.ptr(x).i32(k_i).i32(ld_i).ptr_mut(q).ptr_mut(s);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `kvf_quantize_rows_fp8(const bf16*, int, int, uchar*, float*)` in
+        // kernels/fp8.cu; one block a row reads `k` elements at `r * ld` (within `x`, checked)
+        // and writes `k` bytes at `r * k` and one scale (checked). Launched without PDL.
+        unsafe { l.launch(&self.quantize, cfg, false) }.map_err(drv("launching kvf_quantize_rows_fp8"))
+    }
+
+    /// `y = d * sx[r] * sw[c]` (or `+=` when `add`) over `[t, n]`; `d` `None`: `y` holds `d`.
+    #[allow(clippy::too_many_arguments)] // the kernel's seven parameters, each a different role
+    pub fn scale(
+        &self,
+        d: Option<&CudaSlice<f32>>,
+        t: usize,
+        n: usize,
+        sx: &CudaSlice<f32>,
+        sw: &CudaSlice<f32>,
+        add: bool,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        need("FP8 token scales", sx, t)?;
+        need("FP8 weight scales", sw, n)?;
+        need("FP8 GEMM output", y, t * n)?;
+        let mut l = Launch::new(&self.stream);
+        match d {
+            Some(d) => {
+                need("FP8 GEMM result", d, t * n)?;
+                l.ptr(d)
+            }
+            None => l.addr(0),
+        };
+        l.i32(t as i32).i32(n as i32).ptr(sx).ptr(sw).i32(i32::from(add)).ptr_mut(y);
+        let cfg = LaunchConfig {
+            grid_dim: ((t * n).div_ceil(THREADS as usize).clamp(1, SCALE_MAX_BLOCKS) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `kvf_fp8_scale(const float*, int, int, const float*, const float*,
+        // int, float*)`; the grid-stride loop touches `t * n` elements of `d` (or `y`) and `y`,
+        // `t` of `sx` and `n` of `sw`, all checked above (t, n < 2^31: they come from a step's
+        // checked shapes). Launched without PDL.
+        unsafe { l.launch(&self.scale, cfg, false) }.map_err(drv("launching kvf_fp8_scale"))
+    }
+}
+
+/// The FP8 GEMM's buffers: the input rows quantized, their scales, and the f32 result of a GEMM
+/// whose output is added to the residual (its scales must be applied before the add).
+pub(super) struct Fp8Scratch {
+    pub xq: CudaSlice<u8>,
+    pub sx: CudaSlice<f32>,
+    pub d: CudaSlice<f32>,
+}
+
+impl Fp8Scratch {
+    /// Bytes for `t` tokens, inputs up to `k` wide and added outputs `n` wide.
+    pub fn bytes(t: usize, k: usize, n: usize) -> usize {
+        t * k + 4 * t + 4 * t * n
+    }
+
+    pub fn alloc(s: &Arc<CudaStream>, t: usize, k: usize, n: usize) -> Result<Self, GpuError> {
+        let what = "allocating FP8 activations";
+        let (t, k, n) = (t.max(1), k.max(1), n.max(1));
+        Ok(Fp8Scratch {
+            xq: s.alloc_zeros::<u8>(t * k).map_err(drv(what))?,
+            sx: s.alloc_zeros::<f32>(t).map_err(drv(what))?,
+            d: s.alloc_zeros::<f32>(t * n).map_err(drv(what))?,
+        })
+    }
+
+    /// One-element buffers: a model without FP8 weights.
+    pub fn none(s: &Arc<CudaStream>) -> Result<Self, GpuError> {
+        Self::alloc(s, 1, 1, 1)
+    }
+}
+
+/// cuBLASLt's workspace: what its FP8 kernels on Hopper ask for at most.
+const LT_WORKSPACE: usize = 32 << 20;
+
+/// One GEMM shape's cuBLASLt descriptors and the algorithm its heuristic picked.
+struct LtPlan {
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    a: lt_sys::cublasLtMatrixLayout_t,
+    b: lt_sys::cublasLtMatrixLayout_t,
+    c: lt_sys::cublasLtMatrixLayout_t,
+    algo: lt_sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the descriptors are plain host objects, used only under the plan cache's lock on the
+// GPU's one stream.
+unsafe impl Send for LtPlan {}
+
+impl Drop for LtPlan {
+    fn drop(&mut self) {
+        // SAFETY: each was created once by `LtPlan::new` and is destroyed once here.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.c);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+fn lt_err(what: &'static str) -> impl FnOnce(cudarc::cublaslt::result::CublasError) -> GpuError {
+    move |e| GpuError::Cublas {
+        what,
+        detail: format!("{e:?}"),
+    }
+}
+
+impl LtPlan {
+    /// `D[n x t] = op(A) · B` column-major with `A` the e4m3 weight buffer (`[n, k]` row-major =
+    /// `k x n` column-major, transposed: cuBLASLt's FP8 "TN" layout), `B` the e4m3 input
+    /// (`[t, k]` row-major = `k x t`) and `D` f32 (`[t, n]` row-major = `n x t`, ld n).
+    fn new(handle: lt_sys::cublasLtHandle_t, t: usize, n: usize, k: usize) -> Result<Self, GpuError> {
+        use lt_sys::cudaDataType::{CUDA_R_32F, CUDA_R_8F_E4M3};
+        let e = |what| lt_err(what);
+        let desc = lt::create_matmul_desc(lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
+            .map_err(e("creating an FP8 matmul descriptor"))?;
+        let trans = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
+        // SAFETY: `desc` is live; the attribute takes a `cublasOperation_t` (4 bytes).
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &trans as *const _ as *const c_void,
+                std::mem::size_of_val(&trans),
+            )
+        }
+        .map_err(e("setting the FP8 GEMM's transpose"))?;
+        let (t64, n64, k64) = (t as u64, n as u64, k as u64);
+        let a = lt::create_matrix_layout(CUDA_R_8F_E4M3, k64, n64, k as i64).map_err(e("an FP8 layout"))?;
+        let b = lt::create_matrix_layout(CUDA_R_8F_E4M3, k64, t64, k as i64).map_err(e("an FP8 layout"))?;
+        let c = lt::create_matrix_layout(CUDA_R_32F, n64, t64, n as i64).map_err(e("an FP8 layout"))?;
+        let pref = lt::create_matmul_pref().map_err(e("an FP8 GEMM preference"))?;
+        let ws = LT_WORKSPACE as u64;
+        // SAFETY: all descriptors are live; the workspace attribute takes a u64; `pref` is
+        // destroyed once after the heuristic.
+        let heuristic = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            )
+            .map_err(e("the FP8 GEMM's workspace"))?;
+            let h = lt::get_matmul_algo_heuristic(handle, desc, a, b, c, c, pref);
+            let _ = lt::destroy_matmul_pref(pref);
+            h
+        };
+        let plan = |algo| LtPlan { desc, a, b, c, algo };
+        match heuristic {
+            Ok(h) => Ok(plan(h.algo)),
+            Err(err) => {
+                // Drop the descriptors through a plan with a zeroed algorithm.
+                // SAFETY: cublasLtMatmulAlgo_t is plain data; the zeroed value is never used.
+                drop(plan(unsafe { std::mem::zeroed() }));
+                Err(GpuError::Invalid(format!(
+                    "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} ({err:?}); FP8 needs inner sizes that are multiples of 16"
+                )))
+            }
+        }
+    }
+}
+
+/// A cuBLASLt handle, its workspace and a plan a GEMM shape, on the GPU's stream.
+pub(super) struct Lt {
+    handle: lt_sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    plans: Mutex<HashMap<(usize, usize, usize), LtPlan>>,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: the handle is used on the GPU's one stream, from one thread at a time (the model is
+// stepped by one thread; the plan cache is behind a lock).
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        self.plans.get_mut().map(|p| p.clear()).unwrap_or(());
+        // SAFETY: created once in `Lt::new`, destroyed once here after its plans.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl Lt {
+    pub fn new(stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+        let handle = lt::create_handle().map_err(lt_err("creating the cuBLASLt handle"))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(LT_WORKSPACE)
+            .map_err(drv("allocating the cuBLASLt workspace"))?;
+        Ok(Lt {
+            handle,
+            workspace,
+            plans: Mutex::new(HashMap::new()),
+            stream,
+        })
+    }
+
+    /// Bytes it holds on the device.
+    pub fn bytes() -> usize {
+        LT_WORKSPACE
+    }
+
+    /// Row-major `d[t, n] = xq[t, k] · wq[n, k]ᵀ` in f32, e4m3 inputs, unit scales.
+    pub fn gemm(
+        &self,
+        wq: &CudaSlice<u8>,
+        xq: &CudaSlice<u8>,
+        d: &mut CudaSlice<f32>,
+        (t, n, k): (usize, usize, usize),
+    ) -> Result<(), GpuError> {
+        need("FP8 GEMM weight", wq, n * k)?;
+        need("FP8 GEMM input", xq, t * k)?;
+        need("FP8 GEMM result", d, t * n)?;
+        let mut plans = self.plans.lock().map_err(|_| GpuError::Invalid("FP8 plan cache poisoned".into()))?;
+        let plan = match plans.entry((t, n, k)) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(LtPlan::new(self.handle, t, n, k)?),
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        let s = &self.stream;
+        let (wp, _rw) = wq.device_ptr(s);
+        let (xp, _rx) = xq.device_ptr(s);
+        let (dp, _rd) = d.device_ptr_mut(s);
+        let (ws, _rws) = self.workspace.device_ptr(s);
+        // SAFETY: the plan's layouts describe exactly these buffers (sizes checked above), C is
+        // D (beta 0), alpha/beta are host f32 (the default pointer mode, scale type 32F), the
+        // workspace holds LT_WORKSPACE bytes, the plan's limit; everything runs on stream `s`,
+        // the stream of every buffer here.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                wp as *const c_void,
+                plan.a,
+                xp as *const c_void,
+                plan.b,
+                dp as *const c_void,
+                plan.c,
+                dp as *mut c_void,
+                plan.c,
+                &plan.algo,
+                ws as *mut c_void,
+                LT_WORKSPACE,
+                s.cu_stream() as lt_sys::cudaStream_t,
+            )
+        }
+        .map_err(lt_err("an FP8 GEMM"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+    use kvfleet_engine::model::fp8::{e4m3fn_to_f32, quantize_rows};
+
+    use super::super::blas::{Blas, Gemm};
+    use super::super::gemv::{Input, Output};
+    use super::super::kernels::ModelKernels;
+    use super::*;
+
+    /// Values of every magnitude an activation or weight row has, as bf16 (what the kernels
+    /// read), with a few zeros and an outlier a row.
+    fn bf16_rows(rows: usize, k: usize, seed: u32) -> Vec<u16> {
+        (0..rows * k)
+            .map(|i| {
+                let x = ((i as f32 + seed as f32) * 0.618_034).sin();
+                let v = match i % 97 {
+                    0 => 0.0,
+                    1 => x * 40.0,
+                    _ => x * (1.0 + (i % 13) as f32) * 0.01,
+                };
+                bf16::from_f32(v).to_bits()
+            })
+            .collect()
+    }
+
+    fn to_f32(v: &[u16]) -> Vec<f32> {
+        v.iter().map(|b| bf16::from_bits(*b).to_f32()).collect()
+    }
+
+    fn gpu() -> Gpu {
+        let g = Gpu::open(0).unwrap_or_else(|e| panic!("no GPU: {e}"));
+        check_device(&g).unwrap_or_else(|e| panic!("{e}"));
+        g
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_quantize_kernel_matches_the_host_quantizer_byte_for_byte() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let f = k.fp8.as_ref().unwrap();
+        let (rows, cols, ld) = (37, 1000, 1008);
+        let x = bf16_rows(rows, ld, 3);
+        let dx = g.upload(&x).unwrap();
+        let s = g.stream();
+        let mut q = s.alloc_zeros::<u8>(rows * cols).unwrap();
+        let mut sc = s.alloc_zeros::<f32>(rows).unwrap();
+        f.quantize_rows(&dx, rows, cols, ld, &mut q, &mut sc).unwrap();
+        let (q, sc) = (g.download(&q).unwrap(), g.download(&sc).unwrap());
+        let xf = to_f32(&x);
+        let dense: Vec<f32> = (0..rows).flat_map(|r| xf[r * ld..r * ld + cols].to_vec()).collect();
+        let want = quantize_rows(&dense, rows, cols);
+        assert_eq!(sc, want.scale, "row scales");
+        let diff = q.iter().zip(&want.data).filter(|(a, b)| a != b).count();
+        assert_eq!(diff, 0, "{diff} of {} bytes differ", q.len());
+    }
+
+    /// The FP8 GEMM (W8A8: store and accumulate) and the FP8 GEMV (weight-only) against the
+    /// same products computed on the host from the dequantized values.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fp8_gemm_and_gemv_equal_the_dequantized_products() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let blas = Blas::new(g.stream().clone(), true).unwrap();
+        let (t, n, kk) = (5, 96, 256);
+        let w = to_f32(&bf16_rows(n, kk, 11));
+        let wq = quantize_rows(&w, n, kk);
+        let mat = Mat::Fp8 {
+            q: g.upload(&wq.data).unwrap(),
+            scale: g.upload(&wq.scale).unwrap(),
+        };
+        let wd = wq.dequantize();
+        let x = bf16_rows(t, kk, 5);
+        let xf = to_f32(&x);
+        let xd = quantize_rows(&xf, t, kk).dequantize();
+        let dx = g.upload(&x).unwrap();
+        let s = g.stream();
+        let mut scratch = Fp8Scratch::alloc(s, t, kk, n).unwrap();
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+        let close = |got: &[f32], want: &[f32], what: &str| {
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                assert!((a - b).abs() <= 1e-4 * scale + 1e-6, "{what}[{i}]: {a} vs {b}");
+            }
+        };
+        // W8A8 GEMM, stored.
+        let mut y = s.alloc_zeros::<f32>(t * n).unwrap();
+        blas.project(&k, &mat, &dx, &mut y, Gemm::store(t, n, kk), &mut scratch).unwrap();
+        let want: Vec<f32> = (0..t)
+            .flat_map(|r| (0..n).map(move |c| (r, c)))
+            .map(|(r, c)| dot(&xd[r * kk..(r + 1) * kk], &wd[c * kk..(c + 1) * kk]))
+            .collect();
+        close(&g.download(&y).unwrap(), &want, "GEMM store");
+        // Accumulated onto what is there.
+        blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch).unwrap();
+        let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+        close(&g.download(&y).unwrap(), &twice, "GEMM add");
+        // The one-token GEMV reads the bf16 input unquantized.
+        let mut y1 = s.alloc_zeros::<f32>(n).unwrap();
+        let x0 = g.upload(&x[..kk]).unwrap();
+        k.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1)).unwrap();
+        let want1: Vec<f32> = (0..n).map(|c| dot(&xf[..kk], &wd[c * kk..(c + 1) * kk])).collect();
+        close(&g.download(&y1).unwrap(), &want1, "GEMV");
+        // Every code the quantizer produced decodes to a finite value (no NaN code written).
+        assert!(wq.data.iter().all(|b| e4m3fn_to_f32(*b).is_finite()));
+    }
+}
