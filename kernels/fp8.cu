@@ -8,13 +8,14 @@
 //   device (rows = output channels). The same arithmetic as `quantize_rows` in
 //   crates/kvfleet-engine/src/model/fp8.rs: `s = amax / 448`, `q = e4m3(x * (1 / s))`, ties to
 //   even, saturating.
-// - `kvf_gemv_fp8`: the single-token projection of kernels/gemv.cu over e4m3 weights, 16 weights
-//   a 16-byte load, so one stream reads one byte a weight. The input stays bf16 (weight-only
+// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_cvt`, the same with the hardware's conversions): the
+//   single-token projection of kernels/gemv.cu over e4m3 weights, 16 weights a 16-byte load, so
+//   one stream reads one byte a weight. The input stays bf16 (weight-only
 //   quantization at one token: the step is bandwidth-bound, quantizing the input would only
 //   lose accuracy); the row's scale multiplies the f32 dot product.
-// - `kvf_fp8_scale`: the epilogue of cuBLASLt's FP8 GEMM, which runs with unit scales into f32
-//   (cuBLAS 12.8 takes only one scale per matrix): `y = d * sx[row] * sw[col]`, stored or added
-//   to the residual stream.
+// - `kvf_fp8_scale`: the epilogue of cuBLASLt's FP8 GEMM where it cannot take a scale per row
+//   (Ada, cuBLAS before 12.9) and runs with unit scales into f32: `y = d * sx[row] * sw[col]`,
+//   stored or added to the residual stream.
 
 #include <cuda_fp8.h>
 
@@ -38,34 +39,62 @@ __device__ float block_max(float v) {
     return total;
 }
 
-// Four e4m3 bytes (one 32-bit word) as four floats.
+// Two ways to turn e4m3 weights into f32 for the GEMV's FMAs (kvf_gemv_fp8 and
+// kvf_gemv_fp8_cvt; bench/RESULTS.md compares them):
+// - FP8_INT: integer bit moves, no conversion instruction. An e4m3 byte b placed with its sign at
+//   bit 31 and its seven other bits at bits 26..20 of an f32 is that f32's exponent and mantissa
+//   with the exponent bias of f32 (127) instead of e4m3's (7): the f32 is b's value times 2^-120,
+//   exactly, subnormals included (e4m3's subnormals land on f32's, which the FMA keeps: no
+//   flush to zero here). The input is scaled by 2^64 on the way in, so the products are
+//   b * x * 2^-56, far from f32's underflow, and the row's sum is scaled back by 2^56.
+//   For byte i of a word w: ((int)(w << (24 - 8 i)) >> 4) & 0x87f00000 (the arithmetic shift
+//   copies the sign down; the mask keeps bit 31 and bits 26..20).
+// - FP8_CVT: the hardware's cvt.rn.f16x2.e4m3x2 then f16 to f32, 3 conversions for 2 weights;
+//   conversions issue at a fraction of the FMA rate, and at one stream that bounded the kernel
+//   below the copy bandwidth (H200: 2.5 TB/s of 4.2).
+constexpr int FP8_INT = 0;
+constexpr int FP8_CVT = 1;
+constexpr float FP8_INT_X_SCALE = 18446744073709551616.f;  // 2^64
+constexpr float FP8_INT_SUM_SCALE = 72057594037927936.f;   // 2^56
+
+template <int CONV>
 __device__ __forceinline__ void fp8x4_to_float(unsigned int w, float f[4]) {
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-    f[0] = a.x;
-    f[1] = a.y;
-    f[2] = b.x;
-    f[3] = b.y;
+    if (CONV == FP8_INT) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int t = (int)(w << (24 - 8 * i)) >> 4;
+            f[i] = __int_as_float(t & (int)0x87f00000);
+        }
+    } else {
+        const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+        const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        f[0] = a.x;
+        f[1] = a.y;
+        f[2] = b.x;
+        f[3] = b.y;
+    }
 }
 
-// acc + the dot product of 16 e4m3 weights (one 16-byte chunk) with 16 bf16 inputs (two).
-__device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
+// acc + the dot product of 16 e4m3 weights (one 16-byte chunk) with 16 bf16 inputs (two),
+// the inputs times xs (2^64 for FP8_INT, 1 otherwise).
+template <int CONV>
+__device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, const uint4& x1, float xs, float acc) {
     const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
     const __nv_bfloat162* xa = reinterpret_cast<const __nv_bfloat162*>(&x0);
     const __nv_bfloat162* xb = reinterpret_cast<const __nv_bfloat162*>(&x1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         float f[4];
-        fp8x4_to_float(ws[i], f);
+        fp8x4_to_float<CONV>(ws[i], f);
         const __nv_bfloat162* xp = i < 2 ? xa + 2 * i : xb + 2 * (i - 2);
         const float2 p = __bfloat1622float2(xp[0]);
         const float2 q = __bfloat1622float2(xp[1]);
-        acc = fmaf(f[0], p.x, acc);
-        acc = fmaf(f[1], p.y, acc);
-        acc = fmaf(f[2], q.x, acc);
-        acc = fmaf(f[3], q.y, acc);
+        acc = fmaf(f[0], p.x * xs, acc);
+        acc = fmaf(f[1], p.y * xs, acc);
+        acc = fmaf(f[2], q.x * xs, acc);
+        acc = fmaf(f[3], q.y * xs, acc);
     }
     return acc;
 }
@@ -92,13 +121,15 @@ extern "C" __global__ void __launch_bounds__(256) kvf_quantize_rows_fp8(const bf
 }
 
 // kvf_gemv's contract (kernels/gemv.cu) over e4m3 weights w [n_rows, k] with f32 scales
-// wscale [n_rows]; k a multiple of 16. Block 256 threads, any grid.
-extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(const unsigned char* __restrict__ w,
-                                                               const float* __restrict__ wscale, int n_rows, int k,
-                                                               int half, const bf16* __restrict__ xb,
-                                                               const float* __restrict__ x, const int* __restrict__ row,
-                                                               const float* __restrict__ norm_w, float eps, int mode,
-                                                               float* __restrict__ y, bf16* __restrict__ act) {
+// wscale [n_rows]; k a multiple of 16. Block 256 threads, any grid. CONV: FP8_INT or FP8_CVT.
+#define KVF_GEMV_FP8_PARAMS                                                                                     \
+    const unsigned char *__restrict__ w, const float *__restrict__ wscale, int n_rows, int k, int half,          \
+        const bf16 *__restrict__ xb, const float *__restrict__ x, const int *__restrict__ row,                   \
+        const float *__restrict__ norm_w, float eps, int mode, float *__restrict__ y, bf16 *__restrict__ act
+#define KVF_GEMV_FP8_ARGS w, wscale, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act
+
+template <int CONV>
+__device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     kvf_wait_prior_grid();
     const bf16* in = xb;
@@ -108,6 +139,8 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(const unsigned ch
         __syncthreads();
         in = sx;
     }
+    const float xs = CONV == FP8_INT ? FP8_INT_X_SCALE : 1.f;
+    const float back = CONV == FP8_INT ? FP8_INT_SUM_SCALE : 1.f;
     const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
     const int lane = threadIdx.x & 31;
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
@@ -133,13 +166,13 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(const unsigned ch
                 const int c = c0 + 32 * j;
                 if (c < kc) {
                     const uint4 xa = xi[2 * c], xb2 = xi[2 * c + 1];
-                    a0 = dot16_fp8(p0[j], xa, xb2, a0);
-                    a1 = dot16_fp8(p1[j], xa, xb2, a1);
+                    a0 = dot16_fp8<CONV>(p0[j], xa, xb2, xs, a0);
+                    a1 = dot16_fp8<CONV>(p1[j], xa, xb2, xs, a1);
                 }
             }
         }
-        const float s0 = warp_sum(a0) * wscale[r0];
-        const float s1 = has1 ? warp_sum(a1) * wscale[r1] : warp_sum(a1);
+        const float s0 = warp_sum(a0) * (back * wscale[r0]);
+        const float s1 = warp_sum(a1) * (back * wscale[has1 ? r1 : r0]);
         if (lane == 0) {
             if (mode == GEMV_SWIGLU) {
                 act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
@@ -154,17 +187,26 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(const unsigned ch
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARAMS) {
+    gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_cvt(KVF_GEMV_FP8_PARAMS) {
+    gemv_fp8<FP8_CVT>(KVF_GEMV_FP8_ARGS);
+}
+
 // y[r, c] = d[r, c] * sx[r] * sw[c] (add = 0) or y[r, c] += it (add = 1), for r < t, c < n,
-// row-major; d null: y holds d (in place). Grid-stride, any grid.
+// row-major; d null: y holds d (in place). Grid (any, t): blockIdx.y is the row, blocks stride
+// over its columns.
 extern "C" __global__ void kvf_fp8_scale(const float* d, int t, int n, const float* __restrict__ sx,
                                          const float* __restrict__ sw, int add, float* y) {
     kvf_wait_prior_grid();
-    const float* src = d != nullptr ? d : y;
-    const long long total = (long long)t * n;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int r = (int)(i / n), c = (int)(i - (long long)r * n);
-        const float v = src[i] * sx[r] * sw[c];
-        y[i] = add ? y[i] + v : v;
+    const size_t r = blockIdx.y;
+    const float* src = (d != nullptr ? d : y) + r * n;
+    float* out = y + r * n;
+    const float s = sx[r];
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < n; c += gridDim.x * blockDim.x) {
+        const float v = src[c] * s * sw[c];
+        out[c] = add ? out[c] + v : v;
     }
 }

@@ -91,3 +91,37 @@ fn model_kernels_compile_to_ptx_for_every_claimed_arch() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The FP8 program (`kernels/fp8.cu` after the model program) for the architectures with FP8:
+/// every model kernel and the three FP8 ones, the e4m3 conversions as the hardware's `cvt`
+/// (not the header's software path).
+#[test]
+fn fp8_kernels_compile_to_ptx_for_every_arch_with_fp8() {
+    use kvfleet_cuda::gpu::{FP8_KERNELS, FP8_SOURCE, MODEL_KERNELS};
+    if let Err(e) = nvrtc::toolchain() {
+        panic!("{e}\nhint: run `.ci/install-tools` and eval its output (see the test above)");
+    }
+    let mut failures = Vec::new();
+    for arch in Arch::ALL.into_iter().filter(|a| *a >= Arch::Sm89) {
+        match nvrtc::compile_source("model+fp8", FP8_SOURCE, arch) {
+            Ok((ptx, _)) => {
+                let missing: Vec<&str> = MODEL_KERNELS
+                    .iter()
+                    .chain(&FP8_KERNELS)
+                    .copied()
+                    .filter(|k| !ptx.contains(&format!(".entry {k}")))
+                    .collect();
+                if !missing.is_empty() {
+                    failures.push(format!("model+fp8 {arch}: PTX lacks {missing:?}"));
+                }
+                for cvt in ["cvt.rn.f16x2.e4m3x2", "cvt.rn.satfinite.e4m3x2.f32"] {
+                    if !ptx.contains(cvt) {
+                        failures.push(format!("model+fp8 {arch}: no {cvt} in the PTX"));
+                    }
+                }
+            }
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -9,11 +9,13 @@
 #   bench/device/pack.sh harden      # the worker + fuzz_openai: overload, hostile bodies, cold start on a GPU
 #   bench/device/pack.sh model-a     # model binaries + the GGUF's first half
 #   bench/device/pack.sh model-b     # the GGUF's second half
+#   bench/device/pack.sh fp8-a       # FP8 weights (bench/device/fp8.sh): GPU tests, model bench, GGUF half
+#   bench/device/pack.sh fp8-b       # the GGUF's second half
 #   bench/device/pack.sh clients     # the worker, prometheus and the wheels of bench/device/clients.sh
 #                                    # (inference-perf, the transformers log-probabilities); no GGUF
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients}
+mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -22,7 +24,7 @@ exe_of() { cargo "$@" --locked --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import sys,json
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and set(m["target"]["kind"]) & {"test","bench"}:
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and (set(m["target"]["kind"]) & {"test","bench"} or m["profile"]["test"]):
         print(m["target"]["name"], m["executable"])'; }
 
 pack_bins() {
@@ -104,6 +106,16 @@ case "$mode" in
       typing-extensions==4.16.0 requests==2.34.2 urllib3==2.8.0 idna==3.20 charset-normalizer==3.5.3 \
       certifi==2026.10.19.post1 accelerate==1.15.0 psutil==7.2.2
     cp "$whl"/*.whl "$out/whl/"
+    ;;
+  fp8-a)
+    { exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'; exe_of test --release --test cuda_fp8 --test cuda_model;
+      exe_of bench --bench model; } | pack_bins
+    head -c "$half" "$gguf" > "$out/gguf.part1"
+    cp bench/peers.py "$out/"
+    ;;
+  fp8-b)
+    tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
+    sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -57,11 +57,30 @@ pub(super) struct Blas {
 }
 
 impl Blas {
-    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too).
+    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too;
+    /// `KVFLEET_FP8_UNIT_SCALES=1` keeps it off per-row scales, see [`Lt::new`]).
     pub fn new(stream: Arc<CudaStream>, fp8: bool) -> Result<Self, GpuError> {
         let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
-        let lt = fp8.then(|| Lt::new(stream.clone())).transpose()?;
+        let unit = std::env::var("KVFLEET_FP8_UNIT_SCALES").as_deref() == Ok("1");
+        let lt = fp8.then(|| Lt::new(stream.clone(), unit)).transpose()?;
         Ok(Blas { handle, stream, lt })
+    }
+
+    /// With a given cuBLASLt handle (tests of either scale path).
+    #[cfg(test)]
+    pub fn with_lt(stream: Arc<CudaStream>, lt: Lt) -> Result<Self, GpuError> {
+        let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
+        Ok(Blas {
+            handle,
+            stream,
+            lt: Some(lt),
+        })
+    }
+
+    /// Whether the FP8 GEMMs take per-row scales in cuBLASLt.
+    #[cfg(test)]
+    pub fn lt_scales_rows(&self) -> bool {
+        self.lt.as_ref().is_some_and(Lt::scales_rows)
     }
 
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`) for a weight of
@@ -89,11 +108,17 @@ impl Blas {
             return Ok(());
         }
         f.quantize_rows(x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        let dims = (t, n, kk);
+        let (w, xs) = ((q, scale), (&s.xq, &s.sx));
+        if lt.scales_rows() {
+            lt.gemm(w, xs, y, dims, accumulate)?;
+            return Ok(());
+        }
         if accumulate {
-            lt.gemm(q, &s.xq, &mut s.d, (t, n, kk))?;
+            lt.gemm(w, xs, &mut s.d, dims, false)?;
             f.scale(Some(&s.d), t, n, &s.sx, scale, true, y)
         } else {
-            lt.gemm(q, &s.xq, y, (t, n, kk))?;
+            lt.gemm(w, xs, y, dims, false)?;
             f.scale(None, t, n, &s.sx, scale, false, y)
         }
     }

@@ -3,10 +3,11 @@
 //!
 //! - A step of one token streams the weights through `kvf_gemv_fp8` (one byte a weight, the
 //!   input kept bf16; [`super::gemv`]).
-//! - Larger steps quantize their input rows (`kvf_quantize_rows_fp8`), run cuBLASLt's FP8 GEMM
-//!   with unit scales into f32 ([`Lt`]), then apply both scales and store or add the result
-//!   (`kvf_fp8_scale`). cuBLAS 12.8, which the bindings target, takes one scale per matrix, not
-//!   one per row or column, hence the epilogue kernel.
+//! - Larger steps quantize their input rows (`kvf_quantize_rows_fp8`) and run cuBLASLt's FP8
+//!   GEMM into f32 ([`Lt`]). Where cuBLASLt takes a scale per row of each operand ("outer
+//!   vector" scaling, cuBLAS 12.9 and later on Hopper and Blackwell) the GEMM applies both
+//!   scales and adds to the residual itself (beta 1). Elsewhere (Ada, older cuBLAS) it runs
+//!   with unit scales and `kvf_fp8_scale` applies them after, storing or adding the result.
 //!
 //! The embeddings, the LM head and the norms stay bf16 / f32, as in vLLM's `fp8` method (its
 //! `Fp8Config` quantizes `LinearBase` layers only): the LM head is where an error reaches the
@@ -88,7 +89,8 @@ impl<'a> From<&'a CudaSlice<u16>> for MatRef<'a> {
 }
 
 const THREADS: u32 = 256;
-const SCALE_MAX_BLOCKS: usize = 4096;
+/// Blocks over one row's columns in `kvf_fp8_scale`.
+const SCALE_ROW_BLOCKS: usize = 64;
 
 /// The two FP8 kernels besides the GEMV: quantizing rows and the GEMM epilogue.
 pub(crate) struct Fp8Kernels {
@@ -158,6 +160,12 @@ impl Fp8Kernels {
         need("FP8 token scales", sx, t)?;
         need("FP8 weight scales", sw, n)?;
         need("FP8 GEMM output", y, t * n)?;
+        if t == 0 || n == 0 {
+            return Ok(());
+        }
+        if t > 65_535 {
+            return Err(GpuError::Invalid(format!("an FP8 epilogue over {t} rows (at most 65,535)")));
+        }
         let mut l = Launch::new(&self.stream);
         match d {
             Some(d) => {
@@ -168,14 +176,14 @@ impl Fp8Kernels {
         };
         l.i32(t as i32).i32(n as i32).ptr(sx).ptr(sw).i32(i32::from(add)).ptr_mut(y);
         let cfg = LaunchConfig {
-            grid_dim: ((t * n).div_ceil(THREADS as usize).clamp(1, SCALE_MAX_BLOCKS) as u32, 1, 1),
+            grid_dim: (n.div_ceil(THREADS as usize).clamp(1, SCALE_ROW_BLOCKS) as u32, t as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: matches `kvf_fp8_scale(const float*, int, int, const float*, const float*,
-        // int, float*)`; the grid-stride loop touches `t * n` elements of `d` (or `y`) and `y`,
-        // `t` of `sx` and `n` of `sw`, all checked above (t, n < 2^31: they come from a step's
-        // checked shapes). Launched without PDL.
+        // int, float*)`; block row `r < t` touches the `n` elements of row `r` of `d` (or `y`)
+        // and `y`, `sx[r]` and `n` of `sw`, all checked above (t < 65,536 grid rows and n < 2^31:
+        // a step's checked shapes). Launched without PDL.
         unsafe { l.launch(&self.scale, cfg, false) }.map_err(drv("launching kvf_fp8_scale"))
     }
 }
@@ -213,6 +221,21 @@ impl Fp8Scratch {
 /// cuBLASLt's workspace: what its FP8 kernels on Hopper ask for at most.
 const LT_WORKSPACE: usize = 32 << 20;
 
+/// `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` (cuBLAS 12.9, `cublasLtMatmulMatrixScale_t`):
+/// one f32 scale per row of `op(A)` and per column of `op(B)`. The bindings target 12.8, where
+/// the value is not named; the attribute takes it as a plain 32-bit value, and a library that
+/// does not know it refuses the plan, which [`Lt::new`] turns into the unit-scale path.
+const SCALE_OUTER_VEC_32F: u32 = 3;
+
+/// How a plan's GEMM meets the scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scales {
+    /// Per weight row and per token, applied by cuBLASLt (and beta 1 adds to the output).
+    OuterVec,
+    /// None: unit scales, `kvf_fp8_scale` after.
+    Unit,
+}
+
 /// One GEMM shape's cuBLASLt descriptors and the algorithm its heuristic picked.
 struct LtPlan {
     desc: lt_sys::cublasLtMatmulDesc_t,
@@ -245,57 +268,73 @@ fn lt_err(what: &'static str) -> impl FnOnce(cudarc::cublaslt::result::CublasErr
     }
 }
 
+/// Sets one matmul-descriptor attribute to the bytes of `v`.
+///
+/// # Safety
+/// `desc` must be live and `T` the type cuBLASLt documents for `attr`.
+unsafe fn set_attr<T>(
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    attr: lt_sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<(), cudarc::cublaslt::result::CublasError> {
+    // SAFETY: the caller's contract; `v` is read for its size only during the call.
+    unsafe { lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()) }
+}
+
 impl LtPlan {
     /// `D[n x t] = op(A) · B` column-major with `A` the e4m3 weight buffer (`[n, k]` row-major =
     /// `k x n` column-major, transposed: cuBLASLt's FP8 "TN" layout), `B` the e4m3 input
-    /// (`[t, k]` row-major = `k x t`) and `D` f32 (`[t, n]` row-major = `n x t`, ld n).
-    fn new(handle: lt_sys::cublasLtHandle_t, t: usize, n: usize, k: usize) -> Result<Self, GpuError> {
+    /// (`[t, k]` row-major = `k x t`) and `C` = `D` f32 (`[t, n]` row-major = `n x t`, ld n).
+    /// `None` when cuBLASLt has no algorithm for it (or does not know the scale mode).
+    fn new(
+        handle: lt_sys::cublasLtHandle_t,
+        (t, n, k): (usize, usize, usize),
+        scales: Scales,
+    ) -> Result<Option<Self>, GpuError> {
+        use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
         use lt_sys::cudaDataType::{CUDA_R_32F, CUDA_R_8F_E4M3};
         let e = |what| lt_err(what);
         let desc = lt::create_matmul_desc(lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
             .map_err(e("creating an FP8 matmul descriptor"))?;
-        let trans = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
-        // SAFETY: `desc` is live; the attribute takes a `cublasOperation_t` (4 bytes).
-        unsafe {
-            lt::set_matmul_desc_attribute(
-                desc,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &trans as *const _ as *const c_void,
-                std::mem::size_of_val(&trans),
-            )
-        }
-        .map_err(e("setting the FP8 GEMM's transpose"))?;
         let (t64, n64, k64) = (t as u64, n as u64, k as u64);
         let a = lt::create_matrix_layout(CUDA_R_8F_E4M3, k64, n64, k as i64).map_err(e("an FP8 layout"))?;
         let b = lt::create_matrix_layout(CUDA_R_8F_E4M3, k64, t64, k as i64).map_err(e("an FP8 layout"))?;
         let c = lt::create_matrix_layout(CUDA_R_32F, n64, t64, n as i64).map_err(e("an FP8 layout"))?;
+        // From here the plan owns the descriptors (dropped with it on any return).
+        // SAFETY: cublasLtMatmulAlgo_t is plain data; it is set by the heuristic before use.
+        let mut plan = LtPlan { desc, a, b, c, algo: unsafe { std::mem::zeroed() } };
+        let trans = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
+        // SAFETY: `desc` is live; TRANSA takes a `cublasOperation_t`, the scale modes a u32.
+        unsafe { set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &trans) }.map_err(e("the FP8 GEMM's transpose"))?;
+        if scales == Scales::OuterVec {
+            for attr in [Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE] {
+                // SAFETY: as above.
+                if unsafe { set_attr(desc, attr, &SCALE_OUTER_VEC_32F) }.is_err() {
+                    return Ok(None);
+                }
+            }
+        }
         let pref = lt::create_matmul_pref().map_err(e("an FP8 GEMM preference"))?;
         let ws = LT_WORKSPACE as u64;
         // SAFETY: all descriptors are live; the workspace attribute takes a u64; `pref` is
         // destroyed once after the heuristic.
         let heuristic = unsafe {
-            lt::set_matmul_pref_attribute(
+            let set = lt::set_matmul_pref_attribute(
                 pref,
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &ws as *const u64 as *const c_void,
                 8,
-            )
-            .map_err(e("the FP8 GEMM's workspace"))?;
-            let h = lt::get_matmul_algo_heuristic(handle, desc, a, b, c, c, pref);
+            );
+            let h = set.and_then(|()| lt::get_matmul_algo_heuristic(handle, desc, a, b, c, c, pref));
             let _ = lt::destroy_matmul_pref(pref);
             h
         };
-        let plan = |algo| LtPlan { desc, a, b, c, algo };
         match heuristic {
-            Ok(h) => Ok(plan(h.algo)),
-            Err(err) => {
-                // Drop the descriptors through a plan with a zeroed algorithm.
-                // SAFETY: cublasLtMatmulAlgo_t is plain data; the zeroed value is never used.
-                drop(plan(unsafe { std::mem::zeroed() }));
-                Err(GpuError::Invalid(format!(
-                    "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} ({err:?}); FP8 needs inner sizes that are multiples of 16"
-                )))
+            Ok(h) => {
+                plan.algo = h.algo;
+                Ok(Some(plan))
             }
+            Err(_) => Ok(None),
         }
     }
 }
@@ -305,6 +344,8 @@ pub(super) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     plans: Mutex<HashMap<(usize, usize, usize), LtPlan>>,
+    /// How this library and device take the scales (probed once).
+    scales: Scales,
     stream: Arc<CudaStream>,
 }
 
@@ -315,22 +356,44 @@ unsafe impl Sync for Lt {}
 
 impl Drop for Lt {
     fn drop(&mut self) {
-        self.plans.get_mut().map(|p| p.clear()).unwrap_or(());
+        if let Ok(p) = self.plans.get_mut() {
+            p.clear();
+        }
         // SAFETY: created once in `Lt::new`, destroyed once here after its plans.
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }
 }
 
+/// What [`Lt::gemm`] left to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Done {
+    /// The output holds the scaled result (added to it when accumulating).
+    Scaled,
+    /// The output holds the unit-scale product: the scales are still to apply.
+    Unscaled,
+}
+
 impl Lt {
-    pub fn new(stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+    /// A handle and its workspace; probes once whether cuBLASLt takes per-row scales here.
+    /// `unit_scales`: do not (the path of GPUs and libraries without them, to test and time
+    /// it anywhere; `KVFLEET_FP8_UNIT_SCALES=1` in the worker and benchmarks).
+    pub fn new(stream: Arc<CudaStream>, unit_scales: bool) -> Result<Self, GpuError> {
         let handle = lt::create_handle().map_err(lt_err("creating the cuBLASLt handle"))?;
         let workspace = stream
             .alloc_zeros::<u8>(LT_WORKSPACE)
             .map_err(drv("allocating the cuBLASLt workspace"))?;
+        let outer = !unit_scales && LtPlan::new(handle, (64, 64, 64), Scales::OuterVec)?.is_some();
+        let scales = if outer { Scales::OuterVec } else { Scales::Unit };
+        tracing::info!(
+            version = unsafe { lt_sys::cublasLtGetVersion() },
+            per_row_scales = outer,
+            "cuBLASLt for the FP8 GEMMs"
+        );
         Ok(Lt {
             handle,
             workspace,
             plans: Mutex::new(HashMap::new()),
+            scales,
             stream,
         })
     }
@@ -340,32 +403,65 @@ impl Lt {
         LT_WORKSPACE
     }
 
-    /// Row-major `d[t, n] = xq[t, k] · wq[n, k]ᵀ` in f32, e4m3 inputs, unit scales.
+    /// Whether [`Lt::gemm`] applies the scales itself (and can add to its output).
+    pub fn scales_rows(&self) -> bool {
+        self.scales == Scales::OuterVec
+    }
+
+    /// Row-major `y[t, n] (+)= (sx[t] sw[n]) (xq[t, k] · wq[n, k]ᵀ)` in f32 from e4m3 inputs;
+    /// without per-row scales ([`Lt::scales_rows`] false) `y = xq · wqᵀ` and the caller applies
+    /// the scales (and must not ask to accumulate).
+    #[allow(clippy::too_many_arguments)] // two operands with their scales, the output, shape, mode
     pub fn gemm(
         &self,
-        wq: &CudaSlice<u8>,
-        xq: &CudaSlice<u8>,
-        d: &mut CudaSlice<f32>,
+        (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
+        (xq, sx): (&CudaSlice<u8>, &CudaSlice<f32>),
+        y: &mut CudaSlice<f32>,
         (t, n, k): (usize, usize, usize),
-    ) -> Result<(), GpuError> {
+        accumulate: bool,
+    ) -> Result<Done, GpuError> {
+        if accumulate && !self.scales_rows() {
+            return Err(GpuError::Invalid("an unscaled FP8 GEMM cannot accumulate".into()));
+        }
         need("FP8 GEMM weight", wq, n * k)?;
+        need("FP8 weight scales", sw, n)?;
         need("FP8 GEMM input", xq, t * k)?;
-        need("FP8 GEMM result", d, t * n)?;
+        need("FP8 token scales", sx, t)?;
+        need("FP8 GEMM output", y, t * n)?;
         let mut plans = self.plans.lock().map_err(|_| GpuError::Invalid("FP8 plan cache poisoned".into()))?;
         let plan = match plans.entry((t, n, k)) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(LtPlan::new(self.handle, t, n, k)?),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(LtPlan::new(self.handle, (t, n, k), self.scales)?.ok_or_else(|| {
+                    GpuError::Invalid(format!(
+                        "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} (FP8 needs inner sizes that are multiples of 16)"
+                    ))
+                })?)
+            }
         };
-        let (alpha, beta) = (1f32, 0f32);
         let s = &self.stream;
         let (wp, _rw) = wq.device_ptr(s);
         let (xp, _rx) = xq.device_ptr(s);
-        let (dp, _rd) = d.device_ptr_mut(s);
+        let (swp, _rsw) = sw.device_ptr(s);
+        let (sxp, _rsx) = sx.device_ptr(s);
+        let (yp, _ry) = y.device_ptr_mut(s);
         let (ws, _rws) = self.workspace.device_ptr(s);
+        if self.scales_rows() {
+            use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
+            let (a, b) = (swp as *const c_void, sxp as *const c_void);
+            // SAFETY: the plan's descriptor is live; the scale pointers take device addresses
+            // of `n` and `t` f32 (checked above), alive until the GEMM is queued.
+            unsafe {
+                set_attr(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)
+                    .and_then(|()| set_attr(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b))
+            }
+            .map_err(lt_err("the FP8 GEMM's scale vectors"))?;
+        }
+        let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
         // SAFETY: the plan's layouts describe exactly these buffers (sizes checked above), C is
-        // D (beta 0), alpha/beta are host f32 (the default pointer mode, scale type 32F), the
-        // workspace holds LT_WORKSPACE bytes, the plan's limit; everything runs on stream `s`,
-        // the stream of every buffer here.
+        // D (read only with beta 1), alpha/beta are host f32 (the default pointer mode, scale
+        // type 32F), the workspace holds LT_WORKSPACE bytes, the plan's limit; everything runs
+        // on stream `s`, the stream of every buffer here.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -376,9 +472,9 @@ impl Lt {
                 plan.a,
                 xp as *const c_void,
                 plan.b,
-                dp as *const c_void,
+                yp as *const c_void,
                 plan.c,
-                dp as *mut c_void,
+                yp as *mut c_void,
                 plan.c,
                 &plan.algo,
                 ws as *mut c_void,
@@ -386,7 +482,8 @@ impl Lt {
                 s.cu_stream() as lt_sys::cudaStream_t,
             )
         }
-        .map_err(lt_err("an FP8 GEMM"))
+        .map_err(lt_err("an FP8 GEMM"))?;
+        Ok(if self.scales_rows() { Done::Scaled } else { Done::Unscaled })
     }
 }
 
@@ -453,9 +550,16 @@ mod tests {
     #[test]
     #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
     fn gpu_fp8_gemm_and_gemv_equal_the_dequantized_products() {
+        for unit_scales in [false, true] {
+            fp8_products(unit_scales);
+        }
+    }
+
+    fn fp8_products(unit_scales: bool) {
         let g = gpu();
         let k = ModelKernels::load(&g, true).unwrap();
-        let blas = Blas::new(g.stream().clone(), true).unwrap();
+        let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), unit_scales).unwrap()).unwrap();
+        eprintln!("cuBLASLt applies the row scales: {}", blas.lt_scales_rows());
         let (t, n, kk) = (5, 96, 256);
         let w = to_f32(&bf16_rows(n, kk, 11));
         let wq = quantize_rows(&w, n, kk);
@@ -474,7 +578,9 @@ mod tests {
         let close = |got: &[f32], want: &[f32], what: &str| {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (i, (a, b)) in got.iter().zip(want).enumerate() {
-                assert!((a - b).abs() <= 1e-4 * scale + 1e-6, "{what}[{i}]: {a} vs {b}");
+                // Hopper's FP8 tensor cores accumulate with fewer than f32's 24 bits (about
+                // 1.6e-4 of the largest value measured on an H200): 1e-3 of it.
+                assert!((a - b).abs() <= 1e-3 * scale + 1e-6, "{what}[{i}]: {a} vs {b}");
             }
         };
         // W8A8 GEMM, stored.

@@ -86,7 +86,14 @@ impl Gemv {
         };
         Ok(Gemv {
             kernel: load("kvf_gemv")?,
-            fp8: fp8.then(|| load("kvf_gemv_fp8")).transpose()?,
+            // `KVFLEET_FP8_GEMV=cvt`: the hardware's e4m3 conversions instead of bit moves (to
+            // time the two in one call; kernels/fp8.cu).
+            fp8: fp8
+                .then(|| match std::env::var("KVFLEET_FP8_GEMV").as_deref() {
+                    Ok("cvt") => load("kvf_gemv_fp8_cvt"),
+                    _ => load("kvf_gemv_fp8"),
+                })
+                .transpose()?,
             stream,
             num_sms,
             pdl,

@@ -75,7 +75,12 @@ pub const FP8_SOURCE: &str = concat!(
 );
 
 /// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
-pub const FP8_KERNELS: [&str; 3] = ["kvf_quantize_rows_fp8", "kvf_gemv_fp8", "kvf_fp8_scale"];
+pub const FP8_KERNELS: [&str; 4] = [
+    "kvf_quantize_rows_fp8",
+    "kvf_gemv_fp8",
+    "kvf_gemv_fp8_cvt",
+    "kvf_fp8_scale",
+];
 
 /// PTX of one program for `arch`, compiled once per process, program and architecture.
 fn cached_ptx(name: &'static str, source: &'static str, arch: Arch) -> Result<Arc<str>, CudaError> {
