@@ -63,6 +63,7 @@ pub fn inference_pool_missing() -> Denial {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::tests::denial_of;
     use crate::validate::{synthetic_cluster, validate};
 
     fn spec(yaml: &str) -> InferenceDeploymentSpec {
@@ -91,11 +92,7 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
             KVFLEET.replace("runtime: kvfleet", "runtime: vllm")
         ));
         let v = validate(&s, &h100());
-        let d = v
-            .denials
-            .iter()
-            .find(|d| d.reason == ROUTER_NEEDS_KVFLEET_RUNTIME)
-            .expect("denied");
+        let d = denial_of(&v, ROUTER_NEEDS_KVFLEET_RUNTIME);
         assert_eq!(d.field, "spec.routing.mode");
         assert!(
             d.message.contains("inferencePool") && d.message.contains("runtime to kvfleet"),
@@ -119,13 +116,11 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
         facts.inference_pool_served = Some(false);
         let v = validate(&s, &facts);
         assert_eq!(v.denials.len(), 1, "{v:#?}");
-        assert_eq!(v.denials[0].reason, INFERENCE_POOL_MISSING);
+        let d = denial_of(&v, INFERENCE_POOL_MISSING);
         assert!(
-            v.denials[0]
-                .message
-                .contains("inferencepools.inference.networking.k8s.io"),
+            d.message.contains("inferencepools.inference.networking.k8s.io"),
             "{}",
-            v.denials[0].message
+            d.message
         );
         // The service mode never asks for the CRD.
         let plain = spec(KVFLEET);
