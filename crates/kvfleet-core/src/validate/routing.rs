@@ -1,6 +1,6 @@
 //! `spec.routing`: what each mode needs of the runtime and of the cluster.
 
-use super::{denial, ClusterFacts, Denial, Verdict};
+use super::{denial, ClusterFacts, Denial};
 use crate::api::{inference_pool, InferenceDeploymentSpec, RoutingMode, Runtime};
 
 /// Reason of a kvfleet router in front of vLLM workers.
@@ -8,22 +8,12 @@ pub const ROUTER_NEEDS_KVFLEET_RUNTIME: &str = "RouterNeedsKvfleetRuntime";
 /// Reason of `mode: inferencePool` where the API server serves no InferencePool.
 pub const INFERENCE_POOL_MISSING: &str = "InferencePoolCrdMissing";
 
-/// Adds the routing denials to `verdict`; a verdict they deny carries no resolution,
-/// affinity, nodes or capacity (see [`Verdict`]).
-pub(super) fn routing_checks(
-    spec: &InferenceDeploymentSpec,
-    facts: &ClusterFacts,
-    mut verdict: Verdict,
-) -> Verdict {
-    let denials: Vec<Denial> = [router_runtime(spec), inference_pool_served(spec, facts)]
+/// The routing denials: what the routing mode needs of the runtime and of the API server.
+pub(super) fn denials(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Vec<Denial> {
+    [router_runtime(spec), inference_pool_served(spec, facts)]
         .into_iter()
         .flatten()
-        .collect();
-    if denials.is_empty() {
-        return verdict;
-    }
-    verdict.deny(denials);
-    verdict
+        .collect()
 }
 
 /// The router loads the model's tokenizer from the kvfleet worker's config, which vLLM
@@ -63,23 +53,12 @@ pub fn inference_pool_missing() -> Denial {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::tests::denial_of;
+    use crate::validate::tests::{denial_of, KVFLEET_H100};
     use crate::validate::{synthetic_cluster, validate};
 
     fn spec(yaml: &str) -> InferenceDeploymentSpec {
         serde_yaml::from_str(yaml).unwrap()
     }
-
-    const KVFLEET: &str = "
-replicas: 2
-model:
-  name: m
-  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
-  weights: {format: dummy}
-  weightBytes: 16Gi
-engine: {runtime: kvfleet}
-gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
-";
 
     fn h100() -> ClusterFacts {
         synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap()
@@ -89,7 +68,7 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
     fn a_kvfleet_router_in_front_of_vllm_is_denied_with_both_fixes() {
         let s = spec(&format!(
             "{}routing: {{mode: kvfleet}}\n",
-            KVFLEET.replace("runtime: kvfleet", "runtime: vllm")
+            KVFLEET_H100.replace("runtime: kvfleet", "runtime: vllm")
         ));
         let v = validate(&s, &h100());
         let d = denial_of(&v, ROUTER_NEEDS_KVFLEET_RUNTIME);
@@ -100,14 +79,14 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
             d.message
         );
         assert!(v.resolved.is_none() && v.node_affinity.is_none());
-        let ok = spec(&format!("{KVFLEET}routing: {{mode: kvfleet}}\n"));
+        let ok = spec(&format!("{KVFLEET_H100}routing: {{mode: kvfleet}}\n"));
         assert!(validate(&ok, &h100()).allowed());
     }
 
     #[test]
     fn an_inference_pool_is_denied_only_where_the_api_server_is_known_not_to_serve_it() {
         let s = spec(&format!(
-            "{KVFLEET}routing: {{mode: inferencePool, endpointPicker: {{name: epp, port: 9002}}}}\n"
+            "{KVFLEET_H100}routing: {{mode: inferencePool, endpointPicker: {{name: epp, port: 9002}}}}\n"
         ));
         let mut facts = h100();
         assert!(validate(&s, &facts).allowed(), "not known: not judged");
@@ -123,7 +102,7 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
             d.message
         );
         // The service mode never asks for the CRD.
-        let plain = spec(KVFLEET);
+        let plain = spec(KVFLEET_H100);
         assert!(validate(&plain, &facts).allowed());
     }
 }

@@ -12,6 +12,19 @@ fn spec(yaml: &str) -> InferenceDeploymentSpec {
     s
 }
 
+/// One replica of a Llama-8B-shaped model on the kvfleet runtime and H100s; tests append
+/// the fields they are about.
+pub(super) const KVFLEET_H100: &str = "
+replicas: 1
+model:
+  name: m
+  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+  weights: {format: dummy}
+  weightBytes: 16Gi
+engine: {runtime: kvfleet}
+gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
+";
+
 /// The denial of `reason` in `v`; panics with the verdict when there is none.
 pub(super) fn denial_of<'a>(v: &'a Verdict, reason: &str) -> &'a Denial {
     v.denials
