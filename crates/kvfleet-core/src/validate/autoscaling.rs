@@ -31,17 +31,11 @@ pub(super) fn denials(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> V
 
 /// The denial of `engine: keda` on an API server that serves no ScaledObject.
 pub fn scaled_object_missing() -> Denial {
+    use scaled_object::{CRD, GROUP, KIND, RELEASE, VERSION};
     denial(
         "spec.autoscaling.engine",
         SCALED_OBJECT_MISSING,
-        format!(
-            "autoscaling engine keda renders a KEDA {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the CRD {crd} is not installed; install KEDA (helm install keda kedacore/keda --namespace keda --create-namespace, {release} or later), or set spec.autoscaling.engine to kvfleet (the controller scales on the same gauges itself, no KEDA or Prometheus needed)",
-            kind = scaled_object::KIND,
-            group = scaled_object::GROUP,
-            version = scaled_object::VERSION,
-            crd = scaled_object::CRD,
-            release = scaled_object::RELEASE,
-        ),
+        format!("autoscaling engine keda renders a KEDA {KIND} ({GROUP}/{VERSION}), but the API server does not serve {GROUP}/{VERSION}: the CRD {CRD} is not installed; install KEDA (helm install keda kedacore/keda --namespace keda --create-namespace, {RELEASE} or later), or set spec.autoscaling.engine to kvfleet (the controller scales on the same gauges itself, no KEDA or Prometheus needed)"),
     )
 }
 

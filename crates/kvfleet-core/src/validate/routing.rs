@@ -36,17 +36,11 @@ fn inference_pool_served(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -
 
 /// The denial of `mode: inferencePool` on an API server that serves no InferencePool.
 pub fn inference_pool_missing() -> Denial {
+    use inference_pool::{CRD, GROUP, KIND, RELEASE, VERSION};
     denial(
         "spec.routing.mode",
         INFERENCE_POOL_MISSING,
-        format!(
-            "routing mode inferencePool renders an {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the Gateway API Inference Extension CRD {crd} is not installed; install it (kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/{release}/manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet",
-            kind = inference_pool::KIND,
-            group = inference_pool::GROUP,
-            version = inference_pool::VERSION,
-            crd = inference_pool::CRD,
-            release = inference_pool::RELEASE,
-        ),
+        format!("routing mode inferencePool renders an {KIND} ({GROUP}/{VERSION}), but the API server does not serve {GROUP}/{VERSION}: the Gateway API Inference Extension CRD {CRD} is not installed; install it (kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/{RELEASE}/manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet"),
     )
 }
 
