@@ -3,12 +3,12 @@
 
 use k8s_openapi::api::core::v1::{
     Container, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
-    PodTemplateSpec,
+    PodTemplateSpec, Volume,
 };
 
 use kube::api::ApiResource;
 
-use super::{Desired, MonitorKind};
+use super::{desired, Desired, MonitorKind, Settings};
 use crate::api::{InferenceDeployment, ResolvedConfig};
 use crate::validate::{labels as gfd, Verdict};
 
@@ -116,6 +116,21 @@ pub fn verdict(dtype: &str, backend: &str, cc: &str, product: &str) -> Verdict {
         compatible_nodes: vec!["gpu-1".into()],
         ..Verdict::default()
     }
+}
+
+/// `yaml` rendered for `v` with the default settings.
+pub fn render(yaml: &str, v: &Verdict) -> Desired {
+    desired(&fixture(yaml), v, &Settings::default(), None).unwrap()
+}
+
+/// The volume `name` of the rendered pod.
+pub fn volume(d: &Desired, name: &str) -> Volume {
+    pod(d)
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find(|v| v.name == name)
+        .unwrap_or_else(|| panic!("no volume {name}"))
 }
 
 /// The pod template of the rendered Deployment.

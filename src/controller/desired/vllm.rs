@@ -230,9 +230,8 @@ mod tests {
 
     #[test]
     fn vllm_on_sm120_runs_triton_attn_with_every_flag_from_the_resolved_config() {
-        let obj = fixture(VLLM_RTX5090);
         let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
-        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let d = render(VLLM_RTX5090, &v);
         let c = container(&d);
         let args = c.args.clone().unwrap();
         assert_flags(
@@ -367,7 +366,7 @@ mod tests {
             "weights: {format: safetensors, huggingFace: {revision: v1, tokenSecretRef: {name: hf-token}, cachePvcName: hf-cache}}\n    weightBytes: 24Gi",
         );
         let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
-        let d = desired(&fixture(&yaml), &v, &Settings::default(), None).unwrap();
+        let d = render(&yaml, &v);
         let c = container(&d);
         let args = c.args.clone().unwrap();
         assert_eq!(
@@ -391,12 +390,7 @@ mod tests {
             .find(|m| m.mount_path == HF_CACHE_DIR)
             .unwrap();
         assert_ne!(mount.read_only, Some(true), "the cache is written");
-        let vol = pod(&d)
-            .volumes
-            .unwrap()
-            .into_iter()
-            .find(|v| v.name == mount.name)
-            .unwrap();
+        let vol = volume(&d, &mount.name);
         assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "hf-cache");
         // A Hub download of 24 GiB gets more than the 10 minutes of a dummy start.
         let probe = c.startup_probe.unwrap();
@@ -421,7 +415,7 @@ mod tests {
                 "weights: {format: dummy}",
                 &format!("weights: {{format: safetensors, {source}, path: /gemma-3-12b/}}"),
             );
-            let d = desired(&fixture(&yaml), &v, &Settings::default(), None).unwrap();
+            let d = render(&yaml, &v);
             let c = container(&d);
             let args = c.args.clone().unwrap();
             assert_eq!(
@@ -430,12 +424,7 @@ mod tests {
                 "{source}"
             );
             assert_eq!(arg_after(&args, "--load-format"), None, "{source}");
-            let vol = pod(&d)
-                .volumes
-                .unwrap()
-                .into_iter()
-                .find(|v| v.name == "weights")
-                .unwrap();
+            let vol = volume(&d, "weights");
             match check {
                 "pvc" => assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "w"),
                 "hostPath" => assert_eq!(vol.host_path.unwrap().path, "/mnt/nvme"),

@@ -216,7 +216,7 @@ mod tests {
             "    gpuMemoryUtilization: 0.92\n",
             "    gpuMemoryUtilization: 0.92\n    prefixCaching: false\n    kvEvents: {port: 5600, topic: kv}\n",
         );
-        let d = desired(&fixture(&spec), &v, &Settings::default(), None).unwrap();
+        let d = render(&spec, &v);
         let yaml = &d.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
         let cfg = WorkerConfig::parse(yaml).unwrap();
         assert!(!cfg.engine.prefix_caching, "{yaml}");
@@ -232,9 +232,8 @@ mod tests {
 
     #[test]
     fn kvfleet_pod_args_name_the_model_on_the_mounted_weights_volume_with_dtype_and_limits() {
-        let obj = fixture(KVFLEET_H100_PVC);
         let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
-        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let d = render(KVFLEET_H100_PVC, &v);
         let c = container(&d);
         let args = c.args.clone().unwrap();
         let model = arg_after(&args, "--model").expect("--model");
@@ -260,12 +259,7 @@ mod tests {
             .find(|m| model.starts_with(&format!("{}/", m.mount_path)))
             .expect("a mount under --model");
         assert_eq!(mount.read_only, Some(true));
-        let vol = pod(&d)
-            .volumes
-            .unwrap()
-            .into_iter()
-            .find(|v| v.name == mount.name)
-            .unwrap();
+        let vol = volume(&d, &mount.name);
         let pvc = vol.persistent_volume_claim.unwrap();
         assert_eq!(pvc.claim_name, "llama-weights");
         // The config file says the same.
@@ -277,13 +271,8 @@ mod tests {
 
         // hostPath weights: a Directory volume at the same place.
         let host = KVFLEET_H100_PVC.replace("pvcName: llama-weights", "hostPath: /mnt/nvme/models");
-        let d = desired(&fixture(&host), &v, &Settings::default(), None).unwrap();
-        let vol = pod(&d)
-            .volumes
-            .unwrap()
-            .into_iter()
-            .find(|v| v.name == "weights")
-            .unwrap();
+        let d = render(&host, &v);
+        let vol = volume(&d, "weights");
         let hp = vol.host_path.unwrap();
         assert_eq!(
             (hp.path.as_str(), hp.type_.as_deref()),
@@ -295,7 +284,7 @@ mod tests {
             "weights: {format: safetensors, pvcName: llama-weights, path: /llama-3.1-8b-instruct/}",
             "weights: {format: dummy}",
         );
-        let d = desired(&fixture(&dummy), &v, &Settings::default(), None).unwrap();
+        let d = render(&dummy, &v);
         let args = container(&d).args.unwrap();
         assert_eq!(arg_after(&args, "--model-weights").as_deref(), Some("dummy"));
         assert_eq!(arg_after(&args, "--model"), None);

@@ -34,7 +34,32 @@ pub struct Case<'a> {
     pub requested: D,
 }
 
-impl Case<'_> {
+impl<'a> Case<'a> {
+    /// The combination as the spec asks for it, with `auto` dtype resolved; an `auto` backend
+    /// is resolved per candidate through [`Case::with_backend`].
+    fn new(
+        runtime: Runtime,
+        cc: ComputeCapability,
+        features: &'a ModelFeatures,
+        requested: D,
+        backend: B,
+        vllm: Option<VllmVersion>,
+    ) -> Self {
+        Case {
+            runtime,
+            cc,
+            features,
+            dtype: resolve_dtype(cc, features, requested),
+            backend,
+            vllm,
+            requested,
+        }
+    }
+
+    fn with_backend(self, backend: B) -> Self {
+        Case { backend, ..self }
+    }
+
     fn kv(&self) -> D {
         self.dtype.canonical()
     }
@@ -91,6 +116,11 @@ impl Rule {
         self.applies_to(case.backend) && vllm_versions::rule_holds(self.id, case.vllm)
     }
 
+    /// A rule of `severity` that judges the case and fires on it.
+    fn breaks(&self, case: &Case, severity: Severity) -> bool {
+        self.severity == severity && self.judges(case) && (self.fires)(case)
+    }
+
     fn violation(&self, case: &Case) -> Violation {
         let cause = (self.cause)(case);
         let fix = (self.fix)(case);
@@ -103,6 +133,81 @@ impl Rule {
             cause,
             fix,
         }
+    }
+}
+
+// === the rule builder ===
+
+/// A vLLM rule, to be completed by the builder methods below (every backend and Deny until
+/// [`Rule::on`] or [`Rule::warn`] say otherwise).
+const fn vllm(id: &'static str) -> Rule {
+    Rule::new(Runtime::Vllm, id)
+}
+
+/// A kvfleet rule, as [`vllm`].
+const fn kvfleet(id: &'static str) -> Rule {
+    Rule::new(Runtime::Kvfleet, id)
+}
+
+/// The builder: each table row reads as scope, verdict, text and logic, one line each; the
+/// unit tests check that every row says all of them.
+impl Rule {
+    const fn new(runtime: Runtime, id: &'static str) -> Self {
+        Rule {
+            id,
+            runtime,
+            backends: &[],
+            severity: Severity::Deny,
+            field: "",
+            reason: "",
+            summary: "",
+            source: "",
+            fires: |_| false,
+            cause: |_| String::new(),
+            fix: |_| String::new(),
+        }
+    }
+
+    const fn on(self, backends: &'static [B]) -> Self {
+        Rule { backends, ..self }
+    }
+
+    const fn deny(self, field: &'static str, reason: &'static str) -> Self {
+        Rule {
+            severity: Severity::Deny,
+            field,
+            reason,
+            ..self
+        }
+    }
+
+    const fn warn(self, field: &'static str, reason: &'static str) -> Self {
+        Rule {
+            severity: Severity::Warn,
+            field,
+            reason,
+            ..self
+        }
+    }
+
+    const fn summary(self, summary: &'static str) -> Self {
+        Rule { summary, ..self }
+    }
+
+    const fn source(self, source: &'static str) -> Self {
+        Rule { source, ..self }
+    }
+
+    const fn fires(self, fires: fn(&Case) -> bool) -> Self {
+        Rule { fires, ..self }
+    }
+
+    const fn cause(self, cause: fn(&Case) -> String) -> Self {
+        Rule { cause, ..self }
+    }
+
+    const fn fix(self, fix: fn(&Case) -> String) -> Self {
+        Rule { fix, ..self }
     }
 }
 
@@ -183,7 +288,7 @@ fn head_dims(c: &Case) -> String {
 fn first_running_dtype(c: &Case, candidates: &[D]) -> Option<D> {
     candidates.iter().copied().find(|d| {
         *d != c.dtype
-            && resolve(c.runtime, c.cc, c.features, *d, B::Auto, c.vllm)
+            && resolve(&Case::new(c.runtime, c.cc, c.features, *d, B::Auto, c.vllm))
                 .0
                 .is_some()
     })
@@ -211,23 +316,18 @@ fn model_dtype(c: &Case) -> D {
 
 /// The vLLM runtime's rules (COMPAT.md, "vLLM runtime: rules worth rejecting at admission").
 pub static VLLM_RULES: &[Rule] = &[
-    Rule {
-        id: "vllm.kv-dtype-needs-release",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Deny,
-        field: KV,
-        reason: "UnsupportedByVllmVersion",
-        summary: "the KV dtype must exist in the vLLM release of the image (--kv-cache-dtype choices per release)",
-        source: "compat/vllm_versions.rs kv_dtype_availability (vllm#37199, vllm#40177, docs CacheDType per release)",
-        fires: |c| c.vllm.is_some_and(|v| !vllm_versions::kv_dtype_availability(c.requested).at(v)),
-        cause: |c| format!(
+    vllm("vllm.kv-dtype-needs-release")
+        .deny(KV, "UnsupportedByVllmVersion")
+        .summary("the KV dtype must exist in the vLLM release of the image (--kv-cache-dtype choices per release)")
+        .source("compat/vllm_versions.rs kv_dtype_availability (vllm#37199, vllm#40177, docs CacheDType per release)")
+        .fires(|c| c.vllm.is_some_and(|v| !vllm_versions::kv_dtype_availability(c.requested).at(v)))
+        .cause(|c| format!(
             "kvCacheDtype {} needs vLLM >= {}, and this spec runs vLLM {}",
             c.dtype,
             vllm_versions::kv_dtype_availability(c.dtype).since.map_or("(no release yet)".to_string(), |s| s.to_string()),
             c.vllm.map_or(String::new(), |v| v.to_string())
-        ),
-        fix: |c| {
+        ))
+        .fix(|c| {
             let image = vllm_versions::first_release_with(&vllm_versions::kv_dtype_availability(c.dtype))
                 .map(|_| vllm_versions::default_image());
             let other = use_dtype(c, &[D::Fp8, D::Fp8E5m2, D::Auto]);
@@ -235,287 +335,180 @@ pub static VLLM_RULES: &[Rule] = &[
                 Some(i) => format!("use image {i} (or set spec.engine.vllm.version to a release that has it), or {other}"),
                 None => other,
             }
-        },
-    },
-    Rule {
-        id: "vllm.nvfp4-kv-needs-sm100",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Deny,
-        field: KV,
-        reason: "UnsupportedKvCacheDtype",
-        summary: "nvfp4 KV cache only on family 100 (sm_100/sm_103); elsewhere vLLM starts, then dies on the first request",
-        source: "vllm#43562, vllm#43669 (D)",
-        fires: |c| c.kv() == D::Nvfp4 && c.cc.family() != 100,
-        cause: |_| "kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3 (B200/B300)".to_string(),
-        fix: |c| use_dtype(c, &[D::Fp8, D::Fp8E5m2, model_dtype(c)]),
-    },
-    Rule {
-        id: "vllm.fp8-e4m3-needs-sm89-in-triton",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Deny,
-        field: KV,
-        reason: "UnsupportedKvCacheDtype",
-        summary: "fp8_e4m3 KV with TRITON_ATTN / Inductor below 8.9 (sm_75/80/86/87): \"type fp8e4nv not supported in this architecture\"; only fp8_e5m2 exists there",
-        source: "vllm#26431, vllm#7714, vllm#39133 (D); sm_75 inferred from the same Triton check",
-        fires: |c| c.kv() == D::Fp8E4m3 && c.cc < ComputeCapability::new(8, 9),
-        cause: |c| format!(
+        }),
+    vllm("vllm.nvfp4-kv-needs-sm100")
+        .deny(KV, "UnsupportedKvCacheDtype")
+        .summary("nvfp4 KV cache only on family 100 (sm_100/sm_103); elsewhere vLLM starts, then dies on the first request")
+        .source("vllm#43562, vllm#43669 (D)")
+        .fires(|c| c.kv() == D::Nvfp4 && c.cc.family() != 100)
+        .cause(|_| "kvCacheDtype nvfp4 needs compute capability 10.0 or 10.3 (B200/B300)".to_string())
+        .fix(|c| use_dtype(c, &[D::Fp8, D::Fp8E5m2, model_dtype(c)])),
+    vllm("vllm.fp8-e4m3-needs-sm89-in-triton")
+        .deny(KV, "UnsupportedKvCacheDtype")
+        .summary("fp8_e4m3 KV with TRITON_ATTN / Inductor below 8.9 (sm_75/80/86/87): \"type fp8e4nv not supported in this architecture\"; only fp8_e5m2 exists there")
+        .source("vllm#26431, vllm#7714, vllm#39133 (D); sm_75 inferred from the same Triton check")
+        .fires(|c| c.kv() == D::Fp8E4m3 && c.cc < ComputeCapability::new(8, 9))
+        .cause(|c| format!(
             "{} KV cache is not supported by vLLM's Triton kernels (TRITON_ATTN and Inductor-compiled code) below compute capability 8.9: Triton has no fp8e4nv there",
             c.dtype_name()
-        ),
-        fix: |c| use_dtype(c, &[D::Fp8E5m2, model_dtype(c)]),
-    },
-    Rule {
-        id: "vllm.fp8-e5m2-with-quantized-checkpoint",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Deny,
-        field: KV,
-        reason: "UnsupportedKvCacheDtype",
-        summary: "fp8_e5m2 KV cache with any quantized checkpoint (fp8, INT4 AWQ, ...): \"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\"",
-        source: "vllm#39133 (D)",
-        fires: |c| c.kv() == D::Fp8E5m2 && c.features.quantized_checkpoint,
-        cause: |_| "kvCacheDtype fp8_e5m2 is refused by vLLM with a quantized checkpoint (\"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\"; the gate fires for any quantization)".to_string(),
-        fix: |c| use_dtype(c, &[D::Fp8, model_dtype(c)]),
-    },
-    Rule {
-        id: "vllm.bfloat16-needs-sm80",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Deny,
-        field: KV,
-        reason: "UnsupportedKvCacheDtype",
-        summary: "bfloat16 needs compute capability 8.0; below it vLLM supports float16 only (auto falls back to float16)",
-        source: "vllm vllm/platforms/cuda.py supported_dtypes (D)",
-        fires: |c| c.kv() == D::Bfloat16 && c.cc < ComputeCapability::new(8, 0),
-        cause: |_| "kvCacheDtype bfloat16 needs compute capability 8.0 or newer".to_string(),
-        fix: |_| "use float16 (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.flash-attn-fp8-needs-fa3",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashAttn],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedAttentionBackend",
-        summary: "fp8 KV with FLASH_ATTN needs FA3, i.e. family 90 (\"Cannot use FlashAttention backend for FP8 KV cache\")",
-        source: "vllm#24577 (D); vllm v1/attention/backends/fa_utils.py flash_attn_supports_fp8",
-        fires: |c| c.kv().is_fp8() && c.cc.family() != 90,
-        cause: |c| format!(
+        ))
+        .fix(|c| use_dtype(c, &[D::Fp8E5m2, model_dtype(c)])),
+    vllm("vllm.fp8-e5m2-with-quantized-checkpoint")
+        .deny(KV, "UnsupportedKvCacheDtype")
+        .summary("fp8_e5m2 KV cache with any quantized checkpoint (fp8, INT4 AWQ, ...): \"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\"")
+        .source("vllm#39133 (D)")
+        .fires(|c| c.kv() == D::Fp8E5m2 && c.features.quantized_checkpoint)
+        .cause(|_| "kvCacheDtype fp8_e5m2 is refused by vLLM with a quantized checkpoint (\"fp8_e5m2 kv-cache is not supported with fp8 checkpoints\"; the gate fires for any quantization)".to_string())
+        .fix(|c| use_dtype(c, &[D::Fp8, model_dtype(c)])),
+    vllm("vllm.bfloat16-needs-sm80")
+        .deny(KV, "UnsupportedKvCacheDtype")
+        .summary("bfloat16 needs compute capability 8.0; below it vLLM supports float16 only (auto falls back to float16)")
+        .source("vllm vllm/platforms/cuda.py supported_dtypes (D)")
+        .fires(|c| c.kv() == D::Bfloat16 && c.cc < ComputeCapability::new(8, 0))
+        .cause(|_| "kvCacheDtype bfloat16 needs compute capability 8.0 or newer".to_string())
+        .fix(|_| "use float16 (or auto)".to_string()),
+    vllm("vllm.flash-attn-fp8-needs-fa3")
+        .on(&[B::FlashAttn])
+        .deny(BACKEND, "UnsupportedAttentionBackend")
+        .summary("fp8 KV with FLASH_ATTN needs FA3, i.e. family 90 (\"Cannot use FlashAttention backend for FP8 KV cache\")")
+        .source("vllm#24577 (D); vllm v1/attention/backends/fa_utils.py flash_attn_supports_fp8")
+        .fires(|c| c.kv().is_fp8() && c.cc.family() != 90)
+        .cause(|c| format!(
             "attentionBackend FLASH_ATTN with kvCacheDtype {} needs FlashAttention 3, i.e. compute capability 9.x (Hopper)",
             c.dtype_name()
-        ),
-        fix: |_| "use attentionBackend auto, FLASHINFER or TRITON_ATTN".to_string(),
-    },
-    Rule {
-        id: "vllm.flash-attn-needs-sm80",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashAttn],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedAttentionBackend",
-        summary: "FLASH_ATTN (FA2) needs compute capability 8.0",
-        source: "Dao-AILab/flash-attention README (D)",
-        fires: |c| c.cc < ComputeCapability::new(8, 0),
-        cause: |_| "attentionBackend FLASH_ATTN (FlashAttention 2) needs compute capability 8.0 or newer".to_string(),
-        fix: |_| "use attentionBackend auto or TRITON_ATTN".to_string(),
-    },
-    Rule {
-        id: "vllm.flash-attn-head-dims",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashAttn],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedHeadDim",
-        summary: "FLASH_ATTN supports head dimensions up to 256 (multiples of 8)",
-        source: "Dao-AILab/flash-attention README \"all head dimensions up to 256\" (D)",
-        fires: |c| c.features.head_dims.iter().any(|d| *d > 256 || d % 8 != 0),
-        cause: |c| format!(
+        ))
+        .fix(|_| "use attentionBackend auto, FLASHINFER or TRITON_ATTN".to_string()),
+    vllm("vllm.flash-attn-needs-sm80")
+        .on(&[B::FlashAttn])
+        .deny(BACKEND, "UnsupportedAttentionBackend")
+        .summary("FLASH_ATTN (FA2) needs compute capability 8.0")
+        .source("Dao-AILab/flash-attention README (D)")
+        .fires(|c| c.cc < ComputeCapability::new(8, 0))
+        .cause(|_| "attentionBackend FLASH_ATTN (FlashAttention 2) needs compute capability 8.0 or newer".to_string())
+        .fix(|_| "use attentionBackend auto or TRITON_ATTN".to_string()),
+    vllm("vllm.flash-attn-head-dims")
+        .on(&[B::FlashAttn])
+        .deny(BACKEND, "UnsupportedHeadDim")
+        .summary("FLASH_ATTN supports head dimensions up to 256 (multiples of 8)")
+        .source("Dao-AILab/flash-attention README \"all head dimensions up to 256\" (D)")
+        .fires(|c| c.features.head_dims.iter().any(|d| *d > 256 || d % 8 != 0))
+        .cause(|c| format!(
             "attentionBackend FLASH_ATTN supports head dimensions up to 256; this model has {}",
             head_dims(c)
-        ),
-        fix: |_| "use attentionBackend auto or TRITON_ATTN".to_string(),
-    },
-    Rule {
-        id: "vllm.flashinfer-needs-sm80",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashInfer],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedAttentionBackend",
-        summary: "FLASHINFER floor raised to 8.0 (sm_75 prefill fails)",
-        source: "vllm#47549 (D)",
-        fires: |c| c.cc < ComputeCapability::new(8, 0),
-        cause: |_| "attentionBackend FLASHINFER needs compute capability 8.0 or newer (prefill fails on 7.5)".to_string(),
-        fix: |_| "use attentionBackend auto or TRITON_ATTN".to_string(),
-    },
-    Rule {
-        id: "vllm.flashinfer-sm120-prefill-crash",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashInfer],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedAttentionBackend",
-        summary: "FLASHINFER on family 120 crashed in prefill_wrapper.plan() (vLLM 0.15): use TRITON_ATTN",
-        source: "seed report \"vLLM SM120 NVFP4 working state\", vllm#40153, vllm#40677 (D)",
-        fires: |c| c.cc.family() == 120,
-        cause: |_| "attentionBackend FLASHINFER crashes in prefill_wrapper.plan() on compute capability 12.x".to_string(),
-        fix: |_| "use attentionBackend TRITON_ATTN (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.flashinfer-one-window-for-all-layers",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashInfer],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "PerLayerSlidingWindow",
-        summary: "FLASHINFER needs one sliding window, soft-cap and scale for all layers; per-layer windows (Gemma 2/3/4, gpt-oss) need FLASH_ATTN or TRITON_ATTN",
-        source: "vllm v1/attention/backends/utils.py infer_global_hyperparameters, vllm#39995 (D)",
-        fires: |c| c.features.per_layer_windows,
-        cause: |c| format!(
+        ))
+        .fix(|_| "use attentionBackend auto or TRITON_ATTN".to_string()),
+    vllm("vllm.flashinfer-needs-sm80")
+        .on(&[B::FlashInfer])
+        .deny(BACKEND, "UnsupportedAttentionBackend")
+        .summary("FLASHINFER floor raised to 8.0 (sm_75 prefill fails)")
+        .source("vllm#47549 (D)")
+        .fires(|c| c.cc < ComputeCapability::new(8, 0))
+        .cause(|_| "attentionBackend FLASHINFER needs compute capability 8.0 or newer (prefill fails on 7.5)".to_string())
+        .fix(|_| "use attentionBackend auto or TRITON_ATTN".to_string()),
+    vllm("vllm.flashinfer-sm120-prefill-crash")
+        .on(&[B::FlashInfer])
+        .deny(BACKEND, "UnsupportedAttentionBackend")
+        .summary("FLASHINFER on family 120 crashed in prefill_wrapper.plan() (vLLM 0.15): use TRITON_ATTN")
+        .source("seed report \"vLLM SM120 NVFP4 working state\", vllm#40153, vllm#40677 (D)")
+        .fires(|c| c.cc.family() == 120)
+        .cause(|_| "attentionBackend FLASHINFER crashes in prefill_wrapper.plan() on compute capability 12.x".to_string())
+        .fix(|_| "use attentionBackend TRITON_ATTN (or auto)".to_string()),
+    vllm("vllm.flashinfer-one-window-for-all-layers")
+        .on(&[B::FlashInfer])
+        .deny(BACKEND, "PerLayerSlidingWindow")
+        .summary("FLASHINFER needs one sliding window, soft-cap and scale for all layers; per-layer windows (Gemma 2/3/4, gpt-oss) need FLASH_ATTN or TRITON_ATTN")
+        .source("vllm v1/attention/backends/utils.py infer_global_hyperparameters, vllm#39995 (D)")
+        .fires(|c| c.features.per_layer_windows)
+        .cause(|c| format!(
             "attentionBackend FLASHINFER needs the same sliding window in every layer (\"Window left is not the same for all layers\"); this model mixes sliding-window ({}) and full-attention layers",
             c.features.sliding_windows.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", ")
-        ),
-        fix: |_| "use attentionBackend FLASH_ATTN or TRITON_ATTN (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.flashinfer-non-causal",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashInfer],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "NonCausalAttention",
-        summary: "non-causal attention (DFlash drafters, encoders): not supported by TRTLLM kernels; FLASHINFER non-causal is opt-in",
-        source: "vllm#39995, fi#3335 (D)",
-        fires: |c| c.features.non_causal,
-        cause: |_| "attentionBackend FLASHINFER does not run non-causal attention by default (TRTLLM kernels lack it; FlashInfer's non-causal path is opt-in)".to_string(),
-        fix: |_| "use attentionBackend FLASH_ATTN or TRITON_ATTN (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.flashinfer-head-dims",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashInfer],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedHeadDim",
-        summary: "FLASHINFER head sizes 64/128/256 only (Gemma 4 global head 512 rejected)",
-        source: "vllm#40677 (D)",
-        fires: |c| c.features.head_dims.iter().any(|d| ![64, 128, 256].contains(d)),
-        cause: |c| format!(
+        ))
+        .fix(|_| "use attentionBackend FLASH_ATTN or TRITON_ATTN (or auto)".to_string()),
+    vllm("vllm.flashinfer-non-causal")
+        .on(&[B::FlashInfer])
+        .deny(BACKEND, "NonCausalAttention")
+        .summary("non-causal attention (DFlash drafters, encoders): not supported by TRTLLM kernels; FLASHINFER non-causal is opt-in")
+        .source("vllm#39995, fi#3335 (D)")
+        .fires(|c| c.features.non_causal)
+        .cause(|_| "attentionBackend FLASHINFER does not run non-causal attention by default (TRTLLM kernels lack it; FlashInfer's non-causal path is opt-in)".to_string())
+        .fix(|_| "use attentionBackend FLASH_ATTN or TRITON_ATTN (or auto)".to_string()),
+    vllm("vllm.flashinfer-head-dims")
+        .on(&[B::FlashInfer])
+        .deny(BACKEND, "UnsupportedHeadDim")
+        .summary("FLASHINFER head sizes 64/128/256 only (Gemma 4 global head 512 rejected)")
+        .source("vllm#40677 (D)")
+        .fires(|c| c.features.head_dims.iter().any(|d| ![64, 128, 256].contains(d)))
+        .cause(|c| format!(
             "attentionBackend FLASHINFER supports head dimensions 64, 128 and 256 only; this model has {}",
             head_dims(c)
-        ),
-        fix: |_| "use attentionBackend TRITON_ATTN (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.mla-model-needs-mla-backend",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashAttn, B::FlashInfer, B::TritonAttn, B::FlexAttention, B::TreeAttn],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "MlaModel",
-        summary: "MLA models (kv_lora_rank) run on MLA backends only",
-        source: "vllm docs/design/attention_backends.md (D)",
-        fires: |c| c.features.mla,
-        cause: |c| format!("this model uses multi-head latent attention; attentionBackend {} is not an MLA backend", c.backend),
-        fix: |_| "use attentionBackend auto or TRITON_MLA".to_string(),
-    },
-    Rule {
-        id: "vllm.mla-backend-needs-mla-model",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashMla, B::CutlassMla, B::FlashInferMla, B::TritonMla],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "NotAnMlaModel",
-        summary: "MLA backends need an MLA model (kvLoraRank set)",
-        source: "vllm docs/design/attention_backends.md (D)",
-        fires: |c| !c.features.mla,
-        cause: |c| format!("attentionBackend {} is for multi-head latent attention models; this model has none (no kvLoraRank)", c.backend),
-        fix: |_| "use attentionBackend auto".to_string(),
-    },
-    Rule {
-        id: "vllm.flashmla-needs-sm90-or-sm100",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashMla],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedAttentionBackend",
-        summary: "FLASHMLA runs on families 90 and 100",
-        source: "vllm docs/design/attention_backends.md (I)",
-        fires: |c| !matches!(c.cc.family(), 90 | 100),
-        cause: |_| "attentionBackend FLASHMLA needs compute capability 9.x or 10.x".to_string(),
-        fix: |_| "use attentionBackend TRITON_MLA (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.sm100-mla-backends",
-        runtime: Runtime::Vllm,
-        backends: &[B::CutlassMla, B::FlashInferMla],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "UnsupportedAttentionBackend",
-        summary: "CUTLASS_MLA and FLASHINFER_MLA run on family 100 only",
-        source: "vllm docs/design/attention_backends.md (I)",
-        fires: |c| c.cc.family() != 100,
-        cause: |c| format!("attentionBackend {} needs compute capability 10.0 or 10.3", c.backend),
-        fix: |_| "use attentionBackend TRITON_MLA (or auto)".to_string(),
-    },
-    Rule {
-        id: "vllm.kvfleet-backend-needs-kvfleet-runtime",
-        runtime: Runtime::Vllm,
-        backends: &[B::KvfleetCuda, B::KvfleetCpu],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "BackendRuntimeMismatch",
-        summary: "KVFLEET_* backends belong to the kvfleet runtime",
-        source: "kvfleet api (EngineSpec)",
-        fires: |_| true,
-        cause: |c| format!("attentionBackend {} is kvfleet's own engine, not a vLLM backend", c.backend),
-        fix: |_| "use attentionBackend auto, FLASH_ATTN, FLASHINFER or TRITON_ATTN, or runtime kvfleet".to_string(),
-    },
-    Rule {
-        id: "vllm.fp8-weights-need-sm80",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Deny,
-        field: MIN_CC,
-        reason: "UnsupportedWeightQuantization",
-        summary: "FP8 weights (fp8 checkpoints, compressed-tensors float8, --quantization fp8) need compute capability 8.0 (\"Minimum capability: 80\")",
-        source: "vllm model_executor/layers/quantization/fp8.py Fp8Config.get_min_capability; compressed_tensors/schemes/compressed_tensors_w8a16_fp8.py get_min_capability (D)",
-        fires: |c| c.features.fp8_weights && c.cc < ComputeCapability::new(8, 0),
-        cause: |c| format!("{} needs compute capability 8.0 or newer in vLLM (its FP8 kernels: Marlin weight-only from 8.0, W8A8 from 8.9)", fp8_weights_name(c)),
-        fix: |_| format!("select GPUs of compute capability 8.0 or newer; for W8A8 FP8: {FP8_GPUS}"),
-    },
-    Rule {
-        id: "vllm.fp8-weights-marlin-below-sm89",
-        runtime: Runtime::Vllm,
-        backends: &[],
-        severity: Severity::Warn,
-        field: MIN_CC,
-        reason: "SlowerWeightQuantization",
-        summary: "FP8 weights on 8.0/8.6/8.7 run weight-only through Marlin (W8A16: FP8 weights dequantized in the GEMM, bf16 activations); W8A8 FP8 needs 8.9",
-        source: "vllm fp8.py Fp8LinearMethod use_marlin = not has_device_capability(89); compressed_tensors.py _get_scheme_from_parts (W8A8Fp8 else W8A16Fp8); utils/w8a8_utils.py cutlass_fp8_supported; docs/features/quantization/supported_hardware.md (D)",
-        fires: |c| c.features.fp8_weights && c.cc >= ComputeCapability::new(8, 0) && !fp8_tensor_cores(c.cc),
-        cause: |c| format!(
+        ))
+        .fix(|_| "use attentionBackend TRITON_ATTN (or auto)".to_string()),
+    vllm("vllm.mla-model-needs-mla-backend")
+        .on(&[B::FlashAttn, B::FlashInfer, B::TritonAttn, B::FlexAttention, B::TreeAttn])
+        .deny(BACKEND, "MlaModel")
+        .summary("MLA models (kv_lora_rank) run on MLA backends only")
+        .source("vllm docs/design/attention_backends.md (D)")
+        .fires(|c| c.features.mla)
+        .cause(|c| format!("this model uses multi-head latent attention; attentionBackend {} is not an MLA backend", c.backend))
+        .fix(|_| "use attentionBackend auto or TRITON_MLA".to_string()),
+    vllm("vllm.mla-backend-needs-mla-model")
+        .on(&[B::FlashMla, B::CutlassMla, B::FlashInferMla, B::TritonMla])
+        .deny(BACKEND, "NotAnMlaModel")
+        .summary("MLA backends need an MLA model (kvLoraRank set)")
+        .source("vllm docs/design/attention_backends.md (D)")
+        .fires(|c| !c.features.mla)
+        .cause(|c| format!("attentionBackend {} is for multi-head latent attention models; this model has none (no kvLoraRank)", c.backend))
+        .fix(|_| "use attentionBackend auto".to_string()),
+    vllm("vllm.flashmla-needs-sm90-or-sm100")
+        .on(&[B::FlashMla])
+        .deny(BACKEND, "UnsupportedAttentionBackend")
+        .summary("FLASHMLA runs on families 90 and 100")
+        .source("vllm docs/design/attention_backends.md (I)")
+        .fires(|c| !matches!(c.cc.family(), 90 | 100))
+        .cause(|_| "attentionBackend FLASHMLA needs compute capability 9.x or 10.x".to_string())
+        .fix(|_| "use attentionBackend TRITON_MLA (or auto)".to_string()),
+    vllm("vllm.sm100-mla-backends")
+        .on(&[B::CutlassMla, B::FlashInferMla])
+        .deny(BACKEND, "UnsupportedAttentionBackend")
+        .summary("CUTLASS_MLA and FLASHINFER_MLA run on family 100 only")
+        .source("vllm docs/design/attention_backends.md (I)")
+        .fires(|c| c.cc.family() != 100)
+        .cause(|c| format!("attentionBackend {} needs compute capability 10.0 or 10.3", c.backend))
+        .fix(|_| "use attentionBackend TRITON_MLA (or auto)".to_string()),
+    vllm("vllm.kvfleet-backend-needs-kvfleet-runtime")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny(BACKEND, "BackendRuntimeMismatch")
+        .summary("KVFLEET_* backends belong to the kvfleet runtime")
+        .source("kvfleet api (EngineSpec)")
+        .fires(|_| true)
+        .cause(|c| format!("attentionBackend {} is kvfleet's own engine, not a vLLM backend", c.backend))
+        .fix(|_| "use attentionBackend auto, FLASH_ATTN, FLASHINFER or TRITON_ATTN, or runtime kvfleet".to_string()),
+    vllm("vllm.fp8-weights-need-sm80")
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("FP8 weights (fp8 checkpoints, compressed-tensors float8, --quantization fp8) need compute capability 8.0 (\"Minimum capability: 80\")")
+        .source("vllm model_executor/layers/quantization/fp8.py Fp8Config.get_min_capability; compressed_tensors/schemes/compressed_tensors_w8a16_fp8.py get_min_capability (D)")
+        .fires(|c| c.features.fp8_weights && c.cc < ComputeCapability::new(8, 0))
+        .cause(|c| format!("{} needs compute capability 8.0 or newer in vLLM (its FP8 kernels: Marlin weight-only from 8.0, W8A8 from 8.9)", fp8_weights_name(c)))
+        .fix(|_| format!("select GPUs of compute capability 8.0 or newer; for W8A8 FP8: {FP8_GPUS}")),
+    vllm("vllm.fp8-weights-marlin-below-sm89")
+        .warn(MIN_CC, "SlowerWeightQuantization")
+        .summary("FP8 weights on 8.0/8.6/8.7 run weight-only through Marlin (W8A16: FP8 weights dequantized in the GEMM, bf16 activations); W8A8 FP8 needs 8.9")
+        .source("vllm fp8.py Fp8LinearMethod use_marlin = not has_device_capability(89); compressed_tensors.py _get_scheme_from_parts (W8A8Fp8 else W8A16Fp8); utils/w8a8_utils.py cutlass_fp8_supported; docs/features/quantization/supported_hardware.md (D)")
+        .fires(|c| c.features.fp8_weights && c.cc >= ComputeCapability::new(8, 0) && !fp8_tensor_cores(c.cc))
+        .cause(|c| format!(
             "{} on compute capability {} runs in vLLM as weight-only FP8 through the Marlin kernels (W8A16: weights dequantized to bf16 inside the GEMM, activations not quantized): the memory saving holds, but GEMMs are slower than W8A8 FP8 on FP8 tensor cores",
             fp8_weights_name(c),
             c.cc
-        ),
-        fix: |_| format!("for W8A8 FP8 select GPUs with FP8 tensor cores: {FP8_GPUS}"),
-    },
-    Rule {
-        id: "vllm.flashinfer-cubins-air-gapped",
-        runtime: Runtime::Vllm,
-        backends: &[B::FlashInfer],
-        severity: Severity::Warn,
-        field: BACKEND,
-        reason: "RuntimeDownload",
-        summary: "TRTLLM/XQA cubins are downloaded at run time unless flashinfer-cubin is installed: in air-gapped pods those paths silently vanish",
-        source: "vllm utils/flashinfer.py (D)",
-        fires: |c| c.cc.family() == 100,
-        cause: |_| "FLASHINFER on compute capability 10.x downloads TRTLLM/XQA kernels at run time unless flashinfer-cubin is installed; in air-gapped pods those fast paths silently vanish".to_string(),
-        fix: |_| "use an image with flashinfer-cubin, or allow egress to fetch the cubins".to_string(),
-    },
+        ))
+        .fix(|_| format!("for W8A8 FP8 select GPUs with FP8 tensor cores: {FP8_GPUS}")),
+    vllm("vllm.flashinfer-cubins-air-gapped")
+        .on(&[B::FlashInfer])
+        .warn(BACKEND, "RuntimeDownload")
+        .summary("TRTLLM/XQA cubins are downloaded at run time unless flashinfer-cubin is installed: in air-gapped pods those paths silently vanish")
+        .source("vllm utils/flashinfer.py (D)")
+        .fires(|c| c.cc.family() == 100)
+        .cause(|_| "FLASHINFER on compute capability 10.x downloads TRTLLM/XQA kernels at run time unless flashinfer-cubin is installed; in air-gapped pods those fast paths silently vanish".to_string())
+        .fix(|_| "use an image with flashinfer-cubin, or allow egress to fetch the cubins".to_string()),
 ];
 
 // === kvfleet rules ===
@@ -524,152 +517,104 @@ const KVFLEET_HEAD_DIMS: [u32; 3] = [64, 128, 256];
 
 /// kvfleet's own engine: what our kernels implement (keep in step with `kernels/`).
 pub static KVFLEET_RULES: &[Rule] = &[
-    Rule {
-        id: "kvfleet.backend-is-ours",
-        runtime: Runtime::Kvfleet,
-        backends: &[
-            B::FlashAttn, B::FlashInfer, B::TritonAttn, B::FlexAttention, B::TreeAttn,
-            B::FlashMla, B::CutlassMla, B::FlashInferMla, B::TritonMla,
-        ],
-        severity: Severity::Deny,
-        field: BACKEND,
-        reason: "BackendRuntimeMismatch",
-        summary: "the kvfleet runtime runs its own kernels: KVFLEET_CUDA (GPU) or KVFLEET_CPU",
-        source: KVFLEET_SOURCE,
-        fires: |_| true,
-        cause: |c| format!("attentionBackend {} is a vLLM backend; the kvfleet runtime runs its own kernels", c.backend),
-        fix: |_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string(),
-    },
-    Rule {
-        id: "kvfleet.cuda-needs-sm80",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda],
-        severity: Severity::Deny,
-        field: "spec.gpu.selector.minComputeCapability",
-        reason: "UnsupportedArchitecture",
-        summary: "KVFLEET_CUDA kernels are built for sm_80, sm_86/87, sm_89, sm_90a, sm_100a/103 and sm_120a/121 (bf16 mma.sync needs sm_80); every KV dtype (bfloat16, float16, fp8_e4m3, fp8_e5m2, nvfp4) runs on each",
-        source: KVFLEET_SOURCE,
-        fires: |c| Arch::for_capability(c.cc.major as i32, c.cc.minor as i32).is_none(),
-        cause: |c| format!(
+    kvfleet("kvfleet.backend-is-ours")
+        .on(&[B::FlashAttn, B::FlashInfer, B::TritonAttn, B::FlexAttention, B::TreeAttn, B::FlashMla, B::CutlassMla, B::FlashInferMla, B::TritonMla])
+        .deny(BACKEND, "BackendRuntimeMismatch")
+        .summary("the kvfleet runtime runs its own kernels: KVFLEET_CUDA (GPU) or KVFLEET_CPU")
+        .source(KVFLEET_SOURCE)
+        .fires(|_| true)
+        .cause(|c| format!("attentionBackend {} is a vLLM backend; the kvfleet runtime runs its own kernels", c.backend))
+        .fix(|_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string()),
+    kvfleet("kvfleet.cuda-needs-sm80")
+        .on(&[B::KvfleetCuda])
+        .deny(MIN_CC, "UnsupportedArchitecture")
+        .summary("KVFLEET_CUDA kernels are built for sm_80, sm_86/87, sm_89, sm_90a, sm_100a/103 and sm_120a/121 (bf16 mma.sync needs sm_80); every KV dtype (bfloat16, float16, fp8_e4m3, fp8_e5m2, nvfp4) runs on each")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| Arch::for_capability(c.cc.major as i32, c.cc.minor as i32).is_none())
+        .cause(|c| format!(
             "kvfleet's CUDA kernels are built for compute capability 8.0, 8.6, 8.7, 8.9, 9.0, 10.0, 10.3, 12.0 and 12.1, not {}",
             c.cc
-        ),
-        fix: |_| "select GPUs of a supported compute capability (e.g. minComputeCapability \"8.0\"), or use attentionBackend KVFLEET_CPU or runtime vllm".to_string(),
-    },
-    Rule {
-        id: "kvfleet.cuda-block-size-16",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda],
-        severity: Severity::Deny,
-        field: "spec.engine.blockSize",
-        reason: "UnsupportedBlockSize",
-        summary: "KVFLEET_CUDA kernels are specialised for pages of 16 tokens",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.block_size.is_some_and(|b| b != 16),
-        cause: |c| format!(
+        ))
+        .fix(|_| "select GPUs of a supported compute capability (e.g. minComputeCapability \"8.0\"), or use attentionBackend KVFLEET_CPU or runtime vllm".to_string()),
+    kvfleet("kvfleet.cuda-block-size-16")
+        .on(&[B::KvfleetCuda])
+        .deny("spec.engine.blockSize", "UnsupportedBlockSize")
+        .summary("KVFLEET_CUDA kernels are specialised for pages of 16 tokens")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.block_size.is_some_and(|b| b != 16))
+        .cause(|c| format!(
             "kvfleet's CUDA kernels use pages of 16 tokens; blockSize is {}",
             c.features.block_size.unwrap_or(0)
-        ),
-        fix: |_| "set engine.blockSize to 16".to_string(),
-    },
-    Rule {
-        id: "kvfleet.cuda-gqa-groups",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda],
-        severity: Severity::Deny,
-        field: GEOMETRY,
-        reason: "UnsupportedGqaGroup",
-        summary: "KVFLEET_CUDA kernels are specialised for GQA groups of 1, 2, 4 and 8 query heads per KV head",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.gqa_groups.iter().any(|g| ![1, 2, 4, 8].contains(g)),
-        cause: |c| format!(
+        ))
+        .fix(|_| "set engine.blockSize to 16".to_string()),
+    kvfleet("kvfleet.cuda-gqa-groups")
+        .on(&[B::KvfleetCuda])
+        .deny(GEOMETRY, "UnsupportedGqaGroup")
+        .summary("KVFLEET_CUDA kernels are specialised for GQA groups of 1, 2, 4 and 8 query heads per KV head")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.gqa_groups.iter().any(|g| ![1, 2, 4, 8].contains(g)))
+        .cause(|c| format!(
             "kvfleet's CUDA kernels support 1, 2, 4 or 8 query heads per KV head; this model has {:?}",
             c.features.gqa_groups
-        ),
-        fix: |_| "use attentionBackend KVFLEET_CPU or runtime vllm for this model".to_string(),
-    },
-    Rule {
-        id: "kvfleet.cuda-masks",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda],
-        severity: Severity::Deny,
-        field: "spec.engine.nonCausal",
-        reason: "UnsupportedMask",
-        summary: "KVFLEET_CUDA masks: full (non-causal), causal, causal with a sliding window; not a sliding window without the causal mask",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.non_causal && !c.features.sliding_windows.is_empty(),
-        cause: |_| "kvfleet's CUDA kernels apply a sliding window only together with the causal mask".to_string(),
-        fix: |_| "drop nonCausal for this sliding-window model, or use attentionBackend KVFLEET_CPU".to_string(),
-    },
-    Rule {
-        id: "kvfleet.head-dims",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda, B::KvfleetCpu],
-        severity: Severity::Deny,
-        field: GEOMETRY,
-        reason: "UnsupportedHeadDim",
-        summary: "kvfleet kernels are specialised for head dimensions 64, 128 and 256",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.head_dims.iter().any(|d| !KVFLEET_HEAD_DIMS.contains(d)),
-        cause: |c| format!(
+        ))
+        .fix(|_| "use attentionBackend KVFLEET_CPU or runtime vllm for this model".to_string()),
+    kvfleet("kvfleet.cuda-masks")
+        .on(&[B::KvfleetCuda])
+        .deny("spec.engine.nonCausal", "UnsupportedMask")
+        .summary("KVFLEET_CUDA masks: full (non-causal), causal, causal with a sliding window; not a sliding window without the causal mask")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.non_causal && !c.features.sliding_windows.is_empty())
+        .cause(|_| "kvfleet's CUDA kernels apply a sliding window only together with the causal mask".to_string())
+        .fix(|_| "drop nonCausal for this sliding-window model, or use attentionBackend KVFLEET_CPU".to_string()),
+    kvfleet("kvfleet.head-dims")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny(GEOMETRY, "UnsupportedHeadDim")
+        .summary("kvfleet kernels are specialised for head dimensions 64, 128 and 256")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.head_dims.iter().any(|d| !KVFLEET_HEAD_DIMS.contains(d)))
+        .cause(|c| format!(
             "kvfleet's kernels support head dimensions 64, 128 and 256; this model has {}",
             head_dims(c)
-        ),
-        fix: |_| "use runtime vllm for this model".to_string(),
-    },
-    Rule {
-        id: "kvfleet.no-mla",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda, B::KvfleetCpu],
-        severity: Severity::Deny,
-        field: RUNTIME,
-        reason: "MlaModel",
-        summary: "multi-head latent attention (MLA) is not implemented yet",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.mla,
-        cause: |_| "kvfleet's engine does not implement multi-head latent attention (MLA) yet".to_string(),
-        fix: |_| "use runtime vllm for this model".to_string(),
-    },
-    Rule {
-        id: "kvfleet.fp8-weights-need-sm89",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda],
-        severity: Severity::Deny,
-        field: MIN_CC,
-        reason: "UnsupportedWeightQuantization",
-        summary: "FP8 weights on the GPU need FP8 tensor cores (8.9, 9.0, 10.x, 12.x): the kvfleet engine has no weight-only fallback like vLLM's Marlin on 8.0/8.6",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.fp8_weights && !fp8_tensor_cores(c.cc),
-        cause: |c| format!(
+        ))
+        .fix(|_| "use runtime vllm for this model".to_string()),
+    kvfleet("kvfleet.no-mla")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny(RUNTIME, "MlaModel")
+        .summary("multi-head latent attention (MLA) is not implemented yet")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.mla)
+        .cause(|_| "kvfleet's engine does not implement multi-head latent attention (MLA) yet".to_string())
+        .fix(|_| "use runtime vllm for this model".to_string()),
+    kvfleet("kvfleet.fp8-weights-need-sm89")
+        .on(&[B::KvfleetCuda])
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("FP8 weights on the GPU need FP8 tensor cores (8.9, 9.0, 10.x, 12.x): the kvfleet engine has no weight-only fallback like vLLM's Marlin on 8.0/8.6")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.fp8_weights && !fp8_tensor_cores(c.cc))
+        .cause(|c| format!(
             "{} in the kvfleet runtime needs FP8 tensor cores (compute capability 8.9 or newer); {} has none and kvfleet has no weight-only FP8 path",
             fp8_weights_name(c),
             c.cc
-        ),
-        fix: |_| format!("select GPUs that can: {FP8_GPUS}; or use runtime vllm (weight-only FP8 through Marlin on this GPU)"),
-    },
-    Rule {
-        id: "kvfleet.fp8-weights-not-implemented",
-        runtime: Runtime::Kvfleet,
-        backends: &[B::KvfleetCuda, B::KvfleetCpu],
-        severity: Severity::Deny,
-        field: "spec.engine.runtime",
-        reason: "NotImplemented",
-        summary: "FP8 weights are not implemented yet in the kvfleet runtime's GPU engine (its loader and GEMMs take bf16); KVFLEET_CPU serves FP8 checkpoints dequantized to f32 at load, not engine.quantization fp8",
-        source: KVFLEET_SOURCE,
-        fires: |c| c.features.fp8_weights && (c.backend == B::KvfleetCuda || c.features.fp8_at_load),
-        cause: |c| match c.backend {
+        ))
+        .fix(|_| format!("select GPUs that can: {FP8_GPUS}; or use runtime vllm (weight-only FP8 through Marlin on this GPU)")),
+    kvfleet("kvfleet.fp8-weights-not-implemented")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny(RUNTIME, "NotImplemented")
+        .summary("FP8 weights are not implemented yet in the kvfleet runtime's GPU engine (its loader and GEMMs take bf16); KVFLEET_CPU serves FP8 checkpoints dequantized to f32 at load, not engine.quantization fp8")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.fp8_weights && (c.backend == B::KvfleetCuda || c.features.fp8_at_load))
+        .cause(|c| match c.backend {
             B::KvfleetCpu => "engine.quantization fp8 is not implemented yet in the kvfleet runtime's CPU engine".to_string(),
             _ => format!(
                 "{} is not implemented yet in the kvfleet runtime on the GPU (its loader and GEMMs take bf16 weights; the FP8 GEMM kernels are still to come, issue 32)",
                 fp8_weights_name(c)
             ),
-        },
-        fix: |c| if c.features.fp8_at_load {
+        })
+        .fix(|c| if c.features.fp8_at_load {
             "use runtime vllm (--quantization fp8), or leave engine.quantization out".to_string()
         } else {
             "use runtime vllm, which serves FP8 checkpoints today".to_string()
-        },
-    },
+        }),
 ];
 
 /// The rule set of a runtime.
@@ -768,45 +713,29 @@ pub fn resolve_dtype(cc: ComputeCapability, features: &ModelFeatures, dtype: D) 
     }
 }
 
-fn deny_violations(case: &Case) -> Vec<Violation> {
+/// The rules of `severity` the case breaks.
+fn violations(case: &Case, severity: Severity) -> Vec<Violation> {
     rules(case.runtime)
         .iter()
-        .filter(|r| r.severity == Severity::Deny && r.judges(case) && (r.fires)(case))
+        .filter(|r| r.breaks(case, severity))
         .map(|r| r.violation(case))
         .collect()
 }
 
-/// Resolution without messages: (resolved, candidates tried).
-fn resolve(
-    runtime: Runtime,
-    cc: ComputeCapability,
-    features: &ModelFeatures,
-    dtype: D,
-    backend: B,
-    vllm: Option<VllmVersion>,
-) -> (Option<(D, B)>, Vec<B>) {
-    let requested = dtype;
-    let dtype = resolve_dtype(cc, features, dtype);
-    let candidates: Vec<B> = if backend == B::Auto {
-        priority(runtime, cc, features).to_vec()
+/// Resolution without messages: (resolved, candidates tried). `query.backend` may be `auto`.
+fn resolve(query: &Case) -> (Option<(D, B)>, Vec<B>) {
+    let candidates: Vec<B> = if query.backend == B::Auto {
+        priority(query.runtime, query.cc, query.features).to_vec()
     } else {
-        vec![backend]
+        vec![query.backend]
     };
     let resolved = candidates.iter().copied().find(|b| {
-        let case = Case {
-            runtime,
-            cc,
-            features,
-            dtype,
-            backend: *b,
-            vllm,
-            requested,
-        };
-        !rules(runtime)
+        let case = query.with_backend(*b);
+        !rules(query.runtime)
             .iter()
-            .any(|r| r.severity == Severity::Deny && r.judges(&case) && (r.fires)(&case))
+            .any(|r| r.breaks(&case, Severity::Deny))
     });
-    (resolved.map(|b| (dtype, b)), candidates)
+    (resolved.map(|b| (query.dtype, b)), candidates)
 }
 
 /// Judges one combination on one architecture, resolving `auto` dtype and backend.
@@ -834,43 +763,18 @@ pub fn evaluate_at(
     vllm: Option<VllmVersion>,
 ) -> Evaluation {
     let vllm = vllm.filter(|_| runtime == Runtime::Vllm);
-    let requested = dtype;
-    let (resolved, candidates) = resolve(runtime, cc, features, dtype, backend, vllm);
-    if let Some((d, b)) = resolved {
-        let case = Case {
-            runtime,
-            cc,
-            features,
-            dtype: d,
-            backend: b,
-            vllm,
-            requested,
-        };
-        let warnings = rules(runtime)
-            .iter()
-            .filter(|r| r.severity == Severity::Warn && r.judges(&case) && (r.fires)(&case))
-            .map(|r| r.violation(&case))
-            .collect();
+    let query = Case::new(runtime, cc, features, dtype, backend, vllm);
+    let (resolved, candidates) = resolve(&query);
+    if let Some((_, b)) = resolved {
         return Evaluation {
             resolved,
             violations: Vec::new(),
-            warnings,
+            warnings: violations(&query.with_backend(b), Severity::Warn),
         };
     }
-    let dtype = resolve_dtype(cc, features, dtype);
     let per_candidate: Vec<Vec<Violation>> = candidates
         .iter()
-        .map(|b| {
-            deny_violations(&Case {
-                runtime,
-                cc,
-                features,
-                dtype,
-                backend: *b,
-                vllm,
-                requested,
-            })
-        })
+        .map(|b| violations(&query.with_backend(*b), Severity::Deny))
         .collect();
     let common: Vec<Violation> = per_candidate
         .first()

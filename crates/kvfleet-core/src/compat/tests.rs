@@ -321,6 +321,7 @@ fn every_rule_cites_a_source_and_has_a_pascal_case_reason() {
     for rule in VLLM_RULES.iter().chain(KVFLEET_RULES) {
         assert!(ids.insert(rule.id), "duplicate id {}", rule.id);
         assert!(rule.source.len() > 5, "{} has no source", rule.id);
+        assert!(!rule.summary.is_empty(), "{} has no summary", rule.id);
         assert!(rule.id.starts_with(rule.runtime.as_str()), "{}", rule.id);
         let first = rule.reason.chars().next().unwrap();
         assert!(

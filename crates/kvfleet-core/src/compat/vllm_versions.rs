@@ -162,6 +162,41 @@ pub struct Availability {
 }
 
 impl Availability {
+    /// In every release of the table.
+    pub const fn always(source: &'static str) -> Self {
+        Availability {
+            since: ALWAYS,
+            removed_in: None,
+            source,
+        }
+    }
+
+    /// From release `since` on.
+    pub const fn since(since: VllmVersion, source: &'static str) -> Self {
+        Availability {
+            since: Some(since),
+            removed_in: None,
+            source,
+        }
+    }
+
+    /// In no release (kvfleet's own names).
+    pub const fn never(source: &'static str) -> Self {
+        Availability {
+            since: None,
+            removed_in: None,
+            source,
+        }
+    }
+
+    /// The same, gone from release `removed_in` on.
+    pub const fn removed_in(self, removed_in: VllmVersion) -> Self {
+        Availability {
+            removed_in: Some(removed_in),
+            ..self
+        }
+    }
+
     pub fn at(&self, version: VllmVersion) -> bool {
         self.since.is_some_and(|s| version >= s) && self.removed_in.is_none_or(|r| version < r)
     }
@@ -176,179 +211,42 @@ pub struct Flag {
     pub availability: Availability,
 }
 
+const fn flag(flag: &'static str, availability: Availability) -> Flag {
+    Flag { flag, availability }
+}
+
 const ENGINE_ARGS: &str = "vllm engine arguments, docs.vllm.ai serve CLI reference (D)";
 
 /// Every flag the controller renders, with the releases that accept it.
 pub static FLAGS: &[Flag] = &[
-    Flag {
-        flag: "--model",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--served-model-name",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--host",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--port",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--kv-cache-dtype",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--max-model-len",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--max-num-seqs",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--max-num-batched-tokens",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--block-size",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--gpu-memory-utilization",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--tensor-parallel-size",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--pipeline-parallel-size",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
+    flag("--model", Availability::always(ENGINE_ARGS)),
+    flag("--served-model-name", Availability::always(ENGINE_ARGS)),
+    flag("--host", Availability::always(ENGINE_ARGS)),
+    flag("--port", Availability::always(ENGINE_ARGS)),
+    flag("--kv-cache-dtype", Availability::always(ENGINE_ARGS)),
+    flag("--max-model-len", Availability::always(ENGINE_ARGS)),
+    flag("--max-num-seqs", Availability::always(ENGINE_ARGS)),
+    flag("--max-num-batched-tokens", Availability::always(ENGINE_ARGS)),
+    flag("--block-size", Availability::always(ENGINE_ARGS)),
+    flag("--gpu-memory-utilization", Availability::always(ENGINE_ARGS)),
+    flag("--tensor-parallel-size", Availability::always(ENGINE_ARGS)),
+    flag("--pipeline-parallel-size", Availability::always(ENGINE_ARGS)),
     // `spec.engine.quantization: fp8`: quantize an unquantized checkpoint at load (vLLM's
     // `fp8` method, vllm/model_executor/layers/quantization/fp8.py).
-    Flag {
-        flag: "--quantization",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
+    flag("--quantization", Availability::always(ENGINE_ARGS)),
     // Prefix caching is on by default in the V1 engine, the only engine of every release in this
     // table; kvfleet renders only the `--no-` form, when the spec turns it off.
-    Flag {
-        flag: "--no-enable-prefix-caching",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: "vllm engine arguments: --enable-prefix-caching, --no-enable-prefix-caching (argparse BooleanOptionalAction) (D)",
-        },
-    },
+    flag("--no-enable-prefix-caching", Availability::always("vllm engine arguments: --enable-prefix-caching, --no-enable-prefix-caching (argparse BooleanOptionalAction) (D)")),
     // KV events (vllm/distributed/kv_events.py, KVEventsConfig), in releases since 0.9.
-    Flag {
-        flag: "--kv-events-config",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: "vllm engine arguments: --kv-events-config (KVEventsConfig: enable_kv_cache_events, publisher, endpoint, topic) (D)",
-        },
-    },
-    Flag {
-        flag: "--load-format",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--download-dir",
-        availability: Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: ENGINE_ARGS,
-        },
-    },
-    Flag {
-        flag: "--nnodes",
-        availability: MULTI_NODE,
-    },
-    Flag {
-        flag: "--node-rank",
-        availability: MULTI_NODE,
-    },
-    Flag {
-        flag: "--master-addr",
-        availability: MULTI_NODE,
-    },
-    Flag {
-        flag: "--master-port",
-        availability: MULTI_NODE,
-    },
-    Flag {
-        flag: "--headless",
-        availability: MULTI_NODE,
-    },
-    Flag {
-        flag: "--attention-backend",
-        availability: Availability {
-            since: Some(v(0, 12, 0)),
-            removed_in: None,
-            source: "vllm#26315 (merged 2025-11, AttentionConfig; D)",
-        },
-    },
+    flag("--kv-events-config", Availability::always("vllm engine arguments: --kv-events-config (KVEventsConfig: enable_kv_cache_events, publisher, endpoint, topic) (D)")),
+    flag("--load-format", Availability::always(ENGINE_ARGS)),
+    flag("--download-dir", Availability::always(ENGINE_ARGS)),
+    flag("--nnodes", MULTI_NODE),
+    flag("--node-rank", MULTI_NODE),
+    flag("--master-addr", MULTI_NODE),
+    flag("--master-port", MULTI_NODE),
+    flag("--headless", MULTI_NODE),
+    flag("--attention-backend", Availability::since(v(0, 12, 0), "vllm#26315 (merged 2025-11, AttentionConfig; D)")),
 ];
 
 /// vLLM's multi-node launch without Ray (the multiprocessing executor across nodes): every
@@ -360,33 +258,30 @@ pub static FLAGS: &[Flag] = &[
 /// (Center-for-AI-Innovation/LLMFlux#137, "vLLM 0.15.0's native rendezvous flags"). kvfleet
 /// claims 0.15.0 and denies multi-node specs on older releases: never a flag the release may
 /// lack. Lower `since` when a source shows an older release has them.
-pub const MULTI_NODE: Availability = Availability {
-    since: Some(v(0, 15, 0)),
-    removed_in: None,
-    source: "vllm#23691 (flags); 0.15.0 stated by Center-for-AI-Innovation/LLMFlux#137 (D); older releases not known",
-};
+pub const MULTI_NODE: Availability = Availability::since(
+    v(0, 15, 0),
+    "vllm#23691 (flags); 0.15.0 stated by Center-for-AI-Innovation/LLMFlux#137 (D); older releases not known",
+);
 
 /// The environment variable that chose the backend before `--attention-backend`.
 pub const ATTENTION_BACKEND_ENV: &str = "VLLM_ATTENTION_BACKEND";
 
 /// Releases that read [`ATTENTION_BACKEND_ENV`].
-pub const ATTENTION_BACKEND_ENV_AVAILABILITY: Availability = Availability {
-    since: ALWAYS,
-    removed_in: Some(v(0, 14, 0)),
-    source: "vllm#26315 deprecation warning \"will be removed in v0.14.0\"; vllm#30564 (D)",
-};
+pub const ATTENTION_BACKEND_ENV_AVAILABILITY: Availability =
+    Availability::always("vllm#26315 deprecation warning \"will be removed in v0.14.0\"; vllm#30564 (D)")
+        .removed_in(v(0, 14, 0));
 
 /// `--max-model-len auto` (fit the context to the KV pool). kvfleet renders a number (its
 /// capacity plan needs one) but records the fact for docs/vllm.md.
-pub const MAX_MODEL_LEN_AUTO: Availability = Availability {
-    since: Some(v(0, 13, 0)),
-    removed_in: None,
-    // Known: vllm#29431 ("Add `--max-model-len auto` to auto-fit context to available
-    // memory"), whose test logs are dated 11-25 (2025). Not known: the first release that
-    // ships it; 0.13.0 is the first row after that date. kvfleet never renders `auto`, so this
-    // row informs docs/vllm.md only.
-    source: "vllm#29431 (test logs 2025-11-25; first release not found, 0.13.0 assumed: I); also cited by kaito-project/kaito#2156",
-};
+///
+/// Known: vllm#29431 ("Add `--max-model-len auto` to auto-fit context to available memory"),
+/// whose test logs are dated 11-25 (2025). Not known: the first release that ships it; 0.13.0
+/// is the first row after that date. kvfleet never renders `auto`, so this row informs
+/// docs/vllm.md only.
+pub const MAX_MODEL_LEN_AUTO: Availability = Availability::since(
+    v(0, 13, 0),
+    "vllm#29431 (test logs 2025-11-25; first release not found, 0.13.0 assumed: I); also cited by kaito-project/kaito#2156",
+);
 
 /// Whether `flag` exists in `version`; unknown flags (extraArgs) are not judged.
 pub fn flag_at(flag: &str, version: VllmVersion) -> Option<bool> {
@@ -399,70 +294,39 @@ pub fn flag_at(flag: &str, version: VllmVersion) -> Option<bool> {
 /// The `--kv-cache-dtype` values each release accepts (`vllm.config.cache.CacheDType`).
 pub fn kv_dtype_availability(dtype: D) -> Availability {
     match dtype {
-        D::Auto | D::Fp8 | D::Fp8E4m3 | D::Fp8E5m2 => Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: "docs v0.9.2 CacheDType auto, fp8, fp8_e4m3, fp8_e5m2 (D)",
-        },
-        D::Bfloat16 => Availability {
-            since: ALWAYS,
-            removed_in: None,
-            // Known: docs v0.11.1 list bfloat16 in CacheDType, docs v0.10.2 do not. Not
-            // known: whether 0.11.0 (between them) has it; the table's oldest row is
-            // 0.11.0 and kvfleet assumes it does. A spec asking for bfloat16 on 0.11.0 is the
-            // one case this row could get wrong (the fix would be `since: 0.11.1`).
-            source: "docs v0.11.1 CacheDType adds bfloat16 (absent in v0.10.2) (D); 0.11.0 not known, assumed (I)",
-        },
-        D::Float16 => Availability {
-            since: Some(v(0, 19, 0)),
-            removed_in: None,
-            // Known: vllm#37199 (merged 2026-03-16) and docs v0.21.0, whose TRITON_ATTN
-            // backend lists "float16" among its supported_kv_cache_dtypes. Not known: the
-            // first release; 0.19.0 is the first row after the merge date.
-            source: "vllm#37199 adds float16 to CacheDType (merged 2026-03-16); present in docs v0.21.0 triton_attn (D); first release 0.19.0 assumed (I)",
-        },
-        D::Nvfp4 => Availability {
-            since: Some(v(0, 21, 0)),
-            removed_in: None,
-            source:
-                "vllm#40177 nvfp4 KV cache through FlashInfer trtllm-gen on sm_100 (released in v0.21.0; D)",
-        },
+        D::Auto | D::Fp8 | D::Fp8E4m3 | D::Fp8E5m2 => Availability::always("docs v0.9.2 CacheDType auto, fp8, fp8_e4m3, fp8_e5m2 (D)"),
+        // Known: docs v0.11.1 list bfloat16 in CacheDType, docs v0.10.2 do not. Not
+        // known: whether 0.11.0 (between them) has it; the table's oldest row is
+        // 0.11.0 and kvfleet assumes it does. A spec asking for bfloat16 on 0.11.0 is the
+        // one case this row could get wrong (the fix would be `since: 0.11.1`).
+        D::Bfloat16 => Availability::always("docs v0.11.1 CacheDType adds bfloat16 (absent in v0.10.2) (D); 0.11.0 not known, assumed (I)"),
+        // Known: vllm#37199 (merged 2026-03-16) and docs v0.21.0, whose TRITON_ATTN
+        // backend lists "float16" among its supported_kv_cache_dtypes. Not known: the
+        // first release; 0.19.0 is the first row after the merge date.
+        D::Float16 => Availability::since(v(0, 19, 0), "vllm#37199 adds float16 to CacheDType (merged 2026-03-16); present in docs v0.21.0 triton_attn (D); first release 0.19.0 assumed (I)"),
+        D::Nvfp4 => Availability::since(v(0, 21, 0), "vllm#40177 nvfp4 KV cache through FlashInfer trtllm-gen on sm_100 (released in v0.21.0; D)"),
     }
 }
 
 /// The attention backend names each release accepts.
 pub fn backend_availability(backend: B) -> Availability {
     match backend {
-        B::Auto => Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: "kvfleet: auto renders no backend at all",
-        },
-        B::FlashAttn | B::FlashInfer | B::FlexAttention | B::TreeAttn => Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: "vllm docs/design/attention_backends.md (D)",
-        },
-        B::TritonAttn => Availability {
-            since: ALWAYS,
-            removed_in: None,
-            // Known: vllm#14071 named the backend TRITON_ATTN_VLLM_V1 (2025-03);
-            // vllm#24648 (approved 2025-09-22) split triton_attn into a Triton-only backend and
-            // rocm_attn; docs v0.13.0 list both modules, docs v0.10.2 only the old one; docs
-            // v0.21.0 name it "TRITON_ATTN". Not known: whether 0.11.0 and 0.12.0 accept the
-            // name TRITON_ATTN (the split fell between 0.10.2 and 0.13.0).
-            source: "vllm#14071, vllm#24648; docs v0.13.0 and v0.21.0 (D); 0.11.0 and 0.12.0 not known, assumed (I)",
-        },
-        B::FlashMla | B::CutlassMla | B::FlashInferMla | B::TritonMla => Availability {
-            since: ALWAYS,
-            removed_in: None,
-            source: "vllm docs/design/attention_backends.md (D)",
-        },
-        B::KvfleetCuda | B::KvfleetCpu => Availability {
-            since: None,
-            removed_in: None,
-            source: "kvfleet's own backends, never vLLM's",
-        },
+        B::Auto => Availability::always("kvfleet: auto renders no backend at all"),
+        B::FlashAttn | B::FlashInfer | B::FlexAttention | B::TreeAttn => {
+            Availability::always("vllm docs/design/attention_backends.md (D)")
+        }
+        // Known: vllm#14071 named the backend TRITON_ATTN_VLLM_V1 (2025-03);
+        // vllm#24648 (approved 2025-09-22) split triton_attn into a Triton-only backend and
+        // rocm_attn; docs v0.13.0 list both modules, docs v0.10.2 only the old one; docs
+        // v0.21.0 name it "TRITON_ATTN". Not known: whether 0.11.0 and 0.12.0 accept the
+        // name TRITON_ATTN (the split fell between 0.10.2 and 0.13.0).
+        B::TritonAttn => Availability::always(
+            "vllm#14071, vllm#24648; docs v0.13.0 and v0.21.0 (D); 0.11.0 and 0.12.0 not known, assumed (I)",
+        ),
+        B::FlashMla | B::CutlassMla | B::FlashInferMla | B::TritonMla => {
+            Availability::always("vllm docs/design/attention_backends.md (D)")
+        }
+        B::KvfleetCuda | B::KvfleetCpu => Availability::never("kvfleet's own backends, never vLLM's"),
     }
 }
 

@@ -267,6 +267,11 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
+/// The `per request:` line of a plan: each layer group's term, summed.
+fn write_per_request(o: &mut String, terms: &[String], total: String, unit: &str) {
+    let _ = writeln!(o, "   per request: {} = {total} {unit}", terms.join(" + "));
+}
+
 fn spec_name(s: &LayerGeometry) -> String {
     match s.kind {
         LayerKind::Mla => format!("mla latent {}", s.head_dim),
@@ -513,19 +518,13 @@ impl Plan {
             );
             terms.push(t(g.blocks_per_request));
         }
+        write_per_request(&mut o, &terms, t(v.blocks_per_request), "blocks");
+        let c = v.max_concurrency;
         let _ = writeln!(
             o,
-            "   per request: {} = {} blocks",
-            terms.join(" + "),
-            t(v.blocks_per_request)
-        );
-        let _ = writeln!(
-            o,
-            "   max concurrency = {} / {} = {:.4} -> \"{:.2}x\"",
+            "   max concurrency = {} / {} = {c:.4} -> \"{c:.2}x\"",
             t(v.num_blocks),
             t(v.blocks_per_request),
-            v.max_concurrency,
-            v.max_concurrency
         );
         if !v.fits_one_request {
             let _ = writeln!(
@@ -598,12 +597,7 @@ impl Plan {
             );
             terms.push(t(g.blocks_per_request.saturating_mul(g.block_bytes)));
         }
-        let _ = writeln!(
-            o,
-            "   per request: {} = {} bytes",
-            terms.join(" + "),
-            t(k.bytes_per_request)
-        );
+        write_per_request(&mut o, &terms, t(k.bytes_per_request), "bytes");
         let _ = writeln!(
             o,
             "   pools: the largest c with sum(ceil(c x blocks per request) x block bytes) <= {} (at most {} / {} = {:.4}), remainder to the limiting pool",

@@ -1,6 +1,6 @@
 //! `spec.autoscaling`: what scaling on KV demand needs of the spec.
 
-use super::{denial, ClusterFacts, Denial, Verdict};
+use super::{denial, ClusterFacts, Denial};
 use crate::api::limits::{REPLICAS_MAX, STABILIZATION_WINDOW_MAX};
 use crate::api::{
     scaled_object, AutoscalingEngine, InferenceDeploymentSpec, RoutingMode, Runtime, ScalingRules,
@@ -15,41 +15,31 @@ pub const INVALID_AUTOSCALING: &str = "InvalidAutoscaling";
 /// Reason of `engine: keda` where the API server serves no ScaledObject.
 pub const SCALED_OBJECT_MISSING: &str = "KedaScaledObjectCrdMissing";
 
-/// Adds the autoscaling denials to `verdict` (a denied verdict keeps what it resolved: these
-/// problems are about scaling, not about whether a replica runs).
-pub(super) fn autoscaling_checks(
-    spec: &InferenceDeploymentSpec,
-    facts: &ClusterFacts,
-    mut verdict: Verdict,
-) -> Verdict {
-    verdict.denials.extend(denials(spec));
+/// The autoscaling denials: bounds that cannot hold together, what scaling needs of the
+/// runtime and routing, and KEDA's CRD where `engine: keda`.
+pub(super) fn denials(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Vec<Denial> {
+    let mut denials = spec_denials(spec);
     let keda = spec
         .autoscaling
         .as_ref()
         .is_some_and(|a| a.engine == AutoscalingEngine::Keda);
     if keda && facts.scaled_object_served == Some(false) {
-        verdict.denials.push(scaled_object_missing());
+        denials.push(scaled_object_missing());
     }
-    verdict
+    denials
 }
 
 /// The denial of `engine: keda` on an API server that serves no ScaledObject.
 pub fn scaled_object_missing() -> Denial {
+    use scaled_object::{CRD, GROUP, KIND, RELEASE, VERSION};
     denial(
         "spec.autoscaling.engine",
         SCALED_OBJECT_MISSING,
-        format!(
-            "autoscaling engine keda renders a KEDA {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the CRD {crd} is not installed; install KEDA (helm install keda kedacore/keda --namespace keda --create-namespace, {release} or later), or set spec.autoscaling.engine to kvfleet (the controller scales on the same gauges itself, no KEDA or Prometheus needed)",
-            kind = scaled_object::KIND,
-            group = scaled_object::GROUP,
-            version = scaled_object::VERSION,
-            crd = scaled_object::CRD,
-            release = scaled_object::RELEASE,
-        ),
+        format!("autoscaling engine keda renders a KEDA {KIND} ({GROUP}/{VERSION}), but the API server does not serve {GROUP}/{VERSION}: the CRD {CRD} is not installed; install KEDA (helm install keda kedacore/keda --namespace keda --create-namespace, {RELEASE} or later), or set spec.autoscaling.engine to kvfleet (the controller scales on the same gauges itself, no KEDA or Prometheus needed)"),
     )
 }
 
-fn denials(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
+fn spec_denials(spec: &InferenceDeploymentSpec) -> Vec<Denial> {
     let Some(a) = &spec.autoscaling else {
         return Vec::new();
     };
@@ -142,21 +132,11 @@ fn rules_denials(name: &str, r: &ScalingRules) -> Vec<Denial> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::{synthetic_cluster, validate};
-
-    const BASE: &str = "
-replicas: 1
-model:
-  name: m
-  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
-  weights: {format: dummy}
-  weightBytes: 16Gi
-engine: {runtime: kvfleet}
-gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
-";
+    use crate::validate::tests::KVFLEET_H100;
+    use crate::validate::{synthetic_cluster, validate, Verdict};
 
     fn verdict(extra: &str) -> Verdict {
-        let spec: InferenceDeploymentSpec = serde_yaml::from_str(&format!("{BASE}{extra}")).unwrap();
+        let spec: InferenceDeploymentSpec = serde_yaml::from_str(&format!("{KVFLEET_H100}{extra}")).unwrap();
         validate(&spec, &synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap())
     }
 
@@ -210,7 +190,7 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
 
     #[test]
     fn vllm_workers_export_no_demand_gauge() {
-        let spec = BASE.replace("runtime: kvfleet", "runtime: vllm");
+        let spec = KVFLEET_H100.replace("runtime: kvfleet", "runtime: vllm");
         let spec: InferenceDeploymentSpec =
             serde_yaml::from_str(&format!("{spec}autoscaling: {{maxReplicas: 3}}\n")).unwrap();
         let v = validate(&spec, &synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap());
@@ -224,7 +204,7 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
     #[test]
     fn defaults_are_the_documented_ones() {
         let spec: InferenceDeploymentSpec =
-            serde_yaml::from_str(&format!("{BASE}autoscaling: {{maxReplicas: 3}}\n")).unwrap();
+            serde_yaml::from_str(&format!("{KVFLEET_H100}autoscaling: {{maxReplicas: 3}}\n")).unwrap();
         let a = spec.autoscaling.unwrap();
         assert_eq!((a.min_replicas, a.max_replicas), (1, 3));
         assert_eq!(a.target_demand_ratio, 0.8);
@@ -233,8 +213,10 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
 
     #[test]
     fn keda_is_denied_naming_the_crd_only_where_the_api_server_is_known_not_to_serve_it() {
-        let spec: InferenceDeploymentSpec =
-            serde_yaml::from_str(&format!("{BASE}autoscaling: {{engine: keda, maxReplicas: 3}}\n")).unwrap();
+        let spec: InferenceDeploymentSpec = serde_yaml::from_str(&format!(
+            "{KVFLEET_H100}autoscaling: {{engine: keda, maxReplicas: 3}}\n"
+        ))
+        .unwrap();
         let mut facts = synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap();
         assert!(validate(&spec, &facts).allowed(), "not known: not judged");
         facts.scaled_object_served = Some(true);
@@ -251,7 +233,7 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
         );
         // The kvfleet engine never asks for the CRD.
         let own: InferenceDeploymentSpec =
-            serde_yaml::from_str(&format!("{BASE}autoscaling: {{maxReplicas: 3}}\n")).unwrap();
+            serde_yaml::from_str(&format!("{KVFLEET_H100}autoscaling: {{maxReplicas: 3}}\n")).unwrap();
         assert!(validate(&own, &facts).allowed());
     }
 }

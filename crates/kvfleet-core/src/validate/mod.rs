@@ -169,9 +169,15 @@ pub fn validate(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Verdict
     }
     let on_nodes = validate_nodes(spec, facts);
     let judged = scale_from_zero::scale_from_zero(spec, on_nodes, validate_nodes);
-    let judged = multi_node::multi_node_checks(spec, facts, judged);
-    let judged = routing::routing_checks(spec, facts, judged);
-    autoscaling::autoscaling_checks(spec, facts, judged)
+    let mut judged = multi_node::multi_node_checks(spec, facts, judged);
+    // A routing denial leaves nothing to render; an autoscaling one keeps what was resolved
+    // (those problems are about scaling, not about whether a replica runs).
+    let routing = routing::denials(spec, facts);
+    if !routing.is_empty() {
+        judged.deny(routing);
+    }
+    judged.denials.extend(autoscaling::denials(spec, facts));
+    judged
 }
 
 /// [`validate`] against the nodes only.

@@ -1,6 +1,6 @@
 //! `spec.routing`: what each mode needs of the runtime and of the cluster.
 
-use super::{denial, ClusterFacts, Denial, Verdict};
+use super::{denial, ClusterFacts, Denial};
 use crate::api::{inference_pool, InferenceDeploymentSpec, RoutingMode, Runtime};
 
 /// Reason of a kvfleet router in front of vLLM workers.
@@ -8,22 +8,12 @@ pub const ROUTER_NEEDS_KVFLEET_RUNTIME: &str = "RouterNeedsKvfleetRuntime";
 /// Reason of `mode: inferencePool` where the API server serves no InferencePool.
 pub const INFERENCE_POOL_MISSING: &str = "InferencePoolCrdMissing";
 
-/// Adds the routing denials to `verdict`; a verdict they deny carries no resolution,
-/// affinity, nodes or capacity (see [`Verdict`]).
-pub(super) fn routing_checks(
-    spec: &InferenceDeploymentSpec,
-    facts: &ClusterFacts,
-    mut verdict: Verdict,
-) -> Verdict {
-    let denials: Vec<Denial> = [router_runtime(spec), inference_pool_served(spec, facts)]
+/// The routing denials: what the routing mode needs of the runtime and of the API server.
+pub(super) fn denials(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -> Vec<Denial> {
+    [router_runtime(spec), inference_pool_served(spec, facts)]
         .into_iter()
         .flatten()
-        .collect();
-    if denials.is_empty() {
-        return verdict;
-    }
-    verdict.deny(denials);
-    verdict
+        .collect()
 }
 
 /// The router loads the model's tokenizer from the kvfleet worker's config, which vLLM
@@ -46,39 +36,23 @@ fn inference_pool_served(spec: &InferenceDeploymentSpec, facts: &ClusterFacts) -
 
 /// The denial of `mode: inferencePool` on an API server that serves no InferencePool.
 pub fn inference_pool_missing() -> Denial {
+    use inference_pool::{CRD, GROUP, KIND, RELEASE, VERSION};
     denial(
         "spec.routing.mode",
         INFERENCE_POOL_MISSING,
-        format!(
-            "routing mode inferencePool renders an {kind} ({group}/{version}), but the API server does not serve {group}/{version}: the Gateway API Inference Extension CRD {crd} is not installed; install it (kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/{release}/manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet",
-            kind = inference_pool::KIND,
-            group = inference_pool::GROUP,
-            version = inference_pool::VERSION,
-            crd = inference_pool::CRD,
-            release = inference_pool::RELEASE,
-        ),
+        format!("routing mode inferencePool renders an {KIND} ({GROUP}/{VERSION}), but the API server does not serve {GROUP}/{VERSION}: the Gateway API Inference Extension CRD {CRD} is not installed; install it (kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api-inference-extension/releases/download/{RELEASE}/manifests.yaml) with a gateway that implements it, or use routing mode service or kvfleet"),
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::validate::tests::{denial_of, KVFLEET_H100};
     use crate::validate::{synthetic_cluster, validate};
 
     fn spec(yaml: &str) -> InferenceDeploymentSpec {
         serde_yaml::from_str(yaml).unwrap()
     }
-
-    const KVFLEET: &str = "
-replicas: 2
-model:
-  name: m
-  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
-  weights: {format: dummy}
-  weightBytes: 16Gi
-engine: {runtime: kvfleet}
-gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
-";
 
     fn h100() -> ClusterFacts {
         synthetic_cluster(&["NVIDIA-H100-80GB-HBM3"]).unwrap()
@@ -88,14 +62,10 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
     fn a_kvfleet_router_in_front_of_vllm_is_denied_with_both_fixes() {
         let s = spec(&format!(
             "{}routing: {{mode: kvfleet}}\n",
-            KVFLEET.replace("runtime: kvfleet", "runtime: vllm")
+            KVFLEET_H100.replace("runtime: kvfleet", "runtime: vllm")
         ));
         let v = validate(&s, &h100());
-        let d = v
-            .denials
-            .iter()
-            .find(|d| d.reason == ROUTER_NEEDS_KVFLEET_RUNTIME)
-            .expect("denied");
+        let d = denial_of(&v, ROUTER_NEEDS_KVFLEET_RUNTIME);
         assert_eq!(d.field, "spec.routing.mode");
         assert!(
             d.message.contains("inferencePool") && d.message.contains("runtime to kvfleet"),
@@ -103,14 +73,14 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
             d.message
         );
         assert!(v.resolved.is_none() && v.node_affinity.is_none());
-        let ok = spec(&format!("{KVFLEET}routing: {{mode: kvfleet}}\n"));
+        let ok = spec(&format!("{KVFLEET_H100}routing: {{mode: kvfleet}}\n"));
         assert!(validate(&ok, &h100()).allowed());
     }
 
     #[test]
     fn an_inference_pool_is_denied_only_where_the_api_server_is_known_not_to_serve_it() {
         let s = spec(&format!(
-            "{KVFLEET}routing: {{mode: inferencePool, endpointPicker: {{name: epp, port: 9002}}}}\n"
+            "{KVFLEET_H100}routing: {{mode: inferencePool, endpointPicker: {{name: epp, port: 9002}}}}\n"
         ));
         let mut facts = h100();
         assert!(validate(&s, &facts).allowed(), "not known: not judged");
@@ -119,16 +89,14 @@ gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
         facts.inference_pool_served = Some(false);
         let v = validate(&s, &facts);
         assert_eq!(v.denials.len(), 1, "{v:#?}");
-        assert_eq!(v.denials[0].reason, INFERENCE_POOL_MISSING);
+        let d = denial_of(&v, INFERENCE_POOL_MISSING);
         assert!(
-            v.denials[0]
-                .message
-                .contains("inferencepools.inference.networking.k8s.io"),
+            d.message.contains("inferencepools.inference.networking.k8s.io"),
             "{}",
-            v.denials[0].message
+            d.message
         );
         // The service mode never asks for the CRD.
-        let plain = spec(KVFLEET);
+        let plain = spec(KVFLEET_H100);
         assert!(validate(&plain, &facts).allowed());
     }
 }

@@ -12,17 +12,34 @@ fn spec(yaml: &str) -> InferenceDeploymentSpec {
     s
 }
 
+/// One replica of a Llama-8B-shaped model on the kvfleet runtime and H100s; tests append
+/// the fields they are about.
+pub(super) const KVFLEET_H100: &str = "
+replicas: 1
+model:
+  name: m
+  geometry: {layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128}
+  weights: {format: dummy}
+  weightBytes: 16Gi
+engine: {runtime: kvfleet}
+gpu: {selector: {products: [NVIDIA-H100-80GB-HBM3]}}
+";
+
+/// The denial of `reason` in `v`; panics with the verdict when there is none.
+pub(super) fn denial_of<'a>(v: &'a Verdict, reason: &str) -> &'a Denial {
+    v.denials
+        .iter()
+        .find(|d| d.reason == reason)
+        .unwrap_or_else(|| panic!("no {reason} denial in {v:#?}"))
+}
+
 #[test]
 fn a_vllm_spec_needs_weights_or_dummy_said_out_loud() {
     let nodes = cluster(vec![node("h100-0", "NVIDIA-H100-80GB-HBM3", 8)]);
     let bare: InferenceDeploymentSpec =
         serde_yaml::from_str(&format!("{LLAMA}engine: {{runtime: vllm}}\n")).unwrap();
     let v = validate(&bare, &nodes);
-    let d = v
-        .denials
-        .iter()
-        .find(|d| d.reason == "WeightsMissing")
-        .unwrap_or_else(|| panic!("{v:#?}"));
+    let d = denial_of(&v, "WeightsMissing");
     assert_eq!(d.field, "spec.model.weights");
     assert!(
         d.message.contains("format: dummy") && d.message.contains("huggingFace"),
@@ -233,13 +250,13 @@ fn mixed_pool_admits_on_sm90_only_with_counts() {
 fn no_nodes_at_all_is_denied_as_no_matching_node() {
     let v = validate(&llama("{}"), &ClusterFacts::default());
     assert!(!v.allowed());
-    assert_eq!(v.denials[0].reason, "NoMatchingNodes");
+    let d = &v.denials[0];
+    assert_eq!(d.reason, "NoMatchingNodes");
     assert!(
-        v.denials[0]
-            .message
+        d.message
             .starts_with("no schedulable GPU node matches the selectors (any GPU node)"),
         "{}",
-        v.denials[0].message
+        d.message
     );
 }
 
@@ -408,11 +425,7 @@ fn tensor_parallel_size_must_split_the_heads() {
         &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
     );
     assert!(!v.allowed());
-    let d = v
-        .denials
-        .iter()
-        .find(|d| d.reason == "TensorParallelSizeMismatch")
-        .unwrap();
+    let d = denial_of(&v, "TensorParallelSizeMismatch");
     assert!(
         d.message.contains("does not divide the model's 32 query heads")
             && d.message.contains("use one of 1, 2, 4, 8"),
@@ -551,11 +564,7 @@ mod capacity {
         let s = llama_8b("{runtime: vllm, maxModelLen: 1000000, gpuMemoryUtilization: 0.85}");
         let v = validate(&s, &cluster(vec![node("a", "NVIDIA-GeForce-RTX-3090", 2)]));
         assert!(!v.allowed());
-        let d = v
-            .denials
-            .iter()
-            .find(|d| d.reason == "KvCacheTooSmall")
-            .unwrap_or_else(|| panic!("{v:#?}"));
+        let d = denial_of(&v, "KvCacheTooSmall");
         assert_eq!(d.field, "spec.engine.maxModelLen");
         assert!(
             d.message.starts_with("maxModelLen 1000000 needs"),
@@ -627,11 +636,7 @@ fn kvfleet_runtime_with_tensor_parallelism_is_denied_naming_the_fix() {
         &cluster(vec![node("h", "NVIDIA-H100-80GB-HBM3", 8)]),
     );
     assert!(!v.allowed());
-    let d = v
-        .denials
-        .iter()
-        .find(|d| d.reason == "KvfleetSingleGpu")
-        .unwrap_or_else(|| panic!("{v:#?}"));
+    let d = denial_of(&v, "KvfleetSingleGpu");
     assert_eq!(d.field, "spec.engine.tensorParallelSize");
     assert!(
         d.message.contains("runs one GPU per replica")
@@ -714,30 +719,18 @@ fn offline_check_and_the_cluster_use_the_memory_gfd_labels_the_product_with() {
 fn a_capacity_denial_suggests_tensor_parallelism_only_where_nodes_have_the_gpus() {
     let big = "{runtime: vllm, maxModelLen: 400000}";
     let on_one = validate(&llama(big), &cluster(vec![node("l4", "NVIDIA-L4", 1)]));
-    let d = on_one
-        .denials
-        .iter()
-        .find(|d| d.reason == "KvCacheTooSmall")
-        .unwrap();
+    let d = denial_of(&on_one, "KvCacheTooSmall");
     assert!(!d.message.contains("raise tensorParallelSize"), "{}", d.message);
     assert!(d.message.contains("lower maxModelLen to"), "{}", d.message);
     let on_eight = validate(&llama(big), &cluster(vec![node("l4", "NVIDIA-L4", 8)]));
-    let d = on_eight
-        .denials
-        .iter()
-        .find(|d| d.reason == "KvCacheTooSmall")
-        .unwrap();
+    let d = denial_of(&on_eight, "KvCacheTooSmall");
     assert!(d.message.contains("raise tensorParallelSize"), "{}", d.message);
     // kvfleet runs one GPU per replica: never suggested.
     let kvfleet = validate(
         &llama("{runtime: kvfleet, maxModelLen: 400000}"),
         &cluster(vec![node("l4", "NVIDIA-L4", 8)]),
     );
-    let d = kvfleet
-        .denials
-        .iter()
-        .find(|d| d.reason == "KvCacheTooSmall")
-        .unwrap();
+    let d = denial_of(&kvfleet, "KvCacheTooSmall");
     assert!(!d.message.contains("raise tensorParallelSize"), "{}", d.message);
 }
 
@@ -876,11 +869,7 @@ fn a_pool_with_fewer_nodes_than_replicas_need_is_denied_naming_field_reason_and_
     ));
     let v = validate(&s, &h100s(3));
     assert!(!v.allowed());
-    let d = v
-        .denials
-        .iter()
-        .find(|d| d.reason == INSUFFICIENT_NODES)
-        .unwrap_or_else(|| panic!("{v:#?}"));
+    let d = denial_of(&v, INSUFFICIENT_NODES);
     assert_eq!(d.field, "spec.replicas");
     assert!(
         d.message.contains("2 replicas need 4 such nodes")
@@ -898,11 +887,7 @@ fn a_pool_with_fewer_nodes_than_replicas_need_is_denied_naming_field_reason_and_
 fn multi_node_on_a_release_without_the_multi_node_launch_is_denied_with_the_release() {
     let s = llama("{runtime: vllm, tensorParallelSize: 16, vllm: {version: 0.14.0}}");
     let v = validate(&s, &h100s(2));
-    let d = v
-        .denials
-        .iter()
-        .find(|d| d.reason == "MultiNodeNeedsNewerVllm")
-        .unwrap_or_else(|| panic!("{v:#?}"));
+    let d = denial_of(&v, "MultiNodeNeedsNewerVllm");
     assert!(
         d.message.contains("needs vLLM >= 0.15.0") && d.message.contains("runs vLLM 0.14.0"),
         "{}",
@@ -1093,11 +1078,7 @@ fn fp8_weights_on_an_a10_are_denied_for_kvfleet_naming_the_gpus_that_can() {
     let s = fp8_spec("  quantization: fp8\n", "{runtime: kvfleet}");
     let v = validate(&s, &cluster(vec![node("a", "NVIDIA-A10", 1)]));
     assert!(!v.allowed());
-    let d = v
-        .denials
-        .iter()
-        .find(|d| d.reason == "UnsupportedWeightQuantization")
-        .unwrap_or_else(|| panic!("{v:#?}"));
+    let d = denial_of(&v, "UnsupportedWeightQuantization");
     assert_eq!(d.field, "spec.gpu.selector.minComputeCapability");
     assert!(
         d.message.contains("the selected node has 8.6 (NVIDIA-A10)"),
