@@ -27,9 +27,11 @@ use kvfleet_engine::model::sampling::argmax;
 const FP8_REL_BOUND: f32 = 0.25;
 
 fn model(env: &str, file: &str) -> Llama {
-    let path = std::env::var_os(env)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models").join(file));
+    let path = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join(".tools/models")
+            .join(file)
+    });
     let g = Gguf::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     Llama::from_gguf(&g).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -56,7 +58,8 @@ impl Stepped {
             single_token_gemv: gemv,
             ..GpuOptions::default()
         };
-        let g = GpuLlama::from_llama(gpu(), m, &o).unwrap_or_else(|e| panic!("cannot build the GPU model: {e}"));
+        let g =
+            GpuLlama::from_llama(gpu(), m, &o).unwrap_or_else(|e| panic!("cannot build the GPU model: {e}"));
         let planner = DirectPlanner::new(g.kv_config().block_size, &g.kv_config().groups);
         Stepped {
             g,
@@ -66,7 +69,8 @@ impl Stepped {
     }
 
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Vec<f32> {
-        step_direct(&mut self.g, &mut self.planner, batch, &mut self.plan).unwrap_or_else(|e| panic!("GPU step: {e}"))
+        step_direct(&mut self.g, &mut self.planner, batch, &mut self.plan)
+            .unwrap_or_else(|e| panic!("GPU step: {e}"))
     }
 }
 
@@ -97,8 +101,11 @@ fn fp8_follows_the_unquantized_model(m: &Llama, name: &str) {
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|s| (0..(9 + 5 * s)).map(|i| (i * 131 + s * 7 + 3) % 4000).collect())
         .collect();
-    let mut steps: Vec<Vec<(u64, usize, Vec<u32>)>> =
-        vec![prompts.iter().enumerate().map(|(s, p)| (s as u64, 0, p.clone())).collect()];
+    let mut steps: Vec<Vec<(u64, usize, Vec<u32>)>> = vec![prompts
+        .iter()
+        .enumerate()
+        .map(|(s, p)| (s as u64, 0, p.clone()))
+        .collect()];
     let mut len: Vec<usize> = prompts.iter().map(Vec::len).collect();
     for (n, tok) in [(1usize, 17u32), (1, 19), (4, 23), (1, 29)] {
         steps.push(
@@ -114,23 +121,41 @@ fn fp8_follows_the_unquantized_model(m: &Llama, name: &str) {
     for (i, step) in steps.iter().enumerate() {
         let batch: Vec<SeqChunk<'_>> = step.iter().map(|(s, p, t)| chunk(*s, *p, t)).collect();
         let cpu = m.forward(&mut kv, &batch).unwrap();
-        let (b, f, fg) = (bf16.forward(&batch), fp8.forward(&batch), fp8_gemm.forward(&batch));
-        assert!(f.iter().chain(&fg).all(|x| x.is_finite()), "{name} step {i}: FP8 logits not finite");
+        let (b, f, fg) = (
+            bf16.forward(&batch),
+            fp8.forward(&batch),
+            fp8_gemm.forward(&batch),
+        );
+        assert!(
+            f.iter().chain(&fg).all(|x| x.is_finite()),
+            "{name} step {i}: FP8 logits not finite"
+        );
         let (r_bf16, r_fp8, r_fp8_gemm) = (rel(&b, &cpu), rel(&f, &cpu), rel(&fg, &cpu));
         eprintln!(
             "{name} step {i} ({} rows): max|x - cpu| / max|cpu|: bf16 {r_bf16:.4}, fp8 {r_fp8:.4}, fp8 without the GEMV {r_fp8_gemm:.4}",
             step.len()
         );
-        assert!(r_fp8 <= FP8_REL_BOUND && r_fp8_gemm <= FP8_REL_BOUND, "{name} step {i}: FP8 logits off by {r_fp8} / {r_fp8_gemm}");
-        assert!(rel(&f, &b) > 1e-3, "{name} step {i}: FP8 logits equal bf16's: FP8 did not run");
+        assert!(
+            r_fp8 <= FP8_REL_BOUND && r_fp8_gemm <= FP8_REL_BOUND,
+            "{name} step {i}: FP8 logits off by {r_fp8} / {r_fp8_gemm}"
+        );
+        assert!(
+            rel(&f, &b) > 1e-3,
+            "{name} step {i}: FP8 logits equal bf16's: FP8 did not run"
+        );
         worst = worst.max(r_fp8).max(r_fp8_gemm);
         for r in 0..step.len() {
             rows += 1;
-            agree += usize::from(argmax(&f[r * vocab..(r + 1) * vocab]) == argmax(&cpu[r * vocab..(r + 1) * vocab]));
+            agree += usize::from(
+                argmax(&f[r * vocab..(r + 1) * vocab]) == argmax(&cpu[r * vocab..(r + 1) * vocab]),
+            );
         }
     }
     eprintln!("{name}: worst FP8 ratio {worst:.4}; top-1 equal to the CPU's in {agree} of {rows} rows");
-    assert!(2 * agree > rows, "{name}: FP8 top-1 agrees in only {agree} of {rows} rows");
+    assert!(
+        2 * agree > rows,
+        "{name}: FP8 top-1 agrees in only {agree} of {rows} rows"
+    );
 }
 
 #[test]
@@ -169,12 +194,18 @@ fn gpu_gemma3_geometry_fp8_logits_follow_its_bf16_logits() {
     let prompt: Vec<u32> = (0..700u32).map(|i| (i * 7919 + 11) % 262_144).collect();
     let mut worst = 0f32;
     // A prefill longer than the local window (512), then decode steps.
-    for (i, (pos, toks)) in [(0usize, prompt.clone()), (700, vec![5]), (701, vec![9])].iter().enumerate() {
+    for (i, (pos, toks)) in [(0usize, prompt.clone()), (700, vec![5]), (701, vec![9])]
+        .iter()
+        .enumerate()
+    {
         let batch = [chunk(1, *pos, toks)];
         let (lb, lf) = (b.forward(&batch), f.forward(&batch));
         let r = rel(&lf, &lb);
         eprintln!("Gemma 3 geometry step {i}: max|fp8 - bf16| / max|bf16| = {r:.4}");
-        assert!(lf.iter().all(|x| x.is_finite()) && r > 1e-3 && r <= FP8_REL_BOUND, "step {i}: ratio {r}");
+        assert!(
+            lf.iter().all(|x| x.is_finite()) && r > 1e-3 && r <= FP8_REL_BOUND,
+            "step {i}: ratio {r}"
+        );
         worst = worst.max(r);
     }
     eprintln!("Gemma 3 geometry: worst FP8 ratio {worst:.4}");

@@ -101,9 +101,16 @@ impl Blas {
             Mat::Fp8 { q, scale } => (q, scale),
         };
         let (Some(lt), Some(f)) = (self.lt.as_ref(), k.fp8.as_ref()) else {
-            return Err(GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into()));
+            return Err(GpuError::Invalid(
+                "FP8 weights on a model built without FP8 kernels".into(),
+            ));
         };
-        let Gemm { t, n, k: kk, accumulate } = g;
+        let Gemm {
+            t,
+            n,
+            k: kk,
+            accumulate,
+        } = g;
         if t == 0 || n == 0 {
             return Ok(());
         }

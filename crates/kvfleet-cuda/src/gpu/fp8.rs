@@ -18,7 +18,9 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+};
 
 use crate::device::Gpu;
 use crate::launch::Launch;
@@ -53,7 +55,10 @@ pub fn check_device(gpu: &Gpu) -> Result<(), GpuError> {
 pub(super) enum Mat {
     Bf16(CudaSlice<u16>),
     /// e4m3 bytes and one f32 scale a row.
-    Fp8 { q: CudaSlice<u8>, scale: CudaSlice<f32> },
+    Fp8 {
+        q: CudaSlice<u8>,
+        scale: CudaSlice<f32>,
+    },
 }
 
 impl Mat {
@@ -70,7 +75,10 @@ impl Mat {
 #[derive(Clone, Copy)]
 pub(super) enum MatRef<'a> {
     Bf16(&'a CudaSlice<u16>),
-    Fp8 { q: &'a CudaSlice<u8>, scale: &'a CudaSlice<f32> },
+    Fp8 {
+        q: &'a CudaSlice<u8>,
+        scale: &'a CudaSlice<f32>,
+    },
 }
 
 impl<'a> From<&'a Mat> for MatRef<'a> {
@@ -130,7 +138,9 @@ impl Fp8Kernels {
         need("FP8 quantize output", q, rows * k)?;
         need("FP8 row scales", s, rows)?;
         let [Ok(k_i), Ok(ld_i)] = [k, ld].map(i32::try_from) else {
-            return Err(GpuError::Invalid(format!("FP8 rows of {k} elements exceed 32 bits")));
+            return Err(GpuError::Invalid(format!(
+                "FP8 rows of {k} elements exceed 32 bits"
+            )));
         };
         let mut l = Launch::new(&self.stream);
         l.ptr(x).i32(k_i).i32(ld_i).ptr_mut(q).ptr_mut(s);
@@ -164,7 +174,9 @@ impl Fp8Kernels {
             return Ok(());
         }
         if t > 65_535 {
-            return Err(GpuError::Invalid(format!("an FP8 epilogue over {t} rows (at most 65,535)")));
+            return Err(GpuError::Invalid(format!(
+                "an FP8 epilogue over {t} rows (at most 65,535)"
+            )));
         }
         let mut l = Launch::new(&self.stream);
         match d {
@@ -174,9 +186,18 @@ impl Fp8Kernels {
             }
             None => l.addr(0),
         };
-        l.i32(t as i32).i32(n as i32).ptr(sx).ptr(sw).i32(i32::from(add)).ptr_mut(y);
+        l.i32(t as i32)
+            .i32(n as i32)
+            .ptr(sx)
+            .ptr(sw)
+            .i32(i32::from(add))
+            .ptr_mut(y);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(THREADS as usize).clamp(1, SCALE_ROW_BLOCKS) as u32, t as u32, 1),
+            grid_dim: (
+                n.div_ceil(THREADS as usize).clamp(1, SCALE_ROW_BLOCKS) as u32,
+                t as u32,
+                1,
+            ),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -278,7 +299,14 @@ unsafe fn set_attr<T>(
     v: &T,
 ) -> Result<(), cudarc::cublaslt::result::CublasError> {
     // SAFETY: the caller's contract; `v` is read for its size only during the call.
-    unsafe { lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()) }
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
 }
 
 impl LtPlan {
@@ -302,12 +330,22 @@ impl LtPlan {
         let c = lt::create_matrix_layout(CUDA_R_32F, n64, t64, n as i64).map_err(e("an FP8 layout"))?;
         // From here the plan owns the descriptors (dropped with it on any return).
         // SAFETY: cublasLtMatmulAlgo_t is plain data; it is set by the heuristic before use.
-        let mut plan = LtPlan { desc, a, b, c, algo: unsafe { std::mem::zeroed() } };
+        let mut plan = LtPlan {
+            desc,
+            a,
+            b,
+            c,
+            algo: unsafe { std::mem::zeroed() },
+        };
         let trans = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
         // SAFETY: `desc` is live; TRANSA takes a `cublasOperation_t`, the scale modes a u32.
-        unsafe { set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &trans) }.map_err(e("the FP8 GEMM's transpose"))?;
+        unsafe { set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_TRANSA, &trans) }
+            .map_err(e("the FP8 GEMM's transpose"))?;
         if scales == Scales::OuterVec {
-            for attr in [Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE] {
+            for attr in [
+                Attr::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                Attr::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            ] {
                 // SAFETY: as above.
                 if unsafe { set_attr(desc, attr, &SCALE_OUTER_VEC_32F) }.is_err() {
                     return Ok(None);
@@ -428,7 +466,10 @@ impl Lt {
         need("FP8 GEMM input", xq, t * k)?;
         need("FP8 token scales", sx, t)?;
         need("FP8 GEMM output", y, t * n)?;
-        let mut plans = self.plans.lock().map_err(|_| GpuError::Invalid("FP8 plan cache poisoned".into()))?;
+        let mut plans = self
+            .plans
+            .lock()
+            .map_err(|_| GpuError::Invalid("FP8 plan cache poisoned".into()))?;
         let plan = match plans.entry((t, n, k)) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
@@ -483,7 +524,11 @@ impl Lt {
             )
         }
         .map_err(lt_err("an FP8 GEMM"))?;
-        Ok(if self.scales_rows() { Done::Scaled } else { Done::Unscaled })
+        Ok(if self.scales_rows() {
+            Done::Scaled
+        } else {
+            Done::Unscaled
+        })
     }
 }
 
@@ -538,7 +583,9 @@ mod tests {
         f.quantize_rows(&dx, rows, cols, ld, &mut q, &mut sc).unwrap();
         let (q, sc) = (g.download(&q).unwrap(), g.download(&sc).unwrap());
         let xf = to_f32(&x);
-        let dense: Vec<f32> = (0..rows).flat_map(|r| xf[r * ld..r * ld + cols].to_vec()).collect();
+        let dense: Vec<f32> = (0..rows)
+            .flat_map(|r| xf[r * ld..r * ld + cols].to_vec())
+            .collect();
         let want = quantize_rows(&dense, rows, cols);
         assert_eq!(sc, want.scale, "row scales");
         let diff = q.iter().zip(&want.data).filter(|(a, b)| a != b).count();
@@ -558,7 +605,11 @@ mod tests {
     fn fp8_products(unit_scales: bool) {
         let g = gpu();
         let k = ModelKernels::load(&g, true).unwrap();
-        let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), unit_scales).unwrap()).unwrap();
+        let blas = Blas::with_lt(
+            g.stream().clone(),
+            Lt::new(g.stream().clone(), unit_scales).unwrap(),
+        )
+        .unwrap();
         eprintln!("cuBLASLt applies the row scales: {}", blas.lt_scales_rows());
         let (t, n, kk) = (5, 96, 256);
         let w = to_f32(&bf16_rows(n, kk, 11));
@@ -585,21 +636,27 @@ mod tests {
         };
         // W8A8 GEMM, stored.
         let mut y = s.alloc_zeros::<f32>(t * n).unwrap();
-        blas.project(&k, &mat, &dx, &mut y, Gemm::store(t, n, kk), &mut scratch).unwrap();
+        blas.project(&k, &mat, &dx, &mut y, Gemm::store(t, n, kk), &mut scratch)
+            .unwrap();
         let want: Vec<f32> = (0..t)
             .flat_map(|r| (0..n).map(move |c| (r, c)))
             .map(|(r, c)| dot(&xd[r * kk..(r + 1) * kk], &wd[c * kk..(c + 1) * kk]))
             .collect();
         close(&g.download(&y).unwrap(), &want, "GEMM store");
         // Accumulated onto what is there.
-        blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch).unwrap();
+        blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch)
+            .unwrap();
         let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
         close(&g.download(&y).unwrap(), &twice, "GEMM add");
         // The one-token GEMV reads the bf16 input unquantized.
         let mut y1 = s.alloc_zeros::<f32>(n).unwrap();
         let x0 = g.upload(&x[..kk]).unwrap();
-        k.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1)).unwrap();
-        let want1: Vec<f32> = (0..n).map(|c| dot(&xf[..kk], &wd[c * kk..(c + 1) * kk])).collect();
+        k.gemv
+            .run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1))
+            .unwrap();
+        let want1: Vec<f32> = (0..n)
+            .map(|c| dot(&xf[..kk], &wd[c * kk..(c + 1) * kk]))
+            .collect();
         close(&g.download(&y1).unwrap(), &want1, "GEMV");
         // Every code the quantizer produced decodes to a finite value (no NaN code written).
         assert!(wq.data.iter().all(|b| e4m3fn_to_f32(*b).is_finite()));

@@ -142,9 +142,9 @@ impl Gemv {
                 need("GEMV weight", q, n * k)?;
                 need("GEMV weight scales", scale, n)?;
                 l.ptr(q).ptr(scale);
-                self.fp8
-                    .as_ref()
-                    .ok_or_else(|| GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into()))?
+                self.fp8.as_ref().ok_or_else(|| {
+                    GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into())
+                })?
             }
         };
         l.i32(n_i).i32(k_i).i32(half);

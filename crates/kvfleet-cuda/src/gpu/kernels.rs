@@ -227,7 +227,11 @@ impl ModelKernels {
     /// The model program's kernels; with `fp8`, from the program with `kernels/fp8.cu` too
     /// (the caller has checked that the device has FP8: [`super::fp8::check_device`]).
     pub fn load(gpu: &Gpu, fp8: bool) -> Result<Self, GpuError> {
-        let ptx = if fp8 { fp8_ptx(gpu.arch)? } else { model_ptx(gpu.arch)? };
+        let ptx = if fp8 {
+            fp8_ptx(gpu.arch)?
+        } else {
+            model_ptx(gpu.arch)?
+        };
         let module = gpu
             .context()
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))

@@ -181,7 +181,13 @@ impl Weights {
     /// but a different stream of numbers): for capacity and throughput of large geometries
     /// without building them on the host.
     /// With `fp8`, the linear layers' matrices are quantized per row on the device.
-    pub fn random(gpu: &Gpu, k: &ModelKernels, c: &LlamaConfig, seed: u64, fp8: bool) -> Result<Self, GpuError> {
+    pub fn random(
+        gpu: &Gpu,
+        k: &ModelKernels,
+        c: &LlamaConfig,
+        seed: u64,
+        fp8: bool,
+    ) -> Result<Self, GpuError> {
         let s = gpu.stream();
         let (d, ff) = (c.d_model, c.d_ff);
         let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
@@ -206,8 +212,12 @@ impl Weights {
             let Some(f) = k.fp8.as_ref().filter(|_| fp8) else {
                 return Ok(Mat::Bf16(w));
             };
-            let mut q = s.alloc_zeros::<u8>(rows * cols).map_err(drv("allocating dummy weights"))?;
-            let mut scale = s.alloc_zeros::<f32>(rows).map_err(drv("allocating dummy weights"))?;
+            let mut q = s
+                .alloc_zeros::<u8>(rows * cols)
+                .map_err(drv("allocating dummy weights"))?;
+            let mut scale = s
+                .alloc_zeros::<f32>(rows)
+                .map_err(drv("allocating dummy weights"))?;
             f.quantize_rows(&w, rows, cols, cols, &mut q, &mut scale)?;
             Ok(Mat::Fp8 { q, scale })
         };

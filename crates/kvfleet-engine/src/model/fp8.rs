@@ -273,7 +273,11 @@ pub fn quantize_rows(w: &[f32], rows: usize, cols: usize) -> Fp8Weight {
     assert_eq!(w.len(), rows * cols, "a {rows}x{cols} matrix");
     let mut data = vec![0u8; w.len()];
     let mut scale = vec![1f32; rows];
-    for ((row, out), s) in w.chunks(cols.max(1)).zip(data.chunks_mut(cols.max(1))).zip(&mut scale) {
+    for ((row, out), s) in w
+        .chunks(cols.max(1))
+        .zip(data.chunks_mut(cols.max(1)))
+        .zip(&mut scale)
+    {
         let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
         if amax > 0.0 {
             *s = amax / E4M3_MAX;
