@@ -192,19 +192,15 @@ fn fp8_checkpoint_on_a10_is_denied_for_kvfleet_naming_the_gpus_that_can() {
             "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)",
         ],
     );
-    check(
-        &[
-            "-f",
-            "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
-            "--gpu",
-            "NVIDIA-H100-80GB-HBM3",
-        ],
-        1,
-        &[
-            "not implemented yet in the kvfleet runtime on the GPU",
-            "use runtime vllm",
-        ],
-    );
+    // The same spec where the GPU has FP8 tensor cores: the kvfleet runtime serves it.
+    for gpu in ["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3"] {
+        let out = check(
+            &["-f", "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml", "--gpu", gpu],
+            0,
+            &["attentionBackend KVFLEET_CUDA", "capacity: "],
+        );
+        assert!(!out.contains("UnsupportedWeightQuantization"), "{gpu}: {out}");
+    }
 }
 
 #[test]

@@ -588,7 +588,7 @@ pub static KVFLEET_RULES: &[Rule] = &[
     kvfleet("kvfleet.fp8-weights-need-sm89")
         .on(&[B::KvfleetCuda])
         .deny(MIN_CC, "UnsupportedWeightQuantization")
-        .summary("FP8 weights on the GPU need FP8 tensor cores (8.9, 9.0, 10.x, 12.x): the kvfleet engine has no weight-only fallback like vLLM's Marlin on 8.0/8.6")
+        .summary("FP8 weights on the GPU need FP8 tensor cores (8.9, 9.0, 10.x, 12.x): the kvfleet engine runs them W8A8 (cuBLASLt FP8 GEMMs, e4m3 GEMVs) and has no weight-only fallback like vLLM's Marlin on 8.0/8.6")
         .source(KVFLEET_SOURCE)
         .fires(|c| c.features.fp8_weights && !fp8_tensor_cores(c.cc))
         .cause(|c| format!(
@@ -597,24 +597,6 @@ pub static KVFLEET_RULES: &[Rule] = &[
             c.cc
         ))
         .fix(|_| format!("select GPUs that can: {FP8_GPUS}; or use runtime vllm (weight-only FP8 through Marlin on this GPU)")),
-    kvfleet("kvfleet.fp8-weights-not-implemented")
-        .on(&[B::KvfleetCuda, B::KvfleetCpu])
-        .deny(RUNTIME, "NotImplemented")
-        .summary("FP8 weights are not implemented yet in the kvfleet runtime's GPU engine (its loader and GEMMs take bf16); KVFLEET_CPU serves FP8 checkpoints dequantized to f32 at load, not engine.quantization fp8")
-        .source(KVFLEET_SOURCE)
-        .fires(|c| c.features.fp8_weights && (c.backend == B::KvfleetCuda || c.features.fp8_at_load))
-        .cause(|c| match c.backend {
-            B::KvfleetCpu => "engine.quantization fp8 is not implemented yet in the kvfleet runtime's CPU engine".to_string(),
-            _ => format!(
-                "{} is not implemented yet in the kvfleet runtime on the GPU (its loader and GEMMs take bf16 weights; the FP8 GEMM kernels are still to come, issue 32)",
-                fp8_weights_name(c)
-            ),
-        })
-        .fix(|c| if c.features.fp8_at_load {
-            "use runtime vllm (--quantization fp8), or leave engine.quantization out".to_string()
-        } else {
-            "use runtime vllm, which serves FP8 checkpoints today".to_string()
-        }),
 ];
 
 /// The rule set of a runtime.

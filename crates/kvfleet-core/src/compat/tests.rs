@@ -208,13 +208,14 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", SlidingEncoder, D::Auto, B::Auto, Denied("kvfleet.cuda-masks", "causal mask")),
         (K, "9.0", Gemma4, D::Auto, B::Auto, Denied("kvfleet.head-dims", "this model has 256, 512")),
         (K, "9.0", Mla, D::Auto, B::Auto, Denied("kvfleet.no-mla", "use runtime vllm")),
-        // --- FP8 weights: no weight-only path below 8.9; not implemented on the GPU yet
+        // --- FP8 weights: W8A8 from 8.9 on the GPU, no weight-only path below; the CPU
+        // dequantizes FP8 checkpoints and runs engine.quantization fp8 as its reference
         (K, "8.6", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)")),
         (K, "8.0", LlamaFp8AtLoad, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "minComputeCapability \"8.9\"")),
-        (K, "8.9", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-not-implemented", "not implemented yet in the kvfleet runtime on the GPU")),
-        (K, "9.0", LlamaFp8, D::Fp8, B::Auto, Denied("kvfleet.fp8-weights-not-implemented", "use runtime vllm, which serves FP8 checkpoints today")),
-        (K, "12.0", LlamaFp8AtLoad, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-not-implemented", "use runtime vllm (--quantization fp8)")),
-        (K, "9.0", LlamaFp8AtLoad, D::Auto, B::KvfleetCpu, Denied("kvfleet.fp8-weights-not-implemented", "CPU engine")),
+        (K, "8.9", LlamaFp8, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "9.0", LlamaFp8AtLoad, D::Fp8E4m3, B::Auto, Runs(D::Fp8E4m3, B::KvfleetCuda)),
+        (K, "12.0", LlamaFp8AtLoad, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "9.0", LlamaFp8AtLoad, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         (K, "8.6", LlamaFp8, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         // kvfleet auto on every architecture; software dequant makes fp8/nvfp4 run on sm_80+
         (K, "9.0", Block32, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),

@@ -1091,12 +1091,12 @@ fn fp8_weights_on_an_a10_are_denied_for_kvfleet_naming_the_gpus_that_can() {
         "{}",
         d.message
     );
-    // On an H100 the GPU engine still lacks FP8 weights: denied as not implemented, not as
-    // an architecture the kvfleet runtime can never serve.
-    let v = validate(&s, &cluster(vec![node("a", "NVIDIA-H100-80GB-HBM3", 1)]));
-    let m = messages(&v);
-    assert!(m.contains("not implemented yet in the kvfleet runtime"), "{m}");
-    assert!(!m.contains("needs FP8 tensor cores"), "{m}");
+    // With FP8 tensor cores the kvfleet runtime serves them (W8A8 on the GPU).
+    for gpu in ["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3"] {
+        let v = validate(&s, &cluster(vec![node("a", gpu, 1)]));
+        assert!(v.allowed(), "{gpu}: {}", messages(&v));
+        assert!(!messages(&v).contains("FP8"), "{gpu}: {}", messages(&v));
+    }
 }
 
 #[test]
