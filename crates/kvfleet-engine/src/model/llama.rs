@@ -698,18 +698,23 @@ impl Llama {
     /// Runs a whole prompt on a scratch f32 cache of its own (no pages, nothing cached or kept)
     /// and calls `f(i, logits of position i)` for every position `i` but the last, in order:
     /// what scoring a prompt needs (the logits at `i` give token `i + 1`'s log-probability).
-    /// The LM head runs 64 positions at a time, so memory stays `64 x vocab` floats. Models with
-    /// sliding-window layers are refused (the scratch cache keeps every position).
+    /// The LM head runs 64 positions at a time, so memory stays `64 x vocab` floats. On a model
+    /// with sliding-window layers, a prompt longer than the smallest window is refused (the
+    /// scratch cache attends to every position; within a window that is the same).
     pub fn prompt_logits<T>(
         &self,
         tokens: &[u32],
         mut f: impl FnMut(usize, &[f32]) -> T,
     ) -> Result<Vec<T>, ForwardError> {
         let c = &self.config;
-        if (0..c.n_layers).any(|i| c.layer_window(i).is_some()) {
-            return Err(ForwardError::Kv(KvError::Backend(
-                "prompt scoring is not implemented for models with sliding-window layers".into(),
-            )));
+        if let Some(w) = (0..c.n_layers).filter_map(|i| c.layer_window(i)).min() {
+            if tokens.len() > w {
+                return Err(ForwardError::Kv(KvError::Backend(format!(
+                    "prompt scoring of {} tokens is not implemented for a model with {w}-token \
+                     sliding-window layers; score at most {w} tokens",
+                    tokens.len()
+                ))));
+            }
         }
         let mut kv = super::kv::ContiguousKv::new(c.attn_geometry(), tokens.len().max(1));
         let chunk = SeqChunk {
