@@ -5,7 +5,8 @@
 //!
 //! `fp8_smollm2_logits_stay_close_and_greedy_tokens_agree` runs in CI (debug build, SmolLM2).
 //! `fp8_accuracy_figures` measures what docs/model.md records, for SmolLM2 and Gemma 3:
-//! `cargo test --release --test model_fp8 -- --ignored --nocapture fp8_accuracy_figures`.
+//! `cargo test --test model_fp8 -- --ignored --nocapture fp8_accuracy_figures` (about 15 min
+//! in a debug build on two cores, most of it Gemma 3's greedy steps; `--release` is faster).
 //! Model files: env `KVFLEET_SMOLLM2_GGUF` / `KVFLEET_GEMMA3_GGUF`, else `.tools/models/`
 //! (installed by .ci/install-tools).
 
