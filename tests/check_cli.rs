@@ -195,7 +195,12 @@ fn fp8_checkpoint_on_a10_is_denied_for_kvfleet_naming_the_gpus_that_can() {
     // The same spec where the GPU has FP8 tensor cores: the kvfleet runtime serves it.
     for gpu in ["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3"] {
         let out = check(
-            &["-f", "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml", "--gpu", gpu],
+            &[
+                "-f",
+                "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
+                "--gpu",
+                gpu,
+            ],
             0,
             &["attentionBackend KVFLEET_CUDA", "capacity: "],
         );

@@ -1353,3 +1353,46 @@ fn a_request_past_its_timeout_counts_as_timed_out_not_as_a_client_disconnect() {
     );
     drop(w);
 }
+
+/// Issue 32: `--quantization fp8` serves the embedded SmolLM2 with FP8 linear layers on the CPU
+/// engine (the greedy answer still names Paris); a value other than none/fp8 stops the worker
+/// at start naming the flag, and so does fp8 on a checkpoint that is FP8 already, before its
+/// weights are read.
+#[test]
+fn quantization_fp8_serves_on_the_cpu_and_bad_values_or_an_fp8_checkpoint_stop_the_worker() {
+    let (code, err) = run_to_exit(
+        &["worker", "--listen", "127.0.0.1:0", "--quantization", "int8"],
+        &[],
+        None,
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--quantization") && err.contains("fp8"), "{err}");
+
+    let tlog = temp("fp8-termination-log");
+    std::fs::write(&tlog, "").unwrap();
+    let tl = tlog.to_str().unwrap().to_string();
+    let ckpt = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/fp8/vllm-fp8");
+    let mut w = start(
+        "fp8-checkpoint",
+        &["--model", ckpt.to_str().unwrap(), "--quantization", "fp8"],
+        &[("KVFLEET_TERMINATION_LOG", &tl)],
+    );
+    assert_eq!(wait_exit(&mut w, Duration::from_secs(60)), Some(2), "{}", w.log());
+    let why = std::fs::read_to_string(&tlog).unwrap();
+    assert!(
+        why.contains("already an FP8 checkpoint") && why.contains("--quantization"),
+        "termination log: {why:?}"
+    );
+
+    let mut w = start("fp8", &["--quantization", "fp8"], &[]);
+    wait_ready(&mut w, Duration::from_secs(180));
+    assert!(w.log().contains("quantized to FP8"), "{}", w.log());
+    let chat = r#"{"model":"SmolLM2-135M-Instruct","temperature":0,"max_tokens":16,
+        "messages":[{"role":"user","content":"What is the capital of France?"}]}"#;
+    let (st, _, body) = http(w.port, "POST", "/v1/chat/completions", chat);
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{v}");
+}

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::metrics::Metrics;
 use super::runtime::{ModelRuntime, RuntimeError};
-use crate::api::ModelGeometry;
+use crate::api::{EngineQuantization, ModelGeometry};
 pub use crate::contract::model::{
     embedded_model_path, ModelSource, Weights, EMBEDDED_MODEL_ENV, EMBEDDED_MODEL_PATHS,
 };
@@ -33,6 +33,8 @@ pub enum MountError {
     NoDummyConfig,
     #[error("cannot read the model at {path}: {reason}; check that the weights volume is mounted and the path in spec.model.weights.path is right")]
     Unreadable { path: String, reason: String },
+    #[error("--quantization fp8 (engine.quantization) quantizes an unquantized checkpoint at load, but {path} is already an FP8 checkpoint (its config.json has an FP8 quantization_config); drop --quantization (spec.engine.quantization): the checkpoint is served as FP8 as it is")]
+    AlreadyFp8 { path: String },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
 }
@@ -109,6 +111,26 @@ pub fn embedded_source() -> Result<ModelSource, MountError> {
     Err(MountError::NoEmbeddedModel {
         looked: format!("{env}, then {}", paths.join(", ")),
     })
+}
+
+/// Refuses `quantization` for the checkpoint `source` names before its weights are read: FP8 at
+/// load is for unquantized checkpoints, and an FP8 checkpoint (an FP8 `quantization_config`
+/// in its config.json) is FP8 already, as the admission webhook says of `model.quantization:
+/// fp8` with `engine.quantization: fp8`. GGUF files and dummy weights carry no such config.
+pub fn check_quantization(source: &ModelSource, quantization: EngineQuantization) -> Result<(), MountError> {
+    if quantization != EngineQuantization::Fp8 || source.weights == Weights::Dummy {
+        return Ok(());
+    }
+    let Some(dir) = source.path.as_deref().and_then(hf_dir) else {
+        return Ok(());
+    };
+    readable(&dir)?;
+    match hf::quantization(&dir).map_err(RuntimeError::from)? {
+        Some(_) => Err(MountError::AlreadyFp8 {
+            path: dir.display().to_string(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Reads the model `source` names (blocking: large checkpoints take a while). Dummy weights
@@ -245,16 +267,31 @@ fn readable(path: &Path) -> Result<(), MountError> {
         })
 }
 
-/// Puts the model on the CPU backend with `pools` (laid out for its geometry).
+/// Puts the model on the CPU backend with `pools` (laid out for its geometry), its linear
+/// layers quantized as `quantization` says (FP8: [`Llama::quantize_fp8`], the W8A8 reference;
+/// shared weights are copied first).
 pub fn on_cpu(
     weights: LoadedWeights,
     pools: BackendConfig,
     seed: u64,
+    quantization: EngineQuantization,
 ) -> Result<Box<dyn Forward>, RuntimeError> {
-    let model = match weights {
-        LoadedWeights::Host(m) => Arc::new(m),
-        LoadedWeights::Shared(m) => m,
-        LoadedWeights::Dummy(c) => Arc::new(Llama::dummy(c, seed)?),
+    let model = match (weights, quantization) {
+        (LoadedWeights::Host(m), EngineQuantization::None) => Arc::new(m),
+        (LoadedWeights::Shared(m), EngineQuantization::None) => m,
+        (LoadedWeights::Dummy(c), EngineQuantization::None) => Arc::new(Llama::dummy(c, seed)?),
+        (weights, EngineQuantization::Fp8) => {
+            let mut m = match weights {
+                LoadedWeights::Host(m) => m,
+                LoadedWeights::Shared(m) => Arc::unwrap_or_clone(m),
+                LoadedWeights::Dummy(c) => Llama::dummy(c, seed)?,
+            };
+            m.quantize_fp8();
+            tracing::info!(
+                "linear layers quantized to FP8 at load (per-channel weights, per-token activations)"
+            );
+            Arc::new(m)
+        }
     };
     let backend = CpuBackend::new(pools)
         .map_err(|e| RuntimeError::Config(format!("cannot allocate the KV pools: {e}")))?;
@@ -359,7 +396,7 @@ pub fn start_cpu(
         name,
         ..
     } = model;
-    let forward = on_cpu(weights, pools, 0)?;
+    let forward = on_cpu(weights, pools, 0, EngineQuantization::None)?;
     let sched = SchedulerConfig {
         block_size: limits.block_size,
         max_num_seqs: limits.max_num_seqs,

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use crate::api::EngineQuantization;
 use crate::compat::{AttentionBackend, KvCacheDtype};
 use crate::serving::runtime::ModelRuntime;
 use crate::serving::serve::{self, LoadedModel, ModelSource, Weights};
@@ -71,6 +72,22 @@ pub struct WorkerArgs {
     /// Model id in the OpenAI API (default: the config's modelName, else from the file).
     #[arg(long, env = "KVFLEET_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// Quantize the weights at load (vLLM's flag): `fp8` turns every linear layer into FP8
+    /// e4m3 with one scale per output channel and its input into FP8 with one scale per token
+    /// (on the GPU, FP8 GEMMs; on the CPU, the same arithmetic in f32); embeddings and the LM
+    /// head stay as loaded. `none` (default: the config's engine.quantization) keeps the
+    /// weights. Not for a checkpoint that is FP8 already.
+    #[arg(
+        long,
+        value_parser = clap::builder::TypedValueParser::map(
+            clap::builder::PossibleValuesParser::new(["none", "fp8"]),
+            |s: String| match s.as_str() {
+                "fp8" => EngineQuantization::Fp8,
+                _ => EngineQuantization::None,
+            },
+        )
+    )]
+    pub quantization: Option<EngineQuantization>,
     /// KV-cache dtype (auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2, nvfp4).
     #[arg(long)]
     pub kv_cache_dtype: Option<KvCacheDtype>,
@@ -159,6 +176,9 @@ impl WorkerArgs {
         }
         if let Some(n) = &self.served_model_name {
             c.model_name = Some(n.clone());
+        }
+        if let Some(q) = self.quantization {
+            c.engine.quantization = q;
         }
         if let Some(v) = self.kv_cache_dtype {
             c.engine.kv_cache_dtype = v;
@@ -390,7 +410,7 @@ fn place(
                     g.num_blocks = g.num_blocks.min(blocks);
                 }
             }
-            let forward = serve::on_cpu(weights, pools, cfg.seed)
+            let forward = serve::on_cpu(weights, pools, cfg.seed, cfg.engine.quantization)
                 .map_err(|e| PreflightError::NoMemory(e.to_string()))?;
             Placed {
                 forward,
@@ -412,7 +432,7 @@ fn place(
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,
-                fp8_weights: false,
+                fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8,
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
                 crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {
@@ -457,6 +477,9 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             Err(error) => return fail(exit::CONFIG, "cannot load the model", &error),
         },
     };
+    if let Err(error) = serve::check_quantization(&source, cfg.engine.quantization) {
+        return fail(exit::CONFIG, "cannot load the model", &crate::error_chain(&error));
+    }
     let name = cfg.model_name.clone();
     let geometry = cfg.geometry.clone();
     let max_len = usize::try_from(cfg.engine.max_model_len).unwrap_or(0);

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, Volume, Volum
 
 use super::container::{mount, ServingProcess, WEIGHTS_DIR};
 use super::{config_map_name, resolved, DesiredError, Settings, WORKER_CONFIG_KEY};
-use crate::api::{InferenceDeploymentSpec, WeightsFormat};
+use crate::api::{EngineQuantization, InferenceDeploymentSpec, WeightsFormat};
 use crate::contract::config::{ResolvedEngine, WorkerConfig};
 use crate::contract::model::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
@@ -84,7 +84,8 @@ pub fn config_path() -> String {
 
 /// `kvfleet worker` arguments: the rendered config, and on top of it the values a reader of
 /// `kubectl describe pod` looks for (they equal the config's): the model path on the weights
-/// volume, the served name, the resolved KV dtype and the engine limits.
+/// volume, the served name, the resolved KV dtype, the engine limits, and `--quantization` when
+/// the weights are quantized at load.
 pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
     let (dtype, _) = resolved(spec, verdict);
     let e = &spec.engine;
@@ -110,6 +111,9 @@ pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Str
         ("--gpu-memory-utilization", e.gpu_memory_utilization.to_string()),
     ] {
         args.extend([flag.to_string(), value]);
+    }
+    if e.quantization != EngineQuantization::None {
+        args.extend(["--quantization".to_string(), e.quantization.as_str().to_string()]);
     }
     args
 }
@@ -288,5 +292,23 @@ mod tests {
         let args = container(&d).args.unwrap();
         assert_eq!(arg_after(&args, "--model-weights").as_deref(), Some("dummy"));
         assert_eq!(arg_after(&args, "--model"), None);
+    }
+
+    #[test]
+    fn engine_quantization_fp8_renders_the_workers_quantization_flag_and_only_then() {
+        let mut obj = fixture(KVFLEET_H100_PVC);
+        let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
+        let args = worker_args(&obj.spec, &v);
+        assert_eq!(arg_after(&args, "--quantization"), None, "{args:?}");
+        obj.spec.engine.quantization = EngineQuantization::Fp8;
+        let args = worker_args(&obj.spec, &v);
+        assert_eq!(
+            arg_after(&args, "--quantization").as_deref(),
+            Some("fp8"),
+            "{args:?}"
+        );
+        // The config file carries the same value for the worker.
+        let cfg = WorkerConfig::parse(&worker_config_yaml(&obj.spec, &v).unwrap()).unwrap();
+        assert_eq!(cfg.engine.quantization, EngineQuantization::Fp8);
     }
 }

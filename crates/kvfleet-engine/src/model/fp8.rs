@@ -21,6 +21,7 @@
 //! The CPU engine dequantizes at load ([`Fp8Weight::dequantize`]: f32 = e4m3 x scale); the raw
 //! bytes and scales stay available as [`Fp8Weight`] for the GPU path to upload as they are.
 
+use rayon::prelude::*;
 use serde_json::Value;
 
 /// How a weight's scales are laid out.
@@ -278,10 +279,7 @@ pub fn quantize_rows(w: &[f32], rows: usize, cols: usize) -> Fp8Weight {
         .zip(data.chunks_mut(cols.max(1)))
         .zip(&mut scale)
     {
-        let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-        if amax > 0.0 {
-            *s = amax / E4M3_MAX;
-        }
+        *s = row_scale(row);
         let inv = 1.0 / *s;
         for (o, v) in out.iter_mut().zip(row) {
             *o = f32_to_e4m3fn(v * inv);
@@ -295,6 +293,36 @@ pub fn quantize_rows(w: &[f32], rows: usize, cols: usize) -> Fp8Weight {
         cols,
         input_scale: None,
     }
+}
+
+/// The scale [`quantize_rows`] gives a row: its amax over 448, 1 for an all-zero row.
+fn row_scale(row: &[f32]) -> f32 {
+    let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax > 0.0 {
+        amax / E4M3_MAX
+    } else {
+        1.0
+    }
+}
+
+/// Each row of `x` (rows of `cols`) through [`quantize_rows`] and back to f32, in place:
+/// `e4m3(v / scale) x scale`, the value an FP8 GEMM sees. With rows = tokens this is
+/// the dynamic per-token activation quantization of W8A8; with rows = output channels,
+/// the per-channel weight quantization. Rows run in parallel.
+pub fn fake_quantize_rows(x: &mut [f32], cols: usize) {
+    let lut = e4m3_table();
+    x.par_chunks_mut(cols.max(1)).for_each(|row| {
+        let s = row_scale(row);
+        let inv = 1.0 / s;
+        for v in row {
+            *v = lut[usize::from(f32_to_e4m3fn(*v * inv))] * s;
+        }
+    });
+}
+
+/// Every e4m3fn code's value.
+fn e4m3_table() -> [f32; 256] {
+    std::array::from_fn(|b| e4m3fn_to_f32(b as u8))
 }
 
 #[cfg(test)]
@@ -344,6 +372,20 @@ mod tests {
             assert!((a - b).abs() <= a.abs() / 16.0, "{a} -> {b}");
         }
     }
+    #[test]
+    fn fake_quantized_rows_equal_quantize_rows_dequantized_bit_for_bit() {
+        let (rows, cols) = (5, 37);
+        let mut x: Vec<f32> = (0..rows * cols)
+            .map(|i| (i as f32 * 0.913).sin() * (1.0 + (i / cols) as f32 * 30.0))
+            .collect();
+        x[cols..2 * cols].fill(0.0); // an all-zero row keeps scale 1 and stays zero
+        let want = quantize_rows(&x, rows, cols).dequantize();
+        fake_quantize_rows(&mut x, cols);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x), bits(&want));
+        assert!(x[cols..2 * cols].iter().all(|v| *v == 0.0));
+    }
+
     use serde_json::json;
 
     #[test]

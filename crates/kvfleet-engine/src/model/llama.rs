@@ -1,7 +1,8 @@
 //! The Llama-family forward pass on the CPU (Llama, Mistral, Qwen2, Qwen3 dense, SmolLM):
 //! embeddings, RMSNorm, RoPE, GQA attention through a [`KvAttention`], SwiGLU MLP, tied or
 //! separate LM head. Weights are f32 (dequantised at load); GEMMs run on `matrixmultiply`,
-//! split across rayon threads.
+//! split across rayon threads. [`Llama::quantize_fp8`] turns the linear layers into the f32
+//! simulation of FP8 W8A8 (issue 32), the CPU reference of the GPU's FP8 GEMMs.
 //!
 //! Gemma 3 (`gemma3` GGUF files) runs on the same pass with its departures switched on by
 //! [`Gemma3`]: see that type for each one and where the facts come from.
@@ -11,9 +12,12 @@
 //! `qwen2`/`qwen3` rotate the two halves of a head (`LLAMA_ROPE_TYPE_NEOX`)
 //! (ggml-org/llama.cpp `src/llama-model.cpp`, `llama_model_rope_type`).
 
+use std::borrow::Cow;
+
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
+use super::fp8::{fake_quantize_rows, quantize_rows};
 use super::gguf::{Gguf, GgufError};
 use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
 
@@ -361,6 +365,7 @@ impl LlamaConfig {
     }
 }
 
+#[derive(Clone)]
 struct Layer {
     attn_norm: Vec<f32>,
     wq: Vec<f32>,
@@ -381,7 +386,25 @@ struct Layer {
     post_ffn_norm: Option<Vec<f32>>,
 }
 
+/// How the linear layers (Q, K, V, O, gate, up, down) compute. Embeddings, norms and the
+/// LM head are never quantized (as in vLLM's `fp8` method, whose quantized layers are the
+/// transformer blocks' linears: a low-precision head costs the most accuracy for the least
+/// memory).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LinearQuantization {
+    /// f32 weights and activations as loaded.
+    #[default]
+    None,
+    /// FP8 W8A8, simulated in f32: each weight row (output channel) quantized to e4m3 with
+    /// its own scale at load, each linear layer's input quantized per token (row) before the
+    /// GEMM, both with `scale = amax / 448` ([`super::fp8::fake_quantize_rows`]). The GEMM then
+    /// computes what an FP8 GEMM with per-channel and per-token scales does, up to the f32
+    /// summation order; this is the reference of the GPU's FP8 path.
+    Fp8,
+}
+
 /// A loaded Llama-family model (f32 weights, matrices `[out, in]` row-major).
+#[derive(Clone)]
 pub struct Llama {
     pub config: LlamaConfig,
     embed: Vec<f32>,
@@ -392,6 +415,8 @@ pub struct Llama {
     inv_freq: Vec<f32>,
     /// Gemma 3: the inverse frequencies of the local layers (their own RoPE base).
     inv_freq_local: Vec<f32>,
+    /// How the linear layers compute ([`Llama::quantize_fp8`] switches to FP8).
+    quantization: LinearQuantization,
 }
 
 impl std::fmt::Debug for Llama {
@@ -492,6 +517,7 @@ impl Llama {
             inv_freq_local: inv_freq_local(&cfg),
             layers,
             config: cfg,
+            quantization: LinearQuantization::None,
         })
     }
 
@@ -585,6 +611,7 @@ impl Llama {
             inv_freq: inv_freq(&cfg, freq_factors),
             inv_freq_local: Vec::new(),
             config: cfg,
+            quantization: LinearQuantization::None,
         })
     }
 
@@ -630,6 +657,7 @@ impl Llama {
             inv_freq: inv_freq(&cfg, None),
             inv_freq_local: inv_freq_local(&cfg),
             config: cfg,
+            quantization: LinearQuantization::None,
         })
     }
 
@@ -670,18 +698,23 @@ impl Llama {
     /// Runs a whole prompt on a scratch f32 cache of its own (no pages, nothing cached or kept)
     /// and calls `f(i, logits of position i)` for every position `i` but the last, in order:
     /// what scoring a prompt needs (the logits at `i` give token `i + 1`'s log-probability).
-    /// The LM head runs 64 positions at a time, so memory stays `64 x vocab` floats. Models with
-    /// sliding-window layers are refused (the scratch cache keeps every position).
+    /// The LM head runs 64 positions at a time, so memory stays `64 x vocab` floats. On a model
+    /// with sliding-window layers, a prompt longer than the smallest window is refused (the
+    /// scratch cache attends to every position; within a window that is the same).
     pub fn prompt_logits<T>(
         &self,
         tokens: &[u32],
         mut f: impl FnMut(usize, &[f32]) -> T,
     ) -> Result<Vec<T>, ForwardError> {
         let c = &self.config;
-        if (0..c.n_layers).any(|i| c.layer_window(i).is_some()) {
-            return Err(ForwardError::Kv(KvError::Backend(
-                "prompt scoring is not implemented for models with sliding-window layers".into(),
-            )));
+        if let Some(w) = (0..c.n_layers).filter_map(|i| c.layer_window(i)).min() {
+            if tokens.len() > w {
+                return Err(ForwardError::Kv(KvError::Backend(format!(
+                    "prompt scoring of {} tokens is not implemented for a model with {w}-token \
+                     sliding-window layers; score at most {w} tokens",
+                    tokens.len()
+                ))));
+            }
         }
         let mut kv = super::kv::ContiguousKv::new(c.attn_geometry(), tokens.len().max(1));
         let chunk = SeqChunk {
@@ -750,9 +783,10 @@ impl Llama {
         let mut up = vec![0f32; t * ff];
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
-            matmul_t(&h, t, d, &l.wq, qw, &mut q);
-            matmul_t(&h, t, d, &l.wk, kw, &mut k);
-            matmul_t(&h, t, d, &l.wv, kw, &mut v);
+            let hq = self.linear_input(&h, d);
+            matmul_t(&hq, t, d, &l.wq, qw, &mut q);
+            matmul_t(&hq, t, d, &l.wk, kw, &mut k);
+            matmul_t(&hq, t, d, &l.wv, kw, &mut v);
             for (buf, b) in [(&mut q, &l.bq), (&mut k, &l.bk), (&mut v, &l.bv)] {
                 if let Some(b) = b {
                     buf.par_chunks_mut(b.len())
@@ -782,15 +816,16 @@ impl Llama {
                 }
             }
             kv.attend(li, &seqs, &q, &k, &v, &mut attn)?;
-            matmul_t(&attn, t, qw, &l.wo, d, &mut proj);
+            matmul_t(&self.linear_input(&attn, qw), t, qw, &l.wo, d, &mut proj);
             if let Some(n) = &l.post_attn_norm {
                 let src = proj.clone();
                 rms_norm(&src, n, c.rms_eps, &mut proj);
             }
             add_in_place(&mut x, &proj);
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
-            matmul_t(&h, t, d, &l.w_gate, ff, &mut gate);
-            matmul_t(&h, t, d, &l.w_up, ff, &mut up);
+            let hq = self.linear_input(&h, d);
+            matmul_t(&hq, t, d, &l.w_gate, ff, &mut gate);
+            matmul_t(&hq, t, d, &l.w_up, ff, &mut up);
             if c.gemma3.is_some() {
                 gate.par_iter_mut()
                     .zip(up.par_iter())
@@ -800,7 +835,7 @@ impl Llama {
                     *g = *g / (1.0 + (-*g).exp()) * u;
                 });
             }
-            matmul_t(&gate, t, ff, &l.w_down, d, &mut proj);
+            matmul_t(&self.linear_input(&gate, ff), t, ff, &l.w_down, d, &mut proj);
             if let Some(n) = &l.post_ffn_norm {
                 let src = proj.clone();
                 rms_norm(&src, n, c.rms_eps, &mut proj);
@@ -808,6 +843,51 @@ impl Llama {
             add_in_place(&mut x, &proj);
         }
         Ok(x)
+    }
+
+    /// What a linear layer multiplies: `x` itself (rows of `cols`), or with FP8 each row
+    /// quantized per token and dequantized (a copy; the unquantized path copies nothing).
+    fn linear_input<'a>(&self, x: &'a [f32], cols: usize) -> Cow<'a, [f32]> {
+        match self.quantization {
+            LinearQuantization::None => Cow::Borrowed(x),
+            LinearQuantization::Fp8 => {
+                let mut q = x.to_vec();
+                fake_quantize_rows(&mut q, cols);
+                Cow::Owned(q)
+            }
+        }
+    }
+
+    /// How the linear layers compute.
+    pub fn quantization(&self) -> LinearQuantization {
+        self.quantization
+    }
+
+    /// Switches the model to FP8 W8A8 ([`LinearQuantization::Fp8`]): every linear layer's
+    /// weight becomes its per-output-channel e4m3 quantization, dequantized to f32
+    /// ([`super::fp8::quantize_rows`]), and from now on each linear layer's input is quantized
+    /// per token. Embeddings, norms, biases and the LM head stay as loaded. A second call does
+    /// nothing.
+    pub fn quantize_fp8(&mut self) {
+        if self.quantization == LinearQuantization::Fp8 {
+            return;
+        }
+        let c = &self.config;
+        let (d, ff, qw) = (c.d_model, c.d_ff, c.n_heads * c.head_dim);
+        self.layers.par_iter_mut().for_each(|l| {
+            for (w, cols) in [
+                (&mut l.wq, d),
+                (&mut l.wk, d),
+                (&mut l.wv, d),
+                (&mut l.wo, qw),
+                (&mut l.w_gate, d),
+                (&mut l.w_up, d),
+                (&mut l.w_down, ff),
+            ] {
+                *w = quantize_rows(w, w.len() / cols, cols).dequantize();
+            }
+        });
+        self.quantization = LinearQuantization::Fp8;
     }
 
     #[cfg(test)]
@@ -1161,6 +1241,94 @@ mod tests {
         let n = |x: &[f32], i: usize, j: usize| x[i] * x[i] + x[j] * x[j];
         assert!((n(&a, 0, 1) - 2.0).abs() < 1e-5);
         assert!((n(&b, 0, 4) - 2.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn fp8_linear_equals_the_hand_computed_per_row_and_per_token_dequantized_product() {
+        // Weight rows (output channels) with amax 2 and 6: scales 2/448 and 6/448. Row 0 maps to
+        // 224, -448, 112 (all e4m3 codes, so exact); in row 1, 0.3 maps to 22.4, whose nearest
+        // code is 22 (step 2 between 16 and 32). One scale for the whole matrix (6/448) would
+        // round row 0 too (2 -> 149.3 -> 144), so the test tells per-row scales apart.
+        let w = [1.0f32, -2.0, 0.5, 3.0, 0.3, -6.0];
+        let wq = quantize_rows(&w, 2, 3).dequantize();
+        let want_w = [1.0, -2.0, 0.5, 3.0, 22.0 * 6.0 / 448.0, -6.0];
+        for (a, b) in wq.iter().zip(&want_w) {
+            assert!((a - b).abs() < 1e-6, "{wq:?}");
+        }
+        // Token rows with amax 1 and 0.7 (scales 1/448 and 0.7/448): -0.13 maps to -58.24, nearest
+        // code -60 (step 4 between 32 and 64); row 1 maps to 64, 128, -448 exactly.
+        let x = [1.0f32, 0.5, -0.13, 0.1, 0.2, -0.7];
+        let mut m = tiny();
+        m.quantize_fp8();
+        let xq = m.linear_input(&x, 3);
+        let want_x = [1.0, 0.5, -60.0 / 448.0, 0.1, 0.2, -0.7];
+        for (a, b) in xq.iter().zip(&want_x) {
+            assert!((a - b).abs() < 1e-6, "{xq:?}");
+        }
+        let mut out = [0f32; 4];
+        matmul_t(&xq, 2, 3, &wq, 2, &mut out);
+        for i in 0..2 {
+            for j in 0..2 {
+                let want: f32 = (0..3).map(|p| want_x[i * 3 + p] * want_w[j * 3 + p]).sum();
+                assert!(
+                    (out[i * 2 + j] - want).abs() < 1e-5,
+                    "({i}, {j}): {} vs {want}",
+                    out[i * 2 + j]
+                );
+            }
+        }
+        // Unquantized, the input is passed through, not copied.
+        assert!(matches!(tiny().linear_input(&x, 3), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn quantize_fp8_replaces_exactly_the_linear_weights_and_changes_the_logits() {
+        let plain = tiny();
+        let mut m = plain.clone();
+        m.quantize_fp8();
+        assert_eq!(m.quantization(), LinearQuantization::Fp8);
+        let (d, ff, qw) = (32, 64, 32);
+        for (p, q) in plain.layers.iter().zip(&m.layers) {
+            for (a, b, cols) in [
+                (&p.wq, &q.wq, d),
+                (&p.wk, &q.wk, d),
+                (&p.wv, &q.wv, d),
+                (&p.wo, &q.wo, qw),
+                (&p.w_gate, &q.w_gate, d),
+                (&p.w_up, &q.w_up, d),
+                (&p.w_down, &q.w_down, ff),
+            ] {
+                assert_eq!(*b, quantize_rows(a, a.len() / cols, cols).dequantize());
+                assert_ne!(a, b);
+            }
+            assert_eq!((&p.attn_norm, &p.ffn_norm), (&q.attn_norm, &q.ffn_norm));
+        }
+        assert_eq!(plain.embed, m.embed);
+        assert_eq!(plain.lm_head, m.lm_head);
+        assert_eq!(plain.out_norm, m.out_norm);
+        let again = {
+            let mut a = m.clone();
+            a.quantize_fp8();
+            a
+        };
+        assert_eq!(again.layers[0].wq, m.layers[0].wq, "a second call does nothing");
+        let logits = |m: &Llama| {
+            let mut kv = ContiguousKv::new(m.config.attn_geometry(), 64);
+            let chunk = SeqChunk {
+                seq: 1,
+                start_pos: 0,
+                tokens: &[3, 14, 15, 9],
+                want_logits: true,
+            };
+            m.forward(&mut kv, &[chunk]).unwrap()
+        };
+        let (a, b) = (logits(&plain), logits(&m));
+        let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let span = a.iter().fold(0f32, |s, v| s.max(v.abs()));
+        assert!(
+            err > 0.0 && err < 0.1 * span,
+            "max error {err} of logits up to {span}"
+        );
     }
 
     #[test]
