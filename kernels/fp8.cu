@@ -8,7 +8,7 @@
 //   device (rows = output channels). The same arithmetic as `quantize_rows` in
 //   crates/kvfleet-engine/src/model/fp8.rs: `s = amax / 448`, `q = e4m3(x * (1 / s))`, ties to
 //   even, saturating.
-// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_cvt`, the same with the hardware's conversions): the
+// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_int`, the same with integer bit moves): the
 //   single-token projection of kernels/gemv.cu over e4m3 weights, 16 weights a 16-byte load, so
 //   one stream reads one byte a weight. The input stays bf16 (weight-only
 //   quantization at one token: the step is bandwidth-bound, quantizing the input would only
@@ -39,8 +39,9 @@ __device__ float block_max(float v) {
     return total;
 }
 
-// Two ways to turn e4m3 weights into f32 for the GEMV's FMAs (kvf_gemv_fp8 and
-// kvf_gemv_fp8_cvt; bench/RESULTS.md compares them):
+// Two ways to turn e4m3 weights into f32 for the GEMV's FMAs (kvf_gemv_fp8 with FP8_CVT, the
+// default, and kvf_gemv_fp8_int; bench/RESULTS.md compares them: on an H200 at one stream
+// 352 tok/s with conversions, 333 with bit moves, for dummy Llama-3.1-8B):
 // - FP8_INT: integer bit moves, no conversion instruction. An e4m3 byte b placed with its sign at
 //   bit 31 and its seven other bits at bits 26..20 of an f32 is that f32's exponent and mantissa
 //   with the exponent bias of f32 (127) instead of e4m3's (7): the f32 is b's value times 2^-120,
@@ -49,9 +50,10 @@ __device__ float block_max(float v) {
 //   b * x * 2^-56, far from f32's underflow, and the row's sum is scaled back by 2^56.
 //   For byte i of a word w: ((int)(w << (24 - 8 i)) >> 4) & 0x87f00000 (the arithmetic shift
 //   copies the sign down; the mask keeps bit 31 and bits 26..20).
-// - FP8_CVT: the hardware's cvt.rn.f16x2.e4m3x2 then f16 to f32, 3 conversions for 2 weights;
-//   conversions issue at a fraction of the FMA rate, and at one stream that bounded the kernel
-//   below the copy bandwidth (H200: 2.5 TB/s of 4.2).
+// - FP8_CVT: the hardware's cvt.rn.f16x2.e4m3x2 then f16 to f32, 3 conversions for 2 weights.
+//   Conversions issue at a fraction of the FMA rate, and they bound the kernel below the copy
+//   bandwidth (H200: gate/up at about 2.5 TB/s of 4.2), but the bit moves' integer work (and
+//   the input's scaling) costs more still.
 constexpr int FP8_INT = 0;
 constexpr int FP8_CVT = 1;
 constexpr float FP8_INT_X_SCALE = 18446744073709551616.f;  // 2^64
@@ -188,11 +190,11 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARAMS) {
-    gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
+    gemv_fp8<FP8_CVT>(KVF_GEMV_FP8_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_cvt(KVF_GEMV_FP8_PARAMS) {
-    gemv_fp8<FP8_CVT>(KVF_GEMV_FP8_ARGS);
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_PARAMS) {
+    gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
 }
 
 // y[r, c] = d[r, c] * sx[r] * sw[c] (add = 0) or y[r, c] += it (add = 1), for r < t, c < n,

@@ -192,18 +192,20 @@ fn fp8_checkpoint_on_a10_is_denied_for_kvfleet_naming_the_gpus_that_can() {
             "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)",
         ],
     );
-    // The same spec where the GPU has FP8 tensor cores: the kvfleet runtime serves it.
+    // The same spec selecting GPUs with FP8 tensor cores: the kvfleet runtime serves it.
+    let a10 = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/examples/fp8-checkpoint-a10-kvfleet.yaml"),
+    )
+    .unwrap();
     for gpu in ["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3"] {
+        let spec = std::env::temp_dir().join(format!("kvfleet-fp8-{gpu}-{}.yaml", std::process::id()));
+        std::fs::write(&spec, a10.replace("NVIDIA-A10", gpu)).unwrap();
         let out = check(
-            &[
-                "-f",
-                "deploy/examples/fp8-checkpoint-a10-kvfleet.yaml",
-                "--gpu",
-                gpu,
-            ],
+            &["-f", spec.to_str().unwrap(), "--gpu", gpu],
             0,
             &["attentionBackend KVFLEET_CUDA", "capacity: "],
         );
+        let _ = std::fs::remove_file(&spec);
         assert!(!out.contains("UnsupportedWeightQuantization"), "{gpu}: {out}");
     }
 }

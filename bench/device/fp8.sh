@@ -6,8 +6,8 @@
 #                                # the model bench, dummy Llama-3.1-8B, bf16 then FP8
 #   bash bench/device/fp8.sh b   # join the GGUF; SmolLM2 FP8 tests; the bf16 GPU model tests
 # KVFLEET_FP8_BENCH="1,256 2048:1" picks the bench rows: BATCHES or PROMPT:BATCHES;
-# KVFLEET_FP8_VARIANTS="bf16 fp8 fp8-unit fp8-cvt" the variants (fp8-unit: unit scales in
-# cuBLASLt and the epilogue kernel; fp8-cvt: the GEMV with the hardware's conversions); KVFLEET_FP8_PROFILE=1,256 adds profiles.
+# KVFLEET_FP8_VARIANTS="bf16 fp8 fp8-unit fp8-int" the variants (fp8-unit: unit scales in
+# cuBLASLt and the epilogue kernel; fp8-int: the GEMV with integer bit moves); KVFLEET_FP8_PROFILE=1,256 adds profiles.
 set -uo pipefail
 part=${1:?usage: fp8.sh a|b}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,9 +33,9 @@ case "$part" in
       case "$row" in *:*) prompt=${row%%:*}; batches=${row##*:} ;; esac
       # bf16, FP8 (cuBLASLt applies the row scales where it can) and FP8 with unit scales and
       # the epilogue kernel (the path of Ada and older cuBLAS), in the same call.
-      for v in ${KVFLEET_FP8_VARIANTS:-bf16 fp8 fp8-unit fp8-cvt}; do
-        fp8=1; unit=0; gemv=int
-        case "$v" in bf16) fp8=0 ;; fp8-unit) unit=1 ;; fp8-cvt) gemv=cvt ;; esac
+      for v in ${KVFLEET_FP8_VARIANTS:-bf16 fp8 fp8-unit fp8-int}; do
+        fp8=1; unit=0; gemv=cvt
+        case "$v" in bf16) fp8=0 ;; fp8-unit) unit=1 ;; fp8-int) gemv=int ;; esac
         step "model bench: dummy Llama-3.1-8B, $v, prompt $prompt, batches $batches"
         KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$fp8 KVFLEET_FP8_UNIT_SCALES=$unit KVFLEET_FP8_GEMV=$gemv \
           KVFLEET_BENCH_PROMPT=$prompt KVFLEET_BENCH_BATCHES=$batches KVFLEET_BENCH_STEPS=${KVFLEET_FP8_STEPS:-128} \

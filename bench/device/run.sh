@@ -77,12 +77,16 @@ case "$mode" in
     for build in ${KVFLEET_DEVICE_BUILDS:-kvfleet-base kvfleet}; do
       [ -x "$bin/$build" ] || continue
       for dtype in ${KVFLEET_DEVICE_HTTP_DTYPES:-bfloat16}; do
-        step "HTTP load: $build, dummy Llama-3.1-8B, $dtype KV"
+      # KVFLEET_DEVICE_QUANT="none fp8": the weights as they are, then FP8 (issue 32).
+      for quant in ${KVFLEET_DEVICE_QUANT:-none}; do
+        step "HTTP load: $build, dummy Llama-3.1-8B, $dtype KV, quantization $quant"
         log="$OUT/${build}_$dtype${KVFLEET_DEVICE_TAG:-}"
+        [ "$quant" = none ] || log="${log}_$quant"
         KVFLEET_PROFILE=${KVFLEET_DEVICE_PROFILE:-0} "$bin/$build" worker --listen 127.0.0.1:8000 --model-weights dummy \
           --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --kv-cache-dtype "$dtype" \
           --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens ${KVFLEET_DEVICE_CHUNK:-2048} \
-          --gpu-memory-utilization 0.92 --max-waiting 4096 > "$log.worker.log" 2>&1 &
+          --gpu-memory-utilization 0.92 --max-waiting 4096 $([ "$quant" = none ] || echo --quantization "$quant") \
+          > "$log.worker.log" 2>&1 &
         pid=$!
         for _ in $(seq 1 120); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
         for row in ${KVFLEET_DEVICE_HTTP_ROWS:-1:130:512:1 64:130:512:64 256:130:512:256 256:1500:128:256 1:1500:16:5}; do
@@ -93,6 +97,7 @@ case "$mode" in
         done
         kill $pid; wait $pid 2>/dev/null
         [ "${KVFLEET_DEVICE_PROFILE:-0}" = 1 ] && sed 's/\x1b\[[0-9;]*m//g' "$log.worker.log" | grep -A12 "profile" | tail -40
+      done
       done
     done
     ;;

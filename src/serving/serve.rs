@@ -133,6 +133,20 @@ pub fn check_quantization(source: &ModelSource, quantization: EngineQuantization
     }
 }
 
+/// Whether `source` is an FP8 checkpoint (an FP8 `quantization_config` in its config.json):
+/// the GPU then keeps its linear layers in FP8 ([`GpuOptions::fp8_weights`]), as the planner
+/// counts them, rather than widening them to bf16.
+///
+/// [`GpuOptions::fp8_weights`]: kvfleet_cuda::gpu::GpuOptions::fp8_weights
+pub fn fp8_checkpoint(source: &ModelSource) -> bool {
+    source.weights != Weights::Dummy
+        && source
+            .path
+            .as_deref()
+            .and_then(hf_dir)
+            .is_some_and(|dir| matches!(hf::quantization(&dir), Ok(Some(_))))
+}
+
 /// Reads the model `source` names (blocking: large checkpoints take a while). Dummy weights
 /// without a config.json take the attention geometry from `geometry` (the spec's), with a
 /// Llama-shaped MLP and context `max_model_len`.

@@ -432,7 +432,10 @@ fn place(
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,
-                fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8,
+                // FP8 at load, or an FP8 checkpoint kept in FP8 (quantized again per row from
+                // its dequantized weights: the same bytes for per-channel amax scales).
+                fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8
+                    || cfg.model.as_ref().is_some_and(serve::fp8_checkpoint),
             };
             let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
                 crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {

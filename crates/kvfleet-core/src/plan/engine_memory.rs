@@ -83,7 +83,13 @@ pub struct EngineShape {
     pub qk_norm: bool,
     /// Gemma 3's block: post-norms, a second RoPE table, a sublayer output buffer.
     pub gemma3: bool,
+    /// FP8 linear layers (`engine.quantization: fp8`, or an FP8 checkpoint): one e4m3 byte a
+    /// weight and an f32 scale a row, and the FP8 GEMMs' buffers beside the activations.
+    pub fp8_linear: bool,
 }
+
+/// The cuBLASLt workspace the GPU engine allocates for its FP8 GEMMs.
+pub const FP8_GEMM_WORKSPACE_BYTES: u64 = 32 << 20;
 
 impl EngineShape {
     /// The shape the worker serves for dummy weights of a CRD geometry: hidden size
@@ -122,6 +128,7 @@ impl EngineShape {
             attn_bias: false,
             qk_norm: false,
             gemma3: false,
+            fp8_linear: false,
         })
     }
 
@@ -136,6 +143,13 @@ impl EngineShape {
         let (d, ff, (qw, kw)) = (self.d_model, self.d_ff, self.widths());
         let layer_bf16 = (qw + 2 * kw) * d + d * qw + 2 * ff * d + d * ff;
         let head = if self.tied_embeddings { 1 } else { 2 };
+        // FP8: the linear matrices at one byte a weight, and an f32 scale a row of each.
+        let (layer_bf16, layer_fp8) = if self.fp8_linear {
+            let rows = (qw + 2 * kw) + d + 2 * ff + d;
+            (0, layer_bf16 + 4 * rows)
+        } else {
+            (layer_bf16, 0)
+        };
         let bf16 = self.layers * layer_bf16 + head * self.vocab * d;
         let mut layer_f32 = 2 * d;
         if self.attn_bias {
@@ -149,7 +163,7 @@ impl EngineShape {
         }
         let tables = if self.gemma3 { 2 } else { 1 };
         let f32s = self.layers * layer_f32 + d + tables * (self.rope_dims / 2);
-        2 * bf16 + 4 * f32s
+        2 * bf16 + 4 * f32s + self.layers * layer_fp8
     }
 
     /// Bytes of the activation workspace for steps of `tokens` tokens and `rows` logit rows
@@ -165,7 +179,18 @@ impl EngineShape {
         let f32s = t * d + t * (qw + 2 * kw) + t * 2 * ff + r * self.vocab + proj;
         let bf16s = t * d + 2 * t * qw + 2 * t * kw_rep + t * ff + r * d;
         let i32s = 2 * t + 2 * r + PICK_WORDS * r;
-        4 * f32s + 2 * bf16s + 4 * i32s
+        4 * f32s + 2 * bf16s + 4 * i32s + self.fp8_activation_bytes(t)
+    }
+
+    /// FP8 linear layers: a GEMM's input quantized (the widest: d, the Q width or ff), a scale a
+    /// token, an f32 output `[t, d]` the scales are applied to before the residual add, and the
+    /// cuBLASLt workspace. 0 otherwise.
+    fn fp8_activation_bytes(&self, t: u64) -> u64 {
+        if !self.fp8_linear {
+            return 0;
+        }
+        let (d, ff, (qw, _)) = (self.d_model, self.d_ff, self.widths());
+        t * d.max(qw).max(ff) + 4 * t + 4 * t * d + FP8_GEMM_WORKSPACE_BYTES
     }
 }
 
@@ -266,7 +291,32 @@ mod tests {
             attn_bias: false,
             qk_norm: false,
             gemma3: false,
+            fp8_linear: false,
         }
+    }
+
+    #[test]
+    fn fp8_linear_layers_take_a_byte_a_weight_and_the_fp8_gemm_buffers() {
+        let bf16 = llama_3_1_8b();
+        let fp8 = EngineShape {
+            fp8_linear: true,
+            ..bf16
+        };
+        let geometry: crate::api::ModelGeometry = serde_json::from_value(serde_json::json!({
+            "layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+            "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256
+        }))
+        .unwrap();
+        // The weights the admission planner counts for `engine.quantization: fp8`.
+        let linear = super::super::weights::LinearLayers::of(&geometry).unwrap();
+        assert_eq!(Some(fp8.weight_bytes()), linear.fp8_bytes(bf16.weight_bytes()));
+        // The quantized input (14,336 wide: ff), a scale a token, an f32 [t, 4096] output and
+        // cuBLASLt's 32 MiB workspace.
+        let t = 2048;
+        assert_eq!(
+            fp8.activation_bytes(t, 256) - bf16.activation_bytes(t, 256),
+            t * 14336 + 4 * t + 4 * t * 4096 + (32 << 20)
+        );
     }
 
     #[test]

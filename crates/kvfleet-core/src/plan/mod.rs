@@ -25,7 +25,7 @@ pub mod weights;
 pub use bytes::{
     check_tensor_parallel, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank, page_bytes,
 };
-pub use engine_memory::{EngineMemory, EngineShape, CONTEXT_RESERVE_BYTES};
+pub use engine_memory::{EngineMemory, EngineShape, CONTEXT_RESERVE_BYTES, FP8_GEMM_WORKSPACE_BYTES};
 pub use geometry::{Geometry, LayerGeometry, LayerKind};
 pub use kvfleet::{blocks_per_request, full_layer_concurrency, pool_layout, KvfleetGroup, KvfleetPlan};
 pub use memory::{

@@ -356,7 +356,10 @@ fn kvfleet_shape(spec: &InferenceDeploymentSpec) -> Option<EngineShape> {
     if !(dummy || sized) {
         return None;
     }
-    EngineShape::for_spec(g)
+    // FP8 at load or an FP8 checkpoint: the GPU keeps the linear layers in FP8.
+    let fp8_linear =
+        spec.engine.quantization == EngineQuantization::Fp8 || spec.model.quantization == Quantization::Fp8;
+    EngineShape::for_spec(g).map(|s| EngineShape { fp8_linear, ..s })
 }
 
 /// The largest stage of `geometry` split into `stages` pipeline stages: the first

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::error::{drv, need, GpuError};
-use super::fp8::Fp8Scratch;
+use super::fp8::{Fp8Scratch, Lt};
 use super::sampling::PICK_WORDS;
 use super::shape::Dims;
 
@@ -46,8 +46,8 @@ pub(super) struct Acts {
     pub adjust: CudaSlice<u32>,
     /// Gemma 3: f32 `[T, d]`, a sublayer's output before its post-norm (one element otherwise).
     pub proj: CudaSlice<f32>,
-    /// FP8 weights: the GEMMs' quantized inputs and added outputs (one-element buffers
-    /// otherwise; outside the planner's activation terms, counted by `Dims::fp8_bytes`).
+    /// FP8 weights: the GEMMs' quantized inputs, their scales and added outputs (one-element
+    /// buffers otherwise).
     pub fp8: Fp8Scratch,
 }
 
@@ -72,6 +72,13 @@ struct Lens {
     hl: usize,
     /// u32.
     pick_words: usize,
+    /// FP8 weights ([`Fp8Scratch`]): u8 quantized inputs, f32 token scales and added outputs,
+    /// and the cuBLASLt workspace [`super::blas::Blas`] allocates beside the arena (all 0
+    /// without FP8; the one-element stand-ins then are not counted, as for `proj`).
+    fp8_x: usize,
+    fp8_sx: usize,
+    fp8_d: usize,
+    fp8_workspace: usize,
 }
 
 impl Lens {
@@ -90,6 +97,10 @@ impl Lens {
             act: t * dm.ff,
             hl: r * dm.d,
             pick_words: r * PICK_WORDS,
+            fp8_x: if dm.fp8 { t * dm.fp8_k() } else { 0 },
+            fp8_sx: if dm.fp8 { t } else { 0 },
+            fp8_d: if dm.fp8 { t * dm.d } else { 0 },
+            fp8_workspace: if dm.fp8 { Lt::bytes() } else { 0 },
         }
     }
 
@@ -98,9 +109,9 @@ impl Lens {
     #[cfg(test)]
     fn bytes(&self) -> usize {
         let i32s = 2 * self.tokens + 2 * self.rows + self.pick_words;
-        let f32s = self.x + self.qkv + self.gu + self.logits + self.proj;
+        let f32s = self.x + self.qkv + self.gu + self.logits + self.proj + self.fp8_sx + self.fp8_d;
         let bf16s = self.h + 2 * self.q + 2 * self.kv + self.act + self.hl;
-        4 * i32s + 4 * f32s + 2 * bf16s
+        4 * i32s + 4 * f32s + 2 * bf16s + self.fp8_x + self.fp8_workspace
     }
 }
 
@@ -143,7 +154,7 @@ impl Acts {
             adjust: s.alloc_zeros::<u32>(1).map_err(drv("allocating activations"))?,
             proj: f(n.proj)?,
             fp8: if dm.fp8 {
-                Fp8Scratch::alloc(s, t, dm.fp8_k(), dm.d)?
+                Fp8Scratch::alloc(s, n.fp8_sx, n.fp8_x / n.fp8_sx, dm.d)?
             } else {
                 Fp8Scratch::none(s)?
             },
@@ -168,7 +179,7 @@ impl Acts {
         *self = Acts::alloc(s, dm, t, r).map_err(|e| {
             GpuError::Memory(format!(
                 "activations for {t} tokens and {r} logit rows ({} MiB): {e}",
-                (Acts::bytes(dm, t, r) + dm.fp8_bytes(t)) >> 20
+                Acts::bytes(dm, t, r) >> 20
             ))
         })?;
         Ok(())
@@ -228,13 +239,15 @@ mod tests {
         ];
         for (name, c) in geometries {
             let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
-            let dm = Dims::new(&c, rep);
-            for (t, r) in [(1, 1), (2048, 256), (8192, 1), (513, 77)] {
-                assert_eq!(
-                    Lens::new(&dm, t, r).bytes(),
-                    Acts::bytes(&dm, t, r),
-                    "{name}, {t} tokens, {r} rows"
-                );
+            for fp8 in [false, true] {
+                let dm = Dims::new(&c, rep).with_fp8(fp8);
+                for (t, r) in [(1, 1), (2048, 256), (8192, 1), (513, 77)] {
+                    assert_eq!(
+                        Lens::new(&dm, t, r).bytes(),
+                        Acts::bytes(&dm, t, r),
+                        "{name}, FP8 {fp8}, {t} tokens, {r} rows"
+                    );
+                }
             }
         }
     }

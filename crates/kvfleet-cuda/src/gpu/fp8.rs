@@ -218,11 +218,6 @@ pub(super) struct Fp8Scratch {
 }
 
 impl Fp8Scratch {
-    /// Bytes for `t` tokens, inputs up to `k` wide and added outputs `n` wide.
-    pub fn bytes(t: usize, k: usize, n: usize) -> usize {
-        t * k + 4 * t + 4 * t * n
-    }
-
     pub fn alloc(s: &Arc<CudaStream>, t: usize, k: usize, n: usize) -> Result<Self, GpuError> {
         let what = "allocating FP8 activations";
         let (t, k, n) = (t.max(1), k.max(1), n.max(1));
@@ -239,8 +234,9 @@ impl Fp8Scratch {
     }
 }
 
-/// cuBLASLt's workspace: what its FP8 kernels on Hopper ask for at most.
-const LT_WORKSPACE: usize = 32 << 20;
+/// cuBLASLt's workspace: what its FP8 kernels on Hopper ask for at most (the planner's
+/// `FP8_GEMM_WORKSPACE_BYTES`).
+const LT_WORKSPACE: usize = kvfleet_core::plan::FP8_GEMM_WORKSPACE_BYTES as usize;
 
 /// `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` (cuBLAS 12.9, `cublasLtMatmulMatrixScale_t`):
 /// one f32 scale per row of `op(A)` and per column of `op(B)`. The bindings target 12.8, where

@@ -86,11 +86,11 @@ impl Gemv {
         };
         Ok(Gemv {
             kernel: load("kvf_gemv")?,
-            // `KVFLEET_FP8_GEMV=cvt`: the hardware's e4m3 conversions instead of bit moves (to
-            // time the two in one call; kernels/fp8.cu).
+            // `KVFLEET_FP8_GEMV=int`: integer bit moves instead of the hardware's e4m3
+            // conversions (to time the two in one call; kernels/fp8.cu).
             fp8: fp8
                 .then(|| match std::env::var("KVFLEET_FP8_GEMV").as_deref() {
-                    Ok("cvt") => load("kvf_gemv_fp8_cvt"),
+                    Ok("int") => load("kvf_gemv_fp8_int"),
                     _ => load("kvf_gemv_fp8"),
                 })
                 .transpose()?,

@@ -78,7 +78,7 @@ pub const FP8_SOURCE: &str = concat!(
 pub const FP8_KERNELS: [&str; 4] = [
     "kvf_quantize_rows_fp8",
     "kvf_gemv_fp8",
-    "kvf_gemv_fp8_cvt",
+    "kvf_gemv_fp8_int",
     "kvf_fp8_scale",
 ];
 

@@ -126,8 +126,7 @@ impl GpuLlama {
         opts: &GpuOptions,
     ) -> Result<Self, GpuError> {
         let (kv_rep, _) = kv_replication(config.n_heads, config.n_kv_heads)?;
-        let mut dims = Dims::new(&config, kv_rep);
-        dims.fp8 = opts.fp8_weights;
+        let dims = Dims::new(&config, kv_rep).with_fp8(opts.fp8_weights);
         let s = gpu.stream().clone();
         let acts = Acts::alloc(&s, &dims, opts.max_batched_tokens, opts.max_num_seqs)?;
         let blas = Blas::new(s, opts.fp8_weights)?;
@@ -141,7 +140,7 @@ impl GpuLlama {
             total,
             free,
             weights: weights.bytes,
-            activations: Acts::bytes(&dims, acts.tokens, acts.rows) + dims.fp8_bytes(acts.tokens),
+            activations: Acts::bytes(&dims, acts.tokens, acts.rows),
         };
         let (pools, capacity) = size_pools(&config, &dims, opts, &memory)?;
         if opts.self_test {

@@ -54,7 +54,8 @@ pub(super) struct Dims {
     pub vocab: usize,
     /// Gemma 3's block (post-norms, GeGLU, scaled embedding, local RoPE).
     pub gemma: bool,
-    /// FP8 linear weights: the step also needs [`super::fp8::Fp8Scratch`].
+    /// FP8 linear weights: the step also needs [`super::fp8::Fp8Scratch`] (and `shape` counts
+    /// it: `fp8_linear`).
     pub fp8: bool,
     /// What the weights and the activation workspace cost (the planner's terms).
     pub shape: EngineShape,
@@ -81,14 +82,16 @@ impl Dims {
         }
     }
 
-    /// Bytes of the FP8 GEMMs' buffers for `t` tokens (0 without FP8 weights): the widest
-    /// input quantized (d, qw or ff), its scales and an added output `[t, d]`, with cuBLASLt's
-    /// workspace.
-    pub fn fp8_bytes(&self, t: usize) -> usize {
-        if !self.fp8 {
-            return 0;
+    /// With FP8 linear weights or not: the flag, and the planner's terms that follow it.
+    pub fn with_fp8(self, fp8: bool) -> Self {
+        Dims {
+            fp8,
+            shape: kvfleet_core::plan::EngineShape {
+                fp8_linear: fp8,
+                ..self.shape
+            },
+            ..self
         }
-        super::fp8::Fp8Scratch::bytes(t, self.fp8_k(), self.d) + super::fp8::Lt::bytes()
     }
 
     /// The widest input of an FP8 GEMM.

@@ -157,6 +157,8 @@ impl LlamaConfig {
             attn_bias: self.attn_bias,
             qk_norm: self.qk_norm,
             gemma3: self.gemma3.is_some(),
+            // The GPU sets it when it keeps the linear layers in FP8.
+            fp8_linear: false,
         }
     }
 
