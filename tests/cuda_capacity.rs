@@ -47,10 +47,13 @@ fn opts(dtype: KvDtype) -> GpuOptions {
 
 /// The worker's pools for `c` at `dtype`: pages per group, tokens held for maxModelLen
 /// requests, the device's name and total memory.
-fn allocated(c: &LlamaConfig, dtype: KvDtype) -> (Vec<u64>, u64, String, u64) {
+fn allocated(c: &LlamaConfig, dtype: KvDtype, fp8_weights: bool) -> (Vec<u64>, u64, String, u64) {
     let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
     let gpu = GpuLlama::open_gpu(0).expect("an NVIDIA GPU with cuBLAS and NVRTC");
-    let o = opts(dtype);
+    let o = GpuOptions {
+        fp8_weights,
+        ..opts(dtype)
+    };
     let m = GpuLlama::dummy(gpu, c.clone(), 1, &o).expect("dummy model on the GPU");
     let cap = m.capacity().clone();
     eprintln!("{cap:?}");
@@ -95,8 +98,15 @@ fn within_one_page(what: &str, planned: &[u64], got: &[u64]) {
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
 fn gpu_dummy_llama_3_1_8b_allocates_the_pages_kvfleet_check_predicts() {
     let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
-    for (dtype, name) in [(KvDtype::Bf16, "bfloat16"), (KvDtype::Fp8E4m3, "fp8_e4m3")] {
-        let (pages, tokens, device, total) = allocated(&c, dtype);
+    let cases = [
+        (KvDtype::Bf16, "bfloat16", "none"),
+        (KvDtype::Fp8E4m3, "fp8_e4m3", "none"),
+        // FP8 weights (issue 32): the linear layers at a byte a weight, the FP8 GEMM buffers.
+        (KvDtype::Bf16, "bfloat16", "fp8"),
+        (KvDtype::Fp8E4m3, "fp8_e4m3", "fp8"),
+    ];
+    for (dtype, name, quantization) in cases {
+        let (pages, tokens, device, total) = allocated(&c, dtype, quantization == "fp8");
         let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
             "model": {
                 "name": "llama",
@@ -105,7 +115,8 @@ fn gpu_dummy_llama_3_1_8b_allocates_the_pages_kvfleet_check_predicts() {
                 "weights": {"format": "dummy"}
             },
             "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": MAX_MODEL_LEN,
-                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
+                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
+                       "quantization": quantization}
         }))
         .unwrap();
         let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
@@ -113,11 +124,18 @@ fn gpu_dummy_llama_3_1_8b_allocates_the_pages_kvfleet_check_predicts() {
             plan::spec_capacity(&spec, &geometry, planner_memory(&device, total), dtype.spec()).unwrap();
         let planned: Vec<u64> = check.plan.kvfleet.groups.iter().map(|g| g.num_blocks).collect();
         eprintln!(
-            "Llama-3.1-8B {name}: check {} tokens {planned:?} pages; worker {tokens} tokens {pages:?} pages",
+            "Llama-3.1-8B {name} KV, weights {quantization}: check {} tokens {planned:?} pages; worker {tokens} tokens {pages:?} pages",
             check.kvfleet_tokens
         );
-        within_one_page(&format!("Llama-3.1-8B {name}"), &planned, &pages);
-        assert!(check.kvfleet_tokens.abs_diff(tokens) <= 16, "{name}");
+        within_one_page(
+            &format!("Llama-3.1-8B {name}, weights {quantization}"),
+            &planned,
+            &pages,
+        );
+        assert!(
+            check.kvfleet_tokens.abs_diff(tokens) <= 16,
+            "{name} {quantization}"
+        );
     }
 }
 
@@ -130,7 +148,7 @@ fn gpu_dummy_gemma_3_allocates_the_pages_the_planner_predicts() {
     ];
     for (model, c) in models {
         for dtype in [KvDtype::Bf16, KvDtype::Fp8E4m3] {
-            let (pages, tokens, device, total) = allocated(&c, dtype);
+            let (pages, tokens, device, total) = allocated(&c, dtype, false);
             let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
             let inputs = PlanInputs {
                 engine: EngineParams {

@@ -3,7 +3,8 @@
 # (then `fp8-b`) here; two calls because SmolLM2's GGUF does not fit one carry.
 #   bash bench/device/fp8.sh a   # stash the GGUF's first half and the binaries; ceilings (copy,
 #                                # bf16 and FP8 GEMM); FP8 kernel tests; the Gemma 3 geometry test;
-#                                # the model bench, dummy Llama-3.1-8B, bf16 then FP8
+#                                # the planner against the pools; the model bench, dummy
+#                                # Llama-3.1-8B, bf16 then FP8 (KVFLEET_FP8_NO_BENCH=1: no bench)
 #   bash bench/device/fp8.sh b   # join the GGUF; SmolLM2 FP8 tests; the bf16 GPU model tests
 # KVFLEET_FP8_BENCH="1,256 2048:1" picks the bench rows: BATCHES or PROMPT:BATCHES;
 # KVFLEET_FP8_VARIANTS="bf16 fp8 fp8-unit fp8-int" the variants (fp8-unit: unit scales in
@@ -28,6 +29,10 @@ case "$part" in
     timeout 120 "$stash/cuda_lib" --ignored --nocapture fp8 2>&1 | tee "$OUT/cuda_lib_fp8.log" | grep -E "^test |result|panicked" | tail -8
     step "Gemma 3 geometry, FP8 against bf16"
     timeout 120 "$stash/cuda_fp8" --ignored --nocapture gemma3 2>&1 | tee "$OUT/cuda_fp8_gemma.log" | grep -E "^test |ratio|result|panicked" | tail -8
+    step "planner against the worker's pools, dummy Llama-3.1-8B, bf16 and FP8 weights"
+    timeout 300 "$stash/cuda_capacity" --ignored --nocapture llama 2>&1 | tee "$OUT/cuda_capacity.log" \
+      | grep -E "^test |check .* tokens|result|panicked" | tail -8
+    [ -n "${KVFLEET_FP8_NO_BENCH:-}" ] && { step done; exit 0; }
     for row in ${KVFLEET_FP8_BENCH:-1,256 2048:1}; do
       prompt=128; batches=$row
       case "$row" in *:*) prompt=${row%%:*}; batches=${row##*:} ;; esac

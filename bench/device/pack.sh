@@ -108,7 +108,7 @@ case "$mode" in
     cp "$whl"/*.whl "$out/whl/"
     ;;
   fp8-a)
-    { exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'; exe_of test --release --test cuda_fp8 --test cuda_model;
+    { exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'; exe_of test --release --test cuda_fp8 --test cuda_model --test cuda_capacity;
       exe_of bench --bench model; } | pack_bins
     head -c "$half" "$gguf" > "$out/gguf.part1"
     cp bench/peers.py "$out/"
