@@ -26,10 +26,12 @@ use kvfleet_engine::model::sampling::argmax;
 /// Relative logit bound of FP8 against the unquantized CPU model (see the module comment).
 const FP8_REL_BOUND: f32 = 0.25;
 
-/// Relative logit bound of the GPU's FP8 GEMM path against the CPU's FP8 reference: the bf16
-/// bound of tests/cuda_model.rs (bf16 activations and KV around the same quantized products),
-/// doubled because a bf16 rounding can move an activation across an e4m3 rounding boundary.
-const FP8_REF_BOUND: f32 = 0.1;
+/// Relative logit bound of the GPU's FP8 GEMM path against the CPU's FP8 reference. Not much
+/// tighter than [`FP8_REL_BOUND`]: the GPU rounds activations to bf16 before quantizing them,
+/// and a bf16 rounding moves an activation across an e4m3 boundary (a step of up to 1/16) often
+/// enough that the two FP8 models differ about as much as FP8 and bf16 do (SmolLM2 on an H200:
+/// 0.033 to 0.088 a step). A transposed matrix or a wrong scale lands near 1.
+const FP8_REF_BOUND: f32 = 0.15;
 
 fn model(env: &str, file: &str) -> Llama {
     let path = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {

@@ -114,7 +114,8 @@ impl Blas {
         if t == 0 || n == 0 {
             return Ok(());
         }
-        f.quantize_rows(x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        let st = &self.stream;
+        f.quantize_rows(st, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
         let dims = (t, n, kk);
         let (w, xs) = ((q, scale), (&s.xq, &s.sx));
         if lt.scales_rows() {
@@ -123,10 +124,10 @@ impl Blas {
         }
         if accumulate {
             lt.gemm(w, xs, &mut s.d, dims, false)?;
-            f.scale(Some(&s.d), t, n, &s.sx, scale, true, y)
+            f.scale(st, Some(&s.d), t, n, &s.sx, scale, true, y)
         } else {
             lt.gemm(w, xs, y, dims, false)?;
-            f.scale(None, t, n, &s.sx, scale, false, y)
+            f.scale(st, None, t, n, &s.sx, scale, false, y)
         }
     }
 

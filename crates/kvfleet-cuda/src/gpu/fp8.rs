@@ -100,18 +100,17 @@ const THREADS: u32 = 256;
 /// Blocks over one row's columns in `kvf_fp8_scale`.
 const SCALE_ROW_BLOCKS: usize = 64;
 
-/// The two FP8 kernels besides the GEMV: quantizing rows and the GEMM epilogue.
+/// The two FP8 kernels besides the GEMV, quantizing rows and the GEMM epilogue, launched on
+/// the stream their caller runs on.
 pub(crate) struct Fp8Kernels {
-    stream: Arc<CudaStream>,
     quantize: CudaFunction,
     scale: CudaFunction,
 }
 
 impl Fp8Kernels {
-    pub fn load(module: &Arc<CudaModule>, stream: Arc<CudaStream>) -> Result<Self, GpuError> {
+    pub fn load(module: &Arc<CudaModule>) -> Result<Self, GpuError> {
         let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
         Ok(Fp8Kernels {
-            stream,
             quantize: f("kvf_quantize_rows_fp8")?,
             scale: f("kvf_fp8_scale")?,
         })
@@ -119,8 +118,10 @@ impl Fp8Kernels {
 
     /// `q[r] = e4m3(x[r] / s[r])`, `s[r] = amax(x[r]) / 448` for `rows` bf16 rows of `k`
     /// elements, `ld` apart in `x`; `q` dense `[rows, k]`.
+    #[allow(clippy::too_many_arguments)] // the stream, the input and its shape, two outputs
     pub fn quantize_rows(
         &self,
+        stream: &CudaStream,
         x: &CudaSlice<u16>,
         rows: usize,
         k: usize,
@@ -142,7 +143,7 @@ impl Fp8Kernels {
                 "FP8 rows of {k} elements exceed 32 bits"
             )));
         };
-        let mut l = Launch::new(&self.stream);
+        let mut l = Launch::new(stream);
         l.ptr(x).i32(k_i).i32(ld_i).ptr_mut(q).ptr_mut(s);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
@@ -156,9 +157,10 @@ impl Fp8Kernels {
     }
 
     /// `y = d * sx[r] * sw[c]` (or `+=` when `add`) over `[t, n]`; `d` `None`: `y` holds `d`.
-    #[allow(clippy::too_many_arguments)] // the kernel's seven parameters, each a different role
+    #[allow(clippy::too_many_arguments)] // the stream and the kernel's seven parameters
     pub fn scale(
         &self,
+        stream: &CudaStream,
         d: Option<&CudaSlice<f32>>,
         t: usize,
         n: usize,
@@ -178,7 +180,7 @@ impl Fp8Kernels {
                 "an FP8 epilogue over {t} rows (at most 65,535)"
             )));
         }
-        let mut l = Launch::new(&self.stream);
+        let mut l = Launch::new(stream);
         match d {
             Some(d) => {
                 need("FP8 GEMM result", d, t * n)?;
@@ -576,7 +578,7 @@ mod tests {
         let s = g.stream();
         let mut q = s.alloc_zeros::<u8>(rows * cols).unwrap();
         let mut sc = s.alloc_zeros::<f32>(rows).unwrap();
-        f.quantize_rows(&dx, rows, cols, ld, &mut q, &mut sc).unwrap();
+        f.quantize_rows(s, &dx, rows, cols, ld, &mut q, &mut sc).unwrap();
         let (q, sc) = (g.download(&q).unwrap(), g.download(&sc).unwrap());
         let xf = to_f32(&x);
         let dense: Vec<f32> = (0..rows)

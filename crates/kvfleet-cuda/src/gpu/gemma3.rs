@@ -84,32 +84,14 @@ fn layer(st: &mut Step<'_>, li: usize, l: &LayerW, freq: &CudaSlice<f32>) -> Res
     k.qkv_post(t, &post, out, false)?;
     st.backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
     st.backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
-    blas.project(
-        k,
-        &l.wo,
-        &a.attn,
-        &mut a.proj,
-        Gemm::store(t, dm.d, dm.qw),
-        &mut a.fp8,
-    )?;
+    let g = Gemm::store(t, dm.d, dm.qw);
+    blas.project(k, &l.wo, &a.attn, &mut a.proj, g, &mut a.fp8)?;
     k.rms_norm_add(&a.proj, t, dm.d, norm(post_attn), &mut a.x)?;
     k.rms_norm(&a.x, t, dm.d, norm(&l.ffn_norm), &mut a.h)?;
-    blas.project(
-        k,
-        &l.wgu,
-        &a.h,
-        &mut a.gu,
-        Gemm::store(t, 2 * dm.ff, dm.d),
-        &mut a.fp8,
-    )?;
+    let g = Gemm::store(t, 2 * dm.ff, dm.d);
+    blas.project(k, &l.wgu, &a.h, &mut a.gu, g, &mut a.fp8)?;
     k.glu(Glu::GeluTanh, &a.gu, t, dm.ff, &mut a.act)?;
-    blas.project(
-        k,
-        &l.wdown,
-        &a.act,
-        &mut a.proj,
-        Gemm::store(t, dm.d, dm.ff),
-        &mut a.fp8,
-    )?;
+    let g = Gemm::store(t, dm.d, dm.ff);
+    blas.project(k, &l.wdown, &a.act, &mut a.proj, g, &mut a.fp8)?;
     k.rms_norm_add(&a.proj, t, dm.d, norm(post_ffn), &mut a.x)
 }

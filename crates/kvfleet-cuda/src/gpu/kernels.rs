@@ -82,9 +82,12 @@ pub const FP8_KERNELS: [&str; 4] = [
     "kvf_fp8_scale",
 ];
 
+/// Compiled programs by name and architecture.
+type PtxCache = Mutex<HashMap<(&'static str, Arch), Arc<str>>>;
+
 /// PTX of one program for `arch`, compiled once per process, program and architecture.
 fn cached_ptx(name: &'static str, source: &'static str, arch: Arch) -> Result<Arc<str>, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<(&'static str, Arch), Arc<str>>>> = OnceLock::new();
+    static CACHE: OnceLock<PtxCache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(p) = cache.lock().map_err(|_| CudaError::Poisoned)?.get(&(name, arch)) {
         return Ok(p.clone());
@@ -256,9 +259,7 @@ impl ModelKernels {
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
             gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8)?,
-            fp8: fp8
-                .then(|| Fp8Kernels::load(&module, gpu.stream().clone()))
-                .transpose()?,
+            fp8: fp8.then(|| Fp8Kernels::load(&module)).transpose()?,
             pdl,
         })
     }

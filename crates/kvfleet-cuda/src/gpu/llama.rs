@@ -99,23 +99,11 @@ fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     st.marks.mark(part::O_GEMM)?;
     k.rms_norm(&a.x, t, dm.d, Norm::new(&l.ffn_norm, st.c.rms_eps), &mut a.h)?;
     st.marks.mark(part::NORM)?;
-    blas.project(
-        k,
-        &l.wgu,
-        &a.h,
-        &mut a.gu,
-        Gemm::store(t, 2 * dm.ff, dm.d),
-        &mut a.fp8,
-    )?;
+    let g = Gemm::store(t, 2 * dm.ff, dm.d);
+    blas.project(k, &l.wgu, &a.h, &mut a.gu, g, &mut a.fp8)?;
     st.marks.mark(part::FFN_GEMM)?;
     k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
     st.marks.mark(part::ACT)?;
-    blas.project(
-        k,
-        &l.wdown,
-        &a.act,
-        &mut a.x,
-        Gemm::add(t, dm.d, dm.ff),
-        &mut a.fp8,
-    )
+    let g = Gemm::add(t, dm.d, dm.ff);
+    blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)
 }

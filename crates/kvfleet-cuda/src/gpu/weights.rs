@@ -218,7 +218,7 @@ impl Weights {
             let mut scale = s
                 .alloc_zeros::<f32>(rows)
                 .map_err(drv("allocating dummy weights"))?;
-            f.quantize_rows(&w, rows, cols, cols, &mut q, &mut scale)?;
+            f.quantize_rows(s, &w, rows, cols, cols, &mut q, &mut scale)?;
             Ok(Mat::Fp8 { q, scale })
         };
         let ones = |n: usize| upload_f32(gpu, &vec![1.0; n]);
