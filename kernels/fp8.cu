@@ -197,6 +197,110 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_
     gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
 }
 
+// kvf_gemv_fp8_mma: the same contract on the tensor cores, W8A8 like the GEMMs. The input row
+// is quantized per token into shared memory first (one scale, amax / 448, as the GEMMs'
+// activations), then each warp runs mma.m16n8k32 with e4m3 operands: 16 weight rows by 32 of k
+// a step, the input as column 0 of B (columns 1..7 zero). The tensor cores take the e4m3 bytes
+// as they are, so no conversion is spent on a weight.
+//
+// The k order inside a tile is ours to choose, as long as A and B agree: lane (g, t) loads 16
+// contiguous bytes of its rows at kb + 16 t, and their four words are the A registers of two
+// mmas (words 0, 1 of the first, 2, 3 of the second); the input bytes at the same offsets are
+// B's registers in lanes 0..3 (g = 0, column 0). A unit is 32 rows (or 16 gate rows and their 16
+// up rows for SwiGLU), two 16-row blocks; k a multiple of 64. Block 256 threads, any grid;
+// dynamic shared memory 3 k bytes (the bf16 normed row, then the e4m3 row).
+constexpr int MMA_UNROLL = 2;
+
+__device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_PARAMS) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    kvf_wait_prior_grid();
+    // The input row, bf16: normed into shared memory, or as given.
+    const bf16* in = xb;
+    if (norm_w != nullptr) {
+        bf16* sx = reinterpret_cast<bf16*>(gemv_smem);
+        rms_row(x + (size_t)(row != nullptr ? *row : 0) * k, norm_w, k, eps, sx);
+        __syncthreads();
+        in = sx;
+    }
+    // Quantized per token into the shared e4m3 row.
+    unsigned char* xq = gemv_smem + 2 * (size_t)k;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(in[i])));
+    amax = block_max(amax);
+    const float xs = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    const float inv = 1.f / xs;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        xq[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(in[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+    }
+    __syncthreads();
+
+    const bool glu = mode == GEMV_SWIGLU;
+    const int units = glu ? (half + 15) / 16 : (n_rows + 31) / 32;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warps = (int)((gridDim.x * blockDim.x) >> 5);
+    const int kt = k >> 6;  // 64-byte tiles of k: 16 bytes a lane of the group
+    const uint4* xv = reinterpret_cast<const uint4*>(xq);
+    for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
+        // Block a: rows a0 + [0, 16); block b: b0 + [0, 16).
+        const int a0 = glu ? 16 * u : 32 * u;
+        const int b0 = glu ? half + 16 * u : 32 * u + 16;
+        const int lim_a = glu ? half : n_rows;
+        // This lane's four rows (clamped inside the matrix; their results are not written).
+        const int rows[4] = {min(a0 + g, lim_a - 1), min(a0 + g + 8, lim_a - 1), min(b0 + g, n_rows - 1),
+                             min(b0 + g + 8, n_rows - 1)};
+        const uint4* wr[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)rows[i] * k);
+        float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int c0 = 0; c0 < kt; c0 += MMA_UNROLL) {
+            uint4 p[MMA_UNROLL][4];
+#pragma unroll
+            for (int j = 0; j < MMA_UNROLL; ++j) {
+                const int c = c0 + j;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + t) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < MMA_UNROLL; ++j) {
+                const int c = c0 + j;
+                if (c < kt) {
+                    const uint4 bx = g == 0 ? xv[4 * c + t] : make_uint4(0, 0, 0, 0);
+                    mma_e4m3(ca, p[j][0].x, p[j][1].x, p[j][0].y, p[j][1].y, bx.x, bx.y);
+                    mma_e4m3(ca, p[j][0].z, p[j][1].z, p[j][0].w, p[j][1].w, bx.z, bx.w);
+                    mma_e4m3(cb, p[j][2].x, p[j][3].x, p[j][2].y, p[j][3].y, bx.x, bx.y);
+                    mma_e4m3(cb, p[j][2].z, p[j][3].z, p[j][2].w, p[j][3].w, bx.z, bx.w);
+                }
+            }
+        }
+        // Column 0 of D: c[0] (row g) and c[2] (row g + 8) in the lanes with t = 0.
+        if (t == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int ra = a0 + g + 8 * h, rb = b0 + g + 8 * h;
+                const float va = ca[2 * h] * xs * wscale[rows[h]];
+                const float vb = cb[2 * h] * xs * wscale[rows[2 + h]];
+                if (glu) {
+                    if (ra < half) act[ra] = __float2bfloat16(va / (1.f + expf(-va)) * vb);
+                } else {
+                    if (ra < n_rows) y[ra] = mode == GEMV_ADD ? y[ra] + va : va;
+                    if (rb < n_rows) y[rb] = mode == GEMV_ADD ? y[rb] + vb : vb;
+                }
+            }
+        }
+    }
+}
+
 // y[r, c] = d[r, c] * sx[r] * sw[c] (add = 0) or y[r, c] += it (add = 1), for r < t, c < n,
 // row-major; d null: y holds d (in place). Grid (any, t): blockIdx.y is the row, blocks stride
 // over its columns.

@@ -536,7 +536,7 @@ mod tests {
     use kvfleet_engine::model::fp8::{e4m3fn_to_f32, quantize_rows};
 
     use super::super::blas::{Blas, Gemm};
-    use super::super::gemv::{Input, Output};
+    use super::super::gemv::{Fp8Gemv, Input, Output};
     use super::super::kernels::ModelKernels;
     use super::*;
 
@@ -646,16 +646,34 @@ mod tests {
             .unwrap();
         let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
         close(&g.download(&y).unwrap(), &twice, "GEMM add");
-        // The one-token GEMV reads the bf16 input unquantized.
-        let mut y1 = s.alloc_zeros::<f32>(n).unwrap();
+        // The one-token GEMVs: on CUDA cores the bf16 input unquantized; on the tensor cores
+        // quantized per token (the first row of `xd`), stored, added and through SwiGLU.
         let x0 = g.upload(&x[..kk]).unwrap();
-        k.gemv
-            .run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1))
-            .unwrap();
-        let want1: Vec<f32> = (0..n)
-            .map(|c| dot(&xf[..kk], &wd[c * kk..(c + 1) * kk]))
-            .collect();
-        close(&g.download(&y1).unwrap(), &want1, "GEMV");
+        for v in [Fp8Gemv::Cvt, Fp8Gemv::Int, Fp8Gemv::Mma] {
+            let kv = ModelKernels::load_with(&g, Some(v)).unwrap();
+            let x_ref = if v == Fp8Gemv::Mma { &xd[..kk] } else { &xf[..kk] };
+            let want1: Vec<f32> = (0..n).map(|c| dot(x_ref, &wd[c * kk..(c + 1) * kk])).collect();
+            let mut y1 = s.alloc_zeros::<f32>(n).unwrap();
+            kv.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1)).unwrap();
+            close(&g.download(&y1).unwrap(), &want1, &format!("GEMV {v:?}"));
+            kv.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::Add(&mut y1)).unwrap();
+            let twice: Vec<f32> = want1.iter().map(|v| 2.0 * v).collect();
+            close(&g.download(&y1).unwrap(), &twice, &format!("GEMV {v:?} add"));
+            let mut act = s.alloc_zeros::<u16>(n / 2).unwrap();
+            kv.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::SwiGlu(&mut act)).unwrap();
+            let got: Vec<f32> = to_f32(&g.download(&act).unwrap());
+            let want: Vec<f32> = (0..n / 2)
+                .map(|j| {
+                    let (a, b) = (want1[j], want1[n / 2 + j]);
+                    a / (1.0 + (-a).exp()) * b
+                })
+                .collect();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                // bf16 output: 2^-8 of the value.
+                assert!((a - b).abs() <= 4e-3 * b.abs() + 1e-3 * scale, "GEMV {v:?} SwiGLU[{i}]: {a} vs {b}");
+            }
+        }
         // Every code the quantizer produced decodes to a finite value (no NaN code written).
         assert!(wq.data.iter().all(|b| e4m3fn_to_f32(*b).is_finite()));
     }

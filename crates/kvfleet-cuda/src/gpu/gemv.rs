@@ -54,10 +54,43 @@ pub enum Output<'a> {
     SwiGlu(&'a mut CudaSlice<u16>),
 }
 
-/// `kvf_gemv` (and `kvf_gemv_fp8` for FP8 weights), the stream it runs on and its grid.
+/// Which single-token kernel runs FP8 weights (`KVFLEET_FP8_GEMV`, to time them in one call;
+/// kernels/fp8.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Gemv {
+    /// `kvf_gemv_fp8`: CUDA cores, the hardware's e4m3 conversions, the input bf16 (`cvt`).
+    Cvt,
+    /// `kvf_gemv_fp8_int`: the same with integer bit moves (`int`).
+    Int,
+    /// `kvf_gemv_fp8_mma`: tensor cores, the input quantized per token (`mma`); rows whose
+    /// length is not a multiple of 64 take `Cvt`.
+    Mma,
+}
+
+impl Fp8Gemv {
+    /// From `KVFLEET_FP8_GEMV` (`cvt`, `int`, `mma`; unset: the default).
+    pub fn from_env() -> Self {
+        match std::env::var("KVFLEET_FP8_GEMV").as_deref() {
+            Ok("cvt") => Fp8Gemv::Cvt,
+            Ok("int") => Fp8Gemv::Int,
+            Ok("mma") => Fp8Gemv::Mma,
+            _ => Fp8Gemv::Cvt,
+        }
+    }
+}
+
+/// Dynamic shared memory of `kvf_gemv_fp8_mma` for rows of `k`: the bf16 normed row and the
+/// e4m3 row.
+const fn mma_smem(k: usize) -> usize {
+    3 * k
+}
+
+/// `kvf_gemv` (and the FP8 kernels for FP8 weights), the stream it runs on and its grid.
 pub struct Gemv {
     kernel: CudaFunction,
+    /// The CUDA-core FP8 kernel (`Cvt` or `Int`), and the tensor-core one with `Mma`.
     fp8: Option<CudaFunction>,
+    fp8_mma: Option<CudaFunction>,
     stream: Arc<CudaStream>,
     num_sms: usize,
     /// Launch with programmatic stream serialisation (sm_90 and later).
@@ -66,33 +99,36 @@ pub struct Gemv {
 
 impl Gemv {
     /// `pdl`: the device is sm_90 or later (programmatic dependent launch); `fp8`: the module
-    /// holds `kvf_gemv_fp8` too (the FP8 program).
+    /// is the FP8 program, and which FP8 kernel to run.
     pub fn load(
         module: &Arc<CudaModule>,
         stream: Arc<CudaStream>,
         num_sms: usize,
         pdl: bool,
-        fp8: bool,
+        fp8: Option<Fp8Gemv>,
     ) -> Result<Self, GpuError> {
-        let load = |name: &str| -> Result<CudaFunction, GpuError> {
+        let load = |name: &str, smem: usize| -> Result<CudaFunction, GpuError> {
             let kernel = module.load_function(name).map_err(drv("finding a GEMV kernel"))?;
             kernel
                 .set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    (MAX_NORMED_K * 2) as i32,
+                    smem as i32,
                 )
                 .map_err(drv("raising the GEMV shared-memory limit"))?;
             Ok(kernel)
         };
+        let normed = MAX_NORMED_K * 2;
         Ok(Gemv {
-            kernel: load("kvf_gemv")?,
-            // `KVFLEET_FP8_GEMV=int`: integer bit moves instead of the hardware's e4m3
-            // conversions (to time the two in one call; kernels/fp8.cu).
+            kernel: load("kvf_gemv", normed)?,
             fp8: fp8
-                .then(|| match std::env::var("KVFLEET_FP8_GEMV").as_deref() {
-                    Ok("int") => load("kvf_gemv_fp8_int"),
-                    _ => load("kvf_gemv_fp8"),
+                .map(|v| match v {
+                    Fp8Gemv::Int => load("kvf_gemv_fp8_int", normed),
+                    Fp8Gemv::Cvt | Fp8Gemv::Mma => load("kvf_gemv_fp8", normed),
                 })
+                .transpose()?,
+            fp8_mma: fp8
+                .filter(|v| *v == Fp8Gemv::Mma)
+                .map(|_| load("kvf_gemv_fp8_mma", mma_smem(MAX_NORMED_K)))
                 .transpose()?,
             stream,
             num_sms,
@@ -132,6 +168,8 @@ impl Gemv {
         // Parameters in order: w, [wscale,] n, k, half, x_bf16, x_f32, row, norm_w, eps, mode,
         // y, act (absent pointers are 0).
         let mut l = Launch::new(&self.stream);
+        let glu = matches!(output, Output::SwiGlu(_));
+        let mut mma = false;
         let kernel = match w {
             MatRef::Bf16(w) => {
                 need("GEMV weight", w, n * k)?;
@@ -142,14 +180,28 @@ impl Gemv {
                 need("GEMV weight", q, n * k)?;
                 need("GEMV weight scales", scale, n)?;
                 l.ptr(q).ptr(scale);
-                self.fp8.as_ref().ok_or_else(|| {
-                    GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into())
-                })?
+                match (&self.fp8_mma, &self.fp8) {
+                    (Some(f), _) if k % 64 == 0 && k <= MAX_NORMED_K => {
+                        mma = true;
+                        f
+                    }
+                    (_, Some(f)) => f,
+                    _ => {
+                        return Err(GpuError::Invalid(
+                            "FP8 weights on a model built without FP8 kernels".into(),
+                        ))
+                    }
+                }
             }
         };
         l.i32(n_i).i32(k_i).i32(half);
-        let smem = push_input(&mut l, input, k)?;
-        let units = push_output(&mut l, output, n)?;
+        let mut smem = push_input(&mut l, input, k)?;
+        let mut units = push_output(&mut l, output, n)?;
+        if mma {
+            // Two 16-row blocks a unit: 32 rows, or 16 gate rows and their up rows.
+            smem = mma_smem(k);
+            units = if glu { (n / 2).div_ceil(16) } else { n.div_ceil(32) };
+        }
         let warps_per_block = (THREADS / 32) as usize;
         let blocks = units
             .div_ceil(warps_per_block)
@@ -160,8 +212,10 @@ impl Gemv {
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
-        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers), or `kvf_gemv_fp8`'s in
-        // kernels/fp8.cu (the same with the scale pointer after the weight). Absent pointers are
+        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers), or the FP8 kernels' in
+        // kernels/fp8.cu (the same with the scale pointer after the weight; the mma kernel's
+        // shared memory is 3 k bytes, within the limit raised at load, and its rows a multiple
+        // of 64). Absent pointers are
         // 0 and the kernel reads them only under the mode and flags that say they are present.
         // Sizes were checked above: `w` holds `n * k` (and `n` scales), the input `k` (or the f32
         // rows and a row index of this step), the output `n` (`n / 2` for SwiGLU); the dynamic

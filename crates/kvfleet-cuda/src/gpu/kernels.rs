@@ -19,7 +19,7 @@ use crate::{nvrtc, CudaError};
 
 use super::error::{drv, need, GpuError};
 use super::fp8::Fp8Kernels;
-use super::gemv::Gemv;
+use super::gemv::{Fp8Gemv, Gemv};
 use super::shape::Dims;
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
@@ -75,10 +75,11 @@ pub const FP8_SOURCE: &str = concat!(
 );
 
 /// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
-pub const FP8_KERNELS: [&str; 4] = [
+pub const FP8_KERNELS: [&str; 5] = [
     "kvf_quantize_rows_fp8",
     "kvf_gemv_fp8",
     "kvf_gemv_fp8_int",
+    "kvf_gemv_fp8_mma",
     "kvf_fp8_scale",
 ];
 
@@ -230,6 +231,12 @@ impl ModelKernels {
     /// The model program's kernels; with `fp8`, from the program with `kernels/fp8.cu` too
     /// (the caller has checked that the device has FP8: [`super::fp8::check_device`]).
     pub fn load(gpu: &Gpu, fp8: bool) -> Result<Self, GpuError> {
+        Self::load_with(gpu, fp8.then(Fp8Gemv::from_env))
+    }
+
+    /// [`ModelKernels::load`] with the FP8 GEMV named (`None`: no FP8 kernels).
+    pub fn load_with(gpu: &Gpu, fp8_gemv: Option<Fp8Gemv>) -> Result<Self, GpuError> {
+        let fp8 = fp8_gemv.is_some();
         let ptx = if fp8 {
             fp8_ptx(gpu.arch)?
         } else {
@@ -258,7 +265,13 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
-            gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8)?,
+            gemv: Gemv::load(
+                &module,
+                gpu.stream().clone(),
+                gpu.num_sms,
+                pdl,
+                fp8_gemv,
+            )?,
             fp8: fp8.then(|| Fp8Kernels::load(&module)).transpose()?,
             pdl,
         })
