@@ -199,17 +199,22 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_
 
 // kvf_gemv_fp8_mma: the same contract on the tensor cores, W8A8 like the GEMMs. The input row
 // is quantized per token into shared memory first (one scale, amax / 448, as the GEMMs'
-// activations), then each warp runs mma.m16n8k32 with e4m3 operands: 16 weight rows by 32 of k
+// activations), then the warps run mma.m16n8k32 with e4m3 operands: 16 weight rows by 32 of k
 // a step, the input as column 0 of B (columns 1..7 zero). The tensor cores take the e4m3 bytes
 // as they are, so no conversion is spent on a weight.
 //
+// A block owns a unit of 32 rows (or 16 gate rows and their 16 up rows for SwiGLU), two 16-row
+// blocks, and its 8 warps split k between them (64-byte tiles, warp w takes tiles w, w + 8, ...),
+// then add their sums through shared memory: with a unit a warp, a 4,096-row projection would
+// keep 128 warps busy, too few loads in flight for the copy bandwidth.
+//
 // The k order inside a tile is ours to choose, as long as A and B agree: lane (g, t) loads 16
-// contiguous bytes of its rows at kb + 16 t, and their four words are the A registers of two
+// contiguous bytes of its rows at 64 c + 16 t, and their four words are the A registers of two
 // mmas (words 0, 1 of the first, 2, 3 of the second); the input bytes at the same offsets are
-// B's registers in lanes 0..3 (g = 0, column 0). A unit is 32 rows (or 16 gate rows and their 16
-// up rows for SwiGLU), two 16-row blocks; k a multiple of 64. Block 256 threads, any grid;
-// dynamic shared memory 3 k bytes (the bf16 normed row, then the e4m3 row).
+// B's registers in lanes 0..3 (g = 0, column 0). k a multiple of 64. Block 256 threads, any
+// grid; dynamic shared memory 3 k bytes (the bf16 normed row, then the e4m3 row).
 constexpr int MMA_UNROLL = 2;
+constexpr int MMA_WARPS = 8;
 
 __device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                          unsigned b1) {
@@ -224,6 +229,7 @@ __device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, u
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
+    __shared__ float part[MMA_WARPS][4][8];  // a warp's column-0 sums: rows g, g + 8 of a and b
     kvf_wait_prior_grid();
     // The input row, bf16: normed into shared memory, or as given.
     const bf16* in = xb;
@@ -247,11 +253,10 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_
 
     const bool glu = mode == GEMV_SWIGLU;
     const int units = glu ? (half + 15) / 16 : (n_rows + 31) / 32;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int warps = (int)((gridDim.x * blockDim.x) >> 5);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int kt = k >> 6;  // 64-byte tiles of k: 16 bytes a lane of the group
     const uint4* xv = reinterpret_cast<const uint4*>(xq);
-    for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
         // Block a: rows a0 + [0, 16); block b: b0 + [0, 16).
         const int a0 = glu ? 16 * u : 32 * u;
         const int b0 = glu ? half + 16 * u : 32 * u + 16;
@@ -263,17 +268,17 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_
 #pragma unroll
         for (int i = 0; i < 4; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)rows[i] * k);
         float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int c0 = 0; c0 < kt; c0 += MMA_UNROLL) {
+        for (int c0 = warp; c0 < kt; c0 += MMA_WARPS * MMA_UNROLL) {
             uint4 p[MMA_UNROLL][4];
 #pragma unroll
             for (int j = 0; j < MMA_UNROLL; ++j) {
-                const int c = c0 + j;
+                const int c = c0 + MMA_WARPS * j;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + t) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int j = 0; j < MMA_UNROLL; ++j) {
-                const int c = c0 + j;
+                const int c = c0 + MMA_WARPS * j;
                 if (c < kt) {
                     const uint4 bx = g == 0 ? xv[4 * c + t] : make_uint4(0, 0, 0, 0);
                     mma_e4m3(ca, p[j][0].x, p[j][1].x, p[j][0].y, p[j][1].y, bx.x, bx.y);
@@ -285,19 +290,32 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_
         }
         // Column 0 of D: c[0] (row g) and c[2] (row g + 8) in the lanes with t = 0.
         if (t == 0) {
+            part[warp][0][g] = ca[0];
+            part[warp][1][g] = ca[2];
+            part[warp][2][g] = cb[0];
+            part[warp][3][g] = cb[2];
+        }
+        __syncthreads();
+        // Thread (h, g) of the first 16: rows g + 8 h of both blocks, summed over the warps.
+        if (threadIdx.x < 16) {
+            const int h = threadIdx.x >> 3, gg = threadIdx.x & 7;
+            float sa = 0.f, sb = 0.f;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int ra = a0 + g + 8 * h, rb = b0 + g + 8 * h;
-                const float va = ca[2 * h] * xs * wscale[rows[h]];
-                const float vb = cb[2 * h] * xs * wscale[rows[2 + h]];
-                if (glu) {
-                    if (ra < half) act[ra] = __float2bfloat16(va / (1.f + expf(-va)) * vb);
-                } else {
-                    if (ra < n_rows) y[ra] = mode == GEMV_ADD ? y[ra] + va : va;
-                    if (rb < n_rows) y[rb] = mode == GEMV_ADD ? y[rb] + vb : vb;
-                }
+            for (int wi = 0; wi < MMA_WARPS; ++wi) {
+                sa += part[wi][h][gg];
+                sb += part[wi][2 + h][gg];
+            }
+            const int ra = a0 + gg + 8 * h, rb = b0 + gg + 8 * h;
+            const float va = sa * xs * wscale[min(ra, lim_a - 1)];
+            const float vb = sb * xs * wscale[min(rb, n_rows - 1)];
+            if (glu) {
+                if (ra < half) act[ra] = __float2bfloat16(va / (1.f + expf(-va)) * vb);
+            } else {
+                if (ra < n_rows) y[ra] = mode == GEMV_ADD ? y[ra] + va : va;
+                if (rb < n_rows) y[rb] = mode == GEMV_ADD ? y[rb] + vb : vb;
             }
         }
+        __syncthreads();
     }
 }
 

@@ -197,15 +197,15 @@ impl Gemv {
         l.i32(n_i).i32(k_i).i32(half);
         let mut smem = push_input(&mut l, input, k)?;
         let mut units = push_output(&mut l, output, n)?;
+        let warps_per_block = (THREADS / 32) as usize;
+        let mut blocks = units.div_ceil(warps_per_block);
         if mma {
-            // Two 16-row blocks a unit: 32 rows, or 16 gate rows and their up rows.
+            // A block a unit of two 16-row blocks: 32 rows, or 16 gate rows and their up rows.
             smem = mma_smem(k);
             units = if glu { (n / 2).div_ceil(16) } else { n.div_ceil(32) };
+            blocks = units;
         }
-        let warps_per_block = (THREADS / 32) as usize;
-        let blocks = units
-            .div_ceil(warps_per_block)
-            .clamp(1, self.num_sms.max(1) * BLOCKS_PER_SM);
+        let blocks = blocks.clamp(1, self.num_sms.max(1) * BLOCKS_PER_SM);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
