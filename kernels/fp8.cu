@@ -227,49 +227,9 @@ __device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, u
 #endif
 }
 
-// This lane's four weight rows in unit u (clamped inside the matrix; the clamped rows' results
-// are not written): rows g, g + 8 of block a, then of block b.
-__device__ __forceinline__ void mma_rows(int u, bool glu, int half, int n_rows, int g, int rows[4]) {
-    const int a0 = glu ? 16 * u : 32 * u;
-    const int b0 = glu ? half + 16 * u : 32 * u + 16;
-    const int lim_a = glu ? half : n_rows;
-    rows[0] = min(a0 + g, lim_a - 1);
-    rows[1] = min(a0 + g + 8, lim_a - 1);
-    rows[2] = min(b0 + g, n_rows - 1);
-    rows[3] = min(b0 + g + 8, n_rows - 1);
-}
-
-// The tiles c0 + MMA_WARPS j of the four rows, 16 bytes a lane.
-__device__ __forceinline__ void mma_load(const unsigned char* __restrict__ w, int k, const int rows[4], int c0, int kt,
-                                         int t, uint4 p[MMA_UNROLL][4]) {
-#pragma unroll
-    for (int j = 0; j < MMA_UNROLL; ++j) {
-        const int c = c0 + MMA_WARPS * j;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            p[j][i] = c < kt ? ld_stream(reinterpret_cast<const uint4*>(w + (size_t)rows[i] * k) + 4 * c + t)
-                             : make_uint4(0, 0, 0, 0);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     __shared__ float part[MMA_WARPS][4][8];  // a warp's column-0 sums: rows g, g + 8 of a and b
-    const bool glu = mode == GEMV_SWIGLU;
-    const int units = glu ? (half + 15) / 16 : (n_rows + 31) / 32;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int kt = k >> 6;  // 64-byte tiles of k: 16 bytes a lane of the group
-    // The first unit's first weight tiles are loaded before waiting for the previous kernel and
-    // before the input is normed and quantized: weights are never written during a step, so
-    // reading them early is outside PDL's contract (which is about activations), and the loads
-    // overlap the prologue instead of following it.
-    uint4 p[MMA_UNROLL][4];
-    int rows[4];
-    if ((int)blockIdx.x < units) {
-        mma_rows(blockIdx.x, glu, half, n_rows, g, rows);
-        mma_load(w, k, rows, warp, kt, t, p);
-    }
     kvf_wait_prior_grid();
     // The input row, bf16: normed into shared memory, or as given.
     const bf16* in = xb;
@@ -291,18 +251,31 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_
     }
     __syncthreads();
 
+    const bool glu = mode == GEMV_SWIGLU;
+    const int units = glu ? (half + 15) / 16 : (n_rows + 31) / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int kt = k >> 6;  // 64-byte tiles of k: 16 bytes a lane of the group
     const uint4* xv = reinterpret_cast<const uint4*>(xq);
-    bool first = true;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         // Block a: rows a0 + [0, 16); block b: b0 + [0, 16).
         const int a0 = glu ? 16 * u : 32 * u;
         const int b0 = glu ? half + 16 * u : 32 * u + 16;
         const int lim_a = glu ? half : n_rows;
-        if (!first) mma_rows(u, glu, half, n_rows, g, rows);
+        // This lane's four rows (clamped inside the matrix; their results are not written).
+        const int rows[4] = {min(a0 + g, lim_a - 1), min(a0 + g + 8, lim_a - 1), min(b0 + g, n_rows - 1),
+                             min(b0 + g + 8, n_rows - 1)};
+        const uint4* wr[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)rows[i] * k);
         float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
         for (int c0 = warp; c0 < kt; c0 += MMA_WARPS * MMA_UNROLL) {
-            if (!first) mma_load(w, k, rows, c0, kt, t, p);
-            first = false;
+            uint4 p[MMA_UNROLL][4];
+#pragma unroll
+            for (int j = 0; j < MMA_UNROLL; ++j) {
+                const int c = c0 + MMA_WARPS * j;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + t) : make_uint4(0, 0, 0, 0);
+            }
 #pragma unroll
             for (int j = 0; j < MMA_UNROLL; ++j) {
                 const int c = c0 + MMA_WARPS * j;
@@ -315,7 +288,6 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_
                 }
             }
         }
-        first = false;  // also for a warp with no tile of this k
         // Column 0 of D: c[0] (row g) and c[2] (row g + 8) in the lanes with t = 0.
         if (t == 0) {
             part[warp][0][g] = ca[0];
