@@ -654,13 +654,19 @@ mod tests {
             let x_ref = if v == Fp8Gemv::Mma { &xd[..kk] } else { &xf[..kk] };
             let want1: Vec<f32> = (0..n).map(|c| dot(x_ref, &wd[c * kk..(c + 1) * kk])).collect();
             let mut y1 = s.alloc_zeros::<f32>(n).unwrap();
-            kv.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1)).unwrap();
+            kv.gemv
+                .run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1))
+                .unwrap();
             close(&g.download(&y1).unwrap(), &want1, &format!("GEMV {v:?}"));
-            kv.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::Add(&mut y1)).unwrap();
+            kv.gemv
+                .run(&mat, n, kk, Input::Bf16(&x0), Output::Add(&mut y1))
+                .unwrap();
             let twice: Vec<f32> = want1.iter().map(|v| 2.0 * v).collect();
             close(&g.download(&y1).unwrap(), &twice, &format!("GEMV {v:?} add"));
             let mut act = s.alloc_zeros::<u16>(n / 2).unwrap();
-            kv.gemv.run(&mat, n, kk, Input::Bf16(&x0), Output::SwiGlu(&mut act)).unwrap();
+            kv.gemv
+                .run(&mat, n, kk, Input::Bf16(&x0), Output::SwiGlu(&mut act))
+                .unwrap();
             let got: Vec<f32> = to_f32(&g.download(&act).unwrap());
             let want: Vec<f32> = (0..n / 2)
                 .map(|j| {
@@ -671,7 +677,10 @@ mod tests {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 // bf16 output: 2^-8 of the value.
-                assert!((a - b).abs() <= 4e-3 * b.abs() + 1e-3 * scale, "GEMV {v:?} SwiGLU[{i}]: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 4e-3 * b.abs() + 1e-3 * scale,
+                    "GEMV {v:?} SwiGLU[{i}]: {a} vs {b}"
+                );
             }
         }
         // Every code the quantizer produced decodes to a finite value (no NaN code written).

@@ -265,13 +265,7 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
-            gemv: Gemv::load(
-                &module,
-                gpu.stream().clone(),
-                gpu.num_sms,
-                pdl,
-                fp8_gemv,
-            )?,
+            gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8_gemv)?,
             fp8: fp8.then(|| Fp8Kernels::load(&module)).transpose()?,
             pdl,
         })
