@@ -130,17 +130,23 @@ extern "C" __global__ void __launch_bounds__(256) kvf_quantize_rows_fp8(const bf
         const float *__restrict__ norm_w, float eps, int mode, float *__restrict__ y, bf16 *__restrict__ act
 #define KVF_GEMV_FP8_ARGS w, wscale, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act
 
+// The input row of an FP8 GEMV, bf16: RMSNorm(x[row or 0]) * norm_w written into the block's
+// shared memory (norm_w set), or xb as given. Every thread of the block calls it.
+__device__ __forceinline__ const bf16* gemv_input(const bf16* __restrict__ xb, const float* __restrict__ x,
+                                                  const int* __restrict__ row, const float* __restrict__ norm_w,
+                                                  float eps, int k, unsigned char* smem) {
+    if (norm_w == nullptr) return xb;
+    bf16* sx = reinterpret_cast<bf16*>(smem);
+    rms_row(x + (size_t)(row != nullptr ? *row : 0) * k, norm_w, k, eps, sx);
+    __syncthreads();
+    return sx;
+}
+
 template <int CONV>
 __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     kvf_wait_prior_grid();
-    const bf16* in = xb;
-    if (norm_w != nullptr) {
-        bf16* sx = reinterpret_cast<bf16*>(gemv_smem);
-        rms_row(x + (size_t)(row != nullptr ? *row : 0) * k, norm_w, k, eps, sx);
-        __syncthreads();
-        in = sx;
-    }
+    const bf16* in = gemv_input(xb, x, row, norm_w, eps, k, gemv_smem);
     const float xs = CONV == FP8_INT ? FP8_INT_X_SCALE : 1.f;
     const float back = CONV == FP8_INT ? FP8_INT_SUM_SCALE : 1.f;
     const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
@@ -231,14 +237,7 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     __shared__ float part[MMA_WARPS][4][8];  // a warp's column-0 sums: rows g, g + 8 of a and b
     kvf_wait_prior_grid();
-    // The input row, bf16: normed into shared memory, or as given.
-    const bf16* in = xb;
-    if (norm_w != nullptr) {
-        bf16* sx = reinterpret_cast<bf16*>(gemv_smem);
-        rms_row(x + (size_t)(row != nullptr ? *row : 0) * k, norm_w, k, eps, sx);
-        __syncthreads();
-        in = sx;
-    }
+    const bf16* in = gemv_input(xb, x, row, norm_w, eps, k, gemv_smem);
     // Quantized per token into the shared e4m3 row.
     unsigned char* xq = gemv_smem + 2 * (size_t)k;
     float amax = 0.f;
