@@ -140,7 +140,7 @@ fn run(model: &Arc<Llama>, ids: &[u32], b: usize, steps: usize) -> f64 {
                 seq: s as u64,
                 start_pos: 0,
                 tokens: ids,
-                want_logits: true,
+                logits: 1,
             })
             .collect();
         let logits = step_direct(&mut f, &mut planner, &chunks, &mut plan).expect("prefill");
@@ -158,7 +158,7 @@ fn run(model: &Arc<Llama>, ids: &[u32], b: usize, steps: usize) -> f64 {
                 seq: s as u64,
                 start_pos: ids.len() + step,
                 tokens: tk,
-                want_logits: true,
+                logits: 1,
             })
             .collect();
         let logits = step_direct(&mut f, &mut planner, &chunks, &mut plan).expect("decode");
@@ -486,7 +486,7 @@ mod gpu {
                     seq: base + s as u64,
                     start_pos: 0,
                     tokens: prompt,
-                    want_logits: true,
+                    logits: 1,
                 })
                 .collect();
             let logits = step_direct(m, &mut planner, &chunks, &mut plan)?;
@@ -508,7 +508,7 @@ mod gpu {
                     seq: base + s as u64,
                     start_pos: prompt.len() + step,
                     tokens: tk,
-                    want_logits: true,
+                    logits: 1,
                 })
                 .collect();
             let f0 = Instant::now();

@@ -148,7 +148,7 @@ fn chunk(seq: u64, start_pos: usize, tokens: &[u32], want_logits: bool) -> SeqCh
         seq,
         start_pos,
         tokens,
-        want_logits,
+        logits: usize::from(want_logits),
     }
 }
 

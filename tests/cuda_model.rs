@@ -133,7 +133,7 @@ fn chunk(seq: u64, start_pos: usize, tokens: &[u32]) -> SeqChunk<'_> {
         seq,
         start_pos,
         tokens,
-        want_logits: true,
+        logits: 1,
     }
 }
 

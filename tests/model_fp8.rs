@@ -234,7 +234,7 @@ fn engine_greedy(m: Arc<Llama>, prompt: &[u32], n: usize) -> Vec<u32> {
             seq: 1,
             start_pos: start,
             tokens: &prompt[start..end],
-            want_logits: end == prompt.len(),
+            logits: usize::from(end == prompt.len()),
         }];
         logits = step_direct(&mut f, &mut planner, &c, &mut plan).unwrap();
     }
@@ -244,7 +244,7 @@ fn engine_greedy(m: Arc<Llama>, prompt: &[u32], n: usize) -> Vec<u32> {
             seq: 1,
             start_pos: toks.len() - 1,
             tokens: &toks[toks.len() - 1..],
-            want_logits: true,
+            logits: 1,
         }];
         logits = step_direct(&mut f, &mut planner, &c, &mut plan).unwrap();
     }

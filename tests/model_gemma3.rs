@@ -146,7 +146,7 @@ fn engine_greedy(
             seq,
             start_pos: pos,
             tokens: &prompt[pos..end],
-            want_logits: end == prompt.len(),
+            logits: usize::from(end == prompt.len()),
         }];
         logits = step_direct(f, planner, &c, &mut plan).unwrap();
         pos = end;
@@ -160,7 +160,7 @@ fn engine_greedy(
             seq,
             start_pos: toks.len() - 1,
             tokens: &toks[toks.len() - 1..],
-            want_logits: true,
+            logits: 1,
         }];
         logits = step_direct(f, planner, &c, &mut plan).unwrap();
     }

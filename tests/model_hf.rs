@@ -335,7 +335,7 @@ fn model_logits(m: &Llama, tokens: &[u32]) -> Vec<f32> {
             seq: 1,
             start_pos: 0,
             tokens,
-            want_logits: true,
+            logits: 1,
         }],
     )
     .unwrap()
@@ -889,7 +889,7 @@ fn greedy(m: &Llama, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
                     seq: 1,
                     start_pos: pos,
                     tokens: &chunk,
-                    want_logits: true,
+                    logits: 1,
                 }],
             )
             .unwrap();

@@ -180,7 +180,7 @@ fn greedy_reply(kv: &mut dyn KvAttention) -> String {
                 seq: 1,
                 start_pos: 0,
                 tokens: &ids,
-                want_logits: true,
+                logits: 1,
             }],
         )
         .unwrap();
@@ -199,7 +199,7 @@ fn greedy_reply(kv: &mut dyn KvAttention) -> String {
                     seq: 1,
                     start_pos: pos,
                     tokens: &[next],
-                    want_logits: true,
+                    logits: 1,
                 }],
             )
             .unwrap();
@@ -302,7 +302,7 @@ fn regenerate_smollm2_greedy_fixture() {
                         seq: 1,
                         start_pos: pos,
                         tokens: toks,
-                        want_logits: true,
+                        logits: 1,
                     }],
                 )
                 .unwrap()
@@ -358,7 +358,7 @@ fn smollm2_greedy_outputs_on_the_engine_equal_the_recorded_cpu_outputs() {
                     seq,
                     start_pos: pos,
                     tokens: toks,
-                    want_logits: true,
+                    logits: 1,
                 }];
                 step_direct(&mut f, &mut planner, &chunk, &mut plan).unwrap()
             },

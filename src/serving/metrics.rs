@@ -47,6 +47,37 @@ pub struct LiveStats {
     pub failed: u64,
     pub steps: u64,
     pub tokens: u64,
+    /// Speculative decoding, when it is configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpecStats>,
+}
+
+/// Speculative decoding since start (`/v1/capacity`'s `live.speculative`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SpecStats {
+    pub method: &'static str,
+    pub num_speculative_tokens: usize,
+    /// Proposals verified, the tokens they held, and those accepted.
+    pub drafts: u64,
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
+    /// `accepted_tokens / draft_tokens` (0 before the first proposal).
+    pub acceptance_rate: f64,
+    /// Proposals whose token at each position (0-based) was accepted.
+    pub accepted_per_position: Vec<u64>,
+    /// Steps that verified at least one proposal, and steps run while speculation was off
+    /// for the batch size.
+    pub speculative_steps: u64,
+    pub disabled_steps: u64,
+}
+
+/// vLLM's speculative-decoding counters (`vllm/v1/spec_decode/metrics.py`), registered only
+/// when speculation is configured, as vLLM does.
+pub struct SpecMetrics {
+    pub drafts: IntCounter,
+    pub draft_tokens: IntCounter,
+    pub accepted_tokens: IntCounter,
+    pub accepted_per_pos: IntCounterVec,
 }
 
 /// Every metric the worker exports.
@@ -104,6 +135,8 @@ pub struct Metrics {
     vllm_request_max_generation_tokens: OnceLock<Histogram>,
     vllm_request_params_max_tokens: OnceLock<Histogram>,
     vllm_request_prefill_computed_tokens: OnceLock<Histogram>,
+    /// Registered by [`Metrics::set_speculative`].
+    spec: OnceLock<SpecMetrics>,
     /// The served model's name, the `model_name` of every `vllm:*` series.
     model_name: RwLock<String>,
     live: Mutex<LiveStats>,
@@ -359,6 +392,7 @@ impl Metrics {
             vllm_request_max_generation_tokens: OnceLock::new(),
             vllm_request_params_max_tokens: OnceLock::new(),
             vllm_request_prefill_computed_tokens: OnceLock::new(),
+            spec: OnceLock::new(),
             model_name: RwLock::new(String::new()),
             live: Mutex::new(LiveStats::default()),
             registry,
@@ -462,6 +496,52 @@ impl Metrics {
             "Per finished request: prompt tokens its prefill computed, those the prefix cache held left out (vLLM's name)",
             &self.vllm_request_prefill_computed_tokens,
         );
+    }
+
+    /// Registers vLLM's speculative-decoding counters, each position of a proposal of up to
+    /// `k` tokens present at 0 from the first scrape.
+    pub fn set_speculative(&self, k: usize) -> Result<(), prometheus::Error> {
+        let m = SpecMetrics {
+            drafts: IntCounter::new(
+                "vllm:spec_decode_num_drafts_total",
+                "Proposals verified by speculative decoding (vLLM's name)",
+            )?,
+            draft_tokens: IntCounter::new(
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Proposed tokens verified by speculative decoding (vLLM's name)",
+            )?,
+            accepted_tokens: IntCounter::new(
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Proposed tokens accepted by verification (vLLM's name)",
+            )?,
+            accepted_per_pos: IntCounterVec::new(
+                Opts::new(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                    "Proposals whose token at this position was accepted (vLLM's name)",
+                ),
+                &["position"],
+            )?,
+        };
+        for p in 0..k {
+            m.accepted_per_pos.with_label_values(&[&p.to_string()]).inc_by(0);
+        }
+        self.registry.register(Box::new(m.drafts.clone()))?;
+        self.registry.register(Box::new(m.draft_tokens.clone()))?;
+        self.registry.register(Box::new(m.accepted_tokens.clone()))?;
+        self.registry.register(Box::new(m.accepted_per_pos.clone()))?;
+        let _ = self.spec.set(m);
+        Ok(())
+    }
+
+    /// One verified proposal of `proposed` tokens of which the first `accepted` were taken.
+    pub fn observe_proposal(&self, proposed: usize, accepted: usize) {
+        let Some(m) = self.spec.get() else { return };
+        m.drafts.inc();
+        m.draft_tokens.inc_by(proposed as u64);
+        m.accepted_tokens.inc_by(accepted as u64);
+        for p in 0..accepted {
+            m.accepted_per_pos.with_label_values(&[&p.to_string()]).inc();
+        }
     }
 
     /// The gap between two consecutive output tokens of a request.

@@ -20,6 +20,7 @@ use kvfleet_engine::engine::prefix::{CacheKey, KvEvent};
 use kvfleet_engine::engine::scheduler::{
     Counters, Event, RequestId, Scheduler, SchedulerConfig, SubmitError,
 };
+use kvfleet_engine::engine::speculative::{self, Backoff, SpecConfig};
 use kvfleet_engine::engine::StepPlan;
 use kvfleet_engine::model::forward::{Forward, Picked};
 use kvfleet_engine::model::gguf::GgufError;
@@ -191,6 +192,12 @@ impl ModelRuntime {
         hooks: RuntimeHooks,
     ) -> Result<Self, RuntimeError> {
         sched.check().map_err(RuntimeError::Config)?;
+        if let Some(spec) = &hooks.speculative {
+            spec.check().map_err(RuntimeError::Config)?;
+            metrics
+                .set_speculative(spec.num_speculative_tokens)
+                .map_err(|e| RuntimeError::Config(format!("speculative-decoding metrics: {e}")))?;
+        }
         let ctx = model.config().context_len;
         if sched.max_model_len > ctx {
             return Err(RuntimeError::Config(format!(
@@ -280,6 +287,15 @@ impl ModelRuntime {
             last: Counters::default(),
             profile: profile::enabled().then(|| Table::new("serving loop (host)", HOST_PARTS)),
             kv_events: hooks.kv_events,
+            spec: hooks.speculative.map(|config| Spec {
+                stats: super::metrics::SpecStats {
+                    method: config.method.as_str(),
+                    num_speculative_tokens: config.num_speculative_tokens,
+                    accepted_per_position: vec![0; config.num_speculative_tokens],
+                    ..Default::default()
+                },
+                config,
+            }),
         };
         std::thread::Builder::new()
             .name("kvfleet-engine".into())
@@ -448,7 +464,7 @@ pub fn run_greedy(
                 seq: c.id,
                 start_pos: c.start,
                 tokens: &tokens[c.id as usize][c.start..c.start + c.len],
-                want_logits: c.samples,
+                logits: usize::from(c.samples),
             })
             .collect();
         let rows: Vec<usize> = chunks
@@ -521,6 +537,9 @@ struct Live {
     cut_by_shutdown: bool,
     /// When the request timeout ends it ([`ModelRuntime::generate_with`]).
     deadline: Option<Instant>,
+    /// This step's proposed tokens (speculative decoding), and the request's back-off.
+    draft: Vec<u32>,
+    backoff: Backoff,
 }
 
 impl Live {
@@ -543,6 +562,25 @@ struct Loop {
     profile: Option<Table>,
     /// Where prefix-cache changes go (KV events), when someone subscribes.
     kv_events: Option<KvEventSink>,
+    /// Speculative decoding, when configured.
+    spec: Option<Spec>,
+}
+
+/// Speculative decoding's settings and counts since start.
+struct Spec {
+    config: SpecConfig,
+    stats: super::metrics::SpecStats,
+}
+
+/// One sampled row group of a step: request `id`'s rows `first..first + 1 + drafts` of the
+/// step's output (its next token's, then one a proposed token).
+#[derive(Clone, Copy)]
+struct Rows {
+    id: RequestId,
+    first: usize,
+    drafts: usize,
+    /// Tokens the step yields for the request: 1, or the accepted proposals and one more.
+    emit: usize,
 }
 
 /// Receives each batch of prefix-cache changes (on the serving thread: queue, never block).
@@ -553,6 +591,8 @@ pub type KvEventSink = Box<dyn FnMut(Vec<KvEvent>) + Send>;
 pub struct RuntimeHooks {
     /// Publishes prefix-cache changes (`--kv-events-endpoint`).
     pub kv_events: Option<KvEventSink>,
+    /// Speculative decoding (`--speculative-config`), checked by [`SpecConfig::check`].
+    pub speculative: Option<SpecConfig>,
 }
 
 /// The serving loop's parts a profile times: commands and cancellations, scheduling, the
@@ -723,6 +763,8 @@ impl Loop {
                 ended: None,
                 cut_by_shutdown: false,
                 deadline,
+                draft: Vec::new(),
+                backoff: Backoff::default(),
             },
         );
     }
@@ -751,7 +793,27 @@ impl Loop {
     /// `HOST_PARTS` order) when a forward pass ran.
     fn step(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) -> Option<(Shape, usize, [f64; 5])> {
         let scheduling = Instant::now();
-        if self.sched.schedule(plan, events) == 0 {
+        let scheduled_tokens = match self.spec.as_mut() {
+            Some(spec) if self.sched.num_running() < spec.config.disable_at() => {
+                let (live, config) = (&mut self.live, &spec.config);
+                self.sched.schedule_with(plan, events, &mut |id, most| {
+                    let Some(l) = live.get_mut(&id) else { return 0 };
+                    l.draft.clear();
+                    if !l.backoff.ready() {
+                        return 0;
+                    }
+                    let k = most.min(config.num_speculative_tokens);
+                    l.draft.extend_from_slice(config.propose(&l.tokens, k));
+                    l.draft.len()
+                })
+            }
+            Some(spec) => {
+                spec.stats.disabled_steps += 1;
+                self.sched.schedule(plan, events)
+            }
+            None => self.sched.schedule(plan, events),
+        };
+        if scheduled_tokens == 0 {
             // Nothing fits this step (every request preempted or waiting): apply and retry.
             self.sched.complete(events);
             self.handle(events, None, &[]);
@@ -766,18 +828,30 @@ impl Loop {
                 l.started_at.get_or_insert(scheduling);
             }
         }
-        let rows: Vec<RequestId> = chunks.iter().filter(|c| c.samples).map(|c| c.id).collect();
         // Each sampled row takes its request's next key before the step: the device draws with
         // it (one u64 of the request's stream a token, on either device), after the row's
-        // adjustments (penalties, bias, min_tokens) from the request's token counts.
-        let picks: Vec<RowSample> = rows
-            .iter()
-            .map(|id| {
-                self.live
-                    .get_mut(id)
-                    .map_or(RowSample::from(RowPick::Greedy), |l| l.sampler.next_row())
-            })
-            .collect();
+        // adjustments (penalties, bias, min_tokens) from the request's token counts. A request
+        // verifying proposals takes a row for each, its proposed tokens appended to its tokens
+        // for the step (taken off again after it).
+        let mut rows: Vec<Rows> = Vec::new();
+        let mut picks: Vec<RowSample> = Vec::new();
+        for c in chunks.iter().filter(|c| c.samples) {
+            rows.push(Rows {
+                id: c.id,
+                first: picks.len(),
+                drafts: c.drafts,
+                emit: 1,
+            });
+            match self.live.get_mut(&c.id) {
+                Some(l) if c.drafts > 0 => {
+                    l.draft.truncate(c.drafts);
+                    picks.extend(l.sampler.verify_rows(&l.draft));
+                    l.tokens.extend_from_slice(&l.draft);
+                }
+                Some(l) => picks.push(l.sampler.next_row()),
+                None => picks.extend((0..=c.drafts).map(|_| RowSample::from(RowPick::Greedy))),
+            }
+        }
         let started = Instant::now();
         let result = {
             let mut batch = Vec::with_capacity(chunks.len());
@@ -788,7 +862,7 @@ impl Loop {
                         seq: c.id,
                         start_pos: c.start,
                         tokens: &l.tokens[c.start..c.start + c.len],
-                        want_logits: c.samples,
+                        logits: if c.samples { 1 + c.drafts } else { 0 },
                     }),
                     _ => bad = Some(c.id),
                 }
@@ -803,9 +877,10 @@ impl Loop {
         };
         let elapsed = started.elapsed();
         let sampling = Instant::now();
+        self.verify(&mut rows, result.as_deref().ok());
         self.sched.complete(events);
         let tokens: usize = chunks.iter().map(|c| c.len).sum();
-        let shape = Shape::new(tokens, rows.len());
+        let shape = Shape::new(tokens, picks.len());
         match result {
             Ok(out) => {
                 if let Some(t) = self.model.last_attention_time() {
@@ -839,11 +914,46 @@ impl Loop {
         }
     }
 
+    /// After a step: takes each verifying request's proposed tokens off its tokens again, and
+    /// accepts the leading ones its rows picked (none when the step failed), which the
+    /// scheduler then keeps; counts the proposals.
+    fn verify(&mut self, rows: &mut [Rows], out: Option<&[Picked]>) {
+        for r in rows.iter_mut().filter(|r| r.drafts > 0) {
+            let Some(l) = self.live.get_mut(&r.id) else {
+                continue;
+            };
+            l.tokens.truncate(l.tokens.len() - r.drafts);
+            let Some(picked) = out.and_then(|o| o.get(r.first..r.first + 1 + r.drafts)) else {
+                continue;
+            };
+            let picks: Vec<u32> = picked.iter().map(|p| p.token).collect();
+            let accepted = speculative::accepted(&picks, &l.draft);
+            r.emit = accepted + 1;
+            l.backoff.record(r.drafts, accepted);
+            self.sched.accept_drafts(r.id, accepted);
+            self.metrics.observe_proposal(r.drafts, accepted);
+            if let Some(spec) = self.spec.as_mut() {
+                let st = &mut spec.stats;
+                st.drafts += 1;
+                st.draft_tokens += r.drafts as u64;
+                st.accepted_tokens += accepted as u64;
+                for p in st.accepted_per_position.iter_mut().take(accepted) {
+                    *p += 1;
+                }
+            }
+        }
+        if let Some(spec) = self.spec.as_mut() {
+            if rows.iter().any(|r| r.drafts > 0) {
+                spec.stats.speculative_steps += 1;
+            }
+        }
+    }
+
     /// Applies scheduler events: takes the token the step picked for every request it yielded
     /// one for (token `i` of the step's output belongs to `rows[i]`), streams text, ends
     /// requests.
-    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&[Picked], Instant)>, rows: &[RequestId]) {
-        let row_of: HashMap<RequestId, usize> = rows.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    fn handle(&mut self, events: &mut Vec<Event>, out: Option<(&[Picked], Instant)>, rows: &[Rows]) {
+        let row_of: HashMap<RequestId, Rows> = rows.iter().map(|r| (r.id, *r)).collect();
         let mut stopped = Vec::new();
         loop {
             for e in events.drain(..) {
@@ -858,40 +968,48 @@ impl Loop {
                         }
                     }
                     Event::Token { id, .. } => {
-                        let (Some((out, now)), Some(row)) = (out, row_of.get(&id).copied()) else {
+                        let (Some((out, now)), Some(r)) = (out, row_of.get(&id).copied()) else {
                             continue;
                         };
                         let Some(l) = self.live.get_mut(&id) else { continue };
-                        if l.ended.is_some() {
-                            continue;
-                        }
-                        let Some(picked) = out.get(row) else {
-                            tracing::error!(id, row, "the step returned no token for a row");
+                        let Some(picked) = out.get(r.first..r.first + r.emit) else {
+                            tracing::error!(id, row = r.first, "the step returned no token for a row");
                             continue;
                         };
-                        let next = picked.token;
-                        let logprobs = match (l.sampler.params().logprobs, &picked.logits) {
-                            (Some(top), Some(row)) => Some(token_logprobs(row, next, top)),
-                            _ => None,
-                        };
-                        self.metrics.vllm_generation_tokens.inc();
-                        match l.last_token_at {
-                            None => {
-                                self.metrics.vllm_ttft.observe((now - l.arrived).as_secs_f64());
-                                self.metrics.vllm_prompt_tokens.inc_by(l.prompt_len as u64);
-                                self.metrics.vllm_prompt_tokens_cached.inc_by(l.cached as u64);
-                                l.first_token_at = Some(now);
+                        // The step's tokens for this request: the next one, or the accepted
+                        // proposals and the one after them. vLLM observes one inter-token gap a
+                        // request a step, however many tokens the step gave it.
+                        for picked in picked {
+                            if l.ended.is_some() {
+                                break;
                             }
-                            Some(t) => self.metrics.observe_inter_token((now - t).as_secs_f64()),
-                        }
-                        l.last_token_at = Some(now);
-                        let pushed = l.tokens.len();
-                        if let Some(reason) = push_token(&self.tok, l, next, logprobs, &self.metrics) {
-                            l.ended = Some(reason);
-                            stopped.push(id);
-                        } else if l.tokens.len() > pushed {
-                            // Its blocks become cacheable once computed.
-                            self.sched.append_token(id, next);
+                            let next = picked.token;
+                            let logprobs = match (l.sampler.params().logprobs, &picked.logits) {
+                                (Some(top), Some(row)) => Some(token_logprobs(row, next, top)),
+                                _ => None,
+                            };
+                            self.metrics.vllm_generation_tokens.inc();
+                            match l.last_token_at {
+                                None => {
+                                    self.metrics.vllm_ttft.observe((now - l.arrived).as_secs_f64());
+                                    self.metrics.vllm_prompt_tokens.inc_by(l.prompt_len as u64);
+                                    self.metrics.vllm_prompt_tokens_cached.inc_by(l.cached as u64);
+                                    l.first_token_at = Some(now);
+                                }
+                                Some(t) if t != now => {
+                                    self.metrics.observe_inter_token((now - t).as_secs_f64())
+                                }
+                                Some(_) => {}
+                            }
+                            l.last_token_at = Some(now);
+                            let pushed = l.tokens.len();
+                            if let Some(reason) = push_token(&self.tok, l, next, logprobs, &self.metrics) {
+                                l.ended = Some(reason);
+                                stopped.push(id);
+                            } else if l.tokens.len() > pushed {
+                                // Its blocks become cacheable once computed.
+                                self.sched.append_token(id, next);
+                            }
                         }
                     }
                     Event::Preempted { id } => {
@@ -995,6 +1113,14 @@ impl Loop {
             failed: c.failed,
             steps: c.steps,
             tokens: c.tokens,
+            speculative: self.spec.as_ref().map(|s| super::metrics::SpecStats {
+                acceptance_rate: if s.stats.draft_tokens == 0 {
+                    0.0
+                } else {
+                    s.stats.accepted_tokens as f64 / s.stats.draft_tokens as f64
+                },
+                ..s.stats.clone()
+            }),
         });
     }
 }

@@ -20,6 +20,7 @@ use crate::api::EngineQuantization;
 use crate::compat::{AttentionBackend, KvCacheDtype};
 use crate::serving::runtime::ModelRuntime;
 use crate::serving::serve::{self, LoadedModel, ModelSource, Weights};
+use kvfleet_engine::engine::speculative::SpecConfig;
 
 use crate::contract::config;
 pub mod http;
@@ -149,6 +150,13 @@ pub struct WorkerArgs {
         value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS)
     )]
     pub request_timeout_seconds: u64,
+    /// Speculative decoding, as vLLM's flag takes it: JSON with `method` (`ngram`; the
+    /// drafter methods `eagle3` and `dflash` are not implemented here), `num_speculative_tokens`
+    /// (1-16), and for n-gram `prompt_lookup_max` (default 4) and `prompt_lookup_min` (default
+    /// 1); `disable_by_batch_size` (default 32) turns it off while that many requests run.
+    /// Default: the config's engine.speculative, else off.
+    #[arg(long, env = "KVFLEET_SPECULATIVE_CONFIG")]
+    pub speculative_config: Option<String>,
     /// Require `Authorization: Bearer <key>` on the OpenAI API (the controller sets it from
     /// the Secret in spec.apiKey). Probes, /metrics and /v1/capacity stay open.
     #[arg(long, env = "KVFLEET_API_KEY", hide_env_values = true)]
@@ -288,6 +296,9 @@ fn fail_preflight(error: &PreflightError) -> ExitCode {
 }
 
 pub fn main(args: WorkerArgs) -> ExitCode {
+    if let Some(Err(error)) = args.speculative_config.as_deref().map(SpecConfig::from_json) {
+        return fail(exit::CONFIG, "worker config unusable", &error);
+    }
     let cfg = match args.resolve_config() {
         Ok(c) => c,
         Err(error) => {
@@ -543,7 +554,23 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let device = forward.device();
     let mut sched_cfg = pf.scheduler.clone();
     sched_cfg.block_size = forward.kv_config().block_size;
-    let mut hooks = crate::serving::runtime::RuntimeHooks::default();
+    let mut hooks = crate::serving::runtime::RuntimeHooks {
+        speculative: args
+            .speculative_config
+            .as_deref()
+            .and_then(|j| SpecConfig::from_json(j).ok()),
+        ..Default::default()
+    };
+    if let Some(spec) = &hooks.speculative {
+        tracing::info!(
+            method = spec.method.as_str(),
+            tokens = spec.num_speculative_tokens,
+            lookup_min = spec.lookup_min(),
+            lookup_max = spec.lookup_max(),
+            disable_at = spec.disable_at(),
+            "speculative decoding on"
+        );
+    }
     if let Some((endpoint, topic)) = cfg.kv_events() {
         let medium = if device == "cuda" { "GPU" } else { "CPU" };
         match crate::serving::kv_events::KvEventPublisher::start(&endpoint, topic, medium) {

@@ -56,9 +56,8 @@ impl HostStep {
                 step.tokens.push(tok as i32);
                 step.positions.push(pos as i32);
             }
-            if s.want_logits && !s.tokens.is_empty() {
-                step.last.push(step.tokens.len() as i32 - 1);
-            }
+            let (end, n) = (step.tokens.len() as i32, s.logits.min(s.tokens.len()) as i32);
+            step.last.extend(end - n..end);
         }
         Ok(step)
     }

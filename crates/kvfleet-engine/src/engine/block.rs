@@ -405,6 +405,20 @@ impl KvManager {
         true
     }
 
+    /// Gives back the pages past position `new_len` (speculative tokens that were rejected);
+    /// none of them can be cached: a page is cached only once all its positions are computed.
+    pub fn truncate(&mut self, tables: &mut [BlockTable], new_len: usize) -> Result<(), BlockError> {
+        let keep = new_len.div_ceil(self.block_size);
+        for (g, t) in self.groups.iter_mut().zip(tables.iter_mut()) {
+            while t.blocks.len() > keep.max(t.freed) {
+                if let Some(id) = t.blocks.pop() {
+                    g.pool.release(id)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Releases every page of `tables` and empties them. Pages go back last first, so that
     /// of a cached prefix the tail is evicted before the head it depends on.
     pub fn free_all(&mut self, tables: &mut [BlockTable]) -> Result<(), BlockError> {

@@ -13,6 +13,7 @@ pub mod oracle;
 pub mod prefix;
 pub mod quant;
 pub mod scheduler;
+pub mod speculative;
 
 pub use backend::{Backend, BackendError};
 pub use layout::{BackendConfig, GroupSpec, GroupTable, KvDtype, KvScales, LayerAttn, LayerSpec, StepPlan};

@@ -100,6 +100,11 @@ struct Request {
     generated: usize,
     /// Tokens scheduled in the current step.
     scheduled: usize,
+    /// Of those, proposed tokens to verify (speculative decoding): the step computes the last
+    /// known token and these after it, and yields logits for each.
+    drafts: usize,
+    /// Proposed tokens the caller accepted after the step ([`Scheduler::accept_drafts`]).
+    accepted: usize,
     tables: Vec<BlockTable>,
     preemptions: u32,
     started: bool,
@@ -126,6 +131,11 @@ pub struct ScheduledChunk {
     /// Whether this chunk ends at the request's last known token, so the step yields the
     /// request's next token (its logits are needed).
     pub samples: bool,
+    /// Proposed tokens at the chunk's end, after its last known token (speculative decoding):
+    /// the step yields `1 + drafts` rows of logits for the chunk, the last known token's and
+    /// one a proposed token. The caller accepts a prefix of them with
+    /// [`Scheduler::accept_drafts`] before [`Scheduler::complete`].
+    pub drafts: usize,
 }
 
 /// Counters since start.
@@ -312,6 +322,8 @@ impl Scheduler {
             computed: 0,
             generated: 0,
             scheduled: 0,
+            drafts: 0,
+            accepted: 0,
             tables: self.kv.new_tables(),
             preemptions: 0,
             started: false,
@@ -394,6 +406,7 @@ impl Scheduler {
         }
         r.computed = 0;
         r.scheduled = 0;
+        r.drafts = 0;
         r.registered = 0;
         r.preemptions += 1;
         self.counters.preemptions += 1;
@@ -414,19 +427,52 @@ impl Scheduler {
     /// Returns the number of tokens scheduled (0: nothing to run). Call
     /// [`Scheduler::complete`] after the backend ran the plan.
     pub fn schedule(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) -> usize {
+        self.schedule_with(plan, events, &mut |_, _| 0)
+    }
+
+    /// [`Scheduler::schedule`] with speculative decoding: for every running request that
+    /// decodes this step, `propose(id, most)` returns how many tokens (at most `most`) the
+    /// caller proposes after the request's last known token; the step verifies them in the
+    /// same forward pass as everything else ([`ScheduledChunk::drafts`]). Proposals take step
+    /// budget and pages like any token, never more than the request's output budget, and at
+    /// most `maxNumSeqs` logits rows a step in all (what the device's buffers are sized for):
+    /// they are dropped before anyone is preempted for them.
+    pub fn schedule_with(
+        &mut self,
+        plan: &mut StepPlan,
+        events: &mut Vec<Event>,
+        propose: &mut dyn FnMut(RequestId, usize) -> usize,
+    ) -> usize {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
+        // Logits rows beyond one a running request, taken by proposals.
+        let mut draft_rows = 0;
         let mut i = 0;
         while i < self.running.len() {
             let (want, start) = {
                 let r = &self.running[i];
                 (r.known() - r.computed, r.computed)
             };
-            let n = chunk_len(want, budget, self.cfg.block_size);
+            let mut n = chunk_len(want, budget, self.cfg.block_size);
             self.running[i].scheduled = 0;
+            self.running[i].drafts = 0;
+            self.running[i].accepted = 0;
             if n == 0 {
                 i += 1;
                 continue;
+            }
+            let mut drafts = 0;
+            if want == 1 {
+                let r = &self.running[i];
+                let most = (r.output - r.generated - 1).min(budget - 1).min(
+                    self.cfg
+                        .max_num_seqs
+                        .saturating_sub(self.running.len() + draft_rows),
+                );
+                if most > 0 {
+                    drafts = propose(r.id, most).min(most);
+                    n += drafts;
+                }
             }
             if let Err(e) = self.kv.free_out_of_window(&mut self.running[i].tables, start) {
                 let r = self.running.remove(i);
@@ -435,6 +481,12 @@ impl Scheduler {
             }
             let mut scheduled = true;
             while !self.kv.allocate(&mut self.running[i].tables, start + n) {
+                if drafts > 0 {
+                    // Proposals are the first to go when pages run short.
+                    n -= drafts;
+                    drafts = 0;
+                    continue;
+                }
                 preempted = true;
                 // Newest first; when only this request is left after `i`, it yields itself.
                 let victim = self.running.len() - 1;
@@ -447,13 +499,15 @@ impl Scheduler {
             }
             if scheduled {
                 self.running[i].scheduled = n;
+                self.running[i].drafts = drafts;
+                draft_rows += drafts;
                 budget -= n;
                 i += 1;
             }
         }
         // Admit from the queue head only when nothing was preempted this step (a preempted
         // request must not be overtaken) and the head fits: strict FCFS.
-        while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while !preempted && budget > 0 && self.running.len() + draft_rows < self.cfg.max_num_seqs {
             let Some(front) = self.waiting.front_mut() else {
                 break;
             };
@@ -512,8 +566,20 @@ impl Scheduler {
         write_plan(plan, self.cfg.block_size, self.kv.groups.len(), rows);
     }
 
+    /// How many of request `id`'s proposed tokens this step's verification accepted (a prefix
+    /// of [`ScheduledChunk::drafts`]; the step then yields `accepted + 1` tokens for it). Call
+    /// between [`Scheduler::schedule_with`] and [`Scheduler::complete`]; a request not named
+    /// accepts none.
+    pub fn accept_drafts(&mut self, id: RequestId, accepted: usize) {
+        if let Some(r) = self.running.iter_mut().find(|r| r.id == id) {
+            r.accepted = accepted.min(r.drafts);
+        }
+    }
+
     /// Applies the step the backend just ran: advances positions, emits tokens, finishes
-    /// requests and frees their pages.
+    /// requests and frees their pages. A request that verified proposals keeps the KV of the
+    /// accepted ones and gives back the pages that held only rejected ones; its `Token` event
+    /// counts every token the step yielded for it.
     pub fn complete(&mut self, events: &mut Vec<Event>) {
         if !self.stepping {
             return;
@@ -524,21 +590,34 @@ impl Scheduler {
         while i < self.running.len() {
             let r = &mut self.running[i];
             if r.scheduled > 0 {
-                r.computed += r.scheduled;
+                let rejected = r.drafts - r.accepted;
+                let yields = r.computed + r.scheduled - r.drafts == r.known();
+                r.computed += r.scheduled - rejected;
                 self.counters.tokens += r.scheduled as u64;
                 r.scheduled = 0;
+                if rejected > 0 {
+                    // The rejected proposals' KV is garbage: their slots are written again by
+                    // the next step; pages past the accepted positions go back now.
+                    if let Err(e) = self.kv.truncate(&mut r.tables, r.computed) {
+                        let r = self.running.remove(i);
+                        self.fail(r, e, events);
+                        continue;
+                    }
+                }
                 if let Some(b) = &r.blocks {
                     let upto = r.computed / self.cfg.block_size;
                     self.kv
                         .register(&r.tables, &b.hashes, &b.tokens, upto, &mut r.registered);
                 }
-                if r.computed == r.known() {
-                    r.generated += 1;
+                if yields {
+                    r.generated += 1 + r.accepted;
                     events.push(Event::Token {
                         id: r.id,
                         generated: r.generated,
                     });
                 }
+                r.drafts = 0;
+                r.accepted = 0;
             }
             if r.generated >= r.output {
                 let mut r = self.running.remove(i);
@@ -565,7 +644,8 @@ impl Scheduler {
                 id: r.id,
                 start: r.computed,
                 len: r.scheduled,
-                samples: r.computed + r.scheduled == r.known(),
+                samples: r.computed + r.scheduled - r.drafts == r.known(),
+                drafts: r.drafts,
             })
     }
 

@@ -400,7 +400,7 @@ mod tests {
                     seq: c.id,
                     start_pos: c.start,
                     tokens: &toks[c.id as usize][c.start..c.start + c.len],
-                    want_logits: c.samples,
+                    logits: usize::from(c.samples),
                 })
                 .collect();
             let got = f.forward(&batch, &plan).unwrap();
@@ -447,7 +447,7 @@ mod tests {
                     seq: 1,
                     start_pos: 0,
                     tokens: &toks,
-                    want_logits: true,
+                    logits: 1,
                 }],
                 &StepPlan::default(),
             )

@@ -434,8 +434,9 @@ pub struct SeqChunk<'a> {
     /// Position of `tokens[0]`; equals the tokens the KV cache already holds for `seq`.
     pub start_pos: usize,
     pub tokens: &'a [u32],
-    /// Return the logits of the chunk's last token.
-    pub want_logits: bool,
+    /// Return the logits of the chunk's last `logits` tokens (0: none; 1: the next token's;
+    /// more: a speculative step's verification rows, one a proposed token and the bonus).
+    pub logits: usize,
 }
 
 impl SeqChunk<'_> {
@@ -677,9 +678,8 @@ impl Llama {
         let mut row = 0;
         for s in batch {
             row += s.tokens.len();
-            if s.want_logits && !s.tokens.is_empty() {
-                last.extend_from_slice(&x[(row - 1) * d..row * d]);
-            }
+            let n = s.logits.min(s.tokens.len());
+            last.extend_from_slice(&x[(row - n) * d..row * d]);
         }
         Ok(self.head(&last))
     }
@@ -723,7 +723,7 @@ impl Llama {
             seq: 0,
             start_pos: 0,
             tokens,
-            want_logits: false,
+            logits: 0,
         };
         let x = self.hidden(&mut kv, &[chunk])?;
         let d = c.d_model;
@@ -1188,7 +1188,7 @@ mod tests {
                     seq: 1,
                     start_pos: 0,
                     tokens: &toks,
-                    want_logits: true,
+                    logits: 1,
                 }],
             )
             .unwrap();
@@ -1208,13 +1208,13 @@ mod tests {
                             seq: 2,
                             start_pos: other_pos,
                             tokens: &other,
-                            want_logits: true,
+                            logits: 1,
                         },
                         SeqChunk {
                             seq: 1,
                             start_pos: pos,
                             tokens: p,
-                            want_logits: true,
+                            logits: 1,
                         },
                     ],
                 )
@@ -1320,7 +1320,7 @@ mod tests {
                 seq: 1,
                 start_pos: 0,
                 tokens: &[3, 14, 15, 9],
-                want_logits: true,
+                logits: 1,
             };
             m.forward(&mut kv, &[chunk]).unwrap()
         };
@@ -1346,7 +1346,7 @@ mod tests {
                     seq: 1,
                     start_pos: 0,
                     tokens: &[999],
-                    want_logits: true,
+                    logits: 1,
                 }],
             )
             .unwrap_err();

@@ -247,6 +247,30 @@ impl Sampler {
         }
     }
 
+    /// The rows of a speculative step: the next token's, then one after each of `drafts` (the
+    /// proposed tokens), each with its own key of the random stream and the adjustments of the
+    /// tokens before it as if the proposals before it were accepted (a row is used only then).
+    /// The token counts are left as they were: the caller [`Sampler::accept`]s what it takes.
+    pub fn verify_rows(&mut self, drafts: &[u32]) -> Vec<RowSample> {
+        let mut rows = Vec::with_capacity(drafts.len() + 1);
+        rows.push(self.next_row());
+        if drafts.is_empty() {
+            return rows;
+        }
+        if !self.params.adjusts_logits() {
+            rows.extend(drafts.iter().map(|_| self.next_row()));
+            return rows;
+        }
+        let (counts, generated) = (self.counts.clone(), self.generated);
+        for &d in drafts {
+            self.accept(d);
+            rows.push(self.next_row());
+        }
+        self.counts = counts;
+        self.generated = generated;
+        rows
+    }
+
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
