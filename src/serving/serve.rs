@@ -356,7 +356,7 @@ fn default_name(g: &Gguf, path: &Path) -> String {
 }
 
 /// Limits of [`start_cpu`]: the engine's scheduler limits and the KV pool in tokens.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CpuLimits {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
@@ -371,6 +371,8 @@ pub struct CpuLimits {
     pub max_waiting: usize,
     /// Automatic prefix caching (on by default, as in the worker).
     pub prefix_caching: bool,
+    /// Speculative decoding (off by default, as in the worker).
+    pub speculative: Option<kvfleet_engine::engine::speculative::SpecConfig>,
 }
 
 impl Default for CpuLimits {
@@ -384,6 +386,7 @@ impl Default for CpuLimits {
             kv_dtype: KvDtype::Bf16,
             max_waiting: crate::contract::config::DEFAULT_MAX_WAITING,
             prefix_caching: true,
+            speculative: None,
         }
     }
 }
@@ -419,7 +422,13 @@ pub fn start_cpu(
         max_waiting: limits.max_waiting,
         prefix_caching: limits.prefix_caching,
     };
-    Ok(ModelRuntime::start(forward, tokenizer, name, sched, metrics)?)
+    let hooks = crate::serving::runtime::RuntimeHooks {
+        speculative: limits.speculative,
+        ..Default::default()
+    };
+    Ok(ModelRuntime::start_with(
+        forward, tokenizer, name, sched, metrics, hooks,
+    )?)
 }
 
 /// Pools for a model with sliding-window layers: the bytes of `kv_tokens` tokens of every
