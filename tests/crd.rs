@@ -440,6 +440,71 @@ fn cel_rules_catch_relations_between_fields() {
 }
 
 #[test]
+fn speculative_cel_rules_tie_the_drafter_and_the_lookup_to_the_method() {
+    let with = |speculative: Value| errors_after(move |v| v["spec"]["engine"]["speculative"] = speculative);
+    let ok = [
+        json!({"method": "ngram", "numSpeculativeTokens": 4}),
+        json!({"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3, "promptLookupMin": 3, "disableByBatchSize": 16}),
+        json!({"method": "eagle3", "numSpeculativeTokens": 3, "draftModel": {"pvcName": "d", "path": "e3/"}}),
+        json!({"method": "dflash", "numSpeculativeTokens": 15, "draftModel": {"huggingFace": {"repo": "z-lab/x", "revision": "v1"}}}),
+    ];
+    for s in ok {
+        let errs = with(s.clone());
+        assert!(errs.is_empty(), "{s}: {errs:#?}");
+    }
+    let denied = [
+        (
+            json!({"method": "ngram", "numSpeculativeTokens": 4, "draftModel": {"pvcName": "d"}}),
+            "not allowed with method ngram",
+        ),
+        (
+            json!({"method": "eagle3", "numSpeculativeTokens": 4}),
+            "draftModel is required with method eagle3 or dflash",
+        ),
+        (
+            json!({"method": "dflash", "numSpeculativeTokens": 4, "promptLookupMax": 2, "draftModel": {"pvcName": "d"}}),
+            "apply to method ngram only",
+        ),
+        (
+            json!({"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMin": 5}),
+            "promptLookupMin must not exceed promptLookupMax",
+        ),
+        (
+            json!({"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 2, "promptLookupMin": 3}),
+            "promptLookupMin must not exceed promptLookupMax",
+        ),
+        (
+            json!({"method": "eagle3", "numSpeculativeTokens": 4, "draftModel": {"path": "x"}}),
+            "exactly one of draftModel.pvcName",
+        ),
+        (
+            json!({"method": "eagle3", "numSpeculativeTokens": 4, "draftModel": {"pvcName": "d", "image": "r/d:1"}}),
+            "exactly one of draftModel.pvcName",
+        ),
+        (
+            json!({"method": "eagle3", "numSpeculativeTokens": 4, "draftModel": {"huggingFace": {}}}),
+            "draftModel.huggingFace needs repo",
+        ),
+        (
+            json!({"method": "ngram", "numSpeculativeTokens": 17}),
+            "numSpeculativeTokens",
+        ),
+        (
+            json!({"method": "ngram", "numSpeculativeTokens": 4, "disableByBatchSize": 1}),
+            "disableByBatchSize",
+        ),
+        (json!({"method": "medusa", "numSpeculativeTokens": 4}), "method"),
+    ];
+    for (s, text) in denied {
+        let errs = with(s.clone());
+        assert!(
+            errs.iter().any(|e| e.contains(text)),
+            "{s}: {text:?} not in {errs:#?}"
+        );
+    }
+}
+
+#[test]
 fn weights_name_at_most_one_source() {
     let errs = errors_after(|v| {
         v["spec"]["model"]["weights"] =

@@ -23,6 +23,8 @@ pub const PRE_STOP_SECONDS: i64 = 5;
 
 /// Where the weights volume is mounted.
 pub(super) const WEIGHTS_DIR: &str = "/models";
+/// Where the speculative drafter's volume is mounted (`engine.speculative.draftModel`).
+pub(super) const DRAFT_WEIGHTS_DIR: &str = "/draft-models";
 
 /// A volume mount of the serving pod.
 pub(super) fn mount(name: &str, path: &str, read_only: Option<bool>) -> VolumeMount {

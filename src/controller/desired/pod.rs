@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::container::{capacity_sidecar, mount, serving_container, WEIGHTS_DIR};
+use super::container::{capacity_sidecar, mount, serving_container, DRAFT_WEIGHTS_DIR, WEIGHTS_DIR};
 use super::{vllm, worker, worker_service_account_name, Owner, Settings, CONFIG_HASH_ANNOTATION};
 use crate::api::{AttentionBackend, InferenceDeploymentSpec, PodOverrides, Runtime};
 use crate::validate::{labels as gfd, Verdict};
@@ -87,7 +87,8 @@ fn pod_metadata(
 // === volumes ===
 
 /// Every volume of the pod of `name`, each with the serving container's mount of it: scratch
-/// space, the worker's configuration (kvfleet), the weights, the Hub cache (vLLM).
+/// space, the worker's configuration (kvfleet), the weights, the speculative drafter and the
+/// Hub cache (vLLM).
 pub(super) fn volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<(Volume, VolumeMount)> {
     let runtime = spec.engine.runtime;
     let mut volumes = scratch_volumes();
@@ -96,6 +97,7 @@ pub(super) fn volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<(Volume
     }
     volumes.extend(weights_volume(spec));
     if runtime == Runtime::Vllm {
+        volumes.extend(draft_weights_volume(spec));
         volumes.extend(vllm::hf_cache_volume(spec));
     }
     volumes
@@ -130,13 +132,40 @@ fn scratch_volumes() -> Vec<(Volume, VolumeMount)> {
 /// The weights, read-only at [`WEIGHTS_DIR`], from the first source set of a PVC, a host path
 /// and an image; `None` without any (dummy weights or a Hub download).
 fn weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount)> {
-    let weights = spec.model.weights.as_ref();
-    let volume = match (
-        weights.and_then(|w| w.pvc_name.clone()),
-        weights.and_then(|w| w.host_path.clone()),
-    ) {
+    let w = spec.model.weights.as_ref()?;
+    source_volume(
+        "weights",
+        WEIGHTS_DIR,
+        w.pvc_name.clone(),
+        w.host_path.clone(),
+        w.image.clone(),
+    )
+}
+
+/// The speculative drafter's checkpoint, read-only at [`DRAFT_WEIGHTS_DIR`], as the weights
+/// (vLLM only: the kvfleet runtime runs no drafter, admission denies one).
+fn draft_weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount)> {
+    let d = spec.engine.speculative.as_ref()?.draft_model.as_ref()?;
+    source_volume(
+        "draft-weights",
+        DRAFT_WEIGHTS_DIR,
+        d.pvc_name.clone(),
+        d.host_path.clone(),
+        d.image.clone(),
+    )
+}
+
+/// A read-only volume `name` at `dir` from the first of a PVC, a host path and an image.
+fn source_volume(
+    name: &str,
+    dir: &str,
+    pvc: Option<String>,
+    host_path: Option<String>,
+    image: Option<String>,
+) -> Option<(Volume, VolumeMount)> {
+    let volume = match (pvc, host_path) {
         (Some(pvc), _) => Volume {
-            name: "weights".into(),
+            name: name.into(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
                 claim_name: pvc,
                 read_only: Some(true),
@@ -144,26 +173,23 @@ fn weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount
             ..Volume::default()
         },
         (None, Some(path)) => Volume {
-            name: "weights".into(),
+            name: name.into(),
             host_path: Some(HostPathVolumeSource {
                 path,
                 type_: Some("Directory".into()),
             }),
             ..Volume::default()
         },
-        (None, None) => {
-            let reference = weights.and_then(|w| w.image.clone())?;
-            Volume {
-                name: "weights".into(),
-                image: Some(ImageVolumeSource {
-                    reference: Some(reference),
-                    pull_policy: Some("IfNotPresent".into()),
-                }),
-                ..Volume::default()
-            }
-        }
+        (None, None) => Volume {
+            name: name.into(),
+            image: Some(ImageVolumeSource {
+                reference: Some(image?),
+                pull_policy: Some("IfNotPresent".into()),
+            }),
+            ..Volume::default()
+        },
     };
-    Some((volume, mount("weights", WEIGHTS_DIR, Some(true))))
+    Some((volume, mount(name, dir, Some(true))))
 }
 
 // === scheduling and security ===

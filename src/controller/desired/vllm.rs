@@ -3,10 +3,11 @@
 
 use k8s_openapi::api::core::v1::{EnvVar, PersistentVolumeClaimVolumeSource, Volume, VolumeMount};
 
-use super::container::{mount, plain_env, secret_env, ServingProcess, WEIGHTS_DIR};
+use super::container::{mount, plain_env, secret_env, ServingProcess, DRAFT_WEIGHTS_DIR, WEIGHTS_DIR};
 use super::{resolved, Settings, HTTP_PORT};
 use crate::api::{
-    AttentionBackend, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype, WeightsFormat,
+    AttentionBackend, DraftModel, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype,
+    SpeculativeMethod, SpeculativeSpec, WeightsFormat,
 };
 use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::validate::Verdict;
@@ -68,7 +69,17 @@ fn cache_env(spec: &InferenceDeploymentSpec) -> Vec<EnvVar> {
         Some(_) => plain_env("HF_HOME", HF_CACHE_DIR),
         None => plain_env("HF_HOME", "/tmp/.cache/huggingface"),
     });
-    if let Some(secret) = hf.and_then(|h| h.token_secret_ref.as_ref()) {
+    // One token per pod: the model's, else the drafter's (admission denies two different ones).
+    let draft_hf = spec
+        .engine
+        .speculative
+        .as_ref()
+        .and_then(|s| s.draft_model.as_ref())
+        .and_then(|d| d.hugging_face.as_ref());
+    let token = hf
+        .and_then(|h| h.token_secret_ref.as_ref())
+        .or_else(|| draft_hf.and_then(|h| h.token_secret_ref.as_ref()));
+    if let Some(secret) = token {
         env.push(secret_env("HF_TOKEN", &secret.name, &secret.key));
     }
     env.push(plain_env("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"));
@@ -188,6 +199,10 @@ pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: 
     if !e.prefix_caching {
         args.push("--no-enable-prefix-caching".into());
     }
+    if let Some(sp) = &e.speculative {
+        args.push("--speculative-config".into());
+        args.push(speculative_config(sp).to_string());
+    }
     if let Some(k) = e.kv_events.as_ref().filter(|k| k.enabled) {
         args.push("--kv-events-config".into());
         args.push(
@@ -204,16 +219,59 @@ pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: 
     args
 }
 
+/// vLLM's `--speculative-config` (vllm/config/speculative.py SpeculativeConfig), the same in
+/// every release of the table (`method` values per release are admission's:
+/// `vllm.speculative-method-needs-release`):
+/// - `prompt_lookup_max`/`min` for `ngram`, always both: vLLM's defaults when one is absent
+///   differ from kvfleet's (both 5 when neither is set), so the effective values are written;
+/// - `model` (and `revision`) for a drafter: its directory on the draft volume, or its Hub
+///   repository;
+/// - no `disable_by_batch_size`: V1 never reads it (vllm#25112; vllm#35060 removed the key),
+///   so it would only pretend (`vllm_versions::SPEC_DISABLE_BY_BATCH_SIZE`).
+pub fn speculative_config(s: &SpeculativeSpec) -> serde_json::Value {
+    let mut c = serde_json::json!({
+        "method": s.method.as_str(),
+        "num_speculative_tokens": s.num_speculative_tokens,
+    });
+    if s.method == SpeculativeMethod::Ngram {
+        c["prompt_lookup_max"] = s.prompt_lookup_max().into();
+        c["prompt_lookup_min"] = s.prompt_lookup_min().into();
+    }
+    if let Some(d) = s.draft_model.as_ref().filter(|_| s.method.needs_draft_model()) {
+        if let Some(model) = draft_model_arg(d) {
+            c["model"] = model.into();
+        }
+        if let Some(rev) = d.hugging_face.as_ref().and_then(|h| h.revision.clone()) {
+            c["revision"] = rev.into();
+        }
+    }
+    c
+}
+
+/// The drafter vLLM loads: its Hub repository, or its directory on the draft volume.
+fn draft_model_arg(d: &DraftModel) -> Option<String> {
+    if let Some(h) = &d.hugging_face {
+        return h.repo.clone();
+    }
+    d.has_volume()
+        .then(|| in_dir(DRAFT_WEIGHTS_DIR, d.path.as_deref()))
+}
+
+/// `path` (slashes trimmed) inside the volume mounted at `dir`.
+fn in_dir(dir: &str, path: Option<&str>) -> String {
+    match path.map(|p| p.trim_matches('/')) {
+        Some(p) if !p.is_empty() => format!("{dir}/{p}"),
+        _ => dir.to_string(),
+    }
+}
+
 /// `--model`: a Hub repository, a directory on the weights volume, or the model's name.
 fn model_arg(spec: &InferenceDeploymentSpec) -> String {
     let w = spec.model.weights.as_ref();
     let hf = w.and_then(|w| w.hugging_face.as_ref());
     match (w, hf) {
         (_, Some(h)) => h.repo.clone().unwrap_or_else(|| spec.model.name.clone()),
-        (Some(w), None) if w.has_source() => match w.path.as_deref().map(|p| p.trim_matches('/')) {
-            Some(p) if !p.is_empty() => format!("{WEIGHTS_DIR}/{p}"),
-            _ => WEIGHTS_DIR.to_string(),
-        },
+        (Some(w), None) if w.has_source() => in_dir(WEIGHTS_DIR, w.path.as_deref()),
         // Dummy weights: vLLM reads the model's config.json by its name.
         _ => spec.model.name.clone(),
     }
@@ -294,6 +352,90 @@ mod tests {
             Some("fp8"),
             "{args:?}"
         );
+    }
+
+    fn speculative_json(args: &[String]) -> serde_json::Value {
+        let json = arg_after(args, "--speculative-config").expect("--speculative-config");
+        serde_json::from_str(&json).unwrap()
+    }
+
+    #[test]
+    fn ngram_speculation_renders_vllms_speculative_config_without_disable_by_batch_size() {
+        let mut obj = fixture(VLLM_RTX5090);
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        let args = vllm_args(&obj.spec, &v);
+        assert!(
+            !args.contains(&"--speculative-config".to_string()),
+            "nothing without engine.speculative: {args:?}"
+        );
+        obj.spec.engine.speculative = Some(
+            serde_yaml::from_str(
+                "{method: ngram, numSpeculativeTokens: 4, promptLookupMax: 5, disableByBatchSize: 16}",
+            )
+            .unwrap(),
+        );
+        let args = vllm_args(&obj.spec, &v);
+        assert_eq!(
+            speculative_json(&args),
+            serde_json::json!({"method": "ngram", "num_speculative_tokens": 4,
+                "prompt_lookup_max": 5, "prompt_lookup_min": 1})
+        );
+        assert_eq!(
+            vllm_versions::flag_at("--speculative-config", vllm_versions::oldest()),
+            Some(true)
+        );
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        assert!(pod(&d).volumes.unwrap().iter().all(|v| v.name != "draft-weights"));
+    }
+
+    #[test]
+    fn a_drafter_on_a_volume_is_mounted_at_draft_models_and_named_in_the_config() {
+        let mut obj = fixture(VLLM_RTX5090);
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        obj.spec.engine.speculative = Some(
+            serde_yaml::from_str(
+                "{method: eagle3, numSpeculativeTokens: 3, draftModel: {pvcName: drafts, path: /eagle3-gemma/}}",
+            )
+            .unwrap(),
+        );
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        assert_eq!(
+            speculative_json(c.args.as_ref().unwrap()),
+            serde_json::json!({"method": "eagle3", "num_speculative_tokens": 3,
+                "model": "/draft-models/eagle3-gemma"})
+        );
+        let mount = c
+            .volume_mounts
+            .unwrap()
+            .into_iter()
+            .find(|m| m.mount_path == "/draft-models")
+            .expect("draft mount");
+        assert_eq!(mount.read_only, Some(true));
+        let vol = volume(&d, &mount.name);
+        assert_eq!(vol.persistent_volume_claim.unwrap().claim_name, "drafts");
+    }
+
+    #[test]
+    fn a_drafter_from_the_hub_is_its_repository_with_its_revision_and_token() {
+        let mut obj = fixture(VLLM_RTX5090);
+        let v = verdict("fp8", "TRITON_ATTN", "12.0", "NVIDIA-GeForce-RTX-5090");
+        obj.spec.engine.speculative = Some(
+            serde_yaml::from_str(
+                "{method: dflash, numSpeculativeTokens: 15, draftModel: {huggingFace: {repo: z-lab/gemma-DFlash, revision: v2, tokenSecretRef: {name: hf}}}}",
+            )
+            .unwrap(),
+        );
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let c = container(&d);
+        assert_eq!(
+            speculative_json(c.args.as_ref().unwrap()),
+            serde_json::json!({"method": "dflash", "num_speculative_tokens": 15,
+                "model": "z-lab/gemma-DFlash", "revision": "v2"})
+        );
+        let token = env_value(&c, "HF_TOKEN").expect("the drafter's token");
+        assert_eq!(token.value_from.unwrap().secret_key_ref.unwrap().name, "hf");
+        assert!(pod(&d).volumes.unwrap().iter().all(|v| v.name != "draft-weights"));
     }
 
     #[test]

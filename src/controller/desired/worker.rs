@@ -8,7 +8,9 @@ use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, Volume, Volum
 
 use super::container::{mount, ServingProcess, WEIGHTS_DIR};
 use super::{config_map_name, resolved, DesiredError, Settings, WORKER_CONFIG_KEY};
-use crate::api::{EngineQuantization, InferenceDeploymentSpec, WeightsFormat};
+use crate::api::{
+    EngineQuantization, InferenceDeploymentSpec, SpeculativeMethod, SpeculativeSpec, WeightsFormat,
+};
 use crate::contract::config::{ResolvedEngine, WorkerConfig};
 use crate::contract::model::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
@@ -84,8 +86,8 @@ pub fn config_path() -> String {
 
 /// `kvfleet worker` arguments: the rendered config, and on top of it the values a reader of
 /// `kubectl describe pod` looks for (they equal the config's): the model path on the weights
-/// volume, the served name, the resolved KV dtype, the engine limits, and `--quantization` when
-/// the weights are quantized at load.
+/// volume, the served name, the resolved KV dtype, the engine limits, `--quantization` when
+/// the weights are quantized at load, and `--speculative-config` when it speculates.
 pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<String> {
     let (dtype, _) = resolved(spec, verdict);
     let e = &spec.engine;
@@ -115,7 +117,30 @@ pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Str
     if e.quantization != EngineQuantization::None {
         args.extend(["--quantization".to_string(), e.quantization.as_str().to_string()]);
     }
+    if let Some(s) = &e.speculative {
+        args.extend([
+            "--speculative-config".to_string(),
+            worker_speculative_config(s).to_string(),
+        ]);
+    }
     args
+}
+
+/// The worker's `--speculative-config`: vLLM's JSON keys with kvfleet's effective values, keys
+/// only for what the method uses. `disable_by_batch_size` is always written (the worker's
+/// default is [`crate::api::DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`]). No `model`: the kvfleet
+/// runtime runs no drafter, and admission denies eagle3 and dflash on it.
+pub fn worker_speculative_config(s: &SpeculativeSpec) -> serde_json::Value {
+    let mut c = serde_json::json!({
+        "method": s.method.as_str(),
+        "num_speculative_tokens": s.num_speculative_tokens,
+    });
+    if s.method == SpeculativeMethod::Ngram {
+        c["prompt_lookup_max"] = s.prompt_lookup_max().into();
+        c["prompt_lookup_min"] = s.prompt_lookup_min().into();
+    }
+    c["disable_by_batch_size"] = s.disable_by_batch_size().into();
+    c
 }
 
 /// The kvfleet worker's configuration ([`WorkerConfig`], read by `kvfleet worker --config`):
@@ -292,6 +317,74 @@ mod tests {
         let args = container(&d).args.unwrap();
         assert_eq!(arg_after(&args, "--model-weights").as_deref(), Some("dummy"));
         assert_eq!(arg_after(&args, "--model"), None);
+    }
+
+    #[test]
+    fn ngram_speculation_renders_one_speculative_config_argument_with_the_effective_values() {
+        let v = verdict("fp8_e4m3", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
+        let plain = render(KVFLEET_H100_PVC, &v);
+        let args = container(&plain).args.unwrap();
+        assert!(
+            !args.iter().any(|a| a.contains("speculative")),
+            "nothing without engine.speculative: {args:?}"
+        );
+        let spec = KVFLEET_H100_PVC.replace(
+            "    gpuMemoryUtilization: 0.92\n",
+            "    gpuMemoryUtilization: 0.92\n    speculative: {method: ngram, numSpeculativeTokens: 5}\n",
+        );
+        let d = render(&spec, &v);
+        let args = container(&d).args.unwrap();
+        assert_eq!(
+            args.iter().filter(|a| *a == "--speculative-config").count(),
+            1,
+            "{args:?}"
+        );
+        let json = arg_after(&args, "--speculative-config").unwrap();
+        let cfg: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(
+            cfg,
+            serde_json::json!({"method": "ngram", "num_speculative_tokens": 5,
+                "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 32})
+        );
+        assert!(!json.contains(' '), "compact JSON: {json}");
+        // Written values win over the defaults; the config file carries the same spec.
+        let spec = spec.replace(
+            "numSpeculativeTokens: 5}",
+            "numSpeculativeTokens: 3, promptLookupMax: 6, promptLookupMin: 2, disableByBatchSize: 8}",
+        );
+        let d = render(&spec, &v);
+        let cfg: serde_json::Value =
+            serde_json::from_str(&arg_after(&container(&d).args.unwrap(), "--speculative-config").unwrap())
+                .unwrap();
+        assert_eq!(
+            cfg,
+            serde_json::json!({"method": "ngram", "num_speculative_tokens": 3,
+                "prompt_lookup_max": 6, "prompt_lookup_min": 2, "disable_by_batch_size": 8})
+        );
+        let yaml = &d.config_map.as_ref().unwrap().data.as_ref().unwrap()[WORKER_CONFIG_KEY];
+        let s = WorkerConfig::parse(yaml).unwrap().engine.speculative.unwrap();
+        assert_eq!(
+            (s.method, s.prompt_lookup_max(), s.disable_by_batch_size()),
+            (SpeculativeMethod::Ngram, 6, 8)
+        );
+        // The kvfleet runtime mounts no drafter.
+        assert!(container(&d)
+            .volume_mounts
+            .unwrap()
+            .iter()
+            .all(|m| m.name != "draft-weights"));
+    }
+
+    #[test]
+    fn a_drafter_method_renders_no_model_for_the_worker() {
+        let s: SpeculativeSpec = serde_yaml::from_str(
+            "{method: eagle3, numSpeculativeTokens: 3, draftModel: {pvcName: d, path: e3/}}",
+        )
+        .unwrap();
+        assert_eq!(
+            worker_speculative_config(&s),
+            serde_json::json!({"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 32})
+        );
     }
 
     #[test]

@@ -16,16 +16,18 @@ use kube_derive::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime};
+pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime, SpeculativeMethod};
 
 mod autoscaling;
 pub mod bounded;
 mod features;
 pub mod limits;
 mod routing;
+mod speculative;
 pub use autoscaling::*;
 use limits::*;
 pub use routing::*;
+pub use speculative::*;
 
 pub const GROUP: &str = "kvfleet.io";
 pub const VERSION: &str = "v1alpha1";
@@ -645,6 +647,12 @@ pub struct EngineSpec {
     /// KV-aware routers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventsSpec>,
+    /// Speculative decoding: propose several tokens per step and verify them in one forward
+    /// pass of the model (vLLM's `--speculative-config`). The output is the same as without
+    /// it; decode steps emit more than one token when drafts are accepted. Runtime kvfleet:
+    /// `ngram` only. Absent: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeSpec>,
     /// Extra command-line arguments appended to the engine's command.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = EXTRA_ARGS_MAX), inner(length(max = EXTRA_ARG_LEN_MAX)))]
@@ -710,6 +718,7 @@ impl Default for EngineSpec {
             non_causal: false,
             prefix_caching: true,
             kv_events: None,
+            speculative: None,
             extra_args: Vec::new(),
             vllm: None,
         }

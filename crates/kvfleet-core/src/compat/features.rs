@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::vocab::KvCacheDtype;
+use super::vocab::{KvCacheDtype, SpeculativeMethod};
 
 /// What a model's attention looks like, as far as kernels care.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -16,8 +16,10 @@ pub struct ModelFeatures {
     /// Layers differ in their window (some sliding, some full, or several windows), as in
     /// Gemma 2/3/4 and gpt-oss. FlashInfer needs one window for all layers.
     pub per_layer_windows: bool,
-    /// Attention without a causal mask (drafter blocks, encoders).
+    /// Attention without a causal mask (drafter blocks, encoders; a DFlash drafter).
     pub non_causal: bool,
+    /// The speculative-decoding method the engine runs (`engine.speculative.method`).
+    pub speculative: Option<SpeculativeMethod>,
     /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
     pub quantized_checkpoint: bool,
     /// The linear-layer weights are FP8 e4m3 in GPU memory: an FP8 checkpoint
@@ -43,6 +45,7 @@ impl Default for ModelFeatures {
             sliding_windows: Vec::new(),
             per_layer_windows: false,
             non_causal: false,
+            speculative: None,
             quantized_checkpoint: false,
             fp8_weights: false,
             fp8_at_load: false,

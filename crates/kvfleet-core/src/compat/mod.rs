@@ -16,4 +16,4 @@ pub use features::ModelFeatures;
 pub use products::Product;
 pub use rules::{evaluate, evaluate_at, Evaluation, Rule, Severity, Violation};
 pub use vllm_versions::VllmVersion;
-pub use vocab::{AttentionBackend, KvCacheDtype, Runtime, UnknownValue};
+pub use vocab::{AttentionBackend, KvCacheDtype, Runtime, SpeculativeMethod, UnknownValue};

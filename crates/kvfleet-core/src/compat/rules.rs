@@ -11,7 +11,7 @@ use super::cc::Arch;
 use super::cc::ComputeCapability;
 use super::features::ModelFeatures;
 use super::vllm_versions::{self, VllmVersion};
-use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
+use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime, SpeculativeMethod};
 
 /// Deny stops admission; Warn admits with a caveat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -252,6 +252,7 @@ const BACKEND: &str = "spec.engine.attentionBackend";
 const GEOMETRY: &str = "spec.model.geometry";
 const RUNTIME: &str = "spec.engine.runtime";
 const MIN_CC: &str = "spec.gpu.selector.minComputeCapability";
+const SPEC_METHOD: &str = "spec.engine.speculative.method";
 
 /// GPUs with FP8 tensor cores (W8A8 FP8), for fixes.
 const FP8_GPUS: &str = "L4, L40S, RTX 4090 (8.9), H100, H200 (9.0), B200, B300 (10.x), RTX PRO 6000 Blackwell, RTX 5090 (12.0); gpu.selector.minComputeCapability \"8.9\"";
@@ -271,8 +272,17 @@ fn fp8_weights_name(c: &Case) -> &'static str {
     }
 }
 
+/// The speculative method of the case, for messages (rules fire only when there is one).
+fn spec_method(c: &Case) -> &'static str {
+    c.features.speculative.map_or("", SpeculativeMethod::as_str)
+}
+
 /// Source tag of kvfleet's own rules: our kernels decide them.
 pub const KVFLEET_SOURCE: &str = "kvfleet kernels/attention/";
+
+/// Source tag of kvfleet's rules that its worker decides (what the engine implements beside
+/// the kernels).
+pub const KVFLEET_WORKER_SOURCE: &str = "kvfleet worker (src/worker, crates/kvfleet-engine)";
 
 fn head_dims(c: &Case) -> String {
     c.features
@@ -334,6 +344,38 @@ pub static VLLM_RULES: &[Rule] = &[
             match image {
                 Some(i) => format!("use image {i} (or set spec.engine.vllm.version to a release that has it), or {other}"),
                 None => other,
+            }
+        }),
+    vllm("vllm.speculative-method-needs-release")
+        .deny(SPEC_METHOD, "UnsupportedByVllmVersion")
+        .summary("the speculative method must exist in the vLLM release of the image (--speculative-config method per release: dflash from 0.20.0)")
+        .source("compat/vllm_versions.rs speculative_method_availability (vllm#16937, vllm#36847, NVIDIA-NeMo/Automodel#2913)")
+        .fires(|c| {
+            let m = c.features.speculative;
+            m.zip(c.vllm).is_some_and(|(m, v)| !vllm_versions::speculative_method_availability(m).at(v))
+        })
+        .cause(|c| {
+            let a = c.features.speculative.map(vllm_versions::speculative_method_availability);
+            format!(
+                "speculative method {} needs vLLM >= {}, and this spec runs vLLM {}",
+                spec_method(c),
+                a.and_then(|a| a.since).map_or("(no release yet)".to_string(), |s| s.to_string()),
+                c.vllm.map_or(String::new(), |v| v.to_string())
+            )
+        })
+        .fix(|c| {
+            let first = c
+                .features
+                .speculative
+                .map(vllm_versions::speculative_method_availability)
+                .and_then(|a| vllm_versions::first_release_with(&a));
+            match first {
+                Some(v) => format!(
+                    "use image {} or newer (or set spec.engine.vllm.version to a release that has it; kvfleet's default is {}), or method ngram",
+                    v.image(),
+                    vllm_versions::default_image()
+                ),
+                None => "use method ngram or eagle3".to_string(),
             }
         }),
     vllm("vllm.nvfp4-kv-needs-sm100")
@@ -525,6 +567,16 @@ pub static KVFLEET_RULES: &[Rule] = &[
         .fires(|_| true)
         .cause(|c| format!("attentionBackend {} is a vLLM backend; the kvfleet runtime runs its own kernels", c.backend))
         .fix(|_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string()),
+    kvfleet("kvfleet.speculative-ngram-only")
+        .deny(SPEC_METHOD, "UnsupportedSpeculativeMethod")
+        .summary("speculative decoding on the kvfleet runtime: n-gram proposals only; eagle3 and dflash drafters are not implemented")
+        .source(KVFLEET_WORKER_SOURCE)
+        .fires(|c| c.features.speculative.is_some_and(SpeculativeMethod::needs_draft_model))
+        .cause(|c| format!(
+            "speculative method {} is not implemented on the kvfleet runtime (n-gram only)",
+            spec_method(c)
+        ))
+        .fix(|_| "use method ngram, or runtime vllm".to_string()),
     kvfleet("kvfleet.cuda-needs-sm80")
         .on(&[B::KvfleetCuda])
         .deny(MIN_CC, "UnsupportedArchitecture")

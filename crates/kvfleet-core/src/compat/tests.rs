@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 
 use super::rules::{evaluate, KVFLEET_RULES, VLLM_RULES};
-use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime};
+use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime, SpeculativeMethod as S};
 use super::{ComputeCapability, ModelFeatures};
 
 fn cc(s: &str) -> ComputeCapability {
@@ -36,6 +36,12 @@ enum Model {
     LlamaFp8,
     /// Llama quantized to FP8 at load (`engine.quantization: fp8`).
     LlamaFp8AtLoad,
+    /// Llama with n-gram speculative decoding.
+    SpecNgram,
+    /// Llama with an EAGLE-3 drafter.
+    SpecEagle3,
+    /// Llama with a DFlash drafter (non-causal drafter attention, as validation sets it).
+    SpecDflash,
 }
 
 fn features(m: Model) -> ModelFeatures {
@@ -100,6 +106,19 @@ fn features(m: Model) -> ModelFeatures {
             fp8_at_load: true,
             gqa_groups: vec![8],
             block_size: Some(16),
+            ..base
+        },
+        Model::SpecNgram => ModelFeatures {
+            speculative: Some(S::Ngram),
+            ..base
+        },
+        Model::SpecEagle3 => ModelFeatures {
+            speculative: Some(S::Eagle3),
+            ..base
+        },
+        Model::SpecDflash => ModelFeatures {
+            speculative: Some(S::Dflash),
+            non_causal: true,
             ..base
         },
     }
@@ -196,6 +215,12 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (V, "7.5", LlamaFp8, D::Auto, B::Auto, Denied("vllm.fp8-weights-need-sm80", "model.quantization fp8")),
         (V, "7.5", LlamaFp8AtLoad, D::Float16, B::TritonAttn, Denied("vllm.fp8-weights-need-sm80", "L4, L40S")),
         (V, "9.0", LlamaFp8, D::Fp8E5m2, B::Auto, Denied("vllm.fp8-e5m2-with-quantized-checkpoint", "use fp8")),
+        // --- speculative decoding: every method in every release here but dflash (below, with
+        //     a version); DFlash's non-causal drafter keeps auto off FLASHINFER (vllm#39995)
+        (V, "9.0", SpecNgram, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "9.0", SpecEagle3, D::Fp8, B::Auto, Runs(D::Fp8, B::FlashAttn)),
+        (V, "10.0", SpecDflash, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "10.0", SpecDflash, D::Auto, B::FlashInfer, Denied("vllm.flashinfer-non-causal", "FLASH_ATTN or TRITON_ATTN")),
 
         // --- kvfleet: our engine (kernels/)
         (K, "9.0", Llama, D::Auto, B::FlashInfer, Denied("kvfleet.backend-is-ours", "use attentionBackend auto or KVFLEET_CUDA")),
@@ -208,6 +233,12 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", SlidingEncoder, D::Auto, B::Auto, Denied("kvfleet.cuda-masks", "causal mask")),
         (K, "9.0", Gemma4, D::Auto, B::Auto, Denied("kvfleet.head-dims", "this model has 256, 512")),
         (K, "9.0", Mla, D::Auto, B::Auto, Denied("kvfleet.no-mla", "use runtime vllm")),
+        // --- speculative decoding: the worker proposes n-grams only (issue #36)
+        (K, "9.0", SpecNgram, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "9.0", SpecNgram, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
+        (K, "9.0", SpecEagle3, D::Auto, B::Auto, Denied("kvfleet.speculative-ngram-only", "speculative method eagle3 is not implemented on the kvfleet runtime (n-gram only); use method ngram, or runtime vllm")),
+        (K, "8.9", SpecDflash, D::Fp8, B::Auto, Denied("kvfleet.speculative-ngram-only", "method dflash")),
+        (K, "9.0", SpecEagle3, D::Auto, B::KvfleetCpu, Denied("kvfleet.speculative-ngram-only", "use method ngram")),
         // --- FP8 weights: W8A8 from 8.9 on the GPU, no weight-only path below; the CPU
         // dequantizes FP8 checkpoints and runs engine.quantization fp8 as its reference
         (K, "8.6", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)")),
@@ -262,7 +293,10 @@ fn every_row_of_the_rule_table_decides_as_documented() {
 #[test]
 fn every_deny_rule_of_both_sets_is_exercised_by_the_table() {
     // The release rule is exercised with a version, below.
-    let mut fired = BTreeSet::from(["vllm.kv-dtype-needs-release"]);
+    let mut fired = BTreeSet::from([
+        "vllm.kv-dtype-needs-release",
+        "vllm.speculative-method-needs-release",
+    ]);
     for (runtime, arch, model, dtype, backend, want) in table() {
         if let Denied(rule, _) = want {
             let ev = evaluate(runtime, cc(arch), &features(model), dtype, backend);
@@ -333,7 +367,11 @@ fn every_rule_cites_a_source_and_has_a_pascal_case_reason() {
         assert!(rule.field.starts_with("spec."), "{}", rule.field);
     }
     for rule in KVFLEET_RULES {
-        assert_eq!(rule.source, super::rules::KVFLEET_SOURCE);
+        assert!(
+            [super::rules::KVFLEET_SOURCE, super::rules::KVFLEET_WORKER_SOURCE].contains(&rule.source),
+            "{}",
+            rule.id
+        );
     }
 }
 
@@ -455,4 +493,43 @@ fn nvfp4_kv_before_0_21_is_denied_with_the_release_and_the_image_that_has_it() {
         VllmVersion::parse("0.11.0"),
     );
     assert!(k.runs(), "{k:#?}");
+}
+
+#[test]
+fn dflash_before_0_20_is_denied_with_the_release_that_has_it_and_other_methods_run_everywhere() {
+    use crate::compat::{evaluate_at, VllmVersion};
+    let at = |model: Model, v: &str| {
+        evaluate_at(
+            V,
+            cc("9.0"),
+            &features(model),
+            D::Auto,
+            B::Auto,
+            VllmVersion::parse(v),
+        )
+    };
+    let ev = at(SpecDflash, "0.19.0");
+    assert_eq!(ev.resolved, None);
+    let v = ev
+        .violations
+        .iter()
+        .find(|v| v.rule == "vllm.speculative-method-needs-release")
+        .unwrap_or_else(|| panic!("{ev:#?}"));
+    assert_eq!(v.field, "spec.engine.speculative.method");
+    assert_eq!(v.reason, "UnsupportedByVllmVersion");
+    for text in [
+        "speculative method dflash needs vLLM >= 0.20.0",
+        "runs vLLM 0.19.0",
+        "use image vllm/vllm-openai:v0.20.0 or newer",
+        "or method ngram",
+    ] {
+        assert!(v.message.contains(text), "{text:?} not in {:?}", v.message);
+    }
+    assert!(at(SpecDflash, "0.20.0").runs());
+    assert!(at(SpecDflash, "0.29.0").runs());
+    for model in [SpecNgram, SpecEagle3] {
+        assert!(at(model, "0.11.0").runs(), "{model:?}");
+    }
+    // No release judged (kvfleet check without a version): the method is not denied.
+    assert!(evaluate(V, cc("9.0"), &features(SpecDflash), D::Auto, B::Auto).runs());
 }

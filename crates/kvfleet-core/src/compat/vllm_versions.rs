@@ -15,7 +15,7 @@ use std::fmt;
 
 use serde::Serialize;
 
-use super::vocab::{AttentionBackend as B, KvCacheDtype as D};
+use super::vocab::{AttentionBackend as B, KvCacheDtype as D, SpeculativeMethod};
 
 /// A vLLM release number, `MAJOR.MINOR.PATCH`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -120,7 +120,7 @@ pub static RELEASES: &[Release] = &[
     },
     Release {
         version: v(0, 20, 0),
-        note: "last release before the Gemma 4 capacity change (vllm#43308)",
+        note: "last release before the Gemma 4 capacity change (vllm#43308); DFlash speculative decoding (vllm#36847)",
     },
     Release {
         version: v(0, 21, 0),
@@ -237,6 +237,9 @@ pub static FLAGS: &[Flag] = &[
     // Prefix caching is on by default in the V1 engine, the only engine of every release in this
     // table; kvfleet renders only the `--no-` form, when the spec turns it off.
     flag("--no-enable-prefix-caching", Availability::always("vllm engine arguments: --enable-prefix-caching, --no-enable-prefix-caching (argparse BooleanOptionalAction) (D)")),
+    // `spec.engine.speculative`: one JSON object (vllm/config/speculative.py SpeculativeConfig),
+    // in V1 since 0.8 (before it: --speculative-model '[ngram]', --ngram-prompt-lookup-max).
+    flag("--speculative-config", Availability::always("vllm engine arguments: --speculative-config (SpeculativeConfig as JSON); docs/features/spec_decode.md (D)")),
     // KV events (vllm/distributed/kv_events.py, KVEventsConfig), in releases since 0.9.
     flag("--kv-events-config", Availability::always("vllm engine arguments: --kv-events-config (KVEventsConfig: enable_kv_cache_events, publisher, endpoint, topic) (D)")),
     flag("--load-format", Availability::always(ENGINE_ARGS)),
@@ -329,6 +332,40 @@ pub fn backend_availability(backend: B) -> Availability {
         B::KvfleetCuda | B::KvfleetCpu => Availability::never("kvfleet's own backends, never vLLM's"),
     }
 }
+
+/// The `method` values of `--speculative-config` each release accepts
+/// (vllm/config/speculative.py `SpeculativeMethod`).
+pub fn speculative_method_availability(method: SpeculativeMethod) -> Availability {
+    match method {
+        // The n-gram proposer runs in the V1 engine since 0.8 (vllm/v1/spec_decode/ngram_proposer.py)
+        // and `method: ngram` with prompt_lookup_max/min is the documented form of every release
+        // of the table (docs/features/spec_decode.md, "Speculating by matching n-grams in the prompt").
+        SpeculativeMethod::Ngram => Availability::always(
+            "vllm v1/spec_decode/ngram_proposer.py; docs/features/spec_decode.md ngram example (D)",
+        ),
+        // Known: vllm#16937 "[V1][Spec Decode] EAGLE-3 Support" (merged 2025-04, before 0.9.0)
+        // added `eagle3`; vllm#21737 documents that EAGLE-3 drafters need `method: eagle3`.
+        // The target must implement SupportsEagle3 (Llama, Qwen, ... per release): vLLM checks
+        // that at start, admission cannot (it does not read the architecture).
+        SpeculativeMethod::Eagle3 => Availability::always(
+            "vllm#16937 (merged 2025-04), vllm#21737 docs/features/spec_decode.md (D)",
+        ),
+        // Known: vllm#36847 added `dflash` (vllm-project/vllm-ascend#8118 calls it the merged
+        // upstream support and cherry-picks its commit onto v0.19.0, so 0.19.0 lacks it);
+        // NVIDIA-NeMo/Automodel#2913 states "available since vLLM 0.20". Earlier attempts
+        // (vllm#32206, vllm#34014, vllm#36767) were closed unmerged.
+        SpeculativeMethod::Dflash => Availability::since(
+            v(0, 20, 0),
+            "vllm#36847 (absent from v0.19.0 per vllm-project/vllm-ascend#8118); 0.20.0 stated by NVIDIA-NeMo/Automodel#2913 (D)",
+        ),
+    }
+}
+
+/// `disable_by_batch_size` of `--speculative-config`: read by the V0 engine only. vLLM never
+/// reads it since 0.10.0, when V0 was removed (vllm#25112), and vllm#35060 (2026-02) removed
+/// the key. kvfleet renders it for no release: on the kvfleet runtime it is a worker setting.
+pub const SPEC_DISABLE_BY_BATCH_SIZE: Availability =
+    Availability::never("vllm#25112 (unused since 0.10.0, V0 removed), vllm#35060 (key removed) (D)");
 
 /// A compat rule that holds only up to a release. Rules not listed hold for every release.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -505,6 +542,19 @@ mod tests {
     }
 
     #[test]
+    fn dflash_exists_from_0_20_and_ngram_and_eagle3_in_every_release() {
+        let dflash = speculative_method_availability(SpeculativeMethod::Dflash);
+        assert!(!dflash.at(v(0, 19, 0)));
+        assert!(dflash.at(v(0, 20, 0)));
+        assert_eq!(first_release_with(&dflash), Some(v(0, 20, 0)));
+        for m in [SpeculativeMethod::Ngram, SpeculativeMethod::Eagle3] {
+            assert!(speculative_method_availability(m).at(oldest()), "{m}");
+        }
+        assert!(!SPEC_DISABLE_BY_BATCH_SIZE.at(newest()));
+        assert_eq!(flag_at("--speculative-config", oldest()), Some(true));
+    }
+
+    #[test]
     fn the_version_comes_from_the_field_the_tag_or_the_default() {
         assert_eq!(resolve(None, None), Ok((DEFAULT_VERSION, VersionSource::Default)));
         assert_eq!(
@@ -541,6 +591,9 @@ mod tests {
         }
         for d in D::ALL {
             assert!(kv_dtype_availability(d).at(DEFAULT_VERSION), "{d}");
+        }
+        for m in SpeculativeMethod::ALL {
+            assert!(speculative_method_availability(m).at(DEFAULT_VERSION), "{m}");
         }
         assert_eq!(DEFAULT_VERSION, newest());
     }

@@ -1,5 +1,5 @@
 //! The closed vocabularies shared by the API, the rules and the engine: KV-cache dtypes,
-//! attention backends and runtimes. Strings are exactly what users write in a spec
+//! attention backends, runtimes and speculative-decoding methods. Strings are exactly what users write in a spec
 //! (and, for the vLLM runtime, what vLLM's CLI accepts).
 
 use std::fmt;
@@ -215,6 +215,38 @@ impl Runtime {
     }
 }
 
+/// How draft tokens are proposed for speculative decoding (`engine.speculative.method`); the
+/// names are vLLM's `--speculative-config` `method` values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum SpeculativeMethod {
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the last
+    /// n-gram of the sequence (prompt and output so far). No draft model.
+    Ngram,
+    /// EAGLE-3: a small drafter fed with hidden states of several of the target's layers.
+    Eagle3,
+    /// DFlash: a block-diffusion drafter that fills a block of draft tokens in one
+    /// non-causal forward pass.
+    Dflash,
+}
+
+impl SpeculativeMethod {
+    pub const ALL: [SpeculativeMethod; 3] = [Self::Ngram, Self::Eagle3, Self::Dflash];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ngram => "ngram",
+            Self::Eagle3 => "eagle3",
+            Self::Dflash => "dflash",
+        }
+    }
+
+    /// Whether the method proposes with a drafter checkpoint (`draftModel`).
+    pub fn needs_draft_model(self) -> bool {
+        self != Self::Ngram
+    }
+}
+
 macro_rules! display_and_parse {
     ($ty:ty, $what:literal, $all:expr) => {
         impl fmt::Display for $ty {
@@ -246,6 +278,7 @@ macro_rules! display_and_parse {
 display_and_parse!(KvCacheDtype, "kvCacheDtype", KvCacheDtype::ALL);
 display_and_parse!(AttentionBackend, "attentionBackend", AttentionBackend::ALL);
 display_and_parse!(Runtime, "runtime", [Runtime::Kvfleet, Runtime::Vllm]);
+display_and_parse!(SpeculativeMethod, "speculative.method", SpeculativeMethod::ALL);
 
 /// A string that is not one of a closed vocabulary's values.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -279,6 +312,16 @@ mod tests {
         assert!(KvCacheDtype::Nvfp4.fits_head_dim(64));
         assert!(!KvCacheDtype::Nvfp4.fits_head_dim(72));
         assert!(KvCacheDtype::Fp8.fits_head_dim(72));
+    }
+
+    #[test]
+    fn speculative_methods_round_trip_through_vllms_method_names() {
+        for m in SpeculativeMethod::ALL {
+            assert_eq!(m.as_str().parse::<SpeculativeMethod>().unwrap(), m);
+            assert_eq!(serde_json::to_value(m).unwrap(), serde_json::json!(m.as_str()));
+        }
+        assert!(!SpeculativeMethod::Ngram.needs_draft_model());
+        assert!(SpeculativeMethod::Dflash.needs_draft_model());
     }
 
     #[test]

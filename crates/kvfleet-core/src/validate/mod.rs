@@ -5,7 +5,9 @@
 //!
 //! How it decides:
 //! 1. Checks what needs no node: tensorParallelSize against the model's heads and
-//!    gpu.count, gpuMemoryUtilization risk (`spec.rs`, `weights.rs`).
+//!    gpu.count, gpuMemoryUtilization risk, speculative decoding's settings (`spec.rs`,
+//!    `weights.rs`, `speculative.rs`); which speculative method a runtime and vLLM release
+//!    run is a compat rule (step 3).
 //! 2. Keeps the nodes the spec's selectors could land on (`gpu.selector.products`,
 //!    `gpu.selector.minComputeCapability`, `pod.nodeSelector`; cordoned and GPU-less nodes
 //!    are left out) and reads their compute capability from the GFD labels
@@ -61,6 +63,7 @@ mod scale_from_zero;
 mod selectors;
 mod signatures;
 mod spec;
+mod speculative;
 mod weights;
 
 #[cfg(test)]

@@ -1,9 +1,12 @@
 //! Checks that need no node: parallelism against the model's heads and the GPUs, the
 //! runtime's own limits, the vLLM release and gpuMemoryUtilization.
 
+use super::speculative::speculative_checks;
 use super::weights::weights_checks;
 use super::{denial, Denial};
-use crate::api::{EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, WeightDtype};
+use crate::api::{
+    EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, SpeculativeMethod, WeightDtype,
+};
 use crate::compat::ModelFeatures;
 
 /// Above this gpuMemoryUtilization, warn: at 0.90 the sampler warm-up (maxNumSeqs dummy
@@ -17,7 +20,10 @@ pub const GPU_MEMORY_UTILIZATION_SAFE: f64 = 0.85;
 
 /// The model's features, or a warning when they cannot be known here.
 pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<String>) -> ModelFeatures {
-    let non_causal = spec.engine.non_causal;
+    let speculative = spec.engine.speculative.as_ref().map(|s| s.method);
+    // A DFlash drafter fills its block with non-causal attention (vLLM picks the drafter's
+    // backend like the model's): the non-causal rules judge it.
+    let non_causal = spec.engine.non_causal || speculative == Some(SpeculativeMethod::Dflash);
     let quantized = spec.model.quantization.is_quantized();
     let mut f = match (&spec.model.geometry, &spec.model.config) {
         (Some(g), _) => g.features(non_causal, quantized),
@@ -40,6 +46,7 @@ pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<
         }
     };
     f.block_size = u32::try_from(spec.engine.block_size).ok();
+    f.speculative = speculative;
     f.fp8_weights = spec.weight_dtype() == WeightDtype::Fp8;
     f.fp8_at_load = spec.engine.quantization == EngineQuantization::Fp8;
     f
@@ -54,6 +61,7 @@ pub(super) fn spec_checks(
     kvfleet_checks(spec, denials);
     weights_checks(spec, denials);
     quantization_check(spec, denials);
+    speculative_checks(spec, denials, warnings);
     gpu_count_check(spec, denials);
     heads_check(spec, denials);
     gpu_memory_utilization_check(spec, denials, warnings);

@@ -1152,3 +1152,179 @@ fn fp8_at_load_frees_weight_memory_for_kv_in_the_fit_check() {
         tokens(&validate(&plain, &nodes))
     );
 }
+
+// === speculative decoding (engine.speculative) ===
+
+fn speculative(engine: &str) -> InferenceDeploymentSpec {
+    llama(engine)
+}
+
+fn h100() -> ClusterFacts {
+    cluster(vec![node("h100-0", "NVIDIA-H100-80GB-HBM3", 8)])
+}
+
+#[test]
+fn ngram_speculation_is_admitted_on_both_runtimes() {
+    for runtime in ["kvfleet", "vllm"] {
+        let s = speculative(&format!(
+            "{{runtime: {runtime}, speculative: {{method: ngram, numSpeculativeTokens: 4, promptLookupMax: 3, promptLookupMin: 2}}}}"
+        ));
+        let v = validate(&s, &h100());
+        assert!(v.allowed(), "{runtime}: {v:#?}");
+    }
+}
+
+#[test]
+fn eagle3_and_dflash_on_the_kvfleet_runtime_are_denied_naming_ngram_and_vllm() {
+    for method in ["eagle3", "dflash"] {
+        let s = speculative(&format!(
+            "{{runtime: kvfleet, speculative: {{method: {method}, numSpeculativeTokens: 3, draftModel: {{pvcName: drafts, path: d/}}}}}}"
+        ));
+        let v = validate(&s, &h100());
+        let d = denial_of(&v, "UnsupportedSpeculativeMethod");
+        assert_eq!(d.field, "spec.engine.speculative.method");
+        let want =
+            format!("speculative method {method} is not implemented on the kvfleet runtime (n-gram only)");
+        assert!(d.message.contains(&want), "{}", d.message);
+        assert!(
+            d.message.contains("use method ngram, or runtime vllm"),
+            "{}",
+            d.message
+        );
+        assert!(
+            d.message.contains("kvfleet.speculative-ngram-only"),
+            "{}",
+            d.message
+        );
+    }
+}
+
+#[test]
+fn dflash_on_vllm_needs_0_20_and_keeps_auto_off_flashinfer() {
+    let draft = "draftModel: {huggingFace: {repo: z-lab/Llama-DFlash}}";
+    let old = speculative(&format!(
+        "{{runtime: vllm, vllm: {{version: 0.19.0}}, speculative: {{method: dflash, numSpeculativeTokens: 15, {draft}}}}}"
+    ));
+    let v = validate(&old, &h100());
+    let d = denial_of(&v, "UnsupportedByVllmVersion");
+    assert_eq!(d.field, "spec.engine.speculative.method");
+    for text in [
+        "needs vLLM >= 0.20.0",
+        "runs vLLM 0.19.0",
+        "vllm/vllm-openai:v0.20.0",
+    ] {
+        assert!(d.message.contains(text), "{text:?} not in {}", d.message);
+    }
+    // From 0.20.0 it runs; on B200 auto would pick FLASHINFER, which runs no non-causal
+    // drafter by default: FLASH_ATTN instead.
+    let b200 = cluster(vec![node("b200-0", "NVIDIA-B200", 8)]);
+    let new = speculative(&format!(
+        "{{runtime: vllm, vllm: {{version: 0.20.0}}, speculative: {{method: dflash, numSpeculativeTokens: 15, {draft}}}}}"
+    ));
+    let v = validate(&new, &b200);
+    assert!(v.allowed(), "{v:#?}");
+    assert_eq!(v.resolved.unwrap().attention_backend, AttentionBackend::FlashAttn);
+    let eagle = speculative(&format!(
+        "{{runtime: vllm, vllm: {{version: 0.11.0}}, speculative: {{method: eagle3, numSpeculativeTokens: 3, {draft}}}}}"
+    ));
+    assert!(validate(&eagle, &h100()).allowed());
+}
+
+#[test]
+fn speculative_settings_that_contradict_the_method_are_denied_with_the_field() {
+    let cases = [
+        (
+            "{method: ngram, numSpeculativeTokens: 4, draftModel: {pvcName: d}}",
+            "spec.engine.speculative.draftModel",
+            "remove draftModel",
+        ),
+        (
+            "{method: eagle3, numSpeculativeTokens: 4}",
+            "spec.engine.speculative.draftModel",
+            "set draftModel",
+        ),
+        (
+            "{method: eagle3, numSpeculativeTokens: 4, promptLookupMax: 3, draftModel: {pvcName: d}}",
+            "spec.engine.speculative.method",
+            "use method ngram",
+        ),
+        (
+            "{method: ngram, numSpeculativeTokens: 4, promptLookupMin: 5}",
+            "spec.engine.speculative.promptLookupMin",
+            "promptLookupMin 5 exceeds promptLookupMax 4",
+        ),
+        (
+            "{method: dflash, numSpeculativeTokens: 4, draftModel: {pvcName: d, hostPath: /x}}",
+            "spec.engine.speculative.draftModel",
+            "exactly one source",
+        ),
+        (
+            "{method: dflash, numSpeculativeTokens: 4, draftModel: {huggingFace: {}}}",
+            "spec.engine.speculative.draftModel.huggingFace",
+            "needs repo",
+        ),
+    ];
+    for (speculative_yaml, field, text) in cases {
+        let s = speculative(&format!("{{runtime: vllm, speculative: {speculative_yaml}}}"));
+        let v = validate(&s, &h100());
+        let d = v
+            .denials
+            .iter()
+            .find(|d| d.reason == "InvalidSpeculativeConfig")
+            .unwrap_or_else(|| panic!("{speculative_yaml}: {v:#?}"));
+        assert_eq!(d.field, field, "{speculative_yaml}");
+        assert!(d.message.contains(text), "{speculative_yaml}: {}", d.message);
+    }
+    let long = speculative("{runtime: kvfleet, maxModelLen: 8, maxNumBatchedTokens: 256, speculative: {method: ngram, numSpeculativeTokens: 8}}");
+    let d = denial_of(&validate(&long, &h100()), "InvalidSpeculativeConfig").clone();
+    assert_eq!(d.field, "spec.engine.speculative.numSpeculativeTokens");
+}
+
+#[test]
+fn disable_by_batch_size_is_a_warning_on_vllm_and_silent_on_kvfleet() {
+    let on = |runtime: &str| {
+        validate(
+            &speculative(&format!(
+                "{{runtime: {runtime}, speculative: {{method: ngram, numSpeculativeTokens: 4, disableByBatchSize: 16}}}}"
+            )),
+            &h100(),
+        )
+    };
+    let v = on("vllm");
+    assert!(v.allowed(), "{v:#?}");
+    assert!(
+        v.warnings
+            .iter()
+            .any(|w| w.contains("disableByBatchSize is not honoured by vLLM") && w.contains("vllm#35060")),
+        "{:?}",
+        v.warnings
+    );
+    let k = on("kvfleet");
+    assert!(k.allowed(), "{k:#?}");
+    assert!(!k.warnings.iter().any(|w| w.contains("disableByBatchSize")));
+}
+
+#[test]
+fn a_drafter_downloaded_with_another_token_than_the_models_is_denied() {
+    let s = spec(&format!(
+        "{LLAMA}  weights: {{format: safetensors, huggingFace: {{tokenSecretRef: {{name: a}}}}}}\nengine: {{runtime: vllm, speculative: {{method: eagle3, numSpeculativeTokens: 3, draftModel: {{huggingFace: {{repo: r, tokenSecretRef: {{name: b}}}}}}}}}}\n"
+    ));
+    let v = validate(&s, &h100());
+    let d = denial_of(&v, "InvalidSpeculativeConfig");
+    assert_eq!(
+        d.field,
+        "spec.engine.speculative.draftModel.huggingFace.tokenSecretRef"
+    );
+}
+
+#[test]
+fn the_crds_prompt_lookup_rule_uses_the_default_maximum() {
+    use kube_core::CustomResourceExt;
+    let crd = serde_json::to_string(&crate::api::InferenceDeployment::crd()).unwrap();
+    let default = crate::api::DEFAULT_PROMPT_LOOKUP_MAX;
+    assert!(
+        crd.contains(&format!("self.promptLookupMax : {default})")),
+        "the CEL rule of promptLookupMin must use DEFAULT_PROMPT_LOOKUP_MAX"
+    );
+    assert!(crd.contains(&format!("(default {default})")));
+}
