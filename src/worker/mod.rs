@@ -20,7 +20,7 @@ use crate::api::EngineQuantization;
 use crate::compat::{AttentionBackend, KvCacheDtype};
 use crate::serving::runtime::ModelRuntime;
 use crate::serving::serve::{self, LoadedModel, ModelSource, Weights};
-use kvfleet_engine::engine::speculative::SpecConfig;
+use kvfleet_engine::engine::speculative::{self, SpecConfig};
 
 use crate::contract::config;
 pub mod http;
@@ -295,10 +295,35 @@ fn fail_preflight(error: &PreflightError) -> ExitCode {
     fail(code, "preflight failed", error)
 }
 
-pub fn main(args: WorkerArgs) -> ExitCode {
-    if let Some(Err(error)) = args.speculative_config.as_deref().map(SpecConfig::from_json) {
-        return fail(exit::CONFIG, "worker config unusable", &error);
+/// The speculative decoding to run: `--speculative-config`, else the config's
+/// engine.speculative; checked against what this engine runs.
+fn speculative(args: &WorkerArgs, cfg: &WorkerConfig) -> Result<Option<SpecConfig>, String> {
+    if let Some(json) = args.speculative_config.as_deref() {
+        return SpecConfig::from_json(json).map(Some);
     }
+    let Some(s) = &cfg.engine.speculative else {
+        return Ok(None);
+    };
+    let n = |v: i32| usize::try_from(v).unwrap_or(0);
+    let method = match s.method {
+        crate::api::SpeculativeMethod::Ngram => speculative::SpecMethod::Ngram,
+        crate::api::SpeculativeMethod::Eagle3 => speculative::SpecMethod::Eagle3,
+        crate::api::SpeculativeMethod::Dflash => speculative::SpecMethod::Dflash,
+    };
+    let c = SpecConfig {
+        method,
+        num_speculative_tokens: n(s.num_speculative_tokens),
+        prompt_lookup_max: Some(n(s.prompt_lookup_max())),
+        prompt_lookup_min: Some(n(s.prompt_lookup_min())),
+        disable_by_batch_size: Some(n(s.disable_by_batch_size())),
+        model: None,
+    };
+    c.check()
+        .map_err(|e| format!("engine.speculative: {e}"))
+        .map(|()| Some(c))
+}
+
+pub fn main(args: WorkerArgs) -> ExitCode {
     let cfg = match args.resolve_config() {
         Ok(c) => c,
         Err(error) => {
@@ -309,7 +334,7 @@ pub fn main(args: WorkerArgs) -> ExitCode {
             )
         }
     };
-    if let Err(error) = check_limits(&cfg) {
+    if let Err(error) = check_limits(&cfg).and_then(|()| speculative(&args, &cfg).map(|_| ())) {
         return fail(exit::CONFIG, "worker config unusable", &error);
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -555,10 +580,8 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     let mut sched_cfg = pf.scheduler.clone();
     sched_cfg.block_size = forward.kv_config().block_size;
     let mut hooks = crate::serving::runtime::RuntimeHooks {
-        speculative: args
-            .speculative_config
-            .as_deref()
-            .and_then(|j| SpecConfig::from_json(j).ok()),
+        // Checked at start (`main`).
+        speculative: speculative(&args, &cfg).ok().flatten(),
         ..Default::default()
     };
     if let Some(spec) = &hooks.speculative {

@@ -1084,9 +1084,12 @@ mod tests {
     /// referenced by nobody, cached + free + used = the pool, the cache's addresses resolve to
     /// pages that carry them (an evicted one resolves no more), the KV events replay to the
     /// cache's content, and every page a request reads holds what its own tokens would write.
+    /// Steps carry speculative proposals half of the time, of which a random prefix is
+    /// accepted: a rejected proposal's KV must never be read or cached.
     fn random_operations(seed: u64, ops: usize) {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut proposer = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
         let bs = [1usize, 2, 4, 16][rng.random_range(0..4)];
         let window = rng.random_range(2u32..40);
         let (full_blocks, sliding_blocks) = (rng.random_range(24..120), rng.random_range(16..80));
@@ -1117,7 +1120,7 @@ mod tests {
             vec![vec![None; full_blocks * bs], vec![None; sliding_blocks * bs]];
         let mut published: BTreeSet<u64> = BTreeSet::new();
         let (mut ev, mut plan, mut next) = (Vec::new(), StepPlan::default(), 0u64);
-        let (mut hits, mut steps) = (0u64, 0u64);
+        let (mut hits, mut steps, mut proposals) = (0u64, 0u64, 0u64);
         for _ in 0..ops {
             match rng.random_range(0..20) {
                 0..=4 => {
@@ -1140,10 +1143,28 @@ mod tests {
                 }
                 5..=15 => {
                     steps += 1;
-                    s.schedule(&mut plan, &mut ev);
+                    let speculate = rng.random_bool(0.5);
+                    let mut drafts: BTreeMap<RequestId, Vec<u32>> = BTreeMap::new();
+                    s.schedule_with(&mut plan, &mut ev, &mut |id, most| {
+                        if !speculate {
+                            return 0;
+                        }
+                        let k = proposer.random_range(0..=most.min(5));
+                        drafts.insert(id, (0..k).map(|_| proposer.random_range(0..6)).collect());
+                        k
+                    });
+                    let mut accepted: BTreeMap<RequestId, usize> = BTreeMap::new();
                     for c in s.scheduled().collect::<Vec<_>>() {
                         let r = &live[&c.id];
-                        let fp = fingerprints(r.salt, &r.tokens);
+                        let mut tokens = r.tokens.clone();
+                        if c.drafts > 0 {
+                            proposals += 1;
+                            tokens.extend_from_slice(&drafts[&c.id][..c.drafts]);
+                            let m = rng.random_range(0..=c.drafts);
+                            s.accept_drafts(c.id, m);
+                            accepted.insert(c.id, m);
+                        }
+                        let fp = fingerprints(r.salt, &tokens);
                         let held = s.running.iter().find(|x| x.id == c.id).unwrap();
                         for (g, t) in held.tables.iter().enumerate() {
                             // What is already held reads as this request's own prefix.
@@ -1162,6 +1183,13 @@ mod tests {
                         match e {
                             Event::Token { id, generated } => {
                                 let r = live.get_mut(id).unwrap();
+                                // The accepted proposals, then the step's own token (the last
+                                // output token is never fed back).
+                                let m = accepted.get(id).copied().unwrap_or(0);
+                                for &t in &drafts.get(id).map_or(&[][..], |d| &d[..m]).to_vec() {
+                                    r.tokens.push(t);
+                                    s.append_token(*id, t);
+                                }
                                 if *generated < r.output {
                                     let t = rng.random_range(0..6);
                                     r.tokens.push(t);
@@ -1236,6 +1264,7 @@ mod tests {
             steps > 0 && hits > 0,
             "seed {seed}: the workload never hit the cache"
         );
+        assert!(proposals > 0, "seed {seed}: no step verified a proposal");
     }
 
     #[test]
