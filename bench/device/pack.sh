@@ -11,11 +11,13 @@
 #   bench/device/pack.sh model-b     # the GGUF's second half
 #   bench/device/pack.sh fp8-a       # FP8 weights (bench/device/fp8.sh): GPU tests, model bench, GGUF half
 #   bench/device/pack.sh fp8-b       # the GGUF's second half
+#   bench/device/pack.sh spec-a      # speculative decoding (bench/device/spec.sh): the worker, GGUF half
+#   bench/device/pack.sh spec-b      # the GGUF's second half and guidellm's wheels (issue 34)
 #   bench/device/pack.sh clients     # the worker, prometheus and the wheels of bench/device/clients.sh
 #                                    # (inference-perf, the transformers log-probabilities); no GGUF
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b}
+mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b|spec-a|spec-b}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -116,6 +118,24 @@ case "$mode" in
   fp8-b)
     tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
     sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
+    ;;
+  spec-a)
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    head -c "$half" "$gguf" > "$out/gguf.part1"
+    ;;
+  spec-b)
+    tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
+    sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
+    # guidellm 0.8.1 and what the device image lacks of its needs (it has torch, transformers,
+    # pandas, pyarrow, httpx, numpy): 9 MB of wheels for Python 3.12.
+    mkdir -p "$out/whl"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux1_x86_64 --platform any -d "$out/whl" \
+      guidellm==0.8.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 culsans==0.11.0 aiologic \
+      eval_type_backport faker ftfy wcwidth loguru pydantic-settings python-dotenv pydantic==2.14.4 \
+      pydantic-core==2.50.5 annotated-types typing-inspection sanic sanic-routing html5tagger tracerite \
+      more-itertools websockets h2 hpack hyperframe httptools ujson sniffio gguf==0.19.0
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

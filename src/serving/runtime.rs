@@ -803,7 +803,7 @@ impl Loop {
                         return 0;
                     }
                     let k = most.min(config.num_speculative_tokens);
-                    l.draft.extend_from_slice(config.propose(&l.tokens, k));
+                    config.propose(&l.tokens, k, &mut l.draft);
                     l.draft.len()
                 })
             }

@@ -134,20 +134,24 @@ impl SpecConfig {
             .unwrap_or(DEFAULT_DISABLE_BY_BATCH_SIZE)
     }
 
-    /// The tokens to propose after `tokens` (prompt and output so far), at most `k`: for `n`
-    /// from `lookup_max` down to `lookup_min`, the last earlier occurrence of the last `n`
-    /// tokens, and what followed it. Empty when nothing matches.
-    pub fn propose<'a>(&self, tokens: &'a [u32], k: usize) -> &'a [u32] {
-        ngram_propose(tokens, self.lookup_min(), self.lookup_max(), k)
+    /// The tokens to propose after `tokens` (prompt and output so far), `k` of them or none:
+    /// see [`ngram_propose`].
+    pub fn propose(&self, tokens: &[u32], k: usize, out: &mut Vec<u32>) {
+        ngram_propose(tokens, self.lookup_min(), self.lookup_max(), k, out)
     }
 }
 
-/// The n-gram proposal: see [`SpecConfig::propose`]. The most recent match is taken (in an
-/// edit or a summary, what follows a phrase's latest use is the likeliest continuation).
-pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[u32] {
+/// The n-gram proposal into `out` (cleared first): for `n` from `max_n` down to `min_n`, the
+/// latest earlier occurrence of the last `n` tokens, and the `k` tokens that followed it. The
+/// most recent match is taken (in an edit or a summary, what follows a phrase's latest use is
+/// the likeliest continuation); where the match is so recent that fewer than `k` tokens follow
+/// it, the copy runs on into its own proposal (a text repeating with period `p` goes on
+/// repeating), so a proposal always has `k` tokens. Empty when nothing matches.
+pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize, out: &mut Vec<u32>) {
+    out.clear();
     let len = tokens.len();
     if k == 0 || min_n == 0 {
-        return &[];
+        return;
     }
     for n in (min_n..=max_n).rev() {
         if len <= n {
@@ -157,12 +161,14 @@ pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[
         // An occurrence starting at `i` must end before the suffix does, so that a token follows it.
         for i in (0..len - n).rev() {
             if tokens[i] == suffix[0] && &tokens[i..i + n] == suffix {
-                let from = i + n;
-                return &tokens[from..(from + k).min(len)];
+                for j in i + n..i + n + k {
+                    let t = if j < len { tokens[j] } else { out[j - len] };
+                    out.push(t);
+                }
+                return;
             }
         }
     }
-    &[]
 }
 
 /// How many of `drafts` a verification accepts: the leading ones equal to the picks of their
@@ -216,17 +222,24 @@ mod tests {
 
     #[test]
     fn the_latest_match_of_the_longest_ngram_proposes_what_followed_it() {
-        //            0  1  2  3  4  5  6  7  8  9
+        let propose = |tokens: &[u32], min_n, max_n, k| {
+            let mut out = vec![99];
+            ngram_propose(tokens, min_n, max_n, k, &mut out);
+            out
+        };
+        //            0  1  2  3  4  5  6  7  8  9 10 11
         let tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3];
         // Suffix [1, 2, 3] occurs at 0 and 4; the latest, at 4, was followed by 7, 5, 1.
-        assert_eq!(ngram_propose(&tokens, 1, 3, 3), &[7, 5, 1]);
-        // k is a cap; the proposal stops at the end of the sequence.
-        assert_eq!(ngram_propose(&tokens, 1, 3, 99), &[7, 5, 1, 2, 3]);
-        // No 2-gram [4, 4] occurs earlier and min_n 2 forbids a 1-gram fallback.
-        assert_eq!(ngram_propose(&[4, 4, 6, 4], 2, 2, 3), &[] as &[u32]);
+        assert_eq!(propose(&tokens, 1, 3, 3), [7, 5, 1]);
+        // Past the end of the sequence the copy runs on into the proposal: 7 5 1 2 3 | 7 5 ...
+        assert_eq!(propose(&tokens, 1, 3, 8), [7, 5, 1, 2, 3, 7, 5, 1]);
+        // A token repeated: the latest match is one back, and the proposal repeats it.
+        assert_eq!(propose(&[3, 8, 8, 8], 1, 2, 4), [8, 8, 8, 8]);
+        // No 2-gram [6, 4] occurs earlier and min_n 2 forbids a 1-gram fallback.
+        assert_eq!(propose(&[4, 4, 6, 4], 2, 2, 3), [] as [u32; 0]);
         // A 1-gram falls back when the longer ones miss: [8, 4] never occurred, [4] did.
-        assert_eq!(ngram_propose(&[4, 6, 8, 4], 1, 2, 2), &[6, 8]);
-        assert_eq!(ngram_propose(&[5], 1, 4, 2), &[] as &[u32]);
+        assert_eq!(propose(&[4, 6, 8, 4], 1, 2, 2), [6, 8]);
+        assert_eq!(propose(&[5], 1, 4, 2), [] as [u32; 0]);
     }
 
     #[test]
