@@ -6,8 +6,8 @@ use k8s_openapi::api::core::v1::{EnvVar, PersistentVolumeClaimVolumeSource, Volu
 use super::container::{mount, plain_env, secret_env, ServingProcess, DRAFT_WEIGHTS_DIR, WEIGHTS_DIR};
 use super::{resolved, Settings, HTTP_PORT};
 use crate::api::{
-    AttentionBackend, DraftModel, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype,
-    SpeculativeMethod, SpeculativeSpec, WeightsFormat,
+    AttentionBackend, DraftModel, EngineQuantization, InferenceDeploymentSpec, KvCacheDtype, SpeculativeSpec,
+    WeightsFormat,
 };
 use crate::compat::vllm_versions::{self, VllmVersion};
 use crate::validate::Verdict;
@@ -229,14 +229,7 @@ pub fn vllm_args_at(spec: &InferenceDeploymentSpec, verdict: &Verdict, version: 
 /// - no `disable_by_batch_size`: V1 never reads it (vllm#25112; vllm#35060 removed the key),
 ///   so it would only pretend (`vllm_versions::SPEC_DISABLE_BY_BATCH_SIZE`).
 pub fn speculative_config(s: &SpeculativeSpec) -> serde_json::Value {
-    let mut c = serde_json::json!({
-        "method": s.method.as_str(),
-        "num_speculative_tokens": s.num_speculative_tokens,
-    });
-    if s.method == SpeculativeMethod::Ngram {
-        c["prompt_lookup_max"] = s.prompt_lookup_max().into();
-        c["prompt_lookup_min"] = s.prompt_lookup_min().into();
-    }
+    let mut c = s.common_config();
     if let Some(d) = s.draft_model.as_ref().filter(|_| s.method.needs_draft_model()) {
         if let Some(model) = draft_model_arg(d) {
             c["model"] = model.into();

@@ -8,9 +8,7 @@ use k8s_openapi::api::core::v1::{ConfigMapVolumeSource, KeyToPath, Volume, Volum
 
 use super::container::{mount, ServingProcess, WEIGHTS_DIR};
 use super::{config_map_name, resolved, DesiredError, Settings, WORKER_CONFIG_KEY};
-use crate::api::{
-    EngineQuantization, InferenceDeploymentSpec, SpeculativeMethod, SpeculativeSpec, WeightsFormat,
-};
+use crate::api::{EngineQuantization, InferenceDeploymentSpec, SpeculativeSpec, WeightsFormat};
 use crate::contract::config::{ResolvedEngine, WorkerConfig};
 use crate::contract::model::{ModelSource, Weights};
 use crate::plan::memory::parse_quantity_bytes;
@@ -131,14 +129,7 @@ pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Str
 /// default is [`crate::api::DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`]). No `model`: the kvfleet
 /// runtime runs no drafter, and admission denies eagle3 and dflash on it.
 pub fn worker_speculative_config(s: &SpeculativeSpec) -> serde_json::Value {
-    let mut c = serde_json::json!({
-        "method": s.method.as_str(),
-        "num_speculative_tokens": s.num_speculative_tokens,
-    });
-    if s.method == SpeculativeMethod::Ngram {
-        c["prompt_lookup_max"] = s.prompt_lookup_max().into();
-        c["prompt_lookup_min"] = s.prompt_lookup_min().into();
-    }
+    let mut c = s.common_config();
     c["disable_by_batch_size"] = s.disable_by_batch_size().into();
     c
 }
@@ -213,6 +204,7 @@ mod tests {
     use super::super::desired;
     use super::super::fixtures::*;
     use super::*;
+    use crate::api::SpeculativeMethod;
 
     const KVFLEET_H100_PVC: &str = llama_8b!(
         r#"

@@ -87,6 +87,21 @@ impl SpeculativeSpec {
         self.disable_by_batch_size
             .unwrap_or(DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE)
     }
+
+    /// The keys of vLLM's `--speculative-config` both runtimes take alike: `method`,
+    /// `num_speculative_tokens`, and for `ngram` both prompt lookups with their effective
+    /// values (vLLM's defaults differ from kvfleet's, so they are always written).
+    pub fn common_config(&self) -> serde_json::Value {
+        let mut c = serde_json::json!({
+            "method": self.method.as_str(),
+            "num_speculative_tokens": self.num_speculative_tokens,
+        });
+        if self.method == SpeculativeMethod::Ngram {
+            c["prompt_lookup_max"] = self.prompt_lookup_max().into();
+            c["prompt_lookup_min"] = self.prompt_lookup_min().into();
+        }
+        c
+    }
 }
 
 /// Where a drafter checkpoint (a Hugging Face directory: config.json and safetensors) comes
