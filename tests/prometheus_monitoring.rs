@@ -363,6 +363,8 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
     let mut worker = Proc(
         Command::new(env!("CARGO_BIN_EXE_kvfleet"))
             .args(["worker", "--listen", &format!("127.0.0.1:{worker_port}")])
+            // Speculation on, so that the speculative-decoding panels' counters exist.
+            .args(["--speculative-config", r#"{"method":"ngram","num_speculative_tokens":3}"#])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(scratch.join("worker.log")).expect("worker.log"))
             .spawn()
@@ -492,6 +494,33 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// Issue 36: the deployment dashboard shows speculative decoding's acceptance per pod and by
+/// position, from vLLM's counters.
+#[test]
+fn the_deployment_dashboard_shows_speculative_acceptance() {
+    let dashboards = dashboards();
+    let (_, deployment) = dashboards
+        .iter()
+        .find(|(name, _)| name.contains("deployment"))
+        .expect("the deployment dashboard");
+    let exprs: Vec<String> = panels(deployment)
+        .iter()
+        .filter(|p| p["title"].as_str().is_some_and(|t| t.starts_with("Speculative decoding")))
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .filter_map(|t| t["expr"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(exprs.len(), 2, "{exprs:?}");
+    let names: BTreeSet<String> = exprs.iter().flat_map(|e| metric_names(e)).collect();
+    for m in [
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:spec_decode_num_drafts_total",
+    ] {
+        assert!(names.contains(m), "{m} in {names:?}");
+    }
 }
 
 /// Issue 29: the deployment dashboard shows each pod's prefix-cache hit rate, from the
