@@ -8,13 +8,16 @@
 #                                 # rejected proposals)
 #   bash bench/device/spec.sh b   # join the GGUF; SmolLM2 on the copy workload at 1 stream,
 #                                 # speculation off and on (bench/spec_copy.py); guidellm
+#   bash bench/device/spec.sh c   # (carry .device/spec-a) where speculation stops paying: dummy
+#                                 # Llama-3.1-8B at 1-128 streams, off and on with
+#                                 # disable_by_batch_size out of the way
 # Logs and JSON go to $OUT.
 set -uo pipefail
-part=${1:?usage: spec.sh a|b}
+part=${1:?usage: spec.sh a|b|c}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
-dev=.device/spec-$part
+dev=.device/spec-$part; [ "$part" = c ] && dev=.device/spec-a
 stash=/root/kvfleet-stash; mkdir -p "$stash"
 for f in $dev/bin/*.xz; do [ -e "$f" ] && xz -dc "$f" > "$stash/$(basename "$f" .xz)" && chmod +x "$stash/$(basename "$f" .xz)"; done
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
@@ -91,6 +94,28 @@ case "$part" in
       cp /tmp/clients/guidellm/benchmarks.json "$OUT/guidellm_benchmarks.json" 2>/dev/null
       cp /tmp/clients/guidellm.log "$OUT/guidellm.log" 2>/dev/null
     fi
+    ;;
+  c)
+    # Random weights loop on one token, so n-gram proposals are accepted at ~100%: the sweep
+    # shows, for each batch size, whether even perfect proposals still pay for their rows.
+    for mode in off on; do
+      args=(); [ "$mode" = on ] && args=(--speculative-config '{"method":"ngram","num_speculative_tokens":4,"disable_by_batch_size":100000}')
+      step "dummy Llama-3.1-8B sweep, speculation $mode"
+      worker "8b_sweep_$mode" --model-weights dummy --model-config bench/device/llama-3.1-8b.json --max-num-seqs 256 \
+        --max-num-batched-tokens 2048 --gpu-memory-utilization 0.92 --max-waiting 4096 "${args[@]}" || continue
+      for c in ${KVFLEET_SPEC_SWEEP:-1 8 16 32 64 128}; do
+        for rep in 1 2; do
+          # KVFLEET_SPEC_TEMP=1: sampled at temperature 1 over random logits, where proposals
+          # are almost never accepted: the cost of rejected rows, with the back-off.
+          timeout 120 python3 bench/http_load.py --port 8000 --concurrency "$c" --prompt-tokens 130 \
+            --output-tokens 256 --requests "$c" ${KVFLEET_SPEC_TEMP:+--temperature $KVFLEET_SPEC_TEMP} \
+            > "$OUT/sweep_${mode}_${c}_$rep.log" 2>&1
+        done
+        tail -1 "$OUT/sweep_${mode}_${c}_2.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"$mode"'", {k: r[k] for k in ("concurrency","errors","output_tok_per_s","itl_p50_ms")})'
+      done
+      [ "$mode" = on ] && spec_of
+      stop
+    done
     ;;
 esac
 step done
