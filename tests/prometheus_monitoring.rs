@@ -364,7 +364,10 @@ fn dashboard_queries_return_data_from_prometheus_scraping_a_real_worker() {
         Command::new(env!("CARGO_BIN_EXE_kvfleet"))
             .args(["worker", "--listen", &format!("127.0.0.1:{worker_port}")])
             // Speculation on, so that the speculative-decoding panels' counters exist.
-            .args(["--speculative-config", r#"{"method":"ngram","num_speculative_tokens":3}"#])
+            .args([
+                "--speculative-config",
+                r#"{"method":"ngram","num_speculative_tokens":3}"#,
+            ])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(scratch.join("worker.log")).expect("worker.log"))
             .spawn()
@@ -507,7 +510,11 @@ fn the_deployment_dashboard_shows_speculative_acceptance() {
         .expect("the deployment dashboard");
     let exprs: Vec<String> = panels(deployment)
         .iter()
-        .filter(|p| p["title"].as_str().is_some_and(|t| t.starts_with("Speculative decoding")))
+        .filter(|p| {
+            p["title"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("Speculative decoding"))
+        })
         .flat_map(|p| p["targets"].as_array().into_iter().flatten())
         .filter_map(|t| t["expr"].as_str().map(str::to_owned))
         .collect();

@@ -695,6 +695,32 @@ mod tests {
     }
 
     #[test]
+    fn speculative_counters_have_vllms_names_and_labels_and_exist_only_when_configured() {
+        let m = Metrics::new().unwrap();
+        m.set_served("org/model", 2048);
+        m.observe_proposal(4, 2);
+        assert!(
+            !m.encode().contains("spec_decode"),
+            "registered without speculation"
+        );
+        m.set_speculative(4).unwrap();
+        m.observe_proposal(4, 2);
+        m.observe_proposal(3, 0);
+        let text = m.encode();
+        let labels = r#"{model_name="org/model",engine="0""#;
+        for line in [
+            format!("vllm:spec_decode_num_drafts_total{labels}}} 2"),
+            format!("vllm:spec_decode_num_draft_tokens_total{labels}}} 7"),
+            format!("vllm:spec_decode_num_accepted_tokens_total{labels}}} 2"),
+            format!(r#"vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="0"}} 1"#),
+            format!(r#"vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="1"}} 1"#),
+            format!(r#"vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="3"}} 0"#),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+    }
+
+    #[test]
     fn every_vllm_series_carries_the_served_model_and_engine() {
         let m = Metrics::new().unwrap();
         m.set_served("org/model", 2048);
