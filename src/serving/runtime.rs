@@ -199,6 +199,12 @@ impl ModelRuntime {
         sched.check().map_err(RuntimeError::Config)?;
         if let Some(spec) = &hooks.speculative {
             spec.check().map_err(RuntimeError::Config)?;
+            if spec.method.needs_drafter() && !model.has_drafter() {
+                return Err(RuntimeError::Config(format!(
+                    "speculative method {}: no drafter is attached to the model (serve::attach_drafter)",
+                    spec.method.as_str()
+                )));
+            }
             metrics
                 .set_speculative(spec.num_speculative_tokens)
                 .map_err(|e| RuntimeError::Config(format!("speculative-decoding metrics: {e}")))?;
@@ -443,6 +449,10 @@ struct Live {
     /// This step's proposed tokens (speculative decoding), and the request's back-off.
     draft: Vec<u32>,
     backoff: Backoff,
+    /// Whether the drafter (EAGLE-3, DFlash) caught up on this request's positions at the last
+    /// step, so it can propose; and EAGLE-3's first proposal, drafted then.
+    drafter_ready: bool,
+    drafted: Option<u32>,
 }
 
 impl Live {
@@ -651,6 +661,8 @@ impl Loop {
                 deadline,
                 draft: Vec::new(),
                 backoff: Backoff::default(),
+                drafter_ready: false,
+                drafted: None,
             },
         );
     }
@@ -679,26 +691,7 @@ impl Loop {
     /// `HOST_PARTS` order) when a forward pass ran.
     fn step(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) -> Option<(Shape, usize, [f64; 5])> {
         let scheduling = Instant::now();
-        let scheduled_tokens = match self.spec.as_mut() {
-            Some(spec) if self.sched.num_running() < spec.config.disable_at() => {
-                let (live, config) = (&mut self.live, &spec.config);
-                self.sched.schedule_with(plan, events, &mut |id, most| {
-                    let Some(l) = live.get_mut(&id) else { return 0 };
-                    l.draft.clear();
-                    if !l.backoff.ready() {
-                        return 0;
-                    }
-                    let k = most.min(config.num_speculative_tokens);
-                    config.propose(&l.tokens, k, &mut l.draft);
-                    l.draft.len()
-                })
-            }
-            Some(spec) => {
-                spec.stats.disabled_steps += 1;
-                self.sched.schedule(plan, events)
-            }
-            None => self.sched.schedule(plan, events),
-        };
+        let scheduled_tokens = self.schedule(plan, events);
         if scheduled_tokens == 0 {
             // Nothing fits this step (every request preempted or waiting): apply and retry.
             self.sched.complete(events);
@@ -707,6 +700,7 @@ impl Loop {
         }
         let scheduled = scheduling.elapsed();
         let chunks: Vec<_> = self.sched.scheduled().collect();
+        let drafted = self.draft_ahead(&chunks);
         // vLLM's queue time ends when the request is first scheduled, before its prefill runs;
         // the `Started` event comes only after this step, with the step's time in it.
         for c in &chunks {
@@ -753,9 +747,10 @@ impl Loop {
                     _ => bad = Some(c.id),
                 }
             }
-            match bad {
-                Some(id) => Err(format!("request {id} was scheduled without its tokens")),
-                None => self
+            match (bad, drafted) {
+                (_, Err(e)) => Err(e),
+                (Some(id), _) => Err(format!("request {id} was scheduled without its tokens")),
+                (None, Ok(())) => self
                     .model
                     .forward_samples(&batch, plan, &picks)
                     .map_err(|e| e.to_string()),
@@ -764,6 +759,9 @@ impl Loop {
         let elapsed = started.elapsed();
         let sampling = Instant::now();
         self.verify(&mut rows, result.as_deref().ok());
+        if let Ok(out) = &result {
+            self.catch_up(&chunks, &rows, out);
+        }
         self.sched.complete(events);
         let tokens: usize = chunks.iter().map(|c| c.len).sum();
         let shape = Shape::new(tokens, picks.len());
@@ -867,6 +865,7 @@ impl Loop {
                         tracing::debug!(id, "preempted: recomputes when pages free");
                     }
                     Event::Finished { id } => {
+                        self.model.forget_draft(id);
                         if let Some(mut l) = self.live.remove(&id) {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {
@@ -876,6 +875,7 @@ impl Loop {
                         }
                     }
                     Event::Failed { id, reason } => {
+                        self.model.forget_draft(id);
                         if let Some(l) = self.live.remove(&id) {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {

@@ -314,6 +314,44 @@ pub fn on_cpu(
     ))
 }
 
+/// Loads the drafter that `spec` names (its `model` directory: EAGLE-3 or DFlash, as the
+/// method says), checked against the served model, and attaches it to `forward`; nothing for
+/// n-gram.
+pub fn attach_drafter(
+    forward: &mut dyn Forward,
+    spec: Option<&kvfleet_engine::engine::speculative::SpecConfig>,
+) -> Result<(), RuntimeError> {
+    use kvfleet_engine::model::drafter::Drafter;
+    let Some(spec) = spec.filter(|s| s.method.needs_drafter()) else {
+        return Ok(());
+    };
+    let method = spec.method.as_str();
+    let err = |e: String| RuntimeError::Config(format!("speculative model ({method} drafter): {e}"));
+    let dir = Path::new(spec.model.as_deref().unwrap_or_default());
+    let drafter = Drafter::load(dir, forward.config()).map_err(|e| err(e.to_string()))?;
+    if drafter.method() != method {
+        return Err(err(format!(
+            "{} holds a {} drafter, the speculative config says method {method}",
+            dir.display(),
+            drafter.method()
+        )));
+    }
+    if spec.num_speculative_tokens > drafter.max_drafts() {
+        return Err(err(format!(
+            "num_speculative_tokens {} exceeds what the drafter drafts in one block ({}); lower it",
+            spec.num_speculative_tokens,
+            drafter.max_drafts()
+        )));
+    }
+    tracing::info!(
+        dir = %dir.display(),
+        method,
+        feature_layers = ?drafter.aux_layers(),
+        "speculative drafter loaded"
+    );
+    forward.attach_drafter(drafter).map_err(|e| err(e.to_string()))
+}
+
 /// Puts the model on GPU `opts.ordinal`: weights, activations, then KV pools in the memory
 /// measured free after them (see [`GpuOptions`]).
 pub fn on_gpu(
@@ -413,7 +451,8 @@ pub fn start_cpu(
         name,
         ..
     } = model;
-    let forward = on_cpu(weights, pools, 0, EngineQuantization::None)?;
+    let mut forward = on_cpu(weights, pools, 0, EngineQuantization::None)?;
+    attach_drafter(forward.as_mut(), limits.speculative.as_ref())?;
     let sched = SchedulerConfig {
         block_size: limits.block_size,
         max_num_seqs: limits.max_num_seqs,

@@ -150,8 +150,9 @@ pub struct WorkerArgs {
         value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS)
     )]
     pub request_timeout_seconds: u64,
-    /// Speculative decoding, as vLLM's flag takes it: JSON with `method` (`ngram`; the
-    /// drafter methods `eagle3` and `dflash` are not implemented here), `num_speculative_tokens`
+    /// Speculative decoding, as vLLM's flag takes it: JSON with `method` (`ngram`, or `eagle3`
+    /// with the drafter checkpoint directory in `model`, on the CPU engine; `dflash` is not
+    /// implemented here), `num_speculative_tokens`
     /// (1-16), and for n-gram `prompt_lookup_max` (default 4) and `prompt_lookup_min` (default
     /// 1); `disable_by_batch_size` (default 32) turns it off while that many requests run.
     /// Default: the config's engine.speculative, else off.
@@ -310,13 +311,21 @@ fn speculative(args: &WorkerArgs, cfg: &WorkerConfig) -> Result<Option<SpecConfi
         crate::api::SpeculativeMethod::Eagle3 => speculative::SpecMethod::Eagle3,
         crate::api::SpeculativeMethod::Dflash => speculative::SpecMethod::Dflash,
     };
+    let ngram = method == speculative::SpecMethod::Ngram;
+    // A drafter on a volume is mounted at /draft-models (the pod renders it so).
+    let model = s.draft_model.as_ref().filter(|d| d.has_volume()).map(|d| {
+        match d.path.as_deref().map(|p| p.trim_matches('/')) {
+            Some(p) if !p.is_empty() => format!("/draft-models/{p}"),
+            _ => "/draft-models".to_string(),
+        }
+    });
     let c = SpecConfig {
         method,
         num_speculative_tokens: n(s.num_speculative_tokens),
-        prompt_lookup_max: Some(n(s.prompt_lookup_max())),
-        prompt_lookup_min: Some(n(s.prompt_lookup_min())),
+        prompt_lookup_max: ngram.then(|| n(s.prompt_lookup_max())),
+        prompt_lookup_min: ngram.then(|| n(s.prompt_lookup_min())),
         disable_by_batch_size: Some(n(s.disable_by_batch_size())),
-        model: None,
+        model: model.filter(|_| !ngram),
     };
     c.check()
         .map_err(|e| format!("engine.speculative: {e}"))
@@ -567,7 +576,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     };
     let (
         Placed {
-            forward,
+            mut forward,
             gpu: gpu_cap,
             pf,
         },
@@ -603,6 +612,10 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             }
             Err(error) => return fail(exit::CONFIG, "cannot publish KV events", &error),
         }
+    }
+    // A drafter that cannot run with this model here stops the start, before the port opens.
+    if let Err(error) = serve::attach_drafter(forward.as_mut(), hooks.speculative.as_ref()) {
+        return fail(exit::CONFIG, "cannot load the speculative drafter", &error);
     }
     let runtime = match ModelRuntime::start_with(
         forward,

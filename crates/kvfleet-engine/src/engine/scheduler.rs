@@ -566,6 +566,42 @@ impl Scheduler {
         write_plan(plan, self.cfg.block_size, self.kv.groups.len(), rows);
     }
 
+    /// Writes a plan over layer group `group` alone for `rows` `(id, first position, tokens)` of
+    /// running requests, on the pages they hold now: an EAGLE-3 drafter's plan (its one layer
+    /// is paged by the full-attention group). Every position must lie within the request's
+    /// pages and its window of the group.
+    pub fn write_group_plan(
+        &self,
+        plan: &mut StepPlan,
+        group: usize,
+        rows: &[(RequestId, usize, usize)],
+    ) -> Result<(), String> {
+        let bs = self.cfg.block_size;
+        let mut tables = Vec::with_capacity(rows.len());
+        for &(id, start, len) in rows {
+            let r = self
+                .running
+                .iter()
+                .find(|r| r.id == id)
+                .ok_or_else(|| format!("request {id} is not running"))?;
+            let t = r
+                .tables
+                .get(group..group + 1)
+                .ok_or_else(|| format!("layer group {group} does not exist"))?;
+            if len == 0 || start + len > t[0].blocks.len() * bs || start < t[0].freed * bs {
+                return Err(format!(
+                    "request {id}: positions {start}..{} are outside its pages of group {group} ({} held, {} freed)",
+                    start + len,
+                    t[0].blocks.len(),
+                    t[0].freed
+                ));
+            }
+            tables.push((t, start, len));
+        }
+        write_plan(plan, bs, 1, tables);
+        Ok(())
+    }
+
     /// How many of request `id`'s proposed tokens this step's verification accepted (a prefix
     /// of [`ScheduledChunk::drafts`]; the step then yields `accepted + 1` tokens for it). Call
     /// between [`Scheduler::schedule_with`] and [`Scheduler::complete`]; a request not named
@@ -704,11 +740,15 @@ pub fn write_plan<'a>(
         total_q += scheduled as u32;
         plan.qo_indptr.push(total_q);
         let new_len = computed + scheduled;
+        // The pages up to the last new token (a table may hold more: a drafter's plan runs
+        // positions short of what the step allocated).
+        let pages = new_len.div_ceil(bs);
         for (t, bt) in plan.groups.iter_mut().zip(tables) {
-            t.kv_indices.extend_from_slice(bt.live());
+            let upto = pages.min(bt.blocks.len());
+            t.kv_indices
+                .extend_from_slice(&bt.blocks[bt.freed.min(upto)..upto]);
             t.kv_indptr.push(t.kv_indices.len() as u32);
-            t.kv_last_page_len
-                .push((new_len - (bt.blocks.len() - 1) * bs) as u32);
+            t.kv_last_page_len.push((new_len - (upto - 1) * bs) as u32);
             t.kv_first_pos.push((bt.freed * bs) as u32);
             for p in computed..new_len {
                 t.slot_mapping

@@ -14,7 +14,8 @@
 
 use serde::Deserialize;
 
-/// Speculation methods (vLLM's `method`). Only n-gram runs on this engine today.
+/// Speculation methods (vLLM's `method`). All three run on this engine; the drafter methods
+/// (EAGLE-3, DFlash) on the CPU engine only, so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SpecMethod {
@@ -24,6 +25,11 @@ pub enum SpecMethod {
 }
 
 impl SpecMethod {
+    /// Whether the method runs a drafter checkpoint (`model`).
+    pub fn needs_drafter(self) -> bool {
+        self != SpecMethod::Ngram
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             SpecMethod::Ngram => "ngram",
@@ -85,16 +91,30 @@ impl SpecConfig {
         Ok(c)
     }
 
-    /// What this engine can run: n-gram with 1 to 16 tokens and a lookup of 1 to 16 tokens.
+    /// What this engine can run: n-gram with 1 to 16 tokens and a lookup of 1 to 16 tokens, or
+    /// an EAGLE-3 or DFlash drafter checkpoint (`model`) with 1 to 16 tokens.
     pub fn check(&self) -> Result<(), String> {
-        if self.method != SpecMethod::Ngram {
-            return Err(format!(
-                "speculative method {} is not implemented on the kvfleet runtime (n-gram only); use method ngram, or runtime vllm",
-                self.method.as_str()
-            ));
-        }
-        if self.model.is_some() {
-            return Err("speculative model: n-gram speculation takes no draft model".into());
+        match self.method {
+            SpecMethod::Ngram if self.model.is_some() => {
+                return Err("speculative model: n-gram speculation takes no draft model".into())
+            }
+            SpecMethod::Ngram => {}
+            SpecMethod::Eagle3 | SpecMethod::Dflash => {
+                let m = self.method.as_str();
+                if self.model.as_deref().is_none_or(str::is_empty) {
+                    return Err(format!(
+                        "speculative model: method {m} needs the drafter checkpoint directory in `model`"
+                    ));
+                }
+                for (key, set) in [
+                    ("prompt_lookup_max", self.prompt_lookup_max.is_some()),
+                    ("prompt_lookup_min", self.prompt_lookup_min.is_some()),
+                ] {
+                    if set {
+                        return Err(format!("{key} applies to method ngram only, not {m}"));
+                    }
+                }
+            }
         }
         if !(1..=MAX_SPECULATIVE_TOKENS).contains(&self.num_speculative_tokens) {
             return Err(format!(
@@ -272,9 +292,18 @@ mod tests {
             SpecConfig::from_json(r#"{"method":"ngram","num_speculative_tokens":5,"prompt_lookup_max":3}"#)
                 .unwrap();
         assert_eq!((c.lookup_min(), c.lookup_max(), c.disable_at()), (1, 3, 32));
-        let e = SpecConfig::from_json(r#"{"method":"eagle3","num_speculative_tokens":3,"model":"x"}"#)
-            .unwrap_err();
-        assert!(e.contains("eagle3") && e.contains("runtime vllm"), "{e}");
+        let c =
+            SpecConfig::from_json(r#"{"method":"eagle3","num_speculative_tokens":3,"model":"/d"}"#).unwrap();
+        assert_eq!((c.method, c.model.as_deref()), (SpecMethod::Eagle3, Some("/d")));
+        let e = SpecConfig::from_json(r#"{"method":"eagle3","num_speculative_tokens":3}"#).unwrap_err();
+        assert!(e.contains("eagle3") && e.contains("`model`"), "{e}");
+        let e = SpecConfig::from_json(
+            r#"{"method":"eagle3","num_speculative_tokens":3,"model":"/d","prompt_lookup_max":2}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("prompt_lookup_max"), "{e}");
+        let e = SpecConfig::from_json(r#"{"method":"dflash","num_speculative_tokens":3}"#).unwrap_err();
+        assert!(e.contains("dflash") && e.contains("`model`"), "{e}");
         let e =
             SpecConfig::from_json(r#"{"method":"ngram","num_speculative_tokens":3,"typo":1}"#).unwrap_err();
         assert!(e.contains("typo"), "{e}");

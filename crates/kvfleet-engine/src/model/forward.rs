@@ -5,15 +5,19 @@
 //! CPU backend here, the CUDA backend in `model::gpu::GpuLlama`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
+use super::drafter::{BlockRow, CatchUp, ChainRow};
+use super::drafter::{CpuDrafter, Drafter};
+use super::kv::{KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
+pub use super::paged::llama_backend_config;
+use super::paged::Planned;
 use super::sampling::{token_logprobs, RowPick, RowSample, TokenLogprobs};
 use crate::engine::cpu::CpuBackend;
 use crate::engine::direct::DirectPlanner;
-use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
-use crate::engine::{Backend, BackendError, StepPlan};
+use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype};
+use crate::engine::{Backend, StepPlan};
 
 /// A model on a device with the engine's KV pools, stepped by the serving loop.
 pub trait Forward: Send {
@@ -98,6 +102,53 @@ pub trait Forward: Send {
     fn last_attention_time(&self) -> Option<Duration> {
         None
     }
+
+    /// Attaches a drafter (speculative decoding, EAGLE-3 or DFlash): from then on every step
+    /// keeps the target features the drafter reads. Its KV pool is the target's full-attention
+    /// pages once more, for the drafter's layers.
+    fn attach_drafter(&mut self, drafter: Drafter) -> Result<(), ForwardError> {
+        Err(ForwardError::Kv(KvError::Backend(format!(
+            "{} drafters are not implemented on the {} engine yet (the CPU engine runs them); use method ngram",
+            drafter.method(),
+            self.device()
+        ))))
+    }
+
+    /// Whether a drafter is attached.
+    fn has_drafter(&self) -> bool {
+        false
+    }
+
+    /// After a step (before the scheduler completes it): runs the drafter over each request's
+    /// positions the step computed and kept, each paired with the token after it
+    /// ([`CatchUp`]), storing the drafter's K/V under `plan` (the drafter's own plan: the
+    /// target's full-attention pages, these rows). Returns, for each row with `draft`, the
+    /// drafted token after its last `next` token.
+    fn draft_catch_up(&mut self, _rows: &[CatchUp<'_>], _plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        Err(ForwardError::Kv(KvError::Backend(
+            "no drafter is attached".into(),
+        )))
+    }
+
+    /// One drafting step ahead for each row: the row's drafted token at `pos`, with the
+    /// drafter's own feature of the position before; returns the next drafted token of each.
+    fn draft_chain(&mut self, _rows: &[ChainRow], _plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        Err(ForwardError::Kv(KvError::Backend(
+            "no drafter is attached".into(),
+        )))
+    }
+
+    /// DFlash: each row's block (its newest token, then `drafts` mask tokens) through the
+    /// drafter in one pass, over the context its catch-ups stored; returns every row's
+    /// `drafts` proposals, in row order.
+    fn draft_blocks(&mut self, _rows: &[BlockRow], _plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        Err(ForwardError::Kv(KvError::Backend(
+            "no drafter is attached".into(),
+        )))
+    }
+
+    /// Drops the drafter state kept for `seq` (it finished).
+    fn forget_draft(&mut self, _seq: SeqId) {}
 }
 
 /// One row's result of [`Forward::forward_samples`].
@@ -142,37 +193,6 @@ pub fn step_direct(
     f.forward(batch, plan)
 }
 
-/// The engine's pools for a Llama-family geometry: one full-attention group of `num_blocks`
-/// pages of `block_size` tokens, every layer in `dtype`.
-pub fn llama_backend_config(
-    geo: AttnGeometry,
-    dtype: KvDtype,
-    block_size: usize,
-    num_blocks: usize,
-) -> BackendConfig {
-    let layer = LayerSpec {
-        group: 0,
-        attn: LayerAttn {
-            q_heads: geo.n_heads,
-            kv_heads: geo.n_kv_heads,
-            head_dim: geo.head_dim,
-            causal: true,
-            window: None,
-            sm_scale: None,
-        },
-        dtype,
-        scales: KvScales::default(),
-    };
-    BackendConfig {
-        block_size,
-        groups: vec![GroupSpec {
-            window: None,
-            num_blocks,
-        }],
-        layers: vec![layer; geo.n_layers],
-    }
-}
-
 /// The engine's pools for a model: [`llama_backend_config`] when every layer is full; for a
 /// model with local layers (Gemma 3), group 0 holds the full layers and group 1 the local
 /// layers with their window, each of `num_blocks` pages.
@@ -208,6 +228,7 @@ pub struct CpuForward {
     model: Arc<Llama>,
     backend: CpuBackend,
     attention_time: Duration,
+    drafter: Option<CpuDrafter>,
 }
 
 impl CpuForward {
@@ -240,65 +261,13 @@ impl CpuForward {
             model,
             backend,
             attention_time: Duration::ZERO,
+            drafter: None,
         })
     }
 
     pub fn model(&self) -> &Arc<Llama> {
         &self.model
     }
-}
-
-/// The engine backend seen by [`Llama::forward`] for one planned step.
-struct Planned<'a> {
-    backend: &'a mut CpuBackend,
-    plan: &'a StepPlan,
-    prepared: bool,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    q: Vec<f32>,
-    out: Vec<f32>,
-    time: Duration,
-}
-
-fn fill(buf: &mut Vec<f32>, src: &[f32]) {
-    buf.clear();
-    buf.extend_from_slice(src);
-}
-
-impl KvAttention for Planned<'_> {
-    fn attend(
-        &mut self,
-        layer: usize,
-        _seqs: &[AttnSeq],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-    ) -> Result<(), KvError> {
-        let t0 = Instant::now();
-        let device = |e: BackendError| KvError::Backend(e.to_string());
-        if !self.prepared {
-            self.backend.prepare(self.plan).map_err(device)?;
-            self.prepared = true;
-        }
-        fill(&mut self.k, k);
-        fill(&mut self.v, v);
-        fill(&mut self.q, q);
-        self.out.resize(out.len(), 0.0);
-        self.backend.append_kv(layer, &self.k, &self.v).map_err(device)?;
-        self.backend
-            .attention(layer, &self.q, &mut self.out)
-            .map_err(device)?;
-        out.copy_from_slice(&self.out[..out.len()]);
-        self.time += t0.elapsed();
-        Ok(())
-    }
-
-    fn cached_len(&self, _seq: SeqId) -> usize {
-        0
-    }
-
-    fn release(&mut self, _seq: SeqId) {}
 }
 
 impl Forward for CpuForward {
@@ -312,19 +281,61 @@ impl Forward for CpuForward {
 
     fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
         check_plan(batch, plan)?;
-        let mut planned = Planned {
-            backend: &mut self.backend,
-            plan,
-            prepared: false,
-            k: Vec::new(),
-            v: Vec::new(),
-            q: Vec::new(),
-            out: Vec::new(),
-            time: Duration::ZERO,
+        let mut planned = Planned::new(&mut self.backend, plan);
+        let logits = match self.drafter.as_mut() {
+            Some(d) => {
+                let layers = d.model.aux_layers().to_vec();
+                self.model.forward_aux(&mut planned, batch, &layers, &mut d.aux)
+            }
+            None => self.model.forward(&mut planned, batch),
         };
-        let logits = self.model.forward(&mut planned, batch);
         self.attention_time = planned.time;
         logits
+    }
+
+    fn attach_drafter(&mut self, drafter: Drafter) -> Result<(), ForwardError> {
+        let cfg = self.backend.config();
+        let full = cfg.groups.first().map_or(0, |g| g.num_blocks);
+        let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
+        self.drafter = Some(CpuDrafter::new(drafter, dtype, cfg.block_size, full)?);
+        Ok(())
+    }
+
+    fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
+    }
+
+    fn draft_catch_up(&mut self, rows: &[CatchUp<'_>], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        match self.drafter.as_mut() {
+            Some(d) => d.catch_up(&self.model, rows, plan),
+            None => Err(ForwardError::Kv(KvError::Backend(
+                "no drafter is attached".into(),
+            ))),
+        }
+    }
+
+    fn draft_chain(&mut self, rows: &[ChainRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        match self.drafter.as_mut() {
+            Some(d) => d.chain(&self.model, rows, plan),
+            None => Err(ForwardError::Kv(KvError::Backend(
+                "no drafter is attached".into(),
+            ))),
+        }
+    }
+
+    fn draft_blocks(&mut self, rows: &[BlockRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        match self.drafter.as_mut() {
+            Some(d) => d.blocks(&self.model, rows, plan),
+            None => Err(ForwardError::Kv(KvError::Backend(
+                "no drafter is attached".into(),
+            ))),
+        }
+    }
+
+    fn forget_draft(&mut self, seq: SeqId) {
+        if let Some(d) = self.drafter.as_mut() {
+            d.forget(seq);
+        }
     }
 
     fn device(&self) -> &'static str {

@@ -114,14 +114,14 @@ pub enum HfError {
     Load(#[from] LoadError),
 }
 
-fn read(path: &Path) -> Result<String, HfError> {
+pub(crate) fn read(path: &Path) -> Result<String, HfError> {
     std::fs::read_to_string(path).map_err(|source| HfError::Io {
         path: path.into(),
         source,
     })
 }
 
-fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, HfError> {
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, HfError> {
     let de = &mut serde_json::Deserializer::from_str(text);
     serde_path_to_error::deserialize(de).map_err(|source| HfError::Json {
         path: path.into(),
@@ -130,7 +130,7 @@ fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result
 }
 
 /// `config.json` of a checkpoint directory, or the path itself when it names a file.
-fn config_path(path: &Path) -> PathBuf {
+pub(crate) fn config_path(path: &Path) -> PathBuf {
     if path.is_dir() {
         path.join("config.json")
     } else {
@@ -480,6 +480,42 @@ impl Safetensors {
 }
 
 impl Safetensors {
+    /// Integer tensor `name` (I64 or I32) as i64, checked against `shape` (an EAGLE-3
+    /// drafter's `d2t` token map).
+    pub fn tensor_i64(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, HfError> {
+        let missing = || HfError::MissingTensor {
+            dir: self.dir.clone(),
+            tensor: name.into(),
+        };
+        let shard = &self.shards[*self.index.get(name).ok_or_else(missing)?];
+        let info = shard.meta.info(name).ok_or_else(missing)?;
+        if info.shape != shape {
+            return Err(HfError::Shape {
+                path: shard.path.clone(),
+                tensor: name.into(),
+                got: info.shape.clone(),
+                want: shape.to_vec(),
+            });
+        }
+        let (a, b) = info.data_offsets;
+        let bytes = &shard.mmap[shard.data_start + a..shard.data_start + b];
+        match info.dtype {
+            Dtype::I64 => Ok(bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                .collect()),
+            Dtype::I32 => Ok(bytes
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as i64)
+                .collect()),
+            other => Err(HfError::Dtype {
+                path: shard.path.clone(),
+                tensor: name.into(),
+                dtype: other.to_string(),
+            }),
+        }
+    }
+
     /// The shape and dtype of tensor `name`, when held.
     pub fn info(&self, name: &str) -> Option<(Vec<usize>, Dtype)> {
         let shard = &self.shards[*self.index.get(name)?];

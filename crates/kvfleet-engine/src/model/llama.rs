@@ -1,6 +1,7 @@
 //! The Llama-family forward pass on the CPU (Llama, Mistral, Qwen2, Qwen3 dense, SmolLM):
 //! embeddings, RMSNorm, RoPE, GQA attention through a [`KvAttention`], SwiGLU MLP, tied or
-//! separate LM head. Weights are f32 (dequantised at load); GEMMs run on `matrixmultiply`,
+//! separate LM head. Weights are f32 (dequantised at load); GEMMs run on our own FMA kernel
+//! (every row the same bits whatever the batch: [`matmul_t`]),
 //! split across rayon threads. [`Llama::quantize_fp8`] turns the linear layers into the f32
 //! simulation of FP8 W8A8 (issue 32), the CPU reference of the GPU's FP8 GEMMs.
 //!
@@ -20,6 +21,7 @@ use rayon::prelude::*;
 use super::fp8::{fake_quantize_rows, quantize_rows};
 use super::gguf::{Gguf, GgufError};
 use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
+pub use kvfleet_gemm::matmul_t;
 
 /// Errors of loading a model.
 #[derive(Debug, thiserror::Error)]
@@ -671,8 +673,22 @@ impl Llama {
         kv: &mut dyn KvAttention,
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<f32>, ForwardError> {
+        self.forward_aux(kv, batch, &[], &mut Vec::new())
+    }
+
+    /// [`Llama::forward`] that also writes into `aux` (`[tokens, aux_layers.len() * d_model]`)
+    /// the residual stream entering each layer of `aux_layers`, for every new token: the target
+    /// features an EAGLE-3 drafter reads (vLLM takes `hidden_states + residual` before those
+    /// layers).
+    pub fn forward_aux(
+        &self,
+        kv: &mut dyn KvAttention,
+        batch: &[SeqChunk<'_>],
+        aux_layers: &[usize],
+        aux: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, ForwardError> {
         let d = self.config.d_model;
-        let x = self.hidden(kv, batch)?;
+        let x = self.hidden_aux(kv, batch, aux_layers, aux)?;
         // Only the last row of chunks that want logits goes through the LM head.
         let mut last = Vec::new();
         let mut row = 0;
@@ -682,6 +698,22 @@ impl Llama {
             last.extend_from_slice(&x[(row - n) * d..row * d]);
         }
         Ok(self.head(&last))
+    }
+
+    /// The embedding table's rows of `tokens` (`[tokens, d_model]`), as stored: without
+    /// Gemma 3's `sqrt(hidden_size)` scale. `None` for a token outside the vocabulary.
+    pub fn embedding_rows(&self, tokens: &[u32]) -> Option<Vec<f32>> {
+        let d = self.config.d_model;
+        let mut out = Vec::with_capacity(tokens.len() * d);
+        for &t in tokens {
+            out.extend_from_slice(self.embed.get(t as usize * d..(t as usize + 1) * d)?);
+        }
+        Some(out)
+    }
+
+    /// The LM head `[vocab, d_model]` (the embedding table when tied).
+    pub fn lm_head_matrix(&self) -> &[f32] {
+        self.lm_head.as_deref().unwrap_or(&self.embed)
     }
 
     /// `[rows, vocab]` logits of `[rows, d_model]` final hidden states.
@@ -742,6 +774,17 @@ impl Llama {
     /// The final hidden states `[tokens, d_model]` of every chunk's new tokens (before the
     /// output norm), their K/V stored in `kv`.
     fn hidden(&self, kv: &mut dyn KvAttention, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
+        self.hidden_aux(kv, batch, &[], &mut Vec::new())
+    }
+
+    /// [`Llama::hidden`], copying the residual stream entering each of `aux_layers` into `aux`.
+    fn hidden_aux(
+        &self,
+        kv: &mut dyn KvAttention,
+        batch: &[SeqChunk<'_>],
+        aux_layers: &[usize],
+        aux: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let (d, hd, ff) = (c.d_model, c.head_dim, c.d_ff);
         let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
@@ -783,7 +826,15 @@ impl Llama {
         let mut proj = vec![0f32; t * d];
         let mut gate = vec![0f32; t * ff];
         let mut up = vec![0f32; t * ff];
+        let na = aux_layers.len();
+        aux.clear();
+        aux.resize(t * na * d, 0.0);
         for (li, l) in self.layers.iter().enumerate() {
+            for (j, _) in aux_layers.iter().enumerate().filter(|(_, &a)| a == li) {
+                for (r, xr) in x.chunks_exact(d).enumerate() {
+                    aux[(r * na + j) * d..(r * na + j + 1) * d].copy_from_slice(xr);
+                }
+            }
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
             let hq = self.linear_input(&h, d);
             matmul_t(&hq, t, d, &l.wq, qw, &mut q);
@@ -844,6 +895,12 @@ impl Llama {
             }
             add_in_place(&mut x, &proj);
         }
+        // A feature "entering" layer n_layers is the last layer's output.
+        for (j, _) in aux_layers.iter().enumerate().filter(|(_, &a)| a == c.n_layers) {
+            for (r, xr) in x.chunks_exact(d).enumerate() {
+                aux[(r * na + j) * d..(r * na + j + 1) * d].copy_from_slice(xr);
+            }
+        }
         Ok(x)
     }
 
@@ -898,10 +955,18 @@ impl Llama {
     }
 
     fn rope_with(&self, inv_freq: &[f32], x: &mut [f32], positions: &[usize], heads: usize) {
-        let hd = self.config.head_dim;
-        let half = self.config.rope_dims / 2;
-        let scale = self.config.rope_linear_scale;
-        let neox = self.config.rope_neox;
+        rope(&self.config, inv_freq, x, positions, heads)
+    }
+}
+
+/// Rotates each head of each row of `x` (`[positions, heads * head_dim]`) by its position, as
+/// `cfg` says (rotated dims, linear scale, NeoX halves or adjacent pairs).
+pub(crate) fn rope(cfg: &LlamaConfig, inv_freq: &[f32], x: &mut [f32], positions: &[usize], heads: usize) {
+    {
+        let hd = cfg.head_dim;
+        let half = cfg.rope_dims / 2;
+        let scale = cfg.rope_linear_scale;
+        let neox = cfg.rope_neox;
         x.par_chunks_mut(heads * hd)
             .zip(positions.par_iter())
             .for_each(|(row, &pos)| {
@@ -1015,7 +1080,7 @@ fn gelu_tanh(x: f32) -> f32 {
 }
 
 /// RMSNorm of each row of `x` (row length `w.len()`), scaled by `w`.
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     out.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(o, r)| {
         let ms = r.iter().map(|v| v * v).sum::<f32>() / n as f32;
@@ -1026,95 +1091,8 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     });
 }
 
-fn add_in_place(x: &mut [f32], y: &[f32]) {
+pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.par_iter_mut().zip(y.par_iter()).for_each(|(a, b)| *a += b);
-}
-
-/// Batches up to this many rows take the GEMV path of [`matmul_t`].
-const SMALL_BATCH: usize = 4;
-
-/// Dot product with eight independent accumulators, so the compiler vectorises it.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: each rayon task writes a disjoint column range of the output through this pointer.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    // A method call makes closures capture the whole (Send) wrapper, not the raw field.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// `out[t, n] = x[t, k] · w[n, k]ᵀ`, split over column blocks of `n` across rayon threads.
-pub fn matmul_t(x: &[f32], t: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
-    assert!(x.len() >= t * k && w.len() >= n * k && out.len() >= t * n);
-    if t == 0 || n == 0 {
-        return;
-    }
-    if t <= SMALL_BATCH {
-        // Decode-sized batches are bandwidth-bound: read each weight row once, no packing.
-        let rows: Vec<&[f32]> = (0..t).map(|i| &x[i * k..(i + 1) * k]).collect();
-        let mut cols = vec![0f32; n * t];
-        cols.par_chunks_mut(t * 16)
-            .zip(w[..n * k].par_chunks(k * 16))
-            .for_each(|(o, wb)| {
-                for (oj, wj) in o.chunks_mut(t).zip(wb.chunks(k)) {
-                    for (oi, xi) in oj.iter_mut().zip(&rows) {
-                        *oi = dot(xi, wj);
-                    }
-                }
-            });
-        for j in 0..n {
-            for i in 0..t {
-                out[i * n + j] = cols[j * t + i];
-            }
-        }
-        return;
-    }
-    let threads = rayon::current_num_threads().max(1);
-    // Column blocks of at least 64 keep each task a real GEMM; a few per thread balance load.
-    let block = n.div_ceil(threads * 4).max(64).min(n);
-    let blocks = n.div_ceil(block);
-    let optr = SendPtr(out.as_mut_ptr());
-    (0..blocks).into_par_iter().for_each(|b| {
-        let n0 = b * block;
-        let nb = block.min(n - n0);
-        // SAFETY: x is t×k row-major, w rows n0..n0+nb are in bounds (asserted above); the
-        // output block is columns n0..n0+nb of a t×n row-major matrix, disjoint per task.
-        unsafe {
-            matrixmultiply::sgemm(
-                t,
-                k,
-                nb,
-                1.0,
-                x.as_ptr(),
-                k as isize,
-                1,
-                w.as_ptr().add(n0 * k),
-                1,
-                k as isize,
-                0.0,
-                optr.get().add(n0),
-                n as isize,
-                1,
-            );
-        }
-    });
 }
 
 #[cfg(test)]

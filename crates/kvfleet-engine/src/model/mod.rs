@@ -1,6 +1,9 @@
 //! The model: weights (GGUF, Hugging Face safetensors, dummy), tokenizers, the Llama-family
 //! and Gemma 3 forward pass on the CPU, and sampling (see `docs/model.md`).
 
+pub mod dflash;
+pub mod drafter;
+pub mod eagle3;
 pub mod forward;
 pub mod fp8;
 pub mod gguf;
@@ -8,5 +11,6 @@ pub mod hf;
 pub mod hf_tokenizer;
 pub mod kv;
 pub mod llama;
+pub mod paged;
 pub mod sampling;
 pub mod tokenizer;
