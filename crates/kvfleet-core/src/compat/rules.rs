@@ -568,12 +568,13 @@ pub static KVFLEET_RULES: &[Rule] = &[
         .cause(|c| format!("attentionBackend {} is a vLLM backend; the kvfleet runtime runs its own kernels", c.backend))
         .fix(|_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string()),
     kvfleet("kvfleet.speculative-ngram-only")
+        .on(&[B::KvfleetCuda])
         .deny(SPEC_METHOD, "UnsupportedSpeculativeMethod")
-        .summary("speculative decoding on the kvfleet runtime: n-gram proposals only; eagle3 and dflash drafters are not implemented")
+        .summary("speculative decoding on the kvfleet GPU engine: n-gram proposals only; the eagle3 and dflash drafters run on the CPU engine (KVFLEET_CPU) only")
         .source(KVFLEET_WORKER_SOURCE)
         .fires(|c| c.features.speculative.is_some_and(SpeculativeMethod::needs_draft_model))
         .cause(|c| format!(
-            "speculative method {} is not implemented on the kvfleet runtime (n-gram only)",
+            "speculative method {} is not implemented on the kvfleet GPU engine (n-gram only; its drafters run on KVFLEET_CPU)",
             spec_method(c)
         ))
         .fix(|_| "use method ngram, or runtime vllm".to_string()),

@@ -236,9 +236,10 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         // --- speculative decoding: the worker proposes n-grams only (issue #36)
         (K, "9.0", SpecNgram, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "9.0", SpecNgram, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
-        (K, "9.0", SpecEagle3, D::Auto, B::Auto, Denied("kvfleet.speculative-ngram-only", "speculative method eagle3 is not implemented on the kvfleet runtime (n-gram only); use method ngram, or runtime vllm")),
+        (K, "9.0", SpecEagle3, D::Auto, B::Auto, Denied("kvfleet.speculative-ngram-only", "speculative method eagle3 is not implemented on the kvfleet GPU engine (n-gram only; its drafters run on KVFLEET_CPU); use method ngram, or runtime vllm")),
         (K, "8.9", SpecDflash, D::Fp8, B::Auto, Denied("kvfleet.speculative-ngram-only", "method dflash")),
-        (K, "9.0", SpecEagle3, D::Auto, B::KvfleetCpu, Denied("kvfleet.speculative-ngram-only", "use method ngram")),
+        (K, "9.0", SpecEagle3, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
+        (K, "9.0", SpecDflash, D::Auto, B::KvfleetCuda, Denied("kvfleet.speculative-ngram-only", "method dflash")),
         // --- FP8 weights: W8A8 from 8.9 on the GPU, no weight-only path below; the CPU
         // dequantizes FP8 checkpoints and runs engine.quantization fp8 as its reference
         (K, "8.6", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)")),

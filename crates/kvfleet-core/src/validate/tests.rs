@@ -1175,7 +1175,7 @@ fn ngram_speculation_is_admitted_on_both_runtimes() {
 }
 
 #[test]
-fn eagle3_and_dflash_on_the_kvfleet_runtime_are_denied_naming_ngram_and_vllm() {
+fn eagle3_and_dflash_on_the_kvfleet_gpu_engine_are_denied_naming_ngram_and_vllm() {
     for method in ["eagle3", "dflash"] {
         let s = speculative(&format!(
             "{{runtime: kvfleet, speculative: {{method: {method}, numSpeculativeTokens: 3, draftModel: {{pvcName: drafts, path: d/}}}}}}"
@@ -1184,7 +1184,7 @@ fn eagle3_and_dflash_on_the_kvfleet_runtime_are_denied_naming_ngram_and_vllm() {
         let d = denial_of(&v, "UnsupportedSpeculativeMethod");
         assert_eq!(d.field, "spec.engine.speculative.method");
         let want =
-            format!("speculative method {method} is not implemented on the kvfleet runtime (n-gram only)");
+            format!("speculative method {method} is not implemented on the kvfleet GPU engine (n-gram only; its drafters run on KVFLEET_CPU)");
         assert!(d.message.contains(&want), "{}", d.message);
         assert!(
             d.message.contains("use method ngram, or runtime vllm"),
