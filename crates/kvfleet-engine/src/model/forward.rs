@@ -107,11 +107,11 @@ pub trait Forward: Send {
     /// keeps the target features the drafter reads. Its KV pool is the target's full-attention
     /// pages once more, for the drafter's layers.
     fn attach_drafter(&mut self, drafter: Drafter) -> Result<(), ForwardError> {
-        Err(ForwardError::Kv(KvError::Backend(format!(
+        Err(ForwardError::Unsupported(format!(
             "{} drafters are not implemented on the {} engine yet (the CPU engine runs them); use method ngram",
             drafter.method(),
             self.device()
-        ))))
+        )))
     }
 
     /// Whether a drafter is attached.

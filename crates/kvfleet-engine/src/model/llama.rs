@@ -52,6 +52,9 @@ pub enum ForwardError {
     /// The device's own error (the GPU backend converts its errors into this).
     #[error(transparent)]
     Device(Box<dyn std::error::Error + Send + Sync>),
+    /// Something this device or model does not implement (the message says what instead).
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// Geometry and hyper-parameters of a Llama-family model.
