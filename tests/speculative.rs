@@ -230,32 +230,11 @@ fn gemma3_greedy_tokens_are_the_same_with_ngram_speculation() {
     assert!(st.accepted_tokens > 10, "{st:?}");
 }
 
-/// An EAGLE-3 drafter checkpoint with random weights for a target of `hidden` / `vocab` /
-/// `layers`, made by `tests/fixtures/eagle3/generate.py` (the layout the EAGLE-3 authors and
-/// vLLM use), whose draft vocabulary is `draft_tokens`; `aux` overrides the feature layers.
-fn drafter(
-    name: &str,
-    hidden: usize,
-    vocab: usize,
-    layers: usize,
-    aux: Option<&str>,
-    draft_tokens: &[u32],
-) -> PathBuf {
-    make_drafter("eagle3", name, hidden, vocab, layers, aux, draft_tokens)
-}
-
-/// A DFlash drafter (2 layers) made the same way; `ids` overrides `target_layer_ids`.
-fn dflash_drafter(
-    name: &str,
-    hidden: usize,
-    vocab: usize,
-    layers: usize,
-    ids: Option<&str>,
-    draft_tokens: &[u32],
-) -> PathBuf {
-    make_drafter("dflash", name, hidden, vocab, layers, ids, draft_tokens)
-}
-
+/// A drafter checkpoint (`kind` eagle3 or dflash, DFlash with 2 layers) with random weights
+/// for a target of `hidden` / `vocab` / `layers`, made by `tests/fixtures/eagle3/generate.py`
+/// (the layouts their authors and vLLM use), whose draft vocabulary is `draft_tokens`; `aux`
+/// overrides the feature layers (EAGLE-3's `eagle_aux_hidden_state_layer_ids`, DFlash's
+/// `target_layer_ids`).
 fn make_drafter(
     kind: &str,
     name: &str,
@@ -333,9 +312,31 @@ fn frequent(tok: &Tokenizer, streams: &[Stream], n: usize) -> Vec<u32> {
     v.into_iter().take(n).map(|(t, _)| t).collect()
 }
 
-/// SmolLM2 with EAGLE-3 and DFlash drafters made by a script: the drafter reads SmolLM2's
-/// features in every step and keeps its own K/V on SmolLM2's pages; greedy streams batched
-/// together equal each request alone without speculation.
+/// Greedy streams of `prompts` batched together with an EAGLE-3 drafter (3 tokens a proposal)
+/// and then a DFlash drafter (a block of 4), each made by the script for `s`'s model with the
+/// 3 tokens the streams emit most as its draft vocabulary, equal each prompt alone without
+/// speculation. The drafters must have run and chained: a random drafter is rarely right on a
+/// vocabulary of tens of thousands, so the back-off spaces its proposals out (accepted
+/// proposals with drafters are exercised on the tiny model below, where they are often right).
+fn drafters_keep_greedy_streams(s: &Served, name: &str, prompts: &[Vec<u32>]) {
+    let limits = CpuLimits::default();
+    let want = alone(s, prompts, 32, &limits);
+    let c = &s.model.config;
+    let vocab = frequent(&s.tokenizer, &want, 3);
+    for (kind, k) in [("eagle3", 3), ("dflash", 4)] {
+        let dir = make_drafter(kind, name, c.d_model, c.vocab, c.n_layers, None, &vocab);
+        let st = same_greedy_streams_as(s, prompts, 32, limits.clone(), drafted_by(kind, &dir, k), &want);
+        eprintln!("{st:?}");
+        assert!(
+            st.drafts >= 8 && st.draft_tokens as usize >= (k - 1) * st.drafts as usize,
+            "{st:?}"
+        );
+    }
+}
+
+/// SmolLM2 with EAGLE-3 (features of layers 2, 15, 27) and DFlash (context K/V from layers 1,
+/// 15, 29: target_layer_ids 0, 14, 28) drafters: each reads SmolLM2's features every step and
+/// keeps its own K/V on SmolLM2's pages.
 #[test]
 fn smollm2_greedy_tokens_are_the_same_with_eagle3_and_dflash_drafters() {
     let s = smollm2();
@@ -347,40 +348,11 @@ fn smollm2_greedy_tokens_are_the_same_with_eagle3_and_dflash_drafters() {
             "List the numbers from 1 to 20, separated by commas.",
         ),
     ];
-    let limits = CpuLimits::default();
-    let want = alone(s, &prompts, 32, &limits);
-    let c = &s.model.config;
-    let dir = drafter(
-        "smollm2",
-        c.d_model,
-        c.vocab,
-        c.n_layers,
-        None,
-        &frequent(&s.tokenizer, &want, 3),
-    );
-    let st = same_greedy_streams_as(s, &prompts, 32, limits.clone(), eagle3(&dir, 3), &want);
-    eprintln!("{st:?}");
-    // The drafter ran and chained (3 tokens a proposal). A random drafter is rarely right on a
-    // 49,152-token vocabulary, so the back-off spaces its proposals out; accepted proposals
-    // with a drafter are exercised on the tiny model (below), where it is often right.
-    assert!(st.drafts >= 8 && st.draft_tokens >= 2 * st.drafts, "{st:?}");
-    // DFlash: context K/V from SmolLM2's layers 1, 15 and 29 (target_layer_ids 0, 14, 28), a
-    // block of 4 drafted in one non-causal pass.
-    let dir = dflash_drafter(
-        "smollm2",
-        c.d_model,
-        c.vocab,
-        c.n_layers,
-        None,
-        &frequent(&s.tokenizer, &want, 3),
-    );
-    let st = same_greedy_streams_as(s, &prompts, 32, limits, dflash(&dir, 4), &want);
-    eprintln!("{st:?}");
-    assert!(st.drafts >= 8 && st.draft_tokens >= 3 * st.drafts, "{st:?}");
+    drafters_keep_greedy_streams(s, "smollm2", &prompts);
 }
 
 /// Gemma 3 (sliding-window layers; the drafter's K/V follow the full-attention pages) with
-/// EAGLE-3 and DFlash drafters made by a script.
+/// EAGLE-3 and DFlash drafters.
 #[test]
 fn gemma3_greedy_tokens_are_the_same_with_eagle3_and_dflash_drafters() {
     let s = gemma3();
@@ -390,31 +362,7 @@ fn gemma3_greedy_tokens_are_the_same_with_eagle3_and_dflash_drafters() {
         s.tokenizer
             .encode("Count from one to ten in words: one, two,", true),
     ];
-    let limits = CpuLimits::default();
-    let want = alone(s, &prompts, 32, &limits);
-    let c = &s.model.config;
-    let dir = drafter(
-        "gemma3",
-        c.d_model,
-        c.vocab,
-        c.n_layers,
-        None,
-        &frequent(&s.tokenizer, &want, 3),
-    );
-    let st = same_greedy_streams_as(s, &prompts, 32, limits.clone(), eagle3(&dir, 3), &want);
-    eprintln!("{st:?}");
-    assert!(st.drafts >= 8 && st.draft_tokens >= 2 * st.drafts, "{st:?}");
-    let dir = dflash_drafter(
-        "gemma3",
-        c.d_model,
-        c.vocab,
-        c.n_layers,
-        None,
-        &frequent(&s.tokenizer, &want, 3),
-    );
-    let st = same_greedy_streams_as(s, &prompts, 32, limits, dflash(&dir, 4), &want);
-    eprintln!("{st:?}");
-    assert!(st.drafts >= 8 && st.draft_tokens >= 3 * st.drafts, "{st:?}");
+    drafters_keep_greedy_streams(s, "gemma3", &prompts);
 }
 
 /// A pool too small for every request at once: requests are preempted and recompute while
@@ -442,7 +390,8 @@ fn greedy_tokens_survive_preemption_with_speculation() {
     assert!(st.accepted_tokens > 0, "{st:?}");
     // The drafter's K/V live on the same pages: preempted and recomputed with them.
     let c = &s.model.config;
-    let dir = drafter(
+    let dir = make_drafter(
+        "eagle3",
         "smollm2-preempt",
         c.d_model,
         c.vocab,
@@ -512,15 +461,35 @@ fn greedy_streams_with_every_token_parameter_are_the_same_with_speculation() {
 /// the whole 16-token vocabulary.
 fn tiny_drafter() -> PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| drafter("tiny", 32, 16, 2, Some("0,1,1"), &(0..16).collect::<Vec<u32>>()))
-        .clone()
+    D.get_or_init(|| {
+        make_drafter(
+            "eagle3",
+            "tiny",
+            32,
+            16,
+            2,
+            Some("0,1,1"),
+            &(0..16).collect::<Vec<u32>>(),
+        )
+    })
+    .clone()
 }
 
 /// A DFlash drafter for the tiny model (its features: the outputs of layers 0, 1, 1).
 fn tiny_dflash() -> PathBuf {
     static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| dflash_drafter("tiny", 32, 16, 2, Some("0,1,1"), &(0..16).collect::<Vec<u32>>()))
-        .clone()
+    D.get_or_init(|| {
+        make_drafter(
+            "dflash",
+            "tiny",
+            32,
+            16,
+            2,
+            Some("0,1,1"),
+            &(0..16).collect::<Vec<u32>>(),
+        )
+    })
+    .clone()
 }
 
 fn greedy_streams_with_every_token_parameter(off: &ModelRuntime, on: &ModelRuntime) {

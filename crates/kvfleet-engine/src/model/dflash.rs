@@ -25,6 +25,7 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde::Deserialize;
 
+use super::eagle3::fits_target;
 use super::hf::{self, HfConfig, HfError, Safetensors};
 use super::kv::{AttnGeometry, AttnSeq, KvAttention};
 use super::llama::{add_in_place, inv_freq, matmul_t, rms_norm, rope, ForwardError, Llama, LlamaConfig};
@@ -104,35 +105,8 @@ impl DflashConfig {
         let mut json: serde_json::Value = hf::parse_json(path, text)?;
         json["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
         let mut layer = HfConfig::parse(path, &json.to_string())?.llama;
-        let target_hidden = raw.target_hidden_size.unwrap_or(layer.d_model);
-        if target_hidden != target.d_model || layer.d_model != target.d_model {
-            return Err(config_error(
-                path,
-                format!(
-                    "hidden_size {} / target_hidden_size {target_hidden} do not match the served model's hidden size {}: this drafter was trained for another model",
-                    layer.d_model, target.d_model
-                ),
-            ));
-        }
-        if layer.vocab != target.vocab {
-            return Err(config_error(
-                path,
-                format!(
-                    "vocab_size {} differs from the served model's {}: this drafter was trained for another model",
-                    layer.vocab, target.vocab
-                ),
-            ));
-        }
-        let draft_vocab = raw.draft_vocab_size.unwrap_or(layer.vocab);
-        if draft_vocab == 0 || draft_vocab > layer.vocab {
-            return Err(config_error(
-                path,
-                format!(
-                    "draft_vocab_size {draft_vocab} must be in [1, vocab_size {}]",
-                    layer.vocab
-                ),
-            ));
-        }
+        let (target_hidden, draft_vocab) =
+            fits_target(path, &layer, raw.target_hidden_size, raw.draft_vocab_size, target)?;
         let mask_token = raw.dflash_config.mask_token_id.ok_or_else(|| {
             config_error(
                 path,

@@ -143,35 +143,8 @@ impl Eagle3Config {
                 "eagle_config.use_aux_hidden_state false (an EAGLE-1/2 style drafter) is not supported; kvfleet runs EAGLE-3 drafters".into(),
             ));
         }
-        let target_hidden = raw.target_hidden_size.unwrap_or(layer.d_model);
-        if target_hidden != target.d_model || layer.d_model != target.d_model {
-            return Err(config_error(
-                path,
-                format!(
-                    "hidden_size {} / target_hidden_size {target_hidden} do not match the served model's hidden size {}: this drafter was trained for another model",
-                    layer.d_model, target.d_model
-                ),
-            ));
-        }
-        if layer.vocab != target.vocab {
-            return Err(config_error(
-                path,
-                format!(
-                    "vocab_size {} differs from the served model's {}: this drafter was trained for another model",
-                    layer.vocab, target.vocab
-                ),
-            ));
-        }
-        let draft_vocab = raw.draft_vocab_size.unwrap_or(layer.vocab);
-        if draft_vocab == 0 || draft_vocab > layer.vocab {
-            return Err(config_error(
-                path,
-                format!(
-                    "draft_vocab_size {draft_vocab} must be in [1, vocab_size {}]",
-                    layer.vocab
-                ),
-            ));
-        }
+        let (target_hidden, draft_vocab) =
+            fits_target(path, &layer, raw.target_hidden_size, raw.draft_vocab_size, target)?;
         let n = target.n_layers;
         let aux_layers = match raw
             .eagle_config
@@ -340,6 +313,48 @@ impl Eagle3 {
     pub fn embeddings(&self, target: &Llama, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
         embedding_rows(self.embed.as_deref(), target, self.config.layer.d_model, tokens)
     }
+}
+
+/// Checks a drafter's geometry against the served model's: the hidden size it reads and
+/// writes, the vocabulary, and a draft vocabulary within it. Returns `(target hidden, draft
+/// vocabulary)`.
+pub(crate) fn fits_target(
+    path: &Path,
+    layer: &LlamaConfig,
+    target_hidden_size: Option<usize>,
+    draft_vocab_size: Option<usize>,
+    target: &LlamaConfig,
+) -> Result<(usize, usize), HfError> {
+    let target_hidden = target_hidden_size.unwrap_or(layer.d_model);
+    if target_hidden != target.d_model || layer.d_model != target.d_model {
+        return Err(config_error(
+            path,
+            format!(
+                "hidden_size {} / target_hidden_size {target_hidden} do not match the served model's hidden size {}: this drafter was trained for another model",
+                layer.d_model, target.d_model
+            ),
+        ));
+    }
+    if layer.vocab != target.vocab {
+        return Err(config_error(
+            path,
+            format!(
+                "vocab_size {} differs from the served model's {}: this drafter was trained for another model",
+                layer.vocab, target.vocab
+            ),
+        ));
+    }
+    let draft_vocab = draft_vocab_size.unwrap_or(layer.vocab);
+    if draft_vocab == 0 || draft_vocab > layer.vocab {
+        return Err(config_error(
+            path,
+            format!(
+                "draft_vocab_size {draft_vocab} must be in [1, vocab_size {}]",
+                layer.vocab
+            ),
+        ));
+    }
+    Ok((target_hidden, draft_vocab))
 }
 
 /// The target id of each draft token: `i + d2t[i]` from the checkpoint's `d2t`, else the

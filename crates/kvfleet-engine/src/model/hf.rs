@@ -423,8 +423,12 @@ impl Safetensors {
         self.index.keys().map(String::as_str)
     }
 
-    /// Tensor `name` as f32, checked against `shape`.
-    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, HfError> {
+    /// The shard holding tensor `name` and its entry, checked against `shape`.
+    fn located(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(&Shard, &safetensors::tensor::TensorInfo), HfError> {
         let missing = || HfError::MissingTensor {
             dir: self.dir.clone(),
             tensor: name.into(),
@@ -439,6 +443,12 @@ impl Safetensors {
                 want: shape.to_vec(),
             });
         }
+        Ok((shard, info))
+    }
+
+    /// Tensor `name` as f32, checked against `shape`.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, HfError> {
+        let (shard, info) = self.located(name, shape)?;
         if info.dtype == Dtype::F8_E4M3 {
             return Ok(self.fp8_weight(name)?.dequantize());
         }
@@ -483,20 +493,7 @@ impl Safetensors {
     /// Integer tensor `name` (I64 or I32) as i64, checked against `shape` (an EAGLE-3
     /// drafter's `d2t` token map).
     pub fn tensor_i64(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, HfError> {
-        let missing = || HfError::MissingTensor {
-            dir: self.dir.clone(),
-            tensor: name.into(),
-        };
-        let shard = &self.shards[*self.index.get(name).ok_or_else(missing)?];
-        let info = shard.meta.info(name).ok_or_else(missing)?;
-        if info.shape != shape {
-            return Err(HfError::Shape {
-                path: shard.path.clone(),
-                tensor: name.into(),
-                got: info.shape.clone(),
-                want: shape.to_vec(),
-            });
-        }
+        let (shard, info) = self.located(name, shape)?;
         let (a, b) = info.data_offsets;
         let bytes = &shard.mmap[shard.data_start + a..shard.data_start + b];
         match info.dtype {

@@ -833,11 +833,7 @@ impl Llama {
         aux.clear();
         aux.resize(t * na * d, 0.0);
         for (li, l) in self.layers.iter().enumerate() {
-            for (j, _) in aux_layers.iter().enumerate().filter(|(_, &a)| a == li) {
-                for (r, xr) in x.chunks_exact(d).enumerate() {
-                    aux[(r * na + j) * d..(r * na + j + 1) * d].copy_from_slice(xr);
-                }
-            }
+            keep_features(&x, d, aux_layers, li, aux);
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut h);
             let hq = self.linear_input(&h, d);
             matmul_t(&hq, t, d, &l.wq, qw, &mut q);
@@ -899,11 +895,7 @@ impl Llama {
             add_in_place(&mut x, &proj);
         }
         // A feature "entering" layer n_layers is the last layer's output.
-        for (j, _) in aux_layers.iter().enumerate().filter(|(_, &a)| a == c.n_layers) {
-            for (r, xr) in x.chunks_exact(d).enumerate() {
-                aux[(r * na + j) * d..(r * na + j + 1) * d].copy_from_slice(xr);
-            }
-        }
+        keep_features(&x, d, aux_layers, c.n_layers, aux);
         Ok(x)
     }
 
@@ -959,6 +951,17 @@ impl Llama {
 
     fn rope_with(&self, inv_freq: &[f32], x: &mut [f32], positions: &[usize], heads: usize) {
         rope(&self.config, inv_freq, x, positions, heads)
+    }
+}
+
+/// Copies the residual stream `x` (`[tokens, d]`) entering layer `layer` into the column block
+/// of each entry of `aux_layers` that names it, in `aux` (`[tokens, aux_layers.len() * d]`).
+fn keep_features(x: &[f32], d: usize, aux_layers: &[usize], layer: usize, aux: &mut [f32]) {
+    let na = aux_layers.len();
+    for (j, _) in aux_layers.iter().enumerate().filter(|(_, &a)| a == layer) {
+        for (r, xr) in x.chunks_exact(d).enumerate() {
+            aux[(r * na + j) * d..(r * na + j + 1) * d].copy_from_slice(xr);
+        }
     }
 }
 
