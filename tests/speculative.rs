@@ -3,6 +3,8 @@
 //! (SmolLM2, Gemma 3, under preemption, with stop tokens, penalties and log-probabilities), and
 //! sampled requests draw from the same distribution (a two-sample test on a small random model).
 
+mod prom_support;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -637,4 +639,74 @@ fn sampled_tokens_follow_the_same_distribution_with_speculation() {
         }
         eprintln!("largest difference: {worst:.2} sigma");
     }
+}
+
+/// `kvfleet worker` itself (the embedded SmolLM2 on the CPU engine): a drafter of the other kind
+/// than `method`, or one made for another model, stops the start naming what is wrong, before
+/// the port opens; a SmolLM2 EAGLE-3 drafter serves, and vLLM's speculative-decoding counters
+/// count its proposals.
+#[test]
+fn the_worker_checks_its_drafter_at_start_and_serves_with_it() {
+    use std::process::{Command, Stdio};
+    let s = smollm2();
+    let c = &s.model.config;
+    let vocab = [198u32, 28, 30];
+    let eagle = make_drafter("eagle3", "worker", c.d_model, c.vocab, c.n_layers, None, &vocab);
+    let dflash = make_drafter("dflash", "worker", c.d_model, c.vocab, c.n_layers, None, &vocab);
+    let spec = |method: &str, dir: &std::path::Path| {
+        format!(
+            r#"{{"method":"{method}","num_speculative_tokens":3,"model":{:?}}}"#,
+            dir.to_str().unwrap()
+        )
+    };
+    let worker = |port: u16, config: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvfleet"));
+        cmd.args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--speculative-config", config])
+            .env_remove("KVFLEET_SPECULATIVE_CONFIG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        cmd
+    };
+    for (config, want) in [
+        (
+            spec("eagle3", &dflash),
+            "holds a dflash drafter, the speculative config says method eagle3",
+        ),
+        (spec("eagle3", &tiny_drafter()), "trained for another model"),
+    ] {
+        let out = worker(prom_support::free_port(), &config).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(
+            err.contains("cannot load the speculative drafter") && err.contains(want),
+            "{err}"
+        );
+    }
+    let port = prom_support::free_port();
+    let _w = prom_support::Proc(
+        worker(port, &spec("eagle3", &eagle)).spawn().unwrap(),
+        "kvfleet worker",
+    );
+    let t0 = std::time::Instant::now();
+    while prom_support::http(port, "GET", "/readyz", None).ok().map(|r| r.0) != Some(200) {
+        assert!(t0.elapsed().as_secs() < 120, "the worker did not get ready");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let (status, body) = prom_support::http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt":"1, 2, 3, 4, 5, 6,","max_tokens":12,"temperature":0}"#),
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let (_, metrics) = prom_support::http(port, "GET", "/metrics", None).unwrap();
+    let drafts = metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:spec_decode_num_draft_tokens_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(drafts >= 3.0, "draft tokens counted: {drafts}\n{metrics}");
 }
