@@ -117,8 +117,10 @@ mod fma {
         while i < t {
             let r = (t - i).min(4);
             let mut j = 0;
+            // One row: four columns a tile (four independent FMA chains, one x load for four).
+            let width = if r == 1 { 4 } else { 2 };
             while j < ncols {
-                let c = (ncols - j).min(2);
+                let c = (ncols - j).min(width);
                 // SAFETY: rows i..i + r < t and columns j..j + c < ncols are in bounds.
                 unsafe {
                     let (xp, wp, op) = (x.add(i * k), w.add(j * k), out.add(i * n + j));
@@ -129,6 +131,8 @@ mod fma {
                         (3, _) => tile::<3, 1>(xp, wp, k, op, n),
                         (2, 2) => tile::<2, 2>(xp, wp, k, op, n),
                         (2, _) => tile::<2, 1>(xp, wp, k, op, n),
+                        (_, 4) => tile::<1, 4>(xp, wp, k, op, n),
+                        (_, 3) => tile::<1, 3>(xp, wp, k, op, n),
                         (_, 2) => tile::<1, 2>(xp, wp, k, op, n),
                         _ => tile::<1, 1>(xp, wp, k, op, n),
                     }
