@@ -452,46 +452,22 @@ fn greedy_streams_with_every_token_parameter_are_the_same_with_speculation() {
     let off = tiny(None);
     for on in [
         tiny(ngram(5)),
-        tiny(eagle3(&tiny_drafter(), 4)),
-        tiny(dflash(&tiny_dflash(), 4)),
+        tiny(eagle3(&tiny_drafter("eagle3"), 4)),
+        tiny(dflash(&tiny_drafter("dflash"), 4)),
     ] {
         greedy_streams_with_every_token_parameter(&off, &on);
     }
 }
 
-/// A drafter for the tiny model (2 layers: its features from layers 0, 1, 1), drafting over
-/// the whole 16-token vocabulary.
-fn tiny_drafter() -> PathBuf {
-    static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        make_drafter(
-            "eagle3",
-            "tiny",
-            32,
-            16,
-            2,
-            Some("0,1,1"),
-            &(0..16).collect::<Vec<u32>>(),
-        )
-    })
-    .clone()
-}
-
-/// A DFlash drafter for the tiny model (its features: the outputs of layers 0, 1, 1).
-fn tiny_dflash() -> PathBuf {
-    static D: OnceLock<PathBuf> = OnceLock::new();
-    D.get_or_init(|| {
-        make_drafter(
-            "dflash",
-            "tiny",
-            32,
-            16,
-            2,
-            Some("0,1,1"),
-            &(0..16).collect::<Vec<u32>>(),
-        )
-    })
-    .clone()
+/// Drafters for the tiny model (`kind` eagle3 or dflash; 2 layers: features from layers 0, 1,
+/// 1), drafting over the whole 16-token vocabulary; made once for all tests.
+fn tiny_drafter(kind: &str) -> PathBuf {
+    static D: OnceLock<[PathBuf; 2]> = OnceLock::new();
+    let [eagle, dflash] = D.get_or_init(|| {
+        let all: Vec<u32> = (0..16).collect();
+        ["eagle3", "dflash"].map(|k| make_drafter(k, "tiny", 32, 16, 2, Some("0,1,1"), &all))
+    });
+    if kind == "dflash" { dflash } else { eagle }.clone()
 }
 
 fn greedy_streams_with_every_token_parameter(off: &ModelRuntime, on: &ModelRuntime) {
@@ -605,8 +581,8 @@ fn sampled_tokens_follow_the_same_distribution_with_speculation() {
     // The first two cases again with drafters (random weights: they propose what they
     // propose, and the output must still be the target's).
     let drafted = [
-        (cases[0].clone(), eagle3(&tiny_drafter(), 3)),
-        (cases[1].clone(), dflash(&tiny_dflash(), 3)),
+        (cases[0].clone(), eagle3(&tiny_drafter("eagle3"), 3)),
+        (cases[1].clone(), dflash(&tiny_drafter("dflash"), 3)),
     ];
     let runs = cases.into_iter().map(|p| (p, ngram(3))).chain(drafted);
     for (params, spec) in runs {
@@ -673,7 +649,10 @@ fn the_worker_checks_its_drafter_at_start_and_serves_with_it() {
             spec("eagle3", &dflash),
             "holds a dflash drafter, the speculative config says method eagle3",
         ),
-        (spec("eagle3", &tiny_drafter()), "trained for another model"),
+        (
+            spec("eagle3", &tiny_drafter("eagle3")),
+            "trained for another model",
+        ),
     ] {
         let out = worker(prom_support::free_port(), &config).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

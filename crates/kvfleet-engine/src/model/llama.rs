@@ -760,7 +760,7 @@ impl Llama {
             tokens,
             logits: 0,
         };
-        let x = self.hidden(&mut kv, &[chunk])?;
+        let x = self.hidden_aux(&mut kv, &[chunk], &[], &mut Vec::new())?;
         let d = c.d_model;
         let scored = tokens.len().saturating_sub(1);
         let mut out = Vec::with_capacity(scored);
@@ -775,12 +775,8 @@ impl Llama {
     }
 
     /// The final hidden states `[tokens, d_model]` of every chunk's new tokens (before the
-    /// output norm), their K/V stored in `kv`.
-    fn hidden(&self, kv: &mut dyn KvAttention, batch: &[SeqChunk<'_>]) -> Result<Vec<f32>, ForwardError> {
-        self.hidden_aux(kv, batch, &[], &mut Vec::new())
-    }
-
-    /// [`Llama::hidden`], copying the residual stream entering each of `aux_layers` into `aux`.
+    /// output norm), their K/V stored in `kv`; the residual stream entering each layer of
+    /// `aux_layers` (`n_layers`: the last layer's output) copied into `aux`.
     fn hidden_aux(
         &self,
         kv: &mut dyn KvAttention,
