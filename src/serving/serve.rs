@@ -314,21 +314,21 @@ pub fn on_cpu(
     ))
 }
 
-/// Loads the drafter that `spec` names (its `model` directory: EAGLE-3 or DFlash, as the
-/// method says), checked against the served model, and attaches it to `forward`; nothing for
-/// n-gram.
-pub fn attach_drafter(
-    forward: &mut dyn Forward,
-    spec: Option<&kvfleet_engine::engine::speculative::SpecConfig>,
-) -> Result<(), RuntimeError> {
+/// Loads the drafter `spec` names (`None` for methods without one) for a target of geometry
+/// `target`, checked against the spec: the method it was trained for, and a block that holds
+/// `num_speculative_tokens`.
+pub fn load_drafter(
+    spec: &kvfleet_engine::engine::speculative::SpecConfig,
+    target: &LlamaConfig,
+) -> Result<Option<kvfleet_engine::model::drafter::Drafter>, RuntimeError> {
     use kvfleet_engine::model::drafter::Drafter;
-    let Some(spec) = spec.filter(|s| s.method.needs_drafter()) else {
-        return Ok(());
-    };
+    if !spec.method.needs_drafter() {
+        return Ok(None);
+    }
     let method = spec.method.as_str();
     let err = |e: String| RuntimeError::Config(format!("speculative model ({method} drafter): {e}"));
     let dir = Path::new(spec.model.as_deref().unwrap_or_default());
-    let drafter = Drafter::load(dir, forward.config()).map_err(|e| err(e.to_string()))?;
+    let drafter = Drafter::load(dir, target).map_err(|e| err(e.to_string()))?;
     if drafter.method() != method {
         return Err(err(format!(
             "{} holds a {} drafter, the speculative config says method {method}",
@@ -349,7 +349,28 @@ pub fn attach_drafter(
         feature_layers = ?drafter.aux_layers(),
         "speculative drafter loaded"
     );
-    forward.attach_drafter(drafter).map_err(|e| err(e.to_string()))
+    Ok(Some(drafter))
+}
+
+/// Loads the drafter `spec` names and attaches it to `forward`, unless one is attached already
+/// (the GPU attaches its drafter when it is placed: [`on_gpu_with`]).
+pub fn attach_drafter(
+    forward: &mut dyn Forward,
+    spec: Option<&kvfleet_engine::engine::speculative::SpecConfig>,
+) -> Result<(), RuntimeError> {
+    let Some(spec) = spec else {
+        return Ok(());
+    };
+    if forward.has_drafter() {
+        return Ok(());
+    }
+    let Some(drafter) = load_drafter(spec, forward.config())? else {
+        return Ok(());
+    };
+    let method = spec.method.as_str();
+    forward
+        .attach_drafter(drafter)
+        .map_err(|e| RuntimeError::Config(format!("speculative model ({method} drafter): {e}")))
 }
 
 /// Puts the model on GPU `opts.ordinal`: weights, activations, then KV pools in the memory
@@ -359,12 +380,41 @@ pub fn on_gpu(
     opts: &GpuOptions,
     seed: u64,
 ) -> Result<(Box<dyn Forward>, GpuCapacity), RuntimeError> {
-    let gpu = GpuLlama::open_gpu(opts.ordinal)?;
-    let m = match weights {
-        LoadedWeights::Host(model) => GpuLlama::from_llama(gpu, &model, opts)?,
-        LoadedWeights::Shared(model) => GpuLlama::from_llama(gpu, &model, opts)?,
-        LoadedWeights::Dummy(c) => GpuLlama::dummy(gpu, c, seed, opts)?,
+    on_gpu_with(weights, opts, seed, None)
+}
+
+/// [`on_gpu`] with the speculative config: a drafter it names is loaded first, its memory
+/// reserved before the KV pools are sized (`GpuOptions::drafter`), and attached.
+pub fn on_gpu_with(
+    weights: LoadedWeights,
+    opts: &GpuOptions,
+    seed: u64,
+    spec: Option<&kvfleet_engine::engine::speculative::SpecConfig>,
+) -> Result<(Box<dyn Forward>, GpuCapacity), RuntimeError> {
+    let config = match &weights {
+        LoadedWeights::Host(m) => m.config.clone(),
+        LoadedWeights::Shared(m) => m.config.clone(),
+        LoadedWeights::Dummy(c) => c.clone(),
     };
+    let drafter = spec.map(|s| load_drafter(s, &config)).transpose()?.flatten();
+    let mut opts = opts.clone();
+    if let Some(d) = &drafter {
+        opts.drafter = Some(kvfleet_cuda::gpu::DraftReserve::of(
+            d,
+            opts.kv_dtype,
+            opts.max_batched_tokens,
+            opts.max_num_seqs,
+        ));
+    }
+    let gpu = GpuLlama::open_gpu(opts.ordinal)?;
+    let mut m = match weights {
+        LoadedWeights::Host(model) => GpuLlama::from_llama(gpu, &model, &opts)?,
+        LoadedWeights::Shared(model) => GpuLlama::from_llama(gpu, &model, &opts)?,
+        LoadedWeights::Dummy(c) => GpuLlama::dummy(gpu, c, seed, &opts)?,
+    };
+    if let Some(d) = drafter {
+        m.attach(d)?;
+    }
     let cap = m.capacity().clone();
     Ok((Box::new(m), cap))
 }

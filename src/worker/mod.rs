@@ -403,6 +403,7 @@ fn place(
     model: LoadedModel,
     cfg: &mut WorkerConfig,
     probe: &nvml::Probe,
+    spec: Option<&SpecConfig>,
 ) -> Result<(Placed, kvfleet_engine::model::tokenizer::Tokenizer), PreflightError> {
     // On a GPU the model stores each KV head `kv_rep` times where its GQA group is not one the
     // kernels build (SmolLM2: 9 over 3 is stored as 9 over 9); preflight checks what is stored.
@@ -481,8 +482,9 @@ fn place(
                 // its dequantized weights: the same bytes for per-channel amax scales).
                 fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8
                     || cfg.model.as_ref().is_some_and(serve::fp8_checkpoint),
+                drafter: None,
             };
-            let (forward, cap) = serve::on_gpu(weights, &opts, cfg.seed).map_err(|e| match e {
+            let (forward, cap) = serve::on_gpu_with(weights, &opts, cfg.seed, spec).map_err(|e| match e {
                 crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {
                     PreflightError::NoMemory(m)
                 }
@@ -567,7 +569,12 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         } else {
             0
         };
-        let r = tokio::task::spawn_blocking(move || place(model, &mut cfg2, &probe).map(|p| (p, cfg2))).await;
+        // A drafter on a GPU is placed with the model (its memory comes out of the KV budget).
+        let spec = speculative(&args, &cfg).ok().flatten();
+        let r = tokio::task::spawn_blocking(move || {
+            place(model, &mut cfg2, &probe, spec.as_ref()).map(|p| (p, cfg2))
+        })
+        .await;
         match r {
             Ok(Ok(((p, tok), _placed_cfg))) => (p, tok),
             Ok(Err(e)) => return fail_preflight(&e),

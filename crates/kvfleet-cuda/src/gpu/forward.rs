@@ -10,7 +10,9 @@
 //!    adjustments applied in place (`kvf_adjust_rows`, when any row has some), then the pick.
 
 use kvfleet_engine::engine::layout::{BackendConfig, StepPlan};
+use kvfleet_engine::model::drafter::{CatchUp, ChainRow, Drafter};
 use kvfleet_engine::model::forward::{check_plan, Forward, Picked};
+use kvfleet_engine::model::kv::SeqId;
 use kvfleet_engine::model::llama::{ForwardError, LlamaConfig, SeqChunk};
 use kvfleet_engine::model::sampling::{RowPick, RowSample};
 
@@ -79,6 +81,9 @@ impl GpuLlama {
             .map_err(drv("binding the context"))?;
         let s = self.gpu.stream().clone();
         self.acts.ensure(&s, &self.dims, t, host.last.len())?;
+        if let Some(d) = self.drafter.as_mut() {
+            d.aux.ensure(&s, t, self.dims.d)?;
+        }
         if let Some(p) = self.profile.as_mut() {
             p.start(&s).map_err(drv("recording a profile event"))?;
         }
@@ -108,6 +113,7 @@ impl GpuLlama {
             marks: Marks::new(self.profile.as_mut(), &s),
             t,
             fused: self.single_token_gemv && t == 1,
+            aux: self.drafter.as_mut().map(|d| &mut d.aux),
         };
         self.family.layers(&mut st)?;
         let n = last.len();
@@ -240,5 +246,29 @@ impl Forward for GpuLlama {
 
     fn device(&self) -> &'static str {
         "cuda"
+    }
+
+    fn attach_drafter(&mut self, drafter: Drafter) -> Result<(), ForwardError> {
+        Ok(self.attach(drafter)?)
+    }
+
+    fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
+    }
+
+    fn draft_catch_up(&mut self, rows: &[CatchUp<'_>], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        let (d, t) = self.drafter_and_target()?;
+        Ok(d.catch_up(t, rows, plan)?)
+    }
+
+    fn draft_chain(&mut self, rows: &[ChainRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
+        let (d, t) = self.drafter_and_target()?;
+        Ok(d.chain(t, rows, plan)?)
+    }
+
+    fn forget_draft(&mut self, seq: SeqId) {
+        if let Some(d) = self.drafter.as_mut() {
+            d.forget(seq);
+        }
     }
 }

@@ -34,10 +34,11 @@ pub const MODEL_SOURCE: &str = concat!(
 );
 
 /// Entry points of [`MODEL_SOURCE`].
-pub const MODEL_KERNELS: [&str; 14] = [
+pub const MODEL_KERNELS: [&str; 15] = [
     "kvf_embed",
     "kvf_rms_norm",
     "kvf_rms_norm_rows",
+    "kvf_gather_aux",
     "kvf_qkv_post",
     "kvf_qkv_post_wide",
     "kvf_silu_mul",
@@ -120,6 +121,7 @@ pub(super) struct ModelKernels {
     embed: CudaFunction,
     rms_norm: CudaFunction,
     rms_norm_rows: CudaFunction,
+    gather_aux: CudaFunction,
     qkv_post: CudaFunction,
     qkv_post_wide: CudaFunction,
     silu_mul: CudaFunction,
@@ -253,6 +255,7 @@ impl ModelKernels {
             embed: f("kvf_embed")?,
             rms_norm: f("kvf_rms_norm")?,
             rms_norm_rows: f("kvf_rms_norm_rows")?,
+            gather_aux: f("kvf_gather_aux")?,
             qkv_post: f("kvf_qkv_post")?,
             qkv_post_wide: f("kvf_qkv_post_wide")?,
             silu_mul: f("kvf_silu_mul")?,
@@ -341,6 +344,29 @@ impl ModelKernels {
         // waits for the previous kernel first (PDL).
         unsafe { l.launch(&self.rms_norm_rows, rows_cfg(n, NORM_THREADS, 0), self.pdl) }
             .map_err(drv("launching kvf_rms_norm_rows"))?;
+        Ok(())
+    }
+
+    /// `out[i] = bf16(a[0][rows[i]] ++ a[1][rows[i]] ++ a[2][rows[i]])`: an EAGLE-3 drafter's
+    /// `fc` input, `[n, 3 d]`, from three kept target features of `d` a row.
+    pub fn gather_aux(
+        &self,
+        a: [&CudaSlice<f32>; 3],
+        rows: &CudaSlice<i32>,
+        n: usize,
+        d: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        need("row index buffer", rows, n)?;
+        need("drafter input", out, n * 3 * d)?;
+        let d_i = d as i32;
+        let mut l = Launch::new(&self.stream);
+        l.ptr(a[0]).ptr(a[1]).ptr(a[2]).ptr(rows).i32(d_i).ptr_mut(out);
+        // SAFETY: matches `kvf_gather_aux(const float*, const float*, const float*, const int*,
+        // int, bf16*)`; the row indices are rows of the step the features were kept from
+        // (checked on the host against their length); it waits for the previous kernel (PDL).
+        unsafe { l.launch(&self.gather_aux, rows_cfg(n, NORM_THREADS, 0), self.pdl) }
+            .map_err(drv("launching kvf_gather_aux"))?;
         Ok(())
     }
 

@@ -27,6 +27,7 @@ impl Family for LlamaFamily {
         st.k.embed(&w.embed, &st.a.tok, st.t, dm.d, &mut st.a.x)?;
         st.marks.mark(part::EMBED)?;
         for (li, l) in w.layers.iter().enumerate() {
+            st.keep_features(li)?;
             qkv(st, l)?;
             st.backend.append_kv(li, &st.a.k, &st.a.v).map_err(backend_err)?;
             st.marks.mark(part::KV_APPEND)?;
@@ -41,7 +42,7 @@ impl Family for LlamaFamily {
             }
             st.marks.mark(part::DOWN_GEMM)?;
         }
-        Ok(())
+        st.keep_features(w.layers.len())
     }
 }
 

@@ -17,10 +17,11 @@
 //!   sizing;
 //! - `step`: what a family's layers run with and the [`Family`](step::Family) trait, one file
 //!   per family (`llama`, `gemma3`); `model`: [`GpuLlama`] and how it is built; `forward`: its
-//!   step and the engine's `Forward`.
+//!   step and the engine's `Forward`; `drafter`: EAGLE-3 drafters beside the model.
 
 mod arena;
 mod blas;
+mod drafter;
 mod error;
 mod forward;
 mod fp8;
@@ -37,6 +38,7 @@ mod step;
 mod weights;
 
 pub use blas::cublas_present;
+pub use drafter::DraftReserve;
 pub use error::GpuError;
 pub use fp8::{check_device as check_fp8_device, cublaslt_present};
 pub use kernels::{fp8_ptx, model_ptx, FP8_KERNELS, FP8_SOURCE, MODEL_KERNELS, MODEL_SOURCE};

@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use kvfleet_engine::engine::layout::KvDtype;
+use kvfleet_engine::model::drafter::Drafter;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig};
 
 use crate::backend::CudaBackend;
@@ -13,6 +15,7 @@ use crate::{nvrtc, CudaError};
 
 use super::arena::Acts;
 use super::blas::{cublas_present, Blas};
+use super::drafter::{GpuEagle3, Target};
 use super::error::{backend_err, drv, GpuError};
 use super::gemma3::Gemma3Family;
 use super::gemv::Gemv;
@@ -57,6 +60,8 @@ pub struct GpuLlama {
     pub(super) profile: Option<GpuSteps>,
     /// Steps of one token take the fused GEMV path.
     pub(super) single_token_gemv: bool,
+    /// A speculative drafter beside the model.
+    pub(super) drafter: Option<GpuEagle3>,
 }
 
 impl std::fmt::Debug for GpuLlama {
@@ -175,7 +180,59 @@ impl GpuLlama {
             family,
             single_token_gemv: opts.single_token_gemv && Gemv::fits(dims.d, &[dims.qw, dims.ff], dims.fp8),
             profile,
+            drafter: None,
         })
+    }
+
+    /// Puts `drafter` beside the model: its weights, and its pool of as many pages as the
+    /// model's (reserved when the pools were sized with `GpuOptions::drafter`).
+    pub fn attach(&mut self, drafter: Drafter) -> Result<(), GpuError> {
+        if self.dims.gemma {
+            return Err(GpuError::Unsupported(
+                "a speculative drafter beside a model with sliding-window layers on the GPU (the CPU engine runs it)"
+                    .into(),
+            ));
+        }
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        let cfg = kvfleet_engine::engine::Backend::config(&self.backend);
+        let blocks = cfg.groups.first().map_or(0, |g| g.num_blocks);
+        let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
+        let d = GpuEagle3::new(
+            &self.gpu,
+            drafter,
+            &self.dims,
+            dtype,
+            cfg.block_size,
+            blocks,
+            self.acts.tokens,
+            self.acts.rows,
+        )?;
+        self.gpu.synchronize()?;
+        self.drafter = Some(d);
+        Ok(())
+    }
+
+    /// The drafter and the target parts its passes borrow.
+    pub(super) fn drafter_and_target(&mut self) -> Result<(&mut GpuEagle3, Target<'_>), GpuError> {
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        let d = self
+            .drafter
+            .as_mut()
+            .ok_or_else(|| GpuError::Invalid("no drafter is attached".into()))?;
+        let t = Target {
+            dims: &self.dims,
+            k: &self.kernels,
+            blas: &self.blas,
+            a: &mut self.acts,
+            embed: &self.weights.embed,
+        };
+        Ok((d, t))
     }
 
     pub fn capacity(&self) -> &GpuCapacity {

@@ -46,6 +46,9 @@ pub struct GpuOptions {
     /// activations quantized per token. Embeddings, the LM head and norms stay bf16/f32.
     /// Needs compute capability 8.9 or later.
     pub fp8_weights: bool,
+    /// A speculative drafter to run beside the model: its weights, buffers and K/V come out
+    /// of the KV budget before the pages are counted (its pool has as many pages).
+    pub drafter: Option<crate::gpu::DraftReserve>,
 }
 
 impl Default for GpuOptions {
@@ -64,6 +67,7 @@ impl Default for GpuOptions {
             max_model_len: None,
             single_token_gemv: true,
             fp8_weights: false,
+            drafter: None,
         }
     }
 }
@@ -96,6 +100,8 @@ pub struct GpuCapacity {
     pub block_size: usize,
     /// `blocks * block_size`.
     pub kv_tokens: usize,
+    /// Bytes a speculative drafter took out of the KV budget (weights, buffers and its pool).
+    pub drafter_bytes: usize,
 }
 
 impl GpuCapacity {
@@ -128,6 +134,7 @@ mod tests {
             blocks: 100,
             block_size: 16,
             kv_tokens: 1600,
+            drafter_bytes: 0,
         };
         assert_eq!(cap.admission_tokens(10), 1600 - 150);
         assert_eq!(cap.admission_tokens(1000), 16, "never below one page");

@@ -77,13 +77,17 @@ pub(super) fn size_pools(
     let dt = opts.kv_dtype;
     let kv_bytes_per_token =
         dims.layers * 2 * geo.n_kv_heads * (dt.data_bytes(dims.hd) + dt.scale_bytes(dims.hd));
+    // A drafter's weights and buffers first; its K/V then shares every page with the model's.
+    let draft = opts.drafter.unwrap_or_default();
+    let kv_bytes = kv_bytes.saturating_sub(draft.fixed_bytes);
+    let page_bytes_per_token = kv_bytes_per_token + draft.kv_bytes_per_token;
     let bs = opts.block_size;
     if bs != BLOCK_SIZE {
         return Err(GpuError::Unsupported(format!(
             "blockSize {bs} (the attention kernels build pages of {BLOCK_SIZE} tokens)"
         )));
     }
-    let mut blocks = kv_bytes / (kv_bytes_per_token * bs).max(1);
+    let mut blocks = kv_bytes / (page_bytes_per_token * bs).max(1);
     if let Some(cap) = opts.max_kv_tokens {
         blocks = blocks.min(cap.div_ceil(bs));
     }
@@ -99,8 +103,13 @@ pub(super) fn size_pools(
             budget_bytes >> 20,
             opts.gpu_memory_utilization,
             CONTEXT_RESERVE_BYTES >> 20,
-            (kv_bytes_per_token * bs) >> 10
+            (page_bytes_per_token * bs) >> 10
         )));
+    }
+    if opts.drafter.is_some() && c.gemma3.is_some() {
+        return Err(GpuError::Unsupported(
+            "a speculative drafter beside a model with sliding-window layers on the GPU (the CPU engine runs it)".into(),
+        ));
     }
     let pools = if c.gemma3.is_some() {
         // The bytes the planner splits; `max_kv_tokens` caps them at as many full-layer pages.
@@ -126,6 +135,9 @@ pub(super) fn size_pools(
         blocks,
         block_size: bs,
         kv_tokens: blocks * bs,
+        drafter_bytes: opts
+            .drafter
+            .map_or(0, |d| d.fixed_bytes + blocks * bs * d.kv_bytes_per_token),
     };
     Ok((pools, capacity))
 }

@@ -10,6 +10,7 @@ use crate::profile::GpuSteps;
 
 use super::arena::Acts;
 use super::blas::Blas;
+use super::drafter::AuxCapture;
 use super::error::{drv, GpuError};
 use super::kernels::ModelKernels;
 use super::shape::Dims;
@@ -94,6 +95,19 @@ pub(super) struct Step<'a> {
     pub t: usize,
     /// A step of one token with the GEMV path on: each projection is one fused GEMV.
     pub fused: bool,
+    /// With a drafter: where the step keeps the features it reads.
+    pub aux: Option<&'a mut AuxCapture>,
+}
+
+impl Step<'_> {
+    /// Before layer `li` (`li == layers`: after the last), keeps the residual stream when the
+    /// drafter reads it.
+    pub fn keep_features(&mut self, li: usize) -> Result<(), GpuError> {
+        match self.aux.as_mut() {
+            Some(aux) => aux.keep(self.k.stream(), li, &self.a.x, self.t, self.dm.d),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A model family's layers on the GPU, in the spirit of mistral.rs's `models/`: a file per

@@ -77,7 +77,7 @@ fn gemma_inv_freq_local(c: &LlamaConfig) -> Option<Vec<f32>> {
     })
 }
 
-fn to_bf16(parts: &[&[f32]]) -> Vec<u16> {
+pub(super) fn to_bf16(parts: &[&[f32]]) -> Vec<u16> {
     let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
     for p in parts {
         let start = out.len();

@@ -83,7 +83,7 @@ impl Drafter {
     }
 
     /// The drafter's pool: its layers, `num_blocks` pages of `block_size`, in `dtype`.
-    fn pools(&self, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
+    pub fn pools(&self, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
         let (geo, causal) = match self {
             Drafter::Eagle3(m) => (m.config.attn_geometry(), true),
             Drafter::Dflash(m) => (m.config.attn_geometry(), m.config.causal),

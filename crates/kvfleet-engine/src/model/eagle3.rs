@@ -67,26 +67,27 @@ pub struct Eagle3Config {
     pub norm_before_residual: bool,
 }
 
-/// A loaded EAGLE-3 drafter (f32 weights, matrices `[out, in]` row-major).
+/// A loaded EAGLE-3 drafter (f32 weights, matrices `[out, in]` row-major; public for the GPU
+/// engine, which uploads them).
 pub struct Eagle3 {
     pub config: Eagle3Config,
-    inv_freq: Vec<f32>,
-    fc: Vec<f32>,
-    input_norm: Vec<f32>,
-    hidden_norm: Vec<f32>,
-    wq: Vec<f32>,
-    wk: Vec<f32>,
-    wv: Vec<f32>,
-    wo: Vec<f32>,
-    post_norm: Vec<f32>,
-    w_gate: Vec<f32>,
-    w_up: Vec<f32>,
-    w_down: Vec<f32>,
-    out_norm: Vec<f32>,
-    lm_head: Vec<f32>,
+    pub inv_freq: Vec<f32>,
+    pub fc: Vec<f32>,
+    pub input_norm: Vec<f32>,
+    pub hidden_norm: Vec<f32>,
+    pub wq: Vec<f32>,
+    pub wk: Vec<f32>,
+    pub wv: Vec<f32>,
+    pub wo: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub w_gate: Vec<f32>,
+    pub w_up: Vec<f32>,
+    pub w_down: Vec<f32>,
+    pub out_norm: Vec<f32>,
+    pub lm_head: Vec<f32>,
     /// Target token id of each draft token.
-    d2t: Vec<u32>,
-    embed: Option<Vec<f32>>,
+    pub d2t: Vec<u32>,
+    pub embed: Option<Vec<f32>>,
 }
 
 impl std::fmt::Debug for Eagle3 {

@@ -1,0 +1,530 @@
+//! EAGLE-3 drafters on the GPU beside the target ([`super::model::GpuLlama`]), the same math as
+//! the CPU's `model::eagle3` on the model's kernels and cuBLAS:
+//! - every target step keeps the residual stream entering the feature layers ([`AuxCapture`],
+//!   f32 copies of the step's rows);
+//! - a catch-up gathers the kept rows' features (bf16, `fc`'s column order), fuses them with
+//!   `fc`, and runs the drafter's decoder layer over them beside the next tokens' embeddings;
+//!   a chain step runs it over each request's own latest output instead;
+//! - the layer: `x = features`; `qkv = rmsnorm_in(embed) · W_eᵀ + rmsnorm_hidden(x) · W_hᵀ`
+//!   (the concatenation `[embeds, hidden]` as two GEMMs over the two column halves of
+//!   Q/K/V); RoPE; its K/V appended to its own pool (one layer, paged by the target's page
+//!   table, in pages reserved when the target's pools were sized: [`DraftReserve`]); attention;
+//!   `x += attn · Woᵀ`; the MLP; the pre-norm outputs kept per request for chaining;
+//! - each drafting row's token: `argmax(rmsnorm_out(x) · lm_headᵀ)`, mapped through `d2t`.
+//!
+//! The layer borrows the target's activation buffers (the target is idle between its steps),
+//! so a drafter must not be wider than its target ([`GpuEagle3::new`] checks).
+
+use std::collections::HashMap;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use kvfleet_engine::engine::layout::KvDtype;
+use kvfleet_engine::engine::{Backend, StepPlan};
+use kvfleet_engine::model::drafter::{CatchUp, ChainRow, Drafter};
+use kvfleet_engine::model::eagle3::{Eagle3, Eagle3Config};
+use kvfleet_engine::model::forward::llama_backend_config;
+use kvfleet_engine::model::kv::{AttnGeometry, SeqId};
+
+use crate::backend::CudaBackend;
+use crate::device::Gpu;
+
+use super::arena::{upload_into, Acts};
+use super::blas::{Blas, Gemm};
+use super::error::{backend_err, drv, GpuError};
+use super::kernels::{Glu, ModelKernels, Norm, QkvOut, QkvPost};
+use super::shape::{kv_replication, Dims};
+use super::weights::to_bf16;
+
+/// What a drafter takes of the memory the KV pools would otherwise get: its weights and
+/// buffers, and its K/V per token of the target's pages (the same number of pages).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftReserve {
+    pub fixed_bytes: usize,
+    pub kv_bytes_per_token: usize,
+}
+
+impl DraftReserve {
+    /// The reservation of `d` for steps of up to `tokens` tokens and `seqs` requests, K/V in
+    /// `dtype`.
+    pub fn of(d: &Drafter, dtype: KvDtype, tokens: usize, seqs: usize) -> Self {
+        let Drafter::Eagle3(m) = d else {
+            // Refused at attach ([`GpuEagle3::new`]): nothing to reserve.
+            return DraftReserve::default();
+        };
+        let c = &m.config;
+        let l = &c.layer;
+        let (d_, dt, hd) = (l.d_model, c.target_hidden, l.head_dim);
+        let (qw, kw) = (l.n_heads * hd, l.n_kv_heads * hd);
+        let rep = kv_replication(l.n_heads, l.n_kv_heads).map_or(1, |(r, _)| r);
+        let weights = d_ * 3 * dt
+            + (qw + 2 * kw) * 2 * d_
+            + qw * d_
+            + 3 * l.d_ff * d_
+            + c.draft_vocab * d_
+            + m.embed.as_ref().map_or(0, Vec::len);
+        DraftReserve {
+            fixed_bytes: 2 * weights        // bf16 matrices
+                + 4 * 5 * d_                // norms, frequencies (f32)
+                + 4 * 3 * tokens * dt       // kept features
+                + 2 * tokens * 3 * dt       // fc's gathered input
+                + 4 * seqs * d_, // each request's latest output
+            kv_bytes_per_token: 2 * l.n_kv_heads * rep * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
+        }
+    }
+}
+
+/// The residual stream entering each feature layer of the last target step (index
+/// `n_layers`: the last layer's output), f32 `[tokens, d]` each.
+pub(super) struct AuxCapture {
+    pub layers: Vec<usize>,
+    pub bufs: Vec<CudaSlice<f32>>,
+    pub tokens: usize,
+    /// Rows of the last step.
+    pub kept: usize,
+}
+
+impl AuxCapture {
+    fn new(
+        s: &std::sync::Arc<CudaStream>,
+        layers: &[usize],
+        tokens: usize,
+        d: usize,
+    ) -> Result<Self, GpuError> {
+        let bufs = layers
+            .iter()
+            .map(|_| s.alloc_zeros::<f32>(tokens.max(1) * d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(drv("allocating the drafter's feature copies"))?;
+        Ok(AuxCapture {
+            layers: layers.to_vec(),
+            bufs,
+            tokens: tokens.max(1),
+            kept: 0,
+        })
+    }
+
+    /// Room for a step of `t` tokens.
+    pub fn ensure(&mut self, s: &std::sync::Arc<CudaStream>, t: usize, d: usize) -> Result<(), GpuError> {
+        if t > self.tokens {
+            for b in &mut self.bufs {
+                *b = s
+                    .alloc_zeros::<f32>(t * d)
+                    .map_err(drv("growing the drafter's feature copies"))?;
+            }
+            self.tokens = t;
+        }
+        Ok(())
+    }
+
+    /// Keeps `x[..t]` when layer `li`'s input is a feature (`li == n_layers`: the output).
+    pub fn keep(
+        &mut self,
+        s: &std::sync::Arc<CudaStream>,
+        li: usize,
+        x: &CudaSlice<f32>,
+        t: usize,
+        d: usize,
+    ) -> Result<(), GpuError> {
+        for (l, b) in self.layers.iter().zip(&mut self.bufs) {
+            if *l == li {
+                s.memcpy_dtod(&x.slice(..t * d), &mut b.slice_mut(..t * d))
+                    .map_err(drv("keeping a drafter feature"))?;
+            }
+        }
+        self.kept = t;
+        Ok(())
+    }
+}
+
+/// The drafter's tensors on the device (bf16 matrices `[out, in]`, f32 norms).
+struct DraftW {
+    /// `[d, 3 dt]`.
+    fc: CudaSlice<u16>,
+    input_norm: CudaSlice<f32>,
+    hidden_norm: CudaSlice<f32>,
+    /// `[qw + 2 kw, d]`: Q/K/V's columns over the embeddings, then over the features.
+    wqkv_e: CudaSlice<u16>,
+    wqkv_h: CudaSlice<u16>,
+    wo: CudaSlice<u16>,
+    post_norm: CudaSlice<f32>,
+    /// `[2 ff, d]`: gate rows, then up rows.
+    wgu: CudaSlice<u16>,
+    wdown: CudaSlice<u16>,
+    out_norm: CudaSlice<f32>,
+    /// `[draft vocab, d]`.
+    lm_head: CudaSlice<u16>,
+    /// The drafter's own embeddings, else the target's.
+    embed: Option<CudaSlice<u16>>,
+    inv_freq: CudaSlice<f32>,
+}
+
+/// Columns `from..from + n` of a row-major `[rows, cols]` matrix.
+fn columns(m: &[f32], cols: usize, from: usize, n: usize) -> Vec<f32> {
+    m.chunks_exact(cols)
+        .flat_map(|r| r[from..from + n].iter().copied())
+        .collect()
+}
+
+impl DraftW {
+    fn upload(gpu: &Gpu, m: &Eagle3) -> Result<Self, GpuError> {
+        let d = m.config.layer.d_model;
+        let up16 =
+            |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> { Ok(gpu.upload(&to_bf16(parts))?) };
+        let half = |from: usize| {
+            let (q, k, v) = (
+                columns(&m.wq, 2 * d, from, d),
+                columns(&m.wk, 2 * d, from, d),
+                columns(&m.wv, 2 * d, from, d),
+            );
+            up16(&[&q, &k, &v])
+        };
+        Ok(DraftW {
+            fc: up16(&[&m.fc])?,
+            input_norm: gpu.upload(&m.input_norm)?,
+            hidden_norm: gpu.upload(&m.hidden_norm)?,
+            wqkv_e: half(0)?,
+            wqkv_h: half(d)?,
+            wo: up16(&[&m.wo])?,
+            post_norm: gpu.upload(&m.post_norm)?,
+            wgu: up16(&[&m.w_gate, &m.w_up])?,
+            wdown: up16(&[&m.w_down])?,
+            out_norm: gpu.upload(&m.out_norm)?,
+            lm_head: up16(&[&m.lm_head])?,
+            embed: m.embed.as_ref().map(|e| up16(&[e])).transpose()?,
+            inv_freq: gpu.upload(&m.inv_freq)?,
+        })
+    }
+}
+
+/// An EAGLE-3 drafter on the GPU: weights, its one-layer pool, the target's kept features and
+/// each request's latest output.
+pub(super) struct GpuEagle3 {
+    config: Eagle3Config,
+    dims: Dims,
+    w: DraftW,
+    d2t: Vec<u32>,
+    backend: CudaBackend,
+    pub aux: AuxCapture,
+    /// bf16 `[tokens, 3 dt]`: `fc`'s input.
+    fcin: CudaSlice<u16>,
+    /// `[tokens]`: the step rows a catch-up gathers.
+    idx: CudaSlice<i32>,
+    /// f32 `[slots, d]`: each request's latest pre-norm output.
+    feat: CudaSlice<f32>,
+    slots: HashMap<SeqId, usize>,
+    free: Vec<usize>,
+}
+
+/// The target's parts a drafter pass runs with.
+pub(super) struct Target<'a> {
+    pub dims: &'a Dims,
+    pub k: &'a ModelKernels,
+    pub blas: &'a Blas,
+    pub a: &'a mut Acts,
+    pub embed: &'a CudaSlice<u16>,
+}
+
+impl GpuEagle3 {
+    /// Uploads `drafter` beside a target of widths `target` (its step buffers hold `tokens`
+    /// tokens and `seqs` rows), its pool `num_blocks` pages of `block_size` in `dtype`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        gpu: &std::sync::Arc<Gpu>,
+        drafter: Drafter,
+        target: &Dims,
+        dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+        tokens: usize,
+        seqs: usize,
+    ) -> Result<Self, GpuError> {
+        let m = match drafter {
+            Drafter::Eagle3(m) => m,
+            other => {
+                return Err(GpuError::Unsupported(format!(
+                    "{} drafters on the GPU (the CPU engine runs them; EAGLE-3 runs on both)",
+                    other.method()
+                )))
+            }
+        };
+        let c = m.config.clone();
+        if c.norm_before_residual {
+            return Err(GpuError::Unsupported(
+                "EAGLE-3 drafters with norm_before_residual on the GPU".into(),
+            ));
+        }
+        let l = &c.layer;
+        super::shape::check_shapes(l)?;
+        let (rep, _) = kv_replication(l.n_heads, l.n_kv_heads)?;
+        let dims = Dims::new(l, rep);
+        let fits = [
+            ("hidden size", dims.d, target.d),
+            ("query width", dims.qw.max(dims.d), target.qw.max(target.d)),
+            (
+                "Q/K/V width",
+                dims.qw + 2 * dims.kw_rep,
+                target.qw + 2 * target.kw_rep,
+            ),
+            ("K/V width", dims.kw_rep, target.kw_rep),
+            ("MLP width", dims.ff, target.ff),
+            ("vocabulary", c.draft_vocab, target.vocab),
+        ];
+        if let Some((what, ours, theirs)) = fits.iter().find(|(_, a, b)| a > b) {
+            return Err(GpuError::Unsupported(format!(
+                "an EAGLE-3 drafter wider than its target on the GPU ({what} {ours} > {theirs})"
+            )));
+        }
+        if c.aux_layers.len() != 3 {
+            return Err(GpuError::Invalid(format!(
+                "an EAGLE-3 drafter fuses 3 target features, this one names {}",
+                c.aux_layers.len()
+            )));
+        }
+        let s = gpu.stream().clone();
+        let geo = AttnGeometry {
+            n_layers: 1,
+            n_heads: l.n_heads,
+            n_kv_heads: l.n_kv_heads * rep,
+            head_dim: l.head_dim,
+        };
+        let pools = llama_backend_config(geo, dtype, block_size, num_blocks);
+        let backend = CudaBackend::new(gpu.clone(), pools).map_err(backend_err)?;
+        let w = DraftW::upload(gpu, &m)?;
+        let dt = c.target_hidden;
+        Ok(GpuEagle3 {
+            aux: AuxCapture::new(&s, &c.aux_layers, tokens, dt)?,
+            fcin: s
+                .alloc_zeros::<u16>(tokens.max(1) * 3 * dt)
+                .map_err(drv("allocating the drafter's input"))?,
+            idx: s
+                .alloc_zeros::<i32>(tokens.max(1))
+                .map_err(drv("allocating the drafter's row indices"))?,
+            feat: s
+                .alloc_zeros::<f32>(seqs.max(1) * dims.d)
+                .map_err(drv("allocating the drafter's outputs"))?,
+            slots: HashMap::new(),
+            free: (0..seqs.max(1)).rev().collect(),
+            d2t: m.d2t.clone(),
+            config: c,
+            dims,
+            w,
+            backend,
+        })
+    }
+
+    /// The catch-up after a target step: `rows` name positions the step computed (its rows
+    /// `r.row..`), each paired with the token after it. Returns a drafted token for each row
+    /// with `draft`.
+    pub fn catch_up(
+        &mut self,
+        mut t: Target<'_>,
+        rows: &[CatchUp<'_>],
+        plan: &StepPlan,
+    ) -> Result<Vec<u32>, GpuError> {
+        let (mut tokens, mut positions, mut src) = (Vec::new(), Vec::new(), Vec::new());
+        let mut last = Vec::new();
+        for r in rows {
+            if r.row + r.next.len() > self.aux.kept {
+                return Err(GpuError::Invalid(format!(
+                    "drafter catch-up of request {} reads rows {}..{} of a step of {}",
+                    r.seq,
+                    r.row,
+                    r.row + r.next.len(),
+                    self.aux.kept
+                )));
+            }
+            tokens.extend(r.next.iter().map(|&x| x as i32));
+            positions.extend((r.start_pos..r.start_pos + r.next.len()).map(|p| p as i32));
+            src.extend((r.row..r.row + r.next.len()).map(|i| i as i32));
+            if r.draft && !r.next.is_empty() {
+                last.push((r.seq, tokens.len() - 1));
+            }
+        }
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let s = t.k.stream().clone();
+        t.a.ensure(&s, t.dims, n, last.len().max(1))?;
+        let dt = self.config.target_hidden;
+        if self.fcin.len() < n * 3 * dt {
+            self.fcin = s
+                .alloc_zeros::<u16>(n * 3 * dt)
+                .map_err(drv("growing the drafter's input"))?;
+        }
+        if self.idx.len() < n {
+            self.idx = s
+                .alloc_zeros::<i32>(n)
+                .map_err(drv("growing the drafter's row indices"))?;
+        }
+        // The features of the rows, gathered and fused by `fc` into the residual `x`.
+        upload_into(&s, &src, &mut self.idx)?;
+        let [a0, a1, a2] = [&self.aux.bufs[0], &self.aux.bufs[1], &self.aux.bufs[2]];
+        t.k.gather_aux([a0, a1, a2], &self.idx, n, dt, &mut self.fcin)?;
+        self.embed_in(&mut t, &tokens, &positions)?;
+        let g = Gemm::store(n, self.dims.d, 3 * dt);
+        t.blas.gemm(&self.w.fc, &self.fcin, &mut t.a.x, g)?;
+        self.layer(&mut t, n, plan)?;
+        self.keep_and_draft(&mut t, &last)
+    }
+
+    /// One chain step: each row's drafted token at its position, with the request's latest
+    /// output as the feature. Returns each row's next drafted token.
+    pub fn chain(
+        &mut self,
+        mut t: Target<'_>,
+        rows: &[ChainRow],
+        plan: &StepPlan,
+    ) -> Result<Vec<u32>, GpuError> {
+        let n = rows.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let s = t.k.stream().clone();
+        t.a.ensure(&s, t.dims, n, n)?;
+        let tokens: Vec<i32> = rows.iter().map(|r| r.token as i32).collect();
+        let positions: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
+        self.embed_in(&mut t, &tokens, &positions)?;
+        let d = self.dims.d;
+        for (i, r) in rows.iter().enumerate() {
+            let slot = *self.slots.get(&r.seq).ok_or_else(|| {
+                GpuError::Invalid(format!(
+                    "request {} chains drafts without a drafter feature (no catch-up ran for it)",
+                    r.seq
+                ))
+            })?;
+            s.memcpy_dtod(
+                &self.feat.slice(slot * d..(slot + 1) * d),
+                &mut t.a.x.slice_mut(i * d..(i + 1) * d),
+            )
+            .map_err(drv("reading a drafter feature"))?;
+        }
+        self.layer(&mut t, n, plan)?;
+        let last: Vec<(SeqId, usize)> = rows.iter().enumerate().map(|(i, r)| (r.seq, i)).collect();
+        self.keep_and_draft(&mut t, &last)
+    }
+
+    /// Uploads the pass's tokens and positions and writes the normed embeddings into `a.h`
+    /// (through `a.x`, which the features then overwrite).
+    fn embed_in(&self, t: &mut Target<'_>, tokens: &[i32], positions: &[i32]) -> Result<(), GpuError> {
+        let (n, d) = (tokens.len(), self.dims.d);
+        let s = t.k.stream();
+        upload_into(s, tokens, &mut t.a.tok)?;
+        upload_into(s, positions, &mut t.a.pos)?;
+        let table = self.w.embed.as_ref().unwrap_or(t.embed);
+        t.k.embed(table, &t.a.tok, n, d, &mut t.a.x)?;
+        let eps = self.config.layer.rms_eps;
+        t.k.rms_norm(&t.a.x, n, d, Norm::new(&self.w.input_norm, eps), &mut t.a.h)
+    }
+
+    /// The decoder layer over `n` rows: normed embeddings in `a.h`, features in `a.x` (the
+    /// residual); leaves the pre-norm outputs in `a.x`.
+    fn layer(&mut self, t: &mut Target<'_>, n: usize, plan: &StepPlan) -> Result<(), GpuError> {
+        let (dm, c) = (&self.dims, &self.config.layer);
+        let (k, blas) = (t.k, t.blas);
+        let a = &mut *t.a;
+        // The normed features go where the attention output goes later (free until then).
+        k.rms_norm(
+            &a.x,
+            n,
+            dm.d,
+            Norm::new(&self.w.hidden_norm, c.rms_eps),
+            &mut a.attn,
+        )?;
+        let qkv = dm.qw + 2 * dm.kw;
+        blas.gemm(&self.w.wqkv_e, &a.h, &mut a.qkv, Gemm::store(n, qkv, dm.d))?;
+        blas.gemm(&self.w.wqkv_h, &a.attn, &mut a.qkv, Gemm::add(n, qkv, dm.d))?;
+        let post = QkvPost {
+            config: c,
+            dims: dm,
+            qkv: &a.qkv,
+            pos: &a.pos,
+            bias: None,
+            qk_norm: None,
+            inv_freq: &self.w.inv_freq,
+        };
+        let out = QkvOut {
+            q: &mut a.q,
+            k: &mut a.k,
+            v: &mut a.v,
+        };
+        k.qkv_post(n, &post, out, k.pdl)?;
+        self.backend.prepare(plan).map_err(backend_err)?;
+        self.backend.append_kv(0, &a.k, &a.v).map_err(backend_err)?;
+        self.backend
+            .attention(0, &a.q, &mut a.attn)
+            .map_err(backend_err)?;
+        blas.gemm(&self.w.wo, &a.attn, &mut a.x, Gemm::add(n, dm.d, dm.qw))?;
+        k.rms_norm(&a.x, n, dm.d, Norm::new(&self.w.post_norm, c.rms_eps), &mut a.h)?;
+        blas.gemm(&self.w.wgu, &a.h, &mut a.gu, Gemm::store(n, 2 * dm.ff, dm.d))?;
+        k.glu(Glu::Silu, &a.gu, n, dm.ff, &mut a.act)?;
+        blas.gemm(&self.w.wdown, &a.act, &mut a.x, Gemm::add(n, dm.d, dm.ff))
+    }
+
+    /// Keeps the output row of each `(request, row)` of `last` as the request's feature and
+    /// returns the token each drafts next.
+    fn keep_and_draft(&mut self, t: &mut Target<'_>, last: &[(SeqId, usize)]) -> Result<Vec<u32>, GpuError> {
+        if last.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (d, dv) = (self.dims.d, self.config.draft_vocab);
+        let s = t.k.stream().clone();
+        let a = &mut *t.a;
+        for &(seq, row) in last {
+            let slot = match self.slots.get(&seq) {
+                Some(&slot) => slot,
+                None => {
+                    let slot = match self.free.pop() {
+                        Some(slot) => slot,
+                        None => {
+                            // More requests draft at once than the buffer has rows: grow it.
+                            let old = self.feat.len() / d;
+                            let mut grown = s
+                                .alloc_zeros::<f32>(2 * old * d)
+                                .map_err(drv("growing the drafter's outputs"))?;
+                            s.memcpy_dtod(&self.feat, &mut grown.slice_mut(..old * d))
+                                .map_err(drv("growing the drafter's outputs"))?;
+                            self.feat = grown;
+                            self.free.extend((old + 1..2 * old).rev());
+                            old
+                        }
+                    };
+                    self.slots.insert(seq, slot);
+                    slot
+                }
+            };
+            s.memcpy_dtod(
+                &a.x.slice(row * d..(row + 1) * d),
+                &mut self.feat.slice_mut(slot * d..(slot + 1) * d),
+            )
+            .map_err(drv("keeping a drafter feature"))?;
+        }
+        let rows: Vec<i32> = last.iter().map(|&(_, r)| r as i32).collect();
+        let nd = rows.len();
+        upload_into(&s, &rows, &mut a.last)?;
+        let eps = self.config.layer.rms_eps;
+        t.k.rms_norm_rows(&a.x, &a.last, nd, d, Norm::new(&self.w.out_norm, eps), &mut a.hl)?;
+        t.blas
+            .gemm(&self.w.lm_head, &a.hl, &mut a.logits, Gemm::store(nd, dv, d))?;
+        t.k.argmax_rows(&a.logits, nd, dv, &mut a.picks)?;
+        let mut ids = vec![0i32; nd];
+        s.memcpy_dtoh(&a.picks.slice(..nd), &mut ids)
+            .map_err(drv("copying drafted tokens to the host"))?;
+        s.synchronize().map_err(drv("drafting"))?;
+        ids.into_iter()
+            .map(|i| {
+                self.d2t
+                    .get(i as usize)
+                    .copied()
+                    .ok_or_else(|| GpuError::Invalid(format!("draft token {i} outside the draft vocabulary")))
+            })
+            .collect()
+    }
+
+    /// Drops what is kept for `seq`.
+    pub fn forget(&mut self, seq: SeqId) {
+        if let Some(slot) = self.slots.remove(&seq) {
+            self.free.push(slot);
+        }
+    }
+}
