@@ -8,11 +8,12 @@
 //   device (rows = output channels). The same arithmetic as `quantize_rows` in
 //   crates/kvfleet-engine/src/model/fp8.rs: `s = amax / 448`, `q = e4m3(x * (1 / s))`, ties to
 //   even, saturating.
-// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_int`, the same with integer bit moves): the
-//   single-token projection of kernels/gemv.cu over e4m3 weights, 16 weights a 16-byte load, so
-//   one stream reads one byte a weight. The input stays bf16 (weight-only
-//   quantization at one token: the step is bandwidth-bound, quantizing the input would only
-//   lose accuracy); the row's scale multiplies the f32 dot product.
+// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_int`, the same with integer bit moves, and
+//   `kvf_gemv_fp8_h2`, with f16 products): the single-token projection of kernels/gemv.cu over
+//   e4m3 weights, 16 weights a 16-byte load, so one stream reads one byte a weight. The input
+//   is not quantized (weight-only quantization at one token: the step is bandwidth-bound,
+//   quantizing the input would only lose accuracy); the row's scale multiplies the f32 dot
+//   product.
 // - `kvf_fp8_scale`: the epilogue of cuBLASLt's FP8 GEMM where it cannot take a scale per row
 //   (Ada, cuBLAS before 12.9) and runs with unit scales into f32: `y = d * sx[row] * sw[col]`,
 //   stored or added to the residual stream.
@@ -39,9 +40,10 @@ __device__ float block_max(float v) {
     return total;
 }
 
-// Two ways to turn e4m3 weights into f32 for the GEMV's FMAs (kvf_gemv_fp8 with FP8_CVT, the
-// default, and kvf_gemv_fp8_int; bench/RESULTS.md compares them: on an H200 at one stream
-// 352 tok/s with conversions, 333 with bit moves, for dummy Llama-3.1-8B):
+// Three ways to multiply e4m3 weights with the input in the GEMV (kvf_gemv_fp8 with FP8_CVT, the
+// default, kvf_gemv_fp8_int and kvf_gemv_fp8_h2; bench/RESULTS.md compares the first two: on an
+// H200 at one stream 352 tok/s with conversions, 333 with bit moves, for dummy Llama-3.1-8B).
+// The first two turn the weights into f32 for f32 FMAs:
 // - FP8_INT: integer bit moves, no conversion instruction. An e4m3 byte b placed with its sign at
 //   bit 31 and its seven other bits at bits 26..20 of an f32 is that f32's exponent and mantissa
 //   with the exponent bias of f32 (127) instead of e4m3's (7): the f32 is b's value times 2^-120,
@@ -54,8 +56,20 @@ __device__ float block_max(float v) {
 //   Conversions issue at a fraction of the FMA rate, and they bound the kernel below the copy
 //   bandwidth (H200: gate/up at about 2.5 TB/s of 4.2), but the bit moves' integer work (and
 //   the input's scaling) costs more still.
+// - FP8_H2: the weights stay f16. cvt.rn.f16x2.e4m3x2, then fma.rn.f16x2 against the input
+//   staged as f16 in shared memory, a half2 sum a 16-byte chunk that starts at zero, and one
+//   f16x2 to f32 conversion of that sum into the f32 row sum: 10 conversions for 16 weights
+//   instead of 24. The staged input is scaled by the power of two that puts its largest
+//   magnitude in [8, 16) (H2_X_EXP; exact, undone on the f32 sum), so that no sum can overflow
+//   f16: each half of the chunk's half2 adds 8 products of |w| <= 448 and |x| < 16, at most
+//   57,344 < 65,504. bf16 values are exact in f16 from 2^-17 up (8 significant bits), so the
+//   staging rounds only inputs below 2^-20 of the row's largest; what is lost is the f16
+//   rounding of the chunk's partial sums, 2^-11 of each (FP8_CVT and FP8_INT round in f32).
 constexpr int FP8_INT = 0;
 constexpr int FP8_CVT = 1;
+constexpr int FP8_H2 = 2;
+// FP8_H2: the staged input's largest magnitude is in [2^(H2_X_EXP - 1), 2^H2_X_EXP).
+constexpr int H2_X_EXP = 4;
 constexpr float FP8_INT_X_SCALE = 18446744073709551616.f;  // 2^64
 constexpr float FP8_INT_SUM_SCALE = 72057594037927936.f;   // 2^56
 
@@ -101,6 +115,25 @@ __device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, cons
     return acc;
 }
 
+// acc + the dot product of 16 e4m3 weights (one 16-byte chunk) with 16 f16 inputs (two),
+// FP8_H2: the products and their sum in half2, one conversion of that sum to f32.
+__device__ __forceinline__ float dot16_fp8_h2(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
+    const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
+    const __half2* xa = reinterpret_cast<const __half2*>(&x0);
+    const __half2* xb = reinterpret_cast<const __half2*>(&x1);
+    __half2 s = __half2(__half2_raw{0, 0});  // zero bits: no conversion
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(ws[i] & 0xffffu), __NV_E4M3);
+        const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(ws[i] >> 16), __NV_E4M3);
+        const __half2* xp = i < 2 ? xa + 2 * i : xb + 2 * (i - 2);
+        s = __hfma2(*reinterpret_cast<const __half2*>(&lo), xp[0], s);
+        s = __hfma2(*reinterpret_cast<const __half2*>(&hi), xp[1], s);
+    }
+    const float2 f = __half22float2(s);
+    return acc + (f.x + f.y);
+}
+
 }  // namespace
 
 // q[r, :] = e4m3(x[r, :] / s[r]), s[r] = amax(|x[r, :]|) / 448 (1 for a zero row). x bf16
@@ -123,7 +156,8 @@ extern "C" __global__ void __launch_bounds__(256) kvf_quantize_rows_fp8(const bf
 }
 
 // kvf_gemv's contract (kernels/gemv.cu) over e4m3 weights w [n_rows, k] with f32 scales
-// wscale [n_rows]; k a multiple of 16. Block 256 threads, any grid. CONV: FP8_INT or FP8_CVT.
+// wscale [n_rows]; k a multiple of 16. Block 256 threads, any grid. CONV: FP8_INT, FP8_CVT or
+// FP8_H2 (which stages every input, normed or not: 2 k bytes of dynamic shared memory).
 #define KVF_GEMV_FP8_PARAMS                                                                                     \
     const unsigned char *__restrict__ w, const float *__restrict__ wscale, int n_rows, int k, int half,          \
         const bf16 *__restrict__ xb, const float *__restrict__ x, const int *__restrict__ row,                   \
@@ -142,18 +176,66 @@ __device__ __forceinline__ const bf16* gemv_input(const bf16* __restrict__ xb, c
     return sx;
 }
 
+// FP8_H2's input row: the bf16 row gemv_input gives, times 2^e, as f16 over it in the block's
+// shared memory (k halves; the normed row is converted in place, each thread its own 16-byte
+// words), e such that the largest magnitude lands in [2^(H2_X_EXP - 1), 2^H2_X_EXP). Returns
+// 2^-e, which undoes the scale on the f32 sums. Every thread of the block calls it.
+__device__ __forceinline__ float stage_input_f16(const bf16* __restrict__ xb, const float* __restrict__ x,
+                                                 const int* __restrict__ row, const float* __restrict__ norm_w,
+                                                 float eps, int k, unsigned char* smem) {
+    const uint4* src = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, smem));
+    uint4* dst = reinterpret_cast<uint4*>(smem);
+    const int k8 = k >> 3;  // 16-byte words: 8 values
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        const uint4 v = src[c];
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(p[i]);
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+    }
+    // block_max synchronises the block: every read above precedes the in-place writes below.
+    amax = block_max(amax);
+    int e = 0;
+    frexpf(amax, &e);  // amax = m 2^e, m in [0.5, 1)
+    // A zero or non-finite row keeps scale 1; the clamp keeps 2^+-sh a normal f32.
+    const int sh = amax > 0.f && isfinite(amax) ? min(max(H2_X_EXP - e, -126), 126) : 0;
+    const float xs = ldexpf(1.f, sh);
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        const uint4 v = src[c];
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+        uint4 o;
+        __half2* h = reinterpret_cast<__half2*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(p[i]);
+            h[i] = __floats2half2_rn(f.x * xs, f.y * xs);
+        }
+        dst[c] = o;
+    }
+    __syncthreads();
+    return ldexpf(1.f, -sh);
+}
+
 template <int CONV>
 __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     kvf_wait_prior_grid();
-    const bf16* in = gemv_input(xb, x, row, norm_w, eps, k, gemv_smem);
     const float xs = CONV == FP8_INT ? FP8_INT_X_SCALE : 1.f;
-    const float back = CONV == FP8_INT ? FP8_INT_SUM_SCALE : 1.f;
+    float back = CONV == FP8_INT ? FP8_INT_SUM_SCALE : 1.f;
+    const uint4* xi;  // the input row: bf16, or f16 for FP8_H2
+    if constexpr (CONV == FP8_H2) {
+        back = stage_input_f16(xb, x, row, norm_w, eps, k, gemv_smem);
+        xi = reinterpret_cast<const uint4*>(gemv_smem);
+    } else {
+        xi = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, gemv_smem));
+    }
     const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
     const int lane = threadIdx.x & 31;
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
     const int kc = k >> 4;  // 16-byte chunks a row: 16 weights, 32 bytes of input
-    const uint4* xi = reinterpret_cast<const uint4*>(in);
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
         const int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
         const int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
@@ -174,8 +256,13 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
                 const int c = c0 + 32 * j;
                 if (c < kc) {
                     const uint4 xa = xi[2 * c], xb2 = xi[2 * c + 1];
-                    a0 = dot16_fp8<CONV>(p0[j], xa, xb2, xs, a0);
-                    a1 = dot16_fp8<CONV>(p1[j], xa, xb2, xs, a1);
+                    if constexpr (CONV == FP8_H2) {
+                        a0 = dot16_fp8_h2(p0[j], xa, xb2, a0);
+                        a1 = dot16_fp8_h2(p1[j], xa, xb2, a1);
+                    } else {
+                        a0 = dot16_fp8<CONV>(p0[j], xa, xb2, xs, a0);
+                        a1 = dot16_fp8<CONV>(p1[j], xa, xb2, xs, a1);
+                    }
                 }
             }
         }
@@ -201,6 +288,10 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARA
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_PARAMS) {
     gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_h2(KVF_GEMV_FP8_PARAMS) {
+    gemv_fp8<FP8_H2>(KVF_GEMV_FP8_ARGS);
 }
 
 // kvf_gemv_fp8_mma: the same contract on the tensor cores, W8A8 like the GEMMs. The input row

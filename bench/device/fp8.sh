@@ -8,7 +8,7 @@
 #   bash bench/device/fp8.sh b   # join the GGUF; SmolLM2 FP8 tests; the bf16 GPU model tests
 # KVFLEET_FP8_BENCH="1,256 2048:1" picks the bench rows: BATCHES or PROMPT:BATCHES;
 # KVFLEET_FP8_VARIANTS="bf16 fp8 fp8-mma fp8-int" the variants (fp8-mma: the tensor-core GEMV;
-# fp8-int: the GEMV with integer bit moves; fp8-unit: unit scales in cuBLASLt and the epilogue); KVFLEET_FP8_PROFILE=1,256 adds profiles.
+# fp8-int: the GEMV with integer bit moves; fp8-h2: the GEMV with f16 products; fp8-unit: unit scales in cuBLASLt and the epilogue); KVFLEET_FP8_PROFILE=1,256 adds profiles.
 set -uo pipefail
 part=${1:?usage: fp8.sh a|b}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,7 +40,7 @@ case "$part" in
       # the epilogue kernel (the path of Ada and older cuBLAS), in the same call.
       for v in ${KVFLEET_FP8_VARIANTS:-bf16 fp8 fp8-mma fp8-int}; do
         fp8=1; unit=0; gemv=cvt
-        case "$v" in bf16) fp8=0 ;; fp8-unit) unit=1 ;; fp8-int) gemv=int ;; fp8-mma) gemv=mma ;; esac
+        case "$v" in bf16) fp8=0 ;; fp8-unit) unit=1 ;; fp8-int) gemv=int ;; fp8-h2) gemv=h2 ;; fp8-mma) gemv=mma ;; esac
         step "model bench: dummy Llama-3.1-8B, $v, prompt $prompt, batches $batches"
         KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$fp8 KVFLEET_FP8_UNIT_SCALES=$unit KVFLEET_FP8_GEMV=$gemv \
           KVFLEET_BENCH_PROMPT=$prompt KVFLEET_BENCH_BATCHES=$batches KVFLEET_BENCH_STEPS=${KVFLEET_FP8_STEPS:-128} \

@@ -537,7 +537,7 @@ mod tests {
 
     use super::super::blas::{Blas, Gemm};
     use super::super::gemv::{Fp8Gemv, Input, Output};
-    use super::super::kernels::ModelKernels;
+    use super::super::kernels::{ModelKernels, Norm};
     use super::*;
 
     /// Values of every magnitude an activation or weight row has, as bf16 (what the kernels
@@ -624,12 +624,18 @@ mod tests {
         let s = g.stream();
         let mut scratch = Fp8Scratch::alloc(s, t, kk, n).unwrap();
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
-        let close = |got: &[f32], want: &[f32], what: &str| {
+        // Hopper's FP8 tensor cores accumulate with fewer than f32's 24 bits (about 1.6e-4 of
+        // the largest value measured on an H200): 1e-3 of it.
+        const TOL: f32 = 1e-3;
+        // The f16 GEMV rounds each of the 8 partial sums of a half2 lane over a 16-weight chunk
+        // to f16 (2^-11 of the partial, about 4.9e-4; the products and the staged input are
+        // exact); an emulation of its arithmetic on these rows erred by 6e-5 of the largest
+        // value at most: 2e-3 of it.
+        const TOL_H2: f32 = 2e-3;
+        let close = |got: &[f32], want: &[f32], tol: f32, what: &str| {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (i, (a, b)) in got.iter().zip(want).enumerate() {
-                // Hopper's FP8 tensor cores accumulate with fewer than f32's 24 bits (about
-                // 1.6e-4 of the largest value measured on an H200): 1e-3 of it.
-                assert!((a - b).abs() <= 1e-3 * scale + 1e-6, "{what}[{i}]: {a} vs {b}");
+                assert!((a - b).abs() <= tol * scale + 1e-6, "{what}[{i}]: {a} vs {b}");
             }
         };
         // W8A8 GEMM, stored.
@@ -640,16 +646,28 @@ mod tests {
             .flat_map(|r| (0..n).map(move |c| (r, c)))
             .map(|(r, c)| dot(&xd[r * kk..(r + 1) * kk], &wd[c * kk..(c + 1) * kk]))
             .collect();
-        close(&g.download(&y).unwrap(), &want, "GEMM store");
+        close(&g.download(&y).unwrap(), &want, TOL, "GEMM store");
         // Accumulated onto what is there.
         blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch)
             .unwrap();
         let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
-        close(&g.download(&y).unwrap(), &twice, "GEMM add");
-        // The one-token GEMVs: on CUDA cores the bf16 input unquantized; on the tensor cores
-        // quantized per token (the first row of `xd`), stored, added and through SwiGLU.
+        close(&g.download(&y).unwrap(), &twice, TOL, "GEMM add");
+        // The one-token GEMVs: on CUDA cores the bf16 input unquantized (f16 for `H2`, exact for
+        // these values); on the tensor cores quantized per token (the first row of `xd`),
+        // stored, added and through SwiGLU.
         let x0 = g.upload(&x[..kk]).unwrap();
-        for v in [Fp8Gemv::Cvt, Fp8Gemv::Int, Fp8Gemv::Mma] {
+        // And through the fused RMSNorm of an f32 row: the reference input is what
+        // `kvf_rms_norm` writes (the GEMVs normalise with the same code and block size).
+        let (xr, eps) = (g.upload(&xf[..kk]).unwrap(), 1e-5);
+        let nw = g
+            .upload(&(0..kk).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect::<Vec<f32>>())
+            .unwrap();
+        let mut normed = s.alloc_zeros::<u16>(kk).unwrap();
+        k.rms_norm(&xr, 1, kk, Norm::new(&nw, eps), &mut normed).unwrap();
+        let xn = to_f32(&g.download(&normed).unwrap());
+        let xnq = quantize_rows(&xn, 1, kk).dequantize();
+        for v in [Fp8Gemv::Cvt, Fp8Gemv::Int, Fp8Gemv::H2, Fp8Gemv::Mma] {
+            let tol = if v == Fp8Gemv::H2 { TOL_H2 } else { TOL };
             let kv = ModelKernels::load_with(&g, Some(v)).unwrap();
             let x_ref = if v == Fp8Gemv::Mma { &xd[..kk] } else { &xf[..kk] };
             let want1: Vec<f32> = (0..n).map(|c| dot(x_ref, &wd[c * kk..(c + 1) * kk])).collect();
@@ -657,12 +675,24 @@ mod tests {
             kv.gemv
                 .run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1))
                 .unwrap();
-            close(&g.download(&y1).unwrap(), &want1, &format!("GEMV {v:?}"));
+            close(&g.download(&y1).unwrap(), &want1, tol, &format!("GEMV {v:?}"));
             kv.gemv
                 .run(&mat, n, kk, Input::Bf16(&x0), Output::Add(&mut y1))
                 .unwrap();
             let twice: Vec<f32> = want1.iter().map(|v| 2.0 * v).collect();
-            close(&g.download(&y1).unwrap(), &twice, &format!("GEMV {v:?} add"));
+            close(&g.download(&y1).unwrap(), &twice, tol, &format!("GEMV {v:?} add"));
+            let xn_ref = if v == Fp8Gemv::Mma { &xnq } else { &xn };
+            let want_n: Vec<f32> = (0..n).map(|c| dot(xn_ref, &wd[c * kk..(c + 1) * kk])).collect();
+            let mut yn = s.alloc_zeros::<f32>(n).unwrap();
+            kv.gemv
+                .run(&mat, n, kk, Input::normed(&xr, &nw, eps), Output::Store(&mut yn))
+                .unwrap();
+            close(
+                &g.download(&yn).unwrap(),
+                &want_n,
+                tol,
+                &format!("GEMV {v:?} normed"),
+            );
             let mut act = s.alloc_zeros::<u16>(n / 2).unwrap();
             kv.gemv
                 .run(&mat, n, kk, Input::Bf16(&x0), Output::SwiGlu(&mut act))
@@ -678,7 +708,7 @@ mod tests {
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 // bf16 output: 2^-8 of the value.
                 assert!(
-                    (a - b).abs() <= 4e-3 * b.abs() + 1e-3 * scale,
+                    (a - b).abs() <= 4e-3 * b.abs() + tol * scale,
                     "GEMV {v:?} SwiGLU[{i}]: {a} vs {b}"
                 );
             }

@@ -18,7 +18,8 @@ use super::fp8::MatRef;
 const THREADS: u32 = 256;
 /// Blocks per SM the grid is capped at (warps then stride over the matrix).
 const BLOCKS_PER_SM: usize = 4;
-/// The widest normed input row the GEMV takes (bf16 in dynamic shared memory).
+/// The widest normed input row the GEMV takes (bf16 in dynamic shared memory), and the widest
+/// row `kvf_gemv_fp8_h2` stages (f16).
 pub const MAX_NORMED_K: usize = 16384;
 const MODE_STORE: i32 = 0;
 const MODE_ADD: i32 = 1;
@@ -62,19 +63,44 @@ pub enum Fp8Gemv {
     Cvt,
     /// `kvf_gemv_fp8_int`: the same with integer bit moves (`int`).
     Int,
+    /// `kvf_gemv_fp8_h2`: CUDA cores, the hardware's e4m3 conversions to f16, products and
+    /// 16-weight partial sums in f16 against the input staged as f16, scaled by a power of two
+    /// (`h2`): 10 conversions for 16 weights where `Cvt` spends 24. Rows longer than
+    /// [`MAX_NORMED_K`] take `Cvt`.
+    H2,
     /// `kvf_gemv_fp8_mma`: tensor cores, the input quantized per token (`mma`); rows whose
-    /// length is not a multiple of 64 take `Cvt`.
+    /// length is not a multiple of 64, or longer than [`MAX_NORMED_K`], take `Cvt`.
     Mma,
 }
 
 impl Fp8Gemv {
-    /// From `KVFLEET_FP8_GEMV` (`cvt`, `int`, `mma`; unset: the default).
+    /// From `KVFLEET_FP8_GEMV` (`cvt`, `int`, `h2`, `mma`; unset: the default).
     pub fn from_env() -> Self {
         match std::env::var("KVFLEET_FP8_GEMV").as_deref() {
             Ok("cvt") => Fp8Gemv::Cvt,
             Ok("int") => Fp8Gemv::Int,
+            Ok("h2") => Fp8Gemv::H2,
             Ok("mma") => Fp8Gemv::Mma,
             _ => Fp8Gemv::Cvt,
+        }
+    }
+
+    /// The kernel of a variant that takes only some rows (`H2`, `Mma`; the others take them
+    /// all) and the dynamic shared memory it needs at most.
+    fn special(self) -> Option<(&'static str, usize)> {
+        match self {
+            Fp8Gemv::H2 => Some(("kvf_gemv_fp8_h2", h2_smem(MAX_NORMED_K))),
+            Fp8Gemv::Mma => Some(("kvf_gemv_fp8_mma", mma_smem(MAX_NORMED_K))),
+            Fp8Gemv::Cvt | Fp8Gemv::Int => None,
+        }
+    }
+
+    /// Whether the variant's own kernel takes rows of `k` (a multiple of 16).
+    fn takes(self, k: usize) -> bool {
+        match self {
+            Fp8Gemv::H2 => k <= MAX_NORMED_K,
+            Fp8Gemv::Mma => k % 64 == 0 && k <= MAX_NORMED_K,
+            Fp8Gemv::Cvt | Fp8Gemv::Int => true,
         }
     }
 }
@@ -85,12 +111,19 @@ const fn mma_smem(k: usize) -> usize {
     3 * k
 }
 
+/// Dynamic shared memory of `kvf_gemv_fp8_h2` for rows of `k`: the f16 input row (the bf16
+/// normed row first, converted in place), normed or not.
+const fn h2_smem(k: usize) -> usize {
+    2 * k
+}
+
 /// `kvf_gemv` (and the FP8 kernels for FP8 weights), the stream it runs on and its grid.
 pub struct Gemv {
     kernel: CudaFunction,
-    /// The CUDA-core FP8 kernel (`Cvt` or `Int`), and the tensor-core one with `Mma`.
+    /// The FP8 kernel for every row (`Cvt` or `Int`), and with `H2` or `Mma` that variant's
+    /// kernel, for the rows it takes.
     fp8: Option<CudaFunction>,
-    fp8_mma: Option<CudaFunction>,
+    fp8_special: Option<(Fp8Gemv, CudaFunction)>,
     stream: Arc<CudaStream>,
     num_sms: usize,
     /// Launch with programmatic stream serialisation (sm_90 and later).
@@ -123,12 +156,11 @@ impl Gemv {
             fp8: fp8
                 .map(|v| match v {
                     Fp8Gemv::Int => load("kvf_gemv_fp8_int", normed),
-                    Fp8Gemv::Cvt | Fp8Gemv::Mma => load("kvf_gemv_fp8", normed),
+                    Fp8Gemv::Cvt | Fp8Gemv::H2 | Fp8Gemv::Mma => load("kvf_gemv_fp8", normed),
                 })
                 .transpose()?,
-            fp8_mma: fp8
-                .filter(|v| *v == Fp8Gemv::Mma)
-                .map(|_| load("kvf_gemv_fp8_mma", mma_smem(MAX_NORMED_K)))
+            fp8_special: fp8
+                .and_then(|v| v.special().map(|(name, smem)| load(name, smem).map(|f| (v, f))))
                 .transpose()?,
             stream,
             num_sms,
@@ -169,7 +201,7 @@ impl Gemv {
         // y, act (absent pointers are 0).
         let mut l = Launch::new(&self.stream);
         let glu = matches!(output, Output::SwiGlu(_));
-        let mut mma = false;
+        let mut special = None;
         let kernel = match w {
             MatRef::Bf16(w) => {
                 need("GEMV weight", w, n * k)?;
@@ -180,9 +212,9 @@ impl Gemv {
                 need("GEMV weight", q, n * k)?;
                 need("GEMV weight scales", scale, n)?;
                 l.ptr(q).ptr(scale);
-                match (&self.fp8_mma, &self.fp8) {
-                    (Some(f), _) if k % 64 == 0 && k <= MAX_NORMED_K => {
-                        mma = true;
+                match (&self.fp8_special, &self.fp8) {
+                    (Some((v, f)), _) if v.takes(k) => {
+                        special = Some(*v);
                         f
                     }
                     (_, Some(f)) => f,
@@ -199,11 +231,17 @@ impl Gemv {
         let mut units = push_output(&mut l, output, n)?;
         let warps_per_block = (THREADS / 32) as usize;
         let mut blocks = units.div_ceil(warps_per_block);
-        if mma {
-            // A block a unit of two 16-row blocks: 32 rows, or 16 gate rows and their up rows.
-            smem = mma_smem(k);
-            units = if glu { (n / 2).div_ceil(16) } else { n.div_ceil(32) };
-            blocks = units;
+        match special {
+            // The f16 row is staged whether the input is normed or not.
+            Some(Fp8Gemv::H2) => smem = h2_smem(k),
+            Some(Fp8Gemv::Mma) => {
+                // A block a unit of two 16-row blocks: 32 rows, or 16 gate rows and their up
+                // rows.
+                smem = mma_smem(k);
+                units = if glu { (n / 2).div_ceil(16) } else { n.div_ceil(32) };
+                blocks = units;
+            }
+            _ => {}
         }
         let blocks = blocks.clamp(1, self.num_sms.max(1) * BLOCKS_PER_SM);
         let cfg = LaunchConfig {
@@ -214,9 +252,10 @@ impl Gemv {
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
         // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers), or the FP8 kernels' in
         // kernels/fp8.cu (the same with the scale pointer after the weight; the mma kernel's
-        // shared memory is 3 k bytes, within the limit raised at load, and its rows a multiple
-        // of 64). Absent pointers are
-        // 0 and the kernel reads them only under the mode and flags that say they are present.
+        // shared memory is 3 k bytes and the h2 kernel's 2 k bytes, `k <= MAX_NORMED_K` for
+        // both, within the limits raised at load, and the mma kernel's rows a multiple of 64).
+        // Absent pointers are 0 and the kernel reads them only under the mode and flags that
+        // say they are present.
         // Sizes were checked above: `w` holds `n * k` (and `n` scales), the input `k` (or the f32
         // rows and a row index of this step), the output `n` (`n / 2` for SwiGLU); the dynamic
         // shared memory (`k` bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is
