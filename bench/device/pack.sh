@@ -13,11 +13,15 @@
 #   bench/device/pack.sh fp8-b       # the GGUF's second half
 #   bench/device/pack.sh spec-a      # speculative decoding (bench/device/spec.sh): the worker, GGUF half
 #   bench/device/pack.sh spec-b      # the GGUF's second half and guidellm's wheels (issue 34)
+#   bench/device/pack.sh draft-a     # EAGLE-3 on the GPU and the FP8 GEMVs (bench/device/drafter.sh): the
+#                                    # worker, GPU tests, model bench
+#   bench/device/pack.sh draft-b     # the GGUF's first half, a script-made drafter
+#   bench/device/pack.sh draft-c     # the GGUF's second half, transformers' GGUF wheels
 #   bench/device/pack.sh clients     # the worker, prometheus and the wheels of bench/device/clients.sh
 #                                    # (inference-perf, the transformers log-probabilities); no GGUF
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b|spec-a|spec-b}
+mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b|spec-a|spec-b|draft-a|draft-b|draft-c}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -136,6 +140,28 @@ case "$mode" in
       eval_type_backport faker ftfy wcwidth loguru pydantic-settings python-dotenv pydantic==2.14.4 \
       pydantic-core==2.50.5 annotated-types typing-inspection sanic sanic-routing html5tagger tracerite \
       more-itertools websockets h2 hpack hyperframe httptools ujson sniffio gguf==0.19.0
+    ;;
+  draft-a)
+    { exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'; exe_of test --release --test cuda_drafter --test cuda_model;
+      exe_of bench --bench model; } | pack_bins
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    cp bench/peers.py bench/http_load.py bench/spec_copy.py bench/device/llama-3.1-8b.json "$out/"
+    ;;
+  draft-b)
+    head -c "$half" "$gguf" > "$out/gguf.part1"
+    # A random EAGLE-3 drafter of SmolLM2's geometry (its heads, so the GPU kernels take it).
+    python3 tests/fixtures/eagle3/generate.py --kind eagle3 --out "$out/eagle3" --hidden 576 --vocab 49152 \
+      --target-layers 30 --heads 9 --kv-heads 3 --head-dim 64 --ff 1536 --draft-tokens 198,28,30,260,281,282,284,288
+    ;;
+  draft-c)
+    tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"
+    sha256sum -b "$gguf" | cut -d' ' -f1 > "$out/gguf.sha256"
+    # transformers reads a GGUF through gguf-py and accelerate (the device has torch and
+    # transformers): the bf16 log-probability reference (issue 34).
+    mkdir -p "$out/whl"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$out/whl" \
+      gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

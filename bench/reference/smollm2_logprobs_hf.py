@@ -16,6 +16,11 @@ as a wheel, bench/device/clients.sh). CPU float32 is enough:
 
     python3 bench/reference/smollm2_logprobs_hf.py "$KVFLEET_SMOLLM2_GGUF" \
         tests/fixtures/smollm2_logprobs_reference.json /tmp/smollm2_logprobs_hf.json
+
+HF_DTYPE=bfloat16 HF_DEVICE=cuda runs transformers as a bf16 GPU engine serves (weights and
+activations bf16): how far bf16 itself moves these log-probabilities from the float reference,
+and a reference in the same precision to hold a bf16 engine to (the output has the fixture's
+format, so bench/reference/logprobs_vs_fixture.py --fixture takes it).
 """
 import json
 import os
@@ -37,7 +42,9 @@ def main():
     top_n = int(fixture["top"])
     d, name = os.path.split(os.path.abspath(gguf))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    dtype = getattr(torch, os.environ.get("HF_DTYPE", "float32"))
+    device = os.environ.get("HF_DEVICE", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype).to(device)
     model.eval()
 
     cases = []
@@ -45,7 +52,7 @@ def main():
     for ref in fixture["prompts"]:
         ids = ref["ids"]
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].to(torch.float64)
+            logits = model(torch.tensor([ids], device=device)).logits[0].to("cpu", torch.float64)
         lp = torch.log_softmax(logits, dim=-1)
         prompt_lp = [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
         values, indices = torch.topk(lp, top_n, dim=-1)
@@ -67,7 +74,7 @@ def main():
         print(f"{ref['text']!r}: greedy next {top[-1][0][0]} (fixture {ref['top'][-1][0][0]})")
 
     with open(out, "w") as f:
-        json.dump({"model": fixture["model"], "reference": f"transformers {transformers.__version__} float32 "
+        json.dump({"model": fixture["model"], "reference": f"transformers {transformers.__version__} {str(dtype).removeprefix('torch.')} on {device} "
                    f"(torch {torch.__version__}), GGUF dequantised by gguf-py", "top": top_n, "prompts": cases},
                   f, indent=1)
         f.write("\n")

@@ -74,6 +74,9 @@ pub struct GpuMemory {
     /// not met; the worker logs a warning with both numbers).
     pub kv_bytes: u64,
     pub kv_bytes_per_token: u64,
+    /// What a speculative drafter took out of the KV budget before the pages were counted:
+    /// its weights, buffers and pool (as many pages as the model's). 0 without one.
+    pub drafter_bytes: u64,
 }
 
 /// Shared by every handler.

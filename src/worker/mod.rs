@@ -684,6 +684,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
             kv_budget_bytes: g.kv_budget_bytes as u64,
             kv_bytes: g.kv_bytes as u64,
             kv_bytes_per_token: g.kv_bytes_per_token as u64,
+            drafter_bytes: g.drafter_bytes as u64,
         }),
     };
     metrics.capacity_tokens.set(capacity_tokens as i64);

@@ -96,8 +96,8 @@ pub(super) fn volumes(name: &str, spec: &InferenceDeploymentSpec) -> Vec<(Volume
         volumes.extend(worker::config_volumes(name, spec));
     }
     volumes.extend(weights_volume(spec));
+    volumes.extend(draft_weights_volume(spec));
     if runtime == Runtime::Vllm {
-        volumes.extend(draft_weights_volume(spec));
         volumes.extend(vllm::hf_cache_volume(spec));
     }
     volumes
@@ -143,7 +143,7 @@ fn weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount
 }
 
 /// The speculative drafter's checkpoint, read-only at [`DRAFT_WEIGHTS_DIR`], as the weights
-/// (vLLM only: the kvfleet runtime runs no drafter, admission denies one).
+/// (both runtimes: vLLM and the kvfleet worker read the drafter there).
 fn draft_weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount)> {
     let d = spec.engine.speculative.as_ref()?.draft_model.as_ref()?;
     source_volume(

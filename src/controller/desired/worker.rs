@@ -126,11 +126,24 @@ pub fn worker_args(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> Vec<Str
 
 /// The worker's `--speculative-config`: vLLM's JSON keys with kvfleet's effective values, keys
 /// only for what the method uses. `disable_by_batch_size` is always written (the worker's
-/// default is [`crate::api::DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`]). No `model`: the kvfleet
-/// runtime runs no drafter, and admission denies eagle3 and dflash on it.
+/// default is [`crate::api::DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE`]). A drafter method names its
+/// checkpoint on the draft volume (`model`, where the pod mounts it); the worker reads only
+/// volumes, not Hub repositories.
 pub fn worker_speculative_config(s: &SpeculativeSpec) -> serde_json::Value {
     let mut c = s.common_config();
     c["disable_by_batch_size"] = s.disable_by_batch_size().into();
+    if let Some(d) = s
+        .draft_model
+        .as_ref()
+        .filter(|d| s.method.needs_draft_model() && d.has_volume())
+    {
+        let dir = super::container::DRAFT_WEIGHTS_DIR;
+        c["model"] = match d.path.as_deref().map(|p| p.trim_matches('/')) {
+            Some(p) if !p.is_empty() => format!("{dir}/{p}"),
+            _ => dir.to_string(),
+        }
+        .into();
+    }
     c
 }
 
@@ -359,7 +372,7 @@ mod tests {
             (s.method, s.prompt_lookup_max(), s.disable_by_batch_size()),
             (SpeculativeMethod::Ngram, 6, 8)
         );
-        // The kvfleet runtime mounts no drafter.
+        // n-gram needs no drafter: none is mounted.
         assert!(container(&d)
             .volume_mounts
             .unwrap()
@@ -368,14 +381,40 @@ mod tests {
     }
 
     #[test]
-    fn a_drafter_method_renders_no_model_for_the_worker() {
+    fn an_eagle3_drafter_is_mounted_for_the_worker_and_named_in_its_config() {
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "9.0", "NVIDIA-H100-80GB-HBM3");
+        let spec = KVFLEET_H100_PVC.replace(
+            "    gpuMemoryUtilization: 0.92\n",
+            "    gpuMemoryUtilization: 0.92\n    speculative: {method: eagle3, numSpeculativeTokens: 3, draftModel: {pvcName: drafts, path: /llama-eagle3/}}\n",
+        );
+        let d = render(&spec, &v);
+        let c = container(&d);
+        let cfg: serde_json::Value =
+            serde_json::from_str(&arg_after(c.args.as_ref().unwrap(), "--speculative-config").unwrap())
+                .unwrap();
+        assert_eq!(cfg["model"], "/draft-models/llama-eagle3");
+        let mount = c
+            .volume_mounts
+            .unwrap()
+            .into_iter()
+            .find(|m| m.name == "draft-weights")
+            .expect("the drafter's volume is mounted");
+        assert_eq!(
+            (mount.mount_path.as_str(), mount.read_only),
+            ("/draft-models", Some(true))
+        );
+    }
+
+    #[test]
+    fn a_drafter_method_renders_its_checkpoint_on_the_draft_volume_for_the_worker() {
         let s: SpeculativeSpec = serde_yaml::from_str(
             "{method: eagle3, numSpeculativeTokens: 3, draftModel: {pvcName: d, path: e3/}}",
         )
         .unwrap();
         assert_eq!(
             worker_speculative_config(&s),
-            serde_json::json!({"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 32})
+            serde_json::json!({"method": "eagle3", "num_speculative_tokens": 3, "disable_by_batch_size": 32,
+                "model": "/draft-models/e3"})
         );
     }
 

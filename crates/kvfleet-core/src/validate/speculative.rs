@@ -1,7 +1,7 @@
 //! `engine.speculative` on its own: the schema's CEL rules again (for what did not pass the
 //! API server: `kvfleet check`, a namespace the webhook skips), what vLLM ignores, and the
 //! drafter's Hub token. Which runtime and vLLM release run which method are compat rules
-//! (`kvfleet.speculative-ngram-only`, `vllm.speculative-method-needs-release`).
+//! (`kvfleet.speculative-gpu-drafters`, `vllm.speculative-method-needs-release`).
 
 use super::{denial, Denial};
 use crate::api::{InferenceDeploymentSpec, Runtime, SpeculativeSpec};

@@ -260,11 +260,7 @@ impl GpuEagle3 {
         let fits = [
             ("hidden size", dims.d, target.d),
             ("query width", dims.qw.max(dims.d), target.qw.max(target.d)),
-            (
-                "Q/K/V width",
-                dims.qw + 2 * dims.kw_rep,
-                target.qw + 2 * target.kw_rep,
-            ),
+            ("Q/K/V width", dims.qw + 2 * dims.kw, target.qw + 2 * target.kw),
             ("K/V width", dims.kw_rep, target.kw_rep),
             ("MLP width", dims.ff, target.ff),
             ("vocabulary", c.draft_vocab, target.vocab),
