@@ -133,20 +133,15 @@ extern "C" __global__ void kvf_rms_norm_rows(const float* __restrict__ x, const 
     rms_row(x + (size_t)rows[blockIdx.x] * d, w, d, eps, out + (size_t)blockIdx.x * d);
 }
 
-// An EAGLE-3 drafter's input: out[i] = bf16(a0[rows[i]] ++ a1[rows[i]] ++ a2[rows[i]]), the three
-// target features (f32 [T, d] each, kept from the step) of the step rows `rows`, side by side in
-// fc's column order. Grid (n), block 256.
-extern "C" __global__ void kvf_gather_aux(const float* __restrict__ a0, const float* __restrict__ a1,
-                                          const float* __restrict__ a2, const int* __restrict__ rows, int d,
-                                          bf16* __restrict__ out) {
+// A drafter's fc input, one target feature at a time: out[i, col..col + d] = bf16(src[rows[i]]),
+// src f32 [T, d] (a feature kept from the step), out bf16 rows of ld_out (the features side by
+// side in fc's column order). Grid (n), block 256.
+extern "C" __global__ void kvf_gather_aux(const float* __restrict__ src, const int* __restrict__ rows, int d,
+                                          int ld_out, int col, bf16* __restrict__ out) {
     kvf_wait_prior_grid();
-    const size_t r = (size_t)rows[blockIdx.x] * d;
-    bf16* o = out + (size_t)blockIdx.x * 3 * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        o[i] = __float2bfloat16(a0[r + i]);
-        o[d + i] = __float2bfloat16(a1[r + i]);
-        o[2 * d + i] = __float2bfloat16(a2[r + i]);
-    }
+    const float* s = src + (size_t)rows[blockIdx.x] * d;
+    bf16* o = out + (size_t)blockIdx.x * ld_out + col;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __float2bfloat16(s[i]);
 }
 
 // Splits the QKV GEMM output into the attention inputs, per (token, head): adds the bias

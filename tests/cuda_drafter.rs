@@ -18,7 +18,7 @@ use kvfleet_engine::engine::block::BlockTable;
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::scheduler::write_plan;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::model::drafter::{CatchUp, ChainRow, Drafter};
+use kvfleet_engine::model::drafter::{BlockRow, CatchUp, ChainRow, Drafter};
 use kvfleet_engine::model::forward::{model_backend_config, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, SeqChunk};
@@ -31,16 +31,16 @@ fn gguf_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// A random EAGLE-3 drafter for SmolLM2 (its head geometry, so the GPU kernels take it),
-/// drafting among `draft_tokens`.
-fn make_drafter(m: &Llama, draft_tokens: &[u32]) -> PathBuf {
+/// A random drafter (`kind` eagle3, or dflash with 2 layers) for SmolLM2 (its head geometry,
+/// so the GPU kernels take it), drafting among `draft_tokens`.
+fn make_drafter(kind: &str, m: &Llama, draft_tokens: &[u32]) -> PathBuf {
     let c = &m.config;
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-eagle3-smollm2");
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-{kind}-smollm2"));
     let tokens: Vec<String> = draft_tokens.iter().map(u32::to_string).collect();
     let n = |v: usize| v.to_string();
     let out = std::process::Command::new("python3")
         .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/eagle3/generate.py"))
-        .args(["--kind", "eagle3", "--out", dir.to_str().unwrap()])
+        .args(["--kind", kind, "--out", dir.to_str().unwrap()])
         .args(["--hidden", &n(c.d_model), "--vocab", &n(c.vocab)])
         .args(["--target-layers", &n(c.n_layers)])
         .args(["--heads", &n(c.n_heads), "--kv-heads", &n(c.n_kv_heads)])
@@ -89,7 +89,7 @@ fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
     let mut draft: Vec<u32> = tok.encode(" the, of and. to a in is", false);
     draft.sort_unstable();
     draft.dedup();
-    let dir = make_drafter(&model, &draft);
+    let dir = make_drafter("eagle3", &model, &draft);
 
     let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
     let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
@@ -162,5 +162,82 @@ fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
         gpu.forget_draft(seq);
     }
     eprintln!("the GPU drafter drafted the CPU's token {same} times of {total}");
+    assert!(8 * same >= 7 * total, "{same} of {total}");
+}
+
+/// A DFlash drafter (2 layers, non-causal blocks) on both engines: three prompts prefilled by the
+/// target, their context K/V written by the catch-up, then one block of the newest token and
+/// 3 masks each: the GPU drafts what the CPU drafts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_dflash_drafter_drafts_what_the_cpu_drafter_drafts() {
+    let g = Gguf::open(&gguf_path()).expect("SmolLM2 GGUF (see docs/model.md)");
+    let model = Arc::new(Llama::from_gguf(&g).unwrap());
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let c = model.config.clone();
+    let mut draft: Vec<u32> = tok.encode(" the, of and. to a in is", false);
+    draft.sort_unstable();
+    draft.dedup();
+    let dir = make_drafter("dflash", &model, &draft);
+
+    let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
+    let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
+    cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
+    let opts = GpuOptions {
+        max_kv_tokens: Some(4096),
+        max_batched_tokens: 512,
+        max_num_seqs: 16,
+        ..GpuOptions::default()
+    };
+    let mut gpu = GpuLlama::from_llama(GpuLlama::open_gpu(0).expect("the GPU"), &model, &opts).unwrap();
+    gpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
+
+    let prompts = [
+        "The operator checks what each GPU can run before a pod starts.",
+        "List the numbers from one to twenty, separated by commas:",
+        "Once upon a time, in a small village by the sea, there lived",
+    ];
+    let (mut same, mut total) = (0, 0);
+    for (i, text) in prompts.iter().enumerate() {
+        let seq = i as u64 + 1;
+        let t = table(seq);
+        let prompt = tok.encode(text, true);
+        let p = prompt.len();
+        let batch = [SeqChunk {
+            seq,
+            start_pos: 0,
+            tokens: &prompt,
+            logits: 1,
+        }];
+        let pl = plan(&t, 0, p);
+        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
+        gpu.forward(&batch, &pl).unwrap();
+        let mut after: Vec<u32> = prompt[1..].to_vec();
+        after.push(next);
+        let rows = [CatchUp {
+            seq,
+            start_pos: 0,
+            next: &after,
+            row: 0,
+            draft: true,
+        }];
+        assert!(cpu.draft_catch_up(&rows, &pl).unwrap().is_empty());
+        assert!(gpu.draft_catch_up(&rows, &pl).unwrap().is_empty());
+        let block = [BlockRow {
+            seq,
+            pos: p,
+            token: next,
+            drafts: 3,
+        }];
+        let pl = plan(&t, p, 4);
+        let want = cpu.draft_blocks(&block, &pl).unwrap();
+        let got = gpu.draft_blocks(&block, &pl).unwrap();
+        eprintln!("prompt {i}: drafts CPU {want:?} GPU {got:?}");
+        assert_eq!((want.len(), got.len()), (3, 3));
+        assert!(want.iter().all(|w| draft.contains(w)), "{want:?} from {draft:?}");
+        same += want.iter().zip(&got).filter(|(w, g)| w == g).count();
+        total += want.len();
+    }
+    eprintln!("the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
     assert!(8 * same >= 7 * total, "{same} of {total}");
 }

@@ -6,7 +6,7 @@
 #                                    # the FP8 kernel tests (every GEMV variant); the model bench,
 #                                    # dummy Llama-3.1-8B, bf16 / FP8 cvt / FP8 h2, 1 stream and a
 #                                    # 2,048-token prefill; the HTTP rows of the same three
-#   bash bench/device/drafter.sh b   # stash the GGUF's first half and the drafter
+#   bash bench/device/drafter.sh b   # stash the GGUF's first half (and binaries packed with it)
 #   bash bench/device/drafter.sh c   # join the GGUF; the GPU drafter against the CPU's; the GPU
 #                                    # model tests; SmolLM2 served with EAGLE-3 on the GPU
 # Logs and JSON go to $OUT.
@@ -70,37 +70,44 @@ case "$part" in
     ;;
   b)
     cp $dev/gguf.part1 "$stash/"
-    rm -rf "$stash/eagle3"; cp -r $dev/eagle3 "$stash/"
     ;;
   c)
     cat "$stash/gguf.part1" $dev/gguf.part2 > "$stash/SmolLM2-135M-Instruct.Q4_1.gguf"
     echo "$(cat $dev/gguf.sha256)  $stash/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
     export KVFLEET_SMOLLM2_GGUF=$stash/SmolLM2-135M-Instruct.Q4_1.gguf
-    step "the GPU EAGLE-3 drafter against the CPU's"
-    timeout 180 "$stash/cuda_drafter" --ignored --nocapture 2>&1 | tee "$OUT/cuda_drafter.log" | grep -E "^test |prompt|drafted|result|panicked" | tail -14
+    step "the GPU drafters against the CPU's"
+    timeout 240 "$stash/cuda_drafter" --ignored --nocapture --test-threads 1 2>&1 | tee "$OUT/cuda_drafter.log" \
+      | grep -E "^test |prompt|drafted|result|panicked" | tail -24
     if [ -z "${KVFLEET_DRAFT_NO_MODEL_TESTS:-}" ]; then
       step "the GPU model tests"
       timeout 240 "$stash/cuda_model" --ignored --test-threads 1 2>&1 | tee "$OUT/cuda_model.log" | grep -E "^test |result|panicked" | tail -16
     fi
+    # Random drafters of SmolLM2's geometry (its heads, so the GPU kernels take them), made here.
+    for kind in eagle3 dflash; do
+      [ -d "$stash/$kind" ] || python3 tests/fixtures/eagle3/generate.py --kind $kind --out "$stash/$kind" \
+        --hidden 576 --vocab 49152 --target-layers 30 --heads 9 --kv-heads 3 --head-dim 64 --ff 1536 \
+        --draft-tokens 198,28,30,260,281,282,284,288
+    done
+    [ -z "${KVFLEET_DRAFT_NO_HF:-}" ] && {
     step "transformers bf16 on the GPU: the log-probability fixture's prompts (issue 34)"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hfsite $dev/whl/*.whl
     PYTHONPATH=/tmp/hfsite HF_DTYPE=bfloat16 HF_DEVICE=cuda timeout 200 python3 bench/reference/smollm2_logprobs_hf.py \
       "$KVFLEET_SMOLLM2_GGUF" tests/fixtures/smollm2_logprobs_reference.json "$OUT/logprobs_hf_bf16.json" 2>&1 \
       | grep -v Warning | tail -6
-    spec='{"method":"eagle3","num_speculative_tokens":3,"model":"'$stash'/eagle3"}'
-    for mode in off on; do
-      args=(); [ "$mode" = on ] && args=(--speculative-config "$spec")
-      step "SmolLM2 on the GPU, copy workload, 1 stream, EAGLE-3 $mode"
+    }
+    for mode in ${KVFLEET_DRAFT_METHODS:-off eagle3}; do
+      args=(); [ "$mode" = off ] || args=(--speculative-config '{"method":"'$mode'","num_speculative_tokens":3,"model":"'$stash/$mode'"}')
+      step "SmolLM2 on the GPU, copy workload, 1 stream, speculation $mode"
       worker "smollm2_$mode" --model "$KVFLEET_SMOLLM2_GGUF" "${args[@]}" || continue
       curl -s 127.0.0.1:8000/v1/capacity > "$OUT/capacity_$mode.json"
-      if [ "$mode" = off ]; then
+      if [ "$mode" = off ] && [ -z "${KVFLEET_DRAFT_NO_HF:-}" ]; then
         for ref in tests/fixtures/smollm2_logprobs_reference.json "$OUT/logprobs_hf_bf16.json"; do
           step "the GPU worker's log-probabilities against $(basename "$ref")"
           timeout 60 python3 bench/reference/logprobs_vs_fixture.py --port 8000 --fixture "$ref" 2>&1 | tail -6
         done
       fi
       python3 -c 'import json; c=json.load(open("'"$OUT/capacity_$mode.json"'")); print({k: c.get(k) for k in ("kvTokens","totalBlocks")}, c.get("gpuMemory"))'
-      timeout 200 python3 "$stash/spec_copy.py" --port 8000 --text docs/security.md --runs 3 \
+      timeout 200 python3 bench/spec_copy.py --port 8000 --text docs/security.md --runs 3 \
         --save "$OUT/copy_$mode.json" 2>&1 | tee "$OUT/copy_$mode.log" | tail -6
       curl -s 127.0.0.1:8000/v1/capacity | python3 -c 'import json,sys; print(json.load(sys.stdin)["live"].get("speculative"))'
       stop

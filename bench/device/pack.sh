@@ -15,7 +15,8 @@
 #   bench/device/pack.sh spec-b      # the GGUF's second half and guidellm's wheels (issue 34)
 #   bench/device/pack.sh draft-a     # EAGLE-3 on the GPU and the FP8 GEMVs (bench/device/drafter.sh): the
 #                                    # worker, GPU tests, model bench
-#   bench/device/pack.sh draft-b     # the GGUF's first half, a script-made drafter
+#   bench/device/pack.sh draft-b     # the GGUF's first half (KVFLEET_PACK_GPU_BINS=1: the drafter tests
+#                                    # and the worker too)
 #   bench/device/pack.sh draft-c     # the GGUF's second half, transformers' GGUF wheels
 #   bench/device/pack.sh clients     # the worker, prometheus and the wheels of bench/device/clients.sh
 #                                    # (inference-perf, the transformers log-probabilities); no GGUF
@@ -149,9 +150,12 @@ case "$mode" in
     ;;
   draft-b)
     head -c "$half" "$gguf" > "$out/gguf.part1"
-    # A random EAGLE-3 drafter of SmolLM2's geometry (its heads, so the GPU kernels take it).
-    python3 tests/fixtures/eagle3/generate.py --kind eagle3 --out "$out/eagle3" --hidden 576 --vocab 49152 \
-      --target-layers 30 --heads 9 --kv-heads 3 --head-dim 64 --ff 1536 --draft-tokens 198,28,30,260,281,282,284,288
+    # KVFLEET_PACK_GPU_BINS=1: the drafter tests and the worker ride along (a re-run of part c
+    # after a code change, without part a's benches).
+    if [ -n "${KVFLEET_PACK_GPU_BINS:-}" ]; then
+      exe_of test --release --test cuda_drafter | pack_bins
+      strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    fi
     ;;
   draft-c)
     tail -c +"$((half + 1))" "$gguf" > "$out/gguf.part2"

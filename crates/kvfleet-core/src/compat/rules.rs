@@ -570,22 +570,17 @@ pub static KVFLEET_RULES: &[Rule] = &[
     kvfleet("kvfleet.speculative-gpu-drafters")
         .on(&[B::KvfleetCuda])
         .deny(SPEC_METHOD, "UnsupportedSpeculativeMethod")
-        .summary("drafters on the kvfleet GPU engine: n-gram, and EAGLE-3 beside models without sliding-window layers; dflash, and eagle3 beside sliding-window models, run on the CPU engine (KVFLEET_CPU) only")
+        .summary("drafters on the kvfleet GPU engine: eagle3 and dflash beside models without sliding-window layers; beside sliding-window models (Gemma 3) they run on the CPU engine (KVFLEET_CPU) only; ngram everywhere")
         .source(KVFLEET_WORKER_SOURCE)
-        .fires(|c| match c.features.speculative {
-            Some(SpeculativeMethod::Dflash) => true,
-            Some(SpeculativeMethod::Eagle3) => !c.features.sliding_windows.is_empty(),
-            _ => false,
+        .fires(|c| {
+            c.features.speculative.is_some_and(SpeculativeMethod::needs_draft_model)
+                && !c.features.sliding_windows.is_empty()
         })
-        .cause(|c| if c.features.speculative == Some(SpeculativeMethod::Eagle3) {
-            "speculative method eagle3 beside a model with sliding-window layers is not implemented on the kvfleet GPU engine (its drafter runs on KVFLEET_CPU)".to_string()
-        } else {
-            format!(
-                "speculative method {} is not implemented on the kvfleet GPU engine (n-gram and eagle3 are; its drafter runs on KVFLEET_CPU)",
-                spec_method(c)
-            )
-        })
-        .fix(|_| "use method ngram (or eagle3 for a model without sliding-window layers), or runtime vllm".to_string()),
+        .cause(|c| format!(
+            "speculative method {} beside a model with sliding-window layers is not implemented on the kvfleet GPU engine (its drafter runs on KVFLEET_CPU)",
+            spec_method(c)
+        ))
+        .fix(|_| "use method ngram, or attentionBackend KVFLEET_CPU, or runtime vllm".to_string()),
     kvfleet("kvfleet.cuda-needs-sm80")
         .on(&[B::KvfleetCuda])
         .deny(MIN_CC, "UnsupportedArchitecture")

@@ -246,11 +246,11 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", SpecNgram, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         (K, "9.0", SpecEagle3, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "8.9", SpecEagle3, D::Fp8, B::KvfleetCuda, Runs(D::Fp8, B::KvfleetCuda)),
-        (K, "9.0", SpecEagle3Sliding, D::Auto, B::Auto, Denied("kvfleet.speculative-gpu-drafters", "speculative method eagle3 beside a model with sliding-window layers is not implemented on the kvfleet GPU engine (its drafter runs on KVFLEET_CPU); use method ngram (or eagle3 for a model without sliding-window layers), or runtime vllm")),
+        (K, "9.0", SpecEagle3Sliding, D::Auto, B::Auto, Denied("kvfleet.speculative-gpu-drafters", "speculative method eagle3 beside a model with sliding-window layers is not implemented on the kvfleet GPU engine (its drafter runs on KVFLEET_CPU); use method ngram, or attentionBackend KVFLEET_CPU, or runtime vllm")),
         (K, "9.0", SpecEagle3Sliding, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
-        (K, "8.9", SpecDflash, D::Fp8, B::Auto, Denied("kvfleet.speculative-gpu-drafters", "method dflash is not implemented on the kvfleet GPU engine (n-gram and eagle3 are")),
+        (K, "8.9", SpecDflash, D::Fp8, B::Auto, Runs(D::Fp8, B::KvfleetCuda)),
         (K, "9.0", SpecEagle3, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
-        (K, "9.0", SpecDflash, D::Auto, B::KvfleetCuda, Denied("kvfleet.speculative-gpu-drafters", "method dflash")),
+        (K, "9.0", SpecDflash, D::Auto, B::KvfleetCuda, Runs(D::Bfloat16, B::KvfleetCuda)),
         // --- FP8 weights: W8A8 from 8.9 on the GPU, no weight-only path below; the CPU
         // dequantizes FP8 checkpoints and runs engine.quantization fp8 as its reference
         (K, "8.6", LlamaFp8, D::Auto, B::Auto, Denied("kvfleet.fp8-weights-need-sm89", "select GPUs that can: L4, L40S, RTX 4090 (8.9), H100, H200 (9.0)")),

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaSlice;
 use kvfleet_engine::engine::layout::KvDtype;
 use kvfleet_engine::engine::{Backend, StepPlan};
 use kvfleet_engine::model::drafter::{CatchUp, ChainRow, Drafter};
@@ -28,10 +28,11 @@ use kvfleet_engine::model::kv::{AttnGeometry, SeqId};
 use crate::backend::CudaBackend;
 use crate::device::Gpu;
 
-use super::arena::{upload_into, Acts};
-use super::blas::{Blas, Gemm};
+use super::arena::upload_into;
+use super::blas::Gemm;
 use super::error::{backend_err, drv, GpuError};
-use super::kernels::{Glu, ModelKernels, Norm, QkvOut, QkvPost};
+use super::features::{fits, AuxCapture, Target};
+use super::kernels::{Glu, Norm, QkvOut, QkvPost};
 use super::shape::{kv_replication, Dims};
 use super::weights::to_bf16;
 
@@ -47,9 +48,9 @@ impl DraftReserve {
     /// The reservation of `d` for steps of up to `tokens` tokens and `seqs` requests, K/V in
     /// `dtype`.
     pub fn of(d: &Drafter, dtype: KvDtype, tokens: usize, seqs: usize) -> Self {
-        let Drafter::Eagle3(m) = d else {
-            // Refused at attach ([`GpuEagle3::new`]): nothing to reserve.
-            return DraftReserve::default();
+        let m = match d {
+            Drafter::Eagle3(m) => m,
+            Drafter::Dflash(m) => return Self::of_dflash(m, dtype, tokens),
         };
         let c = &m.config;
         let l = &c.layer;
@@ -73,66 +74,29 @@ impl DraftReserve {
     }
 }
 
-/// The residual stream entering each feature layer of the last target step (index
-/// `n_layers`: the last layer's output), f32 `[tokens, d]` each.
-pub(super) struct AuxCapture {
-    pub layers: Vec<usize>,
-    pub bufs: Vec<CudaSlice<f32>>,
-    pub tokens: usize,
-    /// Rows of the last step.
-    pub kept: usize,
-}
-
-impl AuxCapture {
-    fn new(
-        s: &std::sync::Arc<CudaStream>,
-        layers: &[usize],
-        tokens: usize,
-        d: usize,
-    ) -> Result<Self, GpuError> {
-        let bufs = layers
-            .iter()
-            .map(|_| s.alloc_zeros::<f32>(tokens.max(1) * d))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(drv("allocating the drafter's feature copies"))?;
-        Ok(AuxCapture {
-            layers: layers.to_vec(),
-            bufs,
-            tokens: tokens.max(1),
-            kept: 0,
-        })
-    }
-
-    /// Room for a step of `t` tokens.
-    pub fn ensure(&mut self, s: &std::sync::Arc<CudaStream>, t: usize, d: usize) -> Result<(), GpuError> {
-        if t > self.tokens {
-            for b in &mut self.bufs {
-                *b = s
-                    .alloc_zeros::<f32>(t * d)
-                    .map_err(drv("growing the drafter's feature copies"))?;
-            }
-            self.tokens = t;
+impl DraftReserve {
+    fn of_dflash(m: &kvfleet_engine::model::dflash::Dflash, dtype: KvDtype, tokens: usize) -> Self {
+        let c = &m.config;
+        let l = &c.layer;
+        let (d, dt, hd, n) = (l.d_model, c.target_hidden, l.head_dim, c.aux_layers.len());
+        let (qw, kw) = (l.n_heads * hd, l.n_kv_heads * hd);
+        let rep = kv_replication(l.n_heads, l.n_kv_heads).map_or(1, |(r, _)| r);
+        let layer = (qw + 2 * kw) * d + qw * d + 3 * l.d_ff * d;
+        let weights = d * n * dt
+            + l.n_layers * layer
+            + m.lm_head.as_ref().map_or(0, Vec::len)
+            + m.embed.as_ref().map_or(0, Vec::len);
+        DraftReserve {
+            fixed_bytes: 2 * weights
+                + 4 * (3 + 4 * l.n_layers) * d.max(hd)
+                + 4 * n * tokens * dt
+                + 2 * tokens * n * dt,
+            kv_bytes_per_token: l.n_layers
+                * 2
+                * l.n_kv_heads
+                * rep
+                * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
         }
-        Ok(())
-    }
-
-    /// Keeps `x[..t]` when layer `li`'s input is a feature (`li == n_layers`: the output).
-    pub fn keep(
-        &mut self,
-        s: &std::sync::Arc<CudaStream>,
-        li: usize,
-        x: &CudaSlice<f32>,
-        t: usize,
-        d: usize,
-    ) -> Result<(), GpuError> {
-        for (l, b) in self.layers.iter().zip(&mut self.bufs) {
-            if *l == li {
-                s.memcpy_dtod(&x.slice(..t * d), &mut b.slice_mut(..t * d))
-                    .map_err(drv("keeping a drafter feature"))?;
-            }
-        }
-        self.kept = t;
-        Ok(())
     }
 }
 
@@ -215,16 +179,13 @@ pub(super) struct GpuEagle3 {
     free: Vec<usize>,
 }
 
-/// The target's parts a drafter pass runs with.
-pub(super) struct Target<'a> {
-    pub dims: &'a Dims,
-    pub k: &'a ModelKernels,
-    pub blas: &'a Blas,
-    pub a: &'a mut Acts,
-    pub embed: &'a CudaSlice<u16>,
+/// A drafter on the GPU, by kind.
+pub(super) enum GpuDrafter {
+    Eagle3(Box<GpuEagle3>),
+    Dflash(Box<super::dflash::GpuDflash>),
 }
 
-impl GpuEagle3 {
+impl GpuDrafter {
     /// Uploads `drafter` beside a target of widths `target` (its step buffers hold `tokens`
     /// tokens and `seqs` rows), its pool `num_blocks` pages of `block_size` in `dtype`.
     #[allow(clippy::too_many_arguments)]
@@ -238,15 +199,45 @@ impl GpuEagle3 {
         tokens: usize,
         seqs: usize,
     ) -> Result<Self, GpuError> {
-        let m = match drafter {
-            Drafter::Eagle3(m) => m,
-            other => {
-                return Err(GpuError::Unsupported(format!(
-                    "{} drafters on the GPU (the CPU engine runs them; EAGLE-3 runs on both)",
-                    other.method()
-                )))
-            }
-        };
+        Ok(match drafter {
+            Drafter::Eagle3(m) => GpuDrafter::Eagle3(Box::new(GpuEagle3::new(
+                gpu, m, target, dtype, block_size, num_blocks, tokens, seqs,
+            )?)),
+            Drafter::Dflash(m) => GpuDrafter::Dflash(Box::new(super::dflash::GpuDflash::new(
+                gpu, m, target, dtype, block_size, num_blocks, tokens,
+            )?)),
+        })
+    }
+
+    /// Where the target's steps keep the features this drafter reads.
+    pub fn aux(&mut self) -> &mut AuxCapture {
+        match self {
+            GpuDrafter::Eagle3(d) => &mut d.aux,
+            GpuDrafter::Dflash(d) => &mut d.aux,
+        }
+    }
+
+    /// Drops what is kept for `seq`.
+    pub fn forget(&mut self, seq: SeqId) {
+        if let GpuDrafter::Eagle3(d) = self {
+            d.forget(seq);
+        }
+    }
+}
+
+impl GpuEagle3 {
+    /// See [`GpuDrafter::new`].
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        gpu: &std::sync::Arc<Gpu>,
+        m: Eagle3,
+        target: &Dims,
+        dtype: KvDtype,
+        block_size: usize,
+        num_blocks: usize,
+        tokens: usize,
+        seqs: usize,
+    ) -> Result<Self, GpuError> {
         let c = m.config.clone();
         if c.norm_before_residual {
             return Err(GpuError::Unsupported(
@@ -257,19 +248,7 @@ impl GpuEagle3 {
         super::shape::check_shapes(l)?;
         let (rep, _) = kv_replication(l.n_heads, l.n_kv_heads)?;
         let dims = Dims::new(l, rep);
-        let fits = [
-            ("hidden size", dims.d, target.d),
-            ("query width", dims.qw.max(dims.d), target.qw.max(target.d)),
-            ("Q/K/V width", dims.qw + 2 * dims.kw, target.qw + 2 * target.kw),
-            ("K/V width", dims.kw_rep, target.kw_rep),
-            ("MLP width", dims.ff, target.ff),
-            ("vocabulary", c.draft_vocab, target.vocab),
-        ];
-        if let Some((what, ours, theirs)) = fits.iter().find(|(_, a, b)| a > b) {
-            return Err(GpuError::Unsupported(format!(
-                "an EAGLE-3 drafter wider than its target on the GPU ({what} {ours} > {theirs})"
-            )));
-        }
+        fits(&dims, c.draft_vocab, target, dims.d)?;
         if c.aux_layers.len() != 3 {
             return Err(GpuError::Invalid(format!(
                 "an EAGLE-3 drafter fuses 3 target features, this one names {}",
@@ -320,15 +299,7 @@ impl GpuEagle3 {
         let (mut tokens, mut positions, mut src) = (Vec::new(), Vec::new(), Vec::new());
         let mut last = Vec::new();
         for r in rows {
-            if r.row + r.next.len() > self.aux.kept {
-                return Err(GpuError::Invalid(format!(
-                    "drafter catch-up of request {} reads rows {}..{} of a step of {}",
-                    r.seq,
-                    r.row,
-                    r.row + r.next.len(),
-                    self.aux.kept
-                )));
-            }
+            self.aux.check_rows(r.seq, r.row, r.next.len())?;
             tokens.extend(r.next.iter().map(|&x| x as i32));
             positions.extend((r.start_pos..r.start_pos + r.next.len()).map(|p| p as i32));
             src.extend((r.row..r.row + r.next.len()).map(|i| i as i32));
@@ -355,8 +326,7 @@ impl GpuEagle3 {
         }
         // The features of the rows, gathered and fused by `fc` into the residual `x`.
         upload_into(&s, &src, &mut self.idx)?;
-        let [a0, a1, a2] = [&self.aux.bufs[0], &self.aux.bufs[1], &self.aux.bufs[2]];
-        t.k.gather_aux([a0, a1, a2], &self.idx, n, dt, &mut self.fcin)?;
+        t.k.gather_aux(&self.aux.bufs, &self.idx, n, dt, &mut self.fcin)?;
         self.embed_in(&mut t, &tokens, &positions)?;
         let g = Gemm::store(n, self.dims.d, 3 * dt);
         t.blas.gemm(&self.w.fc, &self.fcin, &mut t.a.x, g)?;

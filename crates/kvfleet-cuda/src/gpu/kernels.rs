@@ -348,26 +348,31 @@ impl ModelKernels {
         Ok(())
     }
 
-    /// `out[i] = bf16(a[0][rows[i]] ++ a[1][rows[i]] ++ a[2][rows[i]])`: an EAGLE-3 drafter's
-    /// `fc` input, `[n, 3 d]`, from three kept target features of `d` a row.
+    /// A drafter's `fc` input from the kept target features `a` (`[T, d]` each, f32):
+    /// `out[i] = bf16(a[0][rows[i]] ++ a[1][rows[i]] ++ ...)`, `[n, a.len() x d]`, one launch a
+    /// feature.
     pub fn gather_aux(
         &self,
-        a: [&CudaSlice<f32>; 3],
+        a: &[CudaSlice<f32>],
         rows: &CudaSlice<i32>,
         n: usize,
         d: usize,
         out: &mut CudaSlice<u16>,
     ) -> Result<(), GpuError> {
+        let ld = a.len() * d;
         need("row index buffer", rows, n)?;
-        need("drafter input", out, n * 3 * d)?;
-        let d_i = d as i32;
-        let mut l = Launch::new(&self.stream);
-        l.ptr(a[0]).ptr(a[1]).ptr(a[2]).ptr(rows).i32(d_i).ptr_mut(out);
-        // SAFETY: matches `kvf_gather_aux(const float*, const float*, const float*, const int*,
-        // int, bf16*)`; the row indices are rows of the step the features were kept from
-        // (checked on the host against their length); it waits for the previous kernel (PDL).
-        unsafe { l.launch(&self.gather_aux, rows_cfg(n, NORM_THREADS, 0), self.pdl) }
-            .map_err(drv("launching kvf_gather_aux"))?;
+        need("drafter input", out, n * ld)?;
+        for (j, src) in a.iter().enumerate() {
+            let (d_i, ld_i, col) = (d as i32, ld as i32, (j * d) as i32);
+            let mut l = Launch::new(&self.stream);
+            l.ptr(src).ptr(rows).i32(d_i).i32(ld_i).i32(col).ptr_mut(out);
+            // SAFETY: matches `kvf_gather_aux(const float*, const int*, int, int, int, bf16*)`;
+            // the row indices are rows of the step the features were kept from (checked on the
+            // host against their count, `src` holds them); `out` holds n rows of `ld` (checked
+            // above) and `col + d <= ld`; it waits for the previous kernel first (PDL).
+            unsafe { l.launch(&self.gather_aux, rows_cfg(n, NORM_THREADS, 0), self.pdl) }
+                .map_err(drv("launching kvf_gather_aux"))?;
+        }
         Ok(())
     }
 

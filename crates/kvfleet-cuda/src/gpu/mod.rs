@@ -17,12 +17,15 @@
 //!   sizing;
 //! - `step`: what a family's layers run with and the [`Family`](step::Family) trait, one file
 //!   per family (`llama`, `gemma3`); `model`: [`GpuLlama`] and how it is built; `forward`: its
-//!   step and the engine's `Forward`; `drafter`: EAGLE-3 drafters beside the model.
+//!   step and the engine's `Forward`; `drafter`: speculative drafters beside the model (EAGLE-3
+//!   there, DFlash in `dflash`, what both run with in `features`).
 
 mod arena;
 mod blas;
+mod dflash;
 mod drafter;
 mod error;
+mod features;
 mod forward;
 mod fp8;
 mod gemma3;

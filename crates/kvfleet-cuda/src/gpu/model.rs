@@ -15,8 +15,9 @@ use crate::{nvrtc, CudaError};
 
 use super::arena::Acts;
 use super::blas::{cublas_present, Blas};
-use super::drafter::{GpuEagle3, Target};
+use super::drafter::GpuDrafter;
 use super::error::{backend_err, drv, GpuError};
+use super::features::Target;
 use super::gemma3::Gemma3Family;
 use super::gemv::Gemv;
 use super::kernels::ModelKernels;
@@ -61,7 +62,7 @@ pub struct GpuLlama {
     /// Steps of one token take the fused GEMV path.
     pub(super) single_token_gemv: bool,
     /// A speculative drafter beside the model.
-    pub(super) drafter: Option<GpuEagle3>,
+    pub(super) drafter: Option<GpuDrafter>,
 }
 
 impl std::fmt::Debug for GpuLlama {
@@ -200,7 +201,7 @@ impl GpuLlama {
         let cfg = kvfleet_engine::engine::Backend::config(&self.backend);
         let blocks = cfg.groups.first().map_or(0, |g| g.num_blocks);
         let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
-        let d = GpuEagle3::new(
+        let d = GpuDrafter::new(
             &self.gpu,
             drafter,
             &self.dims,
@@ -216,7 +217,7 @@ impl GpuLlama {
     }
 
     /// The drafter and the target parts its passes borrow.
-    pub(super) fn drafter_and_target(&mut self) -> Result<(&mut GpuEagle3, Target<'_>), GpuError> {
+    pub(super) fn drafter_and_target(&mut self) -> Result<(&mut GpuDrafter, Target<'_>), GpuError> {
         self.gpu
             .context()
             .bind_to_thread()
@@ -231,6 +232,7 @@ impl GpuLlama {
             blas: &self.blas,
             a: &mut self.acts,
             embed: &self.weights.embed,
+            head: self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed),
         };
         Ok((d, t))
     }

@@ -10,8 +10,8 @@ use crate::profile::GpuSteps;
 
 use super::arena::Acts;
 use super::blas::Blas;
-use super::drafter::AuxCapture;
 use super::error::{drv, GpuError};
+use super::features::AuxCapture;
 use super::kernels::ModelKernels;
 use super::shape::Dims;
 use super::weights::Weights;

@@ -169,31 +169,32 @@ impl DflashConfig {
     }
 }
 
-struct DLayer {
-    input_norm: Vec<f32>,
-    wq: Vec<f32>,
-    wk: Vec<f32>,
-    wv: Vec<f32>,
-    wo: Vec<f32>,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    w_gate: Vec<f32>,
-    w_up: Vec<f32>,
-    w_down: Vec<f32>,
+/// One decoder layer's tensors (public for the GPU engine, which uploads them).
+pub struct DLayer {
+    pub input_norm: Vec<f32>,
+    pub wq: Vec<f32>,
+    pub wk: Vec<f32>,
+    pub wv: Vec<f32>,
+    pub wo: Vec<f32>,
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub w_gate: Vec<f32>,
+    pub w_up: Vec<f32>,
+    pub w_down: Vec<f32>,
 }
 
-/// A loaded DFlash drafter (f32 weights).
+/// A loaded DFlash drafter (f32 weights; public for the GPU engine, which uploads them).
 pub struct Dflash {
     pub config: DflashConfig,
-    inv_freq: Vec<f32>,
-    fc: Vec<f32>,
-    hidden_norm: Vec<f32>,
-    layers: Vec<DLayer>,
-    out_norm: Vec<f32>,
-    lm_head: Option<Vec<f32>>,
-    d2t: Vec<u32>,
-    embed: Option<Vec<f32>>,
+    pub inv_freq: Vec<f32>,
+    pub fc: Vec<f32>,
+    pub hidden_norm: Vec<f32>,
+    pub layers: Vec<DLayer>,
+    pub out_norm: Vec<f32>,
+    pub lm_head: Option<Vec<f32>>,
+    pub d2t: Vec<u32>,
+    pub embed: Option<Vec<f32>>,
 }
 
 impl std::fmt::Debug for Dflash {
