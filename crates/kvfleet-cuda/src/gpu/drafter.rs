@@ -8,7 +8,7 @@
 //! - the layer: `x = features`; `qkv = rmsnorm_in(embed) · W_eᵀ + rmsnorm_hidden(x) · W_hᵀ`
 //!   (the concatenation `[embeds, hidden]` as two GEMMs over the two column halves of
 //!   Q/K/V); RoPE; its K/V appended to its own pool (one layer, paged by the target's page
-//!   table, in pages reserved when the target's pools were sized: [`DraftReserve`]); attention;
+//!   table, in pages reserved when the target's pools were sized: `DraftReserve`); attention;
 //!   `x += attn · Woᵀ`; the MLP; the pre-norm outputs kept per request for chaining;
 //! - each drafting row's token: `argmax(rmsnorm_out(x) · lm_headᵀ)`, mapped through `d2t`.
 //!
@@ -33,16 +33,9 @@ use super::blas::Gemm;
 use super::error::{backend_err, drv, GpuError};
 use super::features::{fits, AuxCapture, Target};
 use super::kernels::{Glu, Norm, QkvOut, QkvPost};
+use super::options::DraftReserve;
 use super::shape::{kv_replication, Dims};
 use super::weights::to_bf16;
-
-/// What a drafter takes of the memory the KV pools would otherwise get: its weights and
-/// buffers, and its K/V per token of the target's pages (the same number of pages).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DraftReserve {
-    pub fixed_bytes: usize,
-    pub kv_bytes_per_token: usize,
-}
 
 impl DraftReserve {
     /// The reservation of `d` for steps of up to `tokens` tokens and `seqs` requests, K/V in
@@ -492,5 +485,37 @@ impl GpuEagle3 {
         if let Some(slot) = self.slots.remove(&seq) {
             self.free.push(slot);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use kvfleet_engine::model::llama::{Llama, LlamaConfig};
+
+    use super::*;
+
+    /// The tiny EAGLE-3 fixture (hidden 8, 2 heads over 1 KV head of 4, MLP 16, 6 draft
+    /// tokens, its own embeddings of 16 x 8): its reservation counts every tensor in bf16, the
+    /// kept features and inputs for 32 tokens, the outputs of 4 requests, and one layer of K/V.
+    #[test]
+    fn an_eagle3_reservation_counts_its_weights_buffers_and_one_layer_of_kv() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/eagle3/tiny");
+        let target = Llama::dummy(LlamaConfig::llama(4, 8, 16, 2, 1, 16), 1).unwrap();
+        let d = Drafter::load(&dir, &target.config).unwrap();
+        let r = DraftReserve::of(&d, KvDtype::Bf16, 32, 4);
+        let weights = 8 * 24 + (8 + 2 * 4) * 16 + 8 * 8 + 3 * 16 * 8 + 6 * 8 + 16 * 8;
+        let fixed = 2 * weights + 4 * 5 * 8 + 4 * 3 * 32 * 8 + 2 * 32 * 24 + 4 * 4 * 8;
+        // K and V of the one KV head (as many copies as the kernels store for 2 query heads), 4
+        // dims, bf16.
+        let (rep, _) = kv_replication(2, 1).unwrap();
+        assert_eq!(
+            r,
+            DraftReserve {
+                fixed_bytes: fixed,
+                kv_bytes_per_token: 2 * rep * 4 * 2,
+            }
+        );
     }
 }

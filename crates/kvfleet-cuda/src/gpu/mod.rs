@@ -41,11 +41,10 @@ mod step;
 mod weights;
 
 pub use blas::cublas_present;
-pub use drafter::DraftReserve;
 pub use error::GpuError;
 pub use fp8::{check_device as check_fp8_device, cublaslt_present};
 pub use kernels::{fp8_ptx, model_ptx, FP8_KERNELS, FP8_SOURCE, MODEL_KERNELS, MODEL_SOURCE};
 pub use model::{check_available, GpuLlama};
-pub use options::{GpuCapacity, GpuOptions, BLOCK_SIZE};
+pub use options::{DraftReserve, GpuCapacity, GpuOptions, BLOCK_SIZE};
 pub use sampling::{pick_rows_on_device, sample_rows_on_device};
 pub use shape::kv_replication;

@@ -5,6 +5,15 @@ use kvfleet_engine::engine::layout::KvDtype;
 /// Tokens per KV page (the only page size the attention kernels build).
 pub const BLOCK_SIZE: usize = 16;
 
+/// What a speculative drafter takes of the memory the KV pools would otherwise get: its weights
+/// and buffers, and its K/V per token of the model's pages (its pool has as many pages).
+/// `DraftReserve::of` (in `drafter`) works it out for a loaded drafter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftReserve {
+    pub fixed_bytes: usize,
+    pub kv_bytes_per_token: usize,
+}
+
 /// Options of the GPU model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuOptions {
@@ -48,7 +57,7 @@ pub struct GpuOptions {
     pub fp8_weights: bool,
     /// A speculative drafter to run beside the model: its weights, buffers and K/V come out
     /// of the KV budget before the pages are counted (its pool has as many pages).
-    pub drafter: Option<crate::gpu::DraftReserve>,
+    pub drafter: Option<DraftReserve>,
 }
 
 impl Default for GpuOptions {

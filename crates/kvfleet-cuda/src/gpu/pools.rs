@@ -165,6 +165,7 @@ fn windowed_pools(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::options::DraftReserve;
     use crate::gpu::shape::{check_shapes, kv_replication};
 
     fn gemma_270m() -> LlamaConfig {
@@ -179,6 +180,42 @@ mod tests {
             weights: 16 << 30,
             activations: 1 << 30,
         }
+    }
+
+    /// A drafter's weights and buffers come off the budget first, then every page carries its
+    /// K/V beside the model's: the model gets fewer pages, and the two pools and the fixed part
+    /// add up to the budget (within a page).
+    #[test]
+    fn a_drafter_is_reserved_before_the_pages_are_counted() {
+        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
+        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+        let dims = Dims::new(&c, rep);
+        let plain = GpuOptions {
+            memory_margin_bytes: Some(1 << 30),
+            ..GpuOptions::default()
+        };
+        let draft = DraftReserve {
+            fixed_bytes: 900 << 20,
+            // One layer of 8 KV heads of 128 in bf16: 4 KiB a token (the model's 128 KiB / 32).
+            kv_bytes_per_token: 4 << 10,
+        };
+        let with = GpuOptions {
+            drafter: Some(draft),
+            ..plain.clone()
+        };
+        let mem = memory(10 << 30);
+        let (_, a) = size_pools(&c, &dims, &plain, &mem).unwrap();
+        let (pools, b) = size_pools(&c, &dims, &with, &mem).unwrap();
+        assert_eq!(a.drafter_bytes, 0);
+        assert_eq!(b.blocks, ((9 << 30) - (900 << 20)) / ((132 << 10) * 16));
+        assert_eq!(pools.groups[0].num_blocks, b.blocks);
+        assert_eq!(b.drafter_bytes, (900 << 20) + b.blocks * 16 * (4 << 10));
+        let used = b.blocks * 16 * b.kv_bytes_per_token + b.drafter_bytes;
+        assert!(used <= 9 << 30 && (9 << 30) - used < (132 << 10) * 16, "{used}");
+        let gemma = gemma_270m();
+        let (rep, _) = kv_replication(gemma.n_heads, gemma.n_kv_heads).unwrap();
+        let e = size_pools(&gemma, &Dims::new(&gemma, rep), &with, &mem).unwrap_err();
+        assert!(e.to_string().contains("sliding-window"), "{e}");
     }
 
     #[test]
