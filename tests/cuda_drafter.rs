@@ -76,42 +76,59 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-/// Three prompts, each prefilled by the target on both engines, caught up by the drafter, then
-/// chained three drafts further: the GPU drafter drafts what the CPU drafter drafts.
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
+const PROMPTS: [&str; 3] = [
+    "The operator checks what each GPU can run before a pod starts.",
+    "List the numbers from one to twenty, separated by commas:",
+    "Once upon a time, in a small village by the sea, there lived",
+];
+
+/// SmolLM2 on both engines, each with the same script-made drafter of `kind` attached, and the
+/// drafter's vocabulary: common English tokens, so that its choices are among a few.
+struct Pair {
+    tok: Tokenizer,
+    draft: Vec<u32>,
+    cpu: CpuForward,
+    gpu: GpuLlama,
+}
+
+fn pair(kind: &str) -> Pair {
     let g = Gguf::open(&gguf_path()).expect("SmolLM2 GGUF (see docs/model.md)");
     let model = Arc::new(Llama::from_gguf(&g).unwrap());
     let tok = Tokenizer::from_gguf(&g).unwrap();
     let c = model.config.clone();
-    // A draft vocabulary of common English tokens, so that the drafter's choices are among a few.
     let mut draft: Vec<u32> = tok.encode(" the, of and. to a in is", false);
     draft.sort_unstable();
     draft.dedup();
-    let dir = make_drafter("eagle3", &model, &draft);
-
+    let dir = make_drafter(kind, &model, &draft);
     let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
     let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
-    let gpu_dev = GpuLlama::open_gpu(0).expect("the GPU");
     let opts = GpuOptions {
         max_kv_tokens: Some(4096),
         max_batched_tokens: 512,
         max_num_seqs: 16,
         ..GpuOptions::default()
     };
-    let mut gpu = GpuLlama::from_llama(gpu_dev, &model, &opts).unwrap();
+    let mut gpu = GpuLlama::from_llama(GpuLlama::open_gpu(0).expect("the GPU"), &model, &opts).unwrap();
     gpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
     assert!(gpu.has_drafter());
+    Pair { tok, draft, cpu, gpu }
+}
 
-    let prompts = [
-        "The operator checks what each GPU can run before a pod starts.",
-        "List the numbers from one to twenty, separated by commas:",
-        "Once upon a time, in a small village by the sea, there lived",
-    ];
+/// Three prompts, each prefilled by the target on both engines, caught up by the drafter, then
+/// chained three drafts further: the GPU drafter drafts what the CPU drafter drafts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
+    let Pair {
+        tok,
+        draft,
+        mut cpu,
+        mut gpu,
+    } = pair("eagle3");
+
     let (mut same, mut total) = (0, 0);
-    for (i, text) in prompts.iter().enumerate() {
+    for (i, text) in PROMPTS.iter().enumerate() {
         let seq = i as u64 + 1;
         let t = table(seq);
         let prompt = tok.encode(text, true);
@@ -171,34 +188,15 @@ fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_dflash_drafter_drafts_what_the_cpu_drafter_drafts() {
-    let g = Gguf::open(&gguf_path()).expect("SmolLM2 GGUF (see docs/model.md)");
-    let model = Arc::new(Llama::from_gguf(&g).unwrap());
-    let tok = Tokenizer::from_gguf(&g).unwrap();
-    let c = model.config.clone();
-    let mut draft: Vec<u32> = tok.encode(" the, of and. to a in is", false);
-    draft.sort_unstable();
-    draft.dedup();
-    let dir = make_drafter("dflash", &model, &draft);
+    let Pair {
+        tok,
+        draft,
+        mut cpu,
+        mut gpu,
+    } = pair("dflash");
 
-    let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
-    let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
-    cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
-    let opts = GpuOptions {
-        max_kv_tokens: Some(4096),
-        max_batched_tokens: 512,
-        max_num_seqs: 16,
-        ..GpuOptions::default()
-    };
-    let mut gpu = GpuLlama::from_llama(GpuLlama::open_gpu(0).expect("the GPU"), &model, &opts).unwrap();
-    gpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
-
-    let prompts = [
-        "The operator checks what each GPU can run before a pod starts.",
-        "List the numbers from one to twenty, separated by commas:",
-        "Once upon a time, in a small village by the sea, there lived",
-    ];
     let (mut same, mut total) = (0, 0);
-    for (i, text) in prompts.iter().enumerate() {
+    for (i, text) in PROMPTS.iter().enumerate() {
         let seq = i as u64 + 1;
         let t = table(seq);
         let prompt = tok.encode(text, true);

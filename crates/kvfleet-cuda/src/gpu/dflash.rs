@@ -60,9 +60,6 @@ pub(super) struct GpuDflash {
     d2t: Vec<u32>,
     backend: CudaBackend,
     pub aux: AuxCapture,
-    /// bf16 `[tokens, features x dt]`: `fc`'s input.
-    fcin: CudaSlice<u16>,
-    idx: CudaSlice<i32>,
 }
 
 impl GpuDflash {
@@ -114,15 +111,8 @@ impl GpuDflash {
                 })
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
-        let k_in = c.aux_layers.len() * c.target_hidden;
         Ok(GpuDflash {
             aux: AuxCapture::new(&s, &c.aux_layers, tokens, c.target_hidden)?,
-            fcin: s
-                .alloc_zeros::<u16>(tokens.max(1) * k_in)
-                .map_err(drv("allocating the drafter's input"))?,
-            idx: s
-                .alloc_zeros::<i32>(tokens.max(1))
-                .map_err(drv("allocating the drafter's row indices"))?,
             fc: up16(&[&m.fc])?,
             hidden_norm: gpu.upload(&m.hidden_norm)?,
             layers,
@@ -138,7 +128,12 @@ impl GpuDflash {
     }
 
     /// The catch-up after a target step: each layer's context K/V at the positions `rows` name.
-    pub fn catch_up(&mut self, t: Target<'_>, rows: &[CatchUp<'_>], plan: &StepPlan) -> Result<(), GpuError> {
+    pub fn catch_up(
+        &mut self,
+        mut t: Target<'_>,
+        rows: &[CatchUp<'_>],
+        plan: &StepPlan,
+    ) -> Result<(), GpuError> {
         let (mut positions, mut src) = (Vec::new(), Vec::new());
         for r in rows {
             self.aux.check_rows(r.seq, r.row, r.next.len())?;
@@ -150,53 +145,18 @@ impl GpuDflash {
             return Ok(());
         }
         let (dm, c) = (self.dims, &self.config.layer);
-        let k_in = self.config.aux_layers.len() * self.config.target_hidden;
+        let (dt, n_aux) = (self.config.target_hidden, self.config.aux_layers.len());
         let s = t.k.stream().clone();
         t.a.ensure(&s, t.dims, n, 1)?;
-        if self.fcin.len() < n * k_in {
-            self.fcin = s
-                .alloc_zeros::<u16>(n * k_in)
-                .map_err(drv("growing the drafter's input"))?;
-        }
-        if self.idx.len() < n {
-            self.idx = s
-                .alloc_zeros::<i32>(n)
-                .map_err(drv("growing the drafter's row indices"))?;
-        }
-        upload_into(&s, &src, &mut self.idx)?;
         upload_into(&s, &positions, &mut t.a.pos)?;
-        t.k.gather_aux(
-            &self.aux.bufs,
-            &self.idx,
-            n,
-            self.config.target_hidden,
-            &mut self.fcin,
-        )?;
+        let fcin = self.aux.gather(t.k, &src, dt)?;
         let a = &mut *t.a;
         t.blas
-            .gemm(&self.fc, &self.fcin, &mut a.x, Gemm::store(n, dm.d, k_in))?;
+            .gemm(&self.fc, fcin, &mut a.x, Gemm::store(n, dm.d, n_aux * dt))?;
         t.k.rms_norm(&a.x, n, dm.d, Norm::new(&self.hidden_norm, c.rms_eps), &mut a.h)?;
         self.backend.prepare(plan).map_err(backend_err)?;
-        for (li, l) in self.layers.iter().enumerate() {
-            let qkv = dm.qw + 2 * dm.kw;
-            t.blas
-                .gemm(&l.wqkv, &a.h, &mut a.qkv, Gemm::store(n, qkv, dm.d))?;
-            let post = QkvPost {
-                config: c,
-                dims: &dm,
-                qkv: &a.qkv,
-                pos: &a.pos,
-                bias: None,
-                qk_norm: Some((&l.q_norm, &l.k_norm)),
-                inv_freq: &self.inv_freq,
-            };
-            let out = QkvOut {
-                q: &mut a.q,
-                k: &mut a.k,
-                v: &mut a.v,
-            };
-            t.k.qkv_post(n, &post, out, t.k.pdl)?;
-            self.backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
+        for li in 0..self.layers.len() {
+            self.kv_into_pool(&mut t, li, n)?;
         }
         Ok(())
     }
@@ -205,7 +165,7 @@ impl GpuDflash {
     /// pass; returns every row's drafts, in row order.
     pub fn blocks(
         &mut self,
-        t: Target<'_>,
+        mut t: Target<'_>,
         rows: &[BlockRow],
         plan: &StepPlan,
     ) -> Result<Vec<u32>, GpuError> {
@@ -220,46 +180,37 @@ impl GpuDflash {
         if masks.is_empty() {
             return Ok(Vec::new());
         }
-        let (dm, c) = (self.dims, &self.config.layer);
+        let dm = self.dims;
+        let eps = self.config.layer.rms_eps;
         let s = t.k.stream().clone();
         t.a.ensure(&s, t.dims, n, 1)?;
-        let a = &mut *t.a;
-        upload_into(&s, &tokens, &mut a.tok)?;
-        upload_into(&s, &positions, &mut a.pos)?;
-        t.k.embed(self.embed.as_ref().unwrap_or(t.embed), &a.tok, n, dm.d, &mut a.x)?;
+        upload_into(&s, &tokens, &mut t.a.tok)?;
+        upload_into(&s, &positions, &mut t.a.pos)?;
+        t.k.embed(
+            self.embed.as_ref().unwrap_or(t.embed),
+            &t.a.tok,
+            n,
+            dm.d,
+            &mut t.a.x,
+        )?;
         self.backend.prepare(plan).map_err(backend_err)?;
-        for (li, l) in self.layers.iter().enumerate() {
-            t.k.rms_norm(&a.x, n, dm.d, Norm::new(&l.input_norm, c.rms_eps), &mut a.h)?;
-            let qkv = dm.qw + 2 * dm.kw;
-            t.blas
-                .gemm(&l.wqkv, &a.h, &mut a.qkv, Gemm::store(n, qkv, dm.d))?;
-            let post = QkvPost {
-                config: c,
-                dims: &dm,
-                qkv: &a.qkv,
-                pos: &a.pos,
-                bias: None,
-                qk_norm: Some((&l.q_norm, &l.k_norm)),
-                inv_freq: &self.inv_freq,
-            };
-            let out = QkvOut {
-                q: &mut a.q,
-                k: &mut a.k,
-                v: &mut a.v,
-            };
-            t.k.qkv_post(n, &post, out, t.k.pdl)?;
-            self.backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
+        for li in 0..self.layers.len() {
+            let l = &self.layers[li];
+            t.k.rms_norm(&t.a.x, n, dm.d, Norm::new(&l.input_norm, eps), &mut t.a.h)?;
+            self.kv_into_pool(&mut t, li, n)?;
+            let (l, a) = (&self.layers[li], &mut *t.a);
             self.backend
                 .attention(li, &a.q, &mut a.attn)
                 .map_err(backend_err)?;
             t.blas.gemm(&l.wo, &a.attn, &mut a.x, Gemm::add(n, dm.d, dm.qw))?;
-            t.k.rms_norm(&a.x, n, dm.d, Norm::new(&l.post_norm, c.rms_eps), &mut a.h)?;
+            t.k.rms_norm(&a.x, n, dm.d, Norm::new(&l.post_norm, eps), &mut a.h)?;
             t.blas
                 .gemm(&l.wgu, &a.h, &mut a.gu, Gemm::store(n, 2 * dm.ff, dm.d))?;
             t.k.glu(Glu::Silu, &a.gu, n, dm.ff, &mut a.act)?;
             t.blas
                 .gemm(&l.wdown, &a.act, &mut a.x, Gemm::add(n, dm.d, dm.ff))?;
         }
+        let a = &mut *t.a;
         // The mask rows through the final norm and the LM head, as many at a time as the
         // logits buffer holds rows.
         let (head, dv) = match &self.lm_head {
@@ -270,14 +221,7 @@ impl GpuDflash {
         for chunk in masks.chunks(a.rows.max(1)) {
             let m = chunk.len();
             upload_into(&s, chunk, &mut a.last)?;
-            t.k.rms_norm_rows(
-                &a.x,
-                &a.last,
-                m,
-                dm.d,
-                Norm::new(&self.out_norm, c.rms_eps),
-                &mut a.hl,
-            )?;
+            t.k.rms_norm_rows(&a.x, &a.last, m, dm.d, Norm::new(&self.out_norm, eps), &mut a.hl)?;
             t.blas
                 .gemm(head, &a.hl, &mut a.logits, Gemm::store(m, dv, dm.d))?;
             t.k.argmax_rows(&a.logits, m, dv, &mut a.picks)?;
@@ -292,5 +236,30 @@ impl GpuDflash {
             }
         }
         Ok(out)
+    }
+
+    /// Layer `li`'s Q/K/V of the `n` normed rows in `a.h` (Q/K norms, RoPE at `a.pos`), its K/V
+    /// appended to the pool (the plan is prepared).
+    fn kv_into_pool(&mut self, t: &mut Target<'_>, li: usize, n: usize) -> Result<(), GpuError> {
+        let (dm, c, l) = (&self.dims, &self.config.layer, &self.layers[li]);
+        let a = &mut *t.a;
+        t.blas
+            .gemm(&l.wqkv, &a.h, &mut a.qkv, Gemm::store(n, dm.qw + 2 * dm.kw, dm.d))?;
+        let post = QkvPost {
+            config: c,
+            dims: dm,
+            qkv: &a.qkv,
+            pos: &a.pos,
+            bias: None,
+            qk_norm: Some((&l.q_norm, &l.k_norm)),
+            inv_freq: &self.inv_freq,
+        };
+        let out = QkvOut {
+            q: &mut a.q,
+            k: &mut a.k,
+            v: &mut a.v,
+        };
+        t.k.qkv_post(n, &post, out, t.k.pdl)?;
+        self.backend.append_kv(li, &a.k, &a.v).map_err(backend_err)
     }
 }

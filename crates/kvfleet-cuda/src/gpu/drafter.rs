@@ -162,10 +162,6 @@ pub(super) struct GpuEagle3 {
     d2t: Vec<u32>,
     backend: CudaBackend,
     pub aux: AuxCapture,
-    /// bf16 `[tokens, 3 dt]`: `fc`'s input.
-    fcin: CudaSlice<u16>,
-    /// `[tokens]`: the step rows a catch-up gathers.
-    idx: CudaSlice<i32>,
     /// f32 `[slots, d]`: each request's latest pre-norm output.
     feat: CudaSlice<f32>,
     slots: HashMap<SeqId, usize>,
@@ -261,12 +257,6 @@ impl GpuEagle3 {
         let dt = c.target_hidden;
         Ok(GpuEagle3 {
             aux: AuxCapture::new(&s, &c.aux_layers, tokens, dt)?,
-            fcin: s
-                .alloc_zeros::<u16>(tokens.max(1) * 3 * dt)
-                .map_err(drv("allocating the drafter's input"))?,
-            idx: s
-                .alloc_zeros::<i32>(tokens.max(1))
-                .map_err(drv("allocating the drafter's row indices"))?,
             feat: s
                 .alloc_zeros::<f32>(seqs.max(1) * dims.d)
                 .map_err(drv("allocating the drafter's outputs"))?,
@@ -307,22 +297,11 @@ impl GpuEagle3 {
         let s = t.k.stream().clone();
         t.a.ensure(&s, t.dims, n, last.len().max(1))?;
         let dt = self.config.target_hidden;
-        if self.fcin.len() < n * 3 * dt {
-            self.fcin = s
-                .alloc_zeros::<u16>(n * 3 * dt)
-                .map_err(drv("growing the drafter's input"))?;
-        }
-        if self.idx.len() < n {
-            self.idx = s
-                .alloc_zeros::<i32>(n)
-                .map_err(drv("growing the drafter's row indices"))?;
-        }
-        // The features of the rows, gathered and fused by `fc` into the residual `x`.
-        upload_into(&s, &src, &mut self.idx)?;
-        t.k.gather_aux(&self.aux.bufs, &self.idx, n, dt, &mut self.fcin)?;
         self.embed_in(&mut t, &tokens, &positions)?;
+        // The features of the rows, gathered and fused by `fc` into the residual `x`.
+        let fcin = self.aux.gather(t.k, &src, dt)?;
         let g = Gemm::store(n, self.dims.d, 3 * dt);
-        t.blas.gemm(&self.w.fc, &self.fcin, &mut t.a.x, g)?;
+        t.blas.gemm(&self.w.fc, fcin, &mut t.a.x, g)?;
         self.layer(&mut t, n, plan)?;
         self.keep_and_draft(&mut t, &last)
     }

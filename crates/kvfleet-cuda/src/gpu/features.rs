@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 use kvfleet_engine::model::kv::SeqId;
 
-use super::arena::Acts;
+use super::arena::{upload_into, Acts};
 use super::blas::Blas;
 use super::error::{drv, GpuError};
 use super::kernels::ModelKernels;
@@ -21,6 +21,10 @@ pub(super) struct AuxCapture {
     pub tokens: usize,
     /// Rows of the last step.
     pub kept: usize,
+    /// bf16 `[rows, features x d]`: the gathered rows, `fc`'s input.
+    fcin: CudaSlice<u16>,
+    /// The step rows a catch-up gathers.
+    idx: CudaSlice<i32>,
 }
 
 impl AuxCapture {
@@ -35,7 +39,33 @@ impl AuxCapture {
             bufs,
             tokens: tokens.max(1),
             kept: 0,
+            fcin: s
+                .alloc_zeros::<u16>(tokens.max(1) * layers.len() * d)
+                .map_err(drv("allocating the drafter's input"))?,
+            idx: s
+                .alloc_zeros::<i32>(tokens.max(1))
+                .map_err(drv("allocating the drafter's row indices"))?,
         })
+    }
+
+    /// The kept features of the step rows `rows`, side by side in `fc`'s column order (bf16
+    /// `[rows, features x d]`): the drafter's `fc` input.
+    pub fn gather(&mut self, k: &ModelKernels, rows: &[i32], d: usize) -> Result<&CudaSlice<u16>, GpuError> {
+        let (s, n) = (k.stream(), rows.len());
+        let width = self.bufs.len() * d;
+        if self.fcin.len() < n * width {
+            self.fcin = s
+                .alloc_zeros::<u16>(n * width)
+                .map_err(drv("growing the drafter's input"))?;
+        }
+        if self.idx.len() < n {
+            self.idx = s
+                .alloc_zeros::<i32>(n)
+                .map_err(drv("growing the drafter's row indices"))?;
+        }
+        upload_into(s, rows, &mut self.idx)?;
+        k.gather_aux(&self.bufs, &self.idx, n, d, &mut self.fcin)?;
+        Ok(&self.fcin)
     }
 
     /// Room for a step of `t` tokens.
