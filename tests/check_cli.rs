@@ -582,3 +582,39 @@ fn an_input_over_16_mib_exits_2_naming_the_file_and_the_limit() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn a_drafter_geometry_is_counted_and_its_absence_warned() {
+    let example = "deploy/examples/eagle3-llama-3.1-8b-h100.yaml";
+    let with = check(
+        &["-f", example],
+        0,
+        &[
+            "eagle3 drafter: weights and buffers",
+            "1 layer(s) of K/V on every full-attention page",
+        ],
+    );
+    assert!(!with.contains("draftModel.geometry is not set"), "{with}");
+    let body = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(example)).unwrap();
+    let bare: String = body
+        .lines()
+        .filter(|l| {
+            !l.contains("geometry: {layers: 1") && !l.contains("intermediateSize: 14336, vocabSize: 32000")
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let spec = std::env::temp_dir().join(format!("kvfleet-eagle3-bare-{}.yaml", std::process::id()));
+    std::fs::write(&spec, bare).unwrap();
+    let without = check(
+        &["-f", spec.to_str().unwrap()],
+        0,
+        &["draftModel.geometry is not set"],
+    );
+    let _ = std::fs::remove_file(&spec);
+    let tokens = |out: &str| -> u64 {
+        let at = out.find("capacity: ").expect("a capacity line") + "capacity: ".len();
+        out[at..].split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let (w, wo) = (tokens(&with), tokens(&without));
+    assert!(w < wo && (wo - w) * 100 / wo >= 3, "with {w}, without {wo}");
+}

@@ -164,6 +164,7 @@ fn gpu_dummy_gemma_3_allocates_the_pages_the_planner_predicts() {
                     gpu_memory_utilization: 0.92,
                     shape: c.engine_shape(rep as u64),
                     max_num_seqs: 256,
+                    drafter: None,
                 },
                 request_len: None,
             };

@@ -33,6 +33,11 @@ pub const DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE: i32 = 32;
         "fieldPath": ".method"
     },
     {
+        "rule": "self.method != 'dflash' || !has(self.draftModel) || !has(self.draftModel.geometry) || has(self.draftModel.geometry.featureLayers)",
+        "message": "draftModel.geometry.featureLayers is required with method dflash: the length of the drafter's dflash_config.target_layer_ids",
+        "fieldPath": ".draftModel.geometry.featureLayers"
+    },
+    {
         // 4: DEFAULT_PROMPT_LOOKUP_MAX (a test keeps them equal).
         "rule": "!has(self.promptLookupMin) || self.promptLookupMin <= (has(self.promptLookupMax) ? self.promptLookupMax : 4)",
         "message": "promptLookupMin must not exceed promptLookupMax (default 4)",
@@ -145,6 +150,50 @@ pub struct DraftModel {
     /// model's weights name none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hugging_face: Option<HuggingFaceSource>,
+    /// The drafter's shape, from its `config.json`: runtime kvfleet reserves its weights,
+    /// buffers and K/V out of the KV budget, and with it the capacity predicted at admission
+    /// and in status counts them. Without it, that prediction is high by the drafter's share
+    /// (a few percent for an 8B model) and admission warns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub geometry: Option<DraftGeometry>,
+}
+
+/// A drafter's shape in its `config.json` terms (the keys each field names).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DraftGeometry {
+    /// Decoder layers (`num_hidden_layers`; an EAGLE-3 drafter has 1).
+    #[schemars(range(min = 1, max = DRAFT_LAYERS_MAX))]
+    pub layers: i32,
+    /// `hidden_size`.
+    #[schemars(range(min = 1, max = HIDDEN_SIZE_MAX))]
+    pub hidden_size: i32,
+    /// `num_attention_heads`.
+    #[schemars(range(min = 1, max = HEADS_MAX))]
+    pub query_heads: i32,
+    /// `num_key_value_heads`.
+    #[schemars(range(min = 1, max = HEADS_MAX))]
+    pub kv_heads: i32,
+    /// `head_dim` (`hidden_size / num_attention_heads` for a config without it).
+    #[schemars(range(min = 8, max = HEAD_DIM_MAX))]
+    pub head_dim: i32,
+    /// `intermediate_size`.
+    #[schemars(range(min = 1, max = HIDDEN_SIZE_MAX))]
+    pub intermediate_size: i32,
+    /// Rows of the drafter's LM head: `draft_vocab_size` (else its `vocab_size`). A DFlash
+    /// drafter without `lm_head.weight` uses the model's head: leave it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = VOCAB_SIZE_MAX))]
+    pub vocab_size: Option<i32>,
+    /// Target layers whose hidden states the drafter reads: EAGLE-3 3
+    /// (`eagle_aux_hidden_state_layer_ids`), DFlash the length of
+    /// `dflash_config.target_layer_ids` (required for dflash).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = LAYERS_MAX))]
+    pub feature_layers: Option<i32>,
+    /// The checkpoint holds its own `embed_tokens.weight` (else it embeds with the model's).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub own_embeddings: bool,
 }
 
 impl DraftModel {

@@ -126,6 +126,10 @@ pub struct MemoryBudget {
     /// kvfleet's engine: the CUDA context reserve, the rest of `activation_reserve_bytes`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_reserve_bytes: Option<u64>,
+    /// kvfleet's engine with a speculative drafter: its weights and buffers, taken off the
+    /// budget before the pages (its K/V is in the pages).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter_bytes: Option<u64>,
     pub available_kv_bytes: u64,
     pub notes: Vec<String>,
 }
@@ -143,6 +147,7 @@ impl MemoryBudget {
             activation_reserve_bytes: None,
             activation_bytes: None,
             context_reserve_bytes: None,
+            drafter_bytes: None,
             available_kv_bytes,
             notes: Vec::new(),
         }
@@ -177,9 +182,24 @@ impl MemoryBudget {
             activation_reserve_bytes: Some(m.activation_bytes + m.context_reserve_bytes),
             activation_bytes: Some(m.activation_bytes),
             context_reserve_bytes: Some(m.context_reserve_bytes),
+            drafter_bytes: None,
             available_kv_bytes: m.kv_budget_bytes,
             notes,
         })
+    }
+
+    /// Takes a speculative drafter's weights and buffers (`bytes`) off the KV memory, as the
+    /// worker does before it counts pages.
+    pub fn reserve_drafter(&mut self, bytes: u64) {
+        if bytes > self.available_kv_bytes {
+            self.notes.push(format!(
+                "the drafter's weights and buffers ({} GiB) are more than the {} GiB left for the KV cache",
+                fmt_gib(bytes),
+                fmt_gib(self.available_kv_bytes)
+            ));
+        }
+        self.available_kv_bytes = self.available_kv_bytes.saturating_sub(bytes);
+        self.drafter_bytes = Some(bytes);
     }
 
     /// Predicts available KV memory on one of `tp` GPUs. `weight_bytes_total = None`
@@ -240,6 +260,7 @@ impl MemoryBudget {
             activation_reserve_bytes: Some(activation_reserve_bytes),
             activation_bytes: None,
             context_reserve_bytes: None,
+            drafter_bytes: None,
             available_kv_bytes: available,
             notes,
         })

@@ -5,6 +5,7 @@
 //! - [`memory`]: how much of a GPU is left for the KV cache.
 //! - [`engine_memory`]: the same for kvfleet's own engine, term by term (weights, activation
 //!   workspace, context reserve), as its GPU worker sizes its pools.
+//! - [`draft`]: what a speculative drafter beside the model takes of that engine's KV budget.
 //! - [`vllm`]: vLLM's exact model (pages, hybrid groups, blocks, logged tokens, concurrency).
 //! - [`kvfleet`]: kvfleet's sliding-window-aware model and the pool layout of its engine.
 //! - [`report`]: a [`Plan`] with every number derivable, printed step by step.
@@ -12,6 +13,7 @@
 //! - [`spec`]: capacity of an `InferenceDeployment` spec, for the validator and controller.
 
 pub mod bytes;
+pub mod draft;
 pub mod engine_memory;
 pub mod geometry;
 pub mod hf_config;
@@ -25,6 +27,7 @@ pub mod weights;
 pub use bytes::{
     check_tensor_parallel, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank, page_bytes,
 };
+pub use draft::{DraftKind, DraftShape};
 pub use engine_memory::{EngineMemory, EngineShape, CONTEXT_RESERVE_BYTES, FP8_GEMM_WORKSPACE_BYTES};
 pub use geometry::{Geometry, LayerGeometry, LayerKind};
 pub use kvfleet::{blocks_per_request, full_layer_concurrency, pool_layout, KvfleetGroup, KvfleetPlan};

@@ -7,6 +7,7 @@ use serde::Serialize;
 use super::bytes::{
     check_tensor_parallel, dtype_label, head_vector_bytes, kv_bytes_per_token, kv_heads_per_rank,
 };
+use super::draft::DraftShape;
 use super::engine_memory::{stored_geometry, EngineMemory, EngineShape};
 use super::geometry::{Geometry, LayerGeometry, LayerKind};
 use super::kvfleet::{blocks_per_request, pool_layout, KvfleetPlan};
@@ -41,6 +42,9 @@ pub enum MemoryInput {
         gpu_memory_utilization: f64,
         shape: EngineShape,
         max_num_seqs: u64,
+        /// A speculative drafter served beside the model: its weights and buffers come off the
+        /// budget first, and its layers join the full-attention pages ([`DraftShape`]).
+        drafter: Option<DraftShape>,
     },
 }
 
@@ -105,6 +109,19 @@ pub struct Plan {
     pub saving: Saving,
 }
 
+/// The layers kvfleet's GPU engine pools for `memory`: each KV head stored as the kernels need
+/// it, and a drafter's layers after the model's. `None`: `geometry` as it is.
+pub fn kvfleet_geometry(geometry: &Geometry, memory: &MemoryInput) -> Result<Option<Geometry>, PlanError> {
+    let MemoryInput::KvfleetEngine { shape, drafter, .. } = memory else {
+        return Ok(None);
+    };
+    let stored = stored_geometry(geometry, shape.kv_rep)?;
+    Ok(Some(match drafter {
+        Some(d) => d.beside(&stored)?,
+        None => stored,
+    }))
+}
+
 /// Checks the inputs against the geometry and computes every number.
 pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError> {
     let p = &inputs.engine;
@@ -151,6 +168,7 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
             gpu_memory_utilization,
             shape,
             max_num_seqs,
+            drafter,
         } => {
             if !(*gpu_memory_utilization > 0.0 && *gpu_memory_utilization <= 1.0) {
                 return Err(PlanError::InvalidInput(format!(
@@ -162,13 +180,17 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
                     "kvfleet's engine runs one GPU per replica: tensor parallel size 1".into(),
                 ));
             }
-            MemoryBudget::engine(&EngineMemory::for_shape(
+            let mut m = MemoryBudget::engine(&EngineMemory::for_shape(
                 *gpu_memory_bytes,
                 *gpu_memory_utilization,
                 shape,
                 p.max_num_batched_tokens,
                 *max_num_seqs,
-            ))?
+            ))?;
+            if let Some(d) = drafter {
+                m.reserve_drafter(d.fixed_bytes(p.max_num_batched_tokens, *max_num_seqs));
+            }
+            m
         }
     };
     let avail = memory.available_kv_bytes;
@@ -179,11 +201,7 @@ pub fn plan(geometry: &Geometry, inputs: &PlanInputs) -> Result<Plan, PlanError>
         )));
     }
     let vllm = vllm_plan(geometry, p, avail, inputs.era)?;
-    // kvfleet's GPU engine stores replicated KV heads where the kernels need them.
-    let stored = match &inputs.memory {
-        MemoryInput::KvfleetEngine { shape, .. } => Some(stored_geometry(geometry, shape.kv_rep)?),
-        _ => None,
-    };
+    let stored = kvfleet_geometry(geometry, &inputs.memory)?;
     let kv_geometry = stored.as_ref().unwrap_or(geometry);
     let kvfleet = pool_layout(kv_geometry, p, avail)?;
     let at_request_len = match inputs.request_len {

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::bytes::check_tensor_parallel;
+use super::draft::{DraftKind, DraftShape};
 use super::engine_memory::EngineShape;
 use super::geometry::Geometry;
 use super::kvfleet::pool_layout;
@@ -12,7 +13,9 @@ use super::report::{plan, MemoryInput, Plan, PlanInputs};
 use super::vllm::{vllm_plan, EngineParams, ReportingEra};
 use super::weights::LinearLayers;
 use super::PlanError;
-use crate::api::{EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, WeightsFormat};
+use crate::api::{
+    EngineQuantization, InferenceDeploymentSpec, Quantization, Runtime, SpeculativeMethod, WeightsFormat,
+};
 use crate::compat::KvCacheDtype;
 
 /// What would make a spec that does not fit fit.
@@ -183,6 +186,7 @@ pub fn spec_capacity_with(
             gpu_memory_utilization: util,
             shape,
             max_num_seqs: u64::try_from(spec.engine.max_num_seqs).unwrap_or(1).max(1),
+            drafter: draft_shape(spec, &shape),
         },
         None => MemoryInput::Predict {
             gpu_memory_bytes,
@@ -218,10 +222,25 @@ pub fn spec_capacity_with(
             fmt_gib(activation_reserve_bytes)
         )),
     }
+    match (m.drafter_bytes, &memory) {
+        (Some(d), MemoryInput::KvfleetEngine { drafter: Some(shape), .. }) => explanation.push(format!(
+            "{} drafter: weights and buffers {} GiB off the budget, and {} layer(s) of K/V on every full-attention page",
+            spec.engine.speculative.as_ref().map_or("speculative", |s| s.method.as_str()),
+            fmt_gib(d),
+            shape.layers
+        )),
+        (None, MemoryInput::Predict { .. }) if runtime == Runtime::Kvfleet && has_draft_geometry(spec) => {
+            explanation.push("draftModel.geometry is not counted: the kvfleet engine's exact terms need model.geometry hiddenSize, intermediateSize and vocabSize (or dummy weights); the drafter's weights, buffers and K/V come out of this estimate".to_string())
+        }
+        _ => {}
+    }
     let avail = plan.memory.available_kv_bytes;
+    // The layers kvfleet's pools hold (replicated KV heads, a drafter's layers).
+    let kv_geometry = super::report::kvfleet_geometry(geometry, &memory)?;
+    let kv_geometry = kv_geometry.as_ref().unwrap_or(geometry);
     let fits_at = |p: &EngineParams, avail: u64| -> bool {
         match runtime {
-            Runtime::Kvfleet => pool_layout(geometry, p, avail)
+            Runtime::Kvfleet => pool_layout(kv_geometry, p, avail)
                 .map(|k| k.fits_one_request)
                 .unwrap_or(false),
             Runtime::Vllm => vllm_plan(geometry, p, avail, era)
@@ -360,6 +379,50 @@ fn kvfleet_shape(spec: &InferenceDeploymentSpec) -> Option<EngineShape> {
     let fp8_linear =
         spec.engine.quantization == EngineQuantization::Fp8 || spec.model.quantization == Quantization::Fp8;
     EngineShape::for_spec(g).map(|s| EngineShape { fp8_linear, ..s })
+}
+
+fn has_draft_geometry(spec: &InferenceDeploymentSpec) -> bool {
+    spec.engine
+        .speculative
+        .as_ref()
+        .and_then(|s| s.draft_model.as_ref())
+        .is_some_and(|d| d.geometry.is_some())
+}
+
+/// The drafter of `engine.speculative` as the kvfleet engine lays it out beside `model`, when
+/// `draftModel.geometry` says it (validation denies a DFlash geometry without featureLayers).
+fn draft_shape(spec: &InferenceDeploymentSpec, model: &EngineShape) -> Option<DraftShape> {
+    let s = spec.engine.speculative.as_ref()?;
+    let kind = match s.method {
+        SpeculativeMethod::Eagle3 => DraftKind::Eagle3,
+        SpeculativeMethod::Dflash => DraftKind::Dflash,
+        SpeculativeMethod::Ngram => return None,
+    };
+    let g = s.draft_model.as_ref()?.geometry.as_ref()?;
+    let u = |v: i32| u64::try_from(v).ok().filter(|v| *v > 0);
+    let vocab = g.vocab_size.and_then(u);
+    Some(DraftShape {
+        kind,
+        layers: u(g.layers)?,
+        d_model: u(g.hidden_size)?,
+        n_heads: u(g.query_heads)?,
+        n_kv_heads: u(g.kv_heads)?,
+        head_dim: u(g.head_dim)?,
+        d_ff: u(g.intermediate_size)?,
+        target_hidden: model.d_model,
+        feature_layers: match (kind, g.feature_layers) {
+            (_, Some(n)) => u(n)?,
+            (DraftKind::Eagle3, None) => 3,
+            (DraftKind::Dflash, None) => return None,
+        },
+        // EAGLE-3 always drafts with a head of its own (its draft vocabulary, else the
+        // model's); DFlash has one only when the checkpoint holds it.
+        lm_head_rows: match kind {
+            DraftKind::Eagle3 => vocab.unwrap_or(model.vocab),
+            DraftKind::Dflash => vocab.unwrap_or(0),
+        },
+        embed_rows: if g.own_embeddings { model.vocab } else { 0 },
+    })
 }
 
 /// The largest stage of `geometry` split into `stages` pipeline stages: the first

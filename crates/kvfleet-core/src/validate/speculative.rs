@@ -4,7 +4,7 @@
 //! (`kvfleet.speculative-gpu-drafters`, `vllm.speculative-method-needs-release`).
 
 use super::{denial, Denial};
-use crate::api::{InferenceDeploymentSpec, Runtime, SpeculativeSpec};
+use crate::api::{InferenceDeploymentSpec, Runtime, SpeculativeMethod, SpeculativeSpec};
 
 const FIELD: &str = "spec.engine.speculative";
 const REASON: &str = "InvalidSpeculativeConfig";
@@ -21,6 +21,7 @@ pub(super) fn speculative_checks(
     shape_checks(s, denials);
     length_check(spec, s, denials);
     draft_token_check(spec, s, denials);
+    draft_geometry_checks(spec, s, denials, warnings);
     if spec.engine.runtime == Runtime::Vllm && s.disable_by_batch_size.is_some() {
         warnings.push(format!(
             "{FIELD}.disableByBatchSize is not honoured by vLLM's V1 engine (never read since vLLM 0.10, removed by vllm#35060) and is not rendered; vLLM speculates at every batch size. Remove it, or use runtime kvfleet"
@@ -112,5 +113,43 @@ fn draft_token_check(spec: &InferenceDeploymentSpec, s: &SpeculativeSpec, denial
                 format!("vLLM downloads the model and the drafter with one Hub token (HF_TOKEN), and draftModel.huggingFace.tokenSecretRef ({}/{}) differs from model.weights.huggingFace.tokenSecretRef ({}/{}); remove the drafter's (the model's token is used) or use one token that reads both repositories", d.name, d.key, m.name, m.key),
             ));
         }
+    }
+}
+
+/// `draftModel.geometry`: what the kvfleet runtime's memory plan needs of a drafter, and a
+/// warning where the plan cannot count it.
+fn draft_geometry_checks(
+    spec: &InferenceDeploymentSpec,
+    s: &SpeculativeSpec,
+    denials: &mut Vec<Denial>,
+    warnings: &mut Vec<String>,
+) {
+    let Some(d) = &s.draft_model else {
+        return;
+    };
+    let kvfleet = spec.engine.runtime == Runtime::Kvfleet;
+    let field = format!("{FIELD}.draftModel.geometry");
+    match &d.geometry {
+        Some(g) => {
+            if s.method == SpeculativeMethod::Dflash && g.feature_layers.is_none() {
+                denials.push(denial(
+                    &format!("{field}.featureLayers"),
+                    REASON,
+                    "a DFlash drafter reads as many target layers as its dflash_config.target_layer_ids lists, and featureLayers is not set; set featureLayers to that list's length".to_string(),
+                ));
+            }
+            if kvfleet && s.method == SpeculativeMethod::Eagle3 && g.layers != 1 {
+                denials.push(denial(
+                    &format!("{field}.layers"),
+                    REASON,
+                    format!("runtime kvfleet runs EAGLE-3 drafters of one decoder layer, and layers is {}; use a one-layer EAGLE-3 drafter (num_hidden_layers 1), or runtime vllm", g.layers),
+                ));
+            }
+        }
+        None if kvfleet && spec.model.geometry.is_some() => warnings.push(format!(
+            "{field} is not set: the KV capacity predicted here does not count the {} drafter's weights, buffers and K/V, which the worker reserves first (its measured capacity in status is lower, by a few percent for an 8B model); write draftModel.geometry from the drafter's config.json",
+            s.method
+        )),
+        None => {}
     }
 }

@@ -1317,3 +1317,77 @@ fn the_crds_prompt_lookup_rule_uses_the_default_maximum() {
     );
     assert!(crd.contains(&format!("(default {default})")));
 }
+
+/// Llama-3.1-8B with dummy weights on runtime kvfleet (the planner knows its engine's every
+/// term) and a drafter whose `draftModel` is `draft`.
+fn llama_8b_with_drafter(method: &str, draft: &str) -> InferenceDeploymentSpec {
+    spec(&format!(
+        "model:\n  name: llama\n  geometry: {{layers: 32, queryHeads: 32, kvHeads: 8, headDim: 128, hiddenSize: 4096, intermediateSize: 14336, vocabSize: 128256}}\n  weights: {{format: dummy}}\nengine: {{runtime: kvfleet, maxModelLen: 8192, speculative: {{method: {method}, numSpeculativeTokens: 3, draftModel: {{pvcName: d, path: x/{draft}}}}}}}\n"
+    ))
+}
+
+const EAGLE3_8B: &str = ", geometry: {layers: 1, hiddenSize: 4096, queryHeads: 32, kvHeads: 8, headDim: 128, intermediateSize: 14336, vocabSize: 32000}";
+
+#[test]
+fn a_drafter_geometry_takes_its_share_of_the_capacity_in_the_verdict() {
+    let tokens = |s: &InferenceDeploymentSpec| {
+        let v = validate(s, &h100());
+        assert!(v.allowed(), "{v:#?}");
+        (v.capacity.unwrap().tokens_per_replica.unwrap(), v.warnings)
+    };
+    let (alone, warned) = tokens(&llama_8b_with_drafter("eagle3", ""));
+    assert!(
+        warned.iter().any(|w| w.contains("draftModel.geometry is not set")
+            && w.contains("eagle3")
+            && w.contains("config.json")),
+        "{warned:#?}"
+    );
+    let (with, quiet) = tokens(&llama_8b_with_drafter("eagle3", EAGLE3_8B));
+    assert!(
+        !quiet.iter().any(|w| w.contains("draftModel.geometry")),
+        "{quiet:#?}"
+    );
+    // One layer of 32 on every page and about 1 GB of weights and buffers: 4-6% fewer tokens.
+    let share = 1.0 - with as f64 / alone as f64;
+    assert!((0.04..0.06).contains(&share), "{with} of {alone}: {share}");
+}
+
+#[test]
+fn a_dflash_geometry_needs_its_feature_layers_and_kvfleet_runs_one_layer_eagle3() {
+    let geometry = "geometry: {layers: 2, hiddenSize: 4096, queryHeads: 32, kvHeads: 8, headDim: 128, intermediateSize: 14336}";
+    let v = validate(
+        &llama_8b_with_drafter("dflash", &format!(", {geometry}")),
+        &h100(),
+    );
+    let d = denial_of(&v, "InvalidSpeculativeConfig");
+    assert_eq!(
+        d.field,
+        "spec.engine.speculative.draftModel.geometry.featureLayers"
+    );
+    assert!(d.message.contains("target_layer_ids"), "{}", d.message);
+    let v = validate(
+        &llama_8b_with_drafter("eagle3", &format!(", {geometry}")),
+        &h100(),
+    );
+    let d = denial_of(&v, "InvalidSpeculativeConfig");
+    assert_eq!(d.field, "spec.engine.speculative.draftModel.geometry.layers");
+    assert!(d.message.contains("layers is 2"), "{}", d.message);
+    // The same two-layer DFlash drafter with its feature layers is admitted.
+    let ok = geometry.replace(
+        "intermediateSize: 14336",
+        "intermediateSize: 14336, featureLayers: 5",
+    );
+    let v = validate(&llama_8b_with_drafter("dflash", &format!(", {ok}")), &h100());
+    assert!(v.allowed(), "{v:#?}");
+}
+
+#[test]
+fn the_crds_rule_requires_feature_layers_for_dflash() {
+    use kube_core::CustomResourceExt;
+    let crd = serde_json::to_string(&crate::api::InferenceDeployment::crd()).unwrap();
+    assert!(
+        crd.contains("has(self.draftModel.geometry.featureLayers)"),
+        "no featureLayers rule"
+    );
+    assert!(crd.contains("ownEmbeddings"));
+}

@@ -39,55 +39,20 @@ use super::weights::to_bf16;
 
 impl DraftReserve {
     /// The reservation of `d` for steps of up to `tokens` tokens and `seqs` requests, K/V in
-    /// `dtype`.
+    /// `dtype`: the planner's terms (`DraftShape`), so `kvfleet check` predicts these pools.
     pub fn of(d: &Drafter, dtype: KvDtype, tokens: usize, seqs: usize) -> Self {
-        let m = match d {
-            Drafter::Eagle3(m) => m,
-            Drafter::Dflash(m) => return Self::of_dflash(m, dtype, tokens),
-        };
-        let c = &m.config;
-        let l = &c.layer;
-        let (d_, dt, hd) = (l.d_model, c.target_hidden, l.head_dim);
-        let (qw, kw) = (l.n_heads * hd, l.n_kv_heads * hd);
-        let rep = kv_replication(l.n_heads, l.n_kv_heads).map_or(1, |(r, _)| r);
-        let weights = d_ * 3 * dt
-            + (qw + 2 * kw) * 2 * d_
-            + qw * d_
-            + 3 * l.d_ff * d_
-            + c.draft_vocab * d_
-            + m.embed.as_ref().map_or(0, Vec::len);
-        DraftReserve {
-            fixed_bytes: 2 * weights        // bf16 matrices
-                + 4 * 5 * d_                // norms, frequencies (f32)
-                + 4 * 3 * tokens * dt       // kept features
-                + 2 * tokens * 3 * dt       // fc's gathered input
-                + 4 * seqs * d_, // each request's latest output
-            kv_bytes_per_token: 2 * l.n_kv_heads * rep * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
-        }
+        Self::of_shape(&d.shape(), dtype, tokens, seqs)
     }
-}
 
-impl DraftReserve {
-    fn of_dflash(m: &kvfleet_engine::model::dflash::Dflash, dtype: KvDtype, tokens: usize) -> Self {
-        let c = &m.config;
-        let l = &c.layer;
-        let (d, dt, hd, n) = (l.d_model, c.target_hidden, l.head_dim, c.aux_layers.len());
-        let (qw, kw) = (l.n_heads * hd, l.n_kv_heads * hd);
-        let rep = kv_replication(l.n_heads, l.n_kv_heads).map_or(1, |(r, _)| r);
-        let layer = (qw + 2 * kw) * d + qw * d + 3 * l.d_ff * d;
-        let weights = d * n * dt
-            + l.n_layers * layer
-            + m.lm_head.as_ref().map_or(0, Vec::len)
-            + m.embed.as_ref().map_or(0, Vec::len);
+    /// The reservation of a drafter of shape `s`.
+    pub fn of_shape(s: &kvfleet_core::plan::DraftShape, dtype: KvDtype, tokens: usize, seqs: usize) -> Self {
+        let hd = s.head_dim as usize;
+        let heads = (s.n_kv_heads * s.kv_rep()) as usize;
         DraftReserve {
-            fixed_bytes: 2 * weights
-                + 4 * (3 + 4 * l.n_layers) * d.max(hd)
-                + 4 * n * tokens * dt
-                + 2 * tokens * n * dt,
-            kv_bytes_per_token: l.n_layers
+            fixed_bytes: s.fixed_bytes(tokens as u64, seqs as u64) as usize,
+            kv_bytes_per_token: s.layers as usize
                 * 2
-                * l.n_kv_heads
-                * rep
+                * heads
                 * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
         }
     }

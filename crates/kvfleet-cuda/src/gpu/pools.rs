@@ -430,6 +430,109 @@ mod tests {
         }
     }
 
+    /// `kvfleet check` on a spec whose `draftModel.geometry` gives the drafter's config.json
+    /// predicts the pools of the worker that loaded that drafter: its reservation (built here
+    /// from the published configs' values, not from the spec) and the pages left.
+    #[test]
+    fn kvfleet_check_with_a_drafter_geometry_predicts_the_pools_of_the_worker_serving_it() {
+        use kvfleet_core::plan::{DraftKind, DraftShape};
+        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
+        let total = plan::gpu_memory_bytes(H100).unwrap();
+        // EAGLE-3 for Llama-3.1-8B (one layer, draft vocabulary 32000), and a 5-layer DFlash
+        // drafter of the same width reading 5 target layers, with its own embeddings.
+        let eagle3 = DraftShape {
+            kind: DraftKind::Eagle3,
+            layers: 1,
+            d_model: 4096,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            d_ff: 14336,
+            target_hidden: 4096,
+            feature_layers: 3,
+            lm_head_rows: 32_000,
+            embed_rows: 0,
+        };
+        let dflash = DraftShape {
+            kind: DraftKind::Dflash,
+            layers: 5,
+            feature_layers: 5,
+            lm_head_rows: 0,
+            embed_rows: 128_256,
+            ..eagle3
+        };
+        let cases = [
+            (
+                "eagle3",
+                eagle3,
+                serde_json::json!({"layers": 1, "hiddenSize": 4096, "queryHeads": 32,
+                "kvHeads": 8, "headDim": 128, "intermediateSize": 14336, "vocabSize": 32000}),
+            ),
+            (
+                "dflash",
+                dflash,
+                serde_json::json!({"layers": 5, "hiddenSize": 4096, "queryHeads": 32,
+                "kvHeads": 8, "headDim": 128, "intermediateSize": 14336, "featureLayers": 5,
+                "ownEmbeddings": true}),
+            ),
+        ];
+        for (dtype, name) in [(KvDtype::Bf16, "bfloat16"), (KvDtype::Fp8E4m3, "fp8_e4m3")] {
+            let o = opts(dtype);
+            let (_, alone) = worker(&c, &o, total);
+            for (method, shape, geometry) in &cases {
+                let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
+                    "model": {
+                        "name": "llama",
+                        "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+                                     "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
+                        "weights": {"format": "dummy"}
+                    },
+                    "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": 8192,
+                               "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
+                               "speculative": {"method": method, "numSpeculativeTokens": 3,
+                                               "draftModel": {"pvcName": "d", "path": "x/", "geometry": geometry}}}
+                }))
+                .unwrap();
+                let geo = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
+                let check = plan::spec_capacity(&spec, &geo, total, dtype.spec()).unwrap();
+                let with = GpuOptions {
+                    drafter: Some(DraftReserve::of_shape(
+                        shape,
+                        dtype,
+                        o.max_batched_tokens,
+                        o.max_num_seqs,
+                    )),
+                    ..o.clone()
+                };
+                let (pools, cap) = worker(&c, &with, total);
+                eprintln!(
+                    "{method} {name}: check {} tokens, worker {} tokens (alone {}), drafter {} MiB",
+                    check.kvfleet_tokens,
+                    cap.kv_tokens,
+                    alone.kv_tokens,
+                    cap.drafter_bytes >> 20
+                );
+                assert!(cap.blocks < alone.blocks, "{method}: the drafter takes pages");
+                assert_eq!(check.available_kv_bytes, cap.kv_bytes as u64, "{method} {name}");
+                assert_eq!(
+                    check.plan.memory.drafter_bytes,
+                    Some(with.drafter.unwrap().fixed_bytes as u64),
+                    "{method} {name}"
+                );
+                assert_eq!(
+                    check.plan.kvfleet.groups[0].num_blocks, cap.blocks as u64,
+                    "{method} {name}"
+                );
+                assert_eq!(check.kvfleet_tokens, cap.kv_tokens as u64, "{method} {name}");
+                assert_eq!(
+                    check.kvfleet_tokens,
+                    worker_tokens(&pools, &with),
+                    "{method} {name}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_planner_predicts_the_pools_the_worker_allocates_for_gemma_3() {
         let total = plan::gpu_memory_bytes(H100).unwrap();
@@ -458,6 +561,7 @@ mod tests {
                         gpu_memory_utilization: 0.92,
                         shape: c.engine_shape(rep as u64),
                         max_num_seqs: 256,
+                        drafter: None,
                     },
                     request_len: None,
                 };

@@ -18,6 +18,11 @@ use crate::engine::cpu::CpuBackend;
 use crate::engine::layout::{BackendConfig, KvDtype};
 use crate::engine::{Backend, StepPlan};
 
+/// The width of `l`'s rows (never 0, to divide by).
+fn l_d(l: &LlamaConfig) -> usize {
+    l.d_model.max(1)
+}
+
 /// A drafter checkpoint, by its architecture.
 #[derive(Debug)]
 pub enum Drafter {
@@ -64,6 +69,41 @@ impl Drafter {
         match self {
             Drafter::Eagle3(m) => &m.config.aux_layers,
             Drafter::Dflash(m) => &m.config.aux_layers,
+        }
+    }
+
+    /// Its shape as the GPU engine lays it out (`kvfleet_core::plan::DraftShape`): what its
+    /// weights, buffers and K/V take of the KV budget, as the planner counts it from the spec's
+    /// `draftModel.geometry`.
+    pub fn shape(&self) -> kvfleet_core::plan::DraftShape {
+        use kvfleet_core::plan::{DraftKind, DraftShape};
+        let (kind, l, lm_head, embed) = match self {
+            Drafter::Eagle3(m) => (
+                DraftKind::Eagle3,
+                &m.config.layer,
+                m.config.draft_vocab,
+                m.embed.as_ref().map_or(0, Vec::len),
+            ),
+            Drafter::Dflash(m) => (
+                DraftKind::Dflash,
+                &m.config.layer,
+                m.lm_head.as_ref().map_or(0, Vec::len) / l_d(&m.config.layer),
+                m.embed.as_ref().map_or(0, Vec::len),
+            ),
+        };
+        let u = |v: usize| v as u64;
+        DraftShape {
+            kind,
+            layers: u(l.n_layers),
+            d_model: u(l.d_model),
+            n_heads: u(l.n_heads),
+            n_kv_heads: u(l.n_kv_heads),
+            head_dim: u(l.head_dim),
+            d_ff: u(l.d_ff),
+            target_hidden: u(self.target_hidden()),
+            feature_layers: u(self.aux_layers().len()),
+            lm_head_rows: u(lm_head),
+            embed_rows: u(embed / l_d(l)),
         }
     }
 
