@@ -179,3 +179,98 @@ fn gpu_dummy_gemma_3_allocates_the_pages_the_planner_predicts() {
         }
     }
 }
+
+/// An EAGLE-3 checkpoint of Llama-3.1-8B's drafter geometry (one layer, hidden 4096, 32/8
+/// heads of 128, MLP 14336, draft vocabulary 32000) in `dir`, bf16 zeros: the memory a drafter
+/// takes depends on its shapes alone.
+fn write_eagle3_8b(dir: &std::path::Path) {
+    use safetensors::tensor::{Dtype, TensorView};
+    std::fs::create_dir_all(dir).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "vocab_size": 128256,
+        "draft_vocab_size": 32000, "tie_word_embeddings": false
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let (d, ff, qw, kw, dv) = (4096usize, 14336usize, 4096usize, 1024usize, 32000usize);
+    let shapes: Vec<(&str, Vec<usize>)> = vec![
+        ("fc.weight", vec![d, 3 * d]),
+        ("midlayer.input_layernorm.weight", vec![d]),
+        ("midlayer.hidden_norm.weight", vec![d]),
+        ("midlayer.self_attn.q_proj.weight", vec![qw, 2 * d]),
+        ("midlayer.self_attn.k_proj.weight", vec![kw, 2 * d]),
+        ("midlayer.self_attn.v_proj.weight", vec![kw, 2 * d]),
+        ("midlayer.self_attn.o_proj.weight", vec![d, qw]),
+        ("midlayer.post_attention_layernorm.weight", vec![d]),
+        ("midlayer.mlp.gate_proj.weight", vec![ff, d]),
+        ("midlayer.mlp.up_proj.weight", vec![ff, d]),
+        ("midlayer.mlp.down_proj.weight", vec![d, ff]),
+        ("norm.weight", vec![d]),
+        ("lm_head.weight", vec![dv, d]),
+    ];
+    let zeros = vec![0u8; 2 * 3 * d * d.max(ff) * 2];
+    let d2t = vec![0u8; 8 * dv];
+    let mut views: Vec<(String, TensorView<'_>)> = shapes
+        .iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            (name.to_string(), TensorView::new(Dtype::BF16, shape.clone(), &zeros[..2 * n]).unwrap())
+        })
+        .collect();
+    views.push(("d2t".into(), TensorView::new(Dtype::I64, vec![dv], &d2t).unwrap()));
+    safetensors::tensor::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_dummy_llama_3_1_8b_with_an_eagle3_drafter_allocates_the_pages_kvfleet_check_predicts() {
+    use kvfleet::serving::serve::{on_gpu_with, LoadedWeights};
+    use kvfleet_engine::engine::speculative::{SpecConfig, SpecMethod};
+    let dir = std::env::temp_dir().join(format!("kvfleet-eagle3-8b-{}", std::process::id()));
+    write_eagle3_8b(&dir);
+    let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
+    for (dtype, name) in [(KvDtype::Bf16, "bfloat16"), (KvDtype::Fp8E4m3, "fp8_e4m3")] {
+        let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
+        let o = opts(dtype);
+        let spec_config = SpecConfig {
+            method: SpecMethod::Eagle3,
+            model: Some(dir.to_string_lossy().into_owned()),
+            ..SpecConfig::ngram(3)
+        };
+        // What the worker serves: the drafter loaded and reserved before the pools, attached.
+        let (m, cap) = on_gpu_with(LoadedWeights::Dummy(c.clone()), &o, 1, Some(&spec_config))
+            .expect("dummy Llama-3.1-8B with the drafter on the GPU");
+        let pools = m.kv_config();
+        let pages: Vec<u64> = pools.groups.iter().map(|g| g.num_blocks as u64).collect();
+        drop(m);
+        let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
+            "model": {
+                "name": "llama",
+                "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+                             "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
+                "weights": {"format": "dummy"}
+            },
+            "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": MAX_MODEL_LEN,
+                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
+                       "speculative": {"method": "eagle3", "numSpeculativeTokens": 3, "draftModel": {
+                           "pvcName": "d", "path": "x/",
+                           "geometry": {"layers": 1, "hiddenSize": 4096, "queryHeads": 32, "kvHeads": 8,
+                                        "headDim": 128, "intermediateSize": 14336, "vocabSize": 32000}}}}
+        }))
+        .unwrap();
+        let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
+        let total = planner_memory(&cap.device, cap.total_bytes as u64);
+        let check = plan::spec_capacity(&spec, &geometry, total, dtype.spec()).unwrap();
+        let planned: Vec<u64> = check.plan.kvfleet.groups.iter().map(|g| g.num_blocks).collect();
+        eprintln!(
+            "Llama-3.1-8B {name} KV with EAGLE-3: check {} tokens {planned:?} pages, drafter {:?} bytes off the budget; worker {} tokens {pages:?} pages, drafterBytes {}",
+            check.kvfleet_tokens, check.plan.memory.drafter_bytes, cap.kv_tokens, cap.drafter_bytes
+        );
+        assert!(cap.drafter_bytes > 0, "the drafter was reserved");
+        within_one_page(&format!("Llama-3.1-8B {name} with EAGLE-3"), &planned, &pages);
+        assert!(check.kvfleet_tokens.abs_diff(cap.kv_tokens as u64) <= 16, "{name}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
