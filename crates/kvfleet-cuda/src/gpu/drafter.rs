@@ -63,6 +63,10 @@ impl DraftReserve {
                 + 2 * tokens * 3 * dt       // fc's gathered input
                 + 4 * seqs * d_, // each request's latest output
             kv_bytes_per_token: 2 * l.n_kv_heads * rep * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
+            layers: 1,
+            q_heads: l.n_heads,
+            kv_heads: l.n_kv_heads * rep,
+            head_dim: hd,
         }
     }
 }
@@ -89,6 +93,10 @@ impl DraftReserve {
                 * l.n_kv_heads
                 * rep
                 * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
+            layers: l.n_layers,
+            q_heads: l.n_heads,
+            kv_heads: l.n_kv_heads * rep,
+            head_dim: hd,
         }
     }
 }
@@ -494,7 +502,22 @@ mod tests {
             DraftReserve {
                 fixed_bytes: fixed,
                 kv_bytes_per_token: 2 * rep * 4 * 2,
+                layers: 1,
+                q_heads: 2,
+                kv_heads: rep,
+                head_dim: 4,
             }
         );
+        // Its entries of the per-layer KV list store what it reserves a token.
+        let page: usize = r
+            .kv_layers()
+            .iter()
+            .map(|l| {
+                let s = kvfleet_engine::engine::layout::PoolShape::new(1, l.kv_heads, 16, l.head_dim, KvDtype::Bf16);
+                2 * s.unwrap().page_bytes()
+            })
+            .sum();
+        assert_eq!(page, 16 * r.kv_bytes_per_token);
+        assert!(r.kv_layers().iter().all(|l| l.window.is_none()));
     }
 }
