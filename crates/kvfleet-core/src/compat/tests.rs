@@ -390,11 +390,7 @@ fn every_rule_cites_a_source_and_has_a_pascal_case_reason() {
         assert!(rule.field.starts_with("spec."), "{}", rule.field);
     }
     for rule in KVFLEET_RULES {
-        assert!(
-            rule.source == super::rules::KVFLEET_SOURCE,
-            "{}",
-            rule.id
-        );
+        assert!(rule.source == super::rules::KVFLEET_SOURCE, "{}", rule.id);
     }
 }
 

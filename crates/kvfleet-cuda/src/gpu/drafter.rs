@@ -513,7 +513,13 @@ mod tests {
             .kv_layers()
             .iter()
             .map(|l| {
-                let s = kvfleet_engine::engine::layout::PoolShape::new(1, l.kv_heads, 16, l.head_dim, KvDtype::Bf16);
+                let s = kvfleet_engine::engine::layout::PoolShape::new(
+                    1,
+                    l.kv_heads,
+                    16,
+                    l.head_dim,
+                    KvDtype::Bf16,
+                );
                 2 * s.unwrap().page_bytes()
             })
             .sum();

@@ -258,13 +258,20 @@ mod tests {
         let (alone, a) = size_pools(&c, &dims, &plain, &mem).unwrap();
         let (pools, b) = size_pools(&c, &dims, &with, &mem).unwrap();
         assert_eq!(a.drafter_bytes, 0);
-        assert_eq!(pools.layers.len(), 18, "the drafter's layers are not in the model's pools");
+        assert_eq!(
+            pools.layers.len(),
+            18,
+            "the drafter's layers are not in the model's pools"
+        );
         assert_eq!(pools.groups.len(), 2);
         let full = pools.draft_group();
         let local = 1 - full;
         assert_eq!(pools.groups[full].window, None);
         assert_eq!(pools.groups[local].window, Some(512));
-        assert_ne!(full, 0, "Gemma 3's first layer slides: the full group is not the first");
+        assert_ne!(
+            full, 0,
+            "Gemma 3's first layer slides: the full group is not the first"
+        );
         assert_eq!(b.kv_bytes, budget - (300 << 20));
         let (full_pages, local_pages) = (pools.groups[full].num_blocks, pools.groups[local].num_blocks);
         assert_eq!(b.drafter_bytes, (300 << 20) + full_pages * 16 * (2 << 10));
@@ -272,7 +279,9 @@ mod tests {
         let pages = group_page_bytes(&pools);
         let drafter_page = 16 * (2 << 10);
         let used = full_pages * pages[full] + local_pages * pages[local] + b.drafter_bytes;
-        let slack = budget.checked_sub(used).unwrap_or_else(|| panic!("{used} bytes over {budget}"));
+        let slack = budget
+            .checked_sub(used)
+            .unwrap_or_else(|| panic!("{used} bytes over {budget}"));
         assert!(
             slack < pages[full] + drafter_page + pages[local],
             "{slack} bytes left, more than a page of each group"
@@ -280,14 +289,22 @@ mod tests {
         // The split is by what one request of 4096 tokens needs from each group, the drafter's
         // bytes in the full group's page: both groups give up pages, at one concurrency.
         for (g, (x, y)) in alone.groups.iter().zip(&pools.groups).enumerate() {
-            assert!(y.num_blocks < x.num_blocks, "group {g}: {} !< {}", y.num_blocks, x.num_blocks);
+            assert!(
+                y.num_blocks < x.num_blocks,
+                "group {g}: {} !< {}",
+                y.num_blocks,
+                x.num_blocks
+            );
         }
         let per_request = |w| kvfleet_engine::engine::capacity::blocks_per_request(w, 4096, 256, 16) as f64;
         let (cf, cl) = (
             full_pages as f64 / per_request(None),
             local_pages as f64 / per_request(Some(512)),
         );
-        assert!((cf - cl).abs() * per_request(None) <= 1.0, "concurrency {cf} (full) vs {cl} (local)");
+        assert!(
+            (cf - cl).abs() * per_request(None) <= 1.0,
+            "concurrency {cf} (full) vs {cl} (local)"
+        );
     }
 
     #[test]

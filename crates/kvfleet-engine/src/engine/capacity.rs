@@ -262,10 +262,7 @@ pub fn size_pools_with_draft(
         let shape = PoolShape::new(0, l.kv_heads, p.block_size, l.head_dim, p.dtype)?;
         let page = 2 * shape.page_bytes() as u64; // K and V
         if i >= model {
-            let g = groups
-                .iter()
-                .position(|g| g.window.is_none())
-                .unwrap_or(0);
+            let g = groups.iter().position(|g| g.window.is_none()).unwrap_or(0);
             groups[g].layers.push(i);
             groups[g].block_bytes += page;
             continue;
@@ -442,7 +439,11 @@ mod tests {
         assert_eq!(with.groups[0].block_bytes, alone.groups[0].block_bytes);
         assert!(with.pool_bytes <= bytes);
         let block_sum: u64 = with.groups.iter().map(|g| g.block_bytes).sum();
-        assert!(bytes - with.pool_bytes < block_sum, "{} bytes unused", bytes - with.pool_bytes);
+        assert!(
+            bytes - with.pool_bytes < block_sum,
+            "{} bytes unused",
+            bytes - with.pool_bytes
+        );
         for (a, w) in alone.groups.iter().zip(&with.groups) {
             assert!(w.num_blocks < a.num_blocks, "{a:?} {w:?}");
         }
@@ -453,13 +454,22 @@ mod tests {
         let planned: Vec<usize> = with.groups.iter().map(|g| g.num_blocks as usize).collect();
         assert_eq!(counts, planned);
         // A model whose every layer slides pages its drafter by its first group.
-        let sliding: Vec<ModelLayer> = model.iter().map(|l| ModelLayer { window: Some(512), ..*l }).collect();
+        let sliding: Vec<ModelLayer> = model
+            .iter()
+            .map(|l| ModelLayer {
+                window: Some(512),
+                ..*l
+            })
+            .collect();
         let mut layers = sliding.clone();
         layers.push(draft);
         let plan = size_pools_with_draft(&layers, 1, &p, bytes).unwrap();
         assert_eq!(plan.groups.len(), 1);
         assert_eq!(plan.groups[0].layers.len(), 19);
-        assert!(size_pools_with_draft(&[draft], 1, &p, bytes).is_err(), "a drafter alone is no model");
+        assert!(
+            size_pools_with_draft(&[draft], 1, &p, bytes).is_err(),
+            "a drafter alone is no model"
+        );
     }
 
     #[test]

@@ -302,10 +302,7 @@ impl BackendConfig {
     /// group (a drafter attends the whole context, so its pages must outlive any window), or
     /// the first group when every layer slides.
     pub fn draft_group(&self) -> usize {
-        self.groups
-            .iter()
-            .position(|g| g.window.is_none())
-            .unwrap_or(0)
+        self.groups.iter().position(|g| g.window.is_none()).unwrap_or(0)
     }
 
     /// Checks every layer's shape once.
