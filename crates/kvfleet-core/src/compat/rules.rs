@@ -601,7 +601,10 @@ pub static KVFLEET_RULES: &[Rule] = &[
         .deny("spec.engine.nonCausal", "UnsupportedMask")
         .summary("KVFLEET_CUDA masks: full (non-causal), causal, causal with a sliding window; not a sliding window without the causal mask")
         .source(KVFLEET_SOURCE)
-        .fires(|c| c.features.non_causal && !c.features.sliding_windows.is_empty())
+        // A DFlash drafter's non-causal blocks run on its own full-attention layers.
+        .fires(|c| {
+            c.features.non_causal && !c.features.non_causal_drafter_only && !c.features.sliding_windows.is_empty()
+        })
         .cause(|_| "kvfleet's CUDA kernels apply a sliding window only together with the causal mask".to_string())
         .fix(|_| "drop nonCausal for this sliding-window model, or use attentionBackend KVFLEET_CPU".to_string()),
     kvfleet("kvfleet.head-dims")

@@ -134,6 +134,7 @@ fn features(m: Model) -> ModelFeatures {
         Model::SpecDflashSliding => ModelFeatures {
             speculative: Some(S::Dflash),
             non_causal: true,
+            non_causal_drafter_only: true,
             sliding_windows: vec![512],
             per_layer_windows: true,
             ..base
