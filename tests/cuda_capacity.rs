@@ -216,7 +216,10 @@ fn write_eagle3_8b(dir: &std::path::Path) {
         .iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
-            (name.to_string(), TensorView::new(Dtype::BF16, shape.clone(), &zeros[..2 * n]).unwrap())
+            (
+                name.to_string(),
+                TensorView::new(Dtype::BF16, shape.clone(), &zeros[..2 * n]).unwrap(),
+            )
         })
         .collect();
     views.push(("d2t".into(), TensorView::new(Dtype::I64, vec![dv], &d2t).unwrap()));
@@ -270,7 +273,10 @@ fn gpu_dummy_llama_3_1_8b_with_an_eagle3_drafter_allocates_the_pages_kvfleet_che
         );
         assert!(cap.drafter_bytes > 0, "the drafter was reserved");
         within_one_page(&format!("Llama-3.1-8B {name} with EAGLE-3"), &planned, &pages);
-        assert!(check.kvfleet_tokens.abs_diff(cap.kv_tokens as u64) <= 16, "{name}");
+        assert!(
+            check.kvfleet_tokens.abs_diff(cap.kv_tokens as u64) <= 16,
+            "{name}"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,6 +1,8 @@
-//! EAGLE-3 drafters on the GPU (issue 36) against the same drafter on the CPU, on SmolLM2-135M
-//! (GGUF from env `KVFLEET_SMOLLM2_GGUF`, else `.tools/models/`) with a drafter checkpoint made
-//! by `tests/fixtures/eagle3/generate.py` (random weights, SmolLM2's geometry).
+//! EAGLE-3 and DFlash drafters on the GPU (issue 36) against the same drafter on the CPU, on
+//! SmolLM2-135M (GGUF from env `KVFLEET_SMOLLM2_GGUF`, else `.tools/models/`) and on a random
+//! Gemma 3-shaped model (sliding-window and full layers: the drafter's K/V on the full group's
+//! pages), with drafter checkpoints made by `tests/fixtures/eagle3/generate.py` (random
+//! weights, the target's hidden size).
 //!
 //! Every test needs an NVIDIA GPU: `cargo test --test cuda_drafter -- --ignored` on the device.
 //!
@@ -13,7 +15,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use kvfleet_cuda::gpu::{GpuLlama, GpuOptions};
+use kvfleet_cuda::gpu::{DraftReserve, GpuLlama, GpuOptions};
 use kvfleet_engine::engine::block::BlockTable;
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::scheduler::write_plan;
@@ -21,8 +23,9 @@ use kvfleet_engine::engine::{KvDtype, StepPlan};
 use kvfleet_engine::model::drafter::{BlockRow, CatchUp, ChainRow, Drafter};
 use kvfleet_engine::model::forward::{model_backend_config, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
-use kvfleet_engine::model::llama::{Llama, SeqChunk};
+use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet_engine::model::tokenizer::Tokenizer;
+use rand::{Rng, SeedableRng};
 
 fn gguf_path() -> PathBuf {
     if let Some(p) = std::env::var_os("KVFLEET_SMOLLM2_GGUF") {
@@ -31,20 +34,34 @@ fn gguf_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-/// A random drafter (`kind` eagle3, or dflash with 2 layers) for SmolLM2 (its head geometry,
-/// so the GPU kernels take it), drafting among `draft_tokens`.
-fn make_drafter(kind: &str, m: &Llama, draft_tokens: &[u32]) -> PathBuf {
-    let c = &m.config;
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda-{kind}-smollm2"));
+/// The drafter-making script: in this checkout, else under the directory the test runs in
+/// (a test binary carried to another machine runs from a copy of the repository).
+fn generate_py() -> PathBuf {
+    let rel = "tests/fixtures/eagle3/generate.py";
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel);
+    if here.exists() {
+        here
+    } else {
+        PathBuf::from(rel)
+    }
+}
+
+/// A drafter's attention heads: query heads, KV heads, head dim.
+type Heads = (usize, usize, usize);
+
+/// A random drafter (`kind` eagle3, or dflash with 2 layers) for a target of geometry `c`, with
+/// attention heads `heads` (shapes the GPU kernels take), drafting among `draft_tokens`.
+fn make_drafter(kind: &str, name: &str, c: &LlamaConfig, heads: Heads, draft_tokens: &[u32]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvfleet-cuda-{kind}-{name}"));
     let tokens: Vec<String> = draft_tokens.iter().map(u32::to_string).collect();
     let n = |v: usize| v.to_string();
     let out = std::process::Command::new("python3")
-        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/eagle3/generate.py"))
+        .arg(generate_py())
         .args(["--kind", kind, "--out", dir.to_str().unwrap()])
         .args(["--hidden", &n(c.d_model), "--vocab", &n(c.vocab)])
         .args(["--target-layers", &n(c.n_layers)])
-        .args(["--heads", &n(c.n_heads), "--kv-heads", &n(c.n_kv_heads)])
-        .args(["--head-dim", &n(c.head_dim), "--ff", &n(c.d_ff)])
+        .args(["--heads", &n(heads.0), "--kv-heads", &n(heads.1)])
+        .args(["--head-dim", &n(heads.2), "--ff", &n(c.d_ff)])
         .args(["--draft-tokens", &tokens.join(",")])
         .output()
         .expect("python3 runs tests/fixtures/eagle3/generate.py");
@@ -99,7 +116,8 @@ fn pair(kind: &str) -> Pair {
     let mut draft: Vec<u32> = tok.encode(" the, of and. to a in is", false);
     draft.sort_unstable();
     draft.dedup();
-    let dir = make_drafter(kind, &model, &draft);
+    let heads = (c.n_heads, c.n_kv_heads, c.head_dim);
+    let dir = make_drafter(kind, "smollm2", &c, heads, &draft);
     let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
     let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
@@ -237,5 +255,221 @@ fn gpu_dflash_drafter_drafts_what_the_cpu_drafter_drafts() {
         total += want.len();
     }
     eprintln!("the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
+    assert!(8 * same >= 7 * total, "{same} of {total}");
+}
+
+// === Beside a model with sliding-window layers ===
+
+/// A random Gemma 3-shaped target (6 layers: 5 sliding over 24 tokens, then 1 full; hidden 256,
+/// 4 query heads over 1 KV head of 256, vocabulary 300) on both engines, with the same random
+/// drafter of `kind` attached (attention of 2 query heads over 1 KV head of 128: not the
+/// target's shape). The GPU sizes its pools with the drafter reserved, so the drafter's layers
+/// join the full group in the split; the CPU's pools have the GPU's groups in the GPU's order,
+/// 64 pages each, so one plan serves both (the drafter's plans: the full group's table alone).
+struct GemmaPair {
+    draft: Vec<u32>,
+    cpu: CpuForward,
+    gpu: GpuLlama,
+    /// The full-attention group, whose pages the drafter's K/V follow.
+    full: usize,
+    groups: usize,
+}
+
+const GEMMA_WINDOW: usize = 24;
+
+fn gemma_pair(kind: &str) -> GemmaPair {
+    let c = LlamaConfig::gemma3(6, 256, 512, 300, GEMMA_WINDOW);
+    let model = Arc::new(Llama::dummy(c.clone(), 9).expect("random Gemma 3"));
+    let draft: Vec<u32> = vec![3, 17, 42, 99, 150, 201, 256, 299];
+    let dir = make_drafter(kind, "gemma3", &c, (2, 1, 128), &draft);
+    let opts = GpuOptions {
+        max_kv_tokens: Some(4096),
+        max_batched_tokens: 512,
+        max_num_seqs: 16,
+        max_model_len: Some(1024),
+        drafter: Some(DraftReserve::of(
+            &Drafter::load(&dir, &c).unwrap(),
+            KvDtype::Bf16,
+            512,
+            16,
+        )),
+        ..GpuOptions::default()
+    };
+    let mut gpu = GpuLlama::from_llama(GpuLlama::open_gpu(0).expect("the GPU"), &model, &opts)
+        .unwrap_or_else(|e| panic!("{e}"));
+    gpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
+    let cfg = gpu.kv_config().clone();
+    let cap = gpu.capacity().clone();
+    let full = cfg.draft_group();
+    eprintln!(
+        "random Gemma 3 with a {kind} drafter: groups {:?}, drafter {} bytes",
+        cfg.groups, cap.drafter_bytes
+    );
+    assert_eq!(cfg.groups.len(), 2, "a sliding and a full group");
+    assert_eq!(cfg.groups[full].window, None);
+    assert!(cap.drafter_bytes > 0, "the drafter's pool is reserved");
+    let mut cpu_pools = cfg.clone();
+    for g in &mut cpu_pools.groups {
+        g.num_blocks = 64;
+    }
+    for l in &mut cpu_pools.layers {
+        // The GPU may store KV heads more than once for its kernels; the CPU stores the model's.
+        l.attn.kv_heads = c.n_kv_heads;
+    }
+    let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(cpu_pools).unwrap()).unwrap();
+    cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
+    GemmaPair {
+        draft,
+        cpu,
+        gpu,
+        full,
+        groups: cfg.groups.len(),
+    }
+}
+
+/// Prompts of 40, 57 and 70 random tokens: longer than the window, so the sliding layers'
+/// features (which the drafters read) differ from full attention's.
+fn gemma_prompts() -> Vec<Vec<u32>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(36);
+    [40usize, 57, 70]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(1..300u32)).collect())
+        .collect()
+}
+
+/// Request `seq`'s page tables, one per group (8 pages of 16 tokens each).
+fn tables(seq: u64, groups: usize) -> Vec<BlockTable> {
+    (0..groups).map(|_| table(seq).remove(0)).collect()
+}
+
+/// A plan over `tables` (every group) for positions `start..start + len`.
+fn plan_groups(tables: &[BlockTable], start: usize, len: usize) -> StepPlan {
+    let mut p = StepPlan::default();
+    write_plan(&mut p, 16, tables.len(), [(tables, start, len)]);
+    p
+}
+
+/// EAGLE-3 beside the random Gemma 3: each prompt prefilled by the target on both engines (all
+/// groups' pages), caught up by the drafter and chained three drafts further on the full
+/// group's pages alone: the GPU drafts what the CPU drafts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_eagle3_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_drafts() {
+    let GemmaPair {
+        draft,
+        mut cpu,
+        mut gpu,
+        full,
+        groups,
+    } = gemma_pair("eagle3");
+    let (mut same, mut total) = (0, 0);
+    for (i, prompt) in gemma_prompts().iter().enumerate() {
+        let seq = i as u64 + 1;
+        let t = tables(seq, groups);
+        let ft = &t[full..full + 1];
+        let p = prompt.len();
+        let batch = [SeqChunk {
+            seq,
+            start_pos: 0,
+            tokens: prompt,
+            logits: 1,
+        }];
+        let pl = plan_groups(&t, 0, p);
+        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
+        let gpu_next = argmax(&gpu.forward(&batch, &pl).unwrap());
+        eprintln!("prompt {i}: {p} tokens, target's next token CPU {next} GPU {gpu_next}");
+        let mut after: Vec<u32> = prompt[1..].to_vec();
+        after.push(next);
+        let rows = [CatchUp {
+            seq,
+            start_pos: 0,
+            next: &after,
+            row: 0,
+            draft: true,
+        }];
+        let dp = plan_groups(ft, 0, p);
+        let want = cpu.draft_catch_up(&rows, &dp).unwrap();
+        let got = gpu.draft_catch_up(&rows, &dp).unwrap();
+        assert_eq!((want.len(), got.len()), (1, 1));
+        let mut drafts = vec![(want[0], got[0])];
+        let mut token = want[0];
+        for j in 0..3 {
+            let pos = p + j;
+            let row = [ChainRow { seq, pos, token }];
+            let dp = plan_groups(ft, pos, 1);
+            let want = cpu.draft_chain(&row, &dp).unwrap();
+            let got = gpu.draft_chain(&row, &dp).unwrap();
+            drafts.push((want[0], got[0]));
+            token = want[0];
+        }
+        eprintln!("prompt {i}: drafts (CPU, GPU) {drafts:?}");
+        assert!(
+            drafts.iter().all(|(w, _)| draft.contains(w)),
+            "drafts come from the draft vocabulary {draft:?}: {drafts:?}"
+        );
+        same += drafts.iter().filter(|(w, g)| w == g).count();
+        total += drafts.len();
+        cpu.forget_draft(seq);
+        gpu.forget_draft(seq);
+    }
+    eprintln!("beside Gemma 3, the GPU EAGLE-3 drafter drafted the CPU's token {same} times of {total}");
+    assert!(8 * same >= 7 * total, "{same} of {total}");
+}
+
+/// DFlash beside the random Gemma 3: context K/V of each prompt written on the full group's
+/// pages, then one block of the newest token and 3 masks: the GPU drafts what the CPU drafts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_dflash_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_drafts() {
+    let GemmaPair {
+        draft,
+        mut cpu,
+        mut gpu,
+        full,
+        groups,
+    } = gemma_pair("dflash");
+    let (mut same, mut total) = (0, 0);
+    for (i, prompt) in gemma_prompts().iter().enumerate() {
+        let seq = i as u64 + 1;
+        let t = tables(seq, groups);
+        let ft = &t[full..full + 1];
+        let p = prompt.len();
+        let batch = [SeqChunk {
+            seq,
+            start_pos: 0,
+            tokens: prompt,
+            logits: 1,
+        }];
+        let pl = plan_groups(&t, 0, p);
+        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
+        gpu.forward(&batch, &pl).unwrap();
+        let mut after: Vec<u32> = prompt[1..].to_vec();
+        after.push(next);
+        let rows = [CatchUp {
+            seq,
+            start_pos: 0,
+            next: &after,
+            row: 0,
+            draft: true,
+        }];
+        let dp = plan_groups(ft, 0, p);
+        assert!(cpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
+        assert!(gpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
+        let block = [BlockRow {
+            seq,
+            pos: p,
+            token: next,
+            drafts: 3,
+        }];
+        let dp = plan_groups(ft, p, 4);
+        let want = cpu.draft_blocks(&block, &dp).unwrap();
+        let got = gpu.draft_blocks(&block, &dp).unwrap();
+        eprintln!("prompt {i}: drafts CPU {want:?} GPU {got:?}");
+        assert_eq!((want.len(), got.len()), (3, 3));
+        assert!(want.iter().all(|w| draft.contains(w)), "{want:?} from {draft:?}");
+        same += want.iter().zip(&got).filter(|(w, g)| w == g).count();
+        total += want.len();
+    }
+    eprintln!("beside Gemma 3, the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
     assert!(8 * same >= 7 * total, "{same} of {total}");
 }

@@ -550,7 +550,7 @@ fn windowed_pools(
     .page_bytes() as u64;
     let blocks = limits.kv_tokens.div_ceil(limits.block_size) as u64;
     let bytes = blocks * 2 * page * cfg.n_layers as u64;
-    pools_in_bytes(&layers, &params, bytes).map_err(bad)
+    pools_in_bytes(&layers, 0, &params, bytes).map_err(bad)
 }
 
 /// A model already in memory, for [`start_cpu`].

@@ -132,7 +132,8 @@ impl Loop {
                 });
             }
             let planned: Vec<_> = rows.iter().map(|r| (r.seq, r.pos, 1)).collect();
-            self.sched.write_group_plan(&mut plan, 0, &planned)?;
+            let group = self.model.kv_config().draft_group();
+            self.sched.write_group_plan(&mut plan, group, &planned)?;
             let next = self
                 .model
                 .draft_chain(&rows, &plan)
@@ -171,7 +172,8 @@ impl Loop {
         }
         let planned: Vec<_> = rows.iter().map(|r| (r.seq, r.pos, 1 + r.drafts)).collect();
         let mut plan = StepPlan::default();
-        self.sched.write_group_plan(&mut plan, 0, &planned)?;
+        let group = self.model.kv_config().draft_group();
+        self.sched.write_group_plan(&mut plan, group, &planned)?;
         let drafted = self
             .model
             .draft_blocks(&rows, &plan)
@@ -248,9 +250,10 @@ impl Loop {
             .collect();
         let planned: Vec<_> = catch.iter().map(|c| (c.seq, c.start_pos, c.next.len())).collect();
         let mut plan = StepPlan::default();
+        let group = self.model.kv_config().draft_group();
         let drafted = self
             .sched
-            .write_group_plan(&mut plan, 0, &planned)
+            .write_group_plan(&mut plan, group, &planned)
             .and_then(|()| {
                 self.model
                     .draft_catch_up(&catch, &plan)

@@ -64,6 +64,7 @@ impl ModelGeometry {
             per_layer_windows: has_sliding && has_full,
             sliding_windows,
             non_causal,
+            non_causal_drafter_only: false,
             speculative: None,
             quantized_checkpoint: quantized,
             fp8_weights: false,

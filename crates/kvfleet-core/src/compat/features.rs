@@ -18,6 +18,9 @@ pub struct ModelFeatures {
     pub per_layer_windows: bool,
     /// Attention without a causal mask (drafter blocks, encoders; a DFlash drafter).
     pub non_causal: bool,
+    /// The only non-causal attention is a DFlash drafter's (its own full-attention layers): the
+    /// model's layers keep the causal mask, and their windows with it.
+    pub non_causal_drafter_only: bool,
     /// The speculative-decoding method the engine runs (`engine.speculative.method`).
     pub speculative: Option<SpeculativeMethod>,
     /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
@@ -45,6 +48,7 @@ impl Default for ModelFeatures {
             sliding_windows: Vec::new(),
             per_layer_windows: false,
             non_causal: false,
+            non_causal_drafter_only: false,
             speculative: None,
             quantized_checkpoint: false,
             fp8_weights: false,

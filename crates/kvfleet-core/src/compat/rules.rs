@@ -280,10 +280,6 @@ fn spec_method(c: &Case) -> &'static str {
 /// Source tag of kvfleet's own rules: our kernels decide them.
 pub const KVFLEET_SOURCE: &str = "kvfleet kernels/attention/";
 
-/// Source tag of kvfleet's rules that its worker decides (what the engine implements beside
-/// the kernels).
-pub const KVFLEET_WORKER_SOURCE: &str = "kvfleet worker (src/worker, crates/kvfleet-engine)";
-
 fn head_dims(c: &Case) -> String {
     c.features
         .head_dims
@@ -567,20 +563,6 @@ pub static KVFLEET_RULES: &[Rule] = &[
         .fires(|_| true)
         .cause(|c| format!("attentionBackend {} is a vLLM backend; the kvfleet runtime runs its own kernels", c.backend))
         .fix(|_| "use attentionBackend auto or KVFLEET_CUDA, or runtime vllm".to_string()),
-    kvfleet("kvfleet.speculative-gpu-drafters")
-        .on(&[B::KvfleetCuda])
-        .deny(SPEC_METHOD, "UnsupportedSpeculativeMethod")
-        .summary("drafters on the kvfleet GPU engine: eagle3 and dflash beside models without sliding-window layers; beside sliding-window models (Gemma 3) they run on the CPU engine (KVFLEET_CPU) only; ngram everywhere")
-        .source(KVFLEET_WORKER_SOURCE)
-        .fires(|c| {
-            c.features.speculative.is_some_and(SpeculativeMethod::needs_draft_model)
-                && !c.features.sliding_windows.is_empty()
-        })
-        .cause(|c| format!(
-            "speculative method {} beside a model with sliding-window layers is not implemented on the kvfleet GPU engine (its drafter runs on KVFLEET_CPU)",
-            spec_method(c)
-        ))
-        .fix(|_| "use method ngram, or attentionBackend KVFLEET_CPU, or runtime vllm".to_string()),
     kvfleet("kvfleet.cuda-needs-sm80")
         .on(&[B::KvfleetCuda])
         .deny(MIN_CC, "UnsupportedArchitecture")
@@ -619,7 +601,10 @@ pub static KVFLEET_RULES: &[Rule] = &[
         .deny("spec.engine.nonCausal", "UnsupportedMask")
         .summary("KVFLEET_CUDA masks: full (non-causal), causal, causal with a sliding window; not a sliding window without the causal mask")
         .source(KVFLEET_SOURCE)
-        .fires(|c| c.features.non_causal && !c.features.sliding_windows.is_empty())
+        // A DFlash drafter's non-causal blocks run on its own full-attention layers.
+        .fires(|c| {
+            c.features.non_causal && !c.features.non_causal_drafter_only && !c.features.sliding_windows.is_empty()
+        })
         .cause(|_| "kvfleet's CUDA kernels apply a sliding window only together with the causal mask".to_string())
         .fix(|_| "drop nonCausal for this sliding-window model, or use attentionBackend KVFLEET_CPU".to_string()),
     kvfleet("kvfleet.head-dims")

@@ -44,6 +44,8 @@ enum Model {
     SpecEagle3Sliding,
     /// Llama with a DFlash drafter (non-causal drafter attention, as validation sets it).
     SpecDflash,
+    /// A Gemma 3-style model with a DFlash drafter.
+    SpecDflashSliding,
 }
 
 fn features(m: Model) -> ModelFeatures {
@@ -127,6 +129,14 @@ fn features(m: Model) -> ModelFeatures {
         Model::SpecDflash => ModelFeatures {
             speculative: Some(S::Dflash),
             non_causal: true,
+            ..base
+        },
+        Model::SpecDflashSliding => ModelFeatures {
+            speculative: Some(S::Dflash),
+            non_causal: true,
+            non_causal_drafter_only: true,
+            sliding_windows: vec![512],
+            per_layer_windows: true,
             ..base
         },
     }
@@ -241,12 +251,14 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", SlidingEncoder, D::Auto, B::Auto, Denied("kvfleet.cuda-masks", "causal mask")),
         (K, "9.0", Gemma4, D::Auto, B::Auto, Denied("kvfleet.head-dims", "this model has 256, 512")),
         (K, "9.0", Mla, D::Auto, B::Auto, Denied("kvfleet.no-mla", "use runtime vllm")),
-        // --- speculative decoding: the worker proposes n-grams only (issue #36)
+        // --- speculative decoding: n-grams, EAGLE-3 and DFlash on both engines, beside
+        // sliding-window models too (issue #36)
         (K, "9.0", SpecNgram, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "9.0", SpecNgram, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         (K, "9.0", SpecEagle3, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "8.9", SpecEagle3, D::Fp8, B::KvfleetCuda, Runs(D::Fp8, B::KvfleetCuda)),
-        (K, "9.0", SpecEagle3Sliding, D::Auto, B::Auto, Denied("kvfleet.speculative-gpu-drafters", "speculative method eagle3 beside a model with sliding-window layers is not implemented on the kvfleet GPU engine (its drafter runs on KVFLEET_CPU); use method ngram, or attentionBackend KVFLEET_CPU, or runtime vllm")),
+        (K, "9.0", SpecEagle3Sliding, D::Auto, B::Auto, Runs(D::Bfloat16, B::KvfleetCuda)),
+        (K, "9.0", SpecDflashSliding, D::Auto, B::KvfleetCuda, Runs(D::Bfloat16, B::KvfleetCuda)),
         (K, "9.0", SpecEagle3Sliding, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         (K, "8.9", SpecDflash, D::Fp8, B::Auto, Runs(D::Fp8, B::KvfleetCuda)),
         (K, "9.0", SpecEagle3, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
@@ -379,11 +391,7 @@ fn every_rule_cites_a_source_and_has_a_pascal_case_reason() {
         assert!(rule.field.starts_with("spec."), "{}", rule.field);
     }
     for rule in KVFLEET_RULES {
-        assert!(
-            [super::rules::KVFLEET_SOURCE, super::rules::KVFLEET_WORKER_SOURCE].contains(&rule.source),
-            "{}",
-            rule.id
-        );
+        assert!(rule.source == super::rules::KVFLEET_SOURCE, "{}", rule.id);
     }
 }
 

@@ -47,6 +47,7 @@ pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<
     };
     f.block_size = u32::try_from(spec.engine.block_size).ok();
     f.speculative = speculative;
+    f.non_causal_drafter_only = !spec.engine.non_causal && speculative == Some(SpeculativeMethod::Dflash);
     f.fp8_weights = spec.weight_dtype() == WeightDtype::Fp8;
     f.fp8_at_load = spec.engine.quantization == EngineQuantization::Fp8;
     f

@@ -1,7 +1,8 @@
 //! `engine.speculative` on its own: the schema's CEL rules again (for what did not pass the
 //! API server: `kvfleet check`, a namespace the webhook skips), what vLLM ignores, and the
-//! drafter's Hub token. Which runtime and vLLM release run which method are compat rules
-//! (`kvfleet.speculative-gpu-drafters`, `vllm.speculative-method-needs-release`).
+//! drafter's Hub token. Which vLLM release runs which method is a compat rule
+//! (`vllm.speculative-method-needs-release`); the kvfleet runtime runs every method on both
+//! engines.
 
 use super::{denial, Denial};
 use crate::api::{InferenceDeploymentSpec, Runtime, SpeculativeMethod, SpeculativeSpec};

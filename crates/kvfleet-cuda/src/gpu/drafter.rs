@@ -54,6 +54,10 @@ impl DraftReserve {
                 * 2
                 * heads
                 * (dtype.data_bytes(hd) + dtype.scale_bytes(hd)),
+            layers: s.layers as usize,
+            q_heads: s.n_heads as usize,
+            kv_heads: heads,
+            head_dim: hd,
         }
     }
 }
@@ -459,7 +463,28 @@ mod tests {
             DraftReserve {
                 fixed_bytes: fixed,
                 kv_bytes_per_token: 2 * rep * 4 * 2,
+                layers: 1,
+                q_heads: 2,
+                kv_heads: rep,
+                head_dim: 4,
             }
         );
+        // Its entries of the per-layer KV list store what it reserves a token.
+        let page: usize = r
+            .kv_layers()
+            .iter()
+            .map(|l| {
+                let s = kvfleet_engine::engine::layout::PoolShape::new(
+                    1,
+                    l.kv_heads,
+                    16,
+                    l.head_dim,
+                    KvDtype::Bf16,
+                );
+                2 * s.unwrap().page_bytes()
+            })
+            .sum();
+        assert_eq!(page, 16 * r.kv_bytes_per_token);
+        assert!(r.kv_layers().iter().all(|l| l.window.is_none()));
     }
 }

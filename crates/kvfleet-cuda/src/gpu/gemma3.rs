@@ -6,7 +6,8 @@
 //! `x += rmsnorm(attn · Woᵀ)`; `h = rmsnorm(x)`; `act = gelu_tanh(gate) * up`;
 //! `x += rmsnorm(act · Wdownᵀ)`. The embedding is scaled by `sqrt(d)` on the way in; the tied
 //! LM head reads the unscaled table. The (1 + w) RMSNorm is the plain kernel: the GGUF norm
-//! tensors already hold 1 + w.
+//! tensors already hold 1 + w. With a drafter, the residual stream entering its feature layers
+//! (the scaled embedding for layer 0) is kept as the CPU's `forward_aux` keeps it.
 //!
 //! The block runs GEMMs at every step size (no GEMV path) and is profiled as one part.
 
@@ -42,8 +43,10 @@ impl Family for Gemma3Family {
             } else {
                 &w.inv_freq
             };
+            st.keep_features(li)?;
             layer(st, li, l, freq)?;
         }
+        st.keep_features(w.layers.len())?;
         st.marks.mark(part::EMBED)
     }
 }

@@ -186,20 +186,15 @@ impl GpuLlama {
     }
 
     /// Puts `drafter` beside the model: its weights, and its pool of as many pages as the
-    /// model's (reserved when the pools were sized with `GpuOptions::drafter`).
+    /// model's draft group (the full-attention pages, which its K/V follow; reserved when the
+    /// pools were sized with `GpuOptions::drafter`).
     pub fn attach(&mut self, drafter: Drafter) -> Result<(), GpuError> {
-        if self.dims.gemma {
-            return Err(GpuError::Unsupported(
-                "a speculative drafter beside a model with sliding-window layers on the GPU (the CPU engine runs it)"
-                    .into(),
-            ));
-        }
         self.gpu
             .context()
             .bind_to_thread()
             .map_err(drv("binding the context"))?;
         let cfg = kvfleet_engine::engine::Backend::config(&self.backend);
-        let blocks = cfg.groups.first().map_or(0, |g| g.num_blocks);
+        let blocks = cfg.groups.get(cfg.draft_group()).map_or(0, |g| g.num_blocks);
         let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
         let d = GpuDrafter::new(
             &self.gpu,

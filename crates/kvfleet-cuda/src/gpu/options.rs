@@ -1,17 +1,40 @@
 //! What the GPU model is asked for ([`GpuOptions`]) and what it got ([`GpuCapacity`]).
 
+use kvfleet_engine::engine::capacity::ModelLayer;
 use kvfleet_engine::engine::layout::KvDtype;
 
 /// Tokens per KV page (the only page size the attention kernels build).
 pub const BLOCK_SIZE: usize = 16;
 
 /// What a speculative drafter takes of the memory the KV pools would otherwise get: its weights
-/// and buffers, and its K/V per token of the model's pages (its pool has as many pages).
-/// `DraftReserve::of` (in `drafter`) works it out for a loaded drafter.
+/// and buffers, and its K/V per token of the model's pages (its pool has as many pages as the
+/// model's draft group, `BackendConfig::draft_group`). `DraftReserve::of` (in `drafter`) works
+/// it out for a loaded drafter.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DraftReserve {
     pub fixed_bytes: usize,
+    /// K and V of every drafter layer, one token: what [`DraftReserve::kv_layers`] store.
     pub kv_bytes_per_token: usize,
+    /// The drafter's K/V layers (full attention) and their shape, K/V heads as the kernels
+    /// store them (replicated).
+    pub layers: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl DraftReserve {
+    /// The drafter's layers as entries of the per-layer KV list, to follow the model's own:
+    /// full-attention layers of the drafter's heads and head dim.
+    pub fn kv_layers(&self) -> Vec<ModelLayer> {
+        let l = ModelLayer {
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            window: None,
+        };
+        vec![l; self.layers]
+    }
 }
 
 /// Options of the GPU model.

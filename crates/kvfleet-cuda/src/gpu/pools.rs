@@ -77,7 +77,8 @@ pub(super) fn size_pools(
     let dt = opts.kv_dtype;
     let kv_bytes_per_token =
         dims.layers * 2 * geo.n_kv_heads * (dt.data_bytes(dims.hd) + dt.scale_bytes(dims.hd));
-    // A drafter's weights and buffers first; its K/V then shares every page with the model's.
+    // A drafter's weights and buffers first; its K/V then follows the model's pages (of every
+    // layer, or of the full-attention group beside sliding-window layers).
     let draft = opts.drafter.unwrap_or_default();
     let kv_bytes = kv_bytes.saturating_sub(draft.fixed_bytes);
     let page_bytes_per_token = kv_bytes_per_token + draft.kv_bytes_per_token;
@@ -106,21 +107,18 @@ pub(super) fn size_pools(
             (page_bytes_per_token * bs) >> 10
         )));
     }
-    if opts.drafter.is_some() && c.gemma3.is_some() {
-        return Err(GpuError::Unsupported(
-            "a speculative drafter beside a model with sliding-window layers on the GPU (the CPU engine runs it)".into(),
-        ));
-    }
     let pools = if c.gemma3.is_some() {
         // The bytes the planner splits; `max_kv_tokens` caps them at as many full-layer pages.
         let bytes = match opts.max_kv_tokens {
-            Some(_) => kv_bytes.min(blocks * bs * kv_bytes_per_token),
+            Some(_) => kv_bytes.min(blocks * bs * page_bytes_per_token),
             None => kv_bytes,
         };
         windowed_pools(c, geo, opts, bytes)?
     } else {
         llama_backend_config(geo, dt, bs, blocks)
     };
+    // The drafter's pool has as many pages as the group it follows.
+    let draft_pages = pools.groups.get(pools.draft_group()).map_or(0, |g| g.num_blocks);
     let capacity = GpuCapacity {
         device: mem.device.clone(),
         total_bytes: total,
@@ -137,21 +135,25 @@ pub(super) fn size_pools(
         kv_tokens: blocks * bs,
         drafter_bytes: opts
             .drafter
-            .map_or(0, |d| d.fixed_bytes + blocks * bs * d.kv_bytes_per_token),
+            .map_or(0, |d| d.fixed_bytes + draft_pages * bs * d.kv_bytes_per_token),
     };
     Ok((pools, capacity))
 }
 
 /// The KV pools of a model with sliding-window layers in `bytes`: one group per window (and
 /// one of the full layers), memory split by what one maxModelLen request needs from each
-/// (`capacity::pools_in_bytes`, as the CPU engine and preflight size them).
+/// (`capacity::pools_in_bytes`, as the CPU engine and preflight size them). A drafter's layers
+/// follow the model's in the per-layer KV list, as full-attention layers of its own shape: they
+/// join the full group, whose pages they share, and take their part of `bytes` there.
 fn windowed_pools(
     c: &LlamaConfig,
     geo: AttnGeometry,
     opts: &GpuOptions,
     bytes: usize,
 ) -> Result<BackendConfig, GpuError> {
-    let layers = c.kv_layers(geo.n_kv_heads).map_err(GpuError::Invalid)?;
+    let mut layers = c.kv_layers(geo.n_kv_heads).map_err(GpuError::Invalid)?;
+    let draft = opts.drafter.map_or_else(Vec::new, |d| d.kv_layers());
+    layers.extend_from_slice(&draft);
     let params = PoolParams {
         block_size: opts.block_size,
         max_model_len: opts.max_model_len.unwrap_or(c.context_len).max(1),
@@ -159,7 +161,7 @@ fn windowed_pools(
         dtype: opts.kv_dtype,
         causal: true,
     };
-    pools_in_bytes(&layers, &params, bytes as u64).map_err(GpuError::Memory)
+    pools_in_bytes(&layers, draft.len(), &params, bytes as u64).map_err(GpuError::Memory)
 }
 
 #[cfg(test)]
@@ -198,6 +200,10 @@ mod tests {
             fixed_bytes: 900 << 20,
             // One layer of 8 KV heads of 128 in bf16: 4 KiB a token (the model's 128 KiB / 32).
             kv_bytes_per_token: 4 << 10,
+            layers: 1,
+            q_heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
         };
         let with = GpuOptions {
             drafter: Some(draft),
@@ -212,10 +218,99 @@ mod tests {
         assert_eq!(b.drafter_bytes, (900 << 20) + b.blocks * 16 * (4 << 10));
         let used = b.blocks * 16 * b.kv_bytes_per_token + b.drafter_bytes;
         assert!(used <= 9 << 30 && (9 << 30) - used < (132 << 10) * 16, "{used}");
-        let gemma = gemma_270m();
-        let (rep, _) = kv_replication(gemma.n_heads, gemma.n_kv_heads).unwrap();
-        let e = size_pools(&gemma, &Dims::new(&gemma, rep), &with, &mem).unwrap_err();
-        assert!(e.to_string().contains("sliding-window"), "{e}");
+    }
+
+    /// Bytes of one page of each group of `cfg` (K and V of every layer in it).
+    fn group_page_bytes(cfg: &BackendConfig) -> Vec<usize> {
+        let mut out = vec![0; cfg.groups.len()];
+        for (i, l) in cfg.layers.iter().enumerate() {
+            out[l.group] += 2 * cfg.pool_shape(i).unwrap().page_bytes();
+        }
+        out
+    }
+
+    /// Beside Gemma 3 the drafter's layers (2 layers of 4 KV heads of 64, not the model's shape)
+    /// join the full-attention group: its pool has that group's pages, the split between the
+    /// groups counts them in the full group's page, and the pools, the drafter's pool and its
+    /// fixed part add up to the budget within a page of each group.
+    #[test]
+    fn a_drafter_beside_sliding_window_layers_follows_the_full_groups_pages() {
+        let c = gemma_270m();
+        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+        let dims = Dims::new(&c, rep);
+        let plain = GpuOptions {
+            memory_margin_bytes: Some(1 << 30),
+            max_model_len: Some(4096),
+            max_batched_tokens: 256,
+            ..GpuOptions::default()
+        };
+        // bf16: 2 layers x K and V x 4 heads x 64 x 2 bytes = 2 KiB a token.
+        let draft = DraftReserve {
+            fixed_bytes: 300 << 20,
+            kv_bytes_per_token: 2 << 10,
+            layers: 2,
+            q_heads: 8,
+            kv_heads: 4,
+            head_dim: 64,
+        };
+        let with = GpuOptions {
+            drafter: Some(draft),
+            ..plain.clone()
+        };
+        let mem = memory(5 << 30);
+        let budget = 4usize << 30;
+        let (alone, a) = size_pools(&c, &dims, &plain, &mem).unwrap();
+        let (pools, b) = size_pools(&c, &dims, &with, &mem).unwrap();
+        assert_eq!(a.drafter_bytes, 0);
+        assert_eq!(
+            pools.layers.len(),
+            18,
+            "the drafter's layers are not in the model's pools"
+        );
+        assert_eq!(pools.groups.len(), 2);
+        let full = pools.draft_group();
+        let local = 1 - full;
+        assert_eq!(pools.groups[full].window, None);
+        assert_eq!(pools.groups[local].window, Some(512));
+        assert_ne!(
+            full, 0,
+            "Gemma 3's first layer slides: the full group is not the first"
+        );
+        assert_eq!(b.kv_bytes, budget - (300 << 20));
+        let (full_pages, local_pages) = (pools.groups[full].num_blocks, pools.groups[local].num_blocks);
+        assert_eq!(b.drafter_bytes, (300 << 20) + full_pages * 16 * (2 << 10));
+        // Every byte accounted: the model's pools, the drafter's pool and fixed part.
+        let pages = group_page_bytes(&pools);
+        let drafter_page = 16 * (2 << 10);
+        let used = full_pages * pages[full] + local_pages * pages[local] + b.drafter_bytes;
+        let slack = budget
+            .checked_sub(used)
+            .unwrap_or_else(|| panic!("{used} bytes over {budget}"));
+        assert!(
+            slack < pages[full] + drafter_page + pages[local],
+            "{slack} bytes left, more than a page of each group"
+        );
+        // The split is by what one request of 4096 tokens needs from each group, the drafter's
+        // bytes in the full group's page: both groups give up pages, at one concurrency.
+        for (g, (x, y)) in alone.groups.iter().zip(&pools.groups).enumerate() {
+            assert!(
+                y.num_blocks < x.num_blocks,
+                "group {g}: {} !< {}",
+                y.num_blocks,
+                x.num_blocks
+            );
+        }
+        let per_request = |w| kvfleet_engine::engine::capacity::blocks_per_request(w, 4096, 256, 16) as f64;
+        let (cf, cl) = (
+            full_pages as f64 / per_request(None),
+            local_pages as f64 / per_request(Some(512)),
+        );
+        // One concurrency for both, each group within a page of it.
+        let page_of_each = 1.0 / per_request(None) + 1.0 / per_request(Some(512));
+        assert!(
+            (cf - cl).abs() <= page_of_each,
+            "concurrency {cf} (full) vs {cl} (local)"
+        );
     }
 
     #[test]
@@ -540,9 +635,31 @@ mod tests {
             ("Gemma 3 270M", LlamaConfig::gemma3(18, 640, 2048, 262_144, 512)),
             ("Gemma 3 1B", LlamaConfig::gemma3(26, 1152, 6912, 262_144, 512)),
         ];
+        // And each with an EAGLE-3 drafter of its own width (2 query heads over 1 KV head of
+        // 256, its layer joining the full group's pages).
+        let eagle3 = |c: &LlamaConfig| kvfleet_core::plan::DraftShape {
+            kind: kvfleet_core::plan::DraftKind::Eagle3,
+            layers: 1,
+            d_model: c.d_model as u64,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 256,
+            d_ff: 2048,
+            target_hidden: c.d_model as u64,
+            feature_layers: 3,
+            lm_head_rows: 32_000,
+            embed_rows: 0,
+        };
         for (model, c) in models {
-            for dtype in [KvDtype::Bf16, KvDtype::Fp8E4m3] {
-                let o = opts(dtype);
+            for (dtype, drafter) in [KvDtype::Bf16, KvDtype::Fp8E4m3]
+                .into_iter()
+                .flat_map(|d| [(d, None), (d, Some(eagle3(&c)))])
+            {
+                let model = format!("{model}{}", if drafter.is_some() { " with EAGLE-3" } else { "" });
+                let o = GpuOptions {
+                    drafter: drafter.map(|d| DraftReserve::of_shape(&d, dtype, 2048, 256)),
+                    ..opts(dtype)
+                };
                 // The planner on the loaded model's geometry and shape (the worker's own
                 // prediction; `kvfleet plan`).
                 let geometry = plan::Geometry::from_spec(&c.model_geometry()).unwrap();
@@ -561,7 +678,7 @@ mod tests {
                         gpu_memory_utilization: 0.92,
                         shape: c.engine_shape(rep as u64),
                         max_num_seqs: 256,
-                        drafter: None,
+                        drafter,
                     },
                     request_len: None,
                 };

@@ -60,9 +60,17 @@ pub enum KvListError {
 
 /// Pools of `layers` in `bytes` (one group per window and one of the full layers, memory split
 /// by what one maxModelLen request needs from each), as the backend allocates them; an error
-/// when a group would get no block.
-pub fn pools_in_bytes(layers: &[ModelLayer], p: &PoolParams, bytes: u64) -> Result<BackendConfig, String> {
-    let plan = size_pools(layers, p, bytes).map_err(|e| format!("cannot size the KV pools: {e}"))?;
+/// when a group would get no block. The last `draft_layers` of `layers` are a speculative
+/// drafter's (see [`size_pools_with_draft`]): they take their share of the bytes and are left
+/// out of the returned config (the drafter allocates its own pool of the draft group's pages).
+pub fn pools_in_bytes(
+    layers: &[ModelLayer],
+    draft_layers: usize,
+    p: &PoolParams,
+    bytes: u64,
+) -> Result<BackendConfig, String> {
+    let plan = size_pools_with_draft(layers, draft_layers, p, bytes)
+        .map_err(|e| format!("cannot size the KV pools: {e}"))?;
     if let Some(g) = plan.groups.iter().find(|g| g.num_blocks == 0) {
         return Err(format!(
             "{} MiB of KV memory leave no page for the layers of window {:?}",
@@ -70,7 +78,8 @@ pub fn pools_in_bytes(layers: &[ModelLayer], p: &PoolParams, bytes: u64) -> Resu
             g.window
         ));
     }
-    Ok(plan.backend_config(layers, p, KvScales::default()))
+    let model = &layers[..layers.len() - draft_layers.min(layers.len())];
+    Ok(plan.backend_config(model, p, KvScales::default()))
 }
 
 /// Engine limits that decide pool sizes.
@@ -230,13 +239,34 @@ pub fn size_pools(
     p: &PoolParams,
     available_kv_bytes: u64,
 ) -> Result<PoolPlan, CapacityError> {
-    if layers.is_empty() {
+    size_pools_with_draft(layers, 0, p, available_kv_bytes)
+}
+
+/// [`size_pools`] where the last `draft_layers` of `layers` belong to a speculative drafter
+/// (full attention, of the drafter's own heads and head dim). Its K/V are paged by the model's
+/// draft group (`BackendConfig::draft_group`: the first full-attention group), so each of its
+/// layers joins that group whatever its shape: a block of the group holds the drafter's pages
+/// too, and the split between the groups counts them.
+pub fn size_pools_with_draft(
+    layers: &[ModelLayer],
+    draft_layers: usize,
+    p: &PoolParams,
+    available_kv_bytes: u64,
+) -> Result<PoolPlan, CapacityError> {
+    let model = layers.len().saturating_sub(draft_layers);
+    if model == 0 {
         return Err(CapacityError::NoLayers);
     }
     let mut groups: Vec<GroupPool> = Vec::new();
     for (i, l) in layers.iter().enumerate() {
         let shape = PoolShape::new(0, l.kv_heads, p.block_size, l.head_dim, p.dtype)?;
         let page = 2 * shape.page_bytes() as u64; // K and V
+        if i >= model {
+            let g = groups.iter().position(|g| g.window.is_none()).unwrap_or(0);
+            groups[g].layers.push(i);
+            groups[g].block_bytes += page;
+            continue;
+        }
         match groups
             .iter_mut()
             .find(|g| g.window == l.window && g.kv_heads == l.kv_heads && g.head_dim == l.head_dim)
@@ -371,6 +401,75 @@ mod tests {
                 window: ((i + 1) % 6 != 0).then_some(512),
             })
             .collect()
+    }
+
+    /// A drafter's 2 layers (4 KV heads of 64: not the model's shape) appended to Gemma 3's
+    /// list join the full-attention group, which is not the first (layer 0 slides): that
+    /// group's block holds their pages, the split counts them, the backend config leaves them
+    /// out, and the drafter's group is the one `draft_group` names.
+    #[test]
+    fn a_drafters_layers_join_the_full_group_of_a_sliding_window_model() {
+        let p = PoolParams {
+            block_size: 16,
+            max_model_len: 4096,
+            max_num_batched_tokens: 256,
+            dtype: KvDtype::Bf16,
+            causal: true,
+        };
+        let model = gemma3_layers();
+        let draft = ModelLayer {
+            q_heads: 8,
+            kv_heads: 4,
+            head_dim: 64,
+            window: None,
+        };
+        let mut layers = model.clone();
+        layers.extend([draft, draft]);
+        let bytes = 1u64 << 30;
+        let alone = size_pools(&model, &p, bytes).unwrap();
+        let with = size_pools_with_draft(&layers, 2, &p, bytes).unwrap();
+        assert_eq!(with.groups.len(), 2, "no group of the drafter's own");
+        let full = with.groups.iter().position(|g| g.window.is_none()).unwrap();
+        assert_eq!(full, 1);
+        // bf16 pages of 16 tokens: the model's 3 full layers 2 x 16 x 256 x 2 = 16 KiB each,
+        // the drafter's 2 layers 2 x 4 x 16 x 64 x 2 = 16 KiB each.
+        assert_eq!(alone.groups[full].block_bytes, 3 * 16384);
+        assert_eq!(with.groups[full].block_bytes, 5 * 16384);
+        assert_eq!(with.groups[full].layers, vec![5, 11, 17, 18, 19]);
+        assert_eq!(with.groups[0].block_bytes, alone.groups[0].block_bytes);
+        assert!(with.pool_bytes <= bytes);
+        let block_sum: u64 = with.groups.iter().map(|g| g.block_bytes).sum();
+        assert!(
+            bytes - with.pool_bytes < block_sum,
+            "{} bytes unused",
+            bytes - with.pool_bytes
+        );
+        for (a, w) in alone.groups.iter().zip(&with.groups) {
+            assert!(w.num_blocks < a.num_blocks, "{a:?} {w:?}");
+        }
+        let cfg = pools_in_bytes(&layers, 2, &p, bytes).unwrap();
+        assert_eq!(cfg.layers.len(), 18);
+        assert_eq!(cfg.draft_group(), full);
+        let counts: Vec<usize> = cfg.groups.iter().map(|g| g.num_blocks).collect();
+        let planned: Vec<usize> = with.groups.iter().map(|g| g.num_blocks as usize).collect();
+        assert_eq!(counts, planned);
+        // A model whose every layer slides pages its drafter by its first group.
+        let sliding: Vec<ModelLayer> = model
+            .iter()
+            .map(|l| ModelLayer {
+                window: Some(512),
+                ..*l
+            })
+            .collect();
+        let mut layers = sliding.clone();
+        layers.push(draft);
+        let plan = size_pools_with_draft(&layers, 1, &p, bytes).unwrap();
+        assert_eq!(plan.groups.len(), 1);
+        assert_eq!(plan.groups[0].layers.len(), 19);
+        assert!(
+            size_pools_with_draft(&[draft], 1, &p, bytes).is_err(),
+            "a drafter alone is no model"
+        );
     }
 
     #[test]

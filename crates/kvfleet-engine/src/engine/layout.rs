@@ -298,6 +298,13 @@ impl BackendConfig {
         )
     }
 
+    /// The group whose page table a speculative drafter's K/V follow: the first full-attention
+    /// group (a drafter attends the whole context, so its pages must outlive any window), or
+    /// the first group when every layer slides.
+    pub fn draft_group(&self) -> usize {
+        self.groups.iter().position(|g| g.window.is_none()).unwrap_or(0)
+    }
+
     /// Checks every layer's shape once.
     pub fn check(&self) -> Result<(), LayoutError> {
         if self.block_size == 0 {

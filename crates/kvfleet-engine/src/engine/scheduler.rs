@@ -567,9 +567,9 @@ impl Scheduler {
     }
 
     /// Writes a plan over layer group `group` alone for `rows` `(id, first position, tokens)` of
-    /// running requests, on the pages they hold now: an EAGLE-3 drafter's plan (its one layer
-    /// is paged by the full-attention group). Every position must lie within the request's
-    /// pages and its window of the group.
+    /// running requests, on the pages they hold now: a drafter's plan (its layers are paged by
+    /// the full-attention group, `BackendConfig::draft_group`). Every position must lie within
+    /// the request's pages and its window of the group.
     pub fn write_group_plan(
         &self,
         plan: &mut StepPlan,

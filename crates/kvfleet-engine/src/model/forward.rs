@@ -295,7 +295,7 @@ impl Forward for CpuForward {
 
     fn attach_drafter(&mut self, drafter: Drafter) -> Result<(), ForwardError> {
         let cfg = self.backend.config();
-        let full = cfg.groups.first().map_or(0, |g| g.num_blocks);
+        let full = cfg.groups.get(cfg.draft_group()).map_or(0, |g| g.num_blocks);
         let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
         self.drafter = Some(CpuDrafter::new(drafter, dtype, cfg.block_size, full)?);
         Ok(())
