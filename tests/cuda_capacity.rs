@@ -94,6 +94,25 @@ fn within_one_page(what: &str, planned: &[u64], got: &[u64]) {
     }
 }
 
+/// The spec `kvfleet check` reads for the dummy Llama-3.1-8B these tests serve: KV in `kv_dtype`
+/// (its CRD name), the engine settings of [`opts`], and `engine` merged into its `engine`.
+fn dummy_llama_3_1_8b_spec(kv_dtype: &str, engine: serde_json::Value) -> InferenceDeploymentSpec {
+    let mut spec = serde_json::json!({
+        "model": {
+            "name": "llama",
+            "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+                         "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
+            "weights": {"format": "dummy"}
+        },
+        "engine": {"runtime": "kvfleet", "kvCacheDtype": kv_dtype, "maxModelLen": MAX_MODEL_LEN,
+                   "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
+    });
+    if let (Some(e), serde_json::Value::Object(extra)) = (spec["engine"].as_object_mut(), engine) {
+        e.extend(extra);
+    }
+    serde_json::from_value(spec).unwrap()
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
 fn gpu_dummy_llama_3_1_8b_allocates_the_pages_kvfleet_check_predicts() {
@@ -107,18 +126,7 @@ fn gpu_dummy_llama_3_1_8b_allocates_the_pages_kvfleet_check_predicts() {
     ];
     for (dtype, name, quantization) in cases {
         let (pages, tokens, device, total) = allocated(&c, dtype, quantization == "fp8");
-        let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
-            "model": {
-                "name": "llama",
-                "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
-                             "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
-                "weights": {"format": "dummy"}
-            },
-            "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": MAX_MODEL_LEN,
-                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
-                       "quantization": quantization}
-        }))
-        .unwrap();
+        let spec = dummy_llama_3_1_8b_spec(name, serde_json::json!({"quantization": quantization}));
         let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
         let check =
             plan::spec_capacity(&spec, &geometry, planner_memory(&device, total), dtype.spec()).unwrap();
@@ -248,21 +256,13 @@ fn gpu_dummy_llama_3_1_8b_with_an_eagle3_drafter_allocates_the_pages_kvfleet_che
         let pools = m.kv_config();
         let pages: Vec<u64> = pools.groups.iter().map(|g| g.num_blocks as u64).collect();
         drop(m);
-        let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
-            "model": {
-                "name": "llama",
-                "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
-                             "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
-                "weights": {"format": "dummy"}
-            },
-            "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": MAX_MODEL_LEN,
-                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
-                       "speculative": {"method": "eagle3", "numSpeculativeTokens": 3, "draftModel": {
-                           "pvcName": "d", "path": "x/",
-                           "geometry": {"layers": 1, "hiddenSize": 4096, "queryHeads": 32, "kvHeads": 8,
-                                        "headDim": 128, "intermediateSize": 14336, "vocabSize": 32000}}}}
-        }))
-        .unwrap();
+        let spec = dummy_llama_3_1_8b_spec(
+            name,
+            serde_json::json!({"speculative": {"method": "eagle3", "numSpeculativeTokens": 3, "draftModel": {
+                "pvcName": "d", "path": "x/",
+                "geometry": {"layers": 1, "hiddenSize": 4096, "queryHeads": 32, "kvHeads": 8,
+                             "headDim": 128, "intermediateSize": 14336, "vocabSize": 32000}}}}),
+        );
         let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
         let total = planner_memory(&cap.device, cap.total_bytes as u64);
         let check = plan::spec_capacity(&spec, &geometry, total, dtype.spec()).unwrap();
