@@ -14,9 +14,8 @@ use cudarc::driver::CudaSlice;
 
 use kvfleet_engine::engine::Backend;
 
-use super::blas::{Fp8In, Gemm};
+use super::blas::Gemm;
 use super::error::{backend_err, GpuError};
-use super::fp8::{Fp8Kernels, Mat};
 use super::kernels::{Glu, Norm, QkvOut, QkvPost};
 use super::step::{part, Family, Step};
 use super::weights::LayerW;
@@ -90,21 +89,10 @@ fn layer(st: &mut Step<'_>, li: usize, l: &LayerW, freq: &CudaSlice<f32>) -> Res
     blas.project(k, &l.wo, &a.attn, &mut a.proj, g, &mut a.fp8)?;
     k.rms_norm_add(&a.proj, t, dm.d, norm(post_attn), &mut a.x)?;
     k.rms_norm(&a.x, t, dm.d, norm(&l.ffn_norm), &mut a.h)?;
+    let g = Gemm::store(t, 2 * dm.ff, dm.d);
+    blas.project(k, &l.wgu, &a.h, &mut a.gu, g, &mut a.fp8)?;
+    k.glu(Glu::GeluTanh, &a.gu, t, dm.ff, &mut a.act)?;
     let g = Gemm::store(t, dm.d, dm.ff);
-    match k.fp8.as_ref().filter(|f| f.fusion.glu && Fp8Kernels::fits(dm.ff)) {
-        // FP8: the GeGLU writes the down projection's quantized input (kvf_gelu_tanh_quantize_fp8).
-        Some(f8) if matches!(l.wgu, Mat::Fp8 { .. }) => {
-            let dims = (t, 2 * dm.ff, dm.d);
-            let sw = blas.gemm_fp8(k, &l.wgu, Fp8In::Bf16(&a.h), &mut a.gu, dims, &mut a.fp8)?;
-            f8.glu_quantize(k.stream(), Glu::GeluTanh, &a.gu, t, dm.ff, sw, &mut a.fp8)?;
-            blas.project_in(k, &l.wdown, Fp8In::Quantized, &mut a.proj, g, &mut a.fp8)?;
-        }
-        _ => {
-            let gu = Gemm::store(t, 2 * dm.ff, dm.d);
-            blas.project(k, &l.wgu, &a.h, &mut a.gu, gu, &mut a.fp8)?;
-            k.glu(Glu::GeluTanh, &a.gu, t, dm.ff, &mut a.act)?;
-            blas.project(k, &l.wdown, &a.act, &mut a.proj, g, &mut a.fp8)?;
-        }
-    }
+    blas.project(k, &l.wdown, &a.act, &mut a.proj, g, &mut a.fp8)?;
     k.rms_norm_add(&a.proj, t, dm.d, norm(post_ffn), &mut a.x)
 }
