@@ -783,6 +783,17 @@ mod tests {
         assert_eq!(diff, 0, "{diff} of {} bytes differ", q.len());
     }
 
+    #[test]
+    fn the_fusion_switch_reads_all_none_and_lists_of_names() {
+        assert_eq!(Fusion::parse(""), Fusion::ALL);
+        assert_eq!(Fusion::parse("all"), Fusion::ALL);
+        assert_eq!(Fusion::parse("none"), Fusion::NONE);
+        let only = |norm, glu, qkv| Fusion { norm, glu, qkv };
+        assert_eq!(Fusion::parse("glu, qkv"), only(false, true, true));
+        // An unknown word is ignored, not taken for `all`.
+        assert_eq!(Fusion::parse("norm,bogus"), only(true, false, false));
+    }
+
     /// Positive scales spread over two orders of magnitude, as weight and token scales are.
     fn scales(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
