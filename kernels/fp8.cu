@@ -17,6 +17,9 @@
 // - `kvf_fp8_scale`: the epilogue of cuBLASLt's FP8 GEMM where it cannot take a scale per row
 //   (Ada, cuBLAS before 12.9) and runs with unit scales into f32: `y = d * sx[row] * sw[col]`,
 //   stored or added to the residual stream.
+// - `kvf_silu_quantize_fp8` / `kvf_gelu_tanh_quantize_fp8`, `kvf_rms_norm_fp8`,
+//   `kvf_qkv_post(_wide)_fp8`: the GEMMs' neighbours with that epilogue and the input
+//   quantization folded in (the section at the end of this file).
 
 #include <cuda_fp8.h>
 
@@ -423,4 +426,143 @@ extern "C" __global__ void kvf_fp8_scale(const float* d, int t, int n, const flo
         const float v = src[c] * s * sw[c];
         out[c] = add ? out[c] + v : v;
     }
+}
+
+// === The FP8 GEMMs' consumers with the epilogue folded in ===
+// Where cuBLASLt runs with unit scales, the GEMM's f32 output is d = xq · wqᵀ and each consumer
+// applies sx[row] * sw[col] as it reads it, instead of a kvf_fp8_scale pass over the whole output
+// (at a 2,048-token prefill of Llama-3-8B, gate/up alone is 235 MB of f32 a layer). sw null: the
+// output is already scaled (cuBLASLt took the per-row scales). The arithmetic is the unfused
+// path's, operation for operation, so the results are bit-equal to it: (d * sx) * sw as
+// kvf_fp8_scale rounds it, the activation rounded to bf16 as kvf_silu_mul stores it, then
+// kvf_quantize_rows_fp8's scale and conversion.
+
+namespace {
+
+// The down projection's FP8 input from the gate/up GEMM's rows: act = f(gate) * up rounded to
+// bf16, then quantized as kvf_quantize_rows_fp8 quantizes a bf16 row. One block a row; the
+// row's bf16 activations wait in dynamic shared memory (2 ff bytes) between the pass that finds
+// their largest magnitude and the pass that converts them.
+template <bool GELU>
+__device__ void glu_quantize_row(const float* __restrict__ gate_up, int ff, const float* __restrict__ sw,
+                                 unsigned char* __restrict__ q, float* scale) {
+    extern __shared__ __align__(16) unsigned char glu_smem[];
+    bf16* a = reinterpret_cast<bf16*>(glu_smem);
+    const size_t r = blockIdx.x;
+    // Read before block_max's barrier; the row's new scale is written over it after.
+    const float sx = sw != nullptr ? scale[r] : 1.f;
+    const float* g = gate_up + r * 2 * ff;
+    const float* u = g + ff;
+    float amax = 0.f;
+    if ((ff & 3) == 0) {
+        // Rows of 2 ff floats start 16-byte aligned; sw's gate and up halves too.
+        for (int c = threadIdx.x; c < (ff >> 2); c += blockDim.x) {
+            float4 gv = reinterpret_cast<const float4*>(g)[c];
+            float4 uv = reinterpret_cast<const float4*>(u)[c];
+            if (sw != nullptr) {
+                const float4 wg = reinterpret_cast<const float4*>(sw)[c];
+                const float4 wu = reinterpret_cast<const float4*>(sw + ff)[c];
+                gv = make_float4(gv.x * sx * wg.x, gv.y * sx * wg.y, gv.z * sx * wg.z, gv.w * sx * wg.w);
+                uv = make_float4(uv.x * sx * wu.x, uv.y * sx * wu.y, uv.z * sx * wu.z, uv.w * sx * wu.w);
+            }
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(glu<GELU>(gv.x, uv.x), glu<GELU>(gv.y, uv.y));
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(glu<GELU>(gv.z, uv.z), glu<GELU>(gv.w, uv.w));
+            reinterpret_cast<__nv_bfloat162*>(a)[2 * c] = lo;
+            reinterpret_cast<__nv_bfloat162*>(a)[2 * c + 1] = hi;
+            const float2 fl = __bfloat1622float2(lo), fh = __bfloat1622float2(hi);
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(fl.x), fabsf(fl.y)), fmaxf(fabsf(fh.x), fabsf(fh.y))));
+        }
+    } else {
+        for (int i = threadIdx.x; i < ff; i += blockDim.x) {
+            float gi = g[i], ui = u[i];
+            if (sw != nullptr) {
+                gi = gi * sx * sw[i];
+                ui = ui * sx * sw[ff + i];
+            }
+            a[i] = __float2bfloat16(glu<GELU>(gi, ui));
+            amax = fmaxf(amax, fabsf(__bfloat162float(a[i])));
+        }
+    }
+    // block_max's barriers also order the shared writes above before the reads below.
+    amax = block_max(amax);
+    const float s = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    const float inv = 1.f / s;
+    unsigned char* out = q + r * ff;
+    if ((ff & 3) == 0) {
+        for (int c = threadIdx.x; c < (ff >> 2); c += blockDim.x) {
+            const float2 lo = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(a)[2 * c]);
+            const float2 hi = __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(a)[2 * c + 1]);
+            const unsigned int b0 = __nv_cvt_float_to_fp8(lo.x * inv, __NV_SATFINITE, __NV_E4M3);
+            const unsigned int b1 = __nv_cvt_float_to_fp8(lo.y * inv, __NV_SATFINITE, __NV_E4M3);
+            const unsigned int b2 = __nv_cvt_float_to_fp8(hi.x * inv, __NV_SATFINITE, __NV_E4M3);
+            const unsigned int b3 = __nv_cvt_float_to_fp8(hi.y * inv, __NV_SATFINITE, __NV_E4M3);
+            reinterpret_cast<unsigned int*>(out)[c] = b0 | b1 << 8 | b2 << 16 | b3 << 24;
+        }
+    } else {
+        for (int i = threadIdx.x; i < ff; i += blockDim.x) {
+            out[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(a[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+        }
+    }
+    if (threadIdx.x == 0) scale[r] = s;
+}
+
+}  // namespace
+
+// q[r, :] and scale[r] = what kvf_quantize_rows_fp8 makes of act[r, :] = bf16(silu(gate) * up),
+// gate/up the f32 rows [T, 2 ff] of the gate/up GEMM. sw non-null: those rows are unscaled, and
+// gate[r, i] * scale[r] * sw[i], up[r, i] * scale[r] * sw[ff + i] are the values (scale holds
+// the GEMM's token scales on entry and the new ones on exit: the GEMM's input and the down
+// projection's share the buffer). q dense [T, ff]. Grid (T), block 256, dynamic shared 2 ff bytes.
+extern "C" __global__ void __launch_bounds__(256) kvf_silu_quantize_fp8(const float* __restrict__ gate_up, int ff,
+                                                                       const float* __restrict__ sw,
+                                                                       unsigned char* __restrict__ q, float* scale) {
+    kvf_wait_prior_grid();
+    glu_quantize_row<false>(gate_up, ff, sw, q, scale);
+}
+
+// The same with the tanh GELU (Gemma 3's GeGLU, kvf_gelu_tanh_mul).
+extern "C" __global__ void __launch_bounds__(256) kvf_gelu_tanh_quantize_fp8(const float* __restrict__ gate_up,
+                                                                            int ff, const float* __restrict__ sw,
+                                                                            unsigned char* __restrict__ q,
+                                                                            float* scale) {
+    kvf_wait_prior_grid();
+    glu_quantize_row<true>(gate_up, ff, sw, q, scale);
+}
+
+// RMSNorm into an FP8 GEMM's input: q[r, :] and scale[r] = what kvf_quantize_rows_fp8 makes of
+// kvf_rms_norm's bf16 row norm(x[r]) * w. x f32 [T, d]; q dense [T, d]. Grid (T), block a
+// multiple of 32 (the norm's), dynamic shared 2 d bytes (the bf16 row).
+extern "C" __global__ void kvf_rms_norm_fp8(const float* __restrict__ x, const float* __restrict__ w, int d,
+                                            float eps, unsigned char* __restrict__ q, float* __restrict__ scale) {
+    extern __shared__ __align__(16) unsigned char norm_smem[];
+    kvf_wait_prior_grid();
+    bf16* h = reinterpret_cast<bf16*>(norm_smem);
+    const size_t r = blockIdx.x;
+    rms_row(x + r * d, w, d, eps, h);
+    // Each thread reads back only what it wrote (rms_row's element order): no barrier needed
+    // before block_max, whose barriers order the reads of the second pass.
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(h[i])));
+    amax = block_max(amax);
+    const float s = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    const float inv = 1.f / s;
+    unsigned char* out = q + r * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        out[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(h[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (threadIdx.x == 0) scale[r] = s;
+}
+
+// kvf_qkv_post(_wide) over the unit-scale FP8 GEMM's Q/K/V rows: each value times sx[t] *
+// sw[col] as it is read (sx the token scales [T], sw the weight's row scales [qw + 2 kw]).
+extern "C" __global__ void kvf_qkv_post_fp8(KVF_QKV_POST_PARAMS, const float* __restrict__ sx,
+                                            const float* __restrict__ sw) {
+    kvf_wait_prior_grid();
+    qkv_post<1, true>(KVF_QKV_POST_ARGS, sx, sw);
+}
+
+extern "C" __global__ void kvf_qkv_post_wide_fp8(KVF_QKV_POST_PARAMS, const float* __restrict__ sx,
+                                                 const float* __restrict__ sw) {
+    kvf_wait_prior_grid();
+    qkv_post<4, true>(KVF_QKV_POST_ARGS, sx, sw);
 }

@@ -157,13 +157,17 @@ extern "C" __global__ void kvf_gather_aux(const float* __restrict__ src, const i
 #define QKV_POST_THREADS 128
 namespace {
 
-template <int HPB>
+// SCALED (FP8 weights, kernels/fp8.cu): qkv holds an unscaled FP8 GEMM output, and each value
+// read is first multiplied by sx[t] * sw[col], in kvf_fp8_scale's order.
+template <int HPB, bool SCALED = false>
 __device__ __forceinline__ void qkv_post(const float* __restrict__ qkv, const int* __restrict__ pos,
                                          const float* __restrict__ bias, const float* __restrict__ q_norm,
                                          const float* __restrict__ k_norm, const float* __restrict__ inv_freq,
                                          int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half,
                                          int neox, int has_bias, int has_qk_norm, float pos_scale, float eps,
-                                         bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v) {
+                                         bf16* __restrict__ q, bf16* __restrict__ k, bf16* __restrict__ v,
+                                         const float* __restrict__ sx = nullptr,
+                                         const float* __restrict__ sw = nullptr) {
     constexpr int G = QKV_POST_THREADS / HPB;  // threads per head: 128 (a block) or 32 (a warp)
     static_assert(G == QKV_POST_THREADS || G == 32, "a head takes the block or one warp");
     extern __shared__ float smem[];
@@ -185,6 +189,11 @@ __device__ __forceinline__ void qkv_post(const float* __restrict__ qkv, const in
         // Rows are (n_heads + 2 n_kv_heads) * head_dim floats: every head starts 16-byte aligned.
         for (int i = 4 * gl; i < head_dim; i += 4 * G) {
             float4 x = *reinterpret_cast<const float4*>(src + i);
+            if (SCALED) {
+                const float st = sx[t];
+                const float4 w4 = *reinterpret_cast<const float4*>(sw + col + i);
+                x = make_float4(x.x * st * w4.x, x.y * st * w4.y, x.z * st * w4.z, x.w * st * w4.w);
+            }
             if (has_bias) {
                 x.x += bias[col + i];
                 x.y += bias[col + i + 1];
@@ -197,7 +206,10 @@ __device__ __forceinline__ void qkv_post(const float* __restrict__ qkv, const in
             s[i + 3] = x.w;
         }
     } else {
-        for (int i = gl; i < head_dim; i += G) s[i] = src[i] + (has_bias ? bias[col + i] : 0.f);
+        for (int i = gl; i < head_dim; i += G) {
+            const float x = SCALED ? src[i] * sx[t] * sw[col + i] : src[i];
+            s[i] = x + (has_bias ? bias[col + i] : 0.f);
+        }
     }
     if (G == 32) __syncwarp(); else __syncthreads();
     // kind and has_qk_norm are uniform over the group, so its sum is reached by all its threads.

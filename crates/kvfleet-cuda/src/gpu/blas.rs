@@ -8,7 +8,7 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::error::{cublas_err, need, GpuError};
-use super::fp8::{Fp8Scratch, Lt, Mat};
+use super::fp8::{Done, Fp8Kernels, Fp8Scratch, Lt, Mat};
 use super::kernels::ModelKernels;
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
@@ -47,6 +47,15 @@ impl Gemm {
             accumulate: true,
         }
     }
+}
+
+/// The input of an FP8 projection.
+#[derive(Clone, Copy)]
+pub(super) enum Fp8In<'a> {
+    /// bf16 rows `[t, k]`, quantized per token by the projection.
+    Bf16(&'a CudaSlice<u16>),
+    /// Already quantized in the scratch's `xq` and `sx` (a fused producer wrote them).
+    Quantized,
 }
 
 /// A cuBLAS handle on the GPU's stream, and a cuBLASLt one for FP8 weights.
@@ -96,14 +105,26 @@ impl Blas {
         g: Gemm,
         s: &mut Fp8Scratch,
     ) -> Result<(), GpuError> {
-        let (q, scale) = match w {
-            Mat::Bf16(w) => return self.gemm(w, x, y, g),
-            Mat::Fp8 { q, scale } => (q, scale),
-        };
-        let (Some(lt), Some(f)) = (self.lt.as_ref(), k.fp8.as_ref()) else {
-            return Err(GpuError::Invalid(
-                "FP8 weights on a model built without FP8 kernels".into(),
-            ));
+        self.project_in(k, w, Fp8In::Bf16(x), y, g, s)
+    }
+
+    /// [`Blas::project`] from either input: with [`Fp8In::Quantized`] (FP8 weights only) the
+    /// quantize step is skipped, its rows already in `s`.
+    pub fn project_in(
+        &self,
+        k: &ModelKernels,
+        w: &Mat,
+        x: Fp8In<'_>,
+        y: &mut CudaSlice<f32>,
+        g: Gemm,
+        s: &mut Fp8Scratch,
+    ) -> Result<(), GpuError> {
+        let (q, scale) = match (w, x) {
+            (Mat::Bf16(w), Fp8In::Bf16(x)) => return self.gemm(w, x, y, g),
+            (Mat::Bf16(_), Fp8In::Quantized) => {
+                return Err(GpuError::Invalid("a quantized input to a bf16 weight".into()))
+            }
+            (Mat::Fp8 { q, scale }, _) => (q, scale),
         };
         let Gemm {
             t,
@@ -114,21 +135,67 @@ impl Blas {
         if t == 0 || n == 0 {
             return Ok(());
         }
+        let f = self.fp8_kernels(k)?;
         let st = &self.stream;
-        f.quantize_rows(st, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
-        let dims = (t, n, kk);
-        let (w, xs) = ((q, scale), (&s.xq, &s.sx));
+        if !accumulate {
+            let sw = self.gemm_fp8(k, w, x, y, (t, n, kk), s)?;
+            return match sw {
+                Some(sw) => f.scale(st, None, t, n, &s.sx, sw, false, y),
+                None => Ok(()),
+            };
+        }
+        let lt = self.lt()?;
+        if let Fp8In::Bf16(x) = x {
+            f.quantize_rows(st, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
+        let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
         if lt.scales_rows() {
-            lt.gemm(w, xs, y, dims, accumulate)?;
+            lt.gemm(w, xs, y, dims, true)?;
             return Ok(());
         }
-        if accumulate {
-            lt.gemm(w, xs, &mut s.d, dims, false)?;
-            f.scale(st, Some(&s.d), t, n, &s.sx, scale, true, y)
-        } else {
-            lt.gemm(w, xs, y, dims, false)?;
-            f.scale(st, None, t, n, &s.sx, scale, false, y)
+        lt.gemm(w, xs, &mut s.d, dims, false)?;
+        f.scale(st, Some(&s.d), t, n, &s.sx, scale, true, y)
+    }
+
+    /// An FP8 weight's GEMM stored into `y` (`[t, n]`, f32), its input quantized into `s` first
+    /// unless [`Fp8In::Quantized`]. Returns the weight's row scales when `y` is left unscaled
+    /// (cuBLASLt without per-row scales): the caller applies `s.sx[t] * sw[n]`; `None` when
+    /// `y` is scaled.
+    pub fn gemm_fp8<'w>(
+        &self,
+        k: &ModelKernels,
+        w: &'w Mat,
+        x: Fp8In<'_>,
+        y: &mut CudaSlice<f32>,
+        (t, n, kk): (usize, usize, usize),
+        s: &mut Fp8Scratch,
+    ) -> Result<Option<&'w CudaSlice<f32>>, GpuError> {
+        let Mat::Fp8 { q, scale } = w else {
+            return Err(GpuError::Invalid("an FP8 GEMM of a bf16 weight".into()));
+        };
+        let (lt, f) = (self.lt()?, self.fp8_kernels(k)?);
+        if t == 0 || n == 0 {
+            return Ok(None);
         }
+        if let Fp8In::Bf16(x) = x {
+            f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
+        Ok(match lt.gemm((q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)? {
+            Done::Scaled => None,
+            Done::Unscaled => Some(scale),
+        })
+    }
+
+    fn lt(&self) -> Result<&Lt, GpuError> {
+        self.lt
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("FP8 weights on a model built without cuBLASLt".into()))
+    }
+
+    fn fp8_kernels<'k>(&self, k: &'k ModelKernels) -> Result<&'k Fp8Kernels, GpuError> {
+        k.fp8
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into()))
     }
 
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`): bf16 `x` and `w`,

@@ -253,6 +253,7 @@ impl GpuDflash {
             bias: None,
             qk_norm: Some((&l.q_norm, &l.k_norm)),
             inv_freq: &self.inv_freq,
+            scales: None,
         };
         let out = QkvOut {
             q: &mut a.q,

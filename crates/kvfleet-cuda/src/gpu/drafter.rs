@@ -349,6 +349,7 @@ impl GpuEagle3 {
             bias: None,
             qk_norm: None,
             inv_freq: &self.w.inv_freq,
+            scales: None,
         };
         let out = QkvOut {
             q: &mut a.q,

@@ -8,6 +8,11 @@
 //!   vector" scaling, cuBLAS 12.9 and later on Hopper and Blackwell) the GEMM applies both
 //!   scales and adds to the residual itself (beta 1). Elsewhere (Ada, older cuBLAS) it runs
 //!   with unit scales and `kvf_fp8_scale` applies them after, storing or adding the result.
+//! - Around the GEMMs the neighbours take over what they can ([`Fusion`]): RMSNorm writes the
+//!   e4m3 input rows, the Q/K/V split applies the QKV GEMM's scales as it reads, and one kernel
+//!   turns the unscaled gate/up rows into the down projection's e4m3 input (scales, SwiGLU,
+//!   quantization), bit-equal to the separate kernels. At a 2,048-token prefill of Llama-3-8B
+//!   that took the step from 43.7 to 34.9 ms on an H200 (bench/RESULTS.md, 2026-11-28).
 //!
 //! The embeddings, the LM head and the norms stay bf16 / f32, as in vLLM's `fp8` method (its
 //! `Fp8Config` quantizes `LinearBase` layers only): the LM head is where an error reaches the
@@ -18,6 +23,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
 };
@@ -27,6 +33,7 @@ use crate::launch::Launch;
 use crate::spec::Arch;
 
 use super::error::{drv, need, GpuError};
+use super::kernels::{rows_cfg, Glu, Norm, NORM_THREADS};
 
 /// Whether cuBLASLt can be loaded (cudarc panics on first use otherwise).
 pub fn cublaslt_present() -> bool {
@@ -99,21 +106,207 @@ impl<'a> From<&'a CudaSlice<u16>> for MatRef<'a> {
 const THREADS: u32 = 256;
 /// Blocks over one row's columns in `kvf_fp8_scale`.
 const SCALE_ROW_BLOCKS: usize = 64;
+/// Dynamic shared memory the fused kernels may take (a bf16 row: 2 bytes an element); within
+/// the opt-in limit of every FP8 device (99 KiB on sm_89 and sm_120).
+const FUSED_SMEM_MAX: usize = 96 * 1024;
 
-/// The two FP8 kernels besides the GEMV, quantizing rows and the GEMM epilogue, launched on
-/// the stream their caller runs on.
+/// Which neighbours of the FP8 GEMMs take over the input quantization and the unit-scale
+/// epilogue at steps of more than one token (bench/RESULTS.md, 2026-11-28, measures each).
+/// `KVFLEET_FP8_FUSE`: `all` (the default), `none`, or a comma-separated list of `norm`, `glu`,
+/// `qkv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fusion {
+    /// RMSNorm writes the QKV and gate/up GEMMs' e4m3 rows and scales (`kvf_rms_norm_fp8`).
+    pub norm: bool,
+    /// The gate/up rows' scales, SwiGLU and the down projection's quantization in one kernel
+    /// (`kvf_silu_quantize_fp8`).
+    pub glu: bool,
+    /// The Q/K/V split applies the QKV GEMM's scales as it reads (`kvf_qkv_post(_wide)_fp8`).
+    pub qkv: bool,
+}
+
+impl Fusion {
+    pub const ALL: Fusion = Fusion {
+        norm: true,
+        glu: true,
+        qkv: true,
+    };
+    pub const NONE: Fusion = Fusion {
+        norm: false,
+        glu: false,
+        qkv: false,
+    };
+
+    /// From `KVFLEET_FP8_FUSE`; an unknown word is ignored with a warning.
+    pub fn from_env() -> Self {
+        match std::env::var("KVFLEET_FP8_FUSE") {
+            Ok(v) => Self::parse(&v),
+            Err(_) => Self::ALL,
+        }
+    }
+
+    fn parse(v: &str) -> Self {
+        match v.trim() {
+            "" | "all" => return Self::ALL,
+            "none" => return Self::NONE,
+            _ => {}
+        }
+        let mut f = Self::NONE;
+        for w in v.split(',').map(str::trim) {
+            match w {
+                "norm" => f.norm = true,
+                "glu" => f.glu = true,
+                "qkv" => f.qkv = true,
+                other => tracing::warn!(word = other, "KVFLEET_FP8_FUSE: not norm, glu or qkv; ignored"),
+            }
+        }
+        f
+    }
+}
+
+/// The FP8 kernels besides the GEMV: quantizing rows, the GEMM epilogue and the GEMMs'
+/// neighbours with them fused in, launched on the stream their caller runs on.
 pub(crate) struct Fp8Kernels {
     quantize: CudaFunction,
     scale: CudaFunction,
+    silu_quantize: CudaFunction,
+    gelu_tanh_quantize: CudaFunction,
+    norm_quantize: CudaFunction,
+    qkv_post: CudaFunction,
+    qkv_post_wide: CudaFunction,
+    /// What the model's steps fuse.
+    pub fusion: Fusion,
+    /// Launch the fused kernels with programmatic dependent launch (sm_90 and later).
+    pdl: bool,
 }
 
 impl Fp8Kernels {
-    pub fn load(module: &Arc<CudaModule>) -> Result<Self, GpuError> {
+    pub fn load(module: &Arc<CudaModule>, pdl: bool, fusion: Fusion) -> Result<Self, GpuError> {
         let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
+        let wide = |name: &str| -> Result<CudaFunction, GpuError> {
+            let k = f(name)?;
+            k.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                FUSED_SMEM_MAX as i32,
+            )
+            .map_err(drv("raising an FP8 kernel's shared-memory limit"))?;
+            Ok(k)
+        };
         Ok(Fp8Kernels {
             quantize: f("kvf_quantize_rows_fp8")?,
             scale: f("kvf_fp8_scale")?,
+            silu_quantize: wide("kvf_silu_quantize_fp8")?,
+            gelu_tanh_quantize: wide("kvf_gelu_tanh_quantize_fp8")?,
+            norm_quantize: wide("kvf_rms_norm_fp8")?,
+            qkv_post: f("kvf_qkv_post_fp8")?,
+            qkv_post_wide: f("kvf_qkv_post_wide_fp8")?,
+            fusion,
+            pdl,
         })
+    }
+
+    /// Whether the fused kernels take rows of `width` elements (a bf16 row in shared memory).
+    pub fn fits(width: usize) -> bool {
+        2 * width <= FUSED_SMEM_MAX
+    }
+
+    /// `kvf_qkv_post_fp8`, or `kvf_qkv_post_wide_fp8` when `wide`.
+    pub fn qkv_post(&self, wide: bool) -> &CudaFunction {
+        if wide {
+            &self.qkv_post_wide
+        } else {
+            &self.qkv_post
+        }
+    }
+
+    /// The down projection's FP8 input from the gate/up GEMM's `[t, 2 ff]` rows: `s.xq` and
+    /// `s.sx` become what [`Fp8Kernels::quantize_rows`] makes of `glu`'s bf16 activations.
+    /// `sw` (the gate/up weight's row scales): the rows are the unit-scale GEMM's, and `s.sx`
+    /// holds that GEMM's token scales; `None`: the rows are scaled.
+    #[allow(clippy::too_many_arguments)] // the activation, the input and its shape, the scales
+    pub(super) fn glu_quantize(
+        &self,
+        stream: &CudaStream,
+        glu: Glu,
+        gu: &CudaSlice<f32>,
+        t: usize,
+        ff: usize,
+        sw: Option<&CudaSlice<f32>>,
+        s: &mut Fp8Scratch,
+    ) -> Result<(), GpuError> {
+        if t == 0 || ff == 0 {
+            return Ok(());
+        }
+        if !Self::fits(ff) {
+            return Err(GpuError::Invalid(format!(
+                "a fused FP8 activation of {ff} columns (at most {})",
+                FUSED_SMEM_MAX / 2
+            )));
+        }
+        need("gate/up", gu, t * 2 * ff)?;
+        need("FP8 quantize output", &s.xq, t * ff)?;
+        need("FP8 row scales", &s.sx, t)?;
+        let f = match glu {
+            Glu::Silu => &self.silu_quantize,
+            Glu::GeluTanh => &self.gelu_tanh_quantize,
+        };
+        let mut l = Launch::new(stream);
+        l.ptr(gu).i32(ff as i32);
+        match sw {
+            Some(sw) => {
+                need("FP8 gate/up weight scales", sw, 2 * ff)?;
+                l.ptr(sw)
+            }
+            None => l.addr(0),
+        };
+        l.ptr_mut(&mut s.xq).ptr_mut(&mut s.sx);
+        // SAFETY: matches `kvf_silu_quantize_fp8` / `kvf_gelu_tanh_quantize_fp8(const float*,
+        // int, const float*, uchar*, float*)`; block r reads row r of `gu` (2 ff f32), `2 ff`
+        // of `sw` when given and `sx[r]`, and writes `ff` bytes at `r * ff` and `sx[r]` (sizes
+        // checked above); its 2 ff bytes of shared memory are within the limit `load` raised.
+        // It waits for the previous kernel first (PDL).
+        unsafe { l.launch(f, rows_cfg(t, THREADS, 2 * ff), self.pdl) }
+            .map_err(drv("launching kvf_silu_quantize_fp8"))
+    }
+
+    /// RMSNorm of `rows` f32 rows of width `d` straight into an FP8 GEMM's input: `s.xq` and
+    /// `s.sx` become what [`Fp8Kernels::quantize_rows`] makes of `kvf_rms_norm`'s bf16 rows.
+    pub(super) fn rms_norm_quantize(
+        &self,
+        stream: &CudaStream,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        norm: Norm<'_>,
+        s: &mut Fp8Scratch,
+    ) -> Result<(), GpuError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if !Self::fits(d) {
+            return Err(GpuError::Invalid(format!(
+                "a fused FP8 norm of {d} columns (at most {})",
+                FUSED_SMEM_MAX / 2
+            )));
+        }
+        need("norm input", x, rows * d)?;
+        need("norm weight", norm.w, d)?;
+        need("FP8 quantize output", &s.xq, rows * d)?;
+        need("FP8 row scales", &s.sx, rows)?;
+        let mut l = Launch::new(stream);
+        l.ptr(x)
+            .ptr(norm.w)
+            .i32(d as i32)
+            .f32(norm.eps)
+            .ptr_mut(&mut s.xq)
+            .ptr_mut(&mut s.sx);
+        // SAFETY: matches `kvf_rms_norm_fp8(const float*, const float*, int, float, uchar*,
+        // float*)`; block r reads row r of `x` and `d` weights, writes `d` bytes at `r * d` and
+        // one scale (sizes checked above); NORM_THREADS is a multiple of 32, and its `2 d` bytes
+        // of shared memory are within the limit `load` raised. It waits for the previous kernel
+        // first (PDL).
+        unsafe { l.launch(&self.norm_quantize, rows_cfg(rows, NORM_THREADS, 2 * d), self.pdl) }
+            .map_err(drv("launching kvf_rms_norm_fp8"))
     }
 
     /// `q[r] = e4m3(x[r] / s[r])`, `s[r] = amax(x[r]) / 448` for `rows` bf16 rows of `k`
@@ -537,7 +730,7 @@ mod tests {
 
     use super::super::blas::{Blas, Gemm};
     use super::super::gemv::{Fp8Gemv, Input, Output};
-    use super::super::kernels::{ModelKernels, Norm};
+    use super::super::kernels::{Glu, ModelKernels, Norm};
     use super::*;
 
     /// Values of every magnitude an activation or weight row has, as bf16 (what the kernels
@@ -588,6 +781,150 @@ mod tests {
         assert_eq!(sc, want.scale, "row scales");
         let diff = q.iter().zip(&want.data).filter(|(a, b)| a != b).count();
         assert_eq!(diff, 0, "{diff} of {} bytes differ", q.len());
+    }
+
+    #[test]
+    fn the_fusion_switch_reads_all_none_and_lists_of_names() {
+        assert_eq!(Fusion::parse(""), Fusion::ALL);
+        assert_eq!(Fusion::parse("all"), Fusion::ALL);
+        assert_eq!(Fusion::parse("none"), Fusion::NONE);
+        let only = |norm, glu, qkv| Fusion { norm, glu, qkv };
+        assert_eq!(Fusion::parse("glu, qkv"), only(false, true, true));
+        // An unknown word is ignored, not taken for `all`.
+        assert_eq!(Fusion::parse("norm,bogus"), only(true, false, false));
+    }
+
+    /// Positive scales spread over two orders of magnitude, as weight and token scales are.
+    fn scales(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| 1e-3 * (1.0 + 99.0 * (((i as f32 + seed as f32) * 0.754_877).sin() * 0.5 + 0.5)))
+            .collect()
+    }
+
+    /// The fused gate/up epilogue, SwiGLU and quantization write the same bytes and scales as
+    /// the unfused path (`kvf_fp8_scale`, `kvf_silu_mul`, `kvf_quantize_rows_fp8`), on unscaled
+    /// rows with the weight's scales and on rows already scaled; and what they write is the
+    /// host's quantization of the activation within e4m3 and bf16 rounding.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fused_glu_quantize_equals_the_unfused_path_bit_for_bit() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let f = k.fp8.as_ref().unwrap();
+        let s = g.stream();
+        // 1,024: the 16-byte path; 1,000 and 1,002: rows of other alignments take the scalar one.
+        for (glu, ff) in [
+            (Glu::Silu, 1024),
+            (Glu::Silu, 1000),
+            (Glu::Silu, 1002),
+            (Glu::GeluTanh, 1024),
+        ] {
+            let t = 9;
+            // Unscaled GEMM outputs: large values, as e4m3 products summed over k are.
+            let gu: Vec<f32> = to_f32(&bf16_rows(t, 2 * ff, 7 + ff as u32))
+                .iter()
+                .map(|v| v * 3000.0)
+                .collect();
+            let (sx, sw) = (scales(t, 1), scales(2 * ff, 2));
+            let dgu = g.upload(&gu).unwrap();
+            let (dsx, dsw) = (g.upload(&sx).unwrap(), g.upload(&sw).unwrap());
+            // Unfused: scale in place, SwiGLU to bf16, quantize.
+            let mut scaled = g.upload(&gu).unwrap();
+            f.scale(s, None, t, 2 * ff, &dsx, &dsw, false, &mut scaled)
+                .unwrap();
+            let mut act = s.alloc_zeros::<u16>(t * ff).unwrap();
+            k.glu(glu, &scaled, t, ff, &mut act).unwrap();
+            let mut want = Fp8Scratch::alloc(s, t, ff, 1).unwrap();
+            f.quantize_rows(s, &act, t, ff, ff, &mut want.xq, &mut want.sx)
+                .unwrap();
+            let (wq, ws) = (g.download(&want.xq).unwrap(), g.download(&want.sx).unwrap());
+            // Fused, from the unscaled rows (the token scales in the scratch, as the gate/up
+            // GEMM leaves them) and from the scaled ones.
+            for unscaled in [true, false] {
+                let mut got = Fp8Scratch::alloc(s, t, ff, 1).unwrap();
+                got.xq = g.upload(&vec![0x5au8; t * ff]).unwrap();
+                got.sx = g.upload(&sx).unwrap();
+                let (rows, sw) = if unscaled {
+                    (&dgu, Some(&dsw))
+                } else {
+                    (&scaled, None)
+                };
+                f.glu_quantize(s, glu, rows, t, ff, sw, &mut got).unwrap();
+                let (q, sc) = (g.download(&got.xq).unwrap(), g.download(&got.sx).unwrap());
+                assert_eq!(sc, ws, "{glu:?} ff {ff}, unscaled {unscaled}: row scales");
+                let diff = q.iter().zip(&wq).filter(|(a, b)| a != b).count();
+                assert_eq!(
+                    diff,
+                    0,
+                    "{glu:?} ff {ff}, unscaled {unscaled}: {diff} of {} bytes differ",
+                    q.len()
+                );
+            }
+            // Against the host: f(gate) * up from the scaled rows, in f32.
+            let act_of = |x: f32| match glu {
+                Glu::Silu => x / (1.0 + (-x).exp()),
+                Glu::GeluTanh => 0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044_715 * x * x * x)).tanh()),
+            };
+            let sc = g.download(&scaled).unwrap();
+            for r in 0..t {
+                let row = &sc[r * 2 * ff..(r + 1) * 2 * ff];
+                let a: Vec<f32> = (0..ff).map(|i| act_of(row[i]) * row[ff + i]).collect();
+                let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+                // The row scale comes from the bf16-rounded activations: within 2^-8 of amax / 448.
+                assert!(
+                    (ws[r] - amax / 448.0).abs() <= ws[r] / 256.0,
+                    "row {r}: scale {} vs {}",
+                    ws[r],
+                    amax / 448.0
+                );
+                for (i, v) in a.iter().enumerate() {
+                    let deq = e4m3fn_to_f32(wq[r * ff + i]) * ws[r];
+                    // e4m3: half a step is 2^-4 of the value (normals), 2^-10 of the scale
+                    // (subnormals); bf16 first: 2^-8 more.
+                    let bound = v.abs() * (1.0 / 16.0 + 1.0 / 256.0) + ws[r] / 1024.0 + 1e-12;
+                    assert!(
+                        (deq - v).abs() <= bound,
+                        "{glu:?} ff {ff} row {r}[{i}]: {deq} vs {v}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// RMSNorm straight into e4m3 rows writes what `kvf_rms_norm` then `kvf_quantize_rows_fp8`
+    /// write, for rows that fit the norm's registers (4,096) and rows that do not (5,008).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fused_norm_quantize_equals_norm_then_quantize() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let f = k.fp8.as_ref().unwrap();
+        let s = g.stream();
+        for d in [4096, 5008] {
+            let t = 6;
+            let x: Vec<f32> = to_f32(&bf16_rows(t, d, 13)).iter().map(|v| v * 5.0).collect();
+            let w: Vec<f32> = (0..d).map(|i| 0.5 + (i % 11) as f32 * 0.1).collect();
+            let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+            let norm = Norm::new(&dw, 1e-5);
+            let mut h = s.alloc_zeros::<u16>(t * d).unwrap();
+            k.rms_norm(&dx, t, d, norm, &mut h).unwrap();
+            let mut want = Fp8Scratch::alloc(s, t, d, 1).unwrap();
+            f.quantize_rows(s, &h, t, d, d, &mut want.xq, &mut want.sx)
+                .unwrap();
+            let mut got = Fp8Scratch::alloc(s, t, d, 1).unwrap();
+            f.rms_norm_quantize(s, &dx, t, d, norm, &mut got).unwrap();
+            assert_eq!(
+                g.download(&got.sx).unwrap(),
+                g.download(&want.sx).unwrap(),
+                "d {d}: scales"
+            );
+            let (q, wq) = (g.download(&got.xq).unwrap(), g.download(&want.xq).unwrap());
+            let diff = q.iter().zip(&wq).filter(|(a, b)| a != b).count();
+            assert_eq!(diff, 0, "d {d}: {diff} of {} bytes differ", q.len());
+            // And that is the host's quantization of the bf16 norm.
+            let hq = quantize_rows(&to_f32(&g.download(&h).unwrap()), t, d);
+            assert_eq!(q, hq.data, "d {d}: against the host quantizer");
+        }
     }
 
     /// The FP8 GEMM (W8A8: store and accumulate) and the FP8 GEMV (weight-only) against the

@@ -77,6 +77,7 @@ fn layer(st: &mut Step<'_>, li: usize, l: &LayerW, freq: &CudaSlice<f32>) -> Res
         bias: None,
         qk_norm: Some(qk_norm),
         inv_freq: freq,
+        scales: None,
     };
     let out = QkvOut {
         q: &mut a.q,

@@ -18,7 +18,7 @@ use crate::spec::Arch;
 use crate::{nvrtc, CudaError};
 
 use super::error::{drv, need, GpuError};
-use super::fp8::Fp8Kernels;
+use super::fp8::{Fp8Kernels, Fusion};
 use super::gemv::{Fp8Gemv, Gemv};
 use super::shape::Dims;
 
@@ -76,13 +76,18 @@ pub const FP8_SOURCE: &str = concat!(
 );
 
 /// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
-pub const FP8_KERNELS: [&str; 6] = [
+pub const FP8_KERNELS: [&str; 11] = [
     "kvf_quantize_rows_fp8",
     "kvf_gemv_fp8",
     "kvf_gemv_fp8_int",
     "kvf_gemv_fp8_h2",
     "kvf_gemv_fp8_mma",
     "kvf_fp8_scale",
+    "kvf_silu_quantize_fp8",
+    "kvf_gelu_tanh_quantize_fp8",
+    "kvf_rms_norm_fp8",
+    "kvf_qkv_post_fp8",
+    "kvf_qkv_post_wide_fp8",
 ];
 
 /// Compiled programs by name and architecture.
@@ -184,6 +189,9 @@ pub(super) struct QkvPost<'a> {
     pub qk_norm: Option<(&'a CudaSlice<f32>, &'a CudaSlice<f32>)>,
     /// `[rope_dims / 2]`: the RoPE frequencies of the layer's base.
     pub inv_freq: &'a CudaSlice<f32>,
+    /// FP8 weights through a unit-scale GEMM: `qkv` is unscaled, and these are its token scales
+    /// `[t]` and the weight's row scales `[qw + 2 kw]` (`kvf_qkv_post(_wide)_fp8` applies them).
+    pub scales: Option<(&'a CudaSlice<f32>, &'a CudaSlice<f32>)>,
 }
 
 /// Where `kvf_qkv_post(_wide)` writes: bf16 Q `[t, n_heads, hd]`, K and V
@@ -270,7 +278,9 @@ impl ModelKernels {
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
             gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8_gemv)?,
-            fp8: fp8.then(|| Fp8Kernels::load(&module)).transpose()?,
+            fp8: fp8
+                .then(|| Fp8Kernels::load(&module, pdl, Fusion::from_env()))
+                .transpose()?,
             pdl,
         })
     }
@@ -390,7 +400,20 @@ impl ModelKernels {
         let (qn, kn) = p.qk_norm.unwrap_or((p.inv_freq, p.inv_freq));
         let heads = (dm.n_heads + 2 * dm.n_kv) as u32;
         let (wide, cfg) = qkv_post_cfg(t, heads, dm.hd);
-        let f = if wide { &self.qkv_post_wide } else { &self.qkv_post };
+        let f = match (p.scales, self.fp8.as_ref()) {
+            (None, _) if wide => &self.qkv_post_wide,
+            (None, _) => &self.qkv_post,
+            (Some(_), Some(f8)) => f8.qkv_post(wide),
+            (Some(_), None) => {
+                return Err(GpuError::Invalid(
+                    "scaled Q/K/V on a model built without FP8 kernels".into(),
+                ))
+            }
+        };
+        if let Some((sx, sw)) = p.scales {
+            need("FP8 token scales", sx, t)?;
+            need("FP8 Q/K/V weight scales", sw, dm.qkv())?;
+        }
         let mut l = Launch::new(&self.stream);
         l.ptr(p.qkv)
             .ptr(p.pos)
@@ -411,12 +434,16 @@ impl ModelKernels {
             .ptr_mut(out.q)
             .ptr_mut(out.k)
             .ptr_mut(out.v);
+        if let Some((sx, sw)) = p.scales {
+            l.ptr(sx).ptr(sw);
+        }
         // SAFETY: matches `kvf_qkv_post(_wide)` in kernels/model.cu (6 pointers, 8 ints, 2
         // floats, 3 pointers in order). qkv holds `t * (qw + 2 kw)` f32 (the GEMM or GEMV before
         // it), pos `t` positions, bias `qw + 2 kw` and the norms `head_dim` values when their
         // flags are set (absent ones are never read), inv_freq `rope_dims / 2`; the outputs were
-        // checked above; `qkv_post_cfg` sizes the dynamic shared memory for its heads a block.
-        // With `pdl` it waits for the previous kernel first.
+        // checked above; `qkv_post_cfg` sizes the dynamic shared memory for its heads a block;
+        // with scales, `kvf_qkv_post(_wide)_fp8` takes the two scale vectors after those (sizes
+        // checked above). With `pdl` it waits for the previous kernel first.
         unsafe { l.launch(f, cfg, pdl) }.map_err(drv("launching kvf_qkv_post"))?;
         Ok(())
     }

@@ -11,10 +11,13 @@
 
 use kvfleet_engine::engine::Backend;
 
-use super::blas::Gemm;
+use cudarc::driver::CudaSlice;
+
+use super::blas::{Fp8In, Gemm};
 use super::error::{backend_err, GpuError};
+use super::fp8::{Fp8Kernels, Fp8Scratch, Fusion, Mat};
 use super::gemv::{Input, Output};
-use super::kernels::{Glu, Norm, QkvOut, QkvPost};
+use super::kernels::{Glu, ModelKernels, Norm, QkvOut, QkvPost};
 use super::step::{part, Family, Step};
 use super::weights::LayerW;
 
@@ -51,10 +54,24 @@ fn qkv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     let (c, dm, k, t) = (st.c, st.dm, st.k, st.t);
     let a = &mut *st.a;
     let norm = Norm::new(&l.attn_norm, c.rms_eps);
+    // The QKV GEMM's weight scales, when the split applies them (FP8, unit-scale GEMM).
+    let mut unscaled = None;
     if st.fused {
         let input = Input::normed(&a.x, norm.w, norm.eps);
         k.gemv
             .run(&l.wqkv, dm.qkv(), dm.d, input, Output::Store(&mut a.qkv))?;
+    } else if let Some((f8, fz)) = fp8_fusion(k, &l.wqkv) {
+        let input = norm_fp8(f8, fz, k, &a.x, t, dm.d, norm, &mut a.h, &mut a.fp8)?;
+        st.marks.mark(part::NORM)?;
+        let dims = (t, dm.qkv(), dm.d);
+        if fz.qkv {
+            unscaled = st
+                .blas
+                .gemm_fp8(k, &l.wqkv, input, &mut a.qkv, dims, &mut a.fp8)?;
+        } else {
+            let g = Gemm::store(t, dm.qkv(), dm.d);
+            st.blas.project_in(k, &l.wqkv, input, &mut a.qkv, g, &mut a.fp8)?;
+        }
     } else {
         k.rms_norm(&a.x, t, dm.d, norm, &mut a.h)?;
         st.marks.mark(part::NORM)?;
@@ -70,6 +87,7 @@ fn qkv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
         bias: l.bqkv.as_ref(),
         qk_norm: l.qk_norm(),
         inv_freq: &st.w.inv_freq,
+        scales: unscaled.map(|sw| (&a.fp8.sx, sw)),
     };
     let out = QkvOut {
         q: &mut a.q,
@@ -92,12 +110,61 @@ fn mlp_gemv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     g.run(&l.wdown, dm.d, dm.ff, Input::Bf16(&a.act), Output::Add(&mut a.x))
 }
 
+/// The FP8 kernels and what they fuse, when `w` is an FP8 weight and anything is fused.
+fn fp8_fusion<'k>(k: &'k ModelKernels, w: &Mat) -> Option<(&'k Fp8Kernels, Fusion)> {
+    let f8 = k.fp8.as_ref().filter(|f| f.fusion != Fusion::NONE)?;
+    matches!(w, Mat::Fp8 { .. }).then_some((f8, f8.fusion))
+}
+
+/// RMSNorm of the residual into an FP8 GEMM's input: straight into `s`'s quantized rows when
+/// fused, else into bf16 `h` for the projection to quantize.
+#[allow(clippy::too_many_arguments)] // the kernels, the rows and their norm, both outputs
+fn norm_fp8<'h>(
+    f8: &Fp8Kernels,
+    fz: Fusion,
+    k: &ModelKernels,
+    x: &CudaSlice<f32>,
+    t: usize,
+    d: usize,
+    norm: Norm<'_>,
+    h: &'h mut CudaSlice<u16>,
+    s: &mut Fp8Scratch,
+) -> Result<Fp8In<'h>, GpuError> {
+    if fz.norm && Fp8Kernels::fits(d) {
+        f8.rms_norm_quantize(k.stream(), x, t, d, norm, s)?;
+        return Ok(Fp8In::Quantized);
+    }
+    k.rms_norm(x, t, d, norm, h)?;
+    Ok(Fp8In::Bf16(h))
+}
+
 /// O, gate/up and down as cuBLAS GEMMs with the norm and SwiGLU kernels between them.
 fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     let (dm, t, k, blas) = (st.dm, st.t, st.k, st.blas);
     let a = &mut *st.a;
     blas.project(k, &l.wo, &a.attn, &mut a.x, Gemm::add(t, dm.d, dm.qw), &mut a.fp8)?;
     st.marks.mark(part::O_GEMM)?;
+    if let Some((f8, fz)) = fp8_fusion(k, &l.wgu) {
+        let norm = Norm::new(&l.ffn_norm, st.c.rms_eps);
+        let input = norm_fp8(f8, fz, k, &a.x, t, dm.d, norm, &mut a.h, &mut a.fp8)?;
+        st.marks.mark(part::NORM)?;
+        if fz.glu && Fp8Kernels::fits(dm.ff) {
+            let dims = (t, 2 * dm.ff, dm.d);
+            let sw = blas.gemm_fp8(k, &l.wgu, input, &mut a.gu, dims, &mut a.fp8)?;
+            st.marks.mark(part::FFN_GEMM)?;
+            f8.glu_quantize(k.stream(), Glu::Silu, &a.gu, t, dm.ff, sw, &mut a.fp8)?;
+            st.marks.mark(part::ACT)?;
+            let g = Gemm::add(t, dm.d, dm.ff);
+            return blas.project_in(k, &l.wdown, Fp8In::Quantized, &mut a.x, g, &mut a.fp8);
+        }
+        let g = Gemm::store(t, 2 * dm.ff, dm.d);
+        blas.project_in(k, &l.wgu, input, &mut a.gu, g, &mut a.fp8)?;
+        st.marks.mark(part::FFN_GEMM)?;
+        k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
+        st.marks.mark(part::ACT)?;
+        let g = Gemm::add(t, dm.d, dm.ff);
+        return blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8);
+    }
     k.rms_norm(&a.x, t, dm.d, Norm::new(&l.ffn_norm, st.c.rms_eps), &mut a.h)?;
     st.marks.mark(part::NORM)?;
     let g = Gemm::store(t, 2 * dm.ff, dm.d);
@@ -107,4 +174,81 @@ fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     st.marks.mark(part::ACT)?;
     let g = Gemm::add(t, dm.d, dm.ff);
     blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)
+}
+
+#[cfg(test)]
+mod tests {
+    use kvfleet_engine::engine::direct::DirectPlanner;
+    use kvfleet_engine::engine::StepPlan;
+    use kvfleet_engine::model::forward::{step_direct, Forward};
+    use kvfleet_engine::model::llama::{LlamaConfig, SeqChunk};
+
+    use super::super::fp8::Fusion;
+    use super::super::{GpuLlama, GpuOptions};
+
+    /// Every fusion of the FP8 GEMMs' neighbours computes what the unfused kernels compute,
+    /// operation for operation, so a prefill step's logits stay bit-equal with each fusion alone
+    /// and with all of them (the unfused step twice first: the step itself is deterministic).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fp8_fusions_leave_prefill_logits_bit_equal() {
+        // head_dim 128, GQA 2, widths that are multiples of 16.
+        let c = LlamaConfig::llama(2, 512, 1536, 4, 2, 1000);
+        let o = GpuOptions {
+            max_kv_tokens: Some(4096),
+            max_batched_tokens: 256,
+            max_num_seqs: 8,
+            fp8_weights: true,
+            ..GpuOptions::default()
+        };
+        let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| panic!("no GPU: {e}"));
+        let mut m = GpuLlama::dummy(gpu, c, 3, &o).unwrap_or_else(|e| panic!("dummy model: {e}"));
+        eprintln!("cuBLASLt applies the row scales: {}", m.blas.lt_scales_rows());
+        let mut planner = DirectPlanner::new(m.kv_config().block_size, &m.kv_config().groups);
+        let mut plan = StepPlan::default();
+        let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 11) % 1000).collect();
+        let only = |norm, glu, qkv| Fusion { norm, glu, qkv };
+        let variants = [
+            ("none", Fusion::NONE),
+            ("none again", Fusion::NONE),
+            ("norm", only(true, false, false)),
+            ("glu", only(false, true, false)),
+            ("qkv", only(false, false, true)),
+            ("all", Fusion::ALL),
+        ];
+        let mut want: Option<Vec<f32>> = None;
+        for (i, (name, fz)) in variants.into_iter().enumerate() {
+            m.kernels.fp8.as_mut().expect("FP8 kernels").fusion = fz;
+            // A new sequence each time, the same prompt from position 0: the same computation.
+            let batch = [SeqChunk {
+                seq: i as u64 + 1,
+                start_pos: 0,
+                tokens: &prompt,
+                logits: 1,
+            }];
+            let got = step_direct(&mut m, &mut planner, &batch, &mut plan)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(got.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+            match &want {
+                None => {
+                    let spread = got.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    assert!(spread > 0.0, "all-zero logits");
+                    want = Some(got);
+                }
+                Some(w) => {
+                    let diff = got
+                        .iter()
+                        .zip(w)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        diff,
+                        0,
+                        "{name}: {diff} of {} logits differ from the unfused step",
+                        w.len()
+                    );
+                }
+            }
+        }
+    }
 }
