@@ -6,7 +6,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::error::{drv, need, GpuError};
-use super::fp8::{Fp8Scratch, Lt};
+use super::fp8::Fp8Scratch;
+use super::lt::Lt;
 use super::sampling::PICK_WORDS;
 use super::shape::Dims;
 

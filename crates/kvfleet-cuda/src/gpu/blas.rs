@@ -8,8 +8,9 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::error::{cublas_err, need, GpuError};
-use super::fp8::{Done, Fp8Kernels, Fp8Scratch, Lt, Mat};
+use super::fp8::{Fp8Kernels, Fp8Scratch, Mat};
 use super::kernels::ModelKernels;
+use super::lt::{Done, Lt};
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {

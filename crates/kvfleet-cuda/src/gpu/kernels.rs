@@ -20,6 +20,7 @@ use crate::{nvrtc, CudaError};
 use super::error::{drv, need, GpuError};
 use super::fp8::{Fp8Kernels, Fusion};
 use super::gemv::{Fp8Gemv, Gemv};
+pub(super) use super::rows::{rows_cfg, Glu, Norm, NORM_THREADS};
 use super::shape::Dims;
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
@@ -109,7 +110,6 @@ fn cached_ptx(name: &'static str, source: &'static str, arch: Arch) -> Result<Ar
     Ok(ptx)
 }
 
-pub(super) const NORM_THREADS: u32 = 256;
 /// Threads of a `kvf_qkv_post` block (`QKV_POST_THREADS` in kernels/model.cu).
 const QKV_POST_THREADS: u32 = 128;
 /// Heads per block of `kvf_qkv_post_wide`: a warp each.
@@ -151,28 +151,6 @@ struct GemmaKernels {
     gelu_tanh_mul: CudaFunction,
 }
 
-/// An RMSNorm's weight (`[d]`, f32) and epsilon.
-#[derive(Clone, Copy)]
-pub(super) struct Norm<'a> {
-    pub w: &'a CudaSlice<f32>,
-    pub eps: f32,
-}
-
-impl<'a> Norm<'a> {
-    pub fn new(w: &'a CudaSlice<f32>, eps: f32) -> Self {
-        Norm { w, eps }
-    }
-}
-
-/// A gated activation of the gate/up GEMM's `[t, 2 ff]` rows: `act = f(gate) * up`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Glu {
-    /// SwiGLU (`kvf_silu_mul`), the Llama family's.
-    Silu,
-    /// GeGLU with the tanh approximation (`kvf_gelu_tanh_mul`), Gemma 3's.
-    GeluTanh,
-}
-
 /// What `kvf_qkv_post(_wide)` reads for a step: the fused projection's rows, their positions
 /// and the layer's optional tensors. The kernel adds the bias, applies the Q/K norms and RoPE,
 /// and writes bf16 Q/K/V with each KV head stored `kv_rep` times.
@@ -212,15 +190,6 @@ fn elemwise_cfg(n: usize) -> LaunchConfig {
         ),
         block_dim: (ELEMWISE_THREADS, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-/// A block of `threads` per row.
-pub(super) fn rows_cfg(rows: usize, threads: u32, smem: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: smem as u32,
     }
 }
 

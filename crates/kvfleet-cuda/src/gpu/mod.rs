@@ -10,8 +10,9 @@
 //! The rooms, plumbing below the model:
 //! - `error`: [`GpuError`] and the wrappers of driver, cuBLAS and backend errors;
 //! - `kernels`: the model program, its PTX, one launcher per kernel; `gemv`: the single-token
-//!   projections; `blas`: the GEMMs; `fp8`: FP8 weights (W8A8: their GEMM through cuBLASLt,
-//!   quantizing kernels); `sampling`: the picks on the device;
+//!   projections; `blas`: the GEMMs; `fp8`: FP8 weights (W8A8: the quantizing and fused
+//!   kernels), `lt`: their GEMM through cuBLASLt; `rows`: what the row kernels of both programs
+//!   are launched with; `sampling`: the picks on the device;
 //! - `shape`: the geometries the kernels cover; `options`: [`GpuOptions`], [`GpuCapacity`];
 //!   `weights`: upload and random weights; `arena`: the activation buffers; `pools`: KV pool
 //!   sizing;
@@ -32,9 +33,11 @@ mod gemma3;
 mod gemv;
 mod kernels;
 mod llama;
+mod lt;
 mod model;
 mod options;
 mod pools;
+mod rows;
 mod sampling;
 mod shape;
 mod step;
