@@ -133,31 +133,35 @@ fn pair(kind: &str) -> Pair {
     Pair { tok, draft, cpu, gpu }
 }
 
-/// Three prompts, each prefilled by the target on both engines, caught up by the drafter, then
-/// chained three drafts further: the GPU drafter drafts what the CPU drafter drafts.
-#[test]
-#[ignore = "needs an NVIDIA GPU"]
-fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
-    let Pair {
-        tok,
-        draft,
-        mut cpu,
-        mut gpu,
-    } = pair("eagle3");
+/// How a comparison's steps are planned for request `seq` over positions `start..start + len`:
+/// the target's (every layer group's pages) and the drafter's (the pages it follows).
+struct Plans<'a> {
+    target: &'a dyn Fn(u64, usize, usize) -> StepPlan,
+    draft: &'a dyn Fn(u64, usize, usize) -> StepPlan,
+}
 
+/// Each prompt prefilled by the target on both engines, caught up by the EAGLE-3 drafter, then
+/// chained three drafts further on each drafter's own outputs (the CPU's token fed to both):
+/// the drafts of both engines, which must come from the draft vocabulary. Returns how many
+/// drafts were equal, and of how many.
+fn eagle3_drafts(
+    cpu: &mut CpuForward,
+    gpu: &mut GpuLlama,
+    draft: &[u32],
+    prompts: &[Vec<u32>],
+    plans: &Plans,
+) -> (usize, usize) {
     let (mut same, mut total) = (0, 0);
-    for (i, text) in PROMPTS.iter().enumerate() {
+    for (i, prompt) in prompts.iter().enumerate() {
         let seq = i as u64 + 1;
-        let t = table(seq);
-        let prompt = tok.encode(text, true);
         let p = prompt.len();
         let batch = [SeqChunk {
             seq,
             start_pos: 0,
-            tokens: &prompt,
+            tokens: prompt,
             logits: 1,
         }];
-        let pl = plan(&t, 0, p);
+        let pl = (plans.target)(seq, 0, p);
         let next = argmax(&cpu.forward(&batch, &pl).unwrap());
         let gpu_next = argmax(&gpu.forward(&batch, &pl).unwrap());
         eprintln!("prompt {i}: {p} tokens, target's next token CPU {next} GPU {gpu_next}");
@@ -171,18 +175,18 @@ fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
             row: 0,
             draft: true,
         }];
-        let want = cpu.draft_catch_up(&rows, &pl).unwrap();
-        let got = gpu.draft_catch_up(&rows, &pl).unwrap();
+        let dp = (plans.draft)(seq, 0, p);
+        let want = cpu.draft_catch_up(&rows, &dp).unwrap();
+        let got = gpu.draft_catch_up(&rows, &dp).unwrap();
         assert_eq!((want.len(), got.len()), (1, 1));
         let mut drafts = vec![(want[0], got[0])];
-        // Three more drafts, chained on each drafter's own outputs, the CPU's token fed to both.
         let mut token = want[0];
         for j in 0..3 {
             let pos = p + j;
             let row = [ChainRow { seq, pos, token }];
-            let pl = plan(&t, pos, 1);
-            let want = cpu.draft_chain(&row, &pl).unwrap();
-            let got = gpu.draft_chain(&row, &pl).unwrap();
+            let dp = (plans.draft)(seq, pos, 1);
+            let want = cpu.draft_chain(&row, &dp).unwrap();
+            let got = gpu.draft_chain(&row, &dp).unwrap();
             drafts.push((want[0], got[0]));
             token = want[0];
         }
@@ -196,6 +200,84 @@ fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
         cpu.forget_draft(seq);
         gpu.forget_draft(seq);
     }
+    (same, total)
+}
+
+/// Each prompt prefilled by the target on both engines, its context K/V written by the DFlash
+/// drafter's catch-up, then one block of the newest token and 3 masks: the drafts of both
+/// engines, from the draft vocabulary. Returns how many were equal, and of how many.
+fn dflash_drafts(
+    cpu: &mut CpuForward,
+    gpu: &mut GpuLlama,
+    draft: &[u32],
+    prompts: &[Vec<u32>],
+    plans: &Plans,
+) -> (usize, usize) {
+    let (mut same, mut total) = (0, 0);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let seq = i as u64 + 1;
+        let p = prompt.len();
+        let batch = [SeqChunk {
+            seq,
+            start_pos: 0,
+            tokens: prompt,
+            logits: 1,
+        }];
+        let pl = (plans.target)(seq, 0, p);
+        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
+        gpu.forward(&batch, &pl).unwrap();
+        let mut after: Vec<u32> = prompt[1..].to_vec();
+        after.push(next);
+        let rows = [CatchUp {
+            seq,
+            start_pos: 0,
+            next: &after,
+            row: 0,
+            draft: true,
+        }];
+        let dp = (plans.draft)(seq, 0, p);
+        assert!(cpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
+        assert!(gpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
+        let block = [BlockRow {
+            seq,
+            pos: p,
+            token: next,
+            drafts: 3,
+        }];
+        let dp = (plans.draft)(seq, p, 4);
+        let want = cpu.draft_blocks(&block, &dp).unwrap();
+        let got = gpu.draft_blocks(&block, &dp).unwrap();
+        eprintln!("prompt {i}: drafts CPU {want:?} GPU {got:?}");
+        assert_eq!((want.len(), got.len()), (3, 3));
+        assert!(want.iter().all(|w| draft.contains(w)), "{want:?} from {draft:?}");
+        same += want.iter().zip(&got).filter(|(w, g)| w == g).count();
+        total += want.len();
+    }
+    (same, total)
+}
+
+/// SmolLM2's plans: one layer group, the drafter on the same pages.
+fn smollm2_plan(seq: u64, start: usize, len: usize) -> StepPlan {
+    plan(&table(seq), start, len)
+}
+
+/// Three prompts, each prefilled by the target on both engines, caught up by the drafter, then
+/// chained three drafts further: the GPU drafter drafts what the CPU drafter drafts.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
+    let Pair {
+        tok,
+        draft,
+        mut cpu,
+        mut gpu,
+    } = pair("eagle3");
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| tok.encode(t, true)).collect();
+    let plans = Plans {
+        target: &smollm2_plan,
+        draft: &smollm2_plan,
+    };
+    let (same, total) = eagle3_drafts(&mut cpu, &mut gpu, &draft, &prompts, &plans);
     eprintln!("the GPU drafter drafted the CPU's token {same} times of {total}");
     assert!(8 * same >= 7 * total, "{same} of {total}");
 }
@@ -212,48 +294,12 @@ fn gpu_dflash_drafter_drafts_what_the_cpu_drafter_drafts() {
         mut cpu,
         mut gpu,
     } = pair("dflash");
-
-    let (mut same, mut total) = (0, 0);
-    for (i, text) in PROMPTS.iter().enumerate() {
-        let seq = i as u64 + 1;
-        let t = table(seq);
-        let prompt = tok.encode(text, true);
-        let p = prompt.len();
-        let batch = [SeqChunk {
-            seq,
-            start_pos: 0,
-            tokens: &prompt,
-            logits: 1,
-        }];
-        let pl = plan(&t, 0, p);
-        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
-        gpu.forward(&batch, &pl).unwrap();
-        let mut after: Vec<u32> = prompt[1..].to_vec();
-        after.push(next);
-        let rows = [CatchUp {
-            seq,
-            start_pos: 0,
-            next: &after,
-            row: 0,
-            draft: true,
-        }];
-        assert!(cpu.draft_catch_up(&rows, &pl).unwrap().is_empty());
-        assert!(gpu.draft_catch_up(&rows, &pl).unwrap().is_empty());
-        let block = [BlockRow {
-            seq,
-            pos: p,
-            token: next,
-            drafts: 3,
-        }];
-        let pl = plan(&t, p, 4);
-        let want = cpu.draft_blocks(&block, &pl).unwrap();
-        let got = gpu.draft_blocks(&block, &pl).unwrap();
-        eprintln!("prompt {i}: drafts CPU {want:?} GPU {got:?}");
-        assert_eq!((want.len(), got.len()), (3, 3));
-        assert!(want.iter().all(|w| draft.contains(w)), "{want:?} from {draft:?}");
-        same += want.iter().zip(&got).filter(|(w, g)| w == g).count();
-        total += want.len();
-    }
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| tok.encode(t, true)).collect();
+    let plans = Plans {
+        target: &smollm2_plan,
+        draft: &smollm2_plan,
+    };
+    let (same, total) = dflash_drafts(&mut cpu, &mut gpu, &draft, &prompts, &plans);
     eprintln!("the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
     assert!(8 * same >= 7 * total, "{same} of {total}");
 }
@@ -362,56 +408,15 @@ fn gpu_eagle3_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_d
         full,
         groups,
     } = gemma_pair("eagle3");
-    let (mut same, mut total) = (0, 0);
-    for (i, prompt) in gemma_prompts().iter().enumerate() {
-        let seq = i as u64 + 1;
-        let t = tables(seq, groups);
-        let ft = &t[full..full + 1];
-        let p = prompt.len();
-        let batch = [SeqChunk {
-            seq,
-            start_pos: 0,
-            tokens: prompt,
-            logits: 1,
-        }];
-        let pl = plan_groups(&t, 0, p);
-        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
-        let gpu_next = argmax(&gpu.forward(&batch, &pl).unwrap());
-        eprintln!("prompt {i}: {p} tokens, target's next token CPU {next} GPU {gpu_next}");
-        let mut after: Vec<u32> = prompt[1..].to_vec();
-        after.push(next);
-        let rows = [CatchUp {
-            seq,
-            start_pos: 0,
-            next: &after,
-            row: 0,
-            draft: true,
-        }];
-        let dp = plan_groups(ft, 0, p);
-        let want = cpu.draft_catch_up(&rows, &dp).unwrap();
-        let got = gpu.draft_catch_up(&rows, &dp).unwrap();
-        assert_eq!((want.len(), got.len()), (1, 1));
-        let mut drafts = vec![(want[0], got[0])];
-        let mut token = want[0];
-        for j in 0..3 {
-            let pos = p + j;
-            let row = [ChainRow { seq, pos, token }];
-            let dp = plan_groups(ft, pos, 1);
-            let want = cpu.draft_chain(&row, &dp).unwrap();
-            let got = gpu.draft_chain(&row, &dp).unwrap();
-            drafts.push((want[0], got[0]));
-            token = want[0];
-        }
-        eprintln!("prompt {i}: drafts (CPU, GPU) {drafts:?}");
-        assert!(
-            drafts.iter().all(|(w, _)| draft.contains(w)),
-            "drafts come from the draft vocabulary {draft:?}: {drafts:?}"
-        );
-        same += drafts.iter().filter(|(w, g)| w == g).count();
-        total += drafts.len();
-        cpu.forget_draft(seq);
-        gpu.forget_draft(seq);
-    }
+    let target = move |seq: u64, start: usize, len: usize| plan_groups(&tables(seq, groups), start, len);
+    let drafter = move |seq: u64, start: usize, len: usize| {
+        plan_groups(&tables(seq, groups)[full..full + 1], start, len)
+    };
+    let plans = Plans {
+        target: &target,
+        draft: &drafter,
+    };
+    let (same, total) = eagle3_drafts(&mut cpu, &mut gpu, &draft, &gemma_prompts(), &plans);
     eprintln!("beside Gemma 3, the GPU EAGLE-3 drafter drafted the CPU's token {same} times of {total}");
     assert!(8 * same >= 7 * total, "{same} of {total}");
 }
@@ -428,48 +433,15 @@ fn gpu_dflash_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_d
         full,
         groups,
     } = gemma_pair("dflash");
-    let (mut same, mut total) = (0, 0);
-    for (i, prompt) in gemma_prompts().iter().enumerate() {
-        let seq = i as u64 + 1;
-        let t = tables(seq, groups);
-        let ft = &t[full..full + 1];
-        let p = prompt.len();
-        let batch = [SeqChunk {
-            seq,
-            start_pos: 0,
-            tokens: prompt,
-            logits: 1,
-        }];
-        let pl = plan_groups(&t, 0, p);
-        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
-        gpu.forward(&batch, &pl).unwrap();
-        let mut after: Vec<u32> = prompt[1..].to_vec();
-        after.push(next);
-        let rows = [CatchUp {
-            seq,
-            start_pos: 0,
-            next: &after,
-            row: 0,
-            draft: true,
-        }];
-        let dp = plan_groups(ft, 0, p);
-        assert!(cpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
-        assert!(gpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
-        let block = [BlockRow {
-            seq,
-            pos: p,
-            token: next,
-            drafts: 3,
-        }];
-        let dp = plan_groups(ft, p, 4);
-        let want = cpu.draft_blocks(&block, &dp).unwrap();
-        let got = gpu.draft_blocks(&block, &dp).unwrap();
-        eprintln!("prompt {i}: drafts CPU {want:?} GPU {got:?}");
-        assert_eq!((want.len(), got.len()), (3, 3));
-        assert!(want.iter().all(|w| draft.contains(w)), "{want:?} from {draft:?}");
-        same += want.iter().zip(&got).filter(|(w, g)| w == g).count();
-        total += want.len();
-    }
+    let target = move |seq: u64, start: usize, len: usize| plan_groups(&tables(seq, groups), start, len);
+    let drafter = move |seq: u64, start: usize, len: usize| {
+        plan_groups(&tables(seq, groups)[full..full + 1], start, len)
+    };
+    let plans = Plans {
+        target: &target,
+        draft: &drafter,
+    };
+    let (same, total) = dflash_drafts(&mut cpu, &mut gpu, &draft, &gemma_prompts(), &plans);
     eprintln!("beside Gemma 3, the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
     assert!(8 * same >= 7 * total, "{same} of {total}");
 }
