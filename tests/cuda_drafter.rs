@@ -256,6 +256,28 @@ fn dflash_drafts(
     (same, total)
 }
 
+/// [`eagle3_drafts`] or [`dflash_drafts`].
+type Drafts = fn(&mut CpuForward, &mut GpuLlama, &[u32], &[Vec<u32>], &Plans) -> (usize, usize);
+
+/// SmolLM2 with a drafter of `kind` on both engines: `run`'s drafts of the three prompts, 7 in 8
+/// of them equal.
+fn on_smollm2(kind: &str, run: Drafts) {
+    let Pair {
+        tok,
+        draft,
+        mut cpu,
+        mut gpu,
+    } = pair(kind);
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| tok.encode(t, true)).collect();
+    let plans = Plans {
+        target: &smollm2_plan,
+        draft: &smollm2_plan,
+    };
+    let (same, total) = run(&mut cpu, &mut gpu, &draft, &prompts, &plans);
+    eprintln!("the GPU {kind} drafter drafted the CPU's token {same} times of {total}");
+    assert!(8 * same >= 7 * total, "{same} of {total}");
+}
+
 /// SmolLM2's plans: one layer group, the drafter on the same pages.
 fn smollm2_plan(seq: u64, start: usize, len: usize) -> StepPlan {
     plan(&table(seq), start, len)
@@ -266,20 +288,7 @@ fn smollm2_plan(seq: u64, start: usize, len: usize) -> StepPlan {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
-    let Pair {
-        tok,
-        draft,
-        mut cpu,
-        mut gpu,
-    } = pair("eagle3");
-    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| tok.encode(t, true)).collect();
-    let plans = Plans {
-        target: &smollm2_plan,
-        draft: &smollm2_plan,
-    };
-    let (same, total) = eagle3_drafts(&mut cpu, &mut gpu, &draft, &prompts, &plans);
-    eprintln!("the GPU drafter drafted the CPU's token {same} times of {total}");
-    assert!(8 * same >= 7 * total, "{same} of {total}");
+    on_smollm2("eagle3", eagle3_drafts);
 }
 
 /// A DFlash drafter (2 layers, non-causal blocks) on both engines: three prompts prefilled by the
@@ -288,20 +297,7 @@ fn gpu_eagle3_drafter_drafts_what_the_cpu_drafter_drafts() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_dflash_drafter_drafts_what_the_cpu_drafter_drafts() {
-    let Pair {
-        tok,
-        draft,
-        mut cpu,
-        mut gpu,
-    } = pair("dflash");
-    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|t| tok.encode(t, true)).collect();
-    let plans = Plans {
-        target: &smollm2_plan,
-        draft: &smollm2_plan,
-    };
-    let (same, total) = dflash_drafts(&mut cpu, &mut gpu, &draft, &prompts, &plans);
-    eprintln!("the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
-    assert!(8 * same >= 7 * total, "{same} of {total}");
+    on_smollm2("dflash", dflash_drafts);
 }
 
 // === Beside a model with sliding-window layers ===
@@ -388,6 +384,30 @@ fn tables(seq: u64, groups: usize) -> Vec<BlockTable> {
     (0..groups).map(|_| table(seq).remove(0)).collect()
 }
 
+/// The random Gemma 3 with a drafter of `kind` on both engines: `run`'s drafts of the prompts,
+/// the target planned over every group's pages, the drafter over the full group's alone; 7 in 8
+/// of them equal.
+fn beside_gemma(kind: &str, run: Drafts) {
+    let GemmaPair {
+        draft,
+        mut cpu,
+        mut gpu,
+        full,
+        groups,
+    } = gemma_pair(kind);
+    let target = move |seq: u64, start: usize, len: usize| plan_groups(&tables(seq, groups), start, len);
+    let drafter = move |seq: u64, start: usize, len: usize| {
+        plan_groups(&tables(seq, groups)[full..full + 1], start, len)
+    };
+    let plans = Plans {
+        target: &target,
+        draft: &drafter,
+    };
+    let (same, total) = run(&mut cpu, &mut gpu, &draft, &gemma_prompts(), &plans);
+    eprintln!("beside Gemma 3, the GPU {kind} drafter drafted the CPU's token {same} times of {total}");
+    assert!(8 * same >= 7 * total, "{same} of {total}");
+}
+
 /// A plan over `tables` (every group) for positions `start..start + len`.
 fn plan_groups(tables: &[BlockTable], start: usize, len: usize) -> StepPlan {
     let mut p = StepPlan::default();
@@ -401,24 +421,7 @@ fn plan_groups(tables: &[BlockTable], start: usize, len: usize) -> StepPlan {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_eagle3_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_drafts() {
-    let GemmaPair {
-        draft,
-        mut cpu,
-        mut gpu,
-        full,
-        groups,
-    } = gemma_pair("eagle3");
-    let target = move |seq: u64, start: usize, len: usize| plan_groups(&tables(seq, groups), start, len);
-    let drafter = move |seq: u64, start: usize, len: usize| {
-        plan_groups(&tables(seq, groups)[full..full + 1], start, len)
-    };
-    let plans = Plans {
-        target: &target,
-        draft: &drafter,
-    };
-    let (same, total) = eagle3_drafts(&mut cpu, &mut gpu, &draft, &gemma_prompts(), &plans);
-    eprintln!("beside Gemma 3, the GPU EAGLE-3 drafter drafted the CPU's token {same} times of {total}");
-    assert!(8 * same >= 7 * total, "{same} of {total}");
+    beside_gemma("eagle3", eagle3_drafts);
 }
 
 /// DFlash beside the random Gemma 3: context K/V of each prompt written on the full group's
@@ -426,22 +429,5 @@ fn gpu_eagle3_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_d
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn gpu_dflash_drafter_beside_sliding_window_layers_drafts_what_the_cpu_drafter_drafts() {
-    let GemmaPair {
-        draft,
-        mut cpu,
-        mut gpu,
-        full,
-        groups,
-    } = gemma_pair("dflash");
-    let target = move |seq: u64, start: usize, len: usize| plan_groups(&tables(seq, groups), start, len);
-    let drafter = move |seq: u64, start: usize, len: usize| {
-        plan_groups(&tables(seq, groups)[full..full + 1], start, len)
-    };
-    let plans = Plans {
-        target: &target,
-        draft: &drafter,
-    };
-    let (same, total) = dflash_drafts(&mut cpu, &mut gpu, &draft, &gemma_prompts(), &plans);
-    eprintln!("beside Gemma 3, the GPU DFlash drafter drafted the CPU's token {same} times of {total}");
-    assert!(8 * same >= 7 * total, "{same} of {total}");
+    beside_gemma("dflash", dflash_drafts);
 }
