@@ -343,6 +343,7 @@ pub fn load_drafter(
             drafter.max_drafts()
         )));
     }
+    check_declared(spec, &drafter, target).map_err(err)?;
     tracing::info!(
         dir = %dir.display(),
         method,
@@ -350,6 +351,33 @@ pub fn load_drafter(
         "speculative drafter loaded"
     );
     Ok(Some(drafter))
+}
+
+/// The drafter's shape against `draftModel.geometry`, which the capacity plan (admission,
+/// status) counted: a drafter of another shape would make that prediction wrong, so the start
+/// stops naming the fields.
+fn check_declared(
+    spec: &kvfleet_engine::engine::speculative::SpecConfig,
+    drafter: &kvfleet_engine::model::drafter::Drafter,
+    target: &LlamaConfig,
+) -> Result<(), String> {
+    let Some(g) = &spec.declared else {
+        return Ok(());
+    };
+    let loaded = drafter.shape();
+    let Some(want) =
+        kvfleet_core::plan::DraftShape::declared(loaded.kind, g, target.d_model as u64, target.vocab as u64)
+    else {
+        return Err("spec.engine.speculative.draftModel.geometry has a field that is not positive (or a DFlash geometry without featureLayers); fix it from the drafter's config.json".into());
+    };
+    let diff = want.differences(&loaded);
+    if diff.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "spec.engine.speculative.draftModel.geometry does not match the drafter that was loaded: {}; fix draftModel.geometry from the drafter's config.json (the capacity predicted at admission counted the declared one)",
+        diff.join(", ")
+    ))
 }
 
 /// Loads the drafter `spec` names and attaches it to `forward`, unless one is attached already
@@ -560,5 +588,54 @@ pub fn loaded(model: Arc<Llama>, tokenizer: Tokenizer, name: &str) -> LoadedMode
         tokenizer,
         name: name.to_string(),
         path: PathBuf::from(name),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvfleet_core::api::DraftGeometry;
+    use kvfleet_engine::engine::speculative::{SpecConfig, SpecMethod};
+
+    use super::*;
+
+    /// The tiny EAGLE-3 fixture (hidden 8, 2 query heads over 1 KV head of 4, MLP 16, 6 draft
+    /// tokens, its own embeddings) beside the tiny Llama it was made for: loaded as declared, or
+    /// refused at start naming each field that differs.
+    #[test]
+    fn a_drafter_unlike_its_declared_geometry_stops_the_start_naming_the_fields() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/eagle3/tiny");
+        let target = LlamaConfig::llama(4, 8, 16, 2, 1, 16);
+        let geometry = |head_dim: i32, own_embeddings: bool| DraftGeometry {
+            layers: 1,
+            hidden_size: 8,
+            query_heads: 2,
+            kv_heads: 1,
+            head_dim,
+            intermediate_size: 16,
+            vocab_size: Some(6),
+            feature_layers: None,
+            own_embeddings,
+        };
+        let spec = |declared: Option<DraftGeometry>| SpecConfig {
+            method: SpecMethod::Eagle3,
+            model: Some(dir.to_string_lossy().into_owned()),
+            declared,
+            ..SpecConfig::ngram(3)
+        };
+        assert!(load_drafter(&spec(None), &target).unwrap().is_some());
+        assert!(load_drafter(&spec(Some(geometry(4, true))), &target)
+            .unwrap()
+            .is_some());
+        let e = load_drafter(&spec(Some(geometry(8, false))), &target)
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "draftModel.geometry does not match the drafter that was loaded",
+            "headDim 8 (the drafter has 4)",
+            "ownEmbeddings false (the drafter has its own embed_tokens)",
+        ] {
+            assert!(e.contains(part), "{part:?} not in {e}");
+        }
+        assert!(!e.contains("hiddenSize"), "{e}");
     }
 }

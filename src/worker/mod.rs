@@ -326,6 +326,7 @@ fn speculative(args: &WorkerArgs, cfg: &WorkerConfig) -> Result<Option<SpecConfi
         prompt_lookup_min: ngram.then(|| n(s.prompt_lookup_min())),
         disable_by_batch_size: Some(n(s.disable_by_batch_size())),
         model: model.filter(|_| !ngram),
+        declared: s.draft_model.as_ref().and_then(|d| d.geometry.clone()),
     };
     c.check()
         .map_err(|e| format!("engine.speculative: {e}"))

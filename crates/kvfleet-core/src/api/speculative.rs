@@ -159,7 +159,7 @@ pub struct DraftModel {
 }
 
 /// A drafter's shape in its `config.json` terms (the keys each field names).
-#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DraftGeometry {
     /// Decoder layers (`num_hidden_layers`; an EAGLE-3 drafter has 1).

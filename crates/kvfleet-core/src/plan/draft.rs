@@ -11,6 +11,7 @@ use serde::Serialize;
 use super::engine_memory::kv_replication;
 use super::geometry::{Geometry, LayerGeometry, LayerKind};
 use super::PlanError;
+use crate::api::DraftGeometry;
 
 /// Which drafter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -45,6 +46,73 @@ pub struct DraftShape {
 }
 
 impl DraftShape {
+    /// The drafter a deployment declares (`draftModel.geometry`, the drafter's config.json) beside
+    /// a model of hidden size `target_hidden` and vocabulary `target_vocab`. `None` when a field
+    /// is not positive, or a DFlash geometry lacks `featureLayers` (admission denies both).
+    pub fn declared(
+        kind: DraftKind,
+        g: &DraftGeometry,
+        target_hidden: u64,
+        target_vocab: u64,
+    ) -> Option<DraftShape> {
+        let u = |v: i32| u64::try_from(v).ok().filter(|v| *v > 0);
+        let vocab = g.vocab_size.and_then(u);
+        Some(DraftShape {
+            kind,
+            layers: u(g.layers)?,
+            d_model: u(g.hidden_size)?,
+            n_heads: u(g.query_heads)?,
+            n_kv_heads: u(g.kv_heads)?,
+            head_dim: u(g.head_dim)?,
+            d_ff: u(g.intermediate_size)?,
+            target_hidden,
+            feature_layers: match (kind, g.feature_layers) {
+                (_, Some(n)) => u(n)?,
+                (DraftKind::Eagle3, None) => 3,
+                (DraftKind::Dflash, None) => return None,
+            },
+            // EAGLE-3 always drafts with a head of its own (its draft vocabulary, else the
+            // model's); DFlash has one only when the checkpoint holds it.
+            lm_head_rows: match kind {
+                DraftKind::Eagle3 => vocab.unwrap_or(target_vocab),
+                DraftKind::Dflash => vocab.unwrap_or(0),
+            },
+            embed_rows: if g.own_embeddings { target_vocab } else { 0 },
+        })
+    }
+
+    /// Where `loaded` (a checkpoint's shape) differs from this declared one, in
+    /// `draftModel.geometry`'s field names: `headDim 64 (the drafter has 128)`.
+    pub fn differences(&self, loaded: &DraftShape) -> Vec<String> {
+        let fields = [
+            ("layers", self.layers, loaded.layers),
+            ("hiddenSize", self.d_model, loaded.d_model),
+            ("queryHeads", self.n_heads, loaded.n_heads),
+            ("kvHeads", self.n_kv_heads, loaded.n_kv_heads),
+            ("headDim", self.head_dim, loaded.head_dim),
+            ("intermediateSize", self.d_ff, loaded.d_ff),
+            ("vocabSize", self.lm_head_rows, loaded.lm_head_rows),
+            ("featureLayers", self.feature_layers, loaded.feature_layers),
+        ];
+        let mut out: Vec<String> = fields
+            .iter()
+            .filter(|(_, a, b)| a != b)
+            .map(|(n, a, b)| format!("{n} {a} (the drafter has {b})"))
+            .collect();
+        if (self.embed_rows > 0) != (loaded.embed_rows > 0) {
+            out.push(format!(
+                "ownEmbeddings {} (the drafter {} embed_tokens)",
+                self.embed_rows > 0,
+                if loaded.embed_rows > 0 {
+                    "has its own"
+                } else {
+                    "has no"
+                }
+            ));
+        }
+        out
+    }
+
     /// Parameters of its matrices.
     pub fn weight_params(&self) -> u64 {
         let (d, dt, hd) = (self.d_model, self.target_hidden, self.head_dim);

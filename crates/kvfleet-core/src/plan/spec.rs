@@ -399,30 +399,7 @@ fn draft_shape(spec: &InferenceDeploymentSpec, model: &EngineShape) -> Option<Dr
         SpeculativeMethod::Ngram => return None,
     };
     let g = s.draft_model.as_ref()?.geometry.as_ref()?;
-    let u = |v: i32| u64::try_from(v).ok().filter(|v| *v > 0);
-    let vocab = g.vocab_size.and_then(u);
-    Some(DraftShape {
-        kind,
-        layers: u(g.layers)?,
-        d_model: u(g.hidden_size)?,
-        n_heads: u(g.query_heads)?,
-        n_kv_heads: u(g.kv_heads)?,
-        head_dim: u(g.head_dim)?,
-        d_ff: u(g.intermediate_size)?,
-        target_hidden: model.d_model,
-        feature_layers: match (kind, g.feature_layers) {
-            (_, Some(n)) => u(n)?,
-            (DraftKind::Eagle3, None) => 3,
-            (DraftKind::Dflash, None) => return None,
-        },
-        // EAGLE-3 always drafts with a head of its own (its draft vocabulary, else the
-        // model's); DFlash has one only when the checkpoint holds it.
-        lm_head_rows: match kind {
-            DraftKind::Eagle3 => vocab.unwrap_or(model.vocab),
-            DraftKind::Dflash => vocab.unwrap_or(0),
-        },
-        embed_rows: if g.own_embeddings { model.vocab } else { 0 },
-    })
+    DraftShape::declared(kind, g, model.d_model, model.vocab)
 }
 
 /// The largest stage of `geometry` split into `stages` pipeline stages: the first

@@ -67,6 +67,10 @@ pub struct SpecConfig {
     /// A drafter checkpoint (eagle3, dflash).
     #[serde(default)]
     pub model: Option<String>,
+    /// The drafter's shape the deployment declared (`draftModel.geometry`), which the capacity
+    /// plan counted: the loaded drafter must have it. Not a vLLM key.
+    #[serde(skip)]
+    pub declared: Option<kvfleet_core::api::DraftGeometry>,
 }
 
 impl SpecConfig {
@@ -79,6 +83,7 @@ impl SpecConfig {
             prompt_lookup_min: None,
             disable_by_batch_size: None,
             model: None,
+            declared: None,
         }
     }
 
