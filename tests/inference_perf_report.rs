@@ -21,6 +21,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
@@ -36,6 +38,9 @@ use worker_support::Spawned;
 /// inference-perf's PROMETHEUS_SCRAPE_BUFFER_SEC (prometheus_client/base.py).
 const SCRAPE_BUFFER_S: f64 = 2.0;
 const SCRAPE_INTERVAL_S: f64 = 1.0;
+/// The longest the stage goes on waiting for a scrape to see requests running; the report's
+/// assertions then say what it did not see.
+const STAGE_LIMIT: Duration = Duration::from_secs(120);
 
 /// Series inference-perf's vLLM client asks for that the worker does not export, with why.
 /// inference-perf reads an absent series as 0 (`execute_query`), as it does against a vLLM
@@ -192,9 +197,10 @@ fn the_fixture_holds_inference_perfs_four_report_metrics_and_their_query_shapes(
     }
 }
 
-/// Starts the worker and a Prometheus scraping it every second, streams one completion from each
-/// of 4 concurrent clients as inference-perf's stage would, then evaluates every query of
-/// inference-perf's report at the stage's evaluation time over its window.
+/// Starts the worker and a Prometheus scraping it every second, streams completions from 4
+/// concurrent clients as inference-perf's stage would until a scrape has seen them running,
+/// then evaluates every query of inference-perf's report at the stage's evaluation time over
+/// its window.
 #[test]
 fn inference_perfs_server_side_report_reads_rate_ttft_itl_and_kv_usage_from_prometheus() {
     let metrics = report_metrics();
@@ -227,9 +233,12 @@ fn inference_perfs_server_side_report_reads_rate_ttft_itl_and_kv_usage_from_prom
         Ok(())
     });
 
-    // The stage: 4 concurrent clients, one streamed completion each, ignore_eos as inference-perf
-    // sends by default so every request decodes its max_tokens. Short, because a debug build on a
-    // loaded 2-core machine decoded 4 streams at one token per 8 s.
+    // The stage: 4 concurrent clients streaming completions, ignore_eos as inference-perf sends by
+    // default so every request decodes its max_tokens. A stage in a real run lasts long enough for
+    // many scrapes; here each client goes on sending until Prometheus has sampled the worker with
+    // requests running and KV in use (at least one request each, at most STAGE_LIMIT). A fixed
+    // number of requests made this depend on the machine's speed: on CI (stop 44) four requests
+    // finished within one scrape interval and no sample saw them running.
     let start = now();
     // Prometheus's rate() and increase() see only what changed between two samples inside the
     // window, so a sample taken before the first request must fall in it: with the window starting
@@ -237,23 +246,43 @@ fn inference_perfs_server_side_report_reads_rate_ttft_itl_and_kv_usage_from_prom
     // run). Without this, a prefill finished before the window's first sample counted as no
     // prompt tokens and no TTFT at all (CI, stop 40).
     std::thread::sleep(Duration::from_secs_f64(2.0 * SCRAPE_INTERVAL_S));
+    let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..4)
         .map(|c| {
             let model = model.clone();
+            let stop = Arc::clone(&stop);
             std::thread::spawn(move || {
-                (0..1)
-                    .map(|r| {
-                        let body = serde_json::json!({
-                            "model": model, "prompt": format!("Client {c}, request {r}: tell a story about"),
-                            "max_tokens": 12, "stream": true, "ignore_eos": true, "temperature": 0,
-                        })
-                        .to_string();
-                        http(port, "POST", "/v1/completions", Some(&body))
+                let mut answers = Vec::new();
+                for r in 0.. {
+                    let body = serde_json::json!({
+                        "model": model, "prompt": format!("Client {c}, request {r}: tell a story about"),
+                        "max_tokens": 12, "stream": true, "ignore_eos": true, "temperature": 0,
                     })
-                    .collect::<Vec<_>>()
+                    .to_string();
+                    answers.push(http(port, "POST", "/v1/completions", Some(&body)));
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                answers
             })
         })
         .collect();
+    let seen = |expr: &str| -> bool {
+        let expr = expr.replace("${model}", &model);
+        prom_query(prom_port, &expr)
+            .map(|r| !r.is_empty())
+            .unwrap_or(false)
+    };
+    let stage_end = now() + STAGE_LIMIT.as_secs_f64();
+    while now() < stage_end
+        && !(seen("max_over_time(vllm:num_requests_running{model_name='${model}'}[5m]) > 0")
+            && seen("max_over_time(vllm:kv_cache_usage_perc{model_name='${model}'}[5m]) > 0"))
+    {
+        check_alive(&mut prom).expect("prometheus");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    stop.store(true, Ordering::Relaxed);
     let mut sent = 0;
     for c in clients {
         for r in c.join().expect("client thread") {
