@@ -18,14 +18,20 @@
 //   (Ada, cuBLAS before 12.9) and runs with unit scales into f32: `y = d * sx[row] * sw[col]`,
 //   stored or added to the residual stream.
 // - `kvf_silu_quantize_fp8` / `kvf_gelu_tanh_quantize_fp8`, `kvf_rms_norm_fp8`,
-//   `kvf_qkv_post(_wide)_fp8`: the GEMMs' neighbours with that epilogue and the input
-//   quantization folded in (the section at the end of this file).
+//   `kvf_add_rms_norm_fp8`, `kvf_qkv_post(_wide)_fp8`: the GEMMs' neighbours with that epilogue
+//   and the input quantization folded in (the section at the end of this file).
 
 #include <cuda_fp8.h>
 
 namespace {
 
 constexpr float FP8_E4M3_MAX = 448.f;
+
+// The unit-scale epilogue's residual add, x + d * sx * sw: one function for kvf_fp8_scale and
+// kvf_add_rms_norm_fp8, so both round (and contract into an FMA) alike.
+__device__ __forceinline__ float scale_add(float x, float d, float sx, float sw) {
+    return x + d * sx * sw;
+}
 
 __device__ float block_max(float v) {
     __shared__ float part[32];
@@ -423,8 +429,7 @@ extern "C" __global__ void kvf_fp8_scale(const float* d, int t, int n, const flo
     float* out = y + r * n;
     const float s = sx[r];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < n; c += gridDim.x * blockDim.x) {
-        const float v = src[c] * s * sw[c];
-        out[c] = add ? out[c] + v : v;
+        out[c] = add ? scale_add(out[c], src[c], s, sw[c]) : src[c] * s * sw[c];
     }
 }
 
@@ -553,6 +558,49 @@ extern "C" __global__ void kvf_rms_norm_fp8(const float* __restrict__ x, const f
     if (threadIdx.x == 0) scale[r] = s;
 }
 
+// The residual add of an O or down projection's unit-scale FP8 GEMM and the RMSNorm after it, in
+// one pass over the row: x[r, :] += d[r, :] * scale[r] * sw[:] (kvf_fp8_scale's add), then q[r, :]
+// and scale[r] = what kvf_rms_norm_fp8 makes of the new x[r, :]. Bit-equal to those two kernels,
+// with one read of the residual fewer and one launch fewer a projection. scale holds the GEMM's
+// token scales on entry and the norm's on exit (the GEMM's input and the next GEMM's share the
+// buffer). d f32 [T, dm]; x f32 [T, dm]; q dense [T, dm]. Grid (T), block a multiple of 32,
+// dynamic shared 2 dm bytes.
+extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, const float* __restrict__ sw,
+                                                float* __restrict__ x, const float* __restrict__ w, int d,
+                                                float eps, unsigned char* __restrict__ q, float* scale) {
+    extern __shared__ __align__(16) unsigned char norm_smem[];
+    kvf_wait_prior_grid();
+    bf16* h = reinterpret_cast<bf16*>(norm_smem);
+    const size_t r = blockIdx.x;
+    // Read before block_sum's barriers; the row's new scale is written over it at the end.
+    const float s = scale[r];
+    float* xr = x + r * d;
+    const float* dr = dd + r * d;
+    if (d <= RMS_REGS * (int)blockDim.x) {
+        // rms_row's register path loads each element once: the sum is stored as it is read.
+        rms_row_from(
+            [=](int i) {
+                const float v = scale_add(xr[i], dr[i], s, sw[i]);
+                xr[i] = v;
+                return v;
+            },
+            w, d, eps, h);
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = scale_add(xr[i], dr[i], s, sw[i]);
+        // rms_row reads in this loop's element order: each thread reads back only its own writes.
+        rms_row(xr, w, d, eps, h);
+    }
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(h[i])));
+    amax = block_max(amax);
+    const float qs = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    const float inv = 1.f / qs;
+    unsigned char* out = q + r * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        out[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(h[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (threadIdx.x == 0) scale[r] = qs;
+}
 // kvf_qkv_post(_wide) over the unit-scale FP8 GEMM's Q/K/V rows: each value times sx[t] *
 // sw[col] as it is read (sx the token scales [T], sw the weight's row scales [qw + 2 kw]).
 extern "C" __global__ void kvf_qkv_post_fp8(KVF_QKV_POST_PARAMS, const float* __restrict__ sx,

@@ -64,15 +64,19 @@ __device__ float block_sum(float v) {
 // greedy tokens are checked against the CPU's, and a different order of the same sum moved a
 // near tie (tests/cuda_model.rs, bench/RESULTS.md).
 #define RMS_REGS 16
-__device__ void rms_row(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
-                        bf16* __restrict__ out) {
+// rms_row over values the block reads through `load(i)` (x[i], or a value computed and stored on
+// the way: kvf_add_rms_norm_fp8's residual add), called once an element in the register path
+// (the row fits RMS_REGS values a thread), twice in the other.
+template <typename Load>
+__device__ __forceinline__ void rms_row_from(Load load, const float* __restrict__ w, int d, float eps,
+                                             bf16* __restrict__ out) {
     if (d <= RMS_REGS * (int)blockDim.x) {
         float r[RMS_REGS];
         float ss = 0.f;
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = threadIdx.x + j * blockDim.x;
-            r[j] = i < d ? x[i] : 0.f;
+            r[j] = i < d ? load(i) : 0.f;
         }
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
@@ -89,12 +93,17 @@ __device__ void rms_row(const float* __restrict__ x, const float* __restrict__ w
     }
     float ss = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float v = x[i];
+        const float v = load(i);
         ss += v * v;
     }
     ss = block_sum(ss);
     const float inv = 1.f / sqrtf(ss / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = __float2bfloat16(x[i] * inv * w[i]);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = __float2bfloat16(load(i) * inv * w[i]);
+}
+
+__device__ void rms_row(const float* __restrict__ x, const float* __restrict__ w, int d, float eps,
+                        bf16* __restrict__ out) {
+    rms_row_from([x](int i) { return x[i]; }, w, d, eps, out);
 }
 
 __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {

@@ -158,6 +158,50 @@ impl Blas {
         f.scale(st, Some(&s.d), t, n, &s.sx, scale, true, y)
     }
 
+    /// [`Blas::project_in`] adding to `y` (the residual stream), except where cuBLASLt runs
+    /// with unit scales: there the unscaled product is left in `s.d` and the weight's row scales
+    /// are returned, for the consumer to add (`Fp8Kernels::add_rms_norm_quantize`, or
+    /// [`Blas::finish_add`]). `None`: `y` holds the sum.
+    pub fn project_add_deferred<'w>(
+        &self,
+        k: &ModelKernels,
+        w: &'w Mat,
+        x: Fp8In<'_>,
+        y: &mut CudaSlice<f32>,
+        (t, n, kk): (usize, usize, usize),
+        s: &mut Fp8Scratch,
+    ) -> Result<Option<&'w CudaSlice<f32>>, GpuError> {
+        let unit = self.lt.as_ref().is_some_and(|lt| !lt.scales_rows());
+        match w {
+            Mat::Fp8 { q, scale } if unit && t > 0 && n > 0 => {
+                if let Fp8In::Bf16(x) = x {
+                    self.fp8_kernels(k)?
+                        .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+                }
+                self.lt()?
+                    .gemm((q, scale), (&s.xq, &s.sx), &mut s.d, (t, n, kk), false)?;
+                Ok(Some(scale))
+            }
+            _ => {
+                self.project_in(k, w, x, y, Gemm::add(t, n, kk), s)?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// The add [`Blas::project_add_deferred`] left: `y += s.d * s.sx[t] * sw[n]`.
+    pub fn finish_add(
+        &self,
+        k: &ModelKernels,
+        sw: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        (t, n): (usize, usize),
+        s: &Fp8Scratch,
+    ) -> Result<(), GpuError> {
+        self.fp8_kernels(k)?
+            .scale(&self.stream, Some(&s.d), t, n, &s.sx, sw, true, y)
+    }
+
     /// An FP8 weight's GEMM stored into `y` (`[t, n]`, f32), its input quantized into `s` first
     /// unless [`Fp8In::Quantized`]. Returns the weight's row scales when `y` is left unscaled
     /// (cuBLASLt without per-row scales): the caller applies `s.sx[t] * sw[n]`; `None` when

@@ -12,7 +12,9 @@
 //!   e4m3 input rows, the Q/K/V split applies the QKV GEMM's scales as it reads, and one kernel
 //!   turns the unscaled gate/up rows into the down projection's e4m3 input (scales, SwiGLU,
 //!   quantization), bit-equal to the separate kernels. At a 2,048-token prefill of Llama-3-8B
-//!   that took the step from 43.7 to 34.9 ms on an H200 (bench/RESULTS.md, 2026-11-28).
+//!   that took the step from 43.7 to 34.9 ms on an H200 (bench/RESULTS.md, 2026-11-28). On the
+//!   unit-scale path the O and down GEMMs' residual add goes into the RMSNorm after them too
+//!   (`kvf_add_rms_norm_fp8`): one read of the residual and one launch fewer a projection.
 //!
 //! The embeddings, the LM head and the norms stay bf16 / f32, as in vLLM's `fp8` method (its
 //! `Fp8Config` quantizes `LinearBase` layers only): the LM head is where an error reaches the
@@ -109,7 +111,7 @@ const FUSED_SMEM_MAX: usize = 96 * 1024;
 /// Which neighbours of the FP8 GEMMs take over the input quantization and the unit-scale
 /// epilogue at steps of more than one token (bench/RESULTS.md, 2026-11-28, measures each).
 /// `KVFLEET_FP8_FUSE`: `all` (the default), `none`, or a comma-separated list of `norm`, `glu`,
-/// `qkv`.
+/// `qkv`, `add`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Fusion {
     /// RMSNorm writes the QKV and gate/up GEMMs' e4m3 rows and scales (`kvf_rms_norm_fp8`).
@@ -119,6 +121,9 @@ pub(crate) struct Fusion {
     pub glu: bool,
     /// The Q/K/V split applies the QKV GEMM's scales as it reads (`kvf_qkv_post(_wide)_fp8`).
     pub qkv: bool,
+    /// The O and down projections' unit-scale residual add is done by the RMSNorm after them
+    /// (`kvf_add_rms_norm_fp8`; with `norm` only, and where no layer's features are kept).
+    pub add: bool,
 }
 
 impl Fusion {
@@ -126,11 +131,13 @@ impl Fusion {
         norm: true,
         glu: true,
         qkv: true,
+        add: true,
     };
     pub const NONE: Fusion = Fusion {
         norm: false,
         glu: false,
         qkv: false,
+        add: false,
     };
 
     /// From `KVFLEET_FP8_FUSE`; an unknown word is ignored with a warning.
@@ -153,7 +160,11 @@ impl Fusion {
                 "norm" => f.norm = true,
                 "glu" => f.glu = true,
                 "qkv" => f.qkv = true,
-                other => tracing::warn!(word = other, "KVFLEET_FP8_FUSE: not norm, glu or qkv; ignored"),
+                "add" => f.add = true,
+                other => tracing::warn!(
+                    word = other,
+                    "KVFLEET_FP8_FUSE: not norm, glu, qkv or add; ignored"
+                ),
             }
         }
         f
@@ -168,6 +179,7 @@ pub(crate) struct Fp8Kernels {
     silu_quantize: CudaFunction,
     gelu_tanh_quantize: CudaFunction,
     norm_quantize: CudaFunction,
+    add_norm_quantize: CudaFunction,
     qkv_post: CudaFunction,
     qkv_post_wide: CudaFunction,
     /// What the model's steps fuse.
@@ -194,6 +206,7 @@ impl Fp8Kernels {
             silu_quantize: wide("kvf_silu_quantize_fp8")?,
             gelu_tanh_quantize: wide("kvf_gelu_tanh_quantize_fp8")?,
             norm_quantize: wide("kvf_rms_norm_fp8")?,
+            add_norm_quantize: wide("kvf_add_rms_norm_fp8")?,
             qkv_post: f("kvf_qkv_post_fp8")?,
             qkv_post_wide: f("kvf_qkv_post_wide_fp8")?,
             fusion,
@@ -303,6 +316,62 @@ impl Fp8Kernels {
         // first (PDL).
         unsafe { l.launch(&self.norm_quantize, rows_cfg(rows, NORM_THREADS, 2 * d), self.pdl) }
             .map_err(drv("launching kvf_rms_norm_fp8"))
+    }
+
+    /// The residual add of a unit-scale FP8 GEMM (`s.d`, `[rows, d]`, unscaled, its token
+    /// scales in `s.sx` and the weight's row scales `sw`) into `x`, then
+    /// [`Fp8Kernels::rms_norm_quantize`] of the new rows: bit-equal to [`Fp8Kernels::scale`]
+    /// adding `s.d` to `x` followed by that norm.
+    #[allow(clippy::too_many_arguments)] // the residual and its shape, the scales, the norm
+    pub(super) fn add_rms_norm_quantize(
+        &self,
+        stream: &CudaStream,
+        sw: &CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        norm: Norm<'_>,
+        s: &mut Fp8Scratch,
+    ) -> Result<(), GpuError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if !Self::fits(d) {
+            return Err(GpuError::Invalid(format!(
+                "a fused FP8 norm of {d} columns (at most {})",
+                FUSED_SMEM_MAX / 2
+            )));
+        }
+        need("FP8 GEMM result", &s.d, rows * d)?;
+        need("FP8 weight scales", sw, d)?;
+        need("norm input", x, rows * d)?;
+        need("norm weight", norm.w, d)?;
+        need("FP8 quantize output", &s.xq, rows * d)?;
+        need("FP8 row scales", &s.sx, rows)?;
+        let mut l = Launch::new(stream);
+        l.ptr(&s.d)
+            .ptr(sw)
+            .ptr_mut(x)
+            .ptr(norm.w)
+            .i32(d as i32)
+            .f32(norm.eps)
+            .ptr_mut(&mut s.xq)
+            .ptr_mut(&mut s.sx);
+        // SAFETY: matches `kvf_add_rms_norm_fp8(const float*, const float*, float*, const
+        // float*, int, float, uchar*, float*)`; block r reads row r of `s.d`, `d` row scales and
+        // `d` norm weights, reads and writes row r of `x`, reads then writes `s.sx[r]` and
+        // writes `d` bytes at `r * d` of `s.xq` (sizes checked above; `s.d`, `x` and `s.xq` are
+        // distinct buffers); NORM_THREADS is a multiple of 32, and its `2 d` bytes of shared
+        // memory are within the limit `load` raised. It waits for the previous kernel first
+        // (PDL).
+        unsafe {
+            l.launch(
+                &self.add_norm_quantize,
+                rows_cfg(rows, NORM_THREADS, 2 * d),
+                self.pdl,
+            )
+        }
+        .map_err(drv("launching kvf_add_rms_norm_fp8"))
     }
 
     /// `q[r] = e4m3(x[r] / s[r])`, `s[r] = amax(x[r]) / 448` for `rows` bf16 rows of `k`
@@ -491,10 +560,11 @@ mod tests {
         assert_eq!(Fusion::parse(""), Fusion::ALL);
         assert_eq!(Fusion::parse("all"), Fusion::ALL);
         assert_eq!(Fusion::parse("none"), Fusion::NONE);
-        let only = |norm, glu, qkv| Fusion { norm, glu, qkv };
-        assert_eq!(Fusion::parse("glu, qkv"), only(false, true, true));
+        let only = |norm, glu, qkv, add| Fusion { norm, glu, qkv, add };
+        assert_eq!(Fusion::parse("glu, qkv"), only(false, true, true, false));
+        assert_eq!(Fusion::parse("norm,add"), only(true, false, false, true));
         // An unknown word is ignored, not taken for `all`.
-        assert_eq!(Fusion::parse("norm,bogus"), only(true, false, false));
+        assert_eq!(Fusion::parse("norm,bogus"), only(true, false, false, false));
     }
 
     /// Positive scales spread over two orders of magnitude, as weight and token scales are.
@@ -627,6 +697,62 @@ mod tests {
             // And that is the host's quantization of the bf16 norm.
             let hq = quantize_rows(&to_f32(&g.download(&h).unwrap()), t, d);
             assert_eq!(q, hq.data, "d {d}: against the host quantizer");
+        }
+    }
+
+    /// The unit-scale GEMM's residual add folded into the next norm writes the residual, the
+    /// bytes and the scales that `kvf_fp8_scale` (adding) then `kvf_rms_norm_fp8` write: rows
+    /// in registers (d 4,096) and not (5,008).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fused_add_norm_quantize_equals_scale_add_then_norm() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let f = k.fp8.as_ref().unwrap();
+        let s = g.stream();
+        for d in [4096, 5008] {
+            let t = 6;
+            let x: Vec<f32> = to_f32(&bf16_rows(t, d, 13)).iter().map(|v| v * 5.0).collect();
+            // An unscaled GEMM result: integers of e4m3 products' size.
+            let prod: Vec<f32> = to_f32(&bf16_rows(t, d, 17)).iter().map(|v| v * 3.0e4).collect();
+            let w: Vec<f32> = (0..d).map(|i| 0.5 + (i % 11) as f32 * 0.1).collect();
+            let (sx, sw) = (scales(t, 3), scales(d, 7));
+            let (dw, dsw) = (g.upload(&w).unwrap(), g.upload(&sw).unwrap());
+            let norm = Norm::new(&dw, 1e-5);
+            let scratch = |xs: &[f32]| {
+                let mut sc = Fp8Scratch::alloc(s, t, d, d).unwrap();
+                sc.d = g.upload(&prod).unwrap();
+                sc.sx = g.upload(xs).unwrap();
+                sc
+            };
+            let mut want_x = g.upload(&x).unwrap();
+            let mut want = scratch(&sx);
+            f.scale(s, Some(&want.d), t, d, &want.sx, &dsw, true, &mut want_x)
+                .unwrap();
+            f.rms_norm_quantize(s, &want_x, t, d, norm, &mut want).unwrap();
+            let mut got_x = g.upload(&x).unwrap();
+            let mut got = scratch(&sx);
+            f.add_rms_norm_quantize(s, &dsw, &mut got_x, t, d, norm, &mut got)
+                .unwrap();
+            let (xg, xw) = (g.download(&got_x).unwrap(), g.download(&want_x).unwrap());
+            let xdiff = xg
+                .iter()
+                .zip(&xw)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(xdiff, 0, "d {d}: {xdiff} of {} residual values differ", xw.len());
+            assert!(
+                xg.iter().zip(&x).any(|(a, b)| a != b),
+                "d {d}: the residual did not change"
+            );
+            assert_eq!(
+                g.download(&got.sx).unwrap(),
+                g.download(&want.sx).unwrap(),
+                "d {d}: scales"
+            );
+            let (q, wq) = (g.download(&got.xq).unwrap(), g.download(&want.xq).unwrap());
+            let diff = q.iter().zip(&wq).filter(|(a, b)| a != b).count();
+            assert_eq!(diff, 0, "d {d}: {diff} of {} bytes differ", q.len());
         }
     }
 

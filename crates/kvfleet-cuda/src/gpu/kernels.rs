@@ -77,7 +77,7 @@ pub const FP8_SOURCE: &str = concat!(
 );
 
 /// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
-pub const FP8_KERNELS: [&str; 11] = [
+pub const FP8_KERNELS: [&str; 12] = [
     "kvf_quantize_rows_fp8",
     "kvf_gemv_fp8",
     "kvf_gemv_fp8_int",
@@ -87,6 +87,7 @@ pub const FP8_KERNELS: [&str; 11] = [
     "kvf_silu_quantize_fp8",
     "kvf_gelu_tanh_quantize_fp8",
     "kvf_rms_norm_fp8",
+    "kvf_add_rms_norm_fp8",
     "kvf_qkv_post_fp8",
     "kvf_qkv_post_wide_fp8",
 ];

@@ -7,7 +7,8 @@
 //!
 //! A step of one token runs each projection as one fused GEMV instead ([`super::gemv`]): the
 //! norm inside the QKV and gate/up launches, SwiGLU inside gate/up, the residual add inside O
-//! and down; four launches a layer fewer.
+//! and down; four launches a layer fewer. With FP8 weights on cuBLASLt's unit-scale path, the
+//! O and down GEMMs' residual add is left to the RMSNorm after them ([`Pending`]).
 
 use kvfleet_engine::engine::Backend;
 
@@ -29,9 +30,10 @@ impl Family for LlamaFamily {
         let (w, dm) = (st.w, st.dm);
         st.k.embed(&w.embed, &st.a.tok, st.t, dm.d, &mut st.a.x)?;
         st.marks.mark(part::EMBED)?;
+        let mut pending = None;
         for (li, l) in w.layers.iter().enumerate() {
             st.keep_features(li)?;
-            qkv(st, l)?;
+            qkv(st, l, pending.take())?;
             st.backend.append_kv(li, &st.a.k, &st.a.v).map_err(backend_err)?;
             st.marks.mark(part::KV_APPEND)?;
             st.backend
@@ -41,17 +43,45 @@ impl Family for LlamaFamily {
             if st.fused {
                 mlp_gemv(st, l)?;
             } else {
-                mlp_gemm(st, l)?;
+                pending = mlp_gemm(st, l)?;
             }
             st.marks.mark(part::DOWN_GEMM)?;
         }
+        finish(st, pending)?;
         st.keep_features(w.layers.len())
     }
 }
 
-/// The normed input through the fused Q/K/V projection, then bias, Q/K norms and RoPE.
-fn qkv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
+/// The residual add an FP8 O or down GEMM left to the norm after it: the weight's row scales,
+/// the unscaled product in `a.fp8.d` (cuBLASLt with unit scales; [`Blas::project_add_deferred`]).
+///
+/// [`Blas::project_add_deferred`]: super::blas::Blas::project_add_deferred
+type Pending<'w> = Option<&'w CudaSlice<f32>>;
+
+/// Whether this step's FP8 O and down GEMMs leave their residual add to the next norm: both
+/// fusions on, and no layer's residual stream kept for a drafter (it must be complete then).
+fn defers_add(st: &Step<'_>) -> bool {
+    st.k.fp8.as_ref().is_some_and(|f| f.fusion.add && f.fusion.norm) && !st.keeps_features()
+}
+
+/// Does the add `pending` left, where no fused norm takes it.
+fn finish(st: &mut Step<'_>, pending: Pending<'_>) -> Result<(), GpuError> {
+    match pending {
+        Some(sw) => st
+            .blas
+            .finish_add(st.k, sw, &mut st.a.x, (st.t, st.dm.d), &st.a.fp8),
+        None => Ok(()),
+    }
+}
+
+/// The normed input through the fused Q/K/V projection, then bias, Q/K norms and RoPE;
+/// `pending`: the previous layer's down projection left its residual add to this norm.
+fn qkv(st: &mut Step<'_>, l: &LayerW, pending: Pending<'_>) -> Result<(), GpuError> {
     let (c, dm, k, t) = (st.c, st.dm, st.k, st.t);
+    let fused_norm = fp8_fusion(k, &l.wqkv).is_some_and(|(_, fz)| fz.norm) && !st.fused;
+    if !fused_norm {
+        finish(st, pending)?;
+    }
     let a = &mut *st.a;
     let norm = Norm::new(&l.attn_norm, c.rms_eps);
     // The QKV GEMM's weight scales, when the split applies them (FP8, unit-scale GEMM).
@@ -61,7 +91,8 @@ fn qkv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
         k.gemv
             .run(&l.wqkv, dm.qkv(), dm.d, input, Output::Store(&mut a.qkv))?;
     } else if let Some((f8, fz)) = fp8_fusion(k, &l.wqkv) {
-        let input = norm_fp8(f8, fz, k, &a.x, t, dm.d, norm, &mut a.h, &mut a.fp8)?;
+        let pending = pending.filter(|_| fused_norm);
+        let input = norm_fp8(f8, fz, k, &mut a.x, t, dm.d, norm, pending, &mut a.h, &mut a.fp8)?;
         st.marks.mark(part::NORM)?;
         let dims = (t, dm.qkv(), dm.d);
         if fz.qkv {
@@ -117,36 +148,54 @@ fn fp8_fusion<'k>(k: &'k ModelKernels, w: &Mat) -> Option<(&'k Fp8Kernels, Fusio
 }
 
 /// RMSNorm of the residual into an FP8 GEMM's input: straight into `s`'s quantized rows when
-/// fused, else into bf16 `h` for the projection to quantize.
-#[allow(clippy::too_many_arguments)] // the kernels, the rows and their norm, both outputs
+/// fused, else into bf16 `h` for the projection to quantize. `pending`: the residual add a
+/// GEMM left ([`Pending`]), done first (inside the fused norm when it runs).
+#[allow(clippy::too_many_arguments)] // the kernels, the rows and their norm, the add, both outputs
 fn norm_fp8<'h>(
     f8: &Fp8Kernels,
     fz: Fusion,
     k: &ModelKernels,
-    x: &CudaSlice<f32>,
+    x: &mut CudaSlice<f32>,
     t: usize,
     d: usize,
     norm: Norm<'_>,
+    pending: Pending<'_>,
     h: &'h mut CudaSlice<u16>,
     s: &mut Fp8Scratch,
 ) -> Result<Fp8In<'h>, GpuError> {
     if fz.norm && Fp8Kernels::fits(d) {
-        f8.rms_norm_quantize(k.stream(), x, t, d, norm, s)?;
+        match pending {
+            Some(sw) => f8.add_rms_norm_quantize(k.stream(), sw, x, t, d, norm, s)?,
+            None => f8.rms_norm_quantize(k.stream(), x, t, d, norm, s)?,
+        }
         return Ok(Fp8In::Quantized);
+    }
+    if let Some(sw) = pending {
+        f8.scale(k.stream(), Some(&s.d), t, d, &s.sx, sw, true, x)?;
     }
     k.rms_norm(x, t, d, norm, h)?;
     Ok(Fp8In::Bf16(h))
 }
 
-/// O, gate/up and down as cuBLAS GEMMs with the norm and SwiGLU kernels between them.
-fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
+/// O, gate/up and down as cuBLAS GEMMs with the norm and SwiGLU kernels between them. Returns
+/// the down projection's residual add when it is left to the next norm ([`Pending`]).
+fn mlp_gemm<'w>(st: &mut Step<'_>, l: &'w LayerW) -> Result<Pending<'w>, GpuError> {
     let (dm, t, k, blas) = (st.dm, st.t, st.k, st.blas);
+    let defer = defers_add(st) && fp8_fusion(k, &l.wgu).is_some();
     let a = &mut *st.a;
-    blas.project(k, &l.wo, &a.attn, &mut a.x, Gemm::add(t, dm.d, dm.qw), &mut a.fp8)?;
+    let o_dims = (t, dm.d, dm.qw);
+    let o_pending = if defer {
+        blas.project_add_deferred(k, &l.wo, Fp8In::Bf16(&a.attn), &mut a.x, o_dims, &mut a.fp8)?
+    } else {
+        blas.project(k, &l.wo, &a.attn, &mut a.x, Gemm::add(t, dm.d, dm.qw), &mut a.fp8)?;
+        None
+    };
     st.marks.mark(part::O_GEMM)?;
     if let Some((f8, fz)) = fp8_fusion(k, &l.wgu) {
         let norm = Norm::new(&l.ffn_norm, st.c.rms_eps);
-        let input = norm_fp8(f8, fz, k, &a.x, t, dm.d, norm, &mut a.h, &mut a.fp8)?;
+        let input = norm_fp8(
+            f8, fz, k, &mut a.x, t, dm.d, norm, o_pending, &mut a.h, &mut a.fp8,
+        )?;
         st.marks.mark(part::NORM)?;
         if fz.glu && Fp8Kernels::fits(dm.ff) {
             let dims = (t, 2 * dm.ff, dm.d);
@@ -154,8 +203,13 @@ fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
             st.marks.mark(part::FFN_GEMM)?;
             f8.glu_quantize(k.stream(), Glu::Silu, &a.gu, t, dm.ff, sw, &mut a.fp8)?;
             st.marks.mark(part::ACT)?;
+            let dims = (t, dm.d, dm.ff);
+            if defer {
+                return blas.project_add_deferred(k, &l.wdown, Fp8In::Quantized, &mut a.x, dims, &mut a.fp8);
+            }
             let g = Gemm::add(t, dm.d, dm.ff);
-            return blas.project_in(k, &l.wdown, Fp8In::Quantized, &mut a.x, g, &mut a.fp8);
+            blas.project_in(k, &l.wdown, Fp8In::Quantized, &mut a.x, g, &mut a.fp8)?;
+            return Ok(None);
         }
         let g = Gemm::store(t, 2 * dm.ff, dm.d);
         blas.project_in(k, &l.wgu, input, &mut a.gu, g, &mut a.fp8)?;
@@ -163,7 +217,8 @@ fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
         k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
         st.marks.mark(part::ACT)?;
         let g = Gemm::add(t, dm.d, dm.ff);
-        return blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8);
+        blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)?;
+        return Ok(None);
     }
     k.rms_norm(&a.x, t, dm.d, Norm::new(&l.ffn_norm, st.c.rms_eps), &mut a.h)?;
     st.marks.mark(part::NORM)?;
@@ -173,7 +228,8 @@ fn mlp_gemm(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
     k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
     st.marks.mark(part::ACT)?;
     let g = Gemm::add(t, dm.d, dm.ff);
-    blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)
+    blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)?;
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -207,13 +263,14 @@ mod tests {
         let mut planner = DirectPlanner::new(m.kv_config().block_size, &m.kv_config().groups);
         let mut plan = StepPlan::default();
         let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 11) % 1000).collect();
-        let only = |norm, glu, qkv| Fusion { norm, glu, qkv };
+        let only = |norm, glu, qkv, add| Fusion { norm, glu, qkv, add };
         let variants = [
             ("none", Fusion::NONE),
             ("none again", Fusion::NONE),
-            ("norm", only(true, false, false)),
-            ("glu", only(false, true, false)),
-            ("qkv", only(false, false, true)),
+            ("norm", only(true, false, false, false)),
+            ("glu", only(false, true, false, false)),
+            ("qkv", only(false, false, true, false)),
+            ("norm,add", only(true, false, false, true)),
             ("all", Fusion::ALL),
         ];
         let mut want: Option<Vec<f32>> = None;

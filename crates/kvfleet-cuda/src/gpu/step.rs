@@ -102,6 +102,11 @@ pub(super) struct Step<'a> {
 impl Step<'_> {
     /// Before layer `li` (`li == layers`: after the last), keeps the residual stream when the
     /// drafter reads it.
+    /// Whether this step keeps layers' residual streams for a drafter ([`Step::keep_features`]).
+    pub fn keeps_features(&self) -> bool {
+        self.aux.is_some()
+    }
+
     pub fn keep_features(&mut self, li: usize) -> Result<(), GpuError> {
         match self.aux.as_mut() {
             Some(aux) => aux.keep(self.k.stream(), li, &self.a.x, self.t, self.dm.d),
