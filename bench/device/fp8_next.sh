@@ -14,10 +14,12 @@
 #   bash bench/device/fp8_next.sh http    # the workers through HTTP: one stream and 256 streams
 #   bash bench/device/fp8_next.sh verify  # the GPU tests and one prefill with and without `add`
 #                                         # (the binaries in KVFLEET_NEXT_DIR, .device/fp8-next)
+#   bash bench/device/fp8_next.sh bps     # one stream, FP8 and bf16, with the GEMV grid capped at
+#                                         # 4 (the default), 8 and 16 blocks an SM and uncapped (0)
 # KVFLEET_NEXT_ROUNDS (3), KVFLEET_NEXT_GEMVS ("cvt pre pre4"), KVFLEET_NEXT_NEW_GEMV (the new
 # worker's GEMV, cvt).
 set -uo pipefail
-mode=${1:?usage: fp8_next.sh inproc|http|verify}
+mode=${1:?usage: fp8_next.sh inproc|http|verify|bps}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
@@ -69,6 +71,18 @@ case "$mode" in
     step "prefill 2,048 tokens, FP8 without then with add"
     bench 1 norm,glu,qkv cvt 2048 1 8 "prefill_noadd"
     bench 1 all cvt 2048 1 8 "prefill_all"
+    ;;
+  bps)
+    PEERS_CEILINGS_ONLY=1 timeout 120 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning
+    for r in $(seq 1 "${KVFLEET_NEXT_ROUNDS:-3}"); do
+      for b in 4 8 16 0; do
+        step "round $r: one stream, KVFLEET_GEMV_BLOCKS_PER_SM=$b"
+        export KVFLEET_GEMV_BLOCKS_PER_SM=$b
+        bench 1 all cvt 128 1 128 "bps_fp8_${b}_$r"
+        bench 0 all cvt 128 1 128 "bps_bf16_${b}_$r"
+      done
+    done
+    unset KVFLEET_GEMV_BLOCKS_PER_SM
     ;;
   http)
     step "HTTP: both workers up (FP8, dummy Llama-3.1-8B), 0.45 of the memory each"

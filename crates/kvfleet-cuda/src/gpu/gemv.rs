@@ -16,7 +16,8 @@ use super::error::{drv, need, GpuError};
 use super::fp8::MatRef;
 
 const THREADS: u32 = 256;
-/// Blocks per SM the grid is capped at (warps then stride over the matrix).
+/// Blocks per SM the grid is capped at (warps then stride over the matrix), unless
+/// `KVFLEET_GEMV_BLOCKS_PER_SM` says otherwise (0: no cap, a warp a unit).
 const BLOCKS_PER_SM: usize = 4;
 /// The widest normed input row the GEMV takes (bf16 in dynamic shared memory), and the widest
 /// row `kvf_gemv_fp8_h2` stages (f16).
@@ -126,6 +127,8 @@ pub struct Gemv {
     fp8_special: Option<(Fp8Gemv, CudaFunction)>,
     stream: Arc<CudaStream>,
     num_sms: usize,
+    /// The grid's cap in blocks per SM (0: none).
+    blocks_per_sm: usize,
     /// Launch with programmatic stream serialisation (sm_90 and later).
     pdl: bool,
 }
@@ -164,6 +167,10 @@ impl Gemv {
                 .transpose()?,
             stream,
             num_sms,
+            blocks_per_sm: std::env::var("KVFLEET_GEMV_BLOCKS_PER_SM")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(BLOCKS_PER_SM),
             pdl,
         })
     }
@@ -243,7 +250,11 @@ impl Gemv {
             }
             _ => {}
         }
-        let blocks = blocks.clamp(1, self.num_sms.max(1) * BLOCKS_PER_SM);
+        let cap = match self.blocks_per_sm {
+            0 => usize::MAX,
+            b => self.num_sms.max(1) * b,
+        };
+        let blocks = blocks.clamp(1, cap);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
