@@ -534,6 +534,22 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gelu_tanh_quantize_fp8(con
     glu_quantize_row<true>(gate_up, ff, sw, q, scale);
 }
 
+namespace {
+// A normed bf16 row of d values (the block's shared memory, each thread's own elements written
+// by it) into e4m3 bytes and their scale, as kvf_quantize_rows_fp8 quantizes a bf16 row.
+__device__ __forceinline__ void quantize_normed_row(const bf16* h, int d, unsigned char* __restrict__ out,
+                                                    float* scale) {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(h[i])));
+    amax = block_max(amax);
+    const float s = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
+    const float inv = 1.f / s;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        out[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(h[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (threadIdx.x == 0) *scale = s;
+}
+}  // namespace
 // RMSNorm into an FP8 GEMM's input: q[r, :] and scale[r] = what kvf_quantize_rows_fp8 makes of
 // kvf_rms_norm's bf16 row norm(x[r]) * w. x f32 [T, d]; q dense [T, d]. Grid (T), block a
 // multiple of 32 (the norm's), dynamic shared 2 d bytes (the bf16 row).
@@ -545,17 +561,8 @@ extern "C" __global__ void kvf_rms_norm_fp8(const float* __restrict__ x, const f
     const size_t r = blockIdx.x;
     rms_row(x + r * d, w, d, eps, h);
     // Each thread reads back only what it wrote (rms_row's element order): no barrier needed
-    // before block_max, whose barriers order the reads of the second pass.
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(h[i])));
-    amax = block_max(amax);
-    const float s = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
-    const float inv = 1.f / s;
-    unsigned char* out = q + r * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        out[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(h[i]) * inv, __NV_SATFINITE, __NV_E4M3);
-    }
-    if (threadIdx.x == 0) scale[r] = s;
+    // before quantize_normed_row, whose block_max orders the reads of its second pass.
+    quantize_normed_row(h, d, q + r * d, scale + r);
 }
 
 // The residual add of an O or down projection's unit-scale FP8 GEMM and the RMSNorm after it, in
@@ -590,16 +597,7 @@ extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, co
         // rms_row reads in this loop's element order: each thread reads back only its own writes.
         rms_row(xr, w, d, eps, h);
     }
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(h[i])));
-    amax = block_max(amax);
-    const float qs = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
-    const float inv = 1.f / qs;
-    unsigned char* out = q + r * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        out[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(h[i]) * inv, __NV_SATFINITE, __NV_E4M3);
-    }
-    if (threadIdx.x == 0) scale[r] = qs;
+    quantize_normed_row(h, d, q + r * d, scale + r);
 }
 // kvf_qkv_post(_wide) over the unit-scale FP8 GEMM's Q/K/V rows: each value times sx[t] *
 // sw[col] as it is read (sx the token scales [T], sw the weight's row scales [qw + 2 kw]).

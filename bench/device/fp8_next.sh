@@ -68,9 +68,11 @@ case "$mode" in
     step "FP8 kernel tests (cuda_lib fp8)"
     timeout 240 "$bin/cuda_lib" --ignored --nocapture --test-threads 1 fp8 2>&1 | tee "$OUT/cuda_lib_fp8.log" \
       | grep -E "^test |result|panicked" | tail -16
-    step "prefill 2,048 tokens, FP8 without then with add"
-    bench 1 norm,glu,qkv cvt 2048 1 8 "prefill_noadd"
-    bench 1 all cvt 2048 1 8 "prefill_all"
+    for r in $(seq 1 "${KVFLEET_NEXT_ROUNDS:-1}"); do
+      step "round $r: prefill 2,048 tokens, FP8 without then with add"
+      bench 1 norm,glu,qkv cvt 2048 1 8 "prefill_noadd_$r"
+      bench 1 all cvt 2048 1 8 "prefill_all_$r"
+    done
     ;;
   bps)
     PEERS_CEILINGS_ONLY=1 timeout 120 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning

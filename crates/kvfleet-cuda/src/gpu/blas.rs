@@ -120,42 +120,34 @@ impl Blas {
         g: Gemm,
         s: &mut Fp8Scratch,
     ) -> Result<(), GpuError> {
-        let (q, scale) = match (w, x) {
-            (Mat::Bf16(w), Fp8In::Bf16(x)) => return self.gemm(w, x, y, g),
-            (Mat::Bf16(_), Fp8In::Quantized) => {
-                return Err(GpuError::Invalid("a quantized input to a bf16 weight".into()))
-            }
-            (Mat::Fp8 { q, scale }, _) => (q, scale),
-        };
         let Gemm {
             t,
             n,
             k: kk,
             accumulate,
         } = g;
-        if t == 0 || n == 0 {
-            return Ok(());
-        }
-        let f = self.fp8_kernels(k)?;
-        let st = &self.stream;
-        if !accumulate {
-            let sw = self.gemm_fp8(k, w, x, y, (t, n, kk), s)?;
-            return match sw {
-                Some(sw) => f.scale(st, None, t, n, &s.sx, sw, false, y),
+        if accumulate {
+            return match self.project_add_deferred(k, w, x, y, (t, n, kk), s)? {
+                Some(sw) => self.finish_add(k, sw, y, (t, n), s),
                 None => Ok(()),
             };
         }
-        let lt = self.lt()?;
-        if let Fp8In::Bf16(x) = x {
-            f.quantize_rows(st, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        match (w, x) {
+            (Mat::Bf16(w), Fp8In::Bf16(x)) => return self.gemm(w, x, y, g),
+            (Mat::Bf16(_), Fp8In::Quantized) => {
+                return Err(GpuError::Invalid("a quantized input to a bf16 weight".into()))
+            }
+            (Mat::Fp8 { .. }, _) => {}
         }
-        let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
-        if lt.scales_rows() {
-            lt.gemm(w, xs, y, dims, true)?;
+        if t == 0 || n == 0 {
             return Ok(());
         }
-        lt.gemm(w, xs, &mut s.d, dims, false)?;
-        f.scale(st, Some(&s.d), t, n, &s.sx, scale, true, y)
+        match self.gemm_fp8(k, w, x, y, (t, n, kk), s)? {
+            Some(sw) => self
+                .fp8_kernels(k)?
+                .scale(&self.stream, None, t, n, &s.sx, sw, false, y),
+            None => Ok(()),
+        }
     }
 
     /// [`Blas::project_in`] adding to `y` (the residual stream), except where cuBLASLt runs
@@ -171,22 +163,31 @@ impl Blas {
         (t, n, kk): (usize, usize, usize),
         s: &mut Fp8Scratch,
     ) -> Result<Option<&'w CudaSlice<f32>>, GpuError> {
-        let unit = self.lt.as_ref().is_some_and(|lt| !lt.scales_rows());
-        match w {
-            Mat::Fp8 { q, scale } if unit && t > 0 && n > 0 => {
-                if let Fp8In::Bf16(x) = x {
-                    self.fp8_kernels(k)?
-                        .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
-                }
-                self.lt()?
-                    .gemm((q, scale), (&s.xq, &s.sx), &mut s.d, (t, n, kk), false)?;
-                Ok(Some(scale))
+        let (q, scale) = match (w, x) {
+            (Mat::Bf16(w), Fp8In::Bf16(x)) => {
+                self.gemm(w, x, y, Gemm::add(t, n, kk))?;
+                return Ok(None);
             }
-            _ => {
-                self.project_in(k, w, x, y, Gemm::add(t, n, kk), s)?;
-                Ok(None)
+            (Mat::Bf16(_), Fp8In::Quantized) => {
+                return Err(GpuError::Invalid("a quantized input to a bf16 weight".into()))
             }
+            (Mat::Fp8 { q, scale }, _) => (q, scale),
+        };
+        if t == 0 || n == 0 {
+            return Ok(None);
         }
+        let lt = self.lt()?;
+        if let Fp8In::Bf16(x) = x {
+            self.fp8_kernels(k)?
+                .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
+        let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
+        if lt.scales_rows() {
+            lt.gemm(w, xs, y, dims, true)?;
+            return Ok(None);
+        }
+        lt.gemm(w, xs, &mut s.d, dims, false)?;
+        Ok(Some(scale))
     }
 
     /// The add [`Blas::project_add_deferred`] left: `y += s.d * s.sx[t] * sw[n]`.

@@ -219,6 +219,17 @@ impl Fp8Kernels {
         2 * width <= FUSED_SMEM_MAX
     }
 
+    /// [`Fp8Kernels::fits`] as an error naming the fused `what`.
+    fn check_fits(what: &str, width: usize) -> Result<(), GpuError> {
+        if Self::fits(width) {
+            return Ok(());
+        }
+        Err(GpuError::Invalid(format!(
+            "a fused FP8 {what} of {width} columns (at most {})",
+            FUSED_SMEM_MAX / 2
+        )))
+    }
+
     /// `kvf_qkv_post_fp8`, or `kvf_qkv_post_wide_fp8` when `wide`.
     pub fn qkv_post(&self, wide: bool) -> &CudaFunction {
         if wide {
@@ -246,12 +257,7 @@ impl Fp8Kernels {
         if t == 0 || ff == 0 {
             return Ok(());
         }
-        if !Self::fits(ff) {
-            return Err(GpuError::Invalid(format!(
-                "a fused FP8 activation of {ff} columns (at most {})",
-                FUSED_SMEM_MAX / 2
-            )));
-        }
+        Self::check_fits("activation", ff)?;
         need("gate/up", gu, t * 2 * ff)?;
         need("FP8 quantize output", &s.xq, t * ff)?;
         need("FP8 row scales", &s.sx, t)?;
@@ -292,12 +298,7 @@ impl Fp8Kernels {
         if rows == 0 {
             return Ok(());
         }
-        if !Self::fits(d) {
-            return Err(GpuError::Invalid(format!(
-                "a fused FP8 norm of {d} columns (at most {})",
-                FUSED_SMEM_MAX / 2
-            )));
-        }
+        Self::check_fits("norm", d)?;
         need("norm input", x, rows * d)?;
         need("norm weight", norm.w, d)?;
         need("FP8 quantize output", &s.xq, rows * d)?;
@@ -336,12 +337,7 @@ impl Fp8Kernels {
         if rows == 0 {
             return Ok(());
         }
-        if !Self::fits(d) {
-            return Err(GpuError::Invalid(format!(
-                "a fused FP8 norm of {d} columns (at most {})",
-                FUSED_SMEM_MAX / 2
-            )));
-        }
+        Self::check_fits("norm", d)?;
         need("FP8 GEMM result", &s.d, rows * d)?;
         need("FP8 weight scales", sw, d)?;
         need("norm input", x, rows * d)?;
