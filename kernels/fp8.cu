@@ -165,13 +165,15 @@ extern "C" __global__ void __launch_bounds__(256) kvf_quantize_rows_fp8(const bf
 }
 
 // kvf_gemv's contract (kernels/gemv.cu) over e4m3 weights w [n_rows, k] with f32 scales
-// wscale [n_rows]; k a multiple of 16. Block 256 threads, any grid. CONV: FP8_INT, FP8_CVT or
-// FP8_H2 (which stages every input, normed or not: 2 k bytes of dynamic shared memory).
+// wscale [n_rows]; k a multiple of 16 (GEMV_QKV as there, but not in kvf_gemv_fp8_mma). Block
+// 256 threads, any grid. CONV: FP8_INT, FP8_CVT or FP8_H2 (which stages every input, normed or
+// not: 2 k bytes of dynamic shared memory).
 #define KVF_GEMV_FP8_PARAMS                                                                                     \
     const unsigned char *__restrict__ w, const float *__restrict__ wscale, int n_rows, int k, int half,          \
         const bf16 *__restrict__ xb, const float *__restrict__ x, const int *__restrict__ row,                   \
-        const float *__restrict__ norm_w, float eps, int mode, float *__restrict__ y, bf16 *__restrict__ act
-#define KVF_GEMV_FP8_ARGS w, wscale, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act
+        const float *__restrict__ norm_w, float eps, int mode, float *__restrict__ y, bf16 *__restrict__ act,  \
+        KVF_GEMV_QKV_PARAMS
+#define KVF_GEMV_FP8_ARGS w, wscale, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act, KVF_GEMV_QKV_ARGS
 
 // The input row of an FP8 GEMV, bf16: RMSNorm(x[row or 0]) * norm_w written into the block's
 // shared memory (norm_w set), or xb as given. Every thread of the block calls it.
@@ -246,8 +248,10 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
     const int kc = k >> 4;  // 16-byte chunks a row: 16 weights, 32 bytes of input
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
-        const int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
-        const int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
+        int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int f = -1;
+        if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
         const bool has1 = r1 < n_rows;
         const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
         const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
@@ -280,6 +284,8 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
         if (lane == 0) {
             if (mode == GEMV_SWIGLU) {
                 act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
+            } else if (mode == GEMV_QKV) {
+                qkv_put(KVF_GEMV_QKV_ARGS, r0, r1, f, s0, s1);
             } else if (mode == GEMV_ADD) {
                 y[r0] += s0;
                 if (has1) y[r1] += s1;

@@ -57,22 +57,92 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
 constexpr int GEMV_STORE = 0;   // y[n] = (W x)[n]
 constexpr int GEMV_ADD = 1;     // y[n] += (W x)[n]
 constexpr int GEMV_SWIGLU = 2;  // act[j] = silu((W x)[j]) * (W x)[half + j]
+constexpr int GEMV_QKV = 3;     // bf16 Q/K/V from the fused projection (QkvRope)
 
 // Chunks of a row each lane has in flight per iteration.
 constexpr int GEMV_UNROLL = 2;
 
 }  // namespace
 
+// GEMV_QKV: the one-token step's Q/K/V projection writes what kvf_qkv_post would make of its
+// rows (bias, RoPE, bf16 Q/K/V with each KV head stored kv_rep times; kernels/model.cu), which
+// takes that kernel's launch off the step. A warp's unit is the two rows one RoPE rotation
+// mixes: (f, f + rope_half) of a Q or K head (neox) or (2f, 2f + 1); the head's unrotated rows
+// and every V head in adjacent pairs. Models with Q/K norms (a sum over the whole head) keep
+// the separate kernel. Rows n_heads + 2 n_kv heads of head_dim (even).
+#define KVF_GEMV_QKV_PARAMS                                                                              \
+    const int *__restrict__ pos, const float *__restrict__ bias, const float *__restrict__ inv_freq,     \
+        int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half, int neox, float pos_scale, \
+        bf16 *__restrict__ q_out, bf16 *__restrict__ k_out, bf16 *__restrict__ v_out
+#define KVF_GEMV_QKV_ARGS \
+    pos, bias, inv_freq, n_heads, n_kv_heads, kv_rep, head_dim, rope_half, neox, pos_scale, q_out, k_out, v_out
+
+namespace {
+
+// The rows of unit u under GEMV_QKV, and the RoPE frequency index that rotates them (-1: none).
+__device__ __forceinline__ void qkv_unit_rows(int u, int n_heads, int n_kv_heads, int head_dim, int rope_half,
+                                              int neox, int& r0, int& r1, int& f) {
+    const int pairs = head_dim >> 1;
+    const int h = u / pairs, j = u - h * pairs;
+    const int base = h * head_dim;
+    const bool qk = h < n_heads + n_kv_heads;
+    if (qk && j < rope_half) {
+        f = j;
+        r0 = base + (neox ? j : 2 * j);
+        r1 = base + (neox ? j + rope_half : 2 * j + 1);
+    } else {
+        f = -1;
+        const int rotated = qk ? 2 * rope_half : 0;
+        r0 = base + rotated + 2 * (j - rotated / 2);
+        r1 = r0 + 1;
+    }
+}
+
+// Writes rows r0 and r1 (sums s0, s1) as kvf_qkv_post does: plus the bias, rotated by the
+// position's angle for frequency f (f >= 0), bf16 into Q or K/V (kv_rep copies).
+__device__ __forceinline__ void qkv_put(KVF_GEMV_QKV_PARAMS, int r0, int r1, int f, float s0, float s1) {
+    float a = s0 + (bias != nullptr ? bias[r0] : 0.f);
+    float b = s1 + (bias != nullptr ? bias[r1] : 0.f);
+    if (f >= 0) {
+        const float p = (float)pos[0] / pos_scale;
+        float sn, cs;
+        sincosf(p * inv_freq[f], &sn, &cs);
+        const float ra = a * cs - b * sn;
+        const float rb = a * sn + b * cs;
+        a = ra;
+        b = rb;
+    }
+    const int h = r0 / head_dim;
+    const int i0 = r0 - h * head_dim, i1 = r1 - h * head_dim;
+    const bf16 o0 = __float2bfloat16(a), o1 = __float2bfloat16(b);
+    if (h < n_heads) {
+        q_out[(size_t)h * head_dim + i0] = o0;
+        q_out[(size_t)h * head_dim + i1] = o1;
+        return;
+    }
+    const bool is_k = h < n_heads + n_kv_heads;
+    const int j = is_k ? h - n_heads : h - n_heads - n_kv_heads;
+    bf16* dst = (is_k ? k_out : v_out) + (size_t)j * kv_rep * head_dim;
+    for (int r = 0; r < kv_rep; ++r) {
+        dst[(size_t)r * head_dim + i0] = o0;
+        dst[(size_t)r * head_dim + i1] = o1;
+    }
+}
+
+}  // namespace
+
 // y or act from one token: w bf16 [n_rows, k], k a multiple of 8. Input: the bf16 row xb [k],
 // or (norm_w set) RMSNorm(x[row ? *row : 0]) * norm_w of an f32 row of x, normalised into k
 // bf16 of dynamic shared memory. mode: GEMV_STORE / GEMV_ADD into f32 y [n_rows], or
-// GEMV_SWIGLU into bf16 act [half] with n_rows = 2 half. Block 256 threads (rms_row's block size
-// in kvf_rms_norm), any grid.
+// GEMV_SWIGLU into bf16 act [half] with n_rows = 2 half, or GEMV_QKV into Q/K/V (the
+// KVF_GEMV_QKV_PARAMS, read only then). Block 256 threads (rms_row's block size in kvf_rms_norm),
+// any grid.
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restrict__ w, int n_rows, int k, int half,
                                                            const bf16* __restrict__ xb, const float* __restrict__ x,
                                                            const int* __restrict__ row,
                                                            const float* __restrict__ norm_w, float eps, int mode,
-                                                           float* __restrict__ y, bf16* __restrict__ act) {
+                                                           float* __restrict__ y, bf16* __restrict__ act,
+                                                           KVF_GEMV_QKV_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     // Launched with PDL on sm_90 and later: wait for the previous kernel's results first.
     kvf_wait_prior_grid();
@@ -89,8 +159,10 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restric
     const int kc = k >> 3;  // 16-byte chunks a row
     const uint4* xi = reinterpret_cast<const uint4*>(in);
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
-        const int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
-        const int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
+        int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int f = -1;
+        if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
         const bool has1 = r1 < n_rows;
         const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
         const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
@@ -118,6 +190,8 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restric
         if (lane == 0) {
             if (mode == GEMV_SWIGLU) {
                 act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
+            } else if (mode == GEMV_QKV) {
+                qkv_put(KVF_GEMV_QKV_ARGS, r0, r1, f, s0, s1);
             } else if (mode == GEMV_ADD) {
                 y[r0] += s0;
                 if (has1) y[r1] += s1;

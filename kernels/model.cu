@@ -122,6 +122,23 @@ extern "C" __global__ void kvf_embed(const bf16* __restrict__ table, const int* 
     const size_t t = blockIdx.x;
     const bf16* row = table + (size_t)tokens[t] * d;
     float* out = x + t * d;
+    if ((d & 7) == 0) {
+        // Rows of whole 16-byte words (d a multiple of 8: every row and output row aligned): a
+        // word of 8 values a load, a thread's loads in flight together. One block copies the
+        // one-token step's row: 8.4 us with scalar loads on an H200, 3.5 us so (bench/RESULTS.md).
+        const uint4* r8 = reinterpret_cast<const uint4*>(row);
+        float4* o4 = reinterpret_cast<float4*>(out);
+#pragma unroll 4
+        for (int c = threadIdx.x; c < (d >> 3); c += blockDim.x) {
+            const uint4 w = r8[c];
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
+            const float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
+            const float2 e = __bfloat1622float2(p[2]), f = __bfloat1622float2(p[3]);
+            o4[2 * c] = make_float4(a.x, a.y, b.x, b.y);
+            o4[2 * c + 1] = make_float4(e.x, e.y, f.x, f.y);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = __bfloat162float(row[i]);
 }
 

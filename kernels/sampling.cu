@@ -178,13 +178,25 @@ __device__ unsigned largest_key_reaching(const float* __restrict__ row, int voca
 }  // namespace
 
 // out[r] = argmax over logits[r, :vocab] (first maximum). Grid (rows), block a multiple of 32
-// (<= 1024).
+// (<= 1024). One block reads a whole row (513 KB for a 128k vocabulary), so it reads 16 bytes a
+// load, four loads in flight a thread, when every row starts 16-byte aligned (vocab a multiple
+// of 4): 31 us a 128k row on an H200 with scalar loads, 11.5 us so (bench/RESULTS.md, issue 32).
 extern "C" __global__ void kvf_argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
     kvf_wait_prior_grid();
     const float* row = logits + (size_t)blockIdx.x * vocab;
     float v = __int_as_float(0xff800000);
     int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) better(v, idx, row[i], i);
+    const int v4 = (vocab & 3) == 0 ? vocab >> 2 : 0;
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+#pragma unroll 4
+    for (int c = threadIdx.x; c < v4; c += blockDim.x) {
+        const float4 x = row4[c];
+        better(v, idx, x.x, 4 * c);
+        better(v, idx, x.y, 4 * c + 1);
+        better(v, idx, x.z, 4 * c + 2);
+        better(v, idx, x.w, 4 * c + 3);
+    }
+    for (int i = 4 * v4 + threadIdx.x; i < vocab; i += blockDim.x) better(v, idx, row[i], i);
     idx = block_best(v, idx);
     // A row of NaN or -inf only: token 0, as the host's argmax answers.
     if (threadIdx.x == 0) out[blockIdx.x] = idx < vocab ? idx : 0;

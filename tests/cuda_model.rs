@@ -416,15 +416,34 @@ fn gpu_dummy_head_dim_64_gqa_2_matches_the_cpu() {
 }
 
 /// Steps of one token run their projections as fused GEMVs (`kernels/gemv.cu`: the norm before,
-/// the residual add or SwiGLU after, the LM head's row gather), larger ones as cuBLAS GEMMs with
-/// separate kernels. The same steps with the GEMVs on and off, and on the CPU: the two GPU paths
-/// differ only in f32 summation order (bounded at 1% of the largest logit), and the CPU bound
-/// holds for both. The geometry has rows of 125 and 72 16-byte chunks, so the kernel's tails run.
+/// the split with bias and RoPE after Q/K/V, the residual add or SwiGLU after the others, the LM
+/// head's row gather), larger ones as cuBLAS GEMMs with separate kernels. The same steps with the
+/// GEMVs on and off, and on the CPU: the two GPU paths differ only in f32 summation order
+/// (bounded at 1% of the largest logit), and the CPU bound holds for both. The geometry has rows
+/// of 125 and 72 16-byte chunks, so the kernel's tails run; the Q/K/V epilogue is taken with
+/// adjacent-pair RoPE over a group of 3, NeoX RoPE with biases, and partial rotary dimensions
+/// with linear scaling, and left to the separate split with Q/K norms.
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
 fn gpu_fused_gemv_steps_match_the_cublas_steps_and_the_cpu() {
     let mut cfg = LlamaConfig::llama(2, 576, 1000, 9, 3, 1000);
     cfg.context_len = 256;
+    fused_gemv_case(cfg.clone(), "group-3, adjacent-pair RoPE");
+    let mut q2 = cfg.clone();
+    q2.rope_neox = true;
+    q2.attn_bias = true;
+    fused_gemv_case(q2.clone(), "NeoX RoPE, Q/K/V bias");
+    let mut partial = q2.clone();
+    partial.rope_dims = 32;
+    partial.rope_linear_scale = 2.0;
+    fused_gemv_case(partial.clone(), "partial rotary, linear scaling");
+    let mut q3 = partial;
+    q3.qk_norm = true;
+    fused_gemv_case(q3, "Q/K norms (the separate split)");
+}
+
+fn fused_gemv_case(cfg: LlamaConfig, what: &str) {
+    eprintln!("{what}");
     let m = Llama::dummy(cfg, 11).expect("dummy model");
     let build = |fused: bool| {
         let o = GpuOptions {
@@ -472,14 +491,14 @@ fn gpu_fused_gemv_steps_match_the_cublas_steps_and_the_cpu() {
         eprintln!("step {i}: max|fused - cublas| = {d:.3e}, max|cublas| = {s:.3}");
         assert!(
             a.iter().all(|x| x.is_finite()),
-            "step {i}: fused logits not finite"
+            "{what}, step {i}: fused logits not finite"
         );
         assert!(
             d <= 0.01 * s + 1e-5,
-            "step {i}: the fused path is {d} from the cuBLAS path (max {s})"
+            "{what}, step {i}: the fused path is {d} from the cuBLAS path (max {s})"
         );
-        assert_close(&format!("fused step {i}"), &a, &cpu);
-        assert_close(&format!("cublas step {i}"), &b, &cpu);
+        assert_close(&format!("{what}: fused step {i}"), &a, &cpu);
+        assert_close(&format!("{what}: cublas step {i}"), &b, &cpu);
     }
 }
 

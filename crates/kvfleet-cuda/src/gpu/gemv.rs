@@ -25,6 +25,7 @@ pub const MAX_NORMED_K: usize = 16384;
 const MODE_STORE: i32 = 0;
 const MODE_ADD: i32 = 1;
 const MODE_SWIGLU: i32 = 2;
+const MODE_QKV: i32 = 3;
 
 /// The input row of a GEMV.
 pub enum Input<'a> {
@@ -54,6 +55,28 @@ pub enum Output<'a> {
     Add(&'a mut CudaSlice<f32>),
     /// bf16 `[n / 2]`: `silu(gate) * up` of the two halves of the rows.
     SwiGlu(&'a mut CudaSlice<u16>),
+    /// The fused Q/K/V projection's rows as `kvf_qkv_post` leaves them: bias, RoPE, bf16 Q/K/V.
+    Qkv(QkvRope<'a>),
+}
+
+/// What `GEMV_QKV` reads and writes (kernels/gemv.cu): the step's one position, the layer's
+/// bias and RoPE frequencies, and the bf16 outputs, Q `[n_heads, head_dim]`, K and V
+/// `[n_kv * kv_rep, head_dim]`. The rows are `(n_heads + 2 n_kv) * head_dim`.
+pub struct QkvRope<'a> {
+    pub pos: &'a CudaSlice<i32>,
+    pub bias: Option<&'a CudaSlice<f32>>,
+    pub inv_freq: &'a CudaSlice<f32>,
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub kv_rep: usize,
+    pub head_dim: usize,
+    /// Rotated pairs a head (`rope_dims / 2`).
+    pub rope_half: usize,
+    pub neox: bool,
+    pub pos_scale: f32,
+    pub q: &'a mut CudaSlice<u16>,
+    pub k: &'a mut CudaSlice<u16>,
+    pub v: &'a mut CudaSlice<u16>,
 }
 
 /// Which single-token kernel runs FP8 weights (`KVFLEET_FP8_GEMV`, to time them in one call;
@@ -131,6 +154,9 @@ pub struct Gemv {
     blocks_per_sm: usize,
     /// Launch with programmatic stream serialisation (sm_90 and later).
     pdl: bool,
+    /// The Q/K/V projection ends with the split (bias, RoPE) in its own launch
+    /// ([`Output::Qkv`]); `KVFLEET_GEMV_QKV=0` keeps the separate `kvf_qkv_post`, to time it.
+    pub fused_qkv: bool,
 }
 
 impl Gemv {
@@ -172,6 +198,7 @@ impl Gemv {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(BLOCKS_PER_SM),
             pdl,
+            fused_qkv: std::env::var("KVFLEET_GEMV_QKV").map_or(true, |v| v.trim() != "0"),
         })
     }
 
@@ -209,6 +236,7 @@ impl Gemv {
         let mut l = Launch::new(&self.stream);
         let glu = matches!(output, Output::SwiGlu(_));
         let mut special = None;
+        let qkv = matches!(output, Output::Qkv(_));
         let kernel = match w {
             MatRef::Bf16(w) => {
                 need("GEMV weight", w, n * k)?;
@@ -220,7 +248,8 @@ impl Gemv {
                 need("GEMV weight scales", scale, n)?;
                 l.ptr(q).ptr(scale);
                 match (&self.fp8_special, &self.fp8) {
-                    (Some((v, f)), _) if v.takes(k) => {
+                    // The tensor-core kernel has no Q/K/V epilogue.
+                    (Some((v, f)), _) if v.takes(k) && !(qkv && *v == Fp8Gemv::Mma) => {
                         special = Some(*v);
                         f
                     }
@@ -261,14 +290,16 @@ impl Gemv {
             shared_mem_bytes: smem as u32,
         };
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
-        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers), or the FP8 kernels' in
+        // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers, then `KVF_GEMV_QKV_PARAMS`:
+        // 3 pointers, 6 ints, a float, 3 pointers), or the FP8 kernels' in
         // kernels/fp8.cu (the same with the scale pointer after the weight; the mma kernel's
         // shared memory is 3 k bytes and the h2 kernel's 2 k bytes, `k <= MAX_NORMED_K` for
         // both, within the limits raised at load, and the mma kernel's rows a multiple of 64).
         // Absent pointers are 0 and the kernel reads them only under the mode and flags that
         // say they are present.
         // Sizes were checked above: `w` holds `n * k` (and `n` scales), the input `k` (or the f32
-        // rows and a row index of this step), the output `n` (`n / 2` for SwiGLU); the dynamic
+        // rows and a row index of this step), the output `n` (`n / 2` for SwiGLU; for Q/K/V the
+        // heads, position, bias, frequencies and outputs `push_qkv` checked); the dynamic
         // shared memory (`k` bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is
         // a multiple of 8 (bf16) or 16 (FP8), so every row starts 16-byte aligned (cudarc
         // allocations are 256-byte aligned). The kernel calls `kvf_wait_prior_grid()` before
@@ -309,9 +340,65 @@ fn push_input<'a>(l: &mut Launch<'a>, input: Input<'a>, k: usize) -> Result<usiz
     }
 }
 
-/// Pushes the output's arguments (mode, y, act); returns the units of work (row pairs, or
-/// gate/up pairs for SwiGLU) the grid covers.
+/// Pushes the output's arguments (mode, y, act, then `KVF_GEMV_QKV_PARAMS`); returns the units
+/// of work (row pairs, gate/up pairs for SwiGLU, rotation pairs for Q/K/V) the grid covers.
 fn push_output<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<usize, GpuError> {
+    if let Output::Qkv(r) = output {
+        return push_qkv(l, r, n);
+    }
+    let units = push_mode(l, output, n)?;
+    // No Q/K/V output: its pointers 0, its sizes 0 (the kernel reads them under GEMV_QKV only).
+    l.addr(0).addr(0).addr(0);
+    for _ in 0..6 {
+        l.i32(0);
+    }
+    l.f32(1.0).addr(0).addr(0).addr(0);
+    Ok(units)
+}
+
+/// The Q/K/V output's arguments (see [`push_output`]), checked against the rows `n`.
+fn push_qkv<'a>(l: &mut Launch<'a>, r: QkvRope<'a>, n: usize) -> Result<usize, GpuError> {
+    let hd = r.head_dim;
+    let heads = r.n_heads + 2 * r.n_kv;
+    if hd % 2 != 0 || heads * hd != n || 2 * r.rope_half > hd {
+        return Err(GpuError::Invalid(format!(
+            "a Q/K/V GEMV of {n} rows for {heads} heads of {hd} (rotating {} pairs)",
+            r.rope_half
+        )));
+    }
+    need("Q/K/V position", r.pos, 1)?;
+    need("RoPE frequencies", r.inv_freq, r.rope_half)?;
+    if let Some(b) = r.bias {
+        need("Q/K/V bias", b, n)?;
+    }
+    need("q", r.q, r.n_heads * hd)?;
+    need("k", r.k, r.n_kv * r.kv_rep * hd)?;
+    need("v", r.v, r.n_kv * r.kv_rep * hd)?;
+    let dims = [r.n_heads, r.n_kv, r.kv_rep, hd, r.rope_half].map(i32::try_from);
+    let [Ok(nh), Ok(nkv), Ok(rep), Ok(hd_i), Ok(half)] = dims else {
+        return Err(GpuError::Invalid("Q/K/V GEMV dimensions exceed 32 bits".into()));
+    };
+    l.i32(MODE_QKV).addr(0).addr(0).ptr(r.pos);
+    match r.bias {
+        Some(b) => l.ptr(b),
+        None => l.addr(0),
+    };
+    l.ptr(r.inv_freq)
+        .i32(nh)
+        .i32(nkv)
+        .i32(rep)
+        .i32(hd_i)
+        .i32(half)
+        .i32(r.neox as i32)
+        .f32(r.pos_scale)
+        .ptr_mut(r.q)
+        .ptr_mut(r.k)
+        .ptr_mut(r.v);
+    Ok(n / 2)
+}
+
+/// Pushes mode, y and act for the f32 and SwiGLU outputs; returns their units of work.
+fn push_mode<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<usize, GpuError> {
     match output {
         Output::Store(y) | Output::Add(y) if y.len() < n => Err(GpuError::Invalid(format!(
             "GEMV output holds {} elements, the step needs {n}",
@@ -333,5 +420,6 @@ fn push_output<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<u
             l.i32(MODE_SWIGLU).addr(0).ptr_mut(a);
             Ok(n / 2)
         }
+        Output::Qkv(_) => unreachable!("push_output takes the Q/K/V output"),
     }
 }

@@ -6,8 +6,9 @@
 //! `act = silu(gate) * up`; `x += act · Wdownᵀ`.
 //!
 //! A step of one token runs each projection as one fused GEMV instead ([`super::gemv`]): the
-//! norm inside the QKV and gate/up launches, SwiGLU inside gate/up, the residual add inside O
-//! and down; four launches a layer fewer. With FP8 weights on cuBLASLt's unit-scale path, the
+//! norm inside the QKV and gate/up launches, the split (bias, RoPE) inside QKV where the model
+//! has no Q/K norms, SwiGLU inside gate/up, the residual add inside O and down; five launches a
+//! layer fewer. With FP8 weights on cuBLASLt's unit-scale path, the
 //! O and down GEMMs' residual add is left to the RMSNorm after them ([`Pending`]).
 
 use kvfleet_engine::engine::Backend;
@@ -17,7 +18,7 @@ use cudarc::driver::CudaSlice;
 use super::blas::{Fp8In, Gemm};
 use super::error::{backend_err, GpuError};
 use super::fp8::{Fp8Kernels, Fp8Scratch, Fusion, Mat};
-use super::gemv::{Input, Output};
+use super::gemv::{Input, Output, QkvRope};
 use super::kernels::{Glu, ModelKernels, Norm, QkvOut, QkvPost};
 use super::step::{part, Family, Step};
 use super::weights::LayerW;
@@ -86,7 +87,29 @@ fn qkv(st: &mut Step<'_>, l: &LayerW, pending: Pending<'_>) -> Result<(), GpuErr
     let norm = Norm::new(&l.attn_norm, c.rms_eps);
     // The QKV GEMM's weight scales, when the split applies them (FP8, unit-scale GEMM).
     let mut unscaled = None;
-    if st.fused {
+    if st.fused && k.gemv.fused_qkv && l.qk_norm().is_none() {
+        // One launch for the projection and the split: the GEMV's epilogue adds the bias and
+        // rotates each pair (no Q/K norms here: they need the whole head).
+        let input = Input::normed(&a.x, norm.w, norm.eps);
+        let rope = QkvRope {
+            pos: &a.pos,
+            bias: l.bqkv.as_ref(),
+            inv_freq: &st.w.inv_freq,
+            n_heads: dm.n_heads,
+            n_kv: dm.n_kv,
+            kv_rep: dm.kv_rep,
+            head_dim: dm.hd,
+            rope_half: c.rope_dims / 2,
+            neox: c.rope_neox,
+            pos_scale: c.rope_linear_scale,
+            q: &mut a.q,
+            k: &mut a.k,
+            v: &mut a.v,
+        };
+        k.gemv.run(&l.wqkv, dm.qkv(), dm.d, input, Output::Qkv(rope))?;
+        st.marks.mark(part::QKV_GEMM)?;
+        return st.marks.mark(part::QKV_POST);
+    } else if st.fused {
         let input = Input::normed(&a.x, norm.w, norm.eps);
         k.gemv
             .run(&l.wqkv, dm.qkv(), dm.d, input, Output::Store(&mut a.qkv))?;
