@@ -230,7 +230,9 @@ __device__ __forceinline__ float stage_input_f16(const bf16* __restrict__ xb, co
     return ldexpf(1.f, -sh);
 }
 
-template <int CONV>
+// ONE: a warp owns one row (GEMV_STORE and GEMV_ADD only), for twice the warps on a projection
+// whose row pairs do not fill the capped grid.
+template <int CONV, int U = GEMV_UNROLL, bool ONE = false>
 __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     kvf_wait_prior_grid();
@@ -243,44 +245,44 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     } else {
         xi = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, gemv_smem));
     }
-    const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
+    const int units = ONE ? n_rows : mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
     const int lane = threadIdx.x & 31;
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
     const int kc = k >> 4;  // 16-byte chunks a row: 16 weights, 32 bytes of input
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
-        int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
-        int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int r0 = ONE ? u : mode == GEMV_SWIGLU ? u : 2 * u;
+        int r1 = ONE ? n_rows : mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
         int f = -1;
         if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
         const bool has1 = r1 < n_rows;
         const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
         const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
         float a0 = 0.f, a1 = 0.f;
-        for (int c0 = lane; c0 < kc; c0 += 32 * GEMV_UNROLL) {
-            uint4 p0[GEMV_UNROLL], p1[GEMV_UNROLL];
+        for (int c0 = lane; c0 < kc; c0 += 32 * U) {
+            uint4 p0[U], p1[U];
 #pragma unroll
-            for (int j = 0; j < GEMV_UNROLL; ++j) {
+            for (int j = 0; j < U; ++j) {
                 const int c = c0 + 32 * j;
                 p0[j] = c < kc ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
-                p1[j] = c < kc ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
+                if constexpr (!ONE) p1[j] = c < kc ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int j = 0; j < GEMV_UNROLL; ++j) {
+            for (int j = 0; j < U; ++j) {
                 const int c = c0 + 32 * j;
                 if (c < kc) {
                     const uint4 xa = xi[2 * c], xb2 = xi[2 * c + 1];
                     if constexpr (CONV == FP8_H2) {
                         a0 = dot16_fp8_h2(p0[j], xa, xb2, a0);
-                        a1 = dot16_fp8_h2(p1[j], xa, xb2, a1);
+                        if constexpr (!ONE) a1 = dot16_fp8_h2(p1[j], xa, xb2, a1);
                     } else {
                         a0 = dot16_fp8<CONV>(p0[j], xa, xb2, xs, a0);
-                        a1 = dot16_fp8<CONV>(p1[j], xa, xb2, xs, a1);
+                        if constexpr (!ONE) a1 = dot16_fp8<CONV>(p1[j], xa, xb2, xs, a1);
                     }
                 }
             }
         }
         const float s0 = warp_sum(a0) * (back * wscale[r0]);
-        const float s1 = warp_sum(a1) * (back * wscale[has1 ? r1 : r0]);
+        const float s1 = ONE ? 0.f : warp_sum(a1) * (back * wscale[has1 ? r1 : r0]);
         if (lane == 0) {
             if (mode == GEMV_SWIGLU) {
                 act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
@@ -299,6 +301,14 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     gemv_fp8<FP8_CVT>(KVF_GEMV_FP8_ARGS);
+}
+
+// kvf_gemv_fp8 with a row a warp (GEMV_STORE and GEMV_ADD), for the projections whose row pairs
+// do not fill the capped grid (O and down of an 8B model: 256 blocks of 8 warps, about two an
+// SM): twice the warps an SM. On an H200 one stream ran 0.6-1.0% faster so; 4 chunks a lane in
+// flight instead of 2 (with a row or a pair a warp) and 8 were slower (bench/RESULTS.md).
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_row(KVF_GEMV_FP8_PARAMS) {
+    gemv_fp8<FP8_CVT, GEMV_UNROLL, true>(KVF_GEMV_FP8_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_PARAMS) {

@@ -177,3 +177,116 @@ fn gpu_append_quantizes_bit_exactly_like_the_host_encoder() {
         }
     }
 }
+
+/// Split decode steps run twice with the merge in `kvf_decode`'s last CTA of each job and once
+/// with the `kvf_merge` launch: every run writes the same bits. The step buffers' merge counters
+/// are never cleared by the host, so the second fused run of a step, and the next step (one more
+/// key a request, re-planned into the same buffers) only merge if the last CTA of each job put
+/// its counter back to 0; an unmerged output stays NaN-poisoned and fails.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn gpu_fused_split_kv_merge_is_bit_equal_to_the_merge_launch_and_resets_its_counters() {
+    use kvfleet_cuda::device::StepBuffers;
+    use kvfleet_cuda::plan::plan_step;
+    use kvfleet_cuda::scenarios::{RequestShape, Scenario};
+    let gpu = gpu();
+    let base = seed();
+    let specs = [
+        spec(KvDtype::Bf16, HeadDim::D128, GroupSize::G4, Mask::Causal),
+        spec(
+            KvDtype::Fp8E4m3,
+            HeadDim::D128,
+            GroupSize::G8,
+            Mask::CausalSliding,
+        ),
+        spec(KvDtype::Nvfp4, HeadDim::D64, GroupSize::G1, Mask::Full),
+        // head_dim 256 decodes with the row-major CTA
+        spec(KvDtype::Bf16, HeadDim::D256, GroupSize::G2, Mask::Causal),
+    ];
+    let (kv_heads, window) = (8, 300);
+    for (i, s) in specs.iter().enumerate() {
+        let kernels = gpu.kernels(s).unwrap();
+        // Decode rows only (a token's group, or as many tokens as fit 8 rows), keys not page
+        // multiples, one request too short to split.
+        let q_multi = (8 / s.group.get()).max(1);
+        let shapes = |extra: usize| {
+            [(1, 4000), (1, 2500), (q_multi, 3001), (1, 17), (1, 1000)].map(|(q_len, n)| RequestShape {
+                q_len,
+                n_keys: n + extra,
+                first_pos: 0,
+            })
+        };
+        let mut step: Option<StepBuffers> = None;
+        for extra in 0..2 {
+            let seed = base.wrapping_add((2 * i + extra) as u64);
+            let sc = Scenario::random(*s, kv_heads, &shapes(extra), window, seed, None);
+            let kv = KvLayer::from_host(
+                &gpu,
+                s.dtype,
+                sc.num_blocks,
+                kv_heads,
+                s.page.get(),
+                s.head_dim.get(),
+                &sc.k,
+                &sc.v,
+                &sc.k_block_scales,
+                &sc.v_block_scales,
+                sc.k_scale,
+                sc.v_scale,
+            )
+            .unwrap();
+            // planned for this GPU as the worker plans: the long requests split many ways
+            let plan = plan_step(
+                &sc.batch,
+                s,
+                gpu.arch,
+                kv_heads,
+                kernels.decode_slots(gpu.num_sms),
+            );
+            assert_eq!(plan.n_prefill, 0, "{}: a decode-only step", s.key());
+            assert!(
+                plan.merges.len() >= 3 && plan.merges.iter().any(|m| m.slot_count >= 3),
+                "{}: want several split requests, planned {:?}",
+                s.key(),
+                plan.merges
+            );
+            match step.as_mut() {
+                Some(sb) => sb.refill(&gpu, s, &kv, &sc.batch, &plan).unwrap(),
+                None => step = Some(StepBuffers::upload(&gpu, s, &kv, &sc.batch, &plan).unwrap()),
+            }
+            let sb = step.as_mut().unwrap();
+            let q = gpu.upload(&sc.q).unwrap();
+            let mut run = |fused: bool| {
+                kernels.set_fused_merge(fused);
+                let mut o = gpu.upload(&vec![0x7fc1u16; sc.q.len()]).unwrap();
+                kernels
+                    .attention(gpu.stream(), &kv, &q, &mut o, sb, sc.sm_scale, window)
+                    .unwrap();
+                gpu.synchronize().unwrap();
+                gpu.download(&o).unwrap()
+            };
+            let fused = run(true);
+            let fused_again = run(true);
+            let separate = run(false);
+            kernels.set_fused_merge(true);
+            let c = sc
+                .check(&sc.references(None, None), &separate, 1e-3)
+                .unwrap_or_else(|e| panic!("kvf_merge launch: {e}"));
+            let differ = |a: &[u16]| a.iter().zip(&separate).filter(|(x, y)| x != y).count();
+            assert_eq!(differ(&fused), 0, "{} step {extra}: fused merge differs", s.key());
+            assert_eq!(
+                differ(&fused_again),
+                0,
+                "{} step {extra}: the second fused run differs (a counter left non-zero?)",
+                s.key()
+            );
+            println!(
+                "{} step {extra}: {} merge jobs, fused == kvf_merge bit for bit, max|gpu-ref| {:.2e} (bound {:.2e})",
+                s.key(),
+                plan.merges.len(),
+                c.max_gpu_err,
+                c.bound
+            );
+        }
+    }
+}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # FP8 weights, one stream (issue 32, bench/RESULTS.md 2026-11-29): fewer launches in a one-token
 # step. The Q/K/V split (bias, RoPE) done in the Q/K/V GEMV's epilogue (`KVFLEET_GEMV_QKV`), the
-# split-KV merge folded into the decode kernel (`KVFLEET_FUSED_MERGE`), the argmax and the
-# embedding with 16-byte loads; each against the code before in the same call.
+# split-KV merge folded into the decode kernel (`KVFLEET_FUSED_MERGE`), a row a warp in the O
+# and down GEMVs (`KVFLEET_FP8_GEMV_ROW`), the argmax and the embedding with 16-byte loads; each
+# against the code before in the same call (the switches at 0 turn each off).
 # Here: release builds of the model bench (`cargo bench --bench model --no-run`) as `model`, the
 # one before as `model-old`, the GPU test binaries `cuda_lib` (kvfleet-cuda's unit tests),
 # `cuda_model` and `cuda_attention`, stripped and xz-compressed into $KVFLEET_L_DIR/bin/
@@ -11,11 +12,13 @@
 #   bash bench/device/fp8_launches.sh tests  # the GPU tests the change touches
 #   bash bench/device/fp8_launches.sh one    # ceilings; one stream, FP8 and bf16, old and new
 #                                            # with each switch off, rounds; 256 streams
+#   bash bench/device/fp8_launches.sh switches  # one stream, FP8, the fused merge off and the
+#                                            # row-a-warp GEMV off, at 128- and 1,024-token prompts
 #   bash bench/device/fp8_launches.sh ncu    # per-kernel times of one decode step (ncu), old and new
 #   bash bench/device/fp8_launches.sh http   # the worker through HTTP: one stream and 256 streams
 # KVFLEET_L_ROUNDS (3).
 set -uo pipefail
-mode=${1:?usage: fp8_launches.sh tests|one|ncu|http}
+mode=${1:?usage: fp8_launches.sh tests|one|switches|ncu|http}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
@@ -61,6 +64,7 @@ case "$mode" in
       bench model 1 128 1 256 "one_fp8_new_$r"
       KVFLEET_GEMV_QKV=0 bench model 1 128 1 256 "one_fp8_noqkv_$r"
       KVFLEET_FUSED_MERGE=0 bench model 1 128 1 256 "one_fp8_nomerge_$r"
+      KVFLEET_FP8_GEMV_ROW=0 bench model 1 128 1 256 "one_fp8_norow_$r"
       [ -x "$bin/model-old" ] && bench model-old 0 128 1 256 "one_bf16_old_$r"
       bench model 0 128 1 256 "one_bf16_new_$r"
     done
@@ -70,6 +74,17 @@ case "$mode" in
     step "256 streams decode (128-token prompts, 64 steps), old and new"
     [ -x "$bin/model-old" ] && bench model-old 1 128 256 64 "b256_fp8_old"
     bench model 1 128 256 64 "b256_fp8_new"
+    ;;
+  switches)
+    # The fused merge and the row-a-warp GEMV, each on and off, at two contexts, rounds.
+    for r in $(seq 1 "${KVFLEET_L_ROUNDS:-3}"); do
+      for p in 128 1024; do
+        step "round $r: one stream, $p-token prompt"
+        bench model 1 $p 1 256 "sw_${p}_new_$r"
+        KVFLEET_FUSED_MERGE=0 bench model 1 $p 1 256 "sw_${p}_nomerge_$r"
+        KVFLEET_FP8_GEMV_ROW=0 bench model 1 $p 1 256 "sw_${p}_norow_$r"
+      done
+    done
     ;;
   ncu)
     for exe in model-old model; do

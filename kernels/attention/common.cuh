@@ -79,7 +79,8 @@ struct WorkItem {
   int key_begin;  // first held key (index into the request's pages) of this split
   int key_end;    // one past the last held key of this split
   int slot;       // partial slot (split-KV) or -1 when this CTA writes O directly
-  int pad0, pad1, pad2;
+  int merge;      // the merge job (index into the step's jobs) that combines `slot`, or -1
+  int pad1, pad2;
 };
 
 struct MergeJob {

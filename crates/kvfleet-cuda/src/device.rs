@@ -1,8 +1,10 @@
 //! Device side: the context, loaded modules per specialisation, KV pools, step buffers and the
-//! launches. A step is one launch sequence (attention, then merge when any request was split),
-//! all on one stream with no host synchronisation, so it can be captured in a CUDA graph.
+//! launches. A step is one launch sequence (attention, then merge when any request was split and
+//! the attention launch did not merge it itself), all on one stream with no host
+//! synchronisation, so it can be captured in a CUDA graph.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
@@ -18,6 +20,15 @@ use super::{driver_err, CudaError};
 pub fn driver_present() -> bool {
     // SAFETY: only tries `dlopen` on libcuda candidate names.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// `KVFLEET_FUSED_MERGE=0` keeps the `kvf_merge` launch after split decode steps (to time the
+/// two against each other); unset or anything else merges in `kvf_decode`. Read when a
+/// specialisation is loaded.
+pub const FUSED_MERGE_ENV: &str = "KVFLEET_FUSED_MERGE";
+
+fn fused_merge_from_env() -> bool {
+    std::env::var(FUSED_MERGE_ENV).map_or(true, |v| v.trim() != "0")
 }
 
 /// One GPU: context, stream, target architecture and compiled kernels.
@@ -40,6 +51,9 @@ pub struct Kernels {
     decode: CudaFunction,
     merge: CudaFunction,
     append: CudaFunction,
+    /// Whether decode-only steps merge split-KV partials in `kvf_decode`'s last CTA of each job
+    /// rather than in a `kvf_merge` launch ([`FUSED_MERGE_ENV`]).
+    fused_merge: AtomicBool,
     /// Launch with programmatic dependent launch (sm_90 and later, [`launch`]).
     pdl: bool,
     /// Seconds NVRTC took for this specialisation.
@@ -116,6 +130,7 @@ impl Gpu {
             decode,
             merge: f("kvf_merge")?,
             append: f("kvf_append")?,
+            fused_merge: AtomicBool::new(fused_merge_from_env()),
             pdl: launch::pdl(self.arch),
             compile_seconds: compiled.compile_time.as_secs_f64(),
         });
@@ -274,6 +289,11 @@ pub struct StepBuffers {
     host: Vec<i32>,
     partial_o: CudaSlice<f32>,
     partial_lse: CudaSlice<f32>,
+    /// One counter per (merge job, KV head) for the merge in `kvf_decode`: zeroed when
+    /// allocated and never again from the host. The kernel keeps them zero between launches (the
+    /// last CTA of a job resets its counter), so the launches of every layer and step that use
+    /// these buffers, one after the other on the stream, find them zero.
+    merge_counters: CudaSlice<i32>,
     pub n_items: usize,
     pub n_prefill: usize,
     pub n_merges: usize,
@@ -315,6 +335,10 @@ impl StepBuffers {
             host: Vec::new(),
             partial_o: one()?,
             partial_lse: one()?,
+            merge_counters: gpu
+                .stream
+                .alloc_zeros::<i32>(1)
+                .map_err(driver_err("allocating step buffers"))?,
             n_items: 0,
             n_prefill: 0,
             n_merges: 0,
@@ -386,6 +410,14 @@ impl StepBuffers {
                 .alloc_zeros::<f32>(pl)
                 .map_err(driver_err("allocating split-KV scratch"))?;
         }
+        // Grown only: a new buffer is zero, and the kernel leaves an old one zero.
+        let counters = plan.merges.len() * kv.kv_heads;
+        if self.merge_counters.len() < counters {
+            self.merge_counters = gpu
+                .stream
+                .alloc_zeros::<i32>(counters)
+                .map_err(driver_err("allocating split-KV merge counters"))?;
+        }
         self.n_items = plan.items.len();
         self.n_prefill = plan.n_prefill;
         self.n_merges = plan.merges.len();
@@ -436,8 +468,20 @@ impl Kernels {
         num_sms.max(1) * per_sm
     }
 
+    /// Whether split decode steps merge in `kvf_decode` (the default; [`FUSED_MERGE_ENV`]).
+    pub fn fused_merge(&self) -> bool {
+        self.fused_merge.load(Ordering::Relaxed)
+    }
+
+    /// Switches the merge of later decode-only steps between `kvf_decode` (`true`) and a
+    /// `kvf_merge` launch, for tests and benchmarks that compare the two in one process.
+    pub fn set_fused_merge(&self, on: bool) {
+        self.fused_merge.store(on, Ordering::Relaxed);
+    }
+
     /// One step of attention for every request of `step`: `q` and `o` are bf16 (as u16)
-    /// `[total_q, kv_heads * group, head_dim]`. Launches attention, then merge when needed.
+    /// `[total_q, kv_heads * group, head_dim]`. Launches attention, then merge when needed:
+    /// a step without prefill items merges in `kvf_decode` unless [`Self::fused_merge`] is off.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -469,11 +513,23 @@ impl Kernels {
             return Ok(());
         }
         let n_prefill = step.n_prefill as i32;
-        let (kernel, smem) = if n_prefill == 0 {
+        let decode_only = n_prefill == 0;
+        let (kernel, smem) = if decode_only {
             (&self.decode, self.spec.decode_smem_bytes())
         } else {
             (&self.attention, self.spec.smem_bytes())
         };
+        // The merge runs in `kvf_decode` only: prefill items are never split (plan_step), but
+        // kvf_attention's register budget is the prefill path's, so mixed steps keep kvf_merge.
+        let fuse = decode_only && step.n_merges > 0 && self.fused_merge();
+        if fuse && step.merge_counters.len() < step.n_merges * kv.kv_heads {
+            return Err(CudaError::InvalidBatch(format!(
+                "{} merge counters for {} merge jobs x {} KV heads: plan the step for this layer's KV heads",
+                step.merge_counters.len(),
+                step.n_merges,
+                kv.kv_heads
+            )));
+        }
         let cfg = LaunchConfig {
             grid_dim: (step.n_items as u32, kv.kv_heads as u32, 1),
             block_dim: (THREADS, 1, 1),
@@ -501,14 +557,28 @@ impl Kernels {
             .f32(kv.k_scale)
             .f32(kv.v_scale)
             .i32(window);
-        // SAFETY: the argument list matches `kvf_attention`'s (and `kvf_decode`'s, the same)
-        // signature in kernels/attention/entry.cu (pointers, then i32/f32 scalars, in order).
+        if decode_only {
+            l.addr(at(MERGES));
+            if fuse {
+                l.ptr_mut(&mut step.merge_counters);
+            } else {
+                l.addr(0);
+            }
+        }
+        // SAFETY: the argument list matches `kvf_attention`'s signature in
+        // kernels/attention/entry.cu (pointers, then i32/f32 scalars, in order), and for
+        // `kvf_decode` the same list plus its merge jobs and counters (null: no merge here).
         // Every pointer is a live device allocation of this context or a section of the step's
         // index buffer (borrowed by `hold`); the batch was validated (page ids < num_blocks,
         // lengths consistent), Q/O sizes were checked above, and partial buffers were sized
-        // from the same plan. Both entries wait for the previous kernel first (PDL).
+        // from the same plan. With counters, every split item names a merge job of the plan and
+        // the counters cover jobs x KV heads (checked above); they are zero, as `refill`
+        // allocates them and every launch that counts leaves them (its last CTA of each job
+        // resets the job's counter), and no two launches count at once: they are passed as a
+        // written buffer, which orders launches on one stream and cudarc's events across
+        // streams. Both entries wait for the previous kernel first (PDL).
         unsafe { l.launch(kernel, cfg, self.pdl) }.map_err(driver_err("launching kvf_attention"))?;
-        if step.n_merges > 0 {
+        if step.n_merges > 0 && !fuse {
             let cfg = LaunchConfig {
                 grid_dim: (step.n_merges as u32, kv.kv_heads as u32, 1),
                 block_dim: (THREADS, 1, 1),

@@ -98,7 +98,8 @@ impl CsrBatch {
     }
 }
 
-/// One CTA's work (times KV heads). `repr(C)`, 8 x i32, mirrored by `WorkItem` in the kernel.
+/// One CTA's work (times KV heads). `repr(C)`, 8 x i32, mirrored by `WorkItem` in
+/// `kernels/attention/common.cuh` (the kernels read it as one 32-byte struct).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C)]
 pub struct WorkItem {
@@ -108,7 +109,10 @@ pub struct WorkItem {
     pub key_end: i32,
     /// Partial slot for split-KV, or -1: the CTA writes O directly.
     pub slot: i32,
-    pub pad: [i32; 3],
+    /// The merge job (index into [`LaunchPlan::merges`]) that combines `slot`, or -1 without
+    /// one: `kvf_decode` counts the CTAs of a job with it and its last CTA runs the merge.
+    pub merge: i32,
+    pub pad: [i32; 2],
 }
 
 /// Combines `slot_count` partial slots of one request. Mirrored by `MergeJob` in the kernel.
@@ -120,6 +124,8 @@ pub struct MergeJob {
     pub slot_count: i32,
     pub pad: i32,
 }
+
+const _: () = assert!(std::mem::size_of::<WorkItem>() == 32 && std::mem::size_of::<MergeJob>() == 16);
 
 /// How one step's batch runs on the device (the engine's `StepPlan` is the step itself):
 /// `items[..n_prefill]` are prefill CTAs, the rest decode CTAs.
@@ -135,7 +141,18 @@ impl LaunchPlan {
     pub fn items_as_i32(&self) -> Vec<i32> {
         self.items
             .iter()
-            .flat_map(|w| [w.request, w.row_base, w.key_begin, w.key_end, w.slot, 0, 0, 0])
+            .flat_map(|w| {
+                [
+                    w.request,
+                    w.row_base,
+                    w.key_begin,
+                    w.key_end,
+                    w.slot,
+                    w.merge,
+                    0,
+                    0,
+                ]
+            })
             .collect()
     }
 
@@ -189,7 +206,8 @@ pub fn plan_step(
                         key_begin: 0,
                         key_end: keys as i32,
                         slot: -1,
-                        pad: [0; 3],
+                        merge: -1,
+                        pad: [0; 2],
                     },
                 ));
                 base += prefill_rows;
@@ -219,11 +237,13 @@ pub fn plan_step(
                 key_begin: 0,
                 key_end: keys as i32,
                 slot: -1,
-                pad: [0; 3],
+                merge: -1,
+                pad: [0; 2],
             });
             continue;
         }
         let slot_begin = plan.n_slots;
+        let merge = plan.merges.len() as i32;
         for c in 0..n_chunks {
             plan.items.push(WorkItem {
                 request: r as i32,
@@ -231,7 +251,8 @@ pub fn plan_step(
                 key_begin: (c * chunk) as i32,
                 key_end: ((c + 1) * chunk).min(keys) as i32,
                 slot: (slot_begin + c) as i32,
-                pad: [0; 3],
+                merge,
+                pad: [0; 2],
             });
         }
         plan.n_slots += n_chunks;
@@ -333,6 +354,45 @@ mod tests {
         assert!(p.merges.iter().any(|m| m.request == 0 && m.slot_count > 1));
         let slots: usize = p.merges.iter().map(|m| m.slot_count as usize).sum();
         assert_eq!(slots, p.n_slots);
+    }
+
+    #[test]
+    fn every_split_item_names_its_merge_job_and_each_job_counts_its_items() {
+        // a mixed step (a prefill chunk first) and a decode-only one, each with several split
+        // requests among unsplit ones
+        for reqs in [
+            vec![(40, 300), (1, 4096), (1, 100), (1, 2000), (2, 3000)],
+            vec![(1, 4096), (1, 17), (1, 2000), (1, 1000)],
+        ] {
+            let b = batch(&reqs);
+            b.validate(16, 10_000).unwrap();
+            let p = plan_step(&b, &spec(), Arch::Sm80, 8, 64);
+            assert!(p.merges.len() >= 2, "{reqs:?}: {} merge jobs", p.merges.len());
+            let mut counted = vec![0; p.merges.len()];
+            for (i, it) in p.items.iter().enumerate() {
+                if it.slot < 0 {
+                    assert_eq!(it.merge, -1, "{it:?}");
+                    continue;
+                }
+                // only decode items are split: prefill items never leave partials for kvf_merge
+                assert!(i >= p.n_prefill, "{it:?}");
+                let job = p.merges[it.merge as usize];
+                assert_eq!(job.request, it.request, "{it:?}");
+                assert!(
+                    (job.slot_begin..job.slot_begin + job.slot_count).contains(&it.slot),
+                    "{it:?}"
+                );
+                counted[it.merge as usize] += 1;
+            }
+            let want: Vec<i32> = p.merges.iter().map(|m| m.slot_count).collect();
+            assert_eq!(counted, want, "{reqs:?}");
+            assert!(want.iter().all(|&n| n >= 2));
+            // the uploaded rows carry the job where the kernel's struct has it
+            let rows = p.items_as_i32();
+            for (it, row) in p.items.iter().zip(rows.chunks(8)) {
+                assert_eq!(row[4..6], [it.slot, it.merge]);
+            }
+        }
     }
 
     #[test]

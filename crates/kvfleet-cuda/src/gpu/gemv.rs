@@ -4,6 +4,8 @@
 //! from 2 tokens and faster from 4 on (bench/RESULTS.md). On sm_90 and later each GEMV is
 //! launched with programmatic dependent launch, so its launch overlaps the previous kernel's
 //! last blocks; the kernel waits for that kernel's results before touching any activation.
+//! FP8 projections whose row pairs do not fill the capped grid (O and down of an 8B model) take
+//! a row a warp instead (`kvf_gemv_fp8_row`), for twice the warps an SM.
 
 use std::sync::Arc;
 
@@ -148,6 +150,9 @@ pub struct Gemv {
     /// kernel, for the rows it takes.
     fp8: Option<CudaFunction>,
     fp8_special: Option<(Fp8Gemv, CudaFunction)>,
+    /// `kvf_gemv_fp8_row` (a row a warp), for the FP8 projections whose row pairs do not fill
+    /// the capped grid, stored or added; with the `Cvt` kernel, unless `KVFLEET_FP8_GEMV_ROW=0`.
+    fp8_row: Option<CudaFunction>,
     stream: Arc<CudaStream>,
     num_sms: usize,
     /// The grid's cap in blocks per SM (0: none).
@@ -191,6 +196,14 @@ impl Gemv {
             fp8_special: fp8
                 .and_then(|v| v.special().map(|(name, smem)| load(name, smem).map(|f| (v, f))))
                 .transpose()?,
+            fp8_row: match fp8 {
+                Some(Fp8Gemv::Cvt)
+                    if std::env::var("KVFLEET_FP8_GEMV_ROW").map_or(true, |v| v.trim() != "0") =>
+                {
+                    Some(load("kvf_gemv_fp8_row", normed)?)
+                }
+                _ => None,
+            },
             stream,
             num_sms,
             blocks_per_sm: std::env::var("KVFLEET_GEMV_BLOCKS_PER_SM")
@@ -237,6 +250,12 @@ impl Gemv {
         let glu = matches!(output, Output::SwiGlu(_));
         let mut special = None;
         let qkv = matches!(output, Output::Qkv(_));
+        let output_mode = match &output {
+            Output::Store(_) => MODE_STORE,
+            Output::Add(_) => MODE_ADD,
+            Output::SwiGlu(_) => MODE_SWIGLU,
+            Output::Qkv(_) => MODE_QKV,
+        };
         let kernel = match w {
             MatRef::Bf16(w) => {
                 need("GEMV weight", w, n * k)?;
@@ -282,6 +301,16 @@ impl Gemv {
         let cap = match self.blocks_per_sm {
             0 => usize::MAX,
             b => self.num_sms.max(1) * b,
+        };
+        // A stored or added FP8 projection whose row pairs do not fill the capped grid: a row a
+        // warp, twice the warps.
+        let by_row = matches!(output_mode, MODE_STORE | MODE_ADD) && blocks < cap;
+        let kernel = match (&self.fp8_row, special) {
+            (Some(f), None) if by_row && matches!(w, MatRef::Fp8 { .. }) => {
+                blocks = n.div_ceil(warps_per_block);
+                f
+            }
+            _ => kernel,
         };
         let blocks = blocks.clamp(1, cap);
         let cfg = LaunchConfig {

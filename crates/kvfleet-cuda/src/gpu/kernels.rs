@@ -77,9 +77,10 @@ pub const FP8_SOURCE: &str = concat!(
 );
 
 /// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
-pub const FP8_KERNELS: [&str; 12] = [
+pub const FP8_KERNELS: [&str; 13] = [
     "kvf_quantize_rows_fp8",
     "kvf_gemv_fp8",
+    "kvf_gemv_fp8_row",
     "kvf_gemv_fp8_int",
     "kvf_gemv_fp8_h2",
     "kvf_gemv_fp8_mma",
