@@ -97,21 +97,7 @@ struct Prepared {
 
 fn prepare(gpu: &Gpu, s: KernelSpec, kv_heads: usize, reqs: &[RequestShape], seed: u64) -> Prepared {
     let sc = Scenario::random(s, kv_heads, reqs, 0, seed, Some(97));
-    let kv = KvLayer::from_host(
-        gpu,
-        s.dtype,
-        sc.num_blocks,
-        kv_heads,
-        16,
-        128,
-        &sc.k,
-        &sc.v,
-        &sc.k_block_scales,
-        &sc.v_block_scales,
-        sc.k_scale,
-        sc.v_scale,
-    )
-    .expect("kv upload");
+    let kv = KvLayer::from_scenario(gpu, &sc).expect("kv upload");
     let q = gpu.upload(&sc.q).expect("q");
     let o = gpu.upload(&vec![0x7fc1u16; sc.q.len()]).expect("o");
     Prepared { sc, kv, q, o }

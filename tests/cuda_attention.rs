@@ -220,21 +220,7 @@ fn gpu_fused_split_kv_merge_is_bit_equal_to_the_merge_launch_and_resets_its_coun
         for extra in 0..2 {
             let seed = base.wrapping_add((2 * i + extra) as u64);
             let sc = Scenario::random(*s, kv_heads, &shapes(extra), window, seed, None);
-            let kv = KvLayer::from_host(
-                &gpu,
-                s.dtype,
-                sc.num_blocks,
-                kv_heads,
-                s.page.get(),
-                s.head_dim.get(),
-                &sc.k,
-                &sc.v,
-                &sc.k_block_scales,
-                &sc.v_block_scales,
-                sc.k_scale,
-                sc.v_scale,
-            )
-            .unwrap();
+            let kv = KvLayer::from_scenario(&gpu, &sc).unwrap();
             // planned for this GPU as the worker plans: the long requests split many ways
             let plan = plan_step(
                 &sc.batch,

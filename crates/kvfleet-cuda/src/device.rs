@@ -13,6 +13,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchCon
 use super::launch::{self, Launch};
 use super::nvrtc::{self, PtxCache};
 use super::plan::{CsrBatch, LaunchPlan};
+use super::scenarios::Scenario;
 use super::spec::{Arch, KernelSpec, KvDtype, THREADS};
 use super::{driver_err, CudaError};
 
@@ -272,6 +273,24 @@ impl KvLayer {
             k_scale,
             v_scale,
         })
+    }
+
+    /// The pools of a random [`Scenario`] (its spec's dtype, page and head size), scales and all.
+    pub fn from_scenario(gpu: &Gpu, sc: &Scenario) -> Result<Self, CudaError> {
+        Self::from_host(
+            gpu,
+            sc.spec.dtype,
+            sc.num_blocks,
+            sc.kv_heads,
+            sc.spec.page.get(),
+            sc.spec.head_dim.get(),
+            &sc.k,
+            &sc.v,
+            &sc.k_block_scales,
+            &sc.v_block_scales,
+            sc.k_scale,
+            sc.v_scale,
+        )
     }
 }
 

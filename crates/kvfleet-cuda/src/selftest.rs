@@ -55,20 +55,7 @@ pub fn run(gpu: &Gpu, spec: &KernelSpec, kv_heads: usize, seed: u64) -> Result<C
     let window = 48;
     let sc = Scenario::random(*spec, kv_heads, &shapes(), window, seed, None);
     let kernels = gpu.kernels(spec)?;
-    let kv = KvLayer::from_host(
-        gpu,
-        spec.dtype,
-        sc.num_blocks,
-        kv_heads,
-        spec.page.get(),
-        spec.head_dim.get(),
-        &sc.k,
-        &sc.v,
-        &sc.k_block_scales,
-        &sc.v_block_scales,
-        sc.k_scale,
-        sc.v_scale,
-    )?;
+    let kv = KvLayer::from_scenario(gpu, &sc)?;
     // few target CTAs so the 1000-key request is split and merged
     let plan = plan_step(&sc.batch, spec, gpu.arch, kv_heads, 8);
     let mut step = StepBuffers::upload(gpu, spec, &kv, &sc.batch, &plan)?;
