@@ -15,7 +15,8 @@
 #   bash bench/device/fp8_launches.sh switches  # one stream, FP8, the fused merge off and the
 #                                            # row-a-warp GEMV off, at 128- and 1,024-token prompts
 #   bash bench/device/fp8_launches.sh ncu    # per-kernel times of one decode step (ncu), old and new
-#   bash bench/device/fp8_launches.sh http   # the worker through HTTP: one stream and 256 streams
+#   bash bench/device/fp8_launches.sh http   # the worker through HTTP, FP8 and bf16 up at once:
+#                                            # one stream and 256 streams, rounds
 # KVFLEET_L_ROUNDS (3).
 set -uo pipefail
 mode=${1:?usage: fp8_launches.sh tests|one|switches|ncu|http}
@@ -25,7 +26,7 @@ export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
 dev=${KVFLEET_L_DIR:-.device/fp8-launches}
 bin=/root/launches-bin; mkdir -p "$bin"
 for f in $dev/bin/*.xz; do
-  b="$bin/$(basename "$f" .xz)"; [ -x "$b" ] || { xz -dc "$f" > "$b" && chmod +x "$b"; }
+  b="$bin/$(basename "$f" .xz)"; xz -dc "$f" > "$b" && chmod +x "$b"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 t0=$(date +%s)
@@ -99,25 +100,35 @@ case "$mode" in
     done
     ;;
   http)
-    step "HTTP: the worker (FP8, dummy Llama-3.1-8B)"
-    "$bin/kvfleet" worker --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
-      --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 2048 \
-      --gpu-memory-utilization 0.9 --max-waiting 4096 --quantization fp8 > "$OUT/worker.log" 2>&1 &
-    for _ in $(seq 1 150); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
-    timeout 60 python3 $dev/http_load.py --port 8000 --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-      --requests 256 --vocab 128000 > "$OUT/http_warm.log" 2>&1
+    step "HTTP: the worker twice, FP8 and bf16 (dummy Llama-3.1-8B), 0.45 of the memory each"
+    port=8000
+    for w in fp8 bf16; do
+      q=(); [ $w = fp8 ] && q=(--quantization fp8)
+      "$bin/kvfleet" worker --listen 127.0.0.1:$port --model-weights dummy --model-config $dev/llama-3.1-8b.json \
+        --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 2048 \
+        --gpu-memory-utilization 0.45 --max-waiting 4096 "${q[@]}" > "$OUT/worker_$w.log" 2>&1 &
+      for _ in $(seq 1 150); do curl -sf 127.0.0.1:$port/readyz >/dev/null && break; sleep 1; done
+      curl -sf 127.0.0.1:$port/readyz >/dev/null || { echo "$w not ready"; tail -5 "$OUT/worker_$w.log"; }
+      timeout 60 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
+        --requests 256 --vocab 128000 > "$OUT/http_warm_$w.log" 2>&1
+      port=$((port + 1))
+    done
     show() { tail -1 "$1" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"$2"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'; }
     for r in $(seq 1 "${KVFLEET_L_ROUNDS:-3}"); do
-      step "HTTP round $r: 1 stream x 130/512, 2 requests"
-      timeout 60 python3 $dev/http_load.py --port 8000 --concurrency 1 --prompt-tokens 130 --output-tokens 512 \
-        --requests 2 --vocab 128000 > "$OUT/http1_$r.log" 2>&1
-      show "$OUT/http1_$r.log" "one $r"
-      step "HTTP round $r: 256 streams x 130/512, 512 requests"
-      timeout 120 python3 $dev/http_load.py --port 8000 --concurrency 256 --prompt-tokens 130 --output-tokens 512 \
-        --requests 512 --vocab 128000 > "$OUT/http256_$r.log" 2>&1
-      show "$OUT/http256_$r.log" "256 $r"
+      port=8000
+      for w in fp8 bf16; do
+        step "HTTP round $r: $w, 1 stream x 130/512, 2 requests"
+        timeout 60 python3 $dev/http_load.py --port $port --concurrency 1 --prompt-tokens 130 --output-tokens 512 \
+          --requests 2 --vocab 128000 > "$OUT/http1_${w}_$r.log" 2>&1
+        show "$OUT/http1_${w}_$r.log" "$w one $r"
+        step "HTTP round $r: $w, 256 streams x 130/512, 512 requests"
+        timeout 120 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 512 \
+          --requests 512 --vocab 128000 > "$OUT/http256_${w}_$r.log" 2>&1
+        show "$OUT/http256_${w}_$r.log" "$w 256 $r"
+        port=$((port + 1))
+      done
     done
-    kill %1 2>/dev/null
+    kill %1 %2 2>/dev/null
     ;;
 esac
 step done
