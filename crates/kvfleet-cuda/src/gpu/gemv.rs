@@ -249,7 +249,6 @@ impl Gemv {
         let mut l = Launch::new(&self.stream);
         let glu = matches!(output, Output::SwiGlu(_));
         let mut special = None;
-        let qkv = matches!(output, Output::Qkv(_));
         let output_mode = match &output {
             Output::Store(_) => MODE_STORE,
             Output::Add(_) => MODE_ADD,
@@ -268,7 +267,7 @@ impl Gemv {
                 l.ptr(q).ptr(scale);
                 match (&self.fp8_special, &self.fp8) {
                     // The tensor-core kernel has no Q/K/V epilogue.
-                    (Some((v, f)), _) if v.takes(k) && !(qkv && *v == Fp8Gemv::Mma) => {
+                    (Some((v, f)), _) if v.takes(k) && !(output_mode == MODE_QKV && *v == Fp8Gemv::Mma) => {
                         special = Some(*v);
                         f
                     }
