@@ -893,3 +893,74 @@ fn draws_equal_the_host_draws(v: usize) {
     }
     println!("vocab {v}: device picks equal to the host's: {exact} of {rows}");
 }
+
+/// `KVFLEET_EARLY_LAUNCH` moves when kernels start, never what they compute: the same one-token
+/// steps give the same logits, bit for bit, with every early launch on (the decode kernel's
+/// trigger, the GEMVs' triggers, L2 prefetches and evict-first loads) as with none, for bf16 and
+/// FP8 weights. The geometry gives gate/up more units than the capped grid has warps (so warps
+/// run several units and trigger at their last), and a 700-token context splits the decode
+/// across CTAs (its merge in the last one).
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_early_launches_leave_one_token_logits_bit_equal() {
+    use kvfleet_cuda::launch::{early_launch, set_early_launch, EarlyLaunch};
+    let before = early_launch();
+    let mut cfg = LlamaConfig::llama(3, 1024, 8192, 8, 2, 1000);
+    cfg.context_len = 2048;
+    let m = Llama::dummy(cfg, 29).expect("dummy model");
+    let prompt: Vec<u32> = (0..700u32).map(|i| (i * 37 + 5) % 1000).collect();
+    let steps: Vec<u32> = (0..12u32).map(|i| (i * 101 + 7) % 1000).collect();
+    for fp8 in [false, true] {
+        let run = |early: EarlyLaunch| -> Vec<Vec<f32>> {
+            set_early_launch(early);
+            let o = GpuOptions {
+                fp8_weights: fp8,
+                ..opts()
+            };
+            let g = GpuLlama::from_llama(gpu(), &m, &o)
+                .unwrap_or_else(|e| panic!("cannot build the GPU model: {e}"));
+            let planner = DirectPlanner::new(g.kv_config().block_size, &g.kv_config().groups);
+            let mut s = Stepped {
+                g,
+                planner,
+                plan: StepPlan::default(),
+            };
+            let mut out = Vec::new();
+            s.forward(&[chunk(0, 0, &prompt[..350])]).unwrap();
+            out.push(s.forward(&[chunk(0, 350, &prompt[350..])]).unwrap());
+            for (i, t) in steps.iter().enumerate() {
+                out.push(
+                    s.forward(&[chunk(0, prompt.len() + i, std::slice::from_ref(t))])
+                        .unwrap(),
+                );
+            }
+            out
+        };
+        let plain = run(EarlyLaunch::NONE);
+        let early = run(EarlyLaunch::ALL);
+        let again = run(EarlyLaunch::ALL);
+        set_early_launch(before);
+        for (i, ((p, e), a)) in plain.iter().zip(&early).zip(&again).enumerate() {
+            assert!(
+                p.iter().all(|x| x.is_finite()),
+                "fp8 {fp8}, step {i}: logits not finite"
+            );
+            let same = |x: &[f32], y: &[f32]| {
+                x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            let (d, s) = diff(e, p);
+            assert!(
+                same(p, e),
+                "fp8 {fp8}, step {i}: early launches moved the logits by up to {d} (max {s})"
+            );
+            assert!(
+                same(e, a),
+                "fp8 {fp8}, step {i}: two runs with early launches differ"
+            );
+        }
+        eprintln!(
+            "fp8 {fp8}: {} steps bit-equal with and without early launches",
+            plain.len()
+        );
+    }
+}

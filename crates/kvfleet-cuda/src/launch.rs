@@ -10,8 +10,17 @@
 //! (before sm_90) the wait is a no-op. No kernel here triggers its dependents early
 //! (`griddepcontrol.launch_dependents`): measured slower (bench/RESULTS.md).
 //!
+//! The exceptions, each a word of `KVFLEET_EARLY_LAUNCH` ([`EarlyLaunch`]), to time them: the
+//! decode kernel triggers once it has waited, so the next kernel's blocks (the O projection's
+//! GEMV in a one-token step) are resident while attention runs; the single-token GEMVs trigger
+//! when a warp starts its last unit of work, and fetch their first rows into L2 before their
+//! wait. A kernel still reads nothing a previous kernel writes before its wait, and it triggers
+//! only after it, so at most one kernel waits early behind the one that runs.
+//!
 //! cudarc's launch builder has no launch attributes, hence [`Launch`]: it collects the arguments
 //! the same way (device addresses of borrowed buffers, scalars) and launches raw.
+
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::spec::Arch;
 use cudarc::driver::sys;
@@ -129,5 +138,151 @@ impl<'a> Launch<'a> {
             unsafe { sys::cuLaunchKernelEx(&c, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) };
         drop(self.guards);
         r.result()
+    }
+}
+
+/// Which kernels let the next kernel start before they end (`KVFLEET_EARLY_LAUNCH`: words
+/// `decode`, `gemv`, `prefetch`, `evict`, or `all` / `none`; see the module docs). One setting
+/// for the process, read at the first launch that asks; [`set_early_launch`] changes it for
+/// the launches after, to compare settings in one process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EarlyLaunch {
+    /// `kvf_decode` triggers its dependents right after its wait.
+    pub decode: bool,
+    /// A single-token GEMV triggers its dependents when one of its warps starts its last unit.
+    pub gemv: bool,
+    /// A single-token GEMV fetches the first 4 KiB of each row of its warps' first units into
+    /// L2 before it waits (the weights never depend on the kernel before).
+    pub prefetch: bool,
+    /// A single-token GEMV streams its weights with L2's evict-first policy, so that the rows
+    /// the next GEMV fetched early stay cached.
+    pub evict: bool,
+}
+
+/// `KVFLEET_EARLY_LAUNCH`, the switch of [`EarlyLaunch`].
+pub const EARLY_LAUNCH_ENV: &str = "KVFLEET_EARLY_LAUNCH";
+
+/// The GEMV kernels' `flow` bits (kernels/gemv.cu `FLOW_*`).
+const FLOW_TRIGGER: i32 = 1;
+const FLOW_PREFETCH: i32 = 2;
+const FLOW_EVICT: i32 = 4;
+/// The stored setting's bits; `UNREAD` until the environment has been read.
+const UNREAD: u8 = 0x80;
+static EARLY: AtomicU8 = AtomicU8::new(UNREAD);
+
+impl EarlyLaunch {
+    pub const ALL: EarlyLaunch = EarlyLaunch {
+        decode: true,
+        gemv: true,
+        prefetch: true,
+        evict: true,
+    };
+    pub const NONE: EarlyLaunch = EarlyLaunch {
+        decode: false,
+        gemv: false,
+        prefetch: false,
+        evict: false,
+    };
+    /// What runs when `KVFLEET_EARLY_LAUNCH` is unset.
+    pub const DEFAULT: EarlyLaunch = EarlyLaunch::NONE;
+
+    /// Parses the switch's words, comma-separated; an unknown word is an error naming it.
+    pub fn parse(v: &str) -> Result<Self, String> {
+        match v.trim() {
+            "" => return Ok(Self::DEFAULT),
+            "all" => return Ok(Self::ALL),
+            "none" => return Ok(Self::NONE),
+            _ => {}
+        }
+        let mut e = Self::NONE;
+        for w in v.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            match w {
+                "decode" => e.decode = true,
+                "gemv" => e.gemv = true,
+                "prefetch" => e.prefetch = true,
+                "evict" => e.evict = true,
+                other => {
+                    return Err(format!(
+                        "{EARLY_LAUNCH_ENV}: unknown word {other:?} (words: decode, gemv, prefetch, evict; or all, none)"
+                    ))
+                }
+            }
+        }
+        Ok(e)
+    }
+
+    /// The `flow` argument of the GEMV kernels for this setting.
+    pub fn gemv_flow(self) -> i32 {
+        (if self.gemv { FLOW_TRIGGER } else { 0 })
+            | (if self.prefetch { FLOW_PREFETCH } else { 0 })
+            | (if self.evict { FLOW_EVICT } else { 0 })
+    }
+
+    fn bits(self) -> u8 {
+        u8::from(self.decode)
+            | u8::from(self.gemv) << 1
+            | u8::from(self.prefetch) << 2
+            | u8::from(self.evict) << 3
+    }
+
+    fn from_bits(b: u8) -> Self {
+        EarlyLaunch {
+            decode: b & 1 != 0,
+            gemv: b & 2 != 0,
+            prefetch: b & 4 != 0,
+            evict: b & 8 != 0,
+        }
+    }
+}
+
+/// The process's setting: `KVFLEET_EARLY_LAUNCH` when first asked (an unknown word is logged
+/// and the default kept), or what [`set_early_launch`] stored since.
+pub fn early_launch() -> EarlyLaunch {
+    let b = EARLY.load(Ordering::Relaxed);
+    if b != UNREAD {
+        return EarlyLaunch::from_bits(b);
+    }
+    let e = match std::env::var(EARLY_LAUNCH_ENV) {
+        Ok(v) => EarlyLaunch::parse(&v).unwrap_or_else(|error| {
+            tracing::warn!(%error, "keeping the default early launches");
+            EarlyLaunch::DEFAULT
+        }),
+        Err(_) => EarlyLaunch::DEFAULT,
+    };
+    // A set_early_launch racing this first read wins.
+    let _ = EARLY.compare_exchange(UNREAD, e.bits(), Ordering::Relaxed, Ordering::Relaxed);
+    EarlyLaunch::from_bits(EARLY.load(Ordering::Relaxed))
+}
+
+/// Sets the early launches of the kernels launched from now on (tests and benchmarks that
+/// compare settings in one process).
+pub fn set_early_launch(e: EarlyLaunch) {
+    EARLY.store(e.bits(), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn early_launch_words_set_their_switches_and_unknown_words_are_named() {
+        assert_eq!(EarlyLaunch::parse("all"), Ok(EarlyLaunch::ALL));
+        assert_eq!(EarlyLaunch::parse(" none "), Ok(EarlyLaunch::NONE));
+        assert_eq!(EarlyLaunch::parse(""), Ok(EarlyLaunch::DEFAULT));
+        let e = EarlyLaunch::parse("decode, prefetch").unwrap();
+        assert!(e.decode && e.prefetch && !e.gemv && !e.evict);
+        assert_eq!(e.gemv_flow(), FLOW_PREFETCH);
+        assert_eq!(
+            EarlyLaunch::ALL.gemv_flow(),
+            FLOW_TRIGGER | FLOW_PREFETCH | FLOW_EVICT
+        );
+        let err = EarlyLaunch::parse("decode,graph").unwrap_err();
+        assert!(
+            err.contains("\"graph\"") && err.contains(EARLY_LAUNCH_ENV),
+            "{err}"
+        );
+        for b in 0..16u8 {
+            assert_eq!(EarlyLaunch::from_bits(b).bits(), b);
+        }
     }
 }
