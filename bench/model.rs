@@ -21,8 +21,7 @@
 //! Env: `KVFLEET_BENCH_MODELS=smollm2,llama3-8b`, `KVFLEET_BENCH_BATCHES=1,32,256`,
 //! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`,
 //! `KVFLEET_BENCH_GEMV=0` (single-token steps on cuBLAS GEMMs, not the fused GEMVs),
-//! `KVFLEET_BENCH_FP8=1` (FP8 linear weights), `KVFLEET_BENCH_EARLY=none;decode;all` (early-launch
-//! settings timed against each other, runs interleaved). Each batch also prints its prefill's time (the
+//! `KVFLEET_BENCH_FP8=1` (FP8 linear weights). Each batch also prints its prefill's time (the
 //! prompt in chunks of up to 2,048 tokens) and the linear layers' TFLOP/s in it.
 //!
 //! `cargo bench --bench model` (release). The model is found through env
@@ -300,21 +299,6 @@ mod gpu {
             Ok(d) => KvDtype::resolve(d, KvDtype::Bf16),
             Err(e) => fail("KVFLEET_BENCH_KV_DTYPE", e),
         };
-        // `KVFLEET_BENCH_EARLY=none;decode,prefetch;all`: early-launch settings
-        // (`KVFLEET_EARLY_LAUNCH`'s words) timed against each other in this process, their runs
-        // interleaved; unset: the process's setting alone.
-        let early: Vec<(String, Option<kvfleet_cuda::launch::EarlyLaunch>)> =
-            match std::env::var("KVFLEET_BENCH_EARLY") {
-                Ok(v) => v
-                    .split(';')
-                    .map(|w| {
-                        let e = kvfleet_cuda::launch::EarlyLaunch::parse(w)
-                            .unwrap_or_else(|e| fail("KVFLEET_BENCH_EARLY", e));
-                        (w.trim().to_string(), Some(e))
-                    })
-                    .collect(),
-                Err(_) => vec![(String::new(), None)],
-            };
         let max_batch = batches.iter().copied().max().unwrap_or(1);
         let max_model_len = super::env_list("KVFLEET_BENCH_MAX_MODEL_LEN", &[4096])[0];
         let opts = GpuOptions {
@@ -421,62 +405,51 @@ mod gpu {
                     );
                     continue;
                 }
-                // Each early-launch setting's runs interleaved with the others' (one warm-up round).
-                let mut per: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)> = vec![Default::default(); early.len()];
+                let mut runs = Vec::new();
+                let mut fwd = Vec::new();
+                let mut prefill = Vec::new();
                 for r in 0..4 {
-                    for (i, (_, e)) in early.iter().enumerate() {
-                        if let Some(e) = e {
-                            kvfleet_cuda::launch::set_early_launch(*e);
-                        }
-                        seq += b as u64;
-                        let (tps, f, p) = run(&mut m, &prompt, b, steps, seq * 1000)
-                            .unwrap_or_else(|e| fail(&format!("{label} batch {b}"), e));
-                        if r > 0 {
-                            per[i].0.push(tps);
-                            per[i].1.push(f.as_secs_f64() * 1000.0 / steps as f64);
-                            per[i].2.push(p.as_secs_f64());
-                        }
+                    seq += b as u64;
+                    let (tps, f, p) = run(&mut m, &prompt, b, steps, seq * 1000)
+                        .unwrap_or_else(|e| fail(&format!("{label} batch {b}"), e));
+                    if r > 0 {
+                        runs.push(tps);
+                        fwd.push(f.as_secs_f64() * 1000.0 / steps as f64);
+                        prefill.push(p.as_secs_f64());
                     }
                 }
-                for ((name, _), (mut runs, mut fwd, mut prefill)) in early.iter().zip(per) {
-                    let label_b = if name.is_empty() {
-                        format!("{label} batch {b}")
-                    } else {
-                        format!("{label} batch {b} early {name}")
-                    };
-                    prefill.sort_by(f64::total_cmp);
-                    // The linear layers' work in the prefill (2 FLOPs a weight a token; the LM head
-                    // runs on the last rows only), against the GEMM ceilings peers.py measures.
-                    let c = m.config();
-                    let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-                    let per_layer = c.d_model * (qw + 2 * kw) + qw * c.d_model + 3 * c.d_model * c.d_ff;
-                    let flops = 2.0 * (b * prompt_len) as f64 * (per_layer * c.n_layers) as f64;
-                    println!(
-                        "{label_b}: prefill of {} tokens {:.2} ms (median of 3), linear layers {:.0} TFLOP/s",
-                        b * prompt_len,
-                        prefill[1] * 1e3,
-                        flops / prefill[1] / 1e12
-                    );
-                    let shown = runs
-                        .iter()
-                        .map(|r| format!("{r:.1}"))
-                        .collect::<Vec<_>>()
-                        .join(" ");
-                    runs.sort_by(f64::total_cmp);
-                    fwd.sort_by(f64::total_cmp);
-                    println!(
-                        "{label_b}: {:.1} tok/s (runs {shown}); forward incl. the token copy {:.2} ms/step",
-                        runs[1], fwd[1]
-                    );
-                    rows.push(Row {
-                        model: label,
-                        batch: b,
-                        median: runs[1],
-                        runs,
-                        forward_ms: fwd[1],
-                        kv_tokens: cap.kv_tokens,
-                    });
-                }
+                prefill.sort_by(f64::total_cmp);
+                // The linear layers' work in the prefill (2 FLOPs a weight a token; the LM head
+                // runs on the last rows only), against the GEMM ceilings peers.py measures.
+                let c = m.config();
+                let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+                let per_layer = c.d_model * (qw + 2 * kw) + qw * c.d_model + 3 * c.d_model * c.d_ff;
+                let flops = 2.0 * (b * prompt_len) as f64 * (per_layer * c.n_layers) as f64;
+                println!(
+                    "{label} batch {b}: prefill of {} tokens {:.2} ms (median of 3), linear layers {:.0} TFLOP/s",
+                    b * prompt_len,
+                    prefill[1] * 1e3,
+                    flops / prefill[1] / 1e12
+                );
+                let shown = runs
+                    .iter()
+                    .map(|r| format!("{r:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                runs.sort_by(f64::total_cmp);
+                fwd.sort_by(f64::total_cmp);
+                println!(
+                    "{label} batch {b}: {:.1} tok/s (runs {shown}); forward incl. the token copy {:.2} ms/step",
+                    runs[1], fwd[1]
+                );
+                rows.push(Row {
+                    model: label,
+                    batch: b,
+                    median: runs[1],
+                    runs,
+                    forward_ms: fwd[1],
+                    kv_tokens: cap.kv_tokens,
+                });
             }
             drop(m);
         }

@@ -165,15 +165,15 @@ extern "C" __global__ void __launch_bounds__(256) kvf_quantize_rows_fp8(const bf
 }
 
 // kvf_gemv's contract (kernels/gemv.cu) over e4m3 weights w [n_rows, k] with f32 scales
-// wscale [n_rows]; k a multiple of 16 (GEMV_QKV as there, but not in kvf_gemv_fp8_mma; flow as
-// there, but kvf_gemv_fp8_mma ignores it). Block 256 threads, any grid. CONV: FP8_INT, FP8_CVT or FP8_H2 (which stages every input, normed or
+// wscale [n_rows]; k a multiple of 16 (GEMV_QKV as there, but not in kvf_gemv_fp8_mma). Block
+// 256 threads, any grid. CONV: FP8_INT, FP8_CVT or FP8_H2 (which stages every input, normed or
 // not: 2 k bytes of dynamic shared memory).
 #define KVF_GEMV_FP8_PARAMS                                                                                     \
     const unsigned char *__restrict__ w, const float *__restrict__ wscale, int n_rows, int k, int half,          \
         const bf16 *__restrict__ xb, const float *__restrict__ x, const int *__restrict__ row,                   \
         const float *__restrict__ norm_w, float eps, int mode, float *__restrict__ y, bf16 *__restrict__ act,  \
-        KVF_GEMV_QKV_PARAMS, int flow
-#define KVF_GEMV_FP8_ARGS w, wscale, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act, KVF_GEMV_QKV_ARGS, flow
+        KVF_GEMV_QKV_PARAMS
+#define KVF_GEMV_FP8_ARGS w, wscale, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act, KVF_GEMV_QKV_ARGS
 
 // The input row of an FP8 GEMV, bf16: RMSNorm(x[row or 0]) * norm_w written into the block's
 // shared memory (norm_w set), or xb as given. Every thread of the block calls it.
@@ -232,15 +232,9 @@ __device__ __forceinline__ float stage_input_f16(const bf16* __restrict__ xb, co
 
 // ONE: a warp owns one row (GEMV_STORE and GEMV_ADD only), for twice the warps on a projection
 // whose row pairs do not fill the capped grid.
-// EF: the weights streamed evict-first (FLOW_EVICT).
-template <int CONV, int U = GEMV_UNROLL, bool ONE = false, bool EF = false>
+template <int CONV, int U = GEMV_UNROLL, bool ONE = false>
 __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
-    const int units = ONE ? n_rows : mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
-    if (flow & FLOW_PREFETCH)
-        prefetch_first_unit(w, (size_t)k, mode, ONE, units, n_rows, half, n_heads, n_kv_heads, head_dim, rope_half,
-                            neox);
-    const unsigned long long pol = EF ? evict_first_policy() : 0ull;
     kvf_wait_prior_grid();
     const float xs = CONV == FP8_INT ? FP8_INT_X_SCALE : 1.f;
     float back = CONV == FP8_INT ? FP8_INT_SUM_SCALE : 1.f;
@@ -251,13 +245,15 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     } else {
         xi = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, gemv_smem));
     }
+    const int units = ONE ? n_rows : mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
     const int lane = threadIdx.x & 31;
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
     const int kc = k >> 4;  // 16-byte chunks a row: 16 weights, 32 bytes of input
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
-        if ((flow & FLOW_TRIGGER) && u + warps >= units) kvf_launch_dependents();
-        int r0, r1, f;
-        gemv_unit_rows(mode, ONE, u, n_rows, half, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
+        int r0 = ONE ? u : mode == GEMV_SWIGLU ? u : 2 * u;
+        int r1 = ONE ? n_rows : mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int f = -1;
+        if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
         const bool has1 = r1 < n_rows;
         const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
         const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
@@ -267,8 +263,8 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
 #pragma unroll
             for (int j = 0; j < U; ++j) {
                 const int c = c0 + 32 * j;
-                p0[j] = c < kc ? ld_weights<EF>(w0 + c, pol) : make_uint4(0, 0, 0, 0);
-                if constexpr (!ONE) p1[j] = c < kc ? ld_weights<EF>(w1 + c, pol) : make_uint4(0, 0, 0, 0);
+                p0[j] = c < kc ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
+                if constexpr (!ONE) p1[j] = c < kc ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int j = 0; j < U; ++j) {
@@ -304,11 +300,7 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARAMS) {
-    if (flow & FLOW_EVICT) {
-        gemv_fp8<FP8_CVT, GEMV_UNROLL, false, true>(KVF_GEMV_FP8_ARGS);
-    } else {
-        gemv_fp8<FP8_CVT, GEMV_UNROLL, false, false>(KVF_GEMV_FP8_ARGS);
-    }
+    gemv_fp8<FP8_CVT>(KVF_GEMV_FP8_ARGS);
 }
 
 // kvf_gemv_fp8 with a row a warp (GEMV_STORE and GEMV_ADD), for the projections whose row pairs
@@ -316,27 +308,15 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARA
 // SM): twice the warps an SM. On an H200 one stream ran 0.6-1.0% faster so; 4 chunks a lane in
 // flight instead of 2 (with a row or a pair a warp) and 8 were slower (bench/RESULTS.md).
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_row(KVF_GEMV_FP8_PARAMS) {
-    if (flow & FLOW_EVICT) {
-        gemv_fp8<FP8_CVT, GEMV_UNROLL, true, true>(KVF_GEMV_FP8_ARGS);
-    } else {
-        gemv_fp8<FP8_CVT, GEMV_UNROLL, true, false>(KVF_GEMV_FP8_ARGS);
-    }
+    gemv_fp8<FP8_CVT, GEMV_UNROLL, true>(KVF_GEMV_FP8_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_PARAMS) {
-    if (flow & FLOW_EVICT) {
-        gemv_fp8<FP8_INT, GEMV_UNROLL, false, true>(KVF_GEMV_FP8_ARGS);
-    } else {
-        gemv_fp8<FP8_INT, GEMV_UNROLL, false, false>(KVF_GEMV_FP8_ARGS);
-    }
+    gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_h2(KVF_GEMV_FP8_PARAMS) {
-    if (flow & FLOW_EVICT) {
-        gemv_fp8<FP8_H2, GEMV_UNROLL, false, true>(KVF_GEMV_FP8_ARGS);
-    } else {
-        gemv_fp8<FP8_H2, GEMV_UNROLL, false, false>(KVF_GEMV_FP8_ARGS);
-    }
+    gemv_fp8<FP8_H2>(KVF_GEMV_FP8_ARGS);
 }
 
 // kvf_gemv_fp8_mma: the same contract on the tensor cores, W8A8 like the GEMMs. The input row

@@ -62,49 +62,6 @@ constexpr int GEMV_QKV = 3;     // bf16 Q/K/V from the fused projection (QkvRope
 // Chunks of a row each lane has in flight per iteration.
 constexpr int GEMV_UNROLL = 2;
 
-// The `flow` argument's bits (crates/kvfleet-cuda/src/launch.rs, `EarlyLaunch`):
-constexpr int FLOW_TRIGGER = 1;   // trigger the next kernel when a warp starts its last unit
-constexpr int FLOW_PREFETCH = 2;  // fetch the warp's first unit's rows into L2 before the wait
-constexpr int FLOW_EVICT = 4;     // stream the weights with L2's evict-first policy
-// What FLOW_PREFETCH fetches of a row: one 128-byte line a lane.
-constexpr int PREFETCH_ROW_BYTES = 32 * 128;
-
-// ld_stream with the L2 evict-first policy `pol`: the streamed rows leave L2 before the lines
-// a GEMV launched early fetched for itself.
-__device__ __forceinline__ uint4 ld_stream_ef(const uint4* p, unsigned long long pol) {
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "l"(pol));
-    return r;
-}
-
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
-
-// A weight chunk: evict-first (EF) or not.
-template <bool EF>
-__device__ __forceinline__ uint4 ld_weights(const uint4* p, unsigned long long pol) {
-    if constexpr (EF) {
-        return ld_stream_ef(p, pol);
-    } else {
-        return ld_stream(p);
-    }
-}
-
-// The first PREFETCH_ROW_BYTES of row r0, and of row r1 when r1 >= 0, of rows of row_bytes
-// into L2. Weights only: no kernel of a step writes them, so this may run before the wait.
-__device__ __forceinline__ void prefetch_rows(const unsigned char* w, size_t row_bytes, int r0, int r1, int lane) {
-    const size_t n = row_bytes < (size_t)PREFETCH_ROW_BYTES ? row_bytes : (size_t)PREFETCH_ROW_BYTES;
-    for (size_t off = (size_t)lane * 128; off < n; off += 32 * 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (size_t)r0 * row_bytes + off));
-        if (r1 >= 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (size_t)r1 * row_bytes + off));
-    }
-}
-
 }  // namespace
 
 // GEMV_QKV: the one-token step's Q/K/V projection writes what kvf_qkv_post would make of its
@@ -172,51 +129,21 @@ __device__ __forceinline__ void qkv_put(KVF_GEMV_QKV_PARAMS, int r0, int r1, int
     }
 }
 
-// The rows of unit u (and the RoPE frequency under GEMV_QKV, -1: none): a row pair, gate row
-// u and up row half + u (GEMV_SWIGLU), the pair a rotation mixes (GEMV_QKV), or row u alone
-// (one; r1 = n_rows then). r1 >= n_rows: the unit has one row.
-__device__ __forceinline__ void gemv_unit_rows(int mode, bool one, int u, int n_rows, int half, int n_heads,
-                                               int n_kv_heads, int head_dim, int rope_half, int neox, int& r0,
-                                               int& r1, int& f) {
-    r0 = one || mode == GEMV_SWIGLU ? u : 2 * u;
-    r1 = one ? n_rows : mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
-    f = -1;
-    if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
-}
-
-// FLOW_PREFETCH: the calling warp's first unit's rows into L2 (before the wait).
-__device__ __forceinline__ void prefetch_first_unit(const unsigned char* w, size_t row_bytes, int mode, bool one,
-                                                    int units, int n_rows, int half, int n_heads, int n_kv_heads,
-                                                    int head_dim, int rope_half, int neox) {
-    const int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    if (u >= units) return;
-    int r0, r1, f;
-    gemv_unit_rows(mode, one, u, n_rows, half, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
-    prefetch_rows(w, row_bytes, r0, r1 < n_rows ? r1 : -1, threadIdx.x & 31);
-}
-
 }  // namespace
 
 // y or act from one token: w bf16 [n_rows, k], k a multiple of 8. Input: the bf16 row xb [k],
 // or (norm_w set) RMSNorm(x[row ? *row : 0]) * norm_w of an f32 row of x, normalised into k
 // bf16 of dynamic shared memory. mode: GEMV_STORE / GEMV_ADD into f32 y [n_rows], or
 // GEMV_SWIGLU into bf16 act [half] with n_rows = 2 half, or GEMV_QKV into Q/K/V (the
-// KVF_GEMV_QKV_PARAMS, read only then). flow: FLOW_* bits. Block 256 threads (rms_row's block
-// size in kvf_rms_norm), any grid.
-#define KVF_GEMV_PARAMS                                                                                      \
-    const bf16 *__restrict__ w, int n_rows, int k, int half, const bf16 *__restrict__ xb,                    \
-        const float *__restrict__ x, const int *__restrict__ row, const float *__restrict__ norm_w, float eps, \
-        int mode, float *__restrict__ y, bf16 *__restrict__ act, KVF_GEMV_QKV_PARAMS, int flow
-#define KVF_GEMV_ARGS w, n_rows, k, half, xb, x, row, norm_w, eps, mode, y, act, KVF_GEMV_QKV_ARGS, flow
-
-template <bool EF>
-__device__ __forceinline__ void gemv_bf16(KVF_GEMV_PARAMS) {
+// KVF_GEMV_QKV_PARAMS, read only then). Block 256 threads (rms_row's block size in kvf_rms_norm),
+// any grid.
+extern "C" __global__ void __launch_bounds__(256) kvf_gemv(const bf16* __restrict__ w, int n_rows, int k, int half,
+                                                           const bf16* __restrict__ xb, const float* __restrict__ x,
+                                                           const int* __restrict__ row,
+                                                           const float* __restrict__ norm_w, float eps, int mode,
+                                                           float* __restrict__ y, bf16* __restrict__ act,
+                                                           KVF_GEMV_QKV_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
-    const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
-    if (flow & FLOW_PREFETCH)
-        prefetch_first_unit(reinterpret_cast<const unsigned char*>(w), (size_t)k * 2, mode, false, units, n_rows,
-                            half, n_heads, n_kv_heads, head_dim, rope_half, neox);
-    const unsigned long long pol = EF ? evict_first_policy() : 0ull;
     // Launched with PDL on sm_90 and later: wait for the previous kernel's results first.
     kvf_wait_prior_grid();
     const bf16* in = xb;
@@ -226,14 +153,16 @@ __device__ __forceinline__ void gemv_bf16(KVF_GEMV_PARAMS) {
         __syncthreads();
         in = sx;
     }
+    const int units = mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
     const int lane = threadIdx.x & 31;
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
     const int kc = k >> 3;  // 16-byte chunks a row
     const uint4* xi = reinterpret_cast<const uint4*>(in);
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += warps) {
-        if ((flow & FLOW_TRIGGER) && u + warps >= units) kvf_launch_dependents();
-        int r0, r1, f;
-        gemv_unit_rows(mode, false, u, n_rows, half, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
+        int r0 = mode == GEMV_SWIGLU ? u : 2 * u;
+        int r1 = mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
+        int f = -1;
+        if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
         const bool has1 = r1 < n_rows;
         const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
         const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
@@ -243,8 +172,8 @@ __device__ __forceinline__ void gemv_bf16(KVF_GEMV_PARAMS) {
 #pragma unroll
             for (int j = 0; j < GEMV_UNROLL; ++j) {
                 const int c = c0 + 32 * j;
-                p0[j] = c < kc ? ld_weights<EF>(w0 + c, pol) : make_uint4(0, 0, 0, 0);
-                p1[j] = c < kc ? ld_weights<EF>(w1 + c, pol) : make_uint4(0, 0, 0, 0);
+                p0[j] = c < kc ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
+                p1[j] = c < kc ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int j = 0; j < GEMV_UNROLL; ++j) {
@@ -271,13 +200,5 @@ __device__ __forceinline__ void gemv_bf16(KVF_GEMV_PARAMS) {
                 if (has1) y[r1] = s1;
             }
         }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) kvf_gemv(KVF_GEMV_PARAMS) {
-    if (flow & FLOW_EVICT) {
-        gemv_bf16<true>(KVF_GEMV_ARGS);
-    } else {
-        gemv_bf16<false>(KVF_GEMV_ARGS);
     }
 }

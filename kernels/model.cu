@@ -26,15 +26,6 @@ __device__ __forceinline__ void kvf_wait_prior_grid() {
 #endif
 }
 
-// Lets the next kernel in the stream (launched with PDL) start its blocks before this one ends;
-// they still wait for it to complete before touching its results. Only kernels that have
-// waited call it (crates/kvfleet-cuda/src/launch.rs, `EarlyLaunch`). A no-op without PDL.
-__device__ __forceinline__ void kvf_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 namespace {
 
 __device__ __forceinline__ float warp_sum(float v) {

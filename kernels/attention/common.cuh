@@ -41,15 +41,6 @@ __device__ __forceinline__ void kvf_wait_prior_grid() {
 #endif
 }
 
-// Lets the next kernel in the stream (launched with PDL) start its blocks before this one ends;
-// they still wait for it to complete before touching its results. Called only after
-// kvf_wait_prior_grid (crates/kvfleet-cuda/src/launch.rs, `EarlyLaunch`). A no-op without PDL.
-__device__ __forceinline__ void kvf_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 constexpr int DT_BF16 = 0;
 constexpr int DT_F16 = 1;
 constexpr int DT_E4M3 = 2;

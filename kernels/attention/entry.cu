@@ -101,8 +101,6 @@ __device__ __forceinline__ void merge_job(const MergeJob& job, const int kvh, co
 // kvh] counts the CTAs that have stored; the last one puts it back to 0, so the counters are
 // zero between launches without a memset. A launch that traps half-way leaves some non-zero,
 // but a trap also leaves the context unusable, so they are never read again.
-// trigger != 0: once waited, the CTA lets the next kernel's blocks start (they wait for this
-// launch to complete), so a one-token step's O projection is resident during attention.
 // grid = (n_decode, kv_heads), block = 128, dynamic smem = DECODE_SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_decode(
     const WorkItem* __restrict__ items, const int n_prefill, const __nv_bfloat16* __restrict__ q,
@@ -111,10 +109,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_CTAS) kvf_deco
     const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
     const int* __restrict__ kv_last_page_len, const int* __restrict__ kv_first_pos,
     float* __restrict__ partial_o, float* __restrict__ partial_lse, const float sm_scale, const float k_scale,
-    const float v_scale, const int window, const MergeJob* __restrict__ jobs, int* __restrict__ merge_counters,
-    const int trigger) {
+    const float v_scale, const int window, const MergeJob* __restrict__ jobs, int* __restrict__ merge_counters) {
   kvf_wait_prior_grid();
-  if (trigger) kvf_launch_dependents();
   extern __shared__ __align__(1024) char smem[];
   check_smem<DECODE_SMEM_BYTES>();
   const WorkItem it = items[blockIdx.x];

@@ -583,12 +583,10 @@ impl Kernels {
             } else {
                 l.addr(0);
             }
-            l.i32(i32::from(launch::early_launch().decode));
         }
         // SAFETY: the argument list matches `kvf_attention`'s signature in
         // kernels/attention/entry.cu (pointers, then i32/f32 scalars, in order), and for
-        // `kvf_decode` the same list plus its merge jobs and counters (null: no merge here) and
-        // its trigger flag (it triggers only after its wait: launch.rs).
+        // `kvf_decode` the same list plus its merge jobs and counters (null: no merge here).
         // Every pointer is a live device allocation of this context or a section of the step's
         // index buffer (borrowed by `hold`); the batch was validated (page ids < num_blocks,
         // lengths consistent), Q/O sizes were checked above, and partial buffers were sized

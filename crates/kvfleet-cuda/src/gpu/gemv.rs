@@ -5,16 +5,14 @@
 //! launched with programmatic dependent launch, so its launch overlaps the previous kernel's
 //! last blocks; the kernel waits for that kernel's results before touching any activation.
 //! FP8 projections whose row pairs do not fill the capped grid (O and down of an 8B model) take
-//! a row a warp instead (`kvf_gemv_fp8_row`), for twice the warps an SM. `KVFLEET_EARLY_LAUNCH`
-//! ([`launch::EarlyLaunch`]) lets a GEMV start the next kernel from its last units and fetch
-//! its own first rows into L2 while it waits.
+//! a row a warp instead (`kvf_gemv_fp8_row`), for twice the warps an SM.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 
-use crate::launch::{self, Launch};
+use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
 use super::fp8::MatRef;
@@ -285,7 +283,6 @@ impl Gemv {
         l.i32(n_i).i32(k_i).i32(half);
         let mut smem = push_input(&mut l, input, k)?;
         let mut units = push_output(&mut l, output, n)?;
-        l.i32(launch::early_launch().gemv_flow());
         let warps_per_block = (THREADS / 32) as usize;
         let mut blocks = units.div_ceil(warps_per_block);
         match special {
@@ -322,7 +319,7 @@ impl Gemv {
         };
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
         // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers, then `KVF_GEMV_QKV_PARAMS`:
-        // 3 pointers, 6 ints, a float, 3 pointers, then the `flow` int), or the FP8 kernels' in
+        // 3 pointers, 6 ints, a float, 3 pointers), or the FP8 kernels' in
         // kernels/fp8.cu (the same with the scale pointer after the weight; the mma kernel's
         // shared memory is 3 k bytes and the h2 kernel's 2 k bytes, `k <= MAX_NORMED_K` for
         // both, within the limits raised at load, and the mma kernel's rows a multiple of 64).
@@ -334,8 +331,7 @@ impl Gemv {
         // shared memory (`k` bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is
         // a multiple of 8 (bf16) or 16 (FP8), so every row starts 16-byte aligned (cudarc
         // allocations are 256-byte aligned). The kernel calls `kvf_wait_prior_grid()` before
-        // touching memory (the PDL contract) but for the L2 prefetch of its own weight rows
-        // (`flow`, inside `w`), which no kernel of a step writes.
+        // touching memory (the PDL contract).
         unsafe { l.launch(kernel, cfg, self.pdl) }.map_err(drv("launching kvf_gemv"))
     }
 }
