@@ -253,7 +253,7 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
         int r0 = ONE ? u : mode == GEMV_SWIGLU ? u : 2 * u;
         int r1 = ONE ? n_rows : mode == GEMV_SWIGLU ? half + u : 2 * u + 1;
         int f = -1;
-        if (mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
+        if (!ONE && mode == GEMV_QKV) qkv_unit_rows(u, n_heads, n_kv_heads, head_dim, rope_half, neox, r0, r1, f);
         const bool has1 = r1 < n_rows;
         const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
         const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(has1 ? r1 : r0) * k);
@@ -286,7 +286,7 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
         if (lane == 0) {
             if (mode == GEMV_SWIGLU) {
                 act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
-            } else if (mode == GEMV_QKV) {
+            } else if (!ONE && mode == GEMV_QKV) {
                 qkv_put(KVF_GEMV_QKV_ARGS, r0, r1, f, s0, s1);
             } else if (mode == GEMV_ADD) {
                 y[r0] += s0;

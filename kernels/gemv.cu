@@ -29,6 +29,9 @@
 // chunks in flight (4 or 8 a row: slower), and an L2 prefetch of each warp's first rows before
 // the norm (no change).
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 namespace {
 
 // A 16-byte weight load that bypasses L1: each weight is read once per step.
@@ -70,12 +73,22 @@ constexpr int GEMV_UNROLL = 2;
 // mixes: (f, f + rope_half) of a Q or K head (neox) or (2f, 2f + 1); the head's unrotated rows
 // and every V head in adjacent pairs. Models with Q/K norms (a sum over the whole head) keep
 // the separate kernel. Rows n_heads + 2 n_kv heads of head_dim (even).
-#define KVF_GEMV_QKV_PARAMS                                                                              \
-    const int *__restrict__ pos, const float *__restrict__ bias, const float *__restrict__ inv_freq,     \
-        int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half, int neox, float pos_scale, \
-        bf16 *__restrict__ q_out, bf16 *__restrict__ k_out, bf16 *__restrict__ v_out
-#define KVF_GEMV_QKV_ARGS \
-    pos, bias, inv_freq, n_heads, n_kv_heads, kv_rep, head_dim, rope_half, neox, pos_scale, q_out, k_out, v_out
+//
+// With k_cache set, the epilogue also writes the token's K/V into the paged cache as kvf_append
+// would (kernels/attention/append.cu; the same encodings, bit for bit): at slot kv_slot[0]
+// (-1: none), row (page * n_kv_heads * kv_rep + head) * kv_page + offset of head_dim values in
+// the encoding kv_code (KV_BF16, KV_F16, KV_E4M3, KV_E5M2: the attention kernels' DT_* codes;
+// fp8 divided by k_scale / v_scale), which takes the append launch off the step. nvfp4 caches
+// keep kvf_append (their block scales span 16 values of a head).
+#define KVF_GEMV_QKV_PARAMS                                                                                \
+    const int *__restrict__ pos, const float *__restrict__ bias, const float *__restrict__ inv_freq,       \
+        int n_heads, int n_kv_heads, int kv_rep, int head_dim, int rope_half, int neox, float pos_scale,   \
+        bf16 *__restrict__ q_out, bf16 *__restrict__ k_out, bf16 *__restrict__ v_out,                      \
+        const long long *__restrict__ kv_slot, unsigned char *__restrict__ k_cache,                        \
+        unsigned char *__restrict__ v_cache, int kv_code, int kv_page, float k_scale, float v_scale
+#define KVF_GEMV_QKV_ARGS                                                                                    \
+    pos, bias, inv_freq, n_heads, n_kv_heads, kv_rep, head_dim, rope_half, neox, pos_scale, q_out, k_out, v_out, \
+        kv_slot, k_cache, v_cache, kv_code, kv_page, k_scale, v_scale
 
 namespace {
 
@@ -98,8 +111,30 @@ __device__ __forceinline__ void qkv_unit_rows(int u, int n_heads, int n_kv_heads
     }
 }
 
+// The K/V cache encodings GEMV_QKV writes (the attention kernels' DT_BF16 .. DT_E5M2).
+constexpr int KV_BF16 = 0;
+constexpr int KV_F16 = 1;
+constexpr int KV_E4M3 = 2;
+constexpr int KV_E5M2 = 3;
+
+// Value i of cache row `row` (head_dim values) from the bf16 K/V value v, as kvf_append encodes
+// the bf16 it reads: its bits, f16 rounded to nearest, or e4m3 / e5m2 of v / scale, saturated.
+__device__ __forceinline__ void kv_put(unsigned char* cache, size_t row, int head_dim, int i, bf16 v, int code,
+                                       float scale) {
+    const size_t e = row * head_dim + i;
+    if (code == KV_BF16) {
+        reinterpret_cast<bf16*>(cache)[e] = v;
+    } else if (code == KV_F16) {
+        reinterpret_cast<__half*>(cache)[e] = __float2half_rn(__bfloat162float(v));
+    } else {
+        cache[e] = (unsigned char)__nv_cvt_float_to_fp8(__fdiv_rn(__bfloat162float(v), scale), __NV_SATFINITE,
+                                                        code == KV_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    }
+}
+
 // Writes rows r0 and r1 (sums s0, s1) as kvf_qkv_post does: plus the bias, rotated by the
-// position's angle for frequency f (f >= 0), bf16 into Q or K/V (kv_rep copies).
+// position's angle for frequency f (f >= 0), bf16 into Q or K/V (kv_rep copies), and K/V into
+// the cache when k_cache is set.
 __device__ __forceinline__ void qkv_put(KVF_GEMV_QKV_PARAMS, int r0, int r1, int f, float s0, float s1) {
     float a = s0 + (bias != nullptr ? bias[r0] : 0.f);
     float b = s1 + (bias != nullptr ? bias[r1] : 0.f);
@@ -126,6 +161,17 @@ __device__ __forceinline__ void qkv_put(KVF_GEMV_QKV_PARAMS, int r0, int r1, int
     for (int r = 0; r < kv_rep; ++r) {
         dst[(size_t)r * head_dim + i0] = o0;
         dst[(size_t)r * head_dim + i1] = o1;
+    }
+    if (k_cache == nullptr) return;
+    const long long slot = kv_slot[0];
+    if (slot < 0) return;  // padding
+    unsigned char* cache = is_k ? k_cache : v_cache;
+    const float scale = is_k ? k_scale : v_scale;
+    const long long page = slot / kv_page, off = slot % kv_page;
+    for (int r = 0; r < kv_rep; ++r) {
+        const size_t crow = ((size_t)page * n_kv_heads * kv_rep + (size_t)j * kv_rep + r) * kv_page + off;
+        kv_put(cache, crow, head_dim, i0, o0, kv_code, scale);
+        kv_put(cache, crow, head_dim, i1, o1, kv_code, scale);
     }
 }
 

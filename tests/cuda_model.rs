@@ -893,3 +893,87 @@ fn draws_equal_the_host_draws(v: usize) {
     }
     println!("vocab {v}: device picks equal to the host's: {exact} of {rows}");
 }
+
+/// A one-token step's Q/K/V GEMV writes the token's K/V into the cache itself
+/// (`GpuOptions::single_token_append`), encoded as the append kernel encodes them: the same
+/// steps give the same logits, bit for bit, with the append launch as without it, for every KV
+/// dtype (nvfp4 keeps the launch either way) and for bf16 and FP8 weights. Eleven decode steps
+/// after a 40-token prompt read the written rows back through attention, across a page
+/// boundary; two sequences decoding together (a two-token step) take the append launch on both
+/// models. Two geometries: GQA 4 over 2 KV heads, and 9 heads over 3 (a group the kernels
+/// take by storing each KV head 3 times, so the GEMV writes every copy).
+#[test]
+#[ignore = "needs an NVIDIA GPU (run through the device tool)"]
+fn gpu_kv_written_by_the_qkv_gemv_equals_the_append_launch() {
+    for (cfg, seed) in [
+        (LlamaConfig::llama(2, 512, 1024, 8, 2, 1000), 31),
+        (LlamaConfig::llama(2, 576, 1024, 9, 3, 1000), 37),
+    ] {
+        let mut cfg = cfg;
+        cfg.context_len = 256;
+        kv_written_by_the_gemv_case(&Llama::dummy(cfg, seed).expect("dummy model"));
+    }
+}
+
+fn kv_written_by_the_gemv_case(m: &Llama) {
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 5) % 1000).collect();
+    let kinds = [
+        KvDtype::Bf16,
+        KvDtype::F16,
+        KvDtype::Fp8E4m3,
+        KvDtype::Fp8E5m2,
+        KvDtype::Nvfp4,
+    ];
+    for fp8 in [false, true] {
+        for kv_dtype in kinds {
+            let run = |append: bool| -> Vec<Vec<f32>> {
+                let o = GpuOptions {
+                    kv_dtype,
+                    fp8_weights: fp8,
+                    single_token_append: append,
+                    ..opts()
+                };
+                let g = GpuLlama::from_llama(gpu(), m, &o)
+                    .unwrap_or_else(|e| panic!("cannot build the GPU model: {e}"));
+                let planner = DirectPlanner::new(g.kv_config().block_size, &g.kv_config().groups);
+                let mut s = Stepped {
+                    g,
+                    planner,
+                    plan: StepPlan::default(),
+                };
+                let mut out = vec![s
+                    .forward(&[chunk(0, 0, &prompt), chunk(1, 0, &prompt[..9])])
+                    .unwrap()];
+                for i in 0..11u32 {
+                    let t = [(i * 101 + 7) % 1000];
+                    out.push(s.forward(&[chunk(0, prompt.len() + i as usize, &t)]).unwrap());
+                }
+                let both = [[3u32], [4u32]];
+                out.push(
+                    s.forward(&[chunk(0, prompt.len() + 11, &both[0]), chunk(1, 9, &both[1])])
+                        .unwrap(),
+                );
+                out.push(s.forward(&[chunk(1, 10, &[5])]).unwrap());
+                out
+            };
+            let (fused, launched) = (run(true), run(false));
+            for (i, (a, b)) in fused.iter().zip(&launched).enumerate() {
+                let (d, s) = diff(a, b);
+                assert!(
+                    a.iter().all(|x| x.is_finite()),
+                    "{kv_dtype:?}, fp8 {fp8}, step {i}: not finite"
+                );
+                assert!(
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{kv_dtype:?}, fp8 weights {fp8}, step {i}: the GEMV's K/V moved the logits by up to {d} (max {s})"
+                );
+            }
+            eprintln!(
+                "{} heads over {}, {kv_dtype:?}, fp8 weights {fp8}: {} steps bit-equal",
+                m.config.n_heads,
+                m.config.n_kv_heads,
+                fused.len()
+            );
+        }
+    }
+}

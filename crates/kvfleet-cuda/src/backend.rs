@@ -14,7 +14,7 @@ use half::bf16;
 
 use super::device::{Gpu, Kernels, KvLayer, StepBuffers};
 use super::plan::{plan_step, CsrBatch};
-use super::spec::{GroupSize, HeadDim, KernelSpec, Mask, PageSize};
+use super::spec::{GroupSize, HeadDim, KernelDtype, KernelSpec, KvDtype, Mask, PageSize};
 use super::{driver_err, CudaError};
 use kvfleet_engine::engine::backend::{Backend, BackendError};
 use kvfleet_engine::engine::layout::{BackendConfig, LayerSpec, StepPlan};
@@ -85,6 +85,25 @@ struct GroupStep {
     slots: CudaSlice<i64>,
     host_slots: Vec<i64>,
     steps: HashMap<(KernelSpec, usize), StepBuffers>,
+}
+
+/// One layer's K/V cache as a kernel other than `kvf_append` writes a step's one token into it
+/// ([`CudaBackend::single_token_append`]): row `(page * kv_heads + head) * page + offset` of
+/// `head_dim` values, encoded as `kvf_append` encodes them (`dtype_code`: the kernels' `DT_*`).
+pub struct AppendTarget<'a> {
+    pub k: &'a mut CudaSlice<u8>,
+    pub v: &'a mut CudaSlice<u8>,
+    /// The step's slot (`page * page + offset`; -1: padding, nothing written), on the device.
+    pub slot: &'a CudaSlice<i64>,
+    pub dtype_code: i32,
+    /// K/V heads stored (replicated ones included).
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub page: usize,
+    /// Pages in each pool.
+    pub num_blocks: usize,
+    pub k_scale: f32,
+    pub v_scale: f32,
 }
 
 /// Attention on an NVIDIA GPU (sm_80 or newer) with kvfleet's kernels.
@@ -161,6 +180,46 @@ impl CudaBackend {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// For a prepared step of one token: where `layer`'s K/V for it go, for a kernel that
+    /// writes them itself instead of the append launch (the one-token Q/K/V GEMV). `None` for a
+    /// step of more tokens, or a cache whose encoding needs the append kernel (nvfp4's block
+    /// scales span 16 values, more than the GEMV's warp owns).
+    pub fn single_token_append(&mut self, layer: usize) -> Result<Option<AppendTarget<'_>>, BackendError> {
+        self.layer_check(layer)?;
+        let CudaBackend {
+            cfg, layers, groups, ..
+        } = self;
+        let g = &groups[cfg.layers[layer].group];
+        let [slot] = g.host_slots[..] else {
+            return Ok(None);
+        };
+        let kv = &mut layers[layer].kv;
+        let cap = (kv.num_blocks * kv.page) as i64;
+        if !(-1..cap).contains(&slot) {
+            return Err(BackendError::Plan(format!(
+                "slot {slot} outside the pool of {cap} slots"
+            )));
+        }
+        let code = match kv.dtype {
+            KvDtype::Nvfp4 => return Ok(None),
+            d @ (KvDtype::Bf16 | KvDtype::F16 | KvDtype::Fp8E4m3 | KvDtype::Fp8E5m2) => {
+                d.kernel_code() as i32
+            }
+        };
+        Ok(Some(AppendTarget {
+            slot: &g.slots,
+            dtype_code: code,
+            kv_heads: kv.kv_heads,
+            head_dim: kv.head_dim,
+            page: kv.page,
+            num_blocks: kv.num_blocks,
+            k_scale: kv.k_scale,
+            v_scale: kv.v_scale,
+            k: &mut kv.k,
+            v: &mut kv.v,
+        }))
     }
 
     fn layer_check(&self, layer: usize) -> Result<(), BackendError> {

@@ -114,6 +114,7 @@ impl GpuLlama {
             marks: Marks::new(self.profile.as_mut(), &s),
             t,
             fused: self.single_token_gemv && t == 1,
+            fused_append: self.single_token_append,
             aux: self.drafter.as_mut().map(|d| d.aux()),
         };
         self.family.layers(&mut st)?;

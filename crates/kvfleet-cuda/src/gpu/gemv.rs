@@ -16,6 +16,7 @@ use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
 use super::fp8::MatRef;
+use crate::backend::AppendTarget;
 
 const THREADS: u32 = 256;
 /// Blocks per SM the grid is capped at (warps then stride over the matrix), unless
@@ -79,6 +80,11 @@ pub struct QkvRope<'a> {
     pub q: &'a mut CudaSlice<u16>,
     pub k: &'a mut CudaSlice<u16>,
     pub v: &'a mut CudaSlice<u16>,
+    /// The layer's K/V cache, when the epilogue writes the token's K/V there too (instead of
+    /// the append launch; [`CudaBackend::single_token_append`]).
+    ///
+    /// [`CudaBackend::single_token_append`]: crate::backend::CudaBackend::single_token_append
+    pub cache: Option<AppendTarget<'a>>,
 }
 
 /// Which single-token kernel runs FP8 weights (`KVFLEET_FP8_GEMV`, to time them in one call;
@@ -319,7 +325,7 @@ impl Gemv {
         };
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
         // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers, then `KVF_GEMV_QKV_PARAMS`:
-        // 3 pointers, 6 ints, a float, 3 pointers), or the FP8 kernels' in
+        // 3 pointers, 6 ints, a float, 6 pointers, 2 ints, 2 floats), or the FP8 kernels' in
         // kernels/fp8.cu (the same with the scale pointer after the weight; the mma kernel's
         // shared memory is 3 k bytes and the h2 kernel's 2 k bytes, `k <= MAX_NORMED_K` for
         // both, within the limits raised at load, and the mma kernel's rows a multiple of 64).
@@ -327,7 +333,9 @@ impl Gemv {
         // say they are present.
         // Sizes were checked above: `w` holds `n * k` (and `n` scales), the input `k` (or the f32
         // rows and a row index of this step), the output `n` (`n / 2` for SwiGLU; for Q/K/V the
-        // heads, position, bias, frequencies and outputs `push_qkv` checked); the dynamic
+        // heads, position, bias, frequencies and outputs `push_qkv` checked, and a cache it
+        // writes holds the heads and head size it writes, at a slot the backend checked against
+        // its pool: `single_token_append`); the dynamic
         // shared memory (`k` bf16, `k <= MAX_NORMED_K`) is within the limit raised at load; k is
         // a multiple of 8 (bf16) or 16 (FP8), so every row starts 16-byte aligned (cudarc
         // allocations are 256-byte aligned). The kernel calls `kvf_wait_prior_grid()` before
@@ -381,7 +389,13 @@ fn push_output<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<u
         l.i32(0);
     }
     l.f32(1.0).addr(0).addr(0).addr(0);
+    push_no_cache(l);
     Ok(units)
+}
+
+/// The cache arguments of `KVF_GEMV_QKV_PARAMS` without a cache (k_cache null: nothing written).
+fn push_no_cache(l: &mut Launch<'_>) {
+    l.addr(0).addr(0).addr(0).i32(0).i32(0).f32(1.0).f32(1.0);
 }
 
 /// The Q/K/V output's arguments (see [`push_output`]), checked against the rows `n`.
@@ -422,6 +436,37 @@ fn push_qkv<'a>(l: &mut Launch<'a>, r: QkvRope<'a>, n: usize) -> Result<usize, G
         .ptr_mut(r.q)
         .ptr_mut(r.k)
         .ptr_mut(r.v);
+    match r.cache {
+        Some(c) => {
+            // The epilogue writes rows of `head_dim` values for every stored head at the slot.
+            if c.kv_heads != r.n_kv * r.kv_rep || c.head_dim != hd || c.page == 0 {
+                return Err(GpuError::Invalid(format!(
+                    "a Q/K/V GEMV of {} KV heads of {hd} writing a cache of {} heads of {} (pages of {})",
+                    r.n_kv * r.kv_rep,
+                    c.kv_heads,
+                    c.head_dim,
+                    c.page
+                )));
+            }
+            // The backend checked the slot against `num_blocks * page`; the pools hold every page.
+            let pool =
+                c.num_blocks * c.kv_heads * c.page * c.head_dim * if c.dtype_code <= 1 { 2 } else { 1 };
+            need("K cache", c.k, pool)?;
+            need("V cache", c.v, pool)?;
+            need("K/V slot", c.slot, 1)?;
+            let [Ok(page)] = [c.page].map(i32::try_from) else {
+                return Err(GpuError::Invalid("KV page size exceeds 32 bits".into()));
+            };
+            l.ptr(c.slot)
+                .ptr_mut(c.k)
+                .ptr_mut(c.v)
+                .i32(c.dtype_code)
+                .i32(page)
+                .f32(c.k_scale)
+                .f32(c.v_scale);
+        }
+        None => push_no_cache(l),
+    }
     Ok(n / 2)
 }
 

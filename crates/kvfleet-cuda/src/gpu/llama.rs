@@ -34,8 +34,9 @@ impl Family for LlamaFamily {
         let mut pending = None;
         for (li, l) in w.layers.iter().enumerate() {
             st.keep_features(li)?;
-            qkv(st, l, pending.take())?;
-            st.backend.append_kv(li, &st.a.k, &st.a.v).map_err(backend_err)?;
+            if !qkv(st, li, l, pending.take())? {
+                st.backend.append_kv(li, &st.a.k, &st.a.v).map_err(backend_err)?;
+            }
             st.marks.mark(part::KV_APPEND)?;
             st.backend
                 .attention(li, &st.a.q, &mut st.a.attn)
@@ -77,7 +78,8 @@ fn finish(st: &mut Step<'_>, pending: Pending<'_>) -> Result<(), GpuError> {
 
 /// The normed input through the fused Q/K/V projection, then bias, Q/K norms and RoPE;
 /// `pending`: the previous layer's down projection left its residual add to this norm.
-fn qkv(st: &mut Step<'_>, l: &LayerW, pending: Pending<'_>) -> Result<(), GpuError> {
+/// Returns whether layer `li`'s K/V are in its cache already (the one-token GEMV wrote them).
+fn qkv(st: &mut Step<'_>, li: usize, l: &LayerW, pending: Pending<'_>) -> Result<bool, GpuError> {
     let (c, dm, k, t) = (st.c, st.dm, st.k, st.t);
     let fused_norm = fp8_fusion(k, &l.wqkv).is_some_and(|(_, fz)| fz.norm) && !st.fused;
     if !fused_norm {
@@ -89,7 +91,13 @@ fn qkv(st: &mut Step<'_>, l: &LayerW, pending: Pending<'_>) -> Result<(), GpuErr
     let mut unscaled = None;
     if st.fused && k.gemv.fused_qkv && l.qk_norm().is_none() {
         // One launch for the projection and the split: the GEMV's epilogue adds the bias and
-        // rotates each pair (no Q/K norms here: they need the whole head).
+        // rotates each pair (no Q/K norms here: they need the whole head), and writes K/V into
+        // the cache where the backend lets it.
+        let cache = match st.fused_append {
+            true => st.backend.single_token_append(li).map_err(backend_err)?,
+            false => None,
+        };
+        let appended = cache.is_some();
         let input = Input::normed(&a.x, norm.w, norm.eps);
         let rope = QkvRope {
             pos: &a.pos,
@@ -105,10 +113,12 @@ fn qkv(st: &mut Step<'_>, l: &LayerW, pending: Pending<'_>) -> Result<(), GpuErr
             q: &mut a.q,
             k: &mut a.k,
             v: &mut a.v,
+            cache,
         };
         k.gemv.run(&l.wqkv, dm.qkv(), dm.d, input, Output::Qkv(rope))?;
         st.marks.mark(part::QKV_GEMM)?;
-        return st.marks.mark(part::QKV_POST);
+        st.marks.mark(part::QKV_POST)?;
+        return Ok(appended);
     } else if st.fused {
         let input = Input::normed(&a.x, norm.w, norm.eps);
         k.gemv
@@ -149,7 +159,8 @@ fn qkv(st: &mut Step<'_>, l: &LayerW, pending: Pending<'_>) -> Result<(), GpuErr
         v: &mut a.v,
     };
     k.qkv_post(t, &post, out, k.pdl)?;
-    st.marks.mark(part::QKV_POST)
+    st.marks.mark(part::QKV_POST)?;
+    Ok(false)
 }
 
 /// O, gate/up and down as fused GEMVs (a step of one token).

@@ -61,6 +61,9 @@ pub struct GpuLlama {
     pub(super) profile: Option<GpuSteps>,
     /// Steps of one token take the fused GEMV path.
     pub(super) single_token_gemv: bool,
+    /// On that path the Q/K/V GEMV writes the token's K/V into the cache
+    /// (`GpuOptions::single_token_append`).
+    pub(super) single_token_append: bool,
     /// A speculative drafter beside the model.
     pub(super) drafter: Option<GpuDrafter>,
 }
@@ -180,6 +183,7 @@ impl GpuLlama {
             capacity,
             family,
             single_token_gemv: opts.single_token_gemv && Gemv::fits(dims.d, &[dims.qw, dims.ff], dims.fp8),
+            single_token_append: opts.single_token_append,
             profile,
             drafter: None,
         })

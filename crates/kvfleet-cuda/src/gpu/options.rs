@@ -73,6 +73,10 @@ pub struct GpuOptions {
     /// Steps of one token run their projections as fused GEMVs (`kernels/gemv.cu`) rather
     /// than cuBLAS GEMMs with separate norm and SwiGLU kernels. Off only to compare the two.
     pub single_token_gemv: bool,
+    /// With `single_token_gemv`, the Q/K/V GEMV of a one-token step also writes the token's K/V
+    /// into the cache (bf16, f16 and fp8 caches; nvfp4 keeps the append kernel), which takes the
+    /// append launch off every layer of the step. Off only to compare the two.
+    pub single_token_append: bool,
     /// Linear-layer weights in FP8 e4m3 with one scale per output channel (`--quantization
     /// fp8`): GEMVs stream one byte a weight, larger steps run cuBLASLt's FP8 GEMMs on
     /// activations quantized per token. Embeddings, the LM head and norms stay bf16/f32.
@@ -98,6 +102,7 @@ impl Default for GpuOptions {
             self_test: false,
             max_model_len: None,
             single_token_gemv: true,
+            single_token_append: true,
             fp8_weights: false,
             drafter: None,
         }

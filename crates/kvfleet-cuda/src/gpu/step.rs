@@ -95,6 +95,9 @@ pub(super) struct Step<'a> {
     pub t: usize,
     /// A step of one token with the GEMV path on: each projection is one fused GEMV.
     pub fused: bool,
+    /// On that path the Q/K/V GEMV also writes the token's K/V into the cache where the
+    /// backend lets it ([`CudaBackend::single_token_append`]).
+    pub fused_append: bool,
     /// With a drafter: where the step keeps the features it reads.
     pub aux: Option<&'a mut AuxCapture>,
 }

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One stream, FP8 weights (issue 32): the one-token Q/K/V GEMV writing the token's K/V into the
+# cache (`GpuOptions::single_token_append`, no append launch) against the append launch, in one
+# call, and the worker through HTTP.
+#   bash bench/device/append.sh pack  # here: release builds of the model bench, the GPU tests
+#                                     # (cuda_lib, cuda_model) and the worker, stripped and
+#                                     # xz-compressed into .device/append/ with the scripts
+#   bash bench/device/append.sh run   # on the device: the GPU tests, the ceilings, the model bench
+#                                     # with the launch (KVFLEET_BENCH_APPEND=0) and without,
+#                                     # rounds alternating, then the worker through HTTP, FP8 and bf16
+# $OUT gets the logs; the summary is printed last. The early-launch experiment this script
+# replaced is at commit a3b4c22 (bench/device/early.sh there).
+set -uo pipefail
+mode=${1:?usage: append.sh pack|run}
+dev=.device/append
+
+if [ "$mode" = pack ]; then
+  set -e
+  cd "$(dirname "$0")/../.."
+  rm -rf "$dev"; mkdir -p "$dev/bin"
+  exe_of() { cargo "$@" --locked --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import sys,json
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and (set(m["target"]["kind"]) & {"test","bench"} or m["profile"]["test"]):
+        print(m["target"]["name"], m["executable"])'; }
+  {
+    exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'
+    exe_of test --release --test cuda_model
+    exe_of bench --bench model
+  } | while read -r name exe; do strip -o "$dev/bin/$name" "$exe"; xz -T2 -6 "$dev/bin/$name"; done
+  cargo build --release --locked
+  strip -o "$dev/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$dev/bin/kvfleet"
+  cp bench/peers.py bench/http_load.py bench/device/llama-3.1-8b.json "$dev/"
+  du -sh "$dev"; ls -la "$dev/bin"
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export RUST_BACKTRACE=1 PYTHONUNBUFFERED=1
+bin=/root/append-bin; mkdir -p "$bin"
+for f in $dev/bin/*.xz; do b="$bin/$(basename "$f" .xz)"; xz -dc "$f" > "$b" && chmod +x "$b"; done
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+t0=$(date +%s)
+step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+step "GPU tests: the GEMV's K/V against the append launch, the fused GEMVs, the FP8 kernels"
+{
+  timeout 120 "$bin/cuda_model" --ignored --test-threads 1 --nocapture gpu_kv_written gpu_fused_gemv gpu_dummy
+  timeout 60 "$bin/cuda_lib" --ignored --test-threads 1 gpu_fp8
+} > "$OUT/tests.log" 2>&1
+grep -E "^test |test result|panicked|bit-equal" "$OUT/tests.log" | tail -30
+
+step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
+PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+
+# bench TAG FP8 PROMPT BATCH STEPS APPEND: one process.
+bench() {
+  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$2 KVFLEET_BENCH_PROMPT=$3 \
+    KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 KVFLEET_BENCH_APPEND=$6 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+  { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
+  echo "$1: $(grep -E "tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //; s/; forward incl. the token copy/, step/')"
+}
+for r in 1 2; do
+  step "round $r: one stream FP8, 128-token prompt, 256 steps: the append launch, then the GEMV's K/V"
+  bench "fp8_launch_$r" 1 128 1 256 0
+  bench "fp8_gemv_$r" 1 128 1 256 1
+done
+step "bf16, and FP8 at a 1,024-token prompt, launch against the GEMV's K/V"
+bench bf16_launch 0 128 1 256 0
+bench bf16_gemv 0 128 1 256 1
+bench long_fp8_launch 1 1024 1 256 0
+bench long_fp8_gemv 1 1024 1 256 1
+
+step "HTTP: the worker twice (FP8, bf16), 0.45 of the memory each"
+port=8000
+for w in fp8 bf16; do
+  q=(); [ "$w" = fp8 ] && q=(--quantization fp8)
+  "$bin/kvfleet" worker --listen 127.0.0.1:$port --model-weights dummy --model-config $dev/llama-3.1-8b.json \
+    --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 2048 \
+    --gpu-memory-utilization 0.45 --max-waiting 4096 "${q[@]}" >> "$OUT/workers.log" 2>&1 &
+  port=$((port + 1))
+done
+for port in 8000 8001; do
+  for _ in $(seq 1 150); do curl -sf 127.0.0.1:$port/readyz >/dev/null && break; sleep 1; done
+  curl -sf 127.0.0.1:$port/readyz >/dev/null || { echo "$port not ready"; tail -5 "$OUT/workers.log"; }
+  timeout 60 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
+    --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
+done
+show() { cat "$1" >> "$OUT/http.log"; tail -1 "$1" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"$2"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'; }
+names=(fp8 bf16)
+for r in 1 2; do
+  for i in 0 1; do
+    port=$((8000 + i))
+    timeout 60 python3 $dev/http_load.py --port $port --concurrency 1 --prompt-tokens 130 --output-tokens 512 \
+      --requests 2 --vocab 128000 > "$OUT/h.log" 2>&1
+    show "$OUT/h.log" "${names[$i]} one stream, round $r"
+  done
+done
+step "HTTP: 256 streams x 130/512, 512 requests, once each"
+for i in 0 1; do
+  port=$((8000 + i))
+  timeout 90 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 512 \
+    --requests 512 --vocab 128000 > "$OUT/h.log" 2>&1
+  show "$OUT/h.log" "${names[$i]} 256 streams"
+done
+kill %1 %2 2>/dev/null
+step done
+rm -f "$OUT/b.log" "$OUT/h.log"
