@@ -21,8 +21,8 @@
 //! Env: `KVFLEET_BENCH_MODELS=smollm2,llama3-8b`, `KVFLEET_BENCH_BATCHES=1,32,256`,
 //! `KVFLEET_BENCH_PROMPT=128`, `KVFLEET_BENCH_STEPS=128`, `KVFLEET_BENCH_KV_DTYPE=bfloat16`,
 //! `KVFLEET_BENCH_GEMV=0` (single-token steps on cuBLAS GEMMs, not the fused GEMVs),
-//! `KVFLEET_BENCH_FP8=1` (FP8 linear weights), `KVFLEET_BENCH_APPEND=0` (one-token steps keep the
-//! KV append launch). Each batch also prints its prefill's time (the
+//! `KVFLEET_BENCH_FP8=1` (FP8 linear weights), `KVFLEET_BENCH_APPEND=1` (one-token steps write K/V
+//! from the Q/K/V GEMV, no append launch; `=0` the launch). Each batch also prints its prefill's time (the
 //! prompt in chunks of up to 2,048 tokens) and the linear layers' TFLOP/s in it.
 //!
 //! `cargo bench --bench model` (release). The model is found through env
@@ -312,9 +312,13 @@ mod gpu {
             // `KVFLEET_BENCH_GEMV=0`: single-token steps on cuBLAS too (the path before the
             // fused GEMVs), to compare the two in one call.
             single_token_gemv: std::env::var("KVFLEET_BENCH_GEMV").as_deref() != Ok("0"),
-            // `KVFLEET_BENCH_APPEND=0`: one-token steps keep the KV append launch (the path
-            // before the Q/K/V GEMV wrote the cache), to compare the two in one call.
-            single_token_append: std::env::var("KVFLEET_BENCH_APPEND").as_deref() != Ok("0"),
+            // `KVFLEET_BENCH_APPEND=1`: one-token steps write K/V from the Q/K/V GEMV instead
+            // of the KV append launch; `=0` keeps the launch; unset: the default.
+            single_token_append: match std::env::var("KVFLEET_BENCH_APPEND").as_deref() {
+                Ok("1") => true,
+                Ok("0") => false,
+                _ => GpuOptions::default().single_token_append,
+            },
             // `KVFLEET_BENCH_FP8=1`: FP8 linear weights (issue 32).
             fp8_weights: std::env::var("KVFLEET_BENCH_FP8").as_deref() == Ok("1"),
             ..GpuOptions::default()
