@@ -75,7 +75,7 @@ constexpr int GEMV_UNROLL = 2;
 // the separate kernel. Rows n_heads + 2 n_kv heads of head_dim (even).
 //
 // With k_cache set, the epilogue also writes the token's K/V into the paged cache as kvf_append
-// would (kernels/attention/append.cu; the same encodings, bit for bit): at slot kv_slot[0]
+// would (kernels/attention/append.cu, the same encodings): at slot kv_slot[0]
 // (-1: none), row (page * n_kv_heads * kv_rep + head) * kv_page + offset of head_dim values in
 // the encoding kv_code (KV_BF16, KV_F16, KV_E4M3, KV_E5M2: the attention kernels' DT_* codes;
 // fp8 divided by k_scale / v_scale), which takes the append launch off the step. nvfp4 caches

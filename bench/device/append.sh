@@ -88,23 +88,20 @@ for port in 8000 8001; do
   timeout 60 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
     --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
 done
-show() { cat "$1" >> "$OUT/http.log"; tail -1 "$1" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"$2"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'; }
 names=(fp8 bf16)
+# load I CONCURRENCY REQUESTS LABEL: bench/http_load.py 130/512 against worker I, its JSON
+# line kept in http.log and its figures printed.
+load() {
+  timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
+    --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
+  cat "$OUT/h.log" >> "$OUT/http.log"
+  tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
+}
 for r in 1 2; do
-  for i in 0 1; do
-    port=$((8000 + i))
-    timeout 60 python3 $dev/http_load.py --port $port --concurrency 1 --prompt-tokens 130 --output-tokens 512 \
-      --requests 2 --vocab 128000 > "$OUT/h.log" 2>&1
-    show "$OUT/h.log" "${names[$i]} one stream, round $r"
-  done
+  for i in 0 1; do load $i 1 2 "one stream, round $r"; done
 done
 step "HTTP: 256 streams x 130/512, 512 requests, once each"
-for i in 0 1; do
-  port=$((8000 + i))
-  timeout 90 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 512 \
-    --requests 512 --vocab 128000 > "$OUT/h.log" 2>&1
-  show "$OUT/h.log" "${names[$i]} 256 streams"
-done
+for i in 0 1; do load $i 256 512 "256 streams"; done
 kill %1 %2 2>/dev/null
 step done
 rm -f "$OUT/b.log" "$OUT/h.log"
