@@ -2,9 +2,8 @@
 # One stream, FP8 weights (issue 32): the one-token Q/K/V GEMV writing the token's K/V into the
 # cache (`GpuOptions::single_token_append`, no append launch) against the append launch, in one
 # call, and the worker through HTTP.
-#   bash bench/device/append.sh pack  # here: release builds of the model bench, the GPU tests
-#                                     # (cuda_lib, cuda_model) and the worker, stripped and
-#                                     # xz-compressed into .device/append/ with the scripts
+#   bash bench/device/append.sh pack  # here: bench/device/pack.sh append (the model bench, the GPU
+#                                     # tests cuda_lib and cuda_model, the worker, into .device/append/)
 #   bash bench/device/append.sh run   # on the device: the GPU tests, the ceilings, the model bench
 #                                     # with the launch (KVFLEET_BENCH_APPEND=0) and without,
 #                                     # rounds alternating, then the worker through HTTP, FP8 and bf16
@@ -15,25 +14,7 @@ mode=${1:?usage: append.sh pack|run}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
-  set -e
-  cd "$(dirname "$0")/../.."
-  rm -rf "$dev"; mkdir -p "$dev/bin"
-  exe_of() { cargo "$@" --locked --no-run --message-format=json 2>/dev/null \
-    | python3 -c 'import sys,json
-for l in sys.stdin:
-    m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and (set(m["target"]["kind"]) & {"test","bench"} or m["profile"]["test"]):
-        print(m["target"]["name"], m["executable"])'; }
-  {
-    exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'
-    exe_of test --release --test cuda_model
-    exe_of bench --bench model
-  } | while read -r name exe; do strip -o "$dev/bin/$name" "$exe"; xz -T2 -6 "$dev/bin/$name"; done
-  cargo build --release --locked
-  strip -o "$dev/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$dev/bin/kvfleet"
-  cp bench/peers.py bench/http_load.py bench/device/llama-3.1-8b.json "$dev/"
-  du -sh "$dev"; ls -la "$dev/bin"
-  exit 0
+  exec "$(dirname "$0")/pack.sh" append
 fi
 
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -18,11 +18,13 @@
 #   bench/device/pack.sh draft-b     # the GGUF's first half (KVFLEET_PACK_GPU_BINS=1: the drafter tests
 #                                    # and the worker too)
 #   bench/device/pack.sh draft-c     # the GGUF's second half, transformers' GGUF wheels
+#   bench/device/pack.sh append      # the one-token K/V write (bench/device/append.sh): GPU tests,
+#                                    # model bench, the worker
 #   bench/device/pack.sh clients     # the worker, prometheus and the wheels of bench/device/clients.sh
 #                                    # (inference-perf, the transformers log-probabilities); no GGUF
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b|spec-a|spec-b|draft-a|draft-b|draft-c}
+mode=${1:?usage: pack.sh attention|serve|harden|model-a|model-b|clients|fp8-a|fp8-b|spec-a|spec-b|draft-a|draft-b|draft-c|append}
 out=.device/$mode
 rm -rf "$out"; mkdir -p "$out/bin"
 
@@ -166,6 +168,13 @@ case "$mode" in
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$out/whl" \
       gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
+    ;;
+  append)
+    { exe_of test --release -p kvfleet-cuda --lib | sed 's/^kvfleet_cuda /cuda_lib /'; exe_of test --release --test cuda_model;
+      exe_of bench --bench model; } | pack_bins
+    cargo build --release --locked
+    strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
+    cp bench/peers.py bench/http_load.py bench/device/llama-3.1-8b.json "$out/"
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

@@ -100,8 +100,8 @@ pub struct AppendTarget<'a> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub page: usize,
-    /// Pages in each pool.
-    pub num_blocks: usize,
+    /// Bytes of each pool (K or V), every page of it.
+    pub pool_bytes: usize,
     pub k_scale: f32,
     pub v_scale: f32,
 }
@@ -214,7 +214,7 @@ impl CudaBackend {
             kv_heads: kv.kv_heads,
             head_dim: kv.head_dim,
             page: kv.page,
-            num_blocks: kv.num_blocks,
+            pool_bytes: KvLayer::pool_bytes(kv.dtype, kv.num_blocks, kv.kv_heads, kv.page, kv.head_dim),
             k_scale: kv.k_scale,
             v_scale: kv.v_scale,
             k: &mut kv.k,

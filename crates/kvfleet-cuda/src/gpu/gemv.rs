@@ -448,11 +448,9 @@ fn push_qkv<'a>(l: &mut Launch<'a>, r: QkvRope<'a>, n: usize) -> Result<usize, G
                     c.page
                 )));
             }
-            // The backend checked the slot against `num_blocks * page`; the pools hold every page.
-            let pool =
-                c.num_blocks * c.kv_heads * c.page * c.head_dim * if c.dtype_code <= 1 { 2 } else { 1 };
-            need("K cache", c.k, pool)?;
-            need("V cache", c.v, pool)?;
+            // The backend checked the slot against the pool's pages.
+            need("K cache", c.k, c.pool_bytes)?;
+            need("V cache", c.v, c.pool_bytes)?;
             need("K/V slot", c.slot, 1)?;
             let [Ok(page)] = [c.page].map(i32::try_from) else {
                 return Err(GpuError::Invalid("KV page size exceeds 32 bits".into()));

@@ -93,9 +93,10 @@ fn qkv(st: &mut Step<'_>, li: usize, l: &LayerW, pending: Pending<'_>) -> Result
         // One launch for the projection and the split: the GEMV's epilogue adds the bias and
         // rotates each pair (no Q/K norms here: they need the whole head), and writes K/V into
         // the cache where the backend lets it.
-        let cache = match st.fused_append {
-            true => st.backend.single_token_append(li).map_err(backend_err)?,
-            false => None,
+        let cache = if st.fused_append {
+            st.backend.single_token_append(li).map_err(backend_err)?
+        } else {
+            None
         };
         let appended = cache.is_some();
         let input = Input::normed(&a.x, norm.w, norm.eps);
