@@ -7,10 +7,16 @@
 #   bash bench/device/append.sh run   # on the device: the GPU tests, the ceilings, the model bench
 #                                     # with the launch (KVFLEET_BENCH_APPEND=0) and without,
 #                                     # rounds alternating, then the worker through HTTP, FP8 and bf16
+#   bash bench/device/append.sh accept  # on the device: issue 32's acceptance set at the build's
+#                                     # defaults: ceilings, a 2,048-token prefill (FP8, bf16), one
+#                                     # stream in the model bench, ncu of one FP8 decode step, then
+#                                     # three workers through HTTP (FP8, FP8 with the append launch
+#                                     # (KVFLEET_SINGLE_TOKEN_APPEND=0), bf16): one stream in
+#                                     # rounds, 256 streams
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
-mode=${1:?usage: append.sh pack|run}
+mode=${1:?usage: append.sh pack|run|accept}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
@@ -25,6 +31,65 @@ for f in $dev/bin/*.xz; do b="$bin/$(basename "$f" .xz)"; xz -dc "$f" > "$b" && 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+if [ "$mode" = accept ]; then
+  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
+  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  # mb TAG FP8 PROMPT BATCH STEPS: the model bench at the build's defaults, one process.
+  mb() {
+    KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$2 KVFLEET_BENCH_PROMPT=$3 \
+      KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+    { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
+    echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  }
+  step "prefill 2,048 tokens, FP8 then bf16; one stream (128-token prompt, 256 steps), FP8 then bf16"
+  mb prefill_fp8 1 2048 1 8
+  mb prefill_bf16 0 2048 1 8
+  mb one_fp8 1 128 1 256
+  mb one_bf16 0 128 1 256
+  step "one stream FP8 at other GEMV grid caps (KVFLEET_GEMV_BLOCKS_PER_SM; 4 is the default)"
+  for cap in 3 5 6; do KVFLEET_GEMV_BLOCKS_PER_SM=$cap mb "one_fp8_cap$cap" 1 128 1 256; done
+  mb one_fp8_again 1 128 1 256
+  step "ncu: one FP8 decode step's kernels, each alone"
+  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=128 \
+    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 timeout 240 /usr/local/cuda/bin/ncu \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum --cache-control none --clock-control none \
+    --launch-skip 3000 --launch-count 400 --csv --page raw "$bin/model" > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  python3 $dev/ncu_step.py "$OUT/ncu.csv" | head -20
+  xz -T4 "$OUT/ncu.csv"
+  step "HTTP: three workers (FP8, FP8 with the append launch, bf16), 0.3 of the memory each"
+  names=(fp8 fp8_launch bf16)
+  for i in 0 1 2; do
+    q=(); [ $i -lt 2 ] && q=(--quantization fp8)
+    app=1; [ $i = 1 ] && app=0
+    KVFLEET_SINGLE_TOKEN_APPEND=$app "$bin/kvfleet" worker --listen 127.0.0.1:$((8000 + i)) --model-weights dummy \
+      --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
+      --max-num-batched-tokens 2048 --gpu-memory-utilization 0.3 --max-waiting 4096 "${q[@]}" >> "$OUT/workers.log" 2>&1 &
+  done
+  for i in 0 1 2; do
+    for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
+    curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null || { echo "${names[$i]} not ready"; tail -5 "$OUT/workers.log"; }
+    timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
+      --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
+  done
+  hl() {
+    timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
+      --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
+    cat "$OUT/h.log" >> "$OUT/http.log"
+    tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
+  }
+  for r in 1 2 3; do
+    for i in 0 1 2; do hl $i 1 2 "one stream, round $r"; done
+  done
+  step "HTTP: 256 streams x 130/512, 512 requests, twice each (FP8, bf16)"
+  for r in 1 2; do
+    for i in 0 2; do hl $i 256 512 "256 streams, round $r"; done
+  done
+  kill %1 %2 %3 2>/dev/null
+  step done
+  rm -f "$OUT/b.log" "$OUT/h.log"
+  exit 0
+fi
 
 step "GPU tests: the GEMV's K/V against the append launch, the fused GEMVs, the FP8 kernels"
 {

@@ -174,7 +174,7 @@ case "$mode" in
       exe_of bench --bench model; } | pack_bins
     cargo build --release --locked
     strip -o "$out/bin/kvfleet" target/release/kvfleet && xz -T2 -6 "$out/bin/kvfleet"
-    cp bench/peers.py bench/http_load.py bench/device/llama-3.1-8b.json "$out/"
+    cp bench/peers.py bench/http_load.py bench/device/llama-3.1-8b.json bench/device/ncu_step.py "$out/"
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac

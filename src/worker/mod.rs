@@ -479,7 +479,9 @@ fn place(
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,
-                single_token_append: kvfleet_cuda::gpu::GpuOptions::default().single_token_append,
+                // `KVFLEET_SINGLE_TOKEN_APPEND=0` keeps the append launch (to compare the two).
+                single_token_append: kvfleet_cuda::gpu::GpuOptions::default().single_token_append
+                    && std::env::var("KVFLEET_SINGLE_TOKEN_APPEND").map_or(true, |v| v.trim() != "0"),
                 // FP8 at load, or an FP8 checkpoint kept in FP8 (quantized again per row from
                 // its dequantized weights: the same bytes for per-channel amax scales).
                 fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8

@@ -120,10 +120,26 @@ pub struct CompiledPtx {
     pub compile_time: Duration,
 }
 
-/// Compiles `spec` for `arch` with NVRTC (no GPU needed).
+/// How NVRTC optimises device code. The worker loads [`Opt::Full`] PTX; [`Opt::Check`] (NVRTC's
+/// `-G`: no device optimisation, with debug information) makes the same front end, the same
+/// `static_assert`s and the same inline PTX (`mma`, `cp.async`, `ldmatrix`, `wgmma`) in about a
+/// third of the time, for sweeps that ask only whether every source compiles and what its PTX
+/// contains (`tests/nvrtc_ptx.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opt {
+    Full,
+    Check,
+}
+
+/// Compiles `spec` for `arch` with NVRTC (no GPU needed), fully optimised.
 pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<CompiledPtx, CudaError> {
+    compile_with(spec, arch, Opt::Full)
+}
+
+/// [`compile`] at the optimisation `opt`.
+pub fn compile_with(spec: &KernelSpec, arch: Arch, opt: Opt) -> Result<CompiledPtx, CudaError> {
     let key = spec.key();
-    let (ptx, compile_time) = compile_source(&key, &spec.source(), arch)?;
+    let (ptx, compile_time) = compile_source_with(&key, &spec.source(), arch, opt)?;
     Ok(CompiledPtx {
         spec: *spec,
         arch,
@@ -133,30 +149,54 @@ pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<CompiledPtx, CudaError> 
 }
 
 /// Compiles every specialisation we claim ([`KernelSpec::all`]) for every architecture we claim
-/// ([`Arch::ALL`]), in parallel on the rayon pool: one entry per pair, in that order. For the
-/// check that all of them compile and for listings of their PTX; the worker compiles only what
-/// its model needs ([`PtxCache`]).
+/// ([`Arch::ALL`]), fully optimised, in parallel on the rayon pool: one entry per pair, in that
+/// order. For listings of their PTX (`examples/ptx_digest.rs`); the worker compiles only what its
+/// model needs ([`PtxCache`]).
 pub fn compile_all() -> Vec<(KernelSpec, Arch, Result<CompiledPtx, CudaError>)> {
+    compile_pairs(
+        KernelSpec::all()
+            .into_iter()
+            .flat_map(|s| Arch::ALL.into_iter().map(move |a| (s, a)))
+            .collect(),
+        Opt::Full,
+    )
+}
+
+/// Compiles each `(spec, arch)` pair of `jobs` at `opt`, in parallel on the rayon pool, in order.
+pub fn compile_pairs(
+    jobs: Vec<(KernelSpec, Arch)>,
+    opt: Opt,
+) -> Vec<(KernelSpec, Arch, Result<CompiledPtx, CudaError>)> {
     use rayon::prelude::*;
-    let jobs: Vec<(KernelSpec, Arch)> = KernelSpec::all()
-        .into_iter()
-        .flat_map(|s| Arch::ALL.into_iter().map(move |a| (s, a)))
-        .collect();
     jobs.into_par_iter()
-        .map(|(spec, arch)| (spec, arch, compile(&spec, arch)))
+        .map(|(spec, arch)| (spec, arch, compile_with(&spec, arch, opt)))
         .collect()
 }
 
 /// Compiles a complete CUDA source (e.g. `kernels/model.cu`) for `arch` with NVRTC and the
-/// same options as the attention kernels; `key` names it in errors. Returns PTX and how long
-/// NVRTC took.
+/// same options as the attention kernels, fully optimised; `key` names it in errors. Returns
+/// PTX and how long NVRTC took.
 pub fn compile_source(key: &str, source: &str, arch: Arch) -> Result<(Arc<str>, Duration), CudaError> {
+    compile_source_with(key, source, arch, Opt::Full)
+}
+
+/// [`compile_source`] at the optimisation `opt`.
+pub fn compile_source_with(
+    key: &str,
+    source: &str,
+    arch: Arch,
+    opt: Opt,
+) -> Result<(Arc<str>, Duration), CudaError> {
     let tc = toolchain()?;
     let start = Instant::now();
+    let mut options = vec!["--std=c++17".to_string(), "-default-device".to_string()];
+    if opt == Opt::Check {
+        options.push("--device-debug".into());
+    }
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch.nvrtc_arch()),
         include_paths: vec![path_str(&tc.include_dir)],
-        options: vec!["--std=c++17".into(), "-default-device".into()],
+        options,
         name: Some(format!("{}.cu", key.replace('/', "_"))),
         ..Default::default()
     };

@@ -75,9 +75,9 @@ pub struct GpuOptions {
     pub single_token_gemv: bool,
     /// With `single_token_gemv`, the Q/K/V GEMV of a one-token step also writes the token's K/V
     /// into the cache (bf16, f16 and fp8 caches; nvfp4 keeps the append kernel), which takes the
-    /// append launch off every layer of the step. Off by default: it has not run on a GPU yet
-    /// (`gpu_kv_written_by_the_qkv_gemv_equals_the_append_launch` and `bench/device/append.sh`
-    /// are what the next device call runs before it is turned on).
+    /// append launch off every layer of the step: logits bit-equal to the launch's for every KV
+    /// dtype (`gpu_kv_written_by_the_qkv_gemv_equals_the_append_launch`), one stream 1-2%
+    /// faster on an H200 (bench/RESULTS.md, 2026-12-01). Off only to compare the two.
     pub single_token_append: bool,
     /// Linear-layer weights in FP8 e4m3 with one scale per output channel (`--quantization
     /// fp8`): GEMVs stream one byte a weight, larger steps run cuBLASLt's FP8 GEMMs on
@@ -104,7 +104,7 @@ impl Default for GpuOptions {
             self_test: false,
             max_model_len: None,
             single_token_gemv: true,
-            single_token_append: false,
+            single_token_append: true,
             fp8_weights: false,
             drafter: None,
         }
