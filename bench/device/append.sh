@@ -52,10 +52,7 @@ if [ "$mode" = accept ]; then
   mb one_fp8_again 1 128 1 256
   step "ncu: one FP8 decode step's kernels, each alone"
   KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=128 \
-    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 timeout 240 /usr/local/cuda/bin/ncu \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum --cache-control none --clock-control none \
-    --launch-skip 3000 --launch-count 400 --csv --page raw "$bin/model" > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
-  python3 $dev/ncu_step.py "$OUT/ncu.csv" | head -20
+    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 python3 $dev/ncu_step.py --capture "$OUT/ncu.csv" -- "$bin/model" | head -20
   xz -T4 "$OUT/ncu.csv"
   step "HTTP: three workers (FP8, FP8 with the append launch, bf16), 0.3 of the memory each"
   names=(fp8 fp8_launch bf16)

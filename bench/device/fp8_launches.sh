@@ -92,10 +92,8 @@ case "$mode" in
       [ -x "$bin/$exe" ] || continue
       step "ncu: $exe, one decode step's kernels"
       KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=128 \
-        KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 timeout 300 /usr/local/cuda/bin/ncu \
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum --cache-control none --clock-control none \
-        --launch-skip 6000 --launch-count 700 --csv --page raw "$bin/$exe" > "$OUT/ncu_$exe.csv" 2> "$OUT/ncu_$exe.err"
-      python3 $dev/ncu_step.py "$OUT/ncu_$exe.csv" | head -16
+        KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 python3 $dev/ncu_step.py --capture "$OUT/ncu_$exe.csv" \
+        --skip 6000 --count 700 -- "$bin/$exe" | head -16
       xz -T4 "$OUT/ncu_$exe.csv"
     done
     ;;
