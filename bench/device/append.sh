@@ -12,7 +12,7 @@
 #                                     # stream in the model bench, ncu of one FP8 decode step, then
 #                                     # three workers through HTTP (FP8, FP8 with the append launch
 #                                     # (KVFLEET_SINGLE_TOKEN_APPEND=0), bf16): one stream in
-#                                     # rounds, 256 streams
+#                                     # rounds, 256 streams (ACCEPT_QUICK=1: no grid caps, no ncu)
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
@@ -47,13 +47,16 @@ if [ "$mode" = accept ]; then
   mb prefill_bf16 0 2048 1 8
   mb one_fp8 1 128 1 256
   mb one_bf16 0 128 1 256
-  step "one stream FP8 at other GEMV grid caps (KVFLEET_GEMV_BLOCKS_PER_SM; 4 is the default)"
-  for cap in 3 5 6; do KVFLEET_GEMV_BLOCKS_PER_SM=$cap mb "one_fp8_cap$cap" 1 128 1 256; done
+  # ACCEPT_QUICK=1 leaves out the grid caps and the ncu capture (a re-run of the figures only).
+  if [ -z "${ACCEPT_QUICK:-}" ]; then
+    step "one stream FP8 at other GEMV grid caps (KVFLEET_GEMV_BLOCKS_PER_SM; 4 is the default)"
+    for cap in 3 5 6; do KVFLEET_GEMV_BLOCKS_PER_SM=$cap mb "one_fp8_cap$cap" 1 128 1 256; done
+    step "ncu: one FP8 decode step's kernels, each alone"
+    KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=128 \
+      KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 python3 $dev/ncu_step.py --capture "$OUT/ncu.csv" -- "$bin/model" | head -20
+    xz -T4 "$OUT/ncu.csv"
+  fi
   mb one_fp8_again 1 128 1 256
-  step "ncu: one FP8 decode step's kernels, each alone"
-  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=128 \
-    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=40 python3 $dev/ncu_step.py --capture "$OUT/ncu.csv" -- "$bin/model" | head -20
-  xz -T4 "$OUT/ncu.csv"
   step "HTTP: three workers (FP8, FP8 with the append launch, bf16), 0.3 of the memory each"
   names=(fp8 fp8_launch bf16)
   for i in 0 1 2; do
