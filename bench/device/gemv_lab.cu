@@ -262,6 +262,20 @@ __device__ void stage_input_split(int m, const Step& st, bf16* sx) {
     __syncthreads();
 }
 
+// A unit's epilogue (lane 0 writes): Q/K/V rows stored as bf16, gate/up as silu(gate) * up,
+// O and down added to the residual.
+__device__ __forceinline__ void unit_out(int m, const Step& st, int u, int r0, int r1, float s0, float s1, int lane) {
+    if (lane != 0) return;
+    if (m == MODE_QKV) {
+        st.qkv[r0] = __float2bfloat16(s0);
+        st.qkv[r1] = __float2bfloat16(s1);
+    } else if (m == MODE_GU) {
+        st.act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
+    } else {
+        st.resid[r0] += s0;
+    }
+}
+
 // Projection m by every warp of the grid, units strided by the grid's warps. PRE: the warp's
 // first unit's first D iterations are already in p0/p1.
 template <int D, bool PRE, int DOT = 0>
@@ -311,18 +325,7 @@ __device__ void run_phase(int m, const Step& st, int layer, const bf16* sx, uint
                 }
             }
         }
-        const float s0 = warp_sum(a0) * ws[r0];
-        const float s1 = two ? warp_sum(a1) * ws[r1] : 0.f;
-        if (lane == 0) {
-            if (m == MODE_QKV) {
-                st.qkv[r0] = __float2bfloat16(s0);
-                st.qkv[r1] = __float2bfloat16(s1);
-            } else if (m == MODE_GU) {
-                st.act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
-            } else {
-                st.resid[r0] += s0;
-            }
-        }
+        unit_out(m, st, u, r0, r1, warp_sum(a0) * ws[r0], two ? warp_sum(a1) * ws[r1] : 0.f, lane);
     }
 }
 
@@ -374,18 +377,7 @@ __device__ void run_phase_db(int m, const Step& st, int layer, const bf16* sx) {
             }
         }
         if (it + 1 == iters) {
-            const float s0 = warp_sum(a0) * ws[r0];
-            const float s1 = two ? warp_sum(a1) * ws[r1] : 0.f;
-            if (lane == 0) {
-                if (m == MODE_QKV) {
-                    st.qkv[r0] = __float2bfloat16(s0);
-                    st.qkv[r1] = __float2bfloat16(s1);
-                } else if (m == MODE_GU) {
-                    st.act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
-                } else {
-                    st.resid[r0] += s0;
-                }
-            }
+            unit_out(m, st, u, r0, r1, warp_sum(a0) * ws[r0], two ? warp_sum(a1) * ws[r1] : 0.f, lane);
             a0 = a1 = 0.f;
         }
         if (nu >= units) break;
