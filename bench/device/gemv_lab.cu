@@ -192,10 +192,16 @@ __device__ __forceinline__ void issue_first(int m, const unsigned char* w, int g
     }
 }
 
+// split (V10): the row split in halves, the first 8 values of every 16-value chunk c at 16-byte
+// word c and the last 8 at word k / 16 + c, so that a warp's loads of a chunk's input (lane
+// stride 16 bytes instead of 32) touch each shared-memory bank once a wavefront.
+__device__ __forceinline__ int split_pos(int i, int k) { return ((i & 15) >> 3) * (k >> 1) + ((i >> 4) << 3) + (i & 7); }
+
 // The block's input row for projection m into shared memory: RMSNorm(resid) * nw (Q/K/V,
 // gate/up) or the bf16 vector the previous projection wrote, read through L2 (.cg: other SMs
-// wrote it in this kernel).
-__device__ void stage_input(int m, const Step& st, int layer, bf16* sx, bool reduce = true) {
+// wrote it in this kernel). reduce = false: the norm's scale is 1 (V3); split: as split_pos (the
+// 256-thread norm and the copy; V10).
+__device__ void stage_input(int m, const Step& st, int layer, bf16* sx, bool reduce = true, bool split = false) {
     if ((m == MODE_QKV || m == MODE_GU) && blockDim.x == 256) {
         // 16 values a thread, loaded at once and kept in registers (the engine's rms_row).
         const float* nw = m == MODE_QKV ? st.n1 : st.n2;
@@ -210,7 +216,7 @@ __device__ void stage_input(int m, const Step& st, int layer, bf16* sx, bool red
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const int i = threadIdx.x + j * 256;
-            sx[i] = __float2bfloat16(r[j] * inv * nw[i]);
+            sx[split ? split_pos(i, H) : i] = __float2bfloat16(r[j] * inv * nw[i]);
         }
     } else if (m == MODE_QKV || m == MODE_GU) {
         const float* nw = m == MODE_QKV ? st.n1 : st.n2;
@@ -225,42 +231,13 @@ __device__ void stage_input(int m, const Step& st, int layer, bf16* sx, bool red
     } else {
         const uint4* src = reinterpret_cast<const uint4*>(m == MODE_O ? st.qkv : st.act);
         uint4* dst = reinterpret_cast<uint4*>(sx);
-        const int n = phase_k(m) >> 3;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __ldcg(src + i);
+        const int n = phase_k(m) >> 3, kc = phase_k(m) >> 4;
+        for (int q = threadIdx.x; q < n; q += blockDim.x) dst[split ? (q & 1) * kc + (q >> 1) : q] = __ldcg(src + q);
     }
     __syncthreads();
 }
 
 
-// stage_input with the row split in halves (V10): the first 8 values of every 16-value chunk c
-// at 16-byte word c, the last 8 at word k / 16 + c, so that a warp's loads of a chunk's input
-// (lane stride 16 bytes instead of 32) touch each shared-memory bank once a wavefront.
-__device__ __forceinline__ int split_pos(int i, int k) { return ((i & 15) >> 3) * (k >> 1) + ((i >> 4) << 3) + (i & 7); }
-__device__ void stage_input_split(int m, const Step& st, bf16* sx) {
-    const int k = phase_k(m);
-    if (m == MODE_QKV || m == MODE_GU) {
-        const float* nw = m == MODE_QKV ? st.n1 : st.n2;
-        float r[16];
-        float ss = 0.f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            r[j] = __ldcg(st.resid + threadIdx.x + j * 256);
-            ss += r[j] * r[j];
-        }
-        const float inv = 1.f / sqrtf(block_sum(ss) / (float)H + 1e-5f);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int i = threadIdx.x + j * 256;
-            sx[split_pos(i, H)] = __float2bfloat16(r[j] * inv * nw[i]);
-        }
-    } else {
-        const uint4* src = reinterpret_cast<const uint4*>(m == MODE_O ? st.qkv : st.act);
-        uint4* dst = reinterpret_cast<uint4*>(sx);
-        const int n = k >> 3, kc = k >> 4;
-        for (int q = threadIdx.x; q < n; q += blockDim.x) dst[(q & 1) * kc + (q >> 1)] = __ldcg(src + q);
-    }
-    __syncthreads();
-}
 
 // A unit's epilogue (lane 0 writes): Q/K/V rows stored as bf16, gate/up as silu(gate) * up,
 // O and down added to the residual.
@@ -405,7 +382,7 @@ __global__ void __launch_bounds__(256) k_sep(Step st, int layer) {
         return;
     }
     if (V == 10) {
-        stage_input_split(M, st, sx);
+        stage_input(M, st, layer, sx, true, true);
         run_phase<1, false, 10>(M, st, layer, sx, p0, p1);
         return;
     }
@@ -911,6 +888,4 @@ template __global__ void k_rows<2>(const unsigned char*, int, int, float*);
 template __global__ void k_rows<4>(const unsigned char*, int, int, float*);
 template __global__ void k_persist<1, false>(Step);
 template __global__ void k_persist<1, true>(Step);
-template __global__ void k_persist<2, true>(Step);
-template __global__ void k_persist<4, true>(Step);
 #endif
