@@ -55,6 +55,14 @@ struct Step {
     bf16 *qkv, *act;
     unsigned int *bar;
     int layers;
+    // The L2-prefetch variants (V11, V12, k_attn): bytes of the next kernel's weights a GEMV
+    // prefetches, by the issuing projection; what the attention stand-in prefetches of O's
+    // weights (and on into gate/up's, which follow them); evict-last policy for the prefetches
+    // (pf_hint) and evict-first for the GEMVs' own loads (ef, V13); the stand-in's chain length.
+    size_t pf[4], pf_attn;
+    int pf_hint, attn_chain;
+    const unsigned int* kv;
+    float* sink;
 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
@@ -62,6 +70,40 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
+}
+// A 16-byte weight load as ld_stream with an L2 eviction policy (createpolicy).
+__device__ __forceinline__ uint4 ld_stream_pol(const uint4* p, unsigned long long pol) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(pol));
+    return r;
+}
+__device__ __forceinline__ unsigned long long policy_evict_first() {
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+__device__ __forceinline__ unsigned long long policy_evict_last() {
+    unsigned long long pol;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+// Part `part` of `parts` of bytes [0, bytes) of p into L2 by the bulk-copy engine
+// (cp.async.bulk.prefetch, sm_90), in requests of 32 KiB, one a thread of the block; the
+// warps do not wait for it. hint: with an evict-last policy.
+__device__ __forceinline__ void l2_prefetch(const unsigned char* p, size_t bytes, int part, int parts, int hint) {
+    if (p == nullptr || bytes == 0) return;
+    const size_t lo = (bytes * part / parts) & ~(size_t)15;
+    const size_t hi = part + 1 == parts ? (bytes & ~(size_t)15) : ((bytes * (part + 1) / parts) & ~(size_t)15);
+    constexpr size_t CH = 32768;
+    const unsigned long long pol = hint ? policy_evict_last() : 0ull;
+    for (size_t o = lo + threadIdx.x * CH; o < hi; o += (size_t)blockDim.x * CH) {
+        const unsigned int n = (unsigned int)(hi - o < CH ? hi - o : CH);
+        if (hint)
+            asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" :: "l"(p + o), "r"(n), "l"(pol) : "memory");
+        else
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p + o), "r"(n) : "memory");
+    }
 }
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -255,13 +297,14 @@ __device__ __forceinline__ void unit_out(int m, const Step& st, int u, int r0, i
 
 // Projection m by every warp of the grid, units strided by the grid's warps. PRE: the warp's
 // first unit's first D iterations are already in p0/p1.
-template <int D, bool PRE, int DOT = 0>
+template <int D, bool PRE, int DOT = 0, bool EF = false>
 __device__ void run_phase(int m, const Step& st, int layer, const bf16* sx, uint4 (&p0)[D * U], uint4 (&p1)[D * U]) {
     const unsigned char* w = st.layer[layer].w[m];
     const float* ws = st.layer[layer].s[m];
     const int lane = threadIdx.x & 31, k = phase_k(m), kc = k >> 4, units = phase_units(m);
     const int nw = (int)((gridDim.x * blockDim.x) >> 5);
     const uint4* xi = reinterpret_cast<const uint4*>(sx);
+    const unsigned long long pol = EF ? policy_evict_first() : 0ull;
     bool first = PRE;
     for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += nw) {
         int r0, r1;
@@ -289,8 +332,8 @@ __device__ void run_phase(int m, const Step& st, int layer, const bf16* sx, uint
 #pragma unroll
             for (int j = 0; j < U; ++j) {
                 const int c = c0 + 32 * j;
-                q0[j] = c < kc ? ld_stream(w0 + c) : make_uint4(0, 0, 0, 0);
-                if (two) q1[j] = c < kc ? ld_stream(w1 + c) : make_uint4(0, 0, 0, 0);
+                q0[j] = c < kc ? (EF ? ld_stream_pol(w0 + c, pol) : ld_stream(w0 + c)) : make_uint4(0, 0, 0, 0);
+                if (two) q1[j] = c < kc ? (EF ? ld_stream_pol(w1 + c, pol) : ld_stream(w1 + c)) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int j = 0; j < U; ++j) {
@@ -386,6 +429,19 @@ __global__ void __launch_bounds__(256) k_sep(Step st, int layer) {
         run_phase<1, false, 10>(M, st, layer, sx, p0, p1);
         return;
     }
+    if (V >= 11) {
+        // The next kernel's weights (attention comes between Q/K/V and O; the next layer's
+        // Q/K/V after down), st.pf[M] bytes of them, this block's share, into L2: at the start
+        // (12) or as the block exits (11, 13); 13 also loads its own weights evict-first.
+        const int nl = M == MODE_DOWN ? layer + 1 : layer, nm = M == MODE_DOWN ? 0 : M + 1;
+        const unsigned char* nw = nl < st.layers ? st.layer[nl].w[nm] : nullptr;
+        if (V == 12) l2_prefetch(nw, st.pf[M], blockIdx.x, gridDim.x, st.pf_hint);
+        stage_input(M, st, layer, sx);
+        if (V == 13) run_phase<1, false, 0, true>(M, st, layer, sx, p0, p1);
+        else run_phase<1, false>(M, st, layer, sx, p0, p1);
+        if (V != 12) l2_prefetch(nw, st.pf[M], blockIdx.x, gridDim.x, st.pf_hint);
+        return;
+    }
     stage_input(M, st, layer, sx, V != 3);
     if (V == 5) run_phase_db(M, st, layer, sx);
     else if (V >= 6) run_phase<1, false, V>(M, st, layer, sx, p0, p1);
@@ -444,6 +500,22 @@ __global__ void __launch_bounds__(256) k_read(const uint4* w, size_t n16, float*
     if (acc == 0x12345678u) sink[0] = 1.f;
 }
 
+
+// The attention stand-in between Q/K/V and O (what kvf_decode costs at a short context: a
+// kernel of 16 CTAs that is all latency): each warp follows a chain of st.attn_chain dependent
+// loads through the 0.5 MB st.kv (a permutation), the block syncs between links. Its blocks
+// first prefetch st.pf_attn bytes from O's weights on (into gate/up's, which follow them) into
+// L2, each block its share. It writes only st.sink.
+__global__ void __launch_bounds__(128) k_attn(Step st, int layer) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    l2_prefetch(st.layer[layer].w[MODE_O], st.pf_attn, blockIdx.x, gridDim.x, st.pf_hint);
+    unsigned int i = (blockIdx.x * 128u + threadIdx.x) * 61u & ((1u << 17) - 1);
+    for (int c = 0; c < st.attn_chain; ++c) {
+        i = __ldcg(st.kv + i);
+        __syncthreads();
+    }
+    if (i == 0xffffffffu) st.sink[0] = 1.f;
+}
 
 // A projection through the bulk-copy engine (sm_90): each block owns an equal share of the
 // units (rows; gate/up row pairs), streamed into shared memory in stages of `su` units by
@@ -578,16 +650,20 @@ __global__ void k_setf(float* p, int n, float v) {
 
 #ifndef __CUDACC_RTC__
 template <typename K, typename... A>
-static void launch_pdl(K kernel, int grid, A... args) {
+static void launch_pdl_t(int threads, K kernel, int grid, A... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(256);
+    cfg.blockDim = dim3(threads);
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = 1;
     CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+template <typename K, typename... A>
+static void launch_pdl(K kernel, int grid, A... args) {
+    launch_pdl_t(256, kernel, grid, args...);
 }
 
 static float median(std::vector<float> v) {
@@ -600,7 +676,7 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
-    printf("device %s, %d SMs\n", prop.name, sms);
+    printf("device %s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
     const size_t rows[4] = {NQKV, H, 2 * (size_t)FF, H}, ks[4] = {H, H, H, FF};
     size_t layer_bytes = 0;
     for (int m = 0; m < 4; ++m) layer_bytes += rows[m] * ks[m];
@@ -722,6 +798,100 @@ int main(int argc, char** argv) {
     time_it("sep, norm without sum", SEP(3), nullptr);
     time_it("sep, no input staged", SEP(4), nullptr);
     time_it("sep (PDL) again", step_sep, nullptr);
+
+    // L2 prefetch across the kernel boundaries, the attention stand-in in the step (q, attn, o,
+    // gate/up, down a layer). Bit-equality against `sep`: the stand-in writes nothing the step reads.
+    {
+        const unsigned int mask = (1u << 17) - 1;
+        std::vector<unsigned int> perm(mask + 1);
+        for (unsigned int i = 0; i <= mask; ++i) perm[i] = (i * 5u + 12345u) & mask;
+        unsigned int* kv;
+        CK(cudaMalloc(&kv, perm.size() * 4));
+        CK(cudaMemcpy(kv, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+        st.kv = kv;
+        st.sink = sink;
+        auto clear = [&]() { for (auto& b : st.pf) b = 0; st.pf_attn = 0; st.pf_hint = 0; };
+        clear();
+        // Calibrate the chain so the stand-in alone costs about 6 us a layer in the step
+        // (kvf_decode at a 128-token context, ncu: 6.1-7.8 us).
+        st.attn_chain = 32;
+        std::vector<float> ts;
+        for (int r = 0; r < 13; ++r) {
+            CK(cudaEventRecord(e0));
+            for (int l = 0; l < LAYERS; ++l) launch_pdl_t(128, k_attn, 16, st, l);
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (r >= 3) ts.push_back(ms);
+        }
+        const float per_link = median(ts) * 1e3f / LAYERS / 32.f;
+        st.attn_chain = std::max(1, (int)lrintf(6.f / per_link));
+        printf("attention stand-in: %.3f us a link, chain %d\n", per_link, st.attn_chain);
+        time_it("attn alone (x32, bytes: none)", [&]() {
+            for (int l = 0; l < LAYERS; ++l) launch_pdl_t(128, k_attn, 16, st, l);
+        }, nullptr);
+        auto step_attn_v = [&](auto q, auto o, auto g, auto d) {
+            for (int l = 0; l < LAYERS; ++l) {
+                launch_pdl(q, std::min(grid_sep, (phase_units(MODE_QKV) + 7) / 8), st, l);
+                launch_pdl_t(128, k_attn, 16, st, l);
+                launch_pdl(o, std::min(grid_sep, (phase_units(MODE_O) + 7) / 8), st, l);
+                launch_pdl(g, std::min(grid_sep, (phase_units(MODE_GU) + 7) / 8), st, l);
+                launch_pdl(d, std::min(grid_sep, (phase_units(MODE_DOWN) + 7) / 8), st, l);
+            }
+        };
+#define ATT(V) [&]() { step_attn_v(k_sep<0, V>, k_sep<1, V>, k_sep<2, V>, k_sep<3, V>); }
+        auto check = [&]() { printf("    bit-equal to sep: %s\n", memcmp(ref.data(), got.data(), H * 4) == 0 ? "yes" : "NO"); };
+        const size_t MB = 1u << 20, o_bytes = (size_t)H * H;
+        // The next kernel's size, by the issuing projection: O, gate/up, down, Q/K/V.
+        const size_t next_size[4] = {o_bytes, 2 * (size_t)FF * H, (size_t)H * FF, (size_t)NQKV * H};
+        auto set_pf = [&](size_t x, bool qkv_too) {
+            for (int m = 0; m < 4; ++m) st.pf[m] = std::min(x, next_size[m]);
+            if (!qkv_too) st.pf[MODE_QKV] = 0;
+        };
+        time_it("sep + attn", ATT(0), &got);
+        check();
+        for (int hint = 0; hint < 2; ++hint) {
+            st.pf_hint = hint;
+            char name[96];
+            for (size_t a : {o_bytes, o_bytes + 8 * MB, o_bytes + 16 * MB}) {
+                st.pf_attn = a;
+                snprintf(name, sizeof name, "attn prefetches %zu MB%s", a / MB, hint ? " (evict-last)" : "");
+                time_it(name, ATT(0), &got);
+                check();
+            }
+            st.pf_attn = 0;
+            for (size_t x : {4 * MB, 8 * MB, 16 * MB, 24 * MB}) {
+                set_pf(x, true);
+                snprintf(name, sizeof name, "exit prefetch %zu MB%s", x / MB, hint ? " (evict-last)" : "");
+                time_it(name, ATT(11), &got);
+                check();
+            }
+            st.pf_attn = o_bytes;
+            for (size_t x : {8 * MB, 16 * MB}) {
+                set_pf(x, false);
+                snprintf(name, sizeof name, "attn O + exit %zu MB%s", x / MB, hint ? " (evict-last)" : "");
+                time_it(name, ATT(11), &got);
+                check();
+            }
+            st.pf_attn = 0;
+            for (size_t x : {8 * MB, 16 * MB}) {
+                set_pf(x, true);
+                snprintf(name, sizeof name, "start prefetch %zu MB%s", x / MB, hint ? " (evict-last)" : "");
+                time_it(name, ATT(12), &got);
+                check();
+            }
+            for (size_t x : {8 * MB, 16 * MB, 24 * MB}) {
+                set_pf(x, true);
+                snprintf(name, sizeof name, "exit %zu MB, own loads evict-first%s", x / MB, hint ? " (evict-last)" : "");
+                time_it(name, ATT(13), &got);
+                check();
+            }
+        }
+        clear();
+        time_it("sep + attn again", ATT(0), &got);
+        check();
+    }
     auto persist = [&](auto kernel, const char* name) {
         int per_sm = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0));
@@ -886,6 +1056,9 @@ template __global__ void k_tma<3, 3, false, 16>(Step, int, int);
 template __global__ void k_tma<3, 3, false, 32>(Step, int, int);
 template __global__ void k_rows<2>(const unsigned char*, int, int, float*);
 template __global__ void k_rows<4>(const unsigned char*, int, int, float*);
+template __global__ void k_sep<0, 11>(Step, int);
+template __global__ void k_sep<2, 12>(Step, int);
+template __global__ void k_sep<3, 13>(Step, int);
 template __global__ void k_persist<1, false>(Step);
 template __global__ void k_persist<1, true>(Step);
 #endif
