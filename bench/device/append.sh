@@ -13,10 +13,16 @@
 #                                     # three workers through HTTP (FP8, FP8 with the append launch
 #                                     # (KVFLEET_SINGLE_TOKEN_APPEND=0), bf16): one stream in
 #                                     # rounds, 256 streams (ACCEPT_QUICK=1: no grid caps, no ncu)
+#   bash bench/device/append.sh scales  # on the device: the FP8 GEMMs' scale path per shape
+#                                     # (KVFLEET_FP8_UNIT_SCALES unset: timed, 0: per-row, 1: unit):
+#                                     # the FP8 GPU tests, the ceilings, the model bench at 256 rows
+#                                     # and a 2,048-token prefill for each, then three workers
+#                                     # through HTTP (FP8 timed, FP8 per-row, bf16): one stream in
+#                                     # rounds and 256 streams, twice
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
-mode=${1:?usage: append.sh pack|run|accept}
+mode=${1:?usage: append.sh pack|run|accept|scales}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
@@ -31,6 +37,57 @@ for f in $dev/bin/*.xz; do b="$bin/$(basename "$f" .xz)"; xz -dc "$f" > "$b" && 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+if [ "$mode" = scales ]; then
+  step "GPU tests: the FP8 GEMM and GEMVs (every scale pick), the fusions"
+  timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 gpu_fp8 > "$OUT/tests.log" 2>&1
+  grep -E "^test |test result|panicked" "$OUT/tests.log" | tail -20
+  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
+  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  # sb TAG PICK PROMPT BATCH STEPS: the model bench, FP8, KVFLEET_FP8_UNIT_SCALES=PICK (- unset).
+  sb() {
+    local pick=(); [ "$2" != - ] && pick=(KVFLEET_FP8_UNIT_SCALES=$2)
+    env "${pick[@]}" KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=$3 \
+      KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+    { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
+    echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  }
+  step "model bench, FP8: 256 rows (128-token prompts, 128 steps) and a 2,048-token prefill; timed, per-row, unit"
+  for p in - 0 1; do sb "rows256_pick$p" $p 128 256 128; done
+  for p in - 0 1; do sb "prefill_pick$p" $p 2048 1 8; done
+  step "HTTP: three workers (FP8 timed, FP8 per-row, bf16), 0.3 of the memory each"
+  names=(fp8 fp8_per_row bf16)
+  for i in 0 1 2; do
+    q=(); [ $i -lt 2 ] && q=(--quantization fp8)
+    pick=(); [ $i = 1 ] && pick=(KVFLEET_FP8_UNIT_SCALES=0)
+    env "${pick[@]}" "$bin/kvfleet" worker --listen 127.0.0.1:$((8000 + i)) --model-weights dummy \
+      --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
+      --max-num-batched-tokens 2048 --gpu-memory-utilization 0.3 --max-waiting 4096 "${q[@]}" >> "$OUT/workers.log" 2>&1 &
+  done
+  for i in 0 1 2; do
+    for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
+    curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null || { echo "${names[$i]} not ready"; tail -5 "$OUT/workers.log"; }
+    timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
+      --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
+  done
+  hl() {
+    timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
+      --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
+    cat "$OUT/h.log" >> "$OUT/http.log"
+    tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
+  }
+  for r in 1 2; do
+    step "HTTP round $r: 256 streams x 130/512, 512 requests; one stream, 2 requests"
+    for i in 0 1 2; do hl $i 256 512 "256 streams, round $r"; done
+    for i in 0 1 2; do hl $i 1 2 "one stream, round $r"; done
+  done
+  kill %1 %2 %3 2>/dev/null
+  step "model bench again, 256 rows: timed, per-row"
+  for p in - 0; do sb "rows256_pick${p}_again" $p 128 256 128; done
+  step done
+  rm -f "$OUT/b.log" "$OUT/h.log"
+  exit 0
+fi
 
 if [ "$mode" = accept ]; then
   step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"

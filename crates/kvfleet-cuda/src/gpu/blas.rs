@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use super::error::{cublas_err, need, GpuError};
 use super::fp8::{Fp8Kernels, Fp8Scratch, Mat};
 use super::kernels::ModelKernels;
-use super::lt::{Done, Lt};
+use super::lt::{Done, Lt, ScalePick};
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {
@@ -68,11 +68,13 @@ pub(super) struct Blas {
 
 impl Blas {
     /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too;
-    /// `KVFLEET_FP8_UNIT_SCALES=1` keeps it off per-row scales, see [`Lt::new`]).
+    /// `KVFLEET_FP8_UNIT_SCALES` picks the scale path, see [`ScalePick::from_env`]).
     pub fn new(stream: Arc<CudaStream>, fp8: bool) -> Result<Self, GpuError> {
         let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
-        let unit = std::env::var("KVFLEET_FP8_UNIT_SCALES").as_deref() == Ok("1");
-        let lt = fp8.then(|| Lt::new(stream.clone(), unit)).transpose()?;
+        let lt = match fp8 {
+            true => Some(Lt::new(stream.clone(), ScalePick::from_env()?)?),
+            false => None,
+        };
         Ok(Blas { handle, stream, lt })
     }
 
@@ -182,7 +184,8 @@ impl Blas {
                 .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
         }
         let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
-        if lt.scales_rows() {
+        // A new shape is timed into `s.d`, which the unit-scale path overwrites anyway.
+        if lt.scales_rows_for(w, xs, &mut s.d, dims)? {
             lt.gemm(w, xs, y, dims, true)?;
             return Ok(None);
         }

@@ -498,7 +498,7 @@ mod tests {
     use super::super::blas::{Blas, Gemm};
     use super::super::gemv::{Fp8Gemv, Input, Output};
     use super::super::kernels::{Glu, ModelKernels, Norm};
-    use super::super::lt::Lt;
+    use super::super::lt::{Lt, ScalePick};
     use super::*;
 
     /// Values of every magnitude an activation or weight row has, as bf16 (what the kernels
@@ -757,19 +757,15 @@ mod tests {
     #[test]
     #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
     fn gpu_fp8_gemm_and_gemv_equal_the_dequantized_products() {
-        for unit_scales in [false, true] {
-            fp8_products(unit_scales);
+        for pick in [ScalePick::PerRow, ScalePick::Unit, ScalePick::Timed] {
+            fp8_products(pick);
         }
     }
 
-    fn fp8_products(unit_scales: bool) {
+    fn fp8_products(pick: ScalePick) {
         let g = gpu();
         let k = ModelKernels::load(&g, true).unwrap();
-        let blas = Blas::with_lt(
-            g.stream().clone(),
-            Lt::new(g.stream().clone(), unit_scales).unwrap(),
-        )
-        .unwrap();
+        let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), pick).unwrap()).unwrap();
         eprintln!("cuBLASLt applies the row scales: {}", blas.lt_scales_rows());
         let (t, n, kk) = (5, 96, 256);
         let w = to_f32(&bf16_rows(n, kk, 11));

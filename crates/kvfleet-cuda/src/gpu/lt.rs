@@ -1,5 +1,9 @@
-//! cuBLASLt's FP8 GEMM ([`Lt`]): one plan a shape, per-row ("outer vector") scales where the
-//! library and device take them, else unit scales for the caller to apply (`super::fp8`).
+//! cuBLASLt's FP8 GEMM ([`Lt`]): one plan a shape, with per-row ("outer vector") scales or
+//! with unit scales for the caller to apply (`super::fp8`'s fused consumers). Where the library
+//! and device take per-row scales, each new shape times both ways once and keeps the faster
+//! ([`ScalePick::Timed`]): on an H200 with cuBLASLt 13.1 the unit-scale kernels of a 256-token
+//! decode step are 9-22% faster (the down projection 37.9 us against 48.7), the per-row ones of
+//! a 2,048-token prefill up to 10% (bench/RESULTS.md, issue 32, `bench/device/lt_tune.cu`).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -20,6 +24,48 @@ const LT_WORKSPACE: usize = kvfleet_core::plan::FP8_GEMM_WORKSPACE_BYTES as usiz
 /// does not know it refuses the plan, which [`Lt::new`] turns into the unit-scale path.
 const SCALE_OUTER_VEC_32F: u32 = 3;
 
+/// How [`Lt`] chooses between per-row and unit scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ScalePick {
+    /// Per shape: both timed once where per-row scales are taken, the faster kept (unit scales
+    /// only when at least [`UNIT_MARGIN`] faster).
+    Timed,
+    /// Per-row scales wherever the library takes them (unit scales elsewhere).
+    PerRow,
+    /// Unit scales everywhere (the path of GPUs and libraries without per-row scales).
+    Unit,
+}
+
+/// A unit-scale plan is kept over a per-row one only when its time is at most this share of
+/// the per-row time: per-row scales are the default, and a pick that flips on noise would make
+/// a shape's rounding depend on the run.
+const UNIT_MARGIN: f32 = 0.97;
+
+/// Launches a timed candidate gets: this many warm-ups, then this many in each of two timed
+/// rounds, the candidates' rounds interleaved.
+const TIMING_WARMUPS: usize = 2;
+const TIMING_LAUNCHES: usize = 5;
+
+impl ScalePick {
+    /// `KVFLEET_FP8_UNIT_SCALES`: unset (or empty), timed per shape; `1`, unit scales
+    /// everywhere; `0`, per-row scales wherever the library takes them.
+    pub fn from_env() -> Result<Self, GpuError> {
+        Self::parse(std::env::var("KVFLEET_FP8_UNIT_SCALES").ok().as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Result<Self, GpuError> {
+        match v {
+            None | Some("") => Ok(ScalePick::Timed),
+            Some("1") => Ok(ScalePick::Unit),
+            Some("0") => Ok(ScalePick::PerRow),
+            Some(other) => Err(GpuError::Invalid(format!(
+                "KVFLEET_FP8_UNIT_SCALES={other}: expected 1 (unit scales in every FP8 GEMM), 0 (per-row \
+                 scales wherever cuBLASLt takes them) or unset (each GEMM shape timed both ways once)"
+            ))),
+        }
+    }
+}
+
 /// How a plan's GEMM meets the scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Scales {
@@ -31,6 +77,7 @@ enum Scales {
 
 /// One GEMM shape's cuBLASLt descriptors and the algorithm its heuristic picked.
 struct LtPlan {
+    scales: Scales,
     desc: lt_sys::cublasLtMatmulDesc_t,
     a: lt_sys::cublasLtMatrixLayout_t,
     b: lt_sys::cublasLtMatrixLayout_t,
@@ -103,6 +150,7 @@ impl LtPlan {
         // From here the plan owns the descriptors (dropped with it on any return).
         // SAFETY: cublasLtMatmulAlgo_t is plain data; it is set by the heuristic before use.
         let mut plan = LtPlan {
+            scales,
             desc,
             a,
             b,
@@ -149,13 +197,18 @@ impl LtPlan {
     }
 }
 
+/// The plans by shape `(t, n, k)`.
+type Plans = HashMap<(usize, usize, usize), LtPlan>;
+
 /// A cuBLASLt handle, its workspace and a plan a GEMM shape, on the GPU's stream.
 pub(super) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    plans: Mutex<HashMap<(usize, usize, usize), LtPlan>>,
-    /// How this library and device take the scales (probed once).
-    scales: Scales,
+    plans: Mutex<Plans>,
+    /// Whether this library and device take per-row scales (probed once) and the caller lets
+    /// them be used.
+    per_row: bool,
+    pick: ScalePick,
     stream: Arc<CudaStream>,
 }
 
@@ -185,25 +238,28 @@ pub(super) enum Done {
 
 impl Lt {
     /// A handle and its workspace; probes once whether cuBLASLt takes per-row scales here.
-    /// `unit_scales`: do not (the path of GPUs and libraries without them, to test and time
-    /// it anywhere; `KVFLEET_FP8_UNIT_SCALES=1` in the worker and benchmarks).
-    pub fn new(stream: Arc<CudaStream>, unit_scales: bool) -> Result<Self, GpuError> {
+    /// `pick`: how each shape chooses between them and unit scales ([`ScalePick::Unit`]
+    /// tests and times the path of GPUs and libraries without per-row scales anywhere;
+    /// `KVFLEET_FP8_UNIT_SCALES` in the worker and benchmarks, [`ScalePick::from_env`]).
+    pub fn new(stream: Arc<CudaStream>, pick: ScalePick) -> Result<Self, GpuError> {
         let handle = lt::create_handle().map_err(lt_err("creating the cuBLASLt handle"))?;
         let workspace = stream
             .alloc_zeros::<u8>(LT_WORKSPACE)
             .map_err(drv("allocating the cuBLASLt workspace"))?;
-        let outer = !unit_scales && LtPlan::new(handle, (64, 64, 64), Scales::OuterVec)?.is_some();
-        let scales = if outer { Scales::OuterVec } else { Scales::Unit };
+        let per_row =
+            pick != ScalePick::Unit && LtPlan::new(handle, (64, 64, 64), Scales::OuterVec)?.is_some();
         tracing::info!(
             version = unsafe { lt_sys::cublasLtGetVersion() },
-            per_row_scales = outer,
+            per_row_scales = per_row,
+            ?pick,
             "cuBLASLt for the FP8 GEMMs"
         );
         Ok(Lt {
             handle,
             workspace,
             plans: Mutex::new(HashMap::new()),
-            scales,
+            per_row,
+            pick,
             stream,
         })
     }
@@ -213,15 +269,129 @@ impl Lt {
         LT_WORKSPACE
     }
 
-    /// Whether [`Lt::gemm`] applies the scales itself (and can add to its output).
+    /// Whether per-row scales are in use for any shape (the library and device take them and
+    /// the pick allows them).
+    #[cfg(test)]
     pub fn scales_rows(&self) -> bool {
-        self.scales == Scales::OuterVec
+        self.per_row
+    }
+
+    /// Whether [`Lt::gemm`] of this shape applies the scales itself (and can add to its
+    /// output). Plans the shape when it is new: with [`ScalePick::Timed`], both ways are
+    /// timed on these operands into `out` (`[t, n]` f32 that the caller is about to
+    /// overwrite; its contents are left undefined).
+    pub fn scales_rows_for(
+        &self,
+        (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
+        (xq, sx): (&CudaSlice<u8>, &CudaSlice<f32>),
+        out: &mut CudaSlice<f32>,
+        dims: (usize, usize, usize),
+    ) -> Result<bool, GpuError> {
+        let mut plans = self.lock()?;
+        Ok(self.plan(&mut plans, (wq, sw), (xq, sx), Some(out), dims)?.scales == Scales::OuterVec)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Plans>, GpuError> {
+        self.plans
+            .lock()
+            .map_err(|_| GpuError::Invalid("FP8 plan cache poisoned".into()))
+    }
+
+    /// The plan of `dims`, made when new. `out`: where candidates may be timed (`None`: no
+    /// timing, per-row scales where taken).
+    fn plan<'p>(
+        &self,
+        plans: &'p mut Plans,
+        w: (&CudaSlice<u8>, &CudaSlice<f32>),
+        x: (&CudaSlice<u8>, &CudaSlice<f32>),
+        out: Option<&mut CudaSlice<f32>>,
+        (t, n, k): (usize, usize, usize),
+    ) -> Result<&'p mut LtPlan, GpuError> {
+        use std::collections::hash_map::Entry;
+        let v = match plans.entry((t, n, k)) {
+            Entry::Occupied(o) => return Ok(o.into_mut()),
+            Entry::Vacant(v) => v,
+        };
+        let none = || {
+            GpuError::Invalid(format!(
+                "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} (FP8 needs inner sizes that are multiples of 16)"
+            ))
+        };
+        let per_row = if self.per_row {
+            LtPlan::new(self.handle, (t, n, k), Scales::OuterVec)?
+        } else {
+            None
+        };
+        let timed = self.pick == ScalePick::Timed;
+        let plan = match (per_row, out) {
+            (Some(p), Some(out)) if timed => match LtPlan::new(self.handle, (t, n, k), Scales::Unit)? {
+                Some(u) => {
+                    need("FP8 GEMM timing output", out, t * n)?;
+                    let (tp, tu) = self.time_pair(&p, &u, w, x, out, (t, n, k))?;
+                    let unit = tu <= UNIT_MARGIN * tp;
+                    tracing::debug!(
+                        t,
+                        n,
+                        k,
+                        per_row_us = tp,
+                        unit_us = tu,
+                        unit,
+                        "FP8 GEMM scales timed"
+                    );
+                    if unit {
+                        u
+                    } else {
+                        p
+                    }
+                }
+                None => p,
+            },
+            (Some(p), _) => p,
+            (None, _) => LtPlan::new(self.handle, (t, n, k), Scales::Unit)?.ok_or_else(none)?,
+        };
+        Ok(v.insert(plan))
+    }
+
+    /// The time of one launch of each plan in microseconds, into `out` with beta 0: warm-ups,
+    /// then two rounds of each, interleaved.
+    fn time_pair(
+        &self,
+        a: &LtPlan,
+        b: &LtPlan,
+        w: (&CudaSlice<u8>, &CudaSlice<f32>),
+        x: (&CudaSlice<u8>, &CudaSlice<f32>),
+        out: &mut CudaSlice<f32>,
+        dims: (usize, usize, usize),
+    ) -> Result<(f32, f32), GpuError> {
+        let ctx = self.stream.context();
+        let ev = || {
+            ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv("an event to time FP8 GEMMs"))
+        };
+        let (e0, e1) = (ev()?, ev()?);
+        for _ in 0..TIMING_WARMUPS {
+            self.launch(a, w, x, out, dims, false)?;
+            self.launch(b, w, x, out, dims, false)?;
+        }
+        let mut us = [0f32; 2];
+        for _ in 0..2 {
+            for (i, p) in [a, b].into_iter().enumerate() {
+                e0.record(&self.stream).map_err(drv("recording an event"))?;
+                for _ in 0..TIMING_LAUNCHES {
+                    self.launch(p, w, x, out, dims, false)?;
+                }
+                e1.record(&self.stream).map_err(drv("recording an event"))?;
+                us[i] += e0.elapsed_ms(&e1).map_err(drv("timing FP8 GEMMs"))? * 1e3;
+            }
+        }
+        let per = (2 * TIMING_LAUNCHES) as f32;
+        Ok((us[0] / per, us[1] / per))
     }
 
     /// Row-major `y[t, n] (+)= (sx[t] sw[n]) (xq[t, k] · wq[n, k]ᵀ)` in f32 from e4m3 inputs;
-    /// without per-row scales ([`Lt::scales_rows`] false) `y = xq · wqᵀ` and the caller applies
-    /// the scales (and must not ask to accumulate).
-    #[allow(clippy::too_many_arguments)] // two operands with their scales, the output, shape, mode
+    /// where this shape's plan has unit scales ([`Lt::scales_rows_for`] false) `y = xq · wqᵀ`
+    /// and the caller applies the scales (and must not ask to accumulate). A new shape is
+    /// planned here, timed into `y` when not accumulating.
     pub fn gemm(
         &self,
         (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
@@ -230,28 +400,37 @@ impl Lt {
         (t, n, k): (usize, usize, usize),
         accumulate: bool,
     ) -> Result<Done, GpuError> {
-        if accumulate && !self.scales_rows() {
-            return Err(GpuError::Invalid("an unscaled FP8 GEMM cannot accumulate".into()));
-        }
         need("FP8 GEMM weight", wq, n * k)?;
         need("FP8 weight scales", sw, n)?;
         need("FP8 GEMM input", xq, t * k)?;
         need("FP8 token scales", sx, t)?;
         need("FP8 GEMM output", y, t * n)?;
-        let mut plans = self
-            .plans
-            .lock()
-            .map_err(|_| GpuError::Invalid("FP8 plan cache poisoned".into()))?;
-        let plan = match plans.entry((t, n, k)) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(LtPlan::new(self.handle, (t, n, k), self.scales)?.ok_or_else(|| {
-                    GpuError::Invalid(format!(
-                        "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} (FP8 needs inner sizes that are multiples of 16)"
-                    ))
-                })?)
-            }
-        };
+        let mut plans = self.lock()?;
+        // A new shape is timed into `y` only when `y` is about to be overwritten.
+        let out = (!accumulate).then_some(&mut *y);
+        let plan = self.plan(&mut plans, (wq, sw), (xq, sx), out, (t, n, k))?;
+        if accumulate && plan.scales != Scales::OuterVec {
+            return Err(GpuError::Invalid("an unscaled FP8 GEMM cannot accumulate".into()));
+        }
+        self.launch(plan, (wq, sw), (xq, sx), y, (t, n, k), accumulate)?;
+        Ok(if plan.scales == Scales::OuterVec {
+            Done::Scaled
+        } else {
+            Done::Unscaled
+        })
+    }
+
+    /// Queues one GEMM of `plan` (shapes checked by the caller).
+    fn launch(
+        &self,
+        plan: &LtPlan,
+        (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
+        (xq, sx): (&CudaSlice<u8>, &CudaSlice<f32>),
+        y: &mut CudaSlice<f32>,
+        (t, n, _k): (usize, usize, usize),
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        debug_assert!(y.len() >= t * n);
         let s = &self.stream;
         let (wp, _rw) = wq.device_ptr(s);
         let (xp, _rx) = xq.device_ptr(s);
@@ -259,11 +438,11 @@ impl Lt {
         let (sxp, _rsx) = sx.device_ptr(s);
         let (yp, _ry) = y.device_ptr_mut(s);
         let (ws, _rws) = self.workspace.device_ptr(s);
-        if self.scales_rows() {
+        if plan.scales == Scales::OuterVec {
             use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
             let (a, b) = (swp as *const c_void, sxp as *const c_void);
             // SAFETY: the plan's descriptor is live; the scale pointers take device addresses
-            // of `n` and `t` f32 (checked above), alive until the GEMM is queued.
+            // of `n` and `t` f32 (checked by the caller), alive until the GEMM is queued.
             unsafe {
                 set_attr(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)
                     .and_then(|()| set_attr(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b))
@@ -271,10 +450,10 @@ impl Lt {
             .map_err(lt_err("the FP8 GEMM's scale vectors"))?;
         }
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
-        // SAFETY: the plan's layouts describe exactly these buffers (sizes checked above), C is
-        // D (read only with beta 1), alpha/beta are host f32 (the default pointer mode, scale
-        // type 32F), the workspace holds LT_WORKSPACE bytes, the plan's limit; everything runs
-        // on stream `s`, the stream of every buffer here.
+        // SAFETY: the plan's layouts describe exactly these buffers (sizes checked by the
+        // caller), C is D (read only with beta 1), alpha/beta are host f32 (the default pointer
+        // mode, scale type 32F), the workspace holds LT_WORKSPACE bytes, the plan's limit;
+        // everything runs on stream `s`, the stream of every buffer here.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -296,10 +475,24 @@ impl Lt {
             )
         }
         .map_err(lt_err("an FP8 GEMM"))?;
-        Ok(if self.scales_rows() {
-            Done::Scaled
-        } else {
-            Done::Unscaled
-        })
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scale_pick_reads_its_variable() {
+        assert_eq!(ScalePick::parse(None).unwrap(), ScalePick::Timed);
+        assert_eq!(ScalePick::parse(Some("")).unwrap(), ScalePick::Timed);
+        assert_eq!(ScalePick::parse(Some("1")).unwrap(), ScalePick::Unit);
+        assert_eq!(ScalePick::parse(Some("0")).unwrap(), ScalePick::PerRow);
+        let e = ScalePick::parse(Some("yes")).unwrap_err().to_string();
+        assert!(
+            e.contains("KVFLEET_FP8_UNIT_SCALES=yes") && e.contains("expected 1"),
+            "{e}"
+        );
     }
 }
