@@ -39,9 +39,10 @@ t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
 
 if [ "$mode" = scales ]; then
-  step "GPU tests: the FP8 GEMM and GEMVs (every scale pick), the fusions"
-  timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 gpu_fp8 > "$OUT/tests.log" 2>&1
-  grep -E "^test |test result|panicked" "$OUT/tests.log" | tail -20
+  step "GPU tests: the FP8 GEMM and GEMVs (every scale pick), the fusions, the FP8 model steps"
+  { timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 --nocapture gpu_fp8
+    timeout 150 "$bin/cuda_model" --ignored --test-threads 1 gpu_kv_written gpu_fused_gemv gpu_dummy; } > "$OUT/tests.log" 2>&1
+  grep -E "^test |test result|panicked|per-row scales in" "$OUT/tests.log" | tail -20
   step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
   PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
   # sb TAG PICK PROMPT BATCH STEPS: the model bench, FP8, KVFLEET_FP8_UNIT_SCALES=PICK (- unset).
@@ -55,6 +56,9 @@ if [ "$mode" = scales ]; then
   step "model bench, FP8: 256 rows (128-token prompts, 128 steps) and a 2,048-token prefill; timed, per-row, unit"
   for p in - 0 1; do sb "rows256_pick$p" $p 128 256 128; done
   for p in - 0 1; do sb "prefill_pick$p" $p 2048 1 8; done
+  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=0 KVFLEET_BENCH_PROMPT=2048 \
+    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=8 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+  echo "prefill_bf16: $(grep -E "prefill of|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
   step "HTTP: three workers (FP8 timed, FP8 per-row, bf16), 0.3 of the memory each"
   names=(fp8 fp8_per_row bf16)
   for i in 0 1 2; do

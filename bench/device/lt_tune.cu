@@ -105,6 +105,29 @@ int main(int argc, char** argv) {
         std::sort(ts.begin(), ts.end());
         return ts[ts.size() / 2];
     };
+    // What a probe of one small shape answers (the engine's check before 2026-12-02): per-row
+    // scales for 64 x 64 x 64.
+    {
+        cublasLtMatmulDesc_t desc;
+        LK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        const cublasOperation_t tr = CUBLAS_OP_T;
+        LK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof tr));
+        const unsigned int outer = 3;
+        const bool modes = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof outer) == CUBLAS_STATUS_SUCCESS &&
+                           cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof outer) == CUBLAS_STATUS_SUCCESS;
+        cublasLtMatrixLayout_t la, lb, lc;
+        LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, 64, 64, 64));
+        LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, 64, 64, 64));
+        LK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, 64, 64, 64));
+        cublasLtMatmulPreference_t pref;
+        LK(cublasLtMatmulPreferenceCreate(&pref));
+        const uint64_t wsb = WORKSPACE;
+        LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+        cublasLtMatmulHeuristicResult_t r;
+        int got = 0;
+        const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, &r, &got);
+        printf("probe 64 x 64 x 64, per-row scales: modes set %d, heuristic status %d, %d algorithms\n", (int)modes, (int)st, got);
+    }
     for (int mode = 0; mode < 2; ++mode) {
     total_first = total_best = total_search = 0;
     for (int t : T) {

@@ -95,6 +95,12 @@ impl Blas {
         self.lt.as_ref().is_some_and(Lt::scales_rows)
     }
 
+    /// Whether cuBLASLt's plan of this FP8 GEMM shape has per-row scales (`None`: not planned).
+    #[cfg(test)]
+    pub fn lt_planned_per_row(&self, dims: (usize, usize, usize)) -> Option<bool> {
+        self.lt.as_ref().and_then(|l| l.planned_per_row(dims))
+    }
+
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`) for a weight of
     /// either dtype, bf16 `x`: [`Blas::gemm`] for bf16; for FP8, `x` quantized per token into
     /// `s`, cuBLASLt's FP8 GEMM into f32 (into `s.d` when accumulating) and the two scales

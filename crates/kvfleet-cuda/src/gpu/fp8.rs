@@ -762,6 +762,70 @@ mod tests {
         }
     }
 
+    /// The FP8 GEMM at a width of Llama-3.1-8B (256 tokens x 4096 x 4096, where cuBLASLt 13.1
+    /// on an H200 takes per-row scales, unlike the small shapes of the test above) against the
+    /// host's products of the dequantized operands, stored and accumulated, with either pick;
+    /// 4,096 outputs sampled.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fp8_gemm_at_a_model_width_equals_the_dequantized_products() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let (t, n, kk) = (256, 4096, 4096);
+        let w = to_f32(&bf16_rows(n, kk, 3));
+        let wq = quantize_rows(&w, n, kk);
+        let wd = wq.dequantize();
+        let mat = Mat::Fp8 {
+            q: g.upload(&wq.data).unwrap(),
+            scale: g.upload(&wq.scale).unwrap(),
+        };
+        let x = bf16_rows(t, kk, 9);
+        let xd = quantize_rows(&to_f32(&x), t, kk).dequantize();
+        let dx = g.upload(&x).unwrap();
+        let s = g.stream();
+        let picks: Vec<(usize, usize)> = (0..4096usize).map(|i| ((i * 37) % t, (i * 7919) % n)).collect();
+        let want: Vec<f32> = picks
+            .iter()
+            .map(|&(r, c)| {
+                xd[r * kk..(r + 1) * kk]
+                    .iter()
+                    .zip(&wd[c * kk..(c + 1) * kk])
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for pick in [ScalePick::PerRow, ScalePick::Unit, ScalePick::Timed] {
+            let blas = Blas::with_lt(s.clone(), Lt::new(s.clone(), pick).unwrap()).unwrap();
+            let mut scratch = Fp8Scratch::alloc(s, t, kk, n).unwrap();
+            let mut y = s.alloc_zeros::<f32>(t * n).unwrap();
+            blas.project(&k, &mat, &dx, &mut y, Gemm::store(t, n, kk), &mut scratch)
+                .unwrap();
+            eprintln!(
+                "{pick:?}: per-row scales in cuBLASLt: {:?}",
+                blas.lt_planned_per_row((t, n, kk))
+            );
+            let once = g.download(&y).unwrap();
+            blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch)
+                .unwrap();
+            let twice = g.download(&y).unwrap();
+            for (i, &(r, c)) in picks.iter().enumerate() {
+                let (a, b) = (once[r * n + c], twice[r * n + c]);
+                // As the test above: 1e-3 of the largest value.
+                assert!(
+                    (a - want[i]).abs() <= 1e-3 * scale,
+                    "{pick:?} store [{r}, {c}]: {a} vs {}",
+                    want[i]
+                );
+                assert!(
+                    (b - 2.0 * want[i]).abs() <= 2e-3 * scale,
+                    "{pick:?} add [{r}, {c}]: {b} vs {}",
+                    2.0 * want[i]
+                );
+            }
+        }
+    }
+
     fn fp8_products(pick: ScalePick) {
         let g = gpu();
         let k = ModelKernels::load(&g, true).unwrap();

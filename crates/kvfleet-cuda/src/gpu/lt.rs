@@ -1,9 +1,11 @@
 //! cuBLASLt's FP8 GEMM ([`Lt`]): one plan a shape, with per-row ("outer vector") scales or
-//! with unit scales for the caller to apply (`super::fp8`'s fused consumers). Where the library
-//! and device take per-row scales, each new shape times both ways once and keeps the faster
-//! ([`ScalePick::Timed`]): on an H200 with cuBLASLt 13.1 the unit-scale kernels of a 256-token
-//! decode step are 9-22% faster (the down projection 37.9 us against 48.7), the per-row ones of
-//! a 2,048-token prefill up to 10% (bench/RESULTS.md, issue 32, `bench/device/lt_tune.cu`).
+//! with unit scales for the caller to apply (`super::fp8`'s fused consumers). Whether the
+//! library takes per-row scales is asked per shape, with the scale vectors' addresses set (on
+//! an H200, cuBLASLt 13.1 refuses them for a 64 x 64 x 64 GEMM, and for the model's shapes
+//! when the addresses are not set yet), and where it does, each new shape times both ways
+//! once and keeps the faster ([`ScalePick::Timed`]): there the unit-scale kernels of a
+//! 256-token decode step are 9-22% faster, the per-row one of a 2,048-token prefill's down
+//! projection 6-11% (bench/RESULTS.md, issue 32, 2026-12-02, `bench/device/lt_tune.cu`).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -21,24 +23,24 @@ const LT_WORKSPACE: usize = kvfleet_core::plan::FP8_GEMM_WORKSPACE_BYTES as usiz
 /// `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` (cuBLAS 12.9, `cublasLtMatmulMatrixScale_t`):
 /// one f32 scale per row of `op(A)` and per column of `op(B)`. The bindings target 12.8, where
 /// the value is not named; the attribute takes it as a plain 32-bit value, and a library that
-/// does not know it refuses the plan, which [`Lt::new`] turns into the unit-scale path.
+/// does not know it refuses the plan, which [`Lt`] turns into the unit-scale path for that shape.
 const SCALE_OUTER_VEC_32F: u32 = 3;
 
 /// How [`Lt`] chooses between per-row and unit scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum ScalePick {
-    /// Per shape: both timed once where per-row scales are taken, the faster kept (unit scales
-    /// only when at least [`UNIT_MARGIN`] faster).
+    /// Per shape: both timed once where the library takes per-row scales, the faster kept
+    /// (unit scales only when at least [`UNIT_MARGIN`] faster).
     Timed,
-    /// Per-row scales wherever the library takes them (unit scales elsewhere).
+    /// Per-row scales for every shape the library takes them for, unit scales for the others.
     PerRow,
-    /// Unit scales everywhere (the path of GPUs and libraries without per-row scales).
+    /// Unit scales everywhere (the path of GPUs and libraries without per-row scales, to test
+    /// and time it anywhere).
     Unit,
 }
 
 /// A unit-scale plan is kept over a per-row one only when its time is at most this share of
-/// the per-row time: per-row scales are the default, and a pick that flips on noise would make
-/// a shape's rounding depend on the run.
+/// the per-row time: a pick that flips on noise would make a shape's rounding depend on the run.
 const UNIT_MARGIN: f32 = 0.97;
 
 /// Launches a timed candidate gets: this many warm-ups, then this many in each of two timed
@@ -47,8 +49,8 @@ const TIMING_WARMUPS: usize = 2;
 const TIMING_LAUNCHES: usize = 5;
 
 impl ScalePick {
-    /// `KVFLEET_FP8_UNIT_SCALES`: unset (or empty), timed per shape; `1`, unit scales
-    /// everywhere; `0`, per-row scales wherever the library takes them.
+    /// `KVFLEET_FP8_UNIT_SCALES`: unset or empty, timed per shape; `1`, unit scales
+    /// everywhere; `0`, per-row scales wherever cuBLASLt takes them.
     pub fn from_env() -> Result<Self, GpuError> {
         Self::parse(std::env::var("KVFLEET_FP8_UNIT_SCALES").ok().as_deref())
     }
@@ -56,8 +58,8 @@ impl ScalePick {
     fn parse(v: Option<&str>) -> Result<Self, GpuError> {
         match v {
             None | Some("") => Ok(ScalePick::Timed),
-            Some("1") => Ok(ScalePick::Unit),
             Some("0") => Ok(ScalePick::PerRow),
+            Some("1") => Ok(ScalePick::Unit),
             Some(other) => Err(GpuError::Invalid(format!(
                 "KVFLEET_FP8_UNIT_SCALES={other}: expected 1 (unit scales in every FP8 GEMM), 0 (per-row \
                  scales wherever cuBLASLt takes them) or unset (each GEMM shape timed both ways once)"
@@ -133,10 +135,13 @@ impl LtPlan {
     /// `k x n` column-major, transposed: cuBLASLt's FP8 "TN" layout), `B` the e4m3 input
     /// (`[t, k]` row-major = `k x t`) and `C` = `D` f32 (`[t, n]` row-major = `n x t`, ld n).
     /// `None` when cuBLASLt has no algorithm for it (or does not know the scale mode).
+    /// `ptrs`: the device addresses of the weight's and the input's scale vectors, set before
+    /// the heuristic (per-row scales; [`Lt::launch`] sets them again for each GEMM).
     fn new(
         handle: lt_sys::cublasLtHandle_t,
         (t, n, k): (usize, usize, usize),
         scales: Scales,
+        ptrs: (u64, u64),
     ) -> Result<Option<Self>, GpuError> {
         use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
         use lt_sys::cudaDataType::{CUDA_R_32F, CUDA_R_8F_E4M3};
@@ -171,6 +176,13 @@ impl LtPlan {
                     return Ok(None);
                 }
             }
+            let (a, b) = (ptrs.0 as *const c_void, ptrs.1 as *const c_void);
+            // SAFETY: as above; the scale pointers take device addresses.
+            unsafe {
+                set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)
+                    .and_then(|()| set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b))
+            }
+            .map_err(e("the FP8 GEMM's scale vectors"))?;
         }
         let pref = lt::create_matmul_pref().map_err(e("an FP8 GEMM preference"))?;
         let ws = LT_WORKSPACE as u64;
@@ -205,8 +217,7 @@ pub(super) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     plans: Mutex<Plans>,
-    /// Whether this library and device take per-row scales (probed once) and the caller lets
-    /// them be used.
+    /// Whether per-row scales may be used (where the library and device take them for a shape).
     per_row: bool,
     pick: ScalePick,
     stream: Arc<CudaStream>,
@@ -237,20 +248,18 @@ pub(super) enum Done {
 }
 
 impl Lt {
-    /// A handle and its workspace; probes once whether cuBLASLt takes per-row scales here.
-    /// `pick`: how each shape chooses between them and unit scales ([`ScalePick::Unit`]
-    /// tests and times the path of GPUs and libraries without per-row scales anywhere;
-    /// `KVFLEET_FP8_UNIT_SCALES` in the worker and benchmarks, [`ScalePick::from_env`]).
+    /// A handle and its workspace. `pick`: whether per-row scales may be used
+    /// (`KVFLEET_FP8_UNIT_SCALES` in the worker and benchmarks, [`ScalePick::from_env`]).
     pub fn new(stream: Arc<CudaStream>, pick: ScalePick) -> Result<Self, GpuError> {
         let handle = lt::create_handle().map_err(lt_err("creating the cuBLASLt handle"))?;
         let workspace = stream
             .alloc_zeros::<u8>(LT_WORKSPACE)
             .map_err(drv("allocating the cuBLASLt workspace"))?;
-        let per_row =
-            pick != ScalePick::Unit && LtPlan::new(handle, (64, 64, 64), Scales::OuterVec)?.is_some();
+        // Whether the library takes per-row scales is asked per shape, of the shape itself: a
+        // probe of one small shape does not answer for the model's (see the module's note).
+        let per_row = pick != ScalePick::Unit;
         tracing::info!(
             version = unsafe { lt_sys::cublasLtGetVersion() },
-            per_row_scales = per_row,
             ?pick,
             "cuBLASLt for the FP8 GEMMs"
         );
@@ -269,8 +278,8 @@ impl Lt {
         LT_WORKSPACE
     }
 
-    /// Whether per-row scales are in use for any shape (the library and device take them and
-    /// the pick allows them).
+    /// Whether per-row scales may be used (the pick allows them; the library may still refuse
+    /// them for a shape).
     #[cfg(test)]
     pub fn scales_rows(&self) -> bool {
         self.per_row
@@ -282,13 +291,20 @@ impl Lt {
     /// overwrite; its contents are left undefined).
     pub fn scales_rows_for(
         &self,
-        (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
-        (xq, sx): (&CudaSlice<u8>, &CudaSlice<f32>),
+        w: (&CudaSlice<u8>, &CudaSlice<f32>),
+        x: (&CudaSlice<u8>, &CudaSlice<f32>),
         out: &mut CudaSlice<f32>,
         dims: (usize, usize, usize),
     ) -> Result<bool, GpuError> {
         let mut plans = self.lock()?;
-        Ok(self.plan(&mut plans, (wq, sw), (xq, sx), Some(out), dims)?.scales == Scales::OuterVec)
+        Ok(self.plan(&mut plans, w, x, Some(out), dims)?.scales == Scales::OuterVec)
+    }
+
+    /// Whether the plan of `dims` has per-row scales (`None`: not planned yet).
+    #[cfg(test)]
+    pub fn planned_per_row(&self, dims: (usize, usize, usize)) -> Option<bool> {
+        let plans = self.plans.lock().ok()?;
+        plans.get(&dims).map(|p| p.scales == Scales::OuterVec)
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Plans>, GpuError> {
@@ -317,28 +333,35 @@ impl Lt {
                 "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} (FP8 needs inner sizes that are multiples of 16)"
             ))
         };
+        let s = &self.stream;
+        let ptrs = {
+            let (swp, _rsw) = w.1.device_ptr(s);
+            let (sxp, _rsx) = x.1.device_ptr(s);
+            (swp, sxp)
+        };
         let per_row = if self.per_row {
-            LtPlan::new(self.handle, (t, n, k), Scales::OuterVec)?
+            LtPlan::new(self.handle, (t, n, k), Scales::OuterVec, ptrs)?
         } else {
             None
         };
         let timed = self.pick == ScalePick::Timed;
+        let unit = |_: ()| LtPlan::new(self.handle, (t, n, k), Scales::Unit, ptrs);
         let plan = match (per_row, out) {
-            (Some(p), Some(out)) if timed => match LtPlan::new(self.handle, (t, n, k), Scales::Unit)? {
+            (Some(p), Some(out)) if timed => match unit(())? {
                 Some(u) => {
                     need("FP8 GEMM timing output", out, t * n)?;
                     let (tp, tu) = self.time_pair(&p, &u, w, x, out, (t, n, k))?;
-                    let unit = tu <= UNIT_MARGIN * tp;
+                    let keep_unit = tu <= UNIT_MARGIN * tp;
                     tracing::debug!(
                         t,
                         n,
                         k,
                         per_row_us = tp,
                         unit_us = tu,
-                        unit,
+                        unit = keep_unit,
                         "FP8 GEMM scales timed"
                     );
-                    if unit {
+                    if keep_unit {
                         u
                     } else {
                         p
@@ -347,8 +370,15 @@ impl Lt {
                 None => p,
             },
             (Some(p), _) => p,
-            (None, _) => LtPlan::new(self.handle, (t, n, k), Scales::Unit)?.ok_or_else(none)?,
+            (None, _) => unit(())?.ok_or_else(none)?,
         };
+        tracing::debug!(
+            t,
+            n,
+            k,
+            per_row = plan.scales == Scales::OuterVec,
+            "FP8 GEMM planned"
+        );
         Ok(v.insert(plan))
     }
 
@@ -487,8 +517,8 @@ mod tests {
     fn the_scale_pick_reads_its_variable() {
         assert_eq!(ScalePick::parse(None).unwrap(), ScalePick::Timed);
         assert_eq!(ScalePick::parse(Some("")).unwrap(), ScalePick::Timed);
-        assert_eq!(ScalePick::parse(Some("1")).unwrap(), ScalePick::Unit);
         assert_eq!(ScalePick::parse(Some("0")).unwrap(), ScalePick::PerRow);
+        assert_eq!(ScalePick::parse(Some("1")).unwrap(), ScalePick::Unit);
         let e = ScalePick::parse(Some("yes")).unwrap_err().to_string();
         assert!(
             e.contains("KVFLEET_FP8_UNIT_SCALES=yes") && e.contains("expected 1"),
