@@ -19,10 +19,13 @@
 #                                     # and a 2,048-token prefill for each, then three workers
 #                                     # through HTTP (FP8 timed, FP8 per-row, bf16): one stream in
 #                                     # rounds and 256 streams, twice
+#   bash bench/device/append.sh margin  # on the device: the build's default pick again (ceilings,
+#                                     # prefill and 256 rows in the model bench, per-row beside it;
+#                                     # one FP8 worker through HTTP: 256 streams and one stream)
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
-mode=${1:?usage: append.sh pack|run|accept|scales}
+mode=${1:?usage: append.sh pack|run|accept|scales|margin}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
@@ -37,6 +40,43 @@ for f in $dev/bin/*.xz; do b="$bin/$(basename "$f" .xz)"; xz -dc "$f" > "$b" && 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+
+if [ "$mode" = margin ]; then
+  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
+  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  mb() {
+    local pick=(); [ "$2" != - ] && pick=(KVFLEET_FP8_UNIT_SCALES=$2)
+    env "${pick[@]}" KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=$3 \
+      KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+    { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
+    echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  }
+  step "model bench, FP8: prefill 2,048 (default, per-row, default), 256 rows (default)"
+  mb prefill_default - 2048 1 8
+  mb prefill_per_row 0 2048 1 8
+  mb prefill_default_again - 2048 1 8
+  mb rows256_default - 128 256 128
+  step "HTTP: one FP8 worker at the default, 0.45 of the memory"
+  "$bin/kvfleet" worker --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
+    --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 2048 \
+    --gpu-memory-utilization 0.45 --max-waiting 4096 --quantization fp8 >> "$OUT/workers.log" 2>&1 &
+  for _ in $(seq 1 150); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
+  timeout 60 python3 $dev/http_load.py --port 8000 --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
+    --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
+  for r in 1 2; do
+    for c in "256 512" "1 2"; do
+      set -- $c
+      timeout 90 python3 $dev/http_load.py --port 8000 --concurrency $1 --prompt-tokens 130 --output-tokens 512 \
+        --requests $2 --vocab 128000 > "$OUT/h.log" 2>&1
+      cat "$OUT/h.log" >> "$OUT/http.log"
+      tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("fp8 c='"$1"' round '"$r"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
+    done
+  done
+  kill %1 2>/dev/null
+  step done
+  rm -f "$OUT/b.log" "$OUT/h.log"
+  exit 0
+fi
 
 if [ "$mode" = scales ]; then
   step "GPU tests: the FP8 GEMM and GEMVs (every scale pick), the fusions, the FP8 model steps"
