@@ -44,7 +44,7 @@ pub(super) enum ScalePick {
 /// add) in work the GEMM's timing does not see, and a pick that flips on noise would make a
 /// shape's rounding depend on the run. At 0.97 a 2,048-token prefill on an H200 took the unit
 /// plan of gate/up (0.96 of the per-row time alone) and ran 1.7% slower than per-row plans
-/// everywhere; the 256-token decode step's unit plans are 0.78-0.91 (bench/RESULTS.md, issue 32).
+/// everywhere; the 256-token decode step's unit plans are 0.78-0.93 (bench/RESULTS.md, issue 32).
 const UNIT_MARGIN: f32 = 0.95;
 
 /// Launches a timed candidate gets: this many warm-ups, then this many in each of two timed
