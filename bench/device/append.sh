@@ -40,37 +40,59 @@ for f in $dev/bin/*.xz; do b="$bin/$(basename "$f" .xz)"; xz -dc "$f" > "$b" && 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 t0=$(date +%s)
 step() { echo "== $1 ($(( $(date +%s) - t0 )) s)"; }
+# worker I MEM [VAR=VALUE ...] [-- ARGS ...]: the worker on dummy Llama-3.1-8B at port 8000 + I with
+# MEM of the GPU's memory, the variables in its environment and ARGS added; logs in workers.log.
+worker() {
+  local i=$1 mem=$2 vars=(); shift 2
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  env "${vars[@]}" "$bin/kvfleet" worker --listen 127.0.0.1:$((8000 + i)) --model-weights dummy \
+    --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
+    --max-num-batched-tokens 2048 --gpu-memory-utilization "$mem" --max-waiting 4096 "$@" >> "$OUT/workers.log" 2>&1 &
+}
+# warm I ...: waits for each worker to be ready, then sends it 256 requests of 32 tokens.
+warm() {
+  for i in "$@"; do
+    for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
+    curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null || { echo "${names[$i]} not ready"; tail -5 "$OUT/workers.log"; }
+    timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
+      --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
+  done
+}
+# hl I CONCURRENCY REQUESTS LABEL: bench/http_load.py 130/512 against worker I, its JSON line
+# kept in http.log and its figures printed under names[I].
+hl() {
+  timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
+    --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
+  cat "$OUT/h.log" >> "$OUT/http.log"
+  tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
+}
+
+# sb TAG PICK PROMPT BATCH STEPS: the model bench, FP8, KVFLEET_FP8_UNIT_SCALES=PICK (- unset), one
+# process; its log kept in bench.log, its figures printed.
+sb() {
+  local pick=(); [ "$2" != - ] && pick=(KVFLEET_FP8_UNIT_SCALES=$2)
+  env "${pick[@]}" KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=$3 \
+    KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+  { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
+  echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+}
 
 if [ "$mode" = margin ]; then
   step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
   PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
-  mb() {
-    local pick=(); [ "$2" != - ] && pick=(KVFLEET_FP8_UNIT_SCALES=$2)
-    env "${pick[@]}" KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=$3 \
-      KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
-    { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
-    echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
-  }
   step "model bench, FP8: prefill 2,048 (default, per-row, default), 256 rows (default)"
-  mb prefill_default - 2048 1 8
-  mb prefill_per_row 0 2048 1 8
-  mb prefill_default_again - 2048 1 8
-  mb rows256_default - 128 256 128
+  sb prefill_default - 2048 1 8
+  sb prefill_per_row 0 2048 1 8
+  sb prefill_default_again - 2048 1 8
+  sb rows256_default - 128 256 128
   step "HTTP: one FP8 worker at the default, 0.45 of the memory"
-  "$bin/kvfleet" worker --listen 127.0.0.1:8000 --model-weights dummy --model-config $dev/llama-3.1-8b.json \
-    --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 2048 \
-    --gpu-memory-utilization 0.45 --max-waiting 4096 --quantization fp8 >> "$OUT/workers.log" 2>&1 &
-  for _ in $(seq 1 150); do curl -sf 127.0.0.1:8000/readyz >/dev/null && break; sleep 1; done
-  timeout 60 python3 $dev/http_load.py --port 8000 --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-    --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
+  names=(fp8)
+  worker 0 0.45 -- --quantization fp8
+  warm 0
   for r in 1 2; do
-    for c in "256 512" "1 2"; do
-      set -- $c
-      timeout 90 python3 $dev/http_load.py --port 8000 --concurrency $1 --prompt-tokens 130 --output-tokens 512 \
-        --requests $2 --vocab 128000 > "$OUT/h.log" 2>&1
-      cat "$OUT/h.log" >> "$OUT/http.log"
-      tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("fp8 c='"$1"' round '"$r"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
-    done
+    hl 0 256 512 "256 streams, round $r"
+    hl 0 1 2 "one stream, round $r"
   done
   kill %1 2>/dev/null
   step done
@@ -85,14 +107,6 @@ if [ "$mode" = scales ]; then
   grep -E "^test |test result|panicked|per-row scales in" "$OUT/tests.log" | tail -20
   step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
   PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
-  # sb TAG PICK PROMPT BATCH STEPS: the model bench, FP8, KVFLEET_FP8_UNIT_SCALES=PICK (- unset).
-  sb() {
-    local pick=(); [ "$2" != - ] && pick=(KVFLEET_FP8_UNIT_SCALES=$2)
-    env "${pick[@]}" KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 KVFLEET_BENCH_PROMPT=$3 \
-      KVFLEET_BENCH_BATCHES=$4 KVFLEET_BENCH_STEPS=$5 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
-    { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
-    echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
-  }
   step "model bench, FP8: 256 rows (128-token prompts, 128 steps) and a 2,048-token prefill; timed, per-row, unit"
   for p in - 0 1; do sb "rows256_pick$p" $p 128 256 128; done
   for p in - 0 1; do sb "prefill_pick$p" $p 2048 1 8; done
@@ -101,25 +115,10 @@ if [ "$mode" = scales ]; then
   echo "prefill_bf16: $(grep -E "prefill of|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
   step "HTTP: three workers (FP8 timed, FP8 per-row, bf16), 0.3 of the memory each"
   names=(fp8 fp8_per_row bf16)
-  for i in 0 1 2; do
-    q=(); [ $i -lt 2 ] && q=(--quantization fp8)
-    pick=(); [ $i = 1 ] && pick=(KVFLEET_FP8_UNIT_SCALES=0)
-    env "${pick[@]}" "$bin/kvfleet" worker --listen 127.0.0.1:$((8000 + i)) --model-weights dummy \
-      --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
-      --max-num-batched-tokens 2048 --gpu-memory-utilization 0.3 --max-waiting 4096 "${q[@]}" >> "$OUT/workers.log" 2>&1 &
-  done
-  for i in 0 1 2; do
-    for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
-    curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null || { echo "${names[$i]} not ready"; tail -5 "$OUT/workers.log"; }
-    timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-      --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
-  done
-  hl() {
-    timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
-      --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
-    cat "$OUT/h.log" >> "$OUT/http.log"
-    tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
-  }
+  worker 0 0.3 -- --quantization fp8
+  worker 1 0.3 KVFLEET_FP8_UNIT_SCALES=0 -- --quantization fp8
+  worker 2 0.3
+  warm 0 1 2
   for r in 1 2; do
     step "HTTP round $r: 256 streams x 130/512, 512 requests; one stream, 2 requests"
     for i in 0 1 2; do hl $i 256 512 "256 streams, round $r"; done
@@ -160,25 +159,10 @@ if [ "$mode" = accept ]; then
   mb one_fp8_again 1 128 1 256
   step "HTTP: three workers (FP8, FP8 with the append launch, bf16), 0.3 of the memory each"
   names=(fp8 fp8_launch bf16)
-  for i in 0 1 2; do
-    q=(); [ $i -lt 2 ] && q=(--quantization fp8)
-    app=1; [ $i = 1 ] && app=0
-    KVFLEET_SINGLE_TOKEN_APPEND=$app "$bin/kvfleet" worker --listen 127.0.0.1:$((8000 + i)) --model-weights dummy \
-      --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
-      --max-num-batched-tokens 2048 --gpu-memory-utilization 0.3 --max-waiting 4096 "${q[@]}" >> "$OUT/workers.log" 2>&1 &
-  done
-  for i in 0 1 2; do
-    for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
-    curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null || { echo "${names[$i]} not ready"; tail -5 "$OUT/workers.log"; }
-    timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-      --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
-  done
-  hl() {
-    timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
-      --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
-    cat "$OUT/h.log" >> "$OUT/http.log"
-    tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
-  }
+  worker 0 0.3 KVFLEET_SINGLE_TOKEN_APPEND=1 -- --quantization fp8
+  worker 1 0.3 KVFLEET_SINGLE_TOKEN_APPEND=0 -- --quantization fp8
+  worker 2 0.3 KVFLEET_SINGLE_TOKEN_APPEND=1
+  warm 0 1 2
   for r in 1 2 3; do
     for i in 0 1 2; do hl $i 1 2 "one stream, round $r"; done
   done
