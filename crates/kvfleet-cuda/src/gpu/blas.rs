@@ -71,9 +71,10 @@ impl Blas {
     /// `KVFLEET_FP8_UNIT_SCALES` picks the scale path, see [`ScalePick::from_env`]).
     pub fn new(stream: Arc<CudaStream>, fp8: bool) -> Result<Self, GpuError> {
         let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
-        let lt = match fp8 {
-            true => Some(Lt::new(stream.clone(), ScalePick::from_env()?)?),
-            false => None,
+        let lt = if fp8 {
+            Some(Lt::new(stream.clone(), ScalePick::from_env()?)?)
+        } else {
+            None
         };
         Ok(Blas { handle, stream, lt })
     }
@@ -87,12 +88,6 @@ impl Blas {
             stream,
             lt: Some(lt),
         })
-    }
-
-    /// Whether the FP8 GEMMs take per-row scales in cuBLASLt.
-    #[cfg(test)]
-    pub fn lt_scales_rows(&self) -> bool {
-        self.lt.as_ref().is_some_and(Lt::scales_rows)
     }
 
     /// Whether cuBLASLt's plan of this FP8 GEMM shape has per-row scales (`None`: not planned).

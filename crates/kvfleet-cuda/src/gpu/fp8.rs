@@ -830,7 +830,6 @@ mod tests {
         let g = gpu();
         let k = ModelKernels::load(&g, true).unwrap();
         let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), pick).unwrap()).unwrap();
-        eprintln!("cuBLASLt applies the row scales: {}", blas.lt_scales_rows());
         let (t, n, kk) = (5, 96, 256);
         let w = to_f32(&bf16_rows(n, kk, 11));
         let wq = quantize_rows(&w, n, kk);
@@ -868,6 +867,10 @@ mod tests {
             .flat_map(|r| (0..n).map(move |c| (r, c)))
             .map(|(r, c)| dot(&xd[r * kk..(r + 1) * kk], &wd[c * kk..(c + 1) * kk]))
             .collect();
+        eprintln!(
+            "{pick:?}: per-row scales in cuBLASLt: {:?}",
+            blas.lt_planned_per_row((t, n, kk))
+        );
         close(&g.download(&y).unwrap(), &want, TOL, "GEMM store");
         // Accumulated onto what is there.
         blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch)

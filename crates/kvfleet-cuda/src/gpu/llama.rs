@@ -294,7 +294,6 @@ mod tests {
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| panic!("no GPU: {e}"));
         let mut m = GpuLlama::dummy(gpu, c, 3, &o).unwrap_or_else(|e| panic!("dummy model: {e}"));
-        eprintln!("cuBLASLt applies the row scales: {}", m.blas.lt_scales_rows());
         let mut planner = DirectPlanner::new(m.kv_config().block_size, &m.kv_config().groups);
         let mut plan = StepPlan::default();
         let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7919 + 11) % 1000).collect();

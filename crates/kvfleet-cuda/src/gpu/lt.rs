@@ -134,6 +134,22 @@ unsafe fn set_attr<T>(
     }
 }
 
+/// Points a per-row plan's descriptor at the weight's (`a`) and the input's (`b`) scale vectors.
+///
+/// # Safety
+/// `desc` must be live; `a` and `b` are device addresses of f32 vectors that outlive every
+/// GEMM queued with it before the next call.
+unsafe fn set_scale_ptrs(desc: lt_sys::cublasLtMatmulDesc_t, a: u64, b: u64) -> Result<(), GpuError> {
+    use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
+    let (a, b) = (a as *const c_void, b as *const c_void);
+    // SAFETY: the caller's contract; the scale-pointer attributes take a device address.
+    unsafe {
+        set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)
+            .and_then(|()| set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b))
+    }
+    .map_err(lt_err("the FP8 GEMM's scale vectors"))
+}
+
 impl LtPlan {
     /// `D[n x t] = op(A) · B` column-major with `A` the e4m3 weight buffer (`[n, k]` row-major =
     /// `k x n` column-major, transposed: cuBLASLt's FP8 "TN" layout), `B` the e4m3 input
@@ -180,13 +196,9 @@ impl LtPlan {
                     return Ok(None);
                 }
             }
-            let (a, b) = (ptrs.0 as *const c_void, ptrs.1 as *const c_void);
-            // SAFETY: as above; the scale pointers take device addresses.
-            unsafe {
-                set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)
-                    .and_then(|()| set_attr(desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b))
-            }
-            .map_err(e("the FP8 GEMM's scale vectors"))?;
+            // SAFETY: `desc` is live; `ptrs` are the scale vectors' device addresses (the
+            // heuristic only reads the descriptor).
+            unsafe { set_scale_ptrs(desc, ptrs.0, ptrs.1) }?;
         }
         let pref = lt::create_matmul_pref().map_err(e("an FP8 GEMM preference"))?;
         let ws = LT_WORKSPACE as u64;
@@ -221,8 +233,6 @@ pub(super) struct Lt {
     handle: lt_sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     plans: Mutex<Plans>,
-    /// Whether per-row scales may be used (where the library and device take them for a shape).
-    per_row: bool,
     pick: ScalePick,
     stream: Arc<CudaStream>,
 }
@@ -261,7 +271,6 @@ impl Lt {
             .map_err(drv("allocating the cuBLASLt workspace"))?;
         // Whether the library takes per-row scales is asked per shape, of the shape itself: a
         // probe of one small shape does not answer for the model's (see the module's note).
-        let per_row = pick != ScalePick::Unit;
         tracing::info!(
             version = unsafe { lt_sys::cublasLtGetVersion() },
             ?pick,
@@ -271,7 +280,6 @@ impl Lt {
             handle,
             workspace,
             plans: Mutex::new(HashMap::new()),
-            per_row,
             pick,
             stream,
         })
@@ -280,13 +288,6 @@ impl Lt {
     /// Bytes it holds on the device.
     pub fn bytes() -> usize {
         LT_WORKSPACE
-    }
-
-    /// Whether per-row scales may be used (the pick allows them; the library may still refuse
-    /// them for a shape).
-    #[cfg(test)]
-    pub fn scales_rows(&self) -> bool {
-        self.per_row
     }
 
     /// Whether [`Lt::gemm`] of this shape applies the scales itself (and can add to its
@@ -343,15 +344,15 @@ impl Lt {
             let (sxp, _rsx) = x.1.device_ptr(s);
             (swp, sxp)
         };
-        let per_row = if self.per_row {
+        let per_row = if self.pick != ScalePick::Unit {
             LtPlan::new(self.handle, (t, n, k), Scales::OuterVec, ptrs)?
         } else {
             None
         };
         let timed = self.pick == ScalePick::Timed;
-        let unit = |_: ()| LtPlan::new(self.handle, (t, n, k), Scales::Unit, ptrs);
+        let unit = || LtPlan::new(self.handle, (t, n, k), Scales::Unit, ptrs);
         let plan = match (per_row, out) {
-            (Some(p), Some(out)) if timed => match unit(())? {
+            (Some(p), Some(out)) if timed => match unit()? {
                 Some(u) => {
                     need("FP8 GEMM timing output", out, t * n)?;
                     let (tp, tu) = self.time_pair(&p, &u, w, x, out, (t, n, k))?;
@@ -374,7 +375,7 @@ impl Lt {
                 None => p,
             },
             (Some(p), _) => p,
-            (None, _) => unit(())?.ok_or_else(none)?,
+            (None, _) => unit()?.ok_or_else(none)?,
         };
         tracing::debug!(
             t,
@@ -473,15 +474,9 @@ impl Lt {
         let (yp, _ry) = y.device_ptr_mut(s);
         let (ws, _rws) = self.workspace.device_ptr(s);
         if plan.scales == Scales::OuterVec {
-            use lt_sys::cublasLtMatmulDescAttributes_t as Attr;
-            let (a, b) = (swp as *const c_void, sxp as *const c_void);
-            // SAFETY: the plan's descriptor is live; the scale pointers take device addresses
+            // SAFETY: the plan's descriptor is live; the scale pointers are device addresses
             // of `n` and `t` f32 (checked by the caller), alive until the GEMM is queued.
-            unsafe {
-                set_attr(plan.desc, Attr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a)
-                    .and_then(|()| set_attr(plan.desc, Attr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b))
-            }
-            .map_err(lt_err("the FP8 GEMM's scale vectors"))?;
+            unsafe { set_scale_ptrs(plan.desc, swp, sxp) }?;
         }
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
         // SAFETY: the plan's layouts describe exactly these buffers (sizes checked by the
