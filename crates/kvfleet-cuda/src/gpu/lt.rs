@@ -1,8 +1,8 @@
 //! cuBLASLt's FP8 GEMM ([`Lt`]): one plan a shape, with per-row ("outer vector") scales or
 //! with unit scales for the caller to apply (`super::fp8`'s fused consumers). Whether the
 //! library takes per-row scales is asked per shape, with the scale vectors' addresses set (on
-//! an H200, cuBLASLt 13.1 refuses them for a 64 x 64 x 64 GEMM, and for the model's shapes
-//! when the addresses are not set yet), and where it does, each new shape times both ways
+//! an H200, cuBLASLt 13.1 refuses them without the addresses: for the 64 x 64 x 64 probe made
+//! before and for the model's shapes alike), and where it does, each new shape times both ways
 //! once and keeps the faster ([`ScalePick::Timed`]): there the unit-scale kernels of a
 //! 256-token decode step are 9-22% faster, the per-row one of a 2,048-token prefill's down
 //! projection 6-11% (bench/RESULTS.md, issue 32, 2026-12-02, `bench/device/lt_tune.cu`).
