@@ -96,6 +96,12 @@ impl Blas {
         self.lt.as_ref().and_then(|l| l.planned_per_row(dims))
     }
 
+    /// How many FP8 scale choices cuBLASLt's plans have timed (one a bucket of token counts).
+    #[cfg(test)]
+    pub fn lt_timed_choices(&self) -> usize {
+        self.lt.as_ref().map_or(0, |l| l.timed_choices())
+    }
+
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`) for a weight of
     /// either dtype, bf16 `x`: [`Blas::gemm`] for bf16; for FP8, `x` quantized per token into
     /// `s`, cuBLASLt's FP8 GEMM into f32 (into `s.d` when accumulating) and the two scales

@@ -823,6 +823,38 @@ mod tests {
                     2.0 * want[i]
                 );
             }
+            if pick == ScalePick::Timed {
+                // Token counts of one power-of-two bucket share the timed choice: 200 and 129
+                // rows plan their own shapes and follow the 256 rows' choice without timing.
+                assert_eq!(blas.lt_timed_choices(), 1);
+                for tt in [200, 129] {
+                    blas.project(&k, &mat, &dx, &mut y, Gemm::store(tt, n, kk), &mut scratch)
+                        .unwrap();
+                    assert_eq!(
+                        blas.lt_planned_per_row((tt, n, kk)),
+                        blas.lt_planned_per_row((t, n, kk)),
+                        "{tt} rows"
+                    );
+                    let got = g.download(&y).unwrap();
+                    for (i, &(r, c)) in picks.iter().enumerate().filter(|(_, p)| p.0 < tt) {
+                        assert!(
+                            (got[r * n + c] - want[i]).abs() <= 1e-3 * scale,
+                            "{tt} rows [{r}, {c}]: {} vs {}",
+                            got[r * n + c],
+                            want[i]
+                        );
+                    }
+                }
+                assert_eq!(blas.lt_timed_choices(), 1, "one choice for 129..=256 rows");
+                // 257 rows are the next bucket: timed anew.
+                let x2 = bf16_rows(512, kk, 9);
+                let dx2 = g.upload(&x2).unwrap();
+                let mut scratch2 = Fp8Scratch::alloc(s, 512, kk, n).unwrap();
+                let mut y2 = s.alloc_zeros::<f32>(512 * n).unwrap();
+                blas.project(&k, &mat, &dx2, &mut y2, Gemm::store(257, n, kk), &mut scratch2)
+                    .unwrap();
+                assert_eq!(blas.lt_timed_choices(), 2, "257 rows are timed in their own bucket");
+            }
         }
     }
 

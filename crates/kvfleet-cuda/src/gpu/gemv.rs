@@ -106,14 +106,21 @@ pub enum Fp8Gemv {
 }
 
 impl Fp8Gemv {
-    /// From `KVFLEET_FP8_GEMV` (`cvt`, `int`, `h2`, `mma`; unset: the default).
-    pub fn from_env() -> Self {
-        match std::env::var("KVFLEET_FP8_GEMV").as_deref() {
-            Ok("cvt") => Fp8Gemv::Cvt,
-            Ok("int") => Fp8Gemv::Int,
-            Ok("h2") => Fp8Gemv::H2,
-            Ok("mma") => Fp8Gemv::Mma,
-            _ => Fp8Gemv::Cvt,
+    /// From `KVFLEET_FP8_GEMV` (`cvt`, `int`, `h2`, `mma`; unset or empty: the default,
+    /// `cvt`). Another value is an error that names the variable.
+    pub fn from_env() -> Result<Self, GpuError> {
+        Self::parse(std::env::var("KVFLEET_FP8_GEMV").ok().as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Result<Self, GpuError> {
+        match v.map(str::trim) {
+            None | Some("") | Some("cvt") => Ok(Fp8Gemv::Cvt),
+            Some("int") => Ok(Fp8Gemv::Int),
+            Some("h2") => Ok(Fp8Gemv::H2),
+            Some("mma") => Ok(Fp8Gemv::Mma),
+            Some(other) => Err(GpuError::Invalid(format!(
+                "KVFLEET_FP8_GEMV={other}: expected cvt (the default), int, h2 or mma"
+            ))),
         }
     }
 
@@ -492,5 +499,20 @@ fn push_mode<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<usi
             Ok(n / 2)
         }
         Output::Qkv(_) => unreachable!("push_output takes the Q/K/V output"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fp8_gemv_reads_its_variable() {
+        assert_eq!(Fp8Gemv::parse(None).unwrap(), Fp8Gemv::Cvt);
+        assert_eq!(Fp8Gemv::parse(Some("")).unwrap(), Fp8Gemv::Cvt);
+        assert_eq!(Fp8Gemv::parse(Some("h2")).unwrap(), Fp8Gemv::H2);
+        assert_eq!(Fp8Gemv::parse(Some("mma")).unwrap(), Fp8Gemv::Mma);
+        let e = Fp8Gemv::parse(Some("pre4")).unwrap_err().to_string();
+        assert!(e.contains("KVFLEET_FP8_GEMV=pre4") && e.contains("expected cvt"), "{e}");
     }
 }

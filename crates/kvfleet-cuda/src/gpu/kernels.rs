@@ -213,7 +213,7 @@ impl ModelKernels {
     /// The model program's kernels; with `fp8`, from the program with `kernels/fp8.cu` too
     /// (the caller has checked that the device has FP8: [`super::fp8::check_device`]).
     pub fn load(gpu: &Gpu, fp8: bool) -> Result<Self, GpuError> {
-        Self::load_with(gpu, fp8.then(Fp8Gemv::from_env))
+        Self::load_with(gpu, fp8.then(Fp8Gemv::from_env).transpose()?)
     }
 
     /// [`ModelKernels::load`] with the FP8 GEMV named (`None`: no FP8 kernels).

@@ -2,8 +2,9 @@
 //! with unit scales for the caller to apply (`super::fp8`'s fused consumers). Whether the
 //! library takes per-row scales is asked per shape, with the scale vectors' addresses set (on
 //! an H200, cuBLASLt 13.1 refuses them without the addresses: for the 64 x 64 x 64 probe made
-//! before and for the model's shapes alike), and where it does, each new shape times both ways
-//! once and keeps the faster ([`ScalePick::Timed`]): there the unit-scale kernels of a
+//! before and for the model's shapes alike), and where it does, both ways are timed once for
+//! each power-of-two bucket of token counts and `(n, k)` ([`bucket`]) and the faster is kept
+//! for the bucket ([`ScalePick::Timed`]): there the unit-scale kernels of a
 //! 256-token decode step are 9-22% faster, the per-row one of a 2,048-token prefill's down
 //! projection 6-11% (bench/RESULTS.md, issue 32, 2026-12-02, `bench/device/lt_tune.cu`).
 
@@ -29,8 +30,9 @@ const SCALE_OUTER_VEC_32F: u32 = 3;
 /// How [`Lt`] chooses between per-row and unit scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum ScalePick {
-    /// Per shape: both timed once where the library takes per-row scales, the faster kept
-    /// (unit scales only when at least [`UNIT_MARGIN`] faster).
+    /// Both timed once a [`bucket`] of token counts and `(n, k)` where the library takes
+    /// per-row scales, the faster kept for the bucket (unit scales only when at least
+    /// [`UNIT_MARGIN`] faster).
     Timed,
     /// Per-row scales for every shape the library takes them for, unit scales for the others.
     PerRow,
@@ -225,8 +227,23 @@ impl LtPlan {
     }
 }
 
-/// The plans by shape `(t, n, k)`.
-type Plans = HashMap<(usize, usize, usize), LtPlan>;
+/// The plans by shape `(t, n, k)`, and the timed scale choices by [`bucket`] of `t`, `n`, `k`.
+#[derive(Default)]
+struct Plans {
+    by_shape: HashMap<(usize, usize, usize), LtPlan>,
+    chosen: HashMap<(usize, usize, usize), Scales>,
+}
+
+/// The token counts one timed choice answers for: `t` rounded up to a power of two. A serving
+/// step's token count changes from step to step (decode batches, prefill chunks); timing every
+/// new count made the first pass over them slower (a 256-stream load through HTTP on an H200:
+/// 23,049 tok/s in its first round against 24,912 in its second, 2026-12-02), while the choice
+/// changes with the count's size, not its exact value (unit plans are faster at 256 tokens,
+/// per-row ones at 2,048: bench/RESULTS.md, issue 32). Each exact shape still gets its own plan
+/// (the library's heuristic is asked per shape); only the timing is shared.
+fn bucket(t: usize) -> usize {
+    t.max(1).next_power_of_two()
+}
 
 /// A cuBLASLt handle, its workspace and a plan a GEMM shape, on the GPU's stream.
 pub(super) struct Lt {
@@ -245,7 +262,7 @@ unsafe impl Sync for Lt {}
 impl Drop for Lt {
     fn drop(&mut self) {
         if let Ok(p) = self.plans.get_mut() {
-            p.clear();
+            p.by_shape.clear();
         }
         // SAFETY: created once in `Lt::new`, destroyed once here after its plans.
         let _ = unsafe { lt::destroy_handle(self.handle) };
@@ -279,7 +296,7 @@ impl Lt {
         Ok(Lt {
             handle,
             workspace,
-            plans: Mutex::new(HashMap::new()),
+            plans: Mutex::new(Plans::default()),
             pick,
             stream,
         })
@@ -309,7 +326,13 @@ impl Lt {
     #[cfg(test)]
     pub fn planned_per_row(&self, dims: (usize, usize, usize)) -> Option<bool> {
         let plans = self.plans.lock().ok()?;
-        plans.get(&dims).map(|p| p.scales == Scales::OuterVec)
+        plans.by_shape.get(&dims).map(|p| p.scales == Scales::OuterVec)
+    }
+
+    /// How many scale choices were timed so far (one a bucket of token counts and `(n, k)`).
+    #[cfg(test)]
+    pub fn timed_choices(&self) -> usize {
+        self.plans.lock().map(|p| p.chosen.len()).unwrap_or(0)
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Plans>, GpuError> {
@@ -328,11 +351,12 @@ impl Lt {
         out: Option<&mut CudaSlice<f32>>,
         (t, n, k): (usize, usize, usize),
     ) -> Result<&'p mut LtPlan, GpuError> {
-        use std::collections::hash_map::Entry;
-        let v = match plans.entry((t, n, k)) {
-            Entry::Occupied(o) => return Ok(o.into_mut()),
-            Entry::Vacant(v) => v,
-        };
+        if plans.by_shape.contains_key(&(t, n, k)) {
+            return Ok(plans
+                .by_shape
+                .get_mut(&(t, n, k))
+                .expect("the plan just found"));
+        }
         let none = || {
             GpuError::Invalid(format!(
                 "cuBLASLt has no FP8 GEMM for {t} x {n} x {k} (FP8 needs inner sizes that are multiples of 16)"
@@ -344,38 +368,56 @@ impl Lt {
             let (sxp, _rsx) = x.1.device_ptr(s);
             (swp, sxp)
         };
-        let per_row = if self.pick != ScalePick::Unit {
-            LtPlan::new(self.handle, (t, n, k), Scales::OuterVec, ptrs)?
-        } else {
-            None
-        };
-        let timed = self.pick == ScalePick::Timed;
         let unit = || LtPlan::new(self.handle, (t, n, k), Scales::Unit, ptrs);
-        let plan = match (per_row, out) {
-            (Some(p), Some(out)) if timed => match unit()? {
-                Some(u) => {
-                    need("FP8 GEMM timing output", out, t * n)?;
-                    let (tp, tu) = self.time_pair(&p, &u, w, x, out, (t, n, k))?;
-                    let keep_unit = tu <= UNIT_MARGIN * tp;
-                    tracing::debug!(
-                        t,
-                        n,
-                        k,
-                        per_row_us = tp,
-                        unit_us = tu,
-                        unit = keep_unit,
-                        "FP8 GEMM scales timed"
-                    );
-                    if keep_unit {
-                        u
-                    } else {
-                        p
-                    }
-                }
-                None => p,
+        let key = (bucket(t), n, k);
+        // A choice timed for this bucket is followed without timing again; where the library
+        // refuses per-row scales for this exact shape, unit scales it is.
+        let chosen = match (self.pick, plans.chosen.get(&key)) {
+            (ScalePick::Timed, Some(c)) => Some(*c),
+            (ScalePick::Timed, None) => None,
+            (ScalePick::PerRow, _) => Some(Scales::OuterVec),
+            (ScalePick::Unit, _) => Some(Scales::Unit),
+        };
+        let plan = match chosen {
+            Some(Scales::Unit) => unit()?.ok_or_else(none)?,
+            Some(Scales::OuterVec) => match LtPlan::new(self.handle, (t, n, k), Scales::OuterVec, ptrs)? {
+                Some(p) => p,
+                None => unit()?.ok_or_else(none)?,
             },
-            (Some(p), _) => p,
-            (None, _) => unit()?.ok_or_else(none)?,
+            None => {
+                let per_row = LtPlan::new(self.handle, (t, n, k), Scales::OuterVec, ptrs)?;
+                match (per_row, out) {
+                    (Some(p), Some(out)) => match unit()? {
+                        Some(u) => {
+                            need("FP8 GEMM timing output", out, t * n)?;
+                            let (tp, tu) = self.time_pair(&p, &u, w, x, out, (t, n, k))?;
+                            let keep_unit = tu <= UNIT_MARGIN * tp;
+                            tracing::debug!(
+                                t,
+                                n,
+                                k,
+                                bucket = key.0,
+                                per_row_us = tp,
+                                unit_us = tu,
+                                unit = keep_unit,
+                                "FP8 GEMM scales timed"
+                            );
+                            let (kept, scales) = if keep_unit {
+                                (u, Scales::Unit)
+                            } else {
+                                (p, Scales::OuterVec)
+                            };
+                            plans.chosen.insert(key, scales);
+                            kept
+                        }
+                        None => p,
+                    },
+                    // Not timed (no output to time into): per-row for now, the bucket's
+                    // choice left to a shape that can be timed.
+                    (Some(p), None) => p,
+                    (None, _) => unit()?.ok_or_else(none)?,
+                }
+            }
         };
         tracing::debug!(
             t,
@@ -384,7 +426,7 @@ impl Lt {
             per_row = plan.scales == Scales::OuterVec,
             "FP8 GEMM planned"
         );
-        Ok(v.insert(plan))
+        Ok(plans.by_shape.entry((t, n, k)).or_insert(plan))
     }
 
     /// The time of one launch of each plan in microseconds, into `out` with beta 0: warm-ups,
@@ -511,6 +553,17 @@ impl Lt {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_counts_share_a_timed_choice_up_to_the_next_power_of_two() {
+        assert_eq!(bucket(0), 1);
+        assert_eq!(bucket(1), 1);
+        assert_eq!(bucket(3), 4);
+        assert_eq!(bucket(129), 256);
+        assert_eq!(bucket(256), 256);
+        assert_eq!(bucket(257), 512);
+        assert_eq!(bucket(2048), 2048);
+    }
 
     #[test]
     fn the_scale_pick_reads_its_variable() {
