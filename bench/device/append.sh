@@ -22,10 +22,15 @@
 #   bash bench/device/append.sh margin  # on the device: the build's default pick again (ceilings,
 #                                     # prefill and 256 rows in the model bench, per-row beside it;
 #                                     # one FP8 worker through HTTP: 256 streams and one stream)
+#   bash bench/device/append.sh bucket  # on the device: the scale choice timed once a bucket of
+#                                     # token counts: the FP8 GPU tests, ceilings, prefill and 256
+#                                     # rows (FP8 default, per-row; bf16 prefill), then three workers
+#                                     # through HTTP (FP8 warmed, FP8 cold with its timings logged,
+#                                     # bf16): 256 streams and one stream, twice
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
-mode=${1:?usage: append.sh pack|run|accept|scales|margin}
+mode=${1:?usage: append.sh pack|run|accept|scales|margin|bucket}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
@@ -95,6 +100,45 @@ if [ "$mode" = margin ]; then
     hl 0 1 2 "one stream, round $r"
   done
   kill %1 2>/dev/null
+  step done
+  rm -f "$OUT/b.log" "$OUT/h.log"
+  exit 0
+fi
+
+if [ "$mode" = bucket ]; then
+  step "GPU tests: the FP8 GEMM at a model width (the bucket's shared choice), the FP8 GEMMs and GEMVs"
+  { timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 --nocapture gpu_fp8
+    timeout 150 "$bin/cuda_model" --ignored --test-threads 1 gpu_kv_written gpu_fused_gemv gpu_dummy; } > "$OUT/tests.log" 2>&1
+  grep -E "^test |test result|panicked|per-row scales in" "$OUT/tests.log" | tail -24
+  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
+  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  step "model bench, FP8: prefill 2,048 and 256 rows, default then per-row; bf16 prefill"
+  sb prefill_default - 2048 1 8
+  sb prefill_per_row 0 2048 1 8
+  sb rows256_default - 128 256 128
+  sb rows256_per_row 0 128 256 128
+  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=0 KVFLEET_BENCH_PROMPT=2048 \
+    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=8 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+  echo "prefill_bf16: $(grep -E "prefill of|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  step "HTTP: three workers (FP8 warmed, FP8 cold, bf16), 0.3 of the memory each"
+  names=(fp8 fp8_cold bf16)
+  worker 0 0.3 -- --quantization fp8
+  # The cold worker's plan log (kvfleet_cuda at debug) counts its timings.
+  env RUST_LOG=info,kvfleet_cuda::gpu::lt=debug "$bin/kvfleet" worker --listen 127.0.0.1:8001 --model-weights dummy \
+    --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
+    --max-num-batched-tokens 2048 --gpu-memory-utilization 0.3 --max-waiting 4096 --quantization fp8 > "$OUT/cold.log" 2>&1 &
+  worker 2 0.3
+  warm 0 2
+  for _ in $(seq 1 150); do curl -sf 127.0.0.1:8001/readyz >/dev/null && break; sleep 1; done
+  for r in 1 2; do
+    step "HTTP round $r: 256 streams x 130/512, 512 requests; one stream, 2 requests"
+    for i in 0 1 2; do hl $i 256 512 "256 streams, round $r"; done
+    echo "fp8_cold after round $r: $(grep -c "FP8 GEMM scales timed" "$OUT/cold.log") timed, $(grep -c "FP8 GEMM planned" "$OUT/cold.log") planned"
+    for i in 0 1 2; do hl $i 1 2 "one stream, round $r"; done
+  done
+  kill %1 %2 %3 2>/dev/null
+  grep "FP8 GEMM scales timed" "$OUT/cold.log" | sed 's/.*FP8 GEMM scales timed//' | head -60
+  xz -T4 "$OUT/cold.log"
   step done
   rm -f "$OUT/b.log" "$OUT/h.log"
   exit 0
