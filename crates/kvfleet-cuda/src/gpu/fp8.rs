@@ -853,7 +853,11 @@ mod tests {
                 let mut y2 = s.alloc_zeros::<f32>(512 * n).unwrap();
                 blas.project(&k, &mat, &dx2, &mut y2, Gemm::store(257, n, kk), &mut scratch2)
                     .unwrap();
-                assert_eq!(blas.lt_timed_choices(), 2, "257 rows are timed in their own bucket");
+                assert_eq!(
+                    blas.lt_timed_choices(),
+                    2,
+                    "257 rows are timed in their own bucket"
+                );
             }
         }
     }

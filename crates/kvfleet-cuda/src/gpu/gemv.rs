@@ -513,6 +513,9 @@ mod tests {
         assert_eq!(Fp8Gemv::parse(Some("h2")).unwrap(), Fp8Gemv::H2);
         assert_eq!(Fp8Gemv::parse(Some("mma")).unwrap(), Fp8Gemv::Mma);
         let e = Fp8Gemv::parse(Some("pre4")).unwrap_err().to_string();
-        assert!(e.contains("KVFLEET_FP8_GEMV=pre4") && e.contains("expected cvt"), "{e}");
+        assert!(
+            e.contains("KVFLEET_FP8_GEMV=pre4") && e.contains("expected cvt"),
+            "{e}"
+        );
     }
 }

@@ -352,10 +352,7 @@ impl Lt {
         (t, n, k): (usize, usize, usize),
     ) -> Result<&'p mut LtPlan, GpuError> {
         if plans.by_shape.contains_key(&(t, n, k)) {
-            return Ok(plans
-                .by_shape
-                .get_mut(&(t, n, k))
-                .expect("the plan just found"));
+            return Ok(plans.by_shape.get_mut(&(t, n, k)).expect("the plan just found"));
         }
         let none = || {
             GpuError::Invalid(format!(
