@@ -83,9 +83,26 @@ sb() {
   echo "$1: $(grep -E "prefill of|tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
 }
 
-if [ "$mode" = margin ]; then
+# fp8_tests: the FP8 GEMM and GEMV tests of cuda_lib (every scale pick) and the FP8 model steps
+# of cuda_model, into tests.log.
+fp8_tests() {
+  { timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 --nocapture gpu_fp8
+    timeout 150 "$bin/cuda_model" --ignored --test-threads 1 gpu_kv_written gpu_fused_gemv gpu_dummy; } > "$OUT/tests.log" 2>&1
+}
+# bf16_prefill: the model bench's 2,048-token prefill with bf16 weights, printed.
+bf16_prefill() {
+  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=0 KVFLEET_BENCH_PROMPT=2048 \
+    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=8 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
+  echo "prefill_bf16: $(grep -E "prefill of|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+}
+# ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3 (bench/peers.py), into ceilings.json.
+ceilings() {
   step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
   PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+}
+
+if [ "$mode" = margin ]; then
+  ceilings
   step "model bench, FP8: prefill 2,048 (default, per-row, default), 256 rows (default)"
   sb prefill_default - 2048 1 8
   sb prefill_per_row 0 2048 1 8
@@ -107,19 +124,15 @@ fi
 
 if [ "$mode" = bucket ]; then
   step "GPU tests: the FP8 GEMM at a model width (the bucket's shared choice), the FP8 GEMMs and GEMVs"
-  { timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 --nocapture gpu_fp8
-    timeout 150 "$bin/cuda_model" --ignored --test-threads 1 gpu_kv_written gpu_fused_gemv gpu_dummy; } > "$OUT/tests.log" 2>&1
+  fp8_tests
   grep -E "^test |test result|panicked|per-row scales in" "$OUT/tests.log" | tail -24
-  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
-  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  ceilings
   step "model bench, FP8: prefill 2,048 and 256 rows, default then per-row; bf16 prefill"
   sb prefill_default - 2048 1 8
   sb prefill_per_row 0 2048 1 8
   sb rows256_default - 128 256 128
   sb rows256_per_row 0 128 256 128
-  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=0 KVFLEET_BENCH_PROMPT=2048 \
-    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=8 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
-  echo "prefill_bf16: $(grep -E "prefill of|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  bf16_prefill
   step "HTTP: three workers (FP8 warmed, FP8 cold, bf16), 0.3 of the memory each"
   names=(fp8 fp8_cold bf16)
   worker 0 0.3 -- --quantization fp8
@@ -146,17 +159,13 @@ fi
 
 if [ "$mode" = scales ]; then
   step "GPU tests: the FP8 GEMM and GEMVs (every scale pick), the fusions, the FP8 model steps"
-  { timeout 150 "$bin/cuda_lib" --ignored --test-threads 1 --nocapture gpu_fp8
-    timeout 150 "$bin/cuda_model" --ignored --test-threads 1 gpu_kv_written gpu_fused_gemv gpu_dummy; } > "$OUT/tests.log" 2>&1
+  fp8_tests
   grep -E "^test |test result|panicked|per-row scales in" "$OUT/tests.log" | tail -20
-  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
-  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  ceilings
   step "model bench, FP8: 256 rows (128-token prompts, 128 steps) and a 2,048-token prefill; timed, per-row, unit"
   for p in - 0 1; do sb "rows256_pick$p" $p 128 256 128; done
   for p in - 0 1; do sb "prefill_pick$p" $p 2048 1 8; done
-  KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=0 KVFLEET_BENCH_PROMPT=2048 \
-    KVFLEET_BENCH_BATCHES=1 KVFLEET_BENCH_STEPS=8 timeout 120 "$bin/model" > "$OUT/b.log" 2>&1
-  echo "prefill_bf16: $(grep -E "prefill of|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  bf16_prefill
   step "HTTP: three workers (FP8 timed, FP8 per-row, bf16), 0.3 of the memory each"
   names=(fp8 fp8_per_row bf16)
   worker 0 0.3 -- --quantization fp8
@@ -177,8 +186,7 @@ if [ "$mode" = scales ]; then
 fi
 
 if [ "$mode" = accept ]; then
-  step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
-  PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
+  ceilings
   # mb TAG FP8 PROMPT BATCH STEPS: the model bench at the build's defaults, one process.
   mb() {
     KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$2 KVFLEET_BENCH_PROMPT=$3 \
