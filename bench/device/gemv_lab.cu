@@ -16,6 +16,12 @@
 //   projections, a warp's first chunks of the next projection loaded before the barrier;
 // - `tma` (TMA=1): the weights through the bulk-copy engine (cp.async.bulk) into shared memory
 //   in stages, a block an SM (or two), 8-32 warps, the next kernel launched early.
+// - `tc`, `tc2`, `stc` (TC=1; ONLY_TC=1 stops after them): the products on the tensor cores.
+//   `tc` and `tc2`: a block a unit of 16 rows, its warps splitting k, mma.m16n8k32 on e4m3
+//   operands (W8A8) or mma.m16n8k16 on f16 ones; `stc`: sep's own loads (a warp a row or row
+//   pair), A's rows the lane quads' chunks, the dot products on D's diagonal, f16 or e4m3
+//   operands (the f16 form in the engine as FP8_TC on branch exp/tc-gemv, not kept:
+//   bench/RESULTS.md, "the products on the tensor cores").
 // Variants that compute the same sums are compared bit for bit with `sep`, the others within
 // a tolerance or not at all (timing-only variants say so). Timing: CUDA events around a step,
 // median of REPS (argument 1, default 20) after 3 warm-up steps.
@@ -637,6 +643,381 @@ __global__ void __launch_bounds__(256) k_rows(const unsigned char* w, int rows, 
     if (acc == 0x12345678u) sink[0] = 1.f;
 }
 
+// Tensor-core GEMV (TC=1; W8A8 like vLLM's dynamic FP8 method): the input row quantized per
+// token to e4m3 in shared memory, the weights as A of mma.m16n8k32 (e4m3, f32 accumulation),
+// the input as column 0 of B. A block owns a unit of 16 rows (gate/up: 8 gate rows as A's rows
+// 0..7 and their 8 up rows as 8..15, so a lane holds both sums of its row); its 8 warps split k
+// in eighths, each lane loading 16 bytes of rows g and g + 8 at 64 j + 16 t of its eighth
+// (4 lanes cover 64 contiguous bytes of a row a tile, a warp 16 rows x 512 bytes a batch of 8
+// tiles), then the eighths are summed through shared memory in a fixed order. No conversion is
+// spent on a weight. V: 0 wait, stage, load; 1 the first batch loaded after the wait, before
+// the input is staged; 2 loaded before the wait. Grid: one unit a block, or fewer blocks that
+// loop over the units (the input staged once a block).
+constexpr int TC_TILES = 8;
+__device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, o));
+        if (threadIdx.x == 0) total = s;
+    }
+    __syncthreads();
+    const float r = total;
+    __syncthreads();
+    return r;
+}
+// The block's input of projection m as stage_input gives it (bf16 in sx), then quantized per
+// token into xq (e4m3, k bytes); returns the scale, amax / 448.
+__device__ float tc_stage(int m, const Step& st, int layer, bf16* sx, unsigned char* xq) {
+    stage_input(m, st, layer, sx);
+    const int k = phase_k(m);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(sx[i])));
+    amax = block_max(amax);
+    const float s = amax > 0.f ? amax / 448.f : 1.f, inv = 1.f / s;
+    for (int i = threadIdx.x; i < k; i += blockDim.x)
+        xq[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(sx[i]) * inv, __NV_SATFINITE, __NV_E4M3);
+    __syncthreads();
+    return s;
+}
+__host__ __device__ constexpr int tc_units(int m) { return m == MODE_QKV ? NQKV / 16 : m == MODE_GU ? FF / 8 : H / 16; }
+
+template <int M, int V>
+__global__ void __launch_bounds__(256, 2) k_tc(Step st, int layer) {
+    __shared__ __align__(16) bf16 sx[FF];
+    __shared__ __align__(16) unsigned char xq[FF];
+    __shared__ float part[8][16];
+    const unsigned char* w = st.layer[layer].w[M];
+    const float* ws = st.layer[layer].s[M];
+    constexpr int k = phase_k(M), kw = k / 8, tiles = kw / 64, units = tc_units(M);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (V == 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+    float xs = 1.f;
+    bool staged = false;
+    if (V == 0) { xs = tc_stage(M, st, layer, sx, xq); staged = true; }
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int ra = M == MODE_GU ? 8 * u + g : 16 * u + g;
+        const int rb = M == MODE_GU ? FF + 8 * u + g : 16 * u + 8 + g;
+        const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * k + warp * kw) + t;
+        const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * k + warp * kw) + t;
+        const uint4* xv = reinterpret_cast<const uint4*>(xq + warp * kw) + t;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+        for (int j0 = 0; j0 < tiles; j0 += TC_TILES) {
+            uint4 pa[TC_TILES], pb[TC_TILES];
+#pragma unroll
+            for (int j = 0; j < TC_TILES; ++j) {
+                if (j0 + j < tiles) {
+                    pa[j] = ld_stream(wa + 4 * (j0 + j));
+                    pb[j] = ld_stream(wb + 4 * (j0 + j));
+                }
+            }
+            if (!staged) {
+                if (V == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
+                if (V == 1) asm volatile("griddepcontrol.wait;" ::: "memory");
+                xs = tc_stage(M, st, layer, sx, xq);
+                staged = true;
+            }
+#pragma unroll
+            for (int j = 0; j < TC_TILES; ++j) {
+                if (j0 + j < tiles) {
+                    const uint4 bx = g == 0 ? xv[4 * (j0 + j)] : make_uint4(0, 0, 0, 0);
+                    mma_e4m3(c, pa[j].x, pb[j].x, pa[j].y, pb[j].y, bx.x, bx.y);
+                    mma_e4m3(c, pa[j].z, pb[j].z, pa[j].w, pb[j].w, bx.z, bx.w);
+                }
+            }
+        }
+        if (t == 0) {
+            part[warp][g] = c[0];
+            part[warp][g + 8] = c[2];
+        }
+        __syncthreads();
+        if (threadIdx.x < (M == MODE_GU ? 8 : 16)) {
+            const int i = threadIdx.x;
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) { s0 += part[q][i]; if (M == MODE_GU) s1 += part[q][i + 8]; }
+            if (M == MODE_GU) {
+                const float gt = s0 * xs * ws[8 * u + i], up = s1 * xs * ws[FF + 8 * u + i];
+                st.act[8 * u + i] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
+            } else if (M == MODE_QKV) {
+                st.qkv[16 * u + i] = __float2bfloat16(s0 * xs * ws[16 * u + i]);
+            } else {
+                st.resid[16 * u + i] += s0 * xs * ws[16 * u + i];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// k_tc2 (TC=1): k_tc with a lighter prologue and more blocks an SM. KIND 0: e4m3 operands as
+// k_tc, the norm, the amax and the quantization in one pass over registers (Q/K/V, gate/up);
+// KIND 1: f16 operands, mma.m16n8k16, each weight pair converted by cvt.rn.f16x2.e4m3x2 and
+// the input staged as f16 (weight-only like sep; no range scaling: timing lab). T tiles a
+// batch, MINB blocks an SM; dynamic shared memory k bytes (KIND 0) or 2 k (KIND 1).
+__device__ __forceinline__ void mma_f16(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                        unsigned b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned cvt2(unsigned v) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+// The input of projection m into smem: e4m3 (KIND 0, returns the scale) or f16 (KIND 1).
+template <int KIND>
+__device__ float tc2_stage(int m, const Step& st, unsigned char* smem) {
+    const int k = phase_k(m);
+    float s = 1.f;
+    if (m == MODE_QKV || m == MODE_GU) {
+        const float* nw = m == MODE_QKV ? st.n1 : st.n2;
+        float r[16];
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            r[j] = __ldcg(st.resid + threadIdx.x + j * 256);
+            ss += r[j] * r[j];
+        }
+        const float inv = 1.f / sqrtf(block_sum(ss) / (float)H + 1e-5f);
+        float amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int i = threadIdx.x + j * 256;
+            r[j] = __bfloat162float(__float2bfloat16(r[j] * inv * nw[i]));
+            amax = fmaxf(amax, fabsf(r[j]));
+        }
+        if (KIND == 0) {
+            amax = block_max(amax);
+            s = amax > 0.f ? amax / 448.f : 1.f;
+            const float qi = 1.f / s;
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                smem[threadIdx.x + j * 256] = (unsigned char)__nv_cvt_float_to_fp8(r[j] * qi, __NV_SATFINITE, __NV_E4M3);
+        } else {
+            __half* xh = reinterpret_cast<__half*>(smem);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) xh[threadIdx.x + j * 256] = __float2half(r[j]);
+        }
+    } else {
+        const bf16* src = m == MODE_O ? st.qkv : st.act;
+        if (KIND == 0) {
+            // k / 8 16-byte words, at most 7 a thread (k = 14336), kept in registers.
+            const uint4* sv = reinterpret_cast<const uint4*>(src);
+            uint4 v[7];
+            float amax = 0.f;
+#pragma unroll
+            for (int j = 0; j < 7; ++j) {
+                const int q = threadIdx.x + 256 * j;
+                v[j] = q < k / 8 ? __ldcg(sv + q) : make_uint4(0, 0, 0, 0);
+                const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[j]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(p[i]);
+                    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+                }
+            }
+            amax = block_max(amax);
+            s = amax > 0.f ? amax / 448.f : 1.f;
+            const float qi = 1.f / s;
+#pragma unroll
+            for (int j = 0; j < 7; ++j) {
+                const int q = threadIdx.x + 256 * j;
+                if (q < k / 8) {
+                    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[j]);
+                    unsigned char o[8];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float2 f = __bfloat1622float2(p[i]);
+                        o[2 * i] = (unsigned char)__nv_cvt_float_to_fp8(f.x * qi, __NV_SATFINITE, __NV_E4M3);
+                        o[2 * i + 1] = (unsigned char)__nv_cvt_float_to_fp8(f.y * qi, __NV_SATFINITE, __NV_E4M3);
+                    }
+                    *reinterpret_cast<uint2*>(smem + 8 * q) = *reinterpret_cast<const uint2*>(o);
+                }
+            }
+        } else {
+            const uint4* sv = reinterpret_cast<const uint4*>(src);
+            uint4* dv = reinterpret_cast<uint4*>(smem);
+            for (int q = threadIdx.x; q < k / 8; q += blockDim.x) {
+                const uint4 v = __ldcg(sv + q);
+                const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+                uint4 o;
+                __half2* h = reinterpret_cast<__half2*>(&o);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) h[i] = __float22half2_rn(__bfloat1622float2(p[i]));
+                dv[q] = o;
+            }
+        }
+    }
+    __syncthreads();
+    return s;
+}
+
+template <int M, int KIND, int T, int MINB>
+__global__ void __launch_bounds__(256, MINB) k_tc2(Step st, int layer) {
+    extern __shared__ __align__(16) unsigned char tsm[];
+    __shared__ float part[8][16];
+    const unsigned char* w = st.layer[layer].w[M];
+    const float* ws = st.layer[layer].s[M];
+    constexpr int k = phase_k(M), kw = k / 8, tiles = kw / 64, units = tc_units(M);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const float xs = tc2_stage<KIND>(M, st, tsm);
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int ra = M == MODE_GU ? 8 * u + g : 16 * u + g;
+        const int rb = M == MODE_GU ? FF + 8 * u + g : 16 * u + 8 + g;
+        const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * k + warp * kw) + t;
+        const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * k + warp * kw) + t;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+        for (int j0 = 0; j0 < tiles; j0 += T) {
+            uint4 pa[T], pb[T];
+#pragma unroll
+            for (int j = 0; j < T; ++j) {
+                if (j0 + j < tiles) {
+                    pa[j] = ld_stream(wa + 4 * (j0 + j));
+                    pb[j] = ld_stream(wb + 4 * (j0 + j));
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < T; ++j) {
+                if (j0 + j < tiles) {
+                    const int p = warp * kw + 64 * (j0 + j) + 16 * t;  // this lane's k offset
+                    if (KIND == 0) {
+                        const uint4 bx = g == 0 ? *reinterpret_cast<const uint4*>(tsm + p) : make_uint4(0, 0, 0, 0);
+                        mma_e4m3(c, pa[j].x, pb[j].x, pa[j].y, pb[j].y, bx.x, bx.y);
+                        mma_e4m3(c, pa[j].z, pb[j].z, pa[j].w, pb[j].w, bx.z, bx.w);
+                    } else {
+                        const uint4* xv = reinterpret_cast<const uint4*>(tsm + 2 * p);
+                        const uint4 u0 = g == 0 ? xv[0] : make_uint4(0, 0, 0, 0);
+                        const uint4 u1 = g == 0 ? xv[1] : make_uint4(0, 0, 0, 0);
+                        const unsigned wa4[4] = {pa[j].x, pa[j].y, pa[j].z, pa[j].w};
+                        const unsigned wb4[4] = {pb[j].x, pb[j].y, pb[j].z, pb[j].w};
+                        const unsigned xb[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+                        for (int i = 0; i < 4; ++i)
+                            mma_f16(c, cvt2(wa4[i]), cvt2(wb4[i]), cvt2(wa4[i] >> 16), cvt2(wb4[i] >> 16), xb[2 * i], xb[2 * i + 1]);
+                    }
+                }
+            }
+        }
+        if (t == 0) {
+            part[warp][g] = c[0];
+            part[warp][g + 8] = c[2];
+        }
+        __syncthreads();
+        if (threadIdx.x < (M == MODE_GU ? 8 : 16)) {
+            const int i = threadIdx.x;
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) { s0 += part[q][i]; if (M == MODE_GU) s1 += part[q][i + 8]; }
+            if (M == MODE_GU) {
+                const float gt = s0 * xs * ws[8 * u + i], up = s1 * xs * ws[FF + 8 * u + i];
+                st.act[8 * u + i] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
+            } else if (M == MODE_QKV) {
+                st.qkv[16 * u + i] = __float2bfloat16(s0 * xs * ws[16 * u + i]);
+            } else {
+                st.resid[16 * u + i] += s0 * xs * ws[16 * u + i];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// k_stc (TC=1): sep's kernel, a warp a row or row pair with lane L reading 16 bytes at 16 L of
+// every 512 (so the loads are sep's), the dot products on the tensor cores. The trick: A's 16
+// rows are not 16 weight rows but the 8 lane quads' bytes of the two rows (rows 0..7: row r0's
+// 64-byte pieces, one a quad; rows 8..15: r1's at the same k), and B's column n holds the input
+// at quad n's k, so D[n][n] (and D[8 + n][n]) is quad n's partial dot product; the other 56
+// entries of each 8 are not used. The tensor cores are far from busy at one stream, so the
+// waste is free; what is saved is sep's conversions and FMAs. KIND 0: e4m3 operands (W8A8, the
+// input quantized per token), 2 mma a 16-byte chunk; KIND 1: f16 operands (weight-only like
+// sep), the weights by cvt.rn.f16x2.e4m3x2, 4 mma a chunk. O and down (one row a warp) put
+// zeros in rows 8..15.
+template <int KIND>
+__device__ __forceinline__ void stc_dot(const uint4& pa, const uint4& pb, bool two, const uint4& x0, const uint4& x1, float c[4]) {
+    if (KIND == 0) {
+        if (two) {
+            mma_e4m3(c, pa.x, pb.x, pa.y, pb.y, x0.x, x0.y);
+            mma_e4m3(c, pa.z, pb.z, pa.w, pb.w, x0.z, x0.w);
+        } else {
+            mma_e4m3(c, pa.x, 0u, pa.y, 0u, x0.x, x0.y);
+            mma_e4m3(c, pa.z, 0u, pa.w, 0u, x0.z, x0.w);
+        }
+    } else {
+        const unsigned wa4[4] = {pa.x, pa.y, pa.z, pa.w};
+        const unsigned wb4[4] = {pb.x, pb.y, pb.z, pb.w};
+        const unsigned xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (two) mma_f16(c, cvt2(wa4[i]), cvt2(wb4[i]), cvt2(wa4[i] >> 16), cvt2(wb4[i] >> 16), xb[2 * i], xb[2 * i + 1]);
+            else mma_f16(c, cvt2(wa4[i]), 0u, cvt2(wa4[i] >> 16), 0u, xb[2 * i], xb[2 * i + 1]);
+        }
+    }
+}
+template <int M, int KIND, int UU>
+__global__ void __launch_bounds__(256) k_stc(Step st, int layer) {
+    extern __shared__ __align__(16) unsigned char tsm[];
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const float xs = tc2_stage<KIND>(M, st, tsm);
+    const unsigned char* w = st.layer[layer].w[M];
+    const float* ws = st.layer[layer].s[M];
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    constexpr int k = phase_k(M), kc = k >> 4, units = phase_units(M);
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    const uint4* xi = reinterpret_cast<const uint4*>(tsm);
+    const bool diag0 = g == 2 * t, diag1 = g == 2 * t + 1;
+    for (int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); u < units; u += nw) {
+        int r0, r1;
+        unit_rows(M, u, r0, r1);
+        const bool two = r1 >= 0;
+        const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)r0 * k);
+        const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(two ? r1 : r0) * k);
+        float c[UU][4] = {};
+        for (int c0 = lane; c0 < kc; c0 += 32 * UU) {
+            uint4 q0[UU], q1[UU];
+#pragma unroll
+            for (int j = 0; j < UU; ++j) {
+                const int cc = c0 + 32 * j;
+                q0[j] = cc < kc ? ld_stream(w0 + cc) : make_uint4(0, 0, 0, 0);
+                if (two) q1[j] = cc < kc ? ld_stream(w1 + cc) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < UU; ++j) {
+                const int cc = c0 + 32 * j;
+                if (cc < kc) {
+                    const uint4 x0 = KIND == 0 ? xi[cc] : xi[2 * cc];
+                    const uint4 x1 = KIND == 0 ? x0 : xi[2 * cc + 1];
+                    stc_dot<KIND>(q0[j], q1[j], two, x0, x1, c[j]);
+                }
+            }
+        }
+        float da = 0.f, db = 0.f;
+#pragma unroll
+        for (int j = 0; j < UU; ++j) {
+            da += diag0 ? c[j][0] : diag1 ? c[j][1] : 0.f;
+            db += diag0 ? c[j][2] : diag1 ? c[j][3] : 0.f;
+        }
+        unit_out(M, st, u, r0, r1, warp_sum(da) * xs * ws[r0], two ? warp_sum(db) * xs * ws[r1] : 0.f, lane);
+    }
+}
+
 __global__ void k_fill(unsigned char* p, size_t n, unsigned int seed) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         unsigned int h = (unsigned int)i * 2654435761u ^ seed;
@@ -783,6 +1164,111 @@ int main(int argc, char** argv) {
         four("rows U4, all rows a warp", [&](const unsigned char* w, int r, int k) { launch_pdl(k_rows<4>, r / 8, w, r, k, sink); });
     }
     time_it("sep (PDL)", step_sep, &ref);
+    if (getenv("TC")) {
+        // The tensor-core GEMV against sep: relative error of the residual (W8A8 against
+        // weight-only, so not bit-equal), for grids of one unit a block and 1 / 2 blocks an SM.
+        auto tc_err = [&]() {
+            double d = 0, r = 0;
+            for (int i = 0; i < H; ++i) { d = std::max(d, (double)fabsf(got[i] - ref[i])); r = std::max(r, (double)fabsf(ref[i])); }
+            printf("    max |tc - sep| / max |sep| = %.2e\n", d / r);
+        };
+        auto step_tc = [&](auto q, auto o, auto g, auto d, int cap) {
+            for (int l = 0; l < LAYERS; ++l) {
+                launch_pdl(q, std::min(cap, tc_units(MODE_QKV)), st, l);
+                launch_pdl(o, std::min(cap, tc_units(MODE_O)), st, l);
+                launch_pdl(g, std::min(cap, tc_units(MODE_GU)), st, l);
+                launch_pdl(d, std::min(cap, tc_units(MODE_DOWN)), st, l);
+            }
+        };
+#define TCV(V, CAP) [&]() { step_tc(k_tc<0, V>, k_tc<1, V>, k_tc<2, V>, k_tc<3, V>, CAP); }
+        // k_tc2: KIND, T, MINB; grid MINB blocks an SM (looping) or one unit a block.
+        auto tc2 = [&](auto q, auto o, auto g, auto d, int kind, int minb, const char* name) {
+            const int smem[4] = {(1 + kind) * H, (1 + kind) * H, (1 + kind) * H, (1 + kind) * FF};
+            CK(cudaFuncSetAttribute(q, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[0]));
+            CK(cudaFuncSetAttribute(o, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[1]));
+            CK(cudaFuncSetAttribute(g, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[2]));
+            CK(cudaFuncSetAttribute(d, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[3]));
+            for (int cap : {minb * sms, 1 << 30}) {
+                auto launch = [&](auto kernel, int m, int l) {
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(std::min(cap, tc_units(m)));
+                    cfg.blockDim = dim3(256);
+                    cfg.dynamicSmemBytes = smem[m];
+                    cudaLaunchAttribute at[1];
+                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    at[0].val.programmaticStreamSerializationAllowed = 1;
+                    cfg.attrs = at;
+                    cfg.numAttrs = 1;
+                    CK(cudaLaunchKernelEx(&cfg, kernel, st, l));
+                };
+                char label[80];
+                snprintf(label, sizeof label, "%s grid %s", name, cap == minb * sms ? "MINB/SM" : "units");
+                time_it(label, [&]() {
+                    for (int l = 0; l < LAYERS; ++l) {
+                        launch(q, 0, l); launch(o, 1, l); launch(g, 2, l); launch(d, 3, l);
+                    }
+                }, &got);
+                tc_err();
+            }
+        };
+#define TC2(KIND, T, MINB) tc2(k_tc2<0, KIND, T, MINB>, k_tc2<1, KIND, T, MINB>, k_tc2<2, KIND, T, MINB>, k_tc2<3, KIND, T, MINB>, KIND, MINB, "tc2 k" #KIND " T" #T " B" #MINB)
+        auto stc = [&](auto q, auto o, auto g, auto d, int kind, const char* name) {
+            const int smem[4] = {(1 + kind) * H, (1 + kind) * H, (1 + kind) * H, (1 + kind) * FF};
+            CK(cudaFuncSetAttribute(q, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[0]));
+            CK(cudaFuncSetAttribute(o, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[1]));
+            CK(cudaFuncSetAttribute(g, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[2]));
+            CK(cudaFuncSetAttribute(d, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[3]));
+            for (int per : {4, 6, 8}) {
+                auto launch = [&](auto kernel, int m, int l) {
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(std::min(per * sms, (phase_units(m) + 7) / 8));
+                    cfg.blockDim = dim3(256);
+                    cfg.dynamicSmemBytes = smem[m];
+                    cudaLaunchAttribute at[1];
+                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    at[0].val.programmaticStreamSerializationAllowed = 1;
+                    cfg.attrs = at;
+                    cfg.numAttrs = 1;
+                    CK(cudaLaunchKernelEx(&cfg, kernel, st, l));
+                };
+                char label[80];
+                snprintf(label, sizeof label, "%s grid %d/SM", name, per);
+                time_it(label, [&]() {
+                    for (int l = 0; l < LAYERS; ++l) {
+                        launch(q, 0, l); launch(o, 1, l); launch(g, 2, l); launch(d, 3, l);
+                    }
+                }, &got);
+                tc_err();
+            }
+        };
+        for (int rep = 0; rep < 2; ++rep) {
+            stc(k_stc<0, 1, 2>, k_stc<1, 1, 2>, k_stc<2, 1, 2>, k_stc<3, 1, 2>, 1, "stc f16 U2");
+            stc(k_stc<0, 1, 4>, k_stc<1, 1, 4>, k_stc<2, 1, 4>, k_stc<3, 1, 4>, 1, "stc f16 U4");
+            stc(k_stc<0, 0, 2>, k_stc<1, 0, 2>, k_stc<2, 0, 2>, k_stc<3, 0, 2>, 0, "stc e4m3 U2");
+            stc(k_stc<0, 0, 4>, k_stc<1, 0, 4>, k_stc<2, 0, 4>, k_stc<3, 0, 4>, 0, "stc e4m3 U4");
+            time_it("sep (PDL) again", step_sep, nullptr);
+        }
+        if (getenv("ONLY_TC")) return 0;
+        for (int rep = 0; rep < 1; ++rep) {
+            TC2(0, 4, 4); TC2(0, 8, 2); TC2(0, 4, 3); TC2(0, 2, 6);
+            TC2(1, 4, 4); TC2(1, 8, 2); TC2(1, 4, 3); TC2(1, 2, 6);
+            time_it("sep (PDL) again", step_sep, nullptr);
+        }
+        for (int rep = 0; rep < 1; ++rep) {
+            for (int v = 0; v < 1; ++v) {
+                for (int cap : {1 << 30, 2 * sms, sms}) {
+                    char name[64];
+                    snprintf(name, sizeof name, "tc V%d grid %s", v, cap == sms ? "1/SM" : cap == 2 * sms ? "2/SM" : "units");
+                    if (v == 0) time_it(name, TCV(0, cap), &got);
+                    else if (v == 1) time_it(name, TCV(1, cap), &got);
+                    else time_it(name, TCV(2, cap), &got);
+                    tc_err();
+                }
+            }
+            time_it("sep (PDL) again", step_sep, nullptr);
+        }
+        if (getenv("ONLY_TC")) return 0;
+    }
     time_it("sep, dot: int to f16, hfma2", SEP(6), nullptr);
     time_it("sep, dot: no conversion", SEP(7), nullptr);
     time_it("sep, dot: cvt to f16, hfma2", SEP(8), nullptr);
@@ -1061,4 +1547,64 @@ template __global__ void k_sep<2, 12>(Step, int);
 template __global__ void k_sep<3, 13>(Step, int);
 template __global__ void k_persist<1, false>(Step);
 template __global__ void k_persist<1, true>(Step);
+template __global__ void k_stc<0, 0, 2>(Step, int);
+template __global__ void k_stc<0, 0, 4>(Step, int);
+template __global__ void k_stc<0, 1, 2>(Step, int);
+template __global__ void k_stc<0, 1, 4>(Step, int);
+template __global__ void k_stc<1, 0, 2>(Step, int);
+template __global__ void k_stc<1, 0, 4>(Step, int);
+template __global__ void k_stc<1, 1, 2>(Step, int);
+template __global__ void k_stc<1, 1, 4>(Step, int);
+template __global__ void k_stc<2, 0, 2>(Step, int);
+template __global__ void k_stc<2, 0, 4>(Step, int);
+template __global__ void k_stc<2, 1, 2>(Step, int);
+template __global__ void k_stc<2, 1, 4>(Step, int);
+template __global__ void k_stc<3, 0, 2>(Step, int);
+template __global__ void k_stc<3, 0, 4>(Step, int);
+template __global__ void k_stc<3, 1, 2>(Step, int);
+template __global__ void k_stc<3, 1, 4>(Step, int);
+template __global__ void k_tc2<0, 0, 4, 4>(Step, int);
+template __global__ void k_tc2<0, 0, 8, 2>(Step, int);
+template __global__ void k_tc2<0, 0, 4, 3>(Step, int);
+template __global__ void k_tc2<0, 0, 2, 6>(Step, int);
+template __global__ void k_tc2<0, 1, 4, 4>(Step, int);
+template __global__ void k_tc2<0, 1, 8, 2>(Step, int);
+template __global__ void k_tc2<0, 1, 4, 3>(Step, int);
+template __global__ void k_tc2<0, 1, 2, 6>(Step, int);
+template __global__ void k_tc2<1, 0, 4, 4>(Step, int);
+template __global__ void k_tc2<1, 0, 8, 2>(Step, int);
+template __global__ void k_tc2<1, 0, 4, 3>(Step, int);
+template __global__ void k_tc2<1, 0, 2, 6>(Step, int);
+template __global__ void k_tc2<1, 1, 4, 4>(Step, int);
+template __global__ void k_tc2<1, 1, 8, 2>(Step, int);
+template __global__ void k_tc2<1, 1, 4, 3>(Step, int);
+template __global__ void k_tc2<1, 1, 2, 6>(Step, int);
+template __global__ void k_tc2<2, 0, 4, 4>(Step, int);
+template __global__ void k_tc2<2, 0, 8, 2>(Step, int);
+template __global__ void k_tc2<2, 0, 4, 3>(Step, int);
+template __global__ void k_tc2<2, 0, 2, 6>(Step, int);
+template __global__ void k_tc2<2, 1, 4, 4>(Step, int);
+template __global__ void k_tc2<2, 1, 8, 2>(Step, int);
+template __global__ void k_tc2<2, 1, 4, 3>(Step, int);
+template __global__ void k_tc2<2, 1, 2, 6>(Step, int);
+template __global__ void k_tc2<3, 0, 4, 4>(Step, int);
+template __global__ void k_tc2<3, 0, 8, 2>(Step, int);
+template __global__ void k_tc2<3, 0, 4, 3>(Step, int);
+template __global__ void k_tc2<3, 0, 2, 6>(Step, int);
+template __global__ void k_tc2<3, 1, 4, 4>(Step, int);
+template __global__ void k_tc2<3, 1, 8, 2>(Step, int);
+template __global__ void k_tc2<3, 1, 4, 3>(Step, int);
+template __global__ void k_tc2<3, 1, 2, 6>(Step, int);
+template __global__ void k_tc<0, 0>(Step, int);
+template __global__ void k_tc<0, 1>(Step, int);
+template __global__ void k_tc<0, 2>(Step, int);
+template __global__ void k_tc<1, 0>(Step, int);
+template __global__ void k_tc<1, 1>(Step, int);
+template __global__ void k_tc<1, 2>(Step, int);
+template __global__ void k_tc<2, 0>(Step, int);
+template __global__ void k_tc<2, 1>(Step, int);
+template __global__ void k_tc<2, 2>(Step, int);
+template __global__ void k_tc<3, 0>(Step, int);
+template __global__ void k_tc<3, 1>(Step, int);
+template __global__ void k_tc<3, 2>(Step, int);
 #endif
