@@ -245,6 +245,18 @@ __device__ __forceinline__ void issue_first(int m, const unsigned char* w, int g
 // stride 16 bytes instead of 32) touch each shared-memory bank once a wavefront.
 __device__ __forceinline__ int split_pos(int i, int k) { return ((i & 15) >> 3) * (k >> 1) + ((i >> 4) << 3) + (i & 7); }
 
+// The 256-thread norm's first half (stage_input, tc2_stage): this thread's 16 residual values
+// (threadIdx.x + 256 j), loaded at once, into r; returns 1 / RMS (1 without the sum).
+__device__ __forceinline__ float norm_regs(const Step& st, float (&r)[16], bool reduce = true) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        r[j] = __ldcg(st.resid + threadIdx.x + j * 256);
+        ss += r[j] * r[j];
+    }
+    return reduce ? 1.f / sqrtf(block_sum(ss) / (float)H + 1e-5f) : 1.f;
+}
+
 // The block's input row for projection m into shared memory: RMSNorm(resid) * nw (Q/K/V,
 // gate/up) or the bf16 vector the previous projection wrote, read through L2 (.cg: other SMs
 // wrote it in this kernel). reduce = false: the norm's scale is 1 (V3); split: as split_pos (the
@@ -254,13 +266,7 @@ __device__ void stage_input(int m, const Step& st, int layer, bf16* sx, bool red
         // 16 values a thread, loaded at once and kept in registers (the engine's rms_row).
         const float* nw = m == MODE_QKV ? st.n1 : st.n2;
         float r[16];
-        float ss = 0.f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            r[j] = __ldcg(st.resid + threadIdx.x + j * 256);
-            ss += r[j] * r[j];
-        }
-        const float inv = reduce ? 1.f / sqrtf(block_sum(ss) / (float)H + 1e-5f) : 1.f;
+        const float inv = norm_regs(st, r, reduce);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             const int i = threadIdx.x + j * 256;
@@ -696,6 +702,55 @@ __device__ float tc_stage(int m, const Step& st, int layer, bf16* sx, unsigned c
 }
 __host__ __device__ constexpr int tc_units(int m) { return m == MODE_QKV ? NQKV / 16 : m == MODE_GU ? FF / 8 : H / 16; }
 
+// Tiles j0 .. j0 + T - 1 of unit u for this lane (k_tc, k_tc2): lane (g, t) of warp `warp`
+// loads rows g and 8 + g of the unit's 16 (gate/up: gate row 8 u + g and its up row), 16 bytes
+// each at 64 j + 16 t of the warp's eighth of k.
+template <int M, int T>
+__device__ __forceinline__ void tc_load(const unsigned char* w, int u, int j0, uint4 (&pa)[T], uint4 (&pb)[T]) {
+    constexpr int k = phase_k(M), kw = k / 8, tiles = kw / 64;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int ra = M == MODE_GU ? 8 * u + g : 16 * u + g;
+    const int rb = M == MODE_GU ? FF + 8 * u + g : 16 * u + 8 + g;
+    const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * k + warp * kw) + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * k + warp * kw) + t;
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+        if (j0 + j < tiles) {
+            pa[j] = ld_stream(wa + 4 * (j0 + j));
+            pb[j] = ld_stream(wb + 4 * (j0 + j));
+        }
+    }
+}
+
+// k_tc's and k_tc2's end of a unit: the warps' partial sums of its 16 rows (c[0] row g, c[2]
+// row 8 + g, in the lanes with t = 0) summed in a fixed order, scaled and written as sep's
+// epilogues write them. Every thread of the block calls it.
+template <int M>
+__device__ __forceinline__ void tc_unit_out(const Step& st, const float* ws, int u, float xs, const float c[4],
+                                            float (&part)[8][16]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (t == 0) {
+        part[warp][g] = c[0];
+        part[warp][g + 8] = c[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < (M == MODE_GU ? 8 : 16)) {
+        const int i = threadIdx.x;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) { s0 += part[q][i]; if (M == MODE_GU) s1 += part[q][i + 8]; }
+        if (M == MODE_GU) {
+            const float gt = s0 * xs * ws[8 * u + i], up = s1 * xs * ws[FF + 8 * u + i];
+            st.act[8 * u + i] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
+        } else if (M == MODE_QKV) {
+            st.qkv[16 * u + i] = __float2bfloat16(s0 * xs * ws[16 * u + i]);
+        } else {
+            st.resid[16 * u + i] += s0 * xs * ws[16 * u + i];
+        }
+    }
+    __syncthreads();
+}
+
 template <int M, int V>
 __global__ void __launch_bounds__(256, 2) k_tc(Step st, int layer) {
     __shared__ __align__(16) bf16 sx[FF];
@@ -710,22 +765,12 @@ __global__ void __launch_bounds__(256, 2) k_tc(Step st, int layer) {
     bool staged = false;
     if (V == 0) { xs = tc_stage(M, st, layer, sx, xq); staged = true; }
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const int ra = M == MODE_GU ? 8 * u + g : 16 * u + g;
-        const int rb = M == MODE_GU ? FF + 8 * u + g : 16 * u + 8 + g;
-        const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * k + warp * kw) + t;
-        const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * k + warp * kw) + t;
         const uint4* xv = reinterpret_cast<const uint4*>(xq + warp * kw) + t;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
         for (int j0 = 0; j0 < tiles; j0 += TC_TILES) {
             uint4 pa[TC_TILES], pb[TC_TILES];
-#pragma unroll
-            for (int j = 0; j < TC_TILES; ++j) {
-                if (j0 + j < tiles) {
-                    pa[j] = ld_stream(wa + 4 * (j0 + j));
-                    pb[j] = ld_stream(wb + 4 * (j0 + j));
-                }
-            }
+            tc_load<M, TC_TILES>(w, u, j0, pa, pb);
             if (!staged) {
                 if (V == 2) asm volatile("griddepcontrol.wait;" ::: "memory");
                 if (V == 1) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -741,26 +786,7 @@ __global__ void __launch_bounds__(256, 2) k_tc(Step st, int layer) {
                 }
             }
         }
-        if (t == 0) {
-            part[warp][g] = c[0];
-            part[warp][g + 8] = c[2];
-        }
-        __syncthreads();
-        if (threadIdx.x < (M == MODE_GU ? 8 : 16)) {
-            const int i = threadIdx.x;
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-            for (int q = 0; q < 8; ++q) { s0 += part[q][i]; if (M == MODE_GU) s1 += part[q][i + 8]; }
-            if (M == MODE_GU) {
-                const float gt = s0 * xs * ws[8 * u + i], up = s1 * xs * ws[FF + 8 * u + i];
-                st.act[8 * u + i] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
-            } else if (M == MODE_QKV) {
-                st.qkv[16 * u + i] = __float2bfloat16(s0 * xs * ws[16 * u + i]);
-            } else {
-                st.resid[16 * u + i] += s0 * xs * ws[16 * u + i];
-            }
-        }
-        __syncthreads();
+        tc_unit_out<M>(st, ws, u, xs, c, part);
     }
 }
 
@@ -789,13 +815,7 @@ __device__ float tc2_stage(int m, const Step& st, unsigned char* smem) {
     if (m == MODE_QKV || m == MODE_GU) {
         const float* nw = m == MODE_QKV ? st.n1 : st.n2;
         float r[16];
-        float ss = 0.f;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            r[j] = __ldcg(st.resid + threadIdx.x + j * 256);
-            ss += r[j] * r[j];
-        }
-        const float inv = 1.f / sqrtf(block_sum(ss) / (float)H + 1e-5f);
+        const float inv = norm_regs(st, r);
         float amax = 0.f;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
@@ -880,21 +900,11 @@ __global__ void __launch_bounds__(256, MINB) k_tc2(Step st, int layer) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     const float xs = tc2_stage<KIND>(M, st, tsm);
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const int ra = M == MODE_GU ? 8 * u + g : 16 * u + g;
-        const int rb = M == MODE_GU ? FF + 8 * u + g : 16 * u + 8 + g;
-        const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)ra * k + warp * kw) + t;
-        const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)rb * k + warp * kw) + t;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
         for (int j0 = 0; j0 < tiles; j0 += T) {
             uint4 pa[T], pb[T];
-#pragma unroll
-            for (int j = 0; j < T; ++j) {
-                if (j0 + j < tiles) {
-                    pa[j] = ld_stream(wa + 4 * (j0 + j));
-                    pb[j] = ld_stream(wb + 4 * (j0 + j));
-                }
-            }
+            tc_load<M, T>(w, u, j0, pa, pb);
 #pragma unroll
             for (int j = 0; j < T; ++j) {
                 if (j0 + j < tiles) {
@@ -917,26 +927,7 @@ __global__ void __launch_bounds__(256, MINB) k_tc2(Step st, int layer) {
                 }
             }
         }
-        if (t == 0) {
-            part[warp][g] = c[0];
-            part[warp][g + 8] = c[2];
-        }
-        __syncthreads();
-        if (threadIdx.x < (M == MODE_GU ? 8 : 16)) {
-            const int i = threadIdx.x;
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-            for (int q = 0; q < 8; ++q) { s0 += part[q][i]; if (M == MODE_GU) s1 += part[q][i + 8]; }
-            if (M == MODE_GU) {
-                const float gt = s0 * xs * ws[8 * u + i], up = s1 * xs * ws[FF + 8 * u + i];
-                st.act[8 * u + i] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
-            } else if (M == MODE_QKV) {
-                st.qkv[16 * u + i] = __float2bfloat16(s0 * xs * ws[16 * u + i]);
-            } else {
-                st.resid[16 * u + i] += s0 * xs * ws[16 * u + i];
-            }
-        }
-        __syncthreads();
+        tc_unit_out<M>(st, ws, u, xs, c, part);
     }
 }
 
@@ -1030,17 +1021,23 @@ __global__ void k_setf(float* p, int n, float v) {
 }
 
 #ifndef __CUDACC_RTC__
+// kernel<<<grid, threads, smem>>>(args...) with programmatic stream serialisation (PDL).
 template <typename K, typename... A>
-static void launch_pdl_t(int threads, K kernel, int grid, A... args) {
+static void launch_pdl_smem(int threads, int smem, K kernel, int grid, A... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = 1;
     CK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+template <typename K, typename... A>
+static void launch_pdl_t(int threads, K kernel, int grid, A... args) {
+    launch_pdl_smem(threads, 0, kernel, grid, args...);
 }
 template <typename K, typename... A>
 static void launch_pdl(K kernel, int grid, A... args) {
@@ -1181,66 +1178,48 @@ int main(int argc, char** argv) {
             }
         };
 #define TCV(V, CAP) [&]() { step_tc(k_tc<0, V>, k_tc<1, V>, k_tc<2, V>, k_tc<3, V>, CAP); }
-        // k_tc2: KIND, T, MINB; grid MINB blocks an SM (looping) or one unit a block.
-        auto tc2 = [&](auto q, auto o, auto g, auto d, int kind, int minb, const char* name) {
-            const int smem[4] = {(1 + kind) * H, (1 + kind) * H, (1 + kind) * H, (1 + kind) * FF};
+        // The four projections of a layer with dynamic shared memory smem[m] and grid
+        // grid_of(m), each launched with PDL, timed and compared with sep.
+        auto four_smem = [&](auto q, auto o, auto g, auto d, const int (&smem)[4], auto grid_of, const char* label) {
             CK(cudaFuncSetAttribute(q, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[0]));
             CK(cudaFuncSetAttribute(o, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[1]));
             CK(cudaFuncSetAttribute(g, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[2]));
             CK(cudaFuncSetAttribute(d, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[3]));
+            time_it(label, [&]() {
+                for (int l = 0; l < LAYERS; ++l) {
+                    launch_pdl_smem(256, smem[0], q, grid_of(0), st, l);
+                    launch_pdl_smem(256, smem[1], o, grid_of(1), st, l);
+                    launch_pdl_smem(256, smem[2], g, grid_of(2), st, l);
+                    launch_pdl_smem(256, smem[3], d, grid_of(3), st, l);
+                }
+            }, &got);
+            tc_err();
+        };
+        // The staged input: k bytes (e4m3, kind 0) or 2 k (f16, kind 1).
+        auto tc_smem = [](int kind, int (&smem)[4]) {
+            for (int m = 0; m < 4; ++m) smem[m] = (1 + kind) * phase_k(m);
+        };
+        // k_stc: sep's grid (4 / 6 / 8 blocks an SM).
+        auto stc = [&](auto q, auto o, auto g, auto d, int kind, const char* name) {
+            int smem[4];
+            tc_smem(kind, smem);
+            for (int per : {4, 6, 8}) {
+                char label[80];
+                snprintf(label, sizeof label, "%s grid %d/SM", name, per);
+                four_smem(q, o, g, d, smem, [&](int m) { return std::min(per * sms, (phase_units(m) + 7) / 8); }, label);
+            }
+        };
+        // k_tc2: KIND, T, MINB; grid MINB blocks an SM (looping) or one unit a block.
+        auto tc2 = [&](auto q, auto o, auto g, auto d, int kind, int minb, const char* name) {
+            int smem[4];
+            tc_smem(kind, smem);
             for (int cap : {minb * sms, 1 << 30}) {
-                auto launch = [&](auto kernel, int m, int l) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = dim3(std::min(cap, tc_units(m)));
-                    cfg.blockDim = dim3(256);
-                    cfg.dynamicSmemBytes = smem[m];
-                    cudaLaunchAttribute at[1];
-                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                    at[0].val.programmaticStreamSerializationAllowed = 1;
-                    cfg.attrs = at;
-                    cfg.numAttrs = 1;
-                    CK(cudaLaunchKernelEx(&cfg, kernel, st, l));
-                };
                 char label[80];
                 snprintf(label, sizeof label, "%s grid %s", name, cap == minb * sms ? "MINB/SM" : "units");
-                time_it(label, [&]() {
-                    for (int l = 0; l < LAYERS; ++l) {
-                        launch(q, 0, l); launch(o, 1, l); launch(g, 2, l); launch(d, 3, l);
-                    }
-                }, &got);
-                tc_err();
+                four_smem(q, o, g, d, smem, [&](int m) { return std::min(cap, tc_units(m)); }, label);
             }
         };
 #define TC2(KIND, T, MINB) tc2(k_tc2<0, KIND, T, MINB>, k_tc2<1, KIND, T, MINB>, k_tc2<2, KIND, T, MINB>, k_tc2<3, KIND, T, MINB>, KIND, MINB, "tc2 k" #KIND " T" #T " B" #MINB)
-        auto stc = [&](auto q, auto o, auto g, auto d, int kind, const char* name) {
-            const int smem[4] = {(1 + kind) * H, (1 + kind) * H, (1 + kind) * H, (1 + kind) * FF};
-            CK(cudaFuncSetAttribute(q, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[0]));
-            CK(cudaFuncSetAttribute(o, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[1]));
-            CK(cudaFuncSetAttribute(g, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[2]));
-            CK(cudaFuncSetAttribute(d, cudaFuncAttributeMaxDynamicSharedMemorySize, smem[3]));
-            for (int per : {4, 6, 8}) {
-                auto launch = [&](auto kernel, int m, int l) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = dim3(std::min(per * sms, (phase_units(m) + 7) / 8));
-                    cfg.blockDim = dim3(256);
-                    cfg.dynamicSmemBytes = smem[m];
-                    cudaLaunchAttribute at[1];
-                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                    at[0].val.programmaticStreamSerializationAllowed = 1;
-                    cfg.attrs = at;
-                    cfg.numAttrs = 1;
-                    CK(cudaLaunchKernelEx(&cfg, kernel, st, l));
-                };
-                char label[80];
-                snprintf(label, sizeof label, "%s grid %d/SM", name, per);
-                time_it(label, [&]() {
-                    for (int l = 0; l < LAYERS; ++l) {
-                        launch(q, 0, l); launch(o, 1, l); launch(g, 2, l); launch(d, 3, l);
-                    }
-                }, &got);
-                tc_err();
-            }
-        };
         for (int rep = 0; rep < 2; ++rep) {
             stc(k_stc<0, 1, 2>, k_stc<1, 1, 2>, k_stc<2, 1, 2>, k_stc<3, 1, 2>, 1, "stc f16 U2");
             stc(k_stc<0, 1, 4>, k_stc<1, 1, 4>, k_stc<2, 1, 4>, k_stc<3, 1, 4>, 1, "stc f16 U4");
@@ -1248,25 +1227,23 @@ int main(int argc, char** argv) {
             stc(k_stc<0, 0, 4>, k_stc<1, 0, 4>, k_stc<2, 0, 4>, k_stc<3, 0, 4>, 0, "stc e4m3 U4");
             time_it("sep (PDL) again", step_sep, nullptr);
         }
-        if (getenv("ONLY_TC")) return 0;
-        for (int rep = 0; rep < 1; ++rep) {
-            TC2(0, 4, 4); TC2(0, 8, 2); TC2(0, 4, 3); TC2(0, 2, 6);
-            TC2(1, 4, 4); TC2(1, 8, 2); TC2(1, 4, 3); TC2(1, 2, 6);
-            time_it("sep (PDL) again", step_sep, nullptr);
+        TC2(0, 4, 4); TC2(0, 8, 2); TC2(0, 4, 3); TC2(0, 2, 6);
+        TC2(1, 4, 4); TC2(1, 8, 2); TC2(1, 4, 3); TC2(1, 2, 6);
+        time_it("sep (PDL) again", step_sep, nullptr);
+        for (int cap : {1 << 30, 2 * sms, sms}) {
+            const char* grid = cap == sms ? "1/SM" : cap == 2 * sms ? "2/SM" : "units";
+            char name[64];
+            snprintf(name, sizeof name, "tc V0 grid %s", grid);
+            time_it(name, TCV(0, cap), &got);
+            tc_err();
+            snprintf(name, sizeof name, "tc V1 grid %s", grid);
+            time_it(name, TCV(1, cap), &got);
+            tc_err();
+            snprintf(name, sizeof name, "tc V2 grid %s", grid);
+            time_it(name, TCV(2, cap), &got);
+            tc_err();
         }
-        for (int rep = 0; rep < 1; ++rep) {
-            for (int v = 0; v < 1; ++v) {
-                for (int cap : {1 << 30, 2 * sms, sms}) {
-                    char name[64];
-                    snprintf(name, sizeof name, "tc V%d grid %s", v, cap == sms ? "1/SM" : cap == 2 * sms ? "2/SM" : "units");
-                    if (v == 0) time_it(name, TCV(0, cap), &got);
-                    else if (v == 1) time_it(name, TCV(1, cap), &got);
-                    else time_it(name, TCV(2, cap), &got);
-                    tc_err();
-                }
-            }
-            time_it("sep (PDL) again", step_sep, nullptr);
-        }
+        time_it("sep (PDL) again", step_sep, nullptr);
         if (getenv("ONLY_TC")) return 0;
     }
     time_it("sep, dot: int to f16, hfma2", SEP(6), nullptr);
@@ -1408,16 +1385,7 @@ int main(int argc, char** argv) {
         };
         const int sq = set(kq.first, 0), so = set(ko.first, 1), sg = set(kg.first, 2), sd = set(kd.first, 3);
         auto launch = [&](auto kernel, int smem, int l, int su) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(per_sm * sms);
-            cfg.blockDim = dim3(32 * nw);
-            cfg.dynamicSmemBytes = smem;
-            cudaLaunchAttribute at[1];
-            at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            at[0].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = at;
-            cfg.numAttrs = 1;
-            CK(cudaLaunchKernelEx(&cfg, kernel, st, l, su));
+            launch_pdl_smem(32 * nw, smem, kernel, per_sm * sms, st, l, su);
         };
         char label[64];
         snprintf(label, sizeof label, "%s %dw x%d/SM", name, nw, per_sm);
