@@ -22,6 +22,8 @@
 //   pair), A's rows the lane quads' chunks, the dot products on D's diagonal, f16 or e4m3
 //   operands (the f16 form in the engine as FP8_TC on branch exp/tc-gemv, not kept:
 //   bench/RESULTS.md, "the products on the tensor cores").
+// - GRAPH=1 (ONLY_GRAPH=1 stops after it): the floor, the four reads and `sep` launched on a
+//   stream and replayed as a CUDA graph of the same launches.
 // Variants that compute the same sums are compared bit for bit with `sep`, the others within
 // a tolerance or not at all (timing-only variants say so). Timing: CUDA events around a step,
 // median of REPS (argument 1, default 20) after 3 warm-up steps.
@@ -1022,9 +1024,14 @@ __global__ void k_setf(float* p, int n, float v) {
 
 #ifndef __CUDACC_RTC__
 // kernel<<<grid, threads, smem>>>(args...) with programmatic stream serialisation (PDL).
+// The stream the launch helpers launch on: the legacy default stream, but for the GRAPH
+// section's own stream, which it captures.
+static cudaStream_t g_stream = 0;
+
 template <typename K, typename... A>
 static void launch_pdl_smem(int threads, int smem, K kernel, int grid, A... args) {
     cudaLaunchConfig_t cfg = {};
+    cfg.stream = g_stream;
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(threads);
     cfg.dynamicSmemBytes = smem;
@@ -1092,6 +1099,7 @@ int main(int argc, char** argv) {
     auto reset = [&]() {
         CK(cudaMemcpy(resid, init.data(), H * 4, cudaMemcpyHostToDevice));
         CK(cudaMemset(st.bar, 0, 4));
+        CK(cudaDeviceSynchronize());  // a stream of its own (GRAPH) is not ordered after these
     };
     const int grid_sep = 4 * sms;
     auto step_sep_v = [&](auto q, auto o, auto g, auto d) {
@@ -1108,9 +1116,9 @@ int main(int argc, char** argv) {
         std::vector<float> ts;
         for (int r = 0; r < reps + 3; ++r) {
             reset();
-            CK(cudaEventRecord(e0));
+            CK(cudaEventRecord(e0, g_stream));
             fn();
-            CK(cudaEventRecord(e1));
+            CK(cudaEventRecord(e1, g_stream));
             CK(cudaEventSynchronize(e1));
             CK(cudaGetLastError());
             float ms;
@@ -1161,6 +1169,46 @@ int main(int argc, char** argv) {
         four("rows U4, all rows a warp", [&](const unsigned char* w, int r, int k) { launch_pdl(k_rows<4>, r / 8, w, r, k, sink); });
     }
     time_it("sep (PDL)", step_sep, &ref);
+    if (getenv("GRAPH")) {
+        // What the launches cost beyond the kernels, as the engine issues them (one stream, a
+        // launch each) against a CUDA graph of the same launches, captured with their
+        // programmatic dependencies and replayed; both on a stream of their own, in this process.
+        CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+        auto graph_of = [&](const char* name, auto&& fn, bool compare) {
+            char label[80];
+            snprintf(label, sizeof label, "%s, stream", name);
+            time_it(label, fn, &got);
+            if (compare) printf("    bit-equal to sep: %s\n", memcmp(ref.data(), got.data(), H * 4) == 0 ? "yes" : "NO");
+            cudaGraph_t g;
+            cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
+            fn();
+            CK(cudaStreamEndCapture(g_stream, &g));
+            CK(cudaGraphInstantiate(&ge, g, 0));
+            CK(cudaGraphUpload(ge, g_stream));
+            snprintf(label, sizeof label, "%s, graph", name);
+            time_it(label, [&]() { CK(cudaGraphLaunch(ge, g_stream)); }, &got);
+            if (compare) printf("    bit-equal to sep: %s\n", memcmp(ref.data(), got.data(), H * 4) == 0 ? "yes" : "NO");
+            CK(cudaGraphExecDestroy(ge));
+            CK(cudaGraphDestroy(g));
+        };
+        auto read4 = [&]() {
+            for (int l = 0; l < LAYERS; ++l)
+                for (int m = 0; m < 4; ++m)
+                    launch_pdl(k_read, 8 * sms, reinterpret_cast<const uint4*>(st.layer[l].w[m]), rows[m] * ks[m] / 16, sink);
+        };
+        auto read1 = [&]() {
+            for (int l = 0; l < LAYERS; ++l)
+                launch_pdl(k_read, 8 * sms, reinterpret_cast<const uint4*>(st.layer[l].w[0]), layer_bytes / 16, sink);
+        };
+        for (int rep = 0; rep < 2; ++rep) {
+            graph_of("read (floor)", read1, false);
+            graph_of("read, 4 launches", read4, false);
+            graph_of("sep (PDL)", step_sep, true);
+        }
+        g_stream = 0;
+        if (getenv("ONLY_GRAPH")) return 0;
+    }
     if (getenv("TC")) {
         // The tensor-core GEMV against sep: relative error of the residual (W8A8 against
         // weight-only, so not bit-equal), for grids of one unit a block and 1 / 2 blocks an SM.
