@@ -27,10 +27,13 @@
 #                                     # rows (FP8 default, per-row; bf16 prefill), then three workers
 #                                     # through HTTP (FP8 warmed, FP8 cold with its timings logged,
 #                                     # bf16): 256 streams and one stream, twice
+#   bash bench/device/append.sh profile  # on the device: ceilings, then two FP8 workers through HTTP,
+#                                     # one with KVFLEET_PROFILE=1: 256 streams and one stream, twice;
+#                                     # the profiled worker's tables printed
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
-mode=${1:?usage: append.sh pack|run|accept|scales|margin|bucket}
+mode=${1:?usage: append.sh pack|run|accept|scales|margin|bucket|profile}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
@@ -117,6 +120,27 @@ if [ "$mode" = margin ]; then
     hl 0 1 2 "one stream, round $r"
   done
   kill %1 2>/dev/null
+  step done
+  rm -f "$OUT/b.log" "$OUT/h.log"
+  exit 0
+fi
+
+if [ "$mode" = profile ]; then
+  ceilings
+  step "HTTP: two FP8 workers at 0.45 of the memory, one with KVFLEET_PROFILE=1 (its own log)"
+  names=(fp8 fp8_profiled)
+  worker 0 0.45 -- --quantization fp8
+  env KVFLEET_PROFILE=1 "$bin/kvfleet" worker --listen 127.0.0.1:8001 --model-weights dummy \
+    --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
+    --max-num-batched-tokens 2048 --gpu-memory-utilization 0.45 --max-waiting 4096 --quantization fp8 > "$OUT/profile.log" 2>&1 &
+  warm 0 1
+  for r in 1 2; do
+    for i in 0 1; do hl $i 256 512 "256 streams, round $r"; done
+    for i in 0 1; do hl $i 1 2 "one stream, round $r"; done
+  done
+  kill -INT %1 %2 2>/dev/null; sleep 8; kill %1 %2 2>/dev/null
+  step "the profiled worker's tables (every 10 s and at shutdown)"
+  sed 's/\x1b\[[0-9;]*m//g' "$OUT/profile.log" | grep -E "ms per step|^shape |^(decode|prefill) <=" | head -120
   step done
   rm -f "$OUT/b.log" "$OUT/h.log"
   exit 0
