@@ -22,6 +22,8 @@
 //   pair), A's rows the lane quads' chunks, the dot products on D's diagonal, f16 or e4m3
 //   operands (the f16 form in the engine as FP8_TC on branch exp/tc-gemv, not kept:
 //   bench/RESULTS.md, "the products on the tensor cores").
+// - OPRE=1 (ONLY_OPRE=1 stops after it): with the attention stand-in, O's rows loaded into
+//   registers before its wait, the stand-in letting O launch early or not.
 // - GRAPH=1 (ONLY_GRAPH=1 stops after it): the floor, the four reads and `sep` launched on a
 //   stream and replayed as a CUDA graph of the same launches.
 // Variants that compute the same sums are compared bit for bit with `sep`, the others within
@@ -69,6 +71,7 @@ struct Step {
     // (pf_hint) and evict-first for the GEMVs' own loads (ef, V13); the stand-in's chain length.
     size_t pf[4], pf_attn;
     int pf_hint, attn_chain;
+    int attn_early;  // the stand-in lets the next kernel launch right after its wait (OPRE)
     const unsigned int* kv;
     float* sink;
 };
@@ -522,6 +525,7 @@ __global__ void __launch_bounds__(256) k_read(const uint4* w, size_t n16, float*
 // L2, each block its share. It writes only st.sink.
 __global__ void __launch_bounds__(128) k_attn(Step st, int layer) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (st.attn_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     l2_prefetch(st.layer[layer].w[MODE_O], st.pf_attn, blockIdx.x, gridDim.x, st.pf_hint);
     unsigned int i = (blockIdx.x * 128u + threadIdx.x) * 61u & ((1u << 17) - 1);
     for (int c = 0; c < st.attn_chain; ++c) {
@@ -529,6 +533,41 @@ __global__ void __launch_bounds__(128) k_attn(Step st, int layer) {
         __syncthreads();
     }
     if (i == 0xffffffffu) st.sink[0] = 1.f;
+}
+
+// O (OPRE): a warp a row as `sep`, the warp's whole first row (8 chunks a lane) loaded into
+// registers before the wait (PRE) or after it. With the attention stand-in launching it early
+// (st.attn_early), those loads run while attention does, and after the wait only the input and
+// the arithmetic are left. The same sums in the same order as `sep`'s O: bit-equal.
+template <bool PRE>
+__global__ void __launch_bounds__(256) k_o_pre(Step st, int layer) {
+    __shared__ __align__(16) bf16 sx[H];
+    constexpr int C = H / 16 / 32;
+    const int lane = threadIdx.x & 31;
+    const unsigned char* w = st.layer[layer].w[MODE_O];
+    const float* ws = st.layer[layer].s[MODE_O];
+    const int nw = (int)((gridDim.x * blockDim.x) >> 5);
+    int u = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    uint4 p[C];
+    auto load = [&](int row) {
+        const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)row * H);
+#pragma unroll
+        for (int j = 0; j < C; ++j) p[j] = ld_stream(w0 + lane + 32 * j);
+    };
+    if (PRE && u < H) load(u);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    stage_input(MODE_O, st, layer, sx);
+    const uint4* xi = reinterpret_cast<const uint4*>(sx);
+    for (bool first = PRE; u < H; u += nw, first = false) {
+        if (!first) load(u);
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            const int c = lane + 32 * j;
+            a = dot16(p[j], xi[2 * c], xi[2 * c + 1], a);
+        }
+        unit_out(MODE_O, st, u, u, -1, warp_sum(a) * ws[u], 0.f, lane);
+    }
 }
 
 // A projection through the bulk-copy engine (sm_90): each block owns an equal share of the
@@ -1362,6 +1401,27 @@ int main(int argc, char** argv) {
         };
         time_it("sep + attn", ATT(0), &got);
         check();
+        if (getenv("OPRE")) {
+            // O's rows fetched into registers while attention runs, against sep's O.
+            for (int rep = 0; rep < 2; ++rep) {
+                for (int early = 0; early < 2; ++early) {
+                    st.attn_early = early;
+                    const char* e = early ? ", attn triggers early" : "";
+                    char name[96];
+                    snprintf(name, sizeof name, "sep + attn%s", e);
+                    time_it(name, ATT(0), &got);
+                    check();
+                    snprintf(name, sizeof name, "O in registers before wait%s", e);
+                    time_it(name, [&]() { step_attn_v(k_sep<0, 0>, k_o_pre<true>, k_sep<2, 0>, k_sep<3, 0>); }, &got);
+                    check();
+                    snprintf(name, sizeof name, "O in registers after wait%s", e);
+                    time_it(name, [&]() { step_attn_v(k_sep<0, 0>, k_o_pre<false>, k_sep<2, 0>, k_sep<3, 0>); }, &got);
+                    check();
+                }
+            }
+            st.attn_early = 0;
+            if (getenv("ONLY_OPRE")) return 0;
+        }
         for (int hint = 0; hint < 2; ++hint) {
             st.pf_hint = hint;
             char name[96];
