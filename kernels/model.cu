@@ -67,28 +67,34 @@ __device__ float block_sum(float v) {
 // rms_row over values the block reads through `load(i)` (x[i], or a value computed and stored on
 // the way: kvf_add_rms_norm_fp8's residual add), called once an element in the register path
 // (the row fits RMS_REGS values a thread), twice in the other.
+// The register path's second half: this thread's values r[j] = row[threadIdx.x + j *
+// blockDim.x] (0 past d) already loaded, d <= RMS_REGS * blockDim.x.
+__device__ __forceinline__ void rms_row_regs(const float (&r)[RMS_REGS], const float* __restrict__ w, int d,
+                                             float eps, bf16* __restrict__ out) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_REGS; ++j) {
+        if (threadIdx.x + j * blockDim.x < d) ss += r[j] * r[j];
+    }
+    ss = block_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)d + eps);
+#pragma unroll
+    for (int j = 0; j < RMS_REGS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < d) out[i] = __float2bfloat16(r[j] * inv * w[i]);
+    }
+}
 template <typename Load>
 __device__ __forceinline__ void rms_row_from(Load load, const float* __restrict__ w, int d, float eps,
                                              bf16* __restrict__ out) {
     if (d <= RMS_REGS * (int)blockDim.x) {
         float r[RMS_REGS];
-        float ss = 0.f;
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = threadIdx.x + j * blockDim.x;
             r[j] = i < d ? load(i) : 0.f;
         }
-#pragma unroll
-        for (int j = 0; j < RMS_REGS; ++j) {
-            if (threadIdx.x + j * blockDim.x < d) ss += r[j] * r[j];
-        }
-        ss = block_sum(ss);
-        const float inv = 1.f / sqrtf(ss / (float)d + eps);
-#pragma unroll
-        for (int j = 0; j < RMS_REGS; ++j) {
-            const int i = threadIdx.x + j * blockDim.x;
-            if (i < d) out[i] = __float2bfloat16(r[j] * inv * w[i]);
-        }
+        rms_row_regs(r, w, d, eps, out);
         return;
     }
     float ss = 0.f;
