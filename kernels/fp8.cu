@@ -478,8 +478,8 @@ __device__ void glu_quantize_row(const float* __restrict__ gate_up, int ff, cons
     if ((ff & 3) == 0) {
         // Rows of 2 ff floats start 16-byte aligned; sw's gate and up halves too. GLU_BATCH of
         // a thread's float4 columns are loaded before any is used, so their loads are in flight
-        // together (one at a time: 16.0 us at 256 rows of Llama-3-8B's 14,336 on an H200,
-        // bench/RESULTS.md). The same values and operations as one at a time: bit-equal.
+        // together: 15.7-16.5 -> 13.9-14.9 us at 256 rows of Llama-3-8B's 14,336 on an H200
+        // (bench/RESULTS.md, issue 32). The same values and operations as one at a time: bit-equal.
         constexpr int GLU_BATCH = 4;
         const int n4 = ff >> 2, step = (int)blockDim.x;
         const float4 one = make_float4(1.f, 1.f, 1.f, 1.f);
@@ -620,9 +620,9 @@ extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, co
     const float* dr = dd + r * d;
     if (d <= RMS_REGS * (int)blockDim.x) {
         // rms_row's register path, each element read once. All of the thread's loads are issued
-        // before the first store: a store to x between them would keep the next element's loads
-        // behind it (x may alias as far as the compiler knows), one memory latency an element
-        // (12.9 us at 256 rows of 4,096 on an H200, bench/RESULTS.md).
+        // before the first store: a store to x between them keeps the next element's loads
+        // behind it (x may alias as far as the compiler knows). 12.5 -> 10.6 us at 256 rows of
+        // 4,096 on an H200 (bench/RESULTS.md, issue 32).
         float r[RMS_REGS], dv[RMS_REGS], wv[RMS_REGS];
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
