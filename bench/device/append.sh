@@ -58,23 +58,8 @@ worker() {
     --model-config $dev/llama-3.1-8b.json --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 \
     --max-num-batched-tokens 2048 --gpu-memory-utilization "$mem" --max-waiting 4096 "$@" >> "$OUT/workers.log" 2>&1 &
 }
-# warm I ...: waits for each worker to be ready, then sends it 256 requests of 32 tokens.
-warm() {
-  for i in "$@"; do
-    for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
-    curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null || { echo "${names[$i]} not ready"; tail -5 "$OUT/workers.log"; }
-    timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-      --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
-  done
-}
-# hl I CONCURRENCY REQUESTS LABEL: bench/http_load.py 130/512 against worker I, its JSON line
-# kept in http.log and its figures printed under names[I].
-hl() {
-  timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
-    --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
-  cat "$OUT/h.log" >> "$OUT/http.log"
-  tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
-}
+# warm and hl: the HTTP load.
+source "$(dirname "$0")/http.sh"
 
 # sb TAG PICK PROMPT BATCH STEPS: the model bench, FP8, KVFLEET_FP8_UNIT_SCALES=PICK (- unset), one
 # process; its log kept in bench.log, its figures printed.
@@ -289,26 +274,13 @@ for w in fp8 bf16; do
     --gpu-memory-utilization 0.45 --max-waiting 4096 "${q[@]}" >> "$OUT/workers.log" 2>&1 &
   port=$((port + 1))
 done
-for port in 8000 8001; do
-  for _ in $(seq 1 150); do curl -sf 127.0.0.1:$port/readyz >/dev/null && break; sleep 1; done
-  curl -sf 127.0.0.1:$port/readyz >/dev/null || { echo "$port not ready"; tail -5 "$OUT/workers.log"; }
-  timeout 60 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-    --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
-done
 names=(fp8 bf16)
-# load I CONCURRENCY REQUESTS LABEL: bench/http_load.py 130/512 against worker I, its JSON
-# line kept in http.log and its figures printed.
-load() {
-  timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
-    --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
-  cat "$OUT/h.log" >> "$OUT/http.log"
-  tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
-}
+warm 0 1
 for r in 1 2; do
-  for i in 0 1; do load $i 1 2 "one stream, round $r"; done
+  for i in 0 1; do hl $i 1 2 "one stream, round $r"; done
 done
 step "HTTP: 256 streams x 130/512, 512 requests, once each"
-for i in 0 1; do load $i 256 512 "256 streams"; done
+for i in 0 1; do hl $i 256 512 "256 streams"; done
 kill %1 %2 2>/dev/null
 step done
 rm -f "$OUT/b.log" "$OUT/h.log"

@@ -54,18 +54,9 @@ for b in old new; do
     --gpu-memory-utilization 0.45 --max-waiting 4096 --quantization fp8 >> "$OUT/workers.log" 2>&1 &
   i=$((i + 1))
 done
-for i in 0 1; do
-  for _ in $(seq 1 150); do curl -sf 127.0.0.1:$((8000 + i))/readyz >/dev/null && break; sleep 1; done
-  timeout 60 python3 $dev/http_load.py --port $((8000 + i)) --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
-    --requests 256 --vocab 128000 > "$OUT/h.log" 2>&1
-done
 names=(old new)
-hl() {
-  timeout 90 python3 $dev/http_load.py --port $((8000 + $1)) --concurrency $2 --prompt-tokens 130 --output-tokens 512 \
-    --requests $3 --vocab 128000 > "$OUT/h.log" 2>&1
-  cat "$OUT/h.log" >> "$OUT/http.log"
-  tail -1 "$OUT/h.log" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"${names[$1]} $4"'", {k: r[k] for k in ("errors","output_tok_per_s","ttft_p50_ms","itl_p50_ms")})'
-}
+source "$(dirname "$0")/http.sh"
+warm 0 1
 for r in 1 2; do
   for i in 0 1; do hl $i 256 512 "256 streams, round $r"; done
   for i in 0 1; do hl $i 1 2 "one stream, round $r"; done
