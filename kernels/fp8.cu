@@ -584,30 +584,6 @@ __device__ __forceinline__ void quantize_normed_row(const bf16* h, int d, unsign
     }
     if (threadIdx.x == 0) *scale = s;
 }
-// rms_row_regs then quantize_normed_row in registers (the row fits RMS_REGS values a thread, r
-// holding this thread's, rms_row's element order): the same bf16 values and the same maximum,
-// without the row's round trip through shared memory and the pass that finds the maximum there.
-__device__ __forceinline__ void rms_quantize_regs(const float (&r)[RMS_REGS], const float* __restrict__ w, int d,
-                                                  float eps, unsigned char* __restrict__ out, float* scale) {
-    const float inv = rms_inv_regs(r, d, eps);
-    float h[RMS_REGS];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < RMS_REGS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        h[j] = i < d ? __bfloat162float(__float2bfloat16(r[j] * inv * w[i])) : 0.f;
-        amax = fmaxf(amax, fabsf(h[j]));
-    }
-    amax = block_max(amax);
-    const float s = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
-    const float qi = 1.f / s;
-#pragma unroll
-    for (int j = 0; j < RMS_REGS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < d) out[i] = (unsigned char)__nv_cvt_float_to_fp8(h[j] * qi, __NV_SATFINITE, __NV_E4M3);
-    }
-    if (threadIdx.x == 0) *scale = s;
-}
 }  // namespace
 // RMSNorm into an FP8 GEMM's input: q[r, :] and scale[r] = what kvf_quantize_rows_fp8 makes of
 // kvf_rms_norm's bf16 row norm(x[r]) * w. x f32 [T, d]; q dense [T, d]. Grid (T), block a
@@ -618,16 +594,6 @@ extern "C" __global__ void kvf_rms_norm_fp8(const float* __restrict__ x, const f
     kvf_wait_prior_grid();
     bf16* h = reinterpret_cast<bf16*>(norm_smem);
     const size_t r = blockIdx.x;
-    if (d <= RMS_REGS * (int)blockDim.x) {
-        float v[RMS_REGS];
-#pragma unroll
-        for (int j = 0; j < RMS_REGS; ++j) {
-            const int i = threadIdx.x + j * blockDim.x;
-            v[j] = i < d ? x[r * d + i] : 0.f;
-        }
-        rms_quantize_regs(v, w, d, eps, q + r * d, scale + r);
-        return;
-    }
     rms_row(x + r * d, w, d, eps, h);
     // Each thread reads back only what it wrote (rms_row's element order): no barrier needed
     // before quantize_normed_row, whose block_max orders the reads of its second pass.
@@ -657,11 +623,11 @@ extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, co
         // before the first store: a store to x between them keeps the next element's loads
         // behind it (x may alias as far as the compiler knows). 12.5 -> 10.6 us at 256 rows of
         // 4,096 on an H200 (bench/RESULTS.md, issue 32).
-        float v[RMS_REGS], dv[RMS_REGS], wv[RMS_REGS];
+        float r[RMS_REGS], dv[RMS_REGS], wv[RMS_REGS];
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = threadIdx.x + j * blockDim.x;
-            v[j] = i < d ? xr[i] : 0.f;
+            r[j] = i < d ? xr[i] : 0.f;
             dv[j] = i < d ? dr[i] : 0.f;
             wv[j] = i < d ? sw[i] : 0.f;
         }
@@ -669,16 +635,16 @@ extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, co
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = threadIdx.x + j * blockDim.x;
             if (i < d) {
-                v[j] = scale_add(v[j], dv[j], s, wv[j]);
-                xr[i] = v[j];
+                r[j] = scale_add(r[j], dv[j], s, wv[j]);
+                xr[i] = r[j];
             }
         }
-        rms_quantize_regs(v, w, d, eps, q + r * d, scale + r);
-        return;
+        rms_row_regs(r, w, d, eps, h);
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = scale_add(xr[i], dr[i], s, sw[i]);
+        // rms_row reads in this loop's element order: each thread reads back only its own writes.
+        rms_row(xr, w, d, eps, h);
     }
-    for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = scale_add(xr[i], dr[i], s, sw[i]);
-    // rms_row reads in this loop's element order: each thread reads back only its own writes.
-    rms_row(xr, w, d, eps, h);
     quantize_normed_row(h, d, q + r * d, scale + r);
 }
 // kvf_qkv_post(_wide) over the unit-scale FP8 GEMM's Q/K/V rows: each value times sx[t] *

@@ -69,19 +69,15 @@ __device__ float block_sum(float v) {
 // (the row fits RMS_REGS values a thread), twice in the other.
 // The register path's second half: this thread's values r[j] = row[threadIdx.x + j *
 // blockDim.x] (0 past d) already loaded, d <= RMS_REGS * blockDim.x.
-// rms_inv_regs is its 1 / RMS (the block's sum); rms_row_regs writes the normed bf16 row.
-__device__ __forceinline__ float rms_inv_regs(const float (&r)[RMS_REGS], int d, float eps) {
+__device__ __forceinline__ void rms_row_regs(const float (&r)[RMS_REGS], const float* __restrict__ w, int d,
+                                             float eps, bf16* __restrict__ out) {
     float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < RMS_REGS; ++j) {
         if (threadIdx.x + j * blockDim.x < d) ss += r[j] * r[j];
     }
     ss = block_sum(ss);
-    return 1.f / sqrtf(ss / (float)d + eps);
-}
-__device__ __forceinline__ void rms_row_regs(const float (&r)[RMS_REGS], const float* __restrict__ w, int d,
-                                             float eps, bf16* __restrict__ out) {
-    const float inv = rms_inv_regs(r, d, eps);
+    const float inv = 1.f / sqrtf(ss / (float)d + eps);
 #pragma unroll
     for (int j = 0; j < RMS_REGS; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
