@@ -623,11 +623,11 @@ extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, co
         // before the first store: a store to x between them keeps the next element's loads
         // behind it (x may alias as far as the compiler knows). 12.5 -> 10.6 us at 256 rows of
         // 4,096 on an H200 (bench/RESULTS.md, issue 32).
-        float r[RMS_REGS], dv[RMS_REGS], wv[RMS_REGS];
+        float v[RMS_REGS], dv[RMS_REGS], wv[RMS_REGS];
 #pragma unroll
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = threadIdx.x + j * blockDim.x;
-            r[j] = i < d ? xr[i] : 0.f;
+            v[j] = i < d ? xr[i] : 0.f;
             dv[j] = i < d ? dr[i] : 0.f;
             wv[j] = i < d ? sw[i] : 0.f;
         }
@@ -635,11 +635,11 @@ extern "C" __global__ void kvf_add_rms_norm_fp8(const float* __restrict__ dd, co
         for (int j = 0; j < RMS_REGS; ++j) {
             const int i = threadIdx.x + j * blockDim.x;
             if (i < d) {
-                r[j] = scale_add(r[j], dv[j], s, wv[j]);
-                xr[i] = r[j];
+                v[j] = scale_add(v[j], dv[j], s, wv[j]);
+                xr[i] = v[j];
             }
         }
-        rms_row_regs(r, w, d, eps, h);
+        rms_row_regs(v, w, d, eps, h);
     } else {
         for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = scale_add(xr[i], dr[i], s, sw[i]);
         // rms_row reads in this loop's element order: each thread reads back only its own writes.
@@ -659,4 +659,81 @@ extern "C" __global__ void kvf_qkv_post_wide_fp8(KVF_QKV_POST_PARAMS, const floa
                                                  const float* __restrict__ sw) {
     kvf_wait_prior_grid();
     qkv_post<4, true>(KVF_QKV_POST_ARGS, sx, sw);
+}
+
+// The FP8 GEMM of a step of 2..8 tokens (kvf_gemm_fp8_skinny): y[j, r] (+)= sx[j] * wscale[r] *
+// sum_i xq[j, i] w[r, i] for tokens j < t <= 8, rows r < n_rows; xq e4m3 [t, k] (the rows the
+// quantize kernels and the fused norms write), w e4m3 [n_rows, k], y f32 [t, n_rows] row-major.
+// cuBLASLt's FP8 kernels read the weights at 1-2.7 TB/s at these token counts on an H200
+// (bench/RESULTS.md, issue 32), where a step should stream its weights once at the copy rate
+// as the one-token GEMV does. This is kvf_gemv_fp8_mma with B's 8 columns the tokens: a block a
+// unit of 32 rows (two 16-row blocks), its 8 warps splitting k in 64-byte tiles, lane (g, q)
+// loading 16 bytes of rows g, g + 8 of each block at 64 c + 16 q (four mmas' A registers) and
+// token g's 16 input bytes at the same offset (zero for g >= t) as B. D's c[0], c[1] are row g,
+// tokens 2 q and 2 q + 1; c[2], c[3] row g + 8. The warps' sums meet in shared memory. k a
+// multiple of 64. Block 256 threads, any grid, no dynamic shared memory. Not PDL-launched.
+constexpr int SKINNY_T = 8;
+constexpr int SKINNY_UNROLL = 4;
+
+extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsigned char* __restrict__ w,
+                                                                     const float* __restrict__ wscale, int n_rows,
+                                                                     int k, const unsigned char* __restrict__ xq,
+                                                                     const float* __restrict__ sx, int t, int add,
+                                                                     float* __restrict__ y) {
+    __shared__ float part[MMA_WARPS][32][SKINNY_T];  // a warp's sums: unit row, token
+    const int units = (n_rows + 31) / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int kt = k >> 6;
+    // This lane's token row of the input (its B column); lanes past t give zeros.
+    const uint4* xr = reinterpret_cast<const uint4*>(xq + (size_t)min(g, t - 1) * k);
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int r0 = 32 * u;
+        // Rows g, g + 8, 16 + g, 24 + g of the unit, clamped inside the matrix (their sums are
+        // not written).
+        const uint4* wr[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)min(r0 + g + 8 * i, n_rows - 1) * k);
+        float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int c0 = warp; c0 < kt; c0 += MMA_WARPS * SKINNY_UNROLL) {
+            uint4 p[SKINNY_UNROLL][4], bx[SKINNY_UNROLL];
+#pragma unroll
+            for (int j = 0; j < SKINNY_UNROLL; ++j) {
+                const int c = c0 + MMA_WARPS * j;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + q) : make_uint4(0, 0, 0, 0);
+                bx[j] = c < kt && g < t ? __ldg(xr + 4 * c + q) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int j = 0; j < SKINNY_UNROLL; ++j) {
+                if (c0 + MMA_WARPS * j < kt) {
+                    mma_e4m3(ca, p[j][0].x, p[j][1].x, p[j][0].y, p[j][1].y, bx[j].x, bx[j].y);
+                    mma_e4m3(ca, p[j][0].z, p[j][1].z, p[j][0].w, p[j][1].w, bx[j].z, bx[j].w);
+                    mma_e4m3(cb, p[j][2].x, p[j][3].x, p[j][2].y, p[j][3].y, bx[j].x, bx[j].y);
+                    mma_e4m3(cb, p[j][2].z, p[j][3].z, p[j][2].w, p[j][3].w, bx[j].z, bx[j].w);
+                }
+            }
+        }
+        part[warp][g][2 * q] = ca[0];
+        part[warp][g][2 * q + 1] = ca[1];
+        part[warp][g + 8][2 * q] = ca[2];
+        part[warp][g + 8][2 * q + 1] = ca[3];
+        part[warp][g + 16][2 * q] = cb[0];
+        part[warp][g + 16][2 * q + 1] = cb[1];
+        part[warp][g + 24][2 * q] = cb[2];
+        part[warp][g + 24][2 * q + 1] = cb[3];
+        __syncthreads();
+        // Thread (j, i): token j, unit row i, summed over the warps in a fixed order.
+        {
+            const int j = threadIdx.x >> 5, i = threadIdx.x & 31, r = r0 + i;
+            if (j < t && r < n_rows) {
+                float s = 0.f;
+#pragma unroll
+                for (int wi = 0; wi < MMA_WARPS; ++wi) s += part[wi][i][j];
+                const float v = s * sx[j] * wscale[r];
+                float* out = y + (size_t)j * n_rows + r;
+                *out = add ? *out + v : v;
+            }
+        }
+        __syncthreads();
+    }
 }

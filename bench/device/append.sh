@@ -27,13 +27,18 @@
 #                                     # rows (FP8 default, per-row; bf16 prefill), then three workers
 #                                     # through HTTP (FP8 warmed, FP8 cold with its timings logged,
 #                                     # bf16): 256 streams and one stream, twice
+#   bash bench/device/append.sh skinny  # on the device: steps of 2-8 tokens on kvf_gemm_fp8_skinny
+#                                     # against cuBLASLt (KVFLEET_FP8_SKINNY=off): the FP8 GPU tests,
+#                                     # the ceilings, the model bench at 2-16 rows, rounds alternating,
+#                                     # then two FP8 workers through HTTP at 2, 4, 8 streams, one
+#                                     # stream and 256 streams
 #   bash bench/device/append.sh profile  # on the device: ceilings, then two FP8 workers through HTTP,
 #                                     # one with KVFLEET_PROFILE=1: 256 streams and one stream, twice;
 #                                     # the profiled worker's tables printed
 # $OUT gets the logs; the summary is printed last. The early-launch experiment this script
 # replaced is at commit a3b4c22 (bench/device/early.sh there).
 set -uo pipefail
-mode=${1:?usage: append.sh pack|run|accept|scales|margin|bucket|profile}
+mode=${1:?usage: append.sh pack|run|accept|scales|margin|bucket|profile|skinny}
 dev=.device/append
 
 if [ "$mode" = pack ]; then
@@ -88,6 +93,41 @@ ceilings() {
   step "ceilings: copy bandwidth, bf16 and FP8 GEMM 8192^3"
   PEERS_CEILINGS_ONLY=1 timeout 60 python3 $dev/peers.py "$OUT/ceilings.json" 2>&1 | grep -v Warning | tail -4
 }
+
+if [ "$mode" = skinny ]; then
+  step "GPU tests: the FP8 GEMMs (the skinny one too), GEMVs and fusions, the FP8 model steps"
+  fp8_tests
+  grep -E "^test |test result|panicked" "$OUT/tests.log" | tail -24
+  ceilings
+  # sk TAG SKINNY BATCHES: the model bench, FP8, 128-token prompts, KVFLEET_FP8_SKINNY=SKINNY.
+  sk() {
+    env KVFLEET_FP8_SKINNY=$2 KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 \
+      KVFLEET_BENCH_PROMPT=128 KVFLEET_BENCH_BATCHES=$3 KVFLEET_BENCH_STEPS=64 timeout 150 "$bin/model" > "$OUT/b.log" 2>&1
+    { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
+    echo "$1: $(grep -E "tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
+  }
+  step "model bench, FP8, 2-16 rows: skinny (default) and cuBLASLt (off), alternating"
+  for r in 1 2; do
+    sk "skinny_r$r" 8 1,2,4,8,16
+    sk "cublaslt_r$r" off 1,2,4,8,16
+  done
+  step "HTTP: two FP8 workers at 0.45 of the memory: skinny (default), cuBLASLt (KVFLEET_FP8_SKINNY=off)"
+  names=(skinny cublaslt)
+  worker 0 0.45 -- --quantization fp8
+  worker 1 0.45 KVFLEET_FP8_SKINNY=off -- --quantization fp8
+  warm 0 1
+  for r in 1 2; do
+    for c in 2 4 8; do
+      for i in 0 1; do hl $i $c $((2 * c)) "$c streams, round $r"; done
+    done
+    for i in 0 1; do hl $i 1 2 "one stream, round $r"; done
+  done
+  for i in 0 1; do hl $i 256 512 "256 streams"; done
+  kill %1 %2 2>/dev/null
+  step done
+  rm -f "$OUT/b.log" "$OUT/h.log"
+  exit 0
+fi
 
 if [ "$mode" = margin ]; then
   ceilings

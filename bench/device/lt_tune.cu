@@ -12,6 +12,10 @@
 // id, tile, split-K count and cluster shape that cublasLtMatmulAlgoCheck passes within the
 // workspace), each timed briefly, the five fastest again as above, and checks the fastest's
 // output against the first pick's.
+// KSPLIT=1 instead times each small-token shape with unit scales as one GEMM against the same
+// GEMM over K in s parts run as one strided batch of s (the parts' f32 sums side by side, for the
+// consumer to add), s = 2 and 4, and checks the parts' sum against the one GEMM's output: the
+// down projection at 256 tokens fills 64 of 132 SMs with its tiles (bench/RESULTS.md).
 // Build and run on the device:
 //   nvcc -O3 -std=c++17 -o /tmp/lt_tune bench/device/lt_tune.cu -lcublasLt && /tmp/lt_tune 20
 #include <cublasLt.h>
@@ -53,6 +57,104 @@ static T cfg_get(const cublasLtMatmulAlgo_t& a, cublasLtMatmulAlgoConfigAttribut
     return v;
 }
 
+// The KSPLIT=1 run: one GEMM against K in s parts as a strided batch of s (unit scales).
+static int ksplit(cublasLtHandle_t h, void* ws, int reps) {
+    const int T[] = {64, 128, 256, 512};
+    const int NK[][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+    const char* name[] = {"Q/K/V", "O", "gate/up", "down"};
+    const size_t wbytes_max = 28672ull * 4096;
+    const int rot = 8;  // 8 weight copies of the largest: 940 MB, well past L2
+    unsigned char *w, *x;
+    float* y;
+    CK(cudaMalloc(&w, wbytes_max * rot));
+    CK(cudaMalloc(&x, 512ull * 14336));
+    CK(cudaMalloc(&y, 4 * 512ull * 28672 * 4));
+    fill<<<4096, 256>>>(w, wbytes_max * rot, 7u);
+    fill<<<1024, 256>>>(x, 512ull * 14336, 8u);
+    CK(cudaDeviceSynchronize());
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int t : T) {
+        for (int sh = 0; sh < 4; ++sh) {
+            const int n = NK[sh][0], k = NK[sh][1];
+            const size_t wbytes = (size_t)n * k;
+            const int nrot = (int)std::min<size_t>(rot * (wbytes_max / wbytes), 64);
+            float us[3] = {-1, -1, -1};
+            std::vector<float> out[3];
+            const int parts[3] = {1, 2, 4};
+            for (int pi = 0; pi < 3; ++pi) {
+                const int s = parts[pi];
+                if ((k / s) % 16 != 0) continue;
+                cublasLtMatmulDesc_t desc;
+                LK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+                const cublasOperation_t tr = CUBLAS_OP_T;
+                LK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof tr));
+                cublasLtMatrixLayout_t la, lb, lc;
+                LK(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, k / s, n, k));
+                LK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, k / s, t, k));
+                LK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, n, t, n));
+                if (s > 1) {
+                    const int32_t bc = s;
+                    const int64_t oa = k / s, ob = k / s, oc = (int64_t)n * t;
+                    for (auto l : {la, lb, lc}) LK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc));
+                    LK(cublasLtMatrixLayoutSetAttribute(la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &oa, sizeof oa));
+                    LK(cublasLtMatrixLayoutSetAttribute(lb, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &ob, sizeof ob));
+                    LK(cublasLtMatrixLayoutSetAttribute(lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &oc, sizeof oc));
+                }
+                cublasLtMatmulPreference_t pref;
+                LK(cublasLtMatmulPreferenceCreate(&pref));
+                const uint64_t wsb = WORKSPACE;
+                LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+                cublasLtMatmulHeuristicResult_t r;
+                int got = 0;
+                if (cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, &r, &got) == CUBLAS_STATUS_SUCCESS && got > 0) {
+                    const float alpha = 1.f, beta = 0.f;
+                    std::vector<float> ts;
+                    bool ok = true;
+                    for (int i = 0; i < reps + 3 && ok; ++i) {
+                        const unsigned char* wp = w + (size_t)(i % nrot) * wbytes;
+                        CK(cudaEventRecord(e0));
+                        ok = cublasLtMatmul(h, desc, &alpha, wp, la, x, lb, &beta, y, lc, y, lc, &r.algo, ws, WORKSPACE, 0) == CUBLAS_STATUS_SUCCESS;
+                        CK(cudaEventRecord(e1));
+                        CK(cudaEventSynchronize(e1));
+                        float ms;
+                        CK(cudaEventElapsedTime(&ms, e0, e1));
+                        if (i >= 3) ts.push_back(ms * 1e3f);
+                    }
+                    if (ok) {
+                        std::sort(ts.begin(), ts.end());
+                        us[pi] = ts[ts.size() / 2];
+                        // The output of weight copy 0, parts summed.
+                        CK(cudaMemset(y, 0, (size_t)s * n * t * 4));
+                        LK(cublasLtMatmul(h, desc, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &r.algo, ws, WORKSPACE, 0));
+                        std::vector<float> all((size_t)s * n * t);
+                        CK(cudaMemcpy(all.data(), y, all.size() * 4, cudaMemcpyDeviceToHost));
+                        out[pi].assign((size_t)n * t, 0.f);
+                        for (int q = 0; q < s; ++q)
+                            for (size_t i = 0; i < (size_t)n * t; ++i) out[pi][i] += all[(size_t)q * n * t + i];
+                    }
+                }
+                cublasLtMatmulPreferenceDestroy(pref);
+                cublasLtMatrixLayoutDestroy(la);
+                cublasLtMatrixLayoutDestroy(lb);
+                cublasLtMatrixLayoutDestroy(lc);
+                cublasLtMatmulDescDestroy(desc);
+            }
+            const double fl = 2.0 * t * n * k;
+            printf("%-8s t=%4d n=%5d k=%5d unit scales: one GEMM %6.1f us (%4.0f TFLOP/s)", name[sh], t, n, k, us[0], fl / (us[0] * 1e-6) / 1e12);
+            for (int pi = 1; pi < 3; ++pi) {
+                if (us[pi] < 0 || out[0].empty()) { printf("; %d parts: none", parts[pi]); continue; }
+                double d = 0, mx = 0;
+                for (size_t i = 0; i < out[0].size(); ++i) { d = std::max(d, (double)fabsf(out[0][i] - out[pi][i])); mx = std::max(mx, (double)fabsf(out[0][i])); }
+                printf("; %d parts %6.1f us (%.3fx, max |diff| / max |y| %.1e)", parts[pi], us[pi], us[0] / us[pi], d / mx);
+            }
+            printf("\n");
+        }
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
     const int reps = argc > 1 ? atoi(argv[1]) : 20;
     cublasLtHandle_t h;
@@ -62,6 +164,7 @@ int main(int argc, char** argv) {
     CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0));
     void* ws;
     CK(cudaMalloc(&ws, WORKSPACE));
+    if (getenv("KSPLIT") && atoi(getenv("KSPLIT")) == 1) return ksplit(h, ws, reps);
     const int T[] = {256, 2048};
     const int NK[][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
     const char* name[] = {"Q/K/V", "O", "gate/up", "down"};

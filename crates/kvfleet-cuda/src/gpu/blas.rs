@@ -191,6 +191,11 @@ impl Blas {
                 .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
         }
         let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
+        let f = self.fp8_kernels(k)?;
+        if f.takes_skinny(t, kk) {
+            f.gemm_skinny(&self.stream, w, xs, y, dims, true)?;
+            return Ok(None);
+        }
         // A new shape is timed into `s.d`, which the unit-scale path overwrites anyway.
         if lt.scales_rows_for(w, xs, &mut s.d, dims)? {
             lt.gemm(w, xs, y, dims, true)?;
@@ -235,6 +240,10 @@ impl Blas {
         }
         if let Fp8In::Bf16(x) = x {
             f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
+        if f.takes_skinny(t, kk) {
+            f.gemm_skinny(&self.stream, (q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)?;
+            return Ok(None);
         }
         Ok(match lt.gemm((q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)? {
             Done::Scaled => None,

@@ -108,6 +108,31 @@ const SCALE_ROW_BLOCKS: usize = 64;
 /// the opt-in limit of every FP8 device (99 KiB on sm_89 and sm_120).
 const FUSED_SMEM_MAX: usize = 96 * 1024;
 
+/// The most tokens `kvf_gemm_fp8_skinny` takes: B's 8 columns of `mma.m16n8k32`.
+pub(crate) const SKINNY_MAX: usize = 8;
+/// Blocks an SM of `kvf_gemm_fp8_skinny`'s grid at most (its blocks then take several units).
+const SKINNY_BLOCKS_PER_SM: usize = 4;
+
+/// `KVFLEET_FP8_SKINNY`: the most tokens a step may have for its FP8 GEMMs to run on
+/// `kvf_gemm_fp8_skinny` (0 or `off`: never; above [`SKINNY_MAX`]: that); unset: [`SKINNY_MAX`].
+fn skinny_max_from_env() -> usize {
+    parse_skinny(std::env::var("KVFLEET_FP8_SKINNY").ok().as_deref())
+}
+
+fn parse_skinny(v: Option<&str>) -> usize {
+    match v.map(str::trim) {
+        None | Some("") => SKINNY_MAX,
+        Some("off") => 0,
+        Some(w) => match w.parse::<usize>() {
+            Ok(n) => n.min(SKINNY_MAX),
+            Err(_) => {
+                tracing::warn!(value = w, "KVFLEET_FP8_SKINNY: not a token count or `off`; the default kept");
+                SKINNY_MAX
+            }
+        },
+    }
+}
+
 /// Which neighbours of the FP8 GEMMs take over the input quantization and the unit-scale
 /// epilogue at steps of more than one token (bench/RESULTS.md, 2026-11-28, measures each).
 /// `KVFLEET_FP8_FUSE`: `all` (the default), `none`, or a comma-separated list of `norm`, `glu`,
@@ -182,14 +207,20 @@ pub(crate) struct Fp8Kernels {
     add_norm_quantize: CudaFunction,
     qkv_post: CudaFunction,
     qkv_post_wide: CudaFunction,
+    skinny: CudaFunction,
     /// What the model's steps fuse.
     pub fusion: Fusion,
+    /// Steps of 2 to this many tokens run their FP8 GEMMs on `kvf_gemm_fp8_skinny` instead of
+    /// cuBLASLt (0: never): `KVFLEET_FP8_SKINNY`, at most and by default [`SKINNY_MAX`].
+    skinny_max: usize,
+    /// The device's SMs (the skinny GEMM's grid cap).
+    num_sms: usize,
     /// Launch the fused kernels with programmatic dependent launch (sm_90 and later).
     pdl: bool,
 }
 
 impl Fp8Kernels {
-    pub fn load(module: &Arc<CudaModule>, pdl: bool, fusion: Fusion) -> Result<Self, GpuError> {
+    pub fn load(module: &Arc<CudaModule>, num_sms: usize, pdl: bool, fusion: Fusion) -> Result<Self, GpuError> {
         let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
         let wide = |name: &str| -> Result<CudaFunction, GpuError> {
             let k = f(name)?;
@@ -209,7 +240,10 @@ impl Fp8Kernels {
             add_norm_quantize: wide("kvf_add_rms_norm_fp8")?,
             qkv_post: f("kvf_qkv_post_fp8")?,
             qkv_post_wide: f("kvf_qkv_post_wide_fp8")?,
+            skinny: f("kvf_gemm_fp8_skinny")?,
             fusion,
+            skinny_max: skinny_max_from_env(),
+            num_sms: num_sms.max(1),
             pdl,
         })
     }
@@ -228,6 +262,63 @@ impl Fp8Kernels {
             "a fused FP8 {what} of {width} columns (at most {})",
             FUSED_SMEM_MAX / 2
         )))
+    }
+
+    /// Whether a step of `t` tokens runs the FP8 GEMM of a `[n, k]` weight on
+    /// [`Fp8Kernels::gemm_skinny`].
+    pub fn takes_skinny(&self, t: usize, k: usize) -> bool {
+        (2..=self.skinny_max).contains(&t) && k % 64 == 0 && k > 0
+    }
+
+    /// `y[t, n] (+)= (sx[t] sw[n]) (xq[t, k] · wq[n, k]ᵀ)` in f32 for 2 to [`SKINNY_MAX`]
+    /// tokens, streaming the weights once (`kvf_gemm_fp8_skinny`); `k` a multiple of 64.
+    pub fn gemm_skinny(
+        &self,
+        stream: &CudaStream,
+        (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
+        (xq, sx): (&CudaSlice<u8>, &CudaSlice<f32>),
+        y: &mut CudaSlice<f32>,
+        (t, n, k): (usize, usize, usize),
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if !(1..=SKINNY_MAX).contains(&t) || k % 64 != 0 || k == 0 {
+            return Err(GpuError::Invalid(format!(
+                "a skinny FP8 GEMM of {t} tokens over k = {k} (1 to {SKINNY_MAX} tokens, k a multiple of 64)"
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        need("FP8 GEMM weight", wq, n * k)?;
+        need("FP8 weight scales", sw, n)?;
+        need("FP8 GEMM input", xq, t * k)?;
+        need("FP8 token scales", sx, t)?;
+        need("FP8 GEMM output", y, t * n)?;
+        let [Ok(n_i), Ok(k_i)] = [n, k].map(i32::try_from) else {
+            return Err(GpuError::Invalid(format!("an FP8 GEMM of {n} x {k} exceeds 32 bits")));
+        };
+        let blocks = n.div_ceil(32).min(SKINNY_BLOCKS_PER_SM * self.num_sms);
+        let mut l = Launch::new(stream);
+        l.ptr(wq)
+            .ptr(sw)
+            .i32(n_i)
+            .i32(k_i)
+            .ptr(xq)
+            .ptr(sx)
+            .i32(t as i32)
+            .i32(i32::from(accumulate))
+            .ptr_mut(y);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `kvf_gemm_fp8_skinny(const uchar*, const float*, int, int, const
+        // uchar*, const float*, int, int, float*)` in kernels/fp8.cu; it reads `n * k` weight
+        // bytes, `n` scales, `t * k` input bytes and `t` scales, and reads or writes `t * n`
+        // outputs (all checked above), with k a multiple of 64 and 1 <= t <= 8 (checked).
+        // Launched without PDL.
+        unsafe { l.launch(&self.skinny, cfg, false) }.map_err(drv("launching kvf_gemm_fp8_skinny"))
     }
 
     /// `kvf_qkv_post_fp8`, or `kvf_qkv_post_wide_fp8` when `wide`.
@@ -862,11 +953,115 @@ mod tests {
         }
     }
 
+    /// `kvf_gemm_fp8_skinny`, the FP8 GEMM of steps of 2 to 8 tokens, against the host's
+    /// products of the dequantized operands, stored and accumulated, through the projections
+    /// that choose it: every token count from 1 (the kernel called directly) to 8, rows that do
+    /// not fill the last unit (113) and k tiles that the 8 warps do not divide (320 = 5 x 64),
+    /// then a down projection of Llama-3.1-8B (8 x 4096 x 14336, 4,096 outputs sampled).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
+    fn gpu_fp8_skinny_gemm_equals_the_dequantized_products() {
+        let g = gpu();
+        let k = ModelKernels::load(&g, true).unwrap();
+        let f = k.fp8.as_ref().unwrap();
+        let s = g.stream();
+        let blas = Blas::with_lt(s.clone(), Lt::new(s.clone(), ScalePick::Timed).unwrap()).unwrap();
+        for (n, kk, sampled) in [(113usize, 320usize, false), (4096, 14336, true)] {
+            let w = to_f32(&bf16_rows(n, kk, 13));
+            let wq = quantize_rows(&w, n, kk);
+            let wd = wq.dequantize();
+            let mat = Mat::Fp8 {
+                q: g.upload(&wq.data).unwrap(),
+                scale: g.upload(&wq.scale).unwrap(),
+            };
+            let Mat::Fp8 { q, scale: sw } = &mat else {
+                unreachable!("an FP8 matrix")
+            };
+            let tmax = SKINNY_MAX;
+            let x = bf16_rows(tmax, kk, 21);
+            let xd = quantize_rows(&to_f32(&x), tmax, kk).dequantize();
+            let dx = g.upload(&x).unwrap();
+            let picks: Vec<(usize, usize)> = if sampled {
+                (0..4096usize).map(|i| ((i * 5) % tmax, (i * 7919) % n)).collect()
+            } else {
+                (0..tmax).flat_map(|r| (0..n).map(move |c| (r, c))).collect()
+            };
+            let want: Vec<f32> = picks
+                .iter()
+                .map(|&(r, c)| {
+                    xd[r * kk..(r + 1) * kk]
+                        .iter()
+                        .zip(&wd[c * kk..(c + 1) * kk])
+                        .map(|(a, b)| a * b)
+                        .sum()
+                })
+                .collect();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let mut scratch = Fp8Scratch::alloc(s, tmax, kk, n).unwrap();
+            for t in 1..=tmax {
+                assert_eq!(f.takes_skinny(t, kk), t >= 2, "{t} tokens");
+                let mut y = s.alloc_zeros::<f32>(t * n).unwrap();
+                if t == 1 {
+                    f.quantize_rows(s, &dx, 1, kk, kk, &mut scratch.xq, &mut scratch.sx).unwrap();
+                    let xs = (&scratch.xq, &scratch.sx);
+                    f.gemm_skinny(s, (q, sw), xs, &mut y, (1, n, kk), false).unwrap();
+                } else {
+                    blas.project(&k, &mat, &dx, &mut y, Gemm::store(t, n, kk), &mut scratch)
+                        .unwrap();
+                }
+                let once = g.download(&y).unwrap();
+                if t == 1 {
+                    let xs = (&scratch.xq, &scratch.sx);
+                    f.gemm_skinny(s, (q, sw), xs, &mut y, (1, n, kk), true).unwrap();
+                } else {
+                    blas.project(&k, &mat, &dx, &mut y, Gemm::add(t, n, kk), &mut scratch)
+                        .unwrap();
+                }
+                let twice = g.download(&y).unwrap();
+                // None of them went to cuBLASLt.
+                assert_eq!(blas.lt_planned_per_row((t, n, kk)), None, "{t} tokens");
+                for (i, &(r, c)) in picks.iter().enumerate().filter(|(_, p)| p.0 < t) {
+                    let (a, b) = (once[r * n + c], twice[r * n + c]);
+                    assert!(
+                        (a - want[i]).abs() <= 1e-3 * scale,
+                        "{t} x {n} x {kk} store [{r}, {c}]: {a} vs {}",
+                        want[i]
+                    );
+                    assert!(
+                        (b - 2.0 * want[i]).abs() <= 2e-3 * scale,
+                        "{t} x {n} x {kk} add [{r}, {c}]: {b} vs {}",
+                        2.0 * want[i]
+                    );
+                }
+            }
+        }
+        // Shapes it does not take are refused with their reason, and the switch reads its values.
+        let x = s.alloc_zeros::<u8>(9 * 64).unwrap();
+        let sx = s.alloc_zeros::<f32>(9).unwrap();
+        let w = s.alloc_zeros::<u8>(32 * 64).unwrap();
+        let sw = s.alloc_zeros::<f32>(32).unwrap();
+        let mut y = s.alloc_zeros::<f32>(9 * 32).unwrap();
+        let e = f.gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (9, 32, 64), false).unwrap_err();
+        assert!(e.to_string().contains("9 tokens"), "{e}");
+        assert!(f.gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (2, 32, 48), false).is_err());
+    }
+
+    #[test]
+    fn the_skinny_switch_reads_token_counts_and_off() {
+        assert_eq!(parse_skinny(None), SKINNY_MAX);
+        assert_eq!(parse_skinny(Some("off")), 0);
+        assert_eq!(parse_skinny(Some("0")), 0);
+        assert_eq!(parse_skinny(Some(" 4 ")), 4);
+        assert_eq!(parse_skinny(Some("64")), SKINNY_MAX);
+        assert_eq!(parse_skinny(Some("many")), SKINNY_MAX);
+    }
+
     fn fp8_products(pick: ScalePick) {
         let g = gpu();
         let k = ModelKernels::load(&g, true).unwrap();
         let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), pick).unwrap()).unwrap();
-        let (t, n, kk) = (5, 96, 256);
+        // 12 tokens: past the skinny GEMM's 8, so the GEMMs here are cuBLASLt's.
+        let (t, n, kk) = (12, 96, 256);
         let w = to_f32(&bf16_rows(n, kk, 11));
         let wq = quantize_rows(&w, n, kk);
         let mat = Mat::Fp8 {

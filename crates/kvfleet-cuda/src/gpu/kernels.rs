@@ -250,7 +250,7 @@ impl ModelKernels {
             },
             gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8_gemv)?,
             fp8: fp8
-                .then(|| Fp8Kernels::load(&module, pdl, Fusion::from_env()))
+                .then(|| Fp8Kernels::load(&module, gpu.num_sms, pdl, Fusion::from_env()))
                 .transpose()?,
             pdl,
         })
