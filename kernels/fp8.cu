@@ -675,37 +675,17 @@ extern "C" __global__ void kvf_qkv_post_wide_fp8(KVF_QKV_POST_PARAMS, const floa
 constexpr int SKINNY_T = 8;
 constexpr int SKINNY_UNROLL = 4;
 
-// NORMED: the input is RMSNorm(xn[j]) * norm_w, quantized per token as kvf_rms_norm_fp8 does
-// (the same functions at the same block size: the same bytes and scales), by every block into
-// its shared memory before its units (2 k bytes for the bf16 row, t k for the e4m3 rows, t
-// scales); xq and sx are then not read.
-template <bool NORMED>
-__device__ __forceinline__ void gemm_fp8_skinny(const unsigned char* __restrict__ w, const float* __restrict__ wscale,
-                                                int n_rows, int k, const unsigned char* __restrict__ xq,
-                                                const float* __restrict__ sx, int t, int add, float* __restrict__ y,
-                                                const float* __restrict__ xn, const float* __restrict__ norm_w,
-                                                float eps) {
-    extern __shared__ __align__(16) unsigned char skinny_smem[];
+extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsigned char* __restrict__ w,
+                                                                     const float* __restrict__ wscale, int n_rows,
+                                                                     int k, const unsigned char* __restrict__ xq,
+                                                                     const float* __restrict__ sx, int t, int add,
+                                                                     float* __restrict__ y) {
     __shared__ float part[MMA_WARPS][32][SKINNY_T];  // a warp's sums: unit row, token
-    const unsigned char* xin = xq;
-    const float* sxin = sx;
-    if constexpr (NORMED) {
-        bf16* h = reinterpret_cast<bf16*>(skinny_smem);
-        unsigned char* q8 = skinny_smem + 2 * (size_t)k;
-        float* s8 = reinterpret_cast<float*>(q8 + (size_t)SKINNY_T * k);
-        for (int j = 0; j < t; ++j) {
-            rms_row(xn + (size_t)j * k, norm_w, k, eps, h);
-            quantize_normed_row(h, k, q8 + (size_t)j * k, s8 + j);
-            __syncthreads();  // h is the next token's; q8 and s8 are read below
-        }
-        xin = q8;
-        sxin = s8;
-    }
     const int units = (n_rows + 31) / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int kt = k >> 6;
     // This lane's token row of the input (its B column); lanes past t give zeros.
-    const uint4* xr = reinterpret_cast<const uint4*>(xin + (size_t)min(g, t - 1) * k);
+    const uint4* xr = reinterpret_cast<const uint4*>(xq + (size_t)min(g, t - 1) * k);
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const int r0 = 32 * u;
         // Rows g, g + 8, 16 + g, 24 + g of the unit, clamped inside the matrix (their sums are
@@ -721,11 +701,7 @@ __device__ __forceinline__ void gemm_fp8_skinny(const unsigned char* __restrict_
                 const int c = c0 + MMA_WARPS * j;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + q) : make_uint4(0, 0, 0, 0);
-                if (c < kt && g < t) {
-                    bx[j] = NORMED ? xr[4 * c + q] : __ldg(xr + 4 * c + q);
-                } else {
-                    bx[j] = make_uint4(0, 0, 0, 0);
-                }
+                bx[j] = c < kt && g < t ? __ldg(xr + 4 * c + q) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int j = 0; j < SKINNY_UNROLL; ++j) {
@@ -753,30 +729,11 @@ __device__ __forceinline__ void gemm_fp8_skinny(const unsigned char* __restrict_
                 float s = 0.f;
 #pragma unroll
                 for (int wi = 0; wi < MMA_WARPS; ++wi) s += part[wi][i][j];
-                const float v = s * sxin[j] * wscale[r];
+                const float v = s * sx[j] * wscale[r];
                 float* out = y + (size_t)j * n_rows + r;
                 *out = add ? *out + v : v;
             }
         }
         __syncthreads();
     }
-}
-
-extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsigned char* __restrict__ w,
-                                                                     const float* __restrict__ wscale, int n_rows,
-                                                                     int k, const unsigned char* __restrict__ xq,
-                                                                     const float* __restrict__ sx, int t, int add,
-                                                                     float* __restrict__ y) {
-    gemm_fp8_skinny<false>(w, wscale, n_rows, k, xq, sx, t, add, y, nullptr, nullptr, 0.f);
-}
-
-// kvf_gemm_fp8_skinny over RMSNorm(xn[j]) * norm_w (xn f32 [t, k]): kvf_rms_norm_fp8 and the GEMM
-// in one launch. Dynamic shared memory 2 k + 8 k + 32 bytes.
-extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny_norm(const unsigned char* __restrict__ w,
-                                                                          const float* __restrict__ wscale,
-                                                                          int n_rows, int k,
-                                                                          const float* __restrict__ xn,
-                                                                          const float* __restrict__ norm_w,
-                                                                          float eps, int t, float* __restrict__ y) {
-    gemm_fp8_skinny<true>(w, wscale, n_rows, k, nullptr, nullptr, t, 0, y, xn, norm_w, eps);
 }

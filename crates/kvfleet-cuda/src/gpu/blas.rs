@@ -11,7 +11,6 @@ use super::error::{cublas_err, need, GpuError};
 use super::fp8::{Fp8Kernels, Fp8Scratch, Mat};
 use super::kernels::ModelKernels;
 use super::lt::{Done, Lt, ScalePick};
-use super::rows::Norm;
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {
@@ -58,31 +57,6 @@ pub(super) enum Fp8In<'a> {
     Bf16(&'a CudaSlice<u16>),
     /// Already quantized in the scratch's `xq` and `sx` (a fused producer wrote them).
     Quantized,
-    /// `RMSNorm(x) * norm.w` of f32 rows `[t, k]`, left to the projection: a skinny GEMM
-    /// normalizes and quantizes in its own launch
-    /// ([`Fp8Kernels::gemm_skinny_norm`]); otherwise the fused norm writes the scratch first.
-    Normed(&'a CudaSlice<f32>, Norm<'a>),
-}
-
-impl Blas {
-    /// The quantized rows of `x` in `s`, unless a skinny GEMM of `dims` takes a normed input
-    /// itself (`true`: `x` is [`Fp8In::Normed`] and the caller runs that GEMM).
-    fn stage_fp8_input(
-        &self,
-        f: &Fp8Kernels,
-        x: &Fp8In<'_>,
-        (t, _n, kk): (usize, usize, usize),
-        s: &mut Fp8Scratch,
-        skinny_norm: bool,
-    ) -> Result<bool, GpuError> {
-        match *x {
-            Fp8In::Bf16(x) => f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?,
-            Fp8In::Quantized => {}
-            Fp8In::Normed(_, _) if skinny_norm && f.takes_skinny_norm(t, kk) => return Ok(true),
-            Fp8In::Normed(x, norm) => f.rms_norm_quantize(&self.stream, x, t, kk, norm, s)?,
-        }
-        Ok(false)
-    }
 }
 
 /// A cuBLAS handle on the GPU's stream, and a cuBLASLt one for FP8 weights.
@@ -169,7 +143,7 @@ impl Blas {
         }
         match (w, x) {
             (Mat::Bf16(w), Fp8In::Bf16(x)) => return self.gemm(w, x, y, g),
-            (Mat::Bf16(_), Fp8In::Quantized | Fp8In::Normed(..)) => {
+            (Mat::Bf16(_), Fp8In::Quantized) => {
                 return Err(GpuError::Invalid("a quantized input to a bf16 weight".into()))
             }
             (Mat::Fp8 { .. }, _) => {}
@@ -203,7 +177,7 @@ impl Blas {
                 self.gemm(w, x, y, Gemm::add(t, n, kk))?;
                 return Ok(None);
             }
-            (Mat::Bf16(_), Fp8In::Quantized | Fp8In::Normed(..)) => {
+            (Mat::Bf16(_), Fp8In::Quantized) => {
                 return Err(GpuError::Invalid("a quantized input to a bf16 weight".into()))
             }
             (Mat::Fp8 { q, scale }, _) => (q, scale),
@@ -211,10 +185,13 @@ impl Blas {
         if t == 0 || n == 0 {
             return Ok(None);
         }
-        let (lt, f) = (self.lt()?, self.fp8_kernels(k)?);
-        // Adding: the normed skinny GEMM only stores.
-        self.stage_fp8_input(f, &x, (t, n, kk), s, false)?;
+        let lt = self.lt()?;
+        if let Fp8In::Bf16(x) = x {
+            self.fp8_kernels(k)?
+                .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
         let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
+        let f = self.fp8_kernels(k)?;
         if f.takes_skinny(t, kk) {
             f.gemm_skinny(&self.stream, w, xs, y, dims, true)?;
             return Ok(None);
@@ -261,12 +238,8 @@ impl Blas {
         if t == 0 || n == 0 {
             return Ok(None);
         }
-        if self.stage_fp8_input(f, &x, (t, n, kk), s, true)? {
-            let Fp8In::Normed(xn, norm) = x else {
-                unreachable!("only a normed input is left to the GEMM")
-            };
-            f.gemm_skinny_norm(&self.stream, (q, scale), xn, norm, y, (t, n, kk))?;
-            return Ok(None);
+        if let Fp8In::Bf16(x) = x {
+            f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
         }
         if f.takes_skinny(t, kk) {
             f.gemm_skinny(&self.stream, (q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)?;

@@ -113,12 +113,6 @@ pub(crate) const SKINNY_MAX: usize = 8;
 /// Blocks an SM of `kvf_gemm_fp8_skinny`'s grid at most (its blocks then take several units).
 const SKINNY_BLOCKS_PER_SM: usize = 4;
 
-/// Dynamic shared memory of `kvf_gemm_fp8_skinny_norm` for rows of `k`: the bf16 normed row,
-/// [`SKINNY_MAX`] e4m3 rows and their scales.
-const fn skinny_norm_smem(k: usize) -> usize {
-    2 * k + SKINNY_MAX * k + 4 * SKINNY_MAX
-}
-
 /// `KVFLEET_FP8_SKINNY`: the most tokens a step may have for its FP8 GEMMs to run on
 /// `kvf_gemm_fp8_skinny` (0 or `off`: never; above [`SKINNY_MAX`]: that); unset: [`SKINNY_MAX`].
 fn skinny_max_from_env() -> usize {
@@ -132,10 +126,7 @@ fn parse_skinny(v: Option<&str>) -> usize {
         Some(w) => match w.parse::<usize>() {
             Ok(n) => n.min(SKINNY_MAX),
             Err(_) => {
-                tracing::warn!(
-                    value = w,
-                    "KVFLEET_FP8_SKINNY: not a token count or `off`; the default kept"
-                );
+                tracing::warn!(value = w, "KVFLEET_FP8_SKINNY: not a token count or `off`; the default kept");
                 SKINNY_MAX
             }
         },
@@ -217,7 +208,6 @@ pub(crate) struct Fp8Kernels {
     qkv_post: CudaFunction,
     qkv_post_wide: CudaFunction,
     skinny: CudaFunction,
-    skinny_norm: CudaFunction,
     /// What the model's steps fuse.
     pub fusion: Fusion,
     /// Steps of 2 to this many tokens run their FP8 GEMMs on `kvf_gemm_fp8_skinny` instead of
@@ -230,12 +220,7 @@ pub(crate) struct Fp8Kernels {
 }
 
 impl Fp8Kernels {
-    pub fn load(
-        module: &Arc<CudaModule>,
-        num_sms: usize,
-        pdl: bool,
-        fusion: Fusion,
-    ) -> Result<Self, GpuError> {
+    pub fn load(module: &Arc<CudaModule>, num_sms: usize, pdl: bool, fusion: Fusion) -> Result<Self, GpuError> {
         let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
         let wide = |name: &str| -> Result<CudaFunction, GpuError> {
             let k = f(name)?;
@@ -256,7 +241,6 @@ impl Fp8Kernels {
             qkv_post: f("kvf_qkv_post_fp8")?,
             qkv_post_wide: f("kvf_qkv_post_wide_fp8")?,
             skinny: f("kvf_gemm_fp8_skinny")?,
-            skinny_norm: wide("kvf_gemm_fp8_skinny_norm")?,
             fusion,
             skinny_max: skinny_max_from_env(),
             num_sms: num_sms.max(1),
@@ -286,69 +270,6 @@ impl Fp8Kernels {
         (2..=self.skinny_max).contains(&t) && k % 64 == 0 && k > 0
     }
 
-    /// Whether [`Fp8Kernels::gemm_skinny_norm`] takes `t` tokens of width `k`: a skinny GEMM
-    /// whose staged rows (a bf16 row, [`SKINNY_MAX`] e4m3 rows, their scales) fit the fused
-    /// kernels' shared memory.
-    pub fn takes_skinny_norm(&self, t: usize, k: usize) -> bool {
-        self.takes_skinny(t, k) && skinny_norm_smem(k) <= FUSED_SMEM_MAX
-    }
-
-    /// [`Fp8Kernels::gemm_skinny`] stored into `y` over the input `RMSNorm(x[t, k]) * norm.w`,
-    /// quantized per token in the kernel as [`Fp8Kernels::rms_norm_quantize`] quantizes it (the
-    /// same bytes and scales, one launch fewer); `s.xq` and `s.sx` are not written.
-    pub fn gemm_skinny_norm(
-        &self,
-        stream: &CudaStream,
-        (wq, sw): (&CudaSlice<u8>, &CudaSlice<f32>),
-        x: &CudaSlice<f32>,
-        norm: Norm<'_>,
-        y: &mut CudaSlice<f32>,
-        (t, n, k): (usize, usize, usize),
-    ) -> Result<(), GpuError> {
-        if !(1..=SKINNY_MAX).contains(&t) || k % 64 != 0 || k == 0 || skinny_norm_smem(k) > FUSED_SMEM_MAX {
-            return Err(GpuError::Invalid(format!(
-                "a normed skinny FP8 GEMM of {t} tokens over k = {k} (1 to {SKINNY_MAX} tokens, k a multiple \
-                 of 64, at most {} columns)",
-                (FUSED_SMEM_MAX - 4 * SKINNY_MAX) / (2 + SKINNY_MAX)
-            )));
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        need("FP8 GEMM weight", wq, n * k)?;
-        need("FP8 weight scales", sw, n)?;
-        need("norm input", x, t * k)?;
-        need("norm weight", norm.w, k)?;
-        need("FP8 GEMM output", y, t * n)?;
-        let [Ok(n_i), Ok(k_i)] = [n, k].map(i32::try_from) else {
-            return Err(GpuError::Invalid(format!(
-                "an FP8 GEMM of {n} x {k} exceeds 32 bits"
-            )));
-        };
-        let blocks = n.div_ceil(32).min(SKINNY_BLOCKS_PER_SM * self.num_sms);
-        let mut l = Launch::new(stream);
-        l.ptr(wq)
-            .ptr(sw)
-            .i32(n_i)
-            .i32(k_i)
-            .ptr(x)
-            .ptr(norm.w)
-            .f32(norm.eps)
-            .i32(t as i32)
-            .ptr_mut(y);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: skinny_norm_smem(k) as u32,
-        };
-        // SAFETY: matches `kvf_gemm_fp8_skinny_norm(const uchar*, const float*, int, int, const
-        // float*, const float*, float, int, float*)` in kernels/fp8.cu; it reads `n * k` weight
-        // bytes, `n` scales, `t * k` inputs and `k` norm weights, and writes `t * n` outputs (all
-        // checked above), with k a multiple of 64 and 1 <= t <= 8 (checked); its shared memory
-        // is within the limit `load` raised (checked). Launched without PDL.
-        unsafe { l.launch(&self.skinny_norm, cfg, false) }.map_err(drv("launching kvf_gemm_fp8_skinny_norm"))
-    }
-
     /// `y[t, n] (+)= (sx[t] sw[n]) (xq[t, k] · wq[n, k]ᵀ)` in f32 for 2 to [`SKINNY_MAX`]
     /// tokens, streaming the weights once (`kvf_gemm_fp8_skinny`); `k` a multiple of 64.
     pub fn gemm_skinny(
@@ -374,9 +295,7 @@ impl Fp8Kernels {
         need("FP8 token scales", sx, t)?;
         need("FP8 GEMM output", y, t * n)?;
         let [Ok(n_i), Ok(k_i)] = [n, k].map(i32::try_from) else {
-            return Err(GpuError::Invalid(format!(
-                "an FP8 GEMM of {n} x {k} exceeds 32 bits"
-            )));
+            return Err(GpuError::Invalid(format!("an FP8 GEMM of {n} x {k} exceeds 32 bits")));
         };
         let blocks = n.div_ceil(32).min(SKINNY_BLOCKS_PER_SM * self.num_sms);
         let mut l = Launch::new(stream);
@@ -1083,8 +1002,7 @@ mod tests {
                 assert_eq!(f.takes_skinny(t, kk), t >= 2, "{t} tokens");
                 let mut y = s.alloc_zeros::<f32>(t * n).unwrap();
                 if t == 1 {
-                    f.quantize_rows(s, &dx, 1, kk, kk, &mut scratch.xq, &mut scratch.sx)
-                        .unwrap();
+                    f.quantize_rows(s, &dx, 1, kk, kk, &mut scratch.xq, &mut scratch.sx).unwrap();
                     let xs = (&scratch.xq, &scratch.sx);
                     f.gemm_skinny(s, (q, sw), xs, &mut y, (1, n, kk), false).unwrap();
                 } else {
@@ -1117,70 +1035,15 @@ mod tests {
                 }
             }
         }
-        // The normed form equals the fused norm's rows through the plain kernel, bit for bit.
-        for (n, kk) in [(113usize, 320usize), (96, 4096)] {
-            let wq = quantize_rows(&to_f32(&bf16_rows(n, kk, 17)), n, kk);
-            let (q, sw) = (g.upload(&wq.data).unwrap(), g.upload(&wq.scale).unwrap());
-            let xf: Vec<f32> = to_f32(&bf16_rows(SKINNY_MAX, kk, 23))
-                .iter()
-                .map(|v| v * 3.0 + 0.25)
-                .collect();
-            let dx = g.upload(&xf).unwrap();
-            let nw = g
-                .upload(&(0..kk).map(|i| 0.5 + (i % 5) as f32 * 0.3).collect::<Vec<f32>>())
-                .unwrap();
-            let norm = Norm::new(&nw, 1e-5);
-            let mut scratch = Fp8Scratch::alloc(s, SKINNY_MAX, kk, n).unwrap();
-            for t in 1..=SKINNY_MAX {
-                assert_eq!(f.takes_skinny_norm(t, kk), t >= 2, "{t} tokens");
-                let mut want = s.alloc_zeros::<f32>(t * n).unwrap();
-                f.rms_norm_quantize(s, &dx, t, kk, norm, &mut scratch).unwrap();
-                f.gemm_skinny(
-                    s,
-                    (&q, &sw),
-                    (&scratch.xq, &scratch.sx),
-                    &mut want,
-                    (t, n, kk),
-                    false,
-                )
-                .unwrap();
-                let mut got = s.alloc_zeros::<f32>(t * n).unwrap();
-                f.gemm_skinny_norm(s, (&q, &sw), &dx, norm, &mut got, (t, n, kk))
-                    .unwrap();
-                let (want, got) = (g.download(&want).unwrap(), g.download(&got).unwrap());
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-                assert_eq!(bits(&got), bits(&want), "normed skinny GEMM, {t} x {n} x {kk}");
-                assert!(want.iter().any(|v| *v != 0.0));
-            }
-        }
         // Shapes it does not take are refused with their reason, and the switch reads its values.
         let x = s.alloc_zeros::<u8>(9 * 64).unwrap();
         let sx = s.alloc_zeros::<f32>(9).unwrap();
         let w = s.alloc_zeros::<u8>(32 * 64).unwrap();
         let sw = s.alloc_zeros::<f32>(32).unwrap();
         let mut y = s.alloc_zeros::<f32>(9 * 32).unwrap();
-        let e = f
-            .gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (9, 32, 64), false)
-            .unwrap_err();
+        let e = f.gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (9, 32, 64), false).unwrap_err();
         assert!(e.to_string().contains("9 tokens"), "{e}");
-        assert!(f
-            .gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (2, 32, 48), false)
-            .is_err());
-        let xn = s.alloc_zeros::<f32>(2 * 16384).unwrap();
-        let nw = s.alloc_zeros::<f32>(16384).unwrap();
-        let mut yn = s.alloc_zeros::<f32>(2 * 32).unwrap();
-        let w16k = s.alloc_zeros::<u8>(32 * 16384).unwrap();
-        let e = f
-            .gemm_skinny_norm(
-                s,
-                (&w16k, &sw),
-                &xn,
-                Norm::new(&nw, 1e-5),
-                &mut yn,
-                (2, 32, 16384),
-            )
-            .unwrap_err();
-        assert!(e.to_string().contains("at most"), "{e}");
+        assert!(f.gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (2, 32, 48), false).is_err());
     }
 
     #[test]

@@ -190,18 +190,14 @@ fn norm_fp8<'h>(
     f8: &Fp8Kernels,
     fz: Fusion,
     k: &ModelKernels,
-    x: &'h mut CudaSlice<f32>,
+    x: &mut CudaSlice<f32>,
     t: usize,
     d: usize,
-    norm: Norm<'h>,
+    norm: Norm<'_>,
     pending: Pending<'_>,
     h: &'h mut CudaSlice<u16>,
     s: &mut Fp8Scratch,
 ) -> Result<Fp8In<'h>, GpuError> {
-    if fz.norm && pending.is_none() && f8.takes_skinny_norm(t, d) {
-        // The skinny GEMM after it normalizes and quantizes its input itself.
-        return Ok(Fp8In::Normed(x, norm));
-    }
     if fz.norm && Fp8Kernels::fits(d) {
         match pending {
             Some(sw) => f8.add_rms_norm_quantize(k.stream(), sw, x, t, d, norm, s)?,
