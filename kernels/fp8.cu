@@ -675,32 +675,34 @@ extern "C" __global__ void kvf_qkv_post_wide_fp8(KVF_QKV_POST_PARAMS, const floa
 constexpr int SKINNY_T = 8;
 constexpr int SKINNY_UNROLL = 4;
 
-extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsigned char* __restrict__ w,
-                                                                     const float* __restrict__ wscale, int n_rows,
-                                                                     int k, const unsigned char* __restrict__ xq,
-                                                                     const float* __restrict__ sx, int t, int add,
-                                                                     float* __restrict__ y) {
-    __shared__ float part[MMA_WARPS][32][SKINNY_T];  // a warp's sums: unit row, token
-    const int units = (n_rows + 31) / 32;
+// R: the unit's rows, 32 (two 16-row blocks) or 16 (kvf_gemm_fp8_skinny16: one, for projections
+// whose 32-row units leave under two blocks an SM, O and down of an 8B model).
+template <int R>
+__device__ __forceinline__ void gemm_fp8_skinny(const unsigned char* __restrict__ w, const float* __restrict__ wscale,
+                                                int n_rows, int k, const unsigned char* __restrict__ xq,
+                                                const float* __restrict__ sx, int t, int add, float* __restrict__ y) {
+    constexpr int NR = R / 8;                         // rows a lane loads
+    __shared__ float part[MMA_WARPS][R][SKINNY_T];  // a warp's sums: unit row, token
+    const int units = (n_rows + R - 1) / R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int kt = k >> 6;
     // This lane's token row of the input (its B column); lanes past t give zeros.
     const uint4* xr = reinterpret_cast<const uint4*>(xq + (size_t)min(g, t - 1) * k);
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        const int r0 = 32 * u;
-        // Rows g, g + 8, 16 + g, 24 + g of the unit, clamped inside the matrix (their sums are
-        // not written).
-        const uint4* wr[4];
+        const int r0 = R * u;
+        // Rows g, g + 8 (and 16 + g, 24 + g) of the unit, clamped inside the matrix (their sums
+        // are not written).
+        const uint4* wr[NR];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)min(r0 + g + 8 * i, n_rows - 1) * k);
+        for (int i = 0; i < NR; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)min(r0 + g + 8 * i, n_rows - 1) * k);
         float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
         for (int c0 = warp; c0 < kt; c0 += MMA_WARPS * SKINNY_UNROLL) {
-            uint4 p[SKINNY_UNROLL][4], bx[SKINNY_UNROLL];
+            uint4 p[SKINNY_UNROLL][NR], bx[SKINNY_UNROLL];
 #pragma unroll
             for (int j = 0; j < SKINNY_UNROLL; ++j) {
                 const int c = c0 + MMA_WARPS * j;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + q) : make_uint4(0, 0, 0, 0);
+                for (int i = 0; i < NR; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + q) : make_uint4(0, 0, 0, 0);
                 bx[j] = c < kt && g < t ? __ldg(xr + 4 * c + q) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
@@ -708,8 +710,10 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsi
                 if (c0 + MMA_WARPS * j < kt) {
                     mma_e4m3(ca, p[j][0].x, p[j][1].x, p[j][0].y, p[j][1].y, bx[j].x, bx[j].y);
                     mma_e4m3(ca, p[j][0].z, p[j][1].z, p[j][0].w, p[j][1].w, bx[j].z, bx[j].w);
-                    mma_e4m3(cb, p[j][2].x, p[j][3].x, p[j][2].y, p[j][3].y, bx[j].x, bx[j].y);
-                    mma_e4m3(cb, p[j][2].z, p[j][3].z, p[j][2].w, p[j][3].w, bx[j].z, bx[j].w);
+                    if constexpr (R == 32) {
+                        mma_e4m3(cb, p[j][2].x, p[j][3].x, p[j][2].y, p[j][3].y, bx[j].x, bx[j].y);
+                        mma_e4m3(cb, p[j][2].z, p[j][3].z, p[j][2].w, p[j][3].w, bx[j].z, bx[j].w);
+                    }
                 }
             }
         }
@@ -717,14 +721,16 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsi
         part[warp][g][2 * q + 1] = ca[1];
         part[warp][g + 8][2 * q] = ca[2];
         part[warp][g + 8][2 * q + 1] = ca[3];
-        part[warp][g + 16][2 * q] = cb[0];
-        part[warp][g + 16][2 * q + 1] = cb[1];
-        part[warp][g + 24][2 * q] = cb[2];
-        part[warp][g + 24][2 * q + 1] = cb[3];
+        if constexpr (R == 32) {
+            part[warp][g + 16][2 * q] = cb[0];
+            part[warp][g + 16][2 * q + 1] = cb[1];
+            part[warp][g + 24][2 * q] = cb[2];
+            part[warp][g + 24][2 * q + 1] = cb[3];
+        }
         __syncthreads();
         // Thread (j, i): token j, unit row i, summed over the warps in a fixed order.
         {
-            const int j = threadIdx.x >> 5, i = threadIdx.x & 31, r = r0 + i;
+            const int j = threadIdx.x / R, i = threadIdx.x % R, r = r0 + i;
             if (j < t && r < n_rows) {
                 float s = 0.f;
 #pragma unroll
@@ -736,4 +742,20 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsi
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny(const unsigned char* __restrict__ w,
+                                                                     const float* __restrict__ wscale, int n_rows,
+                                                                     int k, const unsigned char* __restrict__ xq,
+                                                                     const float* __restrict__ sx, int t, int add,
+                                                                     float* __restrict__ y) {
+    gemm_fp8_skinny<32>(w, wscale, n_rows, k, xq, sx, t, add, y);
+}
+
+extern "C" __global__ void __launch_bounds__(256) kvf_gemm_fp8_skinny16(const unsigned char* __restrict__ w,
+                                                                       const float* __restrict__ wscale, int n_rows,
+                                                                       int k, const unsigned char* __restrict__ xq,
+                                                                       const float* __restrict__ sx, int t, int add,
+                                                                       float* __restrict__ y) {
+    gemm_fp8_skinny<16>(w, wscale, n_rows, k, xq, sx, t, add, y);
 }

@@ -126,7 +126,10 @@ fn parse_skinny(v: Option<&str>) -> usize {
         Some(w) => match w.parse::<usize>() {
             Ok(n) => n.min(SKINNY_MAX),
             Err(_) => {
-                tracing::warn!(value = w, "KVFLEET_FP8_SKINNY: not a token count or `off`; the default kept");
+                tracing::warn!(
+                    value = w,
+                    "KVFLEET_FP8_SKINNY: not a token count or `off`; the default kept"
+                );
                 SKINNY_MAX
             }
         },
@@ -208,6 +211,7 @@ pub(crate) struct Fp8Kernels {
     qkv_post: CudaFunction,
     qkv_post_wide: CudaFunction,
     skinny: CudaFunction,
+    skinny16: CudaFunction,
     /// What the model's steps fuse.
     pub fusion: Fusion,
     /// Steps of 2 to this many tokens run their FP8 GEMMs on `kvf_gemm_fp8_skinny` instead of
@@ -215,12 +219,20 @@ pub(crate) struct Fp8Kernels {
     skinny_max: usize,
     /// The device's SMs (the skinny GEMM's grid cap).
     num_sms: usize,
+    /// Units of 16 rows (`kvf_gemm_fp8_skinny16`) where units of 32 leave under two blocks an
+    /// SM; `KVFLEET_FP8_SKINNY_UNIT=32` keeps 32 everywhere (to time it).
+    skinny_unit16: bool,
     /// Launch the fused kernels with programmatic dependent launch (sm_90 and later).
     pdl: bool,
 }
 
 impl Fp8Kernels {
-    pub fn load(module: &Arc<CudaModule>, num_sms: usize, pdl: bool, fusion: Fusion) -> Result<Self, GpuError> {
+    pub fn load(
+        module: &Arc<CudaModule>,
+        num_sms: usize,
+        pdl: bool,
+        fusion: Fusion,
+    ) -> Result<Self, GpuError> {
         let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
         let wide = |name: &str| -> Result<CudaFunction, GpuError> {
             let k = f(name)?;
@@ -241,6 +253,8 @@ impl Fp8Kernels {
             qkv_post: f("kvf_qkv_post_fp8")?,
             qkv_post_wide: f("kvf_qkv_post_wide_fp8")?,
             skinny: f("kvf_gemm_fp8_skinny")?,
+            skinny16: f("kvf_gemm_fp8_skinny16")?,
+            skinny_unit16: std::env::var("KVFLEET_FP8_SKINNY_UNIT").map_or(true, |v| v.trim() != "32"),
             fusion,
             skinny_max: skinny_max_from_env(),
             num_sms: num_sms.max(1),
@@ -295,9 +309,17 @@ impl Fp8Kernels {
         need("FP8 token scales", sx, t)?;
         need("FP8 GEMM output", y, t * n)?;
         let [Ok(n_i), Ok(k_i)] = [n, k].map(i32::try_from) else {
-            return Err(GpuError::Invalid(format!("an FP8 GEMM of {n} x {k} exceeds 32 bits")));
+            return Err(GpuError::Invalid(format!(
+                "an FP8 GEMM of {n} x {k} exceeds 32 bits"
+            )));
         };
-        let blocks = n.div_ceil(32).min(SKINNY_BLOCKS_PER_SM * self.num_sms);
+        let unit16 = self.skinny_unit16 && n.div_ceil(32) < 2 * self.num_sms;
+        let (f, rows) = if unit16 {
+            (&self.skinny16, 16)
+        } else {
+            (&self.skinny, 32)
+        };
+        let blocks = n.div_ceil(rows).min(SKINNY_BLOCKS_PER_SM * self.num_sms);
         let mut l = Launch::new(stream);
         l.ptr(wq)
             .ptr(sw)
@@ -313,12 +335,12 @@ impl Fp8Kernels {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches `kvf_gemm_fp8_skinny(const uchar*, const float*, int, int, const
+        // SAFETY: matches `kvf_gemm_fp8_skinny(16)(const uchar*, const float*, int, int, const
         // uchar*, const float*, int, int, float*)` in kernels/fp8.cu; it reads `n * k` weight
         // bytes, `n` scales, `t * k` input bytes and `t` scales, and reads or writes `t * n`
         // outputs (all checked above), with k a multiple of 64 and 1 <= t <= 8 (checked).
         // Launched without PDL.
-        unsafe { l.launch(&self.skinny, cfg, false) }.map_err(drv("launching kvf_gemm_fp8_skinny"))
+        unsafe { l.launch(f, cfg, false) }.map_err(drv("launching kvf_gemm_fp8_skinny"))
     }
 
     /// `kvf_qkv_post_fp8`, or `kvf_qkv_post_wide_fp8` when `wide`.
@@ -957,7 +979,9 @@ mod tests {
     /// products of the dequantized operands, stored and accumulated, through the projections
     /// that choose it: every token count from 1 (the kernel called directly) to 8, rows that do
     /// not fill the last unit (113) and k tiles that the 8 warps do not divide (320 = 5 x 64),
-    /// then a down projection of Llama-3.1-8B (8 x 4096 x 14336, 4,096 outputs sampled).
+    /// then a down projection of Llama-3.1-8B (8 x 4096 x 14336) and gate/up's rows over a short
+    /// k (28672 x 128), 4,096 outputs sampled: units of 16 rows in the first two, of 32 in the
+    /// last (enough of them for two blocks an SM).
     #[test]
     #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
     fn gpu_fp8_skinny_gemm_equals_the_dequantized_products() {
@@ -966,7 +990,11 @@ mod tests {
         let f = k.fp8.as_ref().unwrap();
         let s = g.stream();
         let blas = Blas::with_lt(s.clone(), Lt::new(s.clone(), ScalePick::Timed).unwrap()).unwrap();
-        for (n, kk, sampled) in [(113usize, 320usize, false), (4096, 14336, true)] {
+        for (n, kk, sampled) in [
+            (113usize, 320usize, false),
+            (4096, 14336, true),
+            (28672, 128, true),
+        ] {
             let w = to_f32(&bf16_rows(n, kk, 13));
             let wq = quantize_rows(&w, n, kk);
             let wd = wq.dequantize();
@@ -1002,7 +1030,8 @@ mod tests {
                 assert_eq!(f.takes_skinny(t, kk), t >= 2, "{t} tokens");
                 let mut y = s.alloc_zeros::<f32>(t * n).unwrap();
                 if t == 1 {
-                    f.quantize_rows(s, &dx, 1, kk, kk, &mut scratch.xq, &mut scratch.sx).unwrap();
+                    f.quantize_rows(s, &dx, 1, kk, kk, &mut scratch.xq, &mut scratch.sx)
+                        .unwrap();
                     let xs = (&scratch.xq, &scratch.sx);
                     f.gemm_skinny(s, (q, sw), xs, &mut y, (1, n, kk), false).unwrap();
                 } else {
@@ -1041,9 +1070,13 @@ mod tests {
         let w = s.alloc_zeros::<u8>(32 * 64).unwrap();
         let sw = s.alloc_zeros::<f32>(32).unwrap();
         let mut y = s.alloc_zeros::<f32>(9 * 32).unwrap();
-        let e = f.gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (9, 32, 64), false).unwrap_err();
+        let e = f
+            .gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (9, 32, 64), false)
+            .unwrap_err();
         assert!(e.to_string().contains("9 tokens"), "{e}");
-        assert!(f.gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (2, 32, 48), false).is_err());
+        assert!(f
+            .gemm_skinny(s, (&w, &sw), (&x, &sx), &mut y, (2, 32, 48), false)
+            .is_err());
     }
 
     #[test]
