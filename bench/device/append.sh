@@ -29,7 +29,8 @@
 #                                     # bf16): 256 streams and one stream, twice
 #   bash bench/device/append.sh skinny  # on the device: steps of 2-8 tokens on kvf_gemm_fp8_skinny
 #                                     # against cuBLASLt (KVFLEET_FP8_SKINNY=off): the FP8 GPU tests,
-#                                     # the ceilings, the model bench at 2-16 rows, rounds alternating,
+#                                     # the ceilings, the model bench at 2-16 rows (units of 16 and 32
+#                                     # rows, KVFLEET_FP8_SKINNY_UNIT=32, too), rounds alternating,
 #                                     # then two FP8 workers through HTTP at 2, 4, 8 streams, one
 #                                     # stream and 256 streams
 #   bash bench/device/append.sh profile  # on the device: ceilings, then two FP8 workers through HTTP,
@@ -99,16 +100,18 @@ if [ "$mode" = skinny ]; then
   fp8_tests
   grep -E "^test |test result|panicked" "$OUT/tests.log" | tail -24
   ceilings
-  # sk TAG SKINNY BATCHES: the model bench, FP8, 128-token prompts, KVFLEET_FP8_SKINNY=SKINNY.
+  # sk TAG SKINNY BATCHES [VAR=VALUE]: the model bench, FP8, 128-token prompts,
+  # KVFLEET_FP8_SKINNY=SKINNY.
   sk() {
-    env KVFLEET_FP8_SKINNY=$2 KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 \
+    env KVFLEET_FP8_SKINNY=$2 ${4:-} KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=1 \
       KVFLEET_BENCH_PROMPT=128 KVFLEET_BENCH_BATCHES=$3 KVFLEET_BENCH_STEPS=64 timeout 150 "$bin/model" > "$OUT/b.log" 2>&1
     { echo "== bench $1"; cat "$OUT/b.log"; } >> "$OUT/bench.log"
     echo "$1: $(grep -E "tok/s \(runs|panicked|error" "$OUT/b.log" | sed 's/^Llama-3-8B-dummy //' | tr '\n' ' ')"
   }
-  step "model bench, FP8, 2-16 rows: skinny (default) and cuBLASLt (off), alternating"
+  step "model bench, FP8, 2-16 rows: skinny (default), skinny in units of 32 rows only, cuBLASLt (off), alternating"
   for r in 1 2; do
     sk "skinny_r$r" 8 1,2,4,8,16
+    sk "skinny_unit32_r$r" 8 1,2,4,8,16 KVFLEET_FP8_SKINNY_UNIT=32
     sk "cublaslt_r$r" off 1,2,4,8,16
   done
   step "HTTP: two FP8 workers at 0.45 of the memory: skinny (default), cuBLASLt (KVFLEET_FP8_SKINNY=off)"
