@@ -630,6 +630,22 @@ mod tests {
             .collect()
     }
 
+    /// The host's products `xd[r] · wd[c]` (rows of `kk`) at `picks`, and their largest magnitude.
+    fn dequantized_products(xd: &[f32], wd: &[f32], kk: usize, picks: &[(usize, usize)]) -> (Vec<f32>, f32) {
+        let want: Vec<f32> = picks
+            .iter()
+            .map(|&(r, c)| {
+                xd[r * kk..(r + 1) * kk]
+                    .iter()
+                    .zip(&wd[c * kk..(c + 1) * kk])
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        (want, scale)
+    }
+
     fn to_f32(v: &[u16]) -> Vec<f32> {
         v.iter().map(|b| bf16::from_bits(*b).to_f32()).collect()
     }
@@ -897,17 +913,7 @@ mod tests {
         let dx = g.upload(&x).unwrap();
         let s = g.stream();
         let picks: Vec<(usize, usize)> = (0..4096usize).map(|i| ((i * 37) % t, (i * 7919) % n)).collect();
-        let want: Vec<f32> = picks
-            .iter()
-            .map(|&(r, c)| {
-                xd[r * kk..(r + 1) * kk]
-                    .iter()
-                    .zip(&wd[c * kk..(c + 1) * kk])
-                    .map(|(a, b)| a * b)
-                    .sum()
-            })
-            .collect();
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let (want, scale) = dequantized_products(&xd, &wd, kk, &picks);
         for pick in [ScalePick::PerRow, ScalePick::Unit, ScalePick::Timed] {
             let blas = Blas::with_lt(s.clone(), Lt::new(s.clone(), pick).unwrap()).unwrap();
             let mut scratch = Fp8Scratch::alloc(s, t, kk, n).unwrap();
@@ -1014,17 +1020,7 @@ mod tests {
             } else {
                 (0..tmax).flat_map(|r| (0..n).map(move |c| (r, c))).collect()
             };
-            let want: Vec<f32> = picks
-                .iter()
-                .map(|&(r, c)| {
-                    xd[r * kk..(r + 1) * kk]
-                        .iter()
-                        .zip(&wd[c * kk..(c + 1) * kk])
-                        .map(|(a, b)| a * b)
-                        .sum()
-                })
-                .collect();
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let (want, scale) = dequantized_products(&xd, &wd, kk, &picks);
             let mut scratch = Fp8Scratch::alloc(s, tmax, kk, n).unwrap();
             for t in 1..=tmax {
                 assert_eq!(f.takes_skinny(t, kk), t >= 2, "{t} tokens");
