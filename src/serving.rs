@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod openai;
 pub mod runtime;
 pub mod serve;
+pub mod zmtp;
 
 /// What a client gets to send its request headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);

@@ -14,9 +14,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use zeromq::{Socket, SocketRecv};
 
-use super::index::{decode_batch, PodIndex};
+use super::index::PodIndex;
 use super::metrics::RouterMetrics;
 use super::HttpClient;
 
@@ -140,7 +139,7 @@ impl Fleet {
                 self.changes.clone(),
             ))];
             if let Some(ep) = endpoint.kv_events {
-                tasks.push(tokio::spawn(subscribe(weak, ep, self.metrics.clone())));
+                tasks.push(tokio::spawn(super::events::subscribe(weak, ep, self.metrics.clone())));
             }
             if let Ok(mut t) = u.tasks.lock() {
                 *t = tasks;
@@ -183,70 +182,6 @@ impl Fleet {
             .replicas
             .with_label_values(&["answering"])
             .set(answering as i64);
-    }
-}
-
-/// Follows one replica's KV events until the replica goes; a lost subscription clears its
-/// index (the worker may have restarted empty) and reconnects.
-async fn subscribe(u: std::sync::Weak<Upstream>, endpoint: String, metrics: Arc<RouterMetrics>) {
-    loop {
-        let mut socket = zeromq::SubSocket::new();
-        let connected = async {
-            socket.connect(&endpoint).await?;
-            socket.subscribe("").await
-        }
-        .await;
-        if let Err(error) = connected {
-            tracing::debug!(%endpoint, %error, "KV events: cannot subscribe yet");
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            if u.upgrade().is_none() {
-                return;
-            }
-            continue;
-        }
-        match u.upgrade() {
-            Some(u) => u.subscribed.store(true, Ordering::Relaxed),
-            None => return,
-        }
-        loop {
-            match socket.recv().await {
-                Ok(msg) => {
-                    let Some(u) = u.upgrade() else { return };
-                    let frames = msg.into_vec();
-                    // topic, sequence (8 bytes, big-endian), payload
-                    let [_, seq, payload] = frames.as_slice() else {
-                        continue;
-                    };
-                    let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
-                        continue;
-                    };
-                    match decode_batch(payload) {
-                        Ok(events) => {
-                            if let Ok(mut idx) = u.index.lock() {
-                                let before = idx.gaps;
-                                idx.apply(seq, events);
-                                metrics.kv_event_gaps.inc_by(idx.gaps - before);
-                            }
-                            metrics.kv_event_batches.inc();
-                        }
-                        Err(error) => {
-                            tracing::warn!(replica = %u.endpoint.name, %error, "KV events: undecodable batch")
-                        }
-                    }
-                }
-                Err(error) => {
-                    tracing::info!(%endpoint, %error, "KV events: subscription lost; reconnecting");
-                    if let Some(u) = u.upgrade() {
-                        u.subscribed.store(false, Ordering::Relaxed);
-                        if let Ok(mut idx) = u.index.lock() {
-                            idx.clear();
-                        }
-                    }
-                    break;
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

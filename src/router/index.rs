@@ -194,7 +194,7 @@ impl PodIndex {
     /// lookup decides what it serves.
     pub fn apply(&mut self, seq: u64, events: Vec<CacheEvent>) {
         if let Some(last) = self.last_seq {
-            if seq > last + 1 {
+            if seq > last.saturating_add(1) {
                 self.gaps += seq - last - 1;
             }
         }

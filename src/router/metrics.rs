@@ -36,6 +36,9 @@ pub struct RouterMetrics {
     /// KV-event batches applied, and batches known lost (sequence gaps).
     pub kv_event_batches: IntCounter,
     pub kv_event_gaps: IntCounter,
+    /// KV-event input refused, by reason: a subscription ended for what its publisher sent
+    /// (ZMTP framing, limits, handshake) or a batch dropped for its shape.
+    pub kv_events_rejected: IntCounterVec,
     /// Time from the request's arrival to the first response byte, by whether the prediction hit.
     pub ttfb_seconds: HistogramVec,
     /// Generation requests held while no replica is ready (scale from zero), and the KV tokens
@@ -105,6 +108,13 @@ impl RouterMetrics {
                 "kvfleet_router_kv_event_gaps_total",
                 "KV-event batches lost (sequence gaps); the prefix index may be stale since",
             )?,
+            kv_events_rejected: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_router_kv_events_rejected_total",
+                    "KV-event subscriptions ended and batches dropped for what a publisher sent, by reason",
+                ),
+                &["reason"],
+            )?,
             ttfb_seconds: HistogramVec::new(
                 HistogramOpts::new(
                     "kvfleet_router_time_to_first_byte_seconds",
@@ -150,6 +160,7 @@ impl RouterMetrics {
         m.registry.register(Box::new(m.replicas.clone()))?;
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
+        m.registry.register(Box::new(m.kv_events_rejected.clone()))?;
         m.registry.register(Box::new(m.ttfb_seconds.clone()))?;
         m.registry.register(Box::new(m.held_requests.clone()))?;
         m.registry.register(Box::new(m.held_demand_tokens.clone()))?;

@@ -4,6 +4,8 @@
 //!
 //! - [`fleet`]: the replicas (EndpointSlices of the workers' Service, or `--worker` URLs), a
 //!   KV-event subscription and a `/v1/capacity` scrape for each;
+//! - [`events`]: the KV-event subscriptions: bounded ZMTP, reconnected with backoff, bad
+//!   input counted and dropped;
 //! - [`index`]: what each replica's prefix cache holds, from its KV events;
 //! - [`score`]: the ranking;
 //! - [`proxy`]: the HTTP side: tokenize once (as the workers do), rank, forward, stream back,
@@ -23,6 +25,7 @@ use crate::contract::config::{ConfigError, WorkerConfig};
 use crate::serving::serve::{self, ModelSource, MountError, Weights};
 use kvfleet_engine::model::gguf::Gguf;
 
+pub mod events;
 pub mod fleet;
 pub mod hold;
 pub mod index;

@@ -42,6 +42,10 @@
 //! sequence with `[seq, payload]` replies and an end marker of sequence -1); and a full queue
 //! drops a batch instead of blocking the engine, the dropped batch still taking its sequence
 //! number so that subscribers see the gap.
+//!
+//! The socket is our bounded ZMTP 3.0 PUB ([`super::zmtp::publisher`]): connection,
+//! subscription, frame and send-queue limits, a handshake deadline, and every rejected input
+//! counted in `kvfleet_kv_events_rejected_total{reason}`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::str::FromStr;
@@ -51,7 +55,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvfleet_engine::engine::prefix::KvEvent;
 use tokio::sync::mpsc;
-use zeromq::{Socket, SocketSend, ZmqMessage};
+
+use super::zmtp::publisher::{Counters, Publisher};
 
 /// vLLM's `medium` for blocks in GPU memory.
 pub const MEDIUM_GPU: &str = "GPU";
@@ -150,6 +155,18 @@ impl KvEventPublisher {
         medium: &'static str,
         format: KvEventsFormat,
     ) -> Result<Self, KvEventsError> {
+        Self::start_counted(endpoint, topic, medium, format, Counters::detached())
+    }
+
+    /// [`start_with_format`](Self::start_with_format), counting rejected connections and
+    /// dropped messages in `counters` (the worker's metrics).
+    pub fn start_counted(
+        endpoint: &str,
+        topic: String,
+        medium: &'static str,
+        format: KvEventsFormat,
+        counters: Counters,
+    ) -> Result<Self, KvEventsError> {
         let listener = bind(endpoint)?;
         let addr = listener.local_addr().map_err(|source| KvEventsError::Bind {
             endpoint: endpoint.to_string(),
@@ -162,6 +179,7 @@ impl KvEventPublisher {
             medium,
             format,
             gap: Arc::clone(&gap),
+            counters,
         };
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
@@ -230,6 +248,7 @@ struct Sender {
     medium: &'static str,
     format: KvEventsFormat,
     gap: Arc<AtomicU64>,
+    counters: Counters,
 }
 
 impl Sender {
@@ -239,26 +258,29 @@ impl Sender {
         mut batches: mpsc::Receiver<(f64, Vec<KvEvent>)>,
         ready: std::sync::mpsc::SyncSender<Result<(), String>>,
     ) {
-        // The socket spawns its tasks on the runtime it is made in: this thread's.
-        let mut socket = zeromq::PubSocket::new();
-        if let Err(e) = socket.bind_listener(listener).await {
-            let _ = ready.send(Err(format!("ZeroMQ cannot accept on the bound address: {e}")));
-            return;
-        }
+        // The connections are tasks of the runtime this runs in: this thread's.
+        let listener = match listener
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::TcpListener::from_std(listener))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = ready.send(Err(format!("cannot accept on the bound address: {e}")));
+                return;
+            }
+        };
+        let socket = Publisher::new(self.counters.clone());
+        let accepting = tokio::spawn(Arc::clone(&socket).serve(listener));
         let _ = ready.send(Ok(()));
         let mut seq: u64 = 0;
         while let Some((ts, events)) = batches.recv().await {
             seq += self.gap.swap(0, Ordering::Relaxed);
-            let mut message = ZmqMessage::from(self.topic.clone());
-            message.push_back(seq.to_be_bytes().to_vec().into());
-            message.push_back(encode_batch_as(ts, &events, self.medium, self.format).into());
-            // A PUB socket drops what no subscriber takes; an error here is the socket's own.
-            if let Err(e) = socket.send(message).await {
-                tracing::warn!(seq, error = %e, "cannot send a KV events batch");
-            }
+            let payload = encode_batch_as(ts, &events, self.medium, self.format);
+            // A PUB socket drops what no subscriber takes, and what a slow one has no room for.
+            socket.send(&[&self.topic, &seq.to_be_bytes(), &payload]);
             seq += 1;
         }
-        socket.close().await;
+        accepting.abort();
     }
 }
 

@@ -103,6 +103,10 @@ pub struct Metrics {
     /// Requests stopped at the request timeout (504, or a stream's error chunk).
     pub timed_out: IntCounter,
     pub tokens: IntCounter,
+    /// KV-event connections ended for what their peer sent or refused at the connection
+    /// limit, by reason; and messages a full subscriber queue did not take.
+    pub kv_events_rejected: IntCounterVec,
+    pub kv_events_dropped: IntCounter,
     pub attention_seconds: Histogram,
     pub step_seconds: Histogram,
     pub gpu_info: GaugeVec,
@@ -247,6 +251,17 @@ impl Metrics {
                 "Requests the worker stopped at its request timeout (--request-timeout-seconds: a 504, or a stream's request_timeout error), not counted as cancelled or failed",
             )?,
             tokens: IntCounter::new("kvfleet_tokens_total", "Tokens computed (prefill and decode)")?,
+            kv_events_rejected: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_kv_events_rejected_total",
+                    "KV-event port connections ended for what the peer sent, or refused at the connection limit, by reason",
+                ),
+                &["reason"],
+            )?,
+            kv_events_dropped: IntCounter::new(
+                "kvfleet_kv_events_dropped_total",
+                "KV-event messages a subscriber missed because its send queue was full",
+            )?,
             attention_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "kvfleet_attention_seconds",
@@ -414,6 +429,11 @@ impl Metrics {
         r.register(Box::new(m.cancelled.clone()))?;
         r.register(Box::new(m.timed_out.clone()))?;
         r.register(Box::new(m.tokens.clone()))?;
+        r.register(Box::new(m.kv_events_rejected.clone()))?;
+        r.register(Box::new(m.kv_events_dropped.clone()))?;
+        for reason in super::zmtp::ZmtpError::REASONS {
+            m.kv_events_rejected.with_label_values(&[reason]);
+        }
         r.register(Box::new(m.attention_seconds.clone()))?;
         r.register(Box::new(m.gpu_info.clone()))?;
         r.register(Box::new(m.vllm_usage.clone()))?;

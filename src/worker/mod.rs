@@ -616,7 +616,14 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
     }
     if let Some((endpoint, topic)) = cfg.kv_events() {
         let medium = if device == "cuda" { "GPU" } else { "CPU" };
-        match crate::serving::kv_events::KvEventPublisher::start(&endpoint, topic, medium) {
+        let counters = crate::serving::zmtp::publisher::Counters {
+            rejected: metrics.kv_events_rejected.clone(),
+            dropped: metrics.kv_events_dropped.clone(),
+        };
+        let format = crate::serving::kv_events::KvEventsFormat::default();
+        match crate::serving::kv_events::KvEventPublisher::start_counted(
+            &endpoint, topic, medium, format, counters,
+        ) {
             Ok(publisher) => {
                 tracing::info!(endpoint = %publisher.local_addr(), "publishing KV events");
                 hooks.kv_events = Some(Box::new(move |events| publisher.publish(events)));
