@@ -38,8 +38,21 @@ pub struct Load {
     pub free_tokens: usize,
     pub max_num_seqs: usize,
     pub block_size: usize,
+    /// KV pages of its pools (all groups): its prefix cache holds no more blocks.
+    pub total_blocks: usize,
+    /// Its maxModelLen.
+    pub max_model_len: usize,
+    /// Differs from one process to the next: a change means it restarted with an empty cache.
+    pub start_id: Option<String>,
     pub at: Option<Instant>,
 }
+
+/// What a `/v1/capacity` answer may take, body included: a replica that accepts and then
+/// stalls, or trickles its body, counts as not answering after this.
+pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The largest `/v1/capacity` body read (a worker's is a few KiB).
+const MAX_SCRAPE_BYTES: usize = 1 << 20;
 
 /// One replica and what the router knows of it.
 pub struct Upstream {
@@ -53,6 +66,9 @@ pub struct Upstream {
     pub subscribed: AtomicBool,
     /// Its last `/v1/capacity` scrape succeeded: it is ready (held requests wait for one).
     pub answering: AtomicBool,
+    /// Bumped each time it is marked down (its scrape failed for the down-after time): the
+    /// requests in flight on it watch this and fail over or end.
+    pub down: watch::Sender<u64>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -72,17 +88,25 @@ pub struct Fleet {
     client: HttpClient,
     metrics: Arc<RouterMetrics>,
     scrape_every: Duration,
+    down_after: Duration,
     /// Bumped whenever the set of replicas or one's readiness changes (wakes held requests).
     changes: watch::Sender<u64>,
 }
 
 impl Fleet {
-    pub fn new(client: HttpClient, metrics: Arc<RouterMetrics>, scrape_every: Duration) -> Arc<Self> {
+    /// A replica whose scrape fails for `down_after` on end is marked down.
+    pub fn new(
+        client: HttpClient,
+        metrics: Arc<RouterMetrics>,
+        scrape_every: Duration,
+        down_after: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             replicas: RwLock::new(BTreeMap::new()),
             client,
             metrics,
             scrape_every,
+            down_after,
             changes: watch::Sender::new(0),
         })
     }
@@ -129,17 +153,26 @@ impl Fleet {
                 sent_tokens: AtomicUsize::new(0),
                 subscribed: AtomicBool::new(false),
                 answering: AtomicBool::new(false),
+                down: watch::Sender::new(0),
                 tasks: Mutex::new(Vec::new()),
             });
             let weak = Arc::downgrade(&u);
             let mut tasks = vec![tokio::spawn(scrape(
                 weak.clone(),
                 self.client.clone(),
-                self.scrape_every,
-                self.changes.clone(),
+                Scraping {
+                    every: self.scrape_every,
+                    down_after: self.down_after,
+                    changes: self.changes.clone(),
+                    metrics: self.metrics.clone(),
+                },
             ))];
             if let Some(ep) = endpoint.kv_events {
-                tasks.push(tokio::spawn(super::events::subscribe(weak, ep, self.metrics.clone())));
+                tasks.push(tokio::spawn(super::events::subscribe(
+                    weak,
+                    ep,
+                    self.metrics.clone(),
+                )));
             }
             if let Ok(mut t) = u.tasks.lock() {
                 *t = tasks;
@@ -185,41 +218,87 @@ impl Fleet {
     }
 }
 
-/// Reads one replica's `/v1/capacity` every `every` until the replica goes; `changes` hears
-/// when it starts or stops answering.
-async fn scrape(
-    u: std::sync::Weak<Upstream>,
-    client: HttpClient,
+/// How a replica's scraper runs.
+struct Scraping {
     every: Duration,
+    down_after: Duration,
+    /// Hears when a replica starts or stops answering.
     changes: watch::Sender<u64>,
-) {
+    metrics: Arc<RouterMetrics>,
+}
+
+/// Reads one replica's `/v1/capacity` every `every` until the replica goes. A failed scrape
+/// takes it out of new requests' way at once; failing for `down_after` on end marks it down:
+/// its requests in flight fail over or end (a stalled or killed worker frees its clients
+/// within seconds instead of at their own timeouts). A new start id clears its prefix index.
+async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, how: Scraping) {
     let flip = |u: &Upstream, now: bool| {
         if u.answering.swap(now, Ordering::Relaxed) != now {
             tracing::info!(replica = %u.endpoint.name, answering = now, "capacity scrape");
-            changes.send_modify(|c| *c = c.wrapping_add(1));
+            how.changes.send_modify(|c| *c = c.wrapping_add(1));
         }
     };
-    let mut tick = tokio::time::interval(every);
+    let mut tick = tokio::time::interval(how.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing_since: Option<Instant> = None;
+    let mut marked_down = false;
+    let mut evicted_seen = 0;
     loop {
         tick.tick().await;
         let Some(url) = u.upgrade().map(|u| format!("{}/v1/capacity", u.endpoint.url)) else {
             return;
         };
-        let load = match fetch_load(&client, &url).await {
+        let scraped = tokio::time::timeout(SCRAPE_TIMEOUT, fetch_load(&client, &url))
+            .await
+            .unwrap_or_else(|_| Err(format!("no whole answer within {SCRAPE_TIMEOUT:?}")));
+        let load = match scraped {
             Ok(l) => l,
             Err(error) => {
                 tracing::debug!(%url, %error, "capacity scrape failed");
-                match u.upgrade() {
-                    Some(u) => flip(&u, false),
-                    None => return,
+                let Some(u) = u.upgrade() else { return };
+                flip(&u, false);
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if !marked_down && since.elapsed() >= how.down_after {
+                    marked_down = true;
+                    tracing::warn!(replica = %u.endpoint.name, %error, down_after_ms = how.down_after.as_millis() as u64,
+                        "replica marked down: its requests in flight fail over or end");
+                    how.metrics
+                        .replicas_down
+                        .with_label_values(&[&u.endpoint.name])
+                        .inc();
+                    u.down.send_modify(|d| *d = d.wrapping_add(1));
                 }
                 continue;
             }
         };
+        failing_since = None;
+        marked_down = false;
         let Some(u) = u.upgrade() else { return };
         u.sent_tokens.store(0, Ordering::Relaxed);
-        *u.load.lock().unwrap_or_else(|e| e.into_inner()) = load;
+        let restarted = {
+            let mut l = u.load.lock().unwrap_or_else(|e| e.into_inner());
+            let restarted = l.start_id.is_some() && load.start_id.is_some() && l.start_id != load.start_id;
+            *l = load.clone();
+            restarted
+        };
+        if let Ok(mut idx) = u.index.lock() {
+            if restarted {
+                tracing::info!(replica = %u.endpoint.name, "replica restarted: its prefix index is cleared");
+                idx.clear();
+                how.metrics.index_cleared.with_label_values(&["restart"]).inc();
+            }
+            if load.total_blocks > 0 {
+                let max = super::index::max_blocks_for(load.total_blocks);
+                if idx.max_blocks() != max {
+                    idx.set_max_blocks(max);
+                }
+            }
+            // Evictions happen as events arrive; counted here, off the subscriber's path.
+            how.metrics
+                .index_evicted_blocks
+                .inc_by(idx.evicted.saturating_sub(evicted_seen));
+            evicted_seen = idx.evicted;
+        }
         flip(&u, true);
     }
 }
@@ -228,15 +307,11 @@ async fn fetch_load(client: &HttpClient, url: &str) -> Result<Load, String> {
     let req = http::Request::get(url)
         .body(axum::body::Body::empty())
         .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(2), client.request(req))
-        .await
-        .map_err(|_| "timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
         return Err(format!("status {}", resp.status()));
     }
-    let body = resp
-        .into_body()
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_SCRAPE_BYTES)
         .collect()
         .await
         .map_err(|e| e.to_string())?
@@ -250,6 +325,9 @@ async fn fetch_load(client: &HttpClient, url: &str) -> Result<Load, String> {
         free_tokens: n(live.and_then(|l| l.get("freeTokens"))),
         max_num_seqs: n(v.get("maxNumSeqs")),
         block_size: n(v.get("blockSize")),
+        total_blocks: n(v.get("totalBlocks")),
+        max_model_len: n(v.get("maxModelLen")),
+        start_id: v.get("startId").and_then(Value::as_str).map(str::to_string),
         at: Some(Instant::now()),
     })
 }
@@ -351,7 +429,12 @@ mod tests {
     #[tokio::test]
     async fn a_replica_that_goes_mid_request_leaves_the_set_and_its_request_finishes_on_it() {
         let metrics = Arc::new(RouterMetrics::new().unwrap());
-        let fleet = Fleet::new(http_client(), metrics, Duration::from_secs(3600));
+        let fleet = Fleet::new(
+            http_client(),
+            metrics,
+            Duration::from_secs(3600),
+            Duration::from_secs(3),
+        );
         let ep = |n: &str| Endpoint {
             name: n.into(),
             url: format!("http://127.0.0.1:9/{n}"),

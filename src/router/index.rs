@@ -10,7 +10,7 @@
 //! sliding-window layers a hit predicted here is an upper bound, the worker's hybrid rule may
 //! take fewer blocks when its window blocks were evicted first.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{Duration, Instant};
 
@@ -173,9 +173,36 @@ impl Hasher for AddressHasher {
 
 type Addresses<V> = HashMap<u64, V, BuildHasherDefault<AddressHasher>>;
 
-#[derive(Debug, Default)]
+/// Blocks an index holds before the replica's capacity scrape says how large its pool is.
+pub const DEFAULT_MAX_BLOCKS: usize = 1 << 18;
+
+/// Blocks an index holds at most whatever a replica reports: 2 Mi blocks (32 Mi tokens at 16 a
+/// block; the largest pool a 141 GB GPU gives a 135M-parameter model is under 1 Mi) cost the
+/// router some 100 MB, so a replica that reports a larger pool, or a publisher that is not a
+/// worker, cannot grow the router past its memory limit.
+pub const MAX_BLOCKS: usize = 1 << 21;
+
+/// Blocks kept beyond a replica's pool: its events of a batch may name a block stored before the
+/// removal of another one is announced, and a pool of a few blocks needs room to turn over.
+pub fn max_blocks_for(pool_blocks: usize) -> usize {
+    pool_blocks
+        .saturating_add(pool_blocks / 8)
+        .saturating_add(1024)
+        .min(MAX_BLOCKS)
+}
+
+#[derive(Debug)]
 pub struct PodIndex {
-    blocks: HashSet<u64, BuildHasherDefault<AddressHasher>>,
+    /// Each held address with the stamp of its last store (the oldest go first when full).
+    blocks: Addresses<u64>,
+    /// Addresses in the order they were stored, with their stamps; an entry whose stamp no longer
+    /// matches `blocks` (removed, or stored again since) is skipped.
+    order: VecDeque<(u64, u64)>,
+    stamp: u64,
+    /// A replica holds no more blocks than its pool: the index keeps at most this many.
+    max_blocks: usize,
+    /// Blocks dropped because the index was full (the publisher announced more than its pool).
+    pub evicted: u64,
     /// Blocks of prompts the router just sent here, until the worker announces them (or
     /// [`PENDING_FOR`] passes): the requests of a cold prefix that arrive while its first
     /// request is still in prefill follow it instead of splitting the prefix over replicas.
@@ -188,7 +215,58 @@ pub struct PodIndex {
     pub gaps: u64,
 }
 
+impl Default for PodIndex {
+    fn default() -> Self {
+        PodIndex {
+            blocks: Addresses::default(),
+            order: VecDeque::new(),
+            stamp: 0,
+            max_blocks: DEFAULT_MAX_BLOCKS,
+            evicted: 0,
+            pending: Addresses::default(),
+            block_size: None,
+            last_seq: None,
+            gaps: 0,
+        }
+    }
+}
+
 impl PodIndex {
+    /// Holds at most `max` blocks from now on (the oldest go first).
+    pub fn set_max_blocks(&mut self, max: usize) {
+        self.max_blocks = max.clamp(1, MAX_BLOCKS);
+        self.evict();
+    }
+
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+
+    fn store(&mut self, h: u64) {
+        self.stamp += 1;
+        self.blocks.insert(h, self.stamp);
+        self.order.push_back((h, self.stamp));
+        self.evict();
+    }
+
+    /// Drops the oldest blocks past the bound, and the order's stale entries once they are most
+    /// of it (so that a publisher storing and removing the same blocks forever keeps it small).
+    fn evict(&mut self) {
+        while self.blocks.len() > self.max_blocks {
+            let Some((h, stamp)) = self.order.pop_front() else {
+                break;
+            };
+            if self.blocks.get(&h) == Some(&stamp) {
+                self.blocks.remove(&h);
+                self.evicted += 1;
+            }
+        }
+        if self.order.len() > 2 * self.blocks.len() + 1024 {
+            let blocks = &self.blocks;
+            self.order.retain(|(h, stamp)| blocks.get(h) == Some(stamp));
+        }
+    }
+
     /// Applies one batch with sequence number `seq` (vLLM numbers each publisher's batches 0,
     /// 1, 2, ...). A gap is counted; the index stays a hint either way, the worker's own
     /// lookup decides what it serves.
@@ -206,19 +284,21 @@ impl PodIndex {
                     block_size,
                 } => {
                     self.block_size = Some(block_size);
-                    for h in &block_hashes {
-                        self.pending.remove(h);
+                    for h in block_hashes {
+                        self.pending.remove(&h);
+                        self.store(h);
                     }
-                    self.blocks.extend(block_hashes);
                 }
                 CacheEvent::Removed { block_hashes } => {
                     for h in block_hashes {
                         self.blocks.remove(&h);
                         self.pending.remove(&h);
                     }
+                    self.evict();
                 }
                 CacheEvent::AllCleared => {
                     self.blocks.clear();
+                    self.order.clear();
                     self.pending.clear();
                 }
             }
@@ -228,6 +308,7 @@ impl PodIndex {
     /// Forgets everything (the subscription was lost: the worker may have restarted empty).
     pub fn clear(&mut self) {
         self.blocks.clear();
+        self.order.clear();
         self.pending.clear();
         self.last_seq = None;
     }
@@ -238,7 +319,7 @@ impl PodIndex {
             self.pending.retain(|_, at| now.duration_since(*at) < PENDING_FOR);
         }
         for h in addresses {
-            if !self.blocks.contains(h) {
+            if !self.blocks.contains_key(h) {
                 self.pending.insert(*h, now);
             }
         }
@@ -269,7 +350,7 @@ impl PodIndex {
         addresses
             .iter()
             .take_while(|h| {
-                self.blocks.contains(h)
+                self.blocks.contains_key(h)
                     || self
                         .pending
                         .get(h)
@@ -453,5 +534,44 @@ mod tests {
         let mut old = PodIndex::default();
         old.expect(p.cacheable(), now - PENDING_FOR - Duration::from_millis(1));
         assert_eq!(p.cached_tokens(&old), 0);
+    }
+
+    #[test]
+    fn the_index_keeps_at_most_its_bound_and_drops_the_oldest_blocks_first() {
+        let mut idx = PodIndex::default();
+        idx.set_max_blocks(100);
+        let stored = |from: u64, n: u64| CacheEvent::Stored {
+            block_hashes: (from..from + n).collect(),
+            block_size: 16,
+        };
+        // A publisher announcing far more blocks than the pool holds.
+        for b in 0..1_000u64 {
+            idx.apply(b, vec![stored(b * 50, 50)]);
+        }
+        assert_eq!(idx.len(), 100);
+        assert_eq!(idx.evicted, 49_900);
+        assert_eq!(idx.leading_hits(&[49_900, 49_901]), 2, "the newest stay");
+        assert_eq!(idx.leading_hits(&[0]), 0, "the oldest went");
+        assert!(idx.order.len() <= 2 * idx.len() + 1024, "{}", idx.order.len());
+        // A block stored again is young again.
+        idx.apply(1_000, vec![stored(49_900, 1), stored(60_000, 99)]);
+        assert_eq!(idx.leading_hits(&[49_900]), 1);
+        assert_eq!(idx.leading_hits(&[49_901]), 0);
+        // Stored and removed over and over: the order does not grow.
+        for seq in 1_001..3_000u64 {
+            idx.apply(
+                seq,
+                vec![
+                    stored(1 << 40, 10),
+                    CacheEvent::Removed {
+                        block_hashes: ((1u64 << 40)..(1 << 40) + 10).collect(),
+                    },
+                ],
+            );
+        }
+        assert!(idx.order.len() <= 2 * idx.len() + 1024, "{}", idx.order.len());
+        // A smaller pool reported later shrinks it at once.
+        idx.set_max_blocks(10);
+        assert_eq!(idx.len(), 10);
     }
 }

@@ -27,10 +27,28 @@ pub struct RouterMetrics {
     /// hashing, scoring (the latency the router adds before the worker starts; the body's
     /// arrival depends on the client and is read by a worker as well).
     pub pick_seconds: Histogram,
-    /// Upstream failures by replica and kind (`connect`: before any byte, the request went to
-    /// the next replica; `unavailable`: a 503 before any byte, likewise; `stream`: after the
-    /// response started, passed to the client as is).
+    /// Upstream failures by replica and kind (`connect`: no connection, the request went to
+    /// the next replica; `unavailable`: a 503 before any byte, likewise; `reset`: the connection
+    /// closed after the request was sent and before an answer; `first_byte_timeout`: no answer
+    /// within the first-byte timeout; `replica_down`: its replica was marked down while it
+    /// waited or streamed; `chunk_timeout`: a started response stalled past the inter-chunk
+    /// timeout; `stream`: a started response broke off). After a response started the client
+    /// gets an error event and `[DONE]` on a stream, a cut body otherwise.
     pub upstream_errors: IntCounterVec,
+    /// Non-streamed requests sent again to another replica after the first failed before any
+    /// byte of its answer (a reset, a timeout, its replica marked down).
+    pub retries: IntCounter,
+    /// Replicas marked down (their scrape failed for the down-after time): their requests in
+    /// flight were failed over or ended.
+    pub replicas_down: IntCounterVec,
+    /// Requests the router answered itself before any replica saw them, by reason
+    /// (`body_too_large` 413, `body_timeout` 408, `body_budget` 503: the bodies in flight are at
+    /// their budget, `prompt_too_long` 400: more text than maxModelLen tokens can hold).
+    pub refused: IntCounterVec,
+    /// Prefix-index blocks dropped because a replica announced more than its pool holds, and
+    /// indexes cleared because their replica restarted (`restart`) or cleared its cache.
+    pub index_evicted_blocks: IntCounter,
+    pub index_cleared: IntCounterVec,
     /// Replicas known, by state (`ready`, `subscribed`: its KV events arrive, `scraped`).
     pub replicas: IntGaugeVec,
     /// KV-event batches applied, and batches known lost (sequence gaps).
@@ -92,6 +110,35 @@ impl RouterMetrics {
                     "Upstream failures by replica and kind",
                 ),
                 &["pod", "kind"],
+            )?,
+            retries: IntCounter::new(
+                "kvfleet_router_retries_total",
+                "Non-streamed requests sent to another replica after the first failed before answering",
+            )?,
+            replicas_down: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_router_replicas_marked_down_total",
+                    "Replicas marked down after their capacity scrape failed for the down-after time",
+                ),
+                &["pod"],
+            )?,
+            refused: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_router_refused_requests_total",
+                    "Requests the router answered itself before forwarding, by reason",
+                ),
+                &["reason"],
+            )?,
+            index_evicted_blocks: IntCounter::new(
+                "kvfleet_router_index_evicted_blocks_total",
+                "Prefix-index blocks dropped because a replica announced more blocks than its pool holds",
+            )?,
+            index_cleared: IntCounterVec::new(
+                Opts::new(
+                    "kvfleet_router_index_cleared_total",
+                    "Prefix indexes cleared, by reason (restart: the replica's start id changed)",
+                ),
+                &["reason"],
             )?,
             replicas: IntGaugeVec::new(
                 Opts::new(
@@ -158,6 +205,11 @@ impl RouterMetrics {
         m.registry.register(Box::new(m.pick_seconds.clone()))?;
         m.registry.register(Box::new(m.upstream_errors.clone()))?;
         m.registry.register(Box::new(m.replicas.clone()))?;
+        m.registry.register(Box::new(m.retries.clone()))?;
+        m.registry.register(Box::new(m.replicas_down.clone()))?;
+        m.registry.register(Box::new(m.refused.clone()))?;
+        m.registry.register(Box::new(m.index_evicted_blocks.clone()))?;
+        m.registry.register(Box::new(m.index_cleared.clone()))?;
         m.registry.register(Box::new(m.kv_event_batches.clone()))?;
         m.registry.register(Box::new(m.kv_event_gaps.clone()))?;
         m.registry.register(Box::new(m.kv_events_rejected.clone()))?;
@@ -169,6 +221,9 @@ impl RouterMetrics {
         // Both reasons exist from the start, so a rate() over them is defined at zero.
         for reason in ["timeout", "queue_full"] {
             m.hold_rejected.with_label_values(&[reason]);
+        }
+        for reason in ["body_too_large", "body_timeout", "body_budget", "prompt_too_long"] {
+            m.refused.with_label_values(&[reason]);
         }
         Ok(m)
     }

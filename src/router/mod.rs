@@ -10,6 +10,8 @@
 //! - [`score`]: the ranking;
 //! - [`proxy`]: the HTTP side: tokenize once (as the workers do), rank, forward, stream back,
 //!   fall back to the next replica on a connection failure before the first byte;
+//! - [`body`]: request bodies under size and time limits and a budget for those in flight;
+//! - [`stream`]: a started response watched for stalls and a replica marked down;
 //! - [`hold`]: while no replica is ready (scale from zero), requests wait in a bounded queue
 //!   and their KV demand is published for the autoscaler;
 //! - [`metrics`]: the router's own series.
@@ -25,6 +27,7 @@ use crate::contract::config::{ConfigError, WorkerConfig};
 use crate::serving::serve::{self, ModelSource, MountError, Weights};
 use kvfleet_engine::model::gguf::Gguf;
 
+pub mod body;
 pub mod events;
 pub mod fleet;
 pub mod hold;
@@ -32,6 +35,7 @@ pub mod index;
 pub mod metrics;
 pub mod proxy;
 pub mod score;
+pub mod stream;
 
 /// The upstream HTTP client.
 pub type HttpClient = Client<HttpConnector, axum::body::Body>;
@@ -68,14 +72,43 @@ pub struct RouterArgs {
     /// How often each worker's /v1/capacity is read, in milliseconds.
     #[arg(long, default_value_t = 100)]
     pub scrape_interval_ms: u64,
-    /// Largest request body accepted (413 above it).
+    /// Largest request body accepted (413 above it). Keep it at the workers'
+    /// --max-request-bytes (the default is theirs): a larger body would only reach a worker to
+    /// be refused there.
     #[arg(
         long,
-        default_value_t = 32 * 1024 * 1024,
+        default_value_t = crate::serving::openai::ApiLimits::default().max_body_bytes,
         value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
             .range(crate::serving::openai::MIN_BODY_BYTES as u64..=crate::serving::openai::MAX_BODY_BYTES as u64)
     )]
     pub max_request_bytes: usize,
+    /// What a client gets to send its whole request body (408 after it).
+    #[arg(long, default_value_t = body::DEFAULT_BODY_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub body_timeout_seconds: u64,
+    /// Bytes of request bodies being read or forwarded at once; a body that would take them
+    /// past this is answered 503 with Retry-After (the router's memory stays bounded whatever
+    /// its clients send).
+    #[arg(long, default_value_t = body::DEFAULT_BUDGET_BYTES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1 << 20..=1 << 34))]
+    pub body_budget_bytes: usize,
+    /// From sending a streamed request (or any request but completions) to a worker to its
+    /// response head (a worker sends it when it admits the request): 504 after it.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub upstream_first_byte_timeout_seconds: u64,
+    /// From sending a non-streamed completion to a worker to its answer, which comes whole:
+    /// above the workers' --request-timeout-seconds (600), which ends a request first.
+    #[arg(long, default_value_t = 630, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub upstream_response_timeout_seconds: u64,
+    /// Between two chunks of a worker's started response (its first token after a long prefill
+    /// included): the response is ended after it (a stream with an error event and [DONE]).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub upstream_chunk_timeout_seconds: u64,
+    /// A replica whose /v1/capacity scrape has failed (no whole answer within 2 s) for this long
+    /// is marked down: its requests in flight fail over (non-streamed, nothing answered yet) or
+    /// end (streams: an error event and [DONE]).
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub replica_down_after_ms: u64,
     /// Model id in the OpenAI API, as the workers' --served-model-name (default: the config's
     /// modelName, else from the model file, as the worker derives it). The router answers
     /// /v1/models with it while no replica is ready.
@@ -259,6 +292,7 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
         client.clone(),
         metrics.clone(),
         Duration::from_millis(args.scrape_interval_ms.max(10)),
+        Duration::from_millis(args.replica_down_after_ms),
     );
     if statics.is_empty() {
         let kube = kube::Client::try_default().await?;
@@ -289,6 +323,8 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
         },
         metrics.clone(),
     );
+    let max_token_bytes = tokenizer.max_token_bytes();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let state = Arc::new(proxy::State {
         fleet,
         hold,
@@ -297,25 +333,62 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
         tokenizer: Arc::new(tokenizer),
         block_size,
         metrics,
-        max_body_bytes: args.max_request_bytes,
+        bodies: body::BodyLimits::new(
+            args.max_request_bytes,
+            Duration::from_secs(args.body_timeout_seconds),
+            args.body_budget_bytes,
+        ),
+        timeouts: proxy::UpstreamTimeouts {
+            first_byte: Duration::from_secs(args.upstream_first_byte_timeout_seconds),
+            response: Duration::from_secs(args.upstream_response_timeout_seconds),
+            chunk: Duration::from_secs(args.upstream_chunk_timeout_seconds),
+        },
+        tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
+        max_token_bytes,
         turn: Default::default(),
     });
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|source| RouterError::Bind {
-            addr: args.listen,
-            source,
-        })?;
-    tracing::info!(listen = %args.listen, "router serving");
-    // Streams pass through a token at a time: without TCP_NODELAY, Nagle's algorithm holds a
-    // small SSE chunk until the client's delayed ACK (tens of milliseconds).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
-        if let Err(error) = tcp.set_nodelay(true) {
-            tracing::debug!(%error, "TCP_NODELAY");
-        }
-    });
-    axum::serve(listener, proxy::app(state))
-        .with_graceful_shutdown(crate::serving::shutdown_signal())
+    let bind_error = |source| RouterError::Bind {
+        addr: args.listen,
+        source,
+    };
+    let listener = crate::serving::bind(args.listen).map_err(bind_error)?;
+    listener.set_nonblocking(true).map_err(bind_error)?;
+    // Idle connections are closed and their number held under the file limit, so that probes
+    // always get in (crate::serving::connections); headers must come within the header read
+    // timeout. Streams pass through a token at a time: without TCP_NODELAY, Nagle's algorithm
+    // holds a small SSE chunk until the client's delayed ACK (tens of milliseconds).
+    let connections = crate::serving::connections::Connections::new(crate::serving::connection_policy(
+        crate::serving::FIRST_REQUEST_TIMEOUT,
+    ));
+    let policy = connections.policy();
+    tracing::info!(
+        listen = %args.listen,
+        max_connections = policy.max_connections,
+        first_request_s = policy.first_request.as_secs(),
+        idle_s = policy.idle.as_secs(),
+        max_request_bytes = args.max_request_bytes,
+        body_budget_bytes = args.body_budget_bytes,
+        "router serving"
+    );
+    let mut server = axum_server::from_tcp(listener)
+        .map_err(RouterError::Serve)?
+        .acceptor(connections.acceptor(axum_server::accept::NoDelayAcceptor::new()));
+    crate::serving::limit_connection_time(
+        &mut server,
+        crate::serving::HEADER_READ_TIMEOUT,
+        crate::serving::HTTP2_KEEP_ALIVE,
+    );
+    let handle = axum_server::Handle::new();
+    {
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            crate::serving::shutdown_signal().await;
+            handle.graceful_shutdown(Some(Duration::from_secs(10)));
+        });
+    }
+    server
+        .handle(handle)
+        .serve(proxy::app(state).into_make_service())
         .await
         .map_err(RouterError::Serve)
 }

@@ -3,8 +3,12 @@
 //! ranked ([`super::score`]) and forwarded to the best replica with the body unchanged; its
 //! response (streamed or not) passes through chunk by chunk with two headers added:
 //! `x-kvfleet-replica` and `x-kvfleet-predicted-cached-tokens`. A replica that refuses the
-//! connection or answers 503 before any byte is skipped for the next one; once a response has
-//! started it is the client's, never retried. Every other path (`/v1/models`, `/tokenize`,
+//! connection or answers 503 before any byte is skipped for the next one; a non-streamed request
+//! whose replica fails after it was sent (a reset, no answer within the timeout, the replica
+//! marked down) is sent once more elsewhere; once a response has started it is the client's,
+//! never retried, and watched ([`super::stream`]). A body over the router's limit is answered
+//! 413, as a worker answers it, and one over the workers' is passed back as their 413. Every
+//! other path (`/v1/models`, `/tokenize`,
 //! ...) goes to the least busy replica. `/health` and `/livez` are 200 while the router runs,
 //! `/metrics` has the router's own series, `/v1/router/state` what it knows of each replica.
 //!
@@ -14,7 +18,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State as Extract;
@@ -26,12 +30,15 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use serde_json::json;
 
+use super::body::BodyLimits;
 use super::fleet::{Fleet, Upstream};
 use super::hold::{Demand, Hold, Rejection, RETRY_AFTER_SECONDS};
 use super::index::PromptBlocks;
 use super::metrics::RouterMetrics;
 use super::score::{rank, Candidate};
+use super::stream::{marked_down, watched, Cut, Watch};
 use super::HttpClient;
+use crate::serving::body_budget::{BodyError, BodyPermit};
 use crate::serving::openai::RoutingPrompt;
 use kvfleet_engine::model::tokenizer::Tokenizer;
 
@@ -62,9 +69,29 @@ pub struct State {
     /// The workers' block size (their events and scrapes say it too; this is the default).
     pub block_size: usize,
     pub metrics: Arc<RouterMetrics>,
-    pub max_body_bytes: usize,
+    /// Each body's size and time limits, and the budget of those in flight.
+    pub bodies: BodyLimits,
+    pub timeouts: UpstreamTimeouts,
+    /// Tokenizations at once (one per core: more add no throughput, only working sets).
+    pub tokenizing: Arc<tokio::sync::Semaphore>,
+    /// Bytes of text one token of the model covers at most (see [`too_long`]).
+    pub max_token_bytes: usize,
     /// Rotates exact ties.
     pub turn: AtomicUsize,
+}
+
+/// How long the router waits on a worker.
+#[derive(Clone, Copy, Debug)]
+pub struct UpstreamTimeouts {
+    /// From sending a streamed request to its response head (a worker sends it when it admits
+    /// the request; its queue is bounded, past it the answer is a 429).
+    pub first_byte: Duration,
+    /// From sending a non-streamed request to its response head, which a worker sends with the
+    /// whole answer: above the workers' request timeout (600 s by default), which ends it first.
+    pub response: Duration,
+    /// Between two chunks of a started response (the first token of a stream included: a long
+    /// prefill must fit).
+    pub chunk: Duration,
 }
 
 pub fn app(state: Arc<State>) -> Router {
@@ -109,7 +136,11 @@ async fn state_of(Extract(s): Extract<Arc<State>>) -> Response {
         .iter()
         .map(|u| {
             let load = u.load.lock().map(|l| l.clone()).unwrap_or_default();
-            let (blocks, gaps) = u.index.lock().map(|i| (i.len(), i.gaps)).unwrap_or_default();
+            let (blocks, gaps, max_blocks, evicted) = u
+                .index
+                .lock()
+                .map(|i| (i.len(), i.gaps, i.max_blocks(), i.evicted))
+                .unwrap_or_default();
             json!({
                 "name": u.endpoint.name,
                 "url": u.endpoint.url,
@@ -117,6 +148,9 @@ async fn state_of(Extract(s): Extract<Arc<State>>) -> Response {
                 "subscribed": u.subscribed.load(Ordering::Relaxed),
                 "cachedBlocks": blocks,
                 "eventGaps": gaps,
+                "maxBlocks": max_blocks,
+                "evictedBlocks": evicted,
+                "startId": load.start_id,
                 "inflight": u.inflight.load(Ordering::Relaxed),
                 "scraped": load.at.is_some(),
                 "answering": u.answering.load(Ordering::Relaxed),
@@ -130,6 +164,7 @@ async fn state_of(Extract(s): Extract<Arc<State>>) -> Response {
     Json(json!({
         "replicas": replicas,
         "readyReplicas": s.fleet.answering(),
+        "bodyBytesInFlight": s.bodies.in_flight(),
         "held": {
             "requests": held.requests,
             "promptTokens": held.prompt_tokens,
@@ -183,19 +218,130 @@ fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response
     (status, Json(body)).into_response()
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(b) => Ok(b.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!("the request body exceeds {limit} bytes"),
-        )),
-        Err(e) => Err(error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            format!("reading the body: {e}"),
-        )),
+/// An OpenAI-shaped error with the code a worker gives the same case.
+fn error_coded(status: StatusCode, kind: &str, code: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}});
+    (status, Json(body)).into_response()
+}
+
+/// Reads a request's body under the router's limits; the refusal a client gets otherwise
+/// (the worker's statuses and codes: 413, 408, 503 with Retry-After, 400).
+async fn read_body(s: &State, body: Body) -> Result<(Bytes, BodyPermit), Response> {
+    s.bodies.read(body).await.map_err(|e| {
+        s.metrics
+            .refused
+            .with_label_values(&[super::body::metric_label(&e)])
+            .inc();
+        let (status, code) = (
+            e.status(),
+            match &e {
+                BodyError::TooLarge { .. } => "request_too_large",
+                BodyError::TimedOut { .. } => "request_timeout",
+                BodyError::Busy { .. } => "body_budget",
+                BodyError::Read { .. } => "invalid_request",
+            },
+        );
+        let message = match &e {
+            BodyError::TooLarge { limit } => {
+                format!("the request body is over the router's limit of {limit} bytes; send a shorter prompt")
+            }
+            other => other.to_string(),
+        };
+        let kind = if status.is_server_error() {
+            "service_unavailable"
+        } else {
+            "invalid_request_error"
+        };
+        let mut r = error_coded(status, kind, code, message);
+        if let Some(after) = e.retry_after() {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                HeaderValue::from(after.as_secs().max(1)),
+            );
+        }
+        r
+    })
+}
+
+/// Text that cannot fit maxModelLen, refused before it is tokenized as a worker refuses it:
+/// `bytes` of text encode to at least `bytes / max_token_bytes` tokens (no token covers more),
+/// so the tokenizer never runs on more than maxModelLen x max_token_bytes bytes. The workers'
+/// maxModelLen is the largest their scrapes report, else the router's.
+fn too_long(s: &State, text_bytes: usize) -> Option<Response> {
+    let reported = s
+        .fleet
+        .ready()
+        .iter()
+        .filter_map(|u| u.load.lock().ok().map(|l| l.max_model_len))
+        .max()
+        .unwrap_or(0);
+    let max_model_len = if reported > 0 {
+        reported
+    } else {
+        s.model.max_model_len
+    };
+    let at_least = text_bytes.div_ceil(s.max_token_bytes.max(1));
+    if max_model_len == 0 || at_least < max_model_len {
+        return None;
+    }
+    s.metrics.refused.with_label_values(&["prompt_too_long"]).inc();
+    let message = format!(
+        "the prompt has {text_bytes} bytes of text, so at least {at_least} tokens (a token of this model \
+         covers at most {} bytes); maxModelLen is {max_model_len} (shorten the prompt)",
+        s.max_token_bytes
+    );
+    Some(error_coded(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "context_length_exceeded",
+        message,
+    ))
+}
+
+/// Whether a request asks for a stream (`"stream": true`).
+fn streamed(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Stream {
+        #[serde(default)]
+        stream: Option<bool>,
+    }
+    serde_json::from_slice::<Stream>(body).is_ok_and(|s| s.stream == Some(true))
+}
+
+/// What became of a request sent to one replica, before its response head.
+enum Sent {
+    Head(axum::http::Response<hyper::body::Incoming>),
+    /// No connection: nothing reached the replica.
+    Connect(String),
+    /// Sent, and the connection closed before an answer.
+    Reset(String),
+    TimedOut(Duration),
+    Down,
+}
+
+impl Sent {
+    fn metric_label(&self) -> &'static str {
+        match self {
+            Sent::Head(_) => "none",
+            Sent::Connect(_) => "connect",
+            Sent::Reset(_) => "reset",
+            Sent::TimedOut(_) => "first_byte_timeout",
+            Sent::Down => "replica_down",
+        }
+    }
+}
+
+/// Sends `req` to `u`, waiting for its head at most `limit`, or until `u` is marked down.
+async fn send(s: &State, u: &Upstream, req: Request<Body>, limit: Duration) -> Sent {
+    let mut down = u.down.subscribe();
+    tokio::select! {
+        r = tokio::time::timeout(limit, s.client.request(req)) => match r {
+            Ok(Ok(resp)) => Sent::Head(resp),
+            Ok(Err(e)) if e.is_connect() => Sent::Connect(e.to_string()),
+            Ok(Err(e)) => Sent::Reset(format!("{e}: {}", std::error::Error::source(&e).map(ToString::to_string).unwrap_or_default())),
+            Err(_) => Sent::TimedOut(limit),
+        },
+        () = marked_down(&mut down) => Sent::Down,
     }
 }
 
@@ -203,16 +349,27 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
 async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     let arrived = Instant::now();
     let (parts, body) = req.into_parts();
-    let body = match read_body(body, s.max_body_bytes).await {
+    // Reserved in the bodies' budget until the request is answered.
+    let (body, _reserved) = match read_body(&s, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
     // The router's own latency starts once the client has sent the whole body.
     let mut read = Instant::now();
     // JSON and token-id prompts inline (a 4,000-token prompt parses and hashes in well under a
-    // millisecond); long texts are tokenized on a blocking thread.
+    // millisecond); long texts are tokenized on a blocking thread, one per core at a time.
     let ids = match RoutingPrompt::parse(chat, &body) {
         Some(p) if p.text_bytes() > INLINE_TOKENIZE_BYTES => {
+            if let Some(r) = too_long(&s, p.text_bytes()) {
+                return r;
+            }
+            let Ok(_permit) = s.tokenizing.acquire().await else {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "tokenizer closed",
+                );
+            };
             let tok = s.tokenizer.clone();
             tokio::task::spawn_blocking(move || p.into_ids(&tok))
                 .await
@@ -222,6 +379,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         Some(p) => p.into_ids(&s.tokenizer),
         None => None,
     };
+    let stream = streamed(&body);
     let prompt_tokens = ids.as_ref().map_or(0, |(ids, _)| ids.len());
     // Held while no replica is ready, and behind the requests already held (arrival order).
     let mut ticket = None;
@@ -291,6 +449,8 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     drop(ticket);
     let mut first_try = true;
     let mut last_error = String::new();
+    let mut retries_left = usize::from(!stream);
+    let mut failed_after_send: Option<Sent> = None;
     for i in order {
         let (u, c) = (&replicas[i], &candidates[i]);
         let flight = Flight::start(u.clone(), s.metrics.clone(), c.cached_tokens, arrived);
@@ -303,15 +463,23 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         if first_try {
             s.metrics.pick_seconds.observe(read.elapsed().as_secs_f64());
         }
-        match s.client.request(upstream).await {
-            Ok(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
+        let limit = if stream {
+            s.timeouts.first_byte
+        } else {
+            s.timeouts.response
+        };
+        let sent = send(&s, u, upstream, limit).await;
+        let failure = match sent {
+            Sent::Head(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
                 s.metrics
                     .upstream_errors
                     .with_label_values(&[&u.endpoint.name, "unavailable"])
                     .inc();
                 last_error = format!("{} answered 503", u.endpoint.name);
+                first_try = false;
+                continue;
             }
-            Ok(resp) => {
+            Sent::Head(resp) => {
                 // Later requests of this prefix follow it while its blocks are computed here.
                 if let (Some(p), Ok(mut idx)) = (prompts.first(), u.index.lock()) {
                     idx.expect(p.cacheable(), Instant::now());
@@ -322,30 +490,67 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
                     .with_label_values(&[&u.endpoint.name, why])
                     .inc();
                 s.metrics.predicted_cached_tokens.inc_by(c.cached_tokens as u64);
-                return respond(resp, flight);
+                return respond(resp, flight, &s);
             }
-            Err(e) => {
-                s.metrics
-                    .upstream_errors
-                    .with_label_values(&[&u.endpoint.name, "connect"])
-                    .inc();
-                tracing::info!(replica = %u.endpoint.name, error = %e, "upstream failed before the response; trying the next");
-                last_error = format!("{}: {e}", u.endpoint.name);
+            failure => failure,
+        };
+        s.metrics
+            .upstream_errors
+            .with_label_values(&[&u.endpoint.name, failure.metric_label()])
+            .inc();
+        tracing::info!(replica = %u.endpoint.name, kind = failure.metric_label(), "upstream failed before its answer");
+        first_try = false;
+        last_error = format!("{}: {}", u.endpoint.name, failure.metric_label());
+        match failure {
+            // Nothing reached it: the next replica.
+            Sent::Connect(e) => last_error = format!("{}: {e}", u.endpoint.name),
+            // It may have started there: sent once more elsewhere, a stream never (its client
+            // may count on one generation), else answered now.
+            _ if retries_left > 0 => {
+                retries_left -= 1;
+                s.metrics.retries.inc();
+            }
+            failure => {
+                failed_after_send = Some(failure);
+                break;
             }
         }
-        first_try = false;
     }
-    error(
-        StatusCode::BAD_GATEWAY,
-        "upstream_error",
-        format!("no replica answered ({last_error}); retry"),
-    )
+    match failed_after_send {
+        Some(Sent::TimedOut(limit)) => error_coded(
+            StatusCode::GATEWAY_TIMEOUT,
+            "server_error",
+            "upstream_timeout",
+            format!("the replica did not answer within {} s; retry", limit.as_secs()),
+        ),
+        Some(Sent::Down) => error_coded(
+            StatusCode::BAD_GATEWAY,
+            "server_error",
+            "replica_down",
+            "the replica stopped answering before it answered this request; retry",
+        ),
+        Some(Sent::Reset(e)) => error_coded(
+            StatusCode::BAD_GATEWAY,
+            "server_error",
+            "upstream_error",
+            format!(
+                "the replica closed the connection before answering ({e}); retry. If the body is large, \
+                 the workers' --max-request-bytes may be below the router's ({} bytes): set them equal",
+                s.bodies.max_bytes
+            ),
+        ),
+        _ => error(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            format!("no replica answered ({last_error}); retry"),
+        ),
+    }
 }
 
 /// Anything else: to the least busy replica, unchanged.
 async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Response {
     let (parts, body) = req.into_parts();
-    let body = match read_body(body, s.max_body_bytes).await {
+    let (body, _reserved) = match read_body(&s, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -360,12 +565,19 @@ async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Re
         let Ok(upstream) = upstream_request(&parts, &u.endpoint.url, body.clone()) else {
             break;
         };
-        match s.client.request(upstream).await {
-            Ok(resp) => {
-                let flight = Flight::start(u.clone(), s.metrics.clone(), 0, Instant::now());
-                return respond(resp, flight);
+        let flight = Flight::start(u.clone(), s.metrics.clone(), 0, Instant::now());
+        match send(&s, &u, upstream, s.timeouts.first_byte).await {
+            Sent::Head(resp) => return respond(resp, flight, &s),
+            Sent::Connect(e) => last_error = format!("{}: {e}", u.endpoint.name),
+            // Sent: maybe not idempotent, not sent again.
+            failure => {
+                s.metrics
+                    .upstream_errors
+                    .with_label_values(&[&u.endpoint.name, failure.metric_label()])
+                    .inc();
+                last_error = format!("{}: {}", u.endpoint.name, failure.metric_label());
+                break;
             }
-            Err(e) => last_error = format!("{}: {e}", u.endpoint.name),
         }
     }
     error(
@@ -439,7 +651,7 @@ fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
     }
 }
 
-fn respond(resp: axum::http::Response<hyper::body::Incoming>, mut flight: Flight) -> Response {
+fn respond(resp: axum::http::Response<hyper::body::Incoming>, mut flight: Flight, s: &State) -> Response {
     let (parts, body) = resp.into_parts();
     let mut out = Response::builder().status(parts.status);
     if let Some(h) = out.headers_mut() {
@@ -449,13 +661,35 @@ fn respond(resp: axum::http::Response<hyper::body::Incoming>, mut flight: Flight
         }
         h.insert(PREDICTED_HEADER, HeaderValue::from(flight.predicted));
     }
-    let stream = body.into_data_stream().map(move |chunk| {
-        if let Ok(bytes) = &chunk {
-            flight.saw(bytes);
-        }
-        chunk
+    let events = parts
+        .headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let upstream = flight.upstream.clone();
+    let watch = Watch {
+        replica: upstream.endpoint.name.clone(),
+        chunk_timeout: s.timeouts.chunk,
+        down: upstream.down.subscribe(),
+        events,
+    };
+    let metrics = s.metrics.clone();
+    let on_cut = Box::new(move |cut: Cut| {
+        tracing::info!(replica = %upstream.endpoint.name, kind = cut.metric_label(), "response ended by the router");
+        metrics
+            .upstream_errors
+            .with_label_values(&[&upstream.endpoint.name, cut.metric_label()])
+            .inc();
     });
-    out.body(Body::from_stream(stream))
+    let body = watched(
+        body.into_data_stream()
+            .map(|c| c.map_err(axum::Error::new))
+            .boxed(),
+        watch,
+        move |bytes| flight.saw(bytes),
+        on_cut,
+    );
+    out.body(body)
         .unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, "upstream_error", e.to_string()))
 }
 

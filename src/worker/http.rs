@@ -130,6 +130,17 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// This process's id among the worker's runs: its pid and the time it first answered.
+fn start_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{}-{nanos}", std::process::id())
+    })
+}
+
 async fn capacity(State(s): State<Arc<AppState>>) -> Response {
     let info = s.capacity.read().ok().and_then(|c| c.clone());
     let Some(info) = info else {
@@ -143,6 +154,8 @@ async fn capacity(State(s): State<Arc<AppState>>) -> Response {
     let mut v = serde_json::to_value(&info).unwrap_or_default();
     if let Some(o) = v.as_object_mut() {
         o.insert("live".into(), serde_json::to_value(&live).unwrap_or_default());
+        // A router clears its prefix index for this worker when the id changes (a restart).
+        o.insert("startId".into(), json!(start_id()));
     }
     Json(v).into_response()
 }
