@@ -13,6 +13,7 @@
 
 use std::time::Duration;
 
+pub mod body_budget;
 pub mod connections;
 pub mod kv_events;
 pub mod metrics;
