@@ -248,6 +248,7 @@ async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, how: Scraping)
         let Some(url) = u.upgrade().map(|u| format!("{}/v1/capacity", u.endpoint.url)) else {
             return;
         };
+        let started = Instant::now();
         let scraped = tokio::time::timeout(SCRAPE_TIMEOUT, fetch_load(&client, &url))
             .await
             .unwrap_or_else(|_| Err(format!("no whole answer within {SCRAPE_TIMEOUT:?}")));
@@ -257,7 +258,9 @@ async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, how: Scraping)
                 tracing::debug!(%url, %error, "capacity scrape failed");
                 let Some(u) = u.upgrade() else { return };
                 flip(&u, false);
-                let since = *failing_since.get_or_insert_with(Instant::now);
+                // Failing since the start of the first failed scrape: a replica that stalls is
+                // down after two timed-out scrapes with the default 3 s, not three.
+                let since = *failing_since.get_or_insert(started);
                 if !marked_down && since.elapsed() >= how.down_after {
                     marked_down = true;
                     tracing::warn!(replica = %u.endpoint.name, %error, down_after_ms = how.down_after.as_millis() as u64,

@@ -506,9 +506,10 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             Sent::Connect(e) => last_error = format!("{}: {e}", u.endpoint.name),
             // It may have started there: sent once more elsewhere, a stream never (its client
             // may count on one generation), else answered now.
-            _ if retries_left > 0 => {
+            failure if retries_left > 0 => {
                 retries_left -= 1;
                 s.metrics.retries.inc();
+                failed_after_send = Some(failure);
             }
             failure => {
                 failed_after_send = Some(failure);
