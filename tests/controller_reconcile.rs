@@ -1783,6 +1783,7 @@ async fn mode_kvfleet_applies_the_router_and_its_identity_and_points_the_service
         ns_path("v1", "serviceaccounts", "llama-router"),
         ns_path(rbac, "roles", "llama-router"),
         ns_path(rbac, "rolebindings", "llama-router"),
+        ns_path("networking.k8s.io/v1", "networkpolicies", "llama-worker"),
         ns_path("apps/v1", "deployments", "llama"),
         ns_path("v1", "services", "llama-workers"),
         ns_path("apps/v1", "deployments", "llama-router"),
@@ -1803,6 +1804,7 @@ async fn mode_kvfleet_applies_the_router_and_its_identity_and_points_the_service
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "NetworkPolicy",
         "Deployment",
         "Service",
         "Deployment",
@@ -1816,12 +1818,17 @@ async fn mode_kvfleet_applies_the_router_and_its_identity_and_points_the_service
         applied[4].body["rules"][0]["resources"],
         json!(["endpointslices"])
     );
-    assert_eq!(applied[7].body["spec"]["clusterIP"], "None");
-    let router = &applied[8].body["spec"];
+    // The workers' kv-events port admits only the router (issue 62).
+    assert_eq!(
+        applied[6].body["spec"]["ingress"][1]["from"],
+        json!([{"podSelector": {"matchLabels": {"kvfleet.io/router": "llama"}}}])
+    );
+    assert_eq!(applied[8].body["spec"]["clusterIP"], "None");
+    let router = &applied[9].body["spec"];
     assert_eq!(router["replicas"], 2);
     assert_eq!(router["template"]["spec"]["containers"][0]["args"][0], "router");
     assert_eq!(
-        applied[9].body["spec"]["selector"],
+        applied[10].body["spec"]["selector"],
         json!({"kvfleet.io/router": "llama"}),
         "the Service selects the router"
     );

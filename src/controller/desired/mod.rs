@@ -387,13 +387,18 @@ pub fn desired(
             replicas.unwrap_or_else(|| current_replicas(obj)),
         ),
         monitor: monitor.map(|m| monitor::monitor(&owner, m)),
-        network_policy: spec.network.as_ref().map(|net| {
-            let kv_events = spec.engine.kv_events.as_ref().is_some_and(|k| k.enabled);
-            // Behind the router, the workers admit the router; the spec's peers reach the router.
-            let behind_router = router::workers_network(&owner.name);
-            let net = if router.is_some() { &behind_router } else { net };
-            network_policy::network_policy(&owner, net, settings, kv_events)
-        }),
+        network_policy: match &spec.network {
+            Some(net) => {
+                let kv_events = spec.engine.kv_events.as_ref().is_some_and(|k| k.enabled);
+                // Behind the router, the workers admit the router; the spec's peers reach the router.
+                let behind_router = router::workers_network(&owner.name);
+                let net = if router.is_some() { &behind_router } else { net };
+                Some(network_policy::network_policy(&owner, net, settings, kv_events))
+            }
+            None => router
+                .is_some()
+                .then(|| network_policy::kv_events_from_router(&owner, router::router_peer(&owner.name))),
+        },
         router,
         inference_pool,
         scaled_object,

@@ -1,4 +1,5 @@
-//! The NetworkPolicy of the serving pods (only when the spec sets `network`).
+//! The NetworkPolicy of the serving pods: when the spec sets `network`, and behind the kvfleet
+//! router, where the `kv-events` port admits only the router's pods.
 
 use std::collections::BTreeMap;
 
@@ -36,6 +37,39 @@ pub(super) fn network_policy(
 
 /// The serving container's port of the KV-event publisher (`spec.engine.kvEvents`).
 pub const KV_EVENTS_PORT_NAME: &str = "kv-events";
+
+/// Behind the kvfleet router without `spec.network`: the `kv-events` port admits only the
+/// router's pods, the one subscriber this spec knows of (a KV-event port reachable from any pod
+/// is a port any pod can feed hostile frames, issue 62); the serving port stays open to every
+/// source, as without a policy. A rule without `from` admits every source on its ports.
+pub(super) fn kv_events_from_router(owner: &Owner, router: NetworkPolicyPeer) -> NetworkPolicy {
+    let port = |name: &str| NetworkPolicyPort {
+        port: Some(IntOrString::String(name.into())),
+        protocol: Some("TCP".into()),
+        ..NetworkPolicyPort::default()
+    };
+    NetworkPolicy {
+        metadata: owner.meta(worker_network_policy_name(&owner.name)),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(&owner.name)),
+                ..LabelSelector::default()
+            }),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule {
+                    from: None,
+                    ports: Some(vec![port("http")]),
+                },
+                NetworkPolicyIngressRule {
+                    from: Some(vec![router]),
+                    ports: Some(vec![port(KV_EVENTS_PORT_NAME)]),
+                },
+            ]),
+            egress: None,
+        }),
+    }
+}
 
 /// Ingress to the pods of `name` (worker or vLLM) on the serving port only, from `allow_from`
 /// and from `metrics_from`. The port serves the API, the probes and `/metrics` alike, so a
@@ -163,6 +197,52 @@ mod tests {
         // The named port is the serving container's.
         let c = &d.deployment_container_ports();
         assert!(c.contains(&("http".to_string(), HTTP_PORT)), "{c:?}");
+    }
+
+    /// Issue 62: without `spec.network` the KV-event port was open to every pod. Behind the
+    /// kvfleet router it admits the router's pods only; the serving port stays open, and those
+    /// two are every port the worker container has (a port left out would be closed).
+    #[test]
+    fn behind_the_router_without_spec_network_only_the_router_reaches_the_kv_event_port() {
+        let mut obj = fixture(KVFLEET_RTX3090_TP2);
+        obj.spec.routing = Some(serde_json::from_value(json!({"mode": "kvfleet"})).unwrap());
+        let v = verdict("bfloat16", "KVFLEET_CUDA", "8.6", "NVIDIA-GeForce-RTX-3090");
+        let d = desired(&obj, &v, &Settings::default(), None).unwrap();
+        let np = d
+            .network_policy
+            .clone()
+            .expect("a NetworkPolicy for the kv-events port");
+        assert_eq!(np.metadata.name.as_deref(), Some("llama-worker"));
+        let spec = serde_json::to_value(np.spec.unwrap()).unwrap();
+        assert_eq!(
+            spec["podSelector"],
+            json!({"matchLabels": {INSTANCE_LABEL: "llama"}})
+        );
+        assert_eq!(spec["policyTypes"], json!(["Ingress"]));
+        assert_eq!(
+            spec["ingress"],
+            json!([
+                {"ports": [{"port": "http", "protocol": "TCP"}]},
+                {"from": [{"podSelector": {"matchLabels": {"kvfleet.io/router": "llama"}}}],
+                 "ports": [{"port": KV_EVENTS_PORT_NAME, "protocol": "TCP"}]}
+            ])
+        );
+        let mut ports: Vec<String> = d.deployment_container_ports().into_iter().map(|p| p.0).collect();
+        ports.sort();
+        assert_eq!(ports, ["http", KV_EVENTS_PORT_NAME]);
+        // Routing mode service, KV events or not: no policy, as before.
+        let mut obj = fixture(KVFLEET_RTX3090_TP2);
+        obj.spec.engine.kv_events = Some(crate::api::KvEventsSpec {
+            enabled: true,
+            port: 5557,
+            topic: String::new(),
+        });
+        assert_eq!(
+            desired(&obj, &v, &Settings::default(), None)
+                .unwrap()
+                .network_policy,
+            None
+        );
     }
 
     #[test]

@@ -655,9 +655,16 @@ mod tests {
             json!([{"from": [{"podSelector": {"matchLabels": {"app": "gateway"}}}], "ports": [http]},
                    {"from": metrics, "ports": [http]}])
         );
-        // Without `network`: no policy for either.
+        // Without `network`: the workers' `kv-events` port admits only the router (issue 62),
+        // their serving port every source; the router has no policy.
         let d = routed(ROUTED);
-        assert!(d.network_policy.is_none() && router_of(&d).network_policy.is_none());
+        let worker = serde_json::to_value(d.network_policy.as_ref().unwrap().spec.as_ref().unwrap()).unwrap();
+        assert_eq!(
+            worker["ingress"],
+            json!([{"ports": [http]},
+                   {"from": [{"podSelector": {"matchLabels": {ROUTER_LABEL: "llama"}}}], "ports": [kv]}])
+        );
+        assert!(router_of(&d).network_policy.is_none());
     }
 
     /// Every spec the builders' tests and deploy/examples render.
