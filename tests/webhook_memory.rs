@@ -20,6 +20,8 @@ const PEAK_RSS_MAX: u64 = 64 * 1024 * 1024;
 /// Set in the child's environment; the child test does nothing without it.
 const CHILD_ENV: &str = "KVFLEET_WEBHOOK_MEMORY_CHILD";
 const CHILD_TEST: &str = "child_serves_the_webhook_until_stdin_closes";
+/// Names the test binary that serves the webhook (default: this one).
+const CHILD_BIN_ENV: &str = "KVFLEET_WEBHOOK_MEMORY_CHILD_BIN";
 
 /// Not a test of its own: the server whose memory the other tests measure.
 #[test]
@@ -40,6 +42,7 @@ fn child_serves_the_webhook_until_stdin_closes() {
         let mut out = std::io::stdout().lock();
         // On a line of its own: libtest has printed "test NAME ... " without a newline.
         writeln!(out, "\nADDR {}", running.https).unwrap();
+        writeln!(out, "HEALTH {}", running.health).unwrap();
         for line in ca.0.cert_pem.lines() {
             writeln!(out, "PEM {line}").unwrap();
         }
@@ -62,12 +65,17 @@ struct ChildWebhook {
     /// Kept open, so that the child's test harness can still print its result.
     _stdout: BufReader<ChildStdout>,
     addr: SocketAddr,
+    /// The plain-HTTP probe port (absent from a build before it was printed).
+    health: Option<SocketAddr>,
     ca_pem: String,
 }
 
 impl ChildWebhook {
     fn start() -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+        // CHILD_BIN_ENV: another build of this test file, to measure a webhook before a change.
+        let exe =
+            std::env::var_os(CHILD_BIN_ENV).map_or_else(|| std::env::current_exe().unwrap(), Into::into);
+        let mut child = Command::new(exe)
             .args([
                 "--ignored",
                 "--exact",
@@ -84,6 +92,7 @@ impl ChildWebhook {
         let stdout: ChildStdout = child.stdout.take().unwrap();
         let mut stdout = BufReader::new(stdout);
         let mut addr = None;
+        let mut health = None;
         let mut ca_pem = String::new();
         loop {
             let mut line = String::new();
@@ -93,6 +102,8 @@ impl ChildWebhook {
             let line = line.trim_end();
             if let Some(a) = line.strip_prefix("ADDR ") {
                 addr = Some(a.parse().unwrap());
+            } else if let Some(a) = line.strip_prefix("HEALTH ") {
+                health = Some(a.parse().unwrap());
             } else if let Some(p) = line.strip_prefix("PEM ") {
                 ca_pem.push_str(p);
                 ca_pem.push('\n');
@@ -102,6 +113,7 @@ impl ChildWebhook {
         }
         ChildWebhook {
             addr: addr.expect("the child printed its address"),
+            health,
             child,
             _stdout: stdout,
             ca_pem,
@@ -298,4 +310,148 @@ fn a_review_over_the_body_bound_is_refused_before_it_is_read() {
     let webhook = ChildWebhook::start();
     let (status, _) = webhook.post(body);
     assert_eq!(status, 413);
+}
+
+/// The chart's memory limit of the webhook container (charts/kvfleet/values.yaml).
+const CHART_MEMORY_LIMIT: u64 = 256 * 1024 * 1024;
+
+/// A client's connection, held open until the test is done with it.
+type Held = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// What one client that declares the largest review and sends all of it but 64 KiB got back:
+/// the status and `Retry-After`, if an answer came within `within` of its last write; and its
+/// connection, to be held open as an attacker would.
+async fn send_most_of_a_review(
+    webhook: &ChildWebhook,
+    within: std::time::Duration,
+) -> (Option<(u16, Option<String>)>, Option<Held>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::time::timeout;
+    let max = kvfleet::webhook::server::MAX_BODY_BYTES;
+    let Ok(tcp) = tokio::net::TcpStream::connect(webhook.addr).await else {
+        return (None, None);
+    };
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1")
+        .unwrap()
+        .to_owned();
+    let Ok(mut tls) = connector(&webhook.ca_pem).connect(name, tcp).await else {
+        return (None, None);
+    };
+    let head = format!(
+        "POST /validate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {max}\r\n\r\n{{\"request\":{{\"uid\":\""
+    );
+    let write = std::time::Duration::from_secs(3);
+    let _ = timeout(write, tls.write_all(head.as_bytes())).await;
+    let piece = vec![b'a'; 64 * 1024];
+    for _ in 0..(max / piece.len() - 1) {
+        // A write that blocks: the webhook is not reading this body (no room).
+        match timeout(write, tls.write_all(&piece)).await {
+            Ok(Ok(())) => {}
+            _ => break,
+        }
+    }
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        match timeout(within, tls.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&chunk[..n]),
+            _ => break,
+        }
+    }
+    let head = String::from_utf8_lossy(&got).into_owned();
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok());
+    let retry_after = head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("retry-after")
+            .then(|| v.trim().to_string())
+    });
+    (status.map(|s| (s, retry_after)), Some(tls))
+}
+
+/// Issue 62: 100 clients each declaring a review of the largest size (8 MiB) and sending all of
+/// it but 64 KiB. The webhook takes as many bodies as its budget of bodies in flight holds
+/// (64 MiB: 8), answers the rest 503 with `Retry-After` without reading them, stays under the
+/// chart's memory limit (256Mi), and its probes answer throughout. Before, every body was
+/// buffered: 40 clients took it to 356 MB, about 31 would have it OOM-killed.
+#[test]
+fn a_hundred_clients_each_sending_most_of_the_largest_review_stay_under_the_chart_memory_limit() {
+    const CLIENTS: usize = 100;
+    let max = kvfleet::webhook::server::MAX_BODY_BYTES;
+    let budget = kvfleet::webhook::server::DEFAULT_BODIES_IN_FLIGHT_BYTES;
+    let webhook = ChildWebhook::start();
+    let (before, _) = webhook.rss();
+    let t0 = std::time::Instant::now();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = webhook.health.map(|health| {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let (mut probes, mut failures) = (0, Vec::new());
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let t0 = std::time::Instant::now();
+                let probe = runtime.block_on(async {
+                    tokio::time::timeout(std::time::Duration::from_secs(1), http_get(health, "/healthz"))
+                        .await
+                });
+                probes += 1;
+                if !matches!(probe, Ok((200, _))) {
+                    failures.push((probe.ok().map(|p| p.0), t0.elapsed()));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            (probes, failures)
+        })
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (answers, held): (Vec<_>, Vec<_>) = runtime.block_on(async {
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| send_most_of_a_review(&webhook, std::time::Duration::from_secs(5)))
+            .collect();
+        futures::future::join_all(clients).await.into_iter().unzip()
+    });
+    let took = t0.elapsed();
+    let (peak, after) = webhook.rss();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let probes = prober.map(|p| p.join().unwrap());
+    let refused: Vec<_> = answers.iter().flatten().filter(|(s, _)| *s == 503).collect();
+    eprintln!(
+        "{CLIENTS} partial {:.0} MiB reviews: webhook RSS {:.1} MiB before, peak {:.1} MiB, {:.1} MiB after; \
+         {} refused 503; probes (sent, failed) {:?}; {took:?}",
+        max as f64 / MIB,
+        before as f64 / MIB,
+        peak as f64 / MIB,
+        after as f64 / MIB,
+        refused.len(),
+        probes.as_ref().map(|(n, f)| (n, f.len())),
+    );
+    assert!(
+        peak < CHART_MEMORY_LIMIT,
+        "peak RSS {:.1} MiB is over the chart's memory limit ({:.0} MiB)",
+        peak as f64 / MIB,
+        CHART_MEMORY_LIMIT as f64 / MIB
+    );
+    let (probes, failures) = probes.expect("the webhook printed its probe port");
+    assert!(probes > 0 && failures.is_empty(), "probes failed: {failures:?}");
+    let admitted = budget / max;
+    assert!(
+        refused.len() >= CLIENTS - admitted,
+        "{} of {CLIENTS} refused, {admitted} fit the budget: {answers:?}",
+        refused.len()
+    );
+    assert!(
+        refused.iter().all(|(_, after)| after.as_deref() == Some("1")),
+        "a 503 without Retry-After: {refused:?}"
+    );
+    // The clients gone, their bytes are back: a review is judged.
+    runtime.block_on(async move { drop(held) });
+    let (status, answer) = webhook.post(fixture("create-fp8e4m3-vllm.json"));
+    assert_eq!(status, 200, "{answer}");
 }

@@ -13,6 +13,13 @@
 //! - the registry is full and it is the longest idle: a new connection takes its place, so a
 //!   probe always gets in while any held connection is idle.
 //!
+//! A connection whose every request in flight is still receiving its body (the request's body
+//! is wrapped to see when it ends) is closed when the registry is full, no connection is idle,
+//! and it has been receiving for the longest: a client that trickles bodies on every
+//! connection it may hold would otherwise keep probes out until its bodies time out (1,000 such
+//! connections failed 93 of 132 `/healthz` probes at a 1,024-file limit, issue 62). A request
+//! whose body has arrived (one being answered, a stream) is never closed to make room.
+//!
 //! Closing is done by the stream wrapper ([`Guarded`]): its reads and writes fail once the
 //! connection is due, and it keeps a timer armed so that the connection's task wakes up then.
 
@@ -90,6 +97,8 @@ struct Shared {
     reaped: AtomicU64,
     evicted: AtomicU64,
     refused: AtomicU64,
+    /// Of `evicted`, those closed while receiving a body.
+    evicted_receiving: AtomicU64,
 }
 
 /// One connection's state, shared by its stream, its service and the registry.
@@ -99,6 +108,10 @@ struct Conn {
     idle_since_ms: AtomicU64,
     /// A request has started on it (the idle limit applies, not the first-request one).
     served: AtomicBool,
+    /// Requests in flight whose body has not ended yet, and since when (ms since the epoch)
+    /// the connection has had one.
+    receiving: AtomicUsize,
+    receiving_since_ms: AtomicU64,
     /// Evicted: close at the next read or write.
     close: AtomicBool,
     waker: AtomicWaker,
@@ -115,6 +128,7 @@ impl Connections {
                 reaped: AtomicU64::new(0),
                 evicted: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
+                evicted_receiving: AtomicU64::new(0),
             }),
         }
     }
@@ -145,6 +159,11 @@ impl Connections {
             s.refused.load(Ordering::Relaxed),
         )
     }
+
+    /// Of the connections closed to make room, those that were receiving a request body.
+    pub fn evicted_receiving(&self) -> u64 {
+        self.shared.evicted_receiving.load(Ordering::Relaxed)
+    }
 }
 
 impl Shared {
@@ -152,8 +171,9 @@ impl Shared {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Registers a new connection; when the registry is full, the longest-idle connection is
-    /// told to close to make room. `None` when every held connection has a request in flight.
+    /// Registers a new connection; when the registry is full, the longest-idle connection (else
+    /// the one receiving a body for the longest) is told to close to make room. `None` when
+    /// every held connection has a request in flight past its body.
     fn admit(self: &Arc<Self>) -> Option<Registration> {
         let mut conns = self.conns.lock().ok()?;
         // Connections told to close keep their descriptor until their task notices; they may
@@ -167,15 +187,31 @@ impl Shared {
             .filter(|c| !c.close.load(Ordering::Acquire))
             .count();
         if open >= self.policy.max_connections {
-            let victim = conns
-                .values()
-                .filter(|c| !c.close.load(Ordering::Acquire) && c.in_flight.load(Ordering::Acquire) == 0)
+            let live = || conns.values().filter(|c| !c.close.load(Ordering::Acquire));
+            let idle = live()
+                .filter(|c| c.in_flight.load(Ordering::Acquire) == 0)
                 .min_by_key(|c| c.idle_since_ms.load(Ordering::Acquire));
+            // None idle: the one receiving a body for the longest, if all it has in flight is
+            // receiving (never one that is being answered).
+            let receiving = || {
+                live()
+                    .filter(|c| {
+                        let receiving = c.receiving.load(Ordering::Acquire);
+                        receiving > 0 && receiving >= c.in_flight.load(Ordering::Acquire)
+                    })
+                    .min_by_key(|c| c.receiving_since_ms.load(Ordering::Acquire))
+            };
+            let victim = idle
+                .map(|c| (c, false))
+                .or_else(|| receiving().map(|c| (c, true)));
             match victim {
-                Some(c) => {
+                Some((c, receiving)) => {
                     c.close.store(true, Ordering::Release);
                     c.waker.wake();
                     self.evicted.fetch_add(1, Ordering::Relaxed);
+                    if receiving {
+                        self.evicted_receiving.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 None => {
                     self.refused.fetch_add(1, Ordering::Relaxed);
@@ -188,6 +224,8 @@ impl Shared {
             in_flight: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(self.now_ms()),
             served: AtomicBool::new(false),
+            receiving: AtomicUsize::new(0),
+            receiving_since_ms: AtomicU64::new(0),
             close: AtomicBool::new(false),
             waker: AtomicWaker::new(),
         });
@@ -395,10 +433,12 @@ impl Drop for InFlight {
     }
 }
 
-impl<S, R> tower_service::Service<R> for Tracked<S>
+impl<S, B> tower_service::Service<http::Request<B>> for Tracked<S>
 where
-    S: tower_service::Service<R, Response = http::Response<Body>>,
+    S: tower_service::Service<http::Request<Body>, Response = http::Response<Body>>,
     S::Future: Send + 'static,
+    B: http_body::Body<Data = axum::body::Bytes> + Unpin + Send + 'static,
+    B::Error: Into<axum::BoxError>,
 {
     type Response = http::Response<Body>;
     type Error = S::Error;
@@ -408,8 +448,16 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: R) -> Self::Future {
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let guard = InFlight::start(self.conn.clone(), self.shared.clone());
+        let req = req.map(|body| {
+            let receiving =
+                (!body.is_end_stream()).then(|| Receiving::start(self.conn.clone(), &self.shared));
+            Body::new(ReceivingBody {
+                inner: body,
+                receiving,
+            })
+        });
         let response = self.inner.call(req);
         Box::pin(async move {
             let r = response.await?;
@@ -420,6 +468,59 @@ where
                 })
             }))
         })
+    }
+}
+
+/// A request whose body has not ended; dropped when it ends, fails, or is dropped unread.
+struct Receiving {
+    conn: Arc<Conn>,
+}
+
+impl Receiving {
+    fn start(conn: Arc<Conn>, shared: &Shared) -> Self {
+        if conn.receiving.fetch_add(1, Ordering::AcqRel) == 0 {
+            conn.receiving_since_ms.store(shared.now_ms(), Ordering::Release);
+        }
+        Receiving { conn }
+    }
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.conn.receiving.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A request body that counts its request as receiving until it ends.
+struct ReceivingBody<B> {
+    inner: B,
+    receiving: Option<Receiving>,
+}
+
+impl<B> http_body::Body for ReceivingBody<B>
+where
+    B: http_body::Body<Data = axum::body::Bytes> + Unpin,
+{
+    type Data = axum::body::Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) || self.inner.is_end_stream() {
+            self.receiving = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -5,7 +5,8 @@
 //! receiver, which cancels the sequence at the next step.
 //!
 //! Bounded against hostile or broken clients ([`ApiLimits`]): the body is read under a size
-//! limit (413) and a time limit (408), a request that runs past the request timeout is ended
+//! limit (413), a time limit (408) and a budget of bytes for all bodies in flight (503 with
+//! `Retry-After` past it, [`super::body_budget`]), a request that runs past the request timeout is ended
 //! (504, or an error chunk on a stream) and its sequence cancelled, tokenisation runs on the
 //! blocking pool (never on the threads that answer health probes), and every request field is
 //! either implemented or refused with 400 naming it ([`field_rule`]): none is silently ignored.
@@ -32,6 +33,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
+use super::body_budget::{self, BodyBudget, BodyError, BodyLimits, BodyPermit};
 use super::runtime::{FinishReason, GenEvent, ModelRuntime, RuntimeError};
 use kvfleet_engine::engine::prefix::CacheKey;
 use kvfleet_engine::model::sampling::{SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS};
@@ -59,11 +61,24 @@ pub const MIN_BODY_BYTES: usize = 1 << 10;
 /// tokens); above 256 MiB a body buys nothing but memory.
 pub const MAX_BODY_BYTES: usize = 256 << 20;
 
+/// Request bodies the worker holds at once by default (`--max-request-bytes-in-flight`): the
+/// bodies being received and, until they are tokenized, the prompts read from them. The
+/// worker's pod has no memory limit of ours (`spec.pod.resources` sets it), so this is sized
+/// against the smallest worker: a CPU worker of a small model runs in some 300 MiB, and 64 MiB
+/// more holds 16 bodies of the largest default size (4 MiB, about a million tokens) at once or
+/// thousands of ordinary ones, while a client that opens a hundred connections and sends most
+/// of a body on each can add no more than that (issue 62: 40 such bodies took +160 MB before).
+pub const DEFAULT_BODIES_IN_FLIGHT_BYTES: usize = 64 << 20;
+
 /// Limits on what one request may cost the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApiLimits {
     /// Largest request body; more is answered 413 before it is parsed.
     pub max_body_bytes: usize,
+    /// Bytes of request bodies held at once, across requests (see
+    /// [`DEFAULT_BODIES_IN_FLIGHT_BYTES`]); a request that finds no room within
+    /// [`super::body_budget::DEFAULT_WAIT`] is answered 503 with `Retry-After`.
+    pub max_bodies_in_flight_bytes: usize,
     /// Time a client has to send its whole body (a slow sender is answered 408).
     pub body_timeout: Duration,
     /// Time from arrival to the last token; past it the request ends (504 or an error chunk)
@@ -76,6 +91,7 @@ impl Default for ApiLimits {
         ApiLimits {
             // 4 MiB: about a million tokens of text, far over any context this server takes.
             max_body_bytes: 4 << 20,
+            max_bodies_in_flight_bytes: DEFAULT_BODIES_IN_FLIGHT_BYTES,
             body_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(600),
         }
@@ -90,6 +106,8 @@ struct Api {
     /// than there are cores adds no throughput, only the working set of each (the merges keep
     /// some 100 bytes per byte of a long word), so there is one permit per core.
     tokenizing: Arc<tokio::sync::Semaphore>,
+    /// The bytes of the bodies in flight ([`ApiLimits::max_bodies_in_flight_bytes`]).
+    bodies: BodyBudget,
 }
 
 /// The key clients must present as `Authorization: Bearer <key>`. Its `Debug` never shows
@@ -139,6 +157,7 @@ pub fn router_with(rt: Arc<ModelRuntime>, limits: ApiLimits, key: Option<ApiKey>
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(Api {
             rt,
+            bodies: BodyBudget::new(limits.max_bodies_in_flight_bytes, body_budget::DEFAULT_WAIT),
             limits,
             tokenizing: Arc::new(tokio::sync::Semaphore::new(
                 std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
@@ -1252,41 +1271,41 @@ async fn model(State(Api { rt, .. }): State<Api>, id: Result<Path<String>, PathR
     }
 }
 
-/// The request body, under the size and time limits.
-async fn read_body(req: axum::extract::Request, limits: &ApiLimits) -> Result<Bytes, ApiError> {
-    let too_large = || {
-        ApiError::status(
+/// The request body, under the size and time limits and the budget of bodies in flight; the
+/// permit holds the body's bytes in the budget until it is dropped.
+async fn read_body(req: axum::extract::Request, api: &Api) -> Result<(Bytes, BodyPermit), ApiError> {
+    let limits = BodyLimits {
+        max_bytes: api.limits.max_body_bytes,
+        timeout: api.limits.body_timeout,
+    };
+    match api.bodies.read(req, limits).await {
+        Ok(b) => Ok((b.bytes, b.permit)),
+        Err(BodyError::TooLarge { .. }) => Err(ApiError::status(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
             "request_too_large",
             format!(
                 "the request body is over the worker's limit of {} bytes; send a shorter prompt",
-                limits.max_body_bytes
+                api.limits.max_body_bytes.min(api.bodies.bytes())
             ),
-        )
-    };
-    let declared = req
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
-        return Err(too_large());
-    }
-    let read = axum::body::to_bytes(req.into_body(), limits.max_body_bytes);
-    match tokio::time::timeout(limits.body_timeout, read).await {
-        Ok(Ok(body)) => Ok(body),
-        Ok(Err(e)) if format!("{e:?}").contains("LengthLimit") => Err(too_large()),
-        Ok(Err(e)) => Err(ApiError::bad(format!("cannot read the request body: {e}"), None)),
-        Err(_) => Err(ApiError::status(
+        )),
+        Err(e @ BodyError::Busy { .. }) => Err(ApiError::status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "bodies_in_flight",
+            format!(
+                "the worker holds as many request bodies as its budget allows ({} bytes, --max-request-bytes-in-flight); retry after {} s",
+                api.bodies.bytes(),
+                e.retry_after().unwrap_or(body_budget::RETRY_AFTER).as_secs()
+            ),
+        )),
+        Err(BodyError::TimedOut { timeout }) => Err(ApiError::status(
             StatusCode::REQUEST_TIMEOUT,
             "invalid_request_error",
             "request_timeout",
-            format!(
-                "the request body did not arrive within {} s",
-                limits.body_timeout.as_secs()
-            ),
+            format!("the request body did not arrive within {} s", timeout.as_secs()),
         )),
+        Err(e @ BodyError::Read { .. }) => Err(ApiError::bad(e.to_string(), None)),
     }
 }
 
@@ -1415,10 +1434,10 @@ async fn read_request<P>(
     api: &Api,
     kind: Kind,
     take: fn(&mut Map<String, Value>) -> Result<P, ApiError>,
-) -> Result<(P, Options), ApiError> {
+) -> Result<(P, Options, BodyPermit), ApiError> {
     let rt = &api.rt;
     let rid = req.extensions().get::<RequestId>().cloned();
-    let body = read_body(req, &api.limits).await?;
+    let (body, held) = read_body(req, api).await?;
     let mut fields = parse_object(&body)?;
     let prompt = take(&mut fields)?;
     check_fields(&fields, kind)?;
@@ -1439,14 +1458,15 @@ async fn read_request<P>(
         request_id,
         echo,
     };
-    Ok((prompt, options))
+    Ok((prompt, options, held))
 }
 
 async fn chat_completions(State(api): State<Api>, req: axum::extract::Request) -> Response {
     let arrived = tokio::time::Instant::now();
     let rt = api.rt.clone();
     let run = async {
-        let (messages, options) = read_request(req, &api, Kind::Chat, take_messages).await?;
+        // The body's bytes stay held until its prompt is tokenized (the prompt is as large).
+        let (messages, options, _held) = read_request(req, &api, Kind::Chat, take_messages).await?;
         check_prompt_bytes(chat_text_bytes(&rt.tokenizer, &messages), &rt, "messages")?;
         let tokenizer = rt.tokenizer.clone();
         let ids = tokenize(&api, move || encode_chat(&tokenizer, &messages))
@@ -1462,7 +1482,7 @@ async fn completions(State(api): State<Api>, req: axum::extract::Request) -> Res
     let arrived = tokio::time::Instant::now();
     let rt = api.rt.clone();
     let run = async {
-        let (prompt, options) = read_request(req, &api, Kind::Completion, take_prompt).await?;
+        let (prompt, options, _held) = read_request(req, &api, Kind::Completion, take_prompt).await?;
         let echo = options.echo;
         let (echo, ids) = match prompt {
             Prompt::Tokens(ids) => {

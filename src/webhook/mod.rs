@@ -57,6 +57,18 @@ pub struct WebhookArgs {
     /// empty caches every node.
     #[arg(long, env = "KVFLEET_WEBHOOK_NODE_SELECTOR", default_value = "")]
     pub node_selector: String,
+
+    /// Bytes of AdmissionReview bodies held at once, across requests; a review that finds no
+    /// room within 2 s is answered 503 with Retry-After. At least one review of the largest
+    /// size (8 MiB); keep it well under the container's memory limit (docs/webhook.md).
+    #[arg(
+        long,
+        env = "KVFLEET_WEBHOOK_MAX_BODY_BYTES_IN_FLIGHT",
+        default_value_t = server::DEFAULT_BODIES_IN_FLIGHT_BYTES,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+            .range(server::MAX_BODY_BYTES as u64..=(1u64 << 40))
+    )]
+    pub max_body_bytes_in_flight: usize,
 }
 
 /// Where the serving certificate comes from and how it is renewed.
@@ -151,7 +163,8 @@ async fn run_with(args: WebhookArgs, tls_args: TlsArgs) -> Result<(), Error> {
     let client = Client::try_default().await.map_err(Error::Client)?;
     let metrics = metrics::Metrics::new().map_err(Error::Metrics)?;
     let (cache, writer) = cache::node_cache();
-    let state = server::AppState::new(cache, metrics.clone());
+    let state =
+        server::AppState::with_bodies_in_flight(cache, metrics.clone(), args.max_body_bytes_in_flight);
 
     let bind = |addr: SocketAddr| crate::serving::bind(addr).map_err(|source| Error::Listen { addr, source });
     let health_listener = bind(args.health_listen)?;

@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -18,6 +17,7 @@ use axum_server::Handle;
 use super::cache::NodeCache;
 use super::metrics::Metrics;
 use super::review::{self, Reviewed};
+use crate::serving::body_budget::{BodyBudget, BodyError, BodyLimits, BudgetedBody};
 
 /// Largest AdmissionReview body accepted. The API server takes request bodies of up to
 /// 3 MiB, so a review of an UPDATE (object and oldObject, plus the envelope) stays under
@@ -25,6 +25,15 @@ use super::review::{self, Reviewed};
 /// collected) plus one spec within the schema's bounds (`api::bounded`), so the peak stays
 /// under 64 MiB (tests/webhook_memory.rs; docs/webhook.md).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// Bytes of AdmissionReview bodies held at once, across requests, by default
+/// (`--max-body-bytes-in-flight`): 8 reviews of the largest size, or thousands of ordinary ones
+/// (a few KiB), at once. The chart's memory limit is 256Mi; the webhook idles at some 20 MiB,
+/// and one review's judgement costs a spec within the schema's bounds (well under 64 MiB with
+/// its body, tests/webhook_memory.rs), so 64 MiB of bodies leaves over 100 MiB for the node
+/// cache of a large cluster, the held connections' buffers and the allocator's slack. Without
+/// it, 40 clients each sending most of an 8 MiB review took the webhook to 356 MB (issue 62).
+pub const DEFAULT_BODIES_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 
 /// A client must send a request's headers within this time (slowloris), on both servers.
 pub const HEADER_READ_TIMEOUT: Duration = crate::serving::HEADER_READ_TIMEOUT;
@@ -51,6 +60,10 @@ pub struct AppState {
     /// must start a request within the header read timeout of its accept, TLS handshake
     /// included) and the longest idle makes room for a new one (a probe).
     pub connections: crate::serving::connections::Connections,
+    /// The bytes of the review bodies in flight ([`DEFAULT_BODIES_IN_FLIGHT_BYTES`]): a review
+    /// that finds no room within [`crate::serving::body_budget::DEFAULT_WAIT`] is answered 503
+    /// with `Retry-After` (the API server applies the webhook's failure policy, or retries).
+    pub bodies: BodyBudget,
 }
 
 impl AppState {
@@ -62,12 +75,39 @@ impl AppState {
         Self::with_timeouts(cache, metrics, timeout, crate::serving::HTTP2_KEEP_ALIVE)
     }
 
+    /// With a budget of `bytes` for the review bodies in flight (`--max-body-bytes-in-flight`).
+    pub fn with_bodies_in_flight(cache: Arc<NodeCache>, metrics: Metrics, bytes: usize) -> Arc<Self> {
+        Self::build(
+            cache,
+            metrics,
+            HEADER_READ_TIMEOUT,
+            crate::serving::HTTP2_KEEP_ALIVE,
+            bytes,
+        )
+    }
+
     /// With a header read timeout and an HTTP/2 keep-alive of its own (tests lower both).
     pub fn with_timeouts(
         cache: Arc<NodeCache>,
         metrics: Metrics,
         timeout: Duration,
         http2_keep_alive: crate::serving::Http2KeepAlive,
+    ) -> Arc<Self> {
+        Self::build(
+            cache,
+            metrics,
+            timeout,
+            http2_keep_alive,
+            DEFAULT_BODIES_IN_FLIGHT_BYTES,
+        )
+    }
+
+    fn build(
+        cache: Arc<NodeCache>,
+        metrics: Metrics,
+        timeout: Duration,
+        http2_keep_alive: crate::serving::Http2KeepAlive,
+        bodies_in_flight: usize,
     ) -> Arc<Self> {
         Arc::new(AppState {
             cache,
@@ -79,6 +119,10 @@ impl AppState {
             connections: crate::serving::connections::Connections::new(crate::serving::connection_policy(
                 timeout,
             )),
+            bodies: BodyBudget::new(
+                bodies_in_flight.max(MAX_BODY_BYTES),
+                crate::serving::body_budget::DEFAULT_WAIT,
+            ),
         })
     }
 
@@ -107,35 +151,47 @@ pub fn health_router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// The request body, within [`MAX_BODY_BYTES`] and the body read timeout.
-async fn read_body(state: &AppState, req: axum::extract::Request) -> Result<Bytes, Response> {
-    let read = axum::body::to_bytes(req.into_body(), MAX_BODY_BYTES);
-    match tokio::time::timeout(state.body_read_timeout, read).await {
-        Ok(Ok(body)) => Ok(body),
-        Ok(Err(error)) if format!("{error:?}").contains("LengthLimit") => Err((
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the AdmissionReview is over the webhook's limit of {MAX_BODY_BYTES} bytes\n"),
-        )
-            .into_response()),
-        Ok(Err(error)) => Err((
-            StatusCode::BAD_REQUEST,
-            format!("cannot read the request body: {error}\n"),
-        )
-            .into_response()),
-        Err(_) => Err((
-            StatusCode::REQUEST_TIMEOUT,
-            format!(
-                "the request body did not arrive within {:?} of its headers\n",
-                state.body_read_timeout
-            ),
-        )
-            .into_response()),
+/// The request body, within [`MAX_BODY_BYTES`], the body read timeout and the budget of bodies
+/// in flight; the permit holds the body's bytes in the budget until it is dropped.
+async fn read_body(state: &AppState, req: axum::extract::Request) -> Result<BudgetedBody, Response> {
+    let limits = BodyLimits {
+        max_bytes: MAX_BODY_BYTES,
+        timeout: state.body_read_timeout,
+    };
+    let error = match state.bodies.read(req, limits).await {
+        Ok(body) => return Ok(body),
+        Err(error) => error,
+    };
+    let status = error.status();
+    let message = match &error {
+        BodyError::TooLarge { .. } => {
+            format!("the AdmissionReview is over the webhook's limit of {MAX_BODY_BYTES} bytes\n")
+        }
+        BodyError::Busy { budget, retry_after } => format!(
+            "the webhook holds as many AdmissionReview bodies as its memory allows ({budget} bytes, --max-body-bytes-in-flight); retry in {} s\n",
+            retry_after.as_secs()
+        ),
+        BodyError::TimedOut { timeout } => {
+            format!("the request body did not arrive within {timeout:?} of its headers\n")
+        }
+        BodyError::Read { .. } => format!("{error}\n"),
+    };
+    let mut response = (status, message).into_response();
+    if let Some(after) = error.retry_after() {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, after.as_secs().max(1).into());
     }
+    Err(response)
 }
 
 async fn admit(State(state): State<Arc<AppState>>, req: axum::extract::Request) -> Response {
     let start = Instant::now();
-    let body = match read_body(&state, req).await {
+    // The permit holds the body's bytes in the budget until the answer is built.
+    let BudgetedBody {
+        bytes: body,
+        permit: _held,
+    } = match read_body(&state, req).await {
         Ok(body) => body,
         Err(response) => {
             tracing::warn!(

@@ -142,6 +142,16 @@ pub struct WorkerArgs {
             .range(crate::serving::openai::MIN_BODY_BYTES as u64..=crate::serving::openai::MAX_BODY_BYTES as u64)
     )]
     pub max_request_bytes: usize,
+    /// Bytes of request bodies held at once, across requests (default: 64 MiB, or
+    /// --max-request-bytes when larger); a request that finds no room within 2 s is answered
+    /// 503 with Retry-After. At least --max-request-bytes.
+    #[arg(
+        long,
+        env = "KVFLEET_MAX_REQUEST_BYTES_IN_FLIGHT",
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+            .range(crate::serving::openai::MIN_BODY_BYTES as u64..=(4 * crate::serving::openai::MAX_BODY_BYTES) as u64)
+    )]
+    pub max_request_bytes_in_flight: Option<usize>,
     /// A request still generating this long after it arrived is ended (504, or an error
     /// chunk on a stream) and its KV freed.
     #[arg(
@@ -246,6 +256,19 @@ impl WorkerArgs {
     }
 }
 
+/// The budget of request bodies in flight: the flag, else the default or --max-request-bytes
+/// when larger; never under --max-request-bytes (a request of that size could never be read).
+fn bodies_in_flight_bytes(args: &WorkerArgs) -> Result<usize, String> {
+    let max = args.max_request_bytes;
+    match args.max_request_bytes_in_flight {
+        Some(n) if n < max => Err(format!(
+            "--max-request-bytes-in-flight ({n}) is under --max-request-bytes ({max}): a request of the largest size could never be read; raise it or lower --max-request-bytes"
+        )),
+        Some(n) => Ok(n),
+        None => Ok(crate::serving::openai::DEFAULT_BODIES_IN_FLIGHT_BYTES.max(max)),
+    }
+}
+
 /// Limits the config file and flags share, checked before anything is loaded: a value the
 /// engine would round or that would refuse every request is an error naming it.
 fn check_limits(cfg: &WorkerConfig) -> Result<(), String> {
@@ -344,7 +367,10 @@ pub fn main(args: WorkerArgs) -> ExitCode {
             )
         }
     };
-    if let Err(error) = check_limits(&cfg).and_then(|()| speculative(&args, &cfg).map(|_| ())) {
+    if let Err(error) = check_limits(&cfg)
+        .and_then(|()| speculative(&args, &cfg).map(|_| ()))
+        .and_then(|()| bodies_in_flight_bytes(&args).map(|_| ()))
+    {
         return fail(exit::CONFIG, "worker config unusable", &error);
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -728,8 +754,11 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         capacity: RwLock::new(Some(info)),
         metrics: metrics.clone(),
     });
+    let in_flight = bodies_in_flight_bytes(&args).unwrap_or(args.max_request_bytes);
+    tracing::info!(max_request_bytes_in_flight = in_flight, "request body budget");
     let limits = crate::serving::openai::ApiLimits {
         max_body_bytes: args.max_request_bytes,
+        max_bodies_in_flight_bytes: in_flight,
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
         ..Default::default()
     };
