@@ -743,6 +743,24 @@ fn a_worker_that_never_answers_is_marked_down_and_its_requests_fail_over() {
         "it went to the stuck one first"
     );
     assert!(secs < 10.0, "{secs:.1} s");
+    // Marked down: the next request goes straight to the other one.
+    let (st, head, b, secs) = request(
+        router.port,
+        "/v1/completions",
+        &completion(false),
+        Duration::from_secs(20),
+    );
+    assert_eq!(st, 200, "{head}\n{b}");
+    assert_eq!(
+        header(&head, "x-kvfleet-replica").as_deref(),
+        Some(busy.url.as_str())
+    );
+    assert_eq!(
+        stuck.generations.load(Ordering::SeqCst),
+        1,
+        "nothing more sent to the stuck one"
+    );
+    assert!(secs < 1.0, "{secs:.1} s");
     let m = router.metrics();
     assert_eq!(metric(&m, "kvfleet_router_retries_total"), 1.0);
     assert_eq!(

@@ -69,6 +69,8 @@ pub struct Upstream {
     /// Bumped each time it is marked down (its scrape failed for the down-after time): the
     /// requests in flight on it watch this and fail over or end.
     pub down: watch::Sender<u64>,
+    /// Marked down and not answering since.
+    pub is_down: AtomicBool,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -79,6 +81,20 @@ impl Drop for Upstream {
                 t.abort();
             }
         }
+    }
+}
+
+impl super::events::Replica for Upstream {
+    fn name(&self) -> &str {
+        &self.endpoint.name
+    }
+
+    fn index(&self) -> &Mutex<PodIndex> {
+        &self.index
+    }
+
+    fn set_subscribed(&self, subscribed: bool) {
+        self.subscribed.store(subscribed, Ordering::Relaxed);
     }
 }
 
@@ -132,6 +148,25 @@ impl Fleet {
             .unwrap_or_default()
     }
 
+    /// The replicas not marked down (all of them when every one is: a request then tries
+    /// them rather than fail at once). A replica marked down gets no new request until its
+    /// scrape answers again; one whose scrape just failed still does (a killed worker refuses
+    /// the connection and the request goes to the next one; a stalled one is marked down
+    /// within the down-after time, and the requests on it fail over then).
+    pub fn routable(&self) -> Vec<Arc<Upstream>> {
+        let all = self.ready();
+        let up: Vec<_> = all
+            .iter()
+            .filter(|u| !u.is_down.load(Ordering::Relaxed))
+            .cloned()
+            .collect();
+        if up.is_empty() {
+            all
+        } else {
+            up
+        }
+    }
+
     /// Makes the set of replicas `wanted`: new ones get a subscription and a scraper, gone ones
     /// lose theirs (their in-flight requests finish on their own connections).
     pub fn sync(self: &Arc<Self>, wanted: Vec<Endpoint>) {
@@ -154,6 +189,7 @@ impl Fleet {
                 subscribed: AtomicBool::new(false),
                 answering: AtomicBool::new(false),
                 down: watch::Sender::new(0),
+                is_down: AtomicBool::new(false),
                 tasks: Mutex::new(Vec::new()),
             });
             let weak = Arc::downgrade(&u);
@@ -269,6 +305,7 @@ async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, how: Scraping)
                         .replicas_down
                         .with_label_values(&[&u.endpoint.name])
                         .inc();
+                    u.is_down.store(true, Ordering::Relaxed);
                     u.down.send_modify(|d| *d = d.wrapping_add(1));
                 }
                 continue;
@@ -277,6 +314,7 @@ async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, how: Scraping)
         failing_since = None;
         marked_down = false;
         let Some(u) = u.upgrade() else { return };
+        u.is_down.store(false, Ordering::Relaxed);
         u.sent_tokens.store(0, Ordering::Relaxed);
         let restarted = {
             let mut l = u.load.lock().unwrap_or_else(|e| e.into_inner());

@@ -398,7 +398,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
         // The router's pick latency leaves the wait out (kvfleet_router_hold_seconds has it).
         read += held.elapsed();
     }
-    let replicas = s.fleet.ready();
+    let replicas = s.fleet.routable();
     if replicas.is_empty() {
         return unavailable("no_replica", "no ready replica to route to; retry");
     }
@@ -559,7 +559,7 @@ async fn pass_through(Extract(s): Extract<Arc<State>>, req: Request<Body>) -> Re
         return answer_while_cold(&s.model, &parts)
             .unwrap_or_else(|| unavailable("no_replica", "no replica is ready yet; retry"));
     }
-    let mut replicas = s.fleet.ready();
+    let mut replicas = s.fleet.routable();
     replicas.sort_by_key(|u| u.inflight.load(Ordering::Relaxed));
     let mut last_error = "no ready replica".to_string();
     for u in replicas {
