@@ -4,15 +4,13 @@
 //! batch is dropped, each counted in `kvfleet_router_kv_events_rejected_total{reason}`; neither
 //! ends the router.
 
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use crate::serving::zmtp::subscriber::Subscription;
 use crate::serving::zmtp::ZmtpError;
 
-use super::fleet::Upstream;
-use super::index::decode_batch;
+use super::index::{decode_batch, PodIndex};
 use super::metrics::RouterMetrics;
 
 /// The first wait before reconnecting, doubled after each failure up to [`BACKOFF_MAX`] and
@@ -61,9 +59,16 @@ impl BatchError {
     }
 }
 
+/// What a subscription feeds: one replica's prefix index, and whether its events arrive.
+pub trait Replica: Send + Sync + 'static {
+    fn name(&self) -> &str;
+    fn index(&self) -> &Mutex<PodIndex>;
+    fn set_subscribed(&self, subscribed: bool);
+}
+
 /// Follows one replica's KV events until the replica goes; a lost subscription clears its
 /// index (the worker may have restarted empty) and reconnects.
-pub async fn subscribe(u: Weak<Upstream>, endpoint: String, metrics: Arc<RouterMetrics>) {
+pub async fn subscribe<R: Replica>(u: Weak<R>, endpoint: String, metrics: Arc<RouterMetrics>) {
     // Every reason exists at zero from the first scrape.
     for reason in BatchError::reasons() {
         metrics.kv_events_rejected.with_label_values(&[reason]);
@@ -85,7 +90,7 @@ pub async fn subscribe(u: Weak<Upstream>, endpoint: String, metrics: Arc<RouterM
         };
         backoff = BACKOFF_MIN;
         match u.upgrade() {
-            Some(u) => u.subscribed.store(true, Ordering::Relaxed),
+            Some(u) => u.set_subscribed(true),
             None => return,
         }
         let mut dropped = 0u64;
@@ -95,22 +100,22 @@ pub async fn subscribe(u: Weak<Upstream>, endpoint: String, metrics: Arc<RouterM
                 Err(error) => break error,
             };
             let Some(u) = u.upgrade() else { return };
-            if let Err(error) = apply_message(&u, &frames, &metrics) {
+            if let Err(error) = apply_message(&*u, &frames, &metrics) {
                 metrics
                     .kv_events_rejected
                     .with_label_values(&[error.reason()])
                     .inc();
                 dropped += 1;
                 if dropped.is_power_of_two() {
-                    tracing::warn!(replica = %u.endpoint.name, %error, dropped, "KV events: dropped a batch");
+                    tracing::warn!(replica = %u.name(), %error, dropped, "KV events: dropped a batch");
                 }
             }
         };
         count(&metrics, &error);
         tracing::info!(%endpoint, %error, "KV events: subscription lost; reconnecting");
         if let Some(u) = u.upgrade() {
-            u.subscribed.store(false, Ordering::Relaxed);
-            if let Ok(mut idx) = u.index.lock() {
+            u.set_subscribed(false);
+            if let Ok(mut idx) = u.index().lock() {
                 idx.clear();
             }
         }
@@ -125,7 +130,11 @@ fn count(metrics: &RouterMetrics, error: &ZmtpError) {
 }
 
 /// Applies one message (`[topic, sequence, payload]`) to the replica's index.
-pub fn apply_message(u: &Upstream, frames: &[Vec<u8>], metrics: &RouterMetrics) -> Result<(), BatchError> {
+pub fn apply_message<R: Replica>(
+    u: &R,
+    frames: &[Vec<u8>],
+    metrics: &RouterMetrics,
+) -> Result<(), BatchError> {
     let [_, seq, payload] = frames else {
         return Err(BatchError::Frames(frames.len()));
     };
@@ -134,7 +143,7 @@ pub fn apply_message(u: &Upstream, frames: &[Vec<u8>], metrics: &RouterMetrics) 
         .map_err(|_| BatchError::Sequence(seq.len()))?;
     check_msgpack(payload).map_err(BatchError::Msgpack)?;
     let events = decode_batch(payload).map_err(|e| BatchError::Decode(e.to_string()))?;
-    if let Ok(mut idx) = u.index.lock() {
+    if let Ok(mut idx) = u.index().lock() {
         let before = idx.gaps;
         idx.apply(seq, events);
         metrics.kv_event_gaps.inc_by(idx.gaps.saturating_sub(before));
