@@ -18,8 +18,8 @@
 //!   is its name (1-byte length first) and its data;
 //! - subscriptions: in 3.0 a one-frame message whose first byte is 1 (subscribe) or 0 (cancel)
 //!   followed by the topic; in 3.1 the SUBSCRIBE and CANCEL commands. Both are accepted; both
-//!   sides advertise 3.0, so a libzmq peer (pyzmq, vLLM's publisher) uses the 3.0 forms (libzmq
-//!   `src/zmtp_engine.cpp` picks its v2 encoder for a 3.0 peer);
+//!   sides advertise 3.0, so a libzmq peer (pyzmq, vLLM's publisher) speaks 3.0 to us; the
+//!   pyzmq tests (`kv_events`'s unit tests, `tests/kv_events_hostile.rs`) check both directions;
 //! - PING (a 2-byte TTL and up to 16 bytes of context) is answered with PONG and the context.
 //!
 //! Anything else a peer sends that breaks these rules ends its connection with a
