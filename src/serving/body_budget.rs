@@ -7,7 +7,8 @@
 //! the declared length (`Content-Length`, HTTP/1 and HTTP/2 alike) at once, or, for a body of
 //! unknown length, each growth of its buffer as it arrives. A request that cannot get its bytes
 //! within [`BodyBudget::wait`] is answered 503 with `Retry-After` ([`BodyError::Busy`]) and its
-//! body is never read, so a client that is refused costs a socket, not memory. The bytes go back
+//! body is never buffered (a few are read and thrown away for a moment, [`LINGER`], so that
+//! the client gets the answer), so a client that is refused costs a socket, not memory. The bytes go back
 //! when the [`BodyPermit`] is dropped: a handler keeps it for as long as it holds the body or
 //! what it parsed from it.
 //!
@@ -34,6 +35,33 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// burst of honest bodies (each read in milliseconds), short against a caller's timeout (the
 /// API server gives a webhook 10 s; clients of the OpenAI API retry a 503).
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(2);
+
+/// How long the rest of a refused body (413, 503) is read and thrown away while the answer goes
+/// out. A server that closes a connection with unread bytes in its receive buffer resets it
+/// (RFC 9112 section 9.6, "lingering close"): the client, still writing its body, gets a broken
+/// pipe instead of the answer, and retries blind. A lingering body is thrown away a chunk at a
+/// time, but its connection's read buffer grows while it streams (hyper's, up to some 400 KiB):
+/// at most [`LINGERING_MAX`] linger at once, past which a refused body's connection is closed
+/// as it is (100 refused clients lingering at once cost the webhook 48 MiB more).
+pub const LINGER: Duration = Duration::from_secs(2);
+
+/// Refused bodies read and thrown away at once (see [`LINGER`]): some 3 MiB of read buffers.
+pub const LINGERING_MAX: usize = 8;
+
+static LINGERING: Semaphore = Semaphore::const_new(LINGERING_MAX);
+
+/// Reads and drops what is left of `body` for up to [`LINGER`], in the background, when fewer
+/// than [`LINGERING_MAX`] do.
+fn linger(mut body: axum::body::Body) {
+    let Ok(permit) = LINGERING.try_acquire() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let drain = async { while let Some(Ok(_)) = body.frame().await {} };
+        let _ = tokio::time::timeout(LINGER, drain).await;
+        drop(permit);
+    });
+}
 
 /// Per-request limits a [`BodyBudget::read`] applies besides the budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,9 +247,13 @@ impl BodyBudget {
         if let Some(n) = declared {
             let n = usize::try_from(n).unwrap_or(usize::MAX);
             if n > limits.max_bytes {
+                linger(body);
                 return Err(too_large);
             }
-            self.grow(&mut permit, n).await?;
+            if let Err(e) = self.grow(&mut permit, n).await {
+                linger(body);
+                return Err(e);
+            }
             buf = Vec::with_capacity(n);
         }
         let read = async {
@@ -255,7 +287,14 @@ impl BodyBudget {
                 bytes: Bytes::from(buf),
                 permit,
             }),
-            Ok(Err(e)) => Err(e),
+            Ok(Err(e)) => {
+                if matches!(e, BodyError::TooLarge { .. } | BodyError::Busy { .. }) {
+                    drop(buf);
+                    drop(permit);
+                    linger(body);
+                }
+                Err(e)
+            }
             Err(_) => Err(BodyError::TimedOut {
                 timeout: limits.timeout,
             }),
