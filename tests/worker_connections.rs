@@ -343,6 +343,10 @@ fn rss(pid: u32) -> u64 {
 
 const MIB: u64 = 1024 * 1024;
 
+/// What [`probe_and_sample`] saw: (probes, the failed or slow ones, the worst time, the
+/// largest RSS).
+type Probed = (usize, Vec<(Option<u16>, Duration)>, Duration, u64);
+
 /// Probes `/healthz` every 20 ms until `done`, also sampling the worker's RSS: (probes, the
 /// failed or slower than `bound` ones, the worst time, the largest RSS seen).
 fn probe_and_sample(
@@ -350,7 +354,7 @@ fn probe_and_sample(
     pid: u32,
     bound: Duration,
     done: Arc<AtomicBool>,
-) -> std::thread::JoinHandle<(usize, Vec<(Option<u16>, Duration)>, Duration, u64)> {
+) -> std::thread::JoinHandle<Probed> {
     std::thread::spawn(move || {
         let (mut probes, mut failures, mut worst, mut most) = (0, Vec::new(), Duration::ZERO, 0);
         while !done.load(Ordering::SeqCst) {
