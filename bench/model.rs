@@ -177,7 +177,7 @@ mod gpu {
     use std::time::{Duration, Instant};
 
     use kvfleet::compat::KvCacheDtype;
-    use kvfleet_cuda::gpu::{GpuLlama, GpuOptions};
+    use kvfleet_cuda::gpu::{GpuLlama, GpuOptions, GpuTuning};
     use kvfleet_engine::engine::direct::DirectPlanner;
     use kvfleet_engine::engine::KvDtype;
     use kvfleet_engine::engine::StepPlan;
@@ -328,6 +328,8 @@ mod gpu {
             pick_bench(&gpu);
             return;
         }
+            // The lab knobs (`KVFLEET_FP8_SKINNY`, `KVFLEET_PROFILE`, ...) as the worker reads them.
+            tuning: GpuTuning::from_env().unwrap_or_else(|e| fail("the GPU tuning", e)),
         println!(
             "device: {} ({}), {} SMs; kv dtype {}; prompt {prompt_len} tokens, {steps} decode steps, median of 3 after 1 warm-up",
             gpu.name,

@@ -479,15 +479,20 @@ fn place(
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,
-                // `KVFLEET_SINGLE_TOKEN_APPEND=0` keeps the append launch (to compare the two).
-                single_token_append: kvfleet_cuda::gpu::GpuOptions::default().single_token_append
-                    && std::env::var("KVFLEET_SINGLE_TOKEN_APPEND").map_or(true, |v| v.trim() != "0"),
+                single_token_append: true,
                 // FP8 at load, or an FP8 checkpoint kept in FP8 (quantized again per row from
                 // its dequantized weights: the same bytes for per-channel amax scales).
                 fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8
                     || cfg.model.as_ref().is_some_and(serve::fp8_checkpoint),
                 drafter: None,
+                tuning: Default::default(),
             };
+            // The lab knobs (and `KVFLEET_SINGLE_TOKEN_APPEND=0`) from the environment, once.
+            let opts = opts
+                .with_env()
+                .map_err(|e| PreflightError::Incompatible(e.to_string()))?;
+            kvfleet_cuda::profile::enable(opts.tuning.profile);
+            tracing::info!(tuning = ?opts.tuning, single_token_append = opts.single_token_append, "GPU tuning");
             let (forward, cap) = serve::on_gpu_with(weights, &opts, cfg.seed, spec).map_err(|e| match e {
                 crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {
                     PreflightError::NoMemory(m)

@@ -10,7 +10,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use super::error::{cublas_err, need, GpuError};
 use super::fp8::{Fp8Kernels, Fp8Scratch, Mat};
 use super::kernels::ModelKernels;
-use super::lt::{Done, Lt, ScalePick};
+use super::lt::{Done, Lt};
+use super::tuning::GpuTuning;
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {
@@ -67,12 +68,12 @@ pub(super) struct Blas {
 }
 
 impl Blas {
-    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too;
-    /// `KVFLEET_FP8_UNIT_SCALES` picks the scale path, see [`ScalePick::from_env`]).
-    pub fn new(stream: Arc<CudaStream>, fp8: bool) -> Result<Self, GpuError> {
+    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too, on the
+    /// scale path `tuning` picks).
+    pub fn new(stream: Arc<CudaStream>, fp8: bool, tuning: &GpuTuning) -> Result<Self, GpuError> {
         let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
         let lt = if fp8 {
-            Some(Lt::new(stream.clone(), ScalePick::from_env()?)?)
+            Some(Lt::new(stream.clone(), tuning.fp8_scales)?)
         } else {
             None
         };
@@ -105,7 +106,8 @@ impl Blas {
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`) for a weight of
     /// either dtype, bf16 `x`: [`Blas::gemm`] for bf16; for FP8, `x` quantized per token into
     /// `s`, cuBLASLt's FP8 GEMM into f32 (into `s.d` when accumulating) and the two scales
-    /// applied by `kvf_fp8_scale`.
+    /// applied by `kvf_fp8_scale`. The model's projections go through `super::linear`.
+    #[cfg(test)]
     pub fn project(
         &self,
         k: &ModelKernels,

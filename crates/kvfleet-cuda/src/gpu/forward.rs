@@ -113,7 +113,7 @@ impl GpuLlama {
             backend: &mut self.backend,
             marks: Marks::new(self.profile.as_mut(), &s),
             t,
-            fused: self.single_token_gemv && t == 1,
+            fused: self.single_token_gemv && t == 1 && self.family.single_token_gemv(),
             fused_append: self.single_token_append,
             aux: self.drafter.as_mut().map(|d| d.aux()),
         };

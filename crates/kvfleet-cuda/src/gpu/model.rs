@@ -10,7 +10,7 @@ use kvfleet_engine::model::llama::{Llama, LlamaConfig};
 
 use crate::backend::CudaBackend;
 use crate::device::{driver_present, Gpu};
-use crate::profile::{self, GpuSteps};
+use crate::profile::GpuSteps;
 use crate::{nvrtc, CudaError};
 
 use super::arena::Acts;
@@ -57,7 +57,7 @@ pub struct GpuLlama {
     pub(super) capacity: GpuCapacity,
     /// The layers of the model's family.
     pub(super) family: &'static dyn Family,
-    /// CUDA-event timing of each part of a step, when `KVFLEET_PROFILE=1`.
+    /// CUDA-event timing of each part of a step, when `GpuTuning::profile`.
     pub(super) profile: Option<GpuSteps>,
     /// Steps of one token take the fused GEMV path.
     pub(super) single_token_gemv: bool,
@@ -89,7 +89,7 @@ impl GpuLlama {
     pub fn from_llama(gpu: Arc<Gpu>, model: &Llama, opts: &GpuOptions) -> Result<Self, GpuError> {
         Self::check_shapes(&model.config)?;
         Self::check_fp8(&gpu, &model.config, opts)?;
-        let kernels = ModelKernels::load(&gpu, opts.fp8_weights)?;
+        let kernels = ModelKernels::load(&gpu, opts.fp8_weights, &opts.tuning)?;
         let weights = Weights::upload(&gpu, model, opts.fp8_weights)?;
         Self::assemble(gpu, kernels, weights, model.config.clone(), opts)
     }
@@ -100,7 +100,7 @@ impl GpuLlama {
         config.check().map_err(|e| GpuError::Invalid(e.to_string()))?;
         Self::check_shapes(&config)?;
         Self::check_fp8(&gpu, &config, opts)?;
-        let kernels = ModelKernels::load(&gpu, opts.fp8_weights)?;
+        let kernels = ModelKernels::load(&gpu, opts.fp8_weights, &opts.tuning)?;
         let weights = Weights::random(&gpu, &kernels, &config, seed, opts.fp8_weights)?;
         Self::assemble(gpu, kernels, weights, config, opts)
     }
@@ -138,7 +138,8 @@ impl GpuLlama {
         let dims = Dims::new(&config, kv_rep).with_fp8(opts.fp8_weights);
         let s = gpu.stream().clone();
         let acts = Acts::alloc(&s, &dims, opts.max_batched_tokens, opts.max_num_seqs)?;
-        let blas = Blas::new(s, opts.fp8_weights)?;
+        let blas = Blas::new(s, opts.fp8_weights, &opts.tuning)?;
+        gpu.set_fused_merge(opts.tuning.fused_merge)?;
         gpu.synchronize()?;
         gpu.context()
             .bind_to_thread()
@@ -170,7 +171,10 @@ impl GpuLlama {
             "GPU model ready"
         );
         let family: &'static dyn Family = if dims.gemma { &Gemma3Family } else { &LlamaFamily };
-        let profile = profile::enabled().then(|| GpuSteps::new(gpu.context().clone(), PROFILE_PARTS));
+        let profile = opts
+            .tuning
+            .profile
+            .then(|| GpuSteps::new(gpu.context().clone(), PROFILE_PARTS));
         Ok(GpuLlama {
             config,
             dims,

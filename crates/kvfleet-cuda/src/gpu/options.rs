@@ -3,6 +3,8 @@
 use kvfleet_engine::engine::capacity::ModelLayer;
 use kvfleet_engine::engine::layout::KvDtype;
 
+use super::tuning::GpuTuning;
+
 /// Tokens per KV page (the only page size the attention kernels build).
 pub const BLOCK_SIZE: usize = 16;
 
@@ -87,6 +89,8 @@ pub struct GpuOptions {
     /// A speculative drafter to run beside the model: its weights, buffers and K/V come out
     /// of the KV budget before the pages are counted (its pool has as many pages).
     pub drafter: Option<DraftReserve>,
+    /// The lab knobs, each at what the measurements kept unless set (`GpuTuning::from_env`).
+    pub tuning: GpuTuning,
 }
 
 impl Default for GpuOptions {
@@ -107,6 +111,7 @@ impl Default for GpuOptions {
             single_token_append: true,
             fp8_weights: false,
             drafter: None,
+            tuning: GpuTuning::default(),
         }
     }
 }
