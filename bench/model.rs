@@ -37,7 +37,8 @@ use std::sync::Arc;
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
+use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, SeqChunk};
 use kvfleet_engine::model::sampling::argmax;
@@ -127,7 +128,13 @@ fn cpu_main() {
 fn run(model: &Arc<Llama>, ids: &[u32], b: usize, steps: usize) -> f64 {
     const BS: usize = 16;
     let blocks = b * (ids.len() + steps + 1).div_ceil(BS);
-    let pools = llama_backend_config(model.config.attn_geometry(), KvDtype::Bf16, BS, blocks);
+    let pools = pool_layout(
+        &model.config.kv_layers(model.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, BS),
+        PoolSize::Pages(blocks),
+    )
+    .unwrap();
     let mut f = CpuForward::new(model.clone(), CpuBackend::new(pools).expect("KV pools")).expect("engine");
     let mut planner = DirectPlanner::new(BS, &f.kv_config().groups);
     let mut plan = StepPlan::default();

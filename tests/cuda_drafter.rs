@@ -21,7 +21,8 @@ use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::scheduler::write_plan;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
 use kvfleet_engine::model::drafter::{BlockRow, CatchUp, ChainRow, Drafter};
-use kvfleet_engine::model::forward::{model_backend_config, CpuForward, Forward};
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
+use kvfleet_engine::model::forward::{CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet_engine::model::tokenizer::Tokenizer;
@@ -118,7 +119,13 @@ fn pair(kind: &str) -> Pair {
     draft.dedup();
     let heads = (c.n_heads, c.n_kv_heads, c.head_dim);
     let dir = make_drafter(kind, "smollm2", &c, heads, &draft);
-    let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
+    let pools = pool_layout(
+        &c.kv_layers(c.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, 16),
+        PoolSize::Pages(64),
+    )
+    .unwrap();
     let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
     let opts = GpuOptions {

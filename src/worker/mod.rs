@@ -427,8 +427,9 @@ fn place(
             cfg.engine.max_model_len
         )));
     }
-    let mut pf = preflight::run(cfg, probe)?;
-    if pf.backend == preflight::BackendKind::Cuda {
+    // The device first (the kernels' rules on the stored heads, a usable GPU path), then one
+    // preflight on the geometry that device stores.
+    if preflight::backend(cfg, probe)?.0 == preflight::BackendKind::Cuda {
         if let Err(e) = kvfleet_cuda::gpu::check_available() {
             if cfg.attention_backend() == AttentionBackend::KvfleetCuda {
                 return Err(PreflightError::Incompatible(format!(
@@ -437,14 +438,13 @@ fn place(
             }
             tracing::warn!(reason = %e, "the GPU path is not usable: the model runs on the CPU");
             cfg.force_cpu();
-            cfg.geometry = Some(real.clone());
-            pf = preflight::run(cfg, probe)?;
+            cfg.geometry = Some(real);
         }
     } else if wants_gpu {
         // Auto fell back to the CPU: its pools hold the model's own KV heads.
         cfg.geometry = Some(real);
-        pf = preflight::run(cfg, probe)?;
     }
+    let pf = preflight::run(cfg, probe)?;
     let crate::serving::serve::LoadedModel {
         weights, tokenizer, ..
     } = model;

@@ -17,7 +17,7 @@ use kvfleet_engine::engine::layout::KvDtype;
 use kvfleet_engine::engine::{Backend, StepPlan};
 use kvfleet_engine::model::dflash::{Dflash, DflashConfig};
 use kvfleet_engine::model::drafter::{BlockRow, CatchUp};
-use kvfleet_engine::model::forward::llama_backend_config;
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::model::kv::AttnGeometry;
 
 use crate::backend::CudaBackend;
@@ -88,10 +88,11 @@ impl GpuDflash {
             n_kv_heads: l.n_kv_heads * rep,
             head_dim: l.head_dim,
         };
-        let mut pools = llama_backend_config(geo, dtype, block_size, num_blocks);
-        for layer in &mut pools.layers {
-            layer.attn.causal = c.causal;
-        }
+        let p = PoolParams {
+            causal: c.causal,
+            ..PoolParams::pages(dtype, block_size)
+        };
+        let pools = pool_layout(&geo.kv_layers(), 0, &p, PoolSize::Pages(num_blocks)).map_err(GpuError::Invalid)?;
         let backend = CudaBackend::new(gpu.clone(), pools).map_err(backend_err)?;
         let up16 =
             |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> { Ok(gpu.upload(&to_bf16(parts))?) };

@@ -22,7 +22,7 @@ use kvfleet_engine::engine::layout::KvDtype;
 use kvfleet_engine::engine::{Backend, StepPlan};
 use kvfleet_engine::model::drafter::{CatchUp, ChainRow, Drafter};
 use kvfleet_engine::model::eagle3::{Eagle3, Eagle3Config};
-use kvfleet_engine::model::forward::llama_backend_config;
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::model::kv::{AttnGeometry, SeqId};
 
 use crate::backend::CudaBackend;
@@ -220,7 +220,8 @@ impl GpuEagle3 {
             n_kv_heads: l.n_kv_heads * rep,
             head_dim: l.head_dim,
         };
-        let pools = llama_backend_config(geo, dtype, block_size, num_blocks);
+        let p = PoolParams::pages(dtype, block_size);
+        let pools = pool_layout(&geo.kv_layers(), 0, &p, PoolSize::Pages(num_blocks)).map_err(GpuError::Invalid)?;
         let backend = CudaBackend::new(gpu.clone(), pools).map_err(backend_err)?;
         let w = DraftW::upload(gpu, &m)?;
         let dt = c.target_hidden;

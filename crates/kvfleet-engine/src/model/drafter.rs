@@ -14,6 +14,7 @@ use super::eagle3::Eagle3;
 use super::hf::{self, HfError};
 use super::kv::{AttnSeq, KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig};
+use crate::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use crate::engine::cpu::CpuBackend;
 use crate::engine::layout::{BackendConfig, KvDtype};
 use crate::engine::{Backend, StepPlan};
@@ -123,16 +124,16 @@ impl Drafter {
     }
 
     /// The drafter's pool: its layers, `num_blocks` pages of `block_size`, in `dtype`.
-    pub fn pools(&self, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
+    pub fn pools(&self, dtype: KvDtype, block_size: usize, num_blocks: usize) -> Result<BackendConfig, String> {
         let (geo, causal) = match self {
             Drafter::Eagle3(m) => (m.config.attn_geometry(), true),
             Drafter::Dflash(m) => (m.config.attn_geometry(), m.config.causal),
         };
-        let mut cfg = super::paged::llama_backend_config(geo, dtype, block_size, num_blocks);
-        for l in &mut cfg.layers {
-            l.attn.causal = causal;
-        }
-        cfg
+        let p = PoolParams {
+            causal,
+            ..PoolParams::pages(dtype, block_size)
+        };
+        pool_layout(&geo.kv_layers(), 0, &p, PoolSize::Pages(num_blocks))
     }
 }
 
@@ -190,7 +191,8 @@ impl CpuDrafter {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<Self, ForwardError> {
-        let backend = CpuBackend::new(model.pools(dtype, block_size, num_blocks))
+        let pools = model.pools(dtype, block_size, num_blocks).map_err(backend_err)?;
+        let backend = CpuBackend::new(pools)
             .map_err(|e| backend_err(format!("cannot allocate the drafter's KV pool: {e}")))?;
         Ok(CpuDrafter {
             model,

@@ -11,12 +11,11 @@ use super::drafter::{BlockRow, CatchUp, ChainRow};
 use super::drafter::{CpuDrafter, Drafter};
 use super::kv::{KvError, SeqId};
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
-pub use super::paged::llama_backend_config;
 use super::paged::Planned;
 use super::sampling::{token_logprobs, RowPick, RowSample, TokenLogprobs};
 use crate::engine::cpu::CpuBackend;
 use crate::engine::direct::DirectPlanner;
-use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype};
+use crate::engine::layout::{BackendConfig, KvDtype};
 use crate::engine::{Backend, StepPlan};
 
 /// A model on a device with the engine's KV pools, stepped by the serving loop.
@@ -193,35 +192,6 @@ pub fn step_direct(
     f.forward(batch, plan)
 }
 
-/// The engine's pools for a model: [`llama_backend_config`] when every layer is full; for a
-/// model with local layers (Gemma 3), group 0 holds the full layers and group 1 the local
-/// layers with their window, each of `num_blocks` pages.
-pub fn model_backend_config(
-    cfg: &LlamaConfig,
-    dtype: KvDtype,
-    block_size: usize,
-    num_blocks: usize,
-) -> BackendConfig {
-    let mut pools = llama_backend_config(cfg.attn_geometry(), dtype, block_size, num_blocks);
-    let windows: Vec<Option<u32>> = (0..cfg.n_layers)
-        .map(|i| cfg.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)))
-        .collect();
-    let Some(window) = windows.iter().flatten().next().copied() else {
-        return pools;
-    };
-    pools.groups.push(GroupSpec {
-        window: Some(window),
-        num_blocks,
-    });
-    for (l, w) in pools.layers.iter_mut().zip(&windows) {
-        if w.is_some() {
-            l.group = 1;
-            l.attn.window = *w;
-        }
-    }
-    pools
-}
-
 /// The CPU forward pass ([`Llama::forward`]) on the engine's CPU backend: K/V in the
 /// engine's paged pools, in the resolved KV dtype.
 pub struct CpuForward {
@@ -248,7 +218,7 @@ impl CpuForward {
             return Err(ForwardError::Kv(KvError::Backend(format!(
                 "the KV pools were laid out for {} layers of another geometry; the model has {} layers of \
                  {} query heads, {} KV heads, head_dim {}, sliding windows {:?} (lay the pools out with \
-                 model_backend_config, or give the worker the model's own geometry)",
+                 capacity::pool_layout of LlamaConfig::kv_layers, or give the worker the model's own geometry)",
                 cfg.layers.len(),
                 geo.n_layers,
                 geo.n_heads,
@@ -367,7 +337,14 @@ impl Forward for CpuForward {
 mod tests {
     use super::*;
     use crate::engine::scheduler::{Event, Scheduler, SchedulerConfig};
-    use crate::model::kv::ContiguousKv;
+    use crate::engine::capacity::{pool_layout, PoolParams, PoolSize};
+    use crate::model::kv::{AttnGeometry, ContiguousKv};
+
+    /// `pages` pages of every layer of `geo` in `dtype`, pages of `block_size` tokens.
+    fn pools(geo: AttnGeometry, dtype: KvDtype, block_size: usize, pages: usize) -> BackendConfig {
+        let p = PoolParams::pages(dtype, block_size);
+        pool_layout(&geo.kv_layers(), 0, &p, PoolSize::Pages(pages)).unwrap()
+    }
 
     /// Steps `prompts` through the engine scheduler and the CPU forward pass, feeding back a
     /// fixed token, and compares every logit row with the f32 contiguous reference cache.
@@ -377,7 +354,7 @@ mod tests {
         cfg.context_len = 128;
         let m = Arc::new(Llama::dummy(cfg, 11).unwrap());
         let geo = m.config.attn_geometry();
-        let backend = CpuBackend::new(llama_backend_config(geo, KvDtype::F16, 4, 32)).unwrap();
+        let backend = CpuBackend::new(pools(geo, KvDtype::F16, 4, 32)).unwrap();
         let mut f = CpuForward::new(m.clone(), backend).unwrap();
         let mut sched = Scheduler::new(
             SchedulerConfig {
@@ -443,13 +420,7 @@ mod tests {
     #[test]
     fn a_plan_for_another_batch_is_refused() {
         let m = Arc::new(Llama::dummy(LlamaConfig::llama(1, 32, 64, 4, 2, 20), 3).unwrap());
-        let backend = CpuBackend::new(llama_backend_config(
-            m.config.attn_geometry(),
-            KvDtype::Bf16,
-            4,
-            8,
-        ))
-        .unwrap();
+        let backend = CpuBackend::new(pools(m.config.attn_geometry(), KvDtype::Bf16, 4, 8)).unwrap();
         let mut f = CpuForward::new(m, backend).unwrap();
         let toks = [1u32, 2, 3];
         let e = f
@@ -471,7 +442,7 @@ mod tests {
         let m = Arc::new(Llama::dummy(LlamaConfig::llama(2, 32, 64, 4, 2, 20), 3).unwrap());
         let mut geo = m.config.attn_geometry();
         geo.n_layers = 3;
-        let backend = CpuBackend::new(llama_backend_config(geo, KvDtype::Bf16, 4, 8)).unwrap();
+        let backend = CpuBackend::new(pools(geo, KvDtype::Bf16, 4, 8)).unwrap();
         assert!(CpuForward::new(m, backend).is_err());
     }
 }
