@@ -19,7 +19,8 @@ use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
 use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
-use kvfleet_engine::model::llama::{LinearQuantization, Llama, SeqChunk};
+use kvfleet_engine::model::linear::LinearQuantization;
+use kvfleet_engine::model::llama::{Llama, SeqChunk};
 use kvfleet_engine::model::sampling::argmax;
 use kvfleet_engine::model::tokenizer::{ChatMessage, Tokenizer};
 

@@ -14,3 +14,5 @@ pub mod llama;
 pub mod paged;
 pub mod sampling;
 pub mod tokenizer;
+
+pub use forward::proposer;
