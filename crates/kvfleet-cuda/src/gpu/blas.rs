@@ -188,16 +188,11 @@ impl Blas {
             return Ok(None);
         }
         let lt = self.lt()?;
-        if let Fp8In::Bf16(x) = x {
-            self.fp8_kernels(k)?
-                .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
-        }
-        let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
-        let f = self.fp8_kernels(k)?;
-        if f.takes_skinny(t, kk) {
-            f.gemm_skinny(&self.stream, w, xs, y, dims, true)?;
+        let (w, dims) = ((q, scale), (t, n, kk));
+        if self.quantize_then_skinny(self.fp8_kernels(k)?, w, x, y, dims, true, s)? {
             return Ok(None);
         }
+        let xs = (&s.xq, &s.sx);
         // A new shape is timed into `s.d`, which the unit-scale path overwrites anyway.
         if lt.scales_rows_for(w, xs, &mut s.d, dims)? {
             lt.gemm(w, xs, y, dims, true)?;
@@ -240,17 +235,37 @@ impl Blas {
         if t == 0 || n == 0 {
             return Ok(None);
         }
-        if let Fp8In::Bf16(x) = x {
-            f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
-        }
-        if f.takes_skinny(t, kk) {
-            f.gemm_skinny(&self.stream, (q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)?;
+        if self.quantize_then_skinny(f, (q, scale), x, y, (t, n, kk), false, s)? {
             return Ok(None);
         }
         Ok(match lt.gemm((q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)? {
             Done::Scaled => None,
             Done::Unscaled => Some(scale),
         })
+    }
+
+    /// Quantizes a bf16 input into `s` (a quantized one is there already), then runs the
+    /// skinny FP8 GEMM (`+=` when `accumulate`) where the step's shape takes it: returns
+    /// whether it ran.
+    #[allow(clippy::too_many_arguments)] // the kernels, the weight, both operands, the shape
+    fn quantize_then_skinny(
+        &self,
+        f: &Fp8Kernels,
+        w: (&CudaSlice<u8>, &CudaSlice<f32>),
+        x: Fp8In<'_>,
+        y: &mut CudaSlice<f32>,
+        (t, n, kk): (usize, usize, usize),
+        accumulate: bool,
+        s: &mut Fp8Scratch,
+    ) -> Result<bool, GpuError> {
+        if let Fp8In::Bf16(x) = x {
+            f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
+        if !f.takes_skinny(t, kk) {
+            return Ok(false);
+        }
+        f.gemm_skinny(&self.stream, w, (&s.xq, &s.sx), y, (t, n, kk), accumulate)?;
+        Ok(true)
     }
 
     fn lt(&self) -> Result<&Lt, GpuError> {

@@ -319,6 +319,26 @@ impl Fp8Kernels {
             .map_err(drv("launching kvf_silu_quantize_fp8"))
     }
 
+    /// The fused norms' checks of their rows, weight and outputs; `false`: no rows, nothing
+    /// to launch.
+    fn norm_rows(
+        x: &CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        norm: Norm<'_>,
+        s: &Fp8Scratch,
+    ) -> Result<bool, GpuError> {
+        if rows == 0 {
+            return Ok(false);
+        }
+        Self::check_fits("norm", d)?;
+        need("norm input", x, rows * d)?;
+        need("norm weight", norm.w, d)?;
+        need("FP8 quantize output", &s.xq, rows * d)?;
+        need("FP8 row scales", &s.sx, rows)?;
+        Ok(true)
+    }
+
     /// RMSNorm of `rows` f32 rows of width `d` straight into an FP8 GEMM's input: `s.xq` and
     /// `s.sx` become what [`Fp8Kernels::quantize_rows`] makes of `kvf_rms_norm`'s bf16 rows.
     pub(super) fn rms_norm_quantize(
@@ -330,14 +350,9 @@ impl Fp8Kernels {
         norm: Norm<'_>,
         s: &mut Fp8Scratch,
     ) -> Result<(), GpuError> {
-        if rows == 0 {
+        if !Self::norm_rows(x, rows, d, norm, s)? {
             return Ok(());
         }
-        Self::check_fits("norm", d)?;
-        need("norm input", x, rows * d)?;
-        need("norm weight", norm.w, d)?;
-        need("FP8 quantize output", &s.xq, rows * d)?;
-        need("FP8 row scales", &s.sx, rows)?;
         let mut l = Launch::new(stream);
         l.ptr(x)
             .ptr(norm.w)
@@ -369,16 +384,11 @@ impl Fp8Kernels {
         norm: Norm<'_>,
         s: &mut Fp8Scratch,
     ) -> Result<(), GpuError> {
-        if rows == 0 {
+        if !Self::norm_rows(x, rows, d, norm, s)? {
             return Ok(());
         }
-        Self::check_fits("norm", d)?;
         need("FP8 GEMM result", &s.d, rows * d)?;
         need("FP8 weight scales", sw, d)?;
-        need("norm input", x, rows * d)?;
-        need("norm weight", norm.w, d)?;
-        need("FP8 quantize output", &s.xq, rows * d)?;
-        need("FP8 row scales", &s.sx, rows)?;
         let mut l = Launch::new(stream);
         l.ptr(&s.d)
             .ptr(sw)

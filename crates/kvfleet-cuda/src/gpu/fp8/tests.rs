@@ -1,5 +1,5 @@
 use half::bf16;
-use kvfleet_engine::model::fp8::{e4m3fn_to_f32, quantize_rows};
+use kvfleet_engine::model::fp8::{e4m3fn_to_f32, quantize_rows, Fp8Weight};
 
 use super::super::blas::{Blas, Gemm};
 use super::super::gemv::{Input, Output};
@@ -38,6 +38,23 @@ fn dequantized_products(xd: &[f32], wd: &[f32], kk: usize, picks: &[(usize, usiz
         .collect();
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     (want, scale)
+}
+
+/// An FP8 weight of `n` rows of `kk` from [`bf16_rows`] (`seed`) on the device, its
+/// dequantized values on the host, and its host codes.
+fn fp8_weight_codes(g: &Gpu, n: usize, kk: usize, seed: u32) -> (Mat, Vec<f32>, Fp8Weight) {
+    let wq = quantize_rows(&to_f32(&bf16_rows(n, kk, seed)), n, kk);
+    let mat = Mat::Fp8 {
+        q: g.upload(&wq.data).unwrap(),
+        scale: g.upload(&wq.scale).unwrap(),
+    };
+    (mat, wq.dequantize(), wq)
+}
+
+/// [`fp8_weight_codes`] without the codes.
+fn fp8_weight(g: &Gpu, n: usize, kk: usize, seed: u32) -> (Mat, Vec<f32>) {
+    let (mat, wd, _) = fp8_weight_codes(g, n, kk, seed);
+    (mat, wd)
 }
 
 fn to_f32(v: &[u16]) -> Vec<f32> {
@@ -283,13 +300,7 @@ fn gpu_fp8_gemm_at_a_model_width_equals_the_dequantized_products() {
     let g = gpu();
     let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let (t, n, kk) = (256, 4096, 4096);
-    let w = to_f32(&bf16_rows(n, kk, 3));
-    let wq = quantize_rows(&w, n, kk);
-    let wd = wq.dequantize();
-    let mat = Mat::Fp8 {
-        q: g.upload(&wq.data).unwrap(),
-        scale: g.upload(&wq.scale).unwrap(),
-    };
+    let (mat, wd) = fp8_weight(&g, n, kk, 3);
     let x = bf16_rows(t, kk, 9);
     let xd = quantize_rows(&to_f32(&x), t, kk).dequantize();
     let dx = g.upload(&x).unwrap();
@@ -383,13 +394,7 @@ fn gpu_fp8_skinny_gemm_equals_the_dequantized_products() {
         (4096, 14336, true),
         (28672, 128, true),
     ] {
-        let w = to_f32(&bf16_rows(n, kk, 13));
-        let wq = quantize_rows(&w, n, kk);
-        let wd = wq.dequantize();
-        let mat = Mat::Fp8 {
-            q: g.upload(&wq.data).unwrap(),
-            scale: g.upload(&wq.scale).unwrap(),
-        };
+        let (mat, wd) = fp8_weight(&g, n, kk, 13);
         let Mat::Fp8 { q, scale: sw } = &mat else {
             unreachable!("an FP8 matrix")
         };
@@ -463,13 +468,7 @@ fn fp8_products(pick: ScalePick) {
     let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), pick).unwrap()).unwrap();
     // 12 tokens: past the skinny GEMM's 8, so the GEMMs here are cuBLASLt's.
     let (t, n, kk) = (12, 96, 256);
-    let w = to_f32(&bf16_rows(n, kk, 11));
-    let wq = quantize_rows(&w, n, kk);
-    let mat = Mat::Fp8 {
-        q: g.upload(&wq.data).unwrap(),
-        scale: g.upload(&wq.scale).unwrap(),
-    };
-    let wd = wq.dequantize();
+    let (mat, wd, wq) = fp8_weight_codes(&g, n, kk, 11);
     let x = bf16_rows(t, kk, 5);
     let xf = to_f32(&x);
     let xd = quantize_rows(&xf, t, kk).dequantize();
