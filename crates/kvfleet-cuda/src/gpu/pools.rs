@@ -190,11 +190,17 @@ mod tests {
     /// A drafter's weights and buffers come off the budget first, then every page carries its
     /// K/V beside the model's: the model gets fewer pages, and the two pools and the fixed part
     /// add up to the budget (within a page).
-    #[test]
-    fn a_drafter_is_reserved_before_the_pages_are_counted() {
+    /// Llama 3 8B's geometry and widths (8 KV heads: none replicated).
+    fn llama_8b() -> (LlamaConfig, Dims) {
         let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
         let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
         let dims = Dims::new(&c, rep);
+        (c, dims)
+    }
+
+    #[test]
+    fn a_drafter_is_reserved_before_the_pages_are_counted() {
+        let (c, dims) = llama_8b();
         let plain = GpuOptions {
             memory_margin_bytes: Some(1 << 30),
             ..GpuOptions::default()
@@ -296,9 +302,7 @@ mod tests {
 
     #[test]
     fn the_pools_take_the_free_memory_above_the_margin_in_whole_pages() {
-        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
-        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
-        let dims = Dims::new(&c, rep);
+        let (c, dims) = llama_8b();
         let opts = GpuOptions {
             memory_margin_bytes: Some(1 << 30),
             ..GpuOptions::default()
@@ -472,23 +476,32 @@ mod tests {
         (admitted(pools, mml, o.max_batched_tokens).max_concurrency * mml as f64) as u64
     }
 
+    /// The spec of dummy Llama 3.1 8B with KV in `kv_dtype` (and `speculative` decoding) that
+    /// `kvfleet check` reads.
+    fn llama_8b_spec(kv_dtype: &str, speculative: Option<serde_json::Value>) -> InferenceDeploymentSpec {
+        let mut spec = serde_json::json!({
+            "model": {
+                "name": "llama",
+                "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+                             "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
+                "weights": {"format": "dummy"}
+            },
+            "engine": {"runtime": "kvfleet", "kvCacheDtype": kv_dtype, "maxModelLen": 8192,
+                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
+        });
+        if let Some(s) = speculative {
+            spec["engine"]["speculative"] = s;
+        }
+        serde_json::from_value(spec).unwrap()
+    }
+
     #[test]
     fn kvfleet_check_predicts_the_pools_the_worker_allocates_for_dummy_llama_3_1_8b() {
         let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
         let total = plan::gpu_memory_bytes(H100).unwrap();
         for (dtype, name) in [(KvDtype::Bf16, "bfloat16"), (KvDtype::Fp8E4m3, "fp8_e4m3")] {
             // What `kvfleet check` reads: the spec, through the planner the webhook runs.
-            let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
-                "model": {
-                    "name": "llama",
-                    "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
-                                 "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
-                    "weights": {"format": "dummy"}
-                },
-                "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": 8192,
-                           "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
-            }))
-            .unwrap();
+            let spec = llama_8b_spec(name, None);
             let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
             let check = plan::spec_capacity(&spec, &geometry, total, dtype.spec()).unwrap();
             let o = opts(dtype);
@@ -566,19 +579,9 @@ mod tests {
             let o = opts(dtype);
             let (_, alone) = worker(&c, &o, total);
             for (method, shape, geometry) in &cases {
-                let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
-                    "model": {
-                        "name": "llama",
-                        "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
-                                     "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
-                        "weights": {"format": "dummy"}
-                    },
-                    "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": 8192,
-                               "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
-                               "speculative": {"method": method, "numSpeculativeTokens": 3,
-                                               "draftModel": {"pvcName": "d", "path": "x/", "geometry": geometry}}}
-                }))
-                .unwrap();
+                let speculative = serde_json::json!({"method": method, "numSpeculativeTokens": 3,
+                    "draftModel": {"pvcName": "d", "path": "x/", "geometry": geometry}});
+                let spec = llama_8b_spec(name, Some(speculative));
                 let geo = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
                 let check = plan::spec_capacity(&spec, &geo, total, dtype.spec()).unwrap();
                 let with = GpuOptions {
