@@ -34,10 +34,10 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, SeqChunk};
@@ -328,6 +328,8 @@ mod gpu {
             },
             // `KVFLEET_BENCH_FP8=1`: FP8 linear weights (issue 32).
             fp8_weights: std::env::var("KVFLEET_BENCH_FP8").as_deref() == Ok("1"),
+            // The lab knobs (`KVFLEET_FP8_SKINNY`, `KVFLEET_PROFILE`, ...) as the worker reads them.
+            tuning: GpuTuning::from_env().unwrap_or_else(|e| fail("the GPU tuning", e)),
             ..GpuOptions::default()
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));
@@ -335,8 +337,6 @@ mod gpu {
             pick_bench(&gpu);
             return;
         }
-            // The lab knobs (`KVFLEET_FP8_SKINNY`, `KVFLEET_PROFILE`, ...) as the worker reads them.
-            tuning: GpuTuning::from_env().unwrap_or_else(|e| fail("the GPU tuning", e)),
         println!(
             "device: {} ({}), {} SMs; kv dtype {}; prompt {prompt_len} tokens, {steps} decode steps, median of 3 after 1 warm-up",
             gpu.name,

@@ -796,6 +796,11 @@ fn no_product_source_file_is_over_a_thousand_lines_unless_listed() {
         if !long.contains(*f) {
             errors.push(format!(
                 "{f} is listed in LONG_FILES but is not over {MAX_FILE_LINES} lines: remove it"
+            ));
+        }
+    }
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
 
 // === Layers inside kvfleet-cuda's GPU model, and where the environment is read ===
 
@@ -987,9 +992,4 @@ fn no_product_code_reads_the_environment_outside_the_edge() {
     assert!(!reads_env(&strip_comments_and_strings(
         "// std::env::var\nlet s = \"env::var\";"
     )));
-}
-            ));
-        }
-    }
-    assert!(errors.is_empty(), "{}", errors.join("\n"));
 }

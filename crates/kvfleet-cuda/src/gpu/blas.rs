@@ -11,7 +11,7 @@ use super::error::{cublas_err, need, GpuError};
 use super::fp8::{Fp8Kernels, Fp8Scratch, Mat};
 use super::kernels::ModelKernels;
 use super::lt::{Done, Lt};
-use super::tuning::GpuTuning;
+use super::options::GpuTuning;
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {

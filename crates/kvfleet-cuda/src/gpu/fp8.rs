@@ -31,8 +31,8 @@ use crate::launch::Launch;
 use crate::spec::Arch;
 
 use super::error::{drv, need, GpuError};
+use super::options::GpuTuning;
 use super::rows::{rows_cfg, Glu, Norm, NORM_THREADS};
-use super::tuning::GpuTuning;
 
 /// Whether cuBLASLt can be loaded (cudarc panics on first use otherwise).
 pub fn cublaslt_present() -> bool {
@@ -109,15 +109,15 @@ const SCALE_ROW_BLOCKS: usize = 64;
 /// the opt-in limit of every FP8 device (99 KiB on sm_89 and sm_120).
 const FUSED_SMEM_MAX: usize = 96 * 1024;
 
-pub(crate) use super::tuning::SKINNY_MAX;
+pub(crate) use super::options::SKINNY_MAX;
 /// Blocks an SM of `kvf_gemm_fp8_skinny`'s grid at most (its blocks then take several units).
 const SKINNY_BLOCKS_PER_SM: usize = 4;
 
 /// Which neighbours of the FP8 GEMMs take over the input quantization and the unit-scale
 /// epilogue ([`GpuTuning::fp8_fusion`]).
 ///
-/// [`GpuTuning::fp8_fusion`]: super::tuning::GpuTuning::fp8_fusion
-pub(crate) use super::tuning::Fp8Fusion as Fusion;
+/// [`GpuTuning::fp8_fusion`]: super::options::GpuTuning::fp8_fusion
+pub(crate) use super::options::Fp8Fusion as Fusion;
 
 /// The FP8 kernels besides the GEMV: quantizing rows, the GEMM epilogue and the GEMMs'
 /// neighbours with them fused in, launched on the stream their caller runs on.
@@ -137,7 +137,7 @@ pub(crate) struct Fp8Kernels {
     /// Steps of 2 to this many tokens run their FP8 GEMMs on `kvf_gemm_fp8_skinny` instead of
     /// cuBLASLt (0: never; [`GpuTuning::fp8_skinny_max`]).
     ///
-    /// [`GpuTuning::fp8_skinny_max`]: super::tuning::GpuTuning::fp8_skinny_max
+    /// [`GpuTuning::fp8_skinny_max`]: super::options::GpuTuning::fp8_skinny_max
     skinny_max: usize,
     /// The device's SMs (the skinny GEMM's grid cap).
     num_sms: usize,

@@ -16,7 +16,7 @@ use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
 use super::fp8::MatRef;
-use super::tuning::GpuTuning;
+use super::options::GpuTuning;
 use crate::backend::AppendTarget;
 
 const THREADS: u32 = 256;

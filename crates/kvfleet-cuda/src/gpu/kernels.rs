@@ -20,9 +20,9 @@ use crate::{nvrtc, CudaError};
 use super::error::{drv, need, GpuError};
 use super::fp8::Fp8Kernels;
 use super::gemv::Gemv;
+use super::options::GpuTuning;
 pub(super) use super::rows::{rows_cfg, Glu, Norm, NORM_THREADS};
 use super::shape::Dims;
-use super::tuning::GpuTuning;
 
 /// The files of the model program, in order: the one list both programs start with.
 macro_rules! model_files {

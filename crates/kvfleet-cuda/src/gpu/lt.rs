@@ -32,8 +32,8 @@ const SCALE_OUTER_VEC_32F: u32 = 3;
 /// faster kept for the bucket (unit scales only when at least [`UNIT_MARGIN`] faster); or one
 /// of the two everywhere.
 ///
-/// [`GpuTuning::fp8_scales`]: super::tuning::GpuTuning::fp8_scales
-pub(super) use super::tuning::Fp8Scales as ScalePick;
+/// [`GpuTuning::fp8_scales`]: super::options::GpuTuning::fp8_scales
+pub(super) use super::options::Fp8Scales as ScalePick;
 
 /// A unit-scale plan is kept over a per-row one only when its time is at most this share of
 /// the per-row time: its consumers apply the scales (and the O and down projections' residual

@@ -54,6 +54,6 @@ pub use fp8::{check_device as check_fp8_device, cublaslt_present};
 pub use kernels::{fp8_ptx, model_ptx, FP8_KERNELS, FP8_SOURCE, MODEL_KERNELS, MODEL_SOURCE};
 pub use model::{check_available, GpuLlama};
 pub use options::{DraftReserve, GpuCapacity, GpuOptions, BLOCK_SIZE};
+pub use options::{Fp8Fusion, Fp8Scales, GpuTuning};
 pub use sampling::{pick_rows_on_device, sample_rows_on_device};
 pub use shape::kv_replication;
-pub use tuning::{Fp8Fusion, Fp8Scales, GpuTuning};

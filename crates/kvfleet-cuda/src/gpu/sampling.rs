@@ -12,7 +12,7 @@ use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
 use super::kernels::{rows_cfg, ModelKernels};
-use super::tuning::GpuTuning;
+use super::options::GpuTuning;
 
 /// Words of one row's pick in `kvf_pick_rows`' input.
 pub(super) const PICK_WORDS: usize = kvfleet_core::plan::engine_memory::PICK_WORDS as usize;

@@ -5,7 +5,7 @@ use super::super::blas::{Blas, Gemm};
 use super::super::gemv::{Input, Output};
 use super::super::kernels::{Glu, ModelKernels, Norm};
 use super::super::lt::{Lt, ScalePick};
-use super::super::tuning::GpuTuning;
+use super::super::options::GpuTuning;
 use super::*;
 
 /// Values of every magnitude an activation or weight row has, as bf16 (what the kernels
