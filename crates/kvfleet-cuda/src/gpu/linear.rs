@@ -99,6 +99,9 @@ pub(super) struct Ops<'a> {
     defer: bool,
     /// The weight's row scales of such an add, its unscaled product in the scratch's `d`.
     pending: Option<&'a CudaSlice<f32>>,
+    /// The next residual add is done at once: a down projection after the unfused activation
+    /// adds as it always has ([`Linear::activate`]).
+    add_now: bool,
 }
 
 impl<'a> Ops<'a> {
@@ -111,6 +114,7 @@ impl<'a> Ops<'a> {
             one_token,
             defer,
             pending: None,
+            add_now: false,
         }
     }
 
@@ -265,7 +269,7 @@ impl Linear {
                 .run(&self.w, self.n, self.k, input.gemv()?, Output::Add(x));
         }
         let input = input.gemm()?;
-        if ops.defer && self.fused(ops).is_some() {
+        if ops.defer && !std::mem::take(&mut ops.add_now) && self.fused(ops).is_some() {
             ops.settle(x, self.n, s)?;
             let dims = (ops.t, self.n, self.k);
             ops.pending = ops.blas.project_add_deferred(ops.k, &self.w, input, x, dims, s)?;
@@ -319,7 +323,7 @@ impl Linear {
     /// the format fuses it, else bf16 in `act`.
     pub fn activate<'h>(
         &self,
-        ops: &Ops<'_>,
+        ops: &mut Ops<'_>,
         glu: Glu,
         gate_up: GateUp<'_>,
         gu: &CudaSlice<f32>,
@@ -342,6 +346,7 @@ impl Linear {
             ));
         }
         ops.k.glu(glu, gu, ops.t, ff, act)?;
+        ops.add_now = true;
         Ok(Rows::Bf16(act))
     }
 }
