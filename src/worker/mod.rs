@@ -459,6 +459,11 @@ fn place(
             }
             let forward = serve::on_cpu(weights, pools, cfg.seed, cfg.engine.quantization)
                 .map_err(|e| PreflightError::NoMemory(e.to_string()))?;
+            // `KVFLEET_PROFILE=1` times the serving loop on the CPU too; the GPU knobs read
+            // beside it do not apply here, so a bad one is not this worker's error.
+            if let Ok(tuning) = kvfleet_cuda::gpu::GpuTuning::from_env() {
+                kvfleet_cuda::profile::enable(tuning.profile);
+            }
             Placed {
                 forward,
                 gpu: None,
