@@ -292,7 +292,7 @@ fn main() {
                 let (k0, k1) = (b.kv_indptr[r] as usize, b.kv_indptr[r + 1] as usize);
                 sub.qo_indptr.push(sub.qo_indptr.last().unwrap() + (q1 - q0));
                 sub.kv_indices.extend_from_slice(&b.kv_indices[k0..k1]);
-                sub.kv_indptr.push(sub.kv_indices.len() as i32);
+                sub.kv_indptr.push(sub.kv_indices.len() as u32);
                 sub.kv_last_page_len.push(b.kv_last_page_len[r]);
                 sub.kv_first_pos.push(b.kv_first_pos[r]);
             }

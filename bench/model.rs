@@ -34,10 +34,11 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, SeqChunk};
 use kvfleet_engine::model::sampling::argmax;
@@ -127,7 +128,13 @@ fn cpu_main() {
 fn run(model: &Arc<Llama>, ids: &[u32], b: usize, steps: usize) -> f64 {
     const BS: usize = 16;
     let blocks = b * (ids.len() + steps + 1).div_ceil(BS);
-    let pools = llama_backend_config(model.config.attn_geometry(), KvDtype::Bf16, BS, blocks);
+    let pools = pool_layout(
+        &model.config.kv_layers(model.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, BS),
+        PoolSize::Pages(blocks),
+    )
+    .unwrap();
     let mut f = CpuForward::new(model.clone(), CpuBackend::new(pools).expect("KV pools")).expect("engine");
     let mut planner = DirectPlanner::new(BS, &f.kv_config().groups);
     let mut plan = StepPlan::default();
@@ -177,7 +184,7 @@ mod gpu {
     use std::time::{Duration, Instant};
 
     use kvfleet::compat::KvCacheDtype;
-    use kvfleet_cuda::gpu::{GpuLlama, GpuOptions};
+    use kvfleet_cuda::gpu::{GpuLlama, GpuOptions, GpuTuning};
     use kvfleet_engine::engine::direct::DirectPlanner;
     use kvfleet_engine::engine::KvDtype;
     use kvfleet_engine::engine::StepPlan;
@@ -321,6 +328,8 @@ mod gpu {
             },
             // `KVFLEET_BENCH_FP8=1`: FP8 linear weights (issue 32).
             fp8_weights: std::env::var("KVFLEET_BENCH_FP8").as_deref() == Ok("1"),
+            // The lab knobs (`KVFLEET_FP8_SKINNY`, `KVFLEET_PROFILE`, ...) as the worker reads them.
+            tuning: GpuTuning::from_env().unwrap_or_else(|e| fail("the GPU tuning", e)),
             ..GpuOptions::default()
         };
         let gpu = GpuLlama::open_gpu(0).unwrap_or_else(|e| fail("cannot open the GPU", e));

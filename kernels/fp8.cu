@@ -8,9 +8,8 @@
 //   device (rows = output channels). The same arithmetic as `quantize_rows` in
 //   crates/kvfleet-engine/src/model/fp8.rs: `s = amax / 448`, `q = e4m3(x * (1 / s))`, ties to
 //   even, saturating.
-// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_int`, the same with integer bit moves, and
-//   `kvf_gemv_fp8_h2`, with f16 products): the single-token projection of kernels/gemv.cu over
-//   e4m3 weights, 16 weights a 16-byte load, so one stream reads one byte a weight. The input
+// - `kvf_gemv_fp8` (and `kvf_gemv_fp8_row`, a row a warp): the single-token projection of
+//   kernels/gemv.cu over e4m3 weights, 16 weights a 16-byte load, so one stream reads one byte a weight. The input
 //   is not quantized (weight-only quantization at one token: the step is bandwidth-bound,
 //   quantizing the input would only lose accuracy); the row's scale multiplies the f32 dot
 //   product.
@@ -49,98 +48,41 @@ __device__ float block_max(float v) {
     return total;
 }
 
-// Three ways to multiply e4m3 weights with the input in the GEMV (kvf_gemv_fp8 with FP8_CVT, the
-// default, kvf_gemv_fp8_int and kvf_gemv_fp8_h2; bench/RESULTS.md compares the first two: on an
-// H200 at one stream 352 tok/s with conversions, 333 with bit moves, for dummy Llama-3.1-8B).
-// The first two turn the weights into f32 for f32 FMAs:
-// - FP8_INT: integer bit moves, no conversion instruction. An e4m3 byte b placed with its sign at
-//   bit 31 and its seven other bits at bits 26..20 of an f32 is that f32's exponent and mantissa
-//   with the exponent bias of f32 (127) instead of e4m3's (7): the f32 is b's value times 2^-120,
-//   exactly, subnormals included (e4m3's subnormals land on f32's, which the FMA keeps: no
-//   flush to zero here). The input is scaled by 2^64 on the way in, so the products are
-//   b * x * 2^-56, far from f32's underflow, and the row's sum is scaled back by 2^56.
-//   For byte i of a word w: ((int)(w << (24 - 8 i)) >> 4) & 0x87f00000 (the arithmetic shift
-//   copies the sign down; the mask keeps bit 31 and bits 26..20).
-// - FP8_CVT: the hardware's cvt.rn.f16x2.e4m3x2 then f16 to f32, 3 conversions for 2 weights.
-//   Conversions issue at a fraction of the FMA rate, and they bound the kernel below the copy
-//   bandwidth (H200: gate/up at about 2.5 TB/s of 4.2), but the bit moves' integer work (and
-//   the input's scaling) costs more still.
-// - FP8_H2: the weights stay f16. cvt.rn.f16x2.e4m3x2, then fma.rn.f16x2 against the input
-//   staged as f16 in shared memory, a half2 sum a 16-byte chunk that starts at zero, and one
-//   f16x2 to f32 conversion of that sum into the f32 row sum: 10 conversions for 16 weights
-//   instead of 24. The staged input is scaled by the power of two that puts its largest
-//   magnitude in [8, 16) (H2_X_EXP; exact, undone on the f32 sum), so that no sum can overflow
-//   f16: each half of the chunk's half2 adds 8 products of |w| <= 448 and |x| < 16, at most
-//   57,344 < 65,504. bf16 values are exact in f16 from 2^-17 up (8 significant bits), so the
-//   staging rounds only inputs below 2^-20 of the row's largest; what is lost is the f16
-//   rounding of the chunk's partial sums, 2^-11 of each (FP8_CVT and FP8_INT round in f32).
-constexpr int FP8_INT = 0;
-constexpr int FP8_CVT = 1;
-constexpr int FP8_H2 = 2;
-// FP8_H2: the staged input's largest magnitude is in [2^(H2_X_EXP - 1), 2^H2_X_EXP).
-constexpr int H2_X_EXP = 4;
-constexpr float FP8_INT_X_SCALE = 18446744073709551616.f;  // 2^64
-constexpr float FP8_INT_SUM_SCALE = 72057594037927936.f;   // 2^56
-
-template <int CONV>
+// The GEMV turns the weights into f32 for f32 FMAs with the hardware's cvt.rn.f16x2.e4m3x2
+// then f16 to f32, 3 conversions for 2 weights. Conversions issue at a fraction of the FMA rate,
+// and they bound the kernel below the copy bandwidth (H200: gate/up at about 2.5 TB/s of 4.2).
+// Integer bit moves instead of conversions (333 tok/s against 352 at one stream on an H200),
+// f16 products (2-3% slower) and the tensor cores on the input quantized per token (254) lost
+// (bench/RESULTS.md); they are in git history before the commit that removed them.
 __device__ __forceinline__ void fp8x4_to_float(unsigned int w, float f[4]) {
-    if (CONV == FP8_INT) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int t = (int)(w << (24 - 8 * i)) >> 4;
-            f[i] = __int_as_float(t & (int)0x87f00000);
-        }
-    } else {
-        const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
-        const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-        f[0] = a.x;
-        f[1] = a.y;
-        f[2] = b.x;
-        f[3] = b.y;
-    }
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    f[0] = a.x;
+    f[1] = a.y;
+    f[2] = b.x;
+    f[3] = b.y;
 }
 
-// acc + the dot product of 16 e4m3 weights (one 16-byte chunk) with 16 bf16 inputs (two),
-// the inputs times xs (2^64 for FP8_INT, 1 otherwise).
-template <int CONV>
-__device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, const uint4& x1, float xs, float acc) {
+// acc + the dot product of 16 e4m3 weights (one 16-byte chunk) with 16 bf16 inputs (two).
+__device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
     const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
     const __nv_bfloat162* xa = reinterpret_cast<const __nv_bfloat162*>(&x0);
     const __nv_bfloat162* xb = reinterpret_cast<const __nv_bfloat162*>(&x1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         float f[4];
-        fp8x4_to_float<CONV>(ws[i], f);
+        fp8x4_to_float(ws[i], f);
         const __nv_bfloat162* xp = i < 2 ? xa + 2 * i : xb + 2 * (i - 2);
         const float2 p = __bfloat1622float2(xp[0]);
         const float2 q = __bfloat1622float2(xp[1]);
-        acc = fmaf(f[0], p.x * xs, acc);
-        acc = fmaf(f[1], p.y * xs, acc);
-        acc = fmaf(f[2], q.x * xs, acc);
-        acc = fmaf(f[3], q.y * xs, acc);
+        acc = fmaf(f[0], p.x, acc);
+        acc = fmaf(f[1], p.y, acc);
+        acc = fmaf(f[2], q.x, acc);
+        acc = fmaf(f[3], q.y, acc);
     }
     return acc;
-}
-
-// acc + the dot product of 16 e4m3 weights (one 16-byte chunk) with 16 f16 inputs (two),
-// FP8_H2: the products and their sum in half2, one conversion of that sum to f32.
-__device__ __forceinline__ float dot16_fp8_h2(const uint4& w, const uint4& x0, const uint4& x1, float acc) {
-    const unsigned int ws[4] = {w.x, w.y, w.z, w.w};
-    const __half2* xa = reinterpret_cast<const __half2*>(&x0);
-    const __half2* xb = reinterpret_cast<const __half2*>(&x1);
-    __half2 s = __half2(__half2_raw{0, 0});  // zero bits: no conversion
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(ws[i] & 0xffffu), __NV_E4M3);
-        const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(ws[i] >> 16), __NV_E4M3);
-        const __half2* xp = i < 2 ? xa + 2 * i : xb + 2 * (i - 2);
-        s = __hfma2(*reinterpret_cast<const __half2*>(&lo), xp[0], s);
-        s = __hfma2(*reinterpret_cast<const __half2*>(&hi), xp[1], s);
-    }
-    const float2 f = __half22float2(s);
-    return acc + (f.x + f.y);
 }
 
 }  // namespace
@@ -165,9 +107,7 @@ extern "C" __global__ void __launch_bounds__(256) kvf_quantize_rows_fp8(const bf
 }
 
 // kvf_gemv's contract (kernels/gemv.cu) over e4m3 weights w [n_rows, k] with f32 scales
-// wscale [n_rows]; k a multiple of 16 (GEMV_QKV as there, but not in kvf_gemv_fp8_mma). Block
-// 256 threads, any grid. CONV: FP8_INT, FP8_CVT or FP8_H2 (which stages every input, normed or
-// not: 2 k bytes of dynamic shared memory).
+// wscale [n_rows]; k a multiple of 16 (GEMV_QKV as there). Block 256 threads, any grid.
 #define KVF_GEMV_FP8_PARAMS                                                                                     \
     const unsigned char *__restrict__ w, const float *__restrict__ wscale, int n_rows, int k, int half,          \
         const bf16 *__restrict__ xb, const float *__restrict__ x, const int *__restrict__ row,                   \
@@ -187,64 +127,13 @@ __device__ __forceinline__ const bf16* gemv_input(const bf16* __restrict__ xb, c
     return sx;
 }
 
-// FP8_H2's input row: the bf16 row gemv_input gives, times 2^e, as f16 over it in the block's
-// shared memory (k halves; the normed row is converted in place, each thread its own 16-byte
-// words), e such that the largest magnitude lands in [2^(H2_X_EXP - 1), 2^H2_X_EXP). Returns
-// 2^-e, which undoes the scale on the f32 sums. Every thread of the block calls it.
-__device__ __forceinline__ float stage_input_f16(const bf16* __restrict__ xb, const float* __restrict__ x,
-                                                 const int* __restrict__ row, const float* __restrict__ norm_w,
-                                                 float eps, int k, unsigned char* smem) {
-    const uint4* src = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, smem));
-    uint4* dst = reinterpret_cast<uint4*>(smem);
-    const int k8 = k >> 3;  // 16-byte words: 8 values
-    float amax = 0.f;
-    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
-        const uint4 v = src[c];
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(p[i]);
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
-    }
-    // block_max synchronises the block: every read above precedes the in-place writes below.
-    amax = block_max(amax);
-    int e = 0;
-    frexpf(amax, &e);  // amax = m 2^e, m in [0.5, 1)
-    // A zero or non-finite row keeps scale 1; the clamp keeps 2^+-sh a normal f32.
-    const int sh = amax > 0.f && isfinite(amax) ? min(max(H2_X_EXP - e, -126), 126) : 0;
-    const float xs = ldexpf(1.f, sh);
-    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
-        const uint4 v = src[c];
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-        uint4 o;
-        __half2* h = reinterpret_cast<__half2*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(p[i]);
-            h[i] = __floats2half2_rn(f.x * xs, f.y * xs);
-        }
-        dst[c] = o;
-    }
-    __syncthreads();
-    return ldexpf(1.f, -sh);
-}
-
 // ONE: a warp owns one row (GEMV_STORE and GEMV_ADD only), for twice the warps on a projection
 // whose row pairs do not fill the capped grid.
-template <int CONV, int U = GEMV_UNROLL, bool ONE = false>
+template <int U = GEMV_UNROLL, bool ONE = false>
 __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
     kvf_wait_prior_grid();
-    const float xs = CONV == FP8_INT ? FP8_INT_X_SCALE : 1.f;
-    float back = CONV == FP8_INT ? FP8_INT_SUM_SCALE : 1.f;
-    const uint4* xi;  // the input row: bf16, or f16 for FP8_H2
-    if constexpr (CONV == FP8_H2) {
-        back = stage_input_f16(xb, x, row, norm_w, eps, k, gemv_smem);
-        xi = reinterpret_cast<const uint4*>(gemv_smem);
-    } else {
-        xi = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, gemv_smem));
-    }
+    const uint4* xi = reinterpret_cast<const uint4*>(gemv_input(xb, x, row, norm_w, eps, k, gemv_smem));
     const int units = ONE ? n_rows : mode == GEMV_SWIGLU ? half : (n_rows + 1) >> 1;
     const int lane = threadIdx.x & 31;
     const int warps = (int)((gridDim.x * blockDim.x) >> 5);
@@ -271,18 +160,13 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
                 const int c = c0 + 32 * j;
                 if (c < kc) {
                     const uint4 xa = xi[2 * c], xb2 = xi[2 * c + 1];
-                    if constexpr (CONV == FP8_H2) {
-                        a0 = dot16_fp8_h2(p0[j], xa, xb2, a0);
-                        if constexpr (!ONE) a1 = dot16_fp8_h2(p1[j], xa, xb2, a1);
-                    } else {
-                        a0 = dot16_fp8<CONV>(p0[j], xa, xb2, xs, a0);
-                        if constexpr (!ONE) a1 = dot16_fp8<CONV>(p1[j], xa, xb2, xs, a1);
-                    }
+                    a0 = dot16_fp8(p0[j], xa, xb2, a0);
+                    if constexpr (!ONE) a1 = dot16_fp8(p1[j], xa, xb2, a1);
                 }
             }
         }
-        const float s0 = warp_sum(a0) * (back * wscale[r0]);
-        const float s1 = ONE ? 0.f : warp_sum(a1) * (back * wscale[has1 ? r1 : r0]);
+        const float s0 = warp_sum(a0) * wscale[r0];
+        const float s1 = ONE ? 0.f : warp_sum(a1) * wscale[has1 ? r1 : r0];
         if (lane == 0) {
             if (mode == GEMV_SWIGLU) {
                 act[u] = __float2bfloat16(s0 / (1.f + expf(-s0)) * s1);
@@ -300,7 +184,7 @@ __device__ __forceinline__ void gemv_fp8(KVF_GEMV_FP8_PARAMS) {
 }
 
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARAMS) {
-    gemv_fp8<FP8_CVT>(KVF_GEMV_FP8_ARGS);
+    gemv_fp8<>(KVF_GEMV_FP8_ARGS);
 }
 
 // kvf_gemv_fp8 with a row a warp (GEMV_STORE and GEMV_ADD), for the projections whose row pairs
@@ -308,34 +192,11 @@ extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8(KVF_GEMV_FP8_PARA
 // SM): twice the warps an SM. On an H200 one stream ran 0.6-1.0% faster so; 4 chunks a lane in
 // flight instead of 2 (with a row or a pair a warp) and 8 were slower (bench/RESULTS.md).
 extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_row(KVF_GEMV_FP8_PARAMS) {
-    gemv_fp8<FP8_CVT, GEMV_UNROLL, true>(KVF_GEMV_FP8_ARGS);
+    gemv_fp8<GEMV_UNROLL, true>(KVF_GEMV_FP8_ARGS);
 }
 
-extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_int(KVF_GEMV_FP8_PARAMS) {
-    gemv_fp8<FP8_INT>(KVF_GEMV_FP8_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_h2(KVF_GEMV_FP8_PARAMS) {
-    gemv_fp8<FP8_H2>(KVF_GEMV_FP8_ARGS);
-}
-
-// kvf_gemv_fp8_mma: the same contract on the tensor cores, W8A8 like the GEMMs. The input row
-// is quantized per token into shared memory first (one scale, amax / 448, as the GEMMs'
-// activations), then the warps run mma.m16n8k32 with e4m3 operands: 16 weight rows by 32 of k
-// a step, the input as column 0 of B (columns 1..7 zero). The tensor cores take the e4m3 bytes
-// as they are, so no conversion is spent on a weight.
-//
-// A block owns a unit of 32 rows (or 16 gate rows and their 16 up rows for SwiGLU), two 16-row
-// blocks, and its 8 warps split k between them (64-byte tiles, warp w takes tiles w, w + 8, ...),
-// then add their sums through shared memory: with a unit a warp, a 4,096-row projection would
-// keep 128 warps busy, too few loads in flight for the copy bandwidth.
-//
-// The k order inside a tile is ours to choose, as long as A and B agree: lane (g, t) loads 16
-// contiguous bytes of its rows at 64 c + 16 t, and their four words are the A registers of two
-// mmas (words 0, 1 of the first, 2, 3 of the second); the input bytes at the same offsets are
-// B's registers in lanes 0..3 (g = 0, column 0). k a multiple of 64. Block 256 threads, any
-// grid; dynamic shared memory 3 k bytes (the bf16 normed row, then the e4m3 row).
-constexpr int MMA_UNROLL = 2;
+// The tensor cores' e4m3 product, mma.m16n8k32 with f32 sums, for the skinny GEMM below: 8
+// warps a block.
 constexpr int MMA_WARPS = 8;
 
 __device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
@@ -347,91 +208,6 @@ __device__ __forceinline__ void mma_e4m3(float c[4], unsigned a0, unsigned a1, u
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
-}
-
-extern "C" __global__ void __launch_bounds__(256) kvf_gemv_fp8_mma(KVF_GEMV_FP8_PARAMS) {
-    extern __shared__ __align__(16) unsigned char gemv_smem[];
-    __shared__ float part[MMA_WARPS][4][8];  // a warp's column-0 sums: rows g, g + 8 of a and b
-    kvf_wait_prior_grid();
-    const bf16* in = gemv_input(xb, x, row, norm_w, eps, k, gemv_smem);
-    // Quantized per token into the shared e4m3 row.
-    unsigned char* xq = gemv_smem + 2 * (size_t)k;
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(in[i])));
-    amax = block_max(amax);
-    const float xs = amax > 0.f ? amax / FP8_E4M3_MAX : 1.f;
-    const float inv = 1.f / xs;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        xq[i] = (unsigned char)__nv_cvt_float_to_fp8(__bfloat162float(in[i]) * inv, __NV_SATFINITE, __NV_E4M3);
-    }
-    __syncthreads();
-
-    const bool glu = mode == GEMV_SWIGLU;
-    const int units = glu ? (half + 15) / 16 : (n_rows + 31) / 32;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int kt = k >> 6;  // 64-byte tiles of k: 16 bytes a lane of the group
-    const uint4* xv = reinterpret_cast<const uint4*>(xq);
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
-        // Block a: rows a0 + [0, 16); block b: b0 + [0, 16).
-        const int a0 = glu ? 16 * u : 32 * u;
-        const int b0 = glu ? half + 16 * u : 32 * u + 16;
-        const int lim_a = glu ? half : n_rows;
-        // This lane's four rows (clamped inside the matrix; their results are not written).
-        const int rows[4] = {min(a0 + g, lim_a - 1), min(a0 + g + 8, lim_a - 1), min(b0 + g, n_rows - 1),
-                             min(b0 + g + 8, n_rows - 1)};
-        const uint4* wr[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wr[i] = reinterpret_cast<const uint4*>(w + (size_t)rows[i] * k);
-        float ca[4] = {0.f, 0.f, 0.f, 0.f}, cb[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int c0 = warp; c0 < kt; c0 += MMA_WARPS * MMA_UNROLL) {
-            uint4 p[MMA_UNROLL][4];
-#pragma unroll
-            for (int j = 0; j < MMA_UNROLL; ++j) {
-                const int c = c0 + MMA_WARPS * j;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) p[j][i] = c < kt ? ld_stream(wr[i] + 4 * c + t) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int j = 0; j < MMA_UNROLL; ++j) {
-                const int c = c0 + MMA_WARPS * j;
-                if (c < kt) {
-                    const uint4 bx = g == 0 ? xv[4 * c + t] : make_uint4(0, 0, 0, 0);
-                    mma_e4m3(ca, p[j][0].x, p[j][1].x, p[j][0].y, p[j][1].y, bx.x, bx.y);
-                    mma_e4m3(ca, p[j][0].z, p[j][1].z, p[j][0].w, p[j][1].w, bx.z, bx.w);
-                    mma_e4m3(cb, p[j][2].x, p[j][3].x, p[j][2].y, p[j][3].y, bx.x, bx.y);
-                    mma_e4m3(cb, p[j][2].z, p[j][3].z, p[j][2].w, p[j][3].w, bx.z, bx.w);
-                }
-            }
-        }
-        // Column 0 of D: c[0] (row g) and c[2] (row g + 8) in the lanes with t = 0.
-        if (t == 0) {
-            part[warp][0][g] = ca[0];
-            part[warp][1][g] = ca[2];
-            part[warp][2][g] = cb[0];
-            part[warp][3][g] = cb[2];
-        }
-        __syncthreads();
-        // Thread (h, g) of the first 16: rows g + 8 h of both blocks, summed over the warps.
-        if (threadIdx.x < 16) {
-            const int h = threadIdx.x >> 3, gg = threadIdx.x & 7;
-            float sa = 0.f, sb = 0.f;
-#pragma unroll
-            for (int wi = 0; wi < MMA_WARPS; ++wi) {
-                sa += part[wi][h][gg];
-                sb += part[wi][2 + h][gg];
-            }
-            const int ra = a0 + gg + 8 * h, rb = b0 + gg + 8 * h;
-            const float va = sa * xs * wscale[min(ra, lim_a - 1)];
-            const float vb = sb * xs * wscale[min(rb, n_rows - 1)];
-            if (glu) {
-                if (ra < half) act[ra] = __float2bfloat16(va / (1.f + expf(-va)) * vb);
-            } else {
-                if (ra < n_rows) y[ra] = mode == GEMV_ADD ? y[ra] + va : va;
-                if (rb < n_rows) y[rb] = mode == GEMV_ADD ? y[rb] + vb : vb;
-            }
-        }
-        __syncthreads();
-    }
 }
 
 // y[r, c] = d[r, c] * sx[r] * sw[c] (add = 0) or y[r, c] += it (add = 1), for r < t, c < n,
@@ -666,7 +442,7 @@ extern "C" __global__ void kvf_qkv_post_wide_fp8(KVF_QKV_POST_PARAMS, const floa
 // quantize kernels and the fused norms write), w e4m3 [n_rows, k], y f32 [t, n_rows] row-major.
 // cuBLASLt's FP8 kernels read the weights at 1-2.7 TB/s at these token counts on an H200
 // (bench/RESULTS.md, issue 32), where a step should stream its weights once at the copy rate
-// as the one-token GEMV does. This is kvf_gemv_fp8_mma with B's 8 columns the tokens: a block a
+// as the one-token GEMV does. mma.m16n8k32 with B's 8 columns the tokens: a block a
 // unit of 32 rows (two 16-row blocks), its 8 warps splitting k in 64-byte tiles, lane (g, q)
 // loading 16 bytes of rows g, g + 8 of each block at 64 c + 16 q (four mmas' A registers) and
 // token g's 16 input bytes at the same offset (zero for g >= t) as B. D's c[0], c[1] are row g,

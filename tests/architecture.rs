@@ -766,11 +766,6 @@ const LONG_FILES: &[(&str, &str)] = &[
          helpers; the code alone is well under the limit",
     ),
     (
-        "crates/kvfleet-engine/src/model/llama.rs",
-        "the CPU forward pass, the reference every device is held to, kept in one file so that \
-         it reads in the order it runs; 950 lines of code, the rest its unit tests",
-    ),
-    (
         "crates/kvfleet-engine/src/model/tokenizer.rs",
         "830 lines of code (two tokenizers that share the vocabulary and the detokenizer) and 220 \
          of unit tests",
@@ -805,4 +800,196 @@ fn no_product_source_file_is_over_a_thousand_lines_unless_listed() {
         }
     }
     assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+
+// === Layers inside kvfleet-cuda's GPU model, and where the environment is read ===
+
+/// What a GPU model family's file (one that has `impl Family for`) may not import: the kernel
+/// launchers and GEMM wrappers a weight format chooses between, reached through
+/// `gpu::linear::Linear` instead (module paths from kvfleet-cuda's root).
+const FAMILY_FORBIDDEN_MODULES: &[&[&str]] = &[
+    &["gpu", "blas"],
+    &["gpu", "lt"],
+    &["gpu", "gemv"],
+    &["gpu", "fp8"],
+    &["launch"],
+];
+
+/// What a family file may take from `gpu::kernels`: the arguments of the model math it asks
+/// for (norms, the Q/K/V split, the gated activation), not the launchers' owner.
+const FAMILY_KERNEL_ARGUMENTS: &[&str] = &["QkvPost", "QkvOut", "Norm", "Glu"];
+
+/// Names that in a family file would mean it picks a kernel or a GEMM itself.
+const FAMILY_FORBIDDEN_NAMES: &[&str] = &[
+    "ModelKernels",
+    "Fp8Kernels",
+    "Gemv",
+    "Blas",
+    "Lt",
+    "Gemm",
+    "Launch",
+    "cublas",
+    "cublaslt",
+];
+
+/// The imports and names of a family file's `code` (module `module`) that break
+/// [`FAMILY_FORBIDDEN_MODULES`], [`FAMILY_KERNEL_ARGUMENTS`] or [`FAMILY_FORBIDDEN_NAMES`].
+fn family_violations(module: &[String], code: &str) -> Vec<String> {
+    let code = without_test_items(&strip_comments_and_strings(code));
+    let mut out = Vec::new();
+    for r in module_refs(&code) {
+        // `crate::` paths (no `super`) start at the crate's root.
+        let base = match r.supers {
+            0 => 0,
+            n => match module.len().checked_sub(n) {
+                Some(b) => b,
+                None => continue,
+            },
+        };
+        let mut abs: Vec<String> = module[..base].to_vec();
+        abs.extend(r.path.iter().cloned());
+        let forbidden = FAMILY_FORBIDDEN_MODULES
+            .iter()
+            .any(|m| abs.len() >= m.len() && abs.iter().zip(m.iter()).all(|(a, b)| a == b));
+        let kernels = abs.len() >= 2 && abs[0] == "gpu" && abs[1] == "kernels";
+        let argument = abs.len() == 3 && FAMILY_KERNEL_ARGUMENTS.contains(&abs[2].as_str());
+        if forbidden || (kernels && !argument) {
+            out.push(abs.join("::"));
+        }
+    }
+    let words: BTreeSet<&str> = code.split(|c: char| !is_ident(c)).collect();
+    for name in FAMILY_FORBIDDEN_NAMES {
+        if words.contains(name) {
+            out.push((*name).to_string());
+        }
+    }
+    for field in [".blas", ".gemv", ".fp8."] {
+        if code.contains(field) {
+            out.push(field.to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn gpu_family_files_import_no_kernel_launcher_or_gemm_wrapper() {
+    let src = root().join("crates/kvfleet-cuda/src");
+    let mut families = Vec::new();
+    let mut found = BTreeMap::new();
+    for (file, module) in product_modules(&src) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        if !without_test_items(&strip_comments_and_strings(&text)).contains("impl Family for") {
+            continue;
+        }
+        families.push(module.join("::"));
+        let bad = family_violations(&module, &text);
+        if !bad.is_empty() {
+            found.insert(module.join("::"), bad);
+        }
+    }
+    assert!(
+        families.len() >= 2,
+        "the check found the family files {families:?}: expected gpu::llama and gpu::gemma3 at least"
+    );
+    assert!(
+        found.is_empty(),
+        "GPU family files that pick kernels themselves: {found:?}; project through the layer's \
+         `Linear` (gpu/linear.rs: `project`, `project_add`, `norm_input`), which picks the kernel \
+         from the weight's format and the step's shape"
+    );
+}
+
+#[test]
+fn the_family_check_sees_a_gemm_wrapper_a_launcher_and_a_kernels_owner() {
+    let module = vec!["gpu".to_string(), "llama".to_string()];
+    let ok = "use super::kernels::{QkvOut, Norm};\nuse super::linear::Ops;\n// super::blas::Gemm\n\
+              #[cfg(test)]\nmod tests { use super::super::fp8::Fusion; }";
+    assert_eq!(family_violations(&module, ok), Vec::<String>::new());
+    let bad = "use super::blas::Gemm;\nuse crate::launch::Launch;\nuse super::kernels::ModelKernels;\n\
+               fn f(st: &Step) { st.k.gemv.run(); }";
+    let got = family_violations(&module, bad);
+    for want in [
+        "gpu::blas::Gemm",
+        "launch::Launch",
+        "gpu::kernels::ModelKernels",
+        "Gemm",
+        ".gemv",
+    ] {
+        assert!(got.iter().any(|g| g == want), "{want} not in {got:?}");
+    }
+}
+
+/// Product files that read environment variables, each with the reason it is an edge.
+const ENV_READS_ALLOWED: &[(&str, &str)] = &[
+    (
+        "crates/kvfleet-cuda/src/gpu/tuning.rs",
+        "the GPU model's lab knobs (`GpuTuning::from_env`), read once at start by the worker, the \
+         bench binaries and the GPU tests, and logged",
+    ),
+    (
+        "crates/kvfleet-cuda/src/nvrtc.rs",
+        "where NVRTC's library and the CUDA headers are: the location of the toolchain, as \
+         `CUDA_HOME` is to nvcc",
+    ),
+    (
+        "crates/kvfleet-core/src/contract/model.rs",
+        "the embedded SmolLM2's install location (`KVFLEET_SMOLLM2_GGUF`), set by `.tools/env`",
+    ),
+    (
+        "src/serving/serve.rs",
+        "names `KVFLEET_SMOLLM2_GGUF` in the error that says the embedded model is missing",
+    ),
+    (
+        "src/sidecar.rs",
+        "the pod's namespace and name from the downward API",
+    ),
+    (
+        "src/publish.rs",
+        "the pod's namespace and name from the downward API",
+    ),
+    (
+        "src/worker/mod.rs",
+        "the termination log path Kubernetes reads (`KVFLEET_TERMINATION_LOG`), and the GPU \
+         tuning's one call",
+    ),
+    (
+        "src/controller/mod.rs",
+        "the pod's HOSTNAME as the leader-election identity",
+    ),
+];
+
+/// Whether `code` (stripped, tests left out) reads an environment variable at run time.
+fn reads_env(code: &str) -> bool {
+    code.contains("env::var")
+}
+
+#[test]
+fn no_product_code_reads_the_environment_outside_the_edge() {
+    let root = root();
+    let mut found = Vec::new();
+    for src in CRATE_SOURCES {
+        for (file, _) in product_modules(&root.join(src)) {
+            let rel = file
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .replace('\\', "/");
+            let code = without_test_items(&strip_comments_and_strings(
+                &std::fs::read_to_string(&file).unwrap(),
+            ));
+            if reads_env(&code) && !ENV_READS_ALLOWED.iter().any(|(f, _)| *f == rel) {
+                found.push(rel);
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "environment reads outside the edge: {found:?}; add the knob to `GpuTuning` (gpu/tuning.rs) \
+         or the worker's config and pass it down, or list the file in ENV_READS_ALLOWED with the \
+         reason it is an edge"
+    );
+    assert!(reads_env("let v = std::env::var_os(\"X\");") && reads_env("env::vars()"));
+    assert!(!reads_env(&strip_comments_and_strings(
+        "// std::env::var\nlet s = \"env::var\";"
+    )));
 }

@@ -17,13 +17,15 @@ use std::sync::Arc;
 
 use kvfleet_cuda::gpu::{DraftReserve, GpuLlama, GpuOptions};
 use kvfleet_engine::engine::block::BlockTable;
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::scheduler::write_plan;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::model::drafter::{BlockRow, CatchUp, ChainRow, Drafter};
-use kvfleet_engine::model::forward::{model_backend_config, CpuForward, Forward};
+use kvfleet_engine::model::drafter::Drafter;
+use kvfleet_engine::model::forward::{CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
+use kvfleet_engine::model::proposer::{CatchUp, DraftRow, Proposer};
 use kvfleet_engine::model::tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 
@@ -104,8 +106,50 @@ const PROMPTS: [&str; 3] = [
 struct Pair {
     tok: Tokenizer,
     draft: Vec<u32>,
-    cpu: CpuForward,
-    gpu: GpuLlama,
+    cpu: Engine,
+    gpu: Engine,
+}
+
+/// A model with its attached drafter's proposer, which the comparisons drive one pass at a time.
+struct Engine {
+    model: Box<dyn Forward>,
+    proposer: Box<dyn Proposer>,
+}
+
+impl Engine {
+    fn new(mut model: Box<dyn Forward>) -> Self {
+        let proposer = model.take_proposer().expect("a drafter is attached");
+        Engine { model, proposer }
+    }
+
+    /// The drafter's catch-up on `rows` of request `seq`, its pass planned by `draft`; then
+    /// the proposal of up to `k` tokens the request has at scheduling.
+    fn catch_up(&mut self, seq: u64, rows: &[CatchUp<'_>], k: usize, draft: &Planner) -> (usize, Vec<u32>) {
+        self.proposer
+            .catch_up(self.model.as_mut(), &[seq], rows, &mut |r, p| {
+                *p = draft(r[0].0, r[0].1, r[0].2);
+                Ok(())
+            })
+            .unwrap();
+        let mut out = Vec::new();
+        let n = self.proposer.propose(seq, &[], k, &mut out);
+        (n, out)
+    }
+
+    /// `row`'s proposal completed once its pages are allocated, its passes planned by `draft`.
+    fn draft(&mut self, mut row: DraftRow, draft: &Planner) -> Vec<u32> {
+        self.proposer
+            .draft(
+                self.model.as_mut(),
+                std::slice::from_mut(&mut row),
+                &mut |r, p| {
+                    *p = draft(r[0].0, r[0].1, r[0].2);
+                    Ok(())
+                },
+            )
+            .unwrap();
+        row.proposal
+    }
 }
 
 fn pair(kind: &str) -> Pair {
@@ -118,7 +162,13 @@ fn pair(kind: &str) -> Pair {
     draft.dedup();
     let heads = (c.n_heads, c.n_kv_heads, c.head_dim);
     let dir = make_drafter(kind, "smollm2", &c, heads, &draft);
-    let pools = model_backend_config(&c, KvDtype::Bf16, 16, 64);
+    let pools = pool_layout(
+        &c.kv_layers(c.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, 16),
+        PoolSize::Pages(64),
+    )
+    .unwrap();
     let mut cpu = CpuForward::new(model.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
     let opts = GpuOptions {
@@ -130,23 +180,30 @@ fn pair(kind: &str) -> Pair {
     let mut gpu = GpuLlama::from_llama(GpuLlama::open_gpu(0).expect("the GPU"), &model, &opts).unwrap();
     gpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
     assert!(gpu.has_drafter());
-    Pair { tok, draft, cpu, gpu }
+    Pair {
+        tok,
+        draft,
+        cpu: Engine::new(Box::new(cpu)),
+        gpu: Engine::new(Box::new(gpu)),
+    }
 }
 
 /// How a comparison's steps are planned for request `seq` over positions `start..start + len`:
 /// the target's (every layer group's pages) and the drafter's (the pages it follows).
 struct Plans<'a> {
-    target: &'a dyn Fn(u64, usize, usize) -> StepPlan,
-    draft: &'a dyn Fn(u64, usize, usize) -> StepPlan,
+    target: &'a Planner,
+    draft: &'a Planner,
 }
+
+type Planner = dyn Fn(u64, usize, usize) -> StepPlan;
 
 /// Each prompt prefilled by the target on both engines, caught up by the EAGLE-3 drafter, then
 /// chained three drafts further on each drafter's own outputs (the CPU's token fed to both):
 /// the drafts of both engines, which must come from the draft vocabulary. Returns how many
 /// drafts were equal, and of how many.
 fn eagle3_drafts(
-    cpu: &mut CpuForward,
-    gpu: &mut GpuLlama,
+    cpu: &mut Engine,
+    gpu: &mut Engine,
     draft: &[u32],
     prompts: &[Vec<u32>],
     plans: &Plans,
@@ -162,8 +219,8 @@ fn eagle3_drafts(
             logits: 1,
         }];
         let pl = (plans.target)(seq, 0, p);
-        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
-        let gpu_next = argmax(&gpu.forward(&batch, &pl).unwrap());
+        let next = argmax(&cpu.model.forward(&batch, &pl).unwrap());
+        let gpu_next = argmax(&gpu.model.forward(&batch, &pl).unwrap());
         eprintln!("prompt {i}: {p} tokens, target's next token CPU {next} GPU {gpu_next}");
         // Every prompt position paired with the token after it (the CPU's pick last).
         let mut after: Vec<u32> = prompt[1..].to_vec();
@@ -175,20 +232,24 @@ fn eagle3_drafts(
             row: 0,
             draft: true,
         }];
-        let dp = (plans.draft)(seq, 0, p);
-        let want = cpu.draft_catch_up(&rows, &dp).unwrap();
-        let got = gpu.draft_catch_up(&rows, &dp).unwrap();
-        assert_eq!((want.len(), got.len()), (1, 1));
+        let (n, want) = cpu.catch_up(seq, &rows, 4, plans.draft);
+        let (m, got) = gpu.catch_up(seq, &rows, 4, plans.draft);
+        assert_eq!((n, want.len(), m, got.len()), (4, 1, 4, 1));
         let mut drafts = vec![(want[0], got[0])];
         let mut token = want[0];
+        // One chain step at a time, at `pos`, on the CPU's last draft.
         for j in 0..3 {
-            let pos = p + j;
-            let row = [ChainRow { seq, pos, token }];
-            let dp = (plans.draft)(seq, pos, 1);
-            let want = cpu.draft_chain(&row, &dp).unwrap();
-            let got = gpu.draft_chain(&row, &dp).unwrap();
-            drafts.push((want[0], got[0]));
-            token = want[0];
+            let row = DraftRow {
+                seq,
+                pos: p + j,
+                token: 0,
+                drafts: 2,
+                proposal: vec![token],
+            };
+            let want = cpu.draft(row.clone(), plans.draft);
+            let got = gpu.draft(row, plans.draft);
+            drafts.push((want[1], got[1]));
+            token = want[1];
         }
         eprintln!("prompt {i}: drafts (CPU, GPU) {drafts:?}");
         assert!(
@@ -197,8 +258,8 @@ fn eagle3_drafts(
         );
         same += drafts.iter().filter(|(w, g)| w == g).count();
         total += drafts.len();
-        cpu.forget_draft(seq);
-        gpu.forget_draft(seq);
+        cpu.proposer.forget(seq);
+        gpu.proposer.forget(seq);
     }
     (same, total)
 }
@@ -207,8 +268,8 @@ fn eagle3_drafts(
 /// drafter's catch-up, then one block of the newest token and 3 masks: the drafts of both
 /// engines, from the draft vocabulary. Returns how many were equal, and of how many.
 fn dflash_drafts(
-    cpu: &mut CpuForward,
-    gpu: &mut GpuLlama,
+    cpu: &mut Engine,
+    gpu: &mut Engine,
     draft: &[u32],
     prompts: &[Vec<u32>],
     plans: &Plans,
@@ -224,8 +285,8 @@ fn dflash_drafts(
             logits: 1,
         }];
         let pl = (plans.target)(seq, 0, p);
-        let next = argmax(&cpu.forward(&batch, &pl).unwrap());
-        gpu.forward(&batch, &pl).unwrap();
+        let next = argmax(&cpu.model.forward(&batch, &pl).unwrap());
+        gpu.model.forward(&batch, &pl).unwrap();
         let mut after: Vec<u32> = prompt[1..].to_vec();
         after.push(next);
         let rows = [CatchUp {
@@ -235,18 +296,18 @@ fn dflash_drafts(
             row: 0,
             draft: true,
         }];
-        let dp = (plans.draft)(seq, 0, p);
-        assert!(cpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
-        assert!(gpu.draft_catch_up(&rows, &dp).unwrap().is_empty());
-        let block = [BlockRow {
+        // The catch-up stores context and drafts nothing: the whole block comes at the step.
+        assert_eq!(cpu.catch_up(seq, &rows, 3, plans.draft), (3, Vec::new()));
+        assert_eq!(gpu.catch_up(seq, &rows, 3, plans.draft), (3, Vec::new()));
+        let block = DraftRow {
             seq,
             pos: p,
             token: next,
             drafts: 3,
-        }];
-        let dp = (plans.draft)(seq, p, 4);
-        let want = cpu.draft_blocks(&block, &dp).unwrap();
-        let got = gpu.draft_blocks(&block, &dp).unwrap();
+            proposal: Vec::new(),
+        };
+        let want = cpu.draft(block.clone(), plans.draft);
+        let got = gpu.draft(block, plans.draft);
         eprintln!("prompt {i}: drafts CPU {want:?} GPU {got:?}");
         assert_eq!((want.len(), got.len()), (3, 3));
         assert!(want.iter().all(|w| draft.contains(w)), "{want:?} from {draft:?}");
@@ -257,7 +318,7 @@ fn dflash_drafts(
 }
 
 /// [`eagle3_drafts`] or [`dflash_drafts`].
-type Drafts = fn(&mut CpuForward, &mut GpuLlama, &[u32], &[Vec<u32>], &Plans) -> (usize, usize);
+type Drafts = fn(&mut Engine, &mut Engine, &[u32], &[Vec<u32>], &Plans) -> (usize, usize);
 
 /// SmolLM2 with a drafter of `kind` on both engines: `run`'s drafts of the three prompts, 7 in 8
 /// of them equal.
@@ -310,8 +371,8 @@ fn gpu_dflash_drafter_drafts_what_the_cpu_drafter_drafts() {
 /// 64 pages each, so one plan serves both (the drafter's plans: the full group's table alone).
 struct GemmaPair {
     draft: Vec<u32>,
-    cpu: CpuForward,
-    gpu: GpuLlama,
+    cpu: Engine,
+    gpu: Engine,
     /// The full-attention group, whose pages the drafter's K/V follow.
     full: usize,
     groups: usize,
@@ -362,8 +423,8 @@ fn gemma_pair(kind: &str) -> GemmaPair {
     cpu.attach_drafter(Drafter::load(&dir, &c).unwrap()).unwrap();
     GemmaPair {
         draft,
-        cpu,
-        gpu,
+        cpu: Engine::new(Box::new(cpu)),
+        gpu: Engine::new(Box::new(gpu)),
         full,
         groups: cfg.groups.len(),
     }

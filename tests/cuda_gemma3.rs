@@ -19,10 +19,11 @@ use std::sync::{Arc, OnceLock};
 use kvfleet_cuda::backend::CudaBackend;
 use kvfleet_cuda::device::Gpu;
 use kvfleet_cuda::gpu::{GpuLlama, GpuOptions};
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{Backend, KvDtype, StepPlan};
-use kvfleet_engine::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig, SeqChunk};
 use kvfleet_engine::model::sampling::argmax;
@@ -68,7 +69,13 @@ fn gpu_windowed_attention_on_its_own_page_table_matches_the_cpu_backend() {
     // Gemma 3's attention (4 query heads over 1 KV head of 256), 5 local layers of window 40
     // and 1 global layer: two page tables, the local one dropping pages that left the window.
     let cfg = LlamaConfig::gemma3(6, 256, 512, 300, 40);
-    let pools = model_backend_config(&cfg, KvDtype::Bf16, 16, 64);
+    let pools = pool_layout(
+        &cfg.kv_layers(cfg.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, 16),
+        PoolSize::Pages(64),
+    )
+    .unwrap();
     assert_eq!(pools.groups.len(), 2);
     let mut cpu = CpuBackend::new(pools.clone()).expect("CPU pools");
     let mut cuda = CudaBackend::new(gpu(), pools.clone()).expect("CUDA pools");
@@ -214,7 +221,13 @@ fn gpu_dummy_gemma3_geometry_matches_the_cpu_engine_past_the_window() {
     // Random weights of Gemma 3's block: 6 layers (5 local of window 24, 1 global), d 256.
     let cfg = LlamaConfig::gemma3(6, 256, 512, 300, 24);
     let m = Arc::new(Llama::dummy(cfg, 9).expect("dummy Gemma 3"));
-    let pools = model_backend_config(&m.config, KvDtype::Bf16, 16, 64);
+    let pools = pool_layout(
+        &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, 16),
+        PoolSize::Pages(64),
+    )
+    .unwrap();
     let mut cpu = CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     let mut g = GpuLlama::from_llama(gpu(), &m, &gpu_opts()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
@@ -270,7 +283,13 @@ fn fixture() -> Vec<(Vec<u32>, Vec<u32>)> {
 fn gpu_gemma3_270m_greedy_tokens_equal_the_cpu_engine_with_bf16_kv() {
     let g = Gguf::open(&gemma_path()).expect("open the Gemma 3 GGUF");
     let m = Arc::new(Llama::from_gguf(&g).expect("load Gemma 3"));
-    let pools = model_backend_config(&m.config, KvDtype::Bf16, 16, 256);
+    let pools = pool_layout(
+        &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, 16),
+        PoolSize::Pages(256),
+    )
+    .unwrap();
     let mut cpu = CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     let mut gm = GpuLlama::from_llama(gpu(), &m, &gpu_opts()).unwrap_or_else(|e| panic!("{e}"));
     let cap = gm.capacity().clone();

@@ -280,13 +280,20 @@ fn gpu_smollm2_prefill_and_decode_logits_match_the_cpu() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (run through the device tool)"]
 fn gpu_fp8_and_nvfp4_kv_logits_stay_within_twice_the_formats_own_error() {
+    use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
     use kvfleet_engine::engine::cpu::CpuBackend;
-    use kvfleet_engine::model::forward::{llama_backend_config, CpuForward};
+    use kvfleet_engine::model::forward::CpuForward;
     let m = smollm2();
     let arc = Arc::new(Llama::from_gguf(gguf()).expect("load SmolLM2 weights"));
     let ids = chat_ids("What is the capital of France?");
     for dtype in [KvDtype::Fp8E4m3, KvDtype::Fp8E5m2, KvDtype::Nvfp4] {
-        let pools = llama_backend_config(m.config.attn_geometry(), dtype, 16, 64);
+        let pools = pool_layout(
+            &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+            0,
+            &PoolParams::pages(dtype, 16),
+            PoolSize::Pages(64),
+        )
+        .unwrap();
         let mut cpu_engine = CpuForward::new(arc.clone(), CpuBackend::new(pools).unwrap()).unwrap();
         let mut cpu_planner = DirectPlanner::new(16, &cpu_engine.kv_config().groups);
         let mut cpu_plan = StepPlan::default();

@@ -13,12 +13,14 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
-use kvfleet_engine::model::llama::{LinearQuantization, Llama, SeqChunk};
+use kvfleet_engine::model::linear::LinearQuantization;
+use kvfleet_engine::model::llama::{Llama, SeqChunk};
 use kvfleet_engine::model::sampling::argmax;
 use kvfleet_engine::model::tokenizer::{ChatMessage, Tokenizer};
 
@@ -222,7 +224,13 @@ fn fp8_smollm2_logits_stay_close_and_greedy_tokens_agree() {
 /// Greedy ids of `prompt` on the engine's CPU backend (paged f16 KV, the local layers'
 /// window), prefill in chunks of 256, then `n` steps: what the Gemma 3 suite runs.
 fn engine_greedy(m: Arc<Llama>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let pools = model_backend_config(&m.config, KvDtype::F16, 16, 128);
+    let pools = pool_layout(
+        &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::F16, 16),
+        PoolSize::Pages(128),
+    )
+    .unwrap();
     let mut f = CpuForward::new(m, CpuBackend::new(pools).unwrap()).unwrap();
     let mut planner = DirectPlanner::new(16, &f.kv_config().groups);
     let mut plan = StepPlan::default();

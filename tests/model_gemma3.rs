@@ -15,10 +15,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use kvfleet::serving::metrics::Metrics;
 use kvfleet::serving::openai;
 use kvfleet::serving::serve::{loaded, start_cpu, CpuLimits};
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::direct::DirectPlanner;
 use kvfleet_engine::engine::{KvDtype, StepPlan};
-use kvfleet_engine::model::forward::{model_backend_config, step_direct, CpuForward, Forward};
+use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
 use kvfleet_engine::model::gguf::{GgmlType, Gguf};
 use kvfleet_engine::model::llama::{Llama, SeqChunk};
 use kvfleet_engine::model::tokenizer::Tokenizer;
@@ -170,7 +171,13 @@ fn engine_greedy(
 #[test]
 fn gemma3_greedy_continuations_on_the_engine_match_transformers() {
     let m = model();
-    let pools = model_backend_config(&m.config, KvDtype::F16, 16, 128);
+    let pools = pool_layout(
+        &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::F16, 16),
+        PoolSize::Pages(128),
+    )
+    .unwrap();
     assert_eq!(pools.groups.len(), 2, "full and local layer groups");
     let mut f = CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     let mut planner = DirectPlanner::new(16, &f.kv_config().groups);

@@ -333,15 +333,22 @@ const NEAR_TIE: f32 = 0.25;
 /// exactly is printed.
 #[test]
 fn smollm2_greedy_outputs_on_the_engine_equal_the_recorded_cpu_outputs() {
+    use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
     use kvfleet_engine::engine::cpu::CpuBackend;
     use kvfleet_engine::engine::direct::DirectPlanner;
     use kvfleet_engine::engine::StepPlan;
-    use kvfleet_engine::model::forward::{llama_backend_config, step_direct, CpuForward, Forward};
+    use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(fixture("smollm2-greedy.json")).unwrap()).unwrap();
     assert_eq!(rows.len(), FIXTURE_PROMPTS.len());
     let m = model_arc();
-    let pools = llama_backend_config(m.config.attn_geometry(), KvDtype::Bf16, 16, 64);
+    let pools = pool_layout(
+        &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::Bf16, 16),
+        PoolSize::Pages(64),
+    )
+    .unwrap();
     let mut f = CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap();
     let mut planner = DirectPlanner::new(16, &f.kv_config().groups);
     let mut plan = StepPlan::default();
@@ -705,9 +712,10 @@ async fn openai_python_client_streams_a_chat_completion() {
 #[test]
 fn warm_up_leaves_the_pools_serving_the_same_greedy_tokens() {
     use kvfleet::serving::runtime::{run_greedy, warm_up};
+    use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
     use kvfleet_engine::engine::cpu::CpuBackend;
     use kvfleet_engine::engine::scheduler::SchedulerConfig;
-    use kvfleet_engine::model::forward::{llama_backend_config, CpuForward};
+    use kvfleet_engine::model::forward::CpuForward;
     let m = model_arc();
     let tok = tokenizer();
     let prompt = tok.encode("The capital of France is", false);
@@ -720,7 +728,13 @@ fn warm_up_leaves_the_pools_serving_the_same_greedy_tokens() {
         prefix_caching: true,
     };
     let fresh = || {
-        let pools = llama_backend_config(m.config.attn_geometry(), KvDtype::Bf16, 16, 16);
+        let pools = pool_layout(
+            &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+            0,
+            &PoolParams::pages(KvDtype::Bf16, 16),
+            PoolSize::Pages(16),
+        )
+        .unwrap();
         CpuForward::new(m.clone(), CpuBackend::new(pools).unwrap()).unwrap()
     };
     let (_, want) = run_greedy(&mut fresh(), &sched, &[(prompt.clone(), 6)]).unwrap();

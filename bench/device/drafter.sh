@@ -43,7 +43,7 @@ case "$part" in
       prompt=128; batches=$row
       case "$row" in *:*) prompt=${row%%:*}; batches=${row##*:} ;; esac
       for rep in 1 2; do
-        for v in ${KVFLEET_DRAFT_VARIANTS:-bf16 cvt h2}; do
+        for v in ${KVFLEET_DRAFT_VARIANTS:-bf16 cvt}; do
           fp8=1; [ "$v" = bf16 ] && fp8=0
           step "model bench: dummy Llama-3.1-8B, $v, prompt $prompt, batches $batches, round $rep"
           KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$fp8 KVFLEET_FP8_GEMV=$v \

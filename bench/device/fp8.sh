@@ -7,8 +7,8 @@
 #                                # Llama-3.1-8B, bf16 then FP8 (KVFLEET_FP8_NO_BENCH=1: no bench)
 #   bash bench/device/fp8.sh b   # join the GGUF; SmolLM2 FP8 tests; the bf16 GPU model tests
 # KVFLEET_FP8_BENCH="1,256 2048:1" picks the bench rows: BATCHES or PROMPT:BATCHES;
-# KVFLEET_FP8_VARIANTS="bf16 fp8 fp8-mma fp8-int" the variants (fp8-mma: the tensor-core GEMV;
-# fp8-int: the GEMV with integer bit moves; fp8-h2: the GEMV with f16 products; fp8-unit: unit scales in cuBLASLt and the epilogue); KVFLEET_FP8_PROFILE=1,256 adds profiles.
+# KVFLEET_FP8_VARIANTS="bf16 fp8" the variants (fp8-unit: unit scales in cuBLASLt and the
+# epilogue; the int, h2 and mma GEMVs lost and are gone); KVFLEET_FP8_PROFILE=1,256 adds profiles.
 set -uo pipefail
 part=${1:?usage: fp8.sh a|b}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,9 +38,9 @@ case "$part" in
       case "$row" in *:*) prompt=${row%%:*}; batches=${row##*:} ;; esac
       # bf16, FP8 (cuBLASLt applies the row scales where it can) and FP8 with unit scales and
       # the epilogue kernel (the path of Ada and older cuBLAS), in the same call.
-      for v in ${KVFLEET_FP8_VARIANTS:-bf16 fp8 fp8-mma fp8-int}; do
+      for v in ${KVFLEET_FP8_VARIANTS:-bf16 fp8}; do
         fp8=1; unit=0; gemv=cvt
-        case "$v" in bf16) fp8=0 ;; fp8-unit) unit=1 ;; fp8-int) gemv=int ;; fp8-h2) gemv=h2 ;; fp8-mma) gemv=mma ;; esac
+        case "$v" in bf16) fp8=0 ;; fp8-unit) unit=1 ;; esac
         step "model bench: dummy Llama-3.1-8B, $v, prompt $prompt, batches $batches"
         KVFLEET_BENCH_DEVICE=cuda KVFLEET_BENCH_MODELS=llama3-8b KVFLEET_BENCH_FP8=$fp8 KVFLEET_FP8_UNIT_SCALES=$unit KVFLEET_FP8_GEMV=$gemv \
           KVFLEET_BENCH_PROMPT=$prompt KVFLEET_BENCH_BATCHES=$batches KVFLEET_BENCH_STEPS=${KVFLEET_FP8_STEPS:-128} \
@@ -64,7 +64,7 @@ case "$part" in
     cat "$stash/gguf.part1" $dev/gguf.part2 > "$gguf" || exit 3
     echo "$(cat $dev/gguf.sha256)  $gguf" | sha256sum -c - || exit 3
     export KVFLEET_SMOLLM2_GGUF=$gguf
-    for gemv in cvt mma; do
+    for gemv in cvt; do
       step "SmolLM2 FP8 tests, the $gemv GEMV"
       KVFLEET_FP8_GEMV=$gemv timeout 200 "$stash/cuda_fp8" --ignored --nocapture --test-threads 1 2>&1 \
         | tee "$OUT/cuda_fp8_$gemv.log" | grep -E "^test |ratio|top-1|weights:|result|panicked" | tail -30

@@ -26,6 +26,7 @@ use kvfleet_engine::model::forward::{Forward, Picked};
 use kvfleet_engine::model::gguf::GgufError;
 use kvfleet_engine::model::hf::HfError;
 use kvfleet_engine::model::llama::{LoadError, SeqChunk};
+use kvfleet_engine::model::proposer::{Ngram, Proposer};
 use kvfleet_engine::model::sampling::{
     token_logprobs, RowPick, RowSample, Sampler, SamplingParams, StopMatcher, TokenLogprobs,
 };
@@ -189,7 +190,7 @@ impl ModelRuntime {
 
     /// [`ModelRuntime::start`] with optional parts (KV events).
     pub fn start_with(
-        model: Box<dyn Forward>,
+        mut model: Box<dyn Forward>,
         tokenizer: Tokenizer,
         name: String,
         sched: SchedulerConfig,
@@ -197,14 +198,19 @@ impl ModelRuntime {
         hooks: RuntimeHooks,
     ) -> Result<Self, RuntimeError> {
         sched.check().map_err(RuntimeError::Config)?;
+        let mut proposer: Option<Box<dyn Proposer>> = None;
         if let Some(spec) = &hooks.speculative {
             spec.check().map_err(RuntimeError::Config)?;
-            if spec.method.needs_drafter() && !model.has_drafter() {
-                return Err(RuntimeError::Config(format!(
-                    "speculative method {}: no drafter is attached to the model (serve::attach_drafter)",
-                    spec.method.as_str()
-                )));
-            }
+            proposer = Some(if spec.method.needs_drafter() {
+                model.take_proposer().ok_or_else(|| {
+                    RuntimeError::Config(format!(
+                        "speculative method {}: no drafter is attached to the model (serve::attach_drafter)",
+                        spec.method.as_str()
+                    ))
+                })?
+            } else {
+                Box::new(Ngram::new(spec))
+            });
             metrics
                 .set_speculative(spec.num_speculative_tokens)
                 .map_err(|e| RuntimeError::Config(format!("speculative-decoding metrics: {e}")))?;
@@ -298,7 +304,8 @@ impl ModelRuntime {
             last: Counters::default(),
             profile: profile::enabled().then(|| Table::new("serving loop (host)", HOST_PARTS)),
             kv_events: hooks.kv_events,
-            spec: hooks.speculative.map(|config| Spec {
+            spec: hooks.speculative.zip(proposer).map(|(config, proposer)| Spec {
+                proposer,
                 stats: super::metrics::SpecStats {
                     method: config.method.as_str(),
                     num_speculative_tokens: config.num_speculative_tokens,
@@ -449,10 +456,6 @@ struct Live {
     /// This step's proposed tokens (speculative decoding), and the request's back-off.
     draft: Vec<u32>,
     backoff: Backoff,
-    /// Whether the drafter (EAGLE-3, DFlash) caught up on this request's positions at the last
-    /// step, so it can propose; and EAGLE-3's first proposal, drafted then.
-    drafter_ready: bool,
-    drafted: Option<u32>,
 }
 
 impl Live {
@@ -661,8 +664,6 @@ impl Loop {
                 deadline,
                 draft: Vec::new(),
                 backoff: Backoff::default(),
-                drafter_ready: false,
-                drafted: None,
             },
         );
     }
@@ -865,7 +866,7 @@ impl Loop {
                         tracing::debug!(id, "preempted: recomputes when pages free");
                     }
                     Event::Finished { id } => {
-                        self.model.forget_draft(id);
+                        self.forget_draft(id);
                         if let Some(mut l) = self.live.remove(&id) {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {
@@ -875,7 +876,7 @@ impl Loop {
                         }
                     }
                     Event::Failed { id, reason } => {
-                        self.model.forget_draft(id);
+                        self.forget_draft(id);
                         if let Some(l) = self.live.remove(&id) {
                             self.admitted.fetch_sub(1, Ordering::SeqCst);
                             if l.ended.is_none() {

@@ -16,7 +16,7 @@ use kvfleet_cuda::gpu::{GpuCapacity, GpuLlama, GpuOptions};
 use kvfleet_engine::engine::cpu::CpuBackend;
 use kvfleet_engine::engine::layout::{BackendConfig, KvDtype};
 use kvfleet_engine::engine::scheduler::SchedulerConfig;
-use kvfleet_engine::model::forward::{model_backend_config, CpuForward, Forward};
+use kvfleet_engine::model::forward::{CpuForward, Forward};
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::hf;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig};
@@ -447,12 +447,6 @@ pub fn on_gpu_with(
     Ok((Box::new(m), cap))
 }
 
-/// The CPU pools for the model's geometry: `num_blocks` pages of `block_size` tokens per layer
-/// group (one group, or the full and the local layers of Gemma 3).
-pub fn cpu_pools(model: &LoadedModel, dtype: KvDtype, block_size: usize, num_blocks: usize) -> BackendConfig {
-    model_backend_config(model.config(), dtype, block_size, num_blocks)
-}
-
 fn dir_name(dir: &Path) -> String {
     std::fs::canonicalize(dir)
         .ok()
@@ -517,12 +511,7 @@ pub fn start_cpu(
     let max_model_len = limits
         .max_model_len
         .unwrap_or_else(|| model.config().context_len.min(4096));
-    let blocks = limits.kv_tokens.div_ceil(limits.block_size);
-    let pools = if model.config().gemma3.is_some() {
-        windowed_pools(model.config(), &limits, max_model_len)?
-    } else {
-        cpu_pools(&model, limits.kv_dtype, limits.block_size, blocks)
-    };
+    let pools = cpu_pools(model.config(), &limits, max_model_len)?;
     let LoadedModel {
         weights,
         tokenizer,
@@ -548,16 +537,16 @@ pub fn start_cpu(
     )?)
 }
 
-/// Pools for a model with sliding-window layers: the bytes of `kv_tokens` tokens of every
-/// layer (a full-layer pool of that many tokens), split between the layer groups by what one
-/// maxModelLen request needs from each, as preflight sizes the worker's pools.
-fn windowed_pools(
+/// The CPU pools: the bytes of `kv_tokens` tokens of every layer (whole pages), laid out by
+/// the engine's one layout: one pool of every layer for the Llama family; split between the
+/// layer groups by what one maxModelLen request needs from each for a model with
+/// sliding-window layers, as preflight sizes the worker's pools.
+fn cpu_pools(
     cfg: &LlamaConfig,
     limits: &CpuLimits,
     max_model_len: usize,
 ) -> Result<BackendConfig, MountError> {
-    use kvfleet_engine::engine::capacity::{pools_in_bytes, PoolParams};
-    use kvfleet_engine::engine::layout::PoolShape;
+    use kvfleet_engine::engine::capacity::{kv_bytes_per_token, pool_layout, PoolParams, PoolSize};
     let bad = |e: String| MountError::from(RuntimeError::Config(format!("cannot size the KV pools: {e}")));
     let layers = cfg.kv_layers(cfg.n_kv_heads).map_err(bad)?;
     let params = PoolParams {
@@ -567,18 +556,9 @@ fn windowed_pools(
         dtype: limits.kv_dtype,
         causal: true,
     };
-    let page = PoolShape::new(
-        0,
-        cfg.n_kv_heads,
-        limits.block_size,
-        cfg.head_dim,
-        limits.kv_dtype,
-    )
-    .map_err(|e| bad(e.to_string()))?
-    .page_bytes() as u64;
-    let blocks = limits.kv_tokens.div_ceil(limits.block_size) as u64;
-    let bytes = blocks * 2 * page * cfg.n_layers as u64;
-    pools_in_bytes(&layers, 0, &params, bytes).map_err(bad)
+    let pages = limits.kv_tokens.div_ceil(limits.block_size);
+    let bytes = pages * limits.block_size * kv_bytes_per_token(&layers, limits.kv_dtype);
+    pool_layout(&layers, 0, &params, PoolSize::Bytes(bytes as u64)).map_err(bad)
 }
 
 /// A model already in memory, for [`start_cpu`].

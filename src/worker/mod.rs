@@ -453,8 +453,9 @@ fn place(
             cfg.engine.max_model_len
         )));
     }
-    let mut pf = preflight::run(cfg, probe)?;
-    if pf.backend == preflight::BackendKind::Cuda {
+    // The device first (the kernels' rules on the stored heads, a usable GPU path), then one
+    // preflight on the geometry that device stores.
+    if preflight::backend(cfg, probe)?.0 == preflight::BackendKind::Cuda {
         if let Err(e) = kvfleet_cuda::gpu::check_available() {
             if cfg.attention_backend() == AttentionBackend::KvfleetCuda {
                 return Err(PreflightError::Incompatible(format!(
@@ -463,14 +464,13 @@ fn place(
             }
             tracing::warn!(reason = %e, "the GPU path is not usable: the model runs on the CPU");
             cfg.force_cpu();
-            cfg.geometry = Some(real.clone());
-            pf = preflight::run(cfg, probe)?;
+            cfg.geometry = Some(real);
         }
     } else if wants_gpu {
         // Auto fell back to the CPU: its pools hold the model's own KV heads.
         cfg.geometry = Some(real);
-        pf = preflight::run(cfg, probe)?;
     }
+    let pf = preflight::run(cfg, probe)?;
     let crate::serving::serve::LoadedModel {
         weights, tokenizer, ..
     } = model;
@@ -485,6 +485,11 @@ fn place(
             }
             let forward = serve::on_cpu(weights, pools, cfg.seed, cfg.engine.quantization)
                 .map_err(|e| PreflightError::NoMemory(e.to_string()))?;
+            // `KVFLEET_PROFILE=1` times the serving loop on the CPU too; the GPU knobs read
+            // beside it do not apply here, so a bad one is not this worker's error.
+            if let Ok(tuning) = kvfleet_cuda::gpu::GpuTuning::from_env() {
+                kvfleet_cuda::profile::enable(tuning.profile);
+            }
             Placed {
                 forward,
                 gpu: None,
@@ -505,15 +510,20 @@ fn place(
                 self_test: true,
                 max_model_len: Some(pf.scheduler.max_model_len),
                 single_token_gemv: true,
-                // `KVFLEET_SINGLE_TOKEN_APPEND=0` keeps the append launch (to compare the two).
-                single_token_append: kvfleet_cuda::gpu::GpuOptions::default().single_token_append
-                    && std::env::var("KVFLEET_SINGLE_TOKEN_APPEND").map_or(true, |v| v.trim() != "0"),
+                single_token_append: true,
                 // FP8 at load, or an FP8 checkpoint kept in FP8 (quantized again per row from
                 // its dequantized weights: the same bytes for per-channel amax scales).
                 fp8_weights: cfg.engine.quantization == EngineQuantization::Fp8
                     || cfg.model.as_ref().is_some_and(serve::fp8_checkpoint),
                 drafter: None,
+                tuning: Default::default(),
             };
+            // The lab knobs (and `KVFLEET_SINGLE_TOKEN_APPEND=0`) from the environment, once.
+            let opts = opts
+                .with_env()
+                .map_err(|e| PreflightError::Incompatible(e.to_string()))?;
+            kvfleet_cuda::profile::enable(opts.tuning.profile);
+            tracing::info!(tuning = ?opts.tuning, single_token_append = opts.single_token_append, "GPU tuning");
             let (forward, cap) = serve::on_gpu_with(weights, &opts, cfg.seed, spec).map_err(|e| match e {
                 crate::serving::runtime::RuntimeError::Gpu(kvfleet_cuda::gpu::GpuError::Memory(m)) => {
                     PreflightError::NoMemory(m)

@@ -98,8 +98,10 @@ fn kv_list(geometry: &Geometry) -> Result<Vec<ModelLayer>, PreflightError> {
     })
 }
 
-/// Decides backend, dtype and pool sizes for `cfg` on the probed machine.
-pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightError> {
+/// The backend `cfg` runs on the probed machine (the CUDA kernels where the first GPU can run
+/// the geometry `cfg` gives, else the CPU, as `attentionBackend` allows), with the warnings of
+/// that choice: the first part of [`run`], cheap, for the worker to settle its device first.
+pub fn backend(cfg: &WorkerConfig, probe: &Probe) -> Result<(BackendKind, Vec<String>), PreflightError> {
     let e = &cfg.engine;
     let mut warnings = Vec::new();
     if e.runtime != Runtime::Kvfleet {
@@ -157,6 +159,17 @@ pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightErro
                 "attentionBackend {other} belongs to vLLM; the kvfleet engine runs KVFLEET_CUDA or KVFLEET_CPU (or auto)"
             )))
         }
+    };
+    Ok((backend, warnings))
+}
+
+/// Decides backend, dtype and pool sizes for `cfg` on the probed machine.
+pub fn run(cfg: &WorkerConfig, probe: &Probe) -> Result<Preflight, PreflightError> {
+    let e = &cfg.engine;
+    let (backend, mut warnings) = backend(cfg, probe)?;
+    let gpu = match probe {
+        Probe::Gpus(g) => g.first().cloned(),
+        Probe::NoGpu { .. } => None,
     };
     let dtype = KvDtype::resolve(cfg.kv_cache_dtype(), KvDtype::Bf16);
     let geometry = model_geometry(cfg)?;

@@ -236,12 +236,6 @@ impl CudaBackend {
     }
 }
 
-fn to_i32(v: &[u32]) -> Result<Vec<i32>, BackendError> {
-    v.iter()
-        .map(|&x| i32::try_from(x).map_err(|_| BackendError::Plan(format!("index {x} exceeds i32"))))
-        .collect()
-}
-
 impl Backend for CudaBackend {
     type Buf = CudaSlice<u16>;
 
@@ -308,18 +302,18 @@ impl Backend for CudaBackend {
     fn prepare(&mut self, plan: &StepPlan) -> Result<(), BackendError> {
         plan.check(&self.cfg).map_err(BackendError::Plan)?;
         self.prepared = false;
-        let qo_indptr = to_i32(&plan.qo_indptr)?;
         // The groups of the last step keep their device buffers: this step refills them (one
         // copy each for the slot mapping and for the step's indices), allocating only to grow.
         let mut old = std::mem::take(&mut self.groups).into_iter();
         let mut groups = Vec::with_capacity(plan.groups.len());
         for (g, t) in plan.groups.iter().enumerate() {
+            // The engine's tables are the kernels' batch as they are (`CsrBatch`: u32 end to end).
             let batch = CsrBatch {
-                qo_indptr: qo_indptr.clone(),
-                kv_indptr: to_i32(&t.kv_indptr)?,
-                kv_indices: to_i32(&t.kv_indices)?,
-                kv_last_page_len: to_i32(&t.kv_last_page_len)?,
-                kv_first_pos: to_i32(&t.kv_first_pos)?,
+                qo_indptr: plan.qo_indptr.clone(),
+                kv_indptr: t.kv_indptr.clone(),
+                kv_indices: t.kv_indices.clone(),
+                kv_last_page_len: t.kv_last_page_len.clone(),
+                kv_first_pos: t.kv_first_pos.clone(),
             };
             let mut step = match old.next() {
                 Some(s) => s,

@@ -23,15 +23,6 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// `KVFLEET_FUSED_MERGE=0` keeps the `kvf_merge` launch after split decode steps (to time the
-/// two against each other); unset or anything else merges in `kvf_decode`. Read when a
-/// specialisation is loaded.
-pub const FUSED_MERGE_ENV: &str = "KVFLEET_FUSED_MERGE";
-
-fn fused_merge_from_env() -> bool {
-    std::env::var(FUSED_MERGE_ENV).map_or(true, |v| v.trim() != "0")
-}
-
 /// One GPU: context, stream, target architecture and compiled kernels.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -42,6 +33,9 @@ pub struct Gpu {
     pub capability: (i32, i32),
     ptx: PtxCache,
     loaded: Mutex<HashMap<KernelSpec, Arc<Kernels>>>,
+    /// What [`Kernels::fused_merge`] starts at for specialisations loaded from now on
+    /// ([`Gpu::set_fused_merge`]).
+    fused_merge: AtomicBool,
 }
 
 /// The kernels of one specialisation, loaded on a device.
@@ -53,7 +47,7 @@ pub struct Kernels {
     merge: CudaFunction,
     append: CudaFunction,
     /// Whether decode-only steps merge split-KV partials in `kvf_decode`'s last CTA of each job
-    /// rather than in a `kvf_merge` launch ([`FUSED_MERGE_ENV`]).
+    /// rather than in a `kvf_merge` launch (`GpuTuning::fused_merge`; [`Gpu::set_fused_merge`]).
     fused_merge: AtomicBool,
     /// Launch with programmatic dependent launch (sm_90 and later, [`launch`]).
     pdl: bool,
@@ -91,7 +85,18 @@ impl Gpu {
             capability,
             ptx: PtxCache::new(),
             loaded: Mutex::new(HashMap::new()),
+            fused_merge: AtomicBool::new(true),
         })
+    }
+
+    /// Whether split decode steps merge in `kvf_decode` (the default) or in a `kvf_merge`
+    /// launch, for every specialisation loaded and to be loaded (`GpuTuning::fused_merge`).
+    pub fn set_fused_merge(&self, on: bool) -> Result<(), CudaError> {
+        self.fused_merge.store(on, Ordering::Relaxed);
+        for k in self.loaded.lock().map_err(|_| CudaError::Poisoned)?.values() {
+            k.set_fused_merge(on);
+        }
+        Ok(())
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -131,7 +136,7 @@ impl Gpu {
             decode,
             merge: f("kvf_merge")?,
             append: f("kvf_append")?,
-            fused_merge: AtomicBool::new(fused_merge_from_env()),
+            fused_merge: AtomicBool::new(self.fused_merge.load(Ordering::Relaxed)),
             pdl: launch::pdl(self.arch),
             compile_seconds: compiled.compile_time.as_secs_f64(),
         });
@@ -381,19 +386,22 @@ impl StepBuffers {
         let d = spec.head_dim.get();
         let items = plan.items_as_i32();
         let merges = plan.merges_as_i32();
-        let sections: [&[i32]; SECTIONS] = [
+        let csr: [&[u32]; 5] = [
             &batch.qo_indptr,
             &batch.kv_indptr,
             &batch.kv_indices,
             &batch.kv_last_page_len,
             &batch.kv_first_pos,
-            &items,
-            &merges,
         ];
         self.host.clear();
-        for (i, sec) in sections.iter().enumerate() {
+        for i in 0..SECTIONS {
             self.off[i] = self.host.len();
-            self.host.extend_from_slice(sec);
+            // The CSR arrays are `u32`, validated to fit the kernels' `int`.
+            match (csr.get(i), i) {
+                (Some(sec), _) => self.host.extend(sec.iter().map(|&x| x as i32)),
+                (None, ITEMS) => self.host.extend_from_slice(&items),
+                (None, _) => self.host.extend_from_slice(&merges),
+            }
             let padded = self.host.len().next_multiple_of(SECTION_ALIGN);
             self.host.resize(padded, 0);
         }
@@ -487,7 +495,7 @@ impl Kernels {
         num_sms.max(1) * per_sm
     }
 
-    /// Whether split decode steps merge in `kvf_decode` (the default; [`FUSED_MERGE_ENV`]).
+    /// Whether split decode steps merge in `kvf_decode` (the default; [`Gpu::set_fused_merge`]).
     pub fn fused_merge(&self) -> bool {
         self.fused_merge.load(Ordering::Relaxed)
     }

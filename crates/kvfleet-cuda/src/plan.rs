@@ -6,18 +6,24 @@ use super::spec::{Arch, KernelSpec};
 use super::CudaError;
 
 /// A batch in CSR form, host side (the same arrays are uploaded for the kernels).
+///
+/// `u32`, as the engine writes them (`engine::layout::GroupTable`: page ids are `u32` and
+/// positions and offsets never negative), so a step's tables cross to the device with no
+/// conversion. The kernels read them as `int`: [`CsrBatch::validate`] refuses a value past
+/// `i32::MAX`, which no pool reaches (a slot `page * block_size + offset` fits `u32`, so a
+/// page id of pages of 16 tokens is below 2^28, and positions are below the context length).
 #[derive(Clone, Debug, Default)]
 pub struct CsrBatch {
     /// `[B+1]` offsets into packed Q/O rows `[total_q, q_heads, head_dim]`.
-    pub qo_indptr: Vec<i32>,
+    pub qo_indptr: Vec<u32>,
     /// `[B+1]` offsets into `kv_indices`.
-    pub kv_indptr: Vec<i32>,
+    pub kv_indptr: Vec<u32>,
     /// Page ids, request by request, in position order.
-    pub kv_indices: Vec<i32>,
+    pub kv_indices: Vec<u32>,
     /// `[B]` tokens held in each request's last page (1..=page size when it has pages).
-    pub kv_last_page_len: Vec<i32>,
+    pub kv_last_page_len: Vec<u32>,
     /// `[B]` absolute position of the first held token (non-zero once leading pages were freed).
-    pub kv_first_pos: Vec<i32>,
+    pub kv_first_pos: Vec<u32>,
 }
 
 impl CsrBatch {
@@ -62,17 +68,23 @@ impl CsrBatch {
         if self.kv_indptr[b] as usize != self.kv_indices.len() {
             return bad("kv_indptr[B] must equal kv_indices.len()".into());
         }
+        if self.qo_indptr[b] > i32::MAX as u32 || self.kv_indptr[b] > i32::MAX as u32 {
+            return bad("more rows or pages in one step than the kernels' int counts".into());
+        }
         for r in 0..b {
             if self.qo_indptr[r + 1] < self.qo_indptr[r] || self.kv_indptr[r + 1] < self.kv_indptr[r] {
                 return bad(format!("request {r}: indptr decreases"));
             }
             let pages = self.kv_indptr[r + 1] - self.kv_indptr[r];
             let last = self.kv_last_page_len[r];
-            if pages > 0 && !(1..=page as i32).contains(&last) {
+            if pages > 0 && !(1..=page as u32).contains(&last) {
                 return bad(format!("request {r}: kv_last_page_len {last} outside 1..={page}"));
             }
-            if self.kv_first_pos[r] < 0 {
-                return bad(format!("request {r}: negative kv_first_pos"));
+            if self.kv_first_pos[r] > i32::MAX as u32 {
+                return bad(format!(
+                    "request {r}: kv_first_pos {} past the kernels' int",
+                    self.kv_first_pos[r]
+                ));
             }
             let keys = self.num_keys(r, page);
             if self.q_len(r) > self.kv_first_pos[r] as usize + keys {
@@ -90,7 +102,7 @@ impl CsrBatch {
         if let Some(p) = self
             .kv_indices
             .iter()
-            .find(|p| **p < 0 || **p as usize >= num_blocks)
+            .find(|p| **p as usize >= num_blocks || **p > i32::MAX as u32)
         {
             return bad(format!("page id {p} outside the pool of {num_blocks} blocks"));
         }
@@ -328,11 +340,11 @@ mod tests {
         for &(q, k) in reqs {
             let pages = k.div_ceil(16);
             for _ in 0..pages {
-                b.kv_indices.push(b.kv_indices.len() as i32);
+                b.kv_indices.push(b.kv_indices.len() as u32);
             }
-            b.qo_indptr.push(b.qo_indptr.last().unwrap() + q as i32);
-            b.kv_indptr.push(b.kv_indices.len() as i32);
-            b.kv_last_page_len.push((k - (pages - 1) * 16) as i32);
+            b.qo_indptr.push(b.qo_indptr.last().unwrap() + q as u32);
+            b.kv_indptr.push(b.kv_indices.len() as u32);
+            b.kv_last_page_len.push((k - (pages - 1) * 16) as u32);
             b.kv_first_pos.push(0);
         }
         b

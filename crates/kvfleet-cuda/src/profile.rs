@@ -7,20 +7,27 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
 
-/// The variable that turns profiling on (`1`).
-pub const ENV: &str = "KVFLEET_PROFILE";
+/// Whether the serving loop times its host parts: set once at start by the worker from
+/// `GpuTuning::profile` (`KVFLEET_PROFILE=1`), read by the loop.
+static ENABLED: AtomicBool = AtomicBool::new(false);
 
 /// How often a profile table is logged.
 pub const REPORT_EVERY: Duration = Duration::from_secs(10);
 
-/// Whether [`ENV`] asks for profiling.
+/// Whether profiling was asked for ([`enable`]).
 pub fn enabled() -> bool {
-    std::env::var(ENV).is_ok_and(|v| v == "1")
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Turns the serving loop's profile on or off (the worker, at start).
+pub fn enable(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
 }
 
 /// A step's shape: decode only or with prefill, and its sampling rows rounded up to a power of

@@ -74,7 +74,7 @@ impl Scenario {
         };
         let total_pages: usize = reqs.iter().map(|r| r.n_keys.div_ceil(page)).sum();
         let num_blocks = total_pages + 3;
-        let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
         for i in (1..ids.len()).rev() {
             let j = rng.random_range(0..=i);
             ids.swap(i, j);
@@ -86,14 +86,14 @@ impl Scenario {
             next += pages;
             batch
                 .qo_indptr
-                .push(batch.qo_indptr.last().copied().unwrap_or(0) + r.q_len as i32);
-            batch.kv_indptr.push(batch.kv_indices.len() as i32);
+                .push(batch.qo_indptr.last().copied().unwrap_or(0) + r.q_len as u32);
+            batch.kv_indptr.push(batch.kv_indices.len() as u32);
             batch.kv_last_page_len.push(if pages == 0 {
                 0
             } else {
-                (r.n_keys - (pages - 1) * page) as i32
+                (r.n_keys - (pages - 1) * page) as u32
             });
-            batch.kv_first_pos.push(r.first_pos as i32);
+            batch.kv_first_pos.push(r.first_pos as u32);
         }
         // Values: N(0,1) keys with a per-head offset (realistic: scores are not all near 0), N(0,1) values.
         let amax = 4.5f32;

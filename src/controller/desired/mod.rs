@@ -219,11 +219,6 @@ pub fn resolved(spec: &InferenceDeploymentSpec, verdict: &Verdict) -> (KvCacheDt
     }
 }
 
-/// Owner reference of `obj` (for tests and callers that build objects by hand).
-pub fn owner_reference(obj: &InferenceDeployment) -> Option<OwnerReference> {
-    obj.controller_owner_ref(&())
-}
-
 /// `namespace/name` for logs and keys.
 pub fn object_key(obj: &impl ResourceExt) -> String {
     format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())

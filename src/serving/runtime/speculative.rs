@@ -1,19 +1,22 @@
 //! Speculative decoding in the serving loop: each step's verification rows, and what their
-//! picks accept (the proposals themselves come from `engine::speculative`).
+//! picks accept. The proposals come from the method's [`Proposer`] (n-gram lookup, or a drafter
+//! beside the model), which the loop asks at scheduling, once the step's pages are allocated,
+//! and after the step, never knowing which method it is.
 
 use std::collections::HashMap;
 
 use kvfleet_engine::engine::scheduler::{Event, RequestId, ScheduledChunk};
-use kvfleet_engine::engine::speculative::{self, SpecConfig, SpecMethod};
+use kvfleet_engine::engine::speculative::{self, SpecConfig};
 use kvfleet_engine::engine::StepPlan;
-use kvfleet_engine::model::drafter::{BlockRow, CatchUp, ChainRow};
 use kvfleet_engine::model::forward::Picked;
+use kvfleet_engine::model::proposer::{CatchUp, DraftRow, ProposeError, Proposer};
 
 use super::Loop;
 
-/// Speculative decoding's settings and counts since start.
+/// Speculative decoding's settings, proposer and counts since start.
 pub(super) struct Spec {
     pub(super) config: SpecConfig,
+    pub(super) proposer: Box<dyn Proposer>,
     pub(super) stats: crate::serving::metrics::SpecStats,
 }
 
@@ -30,31 +33,21 @@ pub(super) struct Rows {
 
 impl Loop {
     /// Schedules a step, with each decoding request's proposals when speculation is on and
-    /// the batch is small enough: n-gram proposals now, a drafter's first (EAGLE-3) or none
-    /// (DFlash) with the rest drafted once the pages are allocated ([`Loop::draft_ahead`]).
+    /// the batch is small enough: what the proposer knows now (n-gram: all of it; a drafter:
+    /// its first token or none), the rest drafted once the pages are allocated
+    /// ([`Loop::draft_ahead`]).
     pub(super) fn schedule(&mut self, plan: &mut StepPlan, events: &mut Vec<Event>) -> usize {
         match self.spec.as_mut() {
             Some(spec) if self.sched.num_running() < spec.config.disable_at() => {
-                let (live, config) = (&mut self.live, &spec.config);
-                let drafter = config.method.needs_drafter();
+                let live = &mut self.live;
+                let (k, proposer) = (spec.config.num_speculative_tokens, &mut spec.proposer);
                 self.sched.schedule_with(plan, events, &mut |id, most| {
                     let Some(l) = live.get_mut(&id) else { return 0 };
                     l.draft.clear();
                     if !l.backoff.ready() {
                         return 0;
                     }
-                    let k = most.min(config.num_speculative_tokens);
-                    if drafter {
-                        // EAGLE-3's first token is drafted; the rest (DFlash: all) are drafted
-                        // once the step's pages are allocated (`draft_ahead`).
-                        if !l.drafter_ready {
-                            return 0;
-                        }
-                        l.draft.extend(l.drafted);
-                        return k;
-                    }
-                    config.propose(&l.tokens, k, &mut l.draft);
-                    l.draft.len()
+                    proposer.propose(id, &l.tokens, most.min(k), &mut l.draft)
                 })
             }
             Some(spec) => {
@@ -62,6 +55,13 @@ impl Loop {
                 self.sched.schedule(plan, events)
             }
             None => self.sched.schedule(plan, events),
+        }
+    }
+
+    /// Drops what the proposer keeps for `id` (it left).
+    pub(super) fn forget_draft(&mut self, id: RequestId) {
+        if let Some(spec) = self.spec.as_mut() {
+            spec.proposer.forget(id);
         }
     }
 
@@ -102,91 +102,42 @@ impl Loop {
 }
 
 impl Loop {
-    /// Drafts each verifying request's proposal now that the step's pages are allocated (the
-    /// drafter writes its K/V at the positions the step then verifies): DFlash in one pass of
-    /// blocks, EAGLE-3 chaining the rest after the first (drafted by the last step's catch-up,
-    /// [`Loop::catch_up`]).
+    /// Completes each verifying request's proposal now that the step's pages are allocated (a
+    /// drafter writes its K/V at the positions the step then verifies).
     pub(super) fn draft_ahead(&mut self, chunks: &[ScheduledChunk]) -> Result<(), String> {
-        if !self.model.has_drafter() {
+        let Some(spec) = self.spec.as_mut().filter(|s| s.proposer.follows_target()) else {
             return Ok(());
-        }
-        if self.spec.as_ref().map(|s| s.config.method) == Some(SpecMethod::Dflash) {
-            return self.draft_blocks(chunks);
-        }
-        let most = chunks.iter().map(|c| c.drafts).max().unwrap_or(0);
-        let mut plan = StepPlan::default();
-        for j in 1..most {
-            let mut rows = Vec::new();
-            for c in chunks.iter().filter(|c| c.drafts > j) {
-                let l = self
-                    .live
-                    .get(&c.id)
-                    .ok_or_else(|| format!("request {} verifies proposals it does not hold", c.id))?;
-                let token = *l.draft.get(j - 1).ok_or_else(|| {
-                    format!("request {} has {} drafted tokens, needs {j}", c.id, l.draft.len())
-                })?;
-                rows.push(ChainRow {
-                    seq: c.id,
-                    pos: c.start + j - 1,
-                    token,
-                });
-            }
-            let planned: Vec<_> = rows.iter().map(|r| (r.seq, r.pos, 1)).collect();
-            let group = self.model.kv_config().draft_group();
-            self.sched.write_group_plan(&mut plan, group, &planned)?;
-            let next = self
-                .model
-                .draft_chain(&rows, &plan)
-                .map_err(|e| format!("drafting: {e}"))?;
-            for (r, t) in rows.iter().zip(next) {
-                if let Some(l) = self.live.get_mut(&r.seq) {
-                    l.draft.push(t);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// DFlash: every verifying request's block (its newest token and a mask token a proposal)
-    /// through the drafter in one pass.
-    fn draft_blocks(&mut self, chunks: &[ScheduledChunk]) -> Result<(), String> {
+        };
         let mut rows = Vec::new();
         for c in chunks.iter().filter(|c| c.drafts > 0) {
             let l = self
                 .live
-                .get(&c.id)
+                .get_mut(&c.id)
                 .ok_or_else(|| format!("request {} verifies proposals it does not hold", c.id))?;
             let token = *l
                 .tokens
                 .get(c.start)
                 .ok_or_else(|| format!("request {} has no token at {}", c.id, c.start))?;
-            rows.push(BlockRow {
+            rows.push(DraftRow {
                 seq: c.id,
                 pos: c.start,
                 token,
                 drafts: c.drafts,
+                proposal: std::mem::take(&mut l.draft),
             });
         }
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let planned: Vec<_> = rows.iter().map(|r| (r.seq, r.pos, 1 + r.drafts)).collect();
-        let mut plan = StepPlan::default();
-        let group = self.model.kv_config().draft_group();
-        self.sched.write_group_plan(&mut plan, group, &planned)?;
-        let drafted = self
-            .model
-            .draft_blocks(&rows, &plan)
-            .map_err(|e| format!("drafting: {e}"))?;
-        let mut at = 0;
-        for r in &rows {
+        let (sched, group) = (&mut self.sched, self.model.kv_config().draft_group());
+        let drafted = spec
+            .proposer
+            .draft(self.model.as_mut(), &mut rows, &mut |planned, plan| {
+                sched.write_group_plan(plan, group, planned)
+            });
+        for r in rows {
             if let Some(l) = self.live.get_mut(&r.seq) {
-                l.draft.clear();
-                l.draft.extend_from_slice(&drafted[at..at + r.drafts]);
+                l.draft = r.proposal;
             }
-            at += r.drafts;
         }
-        Ok(())
+        drafted.map_err(|e| e.to_string())
     }
 
     /// After a step's verification (drafter methods): the drafter reads the target features of every
@@ -194,9 +145,9 @@ impl Loop {
     /// proposals'), each with the token after it, so its own K/V cover what the target's do;
     /// the last position of a request that sampled drafts the token after its new one.
     pub(super) fn catch_up(&mut self, chunks: &[ScheduledChunk], rows: &[Rows], out: &[Picked]) {
-        if !self.model.has_drafter() {
+        let Some(spec) = self.spec.as_mut().filter(|s| s.proposer.follows_target()) else {
             return;
-        }
+        };
         let emitted: HashMap<RequestId, Rows> = rows.iter().map(|r| (r.id, *r)).collect();
         let mut nexts: Vec<(ScheduledChunk, usize, Vec<u32>)> = Vec::new();
         let mut row = 0;
@@ -229,15 +180,11 @@ impl Loop {
                 ),
             }
         }
-        for c in chunks {
-            if let Some(l) = self.live.get_mut(&c.id) {
-                l.drafter_ready = false;
-                l.drafted = None;
-            }
-        }
-        if nexts.is_empty() {
-            return;
-        }
+        let stepped: Vec<RequestId> = chunks
+            .iter()
+            .map(|c| c.id)
+            .filter(|id| self.live.contains_key(id))
+            .collect();
         let catch: Vec<CatchUp<'_>> = nexts
             .iter()
             .map(|(c, first, n)| CatchUp {
@@ -248,29 +195,18 @@ impl Loop {
                 draft: c.samples,
             })
             .collect();
-        let planned: Vec<_> = catch.iter().map(|c| (c.seq, c.start_pos, c.next.len())).collect();
-        let mut plan = StepPlan::default();
-        let group = self.model.kv_config().draft_group();
-        let drafted = self
-            .sched
-            .write_group_plan(&mut plan, group, &planned)
-            .and_then(|()| {
-                self.model
-                    .draft_catch_up(&catch, &plan)
-                    .map_err(|e| e.to_string())
+        let (sched, group) = (&mut self.sched, self.model.kv_config().draft_group());
+        let caught = spec
+            .proposer
+            .catch_up(self.model.as_mut(), &stepped, &catch, &mut |planned, plan| {
+                sched.write_group_plan(plan, group, planned)
             });
-        match drafted {
-            Ok(tokens) => {
-                // EAGLE-3 drafted a token a sampled row; DFlash drafts at the next step.
-                let mut tokens = tokens.into_iter();
-                for id in catch.iter().filter(|c| c.draft).map(|c| c.seq) {
-                    if let Some(l) = self.live.get_mut(&id) {
-                        l.drafter_ready = true;
-                        l.drafted = tokens.next();
-                    }
-                }
+        // Verification keeps the output exact whatever the drafter does: serve on.
+        match caught {
+            Ok(()) => {}
+            Err(ProposeError::Device(e)) => {
+                tracing::warn!(error = %e, "drafter catch-up failed; no proposals next step")
             }
-            // Verification keeps the output exact whatever the drafter does: serve on.
             Err(e) => tracing::warn!(error = %e, "drafter catch-up failed; no proposals next step"),
         }
     }

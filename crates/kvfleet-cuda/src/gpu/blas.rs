@@ -10,7 +10,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use super::error::{cublas_err, need, GpuError};
 use super::fp8::{Fp8Kernels, Fp8Scratch, Mat};
 use super::kernels::ModelKernels;
-use super::lt::{Done, Lt, ScalePick};
+use super::lt::{Done, Lt};
+use super::options::GpuTuning;
 
 /// Whether cuBLAS can be loaded (cudarc panics on first use otherwise).
 pub fn cublas_present() -> bool {
@@ -67,12 +68,12 @@ pub(super) struct Blas {
 }
 
 impl Blas {
-    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too;
-    /// `KVFLEET_FP8_UNIT_SCALES` picks the scale path, see [`ScalePick::from_env`]).
-    pub fn new(stream: Arc<CudaStream>, fp8: bool) -> Result<Self, GpuError> {
+    /// `fp8`: the model has FP8 weights (a cuBLASLt handle and its workspace too, on the
+    /// scale path `tuning` picks).
+    pub fn new(stream: Arc<CudaStream>, fp8: bool, tuning: &GpuTuning) -> Result<Self, GpuError> {
         let handle = CudaBlas::new(stream.clone()).map_err(cublas_err("creating the cuBLAS handle"))?;
         let lt = if fp8 {
-            Some(Lt::new(stream.clone(), ScalePick::from_env()?)?)
+            Some(Lt::new(stream.clone(), tuning.fp8_scales)?)
         } else {
             None
         };
@@ -105,7 +106,8 @@ impl Blas {
     /// Row-major `y[t, n] = x[t, k] · w[n, k]ᵀ` (`+=` when `g.accumulate`) for a weight of
     /// either dtype, bf16 `x`: [`Blas::gemm`] for bf16; for FP8, `x` quantized per token into
     /// `s`, cuBLASLt's FP8 GEMM into f32 (into `s.d` when accumulating) and the two scales
-    /// applied by `kvf_fp8_scale`.
+    /// applied by `kvf_fp8_scale`. The model's projections go through `super::linear`.
+    #[cfg(test)]
     pub fn project(
         &self,
         k: &ModelKernels,
@@ -186,16 +188,11 @@ impl Blas {
             return Ok(None);
         }
         let lt = self.lt()?;
-        if let Fp8In::Bf16(x) = x {
-            self.fp8_kernels(k)?
-                .quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
-        }
-        let (w, xs, dims) = ((q, scale), (&s.xq, &s.sx), (t, n, kk));
-        let f = self.fp8_kernels(k)?;
-        if f.takes_skinny(t, kk) {
-            f.gemm_skinny(&self.stream, w, xs, y, dims, true)?;
+        let (w, dims) = ((q, scale), (t, n, kk));
+        if self.quantize_then_skinny(self.fp8_kernels(k)?, w, x, y, dims, true, s)? {
             return Ok(None);
         }
+        let xs = (&s.xq, &s.sx);
         // A new shape is timed into `s.d`, which the unit-scale path overwrites anyway.
         if lt.scales_rows_for(w, xs, &mut s.d, dims)? {
             lt.gemm(w, xs, y, dims, true)?;
@@ -238,17 +235,37 @@ impl Blas {
         if t == 0 || n == 0 {
             return Ok(None);
         }
-        if let Fp8In::Bf16(x) = x {
-            f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
-        }
-        if f.takes_skinny(t, kk) {
-            f.gemm_skinny(&self.stream, (q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)?;
+        if self.quantize_then_skinny(f, (q, scale), x, y, (t, n, kk), false, s)? {
             return Ok(None);
         }
         Ok(match lt.gemm((q, scale), (&s.xq, &s.sx), y, (t, n, kk), false)? {
             Done::Scaled => None,
             Done::Unscaled => Some(scale),
         })
+    }
+
+    /// Quantizes a bf16 input into `s` (a quantized one is there already), then runs the
+    /// skinny FP8 GEMM (`+=` when `accumulate`) where the step's shape takes it: returns
+    /// whether it ran.
+    #[allow(clippy::too_many_arguments)] // the kernels, the weight, both operands, the shape
+    fn quantize_then_skinny(
+        &self,
+        f: &Fp8Kernels,
+        w: (&CudaSlice<u8>, &CudaSlice<f32>),
+        x: Fp8In<'_>,
+        y: &mut CudaSlice<f32>,
+        (t, n, kk): (usize, usize, usize),
+        accumulate: bool,
+        s: &mut Fp8Scratch,
+    ) -> Result<bool, GpuError> {
+        if let Fp8In::Bf16(x) = x {
+            f.quantize_rows(&self.stream, x, t, kk, kk, &mut s.xq, &mut s.sx)?;
+        }
+        if !f.takes_skinny(t, kk) {
+            return Ok(false);
+        }
+        f.gemm_skinny(&self.stream, w, (&s.xq, &s.sx), y, (t, n, kk), accumulate)?;
+        Ok(true)
     }
 
     fn lt(&self) -> Result<&Lt, GpuError> {

@@ -13,22 +13,19 @@
 //! keeps its pool of `n_layers` layers on the target's pages.
 
 use cudarc::driver::CudaSlice;
-use kvfleet_engine::engine::layout::KvDtype;
 use kvfleet_engine::engine::{Backend, StepPlan};
 use kvfleet_engine::model::dflash::{Dflash, DflashConfig};
-use kvfleet_engine::model::drafter::{BlockRow, CatchUp};
-use kvfleet_engine::model::forward::llama_backend_config;
-use kvfleet_engine::model::kv::AttnGeometry;
+use kvfleet_engine::model::forward::Forward;
+use kvfleet_engine::model::proposer::{BlockRow, CatchUp, DflashPasses, DraftPasses, Drafted};
 
 use crate::backend::CudaBackend;
-use crate::device::Gpu;
 
 use super::arena::upload_into;
 use super::blas::Gemm;
 use super::error::{backend_err, drv, GpuError};
-use super::features::{fits, AuxCapture, Target};
-use super::kernels::{Glu, Norm, QkvOut, QkvPost};
-use super::shape::{kv_replication, Dims};
+use super::features::{Beside, Target};
+use super::kernels::{Glu, Norm};
+use super::shape::Dims;
 use super::weights::to_bf16;
 
 /// One layer's tensors on the device.
@@ -59,40 +56,14 @@ pub(super) struct GpuDflash {
     inv_freq: CudaSlice<f32>,
     d2t: Vec<u32>,
     backend: CudaBackend,
-    pub aux: AuxCapture,
 }
 
 impl GpuDflash {
-    /// Uploads `m` beside a target of widths `target`; its pool `num_blocks` pages of
-    /// `block_size` in `dtype`, one layer of the pool per drafter layer.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        gpu: &std::sync::Arc<Gpu>,
-        m: Dflash,
-        target: &Dims,
-        dtype: KvDtype,
-        block_size: usize,
-        num_blocks: usize,
-        tokens: usize,
-    ) -> Result<Self, GpuError> {
+    /// Uploads `m` beside its target, one layer of its pool per drafter layer.
+    pub fn new(m: Dflash, at: &Beside<'_>) -> Result<Self, GpuError> {
         let c = m.config.clone();
-        let l = &c.layer;
-        super::shape::check_shapes(l)?;
-        let (rep, _) = kv_replication(l.n_heads, l.n_kv_heads)?;
-        let dims = Dims::new(l, rep);
-        fits(&dims, c.draft_vocab, target, dims.d)?;
-        let s = gpu.stream().clone();
-        let geo = AttnGeometry {
-            n_layers: l.n_layers,
-            n_heads: l.n_heads,
-            n_kv_heads: l.n_kv_heads * rep,
-            head_dim: l.head_dim,
-        };
-        let mut pools = llama_backend_config(geo, dtype, block_size, num_blocks);
-        for layer in &mut pools.layers {
-            layer.attn.causal = c.causal;
-        }
-        let backend = CudaBackend::new(gpu.clone(), pools).map_err(backend_err)?;
+        let (dims, backend) = at.layers(&c.layer, c.layer.n_layers, c.causal, c.draft_vocab)?;
+        let gpu = at.gpu;
         let up16 =
             |parts: &[&[f32]]| -> Result<CudaSlice<u16>, GpuError> { Ok(gpu.upload(&to_bf16(parts))?) };
         let layers = m
@@ -112,7 +83,6 @@ impl GpuDflash {
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
         Ok(GpuDflash {
-            aux: AuxCapture::new(&s, &c.aux_layers, tokens, c.target_hidden)?,
             fc: up16(&[&m.fc])?,
             hidden_norm: gpu.upload(&m.hidden_norm)?,
             layers,
@@ -128,7 +98,7 @@ impl GpuDflash {
     }
 
     /// The catch-up after a target step: each layer's context K/V at the positions `rows` name.
-    pub fn catch_up(
+    fn catch_up_on(
         &mut self,
         mut t: Target<'_>,
         rows: &[CatchUp<'_>],
@@ -136,7 +106,7 @@ impl GpuDflash {
     ) -> Result<(), GpuError> {
         let (mut positions, mut src) = (Vec::new(), Vec::new());
         for r in rows {
-            self.aux.check_rows(r.seq, r.row, r.next.len())?;
+            t.hidden.check_rows(r.seq, r.row, r.next.len())?;
             positions.extend((r.start_pos..r.start_pos + r.next.len()).map(|p| p as i32));
             src.extend((r.row..r.row + r.next.len()).map(|i| i as i32));
         }
@@ -149,7 +119,7 @@ impl GpuDflash {
         let s = t.k.stream().clone();
         t.a.ensure(&s, t.dims, n, 1)?;
         upload_into(&s, &positions, &mut t.a.pos)?;
-        let fcin = self.aux.gather(t.k, &src, dt)?;
+        let fcin = t.hidden.gather(t.k, &src, dt)?;
         let a = &mut *t.a;
         t.blas
             .gemm(&self.fc, fcin, &mut a.x, Gemm::store(n, dm.d, n_aux * dt))?;
@@ -163,7 +133,7 @@ impl GpuDflash {
 
     /// Each row's block (its newest token, then `drafts` mask tokens) through the layers in one
     /// pass; returns every row's drafts, in row order.
-    pub fn blocks(
+    fn blocks_on(
         &mut self,
         mut t: Target<'_>,
         rows: &[BlockRow],
@@ -245,22 +215,21 @@ impl GpuDflash {
         let a = &mut *t.a;
         t.blas
             .gemm(&l.wqkv, &a.h, &mut a.qkv, Gemm::store(n, dm.qw + 2 * dm.kw, dm.d))?;
-        let post = QkvPost {
-            config: c,
-            dims: dm,
-            qkv: &a.qkv,
-            pos: &a.pos,
-            bias: None,
-            qk_norm: Some((&l.q_norm, &l.k_norm)),
-            inv_freq: &self.inv_freq,
-            scales: None,
-        };
-        let out = QkvOut {
-            q: &mut a.q,
-            k: &mut a.k,
-            v: &mut a.v,
-        };
-        t.k.qkv_post(n, &post, out, t.k.pdl)?;
+        t.rope_qkv(c, dm, n, Some((&l.q_norm, &l.k_norm)), &self.inv_freq)?;
+        let a = &*t.a;
         self.backend.append_kv(li, &a.k, &a.v).map_err(backend_err)
+    }
+}
+
+impl DraftPasses for GpuDflash {
+    fn catch_up(&mut self, target: &mut dyn Forward, rows: &[CatchUp<'_>], plan: &StepPlan) -> Drafted {
+        self.catch_up_on(Target::of(target)?, rows, plan)?;
+        Ok(Vec::new())
+    }
+}
+
+impl DflashPasses for GpuDflash {
+    fn blocks(&mut self, target: &mut dyn Forward, rows: &[BlockRow], plan: &StepPlan) -> Drafted {
+        Ok(self.blocks_on(Target::of(target)?, rows, plan)?)
     }
 }

@@ -1,6 +1,7 @@
 //! EAGLE-3 drafters on the GPU beside the target ([`super::model::GpuLlama`]), the same math as
 //! the CPU's `model::eagle3` on the model's kernels and cuBLAS:
-//! - every target step keeps the residual stream entering the feature layers ([`AuxCapture`],
+//! - every target step keeps the residual stream entering the feature layers
+//!   ([`super::features::AuxCapture`],
 //!   f32 copies of the step's rows);
 //! - a catch-up gathers the kept rows' features (bf16, `fc`'s column order), fuses them with
 //!   `fc`, and runs the drafter's decoder layer over them beside the next tokens' embeddings;
@@ -15,15 +16,19 @@
 //! The layer borrows the target's activation buffers (the target is idle between its steps),
 //! so a drafter must not be wider than its target ([`GpuEagle3::new`] checks).
 
+use std::any::Any;
 use std::collections::HashMap;
 
 use cudarc::driver::CudaSlice;
 use kvfleet_engine::engine::layout::KvDtype;
 use kvfleet_engine::engine::{Backend, StepPlan};
-use kvfleet_engine::model::drafter::{CatchUp, ChainRow, Drafter};
+use kvfleet_engine::model::drafter::Drafter;
 use kvfleet_engine::model::eagle3::{Eagle3, Eagle3Config};
-use kvfleet_engine::model::forward::llama_backend_config;
-use kvfleet_engine::model::kv::{AttnGeometry, SeqId};
+use kvfleet_engine::model::forward::Forward;
+use kvfleet_engine::model::kv::SeqId;
+use kvfleet_engine::model::proposer::{
+    CatchUp, ChainRow, DraftPasses, Drafted, Drafting, Eagle3Passes, Proposer,
+};
 
 use crate::backend::CudaBackend;
 use crate::device::Gpu;
@@ -31,10 +36,11 @@ use crate::device::Gpu;
 use super::arena::upload_into;
 use super::blas::Gemm;
 use super::error::{backend_err, drv, GpuError};
-use super::features::{fits, AuxCapture, Target};
-use super::kernels::{Glu, Norm, QkvOut, QkvPost};
+use super::features::{AuxCapture, Beside, Target};
+use super::kernels::{Glu, Norm};
+use super::model::GpuLlama;
 use super::options::DraftReserve;
-use super::shape::{kv_replication, Dims};
+use super::shape::Dims;
 use super::weights::to_bf16;
 
 impl DraftReserve {
@@ -130,119 +136,122 @@ pub(super) struct GpuEagle3 {
     w: DraftW,
     d2t: Vec<u32>,
     backend: CudaBackend,
-    pub aux: AuxCapture,
     /// f32 `[slots, d]`: each request's latest pre-norm output.
     feat: CudaSlice<f32>,
     slots: HashMap<SeqId, usize>,
     free: Vec<usize>,
 }
 
-/// A drafter on the GPU, by kind.
-pub(super) enum GpuDrafter {
-    Eagle3(Box<GpuEagle3>),
-    Dflash(Box<super::dflash::GpuDflash>),
+impl GpuLlama {
+    /// Puts `drafter` beside the model: its weights, and its pool of as many pages as the
+    /// model's draft group (the full-attention pages, which its K/V follow; reserved when the
+    /// pools were sized with `GpuOptions::drafter`); from then on every step keeps the hidden
+    /// states it reads.
+    pub fn attach(&mut self, drafter: Drafter) -> Result<(), GpuError> {
+        self.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        let cfg = kvfleet_engine::engine::Backend::config(&self.backend);
+        let blocks = cfg.groups.get(cfg.draft_group()).map_or(0, |g| g.num_blocks);
+        let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
+        let s = self.gpu.stream().clone();
+        let hidden = AuxCapture::new(
+            &s,
+            drafter.aux_layers(),
+            self.acts.tokens,
+            drafter.target_hidden(),
+        )?;
+        let site = Beside {
+            gpu: &self.gpu,
+            target: &self.dims,
+            dtype,
+            block_size: cfg.block_size,
+            num_blocks: blocks,
+            seqs: self.acts.rows,
+        };
+        let p = proposer(drafter, &site)?;
+        self.gpu.synchronize()?;
+        self.hidden = Some(hidden);
+        self.proposer = Some(p);
+        Ok(())
+    }
 }
 
-impl GpuDrafter {
-    /// Uploads `drafter` beside a target of widths `target` (its step buffers hold `tokens`
-    /// tokens and `seqs` rows), its pool `num_blocks` pages of `block_size` in `dtype`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        gpu: &std::sync::Arc<Gpu>,
-        drafter: Drafter,
-        target: &Dims,
-        dtype: KvDtype,
-        block_size: usize,
-        num_blocks: usize,
-        tokens: usize,
-        seqs: usize,
-    ) -> Result<Self, GpuError> {
-        Ok(match drafter {
-            Drafter::Eagle3(m) => GpuDrafter::Eagle3(Box::new(GpuEagle3::new(
-                gpu, m, target, dtype, block_size, num_blocks, tokens, seqs,
-            )?)),
-            Drafter::Dflash(m) => GpuDrafter::Dflash(Box::new(super::dflash::GpuDflash::new(
-                gpu, m, target, dtype, block_size, num_blocks, tokens,
-            )?)),
+impl<'a> Target<'a> {
+    /// The parts of `target`, a model on the GPU with a drafter attached, bound to this thread.
+    pub fn of(target: &'a mut dyn Forward) -> Result<Self, GpuError> {
+        let device = target.device();
+        let m = (target as &mut dyn Any)
+            .downcast_mut::<GpuLlama>()
+            .ok_or_else(|| {
+                GpuError::Invalid(format!(
+                    "a GPU drafter beside a {device} model; attach the drafter to the model it drafts for"
+                ))
+            })?;
+        m.gpu
+            .context()
+            .bind_to_thread()
+            .map_err(drv("binding the context"))?;
+        let hidden = m
+            .hidden
+            .as_mut()
+            .ok_or_else(|| GpuError::Invalid("no drafter is attached".into()))?;
+        Ok(Target {
+            dims: &m.dims,
+            k: &m.kernels,
+            blas: &m.blas,
+            a: &mut m.acts,
+            embed: &m.weights.embed,
+            head: m.weights.lm_head.as_ref().unwrap_or(&m.weights.embed),
+            hidden,
         })
     }
+}
 
-    /// Where the target's steps keep the features this drafter reads.
-    pub fn aux(&mut self) -> &mut AuxCapture {
-        match self {
-            GpuDrafter::Eagle3(d) => &mut d.aux,
-            GpuDrafter::Dflash(d) => &mut d.aux,
-        }
-    }
-
-    /// Drops what is kept for `seq`.
-    pub fn forget(&mut self, seq: SeqId) {
-        if let GpuDrafter::Eagle3(d) = self {
-            d.forget(seq);
-        }
-    }
+/// `drafter` on the GPU beside its target, as its method's proposer.
+fn proposer(drafter: Drafter, at: &Beside<'_>) -> Result<Box<dyn Proposer>, GpuError> {
+    Ok(match drafter {
+        Drafter::Eagle3(m) => Box::new(Drafting::eagle3(GpuEagle3::new(m, at)?)),
+        Drafter::Dflash(m) => Box::new(Drafting::dflash(super::dflash::GpuDflash::new(m, at)?)),
+    })
 }
 
 impl GpuEagle3 {
-    /// See [`GpuDrafter::new`].
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        gpu: &std::sync::Arc<Gpu>,
-        m: Eagle3,
-        target: &Dims,
-        dtype: KvDtype,
-        block_size: usize,
-        num_blocks: usize,
-        tokens: usize,
-        seqs: usize,
-    ) -> Result<Self, GpuError> {
+    fn new(m: Eagle3, at: &Beside<'_>) -> Result<Self, GpuError> {
         let c = m.config.clone();
         if c.norm_before_residual {
             return Err(GpuError::Unsupported(
                 "EAGLE-3 drafters with norm_before_residual on the GPU".into(),
             ));
         }
-        let l = &c.layer;
-        super::shape::check_shapes(l)?;
-        let (rep, _) = kv_replication(l.n_heads, l.n_kv_heads)?;
-        let dims = Dims::new(l, rep);
-        fits(&dims, c.draft_vocab, target, dims.d)?;
+        let (dims, backend) = at.layers(&c.layer, 1, true, c.draft_vocab)?;
         if c.aux_layers.len() != 3 {
             return Err(GpuError::Invalid(format!(
                 "an EAGLE-3 drafter fuses 3 target features, this one names {}",
                 c.aux_layers.len()
             )));
         }
-        let s = gpu.stream().clone();
-        let geo = AttnGeometry {
-            n_layers: 1,
-            n_heads: l.n_heads,
-            n_kv_heads: l.n_kv_heads * rep,
-            head_dim: l.head_dim,
-        };
-        let pools = llama_backend_config(geo, dtype, block_size, num_blocks);
-        let backend = CudaBackend::new(gpu.clone(), pools).map_err(backend_err)?;
-        let w = DraftW::upload(gpu, &m)?;
-        let dt = c.target_hidden;
+        let s = at.gpu.stream().clone();
+        let w = DraftW::upload(at.gpu, &m)?;
         Ok(GpuEagle3 {
-            aux: AuxCapture::new(&s, &c.aux_layers, tokens, dt)?,
-            feat: s
-                .alloc_zeros::<f32>(seqs.max(1) * dims.d)
-                .map_err(drv("allocating the drafter's outputs"))?,
-            slots: HashMap::new(),
-            free: (0..seqs.max(1)).rev().collect(),
-            d2t: m.d2t.clone(),
             config: c,
             dims,
             w,
+            d2t: m.d2t.clone(),
             backend,
+            feat: s
+                .alloc_zeros::<f32>(at.seqs.max(1) * dims.d)
+                .map_err(drv("allocating the drafter's outputs"))?,
+            slots: HashMap::new(),
+            free: (0..at.seqs.max(1)).rev().collect(),
         })
     }
 
     /// The catch-up after a target step: `rows` name positions the step computed (its rows
     /// `r.row..`), each paired with the token after it. Returns a drafted token for each row
     /// with `draft`.
-    pub fn catch_up(
+    fn catch_up_on(
         &mut self,
         mut t: Target<'_>,
         rows: &[CatchUp<'_>],
@@ -251,7 +260,7 @@ impl GpuEagle3 {
         let (mut tokens, mut positions, mut src) = (Vec::new(), Vec::new(), Vec::new());
         let mut last = Vec::new();
         for r in rows {
-            self.aux.check_rows(r.seq, r.row, r.next.len())?;
+            t.hidden.check_rows(r.seq, r.row, r.next.len())?;
             tokens.extend(r.next.iter().map(|&x| x as i32));
             positions.extend((r.start_pos..r.start_pos + r.next.len()).map(|p| p as i32));
             src.extend((r.row..r.row + r.next.len()).map(|i| i as i32));
@@ -268,7 +277,7 @@ impl GpuEagle3 {
         let dt = self.config.target_hidden;
         self.embed_in(&mut t, &tokens, &positions)?;
         // The features of the rows, gathered and fused by `fc` into the residual `x`.
-        let fcin = self.aux.gather(t.k, &src, dt)?;
+        let fcin = t.hidden.gather(t.k, &src, dt)?;
         let g = Gemm::store(n, self.dims.d, 3 * dt);
         t.blas.gemm(&self.w.fc, fcin, &mut t.a.x, g)?;
         self.layer(&mut t, n, plan)?;
@@ -277,7 +286,7 @@ impl GpuEagle3 {
 
     /// One chain step: each row's drafted token at its position, with the request's latest
     /// output as the feature. Returns each row's next drafted token.
-    pub fn chain(
+    fn chain_on(
         &mut self,
         mut t: Target<'_>,
         rows: &[ChainRow],
@@ -341,22 +350,8 @@ impl GpuEagle3 {
         let qkv = dm.qw + 2 * dm.kw;
         blas.gemm(&self.w.wqkv_e, &a.h, &mut a.qkv, Gemm::store(n, qkv, dm.d))?;
         blas.gemm(&self.w.wqkv_h, &a.attn, &mut a.qkv, Gemm::add(n, qkv, dm.d))?;
-        let post = QkvPost {
-            config: c,
-            dims: dm,
-            qkv: &a.qkv,
-            pos: &a.pos,
-            bias: None,
-            qk_norm: None,
-            inv_freq: &self.w.inv_freq,
-            scales: None,
-        };
-        let out = QkvOut {
-            q: &mut a.q,
-            k: &mut a.k,
-            v: &mut a.v,
-        };
-        k.qkv_post(n, &post, out, k.pdl)?;
+        t.rope_qkv(c, dm, n, None, &self.w.inv_freq)?;
+        let a = &mut *t.a;
         self.backend.prepare(plan).map_err(backend_err)?;
         self.backend.append_kv(0, &a.k, &a.v).map_err(backend_err)?;
         self.backend
@@ -428,12 +423,23 @@ impl GpuEagle3 {
             })
             .collect()
     }
+}
 
-    /// Drops what is kept for `seq`.
-    pub fn forget(&mut self, seq: SeqId) {
+impl DraftPasses for GpuEagle3 {
+    fn catch_up(&mut self, target: &mut dyn Forward, rows: &[CatchUp<'_>], plan: &StepPlan) -> Drafted {
+        Ok(self.catch_up_on(Target::of(target)?, rows, plan)?)
+    }
+
+    fn forget(&mut self, seq: SeqId) {
         if let Some(slot) = self.slots.remove(&seq) {
             self.free.push(slot);
         }
+    }
+}
+
+impl Eagle3Passes for GpuEagle3 {
+    fn chain(&mut self, target: &mut dyn Forward, rows: &[ChainRow], plan: &StepPlan) -> Drafted {
+        Ok(self.chain_on(Target::of(target)?, rows, plan)?)
     }
 }
 
@@ -443,6 +449,7 @@ mod tests {
 
     use kvfleet_engine::model::llama::{Llama, LlamaConfig};
 
+    use super::super::shape::kv_replication;
     use super::*;
 
     /// The tiny EAGLE-3 fixture (hidden 8, 2 heads over 1 KV head of 4, MLP 16, 6 draft

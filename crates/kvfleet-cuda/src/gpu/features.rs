@@ -1,17 +1,34 @@
 //! What every drafter on the GPU runs with ([`super::drafter`], [`super::dflash`]): the target
-//! features its steps keep ([`AuxCapture`]), the target's parts a drafter pass borrows
-//! ([`Target`]), and the check that a drafter fits the target's step buffers ([`fits`]).
+//! features its steps keep ([`AuxCapture`]), where a drafter is put ([`Beside`]), the target's
+//! parts a drafter pass borrows ([`Target`]), and the check that a drafter fits the target's
+//! step buffers ([`fits`]).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use kvfleet_engine::model::kv::SeqId;
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
+use kvfleet_engine::engine::layout::KvDtype;
+use kvfleet_engine::model::kv::{AttnGeometry, SeqId};
+use kvfleet_engine::model::llama::LlamaConfig;
+
+use crate::backend::CudaBackend;
 
 use super::arena::{upload_into, Acts};
 use super::blas::Blas;
-use super::error::{drv, GpuError};
-use super::kernels::ModelKernels;
-use super::shape::Dims;
+use super::error::{backend_err, drv, GpuError};
+use super::kernels::{ModelKernels, QkvOut, QkvPost};
+use super::shape::{check_shapes, kv_replication, Dims};
+
+/// Where a drafter goes: beside a target of widths `target` on `gpu`, whose step buffers hold
+/// `seqs` rows; its pool `num_blocks` pages of `block_size` in `dtype`.
+pub(super) struct Beside<'a> {
+    pub gpu: &'a Arc<crate::device::Gpu>,
+    pub target: &'a Dims,
+    pub dtype: KvDtype,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub seqs: usize,
+}
 
 /// The residual stream entering each feature layer of the last target step (index
 /// `n_layers`: the last layer's output), f32 `[tokens, d]` each.
@@ -113,6 +130,37 @@ impl AuxCapture {
     }
 }
 
+impl Beside<'_> {
+    /// A drafter of `n_layers` layers of geometry `l` (its LM head `draft_vocab` rows) checked
+    /// against the target's step buffers: its widths, and its pool, `causal` or not.
+    pub fn layers(
+        &self,
+        l: &LlamaConfig,
+        n_layers: usize,
+        causal: bool,
+        draft_vocab: usize,
+    ) -> Result<(Dims, CudaBackend), GpuError> {
+        check_shapes(l)?;
+        let (rep, _) = kv_replication(l.n_heads, l.n_kv_heads)?;
+        let dims = Dims::new(l, rep);
+        fits(&dims, draft_vocab, self.target, dims.d)?;
+        let geo = AttnGeometry {
+            n_layers,
+            n_heads: l.n_heads,
+            n_kv_heads: l.n_kv_heads * rep,
+            head_dim: l.head_dim,
+        };
+        let p = PoolParams {
+            causal,
+            ..PoolParams::pages(self.dtype, self.block_size)
+        };
+        let pools = pool_layout(&geo.kv_layers(), 0, &p, PoolSize::Pages(self.num_blocks))
+            .map_err(GpuError::Invalid)?;
+        let backend = CudaBackend::new(self.gpu.clone(), pools).map_err(backend_err)?;
+        Ok((dims, backend))
+    }
+}
+
 /// The target's parts a drafter pass runs with.
 pub(super) struct Target<'a> {
     pub dims: &'a Dims,
@@ -122,6 +170,36 @@ pub(super) struct Target<'a> {
     pub embed: &'a CudaSlice<u16>,
     /// The target's LM head (its embeddings when tied).
     pub head: &'a CudaSlice<u16>,
+    /// The hidden states its last step kept.
+    pub hidden: &'a mut AuxCapture,
+}
+
+impl Target<'_> {
+    /// The `n` rows of Q/K/V in `a.qkv` of a drafter layer of `config` and `dims` into Q, K and
+    /// V: its Q/K norms when it has them, RoPE of `inv_freq` at the positions in `a.pos`.
+    pub fn rope_qkv(
+        &mut self,
+        config: &LlamaConfig,
+        dims: &Dims,
+        n: usize,
+        qk_norm: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        inv_freq: &CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let (k, a) = (self.k, &mut *self.a);
+        let (qkv, pos) = (&a.qkv, &a.pos);
+        let post = QkvPost {
+            config,
+            dims,
+            qkv,
+            pos,
+            bias: None,
+            qk_norm,
+            inv_freq,
+            scales: None,
+        };
+        let (q, kk, v) = (&mut a.q, &mut a.k, &mut a.v);
+        k.qkv_post(n, &post, QkvOut { q, k: kk, v }, k.pdl)
+    }
 }
 
 /// Checks that a drafter of widths `dims` (its Q/K/V projection reading rows of `qkv_in`, its

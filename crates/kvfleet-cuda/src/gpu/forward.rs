@@ -10,17 +10,16 @@
 //!    adjustments applied in place (`kvf_adjust_rows`, when any row has some), then the pick.
 
 use kvfleet_engine::engine::layout::{BackendConfig, StepPlan};
-use kvfleet_engine::model::drafter::{BlockRow, CatchUp, ChainRow, Drafter};
+use kvfleet_engine::model::drafter::Drafter;
 use kvfleet_engine::model::forward::{check_plan, Forward, Picked};
-use kvfleet_engine::model::kv::SeqId;
 use kvfleet_engine::model::llama::{ForwardError, LlamaConfig, SeqChunk};
+use kvfleet_engine::model::proposer::Proposer;
 use kvfleet_engine::model::sampling::{RowPick, RowSample};
 
 use kvfleet_engine::engine::Backend;
 
 use super::arena::upload_into;
 use super::blas::Gemm;
-use super::drafter::GpuDrafter;
 use super::error::{backend_err, drv, GpuError};
 use super::gemv::{Input, Output};
 use super::kernels::Norm;
@@ -82,8 +81,8 @@ impl GpuLlama {
             .map_err(drv("binding the context"))?;
         let s = self.gpu.stream().clone();
         self.acts.ensure(&s, &self.dims, t, host.last.len())?;
-        if let Some(d) = self.drafter.as_mut() {
-            d.aux().ensure(&s, t, self.dims.d)?;
+        if let Some(h) = self.hidden.as_mut() {
+            h.ensure(&s, t, self.dims.d)?;
         }
         if let Some(p) = self.profile.as_mut() {
             p.start(&s).map_err(drv("recording a profile event"))?;
@@ -113,9 +112,9 @@ impl GpuLlama {
             backend: &mut self.backend,
             marks: Marks::new(self.profile.as_mut(), &s),
             t,
-            fused: self.single_token_gemv && t == 1,
+            fused: self.single_token_gemv && t == 1 && self.family.single_token_gemv(),
             fused_append: self.single_token_append,
-            aux: self.drafter.as_mut().map(|d| d.aux()),
+            aux: self.hidden.as_mut(),
         };
         self.family.layers(&mut st)?;
         let n = last.len();
@@ -255,36 +254,10 @@ impl Forward for GpuLlama {
     }
 
     fn has_drafter(&self) -> bool {
-        self.drafter.is_some()
+        self.hidden.is_some()
     }
 
-    fn draft_catch_up(&mut self, rows: &[CatchUp<'_>], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        match self.drafter_and_target()? {
-            (GpuDrafter::Eagle3(d), t) => Ok(d.catch_up(t, rows, plan)?),
-            (GpuDrafter::Dflash(d), t) => {
-                d.catch_up(t, rows, plan)?;
-                Ok(Vec::new())
-            }
-        }
-    }
-
-    fn draft_chain(&mut self, rows: &[ChainRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        match self.drafter_and_target()? {
-            (GpuDrafter::Eagle3(d), t) => Ok(d.chain(t, rows, plan)?),
-            _ => Err(GpuError::Invalid("only EAGLE-3 drafters chain".into()).into()),
-        }
-    }
-
-    fn draft_blocks(&mut self, rows: &[BlockRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        match self.drafter_and_target()? {
-            (GpuDrafter::Dflash(d), t) => Ok(d.blocks(t, rows, plan)?),
-            _ => Err(GpuError::Invalid("only DFlash drafters draft blocks".into()).into()),
-        }
-    }
-
-    fn forget_draft(&mut self, seq: SeqId) {
-        if let Some(d) = self.drafter.as_mut() {
-            d.forget(seq);
-        }
+    fn take_proposer(&mut self) -> Option<Box<dyn Proposer>> {
+        self.proposer.take()
     }
 }

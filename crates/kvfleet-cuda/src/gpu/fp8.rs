@@ -31,6 +31,7 @@ use crate::launch::Launch;
 use crate::spec::Arch;
 
 use super::error::{drv, need, GpuError};
+use super::options::GpuTuning;
 use super::rows::{rows_cfg, Glu, Norm, NORM_THREADS};
 
 /// Whether cuBLASLt can be loaded (cudarc panics on first use otherwise).
@@ -108,96 +109,15 @@ const SCALE_ROW_BLOCKS: usize = 64;
 /// the opt-in limit of every FP8 device (99 KiB on sm_89 and sm_120).
 const FUSED_SMEM_MAX: usize = 96 * 1024;
 
-/// The most tokens `kvf_gemm_fp8_skinny` takes: B's 8 columns of `mma.m16n8k32`.
-pub(crate) const SKINNY_MAX: usize = 8;
+pub(crate) use super::options::SKINNY_MAX;
 /// Blocks an SM of `kvf_gemm_fp8_skinny`'s grid at most (its blocks then take several units).
 const SKINNY_BLOCKS_PER_SM: usize = 4;
 
-/// `KVFLEET_FP8_SKINNY`: the most tokens a step may have for its FP8 GEMMs to run on
-/// `kvf_gemm_fp8_skinny` (0 or `off`: never; above [`SKINNY_MAX`]: that); unset: [`SKINNY_MAX`].
-fn skinny_max_from_env() -> usize {
-    parse_skinny(std::env::var("KVFLEET_FP8_SKINNY").ok().as_deref())
-}
-
-fn parse_skinny(v: Option<&str>) -> usize {
-    match v.map(str::trim) {
-        None | Some("") => SKINNY_MAX,
-        Some("off") => 0,
-        Some(w) => match w.parse::<usize>() {
-            Ok(n) => n.min(SKINNY_MAX),
-            Err(_) => {
-                tracing::warn!(
-                    value = w,
-                    "KVFLEET_FP8_SKINNY: not a token count or `off`; the default kept"
-                );
-                SKINNY_MAX
-            }
-        },
-    }
-}
-
 /// Which neighbours of the FP8 GEMMs take over the input quantization and the unit-scale
-/// epilogue at steps of more than one token (bench/RESULTS.md, 2026-11-28, measures each).
-/// `KVFLEET_FP8_FUSE`: `all` (the default), `none`, or a comma-separated list of `norm`, `glu`,
-/// `qkv`, `add`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Fusion {
-    /// RMSNorm writes the QKV and gate/up GEMMs' e4m3 rows and scales (`kvf_rms_norm_fp8`).
-    pub norm: bool,
-    /// The gate/up rows' scales, SwiGLU and the down projection's quantization in one kernel
-    /// (`kvf_silu_quantize_fp8`).
-    pub glu: bool,
-    /// The Q/K/V split applies the QKV GEMM's scales as it reads (`kvf_qkv_post(_wide)_fp8`).
-    pub qkv: bool,
-    /// The O and down projections' unit-scale residual add is done by the RMSNorm after them
-    /// (`kvf_add_rms_norm_fp8`; with `norm` only, and where no layer's features are kept).
-    pub add: bool,
-}
-
-impl Fusion {
-    pub const ALL: Fusion = Fusion {
-        norm: true,
-        glu: true,
-        qkv: true,
-        add: true,
-    };
-    pub const NONE: Fusion = Fusion {
-        norm: false,
-        glu: false,
-        qkv: false,
-        add: false,
-    };
-
-    /// From `KVFLEET_FP8_FUSE`; an unknown word is ignored with a warning.
-    pub fn from_env() -> Self {
-        match std::env::var("KVFLEET_FP8_FUSE") {
-            Ok(v) => Self::parse(&v),
-            Err(_) => Self::ALL,
-        }
-    }
-
-    fn parse(v: &str) -> Self {
-        match v.trim() {
-            "" | "all" => return Self::ALL,
-            "none" => return Self::NONE,
-            _ => {}
-        }
-        let mut f = Self::NONE;
-        for w in v.split(',').map(str::trim) {
-            match w {
-                "norm" => f.norm = true,
-                "glu" => f.glu = true,
-                "qkv" => f.qkv = true,
-                "add" => f.add = true,
-                other => tracing::warn!(
-                    word = other,
-                    "KVFLEET_FP8_FUSE: not norm, glu, qkv or add; ignored"
-                ),
-            }
-        }
-        f
-    }
-}
+/// epilogue ([`GpuTuning::fp8_fusion`]).
+///
+/// [`GpuTuning::fp8_fusion`]: super::options::GpuTuning::fp8_fusion
+pub(crate) use super::options::Fp8Fusion as Fusion;
 
 /// The FP8 kernels besides the GEMV: quantizing rows, the GEMM epilogue and the GEMMs'
 /// neighbours with them fused in, launched on the stream their caller runs on.
@@ -215,12 +135,14 @@ pub(crate) struct Fp8Kernels {
     /// What the model's steps fuse.
     pub fusion: Fusion,
     /// Steps of 2 to this many tokens run their FP8 GEMMs on `kvf_gemm_fp8_skinny` instead of
-    /// cuBLASLt (0: never): `KVFLEET_FP8_SKINNY`, at most and by default [`SKINNY_MAX`].
+    /// cuBLASLt (0: never; [`GpuTuning::fp8_skinny_max`]).
+    ///
+    /// [`GpuTuning::fp8_skinny_max`]: super::options::GpuTuning::fp8_skinny_max
     skinny_max: usize,
     /// The device's SMs (the skinny GEMM's grid cap).
     num_sms: usize,
     /// Units of 16 rows (`kvf_gemm_fp8_skinny16`) where units of 32 leave under two blocks an
-    /// SM; `KVFLEET_FP8_SKINNY_UNIT=32` keeps 32 everywhere (to time it).
+    /// SM; off keeps 32 everywhere (to time it).
     skinny_unit16: bool,
     /// Launch the fused kernels with programmatic dependent launch (sm_90 and later).
     pdl: bool,
@@ -231,7 +153,7 @@ impl Fp8Kernels {
         module: &Arc<CudaModule>,
         num_sms: usize,
         pdl: bool,
-        fusion: Fusion,
+        tuning: &GpuTuning,
     ) -> Result<Self, GpuError> {
         let f = |name: &str| module.load_function(name).map_err(drv("finding an FP8 kernel"));
         let wide = |name: &str| -> Result<CudaFunction, GpuError> {
@@ -254,9 +176,9 @@ impl Fp8Kernels {
             qkv_post_wide: f("kvf_qkv_post_wide_fp8")?,
             skinny: f("kvf_gemm_fp8_skinny")?,
             skinny16: f("kvf_gemm_fp8_skinny16")?,
-            skinny_unit16: std::env::var("KVFLEET_FP8_SKINNY_UNIT").map_or(true, |v| v.trim() != "32"),
-            fusion,
-            skinny_max: skinny_max_from_env(),
+            skinny_unit16: tuning.fp8_skinny_unit16,
+            fusion: tuning.fp8_fusion,
+            skinny_max: tuning.fp8_skinny_max.min(SKINNY_MAX),
             num_sms: num_sms.max(1),
             pdl,
         })
@@ -397,6 +319,26 @@ impl Fp8Kernels {
             .map_err(drv("launching kvf_silu_quantize_fp8"))
     }
 
+    /// The fused norms' checks of their rows, weight and outputs; `false`: no rows, nothing
+    /// to launch.
+    fn norm_rows(
+        x: &CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        norm: Norm<'_>,
+        s: &Fp8Scratch,
+    ) -> Result<bool, GpuError> {
+        if rows == 0 {
+            return Ok(false);
+        }
+        Self::check_fits("norm", d)?;
+        need("norm input", x, rows * d)?;
+        need("norm weight", norm.w, d)?;
+        need("FP8 quantize output", &s.xq, rows * d)?;
+        need("FP8 row scales", &s.sx, rows)?;
+        Ok(true)
+    }
+
     /// RMSNorm of `rows` f32 rows of width `d` straight into an FP8 GEMM's input: `s.xq` and
     /// `s.sx` become what [`Fp8Kernels::quantize_rows`] makes of `kvf_rms_norm`'s bf16 rows.
     pub(super) fn rms_norm_quantize(
@@ -408,14 +350,9 @@ impl Fp8Kernels {
         norm: Norm<'_>,
         s: &mut Fp8Scratch,
     ) -> Result<(), GpuError> {
-        if rows == 0 {
+        if !Self::norm_rows(x, rows, d, norm, s)? {
             return Ok(());
         }
-        Self::check_fits("norm", d)?;
-        need("norm input", x, rows * d)?;
-        need("norm weight", norm.w, d)?;
-        need("FP8 quantize output", &s.xq, rows * d)?;
-        need("FP8 row scales", &s.sx, rows)?;
         let mut l = Launch::new(stream);
         l.ptr(x)
             .ptr(norm.w)
@@ -447,16 +384,11 @@ impl Fp8Kernels {
         norm: Norm<'_>,
         s: &mut Fp8Scratch,
     ) -> Result<(), GpuError> {
-        if rows == 0 {
+        if !Self::norm_rows(x, rows, d, norm, s)? {
             return Ok(());
         }
-        Self::check_fits("norm", d)?;
         need("FP8 GEMM result", &s.d, rows * d)?;
         need("FP8 weight scales", sw, d)?;
-        need("norm input", x, rows * d)?;
-        need("norm weight", norm.w, d)?;
-        need("FP8 quantize output", &s.xq, rows * d)?;
-        need("FP8 row scales", &s.sx, rows)?;
         let mut l = Launch::new(stream);
         l.ptr(&s.d)
             .ptr(sw)

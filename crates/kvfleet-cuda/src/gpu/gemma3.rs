@@ -15,9 +15,10 @@ use cudarc::driver::CudaSlice;
 
 use kvfleet_engine::engine::Backend;
 
-use super::blas::Gemm;
 use super::error::{backend_err, GpuError};
-use super::kernels::{Glu, Norm, QkvOut, QkvPost};
+use super::kernels::{QkvOut, QkvPost};
+use super::linear::Rows;
+use super::rows::{Glu, Norm};
 use super::step::{part, Family, Step};
 use super::weights::LayerW;
 
@@ -49,26 +50,25 @@ impl Family for Gemma3Family {
         st.keep_features(w.layers.len())?;
         st.marks.mark(part::EMBED)
     }
+
+    /// One token keeps the GEMMs too: the block has always run them (not measured otherwise).
+    fn single_token_gemv(&self) -> bool {
+        false
+    }
 }
 
 /// Layer `li` of the step, with the RoPE frequencies `freq` of its base.
 fn layer(st: &mut Step<'_>, li: usize, l: &LayerW, freq: &CudaSlice<f32>) -> Result<(), GpuError> {
-    let (c, dm, k, blas, t) = (st.c, st.dm, st.k, st.blas, st.t);
+    let (c, dm, k, t) = (st.c, st.dm, st.k, st.t);
     let (Some(qk_norm), Some(post_attn), Some(post_ffn)) = (l.qk_norm(), &l.post_attn_norm, &l.post_ffn_norm)
     else {
         return Err(missing("QK norms and post-norms"));
     };
+    let ops = st.ops();
     let norm = |w| Norm::new(w, c.rms_eps);
     let a = &mut *st.a;
     k.rms_norm(&a.x, t, dm.d, norm(&l.attn_norm), &mut a.h)?;
-    blas.project(
-        k,
-        &l.wqkv,
-        &a.h,
-        &mut a.qkv,
-        Gemm::store(t, dm.qkv(), dm.d),
-        &mut a.fp8,
-    )?;
+    l.wqkv.project(&ops, Rows::Bf16(&a.h), &mut a.qkv, &mut a.fp8)?;
     let post = QkvPost {
         config: c,
         dims: dm,
@@ -88,14 +88,12 @@ fn layer(st: &mut Step<'_>, li: usize, l: &LayerW, freq: &CudaSlice<f32>) -> Res
     k.qkv_post(t, &post, out, false)?;
     st.backend.append_kv(li, &a.k, &a.v).map_err(backend_err)?;
     st.backend.attention(li, &a.q, &mut a.attn).map_err(backend_err)?;
-    let g = Gemm::store(t, dm.d, dm.qw);
-    blas.project(k, &l.wo, &a.attn, &mut a.proj, g, &mut a.fp8)?;
+    l.wo.project(&ops, Rows::Bf16(&a.attn), &mut a.proj, &mut a.fp8)?;
     k.rms_norm_add(&a.proj, t, dm.d, norm(post_attn), &mut a.x)?;
     k.rms_norm(&a.x, t, dm.d, norm(&l.ffn_norm), &mut a.h)?;
-    let g = Gemm::store(t, 2 * dm.ff, dm.d);
-    blas.project(k, &l.wgu, &a.h, &mut a.gu, g, &mut a.fp8)?;
+    l.wgu.project(&ops, Rows::Bf16(&a.h), &mut a.gu, &mut a.fp8)?;
     k.glu(Glu::GeluTanh, &a.gu, t, dm.ff, &mut a.act)?;
-    let g = Gemm::store(t, dm.d, dm.ff);
-    blas.project(k, &l.wdown, &a.act, &mut a.proj, g, &mut a.fp8)?;
+    l.wdown
+        .project(&ops, Rows::Bf16(&a.act), &mut a.proj, &mut a.fp8)?;
     k.rms_norm_add(&a.proj, t, dm.d, norm(post_ffn), &mut a.x)
 }

@@ -16,14 +16,11 @@ use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
 use super::fp8::MatRef;
+use super::options::GpuTuning;
 use crate::backend::AppendTarget;
 
 const THREADS: u32 = 256;
-/// Blocks per SM the grid is capped at (warps then stride over the matrix), unless
-/// `KVFLEET_GEMV_BLOCKS_PER_SM` says otherwise (0: no cap, a warp a unit).
-const BLOCKS_PER_SM: usize = 4;
-/// The widest normed input row the GEMV takes (bf16 in dynamic shared memory), and the widest
-/// row `kvf_gemv_fp8_h2` stages (f16).
+/// The widest normed input row the GEMV takes (bf16 in dynamic shared memory).
 pub const MAX_NORMED_K: usize = 16384;
 const MODE_STORE: i32 = 0;
 const MODE_ADD: i32 = 1;
@@ -87,84 +84,13 @@ pub struct QkvRope<'a> {
     pub cache: Option<AppendTarget<'a>>,
 }
 
-/// Which single-token kernel runs FP8 weights (`KVFLEET_FP8_GEMV`, to time them in one call;
-/// kernels/fp8.cu).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fp8Gemv {
-    /// `kvf_gemv_fp8`: CUDA cores, the hardware's e4m3 conversions, the input bf16 (`cvt`).
-    Cvt,
-    /// `kvf_gemv_fp8_int`: the same with integer bit moves (`int`).
-    Int,
-    /// `kvf_gemv_fp8_h2`: CUDA cores, the hardware's e4m3 conversions to f16, products and
-    /// 16-weight partial sums in f16 against the input staged as f16, scaled by a power of two
-    /// (`h2`): 10 conversions for 16 weights where `Cvt` spends 24. Rows longer than
-    /// [`MAX_NORMED_K`] take `Cvt`.
-    H2,
-    /// `kvf_gemv_fp8_mma`: tensor cores, the input quantized per token (`mma`); rows whose
-    /// length is not a multiple of 64, or longer than [`MAX_NORMED_K`], take `Cvt`.
-    Mma,
-}
-
-impl Fp8Gemv {
-    /// From `KVFLEET_FP8_GEMV` (`cvt`, `int`, `h2`, `mma`; unset or empty: the default,
-    /// `cvt`). Another value is an error that names the variable.
-    pub fn from_env() -> Result<Self, GpuError> {
-        Self::parse(std::env::var("KVFLEET_FP8_GEMV").ok().as_deref())
-    }
-
-    fn parse(v: Option<&str>) -> Result<Self, GpuError> {
-        match v.map(str::trim) {
-            None | Some("") | Some("cvt") => Ok(Fp8Gemv::Cvt),
-            Some("int") => Ok(Fp8Gemv::Int),
-            Some("h2") => Ok(Fp8Gemv::H2),
-            Some("mma") => Ok(Fp8Gemv::Mma),
-            Some(other) => Err(GpuError::Invalid(format!(
-                "KVFLEET_FP8_GEMV={other}: expected cvt (the default), int, h2 or mma"
-            ))),
-        }
-    }
-
-    /// The kernel of a variant that takes only some rows (`H2`, `Mma`; the others take them
-    /// all) and the dynamic shared memory it needs at most.
-    fn special(self) -> Option<(&'static str, usize)> {
-        match self {
-            Fp8Gemv::H2 => Some(("kvf_gemv_fp8_h2", h2_smem(MAX_NORMED_K))),
-            Fp8Gemv::Mma => Some(("kvf_gemv_fp8_mma", mma_smem(MAX_NORMED_K))),
-            Fp8Gemv::Cvt | Fp8Gemv::Int => None,
-        }
-    }
-
-    /// Whether the variant's own kernel takes rows of `k` (a multiple of 16).
-    fn takes(self, k: usize) -> bool {
-        match self {
-            Fp8Gemv::H2 => k <= MAX_NORMED_K,
-            Fp8Gemv::Mma => k % 64 == 0 && k <= MAX_NORMED_K,
-            Fp8Gemv::Cvt | Fp8Gemv::Int => true,
-        }
-    }
-}
-
-/// Dynamic shared memory of `kvf_gemv_fp8_mma` for rows of `k`: the bf16 normed row and the
-/// e4m3 row.
-const fn mma_smem(k: usize) -> usize {
-    3 * k
-}
-
-/// Dynamic shared memory of `kvf_gemv_fp8_h2` for rows of `k`: the f16 input row (the bf16
-/// normed row first, converted in place), normed or not.
-const fn h2_smem(k: usize) -> usize {
-    2 * k
-}
-
 /// `kvf_gemv` (and the FP8 kernels for FP8 weights), the stream it runs on and its grid.
 pub struct Gemv {
     kernel: CudaFunction,
-    /// The FP8 kernel for every row (`Cvt` or `Int`), and with `H2` or `Mma` that variant's
-    /// kernel, for the rows it takes.
+    /// `kvf_gemv_fp8`, when the module is the FP8 program.
     fp8: Option<CudaFunction>,
-    fp8_special: Option<(Fp8Gemv, CudaFunction)>,
     /// `kvf_gemv_fp8_row` (a row a warp), for the FP8 projections whose row pairs do not fill
-    /// the capped grid, stored or added; with the `Cvt` kernel, unless `KVFLEET_FP8_GEMV_ROW=0`.
+    /// the capped grid, stored or added ([`GpuTuning::fp8_gemv_row`]).
     fp8_row: Option<CudaFunction>,
     stream: Arc<CudaStream>,
     num_sms: usize,
@@ -173,58 +99,42 @@ pub struct Gemv {
     /// Launch with programmatic stream serialisation (sm_90 and later).
     pdl: bool,
     /// The Q/K/V projection ends with the split (bias, RoPE) in its own launch
-    /// ([`Output::Qkv`]); `KVFLEET_GEMV_QKV=0` keeps the separate `kvf_qkv_post`, to time it.
+    /// ([`Output::Qkv`]; [`GpuTuning::gemv_qkv_split`]).
     pub fused_qkv: bool,
 }
 
 impl Gemv {
     /// `pdl`: the device is sm_90 or later (programmatic dependent launch); `fp8`: the module
-    /// is the FP8 program, and which FP8 kernel to run.
+    /// is the FP8 program.
     pub fn load(
         module: &Arc<CudaModule>,
         stream: Arc<CudaStream>,
         num_sms: usize,
         pdl: bool,
-        fp8: Option<Fp8Gemv>,
+        fp8: bool,
+        tuning: &GpuTuning,
     ) -> Result<Self, GpuError> {
-        let load = |name: &str, smem: usize| -> Result<CudaFunction, GpuError> {
+        let load = |name: &str| -> Result<CudaFunction, GpuError> {
             let kernel = module.load_function(name).map_err(drv("finding a GEMV kernel"))?;
             kernel
                 .set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
+                    (MAX_NORMED_K * 2) as i32,
                 )
                 .map_err(drv("raising the GEMV shared-memory limit"))?;
             Ok(kernel)
         };
-        let normed = MAX_NORMED_K * 2;
         Ok(Gemv {
-            kernel: load("kvf_gemv", normed)?,
-            fp8: fp8
-                .map(|v| match v {
-                    Fp8Gemv::Int => load("kvf_gemv_fp8_int", normed),
-                    Fp8Gemv::Cvt | Fp8Gemv::H2 | Fp8Gemv::Mma => load("kvf_gemv_fp8", normed),
-                })
+            kernel: load("kvf_gemv")?,
+            fp8: fp8.then(|| load("kvf_gemv_fp8")).transpose()?,
+            fp8_row: (fp8 && tuning.fp8_gemv_row)
+                .then(|| load("kvf_gemv_fp8_row"))
                 .transpose()?,
-            fp8_special: fp8
-                .and_then(|v| v.special().map(|(name, smem)| load(name, smem).map(|f| (v, f))))
-                .transpose()?,
-            fp8_row: match fp8 {
-                Some(Fp8Gemv::Cvt)
-                    if std::env::var("KVFLEET_FP8_GEMV_ROW").map_or(true, |v| v.trim() != "0") =>
-                {
-                    Some(load("kvf_gemv_fp8_row", normed)?)
-                }
-                _ => None,
-            },
             stream,
             num_sms,
-            blocks_per_sm: std::env::var("KVFLEET_GEMV_BLOCKS_PER_SM")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(BLOCKS_PER_SM),
+            blocks_per_sm: tuning.gemv_blocks_per_sm,
             pdl,
-            fused_qkv: std::env::var("KVFLEET_GEMV_QKV").map_or(true, |v| v.trim() != "0"),
+            fused_qkv: tuning.gemv_qkv_split,
         })
     }
 
@@ -260,8 +170,6 @@ impl Gemv {
         // Parameters in order: w, [wscale,] n, k, half, x_bf16, x_f32, row, norm_w, eps, mode,
         // y, act (absent pointers are 0).
         let mut l = Launch::new(&self.stream);
-        let glu = matches!(output, Output::SwiGlu(_));
-        let mut special = None;
         let output_mode = match &output {
             Output::Store(_) => MODE_STORE,
             Output::Add(_) => MODE_ADD,
@@ -278,38 +186,16 @@ impl Gemv {
                 need("GEMV weight", q, n * k)?;
                 need("GEMV weight scales", scale, n)?;
                 l.ptr(q).ptr(scale);
-                match (&self.fp8_special, &self.fp8) {
-                    // The tensor-core kernel has no Q/K/V epilogue.
-                    (Some((v, f)), _) if v.takes(k) && !(output_mode == MODE_QKV && *v == Fp8Gemv::Mma) => {
-                        special = Some(*v);
-                        f
-                    }
-                    (_, Some(f)) => f,
-                    _ => {
-                        return Err(GpuError::Invalid(
-                            "FP8 weights on a model built without FP8 kernels".into(),
-                        ))
-                    }
-                }
+                self.fp8.as_ref().ok_or_else(|| {
+                    GpuError::Invalid("FP8 weights on a model built without FP8 kernels".into())
+                })?
             }
         };
         l.i32(n_i).i32(k_i).i32(half);
-        let mut smem = push_input(&mut l, input, k)?;
-        let mut units = push_output(&mut l, output, n)?;
+        let smem = push_input(&mut l, input, k)?;
+        let units = push_output(&mut l, output, n)?;
         let warps_per_block = (THREADS / 32) as usize;
         let mut blocks = units.div_ceil(warps_per_block);
-        match special {
-            // The f16 row is staged whether the input is normed or not.
-            Some(Fp8Gemv::H2) => smem = h2_smem(k),
-            Some(Fp8Gemv::Mma) => {
-                // A block a unit of two 16-row blocks: 32 rows, or 16 gate rows and their up
-                // rows.
-                smem = mma_smem(k);
-                units = if glu { (n / 2).div_ceil(16) } else { n.div_ceil(32) };
-                blocks = units;
-            }
-            _ => {}
-        }
         let cap = match self.blocks_per_sm {
             0 => usize::MAX,
             b => self.num_sms.max(1) * b,
@@ -317,8 +203,8 @@ impl Gemv {
         // A stored or added FP8 projection whose row pairs do not fill the capped grid: a row a
         // warp, twice the warps.
         let by_row = matches!(output_mode, MODE_STORE | MODE_ADD) && blocks < cap;
-        let kernel = match (&self.fp8_row, special) {
-            (Some(f), None) if by_row && matches!(w, MatRef::Fp8 { .. }) => {
+        let kernel = match &self.fp8_row {
+            Some(f) if by_row && matches!(w, MatRef::Fp8 { .. }) => {
                 blocks = n.div_ceil(warps_per_block);
                 f
             }
@@ -333,9 +219,7 @@ impl Gemv {
         // SAFETY: the arguments follow `kvf_gemv`'s parameters in kernels/gemv.cu in order and
         // type (pointer, 3 ints, 4 pointers, float, int, 2 pointers, then `KVF_GEMV_QKV_PARAMS`:
         // 3 pointers, 6 ints, a float, 6 pointers, 2 ints, 2 floats), or the FP8 kernels' in
-        // kernels/fp8.cu (the same with the scale pointer after the weight; the mma kernel's
-        // shared memory is 3 k bytes and the h2 kernel's 2 k bytes, `k <= MAX_NORMED_K` for
-        // both, within the limits raised at load, and the mma kernel's rows a multiple of 64).
+        // kernels/fp8.cu (the same with the scale pointer after the weight).
         // Absent pointers are 0 and the kernel reads them only under the mode and flags that
         // say they are present.
         // Sizes were checked above: `w` holds `n * k` (and `n` scales), the input `k` (or the f32
@@ -499,23 +383,5 @@ fn push_mode<'a>(l: &mut Launch<'a>, output: Output<'a>, n: usize) -> Result<usi
             Ok(n / 2)
         }
         Output::Qkv(_) => unreachable!("push_output takes the Q/K/V output"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_fp8_gemv_reads_its_variable() {
-        assert_eq!(Fp8Gemv::parse(None).unwrap(), Fp8Gemv::Cvt);
-        assert_eq!(Fp8Gemv::parse(Some("")).unwrap(), Fp8Gemv::Cvt);
-        assert_eq!(Fp8Gemv::parse(Some("h2")).unwrap(), Fp8Gemv::H2);
-        assert_eq!(Fp8Gemv::parse(Some("mma")).unwrap(), Fp8Gemv::Mma);
-        let e = Fp8Gemv::parse(Some("pre4")).unwrap_err().to_string();
-        assert!(
-            e.contains("KVFLEET_FP8_GEMV=pre4") && e.contains("expected cvt"),
-            "{e}"
-        );
     }
 }

@@ -18,21 +18,29 @@ use crate::spec::Arch;
 use crate::{nvrtc, CudaError};
 
 use super::error::{drv, need, GpuError};
-use super::fp8::{Fp8Kernels, Fusion};
-use super::gemv::{Fp8Gemv, Gemv};
+use super::fp8::Fp8Kernels;
+use super::gemv::Gemv;
+use super::options::GpuTuning;
 pub(super) use super::rows::{rows_cfg, Glu, Norm, NORM_THREADS};
 use super::shape::Dims;
+
+/// The files of the model program, in order: the one list both programs start with.
+macro_rules! model_files {
+    () => {
+        concat!(
+            include_str!("../../../../kernels/model.cu"),
+            "\n",
+            include_str!("../../../../kernels/sampling.cu"),
+            "\n",
+            include_str!("../../../../kernels/gemv.cu")
+        )
+    };
+}
 
 /// The kernels of the forward pass (everything but GEMMs and attention).
 /// `kernels/sampling.cu` and `kernels/gemv.cu` follow `kernels/model.cu` in one program (they use
 /// its helpers).
-pub const MODEL_SOURCE: &str = concat!(
-    include_str!("../../../../kernels/model.cu"),
-    "\n",
-    include_str!("../../../../kernels/sampling.cu"),
-    "\n",
-    include_str!("../../../../kernels/gemv.cu")
-);
+pub const MODEL_SOURCE: &str = model_files!();
 
 /// Entry points of [`MODEL_SOURCE`].
 pub const MODEL_KERNELS: [&str; 15] = [
@@ -66,24 +74,13 @@ pub fn fp8_ptx(arch: Arch) -> Result<Arc<str>, CudaError> {
 
 /// The model program [`MODEL_SOURCE`] with `kernels/fp8.cu` after it: the kernels of a model
 /// with FP8 weights. A program of its own so that the bf16 program's PTX does not change.
-pub const FP8_SOURCE: &str = concat!(
-    include_str!("../../../../kernels/model.cu"),
-    "\n",
-    include_str!("../../../../kernels/sampling.cu"),
-    "\n",
-    include_str!("../../../../kernels/gemv.cu"),
-    "\n",
-    include_str!("../../../../kernels/fp8.cu")
-);
+pub const FP8_SOURCE: &str = concat!(model_files!(), "\n", include_str!("../../../../kernels/fp8.cu"));
 
 /// Entry points `kernels/fp8.cu` adds to [`FP8_SOURCE`].
-pub const FP8_KERNELS: [&str; 13] = [
+pub const FP8_KERNELS: [&str; 12] = [
     "kvf_quantize_rows_fp8",
     "kvf_gemv_fp8",
     "kvf_gemv_fp8_row",
-    "kvf_gemv_fp8_int",
-    "kvf_gemv_fp8_h2",
-    "kvf_gemv_fp8_mma",
     "kvf_fp8_scale",
     "kvf_silu_quantize_fp8",
     "kvf_gelu_tanh_quantize_fp8",
@@ -91,6 +88,8 @@ pub const FP8_KERNELS: [&str; 13] = [
     "kvf_add_rms_norm_fp8",
     "kvf_qkv_post_fp8",
     "kvf_qkv_post_wide_fp8",
+    "kvf_gemm_fp8_skinny",
+    "kvf_gemm_fp8_skinny16",
 ];
 
 /// Compiled programs by name and architecture.
@@ -212,13 +211,8 @@ fn qkv_post_cfg(t: usize, heads: u32, head_dim: usize) -> (bool, LaunchConfig) {
 impl ModelKernels {
     /// The model program's kernels; with `fp8`, from the program with `kernels/fp8.cu` too
     /// (the caller has checked that the device has FP8: [`super::fp8::check_device`]).
-    pub fn load(gpu: &Gpu, fp8: bool) -> Result<Self, GpuError> {
-        Self::load_with(gpu, fp8.then(Fp8Gemv::from_env).transpose()?)
-    }
-
-    /// [`ModelKernels::load`] with the FP8 GEMV named (`None`: no FP8 kernels).
-    pub fn load_with(gpu: &Gpu, fp8_gemv: Option<Fp8Gemv>) -> Result<Self, GpuError> {
-        let fp8 = fp8_gemv.is_some();
+    /// `tuning`: the GEMVs' and the FP8 kernels' lab knobs.
+    pub fn load(gpu: &Gpu, fp8: bool, tuning: &GpuTuning) -> Result<Self, GpuError> {
         let ptx = if fp8 {
             fp8_ptx(gpu.arch)?
         } else {
@@ -248,9 +242,9 @@ impl ModelKernels {
                 rms_norm_add: f("kvf_rms_norm_add")?,
                 gelu_tanh_mul: f("kvf_gelu_tanh_mul")?,
             },
-            gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8_gemv)?,
+            gemv: Gemv::load(&module, gpu.stream().clone(), gpu.num_sms, pdl, fp8, tuning)?,
             fp8: fp8
-                .then(|| Fp8Kernels::load(&module, gpu.num_sms, pdl, Fusion::from_env()))
+                .then(|| Fp8Kernels::load(&module, gpu.num_sms, pdl, tuning))
                 .transpose()?,
             pdl,
         })

@@ -5,21 +5,16 @@
 //! f32 residual, beta = 1); `h = rmsnorm(x)`; `gu = h · Wguᵀ` (gate and up in one GEMM);
 //! `act = silu(gate) * up`; `x += act · Wdownᵀ`.
 //!
-//! A step of one token runs each projection as one fused GEMV instead ([`super::gemv`]): the
-//! norm inside the QKV and gate/up launches, the split (bias, RoPE) inside QKV where the model
-//! has no Q/K norms, SwiGLU inside gate/up, the residual add inside O and down; five launches a
-//! layer fewer. With FP8 weights on cuBLASLt's unit-scale path, the
-//! O and down GEMMs' residual add is left to the RMSNorm after them ([`Pending`]).
+//! Which kernel runs each projection (the one-token GEMVs with the norm, SwiGLU, residual add
+//! or Q/K/V split fused in; the FP8 GEMMs' fused neighbours) is the weight's op's choice
+//! ([`super::linear`]); this file says what is projected through what.
 
 use kvfleet_engine::engine::Backend;
 
-use cudarc::driver::CudaSlice;
-
-use super::blas::{Fp8In, Gemm};
 use super::error::{backend_err, GpuError};
-use super::fp8::{Fp8Kernels, Fp8Scratch, Fusion, Mat};
-use super::gemv::{Input, Output, QkvRope};
-use super::kernels::{Glu, ModelKernels, Norm, QkvOut, QkvPost};
+use super::kernels::{QkvOut, QkvPost};
+use super::linear::{Ops, QkvRope, Rows};
+use super::rows::{Glu, Norm};
 use super::step::{part, Family, Step};
 use super::weights::LayerW;
 
@@ -31,10 +26,10 @@ impl Family for LlamaFamily {
         let (w, dm) = (st.w, st.dm);
         st.k.embed(&w.embed, &st.a.tok, st.t, dm.d, &mut st.a.x)?;
         st.marks.mark(part::EMBED)?;
-        let mut pending = None;
+        let mut ops = st.ops();
         for (li, l) in w.layers.iter().enumerate() {
             st.keep_features(li)?;
-            if !qkv(st, li, l, pending.take())? {
+            if !qkv(st, &mut ops, li, l)? {
                 st.backend.append_kv(li, &st.a.k, &st.a.v).map_err(backend_err)?;
             }
             st.marks.mark(part::KV_APPEND)?;
@@ -42,64 +37,31 @@ impl Family for LlamaFamily {
                 .attention(li, &st.a.q, &mut st.a.attn)
                 .map_err(backend_err)?;
             st.marks.mark(part::ATTENTION)?;
-            if st.fused {
-                mlp_gemv(st, l)?;
-            } else {
-                pending = mlp_gemm(st, l)?;
-            }
+            mlp(st, &mut ops, l)?;
             st.marks.mark(part::DOWN_GEMM)?;
         }
-        finish(st, pending)?;
+        ops.settle(&mut st.a.x, dm.d, &st.a.fp8)?;
         st.keep_features(w.layers.len())
     }
 }
 
-/// The residual add an FP8 O or down GEMM left to the norm after it: the weight's row scales,
-/// the unscaled product in `a.fp8.d` (cuBLASLt with unit scales; [`Blas::project_add_deferred`]).
-///
-/// [`Blas::project_add_deferred`]: super::blas::Blas::project_add_deferred
-type Pending<'w> = Option<&'w CudaSlice<f32>>;
-
-/// Whether this step's FP8 O and down GEMMs leave their residual add to the next norm: both
-/// fusions on, and no layer's residual stream kept for a drafter (it must be complete then).
-fn defers_add(st: &Step<'_>) -> bool {
-    st.k.fp8.as_ref().is_some_and(|f| f.fusion.add && f.fusion.norm) && !st.keeps_features()
-}
-
-/// Does the add `pending` left, where no fused norm takes it.
-fn finish(st: &mut Step<'_>, pending: Pending<'_>) -> Result<(), GpuError> {
-    match pending {
-        Some(sw) => st
-            .blas
-            .finish_add(st.k, sw, &mut st.a.x, (st.t, st.dm.d), &st.a.fp8),
-        None => Ok(()),
-    }
-}
-
-/// The normed input through the fused Q/K/V projection, then bias, Q/K norms and RoPE;
-/// `pending`: the previous layer's down projection left its residual add to this norm.
-/// Returns whether layer `li`'s K/V are in its cache already (the one-token GEMV wrote them).
-fn qkv(st: &mut Step<'_>, li: usize, l: &LayerW, pending: Pending<'_>) -> Result<bool, GpuError> {
-    let (c, dm, k, t) = (st.c, st.dm, st.k, st.t);
-    let fused_norm = fp8_fusion(k, &l.wqkv).is_some_and(|(_, fz)| fz.norm) && !st.fused;
-    if !fused_norm {
-        finish(st, pending)?;
-    }
+/// The normed input through the fused Q/K/V projection, then bias, Q/K norms and RoPE.
+/// Returns whether layer `li`'s K/V are in its cache already (the projection wrote them).
+fn qkv<'w>(st: &mut Step<'w>, ops: &mut Ops<'w>, li: usize, l: &'w LayerW) -> Result<bool, GpuError> {
+    let (c, dm) = (st.c, st.dm);
     let a = &mut *st.a;
     let norm = Norm::new(&l.attn_norm, c.rms_eps);
-    // The QKV GEMM's weight scales, when the split applies them (FP8, unit-scale GEMM).
-    let mut unscaled = None;
-    if st.fused && k.gemv.fused_qkv && l.qk_norm().is_none() {
-        // One launch for the projection and the split: the GEMV's epilogue adds the bias and
-        // rotates each pair (no Q/K norms here: they need the whole head), and writes K/V into
-        // the cache where the backend lets it.
+    let input = l.wqkv.norm_input(ops, &mut a.x, norm, &mut a.h, &mut a.fp8)?;
+    st.marks.mark(part::NORM)?;
+    if ops.splits_in_projection() && l.qk_norm().is_none() {
+        // The split in the projection's own launch: bias and RoPE (no Q/K norms here: they
+        // need the whole head), and K/V into the cache where the backend lets it.
         let cache = if st.fused_append {
             st.backend.single_token_append(li).map_err(backend_err)?
         } else {
             None
         };
         let appended = cache.is_some();
-        let input = Input::normed(&a.x, norm.w, norm.eps);
         let rope = QkvRope {
             pos: &a.pos,
             bias: l.bqkv.as_ref(),
@@ -116,33 +78,12 @@ fn qkv(st: &mut Step<'_>, li: usize, l: &LayerW, pending: Pending<'_>) -> Result
             v: &mut a.v,
             cache,
         };
-        k.gemv.run(&l.wqkv, dm.qkv(), dm.d, input, Output::Qkv(rope))?;
+        l.wqkv.project_split(ops, input, rope)?;
         st.marks.mark(part::QKV_GEMM)?;
         st.marks.mark(part::QKV_POST)?;
         return Ok(appended);
-    } else if st.fused {
-        let input = Input::normed(&a.x, norm.w, norm.eps);
-        k.gemv
-            .run(&l.wqkv, dm.qkv(), dm.d, input, Output::Store(&mut a.qkv))?;
-    } else if let Some((f8, fz)) = fp8_fusion(k, &l.wqkv) {
-        let pending = pending.filter(|_| fused_norm);
-        let input = norm_fp8(f8, fz, k, &mut a.x, t, dm.d, norm, pending, &mut a.h, &mut a.fp8)?;
-        st.marks.mark(part::NORM)?;
-        let dims = (t, dm.qkv(), dm.d);
-        if fz.qkv {
-            unscaled = st
-                .blas
-                .gemm_fp8(k, &l.wqkv, input, &mut a.qkv, dims, &mut a.fp8)?;
-        } else {
-            let g = Gemm::store(t, dm.qkv(), dm.d);
-            st.blas.project_in(k, &l.wqkv, input, &mut a.qkv, g, &mut a.fp8)?;
-        }
-    } else {
-        k.rms_norm(&a.x, t, dm.d, norm, &mut a.h)?;
-        st.marks.mark(part::NORM)?;
-        let g = Gemm::store(t, dm.qkv(), dm.d);
-        st.blas.project(k, &l.wqkv, &a.h, &mut a.qkv, g, &mut a.fp8)?;
     }
+    let unscaled = l.wqkv.project_for_split(ops, input, &mut a.qkv, &mut a.fp8)?;
     st.marks.mark(part::QKV_GEMM)?;
     let post = QkvPost {
         config: c,
@@ -152,119 +93,36 @@ fn qkv(st: &mut Step<'_>, li: usize, l: &LayerW, pending: Pending<'_>) -> Result
         bias: l.bqkv.as_ref(),
         qk_norm: l.qk_norm(),
         inv_freq: &st.w.inv_freq,
-        scales: unscaled.map(|sw| (&a.fp8.sx, sw)),
+        scales: unscaled.map(|u| u.with(&a.fp8)),
     };
     let out = QkvOut {
         q: &mut a.q,
         k: &mut a.k,
         v: &mut a.v,
     };
-    k.qkv_post(t, &post, out, k.pdl)?;
+    st.k.qkv_post(st.t, &post, out, st.k.pdl)?;
     st.marks.mark(part::QKV_POST)?;
     Ok(false)
 }
 
-/// O, gate/up and down as fused GEMVs (a step of one token).
-fn mlp_gemv(st: &mut Step<'_>, l: &LayerW) -> Result<(), GpuError> {
-    let (dm, g, eps) = (st.dm, &st.k.gemv, st.c.rms_eps);
+/// `x += attn · Woᵀ`; `h = rmsnorm(x)`; `act = silu(h · Wgateᵀ) * (h · Wupᵀ)`;
+/// `x += act · Wdownᵀ`.
+fn mlp<'w>(st: &mut Step<'w>, ops: &mut Ops<'w>, l: &'w LayerW) -> Result<(), GpuError> {
     let a = &mut *st.a;
-    g.run(&l.wo, dm.d, dm.qw, Input::Bf16(&a.attn), Output::Add(&mut a.x))?;
+    l.wo.project_add(ops, Rows::Bf16(&a.attn), &mut a.x, &mut a.fp8)?;
     st.marks.mark(part::O_GEMM)?;
-    let input = Input::normed(&a.x, &l.ffn_norm, eps);
-    g.run(&l.wgu, 2 * dm.ff, dm.d, input, Output::SwiGlu(&mut a.act))?;
-    st.marks.mark(part::FFN_GEMM)?;
-    g.run(&l.wdown, dm.d, dm.ff, Input::Bf16(&a.act), Output::Add(&mut a.x))
-}
-
-/// The FP8 kernels and what they fuse, when `w` is an FP8 weight and anything is fused.
-fn fp8_fusion<'k>(k: &'k ModelKernels, w: &Mat) -> Option<(&'k Fp8Kernels, Fusion)> {
-    let f8 = k.fp8.as_ref().filter(|f| f.fusion != Fusion::NONE)?;
-    matches!(w, Mat::Fp8 { .. }).then_some((f8, f8.fusion))
-}
-
-/// RMSNorm of the residual into an FP8 GEMM's input: straight into `s`'s quantized rows when
-/// fused, else into bf16 `h` for the projection to quantize. `pending`: the residual add a
-/// GEMM left ([`Pending`]), done first (inside the fused norm when it runs).
-#[allow(clippy::too_many_arguments)] // the kernels, the rows and their norm, the add, both outputs
-fn norm_fp8<'h>(
-    f8: &Fp8Kernels,
-    fz: Fusion,
-    k: &ModelKernels,
-    x: &mut CudaSlice<f32>,
-    t: usize,
-    d: usize,
-    norm: Norm<'_>,
-    pending: Pending<'_>,
-    h: &'h mut CudaSlice<u16>,
-    s: &mut Fp8Scratch,
-) -> Result<Fp8In<'h>, GpuError> {
-    if fz.norm && Fp8Kernels::fits(d) {
-        match pending {
-            Some(sw) => f8.add_rms_norm_quantize(k.stream(), sw, x, t, d, norm, s)?,
-            None => f8.rms_norm_quantize(k.stream(), x, t, d, norm, s)?,
-        }
-        return Ok(Fp8In::Quantized);
-    }
-    if let Some(sw) = pending {
-        f8.scale(k.stream(), Some(&s.d), t, d, &s.sx, sw, true, x)?;
-    }
-    k.rms_norm(x, t, d, norm, h)?;
-    Ok(Fp8In::Bf16(h))
-}
-
-/// O, gate/up and down as cuBLAS GEMMs with the norm and SwiGLU kernels between them. Returns
-/// the down projection's residual add when it is left to the next norm ([`Pending`]).
-fn mlp_gemm<'w>(st: &mut Step<'_>, l: &'w LayerW) -> Result<Pending<'w>, GpuError> {
-    let (dm, t, k, blas) = (st.dm, st.t, st.k, st.blas);
-    let defer = defers_add(st) && fp8_fusion(k, &l.wgu).is_some();
-    let a = &mut *st.a;
-    let o_dims = (t, dm.d, dm.qw);
-    let o_pending = if defer {
-        blas.project_add_deferred(k, &l.wo, Fp8In::Bf16(&a.attn), &mut a.x, o_dims, &mut a.fp8)?
-    } else {
-        blas.project(k, &l.wo, &a.attn, &mut a.x, Gemm::add(t, dm.d, dm.qw), &mut a.fp8)?;
-        None
-    };
-    st.marks.mark(part::O_GEMM)?;
-    if let Some((f8, fz)) = fp8_fusion(k, &l.wgu) {
-        let norm = Norm::new(&l.ffn_norm, st.c.rms_eps);
-        let input = norm_fp8(
-            f8, fz, k, &mut a.x, t, dm.d, norm, o_pending, &mut a.h, &mut a.fp8,
-        )?;
-        st.marks.mark(part::NORM)?;
-        if fz.glu && Fp8Kernels::fits(dm.ff) {
-            let dims = (t, 2 * dm.ff, dm.d);
-            let sw = blas.gemm_fp8(k, &l.wgu, input, &mut a.gu, dims, &mut a.fp8)?;
-            st.marks.mark(part::FFN_GEMM)?;
-            f8.glu_quantize(k.stream(), Glu::Silu, &a.gu, t, dm.ff, sw, &mut a.fp8)?;
-            st.marks.mark(part::ACT)?;
-            let dims = (t, dm.d, dm.ff);
-            if defer {
-                return blas.project_add_deferred(k, &l.wdown, Fp8In::Quantized, &mut a.x, dims, &mut a.fp8);
-            }
-            let g = Gemm::add(t, dm.d, dm.ff);
-            blas.project_in(k, &l.wdown, Fp8In::Quantized, &mut a.x, g, &mut a.fp8)?;
-            return Ok(None);
-        }
-        let g = Gemm::store(t, 2 * dm.ff, dm.d);
-        blas.project_in(k, &l.wgu, input, &mut a.gu, g, &mut a.fp8)?;
-        st.marks.mark(part::FFN_GEMM)?;
-        k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
-        st.marks.mark(part::ACT)?;
-        let g = Gemm::add(t, dm.d, dm.ff);
-        blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)?;
-        return Ok(None);
-    }
-    k.rms_norm(&a.x, t, dm.d, Norm::new(&l.ffn_norm, st.c.rms_eps), &mut a.h)?;
+    let norm = Norm::new(&l.ffn_norm, st.c.rms_eps);
+    let input = l.wgu.norm_input(ops, &mut a.x, norm, &mut a.h, &mut a.fp8)?;
     st.marks.mark(part::NORM)?;
-    let g = Gemm::store(t, 2 * dm.ff, dm.d);
-    blas.project(k, &l.wgu, &a.h, &mut a.gu, g, &mut a.fp8)?;
+    let gu = l
+        .wgu
+        .project_gate_up(ops, input, Glu::Silu, &l.wdown, &mut a.gu, &mut a.act, &mut a.fp8)?;
     st.marks.mark(part::FFN_GEMM)?;
-    k.glu(Glu::Silu, &a.gu, t, dm.ff, &mut a.act)?;
+    let act = l
+        .wdown
+        .activate(ops, Glu::Silu, gu, &a.gu, &mut a.act, &mut a.fp8)?;
     st.marks.mark(part::ACT)?;
-    let g = Gemm::add(t, dm.d, dm.ff);
-    blas.project(k, &l.wdown, &a.act, &mut a.x, g, &mut a.fp8)?;
-    Ok(None)
+    l.wdown.project_add(ops, act, &mut a.x, &mut a.fp8)
 }
 
 #[cfg(test)]

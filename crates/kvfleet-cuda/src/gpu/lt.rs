@@ -27,19 +27,13 @@ const LT_WORKSPACE: usize = kvfleet_core::plan::FP8_GEMM_WORKSPACE_BYTES as usiz
 /// does not know it refuses the plan, which [`Lt`] turns into the unit-scale path for that shape.
 const SCALE_OUTER_VEC_32F: u32 = 3;
 
-/// How [`Lt`] chooses between per-row and unit scales.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum ScalePick {
-    /// Both timed once a [`bucket`] of token counts and `(n, k)` where the library takes
-    /// per-row scales, the faster kept for the bucket (unit scales only when at least
-    /// [`UNIT_MARGIN`] faster).
-    Timed,
-    /// Per-row scales for every shape the library takes them for, unit scales for the others.
-    PerRow,
-    /// Unit scales everywhere (the path of GPUs and libraries without per-row scales, to test
-    /// and time it anywhere).
-    Unit,
-}
+/// How [`Lt`] chooses between per-row and unit scales ([`GpuTuning::fp8_scales`]): both timed
+/// once a [`bucket`] of token counts and `(n, k)` where the library takes per-row scales, the
+/// faster kept for the bucket (unit scales only when at least [`UNIT_MARGIN`] faster); or one
+/// of the two everywhere.
+///
+/// [`GpuTuning::fp8_scales`]: super::options::GpuTuning::fp8_scales
+pub(super) use super::options::Fp8Scales as ScalePick;
 
 /// A unit-scale plan is kept over a per-row one only when its time is at most this share of
 /// the per-row time: its consumers apply the scales (and the O and down projections' residual
@@ -53,26 +47,6 @@ const UNIT_MARGIN: f32 = 0.95;
 /// rounds, the candidates' rounds interleaved.
 const TIMING_WARMUPS: usize = 2;
 const TIMING_LAUNCHES: usize = 5;
-
-impl ScalePick {
-    /// `KVFLEET_FP8_UNIT_SCALES`: unset or empty, timed per shape; `1`, unit scales
-    /// everywhere; `0`, per-row scales wherever cuBLASLt takes them.
-    pub fn from_env() -> Result<Self, GpuError> {
-        Self::parse(std::env::var("KVFLEET_FP8_UNIT_SCALES").ok().as_deref())
-    }
-
-    fn parse(v: Option<&str>) -> Result<Self, GpuError> {
-        match v {
-            None | Some("") => Ok(ScalePick::Timed),
-            Some("0") => Ok(ScalePick::PerRow),
-            Some("1") => Ok(ScalePick::Unit),
-            Some(other) => Err(GpuError::Invalid(format!(
-                "KVFLEET_FP8_UNIT_SCALES={other}: expected 1 (unit scales in every FP8 GEMM), 0 (per-row \
-                 scales wherever cuBLASLt takes them) or unset (each GEMM shape timed both ways once)"
-            ))),
-        }
-    }
-}
 
 /// How a plan's GEMM meets the scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -280,7 +254,7 @@ pub(super) enum Done {
 
 impl Lt {
     /// A handle and its workspace. `pick`: whether per-row scales may be used
-    /// (`KVFLEET_FP8_UNIT_SCALES` in the worker and benchmarks, [`ScalePick::from_env`]).
+    /// ([`ScalePick`]).
     pub fn new(stream: Arc<CudaStream>, pick: ScalePick) -> Result<Self, GpuError> {
         let handle = lt::create_handle().map_err(lt_err("creating the cuBLASLt handle"))?;
         let workspace = stream
@@ -560,18 +534,5 @@ mod tests {
         assert_eq!(bucket(256), 256);
         assert_eq!(bucket(257), 512);
         assert_eq!(bucket(2048), 2048);
-    }
-
-    #[test]
-    fn the_scale_pick_reads_its_variable() {
-        assert_eq!(ScalePick::parse(None).unwrap(), ScalePick::Timed);
-        assert_eq!(ScalePick::parse(Some("")).unwrap(), ScalePick::Timed);
-        assert_eq!(ScalePick::parse(Some("0")).unwrap(), ScalePick::PerRow);
-        assert_eq!(ScalePick::parse(Some("1")).unwrap(), ScalePick::Unit);
-        let e = ScalePick::parse(Some("yes")).unwrap_err().to_string();
-        assert!(
-            e.contains("KVFLEET_FP8_UNIT_SCALES=yes") && e.contains("expected 1"),
-            "{e}"
-        );
     }
 }

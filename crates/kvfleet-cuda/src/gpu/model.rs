@@ -4,20 +4,18 @@
 
 use std::sync::Arc;
 
-use kvfleet_engine::engine::layout::KvDtype;
-use kvfleet_engine::model::drafter::Drafter;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig};
+use kvfleet_engine::model::proposer::Proposer;
 
 use crate::backend::CudaBackend;
 use crate::device::{driver_present, Gpu};
-use crate::profile::{self, GpuSteps};
+use crate::profile::GpuSteps;
 use crate::{nvrtc, CudaError};
 
 use super::arena::Acts;
 use super::blas::{cublas_present, Blas};
-use super::drafter::GpuDrafter;
 use super::error::{backend_err, drv, GpuError};
-use super::features::Target;
+use super::features::AuxCapture;
 use super::gemma3::Gemma3Family;
 use super::gemv::Gemv;
 use super::kernels::ModelKernels;
@@ -57,15 +55,17 @@ pub struct GpuLlama {
     pub(super) capacity: GpuCapacity,
     /// The layers of the model's family.
     pub(super) family: &'static dyn Family,
-    /// CUDA-event timing of each part of a step, when `KVFLEET_PROFILE=1`.
+    /// CUDA-event timing of each part of a step, when `GpuTuning::profile`.
     pub(super) profile: Option<GpuSteps>,
     /// Steps of one token take the fused GEMV path.
     pub(super) single_token_gemv: bool,
     /// On that path the Q/K/V GEMV writes the token's K/V into the cache
     /// (`GpuOptions::single_token_append`).
     pub(super) single_token_append: bool,
-    /// A speculative drafter beside the model.
-    pub(super) drafter: Option<GpuDrafter>,
+    /// The hidden states a speculative drafter reads, kept by every step once one is attached.
+    pub(super) hidden: Option<AuxCapture>,
+    /// The attached drafter, until the serving loop takes it.
+    pub(super) proposer: Option<Box<dyn Proposer>>,
 }
 
 impl std::fmt::Debug for GpuLlama {
@@ -89,7 +89,7 @@ impl GpuLlama {
     pub fn from_llama(gpu: Arc<Gpu>, model: &Llama, opts: &GpuOptions) -> Result<Self, GpuError> {
         Self::check_shapes(&model.config)?;
         Self::check_fp8(&gpu, &model.config, opts)?;
-        let kernels = ModelKernels::load(&gpu, opts.fp8_weights)?;
+        let kernels = ModelKernels::load(&gpu, opts.fp8_weights, &opts.tuning)?;
         let weights = Weights::upload(&gpu, model, opts.fp8_weights)?;
         Self::assemble(gpu, kernels, weights, model.config.clone(), opts)
     }
@@ -100,7 +100,7 @@ impl GpuLlama {
         config.check().map_err(|e| GpuError::Invalid(e.to_string()))?;
         Self::check_shapes(&config)?;
         Self::check_fp8(&gpu, &config, opts)?;
-        let kernels = ModelKernels::load(&gpu, opts.fp8_weights)?;
+        let kernels = ModelKernels::load(&gpu, opts.fp8_weights, &opts.tuning)?;
         let weights = Weights::random(&gpu, &kernels, &config, seed, opts.fp8_weights)?;
         Self::assemble(gpu, kernels, weights, config, opts)
     }
@@ -138,7 +138,8 @@ impl GpuLlama {
         let dims = Dims::new(&config, kv_rep).with_fp8(opts.fp8_weights);
         let s = gpu.stream().clone();
         let acts = Acts::alloc(&s, &dims, opts.max_batched_tokens, opts.max_num_seqs)?;
-        let blas = Blas::new(s, opts.fp8_weights)?;
+        let blas = Blas::new(s, opts.fp8_weights, &opts.tuning)?;
+        gpu.set_fused_merge(opts.tuning.fused_merge)?;
         gpu.synchronize()?;
         gpu.context()
             .bind_to_thread()
@@ -170,7 +171,10 @@ impl GpuLlama {
             "GPU model ready"
         );
         let family: &'static dyn Family = if dims.gemma { &Gemma3Family } else { &LlamaFamily };
-        let profile = profile::enabled().then(|| GpuSteps::new(gpu.context().clone(), PROFILE_PARTS));
+        let profile = opts
+            .tuning
+            .profile
+            .then(|| GpuSteps::new(gpu.context().clone(), PROFILE_PARTS));
         Ok(GpuLlama {
             config,
             dims,
@@ -185,55 +189,9 @@ impl GpuLlama {
             single_token_gemv: opts.single_token_gemv && Gemv::fits(dims.d, &[dims.qw, dims.ff], dims.fp8),
             single_token_append: opts.single_token_append,
             profile,
-            drafter: None,
+            hidden: None,
+            proposer: None,
         })
-    }
-
-    /// Puts `drafter` beside the model: its weights, and its pool of as many pages as the
-    /// model's draft group (the full-attention pages, which its K/V follow; reserved when the
-    /// pools were sized with `GpuOptions::drafter`).
-    pub fn attach(&mut self, drafter: Drafter) -> Result<(), GpuError> {
-        self.gpu
-            .context()
-            .bind_to_thread()
-            .map_err(drv("binding the context"))?;
-        let cfg = kvfleet_engine::engine::Backend::config(&self.backend);
-        let blocks = cfg.groups.get(cfg.draft_group()).map_or(0, |g| g.num_blocks);
-        let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
-        let d = GpuDrafter::new(
-            &self.gpu,
-            drafter,
-            &self.dims,
-            dtype,
-            cfg.block_size,
-            blocks,
-            self.acts.tokens,
-            self.acts.rows,
-        )?;
-        self.gpu.synchronize()?;
-        self.drafter = Some(d);
-        Ok(())
-    }
-
-    /// The drafter and the target parts its passes borrow.
-    pub(super) fn drafter_and_target(&mut self) -> Result<(&mut GpuDrafter, Target<'_>), GpuError> {
-        self.gpu
-            .context()
-            .bind_to_thread()
-            .map_err(drv("binding the context"))?;
-        let d = self
-            .drafter
-            .as_mut()
-            .ok_or_else(|| GpuError::Invalid("no drafter is attached".into()))?;
-        let t = Target {
-            dims: &self.dims,
-            k: &self.kernels,
-            blas: &self.blas,
-            a: &mut self.acts,
-            embed: &self.weights.embed,
-            head: self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed),
-        };
-        Ok((d, t))
     }
 
     pub fn capacity(&self) -> &GpuCapacity {

@@ -87,6 +87,8 @@ pub struct GpuOptions {
     /// A speculative drafter to run beside the model: its weights, buffers and K/V come out
     /// of the KV budget before the pages are counted (its pool has as many pages).
     pub drafter: Option<DraftReserve>,
+    /// The lab knobs, each at what the measurements kept unless set (`GpuTuning::from_env`).
+    pub tuning: GpuTuning,
 }
 
 impl Default for GpuOptions {
@@ -107,6 +109,7 @@ impl Default for GpuOptions {
             single_token_append: true,
             fp8_weights: false,
             drafter: None,
+            tuning: GpuTuning::default(),
         }
     }
 }
@@ -150,6 +153,100 @@ impl GpuCapacity {
         self.kv_tokens
             .saturating_sub(max_num_seqs * (self.block_size - 1))
             .max(self.block_size.min(self.kv_tokens))
+    }
+}
+
+/// Which neighbours of the FP8 GEMMs take over the input quantization and the unit-scale
+/// epilogue at steps of more than one token (bench/RESULTS.md, 2026-11-28, measures each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Fusion {
+    /// RMSNorm writes the QKV and gate/up GEMMs' e4m3 rows and scales (`kvf_rms_norm_fp8`).
+    pub norm: bool,
+    /// The gate/up rows' scales, SwiGLU and the down projection's quantization in one kernel
+    /// (`kvf_silu_quantize_fp8`).
+    pub glu: bool,
+    /// The Q/K/V split applies the QKV GEMM's scales as it reads (`kvf_qkv_post(_wide)_fp8`).
+    pub qkv: bool,
+    /// The O and down projections' unit-scale residual add is done by the RMSNorm after them
+    /// (`kvf_add_rms_norm_fp8`; with `norm` only, and where no layer's features are kept).
+    pub add: bool,
+}
+
+impl Fp8Fusion {
+    pub const ALL: Fp8Fusion = Fp8Fusion {
+        norm: true,
+        glu: true,
+        qkv: true,
+        add: true,
+    };
+    pub const NONE: Fp8Fusion = Fp8Fusion {
+        norm: false,
+        glu: false,
+        qkv: false,
+        add: false,
+    };
+}
+
+/// How cuBLASLt's FP8 GEMMs meet the scales (`super::lt`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Scales {
+    /// Per-row and unit scales timed once a bucket of token counts and `(n, k)` where the
+    /// library takes per-row scales, the faster kept for the bucket.
+    Timed,
+    /// Per-row scales for every shape the library takes them for, unit scales for the others.
+    PerRow,
+    /// Unit scales everywhere (the path of GPUs and libraries without per-row scales, to test
+    /// and time it anywhere).
+    Unit,
+}
+
+/// The most tokens `kvf_gemm_fp8_skinny` takes: B's 8 columns of `mma.m16n8k32`.
+pub(crate) const SKINNY_MAX: usize = 8;
+/// Blocks per SM the one-token GEMVs' grid is capped at (warps then stride over the matrix).
+const GEMV_BLOCKS_PER_SM: usize = 4;
+
+/// The GPU model's lab knobs. Defaults are what bench/RESULTS.md kept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuTuning {
+    /// FP8 projections whose row pairs do not fill the capped GEMV grid (O and down) take a row
+    /// a warp (`kvf_gemv_fp8_row`; `KVFLEET_FP8_GEMV_ROW=0` keeps the pair).
+    pub fp8_gemv_row: bool,
+    /// The one-token GEMVs' grid cap in blocks per SM (`KVFLEET_GEMV_BLOCKS_PER_SM`; 0: none).
+    pub gemv_blocks_per_sm: usize,
+    /// The one-token Q/K/V GEMV splits, rotates and appends in its epilogue
+    /// (`KVFLEET_GEMV_QKV=0` keeps the separate `kvf_qkv_post`).
+    pub gemv_qkv_split: bool,
+    /// Steps of 2 to this many tokens run their FP8 GEMMs on `kvf_gemm_fp8_skinny` instead of
+    /// cuBLASLt (`KVFLEET_FP8_SKINNY`: a count, `off` or 0 for never; at most [`SKINNY_MAX`]).
+    pub fp8_skinny_max: usize,
+    /// The skinny GEMM takes units of 16 rows where 32 leave under two blocks an SM
+    /// (`KVFLEET_FP8_SKINNY_UNIT=32` keeps 32 everywhere).
+    pub fp8_skinny_unit16: bool,
+    /// What the FP8 GEMMs' neighbours fuse (`KVFLEET_FP8_FUSE`: `all`, `none` or a list).
+    pub fp8_fusion: Fp8Fusion,
+    /// The FP8 GEMMs' scale path (`KVFLEET_FP8_UNIT_SCALES`: unset timed, `0` per-row, `1` unit).
+    pub fp8_scales: Fp8Scales,
+    /// Split decode steps merge in `kvf_decode` rather than a `kvf_merge` launch
+    /// (`KVFLEET_FUSED_MERGE=0` keeps the launch).
+    pub fused_merge: bool,
+    /// CUDA-event timing of each part of a step, and of the serving loop's host parts
+    /// (`KVFLEET_PROFILE=1`; [`crate::profile`]).
+    pub profile: bool,
+}
+
+impl Default for GpuTuning {
+    fn default() -> Self {
+        GpuTuning {
+            fp8_gemv_row: true,
+            gemv_blocks_per_sm: GEMV_BLOCKS_PER_SM,
+            gemv_qkv_split: true,
+            fp8_skinny_max: SKINNY_MAX,
+            fp8_skinny_unit16: true,
+            fp8_fusion: Fp8Fusion::ALL,
+            fp8_scales: Fp8Scales::Timed,
+            fused_merge: true,
+            profile: false,
+        }
     }
 }
 

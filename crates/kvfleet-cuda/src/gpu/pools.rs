@@ -1,10 +1,9 @@
 //! Sizing the KV pools: what the free memory holds after weights, activations and the margin,
-//! as one pool of every layer (the Llama family) or one per window group (Gemma 3).
+//! laid out by the engine's one layout (`capacity::pool_layout` of the model's per-layer KV
+//! list): one pool of every layer (the Llama family) or one per window group (Gemma 3).
 
-use kvfleet_engine::engine::capacity::{pools_in_bytes, PoolParams};
+use kvfleet_engine::engine::capacity::{kv_bytes_per_token, pool_layout, PoolParams, PoolSize};
 use kvfleet_engine::engine::layout::BackendConfig;
-use kvfleet_engine::model::forward::llama_backend_config;
-use kvfleet_engine::model::kv::AttnGeometry;
 use kvfleet_engine::model::llama::LlamaConfig;
 
 use kvfleet_core::plan::engine_memory::{EngineMemory, CONTEXT_RESERVE_BYTES, MIN_FREE_BYTES};
@@ -68,20 +67,19 @@ pub(super) fn size_pools(
             (budget_bytes - kv_bytes) >> 20
         );
     }
-    let geo = AttnGeometry {
-        n_layers: dims.layers,
-        n_heads: dims.n_heads,
-        n_kv_heads: dims.n_kv * dims.kv_rep,
-        head_dim: dims.hd,
-    };
     let dt = opts.kv_dtype;
-    let kv_bytes_per_token =
-        dims.layers * 2 * geo.n_kv_heads * (dt.data_bytes(dims.hd) + dt.scale_bytes(dims.hd));
-    // A drafter's weights and buffers first; its K/V then follows the model's pages (of every
-    // layer, or of the full-attention group beside sliding-window layers).
+    // The per-layer KV list (K/V heads as the kernels store them, replicated), a drafter's
+    // layers after the model's: its weights and buffers come off the budget first; its K/V
+    // then follows the model's pages (of every layer, or of the full-attention group beside
+    // sliding-window layers).
+    let kv_heads_stored = dims.n_kv * dims.kv_rep;
+    let mut layers = c.kv_layers(kv_heads_stored).map_err(GpuError::Invalid)?;
+    let model_bytes_per_token = kv_bytes_per_token(&layers, dt);
     let draft = opts.drafter.unwrap_or_default();
+    let draft_layers = draft.kv_layers();
+    layers.extend_from_slice(&draft_layers);
+    let page_bytes_per_token = kv_bytes_per_token(&layers, dt);
     let kv_bytes = kv_bytes.saturating_sub(draft.fixed_bytes);
-    let page_bytes_per_token = kv_bytes_per_token + draft.kv_bytes_per_token;
     let bs = opts.block_size;
     if bs != BLOCK_SIZE {
         return Err(GpuError::Unsupported(format!(
@@ -107,16 +105,27 @@ pub(super) fn size_pools(
             (page_bytes_per_token * bs) >> 10
         )));
     }
-    let pools = if c.gemma3.is_some() {
-        // The bytes the planner splits; `max_kv_tokens` caps them at as many full-layer pages.
-        let bytes = match opts.max_kv_tokens {
-            Some(_) => kv_bytes.min(blocks * bs * page_bytes_per_token),
-            None => kv_bytes,
-        };
-        windowed_pools(c, geo, opts, bytes)?
-    } else {
-        llama_backend_config(geo, dt, bs, blocks)
+    // The bytes the layout splits between the layer groups by what one maxModelLen request
+    // needs from each (one group of every layer for the Llama family: whole pages of it);
+    // `max_kv_tokens` caps them at as many pages of every layer.
+    let bytes = match opts.max_kv_tokens {
+        Some(_) => kv_bytes.min(blocks * bs * page_bytes_per_token),
+        None => kv_bytes,
     };
+    let params = PoolParams {
+        block_size: bs,
+        max_model_len: opts.max_model_len.unwrap_or(c.context_len).max(1),
+        max_num_batched_tokens: opts.max_batched_tokens,
+        dtype: dt,
+        causal: true,
+    };
+    let pools = pool_layout(
+        &layers,
+        draft_layers.len(),
+        &params,
+        PoolSize::Bytes(bytes as u64),
+    )
+    .map_err(GpuError::Memory)?;
     // The drafter's pool has as many pages as the group it follows.
     let draft_pages = pools.groups.get(pools.draft_group()).map_or(0, |g| g.num_blocks);
     let capacity = GpuCapacity {
@@ -128,8 +137,8 @@ pub(super) fn size_pools(
         margin_bytes: mem.free.saturating_sub(kv_bytes),
         kv_budget_bytes: budget_bytes,
         kv_bytes,
-        kv_bytes_per_token,
-        kv_heads_stored: geo.n_kv_heads,
+        kv_bytes_per_token: model_bytes_per_token,
+        kv_heads_stored,
         blocks,
         block_size: bs,
         kv_tokens: blocks * bs,
@@ -138,30 +147,6 @@ pub(super) fn size_pools(
             .map_or(0, |d| d.fixed_bytes + draft_pages * bs * d.kv_bytes_per_token),
     };
     Ok((pools, capacity))
-}
-
-/// The KV pools of a model with sliding-window layers in `bytes`: one group per window (and
-/// one of the full layers), memory split by what one maxModelLen request needs from each
-/// (`capacity::pools_in_bytes`, as the CPU engine and preflight size them). A drafter's layers
-/// follow the model's in the per-layer KV list, as full-attention layers of its own shape: they
-/// join the full group, whose pages they share, and take their part of `bytes` there.
-fn windowed_pools(
-    c: &LlamaConfig,
-    geo: AttnGeometry,
-    opts: &GpuOptions,
-    bytes: usize,
-) -> Result<BackendConfig, GpuError> {
-    let mut layers = c.kv_layers(geo.n_kv_heads).map_err(GpuError::Invalid)?;
-    let draft = opts.drafter.map_or_else(Vec::new, |d| d.kv_layers());
-    layers.extend_from_slice(&draft);
-    let params = PoolParams {
-        block_size: opts.block_size,
-        max_model_len: opts.max_model_len.unwrap_or(c.context_len).max(1),
-        max_num_batched_tokens: opts.max_batched_tokens,
-        dtype: opts.kv_dtype,
-        causal: true,
-    };
-    pools_in_bytes(&layers, draft.len(), &params, bytes as u64).map_err(GpuError::Memory)
 }
 
 #[cfg(test)]
@@ -184,31 +169,44 @@ mod tests {
         }
     }
 
+    /// `plain` with a drafter of `fixed` bytes and `layers` layers of `(query heads, KV heads,
+    /// head dim)`, its K/V in bf16.
+    fn drafted(plain: &GpuOptions, fixed: usize, layers: usize, heads: (usize, usize, usize)) -> GpuOptions {
+        let (q_heads, kv_heads, head_dim) = heads;
+        let draft = DraftReserve {
+            fixed_bytes: fixed,
+            kv_bytes_per_token: layers * 2 * kv_heads * head_dim * 2,
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+        };
+        GpuOptions {
+            drafter: Some(draft),
+            ..plain.clone()
+        }
+    }
+
     /// A drafter's weights and buffers come off the budget first, then every page carries its
     /// K/V beside the model's: the model gets fewer pages, and the two pools and the fixed part
     /// add up to the budget (within a page).
-    #[test]
-    fn a_drafter_is_reserved_before_the_pages_are_counted() {
+    /// Llama 3 8B's geometry and widths (8 KV heads: none replicated).
+    fn llama_8b() -> (LlamaConfig, Dims) {
         let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
         let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
         let dims = Dims::new(&c, rep);
+        (c, dims)
+    }
+
+    #[test]
+    fn a_drafter_is_reserved_before_the_pages_are_counted() {
+        let (c, dims) = llama_8b();
         let plain = GpuOptions {
             memory_margin_bytes: Some(1 << 30),
             ..GpuOptions::default()
         };
-        let draft = DraftReserve {
-            fixed_bytes: 900 << 20,
-            // One layer of 8 KV heads of 128 in bf16: 4 KiB a token (the model's 128 KiB / 32).
-            kv_bytes_per_token: 4 << 10,
-            layers: 1,
-            q_heads: 32,
-            kv_heads: 8,
-            head_dim: 128,
-        };
-        let with = GpuOptions {
-            drafter: Some(draft),
-            ..plain.clone()
-        };
+        // One layer of 8 KV heads of 128 in bf16: 4 KiB a token (the model's 128 KiB / 32).
+        let with = drafted(&plain, 900 << 20, 1, (32, 8, 128));
         let mem = memory(10 << 30);
         let (_, a) = size_pools(&c, &dims, &plain, &mem).unwrap();
         let (pools, b) = size_pools(&c, &dims, &with, &mem).unwrap();
@@ -245,18 +243,7 @@ mod tests {
             ..GpuOptions::default()
         };
         // bf16: 2 layers x K and V x 4 heads x 64 x 2 bytes = 2 KiB a token.
-        let draft = DraftReserve {
-            fixed_bytes: 300 << 20,
-            kv_bytes_per_token: 2 << 10,
-            layers: 2,
-            q_heads: 8,
-            kv_heads: 4,
-            head_dim: 64,
-        };
-        let with = GpuOptions {
-            drafter: Some(draft),
-            ..plain.clone()
-        };
+        let with = drafted(&plain, 300 << 20, 2, (8, 4, 64));
         let mem = memory(5 << 30);
         let budget = 4usize << 30;
         let (alone, a) = size_pools(&c, &dims, &plain, &mem).unwrap();
@@ -315,9 +302,7 @@ mod tests {
 
     #[test]
     fn the_pools_take_the_free_memory_above_the_margin_in_whole_pages() {
-        let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128256);
-        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
-        let dims = Dims::new(&c, rep);
+        let (c, dims) = llama_8b();
         let opts = GpuOptions {
             memory_margin_bytes: Some(1 << 30),
             ..GpuOptions::default()
@@ -353,16 +338,20 @@ mod tests {
     fn gemma_pools_split_the_gpu_bytes_by_window_and_admit_more_than_a_full_layer_budget() {
         let c = gemma_270m();
         check_shapes(&c).unwrap();
-        let geo = c.attn_geometry();
+        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+        let dims = Dims::new(&c, rep);
         let opts = GpuOptions {
             max_model_len: Some(4096),
             max_batched_tokens: 256,
+            memory_margin_bytes: Some(1 << 30),
             ..GpuOptions::default()
         };
         // bf16, 1 KV head of 256: 2 x 512 bytes per layer and token; 1024 pages of every layer.
         let per_token = 18 * 2 * 512;
         let bytes = 1024 * 16 * per_token;
-        let pools = windowed_pools(&c, geo, &opts, bytes).unwrap();
+        let (pools, cap) = size_pools(&c, &dims, &opts, &memory(bytes + (1 << 30))).unwrap();
+        assert_eq!(cap.kv_bytes_per_token, per_token);
+        assert_eq!(cap.blocks, 1024, "pages of a full-layer budget of the same bytes");
         assert_eq!(pools.groups.len(), 2);
         for (i, l) in pools.layers.iter().enumerate() {
             let want = c.layer_window(i).map(|w| w as u32);
@@ -398,7 +387,13 @@ mod tests {
     #[test]
     fn gemma_pools_without_room_for_every_group_are_a_memory_error() {
         let c = gemma_270m();
-        let e = windowed_pools(&c, c.attn_geometry(), &GpuOptions::default(), 16 * 1024).unwrap_err();
+        let (rep, _) = kv_replication(c.n_heads, c.n_kv_heads).unwrap();
+        let opts = GpuOptions {
+            memory_margin_bytes: Some(1 << 30),
+            ..GpuOptions::default()
+        };
+        let mem = memory((1 << 30) + 16 * 1024);
+        let e = size_pools(&c, &Dims::new(&c, rep), &opts, &mem).unwrap_err();
         assert!(matches!(e, GpuError::Memory(_)), "{e}");
     }
 
@@ -481,23 +476,32 @@ mod tests {
         (admitted(pools, mml, o.max_batched_tokens).max_concurrency * mml as f64) as u64
     }
 
+    /// The spec of dummy Llama 3.1 8B with KV in `kv_dtype` (and `speculative` decoding) that
+    /// `kvfleet check` reads.
+    fn llama_8b_spec(kv_dtype: &str, speculative: Option<serde_json::Value>) -> InferenceDeploymentSpec {
+        let mut spec = serde_json::json!({
+            "model": {
+                "name": "llama",
+                "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
+                             "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
+                "weights": {"format": "dummy"}
+            },
+            "engine": {"runtime": "kvfleet", "kvCacheDtype": kv_dtype, "maxModelLen": 8192,
+                       "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
+        });
+        if let Some(s) = speculative {
+            spec["engine"]["speculative"] = s;
+        }
+        serde_json::from_value(spec).unwrap()
+    }
+
     #[test]
     fn kvfleet_check_predicts_the_pools_the_worker_allocates_for_dummy_llama_3_1_8b() {
         let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
         let total = plan::gpu_memory_bytes(H100).unwrap();
         for (dtype, name) in [(KvDtype::Bf16, "bfloat16"), (KvDtype::Fp8E4m3, "fp8_e4m3")] {
             // What `kvfleet check` reads: the spec, through the planner the webhook runs.
-            let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
-                "model": {
-                    "name": "llama",
-                    "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
-                                 "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
-                    "weights": {"format": "dummy"}
-                },
-                "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": 8192,
-                           "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92}
-            }))
-            .unwrap();
+            let spec = llama_8b_spec(name, None);
             let geometry = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
             let check = plan::spec_capacity(&spec, &geometry, total, dtype.spec()).unwrap();
             let o = opts(dtype);
@@ -575,19 +579,9 @@ mod tests {
             let o = opts(dtype);
             let (_, alone) = worker(&c, &o, total);
             for (method, shape, geometry) in &cases {
-                let spec: InferenceDeploymentSpec = serde_json::from_value(serde_json::json!({
-                    "model": {
-                        "name": "llama",
-                        "geometry": {"layers": 32, "queryHeads": 32, "kvHeads": 8, "headDim": 128,
-                                     "hiddenSize": 4096, "intermediateSize": 14336, "vocabSize": 128256},
-                        "weights": {"format": "dummy"}
-                    },
-                    "engine": {"runtime": "kvfleet", "kvCacheDtype": name, "maxModelLen": 8192,
-                               "maxNumBatchedTokens": 2048, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.92,
-                               "speculative": {"method": method, "numSpeculativeTokens": 3,
-                                               "draftModel": {"pvcName": "d", "path": "x/", "geometry": geometry}}}
-                }))
-                .unwrap();
+                let speculative = serde_json::json!({"method": method, "numSpeculativeTokens": 3,
+                    "draftModel": {"pvcName": "d", "path": "x/", "geometry": geometry}});
+                let spec = llama_8b_spec(name, Some(speculative));
                 let geo = plan::Geometry::from_spec(spec.model.geometry.as_ref().unwrap()).unwrap();
                 let check = plan::spec_capacity(&spec, &geo, total, dtype.spec()).unwrap();
                 let with = GpuOptions {

@@ -12,6 +12,7 @@ use crate::launch::Launch;
 
 use super::error::{drv, need, GpuError};
 use super::kernels::{rows_cfg, ModelKernels};
+use super::options::GpuTuning;
 
 /// Words of one row's pick in `kvf_pick_rows`' input.
 pub(super) const PICK_WORDS: usize = kvfleet_core::plan::engine_memory::PICK_WORDS as usize;
@@ -161,7 +162,7 @@ pub fn sample_rows_on_device(
             logits.len()
         )));
     }
-    let k = ModelKernels::load(gpu, false)?;
+    let k = ModelKernels::load(gpu, false, &GpuTuning::default())?;
     let s = k.stream();
     let mut d_logits = s
         .clone_htod(logits)
@@ -201,7 +202,7 @@ pub fn pick_rows_on_device(
             logits.len()
         )));
     }
-    let k = ModelKernels::load(gpu, false)?;
+    let k = ModelKernels::load(gpu, false, &GpuTuning::default())?;
     let s = k.stream();
     let d_logits = s
         .clone_htod(logits)

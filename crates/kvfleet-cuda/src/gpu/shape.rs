@@ -40,7 +40,6 @@ pub(super) fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
 /// The model's widths as a step uses them.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Dims {
-    pub layers: usize,
     pub d: usize,
     pub hd: usize,
     pub n_heads: usize,
@@ -65,7 +64,6 @@ impl Dims {
     pub fn new(c: &LlamaConfig, kv_rep: usize) -> Self {
         let (qw, kw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         Dims {
-            layers: c.n_layers,
             d: c.d_model,
             hd: c.head_dim,
             n_heads: c.n_heads,

@@ -13,6 +13,7 @@ use super::blas::Blas;
 use super::error::{drv, GpuError};
 use super::features::AuxCapture;
 use super::kernels::ModelKernels;
+use super::linear::Ops;
 use super::shape::Dims;
 use super::weights::Weights;
 
@@ -102,14 +103,19 @@ pub(super) struct Step<'a> {
     pub aux: Option<&'a mut AuxCapture>,
 }
 
-impl Step<'_> {
-    /// Before layer `li` (`li == layers`: after the last), keeps the residual stream when the
-    /// drafter reads it.
+impl<'a> Step<'a> {
     /// Whether this step keeps layers' residual streams for a drafter ([`Step::keep_features`]).
     pub fn keeps_features(&self) -> bool {
         self.aux.is_some()
     }
 
+    /// What the step's projections run with ([`super::linear::Linear`]).
+    pub fn ops(&self) -> Ops<'a> {
+        Ops::new(self.k, self.blas, self.t, self.fused, self.keeps_features())
+    }
+
+    /// Before layer `li` (`li == layers`: after the last), keeps the residual stream when the
+    /// drafter reads it.
     pub fn keep_features(&mut self, li: usize) -> Result<(), GpuError> {
         match self.aux.as_mut() {
             Some(aux) => aux.keep(self.k.stream(), li, &self.a.x, self.t, self.dm.d),
@@ -124,4 +130,10 @@ impl Step<'_> {
 pub(super) trait Family: Sync {
     /// From the token ids in `a.tok` to the residual stream `a.x` after the last layer.
     fn layers(&self, step: &mut Step<'_>) -> Result<(), GpuError>;
+
+    /// Whether a step of one token may run the projections as fused GEMVs
+    /// (`GpuOptions::single_token_gemv`).
+    fn single_token_gemv(&self) -> bool {
+        true
+    }
 }

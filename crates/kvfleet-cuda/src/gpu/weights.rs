@@ -13,25 +13,25 @@ use rayon::prelude::*;
 use crate::device::Gpu;
 
 use super::error::{drv, GpuError};
-use super::fp8::Mat;
 use super::kernels::ModelKernels;
+use super::linear::{Linear, Mat};
 
 /// One layer's tensors.
 pub(super) struct LayerW {
     pub attn_norm: CudaSlice<f32>,
     /// `[qw + 2 kw, d]`: Q rows, then K rows, then V rows.
-    pub wqkv: Mat,
+    pub wqkv: Linear,
     /// `[qw + 2 kw]` (zeros where the model has no bias for a projection).
     pub bqkv: Option<CudaSlice<f32>>,
     pub q_norm: Option<CudaSlice<f32>>,
     pub k_norm: Option<CudaSlice<f32>>,
     /// `[d, qw]`.
-    pub wo: Mat,
+    pub wo: Linear,
     pub ffn_norm: CudaSlice<f32>,
     /// `[2 ff, d]`: gate rows, then up rows.
-    pub wgu: Mat,
+    pub wgu: Linear,
     /// `[d, ff]`.
-    pub wdown: Mat,
+    pub wdown: Linear,
     /// Gemma 3: RMSNorm weights of the attention and MLP outputs.
     pub post_attn_norm: Option<CudaSlice<f32>>,
     pub post_ffn_norm: Option<CudaSlice<f32>>,
@@ -99,9 +99,10 @@ const QUANTIZE_ROWS: usize = 64;
 
 /// The row-major matrix the parts make (rows of `cols`), uploaded as bf16 or, with `fp8`,
 /// quantized per row on the host (`quantize_rows`, in parallel over blocks of rows).
-fn upload_mat(gpu: &Gpu, parts: &[&[f32]], cols: usize, fp8: bool) -> Result<Mat, GpuError> {
+fn upload_mat(gpu: &Gpu, parts: &[&[f32]], cols: usize, fp8: bool) -> Result<Linear, GpuError> {
+    let rows = parts.iter().map(|p| p.len()).sum::<usize>() / cols.max(1);
     if !fp8 {
-        return Ok(Mat::Bf16(gpu.upload(&to_bf16(parts))?));
+        return Ok(Linear::new(Mat::Bf16(gpu.upload(&to_bf16(parts))?), rows, cols));
     }
     let blocks: Vec<_> = parts
         .iter()
@@ -115,10 +116,11 @@ fn upload_mat(gpu: &Gpu, parts: &[&[f32]], cols: usize, fp8: bool) -> Result<Mat
         q.extend_from_slice(&b.data);
         scale.extend_from_slice(&b.scale);
     }
-    Ok(Mat::Fp8 {
+    let w = Mat::Fp8 {
         q: gpu.upload(&q)?,
         scale: gpu.upload(&scale)?,
-    })
+    };
+    Ok(Linear::new(w, rows, cols))
 }
 
 impl Weights {
@@ -207,10 +209,10 @@ impl Weights {
         } else {
             Some(rand(c.vocab, d)?)
         };
-        let mut mat = |rows: usize, cols: usize| -> Result<Mat, GpuError> {
+        let mut mat = |rows: usize, cols: usize| -> Result<Linear, GpuError> {
             let w = rand(rows, cols)?;
             let Some(f) = k.fp8.as_ref().filter(|_| fp8) else {
-                return Ok(Mat::Bf16(w));
+                return Ok(Linear::new(Mat::Bf16(w), rows, cols));
             };
             let mut q = s
                 .alloc_zeros::<u8>(rows * cols)
@@ -219,7 +221,7 @@ impl Weights {
                 .alloc_zeros::<f32>(rows)
                 .map_err(drv("allocating dummy weights"))?;
             f.quantize_rows(s, &w, rows, cols, cols, &mut q, &mut scale)?;
-            Ok(Mat::Fp8 { q, scale })
+            Ok(Linear::new(Mat::Fp8 { q, scale }, rows, cols))
         };
         let ones = |n: usize| upload_f32(gpu, &vec![1.0; n]);
         let mut layers = Vec::with_capacity(c.n_layers);

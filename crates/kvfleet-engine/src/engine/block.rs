@@ -557,15 +557,10 @@ impl KvManager {
 
     /// Most pages one request of `tokens` positions holds in a group when prefill chunks
     /// of at most `chunk` tokens start on block boundaries: full `cdiv(tokens, block)`,
-    /// sliding `min(that, cdiv(window - 1, block) + cdiv(chunk, block))` (the model of
-    /// `plan::kvfleet::blocks_per_request`).
+    /// sliding `min(that, cdiv(window - 1, block) + cdiv(chunk, block))`: the planner's
+    /// [`super::capacity::blocks_per_request`], so admission and the prediction agree.
     pub fn max_pages_per_request(&self, window: Option<u32>, tokens: usize, chunk: usize) -> usize {
-        let b = self.block_size;
-        let full = tokens.div_ceil(b);
-        match window {
-            Some(w) => full.min((w as usize).saturating_sub(1).div_ceil(b) + chunk.max(1).div_ceil(b)),
-            None => full,
-        }
+        super::capacity::blocks_per_request(window, tokens, chunk, self.block_size) as usize
     }
 
     /// The longest new request, in tokens, that the free pages (cached ones included) of every

@@ -58,20 +58,45 @@ pub enum KvListError {
     Gqa { q_heads: usize, kv_heads: usize },
 }
 
-/// Pools of `layers` in `bytes` (one group per window and one of the full layers, memory split
-/// by what one maxModelLen request needs from each), as the backend allocates them; an error
-/// when a group would get no block. The last `draft_layers` of `layers` are a speculative
-/// drafter's (see [`size_pools_with_draft`]): they take their share of the bytes and are left
-/// out of the returned config (the drafter allocates its own pool of the draft group's pages).
-pub fn pools_in_bytes(
+/// How much memory [`pool_layout`] gives the pools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolSize {
+    /// A byte budget, split between the groups by what one maxModelLen request needs from each
+    /// (the worker's pools on either device, the CPU engine's).
+    Bytes(u64),
+    /// The same number of pages in every group: a drafter's own pool, which follows the model's
+    /// draft group page for page, and tests that need a known pool.
+    Pages(usize),
+}
+
+/// The pool layout of `layers`: the one place a per-layer KV list becomes the backend's
+/// [`BackendConfig`], for every family on both devices. One group per window and one of the
+/// full layers (see [`size_pools`]); layer `i` reads the group that holds it. The last
+/// `draft_layers` of `layers` are a speculative drafter's (see [`size_pools_with_draft`]): they
+/// take their share of a byte budget and are left out of the returned config (the drafter
+/// allocates its own pool of the draft group's pages). An error when a group would get no page.
+pub fn pool_layout(
     layers: &[ModelLayer],
     draft_layers: usize,
     p: &PoolParams,
-    bytes: u64,
+    size: PoolSize,
 ) -> Result<BackendConfig, String> {
-    let plan = size_pools_with_draft(layers, draft_layers, p, bytes)
-        .map_err(|e| format!("cannot size the KV pools: {e}"))?;
+    let sizing = |e: CapacityError| format!("cannot size the KV pools: {e}");
+    let plan = match size {
+        PoolSize::Bytes(bytes) => size_pools_with_draft(layers, draft_layers, p, bytes).map_err(sizing)?,
+        PoolSize::Pages(pages) => {
+            let mut plan = size_pools_with_draft(layers, draft_layers, p, 0).map_err(sizing)?;
+            for g in &mut plan.groups {
+                g.num_blocks = pages as u64;
+            }
+            plan
+        }
+    };
     if let Some(g) = plan.groups.iter().find(|g| g.num_blocks == 0) {
+        let bytes = match size {
+            PoolSize::Bytes(b) => b,
+            PoolSize::Pages(_) => 0,
+        };
         return Err(format!(
             "{} MiB of KV memory leave no page for the layers of window {:?}",
             bytes >> 20,
@@ -82,6 +107,15 @@ pub fn pools_in_bytes(
     Ok(plan.backend_config(model, p, KvScales::default()))
 }
 
+/// K and V bytes one token takes in every layer of `layers` stored as `dtype` (block scales
+/// included): a page of `block_size` tokens of every layer is `block_size` times this.
+pub fn kv_bytes_per_token(layers: &[ModelLayer], dtype: KvDtype) -> usize {
+    layers
+        .iter()
+        .map(|l| 2 * l.kv_heads * (dtype.data_bytes(l.head_dim) + dtype.scale_bytes(l.head_dim)))
+        .sum()
+}
+
 /// Engine limits that decide pool sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolParams {
@@ -90,6 +124,20 @@ pub struct PoolParams {
     pub max_num_batched_tokens: usize,
     pub dtype: KvDtype,
     pub causal: bool,
+}
+
+impl PoolParams {
+    /// Causal pools of `dtype` in pages of `block_size` tokens sized by [`PoolSize::Pages`],
+    /// where no request length splits the memory (maxModelLen and the chunk are one page).
+    pub fn pages(dtype: KvDtype, block_size: usize) -> Self {
+        PoolParams {
+            block_size,
+            max_model_len: block_size,
+            max_num_batched_tokens: block_size,
+            dtype,
+            causal: true,
+        }
+    }
 }
 
 /// One group's pool.
@@ -391,6 +439,17 @@ mod tests {
         );
     }
 
+    /// Pools of pages of 16 tokens in bf16 for requests of 4096 tokens, chunks of 256.
+    fn gemma3_params() -> PoolParams {
+        PoolParams {
+            block_size: 16,
+            max_model_len: 4096,
+            max_num_batched_tokens: 256,
+            dtype: KvDtype::Bf16,
+            causal: true,
+        }
+    }
+
     /// Gemma 3 270M's layers: 15 local (window 512) and 3 global, 1 KV head of 256.
     fn gemma3_layers() -> Vec<ModelLayer> {
         (0..18)
@@ -409,13 +468,7 @@ mod tests {
     /// out, and the drafter's group is the one `draft_group` names.
     #[test]
     fn a_drafters_layers_join_the_full_group_of_a_sliding_window_model() {
-        let p = PoolParams {
-            block_size: 16,
-            max_model_len: 4096,
-            max_num_batched_tokens: 256,
-            dtype: KvDtype::Bf16,
-            causal: true,
-        };
+        let p = gemma3_params();
         let model = gemma3_layers();
         let draft = ModelLayer {
             q_heads: 8,
@@ -447,7 +500,7 @@ mod tests {
         for (a, w) in alone.groups.iter().zip(&with.groups) {
             assert!(w.num_blocks < a.num_blocks, "{a:?} {w:?}");
         }
-        let cfg = pools_in_bytes(&layers, 2, &p, bytes).unwrap();
+        let cfg = pool_layout(&layers, 2, &p, PoolSize::Bytes(bytes)).unwrap();
         assert_eq!(cfg.layers.len(), 18);
         assert_eq!(cfg.draft_group(), full);
         let counts: Vec<usize> = cfg.groups.iter().map(|g| g.num_blocks).collect();
@@ -472,15 +525,84 @@ mod tests {
         );
     }
 
+    /// Pools of a known page count (tests, a drafter's own pool) come from the same layout as
+    /// a byte budget's: a Llama's every layer in one group, each layer as the backend runs it;
+    /// Gemma 3's layers in their window's group, every group `pages` pages.
+    #[test]
+    fn a_page_count_lays_out_the_groups_a_byte_budget_does() {
+        let llama = vec![
+            ModelLayer {
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                window: None,
+            };
+            3
+        ];
+        let p = PoolParams::pages(KvDtype::F16, 16);
+        let cfg = pool_layout(&llama, 0, &p, PoolSize::Pages(64)).unwrap();
+        let layer = LayerSpec {
+            group: 0,
+            attn: LayerAttn {
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                causal: true,
+                window: None,
+                sm_scale: None,
+            },
+            dtype: KvDtype::F16,
+            scales: KvScales::default(),
+        };
+        let want = BackendConfig {
+            block_size: 16,
+            groups: vec![GroupSpec {
+                window: None,
+                num_blocks: 64,
+            }],
+            layers: vec![layer; 3],
+        };
+        assert_eq!(cfg, want);
+        let layers = gemma3_layers();
+        let cfg = pool_layout(&layers, 0, &p, PoolSize::Pages(32)).unwrap();
+        let bytes = pool_layout(
+            &layers,
+            0,
+            &PoolParams {
+                max_model_len: 4096,
+                max_num_batched_tokens: 256,
+                ..p
+            },
+            PoolSize::Bytes(1 << 30),
+        )
+        .unwrap();
+        assert_eq!(cfg.layers, bytes.layers);
+        let windows = |c: &BackendConfig| c.groups.iter().map(|g| g.window).collect::<Vec<_>>();
+        assert_eq!(windows(&cfg), windows(&bytes));
+        assert!(cfg.groups.iter().all(|g| g.num_blocks == 32));
+        for (l, spec) in layers.iter().zip(&cfg.layers) {
+            assert_eq!(spec.attn.window, l.window);
+            assert_eq!(cfg.groups[spec.group].window, l.window);
+        }
+        assert!(pool_layout(&layers, 0, &p, PoolSize::Pages(0)).is_err());
+    }
+
+    #[test]
+    fn kv_bytes_per_token_counts_k_and_v_of_every_layer_with_block_scales() {
+        let layers = gemma3_layers();
+        // 18 layers x K and V x 1 head x 256 x 2 bytes.
+        assert_eq!(kv_bytes_per_token(&layers, KvDtype::Bf16), 18 * 2 * 512);
+        // nvfp4: 128 data bytes and 16 scale bytes a head vector of 256.
+        assert_eq!(kv_bytes_per_token(&layers, KvDtype::Nvfp4), 18 * 2 * (128 + 16));
+        let p = PoolParams::pages(KvDtype::Nvfp4, 16);
+        let plan = size_pools(&layers, &p, 1 << 20).unwrap();
+        let block: u64 = plan.groups.iter().map(|g| g.block_bytes).sum();
+        assert_eq!(block, 16 * kv_bytes_per_token(&layers, KvDtype::Nvfp4) as u64);
+    }
+
     #[test]
     fn allocated_gemma3_pools_admit_more_than_a_full_layer_budget() {
-        let p = PoolParams {
-            block_size: 16,
-            max_model_len: 4096,
-            max_num_batched_tokens: 256,
-            dtype: KvDtype::Bf16,
-            causal: true,
-        };
+        let p = gemma3_params();
         let layers = gemma3_layers();
         let plan = size_pools(&layers, &p, 1 << 30).unwrap();
         assert_eq!(plan.groups.len(), 2);

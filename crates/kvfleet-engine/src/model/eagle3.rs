@@ -433,8 +433,8 @@ mod tests {
     use crate::engine::layout::KvDtype;
     use crate::engine::scheduler::write_plan;
     use crate::engine::StepPlan;
-    use crate::model::drafter::CatchUp;
-    use crate::model::drafter::{CpuDrafter, Drafter};
+    use crate::model::forward::CpuEagle3;
+    use crate::model::proposer::CatchUp;
 
     fn tiny_dir() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/eagle3/tiny")
@@ -473,10 +473,10 @@ mod tests {
         let t = target();
         let e = expected();
         let model = Eagle3::load(&tiny_dir(), &t.config).unwrap();
-        let mut d = CpuDrafter::new(Drafter::Eagle3(model), KvDtype::F16, 4, 4).unwrap();
+        let mut d = CpuEagle3::new(model, KvDtype::F16, 4, 4).unwrap();
         let mut got = Vec::new();
         for &(a, b) in ranges {
-            d.aux = e.aux[a..b].concat();
+            let aux = e.aux[a..b].concat();
             let rows = [CatchUp {
                 seq: 1,
                 start_pos: a,
@@ -484,9 +484,9 @@ mod tests {
                 row: 0,
                 draft: true,
             }];
-            got.extend(d.catch_up(&t, &rows, &plan(&[2, 0], a, b - a)).unwrap());
+            got.extend(d.catch_up_on(&t, &aux, &rows, &plan(&[2, 0], a, b - a)).unwrap());
         }
-        (got, d.features[&1].clone())
+        (got, d.feature(1).unwrap().to_vec())
     }
 
     fn assert_close(got: &[f32], want: &[f64]) {

@@ -4,23 +4,28 @@
 //! hands each layer's Q/K/V to the engine backend (append + attention) under that plan: the
 //! CPU backend here, the CUDA backend in `model::gpu::GpuLlama`.
 
+mod cpu_drafter;
+pub mod proposer;
+
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::drafter::{BlockRow, CatchUp, ChainRow};
-use super::drafter::{CpuDrafter, Drafter};
-use super::kv::{KvError, SeqId};
+pub use cpu_drafter::{CpuDflash, CpuEagle3};
+
+use super::drafter::Drafter;
+use super::kv::KvError;
 use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
-pub use super::paged::llama_backend_config;
 use super::paged::Planned;
 use super::sampling::{token_logprobs, RowPick, RowSample, TokenLogprobs};
 use crate::engine::cpu::CpuBackend;
 use crate::engine::direct::DirectPlanner;
-use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype};
+use crate::engine::layout::{BackendConfig, KvDtype};
 use crate::engine::{Backend, StepPlan};
+use proposer::Proposer;
 
 /// A model on a device with the engine's KV pools, stepped by the serving loop.
-pub trait Forward: Send {
+pub trait Forward: Any + Send {
     /// The model's geometry.
     fn config(&self) -> &LlamaConfig;
 
@@ -104,8 +109,9 @@ pub trait Forward: Send {
     }
 
     /// Attaches a drafter (speculative decoding, EAGLE-3 or DFlash): from then on every step
-    /// keeps the target features the drafter reads. Its KV pool is the target's full-attention
-    /// pages once more, for the drafter's layers.
+    /// keeps the target's hidden states the drafter reads. Its KV pool is the target's
+    /// full-attention pages once more, for the drafter's layers. The drafter, as its method's
+    /// proposer, is then [`Forward::take_proposer`]'s.
     fn attach_drafter(&mut self, drafter: Drafter) -> Result<(), ForwardError> {
         Err(ForwardError::Unsupported(format!(
             "{} drafters are not implemented on the {} engine yet (the CPU engine runs them); use method ngram",
@@ -114,41 +120,17 @@ pub trait Forward: Send {
         )))
     }
 
-    /// Whether a drafter is attached.
+    /// Whether a drafter is attached (its hidden states kept every step).
     fn has_drafter(&self) -> bool {
         false
     }
 
-    /// After a step (before the scheduler completes it): runs the drafter over each request's
-    /// positions the step computed and kept, each paired with the token after it
-    /// ([`CatchUp`]), storing the drafter's K/V under `plan` (the drafter's own plan: the
-    /// target's full-attention pages, these rows). Returns, for each row with `draft`, the
-    /// drafted token after its last `next` token.
-    fn draft_catch_up(&mut self, _rows: &[CatchUp<'_>], _plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        Err(ForwardError::Kv(KvError::Backend(
-            "no drafter is attached".into(),
-        )))
+    /// The attached drafter as its method's proposer, for the serving loop (once). Its passes
+    /// run on this device and read this model: the loop hands it back as `&mut dyn Forward`,
+    /// which the drafter reads as its device's model (`Forward: Any`).
+    fn take_proposer(&mut self) -> Option<Box<dyn Proposer>> {
+        None
     }
-
-    /// One drafting step ahead for each row: the row's drafted token at `pos`, with the
-    /// drafter's own feature of the position before; returns the next drafted token of each.
-    fn draft_chain(&mut self, _rows: &[ChainRow], _plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        Err(ForwardError::Kv(KvError::Backend(
-            "no drafter is attached".into(),
-        )))
-    }
-
-    /// DFlash: each row's block (its newest token, then `drafts` mask tokens) through the
-    /// drafter in one pass, over the context its catch-ups stored; returns every row's
-    /// `drafts` proposals, in row order.
-    fn draft_blocks(&mut self, _rows: &[BlockRow], _plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        Err(ForwardError::Kv(KvError::Backend(
-            "no drafter is attached".into(),
-        )))
-    }
-
-    /// Drops the drafter state kept for `seq` (it finished).
-    fn forget_draft(&mut self, _seq: SeqId) {}
 }
 
 /// One row's result of [`Forward::forward_samples`].
@@ -193,42 +175,23 @@ pub fn step_direct(
     f.forward(batch, plan)
 }
 
-/// The engine's pools for a model: [`llama_backend_config`] when every layer is full; for a
-/// model with local layers (Gemma 3), group 0 holds the full layers and group 1 the local
-/// layers with their window, each of `num_blocks` pages.
-pub fn model_backend_config(
-    cfg: &LlamaConfig,
-    dtype: KvDtype,
-    block_size: usize,
-    num_blocks: usize,
-) -> BackendConfig {
-    let mut pools = llama_backend_config(cfg.attn_geometry(), dtype, block_size, num_blocks);
-    let windows: Vec<Option<u32>> = (0..cfg.n_layers)
-        .map(|i| cfg.layer_window(i).map(|w| u32::try_from(w).unwrap_or(u32::MAX)))
-        .collect();
-    let Some(window) = windows.iter().flatten().next().copied() else {
-        return pools;
-    };
-    pools.groups.push(GroupSpec {
-        window: Some(window),
-        num_blocks,
-    });
-    for (l, w) in pools.layers.iter_mut().zip(&windows) {
-        if w.is_some() {
-            l.group = 1;
-            l.attn.window = *w;
-        }
-    }
-    pools
-}
-
 /// The CPU forward pass ([`Llama::forward`]) on the engine's CPU backend: K/V in the
 /// engine's paged pools, in the resolved KV dtype.
 pub struct CpuForward {
     model: Arc<Llama>,
     backend: CpuBackend,
     attention_time: Duration,
-    drafter: Option<CpuDrafter>,
+    /// The hidden states a drafter reads, kept by every step once one is attached.
+    hidden: Option<Hidden>,
+    /// The attached drafter, until the serving loop takes it.
+    proposer: Option<Box<dyn Proposer>>,
+}
+
+/// The target's hidden states of the last step: the residual stream entering each of `layers`
+/// (`n_layers`: the last layer's output), `[step tokens, layers x d_model]`.
+struct Hidden {
+    layers: Vec<usize>,
+    rows: Vec<f32>,
 }
 
 impl CpuForward {
@@ -248,7 +211,7 @@ impl CpuForward {
             return Err(ForwardError::Kv(KvError::Backend(format!(
                 "the KV pools were laid out for {} layers of another geometry; the model has {} layers of \
                  {} query heads, {} KV heads, head_dim {}, sliding windows {:?} (lay the pools out with \
-                 model_backend_config, or give the worker the model's own geometry)",
+                 capacity::pool_layout of LlamaConfig::kv_layers, or give the worker the model's own geometry)",
                 cfg.layers.len(),
                 geo.n_layers,
                 geo.n_heads,
@@ -261,12 +224,30 @@ impl CpuForward {
             model,
             backend,
             attention_time: Duration::ZERO,
-            drafter: None,
+            hidden: None,
+            proposer: None,
         })
     }
 
     pub fn model(&self) -> &Arc<Llama> {
         &self.model
+    }
+
+    /// `target` as the CPU model, for a drafter on the CPU.
+    pub(crate) fn of(target: &mut dyn Forward) -> Result<&mut CpuForward, ForwardError> {
+        let device = target.device();
+        (target as &mut dyn Any)
+            .downcast_mut::<CpuForward>()
+            .ok_or_else(|| {
+                ForwardError::Unsupported(format!(
+                    "a CPU drafter beside a {device} model; attach the drafter to the model it drafts for"
+                ))
+            })
+    }
+
+    /// The hidden states the last step kept for the drafter (empty when none is attached).
+    pub(crate) fn hidden(&self) -> &[f32] {
+        self.hidden.as_ref().map_or(&[], |h| &h.rows)
     }
 }
 
@@ -282,11 +263,10 @@ impl Forward for CpuForward {
     fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
         check_plan(batch, plan)?;
         let mut planned = Planned::new(&mut self.backend, plan);
-        let logits = match self.drafter.as_mut() {
-            Some(d) => {
-                let layers = d.model.aux_layers().to_vec();
-                self.model.forward_aux(&mut planned, batch, &layers, &mut d.aux)
-            }
+        let logits = match self.hidden.as_mut() {
+            Some(h) => self
+                .model
+                .forward_aux(&mut planned, batch, &h.layers, &mut h.rows),
             None => self.model.forward(&mut planned, batch),
         };
         self.attention_time = planned.time;
@@ -297,45 +277,21 @@ impl Forward for CpuForward {
         let cfg = self.backend.config();
         let full = cfg.groups.get(cfg.draft_group()).map_or(0, |g| g.num_blocks);
         let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
-        self.drafter = Some(CpuDrafter::new(drafter, dtype, cfg.block_size, full)?);
+        let layers = drafter.aux_layers().to_vec();
+        self.proposer = Some(drafter.cpu_proposer(dtype, cfg.block_size, full)?);
+        self.hidden = Some(Hidden {
+            layers,
+            rows: Vec::new(),
+        });
         Ok(())
     }
 
     fn has_drafter(&self) -> bool {
-        self.drafter.is_some()
+        self.hidden.is_some()
     }
 
-    fn draft_catch_up(&mut self, rows: &[CatchUp<'_>], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        match self.drafter.as_mut() {
-            Some(d) => d.catch_up(&self.model, rows, plan),
-            None => Err(ForwardError::Kv(KvError::Backend(
-                "no drafter is attached".into(),
-            ))),
-        }
-    }
-
-    fn draft_chain(&mut self, rows: &[ChainRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        match self.drafter.as_mut() {
-            Some(d) => d.chain(&self.model, rows, plan),
-            None => Err(ForwardError::Kv(KvError::Backend(
-                "no drafter is attached".into(),
-            ))),
-        }
-    }
-
-    fn draft_blocks(&mut self, rows: &[BlockRow], plan: &StepPlan) -> Result<Vec<u32>, ForwardError> {
-        match self.drafter.as_mut() {
-            Some(d) => d.blocks(&self.model, rows, plan),
-            None => Err(ForwardError::Kv(KvError::Backend(
-                "no drafter is attached".into(),
-            ))),
-        }
-    }
-
-    fn forget_draft(&mut self, seq: SeqId) {
-        if let Some(d) = self.drafter.as_mut() {
-            d.forget(seq);
-        }
+    fn take_proposer(&mut self) -> Option<Box<dyn Proposer>> {
+        self.proposer.take()
     }
 
     fn device(&self) -> &'static str {
@@ -366,8 +322,15 @@ impl Forward for CpuForward {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::capacity::{pool_layout, PoolParams, PoolSize};
     use crate::engine::scheduler::{Event, Scheduler, SchedulerConfig};
-    use crate::model::kv::ContiguousKv;
+    use crate::model::kv::{AttnGeometry, ContiguousKv};
+
+    /// `pages` pages of every layer of `geo` in `dtype`, pages of `block_size` tokens.
+    fn pools(geo: AttnGeometry, dtype: KvDtype, block_size: usize, pages: usize) -> BackendConfig {
+        let p = PoolParams::pages(dtype, block_size);
+        pool_layout(&geo.kv_layers(), 0, &p, PoolSize::Pages(pages)).unwrap()
+    }
 
     /// Steps `prompts` through the engine scheduler and the CPU forward pass, feeding back a
     /// fixed token, and compares every logit row with the f32 contiguous reference cache.
@@ -377,7 +340,7 @@ mod tests {
         cfg.context_len = 128;
         let m = Arc::new(Llama::dummy(cfg, 11).unwrap());
         let geo = m.config.attn_geometry();
-        let backend = CpuBackend::new(llama_backend_config(geo, KvDtype::F16, 4, 32)).unwrap();
+        let backend = CpuBackend::new(pools(geo, KvDtype::F16, 4, 32)).unwrap();
         let mut f = CpuForward::new(m.clone(), backend).unwrap();
         let mut sched = Scheduler::new(
             SchedulerConfig {
@@ -443,13 +406,7 @@ mod tests {
     #[test]
     fn a_plan_for_another_batch_is_refused() {
         let m = Arc::new(Llama::dummy(LlamaConfig::llama(1, 32, 64, 4, 2, 20), 3).unwrap());
-        let backend = CpuBackend::new(llama_backend_config(
-            m.config.attn_geometry(),
-            KvDtype::Bf16,
-            4,
-            8,
-        ))
-        .unwrap();
+        let backend = CpuBackend::new(pools(m.config.attn_geometry(), KvDtype::Bf16, 4, 8)).unwrap();
         let mut f = CpuForward::new(m, backend).unwrap();
         let toks = [1u32, 2, 3];
         let e = f
@@ -471,7 +428,7 @@ mod tests {
         let m = Arc::new(Llama::dummy(LlamaConfig::llama(2, 32, 64, 4, 2, 20), 3).unwrap());
         let mut geo = m.config.attn_geometry();
         geo.n_layers = 3;
-        let backend = CpuBackend::new(llama_backend_config(geo, KvDtype::Bf16, 4, 8)).unwrap();
+        let backend = CpuBackend::new(pools(geo, KvDtype::Bf16, 4, 8)).unwrap();
         assert!(CpuForward::new(m, backend).is_err());
     }
 }

@@ -8,6 +8,8 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
+use crate::engine::capacity::ModelLayer;
+
 /// A sequence's identity in the KV cache.
 pub type SeqId = u64;
 
@@ -44,6 +46,18 @@ impl AttnGeometry {
     }
     pub fn kv_width(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Its per-layer KV list: every layer full attention (a drafter's, or a model's as laid out
+    /// by `engine::capacity::pool_layout`).
+    pub fn kv_layers(&self) -> Vec<ModelLayer> {
+        let l = ModelLayer {
+            q_heads: self.n_heads,
+            kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            window: None,
+        };
+        vec![l; self.n_layers]
     }
 }
 

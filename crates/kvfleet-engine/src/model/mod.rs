@@ -4,13 +4,19 @@
 pub mod dflash;
 pub mod drafter;
 pub mod eagle3;
+pub mod family;
 pub mod forward;
 pub mod fp8;
+pub mod gemma3;
 pub mod gguf;
 pub mod hf;
 pub mod hf_tokenizer;
 pub mod kv;
+pub mod linear;
 pub mod llama;
 pub mod paged;
 pub mod sampling;
 pub mod tokenizer;
+pub mod weights;
+
+pub use forward::proposer;

@@ -1,45 +1,13 @@
-//! The CPU backend under one step's plan, as a model's layers see it ([`KvAttention`]), and
-//! the pool layout of a Llama-family geometry: what the target's and a drafter's forward
-//! passes on the CPU share.
+//! The CPU backend under one step's plan, as a model's layers see it ([`KvAttention`]): what
+//! the target's and a drafter's forward passes on the CPU share. Their pools are laid out by
+//! `engine::capacity::pool_layout`.
 
 use std::time::{Duration, Instant};
 
-use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
+use super::kv::{AttnSeq, KvAttention, KvError, SeqId};
 use super::llama::ForwardError;
 use crate::engine::cpu::CpuBackend;
-use crate::engine::layout::{BackendConfig, GroupSpec, KvDtype, KvScales, LayerAttn, LayerSpec};
 use crate::engine::{Backend, BackendError, StepPlan};
-
-/// The engine's pools for a Llama-family geometry: one full-attention group of `num_blocks`
-/// pages of `block_size` tokens, every layer in `dtype`.
-pub fn llama_backend_config(
-    geo: AttnGeometry,
-    dtype: KvDtype,
-    block_size: usize,
-    num_blocks: usize,
-) -> BackendConfig {
-    let layer = LayerSpec {
-        group: 0,
-        attn: LayerAttn {
-            q_heads: geo.n_heads,
-            kv_heads: geo.n_kv_heads,
-            head_dim: geo.head_dim,
-            causal: true,
-            window: None,
-            sm_scale: None,
-        },
-        dtype,
-        scales: KvScales::default(),
-    };
-    BackendConfig {
-        block_size,
-        groups: vec![GroupSpec {
-            window: None,
-            num_blocks,
-        }],
-        layers: vec![layer; geo.n_layers],
-    }
-}
 
 /// Checks that `plan` was written for `seqs`: one `qo_indptr` entry each, of its length.
 pub(crate) fn check_rows(seqs: &[AttnSeq], plan: &StepPlan) -> Result<(), ForwardError> {

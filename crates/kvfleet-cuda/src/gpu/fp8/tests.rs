@@ -1,10 +1,11 @@
 use half::bf16;
-use kvfleet_engine::model::fp8::{e4m3fn_to_f32, quantize_rows};
+use kvfleet_engine::model::fp8::{e4m3fn_to_f32, quantize_rows, Fp8Weight};
 
 use super::super::blas::{Blas, Gemm};
-use super::super::gemv::{Fp8Gemv, Input, Output};
+use super::super::gemv::{Input, Output};
 use super::super::kernels::{Glu, ModelKernels, Norm};
 use super::super::lt::{Lt, ScalePick};
+use super::super::options::GpuTuning;
 use super::*;
 
 /// Values of every magnitude an activation or weight row has, as bf16 (what the kernels
@@ -39,6 +40,23 @@ fn dequantized_products(xd: &[f32], wd: &[f32], kk: usize, picks: &[(usize, usiz
     (want, scale)
 }
 
+/// An FP8 weight of `n` rows of `kk` from [`bf16_rows`] (`seed`) on the device, its
+/// dequantized values on the host, and its host codes.
+fn fp8_weight_codes(g: &Gpu, n: usize, kk: usize, seed: u32) -> (Mat, Vec<f32>, Fp8Weight) {
+    let wq = quantize_rows(&to_f32(&bf16_rows(n, kk, seed)), n, kk);
+    let mat = Mat::Fp8 {
+        q: g.upload(&wq.data).unwrap(),
+        scale: g.upload(&wq.scale).unwrap(),
+    };
+    (mat, wq.dequantize(), wq)
+}
+
+/// [`fp8_weight_codes`] without the codes.
+fn fp8_weight(g: &Gpu, n: usize, kk: usize, seed: u32) -> (Mat, Vec<f32>) {
+    let (mat, wd, _) = fp8_weight_codes(g, n, kk, seed);
+    (mat, wd)
+}
+
 fn to_f32(v: &[u16]) -> Vec<f32> {
     v.iter().map(|b| bf16::from_bits(*b).to_f32()).collect()
 }
@@ -53,7 +71,7 @@ fn gpu() -> Gpu {
 #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
 fn gpu_quantize_kernel_matches_the_host_quantizer_byte_for_byte() {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let f = k.fp8.as_ref().unwrap();
     let (rows, cols, ld) = (37, 1000, 1008);
     let x = bf16_rows(rows, ld, 3);
@@ -73,18 +91,6 @@ fn gpu_quantize_kernel_matches_the_host_quantizer_byte_for_byte() {
     assert_eq!(diff, 0, "{diff} of {} bytes differ", q.len());
 }
 
-#[test]
-fn the_fusion_switch_reads_all_none_and_lists_of_names() {
-    assert_eq!(Fusion::parse(""), Fusion::ALL);
-    assert_eq!(Fusion::parse("all"), Fusion::ALL);
-    assert_eq!(Fusion::parse("none"), Fusion::NONE);
-    let only = |norm, glu, qkv, add| Fusion { norm, glu, qkv, add };
-    assert_eq!(Fusion::parse("glu, qkv"), only(false, true, true, false));
-    assert_eq!(Fusion::parse("norm,add"), only(true, false, false, true));
-    // An unknown word is ignored, not taken for `all`.
-    assert_eq!(Fusion::parse("norm,bogus"), only(true, false, false, false));
-}
-
 /// Positive scales spread over two orders of magnitude, as weight and token scales are.
 fn scales(n: usize, seed: u32) -> Vec<f32> {
     (0..n)
@@ -100,7 +106,7 @@ fn scales(n: usize, seed: u32) -> Vec<f32> {
 #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
 fn gpu_fused_glu_quantize_equals_the_unfused_path_bit_for_bit() {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let f = k.fp8.as_ref().unwrap();
     let s = g.stream();
     // 1,024: the 16-byte path; 1,000 and 1,002: rows of other alignments take the scalar one.
@@ -188,7 +194,7 @@ fn gpu_fused_glu_quantize_equals_the_unfused_path_bit_for_bit() {
 #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
 fn gpu_fused_norm_quantize_equals_norm_then_quantize() {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let f = k.fp8.as_ref().unwrap();
     let s = g.stream();
     for d in [4096, 5008] {
@@ -225,7 +231,7 @@ fn gpu_fused_norm_quantize_equals_norm_then_quantize() {
 #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
 fn gpu_fused_add_norm_quantize_equals_scale_add_then_norm() {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let f = k.fp8.as_ref().unwrap();
     let s = g.stream();
     for d in [4096, 5008] {
@@ -292,15 +298,9 @@ fn gpu_fp8_gemm_and_gemv_equal_the_dequantized_products() {
 #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
 fn gpu_fp8_gemm_at_a_model_width_equals_the_dequantized_products() {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let (t, n, kk) = (256, 4096, 4096);
-    let w = to_f32(&bf16_rows(n, kk, 3));
-    let wq = quantize_rows(&w, n, kk);
-    let wd = wq.dequantize();
-    let mat = Mat::Fp8 {
-        q: g.upload(&wq.data).unwrap(),
-        scale: g.upload(&wq.scale).unwrap(),
-    };
+    let (mat, wd) = fp8_weight(&g, n, kk, 3);
     let x = bf16_rows(t, kk, 9);
     let xd = quantize_rows(&to_f32(&x), t, kk).dequantize();
     let dx = g.upload(&x).unwrap();
@@ -385,7 +385,7 @@ fn gpu_fp8_gemm_at_a_model_width_equals_the_dequantized_products() {
 #[ignore = "needs an NVIDIA GPU of compute capability 8.9 or later"]
 fn gpu_fp8_skinny_gemm_equals_the_dequantized_products() {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let f = k.fp8.as_ref().unwrap();
     let s = g.stream();
     let blas = Blas::with_lt(s.clone(), Lt::new(s.clone(), ScalePick::Timed).unwrap()).unwrap();
@@ -394,13 +394,7 @@ fn gpu_fp8_skinny_gemm_equals_the_dequantized_products() {
         (4096, 14336, true),
         (28672, 128, true),
     ] {
-        let w = to_f32(&bf16_rows(n, kk, 13));
-        let wq = quantize_rows(&w, n, kk);
-        let wd = wq.dequantize();
-        let mat = Mat::Fp8 {
-            q: g.upload(&wq.data).unwrap(),
-            scale: g.upload(&wq.scale).unwrap(),
-        };
+        let (mat, wd) = fp8_weight(&g, n, kk, 13);
         let Mat::Fp8 { q, scale: sw } = &mat else {
             unreachable!("an FP8 matrix")
         };
@@ -468,29 +462,13 @@ fn gpu_fp8_skinny_gemm_equals_the_dequantized_products() {
         .is_err());
 }
 
-#[test]
-fn the_skinny_switch_reads_token_counts_and_off() {
-    assert_eq!(parse_skinny(None), SKINNY_MAX);
-    assert_eq!(parse_skinny(Some("off")), 0);
-    assert_eq!(parse_skinny(Some("0")), 0);
-    assert_eq!(parse_skinny(Some(" 4 ")), 4);
-    assert_eq!(parse_skinny(Some("64")), SKINNY_MAX);
-    assert_eq!(parse_skinny(Some("many")), SKINNY_MAX);
-}
-
 fn fp8_products(pick: ScalePick) {
     let g = gpu();
-    let k = ModelKernels::load(&g, true).unwrap();
+    let k = ModelKernels::load(&g, true, &GpuTuning::default()).unwrap();
     let blas = Blas::with_lt(g.stream().clone(), Lt::new(g.stream().clone(), pick).unwrap()).unwrap();
     // 12 tokens: past the skinny GEMM's 8, so the GEMMs here are cuBLASLt's.
     let (t, n, kk) = (12, 96, 256);
-    let w = to_f32(&bf16_rows(n, kk, 11));
-    let wq = quantize_rows(&w, n, kk);
-    let mat = Mat::Fp8 {
-        q: g.upload(&wq.data).unwrap(),
-        scale: g.upload(&wq.scale).unwrap(),
-    };
-    let wd = wq.dequantize();
+    let (mat, wd, wq) = fp8_weight_codes(&g, n, kk, 11);
     let x = bf16_rows(t, kk, 5);
     let xf = to_f32(&x);
     let xd = quantize_rows(&xf, t, kk).dequantize();
@@ -501,11 +479,6 @@ fn fp8_products(pick: ScalePick) {
     // Hopper's FP8 tensor cores accumulate with fewer than f32's 24 bits (about 1.6e-4 of
     // the largest value measured on an H200): 1e-3 of it.
     const TOL: f32 = 1e-3;
-    // The f16 GEMV rounds each of the 8 partial sums of a half2 lane over a 16-weight chunk
-    // to f16 (2^-11 of the partial, about 4.9e-4; the products and the staged input are
-    // exact); an emulation of its arithmetic on these rows erred by 6e-5 of the largest
-    // value at most: 2e-3 of it.
-    const TOL_H2: f32 = 2e-3;
     let close = |got: &[f32], want: &[f32], tol: f32, what: &str| {
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (i, (a, b)) in got.iter().zip(want).enumerate() {
@@ -530,9 +503,8 @@ fn fp8_products(pick: ScalePick) {
         .unwrap();
     let twice: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
     close(&g.download(&y).unwrap(), &twice, TOL, "GEMM add");
-    // The one-token GEMVs: on CUDA cores the bf16 input unquantized (f16 for `H2`, exact for
-    // these values); on the tensor cores quantized per token (the first row of `xd`),
-    // stored, added and through SwiGLU.
+    // The one-token GEMVs: on CUDA cores the bf16 input unquantized, stored, added and
+    // through SwiGLU.
     let x0 = g.upload(&x[..kk]).unwrap();
     // And through the fused RMSNorm of an f32 row: the reference input is what
     // `kvf_rms_norm` writes (the GEMVs normalise with the same code and block size).
@@ -543,25 +515,28 @@ fn fp8_products(pick: ScalePick) {
     let mut normed = s.alloc_zeros::<u16>(kk).unwrap();
     k.rms_norm(&xr, 1, kk, Norm::new(&nw, eps), &mut normed).unwrap();
     let xn = to_f32(&g.download(&normed).unwrap());
-    let xnq = quantize_rows(&xn, 1, kk).dequantize();
-    for v in [Fp8Gemv::Cvt, Fp8Gemv::Int, Fp8Gemv::H2, Fp8Gemv::Mma] {
-        let tol = if v == Fp8Gemv::H2 { TOL_H2 } else { TOL };
-        let kv = ModelKernels::load_with(&g, Some(v)).unwrap();
-        let x_ref = if v == Fp8Gemv::Mma { &xd[..kk] } else { &xf[..kk] };
+    // With the row-a-warp kernel for stored and added rows, and without it.
+    for row in [true, false] {
+        let (v, tol) = (if row { "row" } else { "pair" }, TOL);
+        let tuning = GpuTuning {
+            fp8_gemv_row: row,
+            ..GpuTuning::default()
+        };
+        let kv = ModelKernels::load(&g, true, &tuning).unwrap();
+        let x_ref = &xf[..kk];
         let want1: Vec<f32> = (0..n).map(|c| dot(x_ref, &wd[c * kk..(c + 1) * kk])).collect();
         let mut y1 = s.alloc_zeros::<f32>(n).unwrap();
         kv.gemv
             .run(&mat, n, kk, Input::Bf16(&x0), Output::Store(&mut y1))
             .unwrap();
-        close(&g.download(&y1).unwrap(), &want1, tol, &format!("GEMV {v:?}"));
+        close(&g.download(&y1).unwrap(), &want1, tol, &format!("GEMV {v}"));
         kv.gemv
             .run(&mat, n, kk, Input::Bf16(&x0), Output::Add(&mut y1))
             .unwrap();
         let twice: Vec<f32> = want1.iter().map(|v| 2.0 * v).collect();
-        close(&g.download(&y1).unwrap(), &twice, tol, &format!("GEMV {v:?} add"));
-        // Inputs past f16's range at 2^16 times the values: `H2` stages them scaled, `Cvt`
-        // and `Int` take them as they are (`Mma` quantizes its input, so scale drops out).
-        if v != Fp8Gemv::Mma {
+        close(&g.download(&y1).unwrap(), &twice, tol, &format!("GEMV {v} add"));
+        // Inputs past f16's range at 2^16 times the values, taken as they are.
+        {
             let x_big: Vec<u16> = xf[..kk]
                 .iter()
                 .map(|v| bf16::from_f32(v * 65536.0).to_bits())
@@ -575,10 +550,10 @@ fn fp8_products(pick: ScalePick) {
                 &g.download(&y1).unwrap(),
                 &big,
                 tol,
-                &format!("GEMV {v:?} past f16"),
+                &format!("GEMV {v} past f16"),
             );
         }
-        let xn_ref = if v == Fp8Gemv::Mma { &xnq } else { &xn };
+        let xn_ref = &xn;
         let want_n: Vec<f32> = (0..n).map(|c| dot(xn_ref, &wd[c * kk..(c + 1) * kk])).collect();
         let mut yn = s.alloc_zeros::<f32>(n).unwrap();
         kv.gemv
@@ -588,7 +563,7 @@ fn fp8_products(pick: ScalePick) {
             &g.download(&yn).unwrap(),
             &want_n,
             tol,
-            &format!("GEMV {v:?} normed"),
+            &format!("GEMV {v} normed"),
         );
         let mut act = s.alloc_zeros::<u16>(n / 2).unwrap();
         kv.gemv
@@ -606,7 +581,7 @@ fn fp8_products(pick: ScalePick) {
             // bf16 output: 2^-8 of the value.
             assert!(
                 (a - b).abs() <= 4e-3 * b.abs() + tol * scale,
-                "GEMV {v:?} SwiGLU[{i}]: {a} vs {b}"
+                "GEMV {v} SwiGLU[{i}]: {a} vs {b}"
             );
         }
     }
