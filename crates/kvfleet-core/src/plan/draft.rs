@@ -183,33 +183,32 @@ impl DraftShape {
     }
 }
 
+/// The EAGLE-3 drafter of Llama-3.1-8B (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's config.json:
+/// one layer, hidden 4096, 32/8 heads of 128, MLP 14336, draft vocabulary 32000): the
+/// reference drafter the planner's and the GPU pools' tests size.
+pub const EAGLE3_LLAMA_3_1_8B: DraftShape = DraftShape {
+    kind: DraftKind::Eagle3,
+    layers: 1,
+    d_model: 4096,
+    n_heads: 32,
+    n_kv_heads: 8,
+    head_dim: 128,
+    d_ff: 14336,
+    target_hidden: 4096,
+    feature_layers: 3,
+    lm_head_rows: 32_000,
+    embed_rows: 0,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The EAGLE-3 drafter of Llama-3.1-8B (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's config.json:
-    /// one layer, hidden 4096, 32/8 heads of 128, MLP 14336, draft vocabulary 32000).
-    fn eagle3_8b() -> DraftShape {
-        DraftShape {
-            kind: DraftKind::Eagle3,
-            layers: 1,
-            d_model: 4096,
-            n_heads: 32,
-            n_kv_heads: 8,
-            head_dim: 128,
-            d_ff: 14336,
-            target_hidden: 4096,
-            feature_layers: 3,
-            lm_head_rows: 32_000,
-            embed_rows: 0,
-        }
-    }
 
     #[test]
     fn an_eagle3_8b_drafter_has_the_parameters_of_its_checkpoint() {
         // fc 4096 x 12288, Q/K/V over 8192 columns (6144 rows), O, gate/up/down, head.
         let want = 4096 * 12288 + 6144 * 8192 + 4096 * 4096 + 3 * 14336 * 4096 + 32_000 * 4096;
-        assert_eq!(eagle3_8b().weight_params(), want);
+        assert_eq!(EAGLE3_LLAMA_3_1_8B.weight_params(), want);
         // About 0.85 GB in bf16, what the published checkpoint holds.
         let gb = 2.0 * want as f64 / 1e9;
         assert!((0.8..0.9).contains(&gb), "{gb}");
@@ -217,7 +216,7 @@ mod tests {
 
     #[test]
     fn its_buffers_grow_with_the_step_and_its_own_embeddings_count() {
-        let d = eagle3_8b();
+        let d = EAGLE3_LLAMA_3_1_8B;
         let (a, b) = (d.fixed_bytes(1024, 256), d.fixed_bytes(2048, 256));
         // 3 feature rows of 4096 a token: f32 kept, bf16 gathered.
         assert_eq!(b - a, 1024 * 3 * 4096 * (4 + 2));
@@ -235,7 +234,7 @@ mod tests {
             layers: 5,
             feature_layers: 5,
             lm_head_rows: 0,
-            ..eagle3_8b()
+            ..EAGLE3_LLAMA_3_1_8B
         };
         let one = DraftShape { layers: 1, ..d };
         let layer = (6144 + 4096) * 4096 + 3 * 14336 * 4096;
@@ -268,7 +267,7 @@ mod tests {
         let d = DraftShape {
             n_heads: 12,
             n_kv_heads: 1,
-            ..eagle3_8b()
+            ..EAGLE3_LLAMA_3_1_8B
         };
         assert_eq!(d.kv_rep(), 3);
         assert_eq!(d.stored_layer().unwrap().kv_heads, 3);

@@ -534,24 +534,13 @@ mod tests {
     /// from the published configs' values, not from the spec) and the pages left.
     #[test]
     fn kvfleet_check_with_a_drafter_geometry_predicts_the_pools_of_the_worker_serving_it() {
+        use kvfleet_core::plan::draft::EAGLE3_LLAMA_3_1_8B;
         use kvfleet_core::plan::{DraftKind, DraftShape};
         let c = LlamaConfig::llama(32, 4096, 14336, 32, 8, 128_256);
         let total = plan::gpu_memory_bytes(H100).unwrap();
         // EAGLE-3 for Llama-3.1-8B (one layer, draft vocabulary 32000), and a 5-layer DFlash
         // drafter of the same width reading 5 target layers, with its own embeddings.
-        let eagle3 = DraftShape {
-            kind: DraftKind::Eagle3,
-            layers: 1,
-            d_model: 4096,
-            n_heads: 32,
-            n_kv_heads: 8,
-            head_dim: 128,
-            d_ff: 14336,
-            target_hidden: 4096,
-            feature_layers: 3,
-            lm_head_rows: 32_000,
-            embed_rows: 0,
-        };
+        let eagle3 = EAGLE3_LLAMA_3_1_8B;
         let dflash = DraftShape {
             kind: DraftKind::Dflash,
             layers: 5,
