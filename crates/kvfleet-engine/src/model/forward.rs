@@ -15,7 +15,7 @@ pub use cpu_drafter::{CpuDflash, CpuEagle3};
 
 use super::drafter::Drafter;
 use super::kv::KvError;
-use super::llama::{ForwardError, Llama, LlamaConfig, SeqChunk};
+use super::llama::{AuxHidden, ForwardError, Llama, LlamaConfig, SeqChunk};
 use super::paged::Planned;
 use super::sampling::{token_logprobs, RowPick, RowSample, TokenLogprobs};
 use crate::engine::cpu::CpuBackend;
@@ -182,16 +182,9 @@ pub struct CpuForward {
     backend: CpuBackend,
     attention_time: Duration,
     /// The hidden states a drafter reads, kept by every step once one is attached.
-    hidden: Option<Hidden>,
+    hidden: Option<AuxHidden>,
     /// The attached drafter, until the serving loop takes it.
     proposer: Option<Box<dyn Proposer>>,
-}
-
-/// The target's hidden states of the last step: the residual stream entering each of `layers`
-/// (`n_layers`: the last layer's output), `[step tokens, layers x d_model]`.
-struct Hidden {
-    layers: Vec<usize>,
-    rows: Vec<f32>,
 }
 
 impl CpuForward {
@@ -264,9 +257,7 @@ impl Forward for CpuForward {
         check_plan(batch, plan)?;
         let mut planned = Planned::new(&mut self.backend, plan);
         let logits = match self.hidden.as_mut() {
-            Some(h) => self
-                .model
-                .forward_aux(&mut planned, batch, &h.layers, &mut h.rows),
+            Some(h) => self.model.forward_aux(&mut planned, batch, h),
             None => self.model.forward(&mut planned, batch),
         };
         self.attention_time = planned.time;
@@ -279,7 +270,7 @@ impl Forward for CpuForward {
         let dtype = cfg.layers.first().map_or(KvDtype::Bf16, |l| l.dtype);
         let layers = drafter.aux_layers().to_vec();
         self.proposer = Some(drafter.cpu_proposer(dtype, cfg.block_size, full)?);
-        self.hidden = Some(Hidden {
+        self.hidden = Some(AuxHidden {
             layers,
             rows: Vec::new(),
         });

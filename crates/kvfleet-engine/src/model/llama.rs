@@ -442,6 +442,15 @@ impl SeqChunk<'_> {
     }
 }
 
+/// The residual stream entering each of `layers` (`n_layers`: the last layer's output) for
+/// every new token of a step, `rows` `[tokens, layers.len() * d_model]`: the target features a
+/// drafter reads. Empty `layers` keep nothing.
+#[derive(Debug, Default)]
+pub struct AuxHidden {
+    pub layers: Vec<usize>,
+    pub rows: Vec<f32>,
+}
+
 impl Llama {
     /// The math of this model's family where its block departs from a Llama block.
     fn block(&self) -> &dyn Block {
@@ -458,22 +467,20 @@ impl Llama {
         kv: &mut dyn KvAttention,
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<f32>, ForwardError> {
-        self.forward_aux(kv, batch, &[], &mut Vec::new())
+        self.forward_aux(kv, batch, &mut AuxHidden::default())
     }
 
-    /// [`Llama::forward`] that also writes into `aux` (`[tokens, aux_layers.len() * d_model]`)
-    /// the residual stream entering each layer of `aux_layers`, for every new token: the target
-    /// features an EAGLE-3 drafter reads (vLLM takes `hidden_states + residual` before those
-    /// layers).
+    /// [`Llama::forward`] that also writes into `aux.rows` the residual stream entering each
+    /// layer of `aux.layers`, for every new token: the target features an EAGLE-3 drafter reads
+    /// (vLLM takes `hidden_states + residual` before those layers).
     pub fn forward_aux(
         &self,
         kv: &mut dyn KvAttention,
         batch: &[SeqChunk<'_>],
-        aux_layers: &[usize],
-        aux: &mut Vec<f32>,
+        aux: &mut AuxHidden,
     ) -> Result<Vec<f32>, ForwardError> {
         let d = self.config.d_model;
-        let x = self.hidden_aux(kv, batch, aux_layers, aux)?;
+        let x = self.hidden_aux(kv, batch, aux)?;
         // Only the last row of chunks that want logits goes through the LM head.
         let mut last = Vec::new();
         let mut row = 0;
@@ -542,7 +549,7 @@ impl Llama {
             tokens,
             logits: 0,
         };
-        let x = self.hidden_aux(&mut kv, &[chunk], &[], &mut Vec::new())?;
+        let x = self.hidden_aux(&mut kv, &[chunk], &mut AuxHidden::default())?;
         let d = c.d_model;
         let scored = tokens.len().saturating_sub(1);
         let mut out = Vec::with_capacity(scored);
@@ -558,14 +565,14 @@ impl Llama {
 
     /// The final hidden states `[tokens, d_model]` of every chunk's new tokens (before the
     /// output norm), their K/V stored in `kv`; the residual stream entering each layer of
-    /// `aux_layers` (`n_layers`: the last layer's output) copied into `aux`.
+    /// `aux.layers` (`n_layers`: the last layer's output) copied into `aux.rows`.
     fn hidden_aux(
         &self,
         kv: &mut dyn KvAttention,
         batch: &[SeqChunk<'_>],
-        aux_layers: &[usize],
-        aux: &mut Vec<f32>,
+        aux: &mut AuxHidden,
     ) -> Result<Vec<f32>, ForwardError> {
+        let (aux_layers, aux) = (&aux.layers[..], &mut aux.rows);
         let c = &self.config;
         let block = self.block();
         let (d, hd, ff) = (c.d_model, c.head_dim, c.d_ff);
