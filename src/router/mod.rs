@@ -75,12 +75,8 @@ pub struct RouterArgs {
     /// Largest request body accepted (413 above it). Keep it at the workers'
     /// --max-request-bytes (the default is theirs): a larger body would only reach a worker to
     /// be refused there.
-    #[arg(
-        long,
-        default_value_t = crate::serving::openai::ApiLimits::default().max_body_bytes,
-        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
-            .range(crate::serving::openai::MIN_BODY_BYTES as u64..=crate::serving::openai::MAX_BODY_BYTES as u64)
-    )]
+    #[arg(long, default_value_t = crate::serving::openai::ApiLimits::default().max_body_bytes,
+          value_parser = crate::serving::openai::body_bytes_parser())]
     pub max_request_bytes: usize,
     /// What a client gets to send its whole request body (408 after it).
     #[arg(long, default_value_t = body::DEFAULT_BODY_TIMEOUT.as_secs(),

@@ -61,6 +61,12 @@ pub const MIN_BODY_BYTES: usize = 1 << 10;
 /// tokens); above 256 MiB a body buys nothing but memory.
 pub const MAX_BODY_BYTES: usize = 256 << 20;
 
+/// `--max-request-bytes` as the worker and the router read it: within
+/// [`MIN_BODY_BYTES`]..=[`MAX_BODY_BYTES`].
+pub fn body_bytes_parser() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(MIN_BODY_BYTES as u64..=MAX_BODY_BYTES as u64)
+}
+
 /// Request bodies the worker holds at once by default (`--max-request-bytes-in-flight`): the
 /// bodies being received and, until they are tokenized, the prompts read from them. The
 /// worker's pod has no memory limit of ours (`spec.pod.resources` sets it), so this is sized

@@ -135,12 +135,8 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=MAX_SECONDS))]
     pub drain_seconds: u64,
     /// Largest request body accepted (413 above it).
-    #[arg(
-        long,
-        default_value_t = crate::serving::openai::ApiLimits::default().max_body_bytes,
-        value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
-            .range(crate::serving::openai::MIN_BODY_BYTES as u64..=crate::serving::openai::MAX_BODY_BYTES as u64)
-    )]
+    #[arg(long, default_value_t = crate::serving::openai::ApiLimits::default().max_body_bytes,
+          value_parser = crate::serving::openai::body_bytes_parser())]
     pub max_request_bytes: usize,
     /// Bytes of request bodies held at once, across requests (default: 64 MiB, or
     /// --max-request-bytes when larger); a request that finds no room within 2 s is answered
