@@ -133,13 +133,7 @@ fn scratch_volumes() -> Vec<(Volume, VolumeMount)> {
 /// and an image; `None` without any (dummy weights or a Hub download).
 fn weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, VolumeMount)> {
     let w = spec.model.weights.as_ref()?;
-    source_volume(
-        "weights",
-        WEIGHTS_DIR,
-        w.pvc_name.clone(),
-        w.host_path.clone(),
-        w.image.clone(),
-    )
+    source_volume("weights", WEIGHTS_DIR, (&w.pvc_name, &w.host_path, &w.image))
 }
 
 /// The speculative drafter's checkpoint, read-only at [`DRAFT_WEIGHTS_DIR`], as the weights
@@ -149,21 +143,20 @@ fn draft_weights_volume(spec: &InferenceDeploymentSpec) -> Option<(Volume, Volum
     source_volume(
         "draft-weights",
         DRAFT_WEIGHTS_DIR,
-        d.pvc_name.clone(),
-        d.host_path.clone(),
-        d.image.clone(),
+        (&d.pvc_name, &d.host_path, &d.image),
     )
 }
+
+/// The `(pvcName, hostPath, image)` fields the weights and the drafter both have.
+type VolumeSources<'a> = (&'a Option<String>, &'a Option<String>, &'a Option<String>);
 
 /// A read-only volume `name` at `dir` from the first of a PVC, a host path and an image.
 fn source_volume(
     name: &str,
     dir: &str,
-    pvc: Option<String>,
-    host_path: Option<String>,
-    image: Option<String>,
+    (pvc, host_path, image): VolumeSources<'_>,
 ) -> Option<(Volume, VolumeMount)> {
-    let volume = match (pvc, host_path) {
+    let volume = match (pvc.clone(), host_path.clone()) {
         (Some(pvc), _) => Volume {
             name: name.into(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
@@ -183,7 +176,7 @@ fn source_volume(
         (None, None) => Volume {
             name: name.into(),
             image: Some(ImageVolumeSource {
-                reference: Some(image?),
+                reference: Some(image.clone()?),
                 pull_policy: Some("IfNotPresent".into()),
             }),
             ..Volume::default()
