@@ -321,7 +321,7 @@ impl Dflash {
         for (li, l) in self.layers.iter().enumerate() {
             rms_norm(&x, &l.input_norm, c.rms_eps, &mut h);
             let (q, k, v) = self.qk(l, &h, t, positions);
-            kv.attend(li, seqs, &q, &k, &v, &mut attn)?;
+            kv.attend(li, seqs, (&q, &k, &v), &mut attn)?;
             matmul_t(&attn, t, qw, &l.wo, d, &mut proj);
             add_in_place(&mut x, &proj);
             rms_norm(&x, &l.post_norm, c.rms_eps, &mut h);

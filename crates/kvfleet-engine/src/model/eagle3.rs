@@ -280,7 +280,7 @@ impl Eagle3 {
         rope(c, &self.inv_freq, &mut q, positions, c.n_heads);
         rope(c, &self.inv_freq, &mut k, positions, c.n_kv_heads);
         let mut attn = vec![0f32; t * qw];
-        kv.attend(0, seqs, &q, &k, &v, &mut attn)?;
+        kv.attend(0, seqs, (&q, &k, &v), &mut attn)?;
         let mut proj = vec![0f32; t * d];
         matmul_t(&attn, t, qw, &self.wo, d, &mut proj);
         add_in_place(&mut x, &proj);

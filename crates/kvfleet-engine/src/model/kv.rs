@@ -70,6 +70,9 @@ pub struct AttnSeq {
     pub len: usize,
 }
 
+/// A step's `(q, k, v)` rows of one layer, as [`KvAttention::attend`] takes them.
+pub type Qkv<'a> = (&'a [f32], &'a [f32], &'a [f32]);
+
 /// Where attention runs: stores the new K/V of a layer and attends over the cache.
 pub trait KvAttention: Send {
     /// For `layer`: appends `k`, `v` (`[tokens, n_kv_heads * head_dim]`) of each sequence's
@@ -79,9 +82,7 @@ pub trait KvAttention: Send {
         &mut self,
         layer: usize,
         seqs: &[AttnSeq],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        qkv: Qkv<'_>,
         out: &mut [f32],
     ) -> Result<(), KvError>;
 
@@ -130,9 +131,7 @@ impl KvAttention for ContiguousKv {
         &mut self,
         layer: usize,
         seqs: &[AttnSeq],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        (q, k, v): Qkv<'_>,
         out: &mut [f32],
     ) -> Result<(), KvError> {
         let g = self.geo;
@@ -269,24 +268,20 @@ mod tests {
             start_pos,
             len,
         };
-        one.attend(0, &[s(0, 5)], &q, &k, &v, &mut out1).unwrap();
+        one.attend(0, &[s(0, 5)], (&q, &k, &v), &mut out1).unwrap();
         let mut two = ContiguousKv::new(G, 100);
         let mut out2 = vec![0.0; 5 * qw];
         two.attend(
             0,
             &[s(0, 3)],
-            &q[..3 * qw],
-            &k[..3 * kw],
-            &v[..3 * kw],
+            (&q[..3 * qw], &k[..3 * kw], &v[..3 * kw]),
             &mut out2[..3 * qw],
         )
         .unwrap();
         two.attend(
             0,
             &[s(3, 2)],
-            &q[3 * qw..],
-            &k[3 * kw..],
-            &v[3 * kw..],
+            (&q[3 * qw..], &k[3 * kw..], &v[3 * kw..]),
             &mut out2[3 * qw..],
         )
         .unwrap();
@@ -312,9 +307,7 @@ mod tests {
                     start_pos: 2,
                     len: 1,
                 }],
-                &[0.0; 8],
-                &[0.0; 4],
-                &[0.0; 4],
+                (&[0.0; 8], &[0.0; 4], &[0.0; 4]),
                 &mut out[..qw],
             )
             .unwrap_err();
@@ -334,9 +327,7 @@ mod tests {
                     start_pos: 0,
                     len: 4,
                 }],
-                &vec![0.0; 4 * qw],
-                &vec![0.0; 4 * kw],
-                &vec![0.0; 4 * kw],
+                (&vec![0.0; 4 * qw], &vec![0.0; 4 * kw], &vec![0.0; 4 * kw]),
                 &mut out,
             )
             .unwrap_err();
@@ -348,9 +339,7 @@ mod tests {
                 start_pos: 0,
                 len: 3,
             }],
-            &vec![0.0; 3 * qw],
-            &vec![0.0; 3 * kw],
-            &vec![0.0; 3 * kw],
+            (&vec![0.0; 3 * qw], &vec![0.0; 3 * kw], &vec![0.0; 3 * kw]),
             &mut out[..3 * qw],
         )
         .unwrap();

@@ -636,7 +636,7 @@ impl Llama {
             self.rope_with(freqs, &mut q, &positions, c.n_heads);
             self.rope_with(freqs, &mut k, &positions, c.n_kv_heads);
             block.scale_queries(hd, &mut q);
-            kv.attend(li, &seqs, &q, &k, &v, &mut attn)?;
+            kv.attend(li, &seqs, (&q, &k, &v), &mut attn)?;
             l.wo.project(&attn, t, &mut proj);
             if let Some(n) = &l.post_attn_norm {
                 let src = proj.clone();

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::kv::{AttnSeq, KvAttention, KvError, SeqId};
+use super::kv::{AttnSeq, KvAttention, KvError, Qkv, SeqId};
 use super::llama::ForwardError;
 use crate::engine::cpu::CpuBackend;
 use crate::engine::{Backend, BackendError, StepPlan};
@@ -60,9 +60,7 @@ impl KvAttention for Planned<'_> {
         &mut self,
         layer: usize,
         _seqs: &[AttnSeq],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        (q, k, v): Qkv<'_>,
         out: &mut [f32],
     ) -> Result<(), KvError> {
         let t0 = Instant::now();
