@@ -553,11 +553,21 @@ fn partial_and_oversized_bodies_are_answered_within_the_body_timeout_and_memory_
                 }
                 w
             });
+            // Timed to the answer's first bytes: after a refusal the server may read and
+            // discard what the client still sends for a while before it closes.
             let mut out = Vec::new();
-            let _ = s.read_to_end(&mut out);
+            let mut buf = [0u8; 4096];
+            let mut first = None;
+            while let Ok(n) = s.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                first.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                out.extend_from_slice(&buf[..n]);
+            }
             let text = String::from_utf8_lossy(&out).to_string();
             let status: u16 = text.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-            let secs = t0.elapsed().as_secs_f64();
+            let secs = first.unwrap_or_else(|| t0.elapsed().as_secs_f64());
             drop(s);
             drop(writer.join());
             (status, header(&text, "retry-after"), secs)
