@@ -4,9 +4,10 @@
 # not fit one carry beside the binaries.
 #   bash bench/device/seam.sh pack   # (here) the release worker of this tree and of BASE=PATH, the
 #                                    # GPU tests, the PTX digests; GGUF halves into .device/seam-b, -c
-#   bash bench/device/seam.sh a      # (device) the GPU tests that need no GGUF; bench/http_load.py
-#                                    # rows, base and new workers side by side, bf16 then FP8
-#   bash bench/device/seam.sh b      # (device) stash the GGUF's first half
+#   bash bench/device/seam.sh a      # (device) bench/http_load.py rows, base and new workers side
+#                                    # by side, bf16 then FP8 (stashes the binaries for b and c)
+#   bash bench/device/seam.sh b      # (device) stash the GGUF's first half; the GPU tests that
+#                                    # need no GGUF
 #   bash bench/device/seam.sh c      # (device) join the GGUF; the SmolLM2 GPU tests
 set -uo pipefail
 part=${1:?usage: seam.sh pack|a|b|c}
@@ -55,21 +56,16 @@ tests() { # NAME ARGS...: a GPU test binary, its summary lines
 }
 case "$part" in
   a)
-    step "GPU tests that need no GGUF"
-    tests cuda_lib
-    tests cuda_attention
-    tests cuda_capacity
-    tests cuda_gemma3 dummy
-    tests cuda_gemma3 windowed
     show() { tail -1 "$1" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print("'"$2"'", r["errors"], "errors", round(r["output_tok_per_s"],1), "tok/s, ttft p50", round(r["ttft_p50_ms"],1), "itl p50", round(r["itl_p50_ms"],2))'; }
     for w in bf16 fp8; do
       q=(); [ $w = fp8 ] && q=(--quantization fp8)
       step "HTTP: base and new workers, $w weights (dummy Llama-3.1-8B), 0.45 of the memory each"
-      port=8000
+      port=8000; pids=()
       for b in kvfleet-base kvfleet; do
         "$stash/$b" worker --listen 127.0.0.1:$port --model-weights dummy --model-config $dev/llama-3.1-8b.json \
           --attention-backend KVFLEET_CUDA --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 2048 \
           --gpu-memory-utilization 0.45 --max-waiting 4096 "${q[@]}" > "$OUT/worker_${b}_$w.log" 2>&1 &
+        pids+=($!)
         for _ in $(seq 1 150); do curl -sf 127.0.0.1:$port/readyz >/dev/null && break; sleep 1; done
         curl -sf 127.0.0.1:$port/readyz >/dev/null || { echo "$b $w not ready"; tail -5 "$OUT/worker_${b}_$w.log"; }
         timeout 60 python3 $dev/http_load.py --port $port --concurrency 256 --prompt-tokens 130 --output-tokens 32 \
@@ -89,11 +85,17 @@ case "$part" in
         done
       done
       grep -hE "tuning|GpuTuning" "$OUT"/worker_kvfleet_$w.log | sed 's/\x1b\[[0-9;]*m//g' | head -2
-      kill %1 %2 2>/dev/null; wait 2>/dev/null; sleep 2
+      kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null; sleep 2
     done
     ;;
   b)
     cp $dev/gguf.part1 "$stash/"; echo stashed
+    step "GPU tests that need no GGUF"
+    tests cuda_lib
+    tests cuda_attention
+    tests cuda_capacity
+    tests cuda_gemma3 dummy
+    tests cuda_gemma3 windowed
     ;;
   c)
     gguf=$stash/SmolLM2-135M-Instruct.Q4_1.gguf
