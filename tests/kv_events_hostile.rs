@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod worker_support;
-use worker_support::{free_port, http, smollm2};
+use worker_support::{free_port, http, kvfleet_bin, kvfleet_command, smollm2};
 
 // === The bytes, by hand (ZMTP 3.0, rfc.zeromq.org/spec/23) ===
 
@@ -143,12 +143,6 @@ fn fuzz_input(rng: &mut Rng, peer: &[u8]) -> Vec<u8> {
 
 // === The processes ===
 
-/// This build's `kvfleet`, or the one `KVFLEET_HOSTILE_BIN` names (to see a finding on an
-/// older build).
-fn kvfleet_bin() -> String {
-    std::env::var("KVFLEET_HOSTILE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").into())
-}
-
 /// A child killed when dropped.
 struct Proc(Child, std::path::PathBuf);
 
@@ -184,14 +178,7 @@ impl Proc {
 fn start_worker(name: &str, nofile: Option<usize>) -> (Proc, u16, u16) {
     let (port, kv) = (free_port(), free_port());
     let log = std::env::temp_dir().join(format!("kvfleet-kv-hostile-{}-{name}.log", std::process::id()));
-    let mut cmd = match nofile {
-        Some(n) => {
-            let mut c = Command::new("prlimit");
-            c.arg(format!("--nofile={n}:{n}")).arg(kvfleet_bin());
-            c
-        }
-        None => Command::new(kvfleet_bin()),
-    };
+    let mut cmd = kvfleet_command(nofile);
     let child = cmd
         .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--kv-events-endpoint", &format!("tcp://127.0.0.1:{kv}")])

@@ -11,7 +11,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod worker_support;
-use worker_support::{free_port, header, http, smollm2};
+use worker_support::{free_port, header, http, kvfleet_command, raise_file_limit, smollm2};
 
 /// The router's memory bound in these scenarios (the chart's limit for it).
 const MEMORY_LIMIT_BYTES: u64 = 256 << 20;
@@ -47,15 +47,7 @@ impl Router {
             "kvfleet-router-hostile-{}-{name}.log",
             std::process::id()
         ));
-        let bin = std::env::var("KVFLEET_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").into());
-        let mut cmd = match nofile {
-            Some(n) => {
-                let mut c = Command::new("prlimit");
-                c.arg(format!("--nofile={n}:{n}")).arg(bin);
-                c
-            }
-            None => Command::new(bin),
-        };
+        let mut cmd = kvfleet_command(nofile);
         let child = cmd
             .args(["router", "--listen", &format!("127.0.0.1:{port}")])
             .args(args)
@@ -461,22 +453,6 @@ fn dechunk(mut rest: &str) -> String {
 fn completion(stream: bool) -> String {
     json!({"model": "SmolLM2-135M-Instruct", "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "stream": stream})
         .to_string()
-}
-
-/// Raises this process's soft file limit to `want` (within the hard limit).
-fn raise_file_limit(want: u64) {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit and setrlimit read and write one rlimit through a pointer to a local.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        if r.rlim_cur < want {
-            r.rlim_cur = want.min(r.rlim_max);
-            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
-        }
-    }
 }
 
 // === the scenarios ===

@@ -9,13 +9,13 @@ mod h2_support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod worker_support;
-use worker_support::{free_port, http, smollm2};
+use worker_support::{free_port, http, kvfleet_command, raise_file_limit, smollm2};
 
 /// Starts the worker (under `prlimit --nofile=N:N` when `nofile` is given) and waits until it
 /// is ready; returns it and a reader of its log.
@@ -25,14 +25,7 @@ fn start_worker(name: &str, nofile: Option<usize>) -> (Worker, u16, std::path::P
         "kvfleet-worker-connections-{}-{name}.log",
         std::process::id()
     ));
-    let mut cmd = match nofile {
-        Some(n) => {
-            let mut c = Command::new("prlimit");
-            c.arg(format!("--nofile={n}:{n}")).arg(kvfleet_bin());
-            c
-        }
-        None => Command::new(kvfleet_bin()),
-    };
+    let mut cmd = kvfleet_command(nofile);
     let child = cmd
         .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
         .env("KVFLEET_SMOLLM2_GGUF", smollm2())
@@ -62,11 +55,6 @@ fn start_worker(name: &str, nofile: Option<usize>) -> (Worker, u16, std::path::P
     (w, port, log)
 }
 
-/// The binary under test: this build's, or `KVFLEET_TEST_BIN` (to measure another build).
-fn kvfleet_bin() -> String {
-    std::env::var("KVFLEET_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").to_string())
-}
-
 /// The worker, killed when dropped.
 struct Worker(Child);
 
@@ -74,23 +62,6 @@ impl Drop for Worker {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// Raises this process's soft file limit to `want` (within the hard limit): the client side
-/// of the idle-socket test holds more sockets than a default 1,024 allows.
-fn raise_file_limit(want: u64) {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit and setrlimit read and write one rlimit through a pointer to a local.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        if r.rlim_cur < want {
-            r.rlim_cur = want.min(r.rlim_max);
-            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
-        }
     }
 }
 

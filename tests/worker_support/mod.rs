@@ -153,3 +153,38 @@ pub fn header(head: &str, name: &str) -> Option<String> {
         k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
     })
 }
+
+/// The binary under test: this build's, or the one `KVFLEET_TEST_BIN` names (to see a finding
+/// on an older build with the same test).
+pub fn kvfleet_bin() -> String {
+    std::env::var("KVFLEET_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kvfleet").to_string())
+}
+
+/// [`kvfleet_bin`], under `prlimit --nofile=N:N` when `nofile` is given.
+pub fn kvfleet_command(nofile: Option<usize>) -> Command {
+    match nofile {
+        Some(n) => {
+            let mut c = Command::new("prlimit");
+            c.arg(format!("--nofile={n}:{n}")).arg(kvfleet_bin());
+            c
+        }
+        None => Command::new(kvfleet_bin()),
+    }
+}
+
+/// Raises this process's soft file limit to `want` (within the hard limit): the client side of
+/// an idle-socket test holds more sockets than a default 1,024 allows.
+pub fn raise_file_limit(want: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write one rlimit through a pointer to a local.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        if r.rlim_cur < want {
+            r.rlim_cur = want.min(r.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+        }
+    }
+}
