@@ -10,15 +10,17 @@
 //!   (the TLS handshake included: the timer runs under TLS), or
 //! - it has been idle for [`ConnectionPolicy::idle`] since its last response (HTTP/1 keep-alive
 //!   and HTTP/2 alike: pings do not count as requests), or
-//! - the registry is full and it is the longest idle: a new connection takes its place, so a
-//!   probe always gets in while any held connection is idle.
+//! - the registry is full and it has asked for the least for the longest (below): a new
+//!   connection takes its place, so a probe always gets in while any held connection is idle.
 //!
 //! A connection whose every request in flight is still receiving its body (the request's body
-//! is wrapped to see when it ends) is closed when the registry is full, no connection is idle,
-//! and it has been receiving for the longest: a client that trickles bodies on every
+//! is wrapped to see when it ends) may make room too: a client that trickles bodies on every
 //! connection it may hold would otherwise keep probes out until its bodies time out (1,000 such
-//! connections failed 93 of 132 `/healthz` probes at a 1,024-file limit, issue 62). A request
-//! whose body has arrived (one being answered, a stream) is never closed to make room.
+//! connections failed 93 of 132 `/healthz` probes at a 1,024-file limit, issue 62). The one
+//! closed is the one idle, or receiving, for the longest, idle first on a tie; not the longest
+//! idle before any receiving one, since a connection just accepted is idle until its request is
+//! read, and a probe whose request is on its way must not be the first to go. A request whose
+//! body has arrived (one being answered, a stream) is never closed to make room.
 //!
 //! Closing is done by the stream wrapper ([`Guarded`]): its reads and writes fail once the
 //! connection is due, and it keeps a timer armed so that the connection's task wakes up then.
@@ -171,8 +173,8 @@ impl Shared {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Registers a new connection; when the registry is full, the longest-idle connection (else
-    /// the one receiving a body for the longest) is told to close to make room. `None` when
+    /// Registers a new connection; when the registry is full, the connection idle or receiving
+    /// a body for the longest is told to close to make room. `None` when
     /// every held connection has a request in flight past its body.
     fn admit(self: &Arc<Self>) -> Option<Registration> {
         let mut conns = self.conns.lock().ok()?;
@@ -187,23 +189,31 @@ impl Shared {
             .filter(|c| !c.close.load(Ordering::Acquire))
             .count();
         if open >= self.policy.max_connections {
-            let live = || conns.values().filter(|c| !c.close.load(Ordering::Acquire));
-            let idle = live()
-                .filter(|c| c.in_flight.load(Ordering::Acquire) == 0)
-                .min_by_key(|c| c.idle_since_ms.load(Ordering::Acquire));
-            // None idle: the one receiving a body for the longest, if all it has in flight is
-            // receiving (never one that is being answered).
-            let receiving = || {
-                live()
-                    .filter(|c| {
-                        let receiving = c.receiving.load(Ordering::Acquire);
-                        receiving > 0 && receiving >= c.in_flight.load(Ordering::Acquire)
-                    })
-                    .min_by_key(|c| c.receiving_since_ms.load(Ordering::Acquire))
-            };
-            let victim = idle
-                .map(|c| (c, false))
-                .or_else(|| receiving().map(|c| (c, true)));
+            // The connection that has asked for the least for the longest: idle (nothing in
+            // flight) since when, or receiving bodies (all it has in flight) since when. Never
+            // one that is being answered. A connection just accepted is idle until its first
+            // request is read, so ranking idle ones first would close a probe whose request is
+            // still on its way whenever it is the only idle one (issue 62's trickling test
+            // failed one probe in 468 on a 2-core machine that way).
+            let now = self.now_ms();
+            let victim = conns
+                .values()
+                .filter(|c| !c.close.load(Ordering::Acquire))
+                .filter_map(|c| {
+                    let in_flight = c.in_flight.load(Ordering::Acquire);
+                    let receiving = c.receiving.load(Ordering::Acquire);
+                    if in_flight == 0 {
+                        let since = c.idle_since_ms.load(Ordering::Acquire);
+                        Some((c, false, now.saturating_sub(since)))
+                    } else if receiving >= in_flight {
+                        let since = c.receiving_since_ms.load(Ordering::Acquire);
+                        Some((c, true, now.saturating_sub(since)))
+                    } else {
+                        None
+                    }
+                })
+                .max_by_key(|&(_, receiving, wasted)| (wasted, !receiving))
+                .map(|(c, receiving, _)| (c, receiving));
             match victim {
                 Some((c, receiving)) => {
                     c.close.store(true, Ordering::Release);
