@@ -365,6 +365,7 @@ mod tests {
             hidden_size: None,
             vocab_size: None,
             intermediate_size: None,
+            moe: None,
         });
         c
     }

@@ -21,6 +21,8 @@ pub const DRAFT_LAYERS_MAX: i32 = 1024;
 pub const KV_LORA_RANK_MAX: i32 = 8192;
 /// MLA rotary head dimension (DeepSeek V3: 64).
 pub const QK_ROPE_HEAD_DIM_MAX: i32 = 1024;
+/// Routed experts per MoE layer (DeepSeek V3 and Qwen3-235B: 256 and 128).
+pub const EXPERTS_MAX: i32 = 4096;
 /// Hidden size (Llama 3.1 405B: 16384).
 pub const HIDDEN_SIZE_MAX: i32 = 131_072;
 /// Vocabulary size (Gemma: 262144).

@@ -16,7 +16,7 @@ use kube_derive::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Runtime, SpeculativeMethod};
+pub use crate::compat::vocab::{AttentionBackend, KvCacheDtype, Quantization, Runtime, SpeculativeMethod};
 
 mod autoscaling;
 pub mod bounded;
@@ -277,32 +277,19 @@ pub struct ModelSpec {
     #[serde(default)]
     pub quantization: Quantization,
 
+    /// The checkpoint's architecture, as `architectures[0]` of its config.json names it
+    /// (e.g. `Qwen3MoeForCausalLM`). Optional; with runtime kvfleet, admission denies an
+    /// architecture the engine does not load on the selected devices, naming those it does
+    /// (docs/compat.md, "Model architectures").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub architecture: Option<String>,
+
     /// Where the worker loads weights from. Required to serve text: a kvfleet worker without
     /// weights refuses to start; random weights (capacity and throughput runs, like vLLM's
     /// dummy load format) only with `format: dummy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<WeightsSource>,
-}
-
-/// Weight quantization of the checkpoint.
-#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Quantization {
-    /// Unquantized bf16/fp16 weights.
-    #[default]
-    None,
-    Fp8,
-    Awq,
-    Gptq,
-    Int8,
-    Nvfp4,
-    Gguf,
-}
-
-impl Quantization {
-    pub fn is_quantized(self) -> bool {
-        self != Quantization::None
-    }
 }
 
 /// Quantization applied by the engine at load time (`engine.quantization`).
@@ -428,6 +415,43 @@ pub struct ModelGeometry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = HIDDEN_SIZE_MAX))]
     pub intermediate_size: Option<i32>,
+    /// Mixture-of-experts layers (Qwen3-MoE, Mixtral, gpt-oss...): absent for a dense model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeGeometry>,
+}
+
+/// The mixture-of-experts terms of a model's `config.json`: what decides the weights every
+/// GPU holds (every expert, not only those a token uses) and which engines can run it.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "self.numExpertsPerToken <= self.numExperts",
+        "message": "numExpertsPerToken cannot exceed numExperts",
+        "fieldPath": ".numExpertsPerToken"
+    }
+]))]
+pub struct MoeGeometry {
+    /// Routed experts per MoE layer (`num_experts`, `num_local_experts`).
+    #[schemars(range(min = 1, max = EXPERTS_MAX))]
+    pub num_experts: i32,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    #[schemars(range(min = 1, max = EXPERTS_MAX))]
+    pub num_experts_per_token: i32,
+    /// Width of one expert's MLP (`moe_intermediate_size`; Mixtral and gpt-oss:
+    /// `intermediate_size`).
+    #[schemars(range(min = 1, max = HIDDEN_SIZE_MAX))]
+    pub moe_intermediate_size: i32,
+    /// Width of the shared expert every token also runs (`shared_expert_intermediate_size`,
+    /// Qwen2-MoE); absent or 0 for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = HIDDEN_SIZE_MAX))]
+    pub shared_expert_intermediate_size: Option<i32>,
+    /// Indices of the layers whose MLP is dense (`mlp_only_layers`, or the layers that
+    /// `decoder_sparse_step` skips); their width is the geometry's intermediateSize.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = LAYERS_MAX), inner(range(min = 0, max = LAYERS_MAX)))]
+    pub dense_layers: Vec<i32>,
 }
 
 /// Where to read an HF `config.json`.

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::vocab::{KvCacheDtype, SpeculativeMethod};
+use super::vocab::{KvCacheDtype, Quantization, SpeculativeMethod};
 
 /// What a model's attention looks like, as far as kernels care.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -25,6 +25,13 @@ pub struct ModelFeatures {
     pub speculative: Option<SpeculativeMethod>,
     /// The checkpoint's weights are quantized (fp8, AWQ, GPTQ, ...).
     pub quantized_checkpoint: bool,
+    /// How (`model.quantization`).
+    pub quantization: Quantization,
+    /// Some decoder layers are mixture-of-experts (geometry `numExperts`).
+    pub moe: bool,
+    /// The checkpoint's architecture (`model.architecture`: HF `architectures[0]`), when
+    /// the spec names it.
+    pub architecture: Option<String>,
     /// The linear-layer weights are FP8 e4m3 in GPU memory: an FP8 checkpoint
     /// (`model.quantization: fp8`) or quantized at load (`engine.quantization: fp8`).
     pub fp8_weights: bool,
@@ -51,6 +58,9 @@ impl Default for ModelFeatures {
             non_causal_drafter_only: false,
             speculative: None,
             quantized_checkpoint: false,
+            quantization: Quantization::None,
+            moe: false,
+            architecture: None,
             fp8_weights: false,
             fp8_at_load: false,
             mla: false,

@@ -2,6 +2,7 @@
 //! attention backends and the rule sets of each runtime, each rule with its source.
 
 pub mod cc;
+pub mod engine;
 pub mod features;
 pub mod products;
 pub mod rules;
@@ -16,4 +17,4 @@ pub use features::ModelFeatures;
 pub use products::Product;
 pub use rules::{evaluate, evaluate_at, Evaluation, Rule, Severity, Violation};
 pub use vllm_versions::VllmVersion;
-pub use vocab::{AttentionBackend, KvCacheDtype, Runtime, SpeculativeMethod, UnknownValue};
+pub use vocab::{AttentionBackend, KvCacheDtype, Quantization, Runtime, SpeculativeMethod, UnknownValue};

@@ -9,9 +9,10 @@ use serde::Serialize;
 
 use super::cc::Arch;
 use super::cc::ComputeCapability;
+use super::engine;
 use super::features::ModelFeatures;
 use super::vllm_versions::{self, VllmVersion};
-use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime, SpeculativeMethod};
+use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Quantization as Q, Runtime, SpeculativeMethod};
 
 /// Deny stops admission; Warn admits with a caveat.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -539,6 +540,48 @@ pub static VLLM_RULES: &[Rule] = &[
             c.cc
         ))
         .fix(|_| format!("for W8A8 FP8 select GPUs with FP8 tensor cores: {FP8_GPUS}")),
+    vllm("vllm.awq-needs-sm75")
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("AWQ checkpoints need compute capability 7.5 (\"The AWQ kernel only supports Turing or newer GPUs\"); AWQ-Marlin from 8.0")
+        .source("vllm model_executor/layers/quantization/awq.py AWQConfig.get_min_capability (75); awq_marlin.py (80) (D)")
+        .fires(|c| c.features.quantization == Q::Awq && c.cc < ComputeCapability::new(7, 5))
+        .cause(|c| format!("AWQ weights need compute capability 7.5 or newer in vLLM; this GPU is {}", c.cc))
+        .fix(|_| "select GPUs of compute capability 7.5 or newer (8.0 or newer for the faster AWQ-Marlin kernels)".to_string()),
+    vllm("vllm.gptq-needs-sm60")
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("GPTQ checkpoints need compute capability 6.0; GPTQ-Marlin from 8.0")
+        .source("vllm model_executor/layers/quantization/gptq.py GPTQConfig.get_min_capability (60); gptq_marlin.py (80) (D)")
+        .fires(|c| c.features.quantization == Q::Gptq && c.cc < ComputeCapability::new(6, 0))
+        .cause(|c| format!("GPTQ weights need compute capability 6.0 or newer in vLLM; this GPU is {}", c.cc))
+        .fix(|_| "select GPUs of compute capability 6.0 or newer (8.0 or newer for the GPTQ-Marlin kernels)".to_string()),
+    vllm("vllm.w4a16-needs-sm80")
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("compressed-tensors W4A16 (pack-quantized) runs through Marlin-class kernels: compute capability 8.0 (\"ampere and up\")")
+        .source("vllm compressed_tensors/schemes/compressed_tensors_wNa16.py CompressedTensorsWNA16.get_min_capability (80) (D)")
+        .fires(|c| c.features.quantization == Q::W4a16 && c.cc < ComputeCapability::new(8, 0))
+        .cause(|c| format!("compressed-tensors W4A16 weights need compute capability 8.0 or newer in vLLM; this GPU is {}", c.cc))
+        .fix(|_| "select GPUs of compute capability 8.0 or newer".to_string()),
+    vllm("vllm.mxfp4-needs-sm80")
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("MXFP4 experts (gpt-oss) need compute capability 8.0: Marlin from 8.0, Triton or FlashInfer kernels on 9.0 and 10.x")
+        .source("vllm model_executor/layers/quantization/mxfp4.py Mxfp4Config.get_min_capability (80), get_mxfp4_backend (D)")
+        .fires(|c| c.features.quantization == Q::Mxfp4 && c.cc < ComputeCapability::new(8, 0))
+        .cause(|c| format!("MXFP4 weights need compute capability 8.0 or newer in vLLM; this GPU is {}", c.cc))
+        .fix(|_| "select GPUs of compute capability 8.0 or newer".to_string()),
+    vllm("vllm.nvfp4-weights-need-sm80")
+        .deny(MIN_CC, "UnsupportedWeightQuantization")
+        .summary("NVFP4 weights need compute capability 8.0 (Marlin FP4, weight-only) and run W4A4 on FP4 tensor cores from 10.0")
+        .source("vllm quantization/utils/marlin_utils_fp4.py is_fp4_marlin_supported; utils/quant_utils.py cutlass_fp4_supported; modelopt.py ModelOptNvFp4Config (D)")
+        .fires(|c| c.features.quantization == Q::Nvfp4 && c.cc < ComputeCapability::new(8, 0))
+        .cause(|c| format!("NVFP4 weights need compute capability 8.0 or newer in vLLM; this GPU is {}", c.cc))
+        .fix(|_| "select Blackwell GPUs (compute capability 10.0 or 12.0) for FP4 tensor cores".to_string()),
+    vllm("vllm.nvfp4-weights-marlin-below-sm100")
+        .warn(MIN_CC, "SlowerWeightQuantization")
+        .summary("NVFP4 weights below compute capability 10.0 run weight-only through Marlin (FP4 dequantized in the GEMM, bf16 activations); W4A4 needs FP4 tensor cores")
+        .source("vllm quantization/utils/marlin_utils_fp4.py; utils/quant_utils.py cutlass_fp4_supported (D)")
+        .fires(|c| c.features.quantization == Q::Nvfp4 && c.cc >= ComputeCapability::new(8, 0) && c.cc < ComputeCapability::new(10, 0))
+        .cause(|c| format!("NVFP4 weights on compute capability {} have no FP4 tensor cores: vLLM runs them weight-only through Marlin (the memory saving holds, GEMMs are slower than W4A4)", c.cc))
+        .fix(|_| "for W4A4 FP4 select Blackwell GPUs (compute capability 10.0 or 12.0)".to_string()),
     vllm("vllm.flashinfer-cubins-air-gapped")
         .on(&[B::FlashInfer])
         .warn(BACKEND, "RuntimeDownload")
@@ -638,6 +681,60 @@ pub static KVFLEET_RULES: &[Rule] = &[
             c.cc
         ))
         .fix(|_| format!("select GPUs that can: {FP8_GPUS}; or use runtime vllm (weight-only FP8 through Marlin on this GPU)")),
+    kvfleet("kvfleet.architecture-served")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny("spec.model.architecture", "UnservedModelArchitecture")
+        .summary("the engine loads the architectures of compat::engine::ARCHITECTURES, each on the devices listed there")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| {
+            c.features.architecture.as_deref().is_some_and(|a| {
+                engine::architecture(a)
+                    .is_none_or(|s| if c.backend == B::KvfleetCuda { !s.devices.cuda } else { !s.devices.cpu })
+            })
+        })
+        .cause(|c| {
+            let a = c.features.architecture.as_deref().unwrap_or_default();
+            let cuda = c.backend == B::KvfleetCuda;
+            let on = if cuda { "CUDA engine" } else { "CPU engine" };
+            match engine::architecture(a) {
+                Some(_) => format!("kvfleet's {on} does not serve {a} yet"),
+                None => format!("kvfleet's engine does not load {a}; its {on} serves {}", engine::architectures_on(cuda)),
+            }
+        })
+        .fix(|_| "use runtime vllm for this model".to_string()),
+    kvfleet("kvfleet.moe-served")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny("spec.model.geometry.moe", "UnservedMixtureOfExperts")
+        .summary("mixture-of-experts layers run where compat::engine::MOE says")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| c.features.moe && if c.backend == B::KvfleetCuda { !engine::MOE.cuda } else { !engine::MOE.cpu })
+        .cause(|c| {
+            let on = if c.backend == B::KvfleetCuda { "CUDA engine" } else { "CPU engine" };
+            format!("kvfleet's {on} does not run mixture-of-experts layers yet")
+        })
+        .fix(|_| "use runtime vllm for this model".to_string()),
+    kvfleet("kvfleet.weight-quantization-served")
+        .on(&[B::KvfleetCuda, B::KvfleetCpu])
+        .deny("spec.model.quantization", "UnsupportedWeightQuantization")
+        .summary("the engine runs the weight formats compat::engine::quantization lists, per device")
+        .source(KVFLEET_SOURCE)
+        .fires(|c| {
+            let d = engine::quantization(c.features.quantization);
+            if c.backend == B::KvfleetCuda { !d.cuda } else { !d.cpu }
+        })
+        .cause(|c| {
+            let cuda = c.backend == B::KvfleetCuda;
+            let on = if cuda { "CUDA engine" } else { "CPU engine" };
+            format!(
+                "kvfleet's {on} does not run {} weights yet (it runs: {})",
+                c.features.quantization,
+                engine::quantizations_on(cuda)
+            )
+        })
+        .fix(|c| match c.features.quantization {
+            Q::Nvfp4 => "use runtime vllm (NVFP4 W4A4 on Blackwell GPUs, compute capability 10.0 or 12.0; weight-only through Marlin from 8.0)".to_string(),
+            _ => "use runtime vllm, or an unquantized or FP8 checkpoint".to_string(),
+        }),
 ];
 
 /// The rule set of a runtime.

@@ -3,7 +3,9 @@
 use std::collections::BTreeSet;
 
 use super::rules::{evaluate, KVFLEET_RULES, VLLM_RULES};
-use super::vocab::{AttentionBackend as B, KvCacheDtype as D, Runtime, SpeculativeMethod as S};
+use super::vocab::{
+    AttentionBackend as B, KvCacheDtype as D, Quantization as Q, Runtime, SpeculativeMethod as S,
+};
 use super::{ComputeCapability, ModelFeatures};
 
 fn cc(s: &str) -> ComputeCapability {
@@ -46,6 +48,26 @@ enum Model {
     SpecDflash,
     /// A Gemma 3-style model with a DFlash drafter.
     SpecDflashSliding,
+    /// Qwen3-30B-A3B: mixture of experts, its architecture named.
+    Qwen3Moe,
+    /// A mixture-of-experts geometry without an architecture.
+    AnonymousMoe,
+    /// An architecture nobody serves here.
+    Gpt2,
+    /// Llama in 4-bit formats.
+    LlamaAwq4,
+    LlamaGptq,
+    LlamaW4a16,
+    LlamaMxfp4,
+    LlamaNvfp4,
+}
+
+fn quantized(base: ModelFeatures, q: Q) -> ModelFeatures {
+    ModelFeatures {
+        quantized_checkpoint: true,
+        quantization: q,
+        ..base
+    }
 }
 
 fn features(m: Model) -> ModelFeatures {
@@ -67,6 +89,21 @@ fn features(m: Model) -> ModelFeatures {
             per_layer_windows: true,
             ..base
         },
+        Model::Qwen3Moe => ModelFeatures {
+            moe: true,
+            architecture: Some("Qwen3MoeForCausalLM".into()),
+            ..base
+        },
+        Model::AnonymousMoe => ModelFeatures { moe: true, ..base },
+        Model::Gpt2 => ModelFeatures {
+            architecture: Some("GPT2LMHeadModel".into()),
+            ..base
+        },
+        Model::LlamaAwq4 => quantized(base, Q::Awq),
+        Model::LlamaGptq => quantized(base, Q::Gptq),
+        Model::LlamaW4a16 => quantized(base, Q::W4a16),
+        Model::LlamaMxfp4 => quantized(base, Q::Mxfp4),
+        Model::LlamaNvfp4 => quantized(base, Q::Nvfp4),
         Model::LlamaAwq => ModelFeatures {
             quantized_checkpoint: true,
             ..base
@@ -239,6 +276,25 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (V, "9.0", SpecEagle3, D::Fp8, B::Auto, Runs(D::Fp8, B::FlashAttn)),
         (V, "10.0", SpecDflash, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
         (V, "10.0", SpecDflash, D::Auto, B::FlashInfer, Denied("vllm.flashinfer-non-causal", "FLASH_ATTN or TRITON_ATTN")),
+
+        // --- 4-bit weights: vLLM's minimum capability per format (awq.py 75, gptq.py 60,
+        //     compressed_tensors_wNa16.py 80, mxfp4.py 80; NVFP4 Marlin from 80, W4A4 from 100)
+        (V, "7.0", LlamaAwq4, D::Float16, B::TritonAttn, Denied("vllm.awq-needs-sm75", "7.5 or newer")),
+        (V, "7.5", LlamaAwq4, D::Float16, B::TritonAttn, Runs(D::Float16, B::TritonAttn)),
+        (V, "5.2", LlamaGptq, D::Float16, B::TritonAttn, Denied("vllm.gptq-needs-sm60", "6.0 or newer")),
+        (V, "7.5", LlamaW4a16, D::Float16, B::TritonAttn, Denied("vllm.w4a16-needs-sm80", "8.0 or newer")),
+        (V, "8.0", LlamaW4a16, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
+        (V, "7.5", LlamaMxfp4, D::Float16, B::TritonAttn, Denied("vllm.mxfp4-needs-sm80", "8.0 or newer")),
+        (V, "7.5", LlamaNvfp4, D::Float16, B::TritonAttn, Denied("vllm.nvfp4-weights-need-sm80", "Blackwell")),
+        (V, "10.0", LlamaNvfp4, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashInfer)),
+        (K, "9.0", LlamaAwq4, D::Auto, B::Auto, Denied("kvfleet.weight-quantization-served", "does not run awq weights")),
+        (K, "9.0", LlamaNvfp4, D::Auto, B::KvfleetCuda, Denied("kvfleet.weight-quantization-served", "Blackwell")),
+        (K, "9.0", LlamaMxfp4, D::Auto, B::KvfleetCpu, Denied("kvfleet.weight-quantization-served", "CPU engine")),
+        // --- model architectures and mixture of experts (compat::engine)
+        (K, "9.0", Qwen3Moe, D::Auto, B::Auto, Denied("kvfleet.architecture-served", "does not load Qwen3MoeForCausalLM")),
+        (K, "9.0", Gpt2, D::Auto, B::KvfleetCpu, Denied("kvfleet.architecture-served", "CPU engine serves LlamaForCausalLM")),
+        (K, "9.0", AnonymousMoe, D::Auto, B::Auto, Denied("kvfleet.moe-served", "mixture-of-experts")),
+        (V, "9.0", Qwen3Moe, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
 
         // --- kvfleet: our engine (kernels/)
         (K, "9.0", Llama, D::Auto, B::FlashInfer, Denied("kvfleet.backend-is-ours", "use attentionBackend auto or KVFLEET_CUDA")),

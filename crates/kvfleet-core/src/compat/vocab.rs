@@ -21,6 +21,74 @@ pub enum Runtime {
     Vllm,
 }
 
+/// Weight quantization of the checkpoint (`model.quantization`), as its config.json declares
+/// it. Which GPUs and runtimes run each is a compat rule (docs/compat.md, "Weights").
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Quantization {
+    /// Unquantized bf16/fp16 weights.
+    #[default]
+    None,
+    /// FP8 e4m3 (`quant_method: fp8`, or compressed-tensors `float-quantized`).
+    Fp8,
+    /// AutoAWQ GEMM, 4-bit (`quant_method: awq`).
+    Awq,
+    /// GPTQ, 4-bit (`quant_method: gptq`).
+    Gptq,
+    /// compressed-tensors `pack-quantized` 4-bit integer weights, 16-bit activations
+    /// (llm-compressor's W4A16 schemes).
+    W4a16,
+    /// OCP microscaling FP4 (`quant_method: mxfp4`; gpt-oss's experts).
+    Mxfp4,
+    /// INT8 weights (W8A8 or W8A16).
+    Int8,
+    /// NVIDIA FP4 with FP8 block scales (ModelOpt `NVFP4`, compressed-tensors `nvfp4`).
+    Nvfp4,
+    /// A GGUF file's own block formats.
+    Gguf,
+}
+
+impl Quantization {
+    pub fn is_quantized(self) -> bool {
+        self != Quantization::None
+    }
+
+    /// As written in a spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Quantization::None => "none",
+            Quantization::Fp8 => "fp8",
+            Quantization::Awq => "awq",
+            Quantization::Gptq => "gptq",
+            Quantization::W4a16 => "w4a16",
+            Quantization::Mxfp4 => "mxfp4",
+            Quantization::Int8 => "int8",
+            Quantization::Nvfp4 => "nvfp4",
+            Quantization::Gguf => "gguf",
+        }
+    }
+
+    /// 4-bit weights (integer or FP4).
+    pub fn is_four_bit(self) -> bool {
+        matches!(
+            self,
+            Quantization::Awq
+                | Quantization::Gptq
+                | Quantization::W4a16
+                | Quantization::Mxfp4
+                | Quantization::Nvfp4
+        )
+    }
+}
+
+impl fmt::Display for Quantization {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// KV-cache storage dtype. `auto` keeps the model's dtype.
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,

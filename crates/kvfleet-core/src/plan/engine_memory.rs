@@ -95,9 +95,14 @@ impl EngineShape {
     /// The shape the worker serves for dummy weights of a CRD geometry: hidden size
     /// `hiddenSize` (else heads x head_dim), MLP `intermediateSize` (else 8/3 x hidden rounded
     /// up to 256), vocabulary `vocabSize` (else 32,000), untied, no biases or QK norms.
-    /// `None` for geometries the worker makes no dummy weights of (sliding windows, MLA).
+    /// `None` for geometries the worker makes no dummy weights of (sliding windows, MLA,
+    /// mixture of experts).
     pub fn for_spec(g: &ModelGeometry) -> Option<EngineShape> {
-        if g.sliding_window.is_some() || g.layer_types.is_some() || g.kv_lora_rank.is_some() {
+        if g.sliding_window.is_some()
+            || g.layer_types.is_some()
+            || g.kv_lora_rank.is_some()
+            || g.moe.is_some()
+        {
             return None;
         }
         let u = |v: i32| u64::try_from(v).ok().filter(|v| *v > 0);

@@ -37,11 +37,34 @@ impl LinearLayers {
             u(g.kv_heads)? * u(g.head_dim)?,
         );
         // Q/K/V and O; gate and up (d -> ff) and down (ff -> d).
-        let params = (q + 2 * kv) * d + q * d + 3 * ff * d;
-        let channels = (q + 2 * kv) + d + 2 * ff + d;
+        let attention = ((q + 2 * kv) * d + q * d, (q + 2 * kv) + d);
+        let mlp = |ff: u64| (3 * ff * d, 2 * ff + d);
+        let Some(moe) = &g.moe else {
+            let (p, c) = (attention.0 + mlp(ff).0, attention.1 + mlp(ff).1);
+            return Some(LinearLayers {
+                params: layers * p,
+                channels: layers * c,
+            });
+        };
+        // Mixture of experts: every expert of every MoE layer is in memory (vLLM's FusedMoE
+        // quantizes them all; the router stays in the model dtype, counted with the rest).
+        // Dense layers keep the geometry's intermediateSize.
+        let experts = u(moe.num_experts)?;
+        let expert = mlp(u(moe.moe_intermediate_size)?);
+        let shared = moe
+            .shared_expert_intermediate_size
+            .and_then(u)
+            .map_or((0, 0), mlp);
+        let dense = moe
+            .dense_layers
+            .iter()
+            .filter(|l| u64::try_from(**l).is_ok_and(|l| l < layers))
+            .count() as u64;
+        let sparse = layers - dense;
+        let sparse_layer = (experts * expert.0 + shared.0, experts * expert.1 + shared.1);
         Some(LinearLayers {
-            params: layers * params,
-            channels: layers * channels,
+            params: layers * attention.0 + dense * mlp(ff).0 + sparse * sparse_layer.0,
+            channels: layers * attention.1 + dense * mlp(ff).1 + sparse * sparse_layer.1,
         })
     }
 
@@ -74,6 +97,32 @@ mod tests {
         // the norms 65 x 4096.
         assert_eq!(l.params, 8_030_261_248 - 2 * 128_256 * 4096 - 65 * 4096);
         assert_eq!(l.channels, 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096));
+    }
+
+    /// Qwen3-30B-A3B (config.json): 48 layers, hidden 2048, 32 query and 4 KV heads of 128,
+    /// 128 experts of width 768, vocabulary 151,936, untied: 30.5 B parameters (model card).
+    #[test]
+    fn qwen3_30b_a3b_linear_layers_count_every_expert() {
+        let g: ModelGeometry = serde_json::from_value(serde_json::json!({
+            "layers": 48, "queryHeads": 32, "kvHeads": 4, "headDim": 128,
+            "hiddenSize": 2048, "intermediateSize": 6144, "vocabSize": 151936,
+            "moe": {"numExperts": 128, "numExpertsPerToken": 8, "moeIntermediateSize": 768}
+        }))
+        .unwrap();
+        let l = LinearLayers::of(&g).unwrap();
+        // Less the embedding and head (2 x 151936 x 2048), the routers (48 x 2048 x 128) and
+        // the norms (48 x (2 x 2048 + 2 x 128) + 2048).
+        let rest = 2 * 151_936 * 2048 + 48 * 2048 * 128 + 48 * (2 * 2048 + 2 * 128) + 2048;
+        let total = (l.params + rest) as f64;
+        assert!((total / 30.5e9 - 1.0).abs() < 0.002, "{total}");
+        // The active parameters a token reads: 3.3 B on the card; 8 of 128 experts.
+        let active = total - (48 * 120 * 3 * 768 * 2048_u64) as f64;
+        assert!((active / 3.3e9 - 1.0).abs() < 0.02, "{active}");
+        // A dense layer instead of a sparse one: 128 experts out, one MLP of 6144 in.
+        let mut dense = g.clone();
+        dense.moe.as_mut().unwrap().dense_layers = vec![0, 9999];
+        let d = LinearLayers::of(&dense).unwrap();
+        assert_eq!(l.params - d.params, 128 * 3 * 768 * 2048 - 3 * 6144 * 2048);
     }
 
     #[test]

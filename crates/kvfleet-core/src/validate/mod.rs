@@ -67,6 +67,8 @@ mod speculative;
 mod weights;
 
 #[cfg(test)]
+mod engine_tests;
+#[cfg(test)]
 mod properties;
 #[cfg(test)]
 mod tests;

@@ -371,7 +371,7 @@ prop_compose! {
             },
             global_head_dim: global, global_kv_heads: global_kv,
             kv_lora_rank: mla.then_some(512), qk_rope_head_dim: mla.then_some(64),
-            draft_layers: None, hidden_size: None, vocab_size: None, intermediate_size: None,
+            draft_layers: None, hidden_size: None, vocab_size: None, intermediate_size: None, moe: None,
         }
     }
 }

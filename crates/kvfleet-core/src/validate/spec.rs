@@ -45,6 +45,8 @@ pub(super) fn model_features(spec: &InferenceDeploymentSpec, warnings: &mut Vec<
             ModelFeatures::unknown(non_causal, quantized)
         }
     };
+    f.quantization = spec.model.quantization;
+    f.architecture = spec.model.architecture.clone();
     f.block_size = u32::try_from(spec.engine.block_size).ok();
     f.speculative = speculative;
     f.non_causal_drafter_only = !spec.engine.non_causal && speculative == Some(SpeculativeMethod::Dflash);

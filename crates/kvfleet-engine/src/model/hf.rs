@@ -903,4 +903,24 @@ mod tests {
         }
         std::fs::remove_dir_all(&tmp).unwrap();
     }
+
+    /// Admission (`kvfleet_core::compat::engine`) admits exactly what these loaders read: an
+    /// architecture added here without a row there would be denied at `kubectl apply`, one
+    /// there without a loader here admitted to fail at load.
+    #[test]
+    fn served_architectures_agree_with_the_admission_table() {
+        use kvfleet_core::compat::engine;
+        for (hf, _) in ARCHITECTURES {
+            let served =
+                engine::architecture(hf).unwrap_or_else(|| panic!("{hf} has no row in compat::engine"));
+            assert!(served.safetensors && served.devices.cpu, "{hf}: {served:?}");
+        }
+        for served in engine::ARCHITECTURES.iter().filter(|a| a.safetensors) {
+            assert!(
+                ARCHITECTURES.iter().any(|(hf, _)| *hf == served.name),
+                "compat::engine admits {} from safetensors, which no loader reads",
+                served.name
+            );
+        }
+    }
 }

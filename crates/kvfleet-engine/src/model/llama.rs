@@ -195,6 +195,7 @@ impl LlamaConfig {
             hidden_size: Some(i(self.d_model)),
             vocab_size: Some(i(self.vocab)),
             intermediate_size: Some(i(self.d_ff)),
+            moe: None,
         }
     }
 
