@@ -251,6 +251,129 @@ fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_o
 }
 
 /// splitmix64: the workload's seeded draws, the same on every platform.
+/// Issue 60: chats with the template's default system prompt (SmolLM2's, 16 of about 94
+/// tokens) at concurrency 4 through the router in front of two workers. The system prompt is a
+/// prefix hit on whichever replica served a chat first; scored against `busy/maxNumSeqs` it won
+/// every pick (guidellm: 44 of 44 requests on one worker). Now the load is relative to the
+/// other replica's, and the split must be no worse than 60/40; the metric says why each went.
+#[test]
+fn chat_with_a_default_system_prompt_spreads_over_the_replicas() {
+    const REQUESTS: usize = 40;
+    const CONCURRENCY: usize = 4;
+    let model = "SmolLM2-135M-Instruct";
+    let kv: Vec<String> = (0..2)
+        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
+        .collect();
+    let mut workers: Vec<Spawned> = (0..2)
+        .map(|i| {
+            let args = [
+                "--max-kv-tokens",
+                "4096",
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "64",
+                "--kv-events-endpoint",
+                kv[i].as_str(),
+            ];
+            spawn("worker", &format!("chat-w{i}"), &args)
+        })
+        .collect();
+    for w in &mut workers {
+        w.wait_http("/readyz", Duration::from_secs(180));
+    }
+    let specs: Vec<String> = workers
+        .iter()
+        .zip(&kv)
+        .map(|(w, k)| format!("http://127.0.0.1:{},{k}", w.port))
+        .collect();
+    let mut args = vec!["--scrape-interval-ms", "50"];
+    for s in &specs {
+        args.extend(["--worker", s.as_str()]);
+    }
+    let mut router = spawn("router", "chat-router", &args);
+    router.wait_http("/health", Duration::from_secs(60));
+    let r = router.port;
+    for w in &workers {
+        wait_state(
+            r,
+            &format!("http://127.0.0.1:{}", w.port),
+            "a subscription and a scrape",
+            |s| s["subscribed"] == true && s["scraped"] == true,
+        );
+    }
+    std::thread::sleep(Duration::from_millis(500));
+
+    // The first chat caches the default system prompt on one replica only.
+    let chat = |i: usize| {
+        json!({"model": model, "max_tokens": 12, "temperature": 0, "ignore_eos": true,
+            "messages": [
+                // SmolLM2's template's default system prompt, written out so that the test does
+                // not depend on how the template is rendered.
+                {"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
+                {"role": "user", "content": format!("Question {i}: what should I pack for a trip to city number {i}?")}]})
+    };
+    let (first, _, _) = routed(r, "/v1/chat/completions", &chat(1000));
+    wait_state(r, &first, "the system prompt's blocks", |s| {
+        s["cachedBlocks"].as_u64().unwrap() >= 1
+    });
+
+    let picks: Vec<(String, u64, u64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..CONCURRENCY)
+            .map(|t| {
+                scope.spawn(move || {
+                    (t..REQUESTS)
+                        .step_by(CONCURRENCY)
+                        .map(|i| routed(r, "/v1/chat/completions", &chat(i)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    let on_first = picks.iter().filter(|p| p.0 == first).count();
+    let hits = picks.iter().filter(|p| p.1 > 0).count();
+    eprintln!("picks (replica, predicted, reported cached tokens): {picks:?}");
+    // The shared system prompt is a hit wherever it is cached: the premise of the test.
+    assert!(
+        hits >= REQUESTS / 2,
+        "{hits} of {REQUESTS} chats had a predicted hit"
+    );
+    let (_, _, text) = http(r, "GET", "/metrics", "", &[]);
+    let by_reason: Vec<(String, u64)> = ["prefix", "load", "balance", "affinity"]
+        .iter()
+        .map(|reason| {
+            let v = metric(
+                &text,
+                "kvfleet_router_requests_total",
+                &[&format!("reason=\"{reason}\"")],
+            );
+            (reason.to_string(), v as u64)
+        })
+        .collect();
+    eprintln!(
+        "{REQUESTS} chats at concurrency {CONCURRENCY}: {on_first} on the replica that cached the \
+         system prompt first, {} on the other; picks by reason {by_reason:?}",
+        REQUESTS - on_first
+    );
+    assert!(
+        on_first * 10 <= REQUESTS * 6 && on_first * 10 >= REQUESTS * 4,
+        "{on_first} of {REQUESTS} chats on {first}: worse than 60/40; the router's view: {:?}",
+        state(r)
+    );
+    // The metric counts every pick by replica: the 40 and the first chat.
+    let counted = metric(&text, "kvfleet_router_requests_total", &[]);
+    assert_eq!(counted as usize, REQUESTS + 1, "{text}");
+    let on_first_counted = metric(
+        &text,
+        "kvfleet_router_requests_total",
+        &[&format!("pod=\"{first}\"")],
+    );
+    assert_eq!(on_first_counted as usize, on_first + 1);
+    drop(router);
+    drop(workers);
+}
+
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

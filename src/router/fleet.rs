@@ -63,6 +63,10 @@ pub struct Upstream {
     pub inflight: AtomicUsize,
     /// Prompt tokens sent since the last scrape (taken off its free tokens until the next).
     pub sent_tokens: AtomicUsize,
+    /// Requests of this router that finished there since the last scrape (taken off the
+    /// running and waiting it reported until the next: a request answered right after a scrape
+    /// would otherwise count as busy for a whole interval).
+    pub finished: AtomicUsize,
     pub subscribed: AtomicBool,
     /// Its last `/v1/capacity` scrape succeeded: it is ready (held requests wait for one).
     pub answering: AtomicBool,
@@ -186,6 +190,7 @@ impl Fleet {
                 load: Mutex::new(Load::default()),
                 inflight: AtomicUsize::new(0),
                 sent_tokens: AtomicUsize::new(0),
+                finished: AtomicUsize::new(0),
                 subscribed: AtomicBool::new(false),
                 answering: AtomicBool::new(false),
                 down: watch::Sender::new(0),
@@ -316,6 +321,7 @@ async fn scrape(u: std::sync::Weak<Upstream>, client: HttpClient, how: Scraping)
         let Some(u) = u.upgrade() else { return };
         u.is_down.store(false, Ordering::Relaxed);
         u.sent_tokens.store(0, Ordering::Relaxed);
+        u.finished.store(0, Ordering::Relaxed);
         let restarted = {
             let mut l = u.load.lock().unwrap_or_else(|e| e.into_inner());
             let restarted = l.start_id.is_some() && load.start_id.is_some() && l.start_id != load.start_id;

@@ -123,6 +123,39 @@ pub struct RouterArgs {
     #[arg(long, default_value_t = 120,
           value_parser = clap::value_parser!(u64).range(hold::TIMEOUT_SECONDS_RANGE))]
     pub hold_timeout_seconds: u64,
+    /// Weight of the fraction of a prompt a replica's prefix cache serves (docs/routing.md).
+    #[arg(long, default_value_t = score::DEFAULT_PREFIX_WEIGHT, value_parser = weight)]
+    pub prefix_weight: f64,
+    /// Weight of a replica's load relative to the others' (0 for the least busy, all of it for
+    /// the busiest).
+    #[arg(long, default_value_t = score::DEFAULT_LOAD_WEIGHT, value_parser = weight)]
+    pub load_weight: f64,
+    /// The imbalance guard: the least busy replica goes first when the best-scored one has at
+    /// least this many more requests in flight...
+    #[arg(long, default_value_t = score::DEFAULT_IMBALANCE_REQUESTS as u64,
+          value_parser = clap::value_parser!(u64).range(1..=65_536))]
+    pub imbalance_requests: u64,
+    /// ...and more than this many times as many.
+    #[arg(long, default_value_t = score::DEFAULT_IMBALANCE_RATIO, value_parser = ratio)]
+    pub imbalance_ratio: f64,
+}
+
+/// A score weight: a finite number from 0 to 1000.
+fn weight(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if !(0.0..=1000.0).contains(&v) {
+        return Err(format!("{v} is outside 0..=1000"));
+    }
+    Ok(v)
+}
+
+/// The imbalance ratio: a finite number from 1 to 1000.
+fn ratio(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if !(1.0..=1000.0).contains(&v) {
+        return Err(format!("{v} is outside 1..=1000"));
+    }
+    Ok(v)
 }
 
 /// What the router needs of the model the workers serve.
@@ -342,6 +375,12 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
         tokenizing: Arc::new(tokio::sync::Semaphore::new(cores)),
         max_token_bytes,
         turn: Default::default(),
+        weights: score::Weights {
+            prefix: args.prefix_weight,
+            load: args.load_weight,
+            imbalance_requests: args.imbalance_requests as usize,
+            imbalance_ratio: args.imbalance_ratio,
+        },
     });
     let bind_error = |source| RouterError::Bind {
         addr: args.listen,

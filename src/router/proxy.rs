@@ -78,6 +78,8 @@ pub struct State {
     pub max_token_bytes: usize,
     /// Rotates exact ties.
     pub turn: AtomicUsize,
+    /// The score's weights and imbalance guard.
+    pub weights: super::score::Weights,
 }
 
 /// How long the router waits on a worker.
@@ -436,7 +438,9 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
             name: u.endpoint.name.clone(),
             cached_tokens: cached,
             inflight: u.inflight.load(Ordering::Relaxed),
-            reported_busy: load.at.map(|_| load.running + load.waiting),
+            reported_busy: load
+                .at
+                .map(|_| (load.running + load.waiting).saturating_sub(u.finished.load(Ordering::Relaxed))),
             free_tokens: load.at.map(|_| load.free_tokens.saturating_sub(sent)),
             max_num_seqs: load.max_num_seqs,
             held_blocks: held,
@@ -444,7 +448,7 @@ async fn routed(s: Arc<State>, req: Request<Body>, chat: bool) -> Response {
     }
     let session = parts.headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok());
     let turn = s.turn.fetch_add(1, Ordering::Relaxed);
-    let (order, reason) = rank(prompt_tokens, &candidates, session, turn);
+    let (order, reason) = rank(prompt_tokens, &candidates, session, turn, &s.weights);
     // Placed: the next held request may go.
     drop(ticket);
     let mut first_try = true;
@@ -750,6 +754,7 @@ impl Flight {
 impl Drop for Flight {
     fn drop(&mut self) {
         self.upstream.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.upstream.finished.fetch_add(1, Ordering::Relaxed);
         if let Some(r) = self.reported {
             self.metrics.observe_report(self.predicted, r);
         }

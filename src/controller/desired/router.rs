@@ -250,7 +250,7 @@ fn deployment(
                 .unwrap_or_else(|| settings.worker_image.clone()),
         ),
         command: Some(vec!["kvfleet".into()]),
-        args: Some(router_args(&owner.name)),
+        args: Some(router_args(&owner.name, r)),
         ports: Some(vec![ContainerPort {
             name: Some("http".into()),
             container_port: HTTP_PORT,
@@ -315,9 +315,10 @@ fn deployment(
     }
 }
 
-/// `kvfleet router` arguments (its contract: docs/routing.md).
-pub fn router_args(name: &str) -> Vec<String> {
-    [
+/// `kvfleet router` arguments (its contract: docs/routing.md); the score's settings only
+/// where the spec sets them, so the router's defaults stay the defaults.
+pub fn router_args(name: &str, r: &RouterSpec) -> Vec<String> {
+    let mut args: Vec<String> = [
         "router",
         "--listen",
         &format!("0.0.0.0:{HTTP_PORT}"),
@@ -330,7 +331,22 @@ pub fn router_args(name: &str) -> Vec<String> {
     ]
     .into_iter()
     .map(String::from)
-    .collect()
+    .collect();
+    if let Some(score) = &r.score {
+        let mut flag = |name: &str, value: Option<String>| {
+            if let Some(v) = value {
+                args.extend([format!("--{name}"), v]);
+            }
+        };
+        flag("prefix-weight", score.prefix_weight.map(|v| v.to_string()));
+        flag("load-weight", score.load_weight.map(|v| v.to_string()));
+        flag(
+            "imbalance-requests",
+            score.imbalance_requests.map(|v| v.to_string()),
+        );
+        flag("imbalance-ratio", score.imbalance_ratio.map(|v| v.to_string()));
+    }
+    args
 }
 
 /// Requests only: the router tokenizes and forwards, and a limit would only risk an OOM kill
@@ -484,6 +500,17 @@ mod tests {
         assert_eq!(router_of(&d).deployment.spec.as_ref().unwrap().replicas, Some(3));
         let res = router_container(&d).resources.unwrap();
         assert_eq!(res.limits.unwrap()["memory"], Quantity("1Gi".into()));
+        // The score's settings become flags, only those set.
+        let scored = ROUTED.replace(
+            "routing: {mode: kvfleet}",
+            "routing: {mode: kvfleet, router: {score: {loadWeight: 2.5, imbalanceRequests: 8}}}",
+        );
+        let args = router_container(&routed(&scored)).args.unwrap();
+        assert_eq!(
+            args[args.len() - 4..],
+            ["--load-weight", "2.5", "--imbalance-requests", "8"]
+        );
+        assert!(!args.iter().any(|a| a == "--prefix-weight"));
     }
 
     #[test]

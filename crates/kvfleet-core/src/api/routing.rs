@@ -72,6 +72,10 @@ pub struct RouterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(transform = bound_resources)]
     pub resources: Option<ResourceRequirements>,
+    /// How the router weighs a replica's cached prefix against its load (docs/routing.md,
+    /// "Which replica"); absent: the defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<RouterScore>,
 }
 
 impl Default for RouterSpec {
@@ -79,8 +83,34 @@ impl Default for RouterSpec {
         RouterSpec {
             replicas: default_router_replicas(),
             resources: None,
+            score: None,
         }
     }
+}
+
+/// The router's score: `prefixWeight x cached/prompt - loadWeight x relative load`, and a
+/// guard that sends a request to the least busy replica when the best-scored one has at least
+/// `imbalanceRequests` more requests in flight and more than `imbalanceRatio` times as many.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RouterScore {
+    /// Weight of the fraction of the prompt a replica's prefix cache serves (default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub prefix_weight: Option<f64>,
+    /// Weight of a replica's load relative to the other replicas': 0 for the least busy, all
+    /// of it for the busiest (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub load_weight: Option<f64>,
+    /// The imbalance guard's absolute threshold in requests in flight (default 32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub imbalance_requests: Option<i32>,
+    /// The imbalance guard's relative threshold (default 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1.0, max = 1000.0))]
+    pub imbalance_ratio: Option<f64>,
 }
 
 fn default_router_replicas() -> i32 {
