@@ -312,6 +312,14 @@ pub struct MoeTensors {
     pub shared: Option<[Vec<f32>; 4]>,
 }
 
+/// The shapes of a sparse layer's [`MoeTensors`]: the router; gate, up and down of the
+/// stacked experts; the shared expert's gate, up, down and sigmoid gate.
+pub struct MoeShapes {
+    pub router: [usize; 2],
+    pub experts: [[usize; 3]; 3],
+    pub shared: Option<[[usize; 2]; 4]>,
+}
+
 impl MoeLayer {
     /// The layer of `moe` (model width `d`) from its stacked tensors.
     pub fn new(moe: &Moe, d: usize, t: MoeTensors) -> Self {
@@ -343,15 +351,14 @@ impl MoeLayer {
         }
     }
 
-    /// The shapes of [`MoeTensors`] for `moe` at width `d`: router, gate, up, down, and the
-    /// shared expert's four.
-    pub fn shapes(moe: &Moe, d: usize) -> ([usize; 2], [[usize; 3]; 3], Option<[[usize; 2]; 4]>) {
+    /// The shapes of [`MoeTensors`] for `moe` at width `d`.
+    pub fn shapes(moe: &Moe, d: usize) -> MoeShapes {
         let (e, ff) = (moe.experts, moe.expert_ff);
-        (
-            [e, d],
-            [[e, ff, d], [e, ff, d], [e, d, ff]],
-            moe.shared_ff.map(|s| [[s, d], [s, d], [d, s], [1, d]]),
-        )
+        MoeShapes {
+            router: [e, d],
+            experts: [[e, ff, d], [e, ff, d], [e, d, ff]],
+            shared: moe.shared_ff.map(|s| [[s, d], [s, d], [d, s], [1, d]]),
+        }
     }
 
     /// The MLP output `[t, d]` of the normed hidden states `x` (`[t, d]`): each token through

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use super::gguf::Gguf;
 use super::linear::{Linear, LinearQuantization};
 use super::llama::{inv_freq, inv_freq_local, Layer, Llama, LlamaConfig, LoadError};
-use super::moe::{MoeLayer, MoeTensors};
+use super::moe::{MoeLayer, MoeShapes, MoeTensors};
 
 /// A tensor a block may lack, and what says whether it is there in a checkpoint whose config
 /// decides it.
@@ -93,7 +93,11 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
             let ff = if moe.is_some() { 0 } else { cfg.d_ff };
             let moe = match moe {
                 Some(m) => {
-                    let (router, [g, u, dn], shared) = MoeLayer::shapes(m, d);
+                    let MoeShapes {
+                        router,
+                        experts: [g, u, dn],
+                        shared,
+                    } = MoeLayer::shapes(m, d);
                     let mut shared_t = None;
                     if let Some([sg, su, sd, sgate]) = shared {
                         shared_t = Some([
@@ -216,7 +220,11 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let moe = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).map(|m| {
-                let (router, [g, u, dn], shared) = MoeLayer::shapes(m, d);
+                let MoeShapes {
+                    router,
+                    experts: [g, u, dn],
+                    shared,
+                } = MoeLayer::shapes(m, d);
                 let mut r = |s: &[usize]| rand_mat(s[..s.len() - 1].iter().product(), s[s.len() - 1]);
                 let t = MoeTensors {
                     router: r(&router),

@@ -444,3 +444,49 @@ fn moe_config_values_kvfleet_cannot_run_are_refused_naming_the_key() {
     );
     assert_eq!(Moe::from_config_json("llama", &base), Ok(None));
 }
+
+#[test]
+fn fp8_quantizes_the_experts_and_keeps_the_router_and_the_shared_gate_as_loaded() {
+    let m = moe(4, 2, RouterRule::SoftmaxTopK { renormalize: false }, true);
+    let (plain, _) = random_layer(&m, 16, 8);
+    let mut q = plain.clone();
+    q.quantize_fp8();
+    assert_eq!(q.router, plain.router);
+    let (qs, ps) = (q.shared.as_ref().unwrap(), plain.shared.as_ref().unwrap());
+    assert_eq!(qs.1, ps.1, "the shared expert's gate");
+    for (a, b) in [(&qs.0.down, &ps.0.down), (&q.experts[3].up, &plain.experts[3].up)] {
+        assert_eq!(a.format(), crate::model::linear::LinearQuantization::Fp8);
+        assert_ne!(a.weight(), b.weight());
+    }
+}
+
+#[test]
+fn dummy_weights_of_a_moe_config_and_qwen2_moe_biases_follow_the_config() {
+    let (dir, _) = fixture("qwen2_moe");
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let (cfg, _) = crate::model::hf::load_dummy_config(&dir.join("config.json")).unwrap();
+    let m = Llama::dummy(cfg, 1).unwrap();
+    let sparse: Vec<bool> = m.layers.iter().map(|l| l.moe.is_some()).collect();
+    assert_eq!(sparse, [false, true, false]);
+    assert_eq!(m.layers[1].moe.as_ref().unwrap().experts.len(), 8);
+    assert!(
+        m.layers[1].w_gate.weight().is_empty(),
+        "no dense MLP in a sparse layer"
+    );
+    let mut kv = ContiguousKv::new(m.config.attn_geometry(), 16);
+    let chunk = SeqChunk {
+        seq: 1,
+        start_pos: 0,
+        tokens: &[1, 2, 3],
+        logits: 1,
+    };
+    assert!(m
+        .forward(&mut kv, &[chunk])
+        .unwrap()
+        .iter()
+        .all(|v| v.is_finite()));
+    let no_bias = text.replace(r#""qkv_bias": true"#, r#""qkv_bias": false"#);
+    assert_ne!(no_bias, text);
+    let c = crate::model::hf::HfConfig::parse(Path::new("config.json"), &no_bias).unwrap();
+    assert!(!c.llama.attn_bias);
+}
