@@ -4,11 +4,34 @@
 //! its log-probabilities (transformers run with K and V rounded to bf16, as the worker's KV
 //! pools store them).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 mod worker_support;
-use worker_support::{http, Spawned};
+use worker_support::{free_port, http, kvfleet_bin, smollm2, Spawned};
+
+/// `kvfleet worker` on the CPU engine serving the checkpoint `dir` ([`kvfleet_bin`]: a binary
+/// `KVFLEET_TEST_BIN` names, else this build's).
+fn start(dir: &Path, name: &str) -> Spawned {
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!("kvfleet-worker-moe-{}-{name}.log", std::process::id()));
+    let child = Command::new(kvfleet_bin())
+        .args(["worker", "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--model",
+            dir.to_str().unwrap(),
+            "--attention-backend",
+            "KVFLEET_CPU",
+        ])
+        .args(["--max-model-len", "1024"])
+        .env("KVFLEET_SMOLLM2_GGUF", smollm2())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    Spawned { child, port, log }
+}
 
 fn fixture(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -23,19 +46,7 @@ fn each_moe_family_served_over_http_continues_greedily_as_transformers_does() {
         let want: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         let tokenizer = kvfleet_engine::model::hf::load_tokenizer(&dir).unwrap();
-        let mut w = Spawned::start(
-            "worker-moe",
-            "worker",
-            family,
-            &[
-                "--model",
-                dir.to_str().unwrap(),
-                "--attention-backend",
-                "KVFLEET_CPU",
-                "--max-model-len",
-                "1024",
-            ],
-        );
+        let mut w = start(&dir, family);
         w.wait_http("/readyz", Duration::from_secs(120));
         assert!(w.log().contains(family), "{}", w.log());
         let mut worst = 0f64;
@@ -86,5 +97,20 @@ fn each_moe_family_served_over_http_continues_greedily_as_transformers_does() {
             assert_eq!(v["usage"]["completion_tokens"], greedy.len(), "{v}");
         }
         eprintln!("{family}: greedy tokens equal; max |log-prob difference| {worst:.2e}");
+        // Expert load: an observation per expert of each sparse layer each step, as many
+        // tokens as the steps routed (every token to top-k = 2 experts).
+        let (_, _, metrics) = http(w.port, "GET", "/metrics", "", &[]);
+        let series = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+        };
+        let (count, sum) = (
+            series("kvfleet_moe_expert_tokens_count"),
+            series("kvfleet_moe_expert_tokens_sum"),
+        );
+        assert!(count > 0.0 && count % 8.0 == 0.0, "{count}");
+        assert!(sum > 0.0 && sum % 2.0 == 0.0, "{sum}");
     }
 }

@@ -465,6 +465,9 @@ impl SeqChunk<'_> {
 pub struct AuxHidden {
     pub layers: Vec<usize>,
     pub rows: Vec<f32>,
+    /// Mixture of experts: the tokens each expert of each sparse layer took in the step, in
+    /// layer then expert order (`[sparse layers * experts]`; empty for a dense model).
+    pub expert_tokens: Vec<u32>,
 }
 
 impl Llama {
@@ -588,7 +591,8 @@ impl Llama {
         batch: &[SeqChunk<'_>],
         aux: &mut AuxHidden,
     ) -> Result<Vec<f32>, ForwardError> {
-        let (aux_layers, aux) = (&aux.layers[..], &mut aux.rows);
+        let (aux_layers, aux, load) = (&aux.layers[..], &mut aux.rows, &mut aux.expert_tokens);
+        load.clear();
         let c = &self.config;
         let block = self.block();
         let (d, hd, ff) = (c.d_model, c.head_dim, c.d_ff);
@@ -661,7 +665,7 @@ impl Llama {
             add_in_place(&mut x, &proj);
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
             if let (Some(moe), Some(m)) = (&c.moe, &l.moe) {
-                m.forward(moe, block, &h, t, &mut proj);
+                m.forward(moe, block, &h, t, &mut proj, load);
             } else {
                 l.w_gate.project(&h, t, &mut gate);
                 l.w_up.project(&h, t, &mut up);

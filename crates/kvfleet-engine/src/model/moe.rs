@@ -363,13 +363,23 @@ impl MoeLayer {
 
     /// The MLP output `[t, d]` of the normed hidden states `x` (`[t, d]`): each token through
     /// its experts, weighted, summed in ascending expert order (as transformers' loop over the
-    /// experts hit adds them), then the shared expert's gated output added.
-    pub fn forward(&self, moe: &Moe, block: &dyn Block, x: &[f32], t: usize, out: &mut [f32]) {
+    /// experts hit adds them), then the shared expert's gated output added. Appends to `load`
+    /// the tokens each expert took.
+    pub fn forward(
+        &self,
+        moe: &Moe,
+        block: &dyn Block,
+        x: &[f32],
+        t: usize,
+        out: &mut [f32],
+        load: &mut Vec<u32>,
+    ) {
         let d = x.len() / t.max(1);
         let mut logits = vec![0f32; t * moe.experts];
         self.router.project(x, t, &mut logits);
         let routes = route(moe.rule, &logits, moe.experts, moe.top_k);
         let groups = group_by_expert(&routes, moe.top_k, moe.experts);
+        load.extend(groups.iter().map(|g| g.len() as u32));
         out.fill(0.0);
         let mut rows = Vec::new();
         let mut y = Vec::new();

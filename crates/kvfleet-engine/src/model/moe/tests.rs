@@ -124,7 +124,7 @@ fn naive(m: &Moe, t: &MoeTensors, x: &[f32]) -> Vec<f64> {
 fn assert_matches_naive(m: &Moe, layer: &MoeLayer, t: &MoeTensors, x: &[f32], tokens: usize) {
     let d = x.len() / tokens;
     let mut out = vec![f32::NAN; tokens * d];
-    layer.forward(m, &Silu, x, tokens, &mut out);
+    layer.forward(m, &Silu, x, tokens, &mut out, &mut Vec::new());
     for (i, row) in out.chunks_exact(d).enumerate() {
         let want = naive(m, t, &x[i * d..(i + 1) * d]);
         for (a, b) in row.iter().zip(&want) {
@@ -235,8 +235,10 @@ fn experts_with_no_tokens_are_skipped_and_the_result_is_unchanged() {
         poisoned.experts[e].gate = Linear::new(vec![f32::NAN; 12 * d], d);
     }
     let (mut a, mut b) = (vec![0f32; tokens * d], vec![0f32; tokens * d]);
-    layer.forward(&m, &Silu, &x, tokens, &mut a);
-    poisoned.forward(&m, &Silu, &x, tokens, &mut b);
+    let mut load = Vec::new();
+    layer.forward(&m, &Silu, &x, tokens, &mut a, &mut load);
+    assert_eq!(load, [tokens as u32, 0, 0, tokens as u32, 0, 0, 0, 0]);
+    poisoned.forward(&m, &Silu, &x, tokens, &mut b, &mut Vec::new());
     assert_eq!(a, b);
     assert_matches_naive(&m, &layer, &t, &x, tokens);
 }
