@@ -69,11 +69,6 @@ pub const MOE_ARCHITECTURES: [&str; 4] = [
     "MixtralForCausalLM",
 ];
 
-/// Whether a model of kvfleet's architecture `arch` (`LlamaConfig::arch`) has MoE layers.
-pub fn is_moe_arch(arch: &str) -> bool {
-    matches!(arch, "qwen3moe" | "qwen2moe" | "olmoe" | "mixtral")
-}
-
 impl Moe {
     /// The MoE MLP of a `config.json` of kvfleet's architecture `arch`: `None` for a dense
     /// family (or a Qwen MoE config with `num_experts` 0, which transformers builds dense); an
