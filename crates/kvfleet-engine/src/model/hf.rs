@@ -41,6 +41,20 @@ pub const ARCHITECTURES: &[(&str, &str)] = &[
     ("MixtralForCausalLM", "mixtral"),
 ];
 
+/// Whether the CPU engine serves checkpoints of Hugging Face architecture `arch`
+/// (`architectures[0]` of their `config.json`): the admission's question for
+/// `runtime: kvfleet` on the CPU.
+pub fn cpu_serves(arch: &str) -> bool {
+    ARCHITECTURES.iter().any(|(hf, _)| *hf == arch)
+}
+
+/// Whether the CUDA engine serves architecture `arch`: the CPU's but the mixtures of experts
+/// ([`MOE_ARCHITECTURES`]). By architecture alone: the GPU's kernels also bound the shapes
+/// (head dims, `kvfleet_cuda::gpu::GpuLlama::check_shapes`).
+pub fn cuda_serves(arch: &str) -> bool {
+    cpu_serves(arch) && !MOE_ARCHITECTURES.contains(&arch)
+}
+
 /// Errors of loading a Hugging Face checkpoint.
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
@@ -771,6 +785,25 @@ mod tests {
             "the lowest is divided by the factor: {f:?}"
         );
         assert!(f.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+    }
+
+    #[test]
+    fn the_cpu_serves_every_listed_architecture_and_the_gpu_all_but_the_mixtures_of_experts() {
+        for a in [
+            "LlamaForCausalLM",
+            "Qwen3ForCausalLM",
+            "MixtralForCausalLM",
+            "Qwen3MoeForCausalLM",
+        ] {
+            assert!(cpu_serves(a), "{a}");
+        }
+        assert!(cuda_serves("Qwen2ForCausalLM"));
+        for a in MOE_ARCHITECTURES {
+            assert!(cpu_serves(a) && !cuda_serves(a), "{a}");
+        }
+        assert!(!cpu_serves("GptOssForCausalLM") && !cuda_serves("GptOssForCausalLM"));
+        let e = HfConfig::parse(Path::new("c"), &arch_config("GptOssForCausalLM", "")).unwrap_err();
+        assert!(e.to_string().contains("Qwen3MoeForCausalLM"), "{e}");
     }
 
     #[test]
