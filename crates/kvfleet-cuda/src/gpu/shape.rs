@@ -152,7 +152,12 @@ mod tests {
             dense_layers: Vec::new(),
         });
         let e = check_shapes(&c).unwrap_err().to_string();
-        for want in ["qwen3moe", "CUDA engine does not serve", "runtime: vllm", "KVFLEET_CPU"] {
+        for want in [
+            "qwen3moe",
+            "CUDA engine does not serve",
+            "runtime: vllm",
+            "KVFLEET_CPU",
+        ] {
             assert!(e.contains(want), "{want}: {e}");
         }
     }
