@@ -109,6 +109,9 @@ pub struct Metrics {
     pub kv_events_dropped: IntCounter,
     pub attention_seconds: Histogram,
     pub step_seconds: Histogram,
+    /// Mixture of experts: the tokens one expert of one sparse layer took in a step (one
+    /// observation per expert and layer a step), the spread of the experts' load.
+    pub moe_expert_tokens: Histogram,
     pub gpu_info: GaugeVec,
     pub vllm_usage: Gauge,
     pub vllm_running: IntGauge,
@@ -276,6 +279,18 @@ impl Metrics {
                 )
                 .buckets(prometheus::exponential_buckets(1e-4, 2.0, 18)?),
             )?,
+            moe_expert_tokens: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvfleet_moe_expert_tokens",
+                    "Tokens one expert of one sparse layer took in one engine step (mixture-of-experts \
+                     models; an observation per expert and layer a step)",
+                )
+                .buckets(
+                    std::iter::once(0.0)
+                        .chain(prometheus::exponential_buckets(1.0, 2.0, 16)?)
+                        .collect(),
+                ),
+            )?,
             gpu_info: GaugeVec::new(
                 Opts::new(
                     "kvfleet_gpu_info",
@@ -435,6 +450,7 @@ impl Metrics {
             m.kv_events_rejected.with_label_values(&[reason]);
         }
         r.register(Box::new(m.attention_seconds.clone()))?;
+        r.register(Box::new(m.moe_expert_tokens.clone()))?;
         r.register(Box::new(m.gpu_info.clone()))?;
         r.register(Box::new(m.vllm_usage.clone()))?;
         r.register(Box::new(m.vllm_running.clone()))?;

@@ -771,6 +771,9 @@ impl Loop {
                 if let Some(t) = self.model.last_attention_time() {
                     self.metrics.attention_seconds.observe(t.as_secs_f64());
                 }
+                for &n in self.model.last_expert_tokens().unwrap_or_default() {
+                    self.metrics.moe_expert_tokens.observe(n as f64);
+                }
                 self.metrics.step_seconds.observe(elapsed.as_secs_f64());
                 self.metrics.vllm_iteration_tokens.observe(tokens as f64);
                 let now = Instant::now();

@@ -22,6 +22,15 @@ pub fn kv_replication(n_heads: usize, n_kv_heads: usize) -> Result<(usize, usize
 
 /// Whether the GPU kernels cover `c` (head_dim 64/128/256; any GQA group, by replication).
 pub(super) fn check_shapes(c: &LlamaConfig) -> Result<(), GpuError> {
+    // No expert kernels yet (issue 55): refused here, before any weight reaches the device,
+    // rather than running a sparse layer's empty dense MLP.
+    if c.moe.is_some() || c.qk_norm_full {
+        return Err(GpuError::Unsupported(format!(
+            "architecture `{}` is a mixture-of-experts model, which the CUDA engine does not serve \
+             yet (the CPU engine does; on a GPU, serve it with runtime: vllm)",
+            c.arch
+        )));
+    }
     if c.gemma3.is_some() && !c.qk_norm {
         return Err(GpuError::Unsupported(
             "a Gemma 3 geometry without QK norms (the query scale is folded into the Q norm)".into(),
@@ -127,5 +136,29 @@ mod tests {
             e.contains("head_dim 96") && e.contains("--attention-backend KVFLEET_CPU"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_mixture_of_experts_model_is_refused_naming_its_architecture_and_the_ways_to_serve_it() {
+        let mut c = LlamaConfig::llama(2, 1024, 4096, 16, 4, 1000);
+        c.arch = "qwen3moe".into();
+        c.moe = Some(kvfleet_engine::model::moe::Moe {
+            experts: 8,
+            top_k: 2,
+            rule: kvfleet_engine::model::moe::RouterRule::SoftmaxTopK { renormalize: true },
+            expert_ff: 256,
+            shared_ff: None,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+        });
+        let e = check_shapes(&c).unwrap_err().to_string();
+        for want in [
+            "qwen3moe",
+            "CUDA engine does not serve",
+            "runtime: vllm",
+            "KVFLEET_CPU",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 }

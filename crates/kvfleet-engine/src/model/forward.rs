@@ -108,6 +108,13 @@ pub trait Forward: Any + Send {
         None
     }
 
+    /// Mixture of experts: the tokens each expert of each sparse layer took in the last step
+    /// (`[sparse layers * experts]`), where the device counts them (the CPU); empty for a
+    /// dense model.
+    fn last_expert_tokens(&self) -> Option<&[u32]> {
+        None
+    }
+
     /// Attaches a drafter (speculative decoding, EAGLE-3 or DFlash): from then on every step
     /// keeps the target's hidden states the drafter reads. Its KV pool is the target's
     /// full-attention pages once more, for the drafter's layers. The drafter, as its method's
@@ -183,6 +190,8 @@ pub struct CpuForward {
     attention_time: Duration,
     /// The hidden states a drafter reads, kept by every step once one is attached.
     hidden: Option<AuxHidden>,
+    /// The experts' load of the last step, without a drafter (no hidden states kept).
+    load: AuxHidden,
     /// The attached drafter, until the serving loop takes it.
     proposer: Option<Box<dyn Proposer>>,
 }
@@ -218,6 +227,7 @@ impl CpuForward {
             backend,
             attention_time: Duration::ZERO,
             hidden: None,
+            load: AuxHidden::default(),
             proposer: None,
         })
     }
@@ -256,10 +266,9 @@ impl Forward for CpuForward {
     fn forward(&mut self, batch: &[SeqChunk<'_>], plan: &StepPlan) -> Result<Vec<f32>, ForwardError> {
         check_plan(batch, plan)?;
         let mut planned = Planned::new(&mut self.backend, plan);
-        let logits = match self.hidden.as_mut() {
-            Some(h) => self.model.forward_aux(&mut planned, batch, h),
-            None => self.model.forward(&mut planned, batch),
-        };
+        // Without a drafter no hidden state is kept, only the experts' load.
+        let aux = self.hidden.as_mut().unwrap_or(&mut self.load);
+        let logits = self.model.forward_aux(&mut planned, batch, aux);
         self.attention_time = planned.time;
         logits
     }
@@ -272,7 +281,7 @@ impl Forward for CpuForward {
         self.proposer = Some(drafter.cpu_proposer(dtype, cfg.block_size, full)?);
         self.hidden = Some(AuxHidden {
             layers,
-            rows: Vec::new(),
+            ..AuxHidden::default()
         });
         Ok(())
     }
@@ -307,6 +316,10 @@ impl Forward for CpuForward {
 
     fn last_attention_time(&self) -> Option<Duration> {
         Some(self.attention_time)
+    }
+
+    fn last_expert_tokens(&self) -> Option<&[u32]> {
+        Some(&self.hidden.as_ref().unwrap_or(&self.load).expert_tokens)
     }
 }
 

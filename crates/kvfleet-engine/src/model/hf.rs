@@ -24,15 +24,36 @@ use serde::Deserialize;
 
 use super::fp8::{Fp8Config, Fp8ConfigError, Fp8Strategy, Fp8Weight};
 use super::llama::{Llama, LlamaConfig, LoadError};
+pub use super::moe::MOE_ARCHITECTURES;
+use super::moe::{self, Moe};
 use super::tokenizer::{Tokenizer, TokenizerError};
 
-/// `architectures[0]` of `config.json` -> kvfleet's architecture name.
-const ARCHITECTURES: &[(&str, &str)] = &[
+/// `architectures[0]` of `config.json` -> kvfleet's architecture name: the Hugging Face
+/// architectures the CPU engine serves (the CUDA engine all but [`MOE_ARCHITECTURES`]).
+pub const ARCHITECTURES: &[(&str, &str)] = &[
     ("LlamaForCausalLM", "llama"),
     ("MistralForCausalLM", "mistral"),
     ("Qwen2ForCausalLM", "qwen2"),
     ("Qwen3ForCausalLM", "qwen3"),
+    ("Qwen3MoeForCausalLM", "qwen3moe"),
+    ("Qwen2MoeForCausalLM", "qwen2moe"),
+    ("OlmoeForCausalLM", "olmoe"),
+    ("MixtralForCausalLM", "mixtral"),
 ];
+
+/// Whether the CPU engine serves checkpoints of Hugging Face architecture `arch`
+/// (`architectures[0]` of their `config.json`): the admission's question for
+/// `runtime: kvfleet` on the CPU.
+pub fn cpu_serves(arch: &str) -> bool {
+    ARCHITECTURES.iter().any(|(hf, _)| *hf == arch)
+}
+
+/// Whether the CUDA engine serves architecture `arch`: the CPU's but the mixtures of experts
+/// ([`MOE_ARCHITECTURES`]). By architecture alone: the GPU's kernels also bound the shapes
+/// (head dims, `kvfleet_cuda::gpu::GpuLlama::check_shapes`).
+pub fn cuda_serves(arch: &str) -> bool {
+    cpu_serves(arch) && !MOE_ARCHITECTURES.contains(&arch)
+}
 
 /// Errors of loading a Hugging Face checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -50,7 +71,7 @@ pub enum HfError {
         source: serde_path_to_error::Error<serde_json::Error>,
     },
     #[error(
-        "{}: architecture `{arch}` is not supported; kvfleet loads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM",
+        "{}: architecture `{arch}` is not supported; kvfleet loads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM and MixtralForCausalLM",
         path.display()
     )]
     Architecture { path: PathBuf, arch: String },
@@ -159,6 +180,7 @@ impl HfConfig {
     /// it in errors.
     pub fn parse(path: &Path, text: &str) -> Result<Self, HfError> {
         let raw: HfConfigJson = parse_json(path, text)?;
+        let json: serde_json::Value = parse_json(path, text)?;
         let cfg_err = |msg: String| HfError::Config {
             path: path.into(),
             msg,
@@ -220,8 +242,8 @@ impl HfConfig {
         // Attention within the window is full attention, so clamping the context to the
         // window keeps results exact.
         let windowed = match arch {
-            "mistral" => true,
-            "qwen2" | "qwen3" => raw.use_sliding_window == Some(true),
+            "mistral" | "mixtral" => true,
+            "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" => raw.use_sliding_window == Some(true),
             _ => false,
         };
         if let Some(w) = raw.sliding_window.filter(|_| windowed) {
@@ -242,11 +264,16 @@ impl HfConfig {
             rope_linear_scale: 1.0,
             rope_neox: true,
             rms_eps: raw.rms_norm_eps() as f32,
-            // Qwen2 always has Q/K/V biases; the others only with `attention_bias`.
-            attn_bias: arch == "qwen2" || raw.attention_bias == Some(true),
-            qk_norm: arch == "qwen3",
+            // Qwen2 always has Q/K/V biases, Qwen2-MoE unless `qkv_bias` is false; the others
+            // only with `attention_bias`.
+            attn_bias: arch == "qwen2"
+                || (arch == "qwen2moe" && json.get("qkv_bias").and_then(|v| v.as_bool()) != Some(false))
+                || raw.attention_bias == Some(true),
+            qk_norm: matches!(arch, "qwen3" | "qwen3moe" | "olmoe"),
+            qk_norm_full: arch == "olmoe",
             tied_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             gemma3: None,
+            moe: Moe::from_config_json(arch, &json).map_err(cfg_err)?,
         };
         let scaling = raw.rope_scaling();
         let mut rope_freq_factors = None;
@@ -619,8 +646,23 @@ pub fn load_model(dir: &Path) -> Result<Llama, HfError> {
     let cfg = HfConfig::load(dir)?;
     quantization(dir)?;
     let st = Safetensors::open(dir)?;
+    let (arch, experts) = (
+        cfg.llama.arch.clone(),
+        cfg.llama.moe.as_ref().map_or(0, |m| m.experts),
+    );
     Llama::from_tensors(cfg.llama, cfg.rope_freq_factors.as_deref(), |name, shape| {
-        st.tensor_f32(&hf_tensor_name(name), shape)
+        match moe::hf_tensor_names(&arch, name, experts) {
+            // An MoE tensor: one of the checkpoint's, or its experts' stacked.
+            Some(names) if names.len() > 1 => {
+                let mut all = Vec::with_capacity(shape.iter().product());
+                for n in names {
+                    all.extend(st.tensor_f32(&n, &shape[1..])?);
+                }
+                Ok(all)
+            }
+            Some(names) => st.tensor_f32(&names[0], shape),
+            None => st.tensor_f32(&hf_tensor_name(name), shape),
+        }
     })
 }
 
@@ -743,6 +785,25 @@ mod tests {
             "the lowest is divided by the factor: {f:?}"
         );
         assert!(f.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+    }
+
+    #[test]
+    fn the_cpu_serves_every_listed_architecture_and_the_gpu_all_but_the_mixtures_of_experts() {
+        for a in [
+            "LlamaForCausalLM",
+            "Qwen3ForCausalLM",
+            "MixtralForCausalLM",
+            "Qwen3MoeForCausalLM",
+        ] {
+            assert!(cpu_serves(a), "{a}");
+        }
+        assert!(cuda_serves("Qwen2ForCausalLM"));
+        for a in MOE_ARCHITECTURES {
+            assert!(cpu_serves(a) && !cuda_serves(a), "{a}");
+        }
+        assert!(!cpu_serves("GptOssForCausalLM") && !cuda_serves("GptOssForCausalLM"));
+        let e = HfConfig::parse(Path::new("c"), &arch_config("GptOssForCausalLM", "")).unwrap_err();
+        assert!(e.to_string().contains("Qwen3MoeForCausalLM"), "{e}");
     }
 
     #[test]

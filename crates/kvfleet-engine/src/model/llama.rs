@@ -21,6 +21,7 @@ use super::gemma3::Gemma3;
 use super::gguf::{Gguf, GgufError};
 use super::kv::{AttnGeometry, AttnSeq, KvAttention, KvError, SeqId};
 use super::linear::{Linear, LinearQuantization};
+use super::moe::{Moe, MoeLayer};
 pub use kvfleet_gemm::matmul_t;
 
 /// Errors of loading a model.
@@ -29,7 +30,7 @@ pub enum LoadError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(
-        "architecture `{0}` is not supported; kvfleet runs llama, mistral, qwen2, qwen3 (dense) and gemma3 models"
+        "architecture `{0}` is not supported; kvfleet runs llama, mistral, qwen2, qwen3 (dense) and gemma3 models, and from Hugging Face checkpoints qwen3moe, qwen2moe, olmoe and mixtral"
     )]
     Architecture(String),
     #[error("RoPE scaling `{0}` is not supported (only none, linear, and llama3-style rope_freqs)")]
@@ -81,9 +82,13 @@ pub struct LlamaConfig {
     pub attn_bias: bool,
     /// Qwen3: RMSNorm on each Q and K head.
     pub qk_norm: bool,
+    /// OLMoE: the Q and K norms span the whole projection (every head at once).
+    pub qk_norm_full: bool,
     pub tied_embeddings: bool,
     /// Gemma 3's block (`None` for the Llama family).
     pub gemma3: Option<Gemma3>,
+    /// The mixture-of-experts MLP of its sparse layers (`moe.rs`; `None` for dense models).
+    pub moe: Option<Moe>,
 }
 
 /// One architecture kvfleet runs (GGUF `general.architecture`): how its block departs from a
@@ -245,8 +250,10 @@ impl LlamaConfig {
             rms_eps: 1e-5,
             attn_bias: false,
             qk_norm: false,
+            qk_norm_full: false,
             tied_embeddings: false,
             gemma3: None,
+            moe: None,
         }
     }
 
@@ -306,6 +313,8 @@ impl LlamaConfig {
                 .unwrap_or(1e-5) as f32,
             attn_bias: row.attn_bias,
             qk_norm: row.qk_norm,
+            qk_norm_full: false,
+            moe: None,
             tied_embeddings: g.tensor_info("output.weight").is_none(),
             gemma3: row.gemma3.map(|read| read(g, &arch)).transpose()?,
             arch,
@@ -360,9 +369,14 @@ impl LlamaConfig {
         } else {
             2 * d
         };
-        let layer = attn + 3 * d * self.d_ff + norms;
+        let mlp = |i| match self.moe.as_ref().filter(|m| m.is_sparse(i)) {
+            Some(m) => m.layer_parameters(d),
+            None => 3 * d * self.d_ff,
+        };
+        let mlps: usize = (0..self.n_layers).map(mlp).sum();
+        let layer = attn + norms;
         let head = if self.tied_embeddings { 0 } else { self.vocab * d };
-        self.n_layers * layer + self.vocab * d + head + d
+        self.n_layers * layer + mlps + self.vocab * d + head + d
     }
 }
 
@@ -386,6 +400,8 @@ pub(super) struct Layer {
     /// Gemma 3: RMSNorm of the attention output and of the MLP output, before each residual add.
     pub(super) post_attn_norm: Option<Vec<f32>>,
     pub(super) post_ffn_norm: Option<Vec<f32>>,
+    /// A sparse layer's MLP, which replaces the dense one (whose weights are then empty).
+    pub(super) moe: Option<MoeLayer>,
 }
 
 /// A loaded model of any family (f32 weights, matrices `[out, in]` row-major).
@@ -450,6 +466,9 @@ impl SeqChunk<'_> {
 pub struct AuxHidden {
     pub layers: Vec<usize>,
     pub rows: Vec<f32>,
+    /// Mixture of experts: the tokens each expert of each sparse layer took in the step, in
+    /// layer then expert order (`[sparse layers * experts]`; empty for a dense model).
+    pub expert_tokens: Vec<u32>,
 }
 
 impl Llama {
@@ -573,7 +592,8 @@ impl Llama {
         batch: &[SeqChunk<'_>],
         aux: &mut AuxHidden,
     ) -> Result<Vec<f32>, ForwardError> {
-        let (aux_layers, aux) = (&aux.layers[..], &mut aux.rows);
+        let (aux_layers, aux, load) = (&aux.layers[..], &mut aux.rows, &mut aux.expert_tokens);
+        load.clear();
         let c = &self.config;
         let block = self.block();
         let (d, hd, ff) = (c.d_model, c.head_dim, c.d_ff);
@@ -645,10 +665,14 @@ impl Llama {
             }
             add_in_place(&mut x, &proj);
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut h);
-            l.w_gate.project(&h, t, &mut gate);
-            l.w_up.project(&h, t, &mut up);
-            block.glu(&mut gate, &up);
-            l.w_down.project(&gate, t, &mut proj);
+            if let (Some(moe), Some(m)) = (&c.moe, &l.moe) {
+                m.forward(moe, block, &h, t, &mut proj, load);
+            } else {
+                l.w_gate.project(&h, t, &mut gate);
+                l.w_up.project(&h, t, &mut up);
+                block.glu(&mut gate, &up);
+                l.w_down.project(&gate, t, &mut proj);
+            }
             if let Some(n) = &l.post_ffn_norm {
                 let src = proj.clone();
                 rms_norm(&src, n, c.rms_eps, &mut proj);
@@ -684,6 +708,9 @@ impl Llama {
                 &mut l.w_down,
             ] {
                 w.quantize_fp8();
+            }
+            if let Some(m) = &mut l.moe {
+                m.quantize_fp8();
             }
         });
         self.quantization = LinearQuantization::Fp8;
@@ -792,203 +819,4 @@ pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
 }
 
 #[cfg(test)]
-mod tests {
-
-    #[test]
-    fn the_kv_list_of_gemma3_reads_its_window_pattern_and_matches_the_planner() {
-        let c = LlamaConfig::gemma3(18, 640, 2048, 1000, 512);
-        let layers = c.kv_layers(1).unwrap();
-        assert_eq!(layers.len(), 18);
-        for (i, l) in layers.iter().enumerate() {
-            let global = (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN == 0;
-            assert_eq!(l.window, (!global).then_some(512), "layer {i}");
-            assert_eq!((l.q_heads, l.kv_heads, l.head_dim), (4, 1, 256));
-        }
-        // The planner reads the same layers from the same geometry.
-        let g = kvfleet_core::plan::Geometry::from_spec(&c.model_geometry()).unwrap();
-        let planned: Vec<Option<u32>> = g
-            .layers
-            .iter()
-            .map(|l| match l.kind {
-                kvfleet_core::plan::LayerKind::Sliding { window } => Some(window),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(planned, layers.iter().map(|l| l.window).collect::<Vec<_>>());
-        // Stored heads (the GPU may replicate KV heads) change the list, not the pattern.
-        assert!(c.kv_layers(4).unwrap().iter().all(|l| l.kv_heads == 4));
-        assert!(c.kv_layers(3).is_err(), "4 query heads over 3 KV heads");
-    }
-
-    use super::*;
-    use crate::model::fp8::quantize_rows;
-    use crate::model::gemma3::GEMMA3_SLIDING_WINDOW_PATTERN;
-    use crate::model::kv::{ContiguousKv, KvAttention};
-
-    #[test]
-    fn matmul_t_matches_naive_on_odd_shapes() {
-        for (t, k, n) in [(3, 5, 131), (1, 37, 70), (9, 21, 200)] {
-            matmul_case(t, k, n);
-        }
-    }
-
-    fn matmul_case(t: usize, k: usize, n: usize) {
-        let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
-        let mut out = vec![0.0; t * n];
-        matmul_t(&x, t, k, &w, n, &mut out);
-        for i in 0..t {
-            for j in 0..n {
-                let want: f32 = (0..k).map(|p| x[i * k + p] * w[j * k + p]).sum();
-                assert!((out[i * n + j] - want).abs() < 1e-4);
-            }
-        }
-    }
-
-    fn tiny() -> Llama {
-        let mut cfg = LlamaConfig::llama(2, 32, 64, 4, 2, 50);
-        cfg.context_len = 64;
-        Llama::dummy(cfg, 7).unwrap()
-    }
-
-    #[test]
-    fn incremental_decode_matches_full_prefill_logits() {
-        let m = tiny();
-        let toks = [3u32, 14, 15, 9, 26, 5];
-        let geo = m.config.attn_geometry();
-        let mut kv = ContiguousKv::new(geo, 1000);
-        let full = m
-            .forward(
-                &mut kv,
-                &[SeqChunk {
-                    seq: 1,
-                    start_pos: 0,
-                    tokens: &toks,
-                    logits: 1,
-                }],
-            )
-            .unwrap();
-        let mut kv2 = ContiguousKv::new(geo, 1000);
-        let mut last = Vec::new();
-        // Chunk of 4, then two single tokens, batched together with an unrelated sequence.
-        let plan: [&[u32]; 3] = [&toks[..4], &toks[4..5], &toks[5..]];
-        let mut pos = 0;
-        for p in plan {
-            let other = [7u32];
-            let other_pos = kv2.cached_len(2);
-            last = m
-                .forward(
-                    &mut kv2,
-                    &[
-                        SeqChunk {
-                            seq: 2,
-                            start_pos: other_pos,
-                            tokens: &other,
-                            logits: 1,
-                        },
-                        SeqChunk {
-                            seq: 1,
-                            start_pos: pos,
-                            tokens: p,
-                            logits: 1,
-                        },
-                    ],
-                )
-                .unwrap();
-            pos += p.len();
-        }
-        let v = m.config.vocab;
-        for (a, b) in full.iter().zip(&last[v..]) {
-            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
-        }
-    }
-
-    #[test]
-    fn neox_and_pair_rope_rotate_different_dimensions() {
-        let mut m = tiny();
-        let mut a = vec![1.0f32; 8];
-        let mut b = a.clone();
-        m.config.head_dim = 8;
-        m.config.rope_dims = 8;
-        m.inv_freq = inv_freq(&m.config, None);
-        m.rope(&mut a, &[3], 1);
-        m.config.rope_neox = true;
-        m.rope(&mut b, &[3], 1);
-        assert_ne!(a, b);
-        // Rotations keep each rotated pair's norm.
-        let n = |x: &[f32], i: usize, j: usize| x[i] * x[i] + x[j] * x[j];
-        assert!((n(&a, 0, 1) - 2.0).abs() < 1e-5);
-        assert!((n(&b, 0, 4) - 2.0).abs() < 1e-5);
-    }
-
-    #[test]
-    fn quantize_fp8_replaces_exactly_the_linear_weights_and_changes_the_logits() {
-        let plain = tiny();
-        let mut m = plain.clone();
-        m.quantize_fp8();
-        assert_eq!(m.quantization(), LinearQuantization::Fp8);
-        let (d, ff, qw) = (32, 64, 32);
-        for (p, q) in plain.layers.iter().zip(&m.layers) {
-            for (a, b, cols) in [
-                (&p.wq, &q.wq, d),
-                (&p.wk, &q.wk, d),
-                (&p.wv, &q.wv, d),
-                (&p.wo, &q.wo, qw),
-                (&p.w_gate, &q.w_gate, d),
-                (&p.w_up, &q.w_up, d),
-                (&p.w_down, &q.w_down, ff),
-            ] {
-                let (a, b) = (a.weight(), b.weight());
-                assert_eq!(b, quantize_rows(a, a.len() / cols, cols).dequantize());
-                assert_ne!(a, b);
-            }
-            assert_eq!((&p.attn_norm, &p.ffn_norm), (&q.attn_norm, &q.ffn_norm));
-        }
-        assert_eq!(plain.embed, m.embed);
-        assert_eq!(plain.lm_head, m.lm_head);
-        assert_eq!(plain.out_norm, m.out_norm);
-        let again = {
-            let mut a = m.clone();
-            a.quantize_fp8();
-            a
-        };
-        assert_eq!(again.layers[0].wq, m.layers[0].wq, "a second call does nothing");
-        let logits = |m: &Llama| {
-            let mut kv = ContiguousKv::new(m.config.attn_geometry(), 64);
-            let chunk = SeqChunk {
-                seq: 1,
-                start_pos: 0,
-                tokens: &[3, 14, 15, 9],
-                logits: 1,
-            };
-            m.forward(&mut kv, &[chunk]).unwrap()
-        };
-        let (a, b) = (logits(&plain), logits(&m));
-        let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-        let span = a.iter().fold(0f32, |s, v| s.max(v.abs()));
-        assert!(
-            err > 0.0 && err < 0.1 * span,
-            "max error {err} of logits up to {span}"
-        );
-    }
-
-    #[test]
-    fn bad_geometry_and_token_are_errors() {
-        let cfg = LlamaConfig::llama(1, 32, 64, 4, 3, 10);
-        assert!(matches!(Llama::dummy(cfg, 0), Err(LoadError::Geometry(_))));
-        let m = tiny();
-        let mut kv = ContiguousKv::new(m.config.attn_geometry(), 10);
-        let e = m
-            .forward(
-                &mut kv,
-                &[SeqChunk {
-                    seq: 1,
-                    start_pos: 0,
-                    tokens: &[999],
-                    logits: 1,
-                }],
-            )
-            .unwrap_err();
-        assert!(matches!(e, ForwardError::Token(999)));
-    }
-}
+mod tests;

@@ -14,6 +14,7 @@ pub mod hf_tokenizer;
 pub mod kv;
 pub mod linear;
 pub mod llama;
+pub mod moe;
 pub mod paged;
 pub mod sampling;
 pub mod tokenizer;

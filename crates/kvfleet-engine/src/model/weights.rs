@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use super::gguf::Gguf;
 use super::linear::{Linear, LinearQuantization};
 use super::llama::{inv_freq, inv_freq_local, Layer, Llama, LlamaConfig, LoadError};
+use super::moe::{MoeLayer, MoeShapes, MoeTensors};
 
 /// A tensor a block may lack, and what says whether it is there in a checkpoint whose config
 /// decides it.
@@ -81,11 +82,48 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
                 .into());
             }
         }
-        let (d, hd, ff) = (cfg.d_model, cfg.head_dim, cfg.d_ff);
+        let (d, hd) = (cfg.d_model, cfg.head_dim);
         let (qw, kw) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let (qn, kn) = if cfg.qk_norm_full { (qw, kw) } else { (hd, hd) };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
+            let moe = cfg.moe.as_ref().filter(|m| m.is_sparse(i));
+            // A sparse layer has no dense MLP: its weights stay empty.
+            let ff = if moe.is_some() { 0 } else { cfg.d_ff };
+            let moe = match moe {
+                Some(m) => {
+                    let MoeShapes {
+                        router,
+                        experts: [g, u, dn],
+                        shared,
+                    } = MoeLayer::shapes(m, d);
+                    let mut shared_t = None;
+                    if let Some([sg, su, sd, sgate]) = shared {
+                        shared_t = Some([
+                            self.get(&n("ffn_gate_shexp.weight"), &sg)?,
+                            self.get(&n("ffn_up_shexp.weight"), &su)?,
+                            self.get(&n("ffn_down_shexp.weight"), &sd)?,
+                            self.get(&n("ffn_gate_inp_shexp.weight"), &sgate)?,
+                        ]);
+                    }
+                    let t = MoeTensors {
+                        router: self.get(&n("ffn_gate_inp.weight"), &router)?,
+                        gate: self.get(&n("ffn_gate_exps.weight"), &g)?,
+                        up: self.get(&n("ffn_up_exps.weight"), &u)?,
+                        down: self.get(&n("ffn_down_exps.weight"), &dn)?,
+                        shared: shared_t,
+                    };
+                    Some(MoeLayer::new(m, d, t))
+                }
+                None => None,
+            };
+            let mlp = |r: &mut Self, name: &str, shape: [usize; 2]| -> Result<Linear, E> {
+                match ff {
+                    0 => Ok(Linear::new(Vec::new(), shape[1])),
+                    _ => Ok(Linear::new(r.get(&n(name), &shape)?, shape[1])),
+                }
+            };
             let post_norm = |r: &mut Self, name: &str| -> Result<Option<Vec<f32>>, E> {
                 match cfg.gemma3 {
                     Some(_) => r.get(&n(name), &[d]).map(Some),
@@ -101,14 +139,15 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
                 bq: self.opt(Optional::Bias, &n("attn_q.bias"), &[qw])?,
                 bk: self.opt(Optional::Bias, &n("attn_k.bias"), &[kw])?,
                 bv: self.opt(Optional::Bias, &n("attn_v.bias"), &[kw])?,
-                q_norm: self.opt(Optional::QkNorm, &n("attn_q_norm.weight"), &[hd])?,
-                k_norm: self.opt(Optional::QkNorm, &n("attn_k_norm.weight"), &[hd])?,
+                q_norm: self.opt(Optional::QkNorm, &n("attn_q_norm.weight"), &[qn])?,
+                k_norm: self.opt(Optional::QkNorm, &n("attn_k_norm.weight"), &[kn])?,
                 ffn_norm: self.get(&n("ffn_norm.weight"), &[d])?,
-                w_gate: Linear::new(self.get(&n("ffn_gate.weight"), &[ff, d])?, d),
-                w_up: Linear::new(self.get(&n("ffn_up.weight"), &[ff, d])?, d),
-                w_down: Linear::new(self.get(&n("ffn_down.weight"), &[d, ff])?, ff),
+                w_gate: mlp(&mut self, "ffn_gate.weight", [ff, d])?,
+                w_up: mlp(&mut self, "ffn_up.weight", [ff, d])?,
+                w_down: mlp(&mut self, "ffn_down.weight", [d, ff])?,
                 post_attn_norm: post_norm(&mut self, "post_attention_norm.weight")?,
                 post_ffn_norm: post_norm(&mut self, "post_ffw_norm.weight")?,
+                moe,
             });
         }
         Ok(Llama {
@@ -177,8 +216,26 @@ impl Llama {
             let a = 1.0 / (cols as f32).sqrt();
             (0..rows * cols).map(|_| rng.random_range(-a..a)).collect()
         };
+        let (qn, kn) = if cfg.qk_norm_full { (qw, kw) } else { (hd, hd) };
         let mut layers = Vec::with_capacity(cfg.n_layers);
-        for _ in 0..cfg.n_layers {
+        for i in 0..cfg.n_layers {
+            let moe = cfg.moe.as_ref().filter(|m| m.is_sparse(i)).map(|m| {
+                let MoeShapes {
+                    router,
+                    experts: [g, u, dn],
+                    shared,
+                } = MoeLayer::shapes(m, d);
+                let mut r = |s: &[usize]| rand_mat(s[..s.len() - 1].iter().product(), s[s.len() - 1]);
+                let t = MoeTensors {
+                    router: r(&router),
+                    gate: r(&g),
+                    up: r(&u),
+                    down: r(&dn),
+                    shared: shared.map(|s| s.map(|s| r(&s))),
+                };
+                MoeLayer::new(m, d, t)
+            });
+            let ff = if moe.is_some() { 0 } else { ff };
             layers.push(Layer {
                 attn_norm: vec![1.0; d],
                 wq: Linear::new(rand_mat(qw, d), d),
@@ -188,14 +245,15 @@ impl Llama {
                 bq: cfg.attn_bias.then(|| vec![0.0; qw]),
                 bk: cfg.attn_bias.then(|| vec![0.0; kw]),
                 bv: cfg.attn_bias.then(|| vec![0.0; kw]),
-                q_norm: cfg.qk_norm.then(|| vec![1.0; hd]),
-                k_norm: cfg.qk_norm.then(|| vec![1.0; hd]),
+                q_norm: cfg.qk_norm.then(|| vec![1.0; qn]),
+                k_norm: cfg.qk_norm.then(|| vec![1.0; kn]),
                 ffn_norm: vec![1.0; d],
                 w_gate: Linear::new(rand_mat(ff, d), d),
                 w_up: Linear::new(rand_mat(ff, d), d),
                 w_down: Linear::new(rand_mat(d, ff), ff),
                 post_attn_norm: cfg.gemma3.as_ref().map(|_| vec![1.0; d]),
                 post_ffn_norm: cfg.gemma3.as_ref().map(|_| vec![1.0; d]),
+                moe,
             });
         }
         let embed = rand_mat(cfg.vocab, d);
