@@ -17,6 +17,7 @@ pub mod llama;
 pub mod paged;
 pub mod sampling;
 pub mod tokenizer;
+pub mod w4;
 pub mod weights;
 
 pub use forward::proposer;
