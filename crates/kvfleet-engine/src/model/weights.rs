@@ -320,6 +320,16 @@ impl Llama {
         m
     }
 
+    /// Bytes the blocks' linear layers hold on the host: f32 values, or a packed weight's
+    /// codes, scales, zeros and `g_idx` ([`super::w4::W4Weight::bytes`]).
+    pub fn linear_weight_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|w| w.w4().map_or(w.weight().len() * 4, |p| p.bytes()))
+            .sum()
+    }
+
     /// The model's weights, e.g. to upload them to a GPU (`model::gpu`). A packed (4-bit)
     /// projection's slice is empty: check [`Llama::quantization`] first.
     pub fn tensors(&self) -> LlamaTensors<'_> {
