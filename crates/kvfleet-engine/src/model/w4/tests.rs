@@ -457,3 +457,12 @@ fn a_packed_tensor_of_the_wrong_shape_or_a_missing_g_idx_is_an_error_naming_it()
         "stored unquantized"
     );
 }
+
+#[test]
+fn fp8_at_load_leaves_a_packed_model_as_it_is() {
+    let m = hf::load_model(&fixture("awq-g32")).unwrap();
+    let mut q = m.clone();
+    q.quantize_fp8();
+    assert_eq!(q.quantization(), LinearQuantization::W4A16(W4Method::Awq));
+    assert_eq!(q.linear_weight_bytes(), m.linear_weight_bytes());
+}
