@@ -65,6 +65,7 @@ fn the_cpu_worker_serves_each_4bit_checkpoint_with_the_greedy_tokens_of_its_f32_
         "gptq-channel-v2",
         "ct-group-asym",
         "ct-channel-sym",
+        "ct-pkg-group-asym",
     ] {
         let dir = fixture(name);
         let mut w = Spawned::start(

@@ -28,6 +28,8 @@ const CHECKPOINTS: &[(&str, W4Method, Option<usize>)] = &[
     ("gptq-channel-v2", W4Method::Gptq, None),
     ("ct-group-asym", W4Method::CompressedTensors, Some(32)),
     ("ct-channel-sym", W4Method::CompressedTensors, None),
+    // Quantized and packed by compressed-tensors itself (`ct_package.py`).
+    ("ct-pkg-group-asym", W4Method::CompressedTensors, Some(32)),
 ];
 
 fn bits(v: &[f32]) -> Vec<u32> {
