@@ -468,3 +468,56 @@ fn fp8_at_load_leaves_a_packed_model_as_it_is() {
     assert_eq!(q.quantization(), LinearQuantization::W4A16(W4Method::Awq));
     assert_eq!(q.linear_weight_bytes(), m.linear_weight_bytes());
 }
+
+#[test]
+fn compressed_tensors_weight_g_idx_and_unpacked_int8_zero_points_are_read() {
+    // 8 rows x 16 columns, groups of 8 chosen by `weight_g_idx` (column c in group c % 2);
+    // row r's codes are all r + 4, its zero points (signed, unpacked I8) -2 and 3, scales 1 and 2.
+    let (rows, cols) = (8usize, 16usize);
+    let packed: Vec<u8> = (0..rows)
+        .flat_map(|r| {
+            let word = (0..8).fold(0u32, |w, k| w | ((r as u32 + 4) << (4 * k)));
+            [word, word].into_iter().flat_map(u32::to_le_bytes)
+        })
+        .collect();
+    let scales: Vec<u8> = (0..rows)
+        .flat_map(|_| [1f32, 2.0])
+        .flat_map(f32::to_le_bytes)
+        .collect();
+    let zps: Vec<u8> = (0..rows).flat_map(|_| [-2i8 as u8, 3]).collect();
+    let g_idx: Vec<u8> = (0..cols as i32).flat_map(|c| (c % 2).to_le_bytes()).collect();
+    let shape: Vec<u8> = [rows as i64, cols as i64]
+        .into_iter()
+        .flat_map(i64::to_le_bytes)
+        .collect();
+    let (s_packed, s_scale, s_zp, s_g, s_shape) = ([rows, 2], [rows, 2], [rows, 2], [cols], [2]);
+    let get = |n: &str| -> Option<RawTensor<'_>> {
+        let (shape, dtype, data): (&[usize], Dtype, &[u8]) = match n.rsplit('.').next()? {
+            "weight_packed" => (&s_packed, Dtype::I32, &packed),
+            "weight_scale" => (&s_scale, Dtype::F32, &scales),
+            "weight_zero_point" => (&s_zp, Dtype::I8, &zps),
+            "weight_g_idx" => (&s_g, Dtype::I32, &g_idx),
+            "weight_shape" => (&s_shape, Dtype::I64, &shape),
+            _ => return None,
+        };
+        Some(RawTensor { shape, dtype, data })
+    };
+    let qc = json!({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 8,
+        "symmetric": false, "actorder": "group"}}}}});
+    let cfg = W4Config::from_config_json(&qc).unwrap().unwrap();
+    assert!(cfg.act_order && cfg.zero_points);
+    let w = cfg.load_linear("m", rows, cols, get).unwrap().unwrap();
+    assert!(w.g_idx.is_some());
+    let mut row = vec![0f32; cols];
+    w.dequantize_row(5, &mut row);
+    // Stored code 9 is signed 1; zero points -2 (group 0) and 3 (group 1).
+    for (c, v) in row.iter().enumerate() {
+        let want = if c % 2 == 0 {
+            (1.0 + 2.0) * 1.0
+        } else {
+            (1.0 - 3.0) * 2.0
+        };
+        assert_eq!(*v, want, "column {c}");
+    }
+}
