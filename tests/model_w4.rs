@@ -10,6 +10,15 @@
 //! ```
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvfleet_engine::engine::capacity::{pool_layout, PoolParams, PoolSize};
+use kvfleet_engine::engine::cpu::CpuBackend;
+use kvfleet_engine::engine::direct::DirectPlanner;
+use kvfleet_engine::engine::{KvDtype, StepPlan};
+use kvfleet_engine::model::forward::{step_direct, CpuForward, Forward};
+use kvfleet_engine::model::llama::SeqChunk;
 
 use kvfleet_engine::model::gguf::Gguf;
 use kvfleet_engine::model::hf;
@@ -58,6 +67,41 @@ fn shared_greedy(m: &Llama, prompt: &[u32], want: &[u32]) -> usize {
         .zip(want)
         .take_while(|(top, w)| top == *w)
         .count()
+}
+
+/// Seconds per decode step (one token) on the engine's CPU backend (paged f16 KV) after a
+/// prefill of `prompt`, over `n` greedy steps.
+fn decode_seconds(m: Arc<Llama>, prompt: &[u32], n: usize) -> f64 {
+    let pools = pool_layout(
+        &m.config.kv_layers(m.config.n_kv_heads).unwrap(),
+        0,
+        &PoolParams::pages(KvDtype::F16, 16),
+        PoolSize::Pages(64),
+    )
+    .unwrap();
+    let mut f = CpuForward::new(m, CpuBackend::new(pools).unwrap()).unwrap();
+    let mut planner = DirectPlanner::new(16, &f.kv_config().groups);
+    let mut plan = StepPlan::default();
+    let c = [SeqChunk {
+        seq: 1,
+        start_pos: 0,
+        tokens: prompt,
+        logits: 1,
+    }];
+    let mut logits = step_direct(&mut f, &mut planner, &c, &mut plan).unwrap();
+    let mut toks = prompt.to_vec();
+    let t0 = Instant::now();
+    for _ in 0..n {
+        toks.push(argmax(&logits));
+        let c = [SeqChunk {
+            seq: 1,
+            start_pos: toks.len() - 1,
+            tokens: &toks[toks.len() - 1..],
+            logits: 1,
+        }];
+        logits = step_direct(&mut f, &mut planner, &c, &mut plan).unwrap();
+    }
+    t0.elapsed().as_secs_f64() / n as f64
 }
 
 fn chat_ids(t: &Tokenizer, prompt: &str) -> Vec<u32> {
@@ -113,17 +157,21 @@ fn w4_smollm2_accuracy_figures() {
         let time = |m: &Llama| {
             (0..3)
                 .map(|_| {
-                    let t0 = std::time::Instant::now();
+                    let t0 = Instant::now();
                     m.prompt_logits(&text_ids, |_, _| ()).unwrap();
                     t0.elapsed().as_secs_f64()
                 })
                 .fold(f64::INFINITY, f64::min)
         };
         let (tp, tf) = (time(&m), time(&dense_model));
-        drop(dense_model);
+        let prompt = chat_ids(&tok, "Write a haiku about the sea.");
+        let dp = decode_seconds(Arc::new(m.clone()), &prompt, 16);
+        let df = decode_seconds(Arc::new(dense_model), &prompt, 16);
         eprintln!(
-            "{name}: prefill of {} tokens {tp:.2} s packed, {tf:.2} s with f32 weights",
-            text_ids.len()
+            "{name}: prefill of {} tokens {tp:.2} s packed, {tf:.2} s with f32 weights; decode {:.1} ms a token packed, {:.1} ms with f32 weights",
+            text_ids.len(),
+            dp * 1e3,
+            df * 1e3
         );
         println!(
             "| {name} | {:.1} MB ({:.1}% of f32) | {mean:.3} nats | {max_kl:.2} | {max_logit:.2} | {top1} of {n} ({:.0}%) | {shared} of {total} |",

@@ -143,9 +143,22 @@ impl W4Weight {
                 for (g, &s) in scales.iter().enumerate() {
                     let z = zero(g);
                     let lut: [f32; 16] = std::array::from_fn(|q| (values[q] - z) * s);
-                    let end = ((g + 1) * self.group_size).min(self.cols);
-                    for (c, o) in out.iter_mut().enumerate().take(end).skip(g * self.group_size) {
-                        *o = lut[code(c)];
+                    let (start, end) = (g * self.group_size, ((g + 1) * self.group_size).min(self.cols));
+                    if start % 2 == 0 {
+                        // Two columns a byte (groups start on even columns: sizes are multiples
+                        // of 8); a trailing odd column takes its low nibble alone.
+                        let pairs = out[start..end].chunks_exact_mut(2);
+                        for (pair, b) in pairs.zip(&row[start / 2..]) {
+                            pair[0] = lut[usize::from(b & 0x0f)];
+                            pair[1] = lut[usize::from(b >> 4)];
+                        }
+                        if (end - start) % 2 == 1 {
+                            out[end - 1] = lut[code(end - 1)];
+                        }
+                    } else {
+                        for (c, o) in out.iter_mut().enumerate().take(end).skip(start) {
+                            *o = lut[code(c)];
+                        }
                     }
                 }
             }

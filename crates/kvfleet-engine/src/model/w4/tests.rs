@@ -521,3 +521,33 @@ fn compressed_tensors_weight_g_idx_and_unpacked_int8_zero_points_are_read() {
         assert_eq!(*v, want, "column {c}");
     }
 }
+
+#[test]
+fn an_odd_number_of_columns_dequantizes_its_last_column_from_a_low_nibble() {
+    // One group of 7 columns (compressed-tensors channel scales on an odd in_features).
+    let codes: Vec<u8> = vec![0x10, 0x32, 0x54, 0x06, 0xfe, 0xdc, 0xba, 0x09];
+    let w = W4Weight {
+        method: W4Method::CompressedTensors,
+        rows: 2,
+        cols: 7,
+        codes,
+        group_size: 7,
+        groups: 1,
+        scales: vec![0.5, 2.0],
+        zeros: vec![8, 8],
+        g_idx: None,
+    }
+    .checked()
+    .unwrap();
+    let mut row = [0f32; 7];
+    w.dequantize_row(0, &mut row);
+    assert_eq!(
+        row,
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0].map(|q: f32| (q - 8.0) * 0.5)
+    );
+    w.dequantize_row(1, &mut row);
+    assert_eq!(
+        row,
+        [14.0, 15.0, 12.0, 13.0, 10.0, 11.0, 9.0].map(|q: f32| (q - 8.0) * 2.0)
+    );
+}
