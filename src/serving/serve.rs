@@ -35,6 +35,8 @@ pub enum MountError {
     Unreadable { path: String, reason: String },
     #[error("--quantization fp8 (engine.quantization) quantizes an unquantized checkpoint at load, but {path} is already an FP8 checkpoint (its config.json has an FP8 quantization_config); drop --quantization (spec.engine.quantization): the checkpoint is served as FP8 as it is")]
     AlreadyFp8 { path: String },
+    #[error("--quantization fp8 (engine.quantization) quantizes an unquantized checkpoint at load, but {path} holds {format} weights already; drop --quantization (spec.engine.quantization): the checkpoint is served in its own format")]
+    AlreadyW4 { path: String, format: &'static str },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
 }
@@ -125,6 +127,12 @@ pub fn check_quantization(source: &ModelSource, quantization: EngineQuantization
         return Ok(());
     };
     readable(&dir)?;
+    if let Some(w4) = hf::w4_quantization(&dir).map_err(RuntimeError::from)? {
+        return Err(MountError::AlreadyW4 {
+            path: dir.display().to_string(),
+            format: w4.method.describe(),
+        });
+    }
     match hf::quantization(&dir).map_err(RuntimeError::from)? {
         Some(_) => Err(MountError::AlreadyFp8 {
             path: dir.display().to_string(),

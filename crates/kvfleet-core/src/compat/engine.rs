@@ -19,6 +19,14 @@ const BOTH: Devices = Devices {
     cuda: true,
     cpu: true,
 };
+const CPU: Devices = Devices {
+    cuda: false,
+    cpu: true,
+};
+const NONE: Devices = Devices {
+    cuda: false,
+    cpu: false,
+};
 
 /// One architecture the engine loads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,32 +42,25 @@ pub struct Served {
 /// The architectures the engine loads (GGUF files of llama.cpp's `llama`, `mistral`, `qwen2`,
 /// `qwen3` and `gemma3` architectures are these).
 pub const ARCHITECTURES: &[Served] = &[
-    Served {
-        name: "LlamaForCausalLM",
-        devices: BOTH,
-        safetensors: true,
-    },
-    Served {
-        name: "MistralForCausalLM",
-        devices: BOTH,
-        safetensors: true,
-    },
-    Served {
-        name: "Qwen2ForCausalLM",
-        devices: BOTH,
-        safetensors: true,
-    },
-    Served {
-        name: "Qwen3ForCausalLM",
-        devices: BOTH,
-        safetensors: true,
-    },
-    Served {
-        name: "Gemma3ForCausalLM",
-        devices: BOTH,
-        safetensors: false,
-    },
+    served("LlamaForCausalLM", BOTH, true),
+    served("MistralForCausalLM", BOTH, true),
+    served("Qwen2ForCausalLM", BOTH, true),
+    served("Qwen3ForCausalLM", BOTH, true),
+    served("Gemma3ForCausalLM", BOTH, false),
+    // Mixture of experts: the CPU engine's `model/moe.rs`; the CUDA engine refuses them.
+    served("Qwen3MoeForCausalLM", CPU, true),
+    served("Qwen2MoeForCausalLM", CPU, true),
+    served("OlmoeForCausalLM", CPU, true),
+    served("MixtralForCausalLM", CPU, true),
 ];
+
+const fn served(name: &'static str, devices: Devices, safetensors: bool) -> Served {
+    Served {
+        name,
+        devices,
+        safetensors,
+    }
+}
 
 /// How the engine serves an architecture; `None` for one it does not load.
 pub fn architecture(name: &str) -> Option<Served> {
@@ -81,24 +82,16 @@ pub fn architectures_on(cuda: bool) -> String {
 }
 
 /// Mixture-of-experts layers (router, experts).
-pub const MOE: Devices = Devices {
-    cuda: false,
-    cpu: false,
-};
+pub const MOE: Devices = CPU;
 
 /// Where the engine runs a checkpoint's weight quantization.
 pub fn quantization(q: Quantization) -> Devices {
     match q {
         Quantization::None | Quantization::Fp8 | Quantization::Gguf => BOTH,
-        Quantization::Awq
-        | Quantization::Gptq
-        | Quantization::W4a16
-        | Quantization::Mxfp4
-        | Quantization::Int8
-        | Quantization::Nvfp4 => Devices {
-            cuda: false,
-            cpu: false,
-        },
+        // Packed 4-bit linear layers on the CPU engine (model/w4/); no GPU kernels yet.
+        Quantization::Awq | Quantization::Gptq | Quantization::W4a16 => CPU,
+        // MXFP4 comes with gpt-oss's experts, which no engine serves yet.
+        Quantization::Mxfp4 | Quantization::Int8 | Quantization::Nvfp4 => NONE,
     }
 }
 
@@ -140,7 +133,13 @@ mod tests {
             architectures_on(true),
             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and Gemma3ForCausalLM"
         );
+        assert_eq!(
+            architectures_on(false),
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, \
+             Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, OlmoeForCausalLM and MixtralForCausalLM"
+        );
         assert!(quantizations_on(true).starts_with("none, fp8"));
-        assert!(architecture("Qwen3MoeForCausalLM").is_none());
+        assert!(architecture("GptOssForCausalLM").is_none());
+        assert_eq!(quantizations_on(false), "none, fp8, awq, gptq, w4a16, gguf");
     }
 }

@@ -697,6 +697,9 @@ pub static KVFLEET_RULES: &[Rule] = &[
             let cuda = c.backend == B::KvfleetCuda;
             let on = if cuda { "CUDA engine" } else { "CPU engine" };
             match engine::architecture(a) {
+                Some(s) if cuda && s.devices.cpu => {
+                    format!("kvfleet's {on} does not serve {a} yet (its CPU engine does)")
+                }
                 Some(_) => format!("kvfleet's {on} does not serve {a} yet"),
                 None => format!("kvfleet's engine does not load {a}; its {on} serves {}", engine::architectures_on(cuda)),
             }

@@ -290,10 +290,12 @@ fn table() -> Vec<(Runtime, &'static str, Model, D, B, Want)> {
         (K, "9.0", LlamaAwq4, D::Auto, B::Auto, Denied("kvfleet.weight-quantization-served", "does not run awq weights")),
         (K, "9.0", LlamaNvfp4, D::Auto, B::KvfleetCuda, Denied("kvfleet.weight-quantization-served", "Blackwell")),
         (K, "9.0", LlamaMxfp4, D::Auto, B::KvfleetCpu, Denied("kvfleet.weight-quantization-served", "CPU engine")),
+        (K, "9.0", LlamaGptq, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         // --- model architectures and mixture of experts (compat::engine)
-        (K, "9.0", Qwen3Moe, D::Auto, B::Auto, Denied("kvfleet.architecture-served", "does not load Qwen3MoeForCausalLM")),
+        (K, "9.0", Qwen3Moe, D::Auto, B::Auto, Denied("kvfleet.architecture-served", "CUDA engine does not serve Qwen3MoeForCausalLM yet")),
+        (K, "9.0", Qwen3Moe, D::Auto, B::KvfleetCpu, Runs(D::Bfloat16, B::KvfleetCpu)),
         (K, "9.0", Gpt2, D::Auto, B::KvfleetCpu, Denied("kvfleet.architecture-served", "CPU engine serves LlamaForCausalLM")),
-        (K, "9.0", AnonymousMoe, D::Auto, B::Auto, Denied("kvfleet.moe-served", "mixture-of-experts")),
+        (K, "9.0", AnonymousMoe, D::Auto, B::Auto, Denied("kvfleet.moe-served", "CUDA engine does not run mixture-of-experts")),
         (V, "9.0", Qwen3Moe, D::Auto, B::Auto, Runs(D::Bfloat16, B::FlashAttn)),
 
         // --- kvfleet: our engine (kernels/)

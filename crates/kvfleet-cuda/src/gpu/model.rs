@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use kvfleet_engine::model::linear::LinearQuantization;
 use kvfleet_engine::model::llama::{Llama, LlamaConfig};
 use kvfleet_engine::model::proposer::Proposer;
 
@@ -87,6 +88,14 @@ impl GpuLlama {
     /// Uploads a CPU model's weights (bf16; norms, biases and RoPE frequencies f32) and
     /// allocates the KV cache in the free memory left.
     pub fn from_llama(gpu: Arc<Gpu>, model: &Llama, opts: &GpuOptions) -> Result<Self, GpuError> {
+        // 4-bit checkpoints load packed for the CPU engine; no kernel here reads them yet, so
+        // refuse before any upload rather than fail on the packed layers later.
+        if let LinearQuantization::W4A16(method) = model.quantization() {
+            return Err(GpuError::Unsupported(format!(
+                "its linear layers are {} weights, which kvfleet's CUDA engine does not run yet (the CPU engine does; or serve the checkpoint with runtime: vllm)",
+                method.describe()
+            )));
+        }
         Self::check_shapes(&model.config)?;
         Self::check_fp8(&gpu, &model.config, opts)?;
         let kernels = ModelKernels::load(&gpu, opts.fp8_weights, &opts.tuning)?;

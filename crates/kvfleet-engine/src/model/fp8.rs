@@ -180,7 +180,7 @@ impl Fp8Config {
             }
             other => Err(err(
                 format!("{QC}.quant_method"),
-                format!("`{other}` is not supported by kvfleet's safetensors loader; it reads fp8 and compressed-tensors FP8 (for other quantizations serve a GGUF file)"),
+                format!("`{other}` is not supported by kvfleet's safetensors loader; it reads fp8, compressed-tensors (FP8 and W4A16 pack-quantized), awq, gptq and mxfp4 (for other quantizations serve a GGUF file)"),
             )),
         }
     }

@@ -27,6 +27,7 @@ use super::llama::{Llama, LlamaConfig, LoadError};
 pub use super::moe::MOE_ARCHITECTURES;
 use super::moe::{self, Moe};
 use super::tokenizer::{Tokenizer, TokenizerError};
+use super::w4::{RawTensor, W4Config, W4Error};
 
 /// `architectures[0]` of `config.json` -> kvfleet's architecture name: the Hugging Face
 /// architectures the CPU engine serves (the CUDA engine all but [`MOE_ARCHITECTURES`]).
@@ -124,6 +125,12 @@ pub enum HfError {
         path: PathBuf,
         #[source]
         source: Fp8ConfigError,
+    },
+    #[error("{}: {source}", path.display())]
+    W4 {
+        path: PathBuf,
+        #[source]
+        source: W4Error,
     },
     #[error("{}: FP8 weight `{tensor}`: {msg}", path.display())]
     Fp8Scale {
@@ -540,6 +547,19 @@ impl Safetensors {
         }
     }
 
+    /// Tensor `name` as stored (shape, dtype, bytes), when held: the packed tensors of 4-bit
+    /// checkpoints, read by [`super::w4`].
+    pub fn raw(&self, name: &str) -> Option<RawTensor<'_>> {
+        let shard = &self.shards[*self.index.get(name)?];
+        let info = shard.meta.info(name)?;
+        let (a, b) = info.data_offsets;
+        Some(RawTensor {
+            shape: &info.shape,
+            dtype: info.dtype,
+            data: &shard.mmap[shard.data_start + a..shard.data_start + b],
+        })
+    }
+
     /// The shape and dtype of tensor `name`, when held.
     pub fn info(&self, name: &str) -> Option<(Vec<usize>, Dtype)> {
         let shard = &self.shards[*self.index.get(name)?];
@@ -644,34 +664,68 @@ pub fn hf_tensor_name(gguf: &str) -> String {
 /// Loads the model of a checkpoint directory.
 pub fn load_model(dir: &Path) -> Result<Llama, HfError> {
     let cfg = HfConfig::load(dir)?;
+    let w4 = w4_quantization(dir)?;
     quantization(dir)?;
     let st = Safetensors::open(dir)?;
     let (arch, experts) = (
         cfg.llama.arch.clone(),
         cfg.llama.moe.as_ref().map_or(0, |m| m.experts),
     );
-    Llama::from_tensors(cfg.llama, cfg.rope_freq_factors.as_deref(), |name, shape| {
-        match moe::hf_tensor_names(&arch, name, experts) {
-            // An MoE tensor: one of the checkpoint's, or its experts' stacked.
-            Some(names) if names.len() > 1 => {
-                let mut all = Vec::with_capacity(shape.iter().product());
-                for n in names {
-                    all.extend(st.tensor_f32(&n, &shape[1..])?);
-                }
-                Ok(all)
+    let source = |name: &str, shape: &[usize]| match moe::hf_tensor_names(&arch, name, experts) {
+        // An MoE tensor: one of the checkpoint's, or its experts' stacked.
+        Some(names) if names.len() > 1 => {
+            let mut all = Vec::with_capacity(shape.iter().product());
+            for n in names {
+                all.extend(st.tensor_f32(&n, &shape[1..])?);
             }
-            Some(names) => st.tensor_f32(&names[0], shape),
-            None => st.tensor_f32(&hf_tensor_name(name), shape),
+            Ok(all)
         }
-    })
+        Some(names) => st.tensor_f32(&names[0], shape),
+        None => st.tensor_f32(&hf_tensor_name(name), shape),
+    };
+    let Some(w4) = w4 else {
+        return Llama::from_tensors(cfg.llama, cfg.rope_freq_factors.as_deref(), source);
+    };
+    // 4-bit checkpoints: each projection stays packed ([`super::w4`]).
+    let path = dir.to_path_buf();
+    let linear = |name: &str, rows: usize, cols: usize| {
+        let hf = hf_tensor_name(name);
+        let stem = hf.strip_suffix(".weight").unwrap_or(&hf);
+        w4.load_linear(stem, rows, cols, |n| st.raw(n))
+            .map(|w| w.map(super::linear::Linear::from_w4))
+            .map_err(|source| HfError::W4 {
+                path: path.clone(),
+                source,
+            })
+    };
+    Llama::from_tensors_packed(cfg.llama, cfg.rope_freq_factors.as_deref(), source, linear)
 }
 
-/// The checkpoint's FP8 `quantization_config`, validated: `None` for an unquantized one; an
-/// error naming the field for one kvfleet cannot read (block-wise, integer, other methods).
+/// The checkpoint's FP8 `quantization_config`, validated: `None` for an unquantized one and
+/// for a 4-bit one ([`w4_quantization`]); an error naming the field for one kvfleet cannot
+/// read (block-wise, other methods).
 pub fn quantization(dir: &Path) -> Result<Option<Fp8Config>, HfError> {
     let path = config_path(dir);
     let raw: serde_json::Value = parse_json(&path, &read(&path)?)?;
+    if W4Config::from_config_json(&raw)
+        .map_err(|source| HfError::W4 {
+            path: path.clone(),
+            source,
+        })?
+        .is_some()
+    {
+        return Ok(None);
+    }
     Fp8Config::from_config_json(&raw).map_err(|source| HfError::Quantization { path, source })
+}
+
+/// The checkpoint's 4-bit `quantization_config` (AWQ, GPTQ, compressed-tensors W4A16,
+/// MXFP4), validated: `None` when it has none or another one; an error naming the field for a
+/// 4-bit variant kvfleet cannot read.
+pub fn w4_quantization(dir: &Path) -> Result<Option<W4Config>, HfError> {
+    let path = config_path(dir);
+    let raw: serde_json::Value = parse_json(&path, &read(&path)?)?;
+    W4Config::from_config_json(&raw).map_err(|source| HfError::W4 { path, source })
 }
 
 /// Loads `tokenizer.json` (and `tokenizer_config.json`, `generation_config.json` when present)
@@ -952,7 +1006,14 @@ mod tests {
                 r#"{"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}}}"#,
                 "quantization_config.config_groups.g.weights.type",
             ),
-            (r#"{"quant_method": "gptq"}"#, "quantization_config.quant_method"),
+            (
+                r#"{"quant_method": "bitsandbytes"}"#,
+                "quantization_config.quant_method",
+            ),
+            (
+                r#"{"quant_method": "gptq", "bits": 8, "group_size": 128}"#,
+                "quantization_config.bits",
+            ),
         ] {
             std::fs::write(
                 tmp.join("config.json"),
@@ -975,6 +1036,25 @@ mod tests {
             let served =
                 engine::architecture(hf).unwrap_or_else(|| panic!("{hf} has no row in compat::engine"));
             assert!(served.safetensors && served.devices.cpu, "{hf}: {served:?}");
+            assert_eq!(served.devices.cuda, cuda_serves(hf), "{hf}");
+        }
+        assert!(
+            !engine::MOE.cuda && engine::MOE.cpu,
+            "the CUDA engine refuses every MoE family"
+        );
+        // The weight formats: the CPU engine runs a quantization whose quant_method its
+        // loader reads; the CUDA engine refuses them all at load.
+        use kvfleet_core::compat::Quantization as Q;
+        for (q, method) in [
+            (Q::Awq, "awq"),
+            (Q::Gptq, "gptq"),
+            (Q::W4a16, "compressed-tensors"),
+        ] {
+            assert!(super::super::w4::CPU_QUANT_METHODS.contains(&method), "{method}");
+            assert!(
+                engine::quantization(q).cpu && !engine::quantization(q).cuda,
+                "{q}"
+            );
         }
         for served in engine::ARCHITECTURES.iter().filter(|a| a.safetensors) {
             assert!(

@@ -6,8 +6,10 @@
 //! holds and applies a layer's weights; the model never names a kernel).
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use super::fp8::{fake_quantize_rows, quantize_rows};
+use super::w4::{W4Method, W4Weight};
 use kvfleet_gemm::matmul_t;
 
 /// How the linear layers (Q, K, V, O, gate, up, down) compute. Embeddings, norms and the
@@ -25,6 +27,9 @@ pub enum LinearQuantization {
     /// computes what an FP8 GEMM with per-channel and per-token scales does, up to the f32
     /// summation order; this is the reference of the GPU's FP8 path.
     Fp8,
+    /// 4-bit weights as a checkpoint stores them ([`super::w4`]), kept packed and dequantized
+    /// a tile of rows at a time inside the product; activations stay f32.
+    W4A16(W4Method),
 }
 
 /// One projection: its weight `[out, in]` row-major in f32 (as loaded, or the dequantized
@@ -34,6 +39,8 @@ pub struct Linear {
     w: Vec<f32>,
     cols: usize,
     format: LinearQuantization,
+    /// A packed 4-bit weight (`w` is then empty); shared, so cloning a model copies no weights.
+    packed: Option<Arc<W4Weight>>,
 }
 
 impl Linear {
@@ -43,15 +50,50 @@ impl Linear {
             w,
             cols,
             format: LinearQuantization::None,
+            packed: None,
+        }
+    }
+
+    /// A projection whose weight stays packed in 4 bits ([`LinearQuantization::W4A16`]).
+    pub fn from_w4(w: W4Weight) -> Self {
+        Linear {
+            w: Vec::new(),
+            cols: w.cols,
+            format: LinearQuantization::W4A16(w.method),
+            packed: Some(Arc::new(w)),
+        }
+    }
+
+    /// The packed 4-bit weight, when the format is [`LinearQuantization::W4A16`].
+    pub fn w4(&self) -> Option<&W4Weight> {
+        self.packed.as_deref()
+    }
+
+    /// Inputs (columns of the weight).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The same projection with its weight as f32 values (a packed weight dequantized; the
+    /// others cloned): the reference a packed product is compared with.
+    pub fn dequantized(&self) -> Linear {
+        match &self.packed {
+            Some(p) => Linear::new(p.dequantize(), self.cols),
+            None => self.clone(),
         }
     }
 
     /// Outputs (rows of the weight).
     pub fn rows(&self) -> usize {
-        self.w.len() / self.cols.max(1)
+        match &self.packed {
+            Some(p) => p.rows,
+            None => self.w.len() / self.cols.max(1),
+        }
     }
 
     /// The weight `[out, in]` as the products use it (FP8: the dequantized e4m3 values).
+    /// Empty for a packed 4-bit weight ([`Linear::w4`] holds it; [`Linear::dequantized`]
+    /// expands it).
     pub fn weight(&self) -> &[f32] {
         &self.w
     }
@@ -62,6 +104,9 @@ impl Linear {
 
     /// `out = x W^T` for the `t` rows of `x` (`[t, in]` into `[t, out]`).
     pub fn project(&self, x: &[f32], t: usize, out: &mut [f32]) {
+        if let Some(p) = &self.packed {
+            return p.project(x, t, out);
+        }
         let x = self.input(x);
         matmul_t(&x, t, self.cols, &self.w, self.rows(), out);
     }
@@ -70,7 +115,7 @@ impl Linear {
     /// dequantized (a copy; the unquantized path copies nothing).
     fn input<'a>(&self, x: &'a [f32]) -> Cow<'a, [f32]> {
         match self.format {
-            LinearQuantization::None => Cow::Borrowed(x),
+            LinearQuantization::None | LinearQuantization::W4A16(_) => Cow::Borrowed(x),
             LinearQuantization::Fp8 => {
                 let mut q = x.to_vec();
                 fake_quantize_rows(&mut q, self.cols);
@@ -81,9 +126,13 @@ impl Linear {
 
     /// Switches to FP8 W8A8 ([`LinearQuantization::Fp8`]): the weight becomes its
     /// per-output-channel e4m3 quantization, dequantized to f32 ([`quantize_rows`]). A second
-    /// call does nothing.
+    /// call does nothing, and so does a call on a packed 4-bit weight (quantized already: the
+    /// worker refuses `--quantization fp8` for such a checkpoint).
     pub fn quantize_fp8(&mut self) {
-        if self.format == LinearQuantization::Fp8 {
+        if matches!(
+            self.format,
+            LinearQuantization::Fp8 | LinearQuantization::W4A16(_)
+        ) {
             return;
         }
         self.w = quantize_rows(&self.w, self.rows(), self.cols).dequantize();

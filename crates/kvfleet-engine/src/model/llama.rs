@@ -692,9 +692,13 @@ impl Llama {
     /// Switches the model to FP8 W8A8 ([`LinearQuantization::Fp8`]): every linear layer's
     /// weight becomes its per-output-channel e4m3 quantization, dequantized to f32, and from
     /// now on each linear layer's input is quantized per token ([`Linear::quantize_fp8`]).
-    /// Embeddings, norms, biases and the LM head stay as loaded. A second call does nothing.
+    /// Embeddings, norms, biases and the LM head stay as loaded. A second call does nothing,
+    /// and so does a call on a model whose linear layers are packed 4-bit weights.
     pub fn quantize_fp8(&mut self) {
-        if self.quantization == LinearQuantization::Fp8 {
+        if matches!(
+            self.quantization,
+            LinearQuantization::Fp8 | LinearQuantization::W4A16(_)
+        ) {
             return;
         }
         self.layers.par_iter_mut().for_each(|l| {

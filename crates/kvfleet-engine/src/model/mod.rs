@@ -18,6 +18,7 @@ pub mod moe;
 pub mod paged;
 pub mod sampling;
 pub mod tokenizer;
+pub mod w4;
 pub mod weights;
 
 pub use forward::proposer;

@@ -28,13 +28,39 @@ enum Optional {
 }
 
 /// Reads tensors by GGUF name with their logical shape (`[out, in]` or `[n]`), checking each
-/// has as many elements.
-struct Reader<S, H> {
+/// has as many elements. `linear` may supply a projection in a packed format (4-bit
+/// checkpoints, [`super::w4`]); where it gives none the f32 tensor is read.
+struct Reader<S, H, L> {
     source: S,
     has: H,
+    linear: L,
 }
 
-impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
+/// A linear hook that supplies no packed weight.
+fn no_packed<E>(_: &str, _: usize, _: usize) -> Result<Option<Linear>, E> {
+    Ok(None)
+}
+
+impl<S, H: Fn(Optional, &str) -> bool, L> Reader<S, H, L> {
+    /// Projection `name` (`[rows, cols]`): packed as `linear` gives it, else f32.
+    fn lin<E>(&mut self, name: &str, rows: usize, cols: usize) -> Result<Linear, E>
+    where
+        S: FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
+        L: FnMut(&str, usize, usize) -> Result<Option<Linear>, E>,
+        E: From<LoadError>,
+    {
+        match (self.linear)(name, rows, cols)? {
+            Some(l) if l.rows() == rows && l.cols() == cols => Ok(l),
+            Some(l) => Err(LoadError::Shape {
+                name: name.into(),
+                got: l.rows() * l.cols(),
+                want: rows * cols,
+            }
+            .into()),
+            None => Ok(Linear::new(self.get(name, &[rows, cols])?, cols)),
+        }
+    }
+
     fn get<E>(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, E>
     where
         S: FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
@@ -70,6 +96,7 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
     fn model<E>(mut self, cfg: LlamaConfig, freq_factors: Option<&[f32]>) -> Result<Llama, E>
     where
         S: FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
+        L: FnMut(&str, usize, usize) -> Result<Option<Linear>, E>,
         E: From<LoadError>,
     {
         if let Some(f) = freq_factors {
@@ -121,7 +148,7 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
             let mlp = |r: &mut Self, name: &str, shape: [usize; 2]| -> Result<Linear, E> {
                 match ff {
                     0 => Ok(Linear::new(Vec::new(), shape[1])),
-                    _ => Ok(Linear::new(r.get(&n(name), &shape)?, shape[1])),
+                    _ => r.lin(&n(name), shape[0], shape[1]),
                 }
             };
             let post_norm = |r: &mut Self, name: &str| -> Result<Option<Vec<f32>>, E> {
@@ -132,10 +159,10 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
             };
             layers.push(Layer {
                 attn_norm: self.get(&n("attn_norm.weight"), &[d])?,
-                wq: Linear::new(self.get(&n("attn_q.weight"), &[qw, d])?, d),
-                wk: Linear::new(self.get(&n("attn_k.weight"), &[kw, d])?, d),
-                wv: Linear::new(self.get(&n("attn_v.weight"), &[kw, d])?, d),
-                wo: Linear::new(self.get(&n("attn_output.weight"), &[d, qw])?, qw),
+                wq: self.lin(&n("attn_q.weight"), qw, d)?,
+                wk: self.lin(&n("attn_k.weight"), kw, d)?,
+                wv: self.lin(&n("attn_v.weight"), kw, d)?,
+                wo: self.lin(&n("attn_output.weight"), d, qw)?,
                 bq: self.opt(Optional::Bias, &n("attn_q.bias"), &[qw])?,
                 bk: self.opt(Optional::Bias, &n("attn_k.bias"), &[kw])?,
                 bv: self.opt(Optional::Bias, &n("attn_v.bias"), &[kw])?,
@@ -156,11 +183,22 @@ impl<S, H: Fn(Optional, &str) -> bool> Reader<S, H> {
             lm_head: self.opt(Optional::Head, "output.weight", &[cfg.vocab, d])?,
             inv_freq: inv_freq(&cfg, freq_factors),
             inv_freq_local: inv_freq_local(&cfg),
+            quantization: packed_format(&layers),
             layers,
             config: cfg,
-            quantization: LinearQuantization::None,
         })
     }
+}
+
+/// The model's linear format when a loader kept its projections packed (the first packed one
+/// found: a checkpoint has one method), else [`LinearQuantization::None`].
+fn packed_format(layers: &[Layer]) -> LinearQuantization {
+    layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+        .map(Linear::format)
+        .find(|f| matches!(f, LinearQuantization::W4A16(_)))
+        .unwrap_or(LinearQuantization::None)
 }
 
 impl Llama {
@@ -171,6 +209,7 @@ impl Llama {
         let mut reader = Reader {
             source,
             has: |_: Optional, name: &str| g.tensor_info(name).is_some(),
+            linear: no_packed::<LoadError>,
         };
         let factors = reader.opt(Optional::RopeFactors, "rope_freqs.weight", &[cfg.rope_dims / 2])?;
         reader.model(cfg, factors.as_deref())
@@ -187,6 +226,18 @@ impl Llama {
         freq_factors: Option<&[f32]>,
         source: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
     ) -> Result<Self, E> {
+        Self::from_tensors_packed(cfg, freq_factors, source, no_packed::<E>)
+    }
+
+    /// [`Llama::from_tensors`] with `linear(name, rows, cols)` asked first for each projection
+    /// (`blk.N.attn_q.weight`, ...): a packed [`Linear`] it returns is kept as it is (4-bit
+    /// checkpoints), `None` reads the f32 tensor through `source`.
+    pub fn from_tensors_packed<E: From<LoadError>>(
+        cfg: LlamaConfig,
+        freq_factors: Option<&[f32]>,
+        source: impl FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
+        linear: impl FnMut(&str, usize, usize) -> Result<Option<Linear>, E>,
+    ) -> Result<Self, E> {
         cfg.check()?;
         if cfg.gemma3.is_some() {
             let what = "gemma3 from a Hugging Face checkpoint (load its GGUF file instead)";
@@ -201,6 +252,7 @@ impl Llama {
                 Optional::Head => head,
                 Optional::RopeFactors => false,
             },
+            linear,
         };
         reader.model(cfg, freq_factors)
     }
@@ -305,7 +357,39 @@ pub struct LlamaTensors<'a> {
 }
 
 impl Llama {
-    /// The model's weights, e.g. to upload them to a GPU (`model::gpu`).
+    /// The same model with every packed (4-bit) projection dequantized to f32: what a packed
+    /// model computes, in the f32 path (tests and accuracy figures; a copy of every weight).
+    pub fn dequantized(&self) -> Llama {
+        let mut m = self.clone();
+        for l in &mut m.layers {
+            for w in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ] {
+                *w = w.dequantized();
+            }
+        }
+        m.quantization = packed_format(&m.layers);
+        m
+    }
+
+    /// Bytes the blocks' linear layers hold on the host: f32 values, or a packed weight's
+    /// codes, scales, zeros and `g_idx` ([`super::w4::W4Weight::bytes`]).
+    pub fn linear_weight_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|w| w.w4().map_or(w.weight().len() * 4, |p| p.bytes()))
+            .sum()
+    }
+
+    /// The model's weights, e.g. to upload them to a GPU (`model::gpu`). A packed (4-bit)
+    /// projection's slice is empty: check [`Llama::quantization`] first.
     pub fn tensors(&self) -> LlamaTensors<'_> {
         LlamaTensors {
             embed: &self.embed,
