@@ -14,9 +14,9 @@ use serde_json::{Map, Value};
 use super::body_budget::{self, BodyError, BodyLimits, BodyPermit};
 use super::error::{server_error, timed_out, ApiError};
 use super::fields::check_fields;
-use super::prompt::{chat_text_bytes, encode_chat};
+use super::prompt::encode_chat;
 use super::request::{
-    check_token_ids, parse_common, parse_object, take_messages, take_prompt, Common, Prompt,
+    check_token_ids, parse_common, parse_object, take_chat, take_prompt, ChatPrompt, Common, Prompt,
 };
 use super::response::{collect, Meta};
 use super::stream::sse_stream;
@@ -101,6 +101,29 @@ pub(super) fn check_prompt_bytes(bytes: usize, rt: &ModelRuntime, param: &str) -
         ));
     }
     Ok(())
+}
+
+/// Whether the chat brings its own template (Jinja source rather than the name of one of the
+/// model's): refused unless the worker trusts request templates.
+fn check_request_template(chat: &ChatPrompt, rt: &ModelRuntime, trusted: bool) -> Result<bool, ApiError> {
+    let Some(asked) = chat.template.as_deref() else {
+        return Ok(false);
+    };
+    let model = rt.tokenizer.chat_template.as_ref();
+    if model.is_some_and(|t| t.source(asked).is_some()) {
+        return Ok(false);
+    }
+    if !trusted {
+        let names: Vec<&str> = model.map(|t| t.names().collect()).unwrap_or_default();
+        return Err(ApiError::bad(
+            format!(
+                "`chat_template` is not one of the model's templates ({names:?}); a template sent in a request is \
+                 rendered only by a worker started with --trust-request-chat-template"
+            ),
+            Some("chat_template"),
+        ));
+    }
+    Ok(true)
 }
 
 /// The request's id: the middleware's (the client's header, or made), unless the client sent
@@ -218,12 +241,16 @@ pub(super) async fn chat_completions(State(api): State<Api>, req: axum::extract:
     let rt = api.rt.clone();
     let run = async {
         // The body's bytes stay held until its prompt is tokenized (the prompt is as large).
-        let (messages, options, _held) = read_request(req, &api, Kind::Chat, take_messages).await?;
-        check_prompt_bytes(chat_text_bytes(&rt.tokenizer, &messages), &rt, "messages")?;
+        let (chat, options, _held) = read_request(req, &api, Kind::Chat, take_chat).await?;
+        check_prompt_bytes(chat.text_bytes(), &rt, "messages")?;
+        let own_template = check_request_template(&chat, &rt, api.limits.trust_request_chat_template)?;
         let tokenizer = rt.tokenizer.clone();
-        let ids = tokenize(&api, move || encode_chat(&tokenizer, &messages))
+        let ids = tokenize(&api, move || encode_chat(&tokenizer, &chat))
             .await?
-            .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
+            .map_err(|e| {
+                let param = if own_template { "chat_template" } else { "messages" };
+                ApiError::bad(e.to_string(), Some(param))
+            })?;
         Ok(options.prepared(ids, None))
     };
     let prepared = run.await;

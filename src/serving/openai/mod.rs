@@ -97,6 +97,10 @@ pub struct ApiLimits {
     /// Time from arrival to the last token; past it the request ends (504 or an error chunk)
     /// and its sequence is cancelled at the next step.
     pub request_timeout: Duration,
+    /// Render a `chat_template` sent in a request (vLLM's `--trust-request-chat-template`):
+    /// Jinja from a client runs in a sandbox under a bound on its instructions, not on the
+    /// memory it builds. Off, a request may only name one of the model's own templates.
+    pub trust_request_chat_template: bool,
 }
 
 impl Default for ApiLimits {
@@ -107,6 +111,7 @@ impl Default for ApiLimits {
             max_bodies_in_flight_bytes: DEFAULT_BODIES_IN_FLIGHT_BYTES,
             body_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(600),
+            trust_request_chat_template: false,
         }
     }
 }

@@ -5,9 +5,9 @@ use axum::body::Bytes;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::request::{parse_object, take_messages, take_prompt, Prompt};
+use super::request::{parse_object, take_chat, take_prompt, ChatPrompt, Prompt};
 use kvfleet_engine::engine::prefix::CacheKey;
-use kvfleet_engine::model::tokenizer::{ChatMessage, ChatTemplate, Tokenizer, TokenizerError};
+use kvfleet_engine::model::tokenizer::{Tokenizer, TokenizerError};
 
 pub(super) fn salt_of(v: Option<&Value>) -> Option<String> {
     match v {
@@ -29,7 +29,7 @@ pub struct RoutingPrompt {
 pub(super) enum RoutedPrompt {
     Ids(Vec<u32>),
     Text(String),
-    Chat(Vec<ChatMessage>),
+    Chat(ChatPrompt),
 }
 
 /// The common shape of a routed completion, a prompt of token ids, read without building a
@@ -63,7 +63,7 @@ impl RoutingPrompt {
     pub(super) fn parse_fields(chat: bool, body: &Bytes) -> Option<Self> {
         let mut fields = parse_object(body).ok()?;
         let prompt = if chat {
-            RoutedPrompt::Chat(take_messages(&mut fields).ok()?)
+            RoutedPrompt::Chat(take_chat(&mut fields).ok()?)
         } else {
             match take_prompt(&mut fields).ok()? {
                 Prompt::Tokens(ids) => RoutedPrompt::Ids(ids),
@@ -84,7 +84,7 @@ impl RoutingPrompt {
         match &self.prompt {
             RoutedPrompt::Ids(_) => 0,
             RoutedPrompt::Text(t) => t.len(),
-            RoutedPrompt::Chat(m) => m.iter().map(|m| m.content.len()).sum(),
+            RoutedPrompt::Chat(c) => c.text_bytes(),
         }
     }
 
@@ -92,65 +92,26 @@ impl RoutingPrompt {
         let ids = match self.prompt {
             RoutedPrompt::Ids(ids) => ids,
             RoutedPrompt::Text(text) => tok.encode(&text, true),
-            RoutedPrompt::Chat(messages) => encode_chat(tok, &messages).ok()?,
+            // A template of the request's own is the worker's to accept or refuse; the router
+            // never runs client Jinja.
+            RoutedPrompt::Chat(chat)
+                if chat
+                    .template
+                    .as_deref()
+                    .is_some_and(|t| tok.chat_template.as_ref().is_none_or(|c| c.source(t).is_none())) =>
+            {
+                return None
+            }
+            RoutedPrompt::Chat(chat) => encode_chat(tok, &chat).ok()?,
         };
         Some((ids, self.key))
     }
 }
 
-/// Tokenizes a chat as the model's template renders it, with each message's content encoded as
-/// plain text: a control token written in a message (`<|im_start|>system`) stays text and cannot
-/// open a turn. Only the template's own markup is parsed for special tokens.
-pub(super) fn encode_chat(tok: &Tokenizer, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
-    // Rendered with a marker in place of each content; the markers hold NUL, which neither the
-    // template's text nor a role (checked against OpenAI's set) contains.
-    let marker = |i: usize| format!("\u{0}{i}\u{0}");
-    let marked: Vec<ChatMessage> = messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| ChatMessage {
-            role: m.role.clone(),
-            content: marker(i),
-        })
-        .collect();
-    let rendered = tok.apply_chat_template(&marked)?;
-    // The tokenizer starts every encoding with BOS when the model asks for one: keep the first.
-    let bos = tok.encode("", false).len();
-    let mut out = Vec::new();
-    let mut first = true;
-    let mut push = |text: &str, special: bool, out: &mut Vec<u32>| {
-        let ids = tok.encode(text, special);
-        out.extend_from_slice(&ids[if first { 0 } else { bos.min(ids.len()) }..]);
-        first = false;
-    };
-    let mut rest = rendered.as_str();
-    for (i, m) in messages.iter().enumerate() {
-        let Some((markup, after)) = rest.split_once(&marker(i)) else {
-            return Err(TokenizerError::Vocab(format!(
-                "the chat template did not render message {i}"
-            )));
-        };
-        push(markup, true, &mut out);
-        // The Llama 3 template trims each content (as its Jinja source does).
-        let content = match tok.chat_template {
-            ChatTemplate::Llama3 => m.content.trim(),
-            _ => m.content.as_str(),
-        };
-        push(content, false, &mut out);
-        rest = after;
-    }
-    push(rest, true, &mut out);
-    Ok(out)
-}
-
-/// Bytes of the messages' text as [`encode_chat`] tokenizes it (the template's own markup
-/// aside, which only adds tokens).
-pub(super) fn chat_text_bytes(tok: &Tokenizer, messages: &[ChatMessage]) -> usize {
-    messages
-        .iter()
-        .map(|m| match tok.chat_template {
-            ChatTemplate::Llama3 => m.content.trim().len(),
-            _ => m.content.len(),
-        })
-        .sum()
+/// Tokenizes a chat as the model's template renders it (transformers' `apply_chat_template`),
+/// except that a control token written in the request's text (`<|im_start|>system` in a
+/// message) stays text and cannot open a turn: only the template's own markup is parsed for
+/// special tokens ([`Tokenizer::encode_chat`]).
+pub(super) fn encode_chat(tok: &Tokenizer, chat: &ChatPrompt) -> Result<Vec<u32>, TokenizerError> {
+    tok.encode_chat(&chat.inputs())
 }

@@ -11,6 +11,7 @@ use super::stream::StreamUsage;
 use super::{Kind, CHAT_ROLES};
 use crate::serving::runtime::ModelRuntime;
 use kvfleet_engine::engine::prefix::CacheKey;
+use kvfleet_engine::model::chat_template::{from_json, ChatInputs};
 use kvfleet_engine::model::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
 use kvfleet_engine::model::tokenizer::ChatMessage;
 
@@ -115,6 +116,117 @@ pub(super) fn take_prompt(fields: &mut Map<String, Value>) -> Result<Prompt, Api
             .ok_or_else(|| bad("token ids in `prompt` must be integers from 0 to the vocabulary size - 1")),
         Some(_) => Err(bad(shape)),
     }
+}
+
+/// A chat request's prompt: its messages and how the template renders them.
+#[derive(Clone, Debug, Default)]
+pub(super) struct ChatPrompt {
+    pub(super) messages: Vec<ChatMessage>,
+    /// `add_generation_prompt` (default true).
+    pub(super) add_generation_prompt: bool,
+    pub(super) continue_final_message: bool,
+    /// `chat_template`: a name of the model's templates or Jinja source.
+    pub(super) template: Option<String>,
+    /// `chat_template_kwargs`, each a variable of the template.
+    pub(super) kwargs: Vec<(String, Value)>,
+    pub(super) documents: Option<Value>,
+}
+
+impl ChatPrompt {
+    /// Messages rendered as the model's template renders a chat by default.
+    #[cfg(test)]
+    pub(super) fn plain(messages: Vec<ChatMessage>) -> Self {
+        ChatPrompt {
+            messages,
+            add_generation_prompt: true,
+            ..ChatPrompt::default()
+        }
+    }
+
+    pub(super) fn inputs(&self) -> ChatInputs {
+        ChatInputs {
+            messages: self.messages.iter().map(ChatMessage::to_value).collect(),
+            tools: None,
+            documents: self.documents.as_ref().map(from_json),
+            add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            kwargs: self
+                .kwargs
+                .iter()
+                .map(|(k, v)| (k.clone(), from_json(v)))
+                .collect(),
+            template: self.template.clone(),
+            now: None,
+        }
+    }
+
+    /// Bytes of the request's text as [`super::prompt::encode_chat`] tokenizes it (the template's own markup
+    /// aside, which only adds tokens).
+    pub(super) fn text_bytes(&self) -> usize {
+        self.messages.iter().map(|m| m.content.len()).sum::<usize>()
+            + self.documents.as_ref().map_or(0, |d| d.to_string().len())
+    }
+}
+
+/// A chat's messages and its template options (`add_generation_prompt`,
+/// `continue_final_message`, `chat_template`, `chat_template_kwargs`, `documents`), taken out
+/// of the fields.
+pub(super) fn take_chat(fields: &mut Map<String, Value>) -> Result<ChatPrompt, ApiError> {
+    let messages = take_messages(fields)?;
+    let flag = |fields: &mut Map<String, Value>, name: &str, default: bool| match fields.remove(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(b),
+        Some(v) => Err(ApiError::bad(
+            format!("`{name}` is {v}; it is true or false"),
+            Some(name),
+        )),
+    };
+    let add_generation_prompt = flag(fields, "add_generation_prompt", true)?;
+    let continue_final_message = flag(fields, "continue_final_message", false)?;
+    if add_generation_prompt && continue_final_message {
+        return Err(ApiError::bad(
+            "`continue_final_message` continues the last message, `add_generation_prompt` opens a new turn: send \
+             `add_generation_prompt: false` with it",
+            Some("continue_final_message"),
+        ));
+    }
+    let template = match fields.remove("chat_template") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "`chat_template` is a string: the name of one of the model's templates, or Jinja source",
+                Some("chat_template"),
+            ))
+        }
+    };
+    let kwargs = match fields.remove("chat_template_kwargs") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Object(m)) => m.into_iter().collect(),
+        Some(_) => return Err(ApiError::bad(
+            "`chat_template_kwargs` is an object of template variables (e.g. {\"enable_thinking\": false})",
+            Some("chat_template_kwargs"),
+        )),
+    };
+    let documents = match fields.remove("documents") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(d)) if d.is_empty() => None,
+        Some(Value::Array(d)) if d.iter().all(Value::is_object) => Some(Value::Array(d)),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "`documents` is a list of objects (each with `title` and `text`)",
+                Some("documents"),
+            ))
+        }
+    };
+    Ok(ChatPrompt {
+        messages,
+        add_generation_prompt,
+        continue_final_message,
+        template,
+        kwargs,
+        documents,
+    })
 }
 
 /// The chat messages: roles from OpenAI's set, text content only.

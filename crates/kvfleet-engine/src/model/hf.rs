@@ -641,6 +641,11 @@ pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, HfError> {
     let cfg = cfg_path.is_file().then(|| read(&cfg_path)).transpose()?;
     let mut t =
         Tokenizer::from_hf_json(&tj, cfg.as_deref()).map_err(|source| HfError::Tokenizer { path, source })?;
+    // Current transformers saves the template beside the config, and reads it first.
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        t.chat_template = Some(super::chat_template::ChatTemplate::new(&read(&jinja)?));
+    }
     // Instruct models often end a turn with a token other than the tokenizer's EOS; the
     // generation config lists them all.
     let gen = dir.join("generation_config.json");
