@@ -1041,3 +1041,34 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
         assert!(e.to_string().contains("tokenizer.json"), "{e}");
     }
 }
+
+/// A checkpoint saved by current transformers keeps its template in `chat_template.jinja`
+/// (read before `tokenizer_config.json`'s), and its sampling defaults in
+/// `generation_config.json`.
+#[test]
+fn chat_template_jinja_and_generation_config_sampling_defaults_are_read() {
+    let g = smollm2_gguf();
+    let dir = TempDir::new("jinja");
+    write_smollm2_tokenizer(&dir.0, &g, false);
+    std::fs::write(
+        dir.0.join("chat_template.jinja"),
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.0.join("generation_config.json"),
+        json!({"eos_token_id": 2, "do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20})
+            .to_string(),
+    )
+    .unwrap();
+    let t = hf::load_tokenizer(&dir.0).unwrap();
+    assert_eq!(
+        t.apply_chat_template(&chat()).unwrap(),
+        "<user>What is the capital of France?<assistant>"
+    );
+    let d = t.sampling_defaults;
+    assert_eq!(
+        (d.temperature, d.top_p, d.top_k, d.repetition_penalty),
+        (Some(0.6), Some(0.9), Some(20), None)
+    );
+}

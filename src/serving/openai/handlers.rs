@@ -222,7 +222,7 @@ pub(super) async fn read_request<P>(
         Kind::Chat => DEFAULT_CHAT_MAX_TOKENS,
         Kind::Completion => DEFAULT_COMPLETION_MAX_TOKENS,
     };
-    let mut params = common.params(default_max)?;
+    let mut params = common.params(default_max, &rt.tokenizer.sampling_defaults)?;
     let echo = common.output_options(kind, &mut params, rt.scores_prompts)?;
     check_token_ids(&params, rt.vocab_size)?;
     check_stop_lengths(&params, rt)?;

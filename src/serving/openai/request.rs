@@ -12,6 +12,7 @@ use super::{Kind, CHAT_ROLES};
 use crate::serving::runtime::ModelRuntime;
 use kvfleet_engine::engine::prefix::CacheKey;
 use kvfleet_engine::model::chat_template::{from_json, ChatInputs};
+use kvfleet_engine::model::generation_config::SamplingDefaults;
 use kvfleet_engine::model::sampling::{SamplingParams, MAX_TOP_LOGPROBS};
 use kvfleet_engine::model::tokenizer::ChatMessage;
 
@@ -366,9 +367,15 @@ impl Common {
         }
     }
 
-    pub(super) fn params(&self, default_max: usize) -> Result<SamplingParams, ApiError> {
+    /// The sampling parameters; what the request omits comes from the model's `defaults`
+    /// (its generation_config.json), else OpenAI's defaults.
+    pub(super) fn params(
+        &self,
+        default_max: usize,
+        defaults: &SamplingDefaults,
+    ) -> Result<SamplingParams, ApiError> {
         self.cache_key()?;
-        let top_k = match self.top_k {
+        let top_k = match self.top_k.or(defaults.top_k) {
             None | Some(-1) | Some(0) => 0,
             Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
             Some(k) => {
@@ -466,8 +473,8 @@ impl Common {
             ));
         }
         let p = SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
+            temperature: self.temperature.or(defaults.temperature).unwrap_or(1.0),
+            top_p: self.top_p.or(defaults.top_p).unwrap_or(1.0),
             top_k,
             seed,
             ignore_eos: self.ignore_eos.unwrap_or(false),
@@ -477,10 +484,13 @@ impl Common {
             stop_token_ids: ids(&self.stop_token_ids)?,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
-            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            repetition_penalty: self
+                .repetition_penalty
+                .or(defaults.repetition_penalty)
+                .unwrap_or(1.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            min_p: self.min_p.unwrap_or(0.0),
+            min_p: self.min_p.or(defaults.min_p).unwrap_or(0.0),
             logit_bias,
             logprobs: None,
             prompt_logprobs: None,

@@ -12,6 +12,7 @@ use super::request::{
 };
 use super::{Kind, CHAT_ROLES};
 use kvfleet_engine::engine::prefix::CacheKey;
+use kvfleet_engine::model::generation_config::SamplingDefaults;
 use kvfleet_engine::model::tokenizer::{ChatMessage, Tokenizer};
 
 /// The 256 byte tokens (GPT-2's byte-to-character mapping) and ChatML's control tokens,
@@ -188,19 +189,22 @@ fn type_errors_name_their_field_with_a_clean_message() {
         assert!(!e.message.contains("line "), "{}", e.message);
     }
     let c = parse_common(fields(json!({"max_tokens": -1}))).unwrap();
-    let e = c.params(16).unwrap_err();
+    let e = c.params(16, &SamplingDefaults::default()).unwrap_err();
     assert_eq!(e.param.as_deref(), Some("max_tokens"), "{}", e.message);
     let c = parse_common(fields(json!({"seed": -1}))).unwrap();
-    assert_eq!(c.params(16).unwrap().seed, None);
+    assert_eq!(c.params(16, &SamplingDefaults::default()).unwrap().seed, None);
     let c = parse_common(fields(json!({"seed": -2}))).unwrap();
-    assert_eq!(c.params(16).unwrap().seed, Some(u64::MAX - 1));
+    assert_eq!(
+        c.params(16, &SamplingDefaults::default()).unwrap().seed,
+        Some(u64::MAX - 1)
+    );
 }
 
 #[test]
 fn the_sampling_extras_are_range_checked_naming_their_field() {
     let params = |v: Value, kind: Kind| {
         let c = parse_common(fields(v))?;
-        let mut p = c.params(16)?;
+        let mut p = c.params(16, &SamplingDefaults::default())?;
         c.output_options(kind, &mut p, true)?;
         check_token_ids(&p, 100)?;
         Ok::<_, ApiError>(p)
@@ -257,7 +261,7 @@ fn the_sampling_extras_are_range_checked_naming_their_field() {
     assert_eq!((p.logprobs, p.prompt_logprobs), (Some(20), None));
     // Prompt scoring where the model cannot: refused naming `echo`.
     let c = parse_common(fields(json!({"echo": true, "logprobs": 1}))).unwrap();
-    let mut p = c.params(16).unwrap();
+    let mut p = c.params(16, &SamplingDefaults::default()).unwrap();
     let e = c.output_options(Kind::Completion, &mut p, false).unwrap_err();
     assert_eq!(e.param.as_deref(), Some("echo"));
 }
@@ -377,4 +381,50 @@ fn a_chats_template_options_are_read_and_conflicting_ones_refused_by_name() {
         let e = take_chat(&mut fields(body)).unwrap_err();
         assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
     }
+}
+
+#[test]
+fn sampling_fields_a_request_omits_come_from_the_models_generation_config() {
+    let defaults = SamplingDefaults {
+        temperature: Some(0.6),
+        top_p: Some(0.9),
+        top_k: Some(20),
+        min_p: Some(0.05),
+        repetition_penalty: Some(1.1),
+    };
+    let omitted = parse_common(fields(json!({})))
+        .unwrap()
+        .params(16, &defaults)
+        .unwrap();
+    assert_eq!(
+        (
+            omitted.temperature,
+            omitted.top_p,
+            omitted.top_k,
+            omitted.min_p,
+            omitted.repetition_penalty
+        ),
+        (0.6, 0.9, 20, 0.05, 1.1)
+    );
+    let given = parse_common(fields(
+        json!({"temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1}),
+    ))
+    .unwrap()
+    .params(16, &defaults)
+    .unwrap();
+    assert_eq!(
+        (
+            given.temperature,
+            given.top_p,
+            given.top_k,
+            given.min_p,
+            given.repetition_penalty
+        ),
+        (0.0, 1.0, 0, 0.0, 1.0)
+    );
+    let none = parse_common(fields(json!({})))
+        .unwrap()
+        .params(16, &SamplingDefaults::default())
+        .unwrap();
+    assert_eq!((none.temperature, none.top_p, none.top_k), (1.0, 1.0, 0));
 }

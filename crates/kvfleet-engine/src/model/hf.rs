@@ -662,6 +662,18 @@ pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, HfError> {
                 t.stop_tokens.push(id);
             }
         }
+        t.sampling_defaults = super::generation_config::SamplingDefaults::from_generation_config(&v);
+        if t.sampling_defaults.any() {
+            let d = &t.sampling_defaults;
+            tracing::info!(
+                temperature = ?d.temperature,
+                top_p = ?d.top_p,
+                top_k = ?d.top_k,
+                min_p = ?d.min_p,
+                repetition_penalty = ?d.repetition_penalty,
+                "sampling defaults from generation_config.json, for requests that omit them"
+            );
+        }
     }
     Ok(t)
 }

@@ -9,6 +9,7 @@ pub mod family;
 pub mod forward;
 pub mod fp8;
 pub mod gemma3;
+pub mod generation_config;
 pub mod gguf;
 pub mod hf;
 pub mod hf_tokenizer;

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 
 pub use super::chat_template::ChatTemplate;
 use super::chat_template::{map_strings, ChatInputs, TemplateError, TemplateValue};
+use super::generation_config::SamplingDefaults;
 use super::gguf::{Gguf, GgufError, Value};
 
 /// Errors of building a tokenizer or rendering a prompt.
@@ -78,6 +79,8 @@ pub struct Tokenizer {
     pub stop_tokens: Vec<u32>,
     /// The model's chat template (Jinja), none when the model ships none.
     pub chat_template: Option<ChatTemplate>,
+    /// The sampling defaults of the checkpoint's `generation_config.json` (none for a GGUF).
+    pub sampling_defaults: SamplingDefaults,
     /// Set for a SentencePiece-style vocabulary: encoding merges by score instead of rank.
     spm: Option<Spm>,
 }
@@ -338,6 +341,7 @@ impl Tokenizer {
             add_bos: false,
             stop_tokens,
             chat_template,
+            sampling_defaults: SamplingDefaults::default(),
             spm: Some(Spm {
                 scores,
                 add_space_prefix,
@@ -477,6 +481,7 @@ impl Tokenizer {
             add_bos: false,
             stop_tokens,
             chat_template,
+            sampling_defaults: SamplingDefaults::default(),
         })
     }
 
