@@ -107,6 +107,7 @@ pub(super) fn field_rule(name: &str, kind: Kind) -> Option<Rule> {
         | "frequency_penalty"
         | "min_p"
         | "logit_bias"
+        | "n"
         | "logprobs" => Some(Rule::Implemented),
         // Chat's alternatives per token; completions name them in `logprobs`. Echo of the
         // prompt: completions only.
@@ -132,7 +133,7 @@ pub(super) fn field_rule(name: &str, kind: Kind) -> Option<Rule> {
         | "guided_decoding_backend"
         | "guided_whitespace_pattern" => Some(Rule::Inert),
         // Sampling and output options not implemented.
-        "n" | "best_of" => only(is_one, "1"),
+        "best_of" => only(is_one, "1"),
         "suffix" => only(is_empty, "empty"),
         "priority" => only(is_zero, "0"),
         "length_penalty" => only(is_one, "1"),

@@ -223,6 +223,7 @@ pub(super) async fn read_request<P>(
         Kind::Completion => DEFAULT_COMPLETION_MAX_TOKENS,
     };
     let mut params = common.params(default_max, &rt.tokenizer.sampling_defaults)?;
+    common.check_choices()?;
     let echo = common.output_options(kind, &mut params, rt.scores_prompts)?;
     check_token_ids(&params, rt.vocab_size)?;
     check_stop_lengths(&params, rt)?;
@@ -331,7 +332,21 @@ pub(super) async fn respond(
         Vec::new()
     };
     let logprobs = p.params.logprobs;
-    let rx = match rt.generate_with(p.ids, p.params, key, Some(deadline.into_std())) {
+    let n = p.common.choices();
+    let seed = p.params.seed;
+    // Choice i of a seeded request is seeded `seed + i` (as vLLM seeds parallel samples), so
+    // that the choices differ and each is reproducible.
+    let params_of = |i: usize| {
+        let mut q = p.params.clone();
+        q.seed = seed.map(|s| s.wrapping_add(i as u64));
+        q
+    };
+    let rx = match rt.generate_with(
+        p.ids.clone(),
+        params_of(0),
+        key.clone(),
+        Some(deadline.into_std()),
+    ) {
         Ok(rx) => rx,
         Err(e) => return ApiError::from_runtime(e, param).into_response(),
     };
@@ -352,13 +367,34 @@ pub(super) async fn respond(
         timeout,
     };
     if p.common.stream.unwrap_or(false) {
-        Sse::new(sse_stream(meta, rx, p.common.stream_usage())).into_response()
-    } else {
-        let timeout = meta.timeout;
-        match tokio::time::timeout_at(deadline, collect(meta, rx)).await {
-            Ok(response) => response,
-            // Dropping the receiver cancels the sequence at the loop's next step.
-            Err(_) => timed_out(timeout).into_response(),
+        return Sse::new(sse_stream(meta, rx, p.common.stream_usage())).into_response();
+    }
+    let timeout = meta.timeout;
+    let all = async {
+        let mut rxs = vec![rx];
+        let mut first = None;
+        if n > 1 {
+            // The other choices start once the first has a token: its prefill is done, so
+            // they find the prompt's blocks in the prefix cache instead of computing them again.
+            first = rxs[0].recv().await;
+            for i in 1..n {
+                match rt.generate_with(
+                    p.ids.clone(),
+                    params_of(i),
+                    key.clone(),
+                    Some(deadline.into_std()),
+                ) {
+                    Ok(rx) => rxs.push(rx),
+                    // Dropping the receivers cancels the choices already running.
+                    Err(e) => return ApiError::from_runtime(e, param).into_response(),
+                }
+            }
         }
+        collect(meta, rxs, first).await
+    };
+    match tokio::time::timeout_at(deadline, all).await {
+        Ok(response) => response,
+        // Dropping the receivers cancels the sequences at the loop's next step.
+        Err(_) => timed_out(timeout).into_response(),
     }
 }

@@ -40,6 +40,8 @@ pub(super) struct Common {
     pub(super) seed: Option<serde_json::Number>,
     pub(super) stop: Option<Value>,
     pub(super) stream: Option<bool>,
+    /// Choices to sample for the prompt (OpenAI's `n`).
+    pub(super) n: Option<i64>,
     pub(super) stream_options: Option<StreamOptions>,
     pub(super) ignore_eos: Option<bool>,
     /// vLLM's prefix-cache partition: requests share cached KV blocks only with requests of
@@ -357,6 +359,28 @@ impl Common {
         }
     }
 
+    /// The number of choices (`n`, checked by [`Common::check_choices`]).
+    pub(super) fn choices(&self) -> usize {
+        self.n.map_or(1, |n| n.clamp(1, MAX_CHOICES as i64) as usize)
+    }
+
+    /// `n` is 1 to [`MAX_CHOICES`]; more than one only without `stream` (each choice is
+    /// sampled on its own; a stream of several is not implemented).
+    pub(super) fn check_choices(&self) -> Result<(), ApiError> {
+        match self.n {
+            None | Some(1) => Ok(()),
+            Some(n) if !(1..=MAX_CHOICES as i64).contains(&n) => Err(ApiError::bad(
+                format!("`n` is {n}; it must be 1 to {MAX_CHOICES}"),
+                Some("n"),
+            )),
+            Some(_) if self.stream == Some(true) => Err(ApiError::bad(
+                "`n` over 1 is implemented for non-streamed requests; send `stream: false` or `n: 1`",
+                Some("n"),
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// What usage a stream carries: `include_usage` puts it in a last chunk of its own, and
     /// with `continuous_usage_stats` too (as vLLM reads the pair) every chunk carries it.
     pub(super) fn stream_usage(&self) -> StreamUsage {
@@ -594,6 +618,9 @@ impl Common {
         Ok(echo)
     }
 }
+
+/// The most choices a request may ask for (`n`).
+pub const MAX_CHOICES: usize = 16;
 
 /// The most alternatives a completions token lists (OpenAI's limit for `logprobs`).
 pub const MAX_COMPLETION_LOGPROBS: usize = 5;

@@ -53,17 +53,44 @@ pub(super) fn running_usage(prompt: usize, completion: usize) -> Value {
 }
 
 /// The worker is shutting down: the request did not run, or was cut; retry it elsewhere.
-pub(super) async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> Response {
+/// One choice, whole: its JSON and its (prompt, completion, cached) token counts.
+struct Choice {
+    json: Value,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+}
+
+/// Reads choice `index` to its end; the error response when its generation fails.
+async fn collect_choice(
+    meta: &Meta,
+    index: usize,
+    first: Option<GenEvent>,
+    rx: &mut UnboundedReceiver<GenEvent>,
+) -> Result<Choice, Response> {
     let mut text = meta.echo.clone().unwrap_or_default();
     let mut prompt_lps: Option<Vec<TokenLogprobs>> = None;
     let mut lps: Vec<TokenLogprobs> = Vec::new();
-    while let Some(ev) = rx.recv().await {
+    let mut first = first;
+    loop {
+        let ev = match first.take() {
+            Some(ev) => ev,
+            None => match rx.recv().await {
+                Some(ev) => ev,
+                None => {
+                    return Err(server_error(
+                        "the generation loop stopped before the request finished".into(),
+                    )
+                    .into_response())
+                }
+            },
+        };
         match ev {
             GenEvent::Text(t) => text.push_str(&t),
             GenEvent::Logprobs(lp) => lps.push(lp),
             GenEvent::PromptLogprobs(v) => prompt_lps = Some(v),
-            GenEvent::Error(m) => return server_error(m).into_response(),
-            GenEvent::Unavailable(m) => return unavailable(m).into_response(),
+            GenEvent::Error(m) => return Err(server_error(m).into_response()),
+            GenEvent::Unavailable(m) => return Err(unavailable(m).into_response()),
             GenEvent::Done {
                 reason,
                 text: tail,
@@ -87,31 +114,58 @@ pub(super) async fn collect(meta: Meta, mut rx: UnboundedReceiver<GenEvent>) -> 
                         completion_logprobs(&meta.tok, &entries, top, &mut 0)
                     }
                 };
-                let choice = match meta.kind {
+                let json = match meta.kind {
                     Kind::Chat => json!({
-                        "index": 0,
+                        "index": index,
                         "message": {"role": "assistant", "content": text},
                         "logprobs": logprobs,
                         "finish_reason": reason.as_str(),
                     }),
                     Kind::Completion => json!({
-                        "index": 0,
+                        "index": index,
                         "text": text,
                         "logprobs": logprobs,
                         "finish_reason": reason.as_str(),
                     }),
                 };
-                return Json(json!({
-                    "id": meta.id,
-                    "object": if meta.kind == Kind::Chat { "chat.completion" } else { "text_completion" },
-                    "created": meta.created,
-                    "model": meta.model,
-                    "choices": [choice],
-                    "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-                }))
-                .into_response();
+                return Ok(Choice {
+                    json,
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                });
             }
         }
     }
-    server_error("the generation loop stopped before the request finished".into()).into_response()
+}
+
+/// The whole response of a request's choices (`n` of them, in index order), each read from
+/// its receiver; `first` is an event already taken from the first. The prompt counts once in
+/// the usage (as OpenAI and vLLM count it), the completions of every choice add up.
+pub(super) async fn collect(
+    meta: Meta,
+    mut rxs: Vec<UnboundedReceiver<GenEvent>>,
+    first: Option<GenEvent>,
+) -> Response {
+    let mut choices = Vec::with_capacity(rxs.len());
+    let mut first = first;
+    for (index, rx) in rxs.iter_mut().enumerate() {
+        match collect_choice(&meta, index, first.take(), rx).await {
+            Ok(c) => choices.push(c),
+            Err(r) => return r,
+        }
+    }
+    let (prompt, cached) = choices
+        .first()
+        .map_or((meta.prompt_tokens, 0), |c| (c.prompt_tokens, c.cached_tokens));
+    let completion = choices.iter().map(|c| c.completion_tokens).sum();
+    Json(json!({
+        "id": meta.id,
+        "object": if meta.kind == Kind::Chat { "chat.completion" } else { "text_completion" },
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices.into_iter().map(|c| c.json).collect::<Vec<_>>(),
+        "usage": usage(prompt, completion, cached),
+    }))
+    .into_response()
 }

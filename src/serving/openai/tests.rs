@@ -155,7 +155,7 @@ fn each_field_is_implemented_accepted_at_its_default_or_refused_by_name() {
         ("functions", json!([{"name": "f"}])),
         ("function_call", json!("auto")),
         ("tool_choice", json!("auto")),
-        ("n", json!(2)),
+        ("best_of", json!(2)),
         ("store", json!(true)),
         ("priority", json!(5)),
         ("reasoning_effort", json!("low")),
@@ -427,4 +427,17 @@ fn sampling_fields_a_request_omits_come_from_the_models_generation_config() {
         .params(16, &SamplingDefaults::default())
         .unwrap();
     assert_eq!((none.temperature, none.top_p, none.top_k), (1.0, 1.0, 0));
+}
+
+#[test]
+fn n_is_one_to_sixteen_and_over_one_only_without_a_stream() {
+    let c = |v: Value| parse_common(fields(v)).unwrap();
+    assert_eq!(c(json!({})).choices(), 1);
+    assert_eq!(c(json!({"n": 4})).choices(), 4);
+    assert!(c(json!({"n": 4})).check_choices().is_ok());
+    assert!(c(json!({"n": 1, "stream": true})).check_choices().is_ok());
+    for body in [json!({"n": 0}), json!({"n": 17}), json!({"n": 2, "stream": true})] {
+        let e = c(body).check_choices().unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"), "{}", e.message);
+    }
 }
