@@ -27,6 +27,7 @@ use super::{
 use crate::serving::runtime::ModelRuntime;
 use kvfleet_engine::model::sampling::SamplingParams;
 
+/// The request body, under the size and time limits and the budget of bodies in flight; the
 /// permit holds the body's bytes in the budget until it is dropped.
 pub(super) async fn read_body(
     req: axum::extract::Request,

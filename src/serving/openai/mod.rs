@@ -318,8 +318,6 @@ async fn model(State(Api { rt, .. }): State<Api>, id: Result<Path<String>, PathR
     }
 }
 
-/// The request body, under the size and time limits and the budget of bodies in flight; the
-
 /// Which endpoint a request came to: the two read most fields alike.
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
