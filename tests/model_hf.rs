@@ -714,7 +714,7 @@ fn tokenizer_json_from_smollm2_vocab_tokenizes_like_the_gguf_tokenizer() {
 }
 
 #[test]
-fn llama3_tokenizer_json_adds_bos_and_unknown_templates_leave_no_chat() {
+fn llama3_tokenizer_json_adds_bos_and_renders_any_jinja_template() {
     // A byte-level vocabulary with Llama 3's split regex and BOS post-processor.
     let table: Vec<String> = (0..256u32)
         .map(|b| {
@@ -759,10 +759,8 @@ fn llama3_tokenizer_json_adds_bos_and_unknown_templates_leave_no_chat() {
     assert_eq!(t.encode("hehe", false), vec![300, 256, 256]);
     assert_eq!(t.encode("hi", false), vec![300, 257]);
     assert!(t.stop_tokens.contains(&301));
-    assert!(
-        t.apply_chat_template(&chat()).is_err(),
-        "unknown templates are not guessed"
-    );
+    // Any template renders as its Jinja says: nothing is recognised by substring.
+    assert_eq!(t.apply_chat_template(&chat()).unwrap(), "[user]");
 }
 
 #[test]
@@ -1042,4 +1040,35 @@ fn dummy_weights_take_the_geometry_of_a_config_and_fall_back_to_byte_tokens() {
         let e = load(&source, None, None, 0).err().unwrap();
         assert!(e.to_string().contains("tokenizer.json"), "{e}");
     }
+}
+
+/// A checkpoint saved by current transformers keeps its template in `chat_template.jinja`
+/// (read before `tokenizer_config.json`'s), and its sampling defaults in
+/// `generation_config.json`.
+#[test]
+fn chat_template_jinja_and_generation_config_sampling_defaults_are_read() {
+    let g = smollm2_gguf();
+    let dir = TempDir::new("jinja");
+    write_smollm2_tokenizer(&dir.0, &g, false);
+    std::fs::write(
+        dir.0.join("chat_template.jinja"),
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.0.join("generation_config.json"),
+        json!({"eos_token_id": 2, "do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20})
+            .to_string(),
+    )
+    .unwrap();
+    let t = hf::load_tokenizer(&dir.0).unwrap();
+    assert_eq!(
+        t.apply_chat_template(&chat()).unwrap(),
+        "<user>What is the capital of France?<assistant>"
+    );
+    let d = t.sampling_defaults;
+    assert_eq!(
+        (d.temperature, d.top_p, d.top_k, d.repetition_penalty),
+        (Some(0.6), Some(0.9), Some(20), None)
+    );
 }

@@ -689,6 +689,28 @@ fn a_body_over_the_workers_limit_is_a_413_never_a_retry_nor_a_connect_error() {
     assert_eq!(metric(&m, &connect), 0.0, "{m}");
 }
 
+/// A wrong method on a path the router serves itself is a 405 in OpenAI's error shape, as a
+/// worker answers it, with the methods it takes in `Allow`.
+#[test]
+fn a_wrong_method_on_a_routed_path_is_a_405_in_openais_error_shape() {
+    let stub = Stub::start(normal());
+    let router = Router::start("method", None, &["--worker", &stub.url]);
+    for (method, path, allow) in [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("GET", "/v1/completions", "POST"),
+        ("POST", "/health", "GET"),
+    ] {
+        let (st, head, body) = http(router.port, method, path, "", &[]);
+        assert_eq!(st, 405, "{method} {path}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        assert_eq!(v["error"]["code"], "method_not_allowed", "{body}");
+        assert!(
+            header(&head, "allow").is_some_and(|a| a.contains(allow)),
+            "{head}"
+        );
+    }
+}
+
 /// A worker that accepts requests and never answers (its scrape too): it is marked down within
 /// the scrape timeout and the down-after time, and a non-streamed request sent to it is sent once
 /// more to the other replica (200); a stream sent to it gets a 502. Before, both hung until the

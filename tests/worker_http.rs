@@ -539,7 +539,6 @@ fn hostile_clients_get_bounded_answers_and_hold_no_kv() {
     // Parameters asked for and not implemented: 400 naming each one (`echo` is a completions
     // parameter; log-probabilities, logit bias and penalties are implemented, below).
     for (field, value) in [
-        ("n", serde_json::json!(2)),
         ("echo", serde_json::json!(true)),
         ("best_of", serde_json::json!(3)),
         ("response_format", serde_json::json!({"type": "json_object"})),

@@ -104,6 +104,8 @@ pub fn app(state: Arc<State>) -> Router {
         .route("/livez", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
         .route("/v1/router/state", get(state_of))
+        // A wrong method on a route of its own answers as a worker does (OpenAI's error shape).
+        .method_not_allowed_fallback(crate::serving::openai::method_not_allowed)
         .fallback(pass_through)
         .with_state(state)
 }

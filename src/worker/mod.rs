@@ -168,6 +168,10 @@ pub struct WorkerArgs {
     /// the Secret in spec.apiKey). Probes, /metrics and /v1/capacity stay open.
     #[arg(long, env = "KVFLEET_API_KEY", hide_env_values = true)]
     pub api_key: Option<crate::serving::openai::ApiKey>,
+    /// Render a chat template sent in a request's `chat_template` (vLLM's flag); without it a
+    /// request may only name one of the model's own templates.
+    #[arg(long, env = "KVFLEET_TRUST_REQUEST_CHAT_TEMPLATE")]
+    pub trust_request_chat_template: bool,
 }
 
 impl WorkerArgs {
@@ -766,6 +770,7 @@ async fn serve(args: WorkerArgs, cfg: WorkerConfig) -> ExitCode {
         max_body_bytes: args.max_request_bytes,
         max_bodies_in_flight_bytes: in_flight,
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
+        trust_request_chat_template: args.trust_request_chat_template,
         ..Default::default()
     };
     if args.api_key.is_some() {

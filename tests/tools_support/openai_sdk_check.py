@@ -49,11 +49,11 @@ REFUSED_CHAT = {
     "function_call": "auto",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "auto",
-    "n": 2,
+    "n": 17,
     "echo": True,
     "response_format": {"type": "json_object"},
     "reasoning_effort": "low",
-    "chat_template_kwargs": {"enable_thinking": False},
+    "chat_template_kwargs": [1],
     "priority": 3,
     "store": True,
     "no_such_parameter": 1,
@@ -271,6 +271,20 @@ def main():
         refused(lambda: client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={name: value}),
                 name, f"completions {name}={value!r}")
     print(f"ok {len(REFUSED_CHAT) + len(REFUSED_COMPLETIONS)} refused parameters")
+
+    # n: choices sampled on their own, indexed, with log-probabilities each; usage counts the
+    # prompt once and every choice's tokens.
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, n=3, seed=7, temperature=1.0,
+                                       logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1, 2], r
+    assert all(c.logprobs and c.logprobs.content for c in r.choices), r
+    assert 3 <= r.usage.completion_tokens <= 12, r.usage
+    one = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, seed=7, temperature=1.0)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens, (r.usage, one.usage)
+    assert r.choices[0].message.content == one.choices[0].message.content, (r, one)
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, n=2, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs.tokens for c in r.choices), r
+    print("ok n")
 
     # Type errors and roles name their field.
     refused(lambda: client.completions.create(model=model, prompt="Hi", max_tokens=-1), "max_tokens", "max_tokens -1")

@@ -737,6 +737,11 @@ pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, HfError> {
     let cfg = cfg_path.is_file().then(|| read(&cfg_path)).transpose()?;
     let mut t =
         Tokenizer::from_hf_json(&tj, cfg.as_deref()).map_err(|source| HfError::Tokenizer { path, source })?;
+    // Current transformers saves the template beside the config, and reads it first.
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        t.chat_template = Some(super::chat_template::ChatTemplate::new(&read(&jinja)?));
+    }
     // Instruct models often end a turn with a token other than the tokenizer's EOS; the
     // generation config lists them all.
     let gen = dir.join("generation_config.json");
@@ -752,6 +757,18 @@ pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, HfError> {
             if (id as usize) < t.vocab_size() && !t.stop_tokens.contains(&id) {
                 t.stop_tokens.push(id);
             }
+        }
+        t.sampling_defaults = super::generation_config::SamplingDefaults::from_generation_config(&v);
+        if t.sampling_defaults.any() {
+            let d = &t.sampling_defaults;
+            tracing::info!(
+                temperature = ?d.temperature,
+                top_p = ?d.top_p,
+                top_k = ?d.top_k,
+                min_p = ?d.min_p,
+                repetition_penalty = ?d.repetition_penalty,
+                "sampling defaults from generation_config.json, for requests that omit them"
+            );
         }
     }
     Ok(t)

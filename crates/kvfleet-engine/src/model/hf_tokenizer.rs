@@ -206,14 +206,25 @@ impl Tokenizer {
 
         let template = match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.as_str()),
-            // A list of named templates: the default one.
-            Some(Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                .and_then(|t| t.get("template")?.as_str()),
             _ => None,
         };
         let mut t = Self::build(tokens, &types, merges, pre, template)?;
+        // A list of named templates (`default`, `tool_use`, `rag`, ...): transformers picks one
+        // per chat.
+        if let Some(Value::Array(list)) = cfg.get("chat_template") {
+            let named: Vec<(String, String)> = list
+                .iter()
+                .filter_map(|t| {
+                    Some((
+                        t.get("name")?.as_str()?.to_string(),
+                        t.get("template")?.as_str()?.to_string(),
+                    ))
+                })
+                .collect();
+            if !named.is_empty() {
+                t.chat_template = Some(super::chat_template::ChatTemplate::named(named));
+            }
+        }
         t.ignore_merges = model.get("ignore_merges").and_then(Value::as_bool) == Some(true);
         let id_of = |what: &str, text: Option<&str>| -> Result<Option<u32>, TokenizerError> {
             match text {

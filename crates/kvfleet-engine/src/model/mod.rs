@@ -1,6 +1,7 @@
 //! The model: weights (GGUF, Hugging Face safetensors, dummy), tokenizers, the Llama-family
 //! and Gemma 3 forward pass on the CPU, and sampling (see `docs/model.md`).
 
+pub mod chat_template;
 pub mod dflash;
 pub mod drafter;
 pub mod eagle3;
@@ -8,6 +9,7 @@ pub mod family;
 pub mod forward;
 pub mod fp8;
 pub mod gemma3;
+pub mod generation_config;
 pub mod gguf;
 pub mod hf;
 pub mod hf_tokenizer;
