@@ -1055,10 +1055,14 @@ mod tests {
             assert!(served.safetensors && served.devices.cpu, "{hf}: {served:?}");
             assert_eq!(served.devices.cuda, cuda_serves(hf), "{hf}");
         }
-        assert!(
-            !engine::MOE.cuda && engine::MOE.cpu,
-            "the CUDA engine refuses every MoE family"
-        );
+        // The MoE rule (a geometry with experts) says what the MoE families' rows say.
+        for a in MOE_ARCHITECTURES {
+            assert_eq!(
+                engine::architecture(a).map(|s| s.devices),
+                Some(engine::MOE),
+                "{a}"
+            );
+        }
         // The weight formats: the CPU engine runs a quantization whose quant_method its
         // loader reads; the CUDA engine refuses them all at load.
         use kvfleet_core::compat::Quantization as Q;
