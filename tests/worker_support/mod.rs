@@ -42,12 +42,24 @@ pub fn gemma3() -> PathBuf {
     p
 }
 
+/// A loopback port free now and never handed out before in this test process. The child it is
+/// for binds it a moment later; meanwhile the kernel may give the same port to another test's
+/// `bind(0)`, and two children of concurrent tests would race for it: the loser exits and its
+/// test talks to the winner (a router test once scored a replica by another test's load).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static HANDED: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !handed.contains(&port) {
+            handed.push(port);
+            return port;
+        }
+    }
 }
 
 /// A `kvfleet` mode listening on a free loopback port, killed when dropped.
