@@ -78,36 +78,19 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
-#[test]
-fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_one() {
-    let model = "SmolLM2-135M-Instruct";
-    let worker_args = |kv: &str| -> Vec<String> {
-        [
-            "--max-kv-tokens",
-            "512",
-            "--max-model-len",
-            "512",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "256",
-            "--kv-events-endpoint",
-            kv,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let kv: Vec<String> = (0..3)
+/// `n` workers started with `worker_args` and KV events on, and a router (`router_args`
+/// first) in front of them, returned once the router has subscribed to and scraped each.
+fn fleet(name: &str, n: usize, worker_args: &[&str], router_args: &[&str]) -> (Vec<Spawned>, Spawned) {
+    let kv: Vec<String> = (0..n)
         .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
         .collect();
-    let mut workers: Vec<Spawned> = (0..3)
-        .map(|i| {
-            let a = worker_args(&kv[i]);
-            spawn(
-                "worker",
-                &format!("w{i}"),
-                &a.iter().map(String::as_str).collect::<Vec<_>>(),
-            )
+    let mut workers: Vec<Spawned> = kv
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let mut args = worker_args.to_vec();
+            args.extend(["--kv-events-endpoint", k.as_str()]);
+            spawn("worker", &format!("{name}-w{i}"), &args)
         })
         .collect();
     for w in &mut workers {
@@ -118,21 +101,46 @@ fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_o
         .zip(&kv)
         .map(|(w, k)| format!("http://127.0.0.1:{},{k}", w.port))
         .collect();
-    let mut args = vec!["--scrape-interval-ms", "50"];
+    let mut args = router_args.to_vec();
+    args.extend(["--scrape-interval-ms", "50"]);
     for s in &specs {
         args.extend(["--worker", s.as_str()]);
     }
-    let mut router = spawn("router", "router", &args);
+    let mut router = spawn("router", &format!("{name}-router"), &args);
     router.wait_http("/health", Duration::from_secs(60));
-    let r = router.port;
-    let name_of = |i: usize| format!("http://127.0.0.1:{}", workers[i].port);
-    for i in 0..3 {
-        wait_state(r, &name_of(i), "a subscription and a scrape", |s| {
-            s["subscribed"] == true && s["scraped"] == true
-        });
+    for w in &workers {
+        wait_state(
+            router.port,
+            &format!("http://127.0.0.1:{}", w.port),
+            "a subscription and a scrape",
+            |s| s["subscribed"] == true && s["scraped"] == true,
+        );
     }
     // ZeroMQ delivers to a subscriber only once its subscription reached the publisher.
     std::thread::sleep(Duration::from_millis(500));
+    (workers, router)
+}
+
+#[test]
+fn router_sends_a_prefix_to_its_replica_skips_a_full_one_and_survives_a_killed_one() {
+    let model = "SmolLM2-135M-Instruct";
+    let (mut workers, router) = fleet(
+        "prefix",
+        3,
+        &[
+            "--max-kv-tokens",
+            "512",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+        ],
+        &[],
+    );
+    let r = router.port;
+    let name_of = |i: usize| format!("http://127.0.0.1:{}", workers[i].port);
 
     // 1. Placement: the first request of a prefix goes anywhere; once its blocks are announced,
     //    every request sharing the prefix goes to the same replica, predicted == reported.
@@ -261,48 +269,20 @@ fn chat_with_a_default_system_prompt_spreads_over_the_replicas() {
     const REQUESTS: usize = 40;
     const CONCURRENCY: usize = 4;
     let model = "SmolLM2-135M-Instruct";
-    let kv: Vec<String> = (0..2)
-        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
-        .collect();
-    let mut workers: Vec<Spawned> = (0..2)
-        .map(|i| {
-            let args = [
-                "--max-kv-tokens",
-                "4096",
-                "--max-model-len",
-                "512",
-                "--max-num-seqs",
-                "64",
-                "--kv-events-endpoint",
-                kv[i].as_str(),
-            ];
-            spawn("worker", &format!("chat-w{i}"), &args)
-        })
-        .collect();
-    for w in &mut workers {
-        w.wait_http("/readyz", Duration::from_secs(180));
-    }
-    let specs: Vec<String> = workers
-        .iter()
-        .zip(&kv)
-        .map(|(w, k)| format!("http://127.0.0.1:{},{k}", w.port))
-        .collect();
-    let mut args = vec!["--scrape-interval-ms", "50"];
-    for s in &specs {
-        args.extend(["--worker", s.as_str()]);
-    }
-    let mut router = spawn("router", "chat-router", &args);
-    router.wait_http("/health", Duration::from_secs(60));
+    let (workers, router) = fleet(
+        "chat",
+        2,
+        &[
+            "--max-kv-tokens",
+            "4096",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "64",
+        ],
+        &[],
+    );
     let r = router.port;
-    for w in &workers {
-        wait_state(
-            r,
-            &format!("http://127.0.0.1:{}", w.port),
-            "a subscription and a scrape",
-            |s| s["subscribed"] == true && s["scraped"] == true,
-        );
-    }
-    std::thread::sleep(Duration::from_millis(500));
 
     // The first chat caches the default system prompt on one replica only.
     let chat = |i: usize| {
@@ -509,58 +489,29 @@ fn gemma3_fleet_router_vs_round_robin_on_shared_prefixes_past_the_window() {
     let t_test = Instant::now();
     let gguf = worker_support::gemma3();
     let gguf = gguf.to_str().unwrap();
-    let kv: Vec<String> = (0..2)
-        .map(|_| format!("tcp://127.0.0.1:{}", free_port()))
-        .collect();
-    let mut workers: Vec<Spawned> = (0..2)
-        .map(|i| {
-            let args = [
-                "--model",
-                gguf,
-                "--attention-backend",
-                "KVFLEET_CPU",
-                "--max-kv-tokens",
-                "768",
-                "--max-model-len",
-                "576",
-                "--max-num-seqs",
-                "4",
-                "--max-num-batched-tokens",
-                "576",
-                "--kv-events-endpoint",
-                kv[i].as_str(),
-            ];
-            spawn("worker", &format!("gemma-w{i}"), &args)
-        })
-        .collect();
-    for w in &mut workers {
-        w.wait_http("/readyz", Duration::from_secs(180));
-    }
+    let (workers, router) = fleet(
+        "gemma",
+        2,
+        &[
+            "--model",
+            gguf,
+            "--attention-backend",
+            "KVFLEET_CPU",
+            "--max-kv-tokens",
+            "768",
+            "--max-model-len",
+            "576",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "576",
+        ],
+        &["--model", gguf],
+    );
+    let r = router.port;
     let (_, _, models) = http(workers[0].port, "GET", "/v1/models", "", &[]);
     let models: Value = serde_json::from_str(&models).unwrap();
     let model = models["data"][0]["id"].as_str().unwrap().to_string();
-    let specs: Vec<String> = workers
-        .iter()
-        .zip(&kv)
-        .map(|(w, k)| format!("http://127.0.0.1:{},{k}", w.port))
-        .collect();
-    let mut args = vec!["--model", gguf, "--scrape-interval-ms", "50"];
-    for s in &specs {
-        args.extend(["--worker", s.as_str()]);
-    }
-    let mut router = spawn("router", "gemma-router", &args);
-    router.wait_http("/health", Duration::from_secs(60));
-    let r = router.port;
-    for w in &workers {
-        wait_state(
-            r,
-            &format!("http://127.0.0.1:{}", w.port),
-            "a subscription and a scrape",
-            |s| s["subscribed"] == true && s["scraped"] == true,
-        );
-    }
-    // ZeroMQ delivers to a subscriber only once its subscription reached the publisher.
-    std::thread::sleep(Duration::from_millis(500));
     let started = t_test.elapsed();
 
     let prefixes: Vec<Vec<u32>> = (0..G).map(|g| gemma_ids((SEED << 32) | g, P)).collect();
