@@ -404,6 +404,22 @@ pub(super) struct Layer {
     pub(super) moe: Option<MoeLayer>,
 }
 
+impl Layer {
+    /// The seven projections, for what changes every linear weight of a layer alike (FP8 at
+    /// load, dequantizing a packed model).
+    pub(super) fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.w_gate,
+            &mut self.w_up,
+            &mut self.w_down,
+        ]
+    }
+}
+
 /// A loaded model of any family (f32 weights, matrices `[out, in]` row-major).
 #[derive(Clone)]
 pub struct Llama {
@@ -702,15 +718,7 @@ impl Llama {
             return;
         }
         self.layers.par_iter_mut().for_each(|l| {
-            for w in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.w_gate,
-                &mut l.w_up,
-                &mut l.w_down,
-            ] {
+            for w in l.linears_mut() {
                 w.quantize_fp8();
             }
             if let Some(m) = &mut l.moe {

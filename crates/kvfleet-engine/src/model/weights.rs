@@ -362,15 +362,7 @@ impl Llama {
     pub fn dequantized(&self) -> Llama {
         let mut m = self.clone();
         for l in &mut m.layers {
-            for w in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.w_gate,
-                &mut l.w_up,
-                &mut l.w_down,
-            ] {
+            for w in l.linears_mut() {
                 *w = w.dequantized();
             }
         }
